@@ -1,0 +1,130 @@
+"""manifest.json: the file that makes a shard set exist.
+
+The job writes it last, after every shard is in place, so a reader that finds
+a manifest finds complete shards. Keys listed in STABLE_KEYS are a public
+contract for users' tooling (docs/manifest.md); others may grow.
+I/O is left to callers (Beam FileSystems on the job side, local/gs:// readers
+on the training side), so this module only turns manifests to and from text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from prepack import rowformat
+
+MANIFEST_NAME = "manifest.json"
+DEAD_LETTER_NAME = "dead_letter.jsonl"
+
+STABLE_KEYS = (
+    "format_version",
+    "max_length",
+    "num_rows",
+    "shards",
+    "tokenizer",
+    "stats.examples_read",
+    "stats.examples_written",
+    "stats.examples_dropped",
+    "stats.examples_truncated",
+    "stats.tokens",
+    "stats.target_tokens",
+    "stats.lower_bound_rows",
+    "stats.packed_density",
+    "stats.unpacked_density",
+)
+
+# Keys that legitimately differ between two runs over the same inputs.
+VOLATILE_KEYS = ("created_at",)
+
+
+class ManifestError(ValueError):
+    """A manifest that is missing, malformed, or does not match what the reader expects."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardInfo:
+    path: str  # relative to the manifest's folder
+    num_rows: int
+    num_bytes: int
+    sha256: str
+
+
+@dataclasses.dataclass
+class Manifest:
+    max_length: int
+    num_rows: int
+    shards: list[ShardInfo]
+    tokenizer: dict[str, Any]
+    stats: dict[str, Any]
+    packing: str = "bfd"
+    template: dict[str, Any] = dataclasses.field(default_factory=dict)
+    inputs: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    tool: dict[str, Any] = dataclasses.field(default_factory=dict)
+    dead_letter: str | None = None
+    created_at: str | None = None
+    format_version: int = rowformat.FORMAT_VERSION
+    fields: dict[str, str] = dataclasses.field(default_factory=rowformat.field_spec)
+    array_record_options: str = "group_size:1,zstd:3"
+
+    def to_json(self) -> str:
+        data = dataclasses.asdict(self)
+        return json.dumps(data, indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "manifest.json") -> "Manifest":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ManifestError(f"{source}: not valid JSON ({e})") from e
+        if not isinstance(data, dict):
+            raise ManifestError(f"{source}: expected a JSON object")
+        version = data.get("format_version")
+        if version != rowformat.FORMAT_VERSION:
+            raise ManifestError(
+                f"{source}: format_version {version!r} is not supported by this reader "
+                f"(supports {rowformat.FORMAT_VERSION}); regenerate the shards or upgrade tunix-prepack"
+            )
+        known = {f.name for f in dataclasses.fields(cls)}
+        missing = [k for k in ("max_length", "num_rows", "shards", "tokenizer", "stats") if k not in data]
+        if missing:
+            raise ManifestError(f"{source}: missing keys {missing}")
+        try:
+            shards = [ShardInfo(**s) for s in data["shards"]]
+        except TypeError as e:
+            raise ManifestError(f"{source}: malformed shard entry ({e})") from e
+        kwargs = {k: v for k, v in data.items() if k in known and k != "shards"}
+        manifest = cls(shards=shards, **kwargs)
+        if sum(s.num_rows for s in shards) != manifest.num_rows:
+            raise ManifestError(f"{source}: shard row counts add up to {sum(s.num_rows for s in shards)}, not num_rows {manifest.num_rows}")
+        if manifest.fields != rowformat.field_spec():
+            raise ManifestError(f"{source}: fields {manifest.fields} differ from this reader's {rowformat.field_spec()}")
+        return manifest
+
+    def check_compatible(
+        self, expected_max_length: int | None = None, tokenizer: dict[str, Any] | None = None, source: str = "manifest.json"
+    ) -> None:
+        """Raises ManifestError if the shards were made for another max length or tokenizer."""
+        if expected_max_length is not None and self.max_length != expected_max_length:
+            raise ManifestError(
+                f"{source}: shards were packed for max_length {self.max_length}, but {expected_max_length} was expected; "
+                f"regenerate them with `prepack pack --max-length {expected_max_length}`"
+            )
+        if tokenizer is not None:
+            for key in ("vocab_size", "vocab_hash", "bos_id", "eos_id", "pad_id"):
+                if key in tokenizer and tokenizer[key] != self.tokenizer.get(key):
+                    raise ManifestError(
+                        f"{source}: tokenizer {key} is {self.tokenizer.get(key)!r} in the shards "
+                        f"({self.tokenizer.get('name')!r}) but {tokenizer[key]!r} in the trainer's tokenizer "
+                        f"({tokenizer.get('name')!r})"
+                    )
+
+
+def without_volatile(text: str) -> dict[str, Any]:
+    """The manifest with run-specific keys removed, for determinism checks."""
+    data = json.loads(text)
+    for key in VOLATILE_KEYS:
+        data.pop(key, None)
+    return data

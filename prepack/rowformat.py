@@ -1,0 +1,163 @@
+"""One packed row: its fields, its on-disk record encoding, and its invariants.
+
+A record is a fixed layout with no header: a C-order int32 little-endian
+matrix [len(FIELDS), max_length], one row per field in `FIELDS` order. The
+layout is fully described by (format_version, max_length), both of which live
+in the manifest, so decoding is one `np.frombuffer` and a reshape, with no copy.
+Why int32 everywhere rather than narrow dtypes: under zstd the two are within
+5% on disk, and the wide layout decodes 7x faster (docs/row_format.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Mapping
+
+import numpy as np
+
+FORMAT_VERSION = 1
+
+STORAGE_DTYPE = np.dtype("<i4")
+FIELD_NAMES: tuple[str, ...] = ("input_ids", "loss_mask", "valid_mask", "positions", "segment_ids")
+FIELDS: dict[str, np.dtype] = {name: STORAGE_DTYPE for name in FIELD_NAMES}
+_BYTES_PER_TOKEN = STORAGE_DTYPE.itemsize * len(FIELD_NAMES)
+
+
+class RowFormatError(ValueError):
+    """A record or row that does not follow the row format."""
+
+
+def record_size(max_length: int) -> int:
+    return _BYTES_PER_TOKEN * max_length
+
+
+def field_spec() -> dict[str, str]:
+    """Field name -> dtype string, as written into the manifest."""
+    return {name: dt.str for name, dt in FIELDS.items()}
+
+
+def encode_row(row: Mapping[str, np.ndarray], max_length: int) -> bytes:
+    matrix = np.empty((len(FIELD_NAMES), max_length), dtype=STORAGE_DTYPE)
+    for i, name in enumerate(FIELD_NAMES):
+        values = np.asarray(row[name])
+        if values.shape != (max_length,):
+            raise RowFormatError(f"field {name!r} has shape {values.shape}, expected ({max_length},)")
+        matrix[i] = values
+    return matrix.tobytes()
+
+
+def _check_size(nbytes: int, max_length: int) -> None:
+    if nbytes != _BYTES_PER_TOKEN * max_length:
+        raise RowFormatError(
+            f"record has {nbytes} bytes, expected {_BYTES_PER_TOKEN * max_length} for max_length {max_length}"
+        )
+
+
+def decode_row(record: bytes, max_length: int) -> dict[str, np.ndarray]:
+    """Decodes one record into read-only int32 views of the record's buffer."""
+    _check_size(len(record), max_length)
+    matrix = np.frombuffer(record, dtype=STORAGE_DTYPE).reshape(len(FIELD_NAMES), max_length)
+    return dict(zip(FIELD_NAMES, matrix))
+
+
+def decode_rows(records: Sequence[bytes], max_length: int) -> dict[str, np.ndarray]:
+    """Decodes a batch of records into [B, L] int32 arrays (one join, one transpose copy)."""
+    for record in records:
+        _check_size(len(record), max_length)
+    stacked = np.frombuffer(b"".join(records), dtype=STORAGE_DTYPE).reshape(len(records), len(FIELD_NAMES), max_length)
+    return {name: np.ascontiguousarray(stacked[:, i]) for i, name in enumerate(FIELD_NAMES)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """One example placed in a row: its tokens and which of them are targets."""
+
+    input_ids: np.ndarray
+    loss_mask: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+def build_row(segments: Sequence[Segment], max_length: int, pad_id: int = 0) -> dict[str, np.ndarray]:
+    """Lays segments out left to right and pads the rest.
+
+    The first token of every segment gets loss 0: trainers shift targets over
+    the whole row, so that token would otherwise be predicted from the previous
+    example's last token.
+    """
+    total = sum(len(s) for s in segments)
+    if total > max_length:
+        raise RowFormatError(f"segments hold {total} tokens, more than max_length {max_length}")
+    if not segments:
+        raise RowFormatError("a row needs at least one segment")
+    input_ids = np.full(max_length, pad_id, dtype=np.int32)
+    loss_mask = np.zeros(max_length, dtype=np.int32)
+    positions = np.zeros(max_length, dtype=np.int32)
+    segment_ids = np.zeros(max_length, dtype=np.int32)
+    start = 0
+    for seg_index, seg in enumerate(segments, start=1):
+        n = len(seg)
+        if n == 0:
+            raise RowFormatError(f"segment {seg_index} is empty")
+        end = start + n
+        input_ids[start:end] = seg.input_ids
+        loss_mask[start:end] = seg.loss_mask
+        loss_mask[start] = 0
+        positions[start:end] = np.arange(n, dtype=np.int32)
+        segment_ids[start:end] = seg_index
+        start = end
+    valid_mask = (segment_ids != 0).astype(np.int32)
+    return {
+        "input_ids": input_ids,
+        "loss_mask": loss_mask,
+        "valid_mask": valid_mask,
+        "positions": positions,
+        "segment_ids": segment_ids,
+    }
+
+
+def check_row(row: Mapping[str, np.ndarray], max_length: int) -> None:
+    """Raises RowFormatError naming the first broken invariant."""
+    for name in FIELD_NAMES:
+        if name not in row:
+            raise RowFormatError(f"row lacks field {name!r}")
+        if np.shape(row[name]) != (max_length,):
+            raise RowFormatError(f"field {name!r} has shape {np.shape(row[name])}, expected ({max_length},)")
+    seg = np.asarray(row["segment_ids"], dtype=np.int64)
+    pos = np.asarray(row["positions"], dtype=np.int64)
+    loss = np.asarray(row["loss_mask"], dtype=np.int64)
+    valid = np.asarray(row["valid_mask"], dtype=np.int64)
+    if not np.isin(loss, (0, 1)).all() or not np.isin(valid, (0, 1)).all():
+        raise RowFormatError("loss_mask and valid_mask must be 0/1")
+    if not np.array_equal(valid, (seg != 0).astype(np.int64)):
+        raise RowFormatError("valid_mask must be 1 exactly where segment_ids != 0")
+    n_valid = int(valid.sum())
+    if not valid[:n_valid].all():
+        raise RowFormatError("padding must come after every real token")
+    if n_valid == 0:
+        raise RowFormatError("row holds no tokens")
+    real = seg[:n_valid]
+    starts = np.flatnonzero(np.diff(real, prepend=0) != 0)
+    if real[0] != 1 or np.any(np.diff(real) < 0) or np.any(np.diff(real) > 1):
+        raise RowFormatError("segment_ids must run 1..k in row order")
+    expected_pos = np.arange(n_valid) - np.repeat(starts, np.diff(np.append(starts, n_valid)))
+    if not np.array_equal(pos[:n_valid], expected_pos):
+        raise RowFormatError("positions must count from 0 at every segment start")
+    if pos[n_valid:].any():
+        raise RowFormatError("positions must be 0 on padding")
+    if loss[n_valid:].any():
+        raise RowFormatError("loss_mask must be 0 on padding")
+    if loss[starts].any():
+        raise RowFormatError("loss_mask must be 0 on the first token of every segment")
+
+
+def split_segments(row: Mapping[str, np.ndarray]) -> list[Segment]:
+    """The inverse of build_row, up to the zeroed first-token loss."""
+    seg = np.asarray(row["segment_ids"])
+    out = []
+    for k in range(1, int(seg.max(initial=0)) + 1):
+        idx = np.flatnonzero(seg == k)
+        out.append(Segment(np.asarray(row["input_ids"])[idx], np.asarray(row["loss_mask"])[idx]))
+    return out
