@@ -1,0 +1,121 @@
+"""Row invariants: built rows satisfy them, broken rows are caught, encoding round-trips."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prepack import rowformat
+from prepack.rowformat import RowFormatError, Segment
+
+
+@st.composite
+def segments_and_length(draw):
+    max_length = draw(st.integers(4, 96))
+    segments, used = [], 0
+    for _ in range(draw(st.integers(1, 8))):
+        n = draw(st.integers(1, max_length))
+        if used + n > max_length:
+            break
+        ids = np.array(draw(st.lists(st.integers(0, 262_143), min_size=n, max_size=n)), dtype=np.int32)
+        mask = np.array(draw(st.lists(st.integers(0, 1), min_size=n, max_size=n)), dtype=np.int32)
+        segments.append(Segment(ids, mask))
+        used += n
+    if not segments:
+        segments = [Segment(np.array([7], np.int32), np.array([1], np.int32))]
+    return segments, max_length
+
+
+def no_target_crosses_boundary(row) -> bool:
+    """A target at t is predicted from t-1: both must be in the same segment."""
+    seg, loss = np.asarray(row["segment_ids"]), np.asarray(row["loss_mask"])
+    targets = np.flatnonzero(loss[1:]) + 1
+    return bool(loss[0] == 0 and np.all(seg[targets - 1] == seg[targets]) and np.all(seg[targets] != 0))
+
+
+@settings(max_examples=200, deadline=None)
+@given(segments_and_length())
+def test_built_rows_hold_every_invariant(case):
+    segments, max_length = case
+    row = rowformat.build_row(segments, max_length)
+    rowformat.check_row(row, max_length)
+    assert no_target_crosses_boundary(row)
+    # Every token lands in its segment, in order; only the first token's loss changes.
+    back = rowformat.split_segments(row)
+    assert len(back) == len(segments)
+    for original, restored in zip(segments, back):
+        np.testing.assert_array_equal(original.input_ids, restored.input_ids)
+        np.testing.assert_array_equal(original.loss_mask[1:], restored.loss_mask[1:])
+        assert restored.loss_mask[0] == 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(segments_and_length())
+def test_encode_decode_round_trip(case):
+    segments, max_length = case
+    row = rowformat.build_row(segments, max_length)
+    record = rowformat.encode_row(row, max_length)
+    assert len(record) == rowformat.record_size(max_length)
+    decoded = rowformat.decode_row(record, max_length)
+    batch = rowformat.decode_rows([record, record], max_length)
+    for name in rowformat.FIELD_NAMES:
+        np.testing.assert_array_equal(decoded[name], row[name])
+        assert decoded[name].dtype == np.int32
+        assert batch[name].shape == (2, max_length)
+        np.testing.assert_array_equal(batch[name][1], row[name])
+
+
+def test_boundary_property_can_fail():
+    """The boundary check is not vacuous: a row whose second segment starts with a target fails it."""
+    segments = [Segment(np.array([2, 5, 6]), np.array([0, 1, 1])), Segment(np.array([2, 9]), np.array([1, 1]))]
+    row = rowformat.build_row(segments, 8)
+    assert no_target_crosses_boundary(row)
+    row["loss_mask"][3] = 1  # what a builder that forgot the first-token rule would write
+    assert not no_target_crosses_boundary(row)
+    with pytest.raises(RowFormatError, match="first token of every segment"):
+        rowformat.check_row(row, 8)
+
+
+def _row():
+    return rowformat.build_row(
+        [Segment(np.array([2, 5, 6, 7]), np.array([0, 0, 1, 1])), Segment(np.array([2, 9, 9]), np.array([0, 1, 1]))], 10
+    )
+
+
+@pytest.mark.parametrize(
+    "breakage, message",
+    [
+        (lambda r: r["positions"].__setitem__(5, 3), "positions must count from 0"),
+        (lambda r: r["segment_ids"].__setitem__(4, 3), "segment_ids must run 1..k"),
+        (lambda r: r["valid_mask"].__setitem__(8, 1), "valid_mask must be 1 exactly where"),
+        (lambda r: r["loss_mask"].__setitem__(8, 1), "loss_mask must be 0 on padding"),
+        (lambda r: r["loss_mask"].__setitem__(2, 2), "must be 0/1"),
+        (lambda r: r["positions"].__setitem__(9, 4), "positions must be 0 on padding"),
+        (lambda r: r.pop("segment_ids"), "lacks field 'segment_ids'"),
+    ],
+)
+def test_check_row_names_the_broken_invariant(breakage, message):
+    row = _row()
+    rowformat.check_row(row, 10)
+    breakage(row)
+    with pytest.raises(RowFormatError, match=message):
+        rowformat.check_row(row, 10)
+
+
+def test_padding_in_the_middle_is_rejected():
+    row = _row()
+    for name in rowformat.FIELD_NAMES:
+        row[name] = np.concatenate([row[name][:4], [0], row[name][4:9]])
+    with pytest.raises(RowFormatError, match="padding must come after every real token"):
+        rowformat.check_row(row, 10)
+
+
+def test_bad_sizes_and_overfull_rows_have_clear_errors():
+    with pytest.raises(RowFormatError, match="record has 12 bytes, expected 200 for max_length 10"):
+        rowformat.decode_row(b"\0" * 12, 10)
+    with pytest.raises(RowFormatError, match="more than max_length 4"):
+        rowformat.build_row([Segment(np.arange(5), np.ones(5))], 4)
+    with pytest.raises(RowFormatError, match="field 'input_ids' has shape"):
+        rowformat.encode_row({name: np.zeros(3) for name in rowformat.FIELD_NAMES}, 10)
+    with pytest.raises(RowFormatError, match="segment 2 is empty"):
+        rowformat.build_row([Segment(np.arange(2), np.ones(2)), Segment(np.arange(0), np.ones(0))], 4)
