@@ -6,6 +6,7 @@ Definitions (docs/row_format.md):
 - target_density = target_tokens / (rows * L): the share of slots that train something.
 - lower_bound_rows = ceil(tokens / L): no packing can use fewer rows.
 - row_reduction = examples / rows: how many times fewer rows than unpacked.
+- per-step figures over fixed [B, L] batches: see BatchFigures.
 """
 
 from __future__ import annotations
@@ -76,6 +77,71 @@ class PackingStats:
                 "mean": self.mean_segments_per_row,
                 "max": self.max_segments_per_row,
             },
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchFigures:
+    """Per-step figures when rows are fed as fixed [batch_size, L] batches.
+
+    Model (stated, because the gain depends on it): every step has the same
+    shape, so the same cost, whether its rows are packed or not; rows are
+    grouped into ceil(rows / B) steps, the last one padded with empty rows so
+    no example is lost. A per-step density counts real tokens over all
+    B * L slots of all steps, empty padding rows included. The throughput gain
+    is then the ratio of target tokens per step, packed over unpacked, which
+    comes down to unpacked_steps / packed_steps.
+    """
+
+    stats: PackingStats
+    batch_size: int
+
+    def __post_init__(self) -> None:
+        if self.batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {self.batch_size}")
+
+    @property
+    def packed_steps(self) -> int:
+        return math.ceil(self.stats.rows / self.batch_size)
+
+    @property
+    def unpacked_steps(self) -> int:
+        return math.ceil(self.stats.examples / self.batch_size)
+
+    def _slots(self, steps: int) -> int:
+        return steps * self.batch_size * self.stats.max_length
+
+    @property
+    def packed_step_density(self) -> float:
+        return _ratio(self.stats.tokens, self._slots(self.packed_steps))
+
+    @property
+    def unpacked_step_density(self) -> float:
+        return _ratio(self.stats.tokens, self._slots(self.unpacked_steps))
+
+    @property
+    def packed_step_target_density(self) -> float:
+        return _ratio(self.stats.target_tokens, self._slots(self.packed_steps))
+
+    @property
+    def unpacked_step_target_density(self) -> float:
+        return _ratio(self.stats.target_tokens, self._slots(self.unpacked_steps))
+
+    @property
+    def throughput_gain(self) -> float:
+        """Expected gain in target tokens per second at equal step time."""
+        return _ratio(self.packed_step_target_density, self.unpacked_step_target_density)
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {
+            "batch_size": self.batch_size,
+            "packed_steps": self.packed_steps,
+            "unpacked_steps": self.unpacked_steps,
+            "packed_step_density": self.packed_step_density,
+            "unpacked_step_density": self.unpacked_step_density,
+            "packed_step_target_density": self.packed_step_target_density,
+            "unpacked_step_target_density": self.unpacked_step_target_density,
+            "throughput_gain": self.throughput_gain,
         }
 
 
