@@ -1,0 +1,110 @@
+"""Writes sample_sft.jsonl: the small alpaca-format dataset `prepack pack --sample` packs.
+
+Written by the project (no third-party text), deterministic, with the length
+spread of real SFT sets: many short answers, a long tail, and a few examples
+too long for 512 tokens so the drop accounting shows up.
+
+    python prepack/sample_data/generate.py
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+OUT = Path(__file__).with_name("sample_sft.jsonl")
+
+UNITS = [("kilometres", "miles", 0.621371), ("kilograms", "pounds", 2.20462), ("litres", "US gallons", 0.264172),
+         ("metres", "feet", 3.28084), ("Celsius degrees of difference", "Fahrenheit degrees of difference", 1.8)]
+TOPICS = {
+    "binary search": "Binary search finds an item in a sorted list by comparing it with the middle element and "
+                     "discarding the half that cannot contain it, so each step halves the search space.",
+    "a hash table": "A hash table stores key and value pairs in an array of buckets; a hash function turns each "
+                    "key into a bucket index, which makes lookups take constant time on average.",
+    "photosynthesis": "Photosynthesis is the process by which plants use light energy to turn water and carbon "
+                      "dioxide into glucose and oxygen, inside organelles called chloroplasts.",
+    "compound interest": "Compound interest is interest computed on the initial amount plus the interest already "
+                         "earned, so the balance grows faster over time than with simple interest.",
+    "a compiler": "A compiler translates a program written in a high-level language into machine code or another "
+                  "lower-level form, checking the program for errors along the way.",
+    "gradient descent": "Gradient descent minimises a function by repeatedly moving its parameters a small step "
+                        "against the gradient, the direction in which the function increases fastest.",
+    "sequence packing": "Sequence packing places several short training examples into one fixed-length row, with "
+                        "attention and positions kept separate per example, so fewer tokens are spent on padding.",
+    "the water cycle": "The water cycle moves water between the oceans, the air and the land through "
+                       "evaporation, condensation, precipitation and runoff.",
+}
+ADVICE = [
+    "Start with the simplest version that works, and measure before you optimise.",
+    "Write the test that would have caught the bug before you fix it.",
+    "Keep a short written log of what you tried and what you observed.",
+    "Break the task into steps that each produce something you can check.",
+    "Ask what the reader needs to know first, and put that at the top.",
+    "Prefer names that say what a thing is over names that say how it was made.",
+    "When two options look equal, pick the one that is easier to undo.",
+    "Set a time limit for exploration, then decide with what you have learned.",
+]
+CONNECTIVES = ["First,", "Next,", "Then,", "After that,", "In addition,", "Finally,"]
+
+
+def short_arithmetic(rng: random.Random) -> dict:
+    a, b = rng.randint(2, 999), rng.randint(2, 999)
+    op, result = rng.choice([("plus", a + b), ("minus", a - b), ("times", a * b)])
+    return {"instruction": f"What is {a} {op} {b}?", "input": "", "output": f"{a} {op} {b} is {result}."}
+
+
+def conversion(rng: random.Random) -> dict:
+    src, dst, factor = rng.choice(UNITS)
+    value = rng.randint(1, 500)
+    return {"instruction": f"Convert {value} {src} to {dst}.", "input": "",
+            "output": f"{value} {src} is about {value * factor:.2f} {dst}, using a factor of {factor}."}
+
+
+def explain(rng: random.Random) -> dict:
+    topic, text = rng.choice(sorted(TOPICS.items()))
+    extra = " ".join(rng.sample(ADVICE, rng.randint(0, 3)))
+    return {"instruction": f"Explain {topic} in a few sentences.", "input": "",
+            "output": f"{text} {extra}".strip()}
+
+
+def rewrite(rng: random.Random) -> dict:
+    sentence = " ".join(rng.sample(ADVICE, rng.randint(2, 4)))
+    return {"instruction": "Rewrite the following advice as a numbered list.", "input": sentence,
+            "output": "\n".join(f"{i}. {s}" for i, s in enumerate(sentence.split(". "), start=1))}
+
+
+def plan(rng: random.Random, paragraphs: int) -> dict:
+    topic = rng.choice(sorted(TOPICS))
+    body = []
+    for p in range(paragraphs):
+        steps = [f"{c} {rng.choice(ADVICE).lower()}" for c in rng.sample(CONNECTIVES, 4)]
+        body.append(f"Part {p + 1}. " + TOPICS[topic] + " " + " ".join(steps))
+    return {"instruction": f"Write a study plan for learning about {topic}.",
+            "input": f"The plan should have {paragraphs} parts.", "output": "\n\n".join(body)}
+
+
+def main() -> None:
+    rng = random.Random(20261130)
+    records = []
+    for i in range(400):
+        kind = rng.random()
+        if kind < 0.25:
+            records.append(short_arithmetic(rng))
+        elif kind < 0.45:
+            records.append(conversion(rng))
+        elif kind < 0.70:
+            records.append(explain(rng))
+        elif kind < 0.85:
+            records.append(rewrite(rng))
+        else:
+            # The long tail: 1 to 12 parts, a few of which pass 512 tokens.
+            records.append(plan(rng, rng.choice([1, 1, 2, 2, 3, 4, 6, 12])))
+    with OUT.open("w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    print(f"wrote {len(records)} records to {OUT}")
+
+
+if __name__ == "__main__":
+    main()
