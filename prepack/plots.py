@@ -1,0 +1,219 @@
+"""PNG plots for preflight and report pages (matplotlib, Agg backend).
+
+Only preflight/report import this module, and only when they draw, so the
+core (and the Beam workers that import it) never pays for matplotlib.
+Every function takes plain rows/dicts and an output path and returns the path.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+DPI = 110
+
+
+def _plt() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display, works on headless hosts
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _colors(names: Iterable[str]) -> dict[str, Any]:
+    cycle = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf"]
+    return {name: cycle[i % len(cycle)] for i, name in enumerate(names)}
+
+
+def _datasets(rows: Sequence[dict[str, Any]]) -> list[str]:
+    return list(dict.fromkeys(str(r["dataset"]) for r in rows))
+
+
+def _one_per_length(rows: Sequence[dict[str, Any]], dataset: str) -> list[dict[str, Any]]:
+    """The dataset's rows at one batch size (densities do not depend on B), sorted by L."""
+    mine = [r for r in rows if str(r["dataset"]) == dataset]
+    first_b = min(int(r["batch_size"]) for r in mine)
+    return sorted((r for r in mine if int(r["batch_size"]) == first_b), key=lambda r: int(r["max_length"]))
+
+
+def _log2_length_axis(ax: Any, lengths: Sequence[int]) -> None:
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted(set(lengths)))
+    ax.set_xticklabels([str(v) for v in sorted(set(lengths))])
+    ax.minorticks_off()
+    ax.set_xlabel("max length L (tokens)")
+
+
+def _save(fig: Any, path: str) -> str:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=DPI, bbox_inches="tight")
+    _plt().close(fig)
+    return path
+
+
+def density_vs_max_length(rows: Sequence[dict[str, Any]], path: str) -> str:
+    """Token density (left) and target-token density (right) against L: packed solid, unpacked dashed."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.6), sharey=True)
+    names = _datasets(rows)
+    colors = _colors(names)
+    lengths = sorted({int(r["max_length"]) for r in rows})
+    for ax, (packed_key, unpacked_key, title) in zip(
+        axes,
+        (
+            ("packed_density", "unpacked_density", "Token density (real tokens / row slots)"),
+            ("packed_target_density", "unpacked_target_density", "Target-token density (trained tokens / row slots)"),
+        ),
+    ):
+        labels: dict[int, list[tuple[float, str, Any]]] = {}
+        for name in names:
+            mine = _one_per_length(rows, name)
+            xs = [int(r["max_length"]) for r in mine]
+            packed = [100 * float(r[packed_key]) for r in mine]
+            unpacked = [100 * float(r[unpacked_key]) for r in mine]
+            ax.plot(xs, packed, "-o", color=colors[name], label=f"{name} packed")
+            ax.plot(xs, unpacked, "--s", color=colors[name], alpha=0.75, label=f"{name} unpacked")
+            for x, y in zip(xs, unpacked):
+                labels.setdefault(x, []).append((y, f"{y:.1f}", colors[name]))
+        # Label unpacked points (packed ones sit near 100% and are in the table), spread apart so they never overlap.
+        for x, items in labels.items():
+            for y, (_, text, color) in zip(_spread([y for y, _, _ in items], gap=4.5), items):
+                ax.annotate(text, (x, y), textcoords="offset points", xytext=(7, 0), va="center", fontsize=7, color=color)
+        _log2_length_axis(ax, lengths)
+        ax.set_xlim(lengths[0] / 1.25, lengths[-1] * 1.35)
+        ax.set_ylim(0, 105)
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("density (%)")
+    handles, legend_labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, legend_labels, loc="lower center", ncol=min(len(handles), 6), fontsize=8, frameon=False)
+    fig.suptitle("Density against max length: packed (solid) vs unpacked (dashed)", fontsize=11)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    return _save(fig, path)
+
+
+def _spread(values: Sequence[float], gap: float) -> list[float]:
+    """Label positions for `values` (same order), moved up just enough to be `gap` apart."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    out = list(values)
+    floor = -math.inf
+    for i in order:
+        out[i] = max(values[i], floor + gap)
+        floor = out[i]
+    return out
+
+
+def row_reduction(rows: Sequence[dict[str, Any]], path: str) -> str:
+    """Row reduction (examples / packed rows) and the expected throughput gain per batch size, against L."""
+    plt = _plt()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    names = _datasets(rows)
+    colors = _colors(names)
+    lengths: list[int] = []
+    for name in names:
+        mine = _one_per_length(rows, name)
+        xs = [int(r["max_length"]) for r in mine]
+        lengths += xs
+        ys = [float(r["row_reduction"]) for r in mine]
+        left.plot(xs, ys, "-o", color=colors[name], label=name)
+        for x, y in zip(xs, ys):
+            left.annotate(f"{y:.1f}x", (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7,
+                          color=colors[name])
+    batch_sizes = sorted({int(r["batch_size"]) for r in rows})
+    styles = ["-o", "--s", ":^", "-.d", "-v", "--P"]
+    for name in names:
+        for i, b in enumerate(batch_sizes):
+            mine = sorted((r for r in rows if str(r["dataset"]) == name and int(r["batch_size"]) == b),
+                          key=lambda r: int(r["max_length"]))
+            xs, ys = [int(r["max_length"]) for r in mine], [float(r["throughput_gain"]) for r in mine]
+            right.plot(xs, ys, styles[i % len(styles)], color=colors[name], label=f"{name} B={b}")
+            if len(batch_sizes) == 1:
+                for x, y in zip(xs, ys):
+                    right.annotate(f"{y:.1f}x", (x, y), textcoords="offset points", xytext=(0, 6), ha="center",
+                                   fontsize=7, color=colors[name])
+    for ax in (left, right):
+        _log2_length_axis(ax, lengths)
+        ax.set_yscale("log", base=2)
+        ax.yaxis.set_major_formatter(_times_formatter())
+        ax.grid(True, which="both", alpha=0.3)
+        ax.margins(x=0.08, y=0.12)
+    left.set_title("Row reduction: unpacked rows / packed rows", fontsize=10)
+    right.set_title("Expected target-token throughput gain (per step, fixed B x L)", fontsize=10)
+    left.legend(fontsize=8)
+    right.legend(fontsize=7, ncol=max(1, len(batch_sizes) // 3))
+    fig.suptitle("What packing saves", fontsize=11)
+    return _save(fig, path)
+
+
+def _times_formatter() -> Any:
+    from matplotlib.ticker import FuncFormatter
+
+    return FuncFormatter(lambda v, _: f"{v:g}x")
+
+
+def length_histogram(histograms: dict[str, dict[int, int]], max_lengths: Sequence[int], path: str) -> str:
+    """Tokens per example, one panel per dataset, log-spaced bins, a line at every max length
+    labelled with the share of examples longer than it."""
+    plt = _plt()
+    names = list(histograms)
+    fig, axes = plt.subplots(len(names), 1, figsize=(10, 2.6 * max(1, len(names)) + 0.4), squeeze=False)
+    colors = _colors(names)
+    all_lengths = [n for h in histograms.values() for n in h] + list(max_lengths)
+    hi = max(all_lengths, default=2)
+    lo = max(1, min((n for h in histograms.values() for n in h), default=1))
+    edges = _log_edges(lo, hi)
+    for ax, name in zip(axes[:, 0], names):
+        hist = histograms[name]
+        total = sum(hist.values())
+        ax.hist(list(hist), bins=edges, weights=list(hist.values()), color=colors[name], alpha=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlim(edges[0], max(all_lengths) * 1.9)
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.3)  # headroom for the L labels
+        for L in sorted(max_lengths):
+            over = sum(c for n, c in hist.items() if n > L)
+            ax.axvline(L, color="black", linestyle="--", linewidth=1)
+            ax.text(L, 0.97, f" L={L}\n {over:,} over ({_pct(over, total)})", transform=ax.get_xaxis_transform(),
+                    va="top", ha="left", fontsize=7, bbox={"facecolor": "white", "alpha": 0.85, "edgecolor": "none", "pad": 1})
+        ax.set_ylabel("examples")
+        ax.set_title(f"{name}: {total:,} examples", fontsize=10, loc="left")
+        ax.grid(True, alpha=0.3)
+        ax.xaxis.set_major_formatter(_int_formatter())
+    axes[-1, 0].set_xlabel("tokens per example (log scale)")
+    fig.suptitle("Example lengths and max lengths", fontsize=11)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def _pct(part: int, whole: int) -> str:
+    if not whole:
+        return "-"
+    share = 100 * part / whole
+    return "<0.1%" if 0 < share < 0.1 else f"{share:.1f}%"
+
+
+def _log_edges(lo: int, hi: int, per_octave: int = 8) -> list[float]:
+    start, stop = math.floor(math.log2(lo)), math.ceil(math.log2(hi * 1.1))
+    count = max(1, (stop - start) * per_octave)
+    return [2 ** (start + i / per_octave) for i in range(count + 1)]
+
+
+def _int_formatter() -> Any:
+    from matplotlib.ticker import FuncFormatter
+
+    return FuncFormatter(lambda v, _: f"{v:g}")
+
+
+def preflight_plots(rows: Sequence[dict[str, Any]], histograms: dict[str, dict[int, int]], max_lengths: Sequence[int],
+                    output: str) -> list[str]:
+    """The preflight figures into `output`; the histogram only when lengths are known."""
+    paths = [
+        density_vs_max_length(rows, os.path.join(output, "density_vs_max_length.png")),
+        row_reduction(rows, os.path.join(output, "row_reduction.png")),
+    ]
+    if any(histograms.values()):
+        paths.append(length_histogram(histograms, max_lengths, os.path.join(output, "length_histogram.png")))
+    return paths

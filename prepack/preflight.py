@@ -1,0 +1,672 @@
+"""`prepack preflight`: will packing pay off for this dataset, max length and batch size?
+
+Answers from the tokenizer alone, before any model loads: read each input,
+apply its template and chat format, tokenize, then for every max length L plan
+global BFD from the length histogram (the same planner the job uses) and for
+every batch size B work out rows, steps and densities with `prepack.stats`.
+
+Throughput model (also written into preflight.json): training runs fixed
+[B, L] batches, so a step costs the same whether its rows are packed or not;
+rows fill ceil(rows / B) steps, the last one padded with empty rows. The
+expected gain in useful-token (target-token) throughput is then packed target
+tokens per step over unpacked target tokens per step (stats.BatchFigures).
+
+Runs in-process, which suits inputs up to a few million examples (the
+tokenizer is the cost: about 2M tokens/s per core). Larger inputs go through
+`prepack pack` (parallel, Dataflow-ready) and `prepack report --shards`, which
+renders the same table from the published manifests; `--max-examples N`
+estimates from a seeded uniform sample of N examples per dataset instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import glob
+import json
+import math
+import os
+import random
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from prepack.packer import DropReason, OverlongPolicy, fit_to_length, plan_from_histogram
+from prepack.stats import BatchFigures, PackingStats, stats_from_rows
+
+DEFAULT_MAX_LENGTHS = (256, 512, 1024, 2048)
+DEFAULT_BATCH_SIZES = (16,)
+TOKENIZE_BATCH = 512  # conversations per encode_batch call: big enough to amortize, small enough to retry
+
+THROUGHPUT_MODEL = (
+    "Fixed [B, L] batches: a step costs the same packed or unpacked. Rows fill ceil(rows / B) steps, the last "
+    "padded with empty rows. step densities = tokens (or target tokens) / (steps * B * L). "
+    "throughput_gain = packed_step_target_density / unpacked_step_target_density = unpacked_steps / packed_steps. "
+    "Target tokens count as they land in a row: the loss mask minus each example's first token."
+)
+
+# preflight.csv columns, in order; report.py fills the same keys from manifests.
+CSV_COLUMNS = (
+    "dataset", "input", "format", "tokenizer", "chat_format", "overlong", "max_length", "batch_size",
+    "records_read", "bad_records", "examples", "examples_kept", "examples_dropped",
+    "dropped_too_long", "dropped_no_targets_after_truncation", "examples_truncated",
+    "mean_tokens", "median_tokens", "p95_tokens", "max_tokens", "tokens", "target_tokens",
+    "unpacked_rows", "packed_rows", "lower_bound_rows", "row_reduction",
+    "unpacked_density", "packed_density", "unpacked_target_density", "packed_target_density",
+    "unpacked_steps", "packed_steps", "unpacked_step_density", "packed_step_density",
+    "unpacked_step_target_density", "packed_step_target_density", "throughput_gain",
+)
+
+
+class PreflightError(Exception):
+    """Bad input or options: printed as one line, exit status 2."""
+
+
+# ----------------------------------------------------------------------------- configuration
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetSpec:
+    name: str
+    path: str
+    format: str  # a template name (prepack.templates)
+
+
+@dataclasses.dataclass(frozen=True)
+class PreflightConfig:
+    datasets: tuple[DatasetSpec, ...]
+    output: str
+    tokenizer: str = "gemma3"
+    chat_format: str = "auto"
+    max_lengths: tuple[int, ...] = DEFAULT_MAX_LENGTHS
+    batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
+    overlong: OverlongPolicy = OverlongPolicy.DROP
+    template_options: dict[str, str] = dataclasses.field(default_factory=dict)
+    max_examples: int | None = None  # None: every example
+    seed: int = 0
+    plots: bool = True
+
+
+# ----------------------------------------------------------------------------- tokenized examples
+
+
+@dataclasses.dataclass
+class ExampleSet:
+    """One dataset after template and tokenizer: what the estimate needs, no token ids.
+
+    loss_masks are kept because truncation changes the target count, and whether
+    any target survives, in a way lengths alone cannot tell.
+    """
+
+    name: str
+    loss_masks: list[np.ndarray]
+    input: str = ""
+    format: str = ""
+    records_read: int = 0
+    bad_records: Counter = dataclasses.field(default_factory=Counter)  # reason -> count
+    examples_seen: int = 0  # before sampling; equals len(loss_masks) when not sampled
+    tokenize_seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.lengths = np.array([len(m) for m in self.loss_masks], dtype=np.int64)
+        # The row builder zeroes each segment's first-token loss, so count targets from token 1.
+        self.targets = np.array([int(np.count_nonzero(m[1:])) for m in self.loss_masks], dtype=np.int64)
+        if not self.examples_seen:
+            self.examples_seen = len(self.loss_masks)
+
+    @property
+    def sampled(self) -> bool:
+        return self.examples_seen > len(self.loss_masks)
+
+    def length_histogram(self) -> dict[int, int]:
+        values, counts = np.unique(self.lengths, return_counts=True)
+        return {int(v): int(c) for v, c in zip(values, counts)}
+
+
+@dataclasses.dataclass(frozen=True)
+class LengthResult:
+    """One dataset at one max length: what survives the overlong policy, and the BFD plan's stats."""
+
+    max_length: int
+    kept_lengths: np.ndarray
+    dropped: dict[str, int]  # DropReason value -> count
+    truncated: int
+    stats: PackingStats
+
+
+def fit_examples(examples: ExampleSet, max_length: int, overlong: OverlongPolicy) -> tuple[np.ndarray, np.ndarray, dict[str, int], int]:
+    """(kept lengths, kept target counts, dropped by reason, truncated) under the overlong policy."""
+    lengths, targets = examples.lengths.copy(), examples.targets.copy()
+    keep = np.ones(len(lengths), dtype=bool)
+    dropped: Counter = Counter()
+    truncated = 0
+    for i in np.flatnonzero(lengths > max_length).tolist():
+        mask = examples.loss_masks[i]
+        # Same policy code as the job; the mask stands in for the ids, whose values do not matter here.
+        fitted = fit_to_length(mask, mask, max_length, overlong)
+        if isinstance(fitted, DropReason):
+            keep[i] = False
+            dropped[fitted.value] += 1
+        else:
+            truncated += 1
+            lengths[i] = len(fitted[1])
+            targets[i] = int(np.count_nonzero(fitted[1][1:]))
+    return lengths[keep], targets[keep], dict(dropped), truncated
+
+
+def evaluate_length(examples: ExampleSet, max_length: int, overlong: OverlongPolicy) -> LengthResult:
+    kept, targets, dropped, truncated = fit_examples(examples, max_length, overlong)
+    values, counts = np.unique(kept, return_counts=True)
+    plan = plan_from_histogram({int(v): int(c) for v, c in zip(values, counts)}, max_length)
+    stats = stats_from_rows(plan, max_length, int(targets.sum()))
+    return LengthResult(max_length, kept, dropped, truncated, stats)
+
+
+def _quantiles(lengths: np.ndarray) -> dict[str, float]:
+    # numpy's default (linear interpolation) percentiles; zeros for an empty set.
+    if not len(lengths):
+        return {"mean_tokens": 0.0, "median_tokens": 0.0, "p95_tokens": 0.0, "max_tokens": 0}
+    return {
+        "mean_tokens": float(np.mean(lengths)),
+        "median_tokens": float(np.median(lengths)),
+        "p95_tokens": float(np.percentile(lengths, 95)),
+        "max_tokens": int(np.max(lengths)),
+    }
+
+
+def result_row(meta: dict[str, Any], stats: PackingStats, batch_size: int, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One table row (CSV_COLUMNS) from packing stats; densities come only from prepack.stats."""
+    batch = BatchFigures(stats, batch_size)
+    row: dict[str, Any] = dict.fromkeys(CSV_COLUMNS)
+    row.update(meta)
+    row.update(extra or {})
+    row.update(
+        max_length=stats.max_length,
+        batch_size=batch_size,
+        examples_kept=stats.examples,
+        tokens=stats.tokens,
+        target_tokens=stats.target_tokens,
+        unpacked_rows=stats.examples,
+        packed_rows=stats.rows,
+        lower_bound_rows=stats.lower_bound_rows,
+        row_reduction=stats.row_reduction,
+        unpacked_density=stats.unpacked_density,
+        packed_density=stats.packed_density,
+        unpacked_target_density=stats.unpacked_target_density,
+        packed_target_density=stats.target_density,
+    )
+    row.update({k: v for k, v in batch.as_dict().items() if k != "batch_size"})
+    return row
+
+
+def evaluate(examples: ExampleSet, config: PreflightConfig, tokenizer_name: str = "", chat_format_name: str = "") -> list[dict[str, Any]]:
+    """Rows for one dataset: one per max length x batch size, in that order."""
+    rows = []
+    for max_length in config.max_lengths:
+        result = evaluate_length(examples, max_length, config.overlong)
+        dropped = sum(result.dropped.values())
+        meta = {
+            "dataset": examples.name,
+            "input": examples.input,
+            "format": examples.format,
+            "tokenizer": tokenizer_name,
+            "chat_format": chat_format_name,
+            "overlong": config.overlong.value,
+            "records_read": examples.records_read,
+            "bad_records": sum(examples.bad_records.values()),
+            "examples": len(examples.lengths),
+            "examples_dropped": dropped,
+            "dropped_too_long": result.dropped.get(DropReason.TOO_LONG.value, 0),
+            "dropped_no_targets_after_truncation": result.dropped.get(DropReason.NO_TARGETS_AFTER_TRUNCATION.value, 0),
+            "examples_truncated": result.truncated,
+            **_quantiles(result.kept_lengths),
+        }
+        for batch_size in config.batch_sizes:
+            rows.append(result_row(meta, result.stats, batch_size))
+    return rows
+
+
+# ----------------------------------------------------------------------------- reading inputs
+
+_MISSING = object()
+
+
+def expand_input(path: str) -> list[str]:
+    """The files an --input names: a file, or a glob that matches at least one file."""
+    if path.startswith(("gs://", "hf:", "tfds:")):
+        raise PreflightError(
+            f"input {path!r}: preflight reads local files only; run `prepack pack` on it and then "
+            f"`prepack report --shards OUTPUT` for the same table"
+        )
+    if any(ch in path for ch in "*?["):
+        files = sorted(f for f in glob.glob(path) if os.path.isfile(f))
+        if not files:
+            raise PreflightError(f"input {path!r}: the pattern matches no file")
+        return files
+    if not os.path.exists(path):
+        raise PreflightError(f"input {path!r}: no such file")
+    if os.path.isdir(path):
+        raise PreflightError(f"input {path!r} is a folder; give a file or a glob such as '{os.path.join(path, '*.jsonl')}'")
+    return [path]
+
+
+def iter_records(path: str) -> Iterator[tuple[str, Any]]:
+    """(location, record) for every record of a JSONL, JSON or Parquet file.
+
+    A line that is not valid JSON yields a ValueError in place of the record,
+    so it is counted as a bad record rather than stopping the estimate.
+    """
+    lower = path.lower()
+    if lower.endswith(".parquet"):
+        try:
+            import pyarrow.parquet as pq  # lazy: only Parquet inputs need it
+        except ImportError as e:
+            raise PreflightError(f"input {path!r}: reading Parquet needs pyarrow ({e})") from e
+        for index, record in enumerate(pq.read_table(path).to_pylist()):
+            yield f"{path}:{index}", record
+        return
+    if lower.endswith(".json"):
+        with open(path, "rb") as f:
+            text = f.read()
+        try:
+            data = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            data = _MISSING  # maybe JSON Lines under a .json name
+        if data is not _MISSING:
+            if isinstance(data, dict) and isinstance(data.get("data"), list):
+                data = data["data"]
+            if not isinstance(data, list):
+                raise PreflightError(f"input {path!r}: expected a JSON array of records (or JSON Lines)")
+            for index, record in enumerate(data):
+                yield f"{path}:{index}", record
+            return
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield f"{path}:{number}", json.loads(line.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                yield f"{path}:{number}", ValueError(f"undecodable_bytes: {e}")
+            except json.JSONDecodeError as e:
+                yield f"{path}:{number}", ValueError(f"malformed_json: {e}")
+
+
+# ----------------------------------------------------------------------------- template + tokenizer
+
+
+class _Reservoir:
+    """Seeded uniform sample of at most `size` items (Algorithm R), returned in input order."""
+
+    def __init__(self, size: int | None, seed: int):
+        self.size, self.seen, self._rng = size, 0, random.Random(seed)
+        self._items: list[tuple[int, Any]] = []
+
+    def add(self, item: Any) -> None:
+        self.seen += 1
+        if self.size is None or len(self._items) < self.size:
+            self._items.append((self.seen, item))
+            return
+        j = self._rng.randrange(self.seen)
+        if j < self.size:
+            self._items[j] = (self.seen, item)
+
+    def items(self) -> list[Any]:
+        return [item for _, item in sorted(self._items, key=lambda pair: pair[0])]
+
+
+def _conversations(spec: DatasetSpec, template: Any, reservoir: _Reservoir, bad: Counter) -> int:
+    """Feeds the dataset's conversations to the reservoir; returns records read."""
+    from prepack.templates import RecordError
+
+    records_read = 0
+    table: list[Any] = []
+    for file in expand_input(spec.path):
+        for _, record in iter_records(file):
+            records_read += 1
+            if isinstance(record, ValueError):
+                bad[str(record).split(":", 1)[0]] += 1
+            elif getattr(template, "table_level", False):
+                table.append(record)  # oasst1: messages only make sense as a whole table
+            else:
+                try:
+                    for conv in template.to_conversations(record):
+                        reservoir.add(conv)
+                except RecordError as e:
+                    bad[e.reason] += 1
+    if table:
+        result = template.conversations_from_table(table)
+        for dropped in result.dropped:
+            bad[dropped.reason] += 1
+        for conv, _ in result.examples:
+            reservoir.add(conv)
+    return records_read
+
+
+def _tokenize(convs: Sequence[Any], tokenizer: Any, chat_format: Any, bad: Counter) -> list[np.ndarray]:
+    """Loss masks of the conversations; one that the chat format rejects is counted and skipped."""
+    from prepack.chat_formats import ChatFormatError, tokenize_conversations
+
+    masks: list[np.ndarray] = []
+    for start in range(0, len(convs), TOKENIZE_BATCH):
+        batch = list(convs[start : start + TOKENIZE_BATCH])
+        while batch:
+            try:
+                masks.extend(ex.loss_mask for ex in tokenize_conversations(batch, tokenizer, chat_format))
+                break
+            except ChatFormatError as e:
+                if e.index is None:
+                    raise
+                # Keep everything before the bad one, count it, and go on after it.
+                if e.index:
+                    masks.extend(ex.loss_mask for ex in tokenize_conversations(batch[: e.index], tokenizer, chat_format))
+                bad[e.reason] += 1
+                batch = batch[e.index + 1 :]
+    return masks
+
+
+def load_examples(spec: DatasetSpec, tokenizer: Any, chat_format: Any, config: PreflightConfig) -> ExampleSet:
+    template = make_template(spec.format, config.template_options)
+    bad: Counter = Counter()
+    reservoir = _Reservoir(config.max_examples, config.seed)
+    started = time.perf_counter()
+    records_read = _conversations(spec, template, reservoir, bad)
+    masks = _tokenize(reservoir.items(), tokenizer, chat_format, bad)
+    return ExampleSet(
+        name=spec.name,
+        loss_masks=masks,
+        input=spec.path,
+        format=spec.format,
+        records_read=records_read,
+        bad_records=bad,
+        examples_seen=reservoir.seen,
+        tokenize_seconds=time.perf_counter() - started,
+    )
+
+
+def make_template(name: str, options: dict[str, str]) -> Any:
+    """The template for a --format; --template-option values go only to templates that take them,
+    so one `source_lang=de` can sit beside alpaca inputs."""
+    from prepack.templates import get_template, template_names
+
+    if name not in template_names():
+        raise PreflightError(f"unknown format {name!r}; expected one of {', '.join(template_names())}")
+    accepted = {f.name for f in dataclasses.fields(get_template(name))}
+    try:
+        return get_template(name, **{k: v for k, v in options.items() if k in accepted})
+    except ValueError as e:
+        raise PreflightError(f"format {name!r}: {e}") from e
+
+
+# ----------------------------------------------------------------------------- the readable table
+
+# (header, row key, kind) for stdout and report tables; kinds pick the cell format.
+TABLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("L", "max_length", "int"),
+    ("B", "batch_size", "int"),
+    ("kept", "examples_kept", "int"),
+    ("dropped", "examples_dropped", "int"),
+    ("mean", "mean_tokens", "float1"),
+    ("median", "median_tokens", "float1"),
+    ("p95", "p95_tokens", "float1"),
+    ("dens unp", "unpacked_density", "pct"),
+    ("dens pk", "packed_density", "pct"),
+    ("tgt unp", "unpacked_target_density", "pct"),
+    ("tgt pk", "packed_target_density", "pct"),
+    ("rows unp", "unpacked_rows", "int"),
+    ("rows pk", "packed_rows", "int"),
+    ("bound", "lower_bound_rows", "int"),
+    ("fewer", "row_reduction", "times"),
+    ("steps unp", "unpacked_steps", "int"),
+    ("steps pk", "packed_steps", "int"),
+    ("gain", "throughput_gain", "times"),
+)
+
+
+def format_cell(value: Any, kind: str) -> str:
+    if value is None or value == "":
+        return "-"
+    if kind == "int":
+        return f"{int(value):,}"
+    if kind == "float1":
+        return f"{float(value):.1f}"
+    if kind == "pct":
+        return f"{100 * float(value):.1f}%"
+    if kind == "times":
+        return f"{float(value):.2f}x"
+    return str(value)
+
+
+def dataset_heading(row: dict[str, Any]) -> str:
+    parts = [f"{row['dataset']}:"]
+    if row.get("input"):
+        parts.append(str(row["input"]))
+    details = [f"{k} {row[k]}" for k in ("format", "tokenizer", "chat_format", "overlong") if row.get(k)]
+    if row.get("records_read") not in (None, ""):
+        details.append(f"records {int(row['records_read']):,}, bad {int(row.get('bad_records') or 0):,}, examples {int(row.get('examples') or 0):,}")
+    if details:
+        parts.append(f"({'; '.join(details)})")
+    return " ".join(parts)
+
+
+def render_text_table(rows: Sequence[dict[str, Any]]) -> str:
+    """Fixed-width table, one block per dataset."""
+    out: list[str] = []
+    for name, group in _by_dataset(rows).items():
+        cells = [[format_cell(r.get(key), kind) for _, key, kind in TABLE_COLUMNS] for r in group]
+        headers = [h for h, _, _ in TABLE_COLUMNS]
+        widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
+        out.append(dataset_heading(group[0]))
+        out.append("  ".join(h.rjust(w) for h, w in zip(headers, widths)))
+        out.extend("  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in cells)
+        out.append("")
+    return "\n".join(out)
+
+
+def _by_dataset(rows: Iterable[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault(str(row["dataset"]), []).append(row)
+    return groups
+
+
+# ----------------------------------------------------------------------------- run and write
+
+
+def run(config: PreflightConfig, loader: Callable[[DatasetSpec], ExampleSet], tokenizer_name: str = "", chat_format_name: str = "") -> dict[str, Any]:
+    """Loads every dataset with `loader` and evaluates it; returns what preflight.json holds."""
+    datasets, rows = [], []
+    for spec in config.datasets:
+        examples = loader(spec)
+        rows.extend(evaluate(examples, config, tokenizer_name, chat_format_name))
+        all_lengths = _quantiles(examples.lengths)
+        datasets.append(
+            {
+                "name": examples.name,
+                "input": examples.input,
+                "format": examples.format,
+                "records_read": examples.records_read,
+                "bad_records": dict(sorted(examples.bad_records.items())),
+                "examples_seen": examples.examples_seen,
+                "examples": len(examples.lengths),
+                "sampled": examples.sampled,
+                "tokens": int(examples.lengths.sum()),
+                "target_tokens": int(examples.targets.sum()),
+                "tokens_per_example": all_lengths,
+                "tokenize_seconds": round(examples.tokenize_seconds, 3),
+                "length_histogram": {str(k): v for k, v in examples.length_histogram().items()},
+            }
+        )
+    return {
+        "tool": "prepack preflight",
+        "config": {
+            "tokenizer": config.tokenizer,
+            "chat_format": config.chat_format,
+            "max_lengths": list(config.max_lengths),
+            "batch_sizes": list(config.batch_sizes),
+            "overlong": config.overlong.value,
+            "template_options": dict(config.template_options),
+            "max_examples": config.max_examples,
+            "seed": config.seed,
+        },
+        "throughput_model": THROUGHPUT_MODEL,
+        "packing": "global best-fit decreasing over the length histogram (prepack.packer.plan_from_histogram)",
+        "datasets": datasets,
+        "rows": rows,
+    }
+
+
+def write_outputs(result: dict[str, Any], output: str, plots: bool = True) -> list[str]:
+    """preflight.csv, preflight.json and the PNG plots; returns the paths written."""
+    os.makedirs(output, exist_ok=True)
+    csv_path = os.path.join(output, "preflight.csv")
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(CSV_COLUMNS), extrasaction="ignore")
+        writer.writeheader()
+        for row in result["rows"]:
+            writer.writerow({k: _csv_value(v) for k, v in row.items()})
+    json_path = os.path.join(output, "preflight.json")
+    with open(json_path, "w") as f:
+        json.dump(result, f, indent=2)
+        f.write("\n")
+    written = [csv_path, json_path]
+    if plots:
+        from prepack import plots as plotting  # lazy: matplotlib only when plots are asked for
+
+        histograms = {d["name"]: {int(k): v for k, v in d["length_histogram"].items()} for d in result["datasets"]}
+        written += plotting.preflight_plots(result["rows"], histograms, result["config"]["max_lengths"], output)
+    return written
+
+
+def _csv_value(value: Any) -> Any:
+    # Enough digits to recompute the table, few enough to read.
+    return round(value, 6) if isinstance(value, float) else value
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="prepack preflight",
+        description="Estimate packing gains from the tokenizer alone: per dataset x max length x batch size, "
+        "densities, rows, steps and the expected target-token throughput gain. In-process; for very large inputs "
+        "use --max-examples, or `prepack pack` then `prepack report --shards`.",
+    )
+    p.add_argument("--input", action="extend", nargs="+", required=True, metavar="[NAME=]PATH",
+                   help="a dataset: JSONL, JSON or Parquet file, or a glob; repeatable, each is its own dataset")
+    p.add_argument("--format", action="extend", nargs="+", required=True, metavar="FORMAT",
+                   help="source format (template) of the inputs: one for all, or one per --input in order")
+    p.add_argument("--tokenizer", default="gemma3", help="tokenizer spec (default: the embedded gemma3)")
+    p.add_argument("--chat-format", default="auto", help="gemma, chatml, hf or auto (default)")
+    p.add_argument("--max-length", action="extend", nargs="+", type=int, metavar="L",
+                   help=f"max lengths (default: {' '.join(map(str, DEFAULT_MAX_LENGTHS))})")
+    p.add_argument("--batch-size", action="extend", nargs="+", type=int, metavar="B",
+                   help=f"batch sizes (default: {' '.join(map(str, DEFAULT_BATCH_SIZES))})")
+    p.add_argument("--overlong", choices=[p.value for p in OverlongPolicy], default=OverlongPolicy.DROP.value,
+                   help="examples longer than L: drop (default) or truncate")
+    p.add_argument("--template-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="template option, e.g. source_lang=de (given only to formats that take it)")
+    p.add_argument("--max-examples", type=int, default=None, metavar="N",
+                   help="estimate from a seeded uniform sample of N examples per dataset (default: all)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--output", required=True, metavar="DIR", help="folder for preflight.csv, preflight.json and plots")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots (no matplotlib needed)")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> PreflightConfig:
+    inputs, formats = list(args.input), list(args.format)
+    if len(formats) not in (1, len(inputs)):
+        raise PreflightError(f"got {len(inputs)} inputs and {len(formats)} formats; give one format for all or one per input")
+    if len(formats) == 1:
+        formats *= len(inputs)
+    datasets, names = [], Counter()
+    for raw, fmt in zip(inputs, formats):
+        name, path = _split_name(raw)
+        names[name] += 1
+        if names[name] > 1:  # two inputs called train.jsonl: keep both, tell them apart
+            name = f"{name}#{names[name]}"
+        datasets.append(DatasetSpec(name, path, fmt))
+    max_lengths = tuple(args.max_length or DEFAULT_MAX_LENGTHS)
+    batch_sizes = tuple(args.batch_size or DEFAULT_BATCH_SIZES)
+    for flag, values in (("--max-length", max_lengths), ("--batch-size", batch_sizes)):
+        bad = [v for v in values if v <= 0]
+        if bad:
+            raise PreflightError(f"{flag} must be positive, got {bad}")
+    if args.max_examples is not None and args.max_examples <= 0:
+        raise PreflightError(f"--max-examples must be positive, got {args.max_examples}")
+    options = {}
+    for item in args.template_option:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise PreflightError(f"--template-option {item!r}: expected KEY=VALUE")
+        options[key] = value
+    return PreflightConfig(
+        datasets=tuple(datasets),
+        output=args.output,
+        tokenizer=args.tokenizer,
+        chat_format=args.chat_format,
+        max_lengths=tuple(sorted(set(max_lengths))),
+        batch_sizes=tuple(sorted(set(batch_sizes))),
+        overlong=OverlongPolicy(args.overlong),
+        template_options=options,
+        max_examples=args.max_examples,
+        seed=args.seed,
+        plots=not args.no_plots,
+    )
+
+
+def _split_name(raw: str) -> tuple[str, str]:
+    """NAME=PATH, or PATH named after its file (alpaca.jsonl -> alpaca)."""
+    name, sep, path = raw.partition("=")
+    if sep and name and os.sep not in name and not os.path.exists(raw):
+        return name, path
+    stem = os.path.basename(raw.rstrip("/")) or raw
+    for ext in (".jsonl", ".json", ".parquet"):
+        if stem.lower().endswith(ext):
+            stem = stem[: -len(ext)]
+    return stem.replace("*", "_"), raw
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        config = config_from_args(args)
+        # Fail on every bad input or format before the tokenizer loads or anything is read.
+        for spec in config.datasets:
+            make_template(spec.format, config.template_options)
+            expand_input(spec.path)
+        tokenizer, chat_format = _load_tokenizer(config)
+        fmt_name = getattr(chat_format, "name", type(chat_format).__name__)
+        result = run(config, lambda spec: load_examples(spec, tokenizer, chat_format, config), config.tokenizer, fmt_name)
+        written = write_outputs(result, config.output, plots=config.plots)
+    except PreflightError as e:
+        print(f"prepack preflight: error: {e}", file=sys.stderr)
+        return 2
+    print(render_text_table(result["rows"]))
+    for d in result["datasets"]:
+        if d["sampled"]:
+            print(f"note: {d['name']}: estimated from a sample of {d['examples']:,} of {d['examples_seen']:,} examples")
+    print("throughput model: " + THROUGHPUT_MODEL)
+    print("wrote " + ", ".join(written))
+    return 0
+
+
+def _load_tokenizer(config: PreflightConfig) -> tuple[Any, Any]:
+    from prepack.chat_formats import ChatFormatError, get_chat_format
+    from prepack.tokenizer import TokenizerError, load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(config.tokenizer)
+    except TokenizerError as e:
+        raise PreflightError(str(e)) from e
+    try:
+        return tokenizer, get_chat_format(config.chat_format, tokenizer)
+    except ChatFormatError as e:
+        raise PreflightError(str(e)) from e
