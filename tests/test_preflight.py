@@ -1,0 +1,261 @@
+"""prepack preflight: figures checked against cases worked out by hand, outputs, and bad input.
+
+The hand cases use loss masks directly (no tokenizer), so every number below
+can be recomputed on paper. Target tokens count from each example's second
+token, because the row builder zeroes the first token's loss.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import struct
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from prepack import preflight
+from prepack.packer import OverlongPolicy
+from prepack.preflight import DatasetSpec, ExampleSet, PreflightConfig
+
+# Four examples, lengths [3, 5, 2, 6]; targets counted from token 1: [2, 3, 1, 3] -> 9.
+MASKS = [
+    [0, 1, 1],  # len 3, targets 2
+    [0, 0, 1, 1, 1],  # len 5, targets 3
+    [0, 1],  # len 2, targets 1
+    [0, 0, 0, 1, 1, 1],  # len 6, targets 3
+]
+
+
+def example_set(masks=MASKS, name="hand") -> ExampleSet:
+    return ExampleSet(name=name, loss_masks=[np.array(m, dtype=np.uint8) for m in masks], input="hand.jsonl",
+                      format="alpaca", records_read=len(masks))
+
+
+def config(max_lengths, batch_sizes, overlong=OverlongPolicy.DROP, output="unused") -> PreflightConfig:
+    return PreflightConfig(datasets=(), output=output, max_lengths=tuple(max_lengths), batch_sizes=tuple(batch_sizes),
+                           overlong=overlong)
+
+
+def rows_by_b(rows):
+    return {r["batch_size"]: r for r in rows}
+
+
+def test_lengths_3_5_2_6_at_L8_by_hand():
+    # BFD at L=8, longest first: 6 -> row A (2 free); 5 -> new row B (3 free); 3 -> B (full); 2 -> A (full).
+    # 2 rows, 16 tokens: packed density 16/(2*8) = 1.0; unpacked 16/(4*8) = 0.5.
+    # Targets 9: packed target density 9/16 = 0.5625; unpacked 9/32 = 0.28125. Row reduction 4/2 = 2.
+    rows = rows_by_b(preflight.evaluate(example_set(), config([8], [1, 2, 3, 4])))
+    r = rows[1]
+    assert (r["examples_kept"], r["examples_dropped"], r["tokens"], r["target_tokens"]) == (4, 0, 16, 9)
+    assert (r["unpacked_rows"], r["packed_rows"], r["lower_bound_rows"]) == (4, 2, 2)
+    assert r["packed_density"] == 1.0 and r["unpacked_density"] == 0.5
+    assert r["packed_target_density"] == 0.5625 and r["unpacked_target_density"] == 0.28125
+    assert r["row_reduction"] == 2.0
+    # Kept lengths [2,3,5,6]: mean 4, median 4, p95 by linear interpolation 5 + 0.85 * (6 - 5) = 5.85.
+    assert (r["mean_tokens"], r["median_tokens"], r["max_tokens"]) == (4.0, 4.0, 6)
+    assert r["p95_tokens"] == pytest.approx(5.85)
+    # B=1: 4 steps unpacked vs 2 packed -> gain 2.
+    assert (r["unpacked_steps"], r["packed_steps"], r["throughput_gain"]) == (4, 2, 2.0)
+    # B=2: 2 steps vs 1. Per-step density unpacked 16/(2*2*8) = 0.5, packed 16/(1*2*8) = 1.0; targets
+    # 9/32 = 0.28125 vs 9/16 = 0.5625; gain 2.
+    r = rows[2]
+    assert (r["unpacked_steps"], r["packed_steps"]) == (2, 1)
+    assert (r["unpacked_step_density"], r["packed_step_density"]) == (0.5, 1.0)
+    assert (r["unpacked_step_target_density"], r["packed_step_target_density"]) == (0.28125, 0.5625)
+    assert r["throughput_gain"] == 2.0
+    # B=3: unpacked ceil(4/3) = 2 steps, 16/(2*3*8) = 1/3; packed 1 step (one empty padding row), 16/24 = 2/3; gain 2.
+    r = rows[3]
+    assert (r["unpacked_steps"], r["packed_steps"]) == (2, 1)
+    assert r["unpacked_step_density"] == pytest.approx(1 / 3) and r["packed_step_density"] == pytest.approx(2 / 3)
+    assert r["throughput_gain"] == 2.0
+    # B=4: both fit one step, so packing halves the rows but saves no step: gain 1, both 16/32 = 0.5 per step.
+    r = rows[4]
+    assert (r["unpacked_steps"], r["packed_steps"], r["throughput_gain"]) == (1, 1, 1.0)
+    assert r["packed_step_density"] == r["unpacked_step_density"] == 0.5
+    assert r["packed_density"] == 1.0  # row density does not see the padding row
+
+
+def test_drop_policy_at_L5_by_hand():
+    # The 6-token example is too long. Kept [3,5,2]: 10 tokens, targets 2+3+1 = 6.
+    # BFD: 5 -> row A (full); 3 -> row B (2 free); 2 -> B (full). 2 rows, bound ceil(10/5) = 2.
+    # packed 10/10 = 1.0, unpacked 10/15; targets 6/10 = 0.6 packed, 6/15 = 0.4 unpacked.
+    (r,) = preflight.evaluate(example_set(), config([5], [1]))
+    assert (r["examples"], r["examples_kept"], r["examples_dropped"], r["dropped_too_long"]) == (4, 3, 1, 1)
+    assert r["examples_truncated"] == 0
+    assert (r["tokens"], r["target_tokens"], r["packed_rows"], r["lower_bound_rows"]) == (10, 6, 2, 2)
+    assert r["packed_density"] == 1.0 and r["unpacked_density"] == pytest.approx(10 / 15)
+    assert r["packed_target_density"] == 0.6 and r["unpacked_target_density"] == pytest.approx(0.4)
+    assert r["max_tokens"] == 5
+
+
+def test_truncate_policy_at_L5_by_hand():
+    # The 6-token example [0,0,0,1,1,1] becomes [0,0,0,1,1]: 5 tokens, 2 targets.
+    # Kept [3,5,2,5]: 15 tokens, targets 2+3+1+2 = 8. BFD: 5 | 5 | 3+2 -> 3 rows, bound 3.
+    # packed 15/15 = 1.0, unpacked 15/20 = 0.75; targets 8/15 packed, 8/20 = 0.4 unpacked.
+    (r,) = preflight.evaluate(example_set(), config([5], [1], OverlongPolicy.TRUNCATE))
+    assert (r["examples_kept"], r["examples_dropped"], r["examples_truncated"]) == (4, 0, 1)
+    assert (r["tokens"], r["target_tokens"], r["packed_rows"], r["lower_bound_rows"]) == (15, 8, 3, 3)
+    assert r["packed_density"] == 1.0 and r["unpacked_density"] == 0.75
+    assert r["packed_target_density"] == pytest.approx(8 / 15) and r["unpacked_target_density"] == 0.4
+
+
+def test_truncation_that_leaves_no_target_drops_by_reason():
+    # L=4, truncate. [0,0,1,1,1] -> [0,0,1,1]: kept, 2 targets. [0,0,0,0,1,1] -> [0,0,0,0]: no target left, dropped.
+    # Kept [3,4,2]: 9 tokens, targets 2+2+1 = 5. BFD: 4 | 3 (1 free) | 2 -> 3 rows = bound ceil(9/4).
+    # With one example per row either way: density 9/12 = 0.75 both, row reduction 1, gain 1.
+    masks = [MASKS[0], MASKS[1], MASKS[2], [0, 0, 0, 0, 1, 1]]
+    (r,) = preflight.evaluate(example_set(masks), config([4], [1], OverlongPolicy.TRUNCATE))
+    assert (r["examples_kept"], r["examples_truncated"], r["dropped_no_targets_after_truncation"]) == (3, 1, 1)
+    assert r["dropped_too_long"] == 0 and r["examples_dropped"] == 1
+    assert (r["tokens"], r["target_tokens"], r["packed_rows"]) == (9, 5, 3)
+    assert r["packed_density"] == r["unpacked_density"] == 0.75
+    assert r["row_reduction"] == 1.0 and r["throughput_gain"] == 1.0
+
+
+def test_every_example_dropped_gives_zeros_not_errors():
+    (r,) = preflight.evaluate(example_set(), config([1], [4]))
+    assert r["examples_kept"] == 0 and r["examples_dropped"] == 4
+    assert r["packed_rows"] == 0 and r["packed_density"] == 0.0 and r["throughput_gain"] == 0.0
+
+
+def test_run_writes_csv_json_and_plots(tmp_path):
+    cfg = config([4, 8], [1, 2], output=str(tmp_path))
+    cfg = PreflightConfig(**{**cfg.__dict__, "datasets": (DatasetSpec("hand", "hand.jsonl", "alpaca"),)})
+    result = preflight.run(cfg, lambda spec: example_set(name=spec.name), "fake-tok", "gemma")
+    written = preflight.write_outputs(result, str(tmp_path))
+    names = sorted(p.rsplit("/", 1)[-1] for p in written)
+    assert names == ["density_vs_max_length.png", "length_histogram.png", "preflight.csv", "preflight.json",
+                     "row_reduction.png"]
+    with open(tmp_path / "preflight.csv") as f:
+        table = list(csv.DictReader(f))
+    assert len(table) == 4  # 1 dataset x 2 lengths x 2 batch sizes
+    assert set(preflight.CSV_COLUMNS) <= set(table[0])
+    at8 = [r for r in table if r["max_length"] == "8" and r["batch_size"] == "2"][0]
+    assert (at8["packed_rows"], at8["unpacked_rows"], float(at8["packed_density"]), float(at8["unpacked_density"])) == (
+        "2", "4", 1.0, 0.5)
+    data = json.loads((tmp_path / "preflight.json").read_text())
+    assert data["datasets"][0]["length_histogram"] == {"2": 1, "3": 1, "5": 1, "6": 1}
+    assert "ceil(rows / B)" in data["throughput_model"]
+    assert len(data["rows"]) == 4
+    for name in names:
+        if name.endswith(".png"):
+            assert_readable_png(tmp_path / name)
+
+
+def assert_readable_png(path, min_side=400, min_bytes=15_000):
+    """A real PNG of a decent size whose pixels are not all one colour."""
+    raw = path.read_bytes()
+    assert raw[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    width, height = struct.unpack(">II", raw[16:24])
+    assert width >= min_side and height >= min_side * 0.6, (width, height)
+    assert len(raw) >= min_bytes, f"{path} is only {len(raw)} bytes"
+    import matplotlib.image
+
+    pixels = (matplotlib.image.imread(str(path)) * 255).astype(np.uint8)
+    rgba = np.ascontiguousarray(pixels[..., :3]).view(np.dtype((np.void, 3)))  # one value per pixel colour
+    assert len(np.unique(rgba)) > 50  # lines, text, fills: many colours, not a blank canvas
+
+
+def test_text_table_is_readable():
+    rows = preflight.evaluate(example_set(), config([8], [2]))
+    text = preflight.render_text_table(rows)
+    assert "hand: hand.jsonl" in text
+    header, line = text.splitlines()[1:3]
+    assert header.split()[:2] == ["L", "B"]
+    assert "100.0%" in line and "50.0%" in line and "2.00x" in line
+
+
+def test_reservoir_sample_is_seeded_and_in_order():
+    def sample(seed):
+        r = preflight._Reservoir(5, seed)
+        for i in range(100):
+            r.add(i)
+        return r.items(), r.seen
+
+    items, seen = sample(1)
+    assert seen == 100 and len(items) == 5 and items == sorted(items)
+    assert sample(1) == sample(1) and sample(1) != sample(2)
+
+
+# ----------------------------------------------------------------------------- command line, real tokenizer
+
+ALPACA_LINES = [
+    '{"instruction": "Say hi", "input": "", "output": "Hi there!"}',
+    '{"instruction": "Add", "input": "2 and 3", "output": "2 + 3 = 5"}',
+    "{not json",
+    '{"instruction": "No output here"}',
+    '{"instruction": "Name a colour", "input": "", "output": "Blue."}',
+]
+
+
+@pytest.fixture(scope="module")
+def cli_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("preflight")
+    data = root / "tiny_alpaca.jsonl"
+    data.write_text("\n".join(ALPACA_LINES) + "\n")
+    pr = root / "pr.jsonl"
+    pr.write_text('{"prompt": "Why?", "response": "' + "Because. " * 40 + '"}\n')
+    out = root / "out"
+    code = preflight.main(["--input", str(data), f"qa={pr}", "--format", "alpaca", "prompt_response",
+                           "--max-length", "32", "64", "--batch-size", "1", "2", "--output", str(out)])
+    return code, out
+
+
+def test_cli_end_to_end_with_gemma3(cli_run, capsys):
+    code, out = cli_run
+    assert code == 0
+    data = json.loads((out / "preflight.json").read_text())
+    tiny = data["datasets"][0]
+    assert (tiny["name"], tiny["records_read"], tiny["examples"]) == ("tiny_alpaca", 5, 3)
+    assert tiny["bad_records"] == {"malformed_json": 1, "missing_field": 1}
+    assert data["datasets"][1]["name"] == "qa"
+    rows = data["rows"]
+    assert [(r["dataset"], r["max_length"], r["batch_size"]) for r in rows] == [
+        (d, L, B) for d in ("tiny_alpaca", "qa") for L in (32, 64) for B in (1, 2)]
+    for r in rows:
+        assert r["chat_format"] == "gemma" and r["tokenizer"] == "gemma3"
+        assert r["examples_kept"] + r["examples_dropped"] == r["examples"]
+        assert r["packed_rows"] >= r["lower_bound_rows"]
+        assert r["tokens"] == pytest.approx(r["packed_density"] * r["packed_rows"] * r["max_length"])
+    # The 40-sentence response is longer than 64 tokens: dropped at both lengths.
+    assert all(r["dropped_too_long"] == 1 and r["examples_kept"] == 0 for r in rows if r["dataset"] == "qa")
+    # Three short alpaca examples (each under 32 tokens with Gemma markup) share rows at L=64.
+    at64 = [r for r in rows if r["dataset"] == "tiny_alpaca" and r["max_length"] == 64][0]
+    assert at64["examples_kept"] == 3 and at64["packed_rows"] < 3
+    for png in ("density_vs_max_length.png", "row_reduction.png", "length_histogram.png"):
+        assert_readable_png(out / png)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--input", "{data}", "--format", "nope"], "unknown format 'nope'; expected one of alpaca"),
+        (["--input", "{missing}", "--format", "alpaca"], "no such file"),
+        (["--input", "{data}", "{data}", "--format", "alpaca", "chat", "chat"], "got 2 inputs and 3 formats"),
+        (["--input", "{data}", "--format", "alpaca", "--max-length", "0"], "--max-length must be positive"),
+        (["--input", "{folder}/*.parquet", "--format", "alpaca"], "matches no file"),
+        (["--input", "gs://bucket/x.jsonl", "--format", "alpaca"], "prepack report --shards"),
+        (["--input", "{data}", "--format", "translation", "--template-option", "source_lang"], "expected KEY=VALUE"),
+    ],
+)
+def test_bad_input_fails_with_a_clear_message(tmp_path, capsys, argv, message):
+    data = tmp_path / "d.jsonl"
+    data.write_text(ALPACA_LINES[0] + "\n")
+    subs = {"data": str(data), "missing": str(tmp_path / "missing.jsonl"), "folder": str(tmp_path)}
+    argv = [a.format(**subs) for a in argv] + ["--output", str(tmp_path / "out")]
+    assert preflight.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("prepack preflight: error: ") and message in err, err
+    assert not (tmp_path / "out").exists()  # nothing written on bad input
+
+
+def test_counter_of_bad_records_survives_json():
+    # bad_records is a Counter internally; the JSON holds a plain sorted dict.
+    ex = example_set()
+    ex.bad_records = Counter({"wrong_type": 2, "empty_response": 1})
+    cfg = PreflightConfig(datasets=(DatasetSpec("hand", "x", "alpaca"),), output="x", max_lengths=(8,), batch_sizes=(1,))
+    result = preflight.run(cfg, lambda spec: ex)
+    assert result["datasets"][0]["bad_records"] == {"empty_response": 1, "wrong_type": 2}
+    assert result["rows"][0]["bad_records"] == 3
