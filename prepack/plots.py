@@ -217,3 +217,90 @@ def preflight_plots(rows: Sequence[dict[str, Any]], histograms: dict[str, dict[i
     if any(histograms.values()):
         paths.append(length_histogram(histograms, max_lengths, os.path.join(output, "length_histogram.png")))
     return paths
+
+
+def _smooth(values: Sequence[float]) -> list[float]:
+    """Trailing mean over ~2% of the run, so the trend shows through per-step noise."""
+    import numpy as np
+
+    v = np.asarray(values, dtype=np.float64)
+    window = max(1, len(v) // 50)
+    if window == 1:
+        return v.tolist()
+    cum = np.cumsum(np.concatenate([[0.0], v]))
+    idx = np.arange(1, len(v) + 1)
+    lo = np.maximum(0, idx - window)
+    return ((cum[idx] - cum[lo]) / (idx - lo)).tolist()
+
+
+def loss_curves(runs: Sequence[Any], path: str, budget: float | None = None) -> str:
+    """Loss against cumulative target tokens (left) and against cumulative time (right), one colour per run.
+
+    `runs` are report.Run objects (label, packing, loss, cum_target_tokens, cum_time, time_to)."""
+    plt = _plt()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.4), sharey=True)
+    colors = _colors(r.label for r in runs)
+    for run in runs:
+        name = f"{run.label} ({run.packing})" if run.packing and run.packing != run.label else run.label
+        c = colors[run.label]
+        style = "--" if run.packing == "unpacked" else "-"
+        for ax, xs in ((left, run.cum_target_tokens), (right, run.cum_time)):
+            if len(run.loss) > 50:
+                ax.plot(xs, run.loss, color=c, alpha=0.2, linewidth=0.8)
+            ax.plot(xs, _smooth(run.loss), style, color=c, linewidth=1.8, label=name)
+        if budget is not None:
+            t = run.time_to(budget)
+            if t == t:  # not NaN
+                right.axvline(t, color=c, linestyle=":", linewidth=1)
+    if budget is not None:
+        left.axvline(budget, color="black", linestyle=":", linewidth=1)
+        left.text(budget, 0.98, " budget", transform=left.get_xaxis_transform(), va="top", fontsize=8)
+    left.set_xlabel("target tokens trained (cumulative)")
+    right.set_xlabel("training time (s, sum of step times)")
+    left.set_ylabel("loss")
+    left.set_title("Loss against target tokens", fontsize=10)
+    right.set_title("Loss against time (dotted: time to reach the budget)", fontsize=10)
+    for ax in (left, right):
+        ax.grid(True, alpha=0.3)
+    left.xaxis.set_major_formatter(_si_formatter())
+    left.legend(fontsize=8)
+    fig.suptitle("Training loss: packed vs unpacked", fontsize=11)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def _si_formatter() -> Any:
+    from matplotlib.ticker import FuncFormatter
+
+    def fmt(v: float, _: Any) -> str:
+        for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+            if abs(v) >= scale:
+                return f"{v / scale:g}{suffix}"
+        return f"{v:g}"
+
+    return FuncFormatter(fmt)
+
+
+def budget_bars(table: Sequence[dict[str, Any]], path: str, budget: float | None = None) -> str:
+    """Horizontal bars: seconds each run needs to reach the same target-token budget, with the speed-up."""
+    plt = _plt()
+    rows = [r for r in table if r["time_to_budget_s"] == r["time_to_budget_s"]]  # runs that reached it
+    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.55 * max(1, len(rows))))
+    colors = _colors(r["run"] for r in table)
+    labels = [f"{r['run']} ({r['packing']})" if r["packing"] not in ("", "-", r["run"]) else r["run"] for r in rows]
+    times = [float(r["time_to_budget_s"]) for r in rows]
+    ax.barh(labels, times, color=[colors[r["run"]] for r in rows], alpha=0.85)
+    for y, (t, r) in enumerate(zip(times, rows)):
+        speed = r["speedup"]
+        note = f" {t:.1f} s" + (f"  ({speed:.2f}x)" if speed == speed else "")
+        ax.text(t, y, note, va="center", fontsize=9)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(times, default=1) * 1.3)
+    ax.set_xlabel("seconds to reach the budget")
+    title = "Time to the same useful-token budget"
+    if budget is not None:
+        title += f": {budget:,.0f} target tokens"
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, axis="x", alpha=0.3)
+    fig.tight_layout()
+    return _save(fig, path)

@@ -1,0 +1,575 @@
+"""`prepack report`: one self-contained page from published manifests and training metrics.
+
+- Shard sets (`--shards`, a shard set folder or an OUTPUT root holding L*/
+  folders): the preflight table and plots, recomputed from each manifest's
+  counts with prepack.stats, so a manifest and a preflight estimate read alike.
+- Training runs (`--metrics`, the JSONL `prepack train` writes): loss against
+  target tokens and against time, and the useful-token budget view: how long
+  each run takes to train on the same number of target tokens.
+- Preflight results (`--preflight`, optional): the estimate, on the same page.
+
+`--output page.html` embeds the PNGs (base64), so the page is one file;
+`--output page.md` writes the PNGs beside it, named after the page.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import dataclasses
+import datetime
+import glob
+import html
+import json
+import math
+import os
+import re
+import shutil
+import sys
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from prepack.manifest import MANIFEST_NAME, Manifest, ManifestError
+from prepack.packer import DropReason
+from prepack.preflight import TABLE_COLUMNS, THROUGHPUT_MODEL, dataset_heading, format_cell, result_row
+from prepack.stats import PackingStats
+
+DEFAULT_BATCH_SIZES = (16,)
+
+
+class ReportError(Exception):
+    """Bad input: printed as one line, exit status 2."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportConfig:
+    output: str
+    shards: tuple[str, ...] = ()
+    metrics: tuple[str, ...] = ()
+    preflight: tuple[str, ...] = ()
+    batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
+    budget: float | None = None  # target tokens; None: the most that every run reached
+    warmup_steps: int = 0  # first steps (compilation) left out of time and budget
+    title: str = "tunix-prepack report"
+
+
+# ----------------------------------------------------------------------------- manifests
+
+
+def find_manifests(path: str) -> list[tuple[str, Manifest]]:
+    """(folder, manifest) for a shard set folder, or for every L*/ shard set under an OUTPUT root."""
+    if path.startswith("gs://"):
+        from loaders import storage  # lazy: google-cloud-storage only for gs:// inputs
+
+        text = storage.read_text(storage.join(path, MANIFEST_NAME))
+        if text is None:
+            raise ReportError(f"--shards {path}: no {MANIFEST_NAME} there (for gs:// give each L* folder)")
+        return [(path, _parse_manifest(text, path))]
+    if not os.path.isdir(path):
+        raise ReportError(f"--shards {path}: no such folder")
+    own = os.path.join(path, MANIFEST_NAME)
+    if os.path.isfile(own):
+        return [(path, _read_manifest(own))]
+    found = []
+    for folder in glob.glob(os.path.join(path, "L*")):
+        if re.fullmatch(r"L\d+", os.path.basename(folder)) and os.path.isfile(os.path.join(folder, MANIFEST_NAME)):
+            found.append((folder, _read_manifest(os.path.join(folder, MANIFEST_NAME))))
+    if not found:
+        raise ReportError(f"--shards {path}: no {MANIFEST_NAME} in it or in an L*/ folder under it (is the job finished?)")
+    return sorted(found, key=lambda item: item[1].max_length)
+
+
+def _read_manifest(path: str) -> Manifest:
+    with open(path) as f:
+        return _parse_manifest(f.read(), path)
+
+
+def _parse_manifest(text: str, source: str) -> Manifest:
+    try:
+        return Manifest.from_json(text, source=source)
+    except ManifestError as e:
+        raise ReportError(str(e)) from e
+
+
+def _stat(manifest: Manifest, key: str, source: str) -> Any:
+    if key not in manifest.stats:
+        raise ReportError(f"{source}: manifest stats lack {key!r}")
+    return manifest.stats[key]
+
+
+def manifest_rows(label: str, folder: str, manifest: Manifest, batch_sizes: Sequence[int],
+                  given: str | None = None) -> tuple[list[dict[str, Any]], list[str]]:
+    """Table rows for one shard set (one per batch size), and warnings about inconsistent stats."""
+    source = os.path.join(folder, MANIFEST_NAME)
+    dropped = _stat(manifest, "examples_dropped", source)
+    if not isinstance(dropped, dict):
+        raise ReportError(f"{source}: stats.examples_dropped should map reason -> count, got {dropped!r}")
+    stats = PackingStats(
+        max_length=manifest.max_length,
+        examples=int(_stat(manifest, "examples_written", source)),
+        tokens=int(_stat(manifest, "tokens", source)),
+        target_tokens=int(_stat(manifest, "target_tokens", source)),
+        rows=manifest.num_rows,
+    )
+    warnings = []
+    for key, ours in (("packed_density", stats.packed_density), ("unpacked_density", stats.unpacked_density),
+                      ("lower_bound_rows", stats.lower_bound_rows)):
+        theirs = manifest.stats.get(key)
+        if theirs is not None and not math.isclose(float(theirs), ours, rel_tol=1e-6, abs_tol=1e-9):
+            warnings.append(f"{source}: stats.{key} is {theirs}, but its counts give {ours:.6g}")
+    histogram = _histogram(manifest.stats.get("length_histogram"))
+    meta = {
+        "dataset": label,
+        "input": given or folder,
+        "format": (manifest.template or {}).get("name", ""),
+        "tokenizer": (manifest.tokenizer or {}).get("name", ""),
+        "packing": manifest.packing,
+        "overlong": (manifest.options or {}).get("overlong", ""),
+        "records_read": _stat(manifest, "examples_read", source),
+        # Record-level problems (bad JSON, missing fields) are the drops that do not depend on L.
+        "bad_records": sum(int(v) for k, v in dropped.items() if k not in _LENGTH_REASONS),
+        "examples": int(_stat(manifest, "examples_written", source)) + sum(int(v) for v in dropped.values()),
+        "examples_dropped": sum(int(v) for v in dropped.values()),
+        "dropped_by_reason": dict(sorted(dropped.items())),
+        "dropped_too_long": dropped.get("too_long", 0),
+        "dropped_no_targets_after_truncation": dropped.get("no_targets_after_truncation", 0),
+        "examples_truncated": manifest.stats.get("examples_truncated", 0),
+        "mean_tokens": stats.tokens / stats.examples if stats.examples else 0.0,
+        **_histogram_quantiles(histogram),
+    }
+    return [result_row(meta, stats, b) for b in batch_sizes], warnings
+
+
+_LENGTH_REASONS = {reason.value for reason in DropReason}
+
+
+def _histogram(value: Any) -> dict[int, int]:
+    if not isinstance(value, dict):
+        return {}
+    return {int(k): int(v) for k, v in value.items()}
+
+
+def _histogram_quantiles(histogram: dict[int, int]) -> dict[str, Any]:
+    """Median, p95 and max from a length histogram, when the manifest carries one."""
+    if not histogram:
+        return {}
+    lengths = np.repeat(np.array(list(histogram), dtype=np.int64), list(histogram.values()))
+    return {"median_tokens": float(np.median(lengths)), "p95_tokens": float(np.percentile(lengths, 95)),
+            "max_tokens": int(lengths.max())}
+
+
+def _shard_label(path: str) -> str:
+    path = path.rstrip("/")
+    base = os.path.basename(path)
+    if re.fullmatch(r"L\d+", base):
+        # OUTPUT/L512 is named after OUTPUT: its siblings are the same data at other lengths.
+        return os.path.basename(os.path.dirname(path)) or base
+    return base
+
+
+# ----------------------------------------------------------------------------- training metrics
+
+
+@dataclasses.dataclass
+class Run:
+    """One training run's per-step metrics, warmup steps already left out of time and tokens."""
+
+    label: str
+    path: str
+    steps: np.ndarray
+    loss: np.ndarray
+    step_time_s: np.ndarray
+    target_tokens: np.ndarray  # per step
+    tokens: np.ndarray  # per step
+    summary: dict[str, Any]
+    packing: str = ""
+    warmup_steps: int = 0
+
+    @property
+    def cum_time(self) -> np.ndarray:
+        return np.cumsum(self.step_time_s)
+
+    @property
+    def cum_target_tokens(self) -> np.ndarray:
+        return np.cumsum(self.target_tokens)
+
+    def time_to(self, budget: float) -> float:
+        """Seconds until `budget` target tokens were trained, linear within the step that crosses it."""
+        cum = self.cum_target_tokens
+        if not len(cum) or budget > cum[-1]:
+            return math.nan
+        return float(np.interp(budget, np.concatenate([[0], cum]), np.concatenate([[0.0], self.cum_time])))
+
+    def steps_to(self, budget: float) -> int:
+        cum = self.cum_target_tokens
+        return int(np.searchsorted(cum, budget) + 1) if len(cum) and budget <= cum[-1] else 0
+
+
+REQUIRED_STEP_KEYS = ("step", "loss", "step_time_s", "target_tokens")
+
+
+def load_run(path: str, label: str | None = None, warmup_steps: int = 0) -> Run:
+    if not os.path.isfile(path):
+        raise ReportError(f"--metrics {path}: no such file")
+    steps, summary = [], {}
+    with open(path) as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ReportError(f"{path}:{number}: not valid JSON ({e.msg})") from e
+            if not isinstance(record, dict):
+                raise ReportError(f"{path}:{number}: expected a JSON object")
+            if "loss" in record and "step" in record and not record.get("summary"):
+                missing = [k for k in REQUIRED_STEP_KEYS if record.get(k) is None]
+                if missing:
+                    raise ReportError(f"{path}:{number}: step record lacks {', '.join(missing)}")
+                steps.append(record)
+            else:
+                summary.update(record)  # the final summary line (any line that is not a step)
+    if not steps:
+        raise ReportError(f"{path}: no step records (expected JSON lines with {', '.join(REQUIRED_STEP_KEYS)})")
+    steps = steps[warmup_steps:]
+    if not steps:
+        raise ReportError(f"{path}: --warmup-steps {warmup_steps} leaves no step")
+    column = lambda key: np.array([float(r.get(key) or 0) for r in steps], dtype=np.float64)  # noqa: E731
+    target = _per_step(column("target_tokens"), column("step_time_s"), [r.get("target_tokens_per_s") for r in steps])
+    name = label or os.path.splitext(os.path.basename(path))[0]
+    packing = str(summary.get("packing") or steps[-1].get("packing") or _packing_from_name(name))
+    return Run(name, path, column("step"), column("loss"), column("step_time_s"), target,
+               column("tokens"), summary, packing, warmup_steps)
+
+
+def _per_step(values: np.ndarray, times: np.ndarray, rates: list[Any]) -> np.ndarray:
+    """Per-step counts. The contract is per step; if the numbers only make sense as running
+    totals (target_tokens_per_s matches the differences, not the values), take differences."""
+    if len(values) < 3 or any(r is None for r in rates) or np.any(np.diff(values) < 0):
+        return values
+    rate = np.asarray(rates, dtype=np.float64)
+    deltas = np.diff(values, prepend=0.0)
+    safe = np.where(times > 0, times, np.nan)
+    as_values = np.nanmedian(np.abs(values / safe - rate) / np.maximum(rate, 1e-9))
+    as_deltas = np.nanmedian(np.abs(deltas / safe - rate) / np.maximum(rate, 1e-9))
+    return deltas if as_deltas < 0.05 < as_values else values
+
+
+def _packing_from_name(name: str) -> str:
+    lower = name.lower()
+    if "unpacked" in lower or "nopack" in lower or "no_pack" in lower:
+        return "unpacked"
+    if "packed" in lower or "bfd" in lower:
+        return "packed"
+    return ""
+
+
+def budget_rows(runs: Sequence[Run], budget: float | None = None) -> tuple[float, list[dict[str, Any]]]:
+    """The useful-token budget view: time each run needs for the same number of target tokens.
+
+    Default budget: the most target tokens every run reached, so every run has a time.
+    Speed-up is against the unpacked run when there is exactly one, else against the slowest.
+    """
+    if budget is None:
+        budget = min(float(r.cum_target_tokens[-1]) for r in runs)
+    times = [r.time_to(budget) for r in runs]
+    unpacked = [i for i, r in enumerate(runs) if r.packing == "unpacked"]
+    finite = [i for i, t in enumerate(times) if not math.isnan(t)]
+    ref = unpacked[0] if len(unpacked) == 1 and not math.isnan(times[unpacked[0]]) else (
+        max(finite, key=lambda i: times[i]) if finite else None)
+    out = []
+    for run, t in zip(runs, times):
+        total_time = float(run.cum_time[-1])
+        total_target = float(run.cum_target_tokens[-1])
+        out.append({
+            "run": run.label,
+            "packing": run.packing or "-",
+            "steps": len(run.steps),
+            "target_tokens": total_target,
+            "time_s": total_time,
+            "target_tokens_per_s": total_target / total_time if total_time else 0.0,
+            "mean_step_time_s": float(np.mean(run.step_time_s)),
+            "steps_to_budget": run.steps_to(budget),
+            "time_to_budget_s": t,
+            "speedup": (times[ref] / t) if ref is not None and t and not math.isnan(t) else math.nan,
+            "reference": runs[ref].label if ref is not None else "-",
+            "final_loss": float(np.mean(run.loss[-max(1, len(run.loss) // 10):])),
+        })
+    return budget, out
+
+
+# ----------------------------------------------------------------------------- page building
+
+
+@dataclasses.dataclass
+class Page:
+    """Blocks in order: ("h1"|"h2"|"h3"|"p"|"pre", text), ("table", headers, rows), ("img", caption, png path)."""
+
+    blocks: list[tuple[Any, ...]] = dataclasses.field(default_factory=list)
+
+    def add(self, *block: Any) -> None:
+        self.blocks.append(block)
+
+
+def _table_block(rows: Sequence[dict[str, Any]], with_packing: bool) -> tuple[list[str], list[list[str]]]:
+    columns = list(TABLE_COLUMNS)
+    if with_packing:
+        columns.insert(0, ("packing", "packing", "str"))
+    return [h for h, _, _ in columns], [[format_cell(r.get(k), kind) for _, k, kind in columns] for r in rows]
+
+
+BUDGET_COLUMNS = (
+    ("run", "run", "str"), ("packing", "packing", "str"), ("steps", "steps", "int"),
+    ("target tokens", "target_tokens", "int"), ("time", "time_s", "seconds"),
+    ("target tok/s", "target_tokens_per_s", "int"), ("s/step", "mean_step_time_s", "seconds"),
+    ("steps to budget", "steps_to_budget", "int"), ("time to budget", "time_to_budget_s", "seconds"),
+    ("speed-up", "speedup", "times"), ("final loss", "final_loss", "float3"),
+)
+
+
+def _budget_cell(value: Any, kind: str) -> str:
+    if isinstance(value, float) and math.isnan(value):
+        return "-"
+    if kind == "seconds":
+        return f"{float(value):.2f} s"
+    if kind == "float3":
+        return f"{float(value):.3f}"
+    return format_cell(value, kind)
+
+
+def build_page(config: ReportConfig, figures_dir: str) -> tuple[Page, list[str]]:
+    """Reads every input, draws the figures into figures_dir, lays out the page; returns it and its PNGs."""
+    from prepack import plots  # lazy: matplotlib only here
+
+    page, pngs = Page(), []
+    page.add("h1", config.title)
+    page.add("p", f"Generated {datetime.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')} by `prepack report`.")
+
+    def figure(name: str, draw: Any, *args: Any, **kwargs: Any) -> None:
+        path = draw(*args, path=os.path.join(figures_dir, name), **kwargs)
+        pngs.append(path)
+        page.add("img", name, path)
+
+    for source in config.preflight:
+        data = _read_preflight(source)
+        page.add("h2", f"Preflight estimate: {source}")
+        _packing_section(page, data["rows"], with_packing=False)
+        hists = {d["name"]: _histogram(d.get("length_histogram")) for d in data.get("datasets", [])}
+        prefix = f"preflight{config.preflight.index(source) + 1}_"
+        figure(prefix + "density_vs_max_length.png", plots.density_vs_max_length, data["rows"])
+        figure(prefix + "row_reduction.png", plots.row_reduction, data["rows"])
+        if any(hists.values()):
+            figure(prefix + "length_histogram.png", plots.length_histogram, hists, data["config"]["max_lengths"])
+
+    if config.shards:
+        rows, warnings, hists, lengths = [], [], {}, set()
+        for path in config.shards:
+            label = _shard_label(path)
+            for folder, manifest in find_manifests(path):
+                more, warn = manifest_rows(label, folder, manifest, config.batch_sizes, given=path)
+                rows += more
+                warnings += warn
+                lengths.add(manifest.max_length)
+                hist = _histogram(manifest.stats.get("length_histogram"))
+                if hist:
+                    hists.setdefault(label, hist)
+        page.add("h2", "Shard sets")
+        page.add("p", "Figures recomputed from each manifest's counts (examples_written, tokens, target_tokens, "
+                      "num_rows) with prepack.stats; median and p95 need a length histogram in the manifest.")
+        _packing_section(page, rows, with_packing=True)
+        for w in warnings:
+            page.add("p", "Warning: " + w)
+        # An unpacked shard set is already the dashed "unpacked" line of its packed sibling.
+        drawn = [r for r in rows if r.get("packing") != "unpacked"] or rows
+        figure("shards_density_vs_max_length.png", plots.density_vs_max_length, drawn)
+        figure("shards_row_reduction.png", plots.row_reduction, drawn)
+        if hists:
+            figure("shards_length_histogram.png", plots.length_histogram, hists, sorted(lengths))
+
+    if config.metrics:
+        runs = [load_run(path, label, config.warmup_steps) for label, path in map(_split_label, config.metrics)]
+        budget, table = budget_rows(runs, config.budget)
+        page.add("h2", "Training runs")
+        skipped = f" The first {config.warmup_steps} step(s) of each run (compilation) are left out." if config.warmup_steps else ""
+        page.add("p", "Time is the sum of logged step_time_s; target tokens are the loss-mask tokens each step trained on."
+                 + skipped)
+        figure("loss_curves.png", plots.loss_curves, runs, budget=budget)
+        page.add("h3", f"Useful-token budget: {budget:,.0f} target tokens")
+        page.add("p", "Time each run needs to train on the same number of target tokens (by default the most that "
+                      "every run reached), interpolated within the step that crosses it. Speed-up is against "
+                      f"{table[0]['reference']}.")
+        page.add("table", [h for h, _, _ in BUDGET_COLUMNS],
+                 [[_budget_cell(r[k], kind) for _, k, kind in BUDGET_COLUMNS] for r in table])
+        figure("budget.png", plots.budget_bars, table, budget=budget)
+
+    page.add("h2", "Definitions")
+    page.add("p", "density = real tokens / (rows x L); target density = trained tokens / (rows x L); unpacked = one "
+                  "example per row; row reduction = unpacked rows / packed rows.")
+    page.add("p", "Throughput model: " + THROUGHPUT_MODEL)
+    return page, pngs
+
+
+def _packing_section(page: Page, rows: Sequence[dict[str, Any]], with_packing: bool) -> None:
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault(str(row["dataset"]), []).append(row)
+    for group in groups.values():
+        page.add("h3", dataset_heading(group[0]))
+        drops = [(r["max_length"], {k: v for k, v in r["dropped_by_reason"].items() if v})
+                 for r in group if r.get("dropped_by_reason") and any(r["dropped_by_reason"].values())]
+        if drops:
+            seen = list(dict.fromkeys((L, tuple(d.items())) for L, d in drops))
+            page.add("p", "Dropped by reason: " + "; ".join(
+                f"L{L} " + ", ".join(f"{k} {int(v):,}" for k, v in d) for L, d in seen))
+        headers, cells = _table_block(group, with_packing)
+        page.add("table", headers, cells)
+
+
+def _read_preflight(source: str) -> dict[str, Any]:
+    path = os.path.join(source, "preflight.json") if os.path.isdir(source) else source
+    if not os.path.isfile(path):
+        raise ReportError(f"--preflight {source}: no preflight.json there")
+    with open(path) as f:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ReportError(f"{path}: not valid JSON ({e.msg})") from e
+    if not isinstance(data, dict) or "rows" not in data:
+        raise ReportError(f"{path}: not a preflight.json (no 'rows')")
+    return data
+
+
+def _split_label(raw: str) -> tuple[str | None, str]:
+    label, sep, path = raw.partition("=")
+    if sep and label and os.sep not in label and not os.path.exists(raw):
+        return label, path
+    return None, raw
+
+
+# ----------------------------------------------------------------------------- rendering
+
+
+def render_markdown(page: Page, image_names: dict[str, str]) -> str:
+    out = []
+    for block in page.blocks:
+        kind = block[0]
+        if kind in ("h1", "h2", "h3"):
+            out.append("#" * int(kind[1]) + " " + block[1])
+        elif kind == "p":
+            out.append(block[1])
+        elif kind == "table":
+            headers, rows = block[1], block[2]
+            out.append("| " + " | ".join(headers) + " |")
+            out.append("|" + "|".join("---:" if i else "---" for i in range(len(headers))) + "|")
+            out += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows]
+        elif kind == "img":
+            out.append(f"![{block[1]}]({image_names[block[2]]})")
+        out.append("")
+    return "\n".join(out)
+
+
+_CSS = """body{font-family:system-ui,sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;color:#222}
+table{border-collapse:collapse;font-size:13px;margin:0.5em 0 1.5em}th,td{padding:3px 8px;border-bottom:1px solid #ddd;
+text-align:right}th:first-child,td:first-child{text-align:left}th{background:#f3f3f3}img{max-width:100%;margin:0.5em 0}
+h3{font-size:15px;margin-top:1.5em}code{background:#f3f3f3}"""
+
+
+def render_html(page: Page) -> str:
+    out = ["<!DOCTYPE html>", "<html><head><meta charset='utf-8'>", f"<title>{html.escape(page.blocks[0][1])}</title>",
+           f"<style>{_CSS}</style></head><body>"]
+    for block in page.blocks:
+        kind = block[0]
+        if kind in ("h1", "h2", "h3"):
+            out.append(f"<{kind}>{html.escape(block[1])}</{kind}>")
+        elif kind == "p":
+            text = html.escape(block[1])
+            out.append("<p>" + re.sub(r"`([^`]+)`", r"<code>\1</code>", text) + "</p>")
+        elif kind == "table":
+            head = "".join(f"<th>{html.escape(h)}</th>" for h in block[1])
+            body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in block[2])
+            out.append(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
+        elif kind == "img":
+            with open(block[2], "rb") as f:
+                data = base64.b64encode(f.read()).decode("ascii")
+            out.append(f"<img alt='{html.escape(block[1])}' src='data:image/png;base64,{data}'>")
+    out.append("</body></html>")
+    return "\n".join(out) + "\n"
+
+
+def write_report(config: ReportConfig) -> list[str]:
+    """Writes the page (and, for Markdown, its PNGs); returns the paths written."""
+    out = config.output
+    ext = os.path.splitext(out)[1].lower()
+    if ext not in (".html", ".htm", ".md"):
+        raise ReportError(f"--output {out}: expected a .html or .md file")
+    folder = os.path.dirname(os.path.abspath(out))
+    stem = os.path.splitext(os.path.basename(out))[0]
+    written = []
+    # Figures are drawn in a scratch folder first, so bad input found midway leaves nothing behind.
+    with tempfile.TemporaryDirectory() as tmp:
+        page, pngs = build_page(config, tmp)
+        os.makedirs(folder, exist_ok=True)
+        if ext == ".md":
+            # PNGs beside the page, in a folder named after it so two reports can share a folder.
+            figures = os.path.join(folder, f"{stem}_figures")
+            os.makedirs(figures, exist_ok=True)
+            names = {}
+            for png in pngs:
+                target = os.path.join(figures, os.path.basename(png))
+                shutil.copyfile(png, target)
+                names[png] = os.path.relpath(target, folder)
+                written.append(target)
+            text = render_markdown(page, names)
+        else:
+            text = render_html(page)
+    with open(out, "w") as f:
+        f.write(text)
+    return [out, *written]
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="prepack report", description=__doc__.split("\n\n")[0])
+    p.add_argument("--shards", action="extend", nargs="+", default=[], metavar="DIR",
+                   help="a shard set folder (with manifest.json) or an OUTPUT root with L*/ folders; repeatable")
+    p.add_argument("--metrics", action="extend", nargs="+", default=[], metavar="[LABEL=]PATH",
+                   help="training metrics JSONL from `prepack train`; repeatable, labelled by file name or LABEL")
+    p.add_argument("--preflight", action="extend", nargs="+", default=[], metavar="PATH",
+                   help="a preflight.json (or its folder) to include")
+    p.add_argument("--batch-size", action="extend", nargs="+", type=int, metavar="B",
+                   help="batch sizes for steps and throughput gain in the shard tables (default 16)")
+    p.add_argument("--budget", type=float, default=None, metavar="TOKENS",
+                   help="target-token budget for the budget view (default: the most every run reached)")
+    p.add_argument("--warmup-steps", type=int, default=0, metavar="N",
+                   help="leave each run's first N steps (compilation) out of time and budget (default 0)")
+    p.add_argument("--title", default="tunix-prepack report")
+    p.add_argument("--output", required=True, metavar="FILE.html|FILE.md")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if not (args.shards or args.metrics or args.preflight):
+            raise ReportError("nothing to report: give --shards, --metrics and/or --preflight")
+        batch_sizes = tuple(sorted(set(args.batch_size or DEFAULT_BATCH_SIZES)))
+        if any(b <= 0 for b in batch_sizes):
+            raise ReportError(f"--batch-size must be positive, got {list(batch_sizes)}")
+        if args.warmup_steps < 0:
+            raise ReportError("--warmup-steps must be >= 0")
+        if args.budget is not None and args.budget <= 0:
+            raise ReportError("--budget must be positive")
+        config = ReportConfig(output=args.output, shards=tuple(args.shards), metrics=tuple(args.metrics),
+                              preflight=tuple(args.preflight), batch_sizes=batch_sizes, budget=args.budget,
+                              warmup_steps=args.warmup_steps, title=args.title)
+        written = write_report(config)
+    except ReportError as e:
+        print(f"prepack report: error: {e}", file=sys.stderr)
+        return 2
+    print("wrote " + ", ".join(written))
+    return 0
