@@ -1,0 +1,266 @@
+"""prepack report: manifest figures and the useful-token budget checked by hand, pages, and bad input."""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import re
+import struct
+
+import numpy as np
+import pytest
+
+from prepack import report
+from prepack.manifest import Manifest, ShardInfo
+from prepack.report import ReportError
+
+
+def write_manifest(folder, max_length, examples_written, tokens, target_tokens, num_rows, dropped=None, packing="bfd",
+                   read=None, **extra_stats):
+    dropped = dropped or {}
+    stats = {
+        "examples_read": read if read is not None else examples_written + sum(dropped.values()),
+        "examples_written": examples_written,
+        "examples_dropped": dropped,
+        "examples_truncated": 0,
+        "tokens": tokens,
+        "target_tokens": target_tokens,
+        "lower_bound_rows": math.ceil(tokens / max_length),
+        "packed_density": tokens / (num_rows * max_length),
+        "unpacked_density": tokens / (examples_written * max_length),
+        **extra_stats,
+    }
+    m = Manifest(max_length=max_length, num_rows=num_rows,
+                 shards=[ShardInfo("rows-00000-of-00001.array_record", num_rows, 1, "0" * 64)],
+                 tokenizer={"name": "test-vocab"}, stats=stats, packing=packing, template={"name": "alpaca"})
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "manifest.json").write_text(m.to_json())
+    return m
+
+
+def write_metrics(path, target_per_step, step_times, losses=None, summary=None, cumulative=False):
+    losses = losses or [3.0 - 0.1 * i for i in range(len(target_per_step))]
+    lines, total = [], 0
+    for i, (t, s) in enumerate(zip(target_per_step, step_times)):
+        total += t
+        lines.append(json.dumps({"step": i + 1, "loss": losses[i], "step_time_s": s, "tokens": 2 * t,
+                                 "target_tokens": total if cumulative else t, "target_tokens_per_s": t / s,
+                                 "density": 0.5}))
+    if summary is not None:
+        lines.append(json.dumps(summary))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+# ----------------------------------------------------------------------------- manifests
+
+
+def test_manifest_figures_by_hand(tmp_path):
+    # L=8, 4 examples written (lengths 3,5,2,6 as in the preflight test) in 2 rows, 16 tokens, 9 targets;
+    # dropped: 1 too long, 2 with a missing field, so 7 read.
+    # packed 16/16 = 1.0, unpacked 16/32 = 0.5, targets 9/16 and 9/32, row reduction 2.
+    # B=2: 2 unpacked steps vs 1 packed, gain 2. Mean tokens 16/4 = 4.
+    m = write_manifest(tmp_path / "out" / "L8", 8, 4, 16, 9, 2, dropped={"too_long": 1, "missing_field": 2})
+    (r,), warnings = report.manifest_rows("out", str(tmp_path / "out" / "L8"), m, [2])
+    assert warnings == []
+    assert (r["records_read"], r["examples"], r["examples_kept"], r["examples_dropped"]) == (7, 7, 4, 3)
+    assert (r["bad_records"], r["dropped_too_long"]) == (2, 1)
+    assert (r["packed_rows"], r["unpacked_rows"], r["lower_bound_rows"]) == (2, 4, 2)
+    assert (r["packed_density"], r["unpacked_density"]) == (1.0, 0.5)
+    assert (r["packed_target_density"], r["unpacked_target_density"]) == (0.5625, 0.28125)
+    assert (r["row_reduction"], r["unpacked_steps"], r["packed_steps"], r["throughput_gain"]) == (2.0, 2, 1, 2.0)
+    assert r["mean_tokens"] == 4.0 and r["median_tokens"] is None  # no histogram in this manifest
+
+
+def test_manifest_length_histogram_gives_quantiles(tmp_path):
+    # Lengths [2,3,5,6]: median 4, p95 5 + 0.85 = 5.85, max 6.
+    m = write_manifest(tmp_path / "L8", 8, 4, 16, 9, 2, length_histogram={"2": 1, "3": 1, "5": 1, "6": 1})
+    (r,), _ = report.manifest_rows("x", str(tmp_path / "L8"), m, [1])
+    assert (r["median_tokens"], r["max_tokens"]) == (4.0, 6) and r["p95_tokens"] == pytest.approx(5.85)
+
+
+def test_inconsistent_manifest_stats_are_flagged(tmp_path):
+    m = write_manifest(tmp_path / "L8", 8, 4, 16, 9, 2)
+    m.stats["packed_density"] = 0.9
+    _, warnings = report.manifest_rows("x", str(tmp_path / "L8"), m, [1])
+    assert len(warnings) == 1 and "stats.packed_density is 0.9, but its counts give 1" in warnings[0]
+
+
+def test_find_manifests_root_and_single_folder(tmp_path):
+    write_manifest(tmp_path / "out" / "L16", 16, 4, 16, 9, 1)
+    write_manifest(tmp_path / "out" / "L8", 8, 4, 16, 9, 2)
+    (tmp_path / "out" / "L32").mkdir()  # an unfinished length: no manifest, so not a shard set
+    found = report.find_manifests(str(tmp_path / "out"))
+    assert [m.max_length for _, m in found] == [8, 16]
+    assert [m.max_length for _, m in report.find_manifests(str(tmp_path / "out" / "L16"))] == [16]
+    assert report._shard_label(str(tmp_path / "out" / "L16")) == "out"
+    assert report._shard_label(str(tmp_path / "out")) == "out"
+    with pytest.raises(ReportError, match="no manifest.json in it or in an L"):
+        report.find_manifests(str(tmp_path / "out" / "L32"))
+    with pytest.raises(ReportError, match="no such folder"):
+        report.find_manifests(str(tmp_path / "nope"))
+
+
+# ----------------------------------------------------------------------------- metrics and the budget view
+
+
+def test_budget_view_by_hand(tmp_path):
+    # packed:   3 steps of 1 s, 100 target tokens each -> cumulative 100, 200, 300 at 1, 2, 3 s.
+    # unpacked: 4 steps of 1 s,  40 target tokens each -> cumulative 40 .. 160 at 1 .. 4 s.
+    # Budget = the most both reached = 160. Packed crosses it in step 2: 1 + (160-100)/100 = 1.6 s.
+    # Unpacked needs all 4 steps: 4.0 s. Speed-up against the unpacked run: 4.0 / 1.6 = 2.5.
+    packed = report.load_run(str(write_metrics(tmp_path / "a.jsonl", [100] * 3, [1.0] * 3, summary={"packing": "packed"})))
+    unpacked = report.load_run(str(write_metrics(tmp_path / "b.jsonl", [40] * 4, [1.0] * 4, summary={"packing": "unpacked"})))
+    budget, (a, b) = report.budget_rows([packed, unpacked])
+    assert budget == 160
+    assert (a["time_to_budget_s"], a["steps_to_budget"]) == (pytest.approx(1.6), 2)
+    assert (b["time_to_budget_s"], b["steps_to_budget"]) == (pytest.approx(4.0), 4)
+    assert a["speedup"] == pytest.approx(2.5) and b["speedup"] == pytest.approx(1.0) and a["reference"] == "b"
+    assert (a["target_tokens_per_s"], b["target_tokens_per_s"]) == (100.0, 40.0)
+    assert (a["packing"], b["packing"]) == ("packed", "unpacked")
+    # A budget beyond what a run reached leaves that run without a time.
+    _, (a, b) = report.budget_rows([packed, unpacked], budget=250)
+    assert a["time_to_budget_s"] == pytest.approx(2.5) and math.isnan(b["time_to_budget_s"])
+
+
+def test_running_totals_are_turned_into_per_step_counts(tmp_path):
+    # Same unpacked run, logged as running totals 40, 80, 120, 160; target_tokens_per_s (40/s) says which it is.
+    run = report.load_run(str(write_metrics(tmp_path / "c.jsonl", [40] * 4, [1.0] * 4, cumulative=True)))
+    assert run.target_tokens.tolist() == [40, 40, 40, 40] and run.cum_target_tokens[-1] == 160
+
+
+def test_warmup_steps_leave_compilation_out(tmp_path):
+    # A 10 s first step (compilation) then 2 steps of 1 s: with --warmup-steps 1, 2 s for 200 target tokens.
+    path = write_metrics(tmp_path / "w.jsonl", [100] * 3, [10.0, 1.0, 1.0])
+    assert report.load_run(str(path)).cum_time[-1] == 12.0
+    run = report.load_run(str(path), warmup_steps=1)
+    assert (run.cum_time[-1], run.cum_target_tokens[-1], len(run.steps)) == (2.0, 200, 2)
+
+
+def test_labels_and_packing_from_names(tmp_path):
+    path = write_metrics(tmp_path / "run_unpacked_L512.jsonl", [10] * 3, [1.0] * 3)
+    assert report.load_run(str(path)).packing == "unpacked"
+    label, p = report._split_label(f"baseline={path}")
+    assert (label, p) == ("baseline", str(path))
+    assert report.load_run(p, label).label == "baseline"
+
+
+# ----------------------------------------------------------------------------- whole pages
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("report")
+    for L, rows in ((256, 40), (512, 20), (1024, 10)):
+        write_manifest(root / "packed" / f"L{L}", L, 120, 10_000, 6_000, rows, dropped={"too_long": 3})
+    write_manifest(root / "unpacked" / "L512", 512, 120, 10_000, 6_000, 120, packing="unpacked")
+    rng = np.random.default_rng(0)
+    a = write_metrics(root / "packed.jsonl", [3000] * 40, (0.5 + 0.01 * rng.random(40)).tolist(),
+                      losses=(2 + np.exp(-np.arange(40) / 8) + 0.05 * rng.random(40)).tolist(), summary={"packing": "packed"})
+    b = write_metrics(root / "unpacked.jsonl", [600] * 120, (0.5 + 0.01 * rng.random(120)).tolist(),
+                      losses=(2 + np.exp(-np.arange(120) / 40) + 0.05 * rng.random(120)).tolist(),
+                      summary={"packing": "unpacked"})
+    return root, a, b
+
+
+def test_html_page_is_self_contained(inputs, tmp_path):
+    root, a, b = inputs
+    out = tmp_path / "page.html"
+    assert report.main(["--shards", str(root / "packed"), str(root / "unpacked" / "L512"), "--metrics", str(a), str(b),
+                        "--output", str(out)]) == 0
+    text = out.read_text()
+    assert list(tmp_path.iterdir()) == [out]  # one file, nothing beside it
+    images = re.findall(r"src='data:image/png;base64,([A-Za-z0-9+/=]+)'", text)
+    assert len(images) == 4  # shard density, row reduction, loss curves, budget
+    assert "src='http" not in text and "<link" not in text
+    for i, data in enumerate(images):
+        png = tmp_path / f"img{i}.png"
+        png.write_bytes(base64.b64decode(data))
+        assert_readable_png(png)
+    assert "Useful-token budget: 72,000 target tokens" in text  # unpacked reached 120 x 600
+    assert "<td>bfd</td><td>512</td>" in text and "<td>unpacked</td><td>512</td>" in text
+
+
+def test_markdown_page_with_pngs_beside(inputs, tmp_path):
+    root, a, b = inputs
+    out = tmp_path / "page.md"
+    assert report.main(["--shards", str(root / "packed"), "--metrics", f"pk={a}", f"unp={b}", "--batch-size", "4", "16",
+                        "--output", str(out)]) == 0
+    text = out.read_text()
+    links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
+    assert sorted(links) == sorted(f"page_figures/{n}" for n in (
+        "shards_density_vs_max_length.png", "shards_row_reduction.png", "loss_curves.png", "budget.png"))
+    for link in links:
+        assert_readable_png(tmp_path / link)
+    # L x B table: 3 lengths x 2 batch sizes for the packed set; budget rows for both labels.
+    assert len(re.findall(r"^\| bfd \| ", text, flags=re.M)) == 6
+    assert re.search(r"^\| pk \| packed \|", text, flags=re.M) and re.search(r"^\| unp \| unpacked \|", text, flags=re.M)
+    assert "Dropped by reason: L256 too_long 3" in text
+
+
+def test_preflight_json_on_the_page(tmp_path):
+    # The hand case of test_preflight (lengths 3,5,2,6 at L=8) rendered from its preflight.json.
+    from prepack import preflight
+
+    masks = [np.array(m, dtype=np.uint8) for m in ([0, 1, 1], [0, 0, 1, 1, 1], [0, 1], [0, 0, 0, 1, 1, 1])]
+    cfg = preflight.PreflightConfig(datasets=(preflight.DatasetSpec("hand", "hand.jsonl", "alpaca"),),
+                                    output=str(tmp_path / "pf"), max_lengths=(8,), batch_sizes=(2,))
+    result = preflight.run(cfg, lambda spec: preflight.ExampleSet("hand", masks, input="hand.jsonl"))
+    preflight.write_outputs(result, str(tmp_path / "pf"), plots=False)
+    out = tmp_path / "page.md"
+    assert report.main(["--preflight", str(tmp_path / "pf"), "--output", str(out)]) == 0
+    text = out.read_text()
+    # L, B, kept, dropped, mean, median, p95, densities..., rows 4 -> 2, bound 2, 2x, steps 2 -> 1, gain 2x.
+    assert "| 8 | 2 | 4 | 0 | 4.0 | 4.0 | 5.8 | 50.0% | 100.0% | 28.1% | 56.2% | 4 | 2 | 2 | 2.00x | 2 | 1 | 2.00x |" in text
+    assert_readable_png(tmp_path / "page_figures" / "preflight1_length_histogram.png")
+
+
+def assert_readable_png(path, min_side=400, min_bytes=15_000):
+    """A real PNG of a decent size whose pixels are not all one colour."""
+    raw = path.read_bytes()
+    assert raw[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    width, height = struct.unpack(">II", raw[16:24])
+    assert width >= min_side and height >= 150, (width, height)
+    assert len(raw) >= min_bytes, f"{path} is only {len(raw)} bytes"
+    import matplotlib.image
+
+    pixels = (matplotlib.image.imread(str(path)) * 255).astype(np.uint8)
+    rgba = np.ascontiguousarray(pixels[..., :3]).view(np.dtype((np.void, 3)))
+    assert len(np.unique(rgba)) > 50
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--metrics", "{missing}"], "no such file"),
+        (["--metrics", "{bad_json}"], "bad.jsonl:2: not valid JSON"),
+        (["--metrics", "{no_time}"], "no_time.jsonl:1: step record lacks step_time_s"),
+        (["--metrics", "{summary_only}"], "no step records"),
+        (["--shards", "{missing}"], "no such folder"),
+        (["--shards", "{broken}"], "not valid JSON"),
+        (["--metrics", "{good}", "--output", "{tmp}/page.pdf"], "expected a .html or .md file"),
+        ([], "nothing to report"),
+        (["--metrics", "{good}", "--batch-size", "0"], "--batch-size must be positive"),
+    ],
+)
+def test_bad_input_fails_with_a_clear_message(tmp_path, capsys, argv, message):
+    (tmp_path / "bad.jsonl").write_text('{"step": 1, "loss": 2, "step_time_s": 1, "target_tokens": 5}\n{oops\n')
+    (tmp_path / "no_time.jsonl").write_text('{"step": 1, "loss": 2, "target_tokens": 5}\n')
+    (tmp_path / "summary_only.jsonl").write_text('{"summary": true}\n')
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "manifest.json").write_text("{not json")
+    good = write_metrics(tmp_path / "good.jsonl", [10] * 3, [1.0] * 3)
+    subs = {"missing": str(tmp_path / "missing"), "bad_json": str(tmp_path / "bad.jsonl"),
+            "no_time": str(tmp_path / "no_time.jsonl"), "summary_only": str(tmp_path / "summary_only.jsonl"),
+            "broken": str(tmp_path / "broken"), "good": str(good), "tmp": str(tmp_path)}
+    argv = [a.format(**subs) for a in argv]
+    if "--output" not in argv:
+        argv += ["--output", str(tmp_path / "out" / "page.md")]
+    assert report.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("prepack report: error: ") and message in err, err
+    assert not (tmp_path / "out").exists()  # nothing written on bad input
