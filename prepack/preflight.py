@@ -99,33 +99,65 @@ class PreflightConfig:
 class ExampleSet:
     """One dataset after template and tokenizer: what the estimate needs, no token ids.
 
-    loss_masks are kept because truncation changes the target count, and whether
-    any target survives, in a way lengths alone cannot tell.
+    Per example only its length and target count are kept, plus the loss mask of
+    the examples longer than the smallest max length: truncation changes their
+    target count, and whether any target survives, in a way lengths cannot tell.
+    Target counts start at each example's second token, because the row builder
+    zeroes a segment's first-token loss.
     """
 
     name: str
-    loss_masks: list[np.ndarray]
+    lengths: np.ndarray  # int64 tokens per example
+    targets: np.ndarray  # int64 target tokens per example, as they land in a row
+    overlong_masks: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)  # example index -> loss mask
     input: str = ""
     format: str = ""
     records_read: int = 0
     bad_records: Counter = dataclasses.field(default_factory=Counter)  # reason -> count
-    examples_seen: int = 0  # before sampling; equals len(loss_masks) when not sampled
+    examples_seen: int = 0  # before sampling; equals len(lengths) when not sampled
     tokenize_seconds: float = 0.0
 
     def __post_init__(self) -> None:
-        self.lengths = np.array([len(m) for m in self.loss_masks], dtype=np.int64)
-        # The row builder zeroes each segment's first-token loss, so count targets from token 1.
-        self.targets = np.array([int(np.count_nonzero(m[1:])) for m in self.loss_masks], dtype=np.int64)
         if not self.examples_seen:
-            self.examples_seen = len(self.loss_masks)
+            self.examples_seen = len(self.lengths)
+
+    @classmethod
+    def from_masks(cls, name: str, masks: Iterable[Sequence[int]], keep_over: int = 0, **meta: Any) -> "ExampleSet":
+        collector = _Collector(keep_over)
+        collector.add(np.asarray(m, dtype=np.uint8) for m in masks)
+        return collector.build(name, **meta)
 
     @property
     def sampled(self) -> bool:
-        return self.examples_seen > len(self.loss_masks)
+        return self.examples_seen > len(self.lengths)
 
     def length_histogram(self) -> dict[int, int]:
         values, counts = np.unique(self.lengths, return_counts=True)
         return {int(v): int(c) for v, c in zip(values, counts)}
+
+
+class _Collector:
+    """Accumulates loss masks batch by batch into an ExampleSet's compact form."""
+
+    def __init__(self, keep_over: int):
+        self.keep_over = keep_over
+        self.lengths: list[int] = []
+        self.targets: list[int] = []
+        self.masks: dict[int, np.ndarray] = {}
+
+    def add(self, masks: Iterable[np.ndarray]) -> None:
+        for mask in masks:
+            if len(mask) > self.keep_over:
+                self.masks[len(self.lengths)] = np.array(mask, dtype=np.uint8)  # a copy: frees the batch buffer
+            self.lengths.append(len(mask))
+            self.targets.append(int(np.count_nonzero(mask[1:])))
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def build(self, name: str, **meta: Any) -> ExampleSet:
+        return ExampleSet(name, np.array(self.lengths, dtype=np.int64), np.array(self.targets, dtype=np.int64),
+                          self.masks, **meta)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +178,9 @@ def fit_examples(examples: ExampleSet, max_length: int, overlong: OverlongPolicy
     dropped: Counter = Counter()
     truncated = 0
     for i in np.flatnonzero(lengths > max_length).tolist():
-        mask = examples.loss_masks[i]
+        mask = examples.overlong_masks.get(i)
+        if mask is None:
+            raise ValueError(f"{examples.name}: example {i} is longer than {max_length} but its loss mask was not kept")
         # Same policy code as the job; the mask stands in for the ids, whose values do not matter here.
         fitted = fit_to_length(mask, mask, max_length, overlong)
         if isinstance(fitted, DropReason):
@@ -320,71 +354,98 @@ class _Reservoir:
         return [item for _, item in sorted(self._items, key=lambda pair: pair[0])]
 
 
-def _conversations(spec: DatasetSpec, template: Any, reservoir: _Reservoir, bad: Counter) -> int:
-    """Feeds the dataset's conversations to the reservoir; returns records read."""
+@dataclasses.dataclass
+class _ReadCounts:
+    records: int = 0
+    bad: Counter = dataclasses.field(default_factory=Counter)
+
+
+def _conversations(spec: DatasetSpec, template: Any, counts: _ReadCounts) -> Iterator[Any]:
+    """The dataset's conversations, streamed; bad records are counted by reason and skipped."""
     from prepack.templates import RecordError
 
-    records_read = 0
     table: list[Any] = []
     for file in expand_input(spec.path):
         for _, record in iter_records(file):
-            records_read += 1
+            counts.records += 1
             if isinstance(record, ValueError):
-                bad[str(record).split(":", 1)[0]] += 1
+                counts.bad[str(record).split(":", 1)[0]] += 1
             elif getattr(template, "table_level", False):
                 table.append(record)  # oasst1: messages only make sense as a whole table
             else:
                 try:
-                    for conv in template.to_conversations(record):
-                        reservoir.add(conv)
+                    yield from template.to_conversations(record)
                 except RecordError as e:
-                    bad[e.reason] += 1
+                    counts.bad[e.reason] += 1
     if table:
         result = template.conversations_from_table(table)
         for dropped in result.dropped:
-            bad[dropped.reason] += 1
+            counts.bad[dropped.reason] += 1
         for conv, _ in result.examples:
-            reservoir.add(conv)
-    return records_read
+            yield conv
 
 
-def _tokenize(convs: Sequence[Any], tokenizer: Any, chat_format: Any, bad: Counter) -> list[np.ndarray]:
-    """Loss masks of the conversations; one that the chat format rejects is counted and skipped."""
+def _batches(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
+    batch: list[Any] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _tokenize(batch: list[Any], tokenizer: Any, chat_format: Any, bad: Counter) -> list[np.ndarray]:
+    """Loss masks of a batch of conversations; one that the chat format rejects is counted and skipped."""
     from prepack.chat_formats import ChatFormatError, tokenize_conversations
 
     masks: list[np.ndarray] = []
-    for start in range(0, len(convs), TOKENIZE_BATCH):
-        batch = list(convs[start : start + TOKENIZE_BATCH])
-        while batch:
-            try:
-                masks.extend(ex.loss_mask for ex in tokenize_conversations(batch, tokenizer, chat_format))
-                break
-            except ChatFormatError as e:
-                if e.index is None:
-                    raise
-                # Keep everything before the bad one, count it, and go on after it.
-                if e.index:
-                    masks.extend(ex.loss_mask for ex in tokenize_conversations(batch[: e.index], tokenizer, chat_format))
-                bad[e.reason] += 1
-                batch = batch[e.index + 1 :]
+    while batch:
+        try:
+            masks.extend(ex.loss_mask for ex in tokenize_conversations(batch, tokenizer, chat_format))
+            break
+        except ChatFormatError as e:
+            if e.index is None:
+                raise
+            # Keep everything before the bad one, count it, and go on after it.
+            if e.index:
+                masks.extend(ex.loss_mask for ex in tokenize_conversations(batch[: e.index], tokenizer, chat_format))
+            bad[e.reason] += 1
+            batch = batch[e.index + 1 :]
     return masks
 
 
+PROGRESS_EVERY_S = 10.0
+
+
 def load_examples(spec: DatasetSpec, tokenizer: Any, chat_format: Any, config: PreflightConfig) -> ExampleSet:
+    """Reads, templates and tokenizes one dataset (all of it, or a seeded sample of --max-examples)."""
     template = make_template(spec.format, config.template_options)
-    bad: Counter = Counter()
-    reservoir = _Reservoir(config.max_examples, config.seed)
-    started = time.perf_counter()
-    records_read = _conversations(spec, template, reservoir, bad)
-    masks = _tokenize(reservoir.items(), tokenizer, chat_format, bad)
-    return ExampleSet(
-        name=spec.name,
-        loss_masks=masks,
+    counts = _ReadCounts()
+    started = last = time.perf_counter()
+    convs: Iterable[Any] = _conversations(spec, template, counts)
+    seen = None
+    if config.max_examples is not None:
+        reservoir = _Reservoir(config.max_examples, config.seed)
+        for conv in convs:
+            reservoir.add(conv)
+        convs, seen = reservoir.items(), reservoir.seen
+    collector = _Collector(keep_over=min(config.max_lengths))
+    for batch in _batches(convs, TOKENIZE_BATCH):
+        collector.add(_tokenize(batch, tokenizer, chat_format, counts.bad))
+        now = time.perf_counter()
+        if now - last >= PROGRESS_EVERY_S:  # long in-process runs say they are alive
+            last = now
+            print(f"preflight: {spec.name}: {len(collector):,} examples tokenized, "
+                  f"{len(collector) / (now - started):,.0f}/s", file=sys.stderr, flush=True)
+    return collector.build(
+        spec.name,
         input=spec.path,
         format=spec.format,
-        records_read=records_read,
-        bad_records=bad,
-        examples_seen=reservoir.seen,
+        records_read=counts.records,
+        bad_records=counts.bad,
+        examples_seen=seen if seen is not None else len(collector),
         tokenize_seconds=time.perf_counter() - started,
     )
 

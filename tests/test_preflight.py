@@ -29,8 +29,7 @@ MASKS = [
 
 
 def example_set(masks=MASKS, name="hand") -> ExampleSet:
-    return ExampleSet(name=name, loss_masks=[np.array(m, dtype=np.uint8) for m in masks], input="hand.jsonl",
-                      format="alpaca", records_read=len(masks))
+    return ExampleSet.from_masks(name, masks, input="hand.jsonl", format="alpaca", records_read=len(masks))
 
 
 def config(max_lengths, batch_sizes, overlong=OverlongPolicy.DROP, output="unused") -> PreflightConfig:
@@ -179,6 +178,14 @@ def test_reservoir_sample_is_seeded_and_in_order():
     assert sample(1) == sample(1) and sample(1) != sample(2)
 
 
+def test_only_masks_of_examples_over_the_smallest_length_are_kept():
+    ex = ExampleSet.from_masks("hand", MASKS, keep_over=4)
+    assert sorted(ex.overlong_masks) == [1, 3]  # lengths 5 and 6
+    assert ex.lengths.tolist() == [3, 5, 2, 6] and ex.targets.tolist() == [2, 3, 1, 3]
+    with pytest.raises(ValueError, match="loss mask was not kept"):
+        preflight.evaluate(ex, config([2], [1], OverlongPolicy.TRUNCATE))  # length 3 > 2, but 3 <= 4
+
+
 # ----------------------------------------------------------------------------- command line, real tokenizer
 
 ALPACA_LINES = [
@@ -226,6 +233,19 @@ def test_cli_end_to_end_with_gemma3(cli_run, capsys):
     assert at64["examples_kept"] == 3 and at64["packed_rows"] < 3
     for png in ("density_vs_max_length.png", "row_reduction.png", "length_histogram.png"):
         assert_readable_png(out / png)
+
+
+def test_cli_sample_of_max_examples(tmp_path, capsys):
+    data = tmp_path / "a.jsonl"
+    data.write_text("\n".join(ALPACA_LINES) + "\n")
+    out = tmp_path / "out"
+    argv = ["--input", str(data), "--format", "alpaca", "--max-length", "64", "--max-examples", "2", "--output", str(out),
+            "--no-plots"]
+    assert preflight.main(argv) == 0
+    ds = json.loads((out / "preflight.json").read_text())["datasets"][0]
+    assert (ds["examples"], ds["examples_seen"], ds["sampled"], ds["records_read"]) == (2, 3, True, 5)
+    assert "estimated from a sample of 2 of 3 examples" in capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir()) == ["preflight.csv", "preflight.json"]
 
 
 @pytest.mark.parametrize(
