@@ -1,0 +1,278 @@
+"""Opening a published shard set: validation with clear errors, and random access to its rows.
+
+`open_shards` checks, before any training step runs, everything that would
+otherwise surface as a shape error or silently wrong data mid-run:
+the manifest exists and is of a supported format, the shards were packed for
+the max_length and tokenizer the trainer uses, and every shard file is present
+with the size, row count and record size the manifest promises (plus, with
+verify=True, its sha256).
+
+Every error raised here is a `prepack.manifest.ManifestError` (ShardSetError is
+one) and names the path it is about.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent import futures
+from typing import Any, Protocol
+
+import numpy as np
+
+from loaders import storage
+from prepack import rowformat
+from prepack.manifest import MANIFEST_NAME, Manifest, ManifestError
+
+log = logging.getLogger(__name__)
+
+# Random access: no readahead (each read wants one record), a small buffer.
+_READER_OPTIONS = "readahead_buffer_size:0"
+_READER_BUFFER = 32768
+
+
+class ShardSetError(ManifestError):
+    """A shard set that cannot be used: no manifest, or a shard file missing, short or corrupt."""
+
+
+class HasIdentity(Protocol):
+    def identity(self) -> dict[str, Any]: ...
+
+
+TokenizerLike = Mapping[str, Any] | HasIdentity
+
+
+def tokenizer_identity(tokenizer: TokenizerLike | None) -> dict[str, Any] | None:
+    """Accepts a Tokenizer (anything with .identity()) or its identity dict."""
+    if tokenizer is None:
+        return None
+    if isinstance(tokenizer, Mapping):
+        return dict(tokenizer)
+    identity = getattr(tokenizer, "identity", None)
+    if callable(identity):
+        return dict(identity())
+    raise TypeError(f"tokenizer must be a Tokenizer (with .identity()) or its identity dict, not {type(tokenizer).__name__}")
+
+
+def _close_quietly(reader: Any) -> None:
+    # Closing a reader of a broken file raises riegeli's error again; the caller has its own.
+    try:
+        reader.close()
+    except Exception:
+        pass
+
+
+def _open_reader(path: str):
+    from array_record.python.array_record_module import ArrayRecordReader
+
+    return ArrayRecordReader(path, _READER_OPTIONS, file_reader_buffer_size=_READER_BUFFER)
+
+
+class ShardView:
+    """Random access to the rows of an opened shard set.
+
+    len(view) rows; view[i] is row i as a dict of int32 [L] arrays (read-only
+    views of the record); view.read(indices) is a batch as int32 [n, L] arrays,
+    fetched with array_record's batched reads (one call per shard touched).
+    Row i is the i-th record when the shards are read in manifest order.
+    Readers open lazily and are dropped when pickled, so a view can be sent to
+    worker processes.
+    """
+
+    def __init__(self, path: str, manifest: Manifest, readers: Sequence[Any] | None = None):
+        self.path = path
+        self.manifest = manifest
+        self.shard_paths: tuple[str, ...] = tuple(storage.join(path, s.path) for s in manifest.shards)
+        counts = [s.num_rows for s in manifest.shards]
+        # starts[k] = global index of shard k's first row.
+        self._starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self._readers: list[Any] = list(readers) if readers is not None else [None] * len(counts)
+        self._lock = threading.Lock()
+
+    @property
+    def max_length(self) -> int:
+        return self.manifest.max_length
+
+    def __len__(self) -> int:
+        return self.manifest.num_rows
+
+    def __repr__(self) -> str:
+        return f"ShardView({self.path!r}, rows={len(self)}, shards={len(self.shard_paths)}, max_length={self.max_length})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_readers"] = [None] * len(self._readers)
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def _reader(self, shard: int):
+        reader = self._readers[shard]
+        if reader is None:
+            with self._lock:
+                if self._readers[shard] is None:
+                    self._readers[shard] = _open_reader(self.shard_paths[shard])
+                reader = self._readers[shard]
+        return reader
+
+    def _locate(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        n = len(self)
+        if indices.size and (indices.min() < -n or indices.max() >= n):
+            bad = indices[(indices < -n) | (indices >= n)][0]
+            raise IndexError(f"row {bad} is out of range for {self.path} ({n} rows)")
+        indices = np.where(indices < 0, indices + n, indices)
+        shards = np.searchsorted(self._starts, indices, side="right") - 1
+        return shards, indices - self._starts[shards]
+
+    def records(self, indices: Sequence[int] | np.ndarray) -> list[bytes]:
+        """Raw records for global row indices, in the given order."""
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        shards, positions = self._locate(idx)
+        out: list[bytes] = [b""] * len(idx)
+        for shard in np.unique(shards).tolist():
+            where = np.flatnonzero(shards == shard)
+            for j, record in zip(where.tolist(), self._reader(shard).read(positions[where].tolist())):
+                out[j] = record
+        return out
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        if not isinstance(index, (int, np.integer)):
+            raise TypeError(f"rows are indexed by int, not {type(index).__name__}; use view.read(indices) for many")
+        (record,) = self.records([int(index)])
+        return rowformat.decode_row(record, self.max_length)
+
+    def read(self, indices: Sequence[int] | np.ndarray) -> dict[str, np.ndarray]:
+        """Rows as int32 [len(indices), L] arrays, in the given order."""
+        return rowformat.decode_rows(self.records(indices), self.max_length)
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        for i in range(len(self)):
+            yield self[i]
+
+    def data_source(self):
+        """A grain.sources.ArrayRecordDataSource over the shards, in manifest order.
+
+        Paths are given in the "file[0:n]" form with the validated row counts,
+        so the source does not open every shard again to count records.
+        """
+        import grain
+
+        return grain.sources.ArrayRecordDataSource(
+            [f"{p}[0:{s.num_rows}]" for p, s in zip(self.shard_paths, self.manifest.shards)]
+        )
+
+    def close(self) -> None:
+        with self._lock:
+            for reader in self._readers:
+                if reader is not None:
+                    _close_quietly(reader)
+            self._readers = [None] * len(self._readers)
+
+    def __enter__(self) -> "ShardView":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_manifest(path: str) -> Manifest:
+    manifest_path = storage.join(path, MANIFEST_NAME)
+    text = storage.read_text(manifest_path)
+    if text is None:
+        raise ShardSetError(
+            f"no {MANIFEST_NAME} in {path}: not a published shard set (an interrupted run leaves none)"
+        )
+    return Manifest.from_json(text, source=manifest_path)
+
+
+def _check_shard(path: str, info: Any, max_length: int, verify: bool):
+    """Opens one shard and checks it against its manifest entry; returns the open reader."""
+    try:
+        reader = _open_reader(path)
+    except Exception as e:  # array_record raises RuntimeError/ValueError with riegeli's status text
+        raise ShardSetError(f"{path}: not a readable ArrayRecord file, truncated or corrupt ({e})") from e
+    try:
+        if verify:  # first: a corrupt file is then named as such, whatever it would fail on below
+            digest = storage.sha256(path)
+            if digest != info.sha256:
+                raise ShardSetError(f"{path}: sha256 {digest} differs from the manifest's {info.sha256}; the file is corrupt")
+        try:
+            count = reader.num_records()
+            first = reader.read([0])[0] if count else None
+            options = reader.writer_options_string()
+        except Exception as e:  # riegeli checks chunk hashes: corrupt bytes fail here
+            raise ShardSetError(f"{path}: not a readable ArrayRecord file, truncated or corrupt ({e})") from e
+        if count != info.num_rows:
+            raise ShardSetError(f"{path}: holds {count} rows, but the manifest says {info.num_rows}; the file was replaced or is corrupt")
+        if first is not None and len(first) != rowformat.record_size(max_length):
+            raise ShardSetError(
+                f"{path}: records are {len(first)} bytes, but max_length {max_length} needs "
+                f"{rowformat.record_size(max_length)}; the shards do not match their manifest"
+            )
+        if "group_size:1," not in options + ",":
+            log.warning("%s: written with %r; random access wants group_size:1", path, options)
+    except BaseException:
+        _close_quietly(reader)
+        raise
+    return reader
+
+
+def open_shards(
+    path: str,
+    expected_max_length: int | None = None,
+    tokenizer: TokenizerLike | None = None,
+    *,
+    verify: bool = False,
+) -> ShardView:
+    """Opens and validates a shard set folder (local, gcsfuse mount, or gs://).
+
+    expected_max_length: the trainer's sequence length; a set packed for another one is refused.
+    tokenizer: the trainer's tokenizer (or its identity dict); a set made with another is refused.
+    verify: also hash every shard and compare with the manifest's sha256 (reads every byte).
+    Raises ManifestError (ShardSetError for shard files) naming the offending path.
+    """
+    path = str(path)
+    if storage.is_gcs(path):
+        storage.gcs_client()  # also points array_record at STORAGE_EMULATOR_HOST, if set
+    path = path.rstrip("/") or path
+    manifest = read_manifest(path)
+    manifest_path = storage.join(path, MANIFEST_NAME)
+    manifest.check_compatible(expected_max_length, tokenizer_identity(tokenizer), source=manifest_path)
+
+    names = [s.path for s in manifest.shards]
+    sizes = storage.file_sizes(path, names)
+    missing = [n for n in names if sizes[n] is None]
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise ShardSetError(
+            f"{storage.join(path, missing[0])}: shard file listed in {manifest_path} is missing "
+            f"({len(missing)} of {len(names)} missing: {shown})"
+        )
+    for info in manifest.shards:
+        if sizes[info.path] != info.num_bytes:
+            raise ShardSetError(
+                f"{storage.join(path, info.path)}: {sizes[info.path]} bytes, but the manifest says {info.num_bytes}; "
+                "the file is truncated or was replaced"
+            )
+
+    shard_paths = [storage.join(path, n) for n in names]
+    # Opening a shard reads its footer: one round trip each on gs://, so do them concurrently.
+    with futures.ThreadPoolExecutor(max_workers=max(1, min(32, len(names)))) as pool:
+        jobs = [pool.submit(_check_shard, p, s, manifest.max_length, verify) for p, s in zip(shard_paths, manifest.shards)]
+        readers, error = [], None
+        for job in jobs:
+            try:
+                readers.append(job.result())
+            except Exception as e:  # keep the first error, in shard order, after all jobs end
+                error = error or e
+                readers.append(None)
+    if error is not None:
+        for reader in readers:
+            if reader is not None:
+                _close_quietly(reader)
+        raise error
+    return ShardView(path, manifest, readers)
