@@ -1,0 +1,216 @@
+"""`prepack inspect DIR`: a shard set's manifest summary, and rows decoded segment by segment.
+
+    prepack inspect gs://bucket/sets/v1/L2048 --rows 3 --row-index 100
+
+Targets (loss_mask 1) are shown in green on a terminal, or between [[ ]]
+otherwise (--no-color); prompts and template tokens are shown plain. Text
+comes from the tokenizer named in the manifest (prepack.tokenizer); if it
+cannot be loaded, token ids are shown instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TextIO
+
+import numpy as np
+
+from loaders import storage
+from loaders.shards import ShardView, open_shards, read_manifest
+from prepack.manifest import Manifest, ManifestError
+
+GREEN, RESET = "\033[32m", "\033[0m"
+
+
+def _fmt_int(n: Any) -> str:
+    return f"{n:,}" if isinstance(n, int) else str(n)
+
+
+def _fmt_pct(x: Any) -> str:
+    return f"{100 * x:.1f}%" if isinstance(x, (int, float)) else str(x)
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    return str(n)
+
+
+def _dropped(value: Any) -> str:
+    if isinstance(value, Mapping):
+        total = sum(v for v in value.values() if isinstance(v, int))
+        reasons = ", ".join(f"{k} {_fmt_int(v)}" for k, v in sorted(value.items()))
+        return f"{_fmt_int(total)} ({reasons})" if reasons else "0"
+    return _fmt_int(value)
+
+
+def summary_lines(manifest: Manifest, path: str) -> list[str]:
+    tok = manifest.tokenizer
+    total_bytes = sum(s.num_bytes for s in manifest.shards)
+    lines = [
+        f"shard set   {path}",
+        f"  format      v{manifest.format_version}, max_length {manifest.max_length}, packing {manifest.packing}",
+        f"  rows        {_fmt_int(manifest.num_rows)} in {len(manifest.shards)} shards ({_fmt_bytes(total_bytes)})",
+        "  tokenizer   "
+        + f"{tok.get('name', '?')} (vocab {_fmt_int(tok.get('vocab_size'))}, bos {tok.get('bos_id')}, "
+        + f"eos {tok.get('eos_id')}, pad {tok.get('pad_id')}, vocab_hash {str(tok.get('vocab_hash', '?'))[:12]})",
+        f"  template    {json.dumps(manifest.template, sort_keys=True) if manifest.template else '-'}",
+    ]
+    if manifest.created_at:
+        lines.append(f"  created     {manifest.created_at}")
+    if manifest.tool:
+        lines.append(f"  tool        {json.dumps(manifest.tool, sort_keys=True)}")
+    for entry in manifest.inputs:
+        lines.append(f"  input       {json.dumps(entry, sort_keys=True)}")
+
+    stats = dict(manifest.stats)
+    lines.append("stats")
+    if any(k in stats for k in ("examples_read", "examples_written", "examples_dropped", "examples_truncated")):
+        lines.append(
+            f"  examples    read {_fmt_int(stats.pop('examples_read', '?'))}, written {_fmt_int(stats.pop('examples_written', '?'))}, "
+            f"dropped {_dropped(stats.pop('examples_dropped', 0))}, truncated {_fmt_int(stats.pop('examples_truncated', 0))}"
+        )
+    if "tokens" in stats:
+        lines.append(f"  tokens      {_fmt_int(stats.pop('tokens'))} (targets {_fmt_int(stats.pop('target_tokens', '?'))})")
+    if "lower_bound_rows" in stats:
+        lower = stats.pop("lower_bound_rows")
+        ratio = f"; rows/lower bound {manifest.num_rows / lower:.3f}" if isinstance(lower, int) and lower else ""
+        lines.append(f"  lower bound {_fmt_int(lower)} rows{ratio}")
+    densities = [(k, stats.pop(k)) for k in sorted(stats) if k.endswith("density")]
+    if densities:
+        lines.append("  density     " + ", ".join(f"{k.removesuffix('_density')} {_fmt_pct(v)}" for k, v in densities))
+    for key in sorted(stats):
+        lines.append(f"  {key:<11} {json.dumps(stats[key], sort_keys=True) if isinstance(stats[key], (dict, list)) else stats[key]}")
+    if manifest.dead_letter:
+        text = storage.read_text(storage.join(path, manifest.dead_letter))
+        count = "missing" if text is None else f"{sum(1 for line in text.splitlines() if line.strip()):,} examples"
+        lines.append(f"  dead letter {manifest.dead_letter}: {count}")
+    return lines
+
+
+class _Renderer:
+    """Turns runs of token ids into text, marking the target runs."""
+
+    def __init__(self, decode: Callable[[list[int]], str] | None, color: bool):
+        self.decode = decode
+        self.color = color
+
+    def run(self, ids: list[int], target: bool) -> str:
+        text = self.decode(ids) if self.decode else " ".join(map(str, ids))
+        if not target:
+            return text
+        return f"{GREEN}{text}{RESET}" if self.color else f"[[{text}]]"
+
+    def segment(self, ids: np.ndarray, targets: np.ndarray) -> str:
+        # Maximal runs of equal target flag, each decoded as a whole: per-token
+        # decoding would lose SentencePiece's spacing.
+        cuts = np.flatnonzero(np.diff(targets.astype(np.int8))) + 1
+        runs = [self.run(i.tolist(), bool(t[0])) for i, t in zip(np.split(ids, cuts), np.split(targets, cuts)) if len(i)]
+        return ("" if self.decode else " ").join(runs)
+
+
+def row_lines(view: ShardView, index: int, renderer: _Renderer) -> list[str]:
+    row = view[index]
+    seg = row["segment_ids"]
+    length = view.max_length
+    n_valid = int(row["valid_mask"].sum())
+    n_segments = int(seg.max(initial=0))
+    lines = [
+        f"row {index}: {n_segments} segments, {n_valid:,}/{length:,} tokens ({100 * n_valid / length:.1f}%), "
+        f"{int(row['loss_mask'].sum()):,} targets"
+    ]
+    for k in range(1, n_segments + 1):
+        where = np.flatnonzero(seg == k)
+        ids, loss, pos = row["input_ids"][where], row["loss_mask"][where], row["positions"][where]
+        lines.append(
+            f"  segment {k}: tokens {where[0]}..{where[-1]} ({len(where)}), positions {pos[0]}..{pos[-1]}, "
+            f"{int(loss.sum())} targets"
+        )
+        lines.append("    " + renderer.segment(ids, loss.astype(bool)).replace("\n", "\n    "))
+    if n_valid < length:
+        lines.append(f"  padding: {length - n_valid:,} tokens (id {int(row['input_ids'][-1])})")
+    return lines
+
+
+def _load_decoder(spec: str, manifest: Manifest, err: TextIO, allow_download: bool = False) -> Callable[[list[int]], str] | None:
+    try:
+        from prepack.tokenizer import load_tokenizer
+
+        # Local files only by default: offline, a Hub lookup would retry for a minute before failing.
+        tokenizer = load_tokenizer(spec, local_files_only=None if allow_download else True)
+    except Exception as e:  # any failure (module absent, spec unknown, files offline) falls back to ids
+        print(f"note: tokenizer {spec!r} could not be loaded ({e}); showing token ids", file=err)
+        return None
+    try:
+        identity = tokenizer.identity()
+        theirs = manifest.tokenizer.get("vocab_hash")
+        if theirs and identity.get("vocab_hash") != theirs:
+            print(f"warning: tokenizer {spec!r} has another vocab_hash than the shards'; the text may be wrong", file=err)
+    except Exception:
+        pass
+    return tokenizer.decode
+
+
+def _use_color(choice: str, out: TextIO) -> bool:
+    if choice == "always":
+        return True
+    if choice == "never":
+        return False
+    return hasattr(out, "isatty") and out.isatty() and "NO_COLOR" not in os.environ
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="prepack inspect", description="Show a shard set's manifest summary and decode rows.")
+    p.add_argument("path", help="shard set folder: local, gcsfuse mount or gs://")
+    p.add_argument("--rows", type=int, default=2, metavar="N", help="rows to show (default 2; 0 for the summary only)")
+    p.add_argument("--row-index", type=int, default=0, metavar="I", help="first row to show (default 0)")
+    p.add_argument("--tokenizer", default=None, metavar="SPEC", help="tokenizer spec to decode with (default: the manifest's)")
+    p.add_argument("--allow-download", action="store_true", help="let a Hugging Face tokenizer be downloaded (default: local cache only)")
+    p.add_argument("--ids", action="store_true", help="show token ids instead of text")
+    p.add_argument("--color", choices=("auto", "always", "never"), default="auto", help="mark targets with color (default: on a tty)")
+    p.add_argument("--no-color", dest="color", action="store_const", const="never", help="same as --color never: targets in [[ ]]")
+    p.add_argument("--verify", action="store_true", help="also check every shard's sha256 (reads every byte)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    out = out or sys.stdout
+    err = err or sys.stderr
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    path = args.path.rstrip("/") or args.path
+    try:
+        manifest = read_manifest(path)
+    except ManifestError as e:
+        print(f"prepack inspect: {e}", file=err)
+        return 1
+    print("\n".join(summary_lines(manifest, path)), file=out)
+    if args.rows <= 0:
+        return 0
+    try:
+        view = open_shards(path, verify=args.verify)
+    except ManifestError as e:
+        print(f"prepack inspect: {e}", file=err)
+        return 1
+    with view:
+        if not 0 <= args.row_index < len(view):
+            print(f"prepack inspect: --row-index {args.row_index} is outside 0..{len(view) - 1}", file=err)
+            return 2
+        decode = None if args.ids else _load_decoder(
+            args.tokenizer or manifest.tokenizer.get("name", "gemma3"), manifest, err, args.allow_download
+        )
+        renderer = _Renderer(decode, _use_color(args.color, out))
+        legend = "targets in green" if renderer.color else "targets between [[ ]]"
+        print(f"\nrows {args.row_index}..{min(len(view), args.row_index + args.rows) - 1} ({legend})", file=out)
+        for index in range(args.row_index, min(len(view), args.row_index + args.rows)):
+            print("\n".join(row_lines(view, index, renderer)), file=out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
