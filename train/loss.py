@@ -1,0 +1,88 @@
+"""Token-mean cross-entropy weighted by the loss mask, without a [B, L, V] one-hot.
+
+Tunix 0.1.7's default SFT loss builds `jax.nn.one_hot(targets, V)` in float32 and
+multiplies it with a full log_softmax; for Gemma3's 262,144-token vocabulary that
+one-hot alone is B*L*V*4 bytes. Here the target logit is gathered with
+take_along_axis and the normalizer is a logsumexp, both in float32, so the only
+[B, L, V] value is the logits themselves (and the softmax the backward pass needs).
+
+Semantics are the same as the default (measured in tests/test_train_correctness.py):
+- input_mask[t] == 1 means token t is a prediction target (predicted at t-1);
+- the loss is the token-level mean over every target token of the batch,
+  sum(nll * mask) / (sum(mask) + 1e-8), not a mean of per-row means.
+
+Instead of slicing logits[:, :-1] (a copy of a [B, L-1, V] array), the targets and
+the mask are shifted left by one on the cheap [B, L] side and the last column gets
+weight 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+# The default's epsilon, kept so that the two losses agree on every batch.
+NORM_EPS = 1e-8
+
+
+def shifted_targets(input_tokens: jax.Array, input_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Targets and weights aligned to the position that predicts them: column t predicts token t+1."""
+    zeros = jnp.zeros_like(input_tokens[:, :1])
+    targets = jnp.concatenate([input_tokens[:, 1:], zeros], axis=1)
+    weights = jnp.concatenate([input_mask[:, 1:], jnp.zeros_like(input_mask[:, :1])], axis=1)
+    return targets, weights.astype(jnp.float32)
+
+
+def per_token_nll(logits: jax.Array, input_tokens: jax.Array, input_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per-position NLL [B, L] (float32) and its weight [B, L]; column t scores token t+1."""
+    targets, weights = shifted_targets(input_tokens, input_mask)
+    logits = logits.astype(jnp.float32)
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.take_along_axis(logits, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    return log_z - target_logit, weights
+
+
+def token_mean_nll(logits: jax.Array, input_tokens: jax.Array, input_mask: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    nll, weights = per_token_nll(logits, input_tokens, input_mask)
+    nll_sum = jnp.sum(nll * weights)
+    target_tokens = jnp.sum(weights)
+    loss = nll_sum / (target_tokens + NORM_EPS)
+    return loss, {"loss": loss, "nll_sum": nll_sum, "target_tokens": target_tokens}
+
+
+def masked_loss_fn_with_aux(
+    model: nnx.Module,
+    input_tokens: jax.Array,
+    input_mask: jax.Array,
+    positions: jax.Array,
+    attention_mask: jax.Array,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """PeftTrainer loss (use with `with_loss_fn(..., has_aux=True)`).
+
+    The aux dict carries the NLL sum and target-token count so that callers can
+    aggregate exactly over batches (token-weighted), e.g. for eval.
+    """
+    # Positional call, as Tunix's default does: works for Gemma3 (last_tokens) and Qwen3 (input_tokens).
+    logits, _ = model(input_tokens, positions, None, attention_mask)
+    return token_mean_nll(logits, input_tokens, input_mask)
+
+
+def masked_loss_fn(
+    model: nnx.Module,
+    input_tokens: jax.Array,
+    input_mask: jax.Array,
+    positions: jax.Array,
+    attention_mask: jax.Array,
+) -> jax.Array:
+    """Drop-in replacement for Tunix's default loss (same signature, scalar result)."""
+    return masked_loss_fn_with_aux(model, input_tokens, input_mask, positions, attention_mask)[0]
+
+
+def tunix_default_loss_fn() -> Any:
+    """Tunix's own default SFT loss, for comparisons (it is module-private in 0.1.7)."""
+    from tunix.sft import peft_trainer
+
+    return peft_trainer._default_loss_fn  # pylint: disable=protected-access
