@@ -1,0 +1,594 @@
+"""Conversation + Tokenizer -> token ids and loss mask.
+
+A chat format lays out a `Conversation` (prepack.templates) as a list of *segments*: either
+a piece of plain text (encoded by the tokenizer) or literal token ids (special tokens such
+as <start_of_turn>, inserted by id so that user text can never forge them), each with a
+loss flag. `tokenize_conversations` collects the text pieces of a whole batch, encodes
+them with ONE `tokenizer.encode_batch` call and stitches the ids back together; that
+keeps the per-example Python work small next to the tokenizer itself.
+
+Loss mask rule (all formats): 1 on the content tokens of each target assistant turn and on
+the end-of-turn token that closes it, 0 everywhere else (BOS, role headers, prompts,
+non-target assistant turns, and the newline after end-of-turn). The mask is aligned to
+input_ids (not shifted): input_mask[t] == 1 means "token t is predicted".
+
+Target content is always encoded as its own text piece, separate from the role header
+before it. At inference the model generates the reply starting right after the header, so
+this is exactly the tokenization it must learn to produce, and the mask boundary falls on a
+token boundary by construction. Prompt text between two special tokens is encoded as one
+piece, as the tokenizer would do on the whole rendered string.
+
+Formats: gemma, chatml, hf (the tokenizer's own jinja template), auto. See get_chat_format.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Sequence, Union
+
+import numpy as np
+
+from prepack.templates import Conversation
+
+if TYPE_CHECKING:  # the Tokenizer protocol lives in prepack.tokenizer (see docs/CONTRACTS.md)
+    from prepack.tokenizer import Tokenizer
+
+__all__ = [
+    "TokenizedExample",
+    "ChatFormatError",
+    "CHAT_FORMAT_ERROR_REASONS",
+    "ChatFormat",
+    "GemmaFormat",
+    "ChatMLFormat",
+    "HFTemplateFormat",
+    "get_chat_format",
+    "chat_format_names",
+    "tokenize_conversations",
+]
+
+# A segment: (text to encode | literal token ids, loss flag 0/1).
+Segment = tuple[Union[str, tuple[int, ...]], int]
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizedExample:
+    """One training example: token ids and a 0/1 loss mask of the same length."""
+
+    input_ids: np.ndarray  # int32, shape [n]
+    loss_mask: np.ndarray  # uint8 0/1, shape [n]
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+
+class ChatFormatError(Exception):
+    """A chat format cannot be built for a tokenizer, or cannot lay out a conversation.
+
+    reason: short stable code (see CHAT_FORMAT_ERROR_REASONS);
+    index:  position of the conversation in the batch given to tokenize_conversations,
+            or None when the error is not about one conversation.
+    """
+
+    def __init__(self, reason: str, message: str, index: int | None = None) -> None:
+        super().__init__(message if index is None else f"conversation {index} of the batch: {message}")
+        self.reason = reason
+        self.message = message
+        self.index = index
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.reason, self.message, self.index))
+
+
+CHAT_FORMAT_ERROR_REASONS: tuple[str, ...] = (
+    "unknown_chat_format",         # get_chat_format(name) with a name not in chat_format_names()
+    "missing_special_token",       # the tokenizer lacks a token the format needs (<start_of_turn>, <|im_start|>, ...)
+    "no_bos",                      # gemma needs tokenizer.bos_id
+    "no_chat_template",            # hf format, tokenizer.chat_template is None/empty
+    "no_format_detected",          # auto found neither a template nor gemma/chatml tokens
+    "system_not_first",            # gemma: a system turn that is not the first turn
+    "system_without_user",         # gemma: the system turn is not followed by a user turn to prepend it to
+    "template_error",              # hf: the jinja template raised (e.g. roles must alternate)
+    "template_not_prefix_stable",  # hf: rendering a shorter conversation is not a prefix of the longer one
+    "empty_target",                # hf: the template rendered nothing for a target assistant turn
+    "special_token_in_text",       # hf: message text spells a special token (it would be parsed as one)
+)
+
+
+# --------------------------------------------------------------------------------------
+# Base class
+# --------------------------------------------------------------------------------------
+
+
+class ChatFormat:
+    """Lays out conversations for one tokenizer. Build once (via get_chat_format) and reuse:
+    construction looks up special tokens and caches the ids of constant header texts."""
+
+    name: str = ""
+
+    def __init__(self, tokenizer: "Tokenizer") -> None:
+        self.tokenizer = tokenizer
+        self._const_cache: dict[str, tuple[int, ...]] = {}
+
+    def segments(self, conv: Conversation) -> list[Segment]:
+        raise NotImplementedError
+
+    def render(self, conv: Conversation) -> str:
+        """The full text of the example, special tokens written as their token strings.
+        decode() of the ids (with special ids mapped back to their strings) gives this."""
+        raise NotImplementedError
+
+    def tokenize(self, conv: Conversation) -> TokenizedExample:
+        """One conversation; for throughput use tokenize_conversations on a batch."""
+        return tokenize_conversations([conv], self.tokenizer, self)[0]
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def _const(self, text: str) -> tuple[int, ...]:
+        """Ids of a constant text (role headers, newline), encoded once."""
+        ids = self._const_cache.get(text)
+        if ids is None:
+            ids = tuple(self.tokenizer.encode(text))
+            self._const_cache[text] = ids
+        return ids
+
+    def _special(self, token: str) -> int:
+        tid = self.tokenizer.token_to_id(token)
+        if tid is None:
+            raise ChatFormatError(
+                "missing_special_token",
+                f"chat format {self.name!r} needs the token {token!r}, but tokenizer "
+                f"{getattr(self.tokenizer, 'name', '?')!r} does not have it; pick a chat format that "
+                f"matches the tokenizer (or 'auto')",
+            )
+        return tid
+
+    def _token_str(self, token_id: int) -> str:
+        return self.tokenizer.id_to_token(token_id)
+
+
+# --------------------------------------------------------------------------------------
+# Gemma
+# --------------------------------------------------------------------------------------
+
+
+class GemmaFormat(ChatFormat):
+    """<bos><start_of_turn>user\\n{user}<end_of_turn>\\n<start_of_turn>model\\n{reply}<end_of_turn>\\n...
+
+    Mirrors Gemma's official chat template: BOS once at the start; a leading system turn is
+    prepended to the first user turn followed by "\\n\\n"; user and assistant content is
+    trimmed (the official template applies `| trim`), the system text is not.
+    """
+
+    name = "gemma"
+
+    def __init__(self, tokenizer: "Tokenizer") -> None:
+        super().__init__(tokenizer)
+        # Turn markers first: a missing one says "wrong tokenizer for this format" most clearly.
+        self.sot = self._special("<start_of_turn>")
+        self.eot = self._special("<end_of_turn>")
+        if tokenizer.bos_id is None:
+            raise ChatFormatError("no_bos", f"chat format 'gemma' needs a BOS token, but tokenizer {getattr(tokenizer, 'name', '?')!r} has none")
+        self.bos = int(tokenizer.bos_id)
+        nl = self._const("\n")
+        model_hdr = self._const("model\n")
+        eot_nl = (self.eot, *nl)
+        # Literal ids that open a turn, by what came before: start of the example (BOS),
+        # a closed turn (<end_of_turn>\n), or a closed *target* turn whose <end_of_turn> was
+        # already emitted with loss 1 (so only "\n" remains, with loss 0).
+        self._open_user = {"start": (self.bos, self.sot), "closed": (*eot_nl, self.sot), "target": (*nl, self.sot)}
+        self._open_model = {k: v + model_hdr for k, v in self._open_user.items()}
+        self._close = {"start": (), "closed": eot_nl, "target": nl}
+        self._eot_only = (self.eot,)
+
+    def segments(self, conv: Conversation) -> list[Segment]:
+        turns = conv.turns
+        loss = conv.loss_turns
+        segs: list[Segment] = []
+        append = segs.append
+        state = "start"
+        prefix = ""
+        first = 0
+        if turns and turns[0].role == "system":
+            prefix = turns[0].content + "\n\n"
+            first = 1
+        for i in range(first, len(turns)):
+            turn = turns[i]
+            role = turn.role
+            if role == "user":
+                append((self._open_user[state], 0))
+                append(("user\n" + prefix + turn.content.strip(), 0))
+                prefix = ""
+                state = "closed"
+            elif role == "assistant":
+                if prefix:
+                    raise ChatFormatError("system_without_user", "gemma: the system turn must be followed by a user turn (it is prepended to it)")
+                append((self._open_model[state], 0))
+                if i in loss:
+                    append((turn.content.strip(), 1))
+                    append((self._eot_only, 1))
+                    state = "target"
+                else:
+                    append((turn.content.strip(), 0))
+                    state = "closed"
+            else:
+                raise ChatFormatError("system_not_first", f"gemma: a system turn is only supported as the first turn, found at turn {i}")
+        if prefix:
+            raise ChatFormatError("system_without_user", "gemma: the system turn must be followed by a user turn (it is prepended to it)")
+        append((self._close[state], 0))
+        return segs
+
+    def render(self, conv: Conversation) -> str:
+        sot, eot = self._token_str(self.sot), self._token_str(self.eot)
+        out = [self._token_str(self.bos)]
+        prefix = ""
+        turns = conv.turns
+        if turns and turns[0].role == "system":
+            prefix, turns = turns[0].content + "\n\n", turns[1:]
+        for turn in turns:
+            word = "model" if turn.role == "assistant" else "user"
+            out.append(f"{sot}{word}\n{prefix}{turn.content.strip()}{eot}\n")
+            prefix = ""
+        return "".join(out)
+
+
+# --------------------------------------------------------------------------------------
+# ChatML (Qwen)
+# --------------------------------------------------------------------------------------
+
+
+class ChatMLFormat(ChatFormat):
+    """<|im_start|>{role}\\n{content}<|im_end|>\\n per turn, no BOS (Qwen has none), content
+    verbatim. No default system prompt is injected. Target = reply + <|im_end|>."""
+
+    name = "chatml"
+
+    def __init__(self, tokenizer: "Tokenizer") -> None:
+        super().__init__(tokenizer)
+        self.ims = self._special("<|im_start|>")
+        self.ime = self._special("<|im_end|>")
+        nl = self._const("\n")
+        asst_hdr = self._const("assistant\n")
+        ime_nl = (self.ime, *nl)
+        self._open = {"start": (self.ims,), "closed": (*ime_nl, self.ims), "target": (*nl, self.ims)}
+        self._open_asst = {k: v + asst_hdr for k, v in self._open.items()}
+        self._close = {"start": (), "closed": ime_nl, "target": nl}
+        self._ime_only = (self.ime,)
+
+    def segments(self, conv: Conversation) -> list[Segment]:
+        loss = conv.loss_turns
+        segs: list[Segment] = []
+        append = segs.append
+        state = "start"
+        for i, turn in enumerate(conv.turns):
+            if turn.role == "assistant":
+                append((self._open_asst[state], 0))
+                if i in loss:
+                    append((turn.content, 1))
+                    append((self._ime_only, 1))
+                    state = "target"
+                    continue
+                append((turn.content, 0))
+            else:
+                append((self._open[state], 0))
+                append((turn.role + "\n" + turn.content, 0))
+            state = "closed"
+        append((self._close[state], 0))
+        return segs
+
+    def render(self, conv: Conversation) -> str:
+        ims, ime = self._token_str(self.ims), self._token_str(self.ime)
+        return "".join(f"{ims}{t.role}\n{t.content}{ime}\n" for t in conv.turns)
+
+
+# --------------------------------------------------------------------------------------
+# The tokenizer's own jinja chat template
+# --------------------------------------------------------------------------------------
+
+# Strings in a template that look like special tokens: <...>, <|...|>, [INST]-style.
+_TEMPLATE_TOKEN_RE = re.compile(r"<\|?[^<>\s{}|]{1,64}\|?>|\[/?[A-Za-z_]{1,32}\]")
+
+
+class HFTemplateFormat(ChatFormat):
+    """Renders with the tokenizer's jinja `chat_template` and derives the loss mask by
+    rendering prefixes: for each target assistant turn i, render(messages[:i],
+    add_generation_prompt=True) is the prompt side and render(messages[:i+1]) ends after the
+    reply; the text in between is the target. Every shorter rendering must be a prefix of
+    the longer ones ("prefix stable"), else ChatFormatError(template_not_prefix_stable);
+    templates that rewrite history (e.g. strip earlier reasoning) are not supported.
+
+    Whitespace after the last special token of a target (the "\\n" after <|im_end|>) gets
+    loss 0, matching the rule for the built-in formats.
+
+    Special tokens: `Tokenizer.encode` does not parse special-token strings (by contract),
+    but rendered templates contain them. This class splits the rendered text on the
+    tokenizer's special tokens itself and inserts their ids directly, so it works with any
+    Tokenizer implementation. The set is: bos/eos/pad, `identity()["special_ids"]`, and every
+    <...>-looking string in the template that the tokenizer knows as a single token but
+    that plain encoding would not produce (i.e. an added/control token).
+
+    Because of that split, a conversation whose text spells one of these special tokens
+    is refused (ChatFormatError "special_token_in_text") rather than silently given a
+    control id.
+
+    Rendering: `tokenizer.apply_chat_template(messages, add_generation_prompt=...)` when the
+    tokenizer offers one that returns a string, else transformers' jinja renderer on
+    `tokenizer.chat_template` (transformers imported lazily), with bos_token/eos_token/
+    pad_token/unk_token set from the tokenizer.
+    """
+
+    name = "hf"
+
+    def __init__(self, tokenizer: "Tokenizer", chat_template: str | None = None) -> None:
+        super().__init__(tokenizer)
+        template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
+        if not template:
+            raise ChatFormatError(
+                "no_chat_template",
+                f"chat format 'hf' needs a chat template, but tokenizer {getattr(tokenizer, 'name', '?')!r} has none; "
+                f"use chat format 'gemma' or 'chatml' (or 'auto', which picks one from the tokenizer's special tokens)",
+            )
+        self.chat_template: str = template
+        self._own_template = chat_template is not None
+        self.special_ids = self._collect_specials(template)
+        alternation = "|".join(re.escape(t) for t in sorted(self.special_ids, key=len, reverse=True))
+        # A capturing split alternates text, special, text, ...; with no specials, never splits.
+        self._split_re = re.compile(f"({alternation})") if alternation else None
+        self._render_kwargs: dict[str, str] | None = None
+        self._use_tokenizer_apply: bool | None = None if not self._own_template else False
+
+    # -- special tokens -------------------------------------------------------------------
+
+    def _collect_specials(self, template: str) -> dict[str, int]:
+        tok = self.tokenizer
+        specials: dict[str, int] = {}
+        for tid in (tok.bos_id, tok.eos_id, tok.pad_id):
+            if tid is not None:
+                specials[tok.id_to_token(int(tid))] = int(tid)
+        # Prefer a direct `special_ids` mapping when the tokenizer has one (it avoids hashing
+        # the vocabulary); else the contract's identity()["special_ids"].
+        special_map: Any = getattr(tok, "special_ids", None)
+        if callable(special_map):
+            special_map = special_map()
+        if not isinstance(special_map, dict):
+            identity = getattr(tok, "identity", None)
+            try:
+                special_map = (identity().get("special_ids") if callable(identity) else None) or {}
+            except Exception:  # identity() is informational; a failure must not block tokenizing
+                special_map = {}
+            for text, tid in special_map.items():
+                if isinstance(text, str) and text and isinstance(tid, int):
+                    specials[text] = tid
+        for cand in set(_TEMPLATE_TOKEN_RE.findall(template)):
+            if cand in specials:
+                continue
+            tid = tok.token_to_id(cand)
+            # If plain encoding already yields this single id, it is an ordinary token and
+            # must not be split out (it could then also be split out of user text).
+            if tid is not None and tuple(tok.encode(cand)) != (tid,):
+                specials[cand] = tid
+        # Empty strings or strings that are pure whitespace would split everything.
+        return {t: i for t, i in specials.items() if t.strip()}
+
+    def _split(self, text: str) -> list[str]:
+        return self._split_re.split(text) if self._split_re is not None else [text]
+
+    # -- rendering ------------------------------------------------------------------------
+
+    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        if self._use_tokenizer_apply is not False:
+            apply = getattr(self.tokenizer, "apply_chat_template", None)
+            if callable(apply):
+                out = apply(messages, add_generation_prompt=add_generation_prompt)
+                if isinstance(out, str):
+                    self._use_tokenizer_apply = True
+                    return out
+            # No usable apply_chat_template (absent, or an HF one returning ids): render ourselves.
+            self._use_tokenizer_apply = False
+        if self._render_kwargs is None:
+            tok = self.tokenizer
+            kw: dict[str, str] = {}
+            for key, tid in (("bos_token", tok.bos_id), ("eos_token", tok.eos_id), ("pad_token", tok.pad_id)):
+                if tid is not None:
+                    kw[key] = tok.id_to_token(int(tid))
+            self._render_kwargs = kw
+        try:
+            from transformers.utils.chat_template_utils import render_jinja_template
+        except ImportError as exc:  # pragma: no cover - transformers is in the pipeline extra
+            raise ChatFormatError("template_error", f"rendering a chat template needs transformers (and jinja2): {exc}") from exc
+        rendered, _ = render_jinja_template(
+            conversations=[messages],
+            chat_template=self.chat_template,
+            add_generation_prompt=add_generation_prompt,
+            **self._render_kwargs,
+        )
+        return rendered[0]
+
+    def _render_checked(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        try:
+            return self._render(messages, add_generation_prompt)
+        except ChatFormatError:
+            raise
+        except Exception as exc:  # jinja's raise_exception(), TemplateError, ...
+            raise ChatFormatError(
+                "template_error", f"the chat template of {getattr(self.tokenizer, 'name', '?')!r} failed: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def render(self, conv: Conversation) -> str:
+        return self._render_checked(conv.messages, False)
+
+    # -- layout ---------------------------------------------------------------------------
+
+    def segments(self, conv: Conversation) -> list[Segment]:
+        if self._split_re is not None:
+            # The rendered string mixes markup and message text, so splitting it on special
+            # tokens would also turn "<|im_end|>" typed inside a message into the real token
+            # (transformers' own tokenize=True path does exactly that). Refuse instead, so
+            # data can never inject control tokens; gemma/chatml encode such text as plain.
+            for i, turn in enumerate(conv.turns):
+                found = self._split_re.search(turn.content)
+                if found is not None:
+                    raise ChatFormatError(
+                        "special_token_in_text",
+                        f"turn {i} ({turn.role}) contains the special token text {found.group(0)!r}; chat format 'hf' "
+                        f"cannot keep it as plain text (use 'gemma' or 'chatml', which do)",
+                    )
+        messages = conv.messages
+        n = len(messages)
+        full = self._render_checked(messages, False)
+        regions: list[tuple[int, int, int]] = []  # (start, end, loss) over `full`
+        pos = 0
+        for i in conv.loss_turns:
+            prompt = self._render_checked(messages[:i], True)
+            upto = full if i == n - 1 else self._render_checked(messages[: i + 1], False)
+            if not (upto.startswith(prompt) and full.startswith(upto) and len(prompt) >= pos):
+                raise ChatFormatError(
+                    "template_not_prefix_stable",
+                    f"the chat template of {getattr(self.tokenizer, 'name', '?')!r} does not render turn {i} as an extension "
+                    f"of the shorter conversation, so the target cannot be located; use chat format 'gemma' or 'chatml'",
+                )
+            if len(upto) == len(prompt):
+                raise ChatFormatError("empty_target", f"the chat template rendered nothing for target assistant turn {i}")
+            regions.append((pos, len(prompt), 0))
+            regions.append((len(prompt), len(upto), 1))
+            pos = len(upto)
+        regions.append((pos, len(full), 0))
+
+        ids = self.special_ids
+        segs: list[Segment] = []
+        append = segs.append
+        for start, end, loss in regions:
+            if start == end:
+                continue
+            parts = self._split(full[start:end])
+            last = len(parts) - 1
+            for j, part in enumerate(parts):
+                if j & 1:
+                    append(((ids[part],), loss))
+                elif part:
+                    # Formatting whitespace after the target's closing special token is not
+                    # something the model must predict (generation stops at that token).
+                    trailing_ws = loss and j == last and last > 0 and not part.strip()
+                    append((part, 0 if trailing_ws else loss))
+        return segs
+
+
+# --------------------------------------------------------------------------------------
+# Registry and batch tokenization
+# --------------------------------------------------------------------------------------
+
+_FORMATS: dict[str, Callable[..., ChatFormat]] = {
+    "gemma": GemmaFormat,
+    "chatml": ChatMLFormat,
+    "hf": HFTemplateFormat,
+}
+
+
+def chat_format_names() -> tuple[str, ...]:
+    return (*_FORMATS, "auto")
+
+
+def get_chat_format(name: str, tokenizer: "Tokenizer") -> ChatFormat:
+    """Build chat format `name` for `tokenizer`.
+
+    auto: 'hf' if the tokenizer has a chat template, else 'gemma' if it has
+    <start_of_turn>, else 'chatml' if it has <|im_start|>, else ChatFormatError.
+    """
+    if name == "auto":
+        if getattr(tokenizer, "chat_template", None):
+            return HFTemplateFormat(tokenizer)
+        if tokenizer.token_to_id("<start_of_turn>") is not None:
+            return GemmaFormat(tokenizer)
+        if tokenizer.token_to_id("<|im_start|>") is not None:
+            return ChatMLFormat(tokenizer)
+        raise ChatFormatError(
+            "no_format_detected",
+            f"chat format 'auto': tokenizer {getattr(tokenizer, 'name', '?')!r} has no chat template and neither "
+            f"<start_of_turn> (gemma) nor <|im_start|> (chatml); choose a tokenizer with a chat template",
+        )
+    factory = _FORMATS.get(name)
+    if factory is None:
+        raise ChatFormatError("unknown_chat_format", f"unknown chat format {name!r}; expected one of {', '.join(chat_format_names())}")
+    return factory(tokenizer)
+
+
+# Formats built from a name inside tokenize_conversations, so that passing a name per batch
+# does not redo special-token lookups each time. Keyed by tokenizer identity.
+_FORMAT_CACHE: dict[tuple[str, int], ChatFormat] = {}
+
+
+def _resolve_format(chat_format: "ChatFormat | str", tokenizer: "Tokenizer") -> ChatFormat:
+    if isinstance(chat_format, ChatFormat):
+        if chat_format.tokenizer is not tokenizer:
+            raise ValueError("tokenize_conversations: chat_format was built for a different tokenizer object")
+        return chat_format
+    key = (chat_format, id(tokenizer))
+    fmt = _FORMAT_CACHE.get(key)
+    if fmt is None or fmt.tokenizer is not tokenizer:
+        if len(_FORMAT_CACHE) >= 16:
+            _FORMAT_CACHE.clear()
+        fmt = _FORMAT_CACHE[key] = get_chat_format(chat_format, tokenizer)
+    return fmt
+
+
+def tokenize_conversations(
+    convs: Sequence[Conversation], tokenizer: "Tokenizer", chat_format: "ChatFormat | str"
+) -> list[TokenizedExample]:
+    """Tokenize a batch of conversations with one tokenizer.encode_batch call.
+
+    chat_format: a ChatFormat built for `tokenizer`, or a name (see get_chat_format).
+    A ChatFormatError about one conversation carries its batch position in `.index`, so a
+    caller can retry the others one by one and count the bad one.
+
+    The returned arrays are views into one buffer per batch (one allocation instead of
+    two per example); pickling a view stores only its own elements.
+    """
+    fmt = _resolve_format(chat_format, tokenizer)
+    segments = fmt.segments
+    texts: list[str] = []
+    payloads: list[Any] = []
+    masks: list[int] = []
+    seg_counts: list[int] = []
+    add_text, add_payload, add_mask = texts.append, payloads.append, masks.append
+    for index, conv in enumerate(convs):
+        try:
+            segs = segments(conv)
+        except ChatFormatError as exc:
+            raise ChatFormatError(exc.reason, exc.message, index) from exc
+        seg_counts.append(len(segs))
+        for payload, mask in segs:
+            if payload.__class__ is str:
+                if payload:
+                    add_text(payload)
+                else:
+                    payload = ()
+            add_payload(payload)
+            add_mask(mask)
+    if not seg_counts:
+        return []
+
+    encoded = iter(tokenizer.encode_batch(texts) if texts else ())
+    flat: list[int] = []
+    extend = flat.extend
+    lengths: list[int] = []
+    add_length = lengths.append
+    for payload in payloads:
+        ids = next(encoded) if payload.__class__ is str else payload
+        extend(ids)
+        add_length(len(ids))
+
+    input_ids = np.array(flat, dtype=np.int32)
+    loss_mask = np.repeat(np.array(masks, dtype=np.uint8), lengths)
+    # Token offset where each conversation ends: cumulative tokens at its last segment.
+    seg_ends = np.cumsum(np.array(seg_counts, dtype=np.int64)) - 1
+    tok_cum = np.cumsum(np.array(lengths, dtype=np.int64))
+    ends = tok_cum[seg_ends].tolist()
+    out: list[TokenizedExample] = []
+    start = 0
+    for end in ends:
+        out.append(TokenizedExample(input_ids[start:end], loss_mask[start:end]))
+        start = end
+    return out
