@@ -1,0 +1,52 @@
+"""`prepack pack`: parse options, run the job, print where the shards went and the density table."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Sequence
+
+from pipelines.options import OptionsError, parse_args
+
+# Local runs: worker processes forward their logs to the runner, which re-logs
+# them as warnings ("No semi_persistent_directory found", ...). They are noise here.
+_QUIET_LOGGERS = ("apache_beam.runners.portability.local_job_service", "apache_beam.runners.worker")
+
+
+def _quiet_beam_logs() -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    for name in _QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        config, beam_args = parse_args(argv)
+    except OptionsError as e:
+        print(f"prepack pack: {e}", file=sys.stderr)
+        return 2
+    _quiet_beam_logs()
+    from pipelines.job import run
+    from pipelines.publish import JobError
+    from pipelines.report import density_table
+
+    try:
+        result = run(config, beam_args)
+    except JobError as e:
+        print(f"prepack pack: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("prepack pack: interrupted; nothing new was published", file=sys.stderr)
+        return 130
+    for L, path in sorted(result.manifests.items()):
+        print(f"L{L}: {path}")
+    print()
+    print(density_table(result.stats))
+    examples = next(iter(result.stats.values()))["examples_read"]
+    print(f"\n{examples:,} examples in {result.seconds:,.1f} s ({examples / max(result.seconds, 1e-9):,.0f} examples/s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,201 @@
+"""`prepack pack` options: one frozen config for the job, everything else goes to Beam.
+
+Our own flags are parsed with argparse; whatever argparse does not know is
+handed to Beam's PipelineOptions untouched, so every Beam option (runner,
+direct_num_workers, project, region, temp_location, setup_file, ...) works.
+Only when no runner is given do we pick one: FnApiRunner in multi-processing
+mode on all cores. The plain DirectRunner would first try Prism, which
+downloads a binary and fails offline (../shared/research/io_stack.md §3.1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from prepack.packer import OverlongPolicy
+
+DEFAULT_MAX_LENGTHS = (2048,)
+DEFAULT_TARGET_SHARD_MB = 256.0
+SAMPLE_FORMAT = "alpaca"
+
+# Beam flags we add when the user names no runner.
+LOCAL_RUNNER_ARGS = ("--runner=FnApiRunner", "--direct_running_mode=multi_processing", "--direct_num_workers=0")
+
+
+class OptionsError(ValueError):
+    """Bad command-line options: printed as one line, exit status 2."""
+
+
+def sample_path() -> str:
+    """The embedded sample dataset (alpaca format) that `--sample` packs."""
+    import prepack
+
+    return os.path.join(os.path.dirname(os.path.abspath(prepack.__file__)), "sample_data", "sample_sft.jsonl")
+
+
+@dataclasses.dataclass(frozen=True)
+class PackConfig:
+    """Everything that decides the job's output. Two runs with equal configs over equal
+    inputs write byte-identical shards (the output path and Beam options do not count)."""
+
+    inputs: tuple[str, ...]
+    format: str
+    output: str
+    template_options: tuple[tuple[str, str], ...] = ()
+    chat_format: str = "auto"
+    tokenizer: str = "gemma3"
+    max_lengths: tuple[int, ...] = DEFAULT_MAX_LENGTHS
+    pack: bool = True
+    overlong: OverlongPolicy = OverlongPolicy.DROP
+    num_shards: int | None = None
+    target_shard_mb: float = DEFAULT_TARGET_SHARD_MB
+    max_bad_fraction: float = 0.0
+    overwrite: bool = False
+    sub_buckets: int | None = None  # None: derived from the input size (planning.choose_sub_buckets)
+    tfds_data_dir: str | None = None
+    batch_size: int = 512  # records per element after reading; also the encode_batch size
+    progress: bool = True
+
+    @property
+    def template_kwargs(self) -> dict[str, str]:
+        return dict(self.template_options)
+
+    def manifest_options(self) -> dict[str, Any]:
+        """The options recorded in each manifest: only those that shape the rows.
+        The output path, run id and Beam options are left out on purpose, so the
+        manifest stays byte-identical across worker counts and output folders."""
+        return {
+            "format": self.format,
+            "template_options": self.template_kwargs,
+            "chat_format": self.chat_format,
+            "tokenizer": self.tokenizer,
+            "max_lengths": list(self.max_lengths),
+            "packing": "bfd" if self.pack else "unpacked",
+            "overlong": self.overlong.value,
+            "num_shards": self.num_shards,
+            "target_shard_mb": self.target_shard_mb,
+            "max_bad_fraction": self.max_bad_fraction,
+            "sub_buckets": self.sub_buckets,
+            "tfds_data_dir": self.tfds_data_dir,
+        }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="prepack pack",
+        description=(
+            "Read SFT datasets, apply a template and chat format, tokenize once, pack per max length "
+            "with global best-fit-decreasing, and publish ArrayRecord shards plus manifest.json into "
+            "OUTPUT/L<max_length>/. Options this command does not know are passed to Beam "
+            "(e.g. --runner=DataflowRunner --project=... --region=... --temp_location=gs://...)."
+        ),
+    )
+    src = p.add_argument_group("inputs")
+    src.add_argument(
+        "--input", action="append", default=[], metavar="SPEC",
+        help="repeatable. A JSONL/JSON/Parquet/Arrow file or glob (local or gs://), a save_to_disk folder "
+        "(DIR or DIR:SPLIT), hf:NAME[:CONFIG][:SPLIT] (needs the network), or tfds:NAME[:SPLIT]",
+    )
+    src.add_argument("--sample", action="store_true", help="pack the embedded sample dataset (alpaca format) instead of --input")
+    src.add_argument("--format", "--template", dest="format", help="source format: alpaca, translation, oasst1, chat, prompt_response")
+    src.add_argument("--source-lang", help="translation: source language code (default en)")
+    src.add_argument("--target-lang", help="translation: target language code (default fr)")
+    src.add_argument("--prompt-format", help="translation: prompt with {source}, {target} and {text}")
+    src.add_argument("--tfds-data-dir", help="data_dir for tfds: inputs (default: TFDS's own)")
+    tok = p.add_argument_group("tokenizing")
+    tok.add_argument("--tokenizer", default="gemma3", help="gemma3 (embedded, default), sp:FILE.model, hf:NAME_OR_PATH")
+    tok.add_argument("--chat-format", default="auto", help="gemma, chatml, hf (the tokenizer's template) or auto (default)")
+    pk = p.add_argument_group("packing")
+    pk.add_argument(
+        "--max-length", action="extend", nargs="+", type=int, default=[], metavar="L",
+        help="repeatable, several per flag: e.g. --max-length 512 1024 2048 tokenizes once and writes OUTPUT/L512, ... "
+        f"(default {' '.join(map(str, DEFAULT_MAX_LENGTHS))})",
+    )
+    pk.add_argument("--no-pack", action="store_true", help="one example per row (baseline), same format and manifest")
+    pk.add_argument("--overlong", choices=[p.value for p in OverlongPolicy], default=OverlongPolicy.DROP.value,
+                    help="examples longer than L: drop (default) or truncate")
+    pk.add_argument("--sub-buckets", type=int, help="advanced: hash sub-buckets per length when assigning rows (default: from input size)")
+    out = p.add_argument_group("output")
+    out.add_argument("--output", help="output folder, local or gs://; each max length gets OUTPUT/L<L>/")
+    shards = out.add_mutually_exclusive_group()
+    shards.add_argument("--num-shards", type=int, help="shards per max length (default: from --target-shard-mb)")
+    shards.add_argument("--target-shard-mb", type=float, default=DEFAULT_TARGET_SHARD_MB,
+                        help=f"approximate compressed shard size (default {DEFAULT_TARGET_SHARD_MB:g})")
+    out.add_argument("--max-bad-fraction", type=float, default=0.0,
+                     help="fail when bad records / examples read exceeds this (default 0: any bad record fails the job)")
+    out.add_argument("--overwrite", action="store_true", help="replace existing shard sets in OUTPUT")
+    out.add_argument("--batch-size", type=int, default=512, help="records per batch for tokenizing (default 512)")
+    out.add_argument("--no-progress", action="store_true", help="no records/s lines from the workers")
+    return p
+
+
+def parse_args(argv: Sequence[str]) -> tuple[PackConfig, list[str]]:
+    """(our config, the remaining arguments for Beam). Raises OptionsError on bad values."""
+    parser = build_parser()
+    ns, beam_args = parser.parse_known_args(list(argv))
+    if ns.sample:
+        if ns.input:
+            raise OptionsError("--sample packs the embedded sample dataset; do not combine it with --input")
+        inputs = (sample_path(),)
+        fmt = ns.format or SAMPLE_FORMAT
+    else:
+        if not ns.input:
+            raise OptionsError("no input: pass --input SPEC (repeatable) or --sample")
+        inputs = tuple(ns.input)
+        if not ns.format:
+            raise OptionsError("--format is required: alpaca, translation, oasst1, chat or prompt_response")
+        fmt = ns.format
+    if not ns.output:
+        raise OptionsError("--output is required (a local folder or gs://bucket/prefix)")
+    max_lengths = tuple(sorted(set(ns.max_length))) or DEFAULT_MAX_LENGTHS
+    if any(L < 2 for L in max_lengths):
+        raise OptionsError(f"--max-length must be at least 2, got {min(max_lengths)}")
+    if ns.num_shards is not None and ns.num_shards < 1:
+        raise OptionsError(f"--num-shards must be at least 1, got {ns.num_shards}")
+    if ns.target_shard_mb <= 0:
+        raise OptionsError(f"--target-shard-mb must be positive, got {ns.target_shard_mb}")
+    if not 0.0 <= ns.max_bad_fraction <= 1.0:
+        raise OptionsError(f"--max-bad-fraction must be within 0..1, got {ns.max_bad_fraction}")
+    if ns.sub_buckets is not None and ns.sub_buckets < 1:
+        raise OptionsError(f"--sub-buckets must be at least 1, got {ns.sub_buckets}")
+    if ns.batch_size < 1:
+        raise OptionsError(f"--batch-size must be at least 1, got {ns.batch_size}")
+    template_options = {}
+    for flag, key in (("source_lang", "source_lang"), ("target_lang", "target_lang"), ("prompt_format", "prompt_format")):
+        value = getattr(ns, flag)
+        if value is not None:
+            template_options[key] = value
+    config = PackConfig(
+        inputs=inputs,
+        format=fmt,
+        output=ns.output.rstrip("/") if ns.output not in ("/",) else ns.output,
+        template_options=tuple(sorted(template_options.items())),
+        chat_format=ns.chat_format,
+        tokenizer=ns.tokenizer,
+        max_lengths=max_lengths,
+        pack=not ns.no_pack,
+        overlong=OverlongPolicy(ns.overlong),
+        num_shards=ns.num_shards,
+        target_shard_mb=ns.target_shard_mb,
+        max_bad_fraction=ns.max_bad_fraction,
+        overwrite=ns.overwrite,
+        sub_buckets=ns.sub_buckets,
+        tfds_data_dir=ns.tfds_data_dir,
+        batch_size=ns.batch_size,
+        progress=not ns.no_progress,
+    )
+    return config, with_default_runner(beam_args)
+
+
+def with_default_runner(beam_args: Sequence[str]) -> list[str]:
+    """Adds FnApiRunner multi-processing on all cores unless a runner is named."""
+    args = list(beam_args)
+    named = any(a == "--runner" or a.startswith("--runner=") for a in args)
+    if named:
+        return args
+    extra = [a for a in LOCAL_RUNNER_ARGS if not any(b.split("=")[0] == a.split("=")[0] for b in args)]
+    return extra + args

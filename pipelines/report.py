@@ -1,0 +1,55 @@
+"""The density table `prepack pack` prints after a run, one line per max length."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+COLUMNS = (
+    ("L", "max_length"),
+    ("read", "examples_read"),
+    ("written", "examples_written"),
+    ("dropped", "dropped"),
+    ("truncated", "examples_truncated"),
+    ("rows", "rows"),
+    ("lower bound", "lower_bound_rows"),
+    ("rows/bound", "rows_over_lower_bound"),
+    ("packed dens.", "packed_density"),
+    ("unpacked dens.", "unpacked_density"),
+    ("target dens.", "target_density"),
+    ("row reduction", "row_reduction"),
+)
+
+
+def _cell(key: str, value: Any) -> str:
+    if key in ("packed_density", "unpacked_density", "target_density"):
+        return f"{value:.1%}"
+    if key in ("row_reduction",):
+        return f"{value:.2f}x"
+    if key == "rows_over_lower_bound":
+        return f"{value:.4f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def density_table(stats_by_length: Mapping[int, Mapping[str, Any]]) -> str:
+    """A plain-text table; dropped examples are listed by reason under it."""
+    rows = []
+    for L, stats in sorted(stats_by_length.items()):
+        values = dict(stats, max_length=L, dropped=sum(stats["examples_dropped"].values()))
+        rows.append([_cell(key, values[key]) for _, key in COLUMNS])
+    headers = [h for h, _ in COLUMNS]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(headers, widths))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    for L, stats in sorted(stats_by_length.items()):
+        if stats["examples_dropped"]:
+            reasons = ", ".join(f"{k} {v:,}" for k, v in sorted(stats["examples_dropped"].items()))
+            lines.append(f"L{L} dropped: {reasons}")
+    first = next(iter(stats_by_length.values()), None)
+    if first is not None and first.get("records_filtered"):
+        filtered = ", ".join(f"{k} {v:,}" for k, v in first["records_filtered"].items())
+        lines.append(f"records filtered by the template (not examples): {filtered}")
+    return "\n".join(lines)

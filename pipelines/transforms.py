@@ -1,0 +1,523 @@
+"""The job's DoFns: read, template + tokenize, fit per max length, route to rows.
+
+Writing shards and dead letters is in writer.py; the graph is wired in job.py.
+
+Batching: after reading, records travel in batches of `batch_size` (one
+element per batch), and examples on their way to a GroupByKey are buffered per
+key for the whole bundle. Per-element overhead in Beam's local runner is tens
+of microseconds, far more than the tokenizer spends on a short example, so
+moving batches rather than examples is what keeps the job near the raw
+tokenizer's speed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import threading
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Iterator
+from itertools import chain
+from typing import Any
+
+import apache_beam as beam
+from apache_beam.metrics.metric import Metrics
+from apache_beam.pvalue import TaggedOutput
+from apache_beam.transforms.window import GlobalWindows
+
+from pipelines import readers
+from pipelines.planning import LengthPlan, stable_hash, sub_bucket
+from pipelines.records import (
+    DeadLetter,
+    Example,
+    TaskMeta,
+    dead_letter,
+    example_id,
+    has_target,
+    ids_to_bytes,
+    mask_to_bytes,
+)
+from pipelines.sources import ReadTask
+from prepack.packer import DropReason, OverlongPolicy
+
+NAMESPACE = "prepack"
+TAG_BAD = "bad"
+TAG_TALLY = "tally"
+TAG_HIST = "hist"
+TAG_DEAD = "dead"
+TAG_FINGERPRINT = "fingerprint"
+
+# oasst1 messages dropped for these reasons are a property of the data set (other
+# languages, failed review, deleted threads), not bad input: counted, not failed on.
+OASST1_FILTER_REASONS = frozenset({"deleted", "not_english", "review_failed", "orphaned", "assistant_root"})
+
+FLUSH_EXAMPLES = 20_000  # buffered examples per bundle before an early flush (memory bound)
+
+
+@dataclasses.dataclass(frozen=True)
+class JobContext:
+    """The parts of the config every worker needs (small and picklable)."""
+
+    tasks: tuple[TaskMeta, ...]
+    template: str
+    template_options: tuple[tuple[str, str], ...]
+    tokenizer: str
+    chat_format: str
+    max_lengths: tuple[int, ...]
+    overlong: OverlongPolicy
+    pack: bool
+    sub_buckets: int
+    batch_size: int
+    progress: bool
+    output: str
+    run_id: str
+    pad_id: int
+
+
+def _windowed(value: Any) -> Any:
+    return GlobalWindows.windowed_value(value)
+
+
+# ----------------------------------------------------------------------------- progress
+
+
+class _Progress:
+    """Records/s for local runs: one line to stderr every `every_s` per worker process."""
+
+    lock = threading.Lock()
+    count = 0
+    started = 0.0
+    last = 0.0
+
+    @classmethod
+    def add(cls, n: int, every_s: float = 10.0) -> None:
+        now = time.monotonic()
+        with cls.lock:
+            if not cls.started:
+                cls.started = cls.last = now
+            cls.count += n
+            if now - cls.last < every_s:
+                return
+            cls.last = now
+            count, elapsed = cls.count, now - cls.started
+        print(f"prepack pack: read {count:,} records in {elapsed:,.0f} s ({count / max(elapsed, 1e-9):,.0f} records/s)",
+              file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- read
+
+
+class ReadTaskFn(beam.DoFn):
+    """ReadTask -> (task_index, [raw record, ...]) batches; tagged: the task's fingerprint."""
+
+    def __init__(self, batch_size: int, progress: bool):
+        self.batch_size = batch_size
+        self.progress = progress
+
+    def setup(self) -> None:
+        self.records = Metrics.counter(NAMESPACE, "records_read")
+        self.bytes = Metrics.counter(NAMESPACE, "bytes_read")
+        self.files = Metrics.counter(NAMESPACE, "tasks_read")
+
+    def process(self, task: ReadTask) -> Iterator[Any]:
+        digest = readers.FileDigest()
+        batch: list = []
+        count = 0
+        try:
+            for record in readers.iter_task(task, digest, self.batch_size):
+                batch.append(record)
+                if len(batch) >= self.batch_size:
+                    count += len(batch)
+                    self.records.inc(len(batch))
+                    if self.progress:
+                        _Progress.add(len(batch))
+                    yield (task.task_index, batch)
+                    batch = []
+        except Exception as e:
+            # Name the file: a corrupt Parquet footer deep in pyarrow says nothing about which input it was.
+            raise RuntimeError(f"reading {task.path} ({task.kind}) failed after {count + len(batch)} records: {type(e).__name__}: {e}") from e
+        if batch:
+            count += len(batch)
+            self.records.inc(len(batch))
+            if self.progress:
+                _Progress.add(len(batch))
+            yield (task.task_index, batch)
+        self.files.inc()
+        self.bytes.inc(digest.num_bytes)
+        fingerprint = digest.hexdigest() if task.kind in ("jsonl", "json", "parquet", "arrow") else None
+        yield TaggedOutput(TAG_FINGERPRINT, (task.task_index, fingerprint, digest.num_bytes, count))
+
+
+# ----------------------------------------------------------------------------- template + tokenize
+
+
+class _Tokenizing:
+    """Shared by the per-record and the table-level (oasst1) paths: loads the tokenizer
+    and chat format once per worker, encodes a batch with one encode_batch call."""
+
+    ctx: JobContext
+
+    def _setup_tokenizer(self) -> None:
+        from prepack.chat_formats import get_chat_format
+        from prepack.tokenizer import load_tokenizer
+
+        self.tokenizer = load_tokenizer(self.ctx.tokenizer)
+        self.format = get_chat_format(self.ctx.chat_format, self.tokenizer)
+        self.m_examples = Metrics.counter(NAMESPACE, "examples_tokenized")
+        self.m_tokens = Metrics.counter(NAMESPACE, "tokens_tokenized")
+        self.m_lengths = Metrics.distribution(NAMESPACE, "example_tokens")
+        self.m_bad = Metrics.counter(NAMESPACE, "bad_records")
+
+    def _tokenize(
+        self, convs: list, metas: list[tuple[Any, str]], tally: Counter, bad: list[DeadLetter]
+    ) -> list[Example]:
+        """Examples for convs (metas[i] = (loc, example_id)); a conversation the chat format
+        rejects becomes a dead letter and the rest of the batch goes on."""
+        from prepack.chat_formats import ChatFormatError, tokenize_conversations
+
+        out: list[Example] = []
+        start = 0
+        while start < len(convs):
+            try:
+                tokenized = tokenize_conversations(convs[start:], self.tokenizer, self.format)
+            except ChatFormatError as e:
+                if e.index is None:
+                    raise
+                bad_at = start + e.index
+                if e.index:
+                    tokenized = tokenize_conversations(convs[start:bad_at], self.tokenizer, self.format)
+                    self._emit(tokenized, metas[start:bad_at], out)
+                loc, eid = metas[bad_at]
+                tally[("bad_example", e.reason)] += 1
+                self.m_bad.inc()
+                bad.append(dead_letter(self.ctx.tasks, loc, e.reason, "", e.message, example_id=eid))
+                start = bad_at + 1
+                continue
+            self._emit(tokenized, metas[start:], out)
+            break
+        return out
+
+    def _emit(self, tokenized: list, metas: list[tuple[Any, str]], out: list[Example]) -> None:
+        tokens = 0
+        for ex, (loc, eid) in zip(tokenized, metas):
+            n = len(ex.input_ids)
+            tokens += n
+            self.m_lengths.update(n)
+            out.append((stable_hash(eid), eid, ids_to_bytes(ex.input_ids), mask_to_bytes(ex.loss_mask), loc))
+        self.m_examples.inc(len(tokenized))
+        self.m_tokens.inc(tokens)
+
+
+class PrepareFn(beam.DoFn, _Tokenizing):
+    """(task_index, raw records) -> a list of Examples; tagged: dead letters, tallies.
+
+    Decodes, parses and templates each record, then tokenizes the whole batch at once.
+    """
+
+    def __init__(self, ctx: JobContext):
+        self.ctx = ctx
+
+    def setup(self) -> None:
+        from prepack.templates import get_template
+
+        self.template = get_template(self.ctx.template, **dict(self.ctx.template_options))
+        self._setup_tokenizer()
+
+    def process(self, element: tuple[int, list]) -> Iterator[Any]:
+        from prepack.templates import RecordError
+
+        task_index, items = element
+        meta = self.ctx.tasks[task_index]
+        tally: Counter = Counter()
+        bad: list[DeadLetter] = []
+        convs: list = []
+        metas: list[tuple[Any, str]] = []
+        to_conversations = self.template.to_conversations
+        for record_index, line, kind, payload in items:
+            loc = (task_index, record_index, line, 0)
+            if kind == readers.RAW_TEXT:
+                record, error = readers.parse_text(payload)
+                if error is not None:
+                    tally[("bad_record", error[0])] += 1
+                    bad.append(dead_letter(self.ctx.tasks, loc, error[0], "", error[1], readers.snippet(payload)))
+                    continue
+            elif kind == readers.RAW_ERROR:
+                reason, message, raw = payload
+                tally[("bad_record", reason)] += 1
+                bad.append(dead_letter(self.ctx.tasks, loc, reason, "", message, raw))
+                continue
+            else:
+                record = payload
+            try:
+                conversations = to_conversations(record)
+            except RecordError as e:
+                tally[("bad_record", e.reason)] += 1
+                bad.append(dead_letter(self.ctx.tasks, loc, e.reason, e.field, e.message, readers.snippet(record)))
+                continue
+            for sub, conv in enumerate(conversations):
+                convs.append(conv)
+                metas.append(((task_index, record_index, line, sub), example_id(meta, record_index, sub)))
+        tally[("records_read",)] += len(items)
+        tally[("examples",)] += len(convs)
+        examples = self._tokenize(convs, metas, tally, bad)
+        self.m_bad.inc(sum(v for k, v in tally.items() if k[0] == "bad_record"))
+        if examples:
+            yield examples
+        for entry in bad:
+            yield TaggedOutput(TAG_BAD, entry)
+        yield TaggedOutput(TAG_TALLY, tally)
+
+
+class KeyTableRecordsFn(beam.DoFn):
+    """Table-level formats (oasst1): parse each message and key it by its tree."""
+
+    def __init__(self, ctx: JobContext, group_key: str):
+        self.ctx = ctx
+        self.group_key = group_key
+
+    def process(self, element: tuple[int, list]) -> Iterator[Any]:
+        task_index, items = element
+        tally: Counter = Counter({("records_read",): len(items)})
+        for record_index, line, kind, payload in items:
+            loc = (task_index, record_index, line, 0)
+            if kind == readers.RAW_TEXT:
+                record, error = readers.parse_text(payload)
+            elif kind == readers.RAW_ERROR:
+                record, error = None, payload[:2]
+            else:
+                record, error = payload, None
+            if error is None and not isinstance(record, dict):
+                error = ("invalid", "expected a message object")
+            if error is None and not (isinstance(record.get("message_id"), str) and record["message_id"]):
+                error = ("invalid", f"message_id: expected a non-empty string, got {record.get('message_id')!r}")
+            if error is not None:
+                tally[("bad_record", error[0])] += 1
+                raw = payload[2] if kind == readers.RAW_ERROR else readers.snippet(payload if record is None else record)
+                yield TaggedOutput(TAG_BAD, dead_letter(self.ctx.tasks, loc, error[0], "", error[1], raw))
+                continue
+            group = record.get(self.group_key)
+            yield (group if isinstance(group, str) else "", (loc, record))
+        yield TaggedOutput(TAG_TALLY, tally)
+
+
+class TableToExamplesFn(beam.DoFn, _Tokenizing):
+    """(tree id, messages) -> Examples. Conversations are buffered across trees and
+    tokenized `batch_size` at a time; the bundle's rest is flushed at its end."""
+
+    def __init__(self, ctx: JobContext):
+        self.ctx = ctx
+
+    def setup(self) -> None:
+        from prepack.templates import get_template
+
+        self.template = get_template(self.ctx.template, **dict(self.ctx.template_options))
+        self._setup_tokenizer()
+
+    def start_bundle(self) -> None:
+        self.convs: list = []
+        self.metas: list = []
+        self.tally: Counter = Counter()
+
+    def process(self, element: tuple[str, Iterable]) -> Iterator[Any]:
+        _, messages = element
+        located = sorted(messages, key=lambda lm: lm[0])  # input order decides duplicate_id
+        locs_by_id: dict[str, list] = defaultdict(list)
+        for loc, msg in located:
+            locs_by_id[msg["message_id"]].append(loc)
+        result = self.template.conversations_from_table([msg for _, msg in located])
+        seen_dupes: Counter = Counter()
+        for dropped in result.dropped:
+            locs = locs_by_id.get(dropped.message_id or "", [])
+            if dropped.reason == "duplicate_id":
+                seen_dupes[dropped.message_id] += 1
+                loc = locs[min(seen_dupes[dropped.message_id], len(locs) - 1)]
+            else:
+                loc = locs[0] if locs else (0, -1, 0, 0)
+            if dropped.reason in OASST1_FILTER_REASONS:
+                self.tally[("filtered", dropped.reason)] += 1
+                continue
+            self.tally[("bad_record", dropped.reason)] += 1
+            self.m_bad.inc()
+            yield TaggedOutput(TAG_BAD, dead_letter(self.ctx.tasks, loc, dropped.reason, "", dropped.detail, None,
+                                                    message_id=dropped.message_id))
+        for conv, mid in result.examples:
+            loc = locs_by_id[mid][0]
+            meta = self.ctx.tasks[loc[0]]
+            self.convs.append(conv)
+            self.metas.append((loc, f"{meta.input_index}/oasst1/{mid}"))
+        self.tally[("examples",)] += len(result.examples)
+        if len(self.convs) >= self.ctx.batch_size:
+            yield from self._flush(windowed=False)
+
+    def _flush(self, windowed: bool) -> Iterator[Any]:
+        bad: list[DeadLetter] = []
+        examples = self._tokenize(self.convs, self.metas, self.tally, bad) if self.convs else []
+        self.convs, self.metas = [], []
+        wrap = _windowed if windowed else (lambda v: v)
+        if examples:
+            yield wrap(examples)
+        for entry in bad:
+            yield TaggedOutput(TAG_BAD, wrap(entry))
+
+    def finish_bundle(self) -> Iterator[Any]:
+        yield from self._flush(windowed=True)
+        if self.tally:
+            yield TaggedOutput(TAG_TALLY, _windowed(self.tally))
+
+
+# ----------------------------------------------------------------------------- fit and key
+
+
+class FitAndKeyFn(beam.DoFn):
+    """Examples -> ((length_key, b), [Payload, ...]) for the routing GroupByKey.
+
+    Applies the overlong policy for every max length (counting drops by reason and
+    writing their dead letters) and builds this bundle's share of the
+    (L, length_key, b) histogram the plan is made from.
+    """
+
+    def __init__(self, ctx: JobContext):
+        self.ctx = ctx
+
+    def setup(self) -> None:
+        self.m_dropped = {L: Metrics.counter(NAMESPACE, f"L{L}_dropped") for L in self.ctx.max_lengths}
+        self.m_truncated = {L: Metrics.counter(NAMESPACE, f"L{L}_truncated") for L in self.ctx.max_lengths}
+
+    def start_bundle(self) -> None:
+        self.buffers: dict[tuple[int, int], list] = defaultdict(list)
+        self.buffered = 0
+        self.hist: Counter = Counter()
+        self.tally: Counter = Counter()
+
+    def process(self, examples: list[Example]) -> Iterator[Any]:
+        ctx = self.ctx
+        truncate = ctx.overlong is OverlongPolicy.TRUNCATE
+        hist, tally, buffers = self.hist, self.tally, self.buffers
+        for h, eid, ids, mask, loc in examples:
+            n = len(mask)
+            if not has_target(mask):
+                tally[("no_targets",)] += 1
+                for L in ctx.max_lengths:
+                    yield TaggedOutput(TAG_DEAD, (L, dead_letter(ctx.tasks, loc, "no_targets", "", 
+                        "no target token after the first, so the example trains nothing", None, example_id=eid, tokens=n)))
+                continue
+            key = n if ctx.pack else 0
+            b = sub_bucket(h, ctx.sub_buckets)
+            kept = False
+            for L in ctx.max_lengths:
+                if n <= L:
+                    hist[(L, key, b)] += 1
+                    kept = True
+                    continue
+                if truncate and has_target(mask, L):
+                    hist[(L, key, b)] += 1
+                    tally[("L", L, "truncated")] += 1
+                    self.m_truncated[L].inc()
+                    kept = True
+                    continue
+                reason = DropReason.NO_TARGETS_AFTER_TRUNCATION if truncate else DropReason.TOO_LONG
+                tally[("L", L, "dropped", reason.value)] += 1
+                self.m_dropped[L].inc()
+                message = (f"no target token left after truncating {n} tokens to {L}" if truncate
+                           else f"{n} tokens, more than max_length {L}")
+                yield TaggedOutput(TAG_DEAD, (L, dead_letter(ctx.tasks, loc, reason.value, "", message, None,
+                                                             example_id=eid, tokens=n)))
+            if kept:
+                buffers[(key, b)].append((h, eid, ids, mask))
+                self.buffered += 1
+        if self.buffered >= FLUSH_EXAMPLES:
+            yield from self._flush(windowed=False)
+
+    def _flush(self, windowed: bool) -> Iterator[Any]:
+        wrap = _windowed if windowed else (lambda v: v)
+        for key, payloads in self.buffers.items():
+            yield wrap((key, payloads))
+        self.buffers = defaultdict(list)
+        self.buffered = 0
+
+    def finish_bundle(self) -> Iterator[Any]:
+        yield from self._flush(windowed=True)
+        yield TaggedOutput(TAG_HIST, _windowed(self.hist))
+        yield TaggedOutput(TAG_TALLY, _windowed(self.tally))
+
+
+# ----------------------------------------------------------------------------- route to rows
+
+
+class RouteToRowsFn(beam.DoFn):
+    """((length_key, b), payload lists) -> ((L, shard), [Fragment, ...]).
+
+    Ranks the group's examples by (hash, example_id) and gives the k-th survivor of
+    each max length the slot the global plan reserved for it.
+    """
+
+    def __init__(self, ctx: JobContext):
+        self.ctx = ctx
+
+    def setup(self) -> None:
+        self.m_routed = Metrics.counter(NAMESPACE, "examples_routed")
+
+    def start_bundle(self) -> None:
+        self.buffers: dict[tuple[int, int], list] = defaultdict(list)
+        self.buffered = 0
+
+    def process(self, element: tuple[tuple[int, int], Iterable[list]], plans: dict[int, LengthPlan]) -> Iterator[Any]:
+        (key, b), lists = element
+        payloads = sorted(chain.from_iterable(lists))
+        ctx = self.ctx
+        truncate = ctx.overlong is OverlongPolicy.TRUNCATE
+        for L in ctx.max_lengths:
+            plan = plans[L]
+            if ctx.pack and key > L:
+                if not truncate:
+                    continue
+                survivors = [p for p in payloads if has_target(p[3], L)]
+                cut = True
+            else:
+                survivors = payloads
+                cut = False
+            if not survivors:
+                continue
+            rows, positions = plan.route(key, b, len(survivors))
+            for (_, _, ids, mask), row, pos in zip(survivors, rows, positions):
+                if cut:
+                    ids, mask = ids[: 4 * L], mask[:L]
+                self.buffers[(L, row % plan.num_shards)].append((row, pos, ids, mask))
+            self.buffered += len(survivors)
+        self.m_routed.inc(len(payloads))
+        if self.buffered >= FLUSH_EXAMPLES:
+            yield from self._flush(windowed=False)
+
+    def _flush(self, windowed: bool) -> Iterator[Any]:
+        wrap = _windowed if windowed else (lambda v: v)
+        for key, fragments in self.buffers.items():
+            yield wrap((key, fragments))
+        self.buffers = defaultdict(list)
+        self.buffered = 0
+
+    def finish_bundle(self) -> Iterator[Any]:
+        yield from self._flush(windowed=True)
+
+
+# ----------------------------------------------------------------------------- counting
+
+
+class MergeCounters(beam.CombineFn):
+    """Sums Counters: tallies and histograms from every bundle into one."""
+
+    def create_accumulator(self) -> Counter:
+        return Counter()
+
+    def add_input(self, acc: Counter, value: Counter) -> Counter:
+        acc.update(value)
+        return acc
+
+    def merge_accumulators(self, accs: Iterable[Counter]) -> Counter:
+        out: Counter = Counter()
+        for acc in accs:
+            out.update(acc)
+        return out
+
+    def extract_output(self, acc: Counter) -> dict:
+        return dict(acc)

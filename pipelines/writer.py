@@ -1,0 +1,199 @@
+"""Writing inside the pipeline: shards, dead letters and the run summary, all to staging.
+
+Nothing here touches the final location. Every file lands under a staging
+prefix named by the run id (OUTPUT/L<L>/.staging-<run>/, OUTPUT/.staging-<run>/);
+publish.py moves shards into place and writes manifest.json last, after the
+whole pipeline succeeded and the accounting checks passed.
+
+ArrayRecordWriter can only open local paths, so a shard is written to a local
+temp file (with group_size:1 spelled out) and then streamed to its staging
+path through Beam's FileSystems, which also handles gs://.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator
+from itertools import chain
+from typing import Any
+
+import apache_beam as beam
+import numpy as np
+from apache_beam.metrics.metric import Metrics
+
+from pipelines.planning import LengthPlan
+from pipelines.records import DeadLetter, Fragment
+from prepack import rowformat
+from prepack.manifest import DEAD_LETTER_NAME
+from prepack.shardfile import DEFAULT_WRITER_OPTIONS, shard_name, write_shard
+
+NAMESPACE = "prepack"
+SUMMARY_NAME = "summary.json"
+COPY_BLOCK = 8 << 20
+
+
+def length_dir(output: str, max_length: int) -> str:
+    return f"{output}/L{max_length}"
+
+
+def staging_dir(output: str, max_length: int, run_id: str) -> str:
+    return f"{length_dir(output, max_length)}/.staging-{run_id}"
+
+
+def run_staging_dir(output: str, run_id: str) -> str:
+    return f"{output}/.staging-{run_id}"
+
+
+def create_file(path: str):
+    from apache_beam.io.filesystem import CompressionTypes
+    from apache_beam.io.filesystems import FileSystems
+
+    return FileSystems.create(path, mime_type="application/octet-stream", compression_type=CompressionTypes.UNCOMPRESSED)
+
+
+def write_bytes(path: str, data: bytes) -> None:
+    with create_file(path) as f:
+        f.write(data)
+
+
+def copy_local_to(local_path: str, dest: str) -> None:
+    with open(local_path, "rb") as src, create_file(dest) as dst:
+        shutil.copyfileobj(src, dst, COPY_BLOCK)
+
+
+class ShardCheckError(AssertionError):
+    """The rows that reached a shard are not the rows the plan put there."""
+
+
+def _rows_from_fragments(
+    fragments: list[Fragment], expected_rows: range, max_length: int, pad_id: int, stats: dict[str, int]
+) -> Iterator[bytes]:
+    """Encoded rows in row order; checks that each expected row comes with positions 0..k-1."""
+    expected = iter(expected_rows)
+    i, n = 0, len(fragments)
+    while i < n:
+        row = fragments[i][0]
+        want = next(expected, None)
+        if want != row:
+            raise ShardCheckError(f"L={max_length}: expected row {want} next, got row {row}")
+        segments = []
+        j = i
+        while j < n and fragments[j][0] == row:
+            _, position, ids, mask = fragments[j]
+            if position != j - i:
+                raise ShardCheckError(f"L={max_length}: row {row} has segment position {position} where {j - i} was expected")
+            segments.append(rowformat.Segment(np.frombuffer(ids, dtype="<i4"), np.frombuffer(mask, dtype=np.uint8)))
+            j += 1
+        built = rowformat.build_row(segments, max_length, pad_id)
+        k = j - i
+        stats["rows"] += 1
+        stats["segments"] += k
+        stats["tokens"] += sum(len(s) for s in segments)
+        stats["target_tokens"] += int(np.count_nonzero(built["loss_mask"]))
+        stats["min_segments"] = min(stats["min_segments"], k)
+        stats["max_segments"] = max(stats["max_segments"], k)
+        yield rowformat.encode_row(built, max_length)
+        i = j
+    missing = next(expected, None)
+    if missing is not None:
+        raise ShardCheckError(f"L={max_length}: row {missing} got no example")
+
+
+class WriteShardFn(beam.DoFn):
+    """((L, shard), fragment lists) -> one shard file in staging, and its figures."""
+
+    def __init__(self, output: str, run_id: str, pad_id: int):
+        self.output = output
+        self.run_id = run_id
+        self.pad_id = pad_id
+
+    def setup(self) -> None:
+        self.m_rows = Metrics.counter(NAMESPACE, "rows_written")
+        self.m_shards = Metrics.counter(NAMESPACE, "shards_written")
+        self.m_bytes = Metrics.counter(NAMESPACE, "shard_bytes_written")
+        self.m_segments = Metrics.distribution(NAMESPACE, "segments_per_row")
+
+    def process(self, element: tuple[tuple[int, int], Iterable[list]], plans: dict[int, LengthPlan]) -> Iterator[dict]:
+        (max_length, shard), lists = element
+        plan = plans[max_length]
+        fragments = sorted(chain.from_iterable(lists))  # (row, position) first; both unique together
+        stats = {"rows": 0, "segments": 0, "tokens": 0, "target_tokens": 0, "min_segments": 1 << 30, "max_segments": 0}
+        name = shard_name(shard, plan.num_shards)
+        tmp = tempfile.mkdtemp(prefix="prepack-shard-")
+        try:
+            local = os.path.join(tmp, name)
+            rows = _rows_from_fragments(fragments, plan.rows_in_shard(shard), max_length, self.pad_id, stats)
+            info = write_shard(local, rows, DEFAULT_WRITER_OPTIONS)
+            copy_local_to(local, f"{staging_dir(self.output, max_length, self.run_id)}/{name}")
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self.m_rows.inc(info.num_rows)
+        self.m_shards.inc()
+        self.m_bytes.inc(info.num_bytes)
+        if stats["rows"]:
+            self.m_segments.update(stats["segments"] // stats["rows"])
+        yield {
+            "max_length": max_length,
+            "index": shard,
+            "path": info.path,
+            "num_rows": info.num_rows,
+            "num_bytes": info.num_bytes,
+            "sha256": info.sha256,
+            **stats,
+        }
+
+
+class WriteDeadLetterFn(beam.DoFn):
+    """(L, dead letters) -> dead_letter.jsonl in L's staging folder, sorted by source."""
+
+    def __init__(self, output: str, run_id: str):
+        self.output = output
+        self.run_id = run_id
+
+    def process(self, element: tuple[int, Iterable[DeadLetter]]) -> Iterator[tuple[int, int]]:
+        max_length, entries = element
+        ordered = sorted(entries, key=lambda e: e[0])
+        lines = [json.dumps(entry, ensure_ascii=False, sort_keys=True) + "\n" for _, entry in ordered]
+        write_bytes(f"{staging_dir(self.output, max_length, self.run_id)}/{DEAD_LETTER_NAME}", "".join(lines).encode("utf-8"))
+        yield (max_length, len(lines))
+
+
+def _json_key(key: tuple) -> str:
+    return ":".join(str(k) for k in key)
+
+
+class WriteSummaryFn(beam.DoFn):
+    """Collects the run's figures into OUTPUT/.staging-<run>/summary.json for the launcher."""
+
+    def __init__(self, output: str, run_id: str):
+        self.output = output
+        self.run_id = run_id
+
+    def process(
+        self, _: Any, tally: dict, plans: dict[int, LengthPlan], shards: list[dict], dead: list, fingerprints: list
+    ) -> Iterator[str]:
+        summary: dict[str, Any] = {
+            "tally": {_json_key(k): v for k, v in sorted(tally.items(), key=lambda kv: _json_key(kv[0]))},
+            "fingerprints": sorted([list(f) for f in fingerprints], key=lambda f: f[0]),
+            "lengths": {},
+        }
+        dead_counts = dict(dead)
+        for max_length, plan in sorted(plans.items()):
+            summary["lengths"][str(max_length)] = {
+                "plan": {
+                    "num_rows": plan.num_rows,
+                    "num_shards": plan.num_shards,
+                    "num_examples": plan.num_examples,
+                    "tokens": plan.tokens,
+                    "min_segments": plan.min_segments,
+                    "max_segments": plan.max_segments,
+                },
+                "shards": sorted((s for s in shards if s["max_length"] == max_length), key=lambda s: s["index"]),
+                "dead_letter_entries": dead_counts.get(max_length, 0),
+            }
+        path = f"{run_staging_dir(self.output, self.run_id)}/{SUMMARY_NAME}"
+        write_bytes(path, json.dumps(summary, sort_keys=True).encode("utf-8"))
+        yield path
