@@ -95,14 +95,36 @@ def summary_lines(manifest: Manifest, path: str) -> list[str]:
 
 
 class _Renderer:
-    """Turns runs of token ids into text, marking the target runs."""
+    """Turns runs of token ids into text, marking the target runs.
 
-    def __init__(self, decode: Callable[[list[int]], str] | None, color: bool):
+    Special tokens (the manifest's tokenizer special_ids) are shown by name, e.g.
+    <start_of_turn>, since decoders usually drop them and they are what shows
+    whether a chat template was applied right.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str] | None, color: bool, specials: Mapping[int, str] | None = None):
         self.decode = decode
         self.color = color
+        self.specials = dict(specials or {}) if decode else {}
+
+    def _text(self, ids: list[int]) -> str:
+        if not self.decode:
+            return " ".join(map(str, ids))
+        parts, plain = [], []
+        for i in ids:
+            if i in self.specials:
+                if plain:
+                    parts.append(self.decode(plain))
+                    plain = []
+                parts.append(self.specials[i])
+            else:
+                plain.append(i)
+        if plain:
+            parts.append(self.decode(plain))
+        return "".join(parts)
 
     def run(self, ids: list[int], target: bool) -> str:
-        text = self.decode(ids) if self.decode else " ".join(map(str, ids))
+        text = self._text(ids)
         if not target:
             return text
         return f"{GREEN}{text}{RESET}" if self.color else f"[[{text}]]"
@@ -197,18 +219,27 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
     except ManifestError as e:
         print(f"prepack inspect: {e}", file=err)
         return 1
-    with view:
-        if not 0 <= args.row_index < len(view):
-            print(f"prepack inspect: --row-index {args.row_index} is outside 0..{len(view) - 1}", file=err)
-            return 2
-        decode = None if args.ids else _load_decoder(
-            args.tokenizer or manifest.tokenizer.get("name", "gemma3"), manifest, err, args.allow_download
-        )
-        renderer = _Renderer(decode, _use_color(args.color, out))
-        legend = "targets in green" if renderer.color else "targets between [[ ]]"
-        print(f"\nrows {args.row_index}..{min(len(view), args.row_index + args.rows) - 1} ({legend})", file=out)
-        for index in range(args.row_index, min(len(view), args.row_index + args.rows)):
-            print("\n".join(row_lines(view, index, renderer)), file=out)
+    try:
+        with view:
+            return _show_rows(view, manifest, args, out, err)
+    except BrokenPipeError:  # `prepack inspect ... | head`
+        sys.stdout = open(os.devnull, "w")
+        return 0
+
+
+def _show_rows(view: ShardView, manifest: Manifest, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    if not 0 <= args.row_index < len(view):
+        print(f"prepack inspect: --row-index {args.row_index} is outside 0..{len(view) - 1}", file=err)
+        return 2
+    decode = None if args.ids else _load_decoder(
+        args.tokenizer or manifest.tokenizer.get("name", "gemma3"), manifest, err, args.allow_download
+    )
+    specials = {int(i): str(t) for t, i in (manifest.tokenizer.get("special_ids") or {}).items() if isinstance(i, int)}
+    renderer = _Renderer(decode, _use_color(args.color, out), specials)
+    legend = "targets in green" if renderer.color else "targets between [[ ]]"
+    print(f"\nrows {args.row_index}..{min(len(view), args.row_index + args.rows) - 1} ({legend})", file=out)
+    for index in range(args.row_index, min(len(view), args.row_index + args.rows)):
+        print("\n".join(row_lines(view, index, renderer)), file=out)
     return 0
 
 

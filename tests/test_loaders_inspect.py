@@ -28,7 +28,7 @@ def seg(ids, mask):
 @pytest.fixture(scope="module")
 def shard_set(tmp_path_factory) -> str:
     rows = [
-        rowformat.build_row([seg([5, 6, 7, 8], [0, 0, 1, 1]), seg([9, 10, 11], [0, 1, 1])], 10),
+        rowformat.build_row([seg([2, 6, 7, 8], [0, 0, 1, 1]), seg([9, 10, 11], [0, 1, 1])], 10),
         rowformat.build_row([seg([20, 21, 22, 23, 24, 25, 26, 27, 28, 29], [0, 0, 0, 0, 0, 1, 1, 1, 1, 1])], 10),
     ]
     path = str(tmp_path_factory.mktemp("set") / "L10")
@@ -55,7 +55,7 @@ def test_summary_and_text_with_targets(shard_set, monkeypatch):
     assert "density     packed 85.0%, unpacked 56.7%" in out
     assert "dead letter dead_letter.jsonl: 2 examples" in out
     assert "row 0: 2 segments, 7/10 tokens (70.0%), 4 targets" in out
-    assert "  segment 1: tokens 0..3 (4), positions 0..3, 2 targets\n    <5><6>[[<7><8>]]" in out
+    assert "  segment 1: tokens 0..3 (4), positions 0..3, 2 targets\n    <bos><6>[[<7><8>]]" in out  # specials by name
     # The first token of a segment is never a target (build_row zeroes it).
     assert "  segment 2: tokens 4..6 (3), positions 0..2, 2 targets\n    <9>[[<10><11>]]" in out
     assert "  padding: 3 tokens (id 0)" in out
@@ -78,12 +78,12 @@ def test_color_marks_targets(shard_set, monkeypatch):
     monkeypatch.setattr(prepack.tokenizer, "load_tokenizer", lambda spec, **kw: FakeTokenizer())
     rc, out, _ = run([shard_set, "--rows", "1", "--color", "always"])
     assert rc == 0 and "targets in green" in out
-    assert f"<5><6>{inspect.GREEN}<7><8>{inspect.RESET}" in out
+    assert f"<bos><6>{inspect.GREEN}<7><8>{inspect.RESET}" in out
 
 
 def test_ids_flag_and_summary_only(shard_set):
     rc, out, _ = run([shard_set, "--ids", "--rows", "1", "--no-color"])
-    assert rc == 0 and "5 6 [[7 8]]" in out
+    assert rc == 0 and "2 6 [[7 8]]" in out
     rc, out, _ = run([shard_set, "--rows", "0"])
     assert rc == 0 and "stats" in out and "row 0" not in out
 
