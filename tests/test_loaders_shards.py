@@ -209,3 +209,20 @@ def test_wrong_record_size(tmp_path):
 def test_make_dataset_reports_the_same_errors(tmp_path):
     with pytest.raises(loaders.ShardSetError, match="no manifest.json in"):
         loaders.make_dataset(str(tmp_path), batch_size=2, seed=0, shard_index=0, shard_count=1)
+
+
+def test_imports_stay_light():
+    # `import loaders` (the mask, open_shards, inspect) must not pull in Grain or JAX;
+    # nothing in loaders/ may import Beam.
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(loaders.__file__)))
+    code = "import sys, loaders, loaders.inspect; print(sorted({'grain', 'jax', 'apache_beam'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+    for name in os.listdir(os.path.dirname(loaders.__file__)):
+        if name.endswith(".py"):
+            with open(os.path.join(os.path.dirname(loaders.__file__), name)) as f:
+                text = f.read()
+            assert "import apache_beam" not in text and "from apache_beam" not in text, name
