@@ -11,11 +11,17 @@ rows fill ceil(rows / B) steps, the last one padded with empty rows. The
 expected gain in useful-token (target-token) throughput is then packed target
 tokens per step over unpacked target tokens per step (stats.BatchFigures).
 
-Runs in-process, which suits inputs up to a few million examples (the
-tokenizer is the cost: about 2M tokens/s per core). Larger inputs go through
-`prepack pack` (parallel, Dataflow-ready) and `prepack report --shards`, which
-renders the same table from the published manifests; `--max-examples N`
-estimates from a seeded uniform sample of N examples per dataset instead.
+Inputs take the same specs as `prepack pack`: plain local JSONL/JSON/Parquet
+files are read here; gs://, hf:, tfds:, Arrow, compressed files and
+save_to_disk folders go through the pipeline's own read stage (pipelines.sources
+and pipelines.readers, imported lazily), run in this process.
+
+Tokenizing runs in this process, which suits inputs up to a few million
+examples (about 2M tokens/s per core). For larger ones, `--max-examples N`
+estimates from a seeded uniform sample of N examples per dataset; the exact
+figures at any scale come from `prepack pack` (parallel, Dataflow-ready, with
+and without --no-pack) followed by `prepack report --shards`, which renders the
+same table from the published manifests.
 """
 
 from __future__ import annotations
@@ -270,13 +276,37 @@ def evaluate(examples: ExampleSet, config: PreflightConfig, tokenizer_name: str 
 _MISSING = object()
 
 
+LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+def reads_in_process(spec: str) -> bool:
+    """Plain local JSONL/JSON/Parquet files (or globs of them) are read here, without Beam.
+    Every other spec the pipeline accepts (gs://, hf:, tfds:, Arrow, compressed files,
+    save_to_disk folders) goes through the pipeline's own readers, imported lazily."""
+    if spec.startswith(("gs://", "hf:", "tfds:")) or os.path.isdir(spec):
+        return False
+    return spec.lower().endswith(LOCAL_SUFFIXES)
+
+
+def check_input(spec: str) -> None:
+    """Raises PreflightError if the input cannot be read: before the tokenizer loads."""
+    if reads_in_process(spec):
+        expand_input(spec)
+    else:
+        _pipeline_tasks(spec)
+
+
+def input_records(spec: str) -> Iterator[tuple[str, Any]]:
+    """(location, record or ValueError) for every record of an input."""
+    if reads_in_process(spec):
+        for file in expand_input(spec):
+            yield from iter_records(file)
+    else:
+        yield from _pipeline_records(spec)
+
+
 def expand_input(path: str) -> list[str]:
-    """The files an --input names: a file, or a glob that matches at least one file."""
-    if path.startswith(("gs://", "hf:", "tfds:")):
-        raise PreflightError(
-            f"input {path!r}: preflight reads local files only; run `prepack pack` on it and then "
-            f"`prepack report --shards OUTPUT` for the same table"
-        )
+    """The files a local --input names: a file, or a glob that matches at least one file."""
     if any(ch in path for ch in "*?["):
         files = sorted(f for f in glob.glob(path) if os.path.isfile(f))
         if not files:
@@ -284,9 +314,36 @@ def expand_input(path: str) -> list[str]:
         return files
     if not os.path.exists(path):
         raise PreflightError(f"input {path!r}: no such file")
-    if os.path.isdir(path):
-        raise PreflightError(f"input {path!r} is a folder; give a file or a glob such as '{os.path.join(path, '*.jsonl')}'")
     return [path]
+
+
+def _pipeline_tasks(spec: str) -> list[Any]:
+    try:
+        from pipelines import sources  # lazy: Beam's file systems, datasets, TFDS only for these inputs
+    except ImportError as e:
+        raise PreflightError(f"input {spec!r}: reading it needs the pipeline extra ({e}); "
+                             "pip install 'tunix-prepack[pipeline]'") from e
+    try:
+        return sources.resolve_inputs([spec])[1]
+    except sources.InputError as e:
+        raise PreflightError(str(e)) from e
+
+
+def _pipeline_records(spec: str) -> Iterator[tuple[str, Any]]:
+    """The pipeline's read stage, run in this process: same specs, same bad-record reasons."""
+    from pipelines import readers
+
+    for task in _pipeline_tasks(spec):
+        for index, line, kind, payload in readers.iter_task(task, readers.FileDigest(), TOKENIZE_BATCH):
+            location = f"{task.path}:{line or index}"
+            if kind == readers.RAW_TEXT:
+                record, error = readers.parse_text(payload)
+                yield location, record if error is None else ValueError(f"{error[0]}: {error[1]}")
+            elif kind == readers.RAW_OBJECT:
+                yield location, payload
+            else:
+                reason, message, _ = payload
+                yield location, ValueError(f"{reason}: {message}")
 
 
 def iter_records(path: str) -> Iterator[tuple[str, Any]]:
@@ -365,18 +422,17 @@ def _conversations(spec: DatasetSpec, template: Any, counts: _ReadCounts) -> Ite
     from prepack.templates import RecordError
 
     table: list[Any] = []
-    for file in expand_input(spec.path):
-        for _, record in iter_records(file):
-            counts.records += 1
-            if isinstance(record, ValueError):
-                counts.bad[str(record).split(":", 1)[0]] += 1
-            elif getattr(template, "table_level", False):
-                table.append(record)  # oasst1: messages only make sense as a whole table
-            else:
-                try:
-                    yield from template.to_conversations(record)
-                except RecordError as e:
-                    counts.bad[e.reason] += 1
+    for _, record in input_records(spec.path):
+        counts.records += 1
+        if isinstance(record, ValueError):
+            counts.bad[str(record).split(":", 1)[0]] += 1
+        elif getattr(template, "table_level", False):
+            table.append(record)  # oasst1: messages only make sense as a whole table
+        else:
+            try:
+                yield from template.to_conversations(record)
+            except RecordError as e:
+                counts.bad[e.reason] += 1
     if table:
         result = template.conversations_from_table(table)
         for dropped in result.dropped:
@@ -621,7 +677,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--input", action="extend", nargs="+", required=True, metavar="[NAME=]PATH",
                    help="a dataset: JSONL, JSON or Parquet file, or a glob; repeatable, each is its own dataset")
-    p.add_argument("--format", action="extend", nargs="+", required=True, metavar="FORMAT",
+    p.add_argument("--format", "--template", dest="format", action="extend", nargs="+", required=True, metavar="FORMAT",
                    help="source format (template) of the inputs: one for all, or one per --input in order")
     p.add_argument("--tokenizer", default="gemma3", help="tokenizer spec (default: the embedded gemma3)")
     p.add_argument("--chat-format", default="auto", help="gemma, chatml, hf or auto (default)")
@@ -633,6 +689,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="examples longer than L: drop (default) or truncate")
     p.add_argument("--template-option", action="append", default=[], metavar="KEY=VALUE",
                    help="template option, e.g. source_lang=de (given only to formats that take it)")
+    # The same spellings as `prepack pack`, so one command line works for both.
+    for flag, key in (("--source-lang", "source_lang"), ("--target-lang", "target_lang"), ("--prompt-format", "prompt_format")):
+        p.add_argument(flag, dest=key, help=f"translation: same as --template-option {key}=...")
     p.add_argument("--max-examples", type=int, default=None, metavar="N",
                    help="estimate from a seeded uniform sample of N examples per dataset (default: all)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
@@ -668,6 +727,9 @@ def config_from_args(args: argparse.Namespace) -> PreflightConfig:
         if not sep or not key:
             raise PreflightError(f"--template-option {item!r}: expected KEY=VALUE")
         options[key] = value
+    for key in ("source_lang", "target_lang", "prompt_format"):
+        if getattr(args, key) is not None:
+            options[key] = getattr(args, key)
     return PreflightConfig(
         datasets=tuple(datasets),
         output=args.output,
@@ -702,7 +764,7 @@ def main(argv: list[str] | None = None) -> int:
         # Fail on every bad input or format before the tokenizer loads or anything is read.
         for spec in config.datasets:
             make_template(spec.format, config.template_options)
-            expand_input(spec.path)
+            check_input(spec.path)
         tokenizer, chat_format = _load_tokenizer(config)
         fmt_name = getattr(chat_format, "name", type(chat_format).__name__)
         result = run(config, lambda spec: load_examples(spec, tokenizer, chat_format, config), config.tokenizer, fmt_name)

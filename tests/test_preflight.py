@@ -248,6 +248,33 @@ def test_cli_sample_of_max_examples(tmp_path, capsys):
     assert sorted(p.name for p in out.iterdir()) == ["preflight.csv", "preflight.json"]
 
 
+def test_pack_spellings_are_accepted():
+    # `prepack pack` spells the template --format/--template and its options --source-lang etc.
+    args = preflight._parser().parse_args(["--input", "a.jsonl", "b.jsonl", "--template", "translation", "alpaca",
+                                           "--source-lang", "de", "--template-option", "target_lang=en",
+                                           "--output", "o"])
+    cfg = preflight.config_from_args(args)
+    assert [(d.name, d.format) for d in cfg.datasets] == [("a", "translation"), ("b", "alpaca")]
+    assert cfg.template_options == {"source_lang": "de", "target_lang": "en"}
+    assert preflight.make_template("translation", cfg.template_options).source_lang == "de"
+    assert preflight.make_template("alpaca", cfg.template_options).name == "alpaca"  # options it does not take are left out
+
+
+def test_other_specs_go_through_the_pipeline_readers(tmp_path):
+    # A gzipped JSONL is not read in-process: the pipeline's read stage handles it, with the same reasons.
+    import gzip
+
+    data = tmp_path / "a.jsonl.gz"
+    data.write_bytes(gzip.compress(("\n".join(ALPACA_LINES) + "\n").encode()))
+    assert not preflight.reads_in_process(str(data))
+    assert preflight.reads_in_process(str(tmp_path / "*.jsonl"))
+    out = tmp_path / "out"
+    assert preflight.main(["--input", str(data), "--template", "alpaca", "--max-length", "64", "--output", str(out),
+                           "--no-plots"]) == 0
+    ds = json.loads((out / "preflight.json").read_text())["datasets"][0]
+    assert (ds["records_read"], ds["examples"], ds["bad_records"]) == (5, 3, {"malformed_json": 1, "missing_field": 1})
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -256,13 +283,14 @@ def test_cli_sample_of_max_examples(tmp_path, capsys):
         (["--input", "{data}", "{data}", "--format", "alpaca", "chat", "chat"], "got 2 inputs and 3 formats"),
         (["--input", "{data}", "--format", "alpaca", "--max-length", "0"], "--max-length must be positive"),
         (["--input", "{folder}/*.parquet", "--format", "alpaca"], "matches no file"),
-        (["--input", "gs://bucket/x.jsonl", "--format", "alpaca"], "prepack report --shards"),
+        (["--input", "{folder}/notes.txt", "--format", "alpaca"], "cannot tell the file format"),
         (["--input", "{data}", "--format", "translation", "--template-option", "source_lang"], "expected KEY=VALUE"),
     ],
 )
 def test_bad_input_fails_with_a_clear_message(tmp_path, capsys, argv, message):
     data = tmp_path / "d.jsonl"
     data.write_text(ALPACA_LINES[0] + "\n")
+    (tmp_path / "notes.txt").write_text("hello\n")
     subs = {"data": str(data), "missing": str(tmp_path / "missing.jsonl"), "folder": str(tmp_path)}
     argv = [a.format(**subs) for a in argv] + ["--output", str(tmp_path / "out")]
     assert preflight.main(argv) == 2
