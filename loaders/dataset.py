@@ -34,7 +34,7 @@ from typing import Any
 
 import grain
 
-from loaders.shards import ShardSetError, ShardView, TokenizerLike, open_shards
+from loaders.shards import ShardSetError, ShardView, TokenizerLike, open_shards, tokenizer_identity
 from prepack import rowformat
 
 # Bumped when the meaning of a saved iterator state changes.
@@ -204,8 +204,6 @@ def make_dataset(
         raise ValueError(f"worker_count must be >= 0, got {worker_count}")
     view = path if isinstance(path, ShardView) else open_shards(path, expected_max_length, tokenizer, verify=verify)
     if isinstance(path, ShardView) and (expected_max_length is not None or tokenizer is not None):
-        from loaders.shards import tokenizer_identity
-
         view.manifest.check_compatible(expected_max_length, tokenizer_identity(tokenizer), source=view.path)
     if len(view) == 0:
         raise ShardSetError(f"{view.path}: the shard set has no rows")

@@ -238,3 +238,10 @@ def test_mp_prefetch_keeps_order_and_resumes(view):
     tail = [row_ids(b).tolist() for b in fresh]
     fresh.close()
     assert tail == reference[5:]
+
+
+def test_checks_an_opened_view_too(view):
+    with pytest.raises(loaders.ManifestError, match="packed for max_length 16, but 99 was expected"):
+        make(view, expected_max_length=99)
+    with pytest.raises(ValueError, match="batch_size must be positive"):
+        make(view, batch_size=0)
