@@ -1,0 +1,383 @@
+"""End-to-end tests of `prepack pack` on Beam's local runner, with small fixtures.
+
+Pipeline runs are shared through module-scoped fixtures: most tests read the
+published output of one run. The in-process runner is used everywhere except
+the determinism check, which runs the same job on two worker processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from fixtures_pipeline import (
+    IN_PROCESS,
+    TWO_PROCESSES,
+    alpaca_records,
+    build_tfds_dataset,
+    chat_records,
+    oasst1_messages,
+    prompt_response_records,
+    read_shard_set,
+    save_chat_dataset,
+    segment_key,
+    segments_in,
+    shard_bytes,
+    tokenized,
+    translation_records,
+    write_json,
+    write_jsonl,
+    write_parquet,
+)
+from pipelines.job import run
+from pipelines.options import parse_args
+from pipelines.planning import stable_hash
+from pipelines.publish import JobError
+from prepack import rowformat
+from prepack.manifest import STABLE_KEYS, without_volatile
+from prepack.packer import pack_best_fit_decreasing
+from prepack.templates import get_template
+
+LENGTHS = (64, 256)
+
+
+def pack(args: list[str], runner: list[str] = IN_PROCESS):
+    config, beam_args = parse_args(args + ["--no-progress"] + runner)
+    return run(config, beam_args)
+
+
+def expected_examples(template_name: str, records: list, **options) -> list:
+    template = get_template(template_name, **options)
+    convs = [c for r in records for c in template.to_conversations(r)]
+    return tokenized(convs)
+
+
+def check_shard_set(folder: str, expected: list, max_length: int, truncate: bool = False) -> tuple:
+    """Rows decode and pass check_row; every kept example is in exactly one row; rows == global BFD."""
+    manifest, rows = read_shard_set(folder)
+    assert manifest.max_length == max_length
+    assert len(rows) == manifest.num_rows == manifest.stats["rows"]
+    for row in rows:
+        rowformat.check_row(row, max_length)
+    kept = Counter()
+    lengths = []
+    for ex in expected:
+        ids, mask = np.asarray(ex.input_ids), np.asarray(ex.loss_mask)
+        if len(ids) > max_length:
+            if not truncate or not mask[1:max_length].any():
+                continue
+            ids, mask = ids[:max_length], mask[:max_length]
+        kept[segment_key(ids, mask)] += 1
+        lengths.append(len(ids))
+    assert segments_in(rows) == kept
+    if manifest.packing == "bfd":
+        assert manifest.num_rows == len(pack_best_fit_decreasing(lengths, max_length))
+        assert manifest.stats["global_bfd_rows"] == manifest.num_rows
+    assert manifest.stats["examples_written"] == sum(kept.values())
+    assert manifest.stats["tokens"] == sum(lengths)
+    stats = manifest.stats
+    assert stats["examples_read"] == stats["examples_written"] + sum(stats["examples_dropped"].values())
+    return manifest, rows
+
+
+# ----------------------------------------------------------------------------- mixed JSONL + JSON + Parquet
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("inputs")
+    write_jsonl(str(d / "alpaca_a.jsonl"), alpaca_records(40, seed=0))
+    write_json(str(d / "alpaca_b.json"), alpaca_records(20, seed=1))
+    write_parquet(str(d / "alpaca_c.parquet"), alpaca_records(20, seed=2))
+    return d
+
+
+def mixed_args(data_dir, out) -> list[str]:
+    return ["--input", str(data_dir / "alpaca_a.jsonl"), "--input", str(data_dir / "alpaca_b.json"),
+            "--input", str(data_dir / "*.parquet"), "--format", "alpaca", "--output", str(out),
+            "--max-length", *map(str, LENGTHS)]
+
+
+@pytest.fixture(scope="module")
+def mixed_run(data_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("mixed") / "out"
+    return pack(mixed_args(data_dir, out)), out
+
+
+@pytest.fixture(scope="module")
+def mixed_expected():
+    return expected_examples("alpaca", alpaca_records(40, 0) + alpaca_records(20, 1) + alpaca_records(20, 2))
+
+
+def test_mixed_inputs_end_to_end(mixed_run, mixed_expected):
+    result, out = mixed_run
+    assert sorted(result.manifests) == list(LENGTHS)
+    for L in LENGTHS:
+        manifest, _ = check_shard_set(str(out / f"L{L}"), mixed_expected, L)
+        data = json.loads((out / f"L{L}" / "manifest.json").read_text())
+        for key in STABLE_KEYS:
+            node = data
+            for part in key.split("."):
+                assert part in node, key
+                node = node[part]
+        stats = manifest.stats
+        assert stats["examples_read"] == 80 and stats["records_read"] == 80
+        assert set(stats["examples_dropped"]) <= {"too_long"}
+        assert stats["lower_bound_rows"] <= stats["rows"]
+        assert 0 < stats["unpacked_density"] < stats["packed_density"] <= 1
+        assert manifest.tokenizer["name"] == "gemma3" and manifest.tokenizer["vocab_hash"]
+        assert manifest.template["name"] == "alpaca" and manifest.template["chat_format_resolved"] == "gemma"
+        assert [i["records"] for i in manifest.inputs] == [40, 20, 20]
+        assert all(i["fingerprint"].startswith("sha256:") for i in manifest.inputs)
+        assert manifest.options["max_lengths"] == list(LENGTHS) and "output" not in manifest.options
+        assert manifest.tool["name"] == "tunix-prepack"
+    # The short length really packs and really drops.
+    small = result.stats[64]
+    assert small["examples_dropped"]["too_long"] > 0 and result.stats[256]["row_reduction"] > 3
+
+
+def test_too_long_examples_are_dead_letters(mixed_run):
+    result, out = mixed_run
+    lines = (out / "L64" / "dead_letter.jsonl").read_text().splitlines()
+    entries = [json.loads(line) for line in lines]
+    assert len(entries) == result.stats[64]["examples_dropped"]["too_long"] == result.stats[64]["dead_letter_entries"]
+    assert {e["reason"] for e in entries} == {"too_long"}
+    assert all(e["tokens"] > 64 and e["source"]["file"] for e in entries)
+    specs = [i["spec"] for i in json.loads((out / "L64" / "manifest.json").read_text())["inputs"]]
+    keys = [(specs.index(e["source"]["input"]), e["source"]["record"]) for e in entries]
+    assert keys == sorted(keys)
+
+
+def test_determinism_one_vs_two_workers(mixed_run, data_dir, tmp_path):
+    _, out1 = mixed_run
+    out2 = tmp_path / "out2"
+    pack(mixed_args(data_dir, out2), runner=TWO_PROCESSES)
+    for L in LENGTHS:
+        a, b = out1 / f"L{L}", out2 / f"L{L}"
+        assert shard_bytes(str(a)) == shard_bytes(str(b))
+        assert without_volatile((a / "manifest.json").read_text()) == without_volatile((b / "manifest.json").read_text())
+        assert sorted(os.listdir(a)) == sorted(os.listdir(b))
+
+
+def test_refuses_to_overwrite(mixed_run, data_dir):
+    _, out = mixed_run
+    with pytest.raises(JobError, match=r"already exist.*--overwrite"):
+        pack(mixed_args(data_dir, out))
+
+
+def test_interrupted_run_publishes_nothing(mixed_run, data_dir, tmp_path, monkeypatch):
+    from prepack import templates
+
+    original = templates.AlpacaTemplate.to_conversations
+
+    def failing(self, record):
+        if str(record.get("instruction", "")).startswith("Task 7:"):
+            raise RuntimeError("injected failure inside a DoFn")
+        return original(self, record)
+
+    monkeypatch.setattr(templates.AlpacaTemplate, "to_conversations", failing)
+    # A fresh output: no manifest, no shards, no staging left behind.
+    fresh = tmp_path / "fresh"
+    with pytest.raises(Exception, match="injected failure"):
+        pack(mixed_args(data_dir, fresh))
+    leftovers = [os.path.join(r, f) for r, _, files in os.walk(fresh) for f in files] if fresh.exists() else []
+    assert leftovers == []
+    # An existing shard set with --overwrite: the old set stays intact.
+    _, published = mixed_run
+    old = tmp_path / "old"
+    shutil.copytree(published, old)
+    before = {L: (shard_bytes(str(old / f"L{L}")), (old / f"L{L}" / "manifest.json").read_text()) for L in LENGTHS}
+    with pytest.raises(Exception, match="injected failure"):
+        pack(mixed_args(data_dir, old) + ["--overwrite"])
+    for L in LENGTHS:
+        assert (shard_bytes(str(old / f"L{L}")), (old / f"L{L}" / "manifest.json").read_text()) == before[L]
+        assert not [n for n in os.listdir(old / f"L{L}") if n.startswith(".staging")]
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+BAD_LINES = [
+    b'{"instruction": "broken", "output": ',                                   # line 7: malformed_json
+    b'\xff\xfe{"instruction": "x"}',                                           # line 8: undecodable_bytes
+    json.dumps({"instruction": "Say nothing", "output": "  "}).encode(),       # line 9: empty_response
+    json.dumps({"instruction": 5, "output": "five"}).encode(),                 # line 10: wrong_type
+    json.dumps({"output": "no instruction"}).encode(),                         # line 11: missing_field
+    b"[1, 2, 3]",                                                              # line 12: not_an_object
+]
+EXPECTED_BAD = [(7, "malformed_json", ""), (8, "undecodable_bytes", ""), (9, "empty_response", "output"),
+                (10, "wrong_type", "instruction"), (11, "missing_field", "instruction"), (12, "not_an_object", "")]
+
+
+@pytest.fixture(scope="module")
+def dirty_file(tmp_path_factory):
+    d = tmp_path_factory.mktemp("dirty")
+    good = alpaca_records(6, seed=5)
+    # Line 13: a prompt longer than L, so truncation leaves no target.
+    long_prompt = {"instruction": "Explain " + " ".join(["everything"] * 120), "input": "", "output": "No."}
+    return write_jsonl(str(d / "dirty.jsonl"), good, BAD_LINES + [json.dumps(long_prompt).encode()]), good, long_prompt
+
+
+def test_dead_letter_contents_and_truncation(dirty_file, tmp_path):
+    path, good, long_prompt = dirty_file
+    out = tmp_path / "out"
+    result = pack(["--input", path, "--format", "alpaca", "--output", str(out), "--max-length", "64",
+                   "--overlong", "truncate", "--max-bad-fraction", "0.5"])
+    stats = result.stats[64]
+    assert stats["examples_read"] == 13 and stats["bad_records"] == 6
+    assert stats["examples_dropped"] == {
+        "empty_response": 1, "malformed_json": 1, "missing_field": 1, "no_targets_after_truncation": 1,
+        "not_an_object": 1, "undecodable_bytes": 1, "wrong_type": 1}
+    assert stats["examples_truncated"] > 0
+    check_shard_set(str(out / "L64"), expected_examples("alpaca", good + [long_prompt]), 64, truncate=True)
+    entries = [json.loads(line) for line in (out / "L64" / "dead_letter.jsonl").read_text().splitlines()]
+    got = [(e["source"]["line"], e["reason"], e["field"]) for e in entries]
+    assert got == EXPECTED_BAD + [(13, "no_targets_after_truncation", "")]
+    for e in entries:
+        assert set(e) >= {"reason", "field", "message", "source", "raw"}
+        assert e["source"]["file"] == path and e["source"]["input"] == path
+        assert e["message"]
+    assert entries[0]["raw"].startswith('{"instruction": "broken"')
+    assert "\\xff" in entries[1]["raw"]
+
+
+def test_bad_fraction_fails_with_a_clear_message(dirty_file, tmp_path):
+    path, _, _ = dirty_file
+    out = tmp_path / "out"
+    with pytest.raises(JobError) as err:
+        pack(["--input", path, "--format", "alpaca", "--output", str(out), "--max-length", "64"])
+    message = str(err.value)
+    assert "6 of 13 examples read are bad records" in message and "--max-bad-fraction 0" in message
+    assert "malformed_json 1" in message and "Nothing was published" in message
+    assert not (out / "L64" / "manifest.json").exists()
+    assert not [n for n in os.listdir(out / "L64") if n.endswith(".array_record")]
+    failed = out / "L64" / "dead_letter.failed.jsonl"
+    reasons = Counter(json.loads(line)["reason"] for line in failed.read_text().splitlines())
+    assert str(failed) in message and sum(v for k, v in reasons.items() if k != "too_long") == 6
+
+
+# ----------------------------------------------------------------------------- other formats and containers
+
+
+def test_translation_both_shapes_via_cli(tmp_path, capsys):
+    from pipelines.cli import main
+
+    path = write_jsonl(str(tmp_path / "pairs.jsonl"), translation_records())
+    out = tmp_path / "out"
+    code = main(["--input", path, "--format", "translation", "--source-lang", "en", "--target-lang", "de",
+                 "--output", str(out), "--max-length", "128", "--no-progress", *IN_PROCESS])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "packed dens." in printed and "row reduction" in printed and str(out / "L128" / "manifest.json") in printed
+    expected = expected_examples("translation", translation_records(), source_lang="en", target_lang="de")
+    manifest, rows = check_shard_set(str(out / "L128"), expected, 128)
+    assert manifest.stats["examples_written"] == 14
+    assert manifest.template["options"] == {"source_lang": "en", "target_lang": "de"}
+    from prepack.tokenizer import load_tokenizer
+
+    text = load_tokenizer("gemma3").decode(rows[0]["input_ids"][rows[0]["valid_mask"] == 1])
+    assert "from English to German" in text
+
+
+def test_oasst1_message_table(tmp_path):
+    path = write_jsonl(str(tmp_path / "oasst1.jsonl"), oasst1_messages())
+    out = tmp_path / "out"
+    result = pack(["--input", path, "--format", "oasst1", "--output", str(out), "--max-length", "256",
+                   "--max-bad-fraction", "0.5"])
+    stats = result.stats[256]
+    assert stats["records_read"] == 10
+    assert stats["records_filtered"] == {"not_english": 2}
+    assert stats["examples_read"] == 5 and stats["examples_written"] == 4
+    assert stats["examples_dropped"] == {"bad_role": 1}
+    entries = [json.loads(line) for line in (out / "L256" / "dead_letter.jsonl").read_text().splitlines()]
+    assert [(e["reason"], e["source"]["line"], e["message_id"]) for e in entries] == [("bad_role", 9, "c2")]
+    from prepack.templates import oasst1_conversations
+
+    convs = [c for c, _ in oasst1_conversations(oasst1_messages())]
+    check_shard_set(str(out / "L256"), tokenized(convs), 256)
+
+
+def test_chat_from_save_to_disk_folder(tmp_path):
+    folder = save_chat_dataset(str(tmp_path / "chat_ds"), chat_records())
+    out = tmp_path / "out"
+    result = pack(["--input", folder, "--format", "chat", "--output", str(out), "--max-length", "128"])
+    assert result.stats[128]["examples_read"] == 12
+    manifest, _ = check_shard_set(str(out / "L128"), expected_examples("chat", chat_records()), 128)
+    assert manifest.inputs[0]["kind"] == "hf_disk" and manifest.inputs[0]["fingerprint"].startswith("datasets:")
+
+
+def test_prompt_response_from_tfds_unpacked(tmp_path):
+    records = prompt_response_records()
+    data_dir = str(tmp_path / "tfds")
+    name = build_tfds_dataset(data_dir, records)
+    out = tmp_path / "out"
+    result = pack(["--input", f"tfds:{name}:train", "--tfds-data-dir", data_dir, "--format", "prompt_response",
+                   "--output", str(out), "--max-length", "128", "--no-pack", "--num-shards", "2"])
+    stats = result.stats[128]
+    assert stats["examples_read"] == 15 and stats["rows"] == stats["examples_written"]
+    manifest, _ = check_shard_set(str(out / "L128"), expected_examples("prompt_response", records), 128)
+    assert manifest.packing == "unpacked" and len(manifest.shards) == 2
+    # One example per row, rows in stable-hash order of the example ids (row r is in shard r % 2).
+    import tensorflow_datasets as tfds
+
+    source = tfds.data_source(name, split="train", data_dir=data_dir)
+    stored = [{k: v.decode() for k, v in source[i].items()} for i in range(len(source))]
+    ids = [f"0/train/{i}" for i in range(len(stored))]
+    order = sorted(range(len(stored)), key=lambda i: (stable_hash(ids[i]), ids[i]))
+    want = [segment_key(ex.input_ids, ex.loss_mask) for ex in expected_examples("prompt_response", [stored[i] for i in order])]
+    by_shard = [read_shard_set_rows(out / "L128", s) for s in range(2)]
+    rows = [by_shard[r % 2][r // 2] for r in range(len(want))]
+    assert [segment_key(*_only_segment(row)) for row in rows] == want
+
+
+def read_shard_set_rows(folder, shard: int) -> list:
+    from array_record.python.array_record_module import ArrayRecordReader
+
+    reader = ArrayRecordReader(str(folder / f"rows-{shard:05d}-of-00002.array_record"))
+    try:
+        return [rowformat.decode_row(r, 128) for r in reader.read_all()]
+    finally:
+        reader.close()
+
+
+def _only_segment(row) -> tuple:
+    (seg,) = rowformat.split_segments(row)
+    return seg.input_ids, seg.loss_mask
+
+
+# ----------------------------------------------------------------------------- fail fast
+
+
+def test_fail_fast_before_any_work(tmp_path, data_dir):
+    good = str(data_dir / "alpaca_a.jsonl")
+    out = str(tmp_path / "out")
+    cases = [
+        (["--input", str(tmp_path / "missing.jsonl"), "--format", "alpaca"], r"missing\.jsonl.*no such file"),
+        (["--input", str(tmp_path / "*.jsonl"), "--format", "alpaca"], r"matches no file"),
+        (["--input", good, "--format", "alpaca", "--tokenizer", "sp:/nonexistent/tok.model"], r"tokenizer.*nonexistent"),
+        (["--input", good, "--format", "alpacca"], r"unknown source format 'alpacca'"),
+        (["--input", "tfds:no_such_dataset_xyz", "--tfds-data-dir", str(tmp_path), "--format", "alpaca"], r"no_such_dataset_xyz"),
+    ]
+    for args, pattern in cases:
+        with pytest.raises(JobError, match=pattern):
+            pack(args + ["--output", out])
+    assert not os.path.exists(out) or not [f for _, _, fs in os.walk(out) for f in fs]
+
+
+def test_hub_input_fails_fast_offline(tmp_path, monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    try:
+        import socket
+
+        socket.create_connection(("huggingface.co", 443), timeout=3).close()
+        pytest.skip("the Hugging Face Hub is reachable here")
+    except OSError:
+        pass
+    with pytest.raises(JobError, match="cannot reach the Hugging Face Hub"):
+        pack(["--input", "hf:OpenAssistant/oasst1:train", "--format", "oasst1", "--output", str(tmp_path / "o")])
