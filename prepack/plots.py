@@ -248,6 +248,10 @@ def loss_curves(runs: Sequence[Any], path: str, budget: float | None = None) -> 
             if len(run.loss) > 50:
                 ax.plot(xs, run.loss, color=c, alpha=0.2, linewidth=0.8)
             ax.plot(xs, _smooth(run.loss), style, color=c, linewidth=1.8, label=name)
+        for step, loss in run.evals:  # eval losses, placed at the step they followed
+            i = min(max(int(step) - 1, 0), len(run.loss) - 1)
+            for ax, xs in ((left, run.cum_target_tokens), (right, run.cum_time)):
+                ax.plot([xs[i]], [loss], "D", color=c, markeredgecolor="black", markersize=6)
         if budget is not None:
             t = run.time_to(budget)
             if t == t:  # not NaN
@@ -263,6 +267,8 @@ def loss_curves(runs: Sequence[Any], path: str, budget: float | None = None) -> 
     for ax in (left, right):
         ax.grid(True, alpha=0.3)
     left.xaxis.set_major_formatter(_si_formatter())
+    if any(run.evals for run in runs):
+        left.plot([], [], "D", color="white", markeredgecolor="black", label="eval loss")
     left.legend(fontsize=8)
     fig.suptitle("Training loss: packed vs unpacked", fontsize=11)
     fig.tight_layout()

@@ -52,7 +52,7 @@ class ReportConfig:
     preflight: tuple[str, ...] = ()
     batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
     budget: float | None = None  # target tokens; None: the most that every run reached
-    warmup_steps: int = 0  # first steps (compilation) left out of time and budget
+    warmup_steps: int = 1  # first steps (compilation) timed as the median step, as the trainer's summary leaves step 1 out
     title: str = "tunix-prepack report"
 
 
@@ -126,11 +126,14 @@ def manifest_rows(label: str, folder: str, manifest: Manifest, batch_sizes: Sequ
         "input": given or folder,
         "format": (manifest.template or {}).get("name", ""),
         "tokenizer": (manifest.tokenizer or {}).get("name", ""),
+        "chat_format": (manifest.template or {}).get("chat_format_resolved") or (manifest.template or {}).get("chat_format", ""),
         "packing": manifest.packing,
         "overlong": (manifest.options or {}).get("overlong", ""),
-        "records_read": _stat(manifest, "examples_read", source),
+        # The job counts records (source lines) apart from examples when it knows them (oasst1 differs).
+        "records_read": manifest.stats.get("records_read", _stat(manifest, "examples_read", source)),
         # Record-level problems (bad JSON, missing fields) are the drops that do not depend on L.
-        "bad_records": sum(int(v) for k, v in dropped.items() if k not in _LENGTH_REASONS),
+        "bad_records": manifest.stats.get("bad_records",
+                                          sum(int(v) for k, v in dropped.items() if k not in _LENGTH_REASONS)),
         "examples": int(_stat(manifest, "examples_written", source)) + sum(int(v) for v in dropped.values()),
         "examples_dropped": sum(int(v) for v in dropped.values()),
         "dropped_by_reason": dict(sorted(dropped.items())),
@@ -175,22 +178,33 @@ def _shard_label(path: str) -> str:
 
 @dataclasses.dataclass
 class Run:
-    """One training run's per-step metrics, warmup steps already left out of time and tokens."""
+    """One training run's per-step metrics (the JSONL `prepack train` writes)."""
 
     label: str
     path: str
     steps: np.ndarray
     loss: np.ndarray
-    step_time_s: np.ndarray
+    step_time_s: np.ndarray  # as logged
     target_tokens: np.ndarray  # per step
     tokens: np.ndarray  # per step
     summary: dict[str, Any]
     packing: str = ""
     warmup_steps: int = 0
+    evals: list[tuple[float, float]] = dataclasses.field(default_factory=list)  # (step, eval loss)
+
+    @property
+    def clock_s(self) -> np.ndarray:
+        """Step times for the time axis: the first `warmup_steps` (compilation) count as the
+        median of the others, so a run is charged for its work but not for compiling."""
+        times = self.step_time_s.copy()
+        w = min(self.warmup_steps, len(times))
+        if 0 < w < len(times):
+            times[:w] = np.median(times[w:])
+        return times
 
     @property
     def cum_time(self) -> np.ndarray:
-        return np.cumsum(self.step_time_s)
+        return np.cumsum(self.clock_s)
 
     @property
     def cum_target_tokens(self) -> np.ndarray:
@@ -207,14 +221,22 @@ class Run:
         cum = self.cum_target_tokens
         return int(np.searchsorted(cum, budget) + 1) if len(cum) and budget <= cum[-1] else 0
 
+    @property
+    def eval_loss(self) -> float:
+        value = self.summary.get("eval_loss")
+        if value is None and self.evals:
+            value = self.evals[-1][1]
+        return math.nan if value is None else float(value)
+
 
 REQUIRED_STEP_KEYS = ("step", "loss", "step_time_s", "target_tokens")
 
 
-def load_run(path: str, label: str | None = None, warmup_steps: int = 0) -> Run:
+def load_run(path: str, label: str | None = None, warmup_steps: int = 1) -> Run:
+    """Reads step lines, {"eval": {...}} lines and the {"summary": {...}} line of a metrics JSONL."""
     if not os.path.isfile(path):
         raise ReportError(f"--metrics {path}: no such file")
-    steps, summary = [], {}
+    steps, evals, summary = [], [], {}
     with open(path) as f:
         for number, line in enumerate(f, start=1):
             if not line.strip():
@@ -225,24 +247,27 @@ def load_run(path: str, label: str | None = None, warmup_steps: int = 0) -> Run:
                 raise ReportError(f"{path}:{number}: not valid JSON ({e.msg})") from e
             if not isinstance(record, dict):
                 raise ReportError(f"{path}:{number}: expected a JSON object")
-            if "loss" in record and "step" in record and not record.get("summary"):
+            if isinstance(record.get("eval"), dict):
+                ev = record["eval"]
+                if ev.get("loss") is not None:
+                    evals.append((float(ev.get("step") or 0), float(ev["loss"])))
+            elif isinstance(record.get("summary"), dict):
+                summary.update(record["summary"])
+            elif "loss" in record and "step" in record and "summary" not in record:
                 missing = [k for k in REQUIRED_STEP_KEYS if record.get(k) is None]
                 if missing:
                     raise ReportError(f"{path}:{number}: step record lacks {', '.join(missing)}")
                 steps.append(record)
             else:
-                summary.update(record)  # the final summary line (any line that is not a step)
+                summary.update({k: v for k, v in record.items() if k != "summary"})  # a flat summary line
     if not steps:
         raise ReportError(f"{path}: no step records (expected JSON lines with {', '.join(REQUIRED_STEP_KEYS)})")
-    steps = steps[warmup_steps:]
-    if not steps:
-        raise ReportError(f"{path}: --warmup-steps {warmup_steps} leaves no step")
     column = lambda key: np.array([float(r.get(key) or 0) for r in steps], dtype=np.float64)  # noqa: E731
     target = _per_step(column("target_tokens"), column("step_time_s"), [r.get("target_tokens_per_s") for r in steps])
     name = label or os.path.splitext(os.path.basename(path))[0]
-    packing = str(summary.get("packing") or steps[-1].get("packing") or _packing_from_name(name))
+    packing = str(steps[-1].get("packing") or summary.get("packing") or _packing_from_name(name))
     return Run(name, path, column("step"), column("loss"), column("step_time_s"), target,
-               column("tokens"), summary, packing, warmup_steps)
+               column("tokens"), summary, packing, warmup_steps, evals)
 
 
 def _per_step(values: np.ndarray, times: np.ndarray, rates: list[Any]) -> np.ndarray:
@@ -291,12 +316,13 @@ def budget_rows(runs: Sequence[Run], budget: float | None = None) -> tuple[float
             "target_tokens": total_target,
             "time_s": total_time,
             "target_tokens_per_s": total_target / total_time if total_time else 0.0,
-            "mean_step_time_s": float(np.mean(run.step_time_s)),
+            "mean_step_time_s": float(np.mean(run.clock_s)),
             "steps_to_budget": run.steps_to(budget),
             "time_to_budget_s": t,
             "speedup": (times[ref] / t) if ref is not None and t and not math.isnan(t) else math.nan,
             "reference": runs[ref].label if ref is not None else "-",
             "final_loss": float(np.mean(run.loss[-max(1, len(run.loss) // 10):])),
+            "eval_loss": run.eval_loss,
         })
     return budget, out
 
@@ -326,7 +352,7 @@ BUDGET_COLUMNS = (
     ("target tokens", "target_tokens", "int"), ("time", "time_s", "seconds"),
     ("target tok/s", "target_tokens_per_s", "int"), ("s/step", "mean_step_time_s", "seconds"),
     ("steps to budget", "steps_to_budget", "int"), ("time to budget", "time_to_budget_s", "seconds"),
-    ("speed-up", "speedup", "times"), ("final loss", "final_loss", "float3"),
+    ("speed-up", "speedup", "times"), ("final loss", "final_loss", "float3"), ("eval loss", "eval_loss", "float3"),
 )
 
 
@@ -393,9 +419,10 @@ def build_page(config: ReportConfig, figures_dir: str) -> tuple[Page, list[str]]
         runs = [load_run(path, label, config.warmup_steps) for label, path in map(_split_label, config.metrics)]
         budget, table = budget_rows(runs, config.budget)
         page.add("h2", "Training runs")
-        skipped = f" The first {config.warmup_steps} step(s) of each run (compilation) are left out." if config.warmup_steps else ""
-        page.add("p", "Time is the sum of logged step_time_s; target tokens are the loss-mask tokens each step trained on."
-                 + skipped)
+        warm = (f" The first {config.warmup_steps} step(s) of each run carry compilation, so they are timed as the "
+                f"run's median step." if config.warmup_steps else "")
+        page.add("p", "Time is the sum of logged step_time_s; target tokens are the loss-mask tokens each step trained "
+                      "on; final loss is the mean training loss over the last 10% of steps." + warm)
         figure("loss_curves.png", plots.loss_curves, runs, budget=budget)
         page.add("h3", f"Useful-token budget: {budget:,.0f} target tokens")
         page.add("p", "Time each run needs to train on the same number of target tokens (by default the most that "
@@ -545,8 +572,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="batch sizes for steps and throughput gain in the shard tables (default 16)")
     p.add_argument("--budget", type=float, default=None, metavar="TOKENS",
                    help="target-token budget for the budget view (default: the most every run reached)")
-    p.add_argument("--warmup-steps", type=int, default=0, metavar="N",
-                   help="leave each run's first N steps (compilation) out of time and budget (default 0)")
+    p.add_argument("--warmup-steps", type=int, default=1, metavar="N",
+                   help="time each run's first N steps (compilation) as its median step (default 1, as the "
+                        "trainer's summary leaves step 1 out; 0 counts them as logged)")
     p.add_argument("--title", default="tunix-prepack report")
     p.add_argument("--output", required=True, metavar="FILE.html|FILE.md")
     return p

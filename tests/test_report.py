@@ -73,6 +73,14 @@ def test_manifest_figures_by_hand(tmp_path):
     assert r["mean_tokens"] == 4.0 and r["median_tokens"] is None  # no histogram in this manifest
 
 
+def test_job_manifest_counts_are_used_when_present(tmp_path):
+    # The job records records_read (source lines: oasst1 has fewer than examples) and bad_records itself.
+    m = write_manifest(tmp_path / "L8", 8, 4, 16, 9, 2, dropped={"missing_field": 2}, records_read=5, bad_records=2)
+    m.template["chat_format_resolved"] = "gemma"
+    (r,), _ = report.manifest_rows("x", str(tmp_path / "L8"), m, [1])
+    assert (r["records_read"], r["bad_records"], r["examples"], r["chat_format"]) == (5, 2, 6, "gemma")
+
+
 def test_manifest_length_histogram_gives_quantiles(tmp_path):
     # Lengths [2,3,5,6]: median 4, p95 5 + 0.85 = 5.85, max 6.
     m = write_manifest(tmp_path / "L8", 8, 4, 16, 9, 2, length_histogram={"2": 1, "3": 1, "5": 1, "6": 1})
@@ -130,12 +138,32 @@ def test_running_totals_are_turned_into_per_step_counts(tmp_path):
     assert run.target_tokens.tolist() == [40, 40, 40, 40] and run.cum_target_tokens[-1] == 160
 
 
-def test_warmup_steps_leave_compilation_out(tmp_path):
-    # A 10 s first step (compilation) then 2 steps of 1 s: with --warmup-steps 1, 2 s for 200 target tokens.
-    path = write_metrics(tmp_path / "w.jsonl", [100] * 3, [10.0, 1.0, 1.0])
-    assert report.load_run(str(path)).cum_time[-1] == 12.0
-    run = report.load_run(str(path), warmup_steps=1)
-    assert (run.cum_time[-1], run.cum_target_tokens[-1], len(run.steps)) == (2.0, 200, 2)
+def test_warmup_steps_are_timed_as_the_median_step(tmp_path):
+    # A 10 s first step (compilation), then steps of 1 s and 2 s. Default --warmup-steps 1: step 1 counts as
+    # the median of the others, 1.5 s, so the clock reads 1.5, 2.5, 4.5; with 0 it reads 10, 11, 13.
+    path = write_metrics(tmp_path / "w.jsonl", [100] * 3, [10.0, 1.0, 2.0])
+    assert report.load_run(str(path)).cum_time.tolist() == [1.5, 2.5, 4.5]
+    assert report.load_run(str(path), warmup_steps=0).cum_time.tolist() == [10.0, 11.0, 13.0]
+    assert report.load_run(str(path)).cum_target_tokens[-1] == 300  # its tokens still count
+
+
+def test_trainer_metrics_lines(tmp_path):
+    # What train/trainer.py writes: step lines carrying "packing", {"eval": {...}} lines, a nested summary.
+    lines = [
+        {"step": 1, "loss": 3.0, "step_time_s": 9.0, "tokens": 100, "target_tokens": 60, "target_tokens_per_s": 60 / 9,
+         "density": 0.5, "packing": "unpacked", "batch_size": 2, "seq_len": 100},
+        {"step": 2, "loss": 2.5, "step_time_s": 1.0, "tokens": 100, "target_tokens": 60, "target_tokens_per_s": 60.0,
+         "density": 0.5, "packing": "unpacked", "batch_size": 2, "seq_len": 100},
+        {"eval": {"step": 2, "loss": 2.7, "target_tokens": 500, "batches": 3, "time_s": 0.5}},
+        {"summary": {"steps": 2, "eval_loss": 2.7, "packing": "unpacked", "target_tokens_per_s": 60.0}},
+    ]
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    run = report.load_run(str(path))
+    assert (run.packing, run.evals, run.eval_loss, run.summary["steps"]) == ("unpacked", [(2.0, 2.7)], 2.7, 2)
+    assert run.cum_time.tolist() == [1.0, 2.0] and run.cum_target_tokens.tolist() == [60, 120]
+    _, (row,) = report.budget_rows([run])
+    assert (row["eval_loss"], row["final_loss"], row["time_to_budget_s"]) == (2.7, 2.5, 2.0)
 
 
 def test_labels_and_packing_from_names(tmp_path):
