@@ -96,6 +96,7 @@ class PreflightConfig:
     max_examples: int | None = None  # None: every example
     seed: int = 0
     plots: bool = True
+    pack_output: str | None = None  # set: run the Beam job per dataset into this folder and read its manifests
 
 
 # ----------------------------------------------------------------------------- tokenized examples
@@ -630,12 +631,67 @@ def run(config: PreflightConfig, loader: Callable[[DatasetSpec], ExampleSet], to
             "template_options": dict(config.template_options),
             "max_examples": config.max_examples,
             "seed": config.seed,
+            "pack_output": config.pack_output,
         },
         "throughput_model": THROUGHPUT_MODEL,
         "packing": "global best-fit decreasing over the length histogram (prepack.packer.plan_from_histogram)",
         "datasets": datasets,
         "rows": rows,
     }
+
+
+_PACK_TEMPLATE_FLAGS = {"source_lang": "--source-lang", "target_lang": "--target-lang", "prompt_format": "--prompt-format"}
+
+
+def run_with_pipeline(config: PreflightConfig, pack_args: Sequence[str]) -> dict[str, Any]:
+    """The same result as `run`, from the Beam job: one `prepack pack` per dataset, then its manifests.
+
+    Bad records are counted, not fatal (--max-bad-fraction 1), as in-process. Manifests carry
+    no length histogram, so the median/p95 columns and the histogram plot are left out.
+    """
+    try:
+        from pipelines import cli as pack_cli  # lazy: Beam only in this mode
+    except ImportError as e:
+        raise PreflightError(f"--pack-output needs the pipeline extra ({e}); pip install 'tunix-prepack[pipeline]'") from e
+    from prepack import report  # lazy: report imports this module
+
+    unknown = sorted(set(config.template_options) - set(_PACK_TEMPLATE_FLAGS))
+    if unknown:
+        raise PreflightError(f"--pack-output: `prepack pack` takes no template option {', '.join(unknown)}")
+    rows, datasets = [], []
+    for spec in config.datasets:
+        out = os.path.join(config.pack_output, spec.name)
+        argv = ["--input", spec.path, "--format", spec.format, "--tokenizer", config.tokenizer,
+                "--chat-format", config.chat_format, "--max-length", *map(str, config.max_lengths),
+                "--overlong", config.overlong.value, "--output", out, "--max-bad-fraction", "1"]
+        for key, value in sorted(config.template_options.items()):
+            argv += [_PACK_TEMPLATE_FLAGS[key], value]
+        started = time.perf_counter()
+        code = pack_cli.main(argv + list(pack_args))
+        if code != 0:
+            raise PreflightError(f"{spec.name}: `prepack pack` failed (exit {code}); see its message above")
+        found = report.find_manifests(out)
+        for folder, manifest in found:
+            more, warnings = report.manifest_rows(spec.name, folder, manifest, config.batch_sizes, given=spec.path)
+            for row in more:
+                row.pop("dropped_by_reason", None)
+                row.pop("packing", None)
+                row["overlong"] = config.overlong.value
+            rows += more
+            for w in warnings:
+                print("warning: " + w, file=sys.stderr)
+        stats = found[0][1].stats
+        datasets.append({
+            "name": spec.name, "input": spec.path, "format": spec.format, "shards": out,
+            "records_read": stats.get("records_read", stats.get("examples_read")),
+            "bad_records": {k: v for k, v in stats.get("examples_dropped", {}).items()
+                            if k not in {r.value for r in DropReason}},
+            "examples": stats.get("examples_read"), "examples_seen": stats.get("examples_read"), "sampled": False,
+            "pack_seconds": round(time.perf_counter() - started, 3), "length_histogram": {},
+        })
+    result = run(dataclasses.replace(config, datasets=()), lambda spec: None)  # the header fields, no datasets
+    result.update(datasets=datasets, rows=rows, packing="global BFD by the Beam job (`prepack pack`); figures from its manifests")
+    return result
 
 
 def write_outputs(result: dict[str, Any], output: str, plots: bool = True) -> list[str]:
@@ -697,6 +753,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--output", required=True, metavar="DIR", help="folder for preflight.csv, preflight.json and plots")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots (no matplotlib needed)")
+    p.add_argument("--pack-output", metavar="DIR",
+                   help="large inputs: run the Beam job (`prepack pack`) per dataset into DIR/NAME/L*/ and take the "
+                        "figures from its manifests; options preflight does not know go to the job and Beam "
+                        "(e.g. --runner=DataflowRunner --project=...), and the shards stay usable for training")
     return p
 
 
@@ -742,6 +802,7 @@ def config_from_args(args: argparse.Namespace) -> PreflightConfig:
         max_examples=args.max_examples,
         seed=args.seed,
         plots=not args.no_plots,
+        pack_output=args.pack_output,
     )
 
 
@@ -758,16 +819,23 @@ def _split_name(raw: str) -> tuple[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not args.pack_output:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")  # only the pipeline mode passes options on
     try:
         config = config_from_args(args)
         # Fail on every bad input or format before the tokenizer loads or anything is read.
         for spec in config.datasets:
             make_template(spec.format, config.template_options)
-            check_input(spec.path)
-        tokenizer, chat_format = _load_tokenizer(config)
-        fmt_name = getattr(chat_format, "name", type(chat_format).__name__)
-        result = run(config, lambda spec: load_examples(spec, tokenizer, chat_format, config), config.tokenizer, fmt_name)
+            if not config.pack_output:
+                check_input(spec.path)  # the job checks its own inputs up front
+        if config.pack_output:
+            result = run_with_pipeline(config, extra)
+        else:
+            tokenizer, chat_format = _load_tokenizer(config)
+            fmt_name = getattr(chat_format, "name", type(chat_format).__name__)
+            result = run(config, lambda spec: load_examples(spec, tokenizer, chat_format, config), config.tokenizer, fmt_name)
         written = write_outputs(result, config.output, plots=config.plots)
     except PreflightError as e:
         print(f"prepack preflight: error: {e}", file=sys.stderr)

@@ -121,6 +121,7 @@ def manifest_rows(label: str, folder: str, manifest: Manifest, batch_sizes: Sequ
         if theirs is not None and not math.isclose(float(theirs), ours, rel_tol=1e-6, abs_tol=1e-9):
             warnings.append(f"{source}: stats.{key} is {theirs}, but its counts give {ours:.6g}")
     histogram = _histogram(manifest.stats.get("length_histogram"))
+    length_drops = sum(int(v) for k, v in dropped.items() if k in _LENGTH_REASONS)
     meta = {
         "dataset": label,
         "input": given or folder,
@@ -134,8 +135,9 @@ def manifest_rows(label: str, folder: str, manifest: Manifest, batch_sizes: Sequ
         # Record-level problems (bad JSON, missing fields) are the drops that do not depend on L.
         "bad_records": manifest.stats.get("bad_records",
                                           sum(int(v) for k, v in dropped.items() if k not in _LENGTH_REASONS)),
-        "examples": int(_stat(manifest, "examples_written", source)) + sum(int(v) for v in dropped.values()),
-        "examples_dropped": sum(int(v) for v in dropped.values()),
+        # As in preflight: examples are what tokenized fine; dropped are those the max length cost.
+        "examples": int(_stat(manifest, "examples_written", source)) + length_drops,
+        "examples_dropped": length_drops,
         "dropped_by_reason": dict(sorted(dropped.items())),
         "dropped_too_long": dropped.get("too_long", 0),
         "dropped_no_targets_after_truncation": dropped.get("no_targets_after_truncation", 0),

@@ -275,6 +275,29 @@ def test_other_specs_go_through_the_pipeline_readers(tmp_path):
     assert (ds["records_read"], ds["examples"], ds["bad_records"]) == (5, 3, {"malformed_json": 1, "missing_field": 1})
 
 
+def test_pipeline_mode_matches_in_process(tmp_path):
+    # --pack-output runs the Beam job and reads its manifests: same rows and densities as the in-process estimate.
+    data = tmp_path / "a.jsonl"
+    data.write_text("\n".join(ALPACA_LINES) + "\n")
+    common = ["--input", str(data), "--format", "alpaca", "--max-length", "32", "64", "--batch-size", "2", "--no-plots"]
+    assert preflight.main(common + ["--output", str(tmp_path / "here")]) == 0
+    assert preflight.main(common + ["--output", str(tmp_path / "beam"), "--pack-output", str(tmp_path / "shards"),
+                                    "--direct_num_workers=1", "--no-progress"]) == 0
+    assert (tmp_path / "shards" / "a" / "L64" / "manifest.json").exists()
+    here = json.loads((tmp_path / "here" / "preflight.json").read_text())["rows"]
+    beam = json.loads((tmp_path / "beam" / "preflight.json").read_text())["rows"]
+    keys = ["max_length", "batch_size", "examples_kept", "examples_dropped", "tokens", "target_tokens", "packed_rows",
+            "unpacked_rows", "packed_density", "unpacked_density", "packed_target_density", "throughput_gain"]
+    assert [[r[k] for k in keys] for r in beam] == [[r[k] for k in keys] for r in here]
+    assert beam[0]["records_read"] == 5 and beam[0]["bad_records"] == 2
+
+
+def test_unknown_options_only_pass_through_in_pipeline_mode(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        preflight.main(["--input", "a.jsonl", "--format", "alpaca", "--output", str(tmp_path), "--runner=DataflowRunner"])
+    assert "unrecognized arguments: --runner=DataflowRunner" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

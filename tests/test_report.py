@@ -64,7 +64,8 @@ def test_manifest_figures_by_hand(tmp_path):
     m = write_manifest(tmp_path / "out" / "L8", 8, 4, 16, 9, 2, dropped={"too_long": 1, "missing_field": 2})
     (r,), warnings = report.manifest_rows("out", str(tmp_path / "out" / "L8"), m, [2])
     assert warnings == []
-    assert (r["records_read"], r["examples"], r["examples_kept"], r["examples_dropped"]) == (7, 7, 4, 3)
+    # Bad records are not examples: 4 kept + 1 too long = 5 examples, 1 dropped for length.
+    assert (r["records_read"], r["examples"], r["examples_kept"], r["examples_dropped"]) == (7, 5, 4, 1)
     assert (r["bad_records"], r["dropped_too_long"]) == (2, 1)
     assert (r["packed_rows"], r["unpacked_rows"], r["lower_bound_rows"]) == (2, 4, 2)
     assert (r["packed_density"], r["unpacked_density"]) == (1.0, 0.5)
@@ -78,7 +79,7 @@ def test_job_manifest_counts_are_used_when_present(tmp_path):
     m = write_manifest(tmp_path / "L8", 8, 4, 16, 9, 2, dropped={"missing_field": 2}, records_read=5, bad_records=2)
     m.template["chat_format_resolved"] = "gemma"
     (r,), _ = report.manifest_rows("x", str(tmp_path / "L8"), m, [1])
-    assert (r["records_read"], r["bad_records"], r["examples"], r["chat_format"]) == (5, 2, 6, "gemma")
+    assert (r["records_read"], r["bad_records"], r["examples"], r["chat_format"]) == (5, 2, 4, "gemma")
 
 
 def test_manifest_length_histogram_gives_quantiles(tmp_path):
