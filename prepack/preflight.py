@@ -31,7 +31,6 @@ import csv
 import dataclasses
 import glob
 import json
-import math
 import os
 import random
 import sys
