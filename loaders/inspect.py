@@ -42,6 +42,21 @@ def _fmt_bytes(n: int) -> str:
     return str(n)
 
 
+def _rounded(value: Any) -> Any:
+    if isinstance(value, float):
+        return float(f"{value:.4g}")
+    if isinstance(value, Mapping):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rounded(v) for v in value]
+    return value
+
+
+def _fmt_value(value: Any) -> str:
+    value = _rounded(value)
+    return json.dumps(value, sort_keys=True) if isinstance(value, (dict, list)) else _fmt_int(value)
+
+
 def _dropped(value: Any) -> str:
     if isinstance(value, Mapping):
         total = sum(v for v in value.values() if isinstance(v, int))
@@ -86,7 +101,7 @@ def summary_lines(manifest: Manifest, path: str) -> list[str]:
     if densities:
         lines.append("  density     " + ", ".join(f"{k.removesuffix('_density')} {_fmt_pct(v)}" for k, v in densities))
     for key in sorted(stats):
-        lines.append(f"  {key:<11} {json.dumps(stats[key], sort_keys=True) if isinstance(stats[key], (dict, list)) else stats[key]}")
+        lines.append(f"  {key:<11} {_fmt_value(stats[key])}")
     if manifest.dead_letter:
         text = storage.read_text(storage.join(path, manifest.dead_letter))
         count = "missing" if text is None else f"{sum(1 for line in text.splitlines() if line.strip()):,} examples"
