@@ -199,6 +199,17 @@ class BuiltModel:
         return config_vocab_size(self.config)
 
 
+def resolve_config(
+    name: str, *, vocab_size: int | None = None, dtype: str | None = None, config_overrides: dict[str, Any] | None = None
+) -> Any:
+    """The Tunix ModelConfig a name stands for (cheap: no parameters), e.g. to check vocabularies first."""
+    spec = get_spec(name)
+    config = spec.make_config(vocab_size if spec.tiny else None, parse_dtype(dtype, spec.default_dtype))
+    if config_overrides:
+        config = dataclasses.replace(config, **config_overrides)
+    return config
+
+
 def build_model(
     name: str,
     *,
@@ -212,9 +223,7 @@ def build_model(
     """Builds the base model (no LoRA yet). vocab_size only sizes tiny models."""
     spec = get_spec(name)
     param_dtype = parse_dtype(dtype, spec.default_dtype)
-    config = spec.make_config(vocab_size if spec.tiny else None, param_dtype)
-    if config_overrides:
-        config = dataclasses.replace(config, **config_overrides)
+    config = resolve_config(name, vocab_size=vocab_size, dtype=dtype, config_overrides=config_overrides)
     if weights is None:
         if spec.tiny:
             weights = "random"
