@@ -79,6 +79,20 @@ def _windowed(value: Any) -> Any:
     return GlobalWindows.windowed_value(value)
 
 
+class StageClock:
+    """Wall time a worker spends in one stage, as a Beam counter `time_us_<stage>`.
+
+    Summed over workers, these say where the job's time goes (benchmarks/bench_pack_job.py);
+    what is left of workers x wall time is Beam itself: coders, shuffles, scheduling.
+    """
+
+    def __init__(self, stage: str):
+        self.counter = Metrics.counter(NAMESPACE, f"time_us_{stage}")
+
+    def add(self, seconds: float) -> None:
+        self.counter.inc(int(seconds * 1e6))
+
+
 # ----------------------------------------------------------------------------- progress
 
 
@@ -119,11 +133,13 @@ class ReadTaskFn(beam.DoFn):
         self.records = Metrics.counter(NAMESPACE, "records_read")
         self.bytes = Metrics.counter(NAMESPACE, "bytes_read")
         self.files = Metrics.counter(NAMESPACE, "tasks_read")
+        self.clock = StageClock("read")
 
     def process(self, task: ReadTask) -> Iterator[Any]:
         digest = readers.FileDigest()
         batch: list = []
         count = 0
+        started = time.perf_counter()
         try:
             for record in readers.iter_task(task, digest, self.batch_size):
                 batch.append(record)
@@ -132,11 +148,15 @@ class ReadTaskFn(beam.DoFn):
                     self.records.inc(len(batch))
                     if self.progress:
                         _Progress.add(len(batch))
+                    # Downstream steps of the same stage run inside the yield: not reading time.
+                    self.clock.add(time.perf_counter() - started)
                     yield (task.task_index, batch)
+                    started = time.perf_counter()
                     batch = []
         except Exception as e:
             # Name the file: a corrupt Parquet footer deep in pyarrow says nothing about which input it was.
             raise RuntimeError(f"reading {task.path} ({task.kind}) failed after {count + len(batch)} records: {type(e).__name__}: {e}") from e
+        self.clock.add(time.perf_counter() - started)
         if batch:
             count += len(batch)
             self.records.inc(len(batch))
@@ -168,6 +188,8 @@ class _Tokenizing:
         self.m_tokens = Metrics.counter(NAMESPACE, "tokens_tokenized")
         self.m_lengths = Metrics.distribution(NAMESPACE, "example_tokens")
         self.m_bad = Metrics.counter(NAMESPACE, "bad_records")
+        self.clock_template = StageClock("template")
+        self.clock_tokenize = StageClock("tokenize")
 
     def _tokenize(
         self, convs: list, metas: list[tuple[Any, str]], tally: Counter, bad: list[DeadLetter]
@@ -176,6 +198,7 @@ class _Tokenizing:
         rejects becomes a dead letter and the rest of the batch goes on."""
         from prepack.chat_formats import ChatFormatError, tokenize_conversations
 
+        started = time.perf_counter()
         out: list[Example] = []
         start = 0
         while start < len(convs):
@@ -196,6 +219,7 @@ class _Tokenizing:
                 continue
             self._emit(tokenized, metas[start:], out)
             break
+        self.clock_tokenize.add(time.perf_counter() - started)
         return out
 
     def _emit(self, tokenized: list, metas: list[tuple[Any, str]], out: list[Example]) -> None:
@@ -227,6 +251,7 @@ class PrepareFn(beam.DoFn, _Tokenizing):
     def process(self, element: tuple[int, list]) -> Iterator[Any]:
         from prepack.templates import RecordError
 
+        started = time.perf_counter()
         task_index, items = element
         meta = self.ctx.tasks[task_index]
         tally: Counter = Counter()
@@ -260,6 +285,7 @@ class PrepareFn(beam.DoFn, _Tokenizing):
                 metas.append(((task_index, record_index, line, sub), example_id(meta, record_index, sub)))
         tally[("records_read",)] += len(items)
         tally[("examples",)] += len(convs)
+        self.clock_template.add(time.perf_counter() - started)
         examples = self._tokenize(convs, metas, tally, bad)
         self.m_bad.inc(sum(v for k, v in tally.items() if k[0] == "bad_record"))
         if examples:
@@ -320,6 +346,7 @@ class TableToExamplesFn(beam.DoFn, _Tokenizing):
         self.tally: Counter = Counter()
 
     def process(self, element: tuple[str, Iterable]) -> Iterator[Any]:
+        started = time.perf_counter()
         _, messages = element
         located = sorted(messages, key=lambda lm: lm[0])  # input order decides duplicate_id
         locs_by_id: dict[str, list] = defaultdict(list)
@@ -347,6 +374,7 @@ class TableToExamplesFn(beam.DoFn, _Tokenizing):
             self.convs.append(conv)
             self.metas.append((loc, f"{meta.input_index}/oasst1/{mid}"))
         self.tally[("examples",)] += len(result.examples)
+        self.clock_template.add(time.perf_counter() - started)
         if len(self.convs) >= self.ctx.batch_size:
             yield from self._flush(windowed=False)
 
@@ -383,6 +411,7 @@ class FitAndKeyFn(beam.DoFn):
     def setup(self) -> None:
         self.m_dropped = {L: Metrics.counter(NAMESPACE, f"L{L}_dropped") for L in self.ctx.max_lengths}
         self.m_truncated = {L: Metrics.counter(NAMESPACE, f"L{L}_truncated") for L in self.ctx.max_lengths}
+        self.clock = StageClock("fit")
 
     def start_bundle(self) -> None:
         self.buffers: dict[tuple[int, int], list] = defaultdict(list)
@@ -391,6 +420,7 @@ class FitAndKeyFn(beam.DoFn):
         self.tally: Counter = Counter()
 
     def process(self, examples: list[Example]) -> Iterator[Any]:
+        started = time.perf_counter()
         ctx = self.ctx
         truncate = ctx.overlong is OverlongPolicy.TRUNCATE
         hist, tally, buffers = self.hist, self.tally, self.buffers
@@ -426,6 +456,7 @@ class FitAndKeyFn(beam.DoFn):
             if kept:
                 buffers[(key, b)].append((h, eid, ids, mask))
                 self.buffered += 1
+        self.clock.add(time.perf_counter() - started)
         if self.buffered >= FLUSH_EXAMPLES:
             yield from self._flush(windowed=False)
 
@@ -457,12 +488,14 @@ class RouteToRowsFn(beam.DoFn):
 
     def setup(self) -> None:
         self.m_routed = Metrics.counter(NAMESPACE, "examples_routed")
+        self.clock = StageClock("route")
 
     def start_bundle(self) -> None:
         self.buffers: dict[tuple[int, int], list] = defaultdict(list)
         self.buffered = 0
 
     def process(self, element: tuple[tuple[int, int], Iterable[list]], plans: dict[int, LengthPlan]) -> Iterator[Any]:
+        started = time.perf_counter()
         (key, b), lists = element
         payloads = sorted(chain.from_iterable(lists))
         ctx = self.ctx
@@ -486,6 +519,7 @@ class RouteToRowsFn(beam.DoFn):
                 self.buffers[(L, row % plan.num_shards)].append((row, pos, ids, mask))
             self.buffered += len(survivors)
         self.m_routed.inc(len(payloads))
+        self.clock.add(time.perf_counter() - started)
         if self.buffered >= FLUSH_EXAMPLES:
             yield from self._flush(windowed=False)
 

@@ -16,17 +16,17 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterable, Iterator
 from itertools import chain
 from typing import Any
 
 import apache_beam as beam
-import numpy as np
 from apache_beam.metrics.metric import Metrics
 
 from pipelines.planning import LengthPlan
 from pipelines.records import DeadLetter, Fragment
-from prepack import rowformat
+from pipelines.rows import encode_rows
 from prepack.manifest import DEAD_LETTER_NAME
 from prepack.shardfile import DEFAULT_WRITER_OPTIONS, shard_name, write_shard
 
@@ -71,7 +71,9 @@ class ShardCheckError(AssertionError):
 def _rows_from_fragments(
     fragments: list[Fragment], expected_rows: range, max_length: int, pad_id: int, stats: dict[str, int]
 ) -> Iterator[bytes]:
-    """Encoded rows in row order; checks that each expected row comes with positions 0..k-1."""
+    """Encoded rows in row order; checks that the rows are exactly the plan's rows for this
+    shard and that each comes with segment positions 0..k-1."""
+    rows: list[list[tuple[bytes, bytes]]] = []
     expected = iter(expected_rows)
     i, n = 0, len(fragments)
     while i < n:
@@ -85,21 +87,21 @@ def _rows_from_fragments(
             _, position, ids, mask = fragments[j]
             if position != j - i:
                 raise ShardCheckError(f"L={max_length}: row {row} has segment position {position} where {j - i} was expected")
-            segments.append(rowformat.Segment(np.frombuffer(ids, dtype="<i4"), np.frombuffer(mask, dtype=np.uint8)))
+            segments.append((ids, mask))
             j += 1
-        built = rowformat.build_row(segments, max_length, pad_id)
-        k = j - i
-        stats["rows"] += 1
-        stats["segments"] += k
-        stats["tokens"] += sum(len(s) for s in segments)
-        stats["target_tokens"] += int(np.count_nonzero(built["loss_mask"]))
-        stats["min_segments"] = min(stats["min_segments"], k)
-        stats["max_segments"] = max(stats["max_segments"], k)
-        yield rowformat.encode_row(built, max_length)
+        rows.append(segments)
+        stats["segments"] += j - i
+        stats["min_segments"] = min(stats["min_segments"], j - i)
+        stats["max_segments"] = max(stats["max_segments"], j - i)
         i = j
     missing = next(expected, None)
     if missing is not None:
         raise ShardCheckError(f"L={max_length}: row {missing} got no example")
+    for record, tokens, targets in encode_rows(rows, max_length, pad_id):
+        stats["rows"] += 1
+        stats["tokens"] += tokens
+        stats["target_tokens"] += targets
+        yield record
 
 
 class WriteShardFn(beam.DoFn):
@@ -115,8 +117,13 @@ class WriteShardFn(beam.DoFn):
         self.m_shards = Metrics.counter(NAMESPACE, "shards_written")
         self.m_bytes = Metrics.counter(NAMESPACE, "shard_bytes_written")
         self.m_segments = Metrics.distribution(NAMESPACE, "segments_per_row")
+        from pipelines.transforms import StageClock
+
+        self.clock_write = StageClock("write")
+        self.clock_copy = StageClock("copy")
 
     def process(self, element: tuple[tuple[int, int], Iterable[list]], plans: dict[int, LengthPlan]) -> Iterator[dict]:
+        started = time.perf_counter()
         (max_length, shard), lists = element
         plan = plans[max_length]
         fragments = sorted(chain.from_iterable(lists))  # (row, position) first; both unique together
@@ -127,7 +134,10 @@ class WriteShardFn(beam.DoFn):
             local = os.path.join(tmp, name)
             rows = _rows_from_fragments(fragments, plan.rows_in_shard(shard), max_length, self.pad_id, stats)
             info = write_shard(local, rows, DEFAULT_WRITER_OPTIONS)
+            written = time.perf_counter()
+            self.clock_write.add(written - started)
             copy_local_to(local, f"{staging_dir(self.output, max_length, self.run_id)}/{name}")
+            self.clock_copy.add(time.perf_counter() - written)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         self.m_rows.inc(info.num_rows)

@@ -1,0 +1,196 @@
+"""Unit tests of the packing job's pieces that need no Beam run: planning and routing,
+the batched row encoder, options, input specs and the density table."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipelines.options import LOCAL_RUNNER_ARGS, OptionsError, parse_args, with_default_runner
+from pipelines.planning import build_plan, choose_num_shards, stable_hash, sub_bucket
+from pipelines.report import density_table
+from pipelines.rows import RowLayoutError, encode_rows
+from pipelines.sources import InputError, parse_hf_spec, parse_tfds_spec, resolve_inputs
+from prepack import rowformat
+from prepack.packer import pack_best_fit_decreasing
+
+
+# ----------------------------------------------------------------------------- planning
+
+
+def route_all(lengths: list[int], max_length: int, pack: bool, truncate: bool, sub_buckets: int, seed: int = 0):
+    """Simulates the job's routing in plain Python: histogram, plan, then each group ranks locally."""
+    ids = [f"ex{seed}-{i}" for i in range(len(lengths))]
+    hashes = [stable_hash(e) for e in ids]
+    hist: Counter = Counter()
+    groups: dict = {}
+    for i, n in enumerate(lengths):
+        if n > max_length and not truncate and pack:
+            continue
+        key = n if pack else 0
+        b = sub_bucket(hashes[i], sub_buckets)
+        hist[(max_length, key, b)] += 1
+        groups.setdefault((key, b), []).append((hashes[i], ids[i], i))
+    plan = build_plan(hist, max_length, pack)
+    placed = {}
+    for (key, b), members in groups.items():
+        members.sort()
+        rows, positions = plan.route(key, b, len(members))
+        for (_, _, i), row, pos in zip(members, rows, positions):
+            placed[i] = (row, pos)
+    return plan, placed, hashes
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 300), min_size=1, max_size=400),
+    max_length=st.sampled_from([16, 64, 128, 256]),
+    truncate=st.booleans(),
+    sub_buckets=st.integers(1, 7),
+)
+def test_routing_fills_every_slot_of_the_global_bfd_plan_once(lengths, max_length, truncate, sub_buckets):
+    plan, placed, _ = route_all(lengths, max_length, True, truncate, sub_buckets)
+    fitted = [min(n, max_length) for n in lengths if n <= max_length or truncate]
+    assert plan.num_rows == len(pack_best_fit_decreasing(fitted, max_length))
+    assert len(placed) == len(fitted) == plan.num_examples
+    assert len(set(placed.values())) == len(placed)  # no slot twice
+    fill = Counter()
+    by_row: dict = {}
+    for i, (row, pos) in placed.items():
+        fill[row] += min(lengths[i], max_length)
+        by_row.setdefault(row, []).append(pos)
+    assert max(fill.values(), default=0) <= max_length
+    assert all(sorted(p) == list(range(len(p))) for p in by_row.values())
+    assert set(by_row) == set(range(plan.num_rows))
+
+
+def test_unpacked_rows_come_in_stable_hash_order():
+    lengths = [random.Random(3).randint(1, 50) for _ in range(500)]
+    plan, placed, hashes = route_all(lengths, 64, False, False, sub_buckets=5)
+    assert plan.num_rows == 500 and all(pos == 0 for _, pos in placed.values())
+    order = sorted(placed, key=lambda i: placed[i][0])
+    assert [hashes[i] for i in order] == sorted(hashes)
+
+
+def test_sub_bucket_is_monotone_and_in_range():
+    hs = sorted(stable_hash(f"x{i}") for i in range(1000))
+    for B in (1, 3, 64, 1000):
+        bs = [sub_bucket(h, B) for h in hs]
+        assert bs == sorted(bs) and 0 <= min(bs) and max(bs) < B
+
+
+def test_stable_hash_is_fixed():
+    # Pinned: the packing of every published shard set depends on it.
+    assert stable_hash("0/data.jsonl/0") == stable_hash("0/data.jsonl/0") == int.from_bytes(
+        __import__("hashlib").blake2b(b"0/data.jsonl/0", digest_size=8).digest(), "big")
+
+
+def test_shard_count():
+    assert choose_num_shards(0, 512, None, 256) == 0
+    assert choose_num_shards(10, 512, 64, 256) == 10  # never an empty shard
+    assert choose_num_shards(1000, 2048, None, 1.0) == 5  # 1000 * 2048 * 2.5 B / 1 MiB
+    assert choose_num_shards(5, 2048, None, 1e9) == 1
+
+
+# ----------------------------------------------------------------------------- batched rows
+
+
+def _segments(rng: random.Random, max_length: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    segs, left = [], max_length
+    while left > 0 and (not segs or rng.random() < 0.7):
+        n = rng.randint(1, left)
+        ids = np.array([rng.randint(0, 262_143) for _ in range(n)], dtype=np.int32)
+        mask = np.array([rng.randint(0, 1) for _ in range(n)], dtype=np.uint8)
+        segs.append((ids, mask))
+        left -= n
+    return segs
+
+
+@pytest.mark.parametrize("max_length", [1, 7, 64, 300])
+def test_encode_rows_matches_build_row(max_length, monkeypatch):
+    import pipelines.rows as rows_module
+
+    monkeypatch.setattr(rows_module, "CHUNK_BYTES", rowformat.record_size(max_length) * 3)  # several chunks
+    rng = random.Random(max_length)
+    rows = [_segments(rng, max_length) for _ in range(25)]
+    as_bytes = [[(ids.tobytes(), mask.tobytes()) for ids, mask in row] for row in rows]
+    got = list(encode_rows(as_bytes, max_length, pad_id=7))
+    for row, (record, tokens, targets) in zip(rows, got):
+        built = rowformat.build_row([rowformat.Segment(i, m) for i, m in row], max_length, pad_id=7)
+        assert record == rowformat.encode_row(built, max_length)
+        assert tokens == sum(len(i) for i, _ in row) and targets == int(built["loss_mask"].sum())
+        rowformat.check_row(rowformat.decode_row(record, max_length), max_length)
+
+
+def test_encode_rows_rejects_bad_rows():
+    one = (np.zeros(5, np.int32).tobytes(), np.ones(5, np.uint8).tobytes())
+    with pytest.raises(RowLayoutError, match="more than max_length"):
+        list(encode_rows([[one, one]], 8))
+    with pytest.raises(RowLayoutError, match="at least one segment"):
+        list(encode_rows([[]], 8))
+
+
+# ----------------------------------------------------------------------------- options and specs
+
+
+def test_parse_args_defaults_and_pass_through(tmp_path):
+    config, beam = parse_args(["--input", "a.jsonl", "--input", "b.parquet", "--format", "alpaca", "--output", "out/",
+                               "--max-length", "1024", "512", "--max-length", "2048", "--project=p", "--region", "r"])
+    assert config.inputs == ("a.jsonl", "b.parquet") and config.output == "out"
+    assert config.max_lengths == (512, 1024, 2048) and config.pack and config.max_bad_fraction == 0
+    assert beam[: len(LOCAL_RUNNER_ARGS)] == list(LOCAL_RUNNER_ARGS)
+    assert beam[len(LOCAL_RUNNER_ARGS):] == ["--project=p", "--region", "r"]
+    assert with_default_runner(["--runner=DataflowRunner"]) == ["--runner=DataflowRunner"]
+    assert "--direct_num_workers=0" not in with_default_runner(["--direct_num_workers=1"])
+    config, _ = parse_args(["--sample", "--output", "o"])
+    assert config.format == "alpaca" and config.inputs[0].endswith("sample_sft.jsonl")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--format", "alpaca", "--output", "o"], "no input"),
+    (["--input", "a", "--output", "o"], "--format is required"),
+    (["--input", "a", "--format", "alpaca"], "--output is required"),
+    (["--input", "a", "--format", "alpaca", "--output", "o", "--max-bad-fraction", "2"], "within 0..1"),
+    (["--sample", "--input", "a", "--output", "o"], "do not combine"),
+])
+def test_parse_args_errors(args, message):
+    with pytest.raises(OptionsError, match=message):
+        parse_args(args)
+
+
+def test_hf_and_tfds_specs():
+    assert parse_hf_spec("OpenAssistant/oasst1") == ("OpenAssistant/oasst1", None, "train")
+    assert parse_hf_spec("OpenAssistant/oasst1:validation") == ("OpenAssistant/oasst1", None, "validation")
+    assert parse_hf_spec("Helsinki-NLP/opus-100:en-fr") == ("Helsinki-NLP/opus-100", "en-fr", "train")
+    assert parse_hf_spec("Helsinki-NLP/opus-100:en-fr:test") == ("Helsinki-NLP/opus-100", "en-fr", "test")
+    assert parse_tfds_spec("gsm8k") == ("gsm8k", "train")
+    assert parse_tfds_spec("gsm8k:test") == ("gsm8k", "test")
+    assert parse_tfds_spec("wmt/de-en:1.0.0") == ("wmt/de-en:1.0.0", "train")
+    assert parse_tfds_spec("wmt/de-en:1.0.0:validation") == ("wmt/de-en:1.0.0", "validation")
+
+
+def test_resolve_files_names_and_errors(tmp_path):
+    (tmp_path / "d").mkdir()
+    for name in ("d/a.jsonl", "d/b.jsonl.gz", "d/c.parquet", "notes.txt"):
+        (tmp_path / name).write_bytes(b"{}\n")
+    inputs, tasks = resolve_inputs([str(tmp_path / "d" / "*"), str(tmp_path / "d" / "a.jsonl")])
+    assert [(t.kind, t.name, t.input_index) for t in tasks] == [
+        ("jsonl", "a.jsonl", 0), ("jsonl", "b.jsonl.gz", 0), ("parquet", "c.parquet", 0), ("jsonl", "a.jsonl", 1)]
+    assert [t.task_index for t in tasks] == [0, 1, 2, 3] and inputs[0].kind == "files"
+    with pytest.raises(InputError, match="cannot tell the file format"):
+        resolve_inputs([str(tmp_path / "notes.txt")])
+    with pytest.raises(InputError, match="is a folder"):
+        resolve_inputs([str(tmp_path / "d")])
+
+
+def test_density_table_lists_drops():
+    stats = {"examples_read": 10, "examples_written": 8, "examples_dropped": {"too_long": 2}, "examples_truncated": 0,
+             "rows": 3, "lower_bound_rows": 3, "rows_over_lower_bound": 1.0, "packed_density": 0.9,
+             "unpacked_density": 0.3, "target_density": 0.5, "row_reduction": 8 / 3}
+    text = density_table({512: stats})
+    assert "packed dens." in text and "90.0%" in text and "2.67x" in text and "L512 dropped: too_long 2" in text
