@@ -1,0 +1,227 @@
+"""The packing job and the loader against a real local GCS emulator (tests/gcs_emulator.py).
+
+What runs through the emulator is the code that runs on Dataflow and on TPU VMs:
+Beam's GcsIO (resumable uploads, listing, batch copy+delete for renames) in the
+job's writer and publish steps, google-cloud-storage in the loader, and
+array_record's own C++ gs:// reader (google-cloud-cpp) for the shard records.
+
+The job runs on the in-process FnApiRunner, so failures can be injected with
+monkeypatch into the very DoFns that run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from fixtures_pipeline import IN_PROCESS, alpaca_records, write_jsonl
+from gcs_emulator import GcsEmulator, gcs_emulator, gcs_prefix  # noqa: F401  (pytest fixtures)
+
+pytest.importorskip("apache_beam")
+pytest.importorskip("array_record")
+
+MAX_LENGTH = 128
+NUM_SHARDS = 3
+
+
+def pack(args: list[str]) -> int:
+    """Runs `prepack pack` through its CLI entry point, as a user (or Dataflow launcher) would."""
+    from pipelines.cli import main
+
+    return main(args + ["--no-progress", *IN_PROCESS])
+
+
+def job_args(input_spec: str, output: str) -> list[str]:
+    return ["--input", input_spec, "--format", "alpaca", "--output", output,
+            "--max-length", str(MAX_LENGTH), "--num-shards", str(NUM_SHARDS)]
+
+
+def comparable_manifest(text: str) -> dict:
+    """The manifest without what legitimately differs between the two runs:
+    created_at, and where the (identical) input file was read from."""
+    from prepack.manifest import without_volatile
+
+    data = without_volatile(text)
+    for item in data["inputs"]:
+        item.pop("spec")
+    return data
+
+
+def gcs_objects(emulator: GcsEmulator, url: str) -> list[str]:
+    return emulator.list(url)
+
+
+@pytest.fixture(scope="module")
+def input_file(tmp_path_factory) -> str:
+    return write_jsonl(str(tmp_path_factory.mktemp("gcp-in") / "alpaca.jsonl"), alpaca_records(48, seed=3))
+
+
+@pytest.fixture(scope="module")
+def local_run(input_file, tmp_path_factory) -> str:
+    out = str(tmp_path_factory.mktemp("gcp-local") / "out")
+    assert pack(job_args(input_file, out)) == 0
+    return f"{out}/L{MAX_LENGTH}"
+
+
+@pytest.fixture(scope="module")
+def gcs_run(gcs_emulator, input_file) -> str:
+    """The same job with its input and output on gs:// (as on Dataflow, where workers
+    cannot see the launcher's disk)."""
+    base = gcs_emulator.url("test_gcp-module")
+    gcs_input = f"{base}/in/alpaca.jsonl"
+    gcs_emulator.upload_file(input_file, gcs_input)
+    assert pack(job_args(gcs_input, f"{base}/out")) == 0
+    return f"{base}/out/L{MAX_LENGTH}"
+
+
+# ----------------------------------------------------------------------------- the emulator itself
+
+
+def test_emulator_serves_beam_and_array_record(gcs_emulator, gcs_prefix, tmp_path):
+    """What the job and the loader rely on, each checked directly: a multi-chunk resumable
+    upload, Beam's batched rename, and array_record's C++ reader on a file over 1 MiB
+    (its footer is fetched with a suffix range, which the stock emulator ignores)."""
+    from apache_beam.io.filesystems import FileSystems
+    from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
+
+    rng = np.random.default_rng(0)
+    records = [rng.integers(0, 256, size=48_000, dtype=np.uint8).tobytes() for _ in range(32)]
+    local = str(tmp_path / "big.array_record")
+    writer = ArrayRecordWriter(local, "group_size:1,zstd:3")
+    for r in records:
+        writer.write(r)
+    writer.close()
+    assert os.path.getsize(local) > 1 << 20
+
+    staged, final = f"{gcs_prefix}/staging/big.array_record", f"{gcs_prefix}/final/big.array_record"
+    blob = gcs_emulator.client().bucket(gcs_emulator.bucket).blob(gcs_emulator.split(staged)[1])
+    blob.chunk_size = 256 * 1024  # several resumable chunks
+    blob.upload_from_filename(local)
+    FileSystems.rename([staged], [final])
+    assert gcs_objects(gcs_emulator, gcs_prefix) == ["final/big.array_record"]
+    assert gcs_emulator.read_bytes(final) == open(local, "rb").read()
+
+    for options in ("readahead_buffer_size:0", ""):  # the loader's options, and the default (parallel prefetch)
+        reader = ArrayRecordReader(final, options)
+        try:
+            assert reader.num_records() == len(records)
+            assert reader.read([31, 0, 17]) == [records[31], records[0], records[17]]
+            reader.seek(5)
+            assert reader.read() == records[5]
+            assert reader.read_all() == records
+        finally:
+            reader.close()
+
+
+# ----------------------------------------------------------------------------- the job on gs://
+
+
+def test_job_on_gcs_matches_local_run_byte_for_byte(gcs_emulator, local_run, gcs_run):
+    names = gcs_objects(gcs_emulator, gcs_run)
+    # Exactly a published set: no staging prefix, temp manifest or probe left behind.
+    assert names == sorted(os.listdir(local_run)) == ["manifest.json"] + [
+        f"rows-{i:05d}-of-{NUM_SHARDS:05d}.array_record" for i in range(NUM_SHARDS)
+    ]
+    local_manifest = open(os.path.join(local_run, "manifest.json"), encoding="utf-8").read()
+    gcs_manifest = gcs_emulator.read_bytes(f"{gcs_run}/manifest.json").decode("utf-8")
+    assert comparable_manifest(gcs_manifest) == comparable_manifest(local_manifest)
+    for name in names:
+        if name.endswith(".array_record"):
+            assert gcs_emulator.read_bytes(f"{gcs_run}/{name}") == open(os.path.join(local_run, name), "rb").read(), name
+    # Nothing else was written anywhere under the job's output.
+    out = gcs_run.rsplit("/", 1)[0]
+    assert [n for n in gcs_objects(gcs_emulator, out) if not n.startswith(f"L{MAX_LENGTH}/")] == []
+
+
+def test_loader_reads_the_gcs_set_like_the_local_one(local_run, gcs_run):
+    import loaders
+
+    manifest = json.load(open(os.path.join(local_run, "manifest.json"), encoding="utf-8"))
+    gcs_view = loaders.open_shards(gcs_run, expected_max_length=MAX_LENGTH, tokenizer=manifest["tokenizer"], verify=True)
+    local_view = loaders.open_shards(local_run, expected_max_length=MAX_LENGTH)
+    try:
+        assert len(gcs_view) == len(local_view) == manifest["num_rows"]
+        everything = np.arange(len(local_view))
+        assert gcs_view.records(everything) == local_view.records(everything)
+        a, b = gcs_view.read(everything[::-1]), local_view.read(everything[::-1])
+        assert sorted(a) == sorted(b)
+        for field in a:
+            np.testing.assert_array_equal(a[field], b[field])
+    finally:
+        gcs_view.close()
+        local_view.close()
+    # Grain's pipeline over the gs:// set yields every row once per epoch.
+    ds = loaders.make_dataset(gcs_run, batch_size=4, seed=1, shard_index=0, shard_count=1, num_epochs=1,
+                              drop_remainder=False, read_threads=2)
+    rows = np.concatenate([batch["input_ids"] for batch in ds])
+    local_rows = np.stack([local_view[i]["input_ids"] for i in range(len(local_view))])
+    assert sorted(map(bytes, rows)) == sorted(map(bytes, local_rows))
+
+
+# ----------------------------------------------------------------------------- interrupted runs
+
+
+def _interrupt_upload_of_shard(monkeypatch, shard_index: int) -> None:
+    """The copy of one shard from the worker's disk to GCS dies half way, as on a lost worker
+    or a dropped connection; the other shards upload normally."""
+    from pipelines import writer
+
+    original = writer.copy_local_to
+    victim = f"rows-{shard_index:05d}-of-"
+
+    def copy_then_fail(local_path: str, dest: str) -> None:
+        if victim not in dest:
+            return original(local_path, dest)
+        data = open(local_path, "rb").read()
+        with writer.create_file(dest) as f:
+            f.write(data[: len(data) // 2])
+            raise ConnectionResetError(f"injected: upload of {dest} interrupted")
+
+    monkeypatch.setattr(writer, "copy_local_to", copy_then_fail)
+
+
+def test_interrupted_upload_publishes_no_manifest(gcs_emulator, gcs_prefix, gcs_run, monkeypatch):
+    _interrupt_upload_of_shard(monkeypatch, 1)
+    out = f"{gcs_prefix}/out"
+    with pytest.raises(Exception, match="injected: upload"):
+        pack(job_args(f"{gcs_run.rsplit('/', 2)[0]}/in/alpaca.jsonl", out))
+    left = gcs_objects(gcs_emulator, out)
+    assert not [n for n in left if n.endswith("manifest.json")]
+    assert left == [], f"staging not cleaned up: {left}"
+
+
+def test_interrupted_overwrite_keeps_the_published_gcs_set(gcs_emulator, gcs_run, monkeypatch):
+    """--overwrite over a published gs:// set, and the run dies in the copy step:
+    readers still find the old set, byte for byte."""
+    before = {n: gcs_emulator.read_bytes(f"{gcs_run}/{n}") for n in gcs_objects(gcs_emulator, gcs_run)}
+    _interrupt_upload_of_shard(monkeypatch, 0)
+    base = gcs_run.rsplit("/", 2)[0]
+    with pytest.raises(Exception, match="injected: upload"):
+        pack(job_args(f"{base}/in/alpaca.jsonl", f"{base}/out") + ["--overwrite"])
+    after = {n: gcs_emulator.read_bytes(f"{gcs_run}/{n}") for n in gcs_objects(gcs_emulator, gcs_run)}
+    assert after == before
+
+
+def test_crash_before_the_manifest_leaves_an_unpublished_folder(gcs_emulator, gcs_prefix, gcs_run, monkeypatch):
+    """The launcher dies after moving the shards into place but before writing
+    manifest.json: the folder holds shards, and no reader accepts it."""
+    import loaders
+    from pipelines import publish
+
+    original = publish.write_bytes
+
+    def die_on_manifest(path: str, data: bytes) -> None:
+        if "manifest.json" in path:
+            raise KeyboardInterrupt("injected: launcher killed before the manifest")
+        original(path, data)
+
+    monkeypatch.setattr(publish, "write_bytes", die_on_manifest)
+    out = f"{gcs_prefix}/out"
+    # The CLI turns an interrupt into exit status 130 after its cleanup.
+    assert pack(job_args(f"{gcs_run.rsplit('/', 2)[0]}/in/alpaca.jsonl", out)) == 130
+    assert not [n for n in gcs_objects(gcs_emulator, out) if n.endswith("manifest.json")]
+    with pytest.raises(loaders.ShardSetError, match="no manifest.json"):
+        loaders.open_shards(f"{out}/L{MAX_LENGTH}")
