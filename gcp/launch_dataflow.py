@@ -1,0 +1,281 @@
+#!/usr/bin/env python3
+"""Run `prepack pack` on Dataflow with sensible defaults; --dry-run prints the whole command.
+
+    python gcp/launch_dataflow.py --project P --region us-central1 \\
+        --input 'gs://B/raw/*.jsonl' --format alpaca --output gs://B/sets/alpaca \\
+        --max-length 2048 [--dry-run]
+
+Regenerating the shards for another max length is the same command with another
+--max-length (each length gets its own OUTPUT/L<L>/ folder, so existing sets stay):
+
+    python gcp/launch_dataflow.py ... --max-length 4096
+
+Options this launcher does not know go to `prepack pack` unchanged, after ours,
+so they can also override a Beam option it sets (e.g. --num-shards 64,
+--tokenizer hf:Qwen/Qwen3-0.6B, --overlong truncate, --max_num_workers 32).
+
+The launcher process stays up until the Dataflow job ends: `prepack pack` waits
+for the job, then publishes (moves the shards into place, writes manifest.json
+last) from here. Run it where it can outlive your laptop's lid (Cloud Shell with
+tmux, a small VM). If it dies mid-job, nothing is published; run it again.
+
+Standard library only, so --dry-run works anywhere, Beam installed or not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import datetime
+import os
+import re
+import shlex
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SETUP_FILE = REPO_ROOT / "setup.py"
+WORKER_REQUIREMENTS = Path(__file__).resolve().parent / "worker_requirements.txt"
+
+# The SDK container the workers run is chosen by the launcher's Python minor version
+# (setup packaging) or is ours (gcp/Dockerfile, built on beam_python3.11_sdk).
+CONTAINER_PYTHON = (3, 11)
+
+DEFAULT_REGION = "us-central1"
+# 8 vCPUs / 32 GB. Dataflow bills per vCPU-hour and GB-hour whatever the shape, so
+# a larger VM costs the same per core but boots (and, with setup packaging,
+# pip-installs transformers/pyarrow/tfds) once for 8 SDK processes instead of
+# once per 1-2. 4 GB per process holds a tokenizer plus one shard's fragments in
+# the write step (~1-2 GB at the default 256 MB target shard). N2 cores are faster
+# than N1's at the same Dataflow rate.
+DEFAULT_MACHINE_TYPE = "n2-standard-8"
+# 64 vCPUs at most: a 1M-example set tokenizes in minutes on far fewer (docs/gcp.md),
+# and it stays near new projects' regional CPU quota; raise it for 100M+ examples.
+DEFAULT_MAX_WORKERS = 8
+# Holds the container image, the pip-installed pipeline extra (~3 GB) and the local
+# temp shard files (each shard is written to local disk, then copied to GCS).
+DEFAULT_DISK_GB = 50
+
+
+class LaunchError(ValueError):
+    """Bad launcher options: printed as one line, exit status 2."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """One option given to the job, and why it has this value (shown by --dry-run)."""
+
+    flag: str
+    value: str | None  # None: a bare flag
+    why: str
+
+    def args(self) -> list[str]:
+        return [self.flag] if self.value is None else [self.flag, self.value]
+
+
+def package_version() -> str:
+    """tunix-prepack's version, read from setup.py without running it."""
+    for node in ast.walk(ast.parse(SETUP_FILE.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.keyword) and node.arg == "version":
+            return str(ast.literal_eval(node.value))
+    return "0"
+
+
+def job_name(output: str, max_lengths: Sequence[int], now: datetime.datetime | None = None) -> str:
+    """A Dataflow job name ([a-z]([-a-z0-9]*[a-z0-9])?) that says what and when."""
+    now = now or datetime.datetime.now(datetime.timezone.utc)
+    leaf = output.rstrip("/").rsplit("/", 1)[-1]
+    slug = re.sub(r"[^a-z0-9]+", "-", leaf.lower()).strip("-")[:24] or "set"
+    lengths = "-".join(f"l{L}" for L in sorted(max_lengths)) or "ldefault"
+    name = f"prepack-{slug}-{lengths}"[:48].rstrip("-")
+    return f"{name}-{now:%Y%m%d-%H%M%S}"
+
+
+def bucket_of(url: str) -> str:
+    return url[len("gs://") :].split("/", 1)[0]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="gcp/launch_dataflow.py",
+        description="Run `prepack pack` on Dataflow. Unknown options go to `prepack pack` (and through it to Beam).",
+    )
+    p.add_argument("--project", default=os.environ.get("GOOGLE_CLOUD_PROJECT") or os.environ.get("CLOUDSDK_CORE_PROJECT"),
+                   help="GCP project (default: $GOOGLE_CLOUD_PROJECT)")
+    p.add_argument("--region", default=DEFAULT_REGION, help=f"Dataflow region; keep it the bucket's (default {DEFAULT_REGION})")
+    p.add_argument("--input", action="append", default=[], metavar="SPEC",
+                   help="repeatable: gs:// file or glob, hf:NAME..., or tfds:NAME (workers cannot read the launcher's disk)")
+    p.add_argument("--format", help="source format (alpaca, translation, oasst1, chat, prompt_response)")
+    p.add_argument("--output", help="gs://BUCKET/PREFIX; each max length is published to OUTPUT/L<L>/")
+    p.add_argument("--max-length", action="extend", nargs="+", type=int, default=[], metavar="L",
+                   help="one or more max lengths (default: prepack pack's)")
+    p.add_argument("--bucket", help="gs://BUCKET for Dataflow's temp and staging files (default: the output's bucket)")
+    p.add_argument("--machine-type", default=DEFAULT_MACHINE_TYPE, help=f"worker machine type (default {DEFAULT_MACHINE_TYPE})")
+    p.add_argument("--max-workers", type=int, default=DEFAULT_MAX_WORKERS, help=f"autoscaling ceiling (default {DEFAULT_MAX_WORKERS})")
+    p.add_argument("--disk-gb", type=int, default=DEFAULT_DISK_GB, help=f"worker boot disk in GB (default {DEFAULT_DISK_GB})")
+    p.add_argument("--packaging", choices=("setup", "container"), default="setup",
+                   help="setup: stage setup.py + gcp/worker_requirements.txt, workers pip-install from PyPI (default); "
+                        "container: workers run the image built from gcp/Dockerfile (no PyPI access needed)")
+    p.add_argument("--image", help="SDK container image for --packaging container "
+                                   "(default REGION-docker.pkg.dev/PROJECT/prepack/pipeline-worker:VERSION)")
+    p.add_argument("--service-account", help="worker service account email (default: the Compute Engine default SA)")
+    p.add_argument("--subnetwork", help="worker subnetwork, e.g. regions/REGION/subnetworks/NAME")
+    p.add_argument("--no-public-ips", action="store_true", help="workers without external IPs (needs Private Google Access)")
+    p.add_argument("--flexrs", action="store_true", help="FlexRS: cheaper (preemptible + discounted), starts within 6 h")
+    p.add_argument("--job-name", help="Dataflow job name (default: prepack-<output>-l<L>-<UTC time>)")
+    p.add_argument("--dry-run", action="store_true", help="print the command and why each option has its value; run nothing")
+    return p
+
+
+def check(args: argparse.Namespace, passthrough: Sequence[str]) -> list[str]:
+    """Raises LaunchError for what cannot work on Dataflow; returns warnings for what might not."""
+    if not args.project:
+        raise LaunchError("--project is required (or set GOOGLE_CLOUD_PROJECT)")
+    if not args.output or not args.output.startswith("gs://"):
+        raise LaunchError(f"--output must be a gs:// URL on Dataflow, got {args.output!r}")
+    if "--sample" in passthrough:
+        raise LaunchError("--sample reads a file inside the launcher's install, which workers cannot see; "
+                          "upload it (gcloud storage cp) and pass --input gs://... --format alpaca")
+    if not args.input:
+        raise LaunchError("no input: pass --input gs://... (or hf:/tfds:) at least once")
+    for spec in args.input:
+        if not (spec.startswith("gs://") or spec.startswith("hf:") or spec.startswith("tfds:")):
+            raise LaunchError(f"--input {spec!r} is on the launcher's disk, which Dataflow workers cannot read; "
+                              f"copy it to GCS first: gcloud storage cp {shlex.quote(spec)} gs://BUCKET/raw/")
+    if not args.format:
+        raise LaunchError("--format is required: alpaca, translation, oasst1, chat or prompt_response")
+    if args.bucket and not args.bucket.startswith("gs://"):
+        raise LaunchError(f"--bucket must look like gs://NAME, got {args.bucket!r}")
+    if args.max_workers < 1 or args.disk_gb < 10:
+        raise LaunchError("--max-workers must be >= 1 and --disk-gb >= 10")
+    warnings = []
+    if args.packaging == "setup" and args.no_public_ips:
+        warnings.append("--no-public-ips with --packaging setup: workers pip-install gcp/worker_requirements.txt from "
+                        "PyPI at boot, which needs Cloud NAT on the subnetwork; or use --packaging container")
+    if args.packaging == "container" and sys.version_info[:2] != CONTAINER_PYTHON:
+        warnings.append(f"launching from Python {sys.version_info.major}.{sys.version_info.minor} but the worker image "
+                        f"runs {CONTAINER_PYTHON[0]}.{CONTAINER_PYTHON[1]}: Beam pickles with the launcher's Python, "
+                        "so launch from a 3.11 environment")
+    if any(spec.startswith("hf:") for spec in args.input):
+        warnings.append("hf: inputs are downloaded by the workers from the Hugging Face Hub: they need internet access")
+    return warnings
+
+
+def dataflow_choices(args: argparse.Namespace) -> list[Choice]:
+    """The Beam/Dataflow options, each with its reason."""
+    bucket = args.bucket.rstrip("/") if args.bucket else f"gs://{bucket_of(args.output)}"
+    name = args.job_name or job_name(args.output, args.max_length)
+    choices = [
+        Choice("--runner", "DataflowRunner", "run on Dataflow instead of the local FnApiRunner"),
+        Choice("--project", args.project, "project billed for workers, shuffle and storage"),
+        Choice("--region", args.region,
+               "same region as the bucket (no cross-region egress) and, ideally, as the TPUs that read the shards"),
+        Choice("--temp_location", f"{bucket}/dataflow/temp", "Beam's temporary files (gs://, required by Dataflow)"),
+        Choice("--staging_location", f"{bucket}/dataflow/staging", "where the job's code and requirements are staged"),
+        Choice("--job_name", name, "output, max lengths and UTC start time, so runs are easy to tell apart"),
+        Choice("--worker_machine_type", args.machine_type,
+               "Dataflow bills per vCPU and GB whatever the shape; 8 vCPUs amortize each VM's boot and pip install "
+               "over 8 SDK processes, 4 GB each holds a tokenizer and one shard's rows in the write step"),
+        Choice("--max_num_workers", str(args.max_workers),
+               "autoscaling ceiling; 1M examples need far less, and it stays near default regional CPU quotas"),
+        Choice("--autoscaling_algorithm", "THROUGHPUT_BASED", "scale with the backlog, down to 1 worker in the tail"),
+        Choice("--disk_size_gb", str(args.disk_gb),
+               "container image + pipeline extra (~3 GB) + local temp shards before their copy to GCS"),
+        Choice("--experiments", "use_runner_v2",
+               "Runner v2 (portable SDK harness): required for custom containers, Beam's default for Python anyway"),
+        Choice("--labels", "app=tunix-prepack", "find the job's cost in billing reports"),
+    ]
+    if args.packaging == "setup":
+        choices += [
+            Choice("--setup_file", str(SETUP_FILE), "stages this repository as an sdist; workers pip-install it"),
+            Choice("--requirements_file", str(WORKER_REQUIREMENTS),
+                   "Beam installs the setup_file package without extras, so the pipeline extra's pins come from "
+                   "here (equal to setup.py's PIPELINE: no jax, no tunix)"),
+            Choice("--requirements_cache", "skip",
+                   "workers download the pinned wheels from PyPI at boot instead of the launcher uploading them"),
+        ]
+    else:
+        image = args.image or f"{args.region}-docker.pkg.dev/{args.project}/prepack/pipeline-worker:{package_version()}"
+        choices += [
+            Choice("--sdk_container_image", image,
+                   "gcp/Dockerfile: Beam 2.77 on Python 3.11 with tunix-prepack[pipeline] baked in, no PyPI at boot"),
+            Choice("--sdk_location", "container", "use the Beam SDK already in the image; stage none"),
+        ]
+    if args.service_account:
+        choices.append(Choice("--service_account_email", args.service_account,
+                              "a dedicated worker SA with roles/dataflow.worker and storage access to the bucket"))
+    if args.subnetwork:
+        choices.append(Choice("--subnetwork", args.subnetwork, "the VPC subnetwork the workers join"))
+    if args.no_public_ips:
+        choices.append(Choice("--no_use_public_ips", None, "workers without external IPs (org policy, lower exposure)"))
+    if args.flexrs:
+        choices.append(Choice("--flexrs_goal", "COST_OPTIMIZED", "preemptible VMs at a discount; the job may wait up to 6 h"))
+    return choices
+
+
+def pack_choices(args: argparse.Namespace) -> list[Choice]:
+    out = [Choice("--input", spec, "read by the workers") for spec in args.input]
+    out += [Choice("--format", args.format, "source format"), Choice("--output", args.output, "published to OUTPUT/L<L>/")]
+    if args.max_length:
+        out.append(Choice("--max-length", " ".join(map(str, args.max_length)), "tokenized once, one shard set per length"))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    cmd: list[str]  # what runs: this Python, `-m prepack.cli pack`, then every option
+    choices: list[Choice]  # our options and why (passthrough ones are only in cmd)
+    warnings: list[str]
+    dry_run: bool
+
+
+def build_command(argv: Sequence[str]) -> Launch:
+    """The command to run and the reasons behind it. Raises LaunchError."""
+    args, passthrough = build_parser().parse_known_args(list(argv))
+    warnings = check(args, passthrough)
+    choices = pack_choices(args) + dataflow_choices(args)
+    cmd = [sys.executable, "-m", "prepack.cli", "pack"]
+    for choice in choices:
+        if choice.flag == "--max-length":
+            cmd += ["--max-length", *choice.value.split()]
+        else:
+            cmd += choice.args()
+    # Last, so they win over ours (argparse keeps the last value of a repeated option).
+    cmd += list(passthrough)
+    return Launch(cmd, choices, warnings, args.dry_run)
+
+
+def render(launch: Launch) -> str:
+    """The command as one copy-pastable shell line, then why each option has its value (as # comments)."""
+    lines = [shlex.join(launch.cmd), ""]
+    width = max(len(c.flag) for c in launch.choices)
+    for c in launch.choices:
+        lines.append(f"# {c.flag:<{width}}  {c.value if c.value is not None else '(flag)'}  -- {c.why}")
+    lines += [f"# warning: {w}" for w in launch.warnings]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        launch = build_command(argv)
+    except LaunchError as e:
+        print(f"launch_dataflow: {e}", file=sys.stderr)
+        return 2
+    if launch.dry_run:
+        print(render(launch))
+        return 0
+    for w in launch.warnings:
+        print(f"launch_dataflow: warning: {w}", file=sys.stderr)
+    print(f"launch_dataflow: running {shlex.join(launch.cmd)}", file=sys.stderr, flush=True)
+    # The repository root on sys.path lets `-m prepack.cli` work from a checkout
+    # that was not pip-installed (the workers get it through --setup_file).
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+    return subprocess.call(launch.cmd, env=env)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
