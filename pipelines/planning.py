@@ -90,16 +90,16 @@ class LengthPlan:
     # class -> (row of the k-th slot, position of that slot in its row); packed only
     slots: dict[int, tuple[np.ndarray, np.ndarray]]
 
-    def route(self, length_key: int, b: int, count: int) -> tuple[list[int], list[int]]:
-        """Rows and positions of a group's `count` survivors, in rank order."""
+    def route(self, length_key: int, b: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """Rows and positions (int64 arrays) of a group's `count` survivors, in rank order."""
         start = self.offsets[(length_key, b)]
         if not self.pack:
-            return list(range(start, start + count)), [0] * count
+            return np.arange(start, start + count, dtype=np.int64), np.zeros(count, dtype=np.int32)
         rows, positions = self.slots[example_class(length_key, self.max_length, True)]
         end = start + count
         if end > len(rows):
             raise AssertionError(f"L={self.max_length}: group {(length_key, b)} needs slots up to {end}, plan has {len(rows)}")
-        return rows[start:end].tolist(), positions[start:end].tolist()
+        return rows[start:end].astype(np.int64), positions[start:end]
 
     def shard_of(self, row: int) -> int:
         return row % self.num_shards

@@ -18,15 +18,16 @@ import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator
-from itertools import chain
 from typing import Any
 
 import apache_beam as beam
+import numpy as np
 from apache_beam.metrics.metric import Metrics
 from apache_beam.pvalue import TaggedOutput
 from apache_beam.transforms.window import GlobalWindows
 
 from pipelines import readers
+from pipelines.columns import FragmentBatch, PayloadBatch, concat_wire
 from pipelines.planning import LengthPlan, stable_hash, sub_bucket
 from pipelines.records import (
     DeadLetter,
@@ -80,10 +81,10 @@ def _windowed(value: Any) -> Any:
 
 
 class StageClock:
-    """Wall time a worker spends in one stage, as a Beam counter `time_us_<stage>`.
+    """CPU time a worker spends in one stage, as a Beam counter `time_us_<stage>`.
 
     Summed over workers, these say where the job's time goes (benchmarks/bench_pack_job.py);
-    what is left of workers x wall time is Beam itself: coders, shuffles, scheduling.
+    what is left of the job's CPU time is Beam itself: coders, shuffles, scheduling.
     """
 
     def __init__(self, stage: str):
@@ -91,6 +92,12 @@ class StageClock:
 
     def add(self, seconds: float) -> None:
         self.counter.inc(int(seconds * 1e6))
+
+    @staticmethod
+    def now() -> float:
+        # CPU time, not wall time: on a shared machine wall time counts other jobs too. Process
+        # time rather than thread time, because sentencepiece encodes batches on its own threads.
+        return time.process_time()
 
 
 # ----------------------------------------------------------------------------- progress
@@ -139,7 +146,7 @@ class ReadTaskFn(beam.DoFn):
         digest = readers.FileDigest()
         batch: list = []
         count = 0
-        started = time.perf_counter()
+        started = StageClock.now()
         try:
             for record in readers.iter_task(task, digest, self.batch_size):
                 batch.append(record)
@@ -149,14 +156,14 @@ class ReadTaskFn(beam.DoFn):
                     if self.progress:
                         _Progress.add(len(batch))
                     # Downstream steps of the same stage run inside the yield: not reading time.
-                    self.clock.add(time.perf_counter() - started)
+                    self.clock.add(StageClock.now() - started)
                     yield (task.task_index, batch)
-                    started = time.perf_counter()
+                    started = StageClock.now()
                     batch = []
         except Exception as e:
             # Name the file: a corrupt Parquet footer deep in pyarrow says nothing about which input it was.
             raise RuntimeError(f"reading {task.path} ({task.kind}) failed after {count + len(batch)} records: {type(e).__name__}: {e}") from e
-        self.clock.add(time.perf_counter() - started)
+        self.clock.add(StageClock.now() - started)
         if batch:
             count += len(batch)
             self.records.inc(len(batch))
@@ -198,7 +205,7 @@ class _Tokenizing:
         rejects becomes a dead letter and the rest of the batch goes on."""
         from prepack.chat_formats import ChatFormatError, tokenize_conversations
 
-        started = time.perf_counter()
+        started = StageClock.now()
         out: list[Example] = []
         start = 0
         while start < len(convs):
@@ -219,7 +226,7 @@ class _Tokenizing:
                 continue
             self._emit(tokenized, metas[start:], out)
             break
-        self.clock_tokenize.add(time.perf_counter() - started)
+        self.clock_tokenize.add(StageClock.now() - started)
         return out
 
     def _emit(self, tokenized: list, metas: list[tuple[Any, str]], out: list[Example]) -> None:
@@ -251,7 +258,7 @@ class PrepareFn(beam.DoFn, _Tokenizing):
     def process(self, element: tuple[int, list]) -> Iterator[Any]:
         from prepack.templates import RecordError
 
-        started = time.perf_counter()
+        started = StageClock.now()
         task_index, items = element
         meta = self.ctx.tasks[task_index]
         tally: Counter = Counter()
@@ -285,7 +292,7 @@ class PrepareFn(beam.DoFn, _Tokenizing):
                 metas.append(((task_index, record_index, line, sub), example_id(meta, record_index, sub)))
         tally[("records_read",)] += len(items)
         tally[("examples",)] += len(convs)
-        self.clock_template.add(time.perf_counter() - started)
+        self.clock_template.add(StageClock.now() - started)
         examples = self._tokenize(convs, metas, tally, bad)
         self.m_bad.inc(sum(v for k, v in tally.items() if k[0] == "bad_record"))
         if examples:
@@ -346,7 +353,7 @@ class TableToExamplesFn(beam.DoFn, _Tokenizing):
         self.tally: Counter = Counter()
 
     def process(self, element: tuple[str, Iterable]) -> Iterator[Any]:
-        started = time.perf_counter()
+        started = StageClock.now()
         _, messages = element
         located = sorted(messages, key=lambda lm: lm[0])  # input order decides duplicate_id
         locs_by_id: dict[str, list] = defaultdict(list)
@@ -374,7 +381,7 @@ class TableToExamplesFn(beam.DoFn, _Tokenizing):
             self.convs.append(conv)
             self.metas.append((loc, f"{meta.input_index}/oasst1/{mid}"))
         self.tally[("examples",)] += len(result.examples)
-        self.clock_template.add(time.perf_counter() - started)
+        self.clock_template.add(StageClock.now() - started)
         if len(self.convs) >= self.ctx.batch_size:
             yield from self._flush(windowed=False)
 
@@ -420,7 +427,7 @@ class FitAndKeyFn(beam.DoFn):
         self.tally: Counter = Counter()
 
     def process(self, examples: list[Example]) -> Iterator[Any]:
-        started = time.perf_counter()
+        started = StageClock.now()
         ctx = self.ctx
         truncate = ctx.overlong is OverlongPolicy.TRUNCATE
         hist, tally, buffers = self.hist, self.tally, self.buffers
@@ -456,14 +463,14 @@ class FitAndKeyFn(beam.DoFn):
             if kept:
                 buffers[(key, b)].append((h, eid, ids, mask))
                 self.buffered += 1
-        self.clock.add(time.perf_counter() - started)
+        self.clock.add(StageClock.now() - started)
         if self.buffered >= FLUSH_EXAMPLES:
             yield from self._flush(windowed=False)
 
     def _flush(self, windowed: bool) -> Iterator[Any]:
         wrap = _windowed if windowed else (lambda v: v)
         for key, payloads in self.buffers.items():
-            yield wrap((key, payloads))
+            yield wrap((key, PayloadBatch.from_examples(payloads).to_wire()))
         self.buffers = defaultdict(list)
         self.buffered = 0
 
@@ -477,7 +484,7 @@ class FitAndKeyFn(beam.DoFn):
 
 
 class RouteToRowsFn(beam.DoFn):
-    """((length_key, b), payload lists) -> ((L, shard), [Fragment, ...]).
+    """((length_key, b), payload batches) -> ((L, shard), fragment batch).
 
     Ranks the group's examples by (hash, example_id) and gives the k-th survivor of
     each max length the slot the global plan reserved for it.
@@ -491,42 +498,46 @@ class RouteToRowsFn(beam.DoFn):
         self.clock = StageClock("route")
 
     def start_bundle(self) -> None:
-        self.buffers: dict[tuple[int, int], list] = defaultdict(list)
+        self.buffers: dict[tuple[int, int], list[FragmentBatch]] = defaultdict(list)
         self.buffered = 0
 
-    def process(self, element: tuple[tuple[int, int], Iterable[list]], plans: dict[int, LengthPlan]) -> Iterator[Any]:
-        started = time.perf_counter()
-        (key, b), lists = element
-        payloads = sorted(chain.from_iterable(lists))
-        ctx = self.ctx
-        truncate = ctx.overlong is OverlongPolicy.TRUNCATE
-        for L in ctx.max_lengths:
+    def process(self, element: tuple[tuple[int, int], Iterable[tuple]], plans: dict[int, LengthPlan]) -> Iterator[Any]:
+        started = StageClock.now()
+        (key, b), wires = element
+        batch = concat_wire(PayloadBatch, wires)
+        order = batch.rank_order()
+        examples = batch.examples
+        lens = examples.lens[order].astype(np.int64)
+        # Targets after the first token within the first L tokens, for every L at once:
+        # prefix sums of the loss mask, read at each example's start + 1 and start + L.
+        starts = (np.cumsum(examples.lens, dtype=np.int64) - examples.lens)[order]
+        mask_sums = np.concatenate([[0], np.cumsum(examples.mask, dtype=np.int64)])
+        truncate = self.ctx.overlong is OverlongPolicy.TRUNCATE
+        for L in self.ctx.max_lengths:
             plan = plans[L]
-            if ctx.pack and key > L:
-                if not truncate:
-                    continue
-                survivors = [p for p in payloads if has_target(p[3], L)]
-                cut = True
-            else:
-                survivors = payloads
-                cut = False
-            if not survivors:
+            keep = lens <= L
+            if truncate and not keep.all():
+                first = np.minimum(starts + 1, starts + lens)
+                keep |= mask_sums[starts + np.minimum(lens, L)] - mask_sums[first] > 0
+            survivors = order[keep]
+            if not len(survivors):
                 continue
             rows, positions = plan.route(key, b, len(survivors))
-            for (_, _, ids, mask), row, pos in zip(survivors, rows, positions):
-                if cut:
-                    ids, mask = ids[: 4 * L], mask[:L]
-                self.buffers[(L, row % plan.num_shards)].append((row, pos, ids, mask))
+            shards = rows % plan.num_shards
+            for shard in np.unique(shards).tolist():
+                sel = shards == shard
+                self.buffers[(L, shard)].append(
+                    FragmentBatch(rows[sel], positions[sel], examples.take(survivors[sel], cut_to=L)))
             self.buffered += len(survivors)
-        self.m_routed.inc(len(payloads))
-        self.clock.add(time.perf_counter() - started)
+        self.m_routed.inc(len(order))
+        self.clock.add(StageClock.now() - started)
         if self.buffered >= FLUSH_EXAMPLES:
             yield from self._flush(windowed=False)
 
     def _flush(self, windowed: bool) -> Iterator[Any]:
         wrap = _windowed if windowed else (lambda v: v)
-        for key, fragments in self.buffers.items():
-            yield wrap((key, fragments))
+        for key, parts in self.buffers.items():
+            yield wrap((key, FragmentBatch.concat(parts).to_wire()))
         self.buffers = defaultdict(list)
         self.buffered = 0
 

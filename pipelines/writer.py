@@ -16,17 +16,18 @@ import json
 import os
 import shutil
 import tempfile
-import time
 from collections.abc import Iterable, Iterator
-from itertools import chain
 from typing import Any
 
 import apache_beam as beam
+import numpy as np
 from apache_beam.metrics.metric import Metrics
 
 from pipelines.planning import LengthPlan
-from pipelines.records import DeadLetter, Fragment
-from pipelines.rows import encode_rows
+from pipelines.columns import FragmentBatch, concat_wire
+from pipelines.records import DeadLetter
+from pipelines.transforms import StageClock
+from pipelines.rows import encode_rows_flat
 from prepack.manifest import DEAD_LETTER_NAME
 from prepack.shardfile import DEFAULT_WRITER_OPTIONS, shard_name, write_shard
 
@@ -69,35 +70,29 @@ class ShardCheckError(AssertionError):
 
 
 def _rows_from_fragments(
-    fragments: list[Fragment], expected_rows: range, max_length: int, pad_id: int, stats: dict[str, int]
+    batch: FragmentBatch, expected_rows: range, max_length: int, pad_id: int, stats: dict[str, int]
 ) -> Iterator[bytes]:
     """Encoded rows in row order; checks that the rows are exactly the plan's rows for this
     shard and that each comes with segment positions 0..k-1."""
-    rows: list[list[tuple[bytes, bytes]]] = []
-    expected = iter(expected_rows)
-    i, n = 0, len(fragments)
-    while i < n:
-        row = fragments[i][0]
-        want = next(expected, None)
-        if want != row:
-            raise ShardCheckError(f"L={max_length}: expected row {want} next, got row {row}")
-        segments = []
-        j = i
-        while j < n and fragments[j][0] == row:
-            _, position, ids, mask = fragments[j]
-            if position != j - i:
-                raise ShardCheckError(f"L={max_length}: row {row} has segment position {position} where {j - i} was expected")
-            segments.append((ids, mask))
-            j += 1
-        rows.append(segments)
-        stats["segments"] += j - i
-        stats["min_segments"] = min(stats["min_segments"], j - i)
-        stats["max_segments"] = max(stats["max_segments"], j - i)
-        i = j
-    missing = next(expected, None)
-    if missing is not None:
-        raise ShardCheckError(f"L={max_length}: row {missing} got no example")
-    for record, tokens, targets in encode_rows(rows, max_length, pad_id):
+    order = np.lexsort((batch.positions, batch.rows))
+    rows = batch.rows[order]
+    positions = batch.positions[order].astype(np.int64)
+    row_ids, first, seg_counts = np.unique(rows, return_index=True, return_counts=True)
+    expected = np.arange(expected_rows.start, expected_rows.stop, expected_rows.step, dtype=np.int64)
+    if len(row_ids) != len(expected) or not np.array_equal(row_ids, expected):
+        missing = np.setdiff1d(expected, row_ids)[:5].tolist()
+        extra = np.setdiff1d(row_ids, expected)[:5].tolist()
+        raise ShardCheckError(f"L={max_length}: rows missing from this shard {missing}, rows that do not belong {extra}")
+    want = np.arange(len(rows)) - np.repeat(first, seg_counts)
+    if not np.array_equal(positions, want):
+        bad = int(rows[np.flatnonzero(positions != want)[0]])
+        raise ShardCheckError(f"L={max_length}: row {bad} does not have segment positions 0..k-1")
+    if len(seg_counts):
+        stats["segments"] += int(seg_counts.sum())
+        stats["min_segments"] = min(stats["min_segments"], int(seg_counts.min()))
+        stats["max_segments"] = max(stats["max_segments"], int(seg_counts.max()))
+    examples = batch.examples.take(order)
+    for record, tokens, targets in encode_rows_flat(seg_counts, examples.lens, examples.ids, examples.mask, max_length, pad_id):
         stats["rows"] += 1
         stats["tokens"] += tokens
         stats["target_tokens"] += targets
@@ -117,16 +112,14 @@ class WriteShardFn(beam.DoFn):
         self.m_shards = Metrics.counter(NAMESPACE, "shards_written")
         self.m_bytes = Metrics.counter(NAMESPACE, "shard_bytes_written")
         self.m_segments = Metrics.distribution(NAMESPACE, "segments_per_row")
-        from pipelines.transforms import StageClock
-
         self.clock_write = StageClock("write")
         self.clock_copy = StageClock("copy")
 
     def process(self, element: tuple[tuple[int, int], Iterable[list]], plans: dict[int, LengthPlan]) -> Iterator[dict]:
-        started = time.perf_counter()
-        (max_length, shard), lists = element
+        started = StageClock.now()
+        (max_length, shard), wires = element
         plan = plans[max_length]
-        fragments = sorted(chain.from_iterable(lists))  # (row, position) first; both unique together
+        fragments = concat_wire(FragmentBatch, wires)
         stats = {"rows": 0, "segments": 0, "tokens": 0, "target_tokens": 0, "min_segments": 1 << 30, "max_segments": 0}
         name = shard_name(shard, plan.num_shards)
         tmp = tempfile.mkdtemp(prefix="prepack-shard-")
@@ -134,10 +127,10 @@ class WriteShardFn(beam.DoFn):
             local = os.path.join(tmp, name)
             rows = _rows_from_fragments(fragments, plan.rows_in_shard(shard), max_length, self.pad_id, stats)
             info = write_shard(local, rows, DEFAULT_WRITER_OPTIONS)
-            written = time.perf_counter()
+            written = StageClock.now()
             self.clock_write.add(written - started)
             copy_local_to(local, f"{staging_dir(self.output, max_length, self.run_id)}/{name}")
-            self.clock_copy.add(time.perf_counter() - written)
+            self.clock_copy.add(StageClock.now() - written)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         self.m_rows.inc(info.num_rows)

@@ -381,3 +381,14 @@ def test_hub_input_fails_fast_offline(tmp_path, monkeypatch):
         pass
     with pytest.raises(JobError, match="cannot reach the Hugging Face Hub"):
         pack(["--input", "hf:OpenAssistant/oasst1:train", "--format", "oasst1", "--output", str(tmp_path / "o")])
+
+
+def test_unpacked_with_overlong_examples(data_dir, tmp_path):
+    """--no-pack applies the overlong policy per L like packing does (truncate here)."""
+    out = tmp_path / "out"
+    path = str(data_dir / "alpaca_a.jsonl")
+    result = pack(["--input", path, "--format", "alpaca", "--output", str(out), "--max-length", "64",
+                   "--no-pack", "--overlong", "truncate"])
+    stats = result.stats[64]
+    assert stats["examples_truncated"] > 0 and stats["rows"] == stats["examples_written"]
+    check_shard_set(str(out / "L64"), expected_examples("alpaca", alpaca_records(40, seed=0)), 64, truncate=True)

@@ -1,0 +1,148 @@
+"""Columnar batches of examples for the two shuffles that carry token payloads.
+
+A batch of variable-length examples is a handful of flat numpy arrays (lengths,
+concatenated ids, concatenated masks, plus one value per example) shipped as a
+tuple of bytes. Beam's coders then copy a few buffers instead of encoding one
+tuple per example, the local runner (which decodes everything it shuffles)
+does almost no work, and routing and writing become array operations.
+
+- PayloadBatch: (hash, example_id, ids, mask) per example; GroupByKey((length, sub-bucket)).
+- FragmentBatch: (row, position, ids, mask) per example; GroupByKey((L, shard)).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+IDS = np.dtype("<i4")
+MASK = np.dtype(np.uint8)
+LENS = np.dtype("<i4")
+
+
+def ragged_gather(lens: np.ndarray, values: np.ndarray, take: np.ndarray, new_lens: np.ndarray | None = None) -> np.ndarray:
+    """values of examples `take` (in that order), each cut to new_lens when given."""
+    starts = np.cumsum(lens, dtype=np.int64) - lens
+    out_lens = lens[take] if new_lens is None else new_lens
+    if not len(take):
+        return values[:0]
+    out_starts = np.cumsum(out_lens, dtype=np.int64) - out_lens
+    flat = np.repeat(starts[take] - out_starts, out_lens) + np.arange(int(out_lens.sum()), dtype=np.int64)
+    return values[flat]
+
+
+@dataclasses.dataclass
+class Ragged:
+    """Variable-length examples: lengths, concatenated ids and masks."""
+
+    lens: np.ndarray
+    ids: np.ndarray
+    mask: np.ndarray
+
+    def take(self, index: np.ndarray, cut_to: int | None = None) -> "Ragged":
+        index = np.asarray(index, dtype=np.int64)
+        new_lens = None if cut_to is None else np.minimum(self.lens[index], cut_to).astype(LENS)
+        return Ragged(
+            self.lens[index] if new_lens is None else new_lens,
+            ragged_gather(self.lens, self.ids, index, new_lens),
+            ragged_gather(self.lens, self.mask, index, new_lens),
+        )
+
+    @staticmethod
+    def from_lists(ids: Sequence[bytes], masks: Sequence[bytes]) -> "Ragged":
+        lens = np.fromiter((len(m) for m in masks), dtype=LENS, count=len(masks))
+        return Ragged(lens, np.frombuffer(b"".join(ids), IDS), np.frombuffer(b"".join(masks), MASK))
+
+    @staticmethod
+    def concat(parts: Sequence["Ragged"]) -> "Ragged":
+        return Ragged(
+            np.concatenate([p.lens for p in parts]) if parts else np.zeros(0, LENS),
+            np.concatenate([p.ids for p in parts]) if parts else np.zeros(0, IDS),
+            np.concatenate([p.mask for p in parts]) if parts else np.zeros(0, MASK),
+        )
+
+
+def _strings_to_bytes(strings: Sequence[str]) -> tuple[bytes, bytes]:
+    encoded = [s.encode("utf-8") for s in strings]
+    return np.fromiter((len(e) for e in encoded), dtype=LENS, count=len(encoded)).tobytes(), b"".join(encoded)
+
+
+def _bytes_to_strings(lens_bytes: bytes, data: bytes) -> list[str]:
+    lens = np.frombuffer(lens_bytes, LENS)
+    ends = np.cumsum(lens, dtype=np.int64).tolist()
+    starts = [0] + ends[:-1]
+    return [data[a:b].decode("utf-8") for a, b in zip(starts, ends)]
+
+
+@dataclasses.dataclass
+class PayloadBatch:
+    hashes: np.ndarray  # uint64
+    example_ids: list[str]
+    examples: Ragged
+
+    def to_wire(self) -> tuple[bytes, ...]:
+        id_lens, id_data = _strings_to_bytes(self.example_ids)
+        e = self.examples
+        return (self.hashes.astype("<u8").tobytes(), id_lens, id_data, e.lens.tobytes(), e.ids.tobytes(), e.mask.tobytes())
+
+    @staticmethod
+    def from_wire(wire: tuple[bytes, ...]) -> "PayloadBatch":
+        hashes, id_lens, id_data, lens, ids, mask = wire
+        return PayloadBatch(np.frombuffer(hashes, "<u8"), _bytes_to_strings(id_lens, id_data),
+                            Ragged(np.frombuffer(lens, LENS), np.frombuffer(ids, IDS), np.frombuffer(mask, MASK)))
+
+    @staticmethod
+    def from_examples(items: Sequence[tuple[int, str, bytes, bytes]]) -> "PayloadBatch":
+        return PayloadBatch(
+            np.fromiter((h for h, _, _, _ in items), dtype=np.uint64, count=len(items)),
+            [eid for _, eid, _, _ in items],
+            Ragged.from_lists([ids for _, _, ids, _ in items], [m for _, _, _, m in items]),
+        )
+
+    @staticmethod
+    def concat(parts: Sequence["PayloadBatch"]) -> "PayloadBatch":
+        return PayloadBatch(
+            np.concatenate([p.hashes for p in parts]) if parts else np.zeros(0, np.uint64),
+            [eid for p in parts for eid in p.example_ids],
+            Ragged.concat([p.examples for p in parts]),
+        )
+
+    def rank_order(self) -> np.ndarray:
+        """Indices in (hash, example_id) order: the order that decides who gets which slot."""
+        order = np.argsort(self.hashes, kind="stable")
+        h = self.hashes[order]
+        if len(h) > 1 and (h[1:] == h[:-1]).any():  # equal 64-bit hashes: practically never
+            return np.asarray(sorted(range(len(h)), key=lambda i: (int(self.hashes[i]), self.example_ids[i])), dtype=np.int64)
+        return order
+
+
+@dataclasses.dataclass
+class FragmentBatch:
+    rows: np.ndarray  # int64
+    positions: np.ndarray  # int32
+    examples: Ragged
+
+    def to_wire(self) -> tuple[bytes, ...]:
+        e = self.examples
+        return (self.rows.astype("<i8").tobytes(), self.positions.astype("<i4").tobytes(), e.lens.tobytes(),
+                e.ids.tobytes(), e.mask.tobytes())
+
+    @staticmethod
+    def from_wire(wire: tuple[bytes, ...]) -> "FragmentBatch":
+        rows, positions, lens, ids, mask = wire
+        return FragmentBatch(np.frombuffer(rows, "<i8"), np.frombuffer(positions, "<i4"),
+                             Ragged(np.frombuffer(lens, LENS), np.frombuffer(ids, IDS), np.frombuffer(mask, MASK)))
+
+    @staticmethod
+    def concat(parts: Sequence["FragmentBatch"]) -> "FragmentBatch":
+        return FragmentBatch(
+            np.concatenate([p.rows for p in parts]) if parts else np.zeros(0, np.int64),
+            np.concatenate([p.positions for p in parts]) if parts else np.zeros(0, np.int32),
+            Ragged.concat([p.examples for p in parts]),
+        )
+
+
+def concat_wire(kind: type, wires: Iterable[tuple[bytes, ...]]):
+    return kind.concat([kind.from_wire(w) for w in wires])
