@@ -26,6 +26,7 @@ on Alpaca at L=256. On an accelerator, run the real model, e.g.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -125,7 +126,7 @@ def in_process_section(args: argparse.Namespace, shards: dict[str, str]) -> dict
     packed, unpacked = batches(shards["packed"], n + 1), batches(shards["unpacked"], n)
     # Step 1 (compile) is a packed batch and is left out; then P, U, P, U, ...
     sequence = [("warmup", packed[0])] + [x for pair in zip((("packed", b) for b in packed[1:]), (("unpacked", b) for b in unpacked)) for x in pair]
-    context = s.mesh if s.mesh is not None else __import__("contextlib").nullcontext()
+    context = s.mesh if s.mesh is not None else contextlib.nullcontext()
     with context:
         s.trainer.train([b for _, b in sequence])
     s.recorder.close(s.recorder.summary())

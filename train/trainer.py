@@ -385,6 +385,7 @@ class Setup:
 def setup(cfg: TrainConfig, out: TextIO | None = None) -> Setup:
     import jax
     import optax
+    from flax import nnx
     from tunix.sft import peft_trainer
 
     import loaders
@@ -457,7 +458,7 @@ def setup(cfg: TrainConfig, out: TextIO | None = None) -> Setup:
         "lora_rank": cfg.lora_rank,
         "learning_rate": cfg.learning_rate,
         "params": base_params,
-        "lora_params": models.count_params(built.model, __import__("flax").nnx.LoRAParam),
+        "lora_params": models.count_params(built.model, nnx.LoRAParam),
         "vocab_size": built.vocab_size,
         "mesh": cfg.mesh,
         "devices": jax.device_count(),
