@@ -168,34 +168,43 @@ def main() -> int:
 
 def report(results: dict, max_lengths: list[int]) -> str:
     lines = [
-        f"Max lengths {' '.join(map(str, max_lengths))} in one run; raw tokenizer = encode_batch on the same text pieces, 1 core.",
+        f"Max lengths {' '.join(map(str, max_lengths))} in one run (one tokenization, three shard sets). "
+        "Raw tokenizer = `encode_batch` on the same text pieces, batches of 512, one core. "
+        "Ratios compare time for the same tokenizing work: wall ratio per core = raw wall / (job wall x cores); "
+        "CPU ratio = raw CPU / job CPU (launcher + workers), which a shared machine does not distort.",
         "",
-        "| dataset | examples | tokens | job wall (s) | job examples/s | job tokens/s | cores | job tokens/s per core | raw tokenizer tokens/s (before / after) | ratio per core |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| dataset | examples | tokens | cores | job wall (s) | job examples/s | job tokens/s | job CPU (s) | raw wall (s) | raw CPU (s) | raw tokens/s (wall) | ratio per core (wall) | ratio (CPU) | load avg |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, e in results.items():
         job = e["job"]
-        raw = (e["raw_before"]["tokens_per_s"] + e["raw_after"]["tokens_per_s"]) / 2
-        per_core = job["tokens"] / job["wall"] / e["cores"]
+        raw_wall = (e["raw_before"]["seconds"] + e["raw_after"]["seconds"]) / 2
+        raw_cpu = (e["raw_before"]["cpu"] + e["raw_after"]["cpu"]) / 2
+        job_cpu = job["launcher_cpu"] + job["workers_cpu"]
+        raw_tps = (e["raw_before"]["tokens_per_s"] + e["raw_after"]["tokens_per_s"]) / 2
         lines.append(
-            f"| {name} | {job['examples']:,} | {job['tokens']:,} | {job['wall']:.1f} | {job['examples'] / job['wall']:,.0f} | "
-            f"{job['tokens'] / job['wall']:,.0f} | {e['cores']} | {per_core:,.0f} | "
-            f"{e['raw_before']['tokens_per_s']:,.0f} / {e['raw_after']['tokens_per_s']:,.0f} | {per_core / raw:.2f} |"
+            f"| {name} | {job['examples']:,} | {job['tokens']:,} | {e['cores']} | {job['wall']:.1f} | "
+            f"{job['examples'] / job['wall']:,.0f} | {job['tokens'] / job['wall']:,.0f} | {job_cpu:.1f} | {raw_wall:.1f} | "
+            f"{raw_cpu:.1f} | {raw_tps:,.0f} | {raw_wall / (job['wall'] * e['cores']):.2f} | {raw_cpu / job_cpu:.2f} | "
+            f"{e['load_before']:.1f} / {e['load_after']:.1f} |"
         )
     singles = {n: e for n, e in results.items() if "single" in e}
     if singles:
-        lines += ["", "Where the time goes: one in-process worker (seconds; `beam + launcher` is the rest of the wall time).", ""]
-        lines.append("| dataset | wall | " + " | ".join(STAGES) + " | beam + launcher | raw tokenizer alone | ratio (1 core) |")
-        lines.append("|---|---|" + "---|" * len(STAGES) + "---|---|---|")
+        lines += ["", "Where the time goes: the same job on one in-process worker, CPU seconds per stage "
+                  "(`beam + launcher` = the rest of the process's CPU time: coders, shuffles, the launcher's "
+                  "checks and the tokenizer identity).", ""]
+        lines.append("| dataset | job CPU | " + " | ".join(STAGES) + " | beam + launcher | raw tokenizer CPU | ratio (CPU, 1 core) | wall |")
+        lines.append("|---|---|" + "---|" * len(STAGES) + "---|---|---|---|")
         for name, e in singles.items():
             s = e["single"]
-            rest = s["wall"] - sum(s["stages"].values())
-            raw_s = (e["raw_before"]["seconds"] + e["raw_after"]["seconds"]) / 2
+            cpu = s["launcher_cpu"] + s["workers_cpu"]
+            rest = cpu - sum(s["stages"].values())
+            raw_cpu = (e["raw_before"]["cpu"] + e["raw_after"]["cpu"]) / 2
             lines.append(
-                f"| {name} | {s['wall']:.1f} | " + " | ".join(f"{s['stages'][k]:.1f}" for k in STAGES)
-                + f" | {rest:.1f} | {raw_s:.1f} | {raw_s / s['wall']:.2f} |"
+                f"| {name} | {cpu:.1f} | " + " | ".join(f"{s['stages'][k]:.1f}" for k in STAGES)
+                + f" | {rest:.1f} | {raw_cpu:.1f} | {raw_cpu / cpu:.2f} | {s['wall']:.1f} |"
             )
-    lines += ["", "Rows over the lower bound ceil(tokens / L) (rows are the global BFD rows):", ""]
+    lines += ["", "Rows over the lower bound ceil(tokens / L) (the rows are exactly the global BFD rows):", ""]
     for name, e in results.items():
         lines.append(f"- {name}: " + ", ".join(f"L{L} {v:.4f}" for L, v in e["job"]["rows_over_bound"].items()))
     return "\n".join(lines)

@@ -13,6 +13,7 @@ tokenizer's speed.
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import threading
 import time
@@ -104,26 +105,25 @@ class StageClock:
 
 
 class _Progress:
-    """Records/s for local runs: one line to stderr every `every_s` per worker process."""
+    """Rates for local runs: one line to stderr every `every_s` per worker process and
+    activity ("read" records, "tokenized" examples). Beam's local runner runs one stage
+    after the other, so reading and tokenizing each report while they happen."""
 
     lock = threading.Lock()
-    count = 0
-    started = 0.0
-    last = 0.0
+    state: dict[str, list[float]] = {}  # what -> [count, started, last printed]
 
     @classmethod
-    def add(cls, n: int, every_s: float = 10.0) -> None:
+    def add(cls, what: str, unit: str, n: int, every_s: float = 10.0) -> None:
         now = time.monotonic()
         with cls.lock:
-            if not cls.started:
-                cls.started = cls.last = now
-            cls.count += n
-            if now - cls.last < every_s:
+            entry = cls.state.setdefault(what, [0, now, now])
+            entry[0] += n
+            if now - entry[2] < every_s:
                 return
-            cls.last = now
-            count, elapsed = cls.count, now - cls.started
-        print(f"prepack pack: read {count:,} records in {elapsed:,.0f} s ({count / max(elapsed, 1e-9):,.0f} records/s)",
-              file=sys.stderr, flush=True)
+            entry[2] = now
+            count, elapsed = int(entry[0]), now - entry[1]
+        print(f"prepack pack [pid {os.getpid()}]: {what} {count:,} {unit} in {elapsed:,.0f} s "
+              f"({count / max(elapsed, 1e-9):,.0f} {unit}/s)", file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------- read
@@ -154,7 +154,7 @@ class ReadTaskFn(beam.DoFn):
                     count += len(batch)
                     self.records.inc(len(batch))
                     if self.progress:
-                        _Progress.add(len(batch))
+                        _Progress.add("read", "records", len(batch))
                     # Downstream steps of the same stage run inside the yield: not reading time.
                     self.clock.add(StageClock.now() - started)
                     yield (task.task_index, batch)
@@ -168,7 +168,7 @@ class ReadTaskFn(beam.DoFn):
             count += len(batch)
             self.records.inc(len(batch))
             if self.progress:
-                _Progress.add(len(batch))
+                _Progress.add("read", "records", len(batch))
             yield (task.task_index, batch)
         self.files.inc()
         self.bytes.inc(digest.num_bytes)
@@ -238,6 +238,8 @@ class _Tokenizing:
             out.append((stable_hash(eid), eid, ids_to_bytes(ex.input_ids), mask_to_bytes(ex.loss_mask), loc))
         self.m_examples.inc(len(tokenized))
         self.m_tokens.inc(tokens)
+        if self.ctx.progress:
+            _Progress.add("tokenized", "examples", len(tokenized))
 
 
 class PrepareFn(beam.DoFn, _Tokenizing):
@@ -360,6 +362,7 @@ class TableToExamplesFn(beam.DoFn, _Tokenizing):
         for loc, msg in located:
             locs_by_id[msg["message_id"]].append(loc)
         result = self.template.conversations_from_table([msg for _, msg in located])
+        msgs_by_id = {msg["message_id"]: msg for _, msg in reversed(located)}  # the first of duplicates
         seen_dupes: Counter = Counter()
         for dropped in result.dropped:
             locs = locs_by_id.get(dropped.message_id or "", [])
@@ -373,7 +376,8 @@ class TableToExamplesFn(beam.DoFn, _Tokenizing):
                 continue
             self.tally[("bad_record", dropped.reason)] += 1
             self.m_bad.inc()
-            yield TaggedOutput(TAG_BAD, dead_letter(self.ctx.tasks, loc, dropped.reason, "", dropped.detail, None,
+            raw = readers.snippet(msgs_by_id.get(dropped.message_id or ""))
+            yield TaggedOutput(TAG_BAD, dead_letter(self.ctx.tasks, loc, dropped.reason, "", dropped.detail, raw,
                                                     message_id=dropped.message_id))
         for conv, mid in result.examples:
             loc = locs_by_id[mid][0]

@@ -7,6 +7,7 @@ the determinism check, which runs the same job on two worker processes.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import shutil
@@ -94,12 +95,17 @@ def data_dir(tmp_path_factory):
     write_jsonl(str(d / "alpaca_a.jsonl"), alpaca_records(40, seed=0))
     write_json(str(d / "alpaca_b.json"), alpaca_records(20, seed=1))
     write_parquet(str(d / "alpaca_c.parquet"), alpaca_records(20, seed=2))
+    gz = write_jsonl(str(d / "alpaca_d.jsonl"), alpaca_records(10, seed=3))
+    with open(gz, "rb") as src, gzip.open(gz + ".gz", "wb") as dst:
+        dst.write(src.read())
+    os.remove(gz)
     return d
 
 
 def mixed_args(data_dir, out) -> list[str]:
     return ["--input", str(data_dir / "alpaca_a.jsonl"), "--input", str(data_dir / "alpaca_b.json"),
-            "--input", str(data_dir / "*.parquet"), "--format", "alpaca", "--output", str(out),
+            "--input", str(data_dir / "*.parquet"), "--input", str(data_dir / "alpaca_d.jsonl.gz"),
+            "--format", "alpaca", "--output", str(out),
             "--max-length", *map(str, LENGTHS)]
 
 
@@ -111,7 +117,8 @@ def mixed_run(data_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def mixed_expected():
-    return expected_examples("alpaca", alpaca_records(40, 0) + alpaca_records(20, 1) + alpaca_records(20, 2))
+    return expected_examples("alpaca", alpaca_records(40, 0) + alpaca_records(20, 1) + alpaca_records(20, 2)
+                             + alpaca_records(10, 3))
 
 
 def test_mixed_inputs_end_to_end(mixed_run, mixed_expected):
@@ -126,13 +133,13 @@ def test_mixed_inputs_end_to_end(mixed_run, mixed_expected):
                 assert part in node, key
                 node = node[part]
         stats = manifest.stats
-        assert stats["examples_read"] == 80 and stats["records_read"] == 80
+        assert stats["examples_read"] == 90 and stats["records_read"] == 90
         assert set(stats["examples_dropped"]) <= {"too_long"}
         assert stats["lower_bound_rows"] <= stats["rows"]
         assert 0 < stats["unpacked_density"] < stats["packed_density"] <= 1
         assert manifest.tokenizer["name"] == "gemma3" and manifest.tokenizer["vocab_hash"]
         assert manifest.template["name"] == "alpaca" and manifest.template["chat_format_resolved"] == "gemma"
-        assert [i["records"] for i in manifest.inputs] == [40, 20, 20]
+        assert [i["records"] for i in manifest.inputs] == [40, 20, 20, 10]
         assert all(i["fingerprint"].startswith("sha256:") for i in manifest.inputs)
         assert manifest.options["max_lengths"] == list(LENGTHS) and "output" not in manifest.options
         assert manifest.tool["name"] == "tunix-prepack"
@@ -296,6 +303,7 @@ def test_oasst1_message_table(tmp_path):
     assert stats["examples_dropped"] == {"bad_role": 1}
     entries = [json.loads(line) for line in (out / "L256" / "dead_letter.jsonl").read_text().splitlines()]
     assert [(e["reason"], e["source"]["line"], e["message_id"]) for e in entries] == [("bad_role", 9, "c2")]
+    assert '"role": "robot"' in entries[0]["raw"]
     from prepack.templates import oasst1_conversations
 
     convs = [c for c, _ in oasst1_conversations(oasst1_messages())]
