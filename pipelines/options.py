@@ -87,6 +87,7 @@ class PackConfig:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="prepack pack",
+        allow_abbrev=False,  # a Beam flag must never be taken for an abbreviation of ours
         description=(
             "Read SFT datasets, apply a template and chat format, tokenize once, pack per max length "
             "with global best-fit-decreasing, and publish ArrayRecord shards plus manifest.json into "
@@ -192,10 +193,17 @@ def parse_args(argv: Sequence[str]) -> tuple[PackConfig, list[str]]:
 
 
 def with_default_runner(beam_args: Sequence[str]) -> list[str]:
-    """Adds FnApiRunner multi-processing on all cores unless a runner is named."""
+    """Adds FnApiRunner multi-processing on all cores unless a runner is named; a local
+    mode or worker count the user gives is kept."""
     args = list(beam_args)
-    named = any(a == "--runner" or a.startswith("--runner=") for a in args)
-    if named:
+    given = {a.split("=")[0] for a in args}
+    if "--runner" in given:
         return args
-    extra = [a for a in LOCAL_RUNNER_ARGS if not any(b.split("=")[0] == a.split("=")[0] for b in args)]
+    extra = ["--runner=FnApiRunner"]
+    if "--direct_running_mode" not in given:
+        extra.append("--direct_running_mode=multi_processing")
+    in_memory = "--direct_running_mode=in_memory" in args or (
+        "--direct_running_mode" in args and args[args.index("--direct_running_mode") + 1 :][:1] == ["in_memory"])
+    if "--direct_num_workers" not in given and not in_memory:
+        extra.append("--direct_num_workers=0")
     return extra + args

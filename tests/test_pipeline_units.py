@@ -146,7 +146,9 @@ def test_parse_args_defaults_and_pass_through(tmp_path):
     assert beam[: len(LOCAL_RUNNER_ARGS)] == list(LOCAL_RUNNER_ARGS)
     assert beam[len(LOCAL_RUNNER_ARGS):] == ["--project=p", "--region", "r"]
     assert with_default_runner(["--runner=DataflowRunner"]) == ["--runner=DataflowRunner"]
-    assert "--direct_num_workers=0" not in with_default_runner(["--direct_num_workers=1"])
+    assert with_default_runner(["--direct_num_workers=1"]) == [
+        "--runner=FnApiRunner", "--direct_running_mode=multi_processing", "--direct_num_workers=1"]
+    assert with_default_runner(["--direct_running_mode=in_memory"]) == ["--runner=FnApiRunner", "--direct_running_mode=in_memory"]
     config, _ = parse_args(["--sample", "--output", "o"])
     assert config.format == "alpaca" and config.inputs[0].endswith("sample_sft.jsonl")
 
