@@ -28,6 +28,7 @@ import dataclasses
 import os
 import re
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -120,6 +121,24 @@ def _metadata_fields(contents: Any) -> dict[str, Any]:
     return md
 
 
+_CHUNK_ELEMENTS = 1 << 22  # dequantize in row blocks of ~4M values (16 MB of float32 temporaries)
+
+
+def _dequantize_into(name: str, out: np.ndarray, raw: np.ndarray, qtype: Any, rows: slice, shift: bool) -> None:
+    """out[rows] = dequantize(raw[rows]) (- 1 for norms), cast to out's dtype on assignment."""
+    import gguf
+
+    part = raw[rows]
+    if not part.dtype.isnative:  # F32/F16/... of a byte-swapped file; dequantize views as native
+        part = part.astype(part.dtype.newbyteorder("="))
+    values = gguf.quants.dequantize(part, qtype)
+    if values.shape != out[rows].shape:  # guards the layout assumption (no silent broadcasting)
+        raise ValueError(f"{name}: dequantized {values.shape}, GGUF dims say {out[rows].shape}")
+    if shift:
+        values = values - np.float32(1.0)
+    out[rows] = values
+
+
 def read_gguf(gguf_path: str | os.PathLike[str] | None = None, dtype: Any = np.float32) -> GGUFWeights:
     """Dequantize every GGUF tensor into a Hugging Face-named numpy array, plus vocab and metadata.
 
@@ -127,11 +146,14 @@ def read_gguf(gguf_path: str | os.PathLike[str] | None = None, dtype: Any = np.f
     GGUF lists dims innermost-first, and gguf.quants.dequantize already returns numpy
     (row-major) order, which is exactly HF's. Norm weights get the llama.cpp (+1) removed.
     dtype: numpy dtype of the arrays (np.float32 or ml_dtypes.bfloat16); dequantization
-    itself runs in float32. The file is read with prepack.gemma3_gguf.read_gguf_tensors (header
-    parse + np.memmap, ~0.2 s) rather than gguf.GGUFReader (~12 s, nearly all of it turning
-    the 262k-entry vocabulary into numpy objects); the raw tensor views it returns are shaped
-    exactly like GGUFReader's, so gguf.quants.dequantize sees the same input. ~4 s on 2 CPU
-    cores, ~1.07 GB for float32.
+    itself runs in float32.
+
+    The file is read with prepack.gemma3_gguf.read_gguf_tensors (header parse + np.memmap,
+    ~0.2 s) rather than gguf.GGUFReader (~12 s, nearly all of it turning the 262k-entry
+    vocabulary into numpy objects); its raw tensor views are shaped exactly like GGUFReader's,
+    so gguf.quants.dequantize sees the same input. Dequantization runs in blocks of rows
+    (blocks never straddle rows) on a few threads (numpy releases the GIL) straight into the
+    output arrays, so temporaries stay small: ~2 s on 2 CPU cores, ~1.07 GB for float32.
     """
     import gguf
 
@@ -139,19 +161,20 @@ def read_gguf(gguf_path: str | os.PathLike[str] | None = None, dtype: Any = np.f
 
     contents = read_gguf_tensors(os.fspath(gguf_path or default_gguf_path()))
     hf_state: dict[str, np.ndarray] = {}
+    jobs: list[tuple[str, np.ndarray, np.ndarray, Any, slice, bool]] = []
     for t in contents.tensors:
-        raw = t.data
-        if not raw.dtype.isnative:  # F32/F16/... of a byte-swapped file; dequantize views as native
-            raw = raw.astype(raw.dtype.newbyteorder("="))
-        arr = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(t.tensor_type))
-        if arr.shape != t.shape:  # guards the layout assumption above
-            raise ValueError(f"{t.name}: dequantized {arr.shape}, GGUF dims say {t.shape}")
-        if t.name.endswith("norm.weight"):
-            arr = arr - np.float32(1.0)
-        arr = np.ascontiguousarray(arr.astype(dtype, copy=False))
-        if not arr.flags.writeable:  # still a view of the read-only file map (plain F32): own it
-            arr = arr.copy()
-        hf_state[hf_name(t.name)] = arr
+        out = np.empty(t.shape, dtype=dtype)
+        hf_state[hf_name(t.name)] = out
+        qtype = gguf.GGMLQuantizationType(t.tensor_type)
+        shift = t.name.endswith("norm.weight")
+        if len(t.shape) < 2 or out.size <= _CHUNK_ELEMENTS:
+            jobs.append((t.name, out, t.data, qtype, slice(None), shift))
+        else:
+            step = max(1, _CHUNK_ELEMENTS // (out.size // t.shape[0]))
+            jobs.extend((t.name, out, t.data, qtype, slice(i, i + step), shift) for i in range(0, t.shape[0], step))
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        for f in [pool.submit(_dequantize_into, *job) for job in jobs]:
+            f.result()
     pieces = list(contents.metadata["tokenizer.ggml.tokens"])
     return GGUFWeights(hf_state=hf_state, pieces=pieces, metadata=_metadata_fields(contents))
 
@@ -204,12 +227,36 @@ def _np_dtype(dtype: Any) -> Any:
     return ml_dtypes.bfloat16 if dtype.name == "bfloat16" else np.float32
 
 
-def _write_safetensors(hf_state: dict[str, np.ndarray], folder: str, np_dtype: Any) -> None:
-    from safetensors.numpy import save_file
+_SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16"}
 
-    # One file, one dtype: Tunix's optimized loader assumes a single dtype per file.
-    file_state = {k: v if v.dtype == np_dtype else v.astype(np_dtype) for k, v in hf_state.items()}
-    save_file(file_state, os.path.join(folder, "model.safetensors"))
+
+def _write_safetensors(hf_state: dict[str, np.ndarray], folder: str, np_dtype: Any) -> None:
+    """One model.safetensors file with every array cast to np_dtype, streamed tensor by tensor.
+
+    Same bytes layout as safetensors.numpy.save_file (8-byte little-endian header length,
+    JSON header, then the tensors back to back), but save_file first copies every tensor into
+    a bytes object, i.e. a second full copy of the model in memory (~1.07 GB for float32);
+    writing each array's buffer directly keeps peak memory at the arrays themselves.
+    One file, one dtype: Tunix's optimized loader assumes a single dtype per file.
+    """
+    import json
+
+    st_dtype = _SAFETENSORS_DTYPES[np.dtype(np_dtype).name]
+    itemsize = np.dtype(np_dtype).itemsize
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, arr in hf_state.items():
+        n_bytes = arr.size * itemsize
+        header[name] = {"dtype": st_dtype, "shape": list(arr.shape), "data_offsets": [offset, offset + n_bytes]}
+        offset += n_bytes
+    header_bytes = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    header_bytes += b" " * (-len(header_bytes) % 8)  # the data section starts 8-byte aligned
+    with open(os.path.join(folder, "model.safetensors"), "wb") as f:
+        f.write(len(header_bytes).to_bytes(8, "little"))
+        f.write(header_bytes)
+        for arr in hf_state.values():
+            out = np.ascontiguousarray(arr, dtype=np.dtype(np_dtype).newbyteorder("<"))  # a copy only if cast
+            f.write(out.reshape(-1).view(np.uint8).data)
 
 
 def _tunix_load(
