@@ -3,10 +3,13 @@
     prepack train --shards DIR --model {gemma3-270m,gemma3-1b,qwen3-0.6b,tiny,tiny-gemma3,tiny-qwen3}
                   --lora-rank R --batch-size B --steps N [--mesh fsdp=F,tp=T] [--eval-shards DIR]
                   [--weights HF_DIR|random|gguf] [--metrics-out PATH] [--learning-rate LR] [--seed S]
+                  [--checkpoint-dir DIR [--checkpoint-every N] [--checkpoint-keep K]] [--save-lora PATH]
 
 The same command trains on packed shards and on shards packed with `prepack pack --no-pack`
 (one example per row): both are [B, L] rows with segment_ids, so the packed-vs-unpacked
 comparison is one flag apart at pack time. See train/README.md for the metrics JSONL.
+--checkpoint-dir makes a run resumable (rerun the same command after a preemption) and
+--save-lora writes the trained adapters; see train/checkpointing.py.
 """
 
 from __future__ import annotations
@@ -42,6 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--read-threads", type=int, default=4, help="Grain read threads")
     p.add_argument("--log-every", type=int, default=10, help="print a progress line every N steps (0: never)")
     p.add_argument("--cpu-devices", type=int, default=None, help="fake N CPU devices (to try --mesh on a CPU)")
+    p.add_argument(
+        "--checkpoint-dir", default=None,
+        help="save LoRA params, optimizer and loader state here (local or gs://); if it holds a checkpoint "
+        "of the same run, resume from its latest step with exactly the next batch",
+    )
+    p.add_argument("--checkpoint-every", type=int, default=100, help="checkpoint every N steps, and after the last (default 100)")
+    p.add_argument("--checkpoint-keep", type=int, default=3, help="checkpoints kept in --checkpoint-dir (default 3)")
+    p.add_argument("--save-lora", default=None, help="at the end, write the LoRA parameters as a safetensors file here")
     return p
 
 
@@ -54,18 +65,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
     from prepack.manifest import ManifestError
-    from train import models, trainer
+    from train import checkpointing, models, trainer
 
     cfg = trainer.TrainConfig(
         shards=args.shards, model=args.model, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
         batch_size=args.batch_size, steps=args.steps, learning_rate=args.learning_rate, seed=args.seed,
         mesh=args.mesh, eval_shards=args.eval_shards, eval_every=args.eval_every, eval_batches=args.eval_batches,
         weights=args.weights, dtype=args.dtype, metrics_out=args.metrics_out, loss=args.loss,
-        read_threads=args.read_threads, log_every=args.log_every,
+        read_threads=args.read_threads, log_every=args.log_every, checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every, checkpoint_keep=args.checkpoint_keep, save_lora=args.save_lora,
     )
     try:
         summary = trainer.run(cfg)
-    except (trainer.TrainError, models.ModelError, ManifestError) as e:
+    except (trainer.TrainError, models.ModelError, ManifestError, checkpointing.CheckpointError) as e:
         print(f"prepack train: {e}", file=sys.stderr)
         return 2
     print(json.dumps({"summary": {k: v for k, v in summary.items() if k != "evals"}}, indent=None))

@@ -18,6 +18,12 @@ Metrics: one JSON line per optimizer step, then eval lines and one summary line:
 Every step is synchronized (the loss's aux is awaited) so that step_time_s is the
 wall time from the previous step's end to this one's, input wait included; step 1
 includes compilation and is left out of the summary's means and rates.
+
+Checkpoints (cfg.checkpoint_dir, train/checkpointing.py): Tunix's own CheckpointManager
+saves the LoRA params and optimizer state, our wrapper adds the loader state for the same
+step; a run started on a folder holding a checkpoint of the same run resumes from its
+latest step with exactly the next batch (seeked, not re-read), numbering steps on and
+appending to the metrics JSONL. cfg.save_lora exports the adapters as safetensors at the end.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, TextIO
 
 import numpy as np
+
+from train import checkpointing
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +72,12 @@ class TrainConfig:
     read_threads: int = 4
     config_overrides: dict[str, Any] | None = None  # e.g. {"sliding_window_size": 4} for tests
     log_every: int = 10  # console progress line every N steps (0: none)
+    # Checkpoints (train/checkpointing.py): LoRA params + optimizer state through Tunix, plus the
+    # loader state, every checkpoint_every steps and at the last one; a run resumes from the latest.
+    checkpoint_dir: str | None = None
+    checkpoint_every: int | None = 100
+    checkpoint_keep: int = 3  # Orbax max_to_keep
+    save_lora: str | None = None  # safetensors export of the LoRA params at the end
 
 
 # ----------------------------------------------------------------------------- mesh
@@ -159,18 +173,64 @@ def batch_counts(batch: Mapping[str, np.ndarray]) -> dict[str, int]:
     }
 
 
+def drop_records_after(path: str, step: int) -> int:
+    """Removes the step and eval records after `step` from a metrics JSONL (atomically); returns how many.
+
+    A run that resumes from step k redoes the steps after k that an interrupted run had
+    already logged; without this the file would hold two records for those steps.
+    """
+    if not os.path.exists(path):
+        return 0
+    kept, dropped = [], 0
+    with open(path) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                kept.append(line)  # not ours to judge; keep it
+                continue
+            at = record.get("eval", {}).get("step") if isinstance(record.get("eval"), dict) else record.get("step")
+            if isinstance(at, int) and at > step and "summary" not in record:
+                dropped += 1
+            else:
+                kept.append(line)
+    if dropped:
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.writelines(kept)
+        os.replace(tmp, path)
+    return dropped
+
+
 class MetricsRecorder:
     """Collects per-step numbers and writes the JSONL (flushed per line, so a crash keeps them)."""
 
-    def __init__(self, path: str | None, static: Mapping[str, Any] | None = None, log_every: int = 10, out: TextIO | None = None):
+    def __init__(
+        self,
+        path: str | None,
+        static: Mapping[str, Any] | None = None,
+        log_every: int = 10,
+        out: TextIO | None = None,
+        resume_from: int | None = None,
+        resume_note: Mapping[str, Any] | None = None,
+    ):
+        """resume_from=k: the run continues after step k of a checkpoint; step numbers go on from k+1
+        and the JSONL is appended to (its records of steps after k, which the resumed run redoes,
+        are dropped first, so each step appears once)."""
         self.path = path
         self.static = dict(static or {})
         self.log_every = log_every
         self.out = out if out is not None else sys.stderr
+        self.first_step = (resume_from or 0) + 1
         self._file: TextIO | None = None
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self._file = open(path, "w")
+            if resume_from:
+                dropped = drop_records_after(path, resume_from)
+                self._file = open(path, "a")
+                self._write({"resume": {"from_step": resume_from, "dropped_records": dropped, **dict(resume_note or {})}})
+            else:
+                self._file = open(path, "w")
         self.static_extra: dict[str, Any] = {}  # summary-only facts learnt during the run
         self.steps: list[dict[str, Any]] = []
         self.evals: list[dict[str, Any]] = []
@@ -203,7 +263,7 @@ class MetricsRecorder:
         target = pending.get("target_tokens", 0)
         tokens = pending.get("tokens", 0)
         record = {
-            "step": len(self.steps) + 1,
+            "step": self.first_step + len(self.steps),
             "loss": float(aux["loss"]),
             "step_time_s": step_time,
             "tokens": tokens,
@@ -235,7 +295,7 @@ class MetricsRecorder:
             return
         nll, targets, losses = (np.array(v) for v in zip(*self._eval_acc))
         record = {
-            "step": len(self.steps),
+            "step": self.first_step - 1 + len(self.steps),
             # Token-weighted over the whole eval set (Tunix's own eval loss is a mean of batch means).
             "loss": float(nll.sum() / max(targets.sum(), 1e-8)),
             "mean_batch_loss": float(losses.mean()),
@@ -253,7 +313,8 @@ class MetricsRecorder:
         timed = steps[1:]  # step 1 carries the compile
         times = np.array([s["step_time_s"] for s in timed]) if timed else np.array([])
         out: dict[str, Any] = {
-            "steps": len(steps),
+            "steps": len(steps),  # in this process (a resumed run starts at first_step)
+            "first_step": self.first_step,
             "tokens": int(sum(s["tokens"] for s in steps)),
             "target_tokens": int(sum(s["target_tokens"] for s in steps)),
             "examples": int(sum(s["examples"] for s in steps)),
@@ -304,6 +365,13 @@ def _make_trainer_class() -> type:
         vocab_size: int
 
         def _prepare_inputs(self, input_data: Any) -> Any:
+            if input_data is checkpointing.PLACEHOLDER:
+                # Tunix discards these itself after a restore (checkpointing.ResumableStream); one
+                # reaching the step means its skip logic changed, and the data would be misaligned.
+                raise TrainError(
+                    "Tunix handed a skipped-batch placeholder to the train step: its post-restore skip no longer "
+                    "matches train/checkpointing.py's ResumableStream; refusing to train on misaligned data"
+                )
             # Runs on the host, before Tunix shards the batch: count here, send only what the device needs.
             top = int(np.max(input_data["input_ids"]))
             if top >= self.vocab_size or int(np.min(input_data["input_ids"])) < 0:
@@ -380,9 +448,41 @@ class Setup:
     trainer: Any
     recorder: MetricsRecorder
     static: dict[str, Any]
+    checkpoint: checkpointing.CheckpointDir | None = None
+    policy: checkpointing.EveryNStepsAndLast | None = None
+    resumed_step: int = 0  # the checkpoint step Tunix restored (0: a fresh start)
+    base_weights: dict[str, Any] | None = None  # {"source", "fingerprint"} when checkpointing or exporting
+
+
+def run_identity(cfg: TrainConfig, spec: Any, config: Any, view: Any) -> dict[str, Any]:
+    """What a resumed run must share with the checkpoint (see checkpointing.IDENTITY_LABELS)."""
+    import jax
+    import jax.numpy as jnp
+
+    from loaders.dataset import shard_set_id
+    from train import models
+
+    return {
+        "model": cfg.model,
+        "dtype": jnp.dtype(getattr(config, "param_dtype", None) or jnp.float32).name,
+        "vocab_size": models.config_vocab_size(config),
+        "config_overrides": dict(cfg.config_overrides or {}),
+        "lora_rank": cfg.lora_rank,
+        "lora_alpha": float(cfg.lora_alpha if cfg.lora_alpha is not None else 2 * cfg.lora_rank),
+        "lora_module_path": spec.lora_module_path,
+        "shard_set": shard_set_id(view),
+        "seed": cfg.seed,
+        "batch_size": cfg.batch_size,
+        "processes": jax.process_count(),
+        # inject_hyperparams keeps the learning rate in the optimizer state, so a restore would
+        # silently bring back the old one; the loss changes what the gradients mean.
+        "learning_rate": cfg.learning_rate,
+        "loss": cfg.loss,
+    }
 
 
 def setup(cfg: TrainConfig, out: TextIO | None = None) -> Setup:
+    """Builds the model, LoRA and trainer; with cfg.checkpoint_dir, Tunix restores the latest checkpoint here."""
     import jax
     import optax
     from flax import nnx
@@ -396,6 +496,10 @@ def setup(cfg: TrainConfig, out: TextIO | None = None) -> Setup:
         raise TrainError(f"--steps must be positive, got {cfg.steps}")
     if cfg.batch_size < 1:
         raise TrainError(f"--batch-size must be positive, got {cfg.batch_size}")
+    if cfg.checkpoint_every is not None and cfg.checkpoint_every < 1:
+        raise TrainError(f"--checkpoint-every must be positive, got {cfg.checkpoint_every}")
+    if cfg.checkpoint_keep < 1:
+        raise TrainError(f"--checkpoint-keep must be positive, got {cfg.checkpoint_keep}")
     view = loaders.open_shards(cfg.shards)
     eval_view = loaders.open_shards(cfg.eval_shards) if cfg.eval_shards else None
     manifest = view.manifest
@@ -410,17 +514,32 @@ def setup(cfg: TrainConfig, out: TextIO | None = None) -> Setup:
     vocab = manifest.tokenizer.get("vocab_size")
     vocab = int(vocab) if vocab else None
     # Check the vocabularies on the config, before loading or drawing any weights.
-    model_vocab = models.config_vocab_size(
-        models.resolve_config(cfg.model, vocab_size=vocab, dtype=cfg.dtype, config_overrides=cfg.config_overrides)
-    )
+    model_config = models.resolve_config(cfg.model, vocab_size=vocab, dtype=cfg.dtype, config_overrides=cfg.config_overrides)
+    model_vocab = models.config_vocab_size(model_config)
     for v, path in ((view, cfg.shards), (eval_view, cfg.eval_shards)):
         if v is not None:
             check_vocab(v.manifest.tokenizer, cfg.model, spec.family, model_vocab, path)
+
+    ckpt = identity = None
+    if cfg.checkpoint_dir:
+        ckpt = checkpointing.CheckpointDir(cfg.checkpoint_dir, jax.process_index(), jax.process_count())
+        ckpt.require_backend()
+        identity = run_identity(cfg, spec, model_config, view)
+        # Refuse another run's checkpoint now, before minutes of weight loading.
+        ckpt.check_resumable(identity, info={"shards": cfg.shards})
+
     built = models.build_model(
         cfg.model, weights=cfg.weights, vocab_size=vocab, dtype=cfg.dtype,
         seed=cfg.seed, mesh=mesh, config_overrides=cfg.config_overrides,
     )
     base_params = models.count_params(built.model)
+    base_weights = None
+    if ckpt is not None or cfg.save_lora:
+        base_weights = {"source": built.weights, "fingerprint": checkpointing.base_fingerprint(built.model)}
+    if ckpt is not None:
+        # Same base weights as the checkpoint's LoRA was trained on (a random seed, a GGUF, an HF folder).
+        if ckpt.check_resumable(identity, base_weights, info={"shards": cfg.shards}) is None:
+            ckpt.write_run(identity, base_weights, {"shards": cfg.shards, "weights": built.weights, "steps": cfg.steps})
     built.model = models.apply_lora(built.model, spec, rank=cfg.lora_rank, alpha=cfg.lora_alpha, seed=cfg.seed)
     models.shard_model(built.model, mesh)
 
@@ -438,16 +557,35 @@ def setup(cfg: TrainConfig, out: TextIO | None = None) -> Setup:
         "batch_size": cfg.batch_size,
         "seq_len": manifest.max_length,
     }
-    recorder = MetricsRecorder(cfg.metrics_out, static=static, log_every=cfg.log_every, out=out)
     optimizer = optax.inject_hyperparams(optax.adamw)(learning_rate=cfg.learning_rate)
+    policy = checkpointing.EveryNStepsAndLast(cfg.checkpoint_every, cfg.steps) if ckpt is not None else None
     training_config = peft_trainer.TrainingConfig(
         eval_every_n_steps=cfg.eval_every or cfg.steps,
         max_steps=cfg.steps,
-        checkpoint_root_directory=None,
+        # Tunix's own checkpointing: it saves nnx.LoRAParam + optimizer state when the policy
+        # says so and restores the latest step in the constructor below.
+        checkpoint_root_directory=ckpt.tunix_root if ckpt is not None else None,
+        checkpointing_options=checkpointing.checkpoint_options(policy, cfg.checkpoint_keep) if policy is not None else None,
         metrics_logging_options=None,  # in memory only; our JSONL is the record
         pbar_description=None,
     )
     trainer = _make_trainer_class()(built.model, optimizer, training_config)
+    resumed = int(trainer.train_steps)
+    if mesh is None:
+        # Commit model and optimizer state to the device. jit keys its lowering on which inputs
+        # are committed: all-uncommitted (a fresh run) compiles as all-committed (every later
+        # step), but Orbax restores LoRA params and optimizer state committed beside uncommitted
+        # base weights, and that mix compiled the step a second time at the next step
+        # (measured: +3.8 s on the tiny CPU model, minutes for a real model on a TPU).
+        device = jax.devices()[0]
+        nnx.update(built.model, jax.device_put(nnx.state(built.model), device))
+        nnx.update(trainer.optimizer, jax.device_put(nnx.state(trainer.optimizer), device))
+    if resumed:
+        print(f"resuming from step {resumed} of {ckpt.path}", file=out if out is not None else sys.stderr)
+    recorder = MetricsRecorder(
+        cfg.metrics_out, static=static, log_every=cfg.log_every, out=out,
+        resume_from=resumed or None, resume_note={"checkpoint_dir": cfg.checkpoint_dir},
+    )
     trainer.recorder = recorder
     trainer.vocab_size = built.vocab_size
     trainer.with_gen_model_input_fn(model_inputs.make_gen_model_input_fn())
@@ -466,7 +604,10 @@ def setup(cfg: TrainConfig, out: TextIO | None = None) -> Setup:
         "device_kind": jax.devices()[0].device_kind,
         "loss_fn": cfg.loss,
     }
-    return Setup(cfg, view, eval_view, built, mesh, trainer, recorder, {**static, **extra})
+    if ckpt is not None:
+        extra.update({"checkpoint_dir": cfg.checkpoint_dir, "resumed_from_step": resumed})
+    return Setup(cfg, view, eval_view, built, mesh, trainer, recorder, {**static, **extra},
+                 checkpoint=ckpt, policy=policy, resumed_step=resumed, base_weights=base_weights)
 
 
 def datasets(s: Setup) -> tuple[Any, Any]:
@@ -492,17 +633,92 @@ def datasets(s: Setup) -> tuple[Any, Any]:
     return train_ds, eval_ds
 
 
-def run(cfg: TrainConfig, out: TextIO | None = None) -> dict[str, Any]:
-    """Trains as configured; returns the summary (also the JSONL's last line)."""
+def checkpointed_stream(s: Setup, train_ds: Iterable[Any]) -> checkpointing.ResumableStream:
+    """The train iterable for a checkpointed run, positioned after the restored step without re-reading.
+
+    Tunix (0.1.7) restores model and optimizer in its constructor, then discards
+    trainer.iter_steps elements of the train iterable before training. We hand it that many
+    placeholders followed by the loader iterator set to the saved state, so its skip costs
+    nothing and does not move the data a second time. And we wrap its checkpoint manager so
+    every save writes the loader state for that step first (checkpointing.DataStateCheckpoints).
+    """
+    assert s.checkpoint is not None and s.policy is not None
+    it = iter(train_ds)
+    k = s.resumed_step
+    if s.trainer.iter_steps != k:
+        # Gradient accumulation would make Tunix skip k * G elements; we never configure it.
+        raise TrainError(f"Tunix restored {k} steps but will skip {s.trainer.iter_steps} batches; gradient accumulation is not supported here")
+    if not k:
+        stream = checkpointing.ResumableStream(it)
+    else:
+        state = s.checkpoint.load_data_state(k)
+        if state is None:
+            log.warning(
+                "%s: no loader state for step %d; Tunix will re-read and skip %d batches (exact, since run.json "
+                "pins shards, seed and batch size, but slower)", s.checkpoint.path, k, k,
+            )
+            stream = checkpointing.ResumableStream(it)
+        else:
+            try:
+                it.set_state(state)
+            except ValueError as e:
+                raise checkpointing.CheckpointError(f"{s.checkpoint.data_path}: step {k}: {e}") from e
+            stream = checkpointing.ResumableStream(it, consumed=k, placeholders=s.trainer.iter_steps)
+    s.trainer.checkpoint_manager = checkpointing.DataStateCheckpoints(
+        s.trainer.checkpoint_manager, s.checkpoint, stream, s.policy, keep=s.config.checkpoint_keep
+    )
+    return stream
+
+
+def export_lora(s: Setup, path: str) -> dict[str, str]:
+    """--save-lora: the trained LoRA parameters and what they belong to, as one safetensors file."""
+    from loaders.dataset import shard_set_id
+
+    cfg = s.config
+    base = s.base_weights or {}
+    return checkpointing.save_lora(s.built.model, path, {
+        "model": cfg.model,
+        "lora_alpha": float(cfg.lora_alpha if cfg.lora_alpha is not None else 2 * cfg.lora_rank),
+        "lora_module_path": s.built.spec.lora_module_path,
+        "base_weights": base.get("source"),
+        "base_fingerprint": base.get("fingerprint"),
+        "vocab_size": s.built.vocab_size,
+        "step": int(s.trainer.train_steps),
+        "shards": cfg.shards,
+        "shard_set": shard_set_id(s.view),
+        "seed": cfg.seed,
+    })
+
+
+def execute(cfg: TrainConfig, out: TextIO | None = None) -> tuple[Setup, dict[str, Any]]:
+    """Trains as configured; returns the Setup (its model is the trained one) and the summary."""
     import contextlib
 
     s = setup(cfg, out=out)
-    train_ds, eval_ds = datasets(s)
     context = s.mesh if s.mesh is not None else contextlib.nullcontext()
     try:
-        with context:
-            s.trainer.train(train_ds, eval_ds)
+        if s.resumed_step >= cfg.steps:
+            print(f"checkpoint step {s.resumed_step} >= --steps {cfg.steps}: nothing to train", file=out if out is not None else sys.stderr)
+        else:
+            train_ds, eval_ds = datasets(s)
+            if s.checkpoint is not None:
+                train_ds = checkpointed_stream(s, train_ds)
+            with context:
+                s.trainer.train(train_ds, eval_ds)
+        if cfg.save_lora:
+            meta = export_lora(s, cfg.save_lora)
+            s.recorder.static_extra["lora_export"] = {"path": cfg.save_lora, "step": int(meta["step"]), "rank": int(meta["lora_rank"])}
     finally:
+        # Tunix's close() already waited for in-flight saves after a normal end; after an
+        # exception it was never called, and the last save may still be writing.
+        s.trainer.checkpoint_manager.close()
+        if isinstance(s.trainer.checkpoint_manager, checkpointing.DataStateCheckpoints):
+            s.recorder.static_extra["checkpoints_saved"] = s.trainer.checkpoint_manager.saved_steps
         summary = s.recorder.summary(extra={k: v for k, v in s.static.items() if k not in s.recorder.static})
         s.recorder.close(summary)
-    return summary
+    return s, summary
+
+
+def run(cfg: TrainConfig, out: TextIO | None = None) -> dict[str, Any]:
+    """Trains as configured; returns the summary (also the JSONL's last line)."""
+    return execute(cfg, out=out)[1]
