@@ -1,0 +1,384 @@
+"""`prepack train --checkpoint-dir/--save-lora`: exact resume, LoRA-only checkpoints, the LoRA export.
+
+One tiny Qwen3 (2 layers, d=64, vocab 128) on a 10-row shard set whose row r starts with
+token r, so every batch names its rows. The expensive part is three trainings (a compile
+each): straight to step 6, interrupted after step 5, resumed to step 6. Everything else
+reuses their outputs or fails before any weight is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import pytest
+
+from train import checkpointing, cli, trainer
+from train.checkpointing import CheckpointError
+
+sys.path.insert(0, os.path.dirname(__file__))
+from gcs_emulator import gcs_emulator, gcs_prefix  # noqa: E402,F401  (pytest fixtures)
+from shardset_builder import TEST_TOKENIZER, build_shard_set, row_ids, synthetic_row  # noqa: E402
+
+MODEL = "tiny-qwen3"
+VOCAB = 128
+MAX_LENGTH = 32
+ROWS = 10  # 5 batches per epoch: step 6 is the first batch of epoch 1
+BATCH = 2
+STEPS = 6
+EVERY = 2
+RANK = 4
+CRASH_AFTER = 5  # the interrupted run dies after this step; its last checkpoint is step 4
+TOKENIZER = {**TEST_TOKENIZER, "name": "ckpt-test", "vocab_size": VOCAB}
+
+
+class Preempted(Exception):
+    """Stands in for a preemption in the middle of a run."""
+
+
+def _shards(path: str, seed: int) -> str:
+    rng = np.random.default_rng(seed)
+    build_shard_set(path, rows=[synthetic_row(r, MAX_LENGTH, rng, vocab_size=VOCAB) for r in range(ROWS)], tokenizer=TOKENIZER)
+    return path
+
+
+@pytest.fixture(scope="module")
+def shard_sets(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("ckpt_shards")
+    return {"main": _shards(str(root / "main"), 0), "other": _shards(str(root / "other"), 1)}
+
+
+def _cfg(shards: str, **kw: Any) -> trainer.TrainConfig:
+    base = dict(shards=shards, model=MODEL, lora_rank=RANK, batch_size=BATCH, steps=STEPS, learning_rate=3e-2,
+                log_every=0, read_threads=1, checkpoint_every=EVERY)
+    base.update(kw)
+    return trainer.TrainConfig(**base)
+
+
+@contextmanager
+def _watch(crash_after: int | None = None) -> Iterator[list[list[int]]]:
+    """Records the row ids of every train batch the trainer prepares; optionally dies after a step."""
+    seen: list[list[int]] = []
+    arrived, done = trainer.MetricsRecorder.batch_arrived, trainer.MetricsRecorder.step_done
+
+    def batch_arrived(self: trainer.MetricsRecorder, batch: Any) -> None:
+        seen.append(row_ids(batch).tolist())
+        arrived(self, batch)
+
+    def step_done(self: trainer.MetricsRecorder, aux: Any) -> None:
+        done(self, aux)
+        if crash_after is not None and self.steps[-1]["step"] == crash_after:
+            raise Preempted(f"after step {crash_after}")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(trainer.MetricsRecorder, "batch_arrived", batch_arrived)
+        mp.setattr(trainer.MetricsRecorder, "step_done", step_done)
+        yield seen
+
+
+def _lora(model: Any) -> dict[str, np.ndarray]:
+    return checkpointing.lora_tensors(model)
+
+
+def _read_jsonl(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def straight(shard_sets, tmp_path_factory) -> dict[str, Any]:
+    """STEPS steps in one go, checkpointing every EVERY steps, exporting the LoRA at the end."""
+    root = tmp_path_factory.mktemp("straight")
+    cfg = _cfg(shard_sets["main"], checkpoint_dir=str(root / "ckpt"), metrics_out=str(root / "m.jsonl"),
+               save_lora=str(root / "lora.safetensors"))
+    with _watch() as seen:
+        s, summary = trainer.execute(cfg)
+    return {"setup": s, "summary": summary, "batches": seen, "lora": _lora(s.built.model), "cfg": cfg,
+            "losses": [r["loss"] for r in _read_jsonl(cfg.metrics_out) if "loss" in r and "step" in r]}
+
+
+# ----------------------------------------------------------------------------- exact resume
+
+
+def test_interrupted_then_resumed_equals_straight(straight, shard_sets, tmp_path) -> None:
+    assert len(straight["batches"]) == STEPS and straight["summary"]["checkpoints_saved"] == [2, 4, 6]
+    cfg = _cfg(shard_sets["main"], checkpoint_dir=str(tmp_path / "ckpt"), metrics_out=str(tmp_path / "m.jsonl"))
+
+    with _watch(crash_after=CRASH_AFTER) as first, pytest.raises(Preempted):
+        trainer.execute(cfg)
+    assert first == straight["batches"][:CRASH_AFTER]
+    import orbax.checkpoint as ocp
+
+    assert sorted(ocp.utils.checkpoint_steps(os.path.join(cfg.checkpoint_dir, "tunix"))) == [2, 4]
+
+    # A new run from scratch (model, trainer, dataset rebuilt), as after a restart.
+    with _watch() as second:
+        s, summary = trainer.execute(cfg)
+    print(f"\nstraight batches {straight['batches']}\ninterrupted {first}\nresumed {second}")
+    assert summary["resumed_from_step"] == 4 and summary["first_step"] == 5 and summary["steps"] == 2
+    # Exactly the batches that followed step 4: batch 5 again (its update was lost), then 6 (epoch 1).
+    assert second == straight["batches"][4:]
+    assert summary["checkpoints_saved"] == [6]
+
+    resumed, ref = _lora(s.built.model), straight["lora"]
+    assert resumed.keys() == ref.keys()
+    worst = max(float(np.max(np.abs(resumed[k] - ref[k]))) for k in ref)
+    print(f"max |LoRA resumed - straight| = {worst:.3g}")
+    for k in ref:
+        np.testing.assert_allclose(resumed[k], ref[k], rtol=1e-6, atol=1e-7, err_msg=k)
+    # Not vacuous: training moved the adapters (qwix starts B at zero).
+    assert max(float(np.max(np.abs(v))) for k, v in ref.items() if k.endswith("_lora_b")) > 1e-3
+
+    # One JSONL: steps 1..6 once each (step 5 of the interrupted run dropped), same losses as straight.
+    lines = _read_jsonl(cfg.metrics_out)
+    steps = [l for l in lines if "loss" in l and "step" in l]
+    assert [l["step"] for l in steps] == list(range(1, STEPS + 1))
+    np.testing.assert_allclose([l["loss"] for l in steps], straight["losses"], rtol=1e-5)
+    resume = [l["resume"] for l in lines if "resume" in l]
+    assert resume == [{"from_step": 4, "dropped_records": 1, "checkpoint_dir": cfg.checkpoint_dir}]
+    assert lines[-1]["summary"]["first_step"] == 5
+
+    # Already at --steps: nothing is trained, and --save-lora exports the checkpoint's adapters.
+    export = str(tmp_path / "from_ckpt.safetensors")
+    with _watch() as third:
+        _, again = trainer.execute(_cfg(shard_sets["main"], checkpoint_dir=cfg.checkpoint_dir, save_lora=export))
+    assert third == [] and again["steps"] == 0 and again["resumed_from_step"] == STEPS
+    assert again["lora_export"] == {"path": export, "step": STEPS, "rank": RANK}
+    import safetensors.numpy
+
+    exported = safetensors.numpy.load_file(export)
+    for k in ref:
+        np.testing.assert_allclose(exported[k], ref[k], rtol=1e-6, atol=1e-7, err_msg=k)
+
+
+def test_checkpoint_holds_only_lora_params_and_the_loader_state(straight) -> None:
+    import jax
+    import orbax.checkpoint as ocp
+    from etils import epath
+
+    s, ckpt = straight["setup"], straight["cfg"].checkpoint_dir
+    step_dir = epath.Path(ckpt) / "tunix" / str(STEPS)
+    params = ocp.PyTreeCheckpointHandler().metadata(step_dir / "model_params").tree
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    names = [".".join(str(getattr(k, "key", k)) for k in path) for path, _ in leaves]
+    assert names and all("_lora_a" in n or "_lora_b" in n for n in names), names[:5]
+    assert not any("embedder" in n or n.endswith(".w.value") for n in names)
+    assert sum(int(np.prod(m.shape)) for _, m in leaves) == s.static["lora_params"] == 8192
+    assert s.static["params"] > 10 * s.static["lora_params"]  # the base weights are the bulk, and not saved
+    # Adam moments only for the LoRA params too.
+    opt = ocp.PyTreeCheckpointHandler().metadata(step_dir / "optimizer_state").tree
+    moments = [jax.tree_util.keystr(p) for p, m in jax.tree_util.tree_leaves_with_path(opt) if m.shape]
+    assert moments and all("_lora_" in p for p in moments)
+
+    # The loader state for each kept step: the position after exactly `step` batches.
+    data = json.loads((epath.Path(ckpt) / "data" / "process_0-of-1.json").read_text())
+    assert sorted(data["states"], key=int) == ["2", "4", "6"]
+    assert data["states"]["6"]["grain"] == {"next_index": STEPS}
+    run = json.loads((epath.Path(ckpt) / "run.json").read_text())
+    assert run["identity"]["lora_rank"] == RANK and run["identity"]["model"] == MODEL
+    assert run["base_weights"] == s.base_weights and len(run["base_weights"]["fingerprint"]) == 16
+
+
+# ----------------------------------------------------------------------------- refusing another run
+
+
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        ({"lora_rank": 8}, ["LoRA rank: checkpoint 4, now 8", "LoRA alpha: checkpoint 8.0, now 16.0"]),
+        ({"model": "tiny"}, ["model: checkpoint 'tiny-qwen3', now 'tiny'"]),
+        ({"shards": "other"}, ["shard set (content id): checkpoint", "shards: checkpoint read"]),
+        ({"learning_rate": 1e-3}, ["learning rate: checkpoint 0.03, now 0.001"]),
+    ],
+)
+def test_resume_refuses_a_checkpoint_of_another_run(straight, shard_sets, tmp_path, capsys, change, expected) -> None:
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(straight["cfg"].checkpoint_dir, ckpt)  # an undetected mismatch must not touch the fixture
+    args = {"--shards": shard_sets["main"], "--model": MODEL, "--lora-rank": str(RANK), "--batch-size": str(BATCH),
+            "--steps": str(STEPS + 2), "--learning-rate": "3e-2", "--checkpoint-dir": ckpt, "--log-every": "0"}
+    for key, value in change.items():
+        args["--" + key.replace("_", "-")] = shard_sets["other"] if value == "other" else str(value)
+    rc = cli.main([x for kv in args.items() for x in kv])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert f"--checkpoint-dir {ckpt} holds a different run (latest step {STEPS}), so it cannot be resumed" in err
+    for text in expected:
+        assert text in err
+    assert "use a new --checkpoint-dir" in err
+
+
+def test_resume_refuses_other_base_weights_and_foreign_folders(straight, tmp_path) -> None:
+    ckpt = checkpointing.CheckpointDir(straight["cfg"].checkpoint_dir)
+    run = ckpt.read_run()
+    assert ckpt.check_resumable(run["identity"], run["base_weights"]) == STEPS
+    with pytest.raises(CheckpointError, match=r"base weights: checkpoint 'random' \(fingerprint \w+\), now 'gguf' \(fingerprint 0123\)"):
+        ckpt.check_resumable(run["identity"], {"source": "gguf", "fingerprint": "0123"})
+    # Orbax steps without our run.json: not ours to resume.
+    foreign = str(tmp_path / "foreign")
+    shutil.copytree(straight["cfg"].checkpoint_dir, foreign)
+    os.remove(os.path.join(foreign, "run.json"))
+    with pytest.raises(CheckpointError, match="holds checkpoints \\(latest step 6\\) but no run.json"):
+        checkpointing.CheckpointDir(foreign).check_resumable(run["identity"])
+    # An empty folder is a fresh start.
+    assert checkpointing.CheckpointDir(str(tmp_path / "empty")).check_resumable(run["identity"]) is None
+
+
+# ----------------------------------------------------------------------------- LoRA export
+
+
+_FORWARD: list[Any] = []
+
+
+def _logits(model: Any, batch: dict[str, np.ndarray]) -> np.ndarray:
+    """Logits of a [B, L] batch with the trainer's inputs (block-causal mask, stored positions)."""
+    from flax import nnx
+
+    from train import model_inputs
+
+    if not _FORWARD:
+        gen = model_inputs.make_gen_model_input_fn()
+
+        @nnx.jit  # compiled once for both models (same structure), not an eager dispatch per op
+        def forward(m: Any, fields: dict[str, Any]) -> Any:
+            x = gen(fields)
+            return m(x["input_tokens"], x["positions"], None, x["attention_mask"])[0]
+
+        _FORWARD.append(forward)
+    return np.asarray(_FORWARD[0](model, model_inputs.device_fields(batch)))
+
+
+def _rewrite(src: str, dst: str, *, rank: int | None = None, **meta: str) -> str:
+    """A copy of a LoRA file with its metadata changed, and its A/B factors cut to `rank`."""
+    import safetensors.numpy
+    from safetensors import safe_open
+
+    with safe_open(src, "np") as f:
+        metadata = {**f.metadata(), **meta}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    if rank is not None:
+        metadata["lora_rank"] = str(rank)
+        tensors = {k: v[..., :rank] if k.endswith("_lora_a") else v[:rank] for k, v in tensors.items()}
+    safetensors.numpy.save_file(tensors, dst, metadata=metadata)
+    return dst
+
+
+def test_save_lora_round_trip_and_refusals(straight, shard_sets, tmp_path) -> None:
+    import loaders
+    from train import models
+
+    path = straight["cfg"].save_lora
+    meta = checkpointing.read_lora_metadata(path)
+    assert meta["model"] == MODEL and meta["lora_rank"] == str(RANK) and json.loads(meta["lora_alpha"]) == 2.0 * RANK
+    assert meta["step"] == str(STEPS) and meta["base_fingerprint"] == straight["setup"].base_weights["fingerprint"]
+    assert meta["base_weights"] == "random" and meta["dtype"] == "float32"
+
+    # A freshly built model with the same LoRA, as a user would build it from the metadata.
+    built = models.build_model(meta["model"], vocab_size=int(meta["vocab_size"]), seed=int(meta["seed"]))
+    model = models.apply_lora(built.model, built.spec, rank=int(meta["lora_rank"]), alpha=float(meta["lora_alpha"]))
+
+    # Refusals first (they change nothing): another rank, other base weights, another model, not ours.
+    with pytest.raises(CheckpointError, match="LoRA rank 2 in the file, but the model's LoRA has rank 4"):
+        checkpointing.load_lora(model, _rewrite(path, str(tmp_path / "r2.safetensors"), rank=2))
+    with pytest.raises(CheckpointError, match=r"trained on other base weights \('random', fingerprint 0123\) than this model's"):
+        checkpointing.load_lora(model, _rewrite(path, str(tmp_path / "fp.safetensors"), base_fingerprint="0123"))
+    with pytest.raises(CheckpointError, match="model is 'tiny-qwen3' in the file, expected 'tiny'"):
+        checkpointing.load_lora(model, path, expected={"model": "tiny"})
+    with pytest.raises(CheckpointError, match="not a prepack LoRA export"):
+        checkpointing.load_lora(model, _rewrite(path, str(tmp_path / "x.safetensors"), format="other"))
+    with pytest.raises(CheckpointError, match="no LoRA file at"):
+        checkpointing.load_lora(model, str(tmp_path / "missing.safetensors"))
+    # The fingerprint does tell base weights apart (another seed draws other weights).
+    other_seed = models.build_model(MODEL, vocab_size=VOCAB, seed=1).model
+    assert checkpointing.base_fingerprint(other_seed) != meta["base_fingerprint"] == checkpointing.base_fingerprint(model)
+
+    batch = next(iter(loaders.make_dataset(shard_sets["main"], 4, seed=3, shard_index=0, shard_count=1)))
+    trained = _logits(straight["setup"].built.model, batch)
+    before = _logits(model, batch)
+    assert float(np.max(np.abs(before - trained))) > 1e-2  # the adapters change the outputs
+    assert checkpointing.load_lora(model, path, expected={"model": MODEL, "lora_alpha": 2.0 * RANK})["step"] == str(STEPS)
+    after = _logits(model, batch)
+    print(f"\nmax |logits loaded - trained| = {float(np.max(np.abs(after - trained))):.3g} "
+          f"(before loading {float(np.max(np.abs(before - trained))):.3g})")
+    np.testing.assert_allclose(after, trained, rtol=1e-6, atol=1e-6)
+
+
+def test_lora_file_and_loader_states_on_gcs(straight, gcs_prefix) -> None:
+    """Our own gs:// writes (the LoRA file, run.json, loader states) against the GCS emulator.
+
+    Orbax's half of a gs:// --checkpoint-dir goes through etils.epath, which needs gcsfs;
+    without it the run stops at once with a message saying so (asserted below when absent).
+    """
+    model = straight["setup"].built.model
+    url = f"{gcs_prefix}/run/lora.safetensors"
+    meta = checkpointing.save_lora(model, url, {"model": MODEL, "base_fingerprint": straight["setup"].base_weights["fingerprint"]})
+    assert checkpointing.read_lora_metadata(url)["lora_rank"] == meta["lora_rank"] == str(RANK)
+    assert checkpointing.load_lora(model, url)["model"] == MODEL
+    for k, v in _lora(model).items():
+        np.testing.assert_array_equal(v, straight["lora"][k])
+
+    ckpt = checkpointing.CheckpointDir(f"{gcs_prefix}/run/ckpt")
+    ckpt.write_run({"model": MODEL}, {"source": "random", "fingerprint": "f"}, {"shards": "s"})
+    assert ckpt.read_run()["identity"] == {"model": MODEL}
+    for step in (2, 4, 6):
+        ckpt.save_data_state(step, {"grain": {"next_index": step}}, keep=2)
+    assert ckpt.load_data_state(2) is None and ckpt.load_data_state(6) == {"grain": {"next_index": 6}}
+    try:
+        import gcsfs  # noqa: F401
+    except ImportError:
+        with pytest.raises(CheckpointError, match="Orbax needs the gcsfs package for gs:// folders"):
+            ckpt.require_backend()
+
+
+# ----------------------------------------------------------------------------- pieces
+
+
+def test_resumable_stream_and_policy(shard_sets) -> None:
+    """Placeholders first, then the positioned loader; a fresh stream re-read to step k has the same state."""
+    import loaders
+
+    make = lambda: iter(loaders.make_dataset(shard_sets["main"], BATCH, 0, 0, 1, None, read_threads=1))  # noqa: E731
+    reread = checkpointing.ResumableStream(make())
+    first = [row_ids(next(reread)).tolist() for _ in range(3)]
+    state = reread.state_after(3)
+    assert reread.consumed == 3 and reread.state_after(2) != state
+
+    it = make()
+    it.set_state(state)
+    seek = checkpointing.ResumableStream(it, consumed=3, placeholders=3)
+    stream = iter(seek)
+    items = [next(stream) for _ in range(4)]
+    assert items[:3] == [checkpointing.PLACEHOLDER] * 3
+    assert row_ids(items[3]).tolist() == row_ids(next(reread)).tolist()
+    assert seek.state_after(4) == reread.state_after(4) and first[0] != row_ids(items[3]).tolist()
+    with pytest.raises(RuntimeError, match="iterated once"):
+        iter(seek)
+    with pytest.raises(CheckpointError, match="no loader state recorded after batch 9"):
+        seek.state_after(9)
+
+    policy = checkpointing.EveryNStepsAndLast(every=2, last=5)
+    assert [s for s in range(1, 8) if policy.wants(s)] == [2, 4, 5, 6]
+    assert [s for s in range(1, 6) if checkpointing.EveryNStepsAndLast(None, 5).wants(s)] == [5]
+
+
+def test_placeholder_reaching_the_step_is_refused() -> None:
+    cls = trainer._make_trainer_class()
+    with pytest.raises(trainer.TrainError, match="skipped-batch placeholder"):
+        cls._prepare_inputs(object.__new__(cls), checkpointing.PLACEHOLDER)
+
+
+def test_drop_records_after(tmp_path) -> None:
+    path = str(tmp_path / "m.jsonl")
+    records = [{"eval": {"step": 0}}, {"step": 1, "loss": 1.0}, {"step": 2, "loss": 1.0}, {"eval": {"step": 2}},
+               {"step": 3, "loss": 1.0}, {"summary": {"steps": 3}}]
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    assert trainer.drop_records_after(path, 2) == 1
+    assert _read_jsonl(path) == records[:4] + records[5:]
+    assert trainer.drop_records_after(path, 2) == 0
+    assert trainer.drop_records_after(str(tmp_path / "none.jsonl"), 2) == 0
