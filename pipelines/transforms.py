@@ -417,7 +417,7 @@ class TableToExamplesFn(beam.DoFn, _Tokenizing):
 
 
 class FitAndKeyFn(beam.DoFn):
-    """Examples -> ((length_key, b), [Payload, ...]) for the routing GroupByKey.
+    """Examples -> ((length_key, b), PayloadBatch wire) for the routing GroupByKey.
 
     Applies the overlong policy for every max length (counting drops by reason and
     writing their dead letters) and builds this bundle's share of the
@@ -447,9 +447,10 @@ class FitAndKeyFn(beam.DoFn):
             n = len(mask)
             if not has_target(mask):
                 tally[("no_targets",)] += 1
+                entry = dead_letter(ctx.tasks, loc, "no_targets", "", "no target token after the first, so the example "
+                                    "trains nothing", None, example_id=eid, tokens=n)
                 for L in ctx.max_lengths:
-                    yield TaggedOutput(TAG_DEAD, (L, dead_letter(ctx.tasks, loc, "no_targets", "", 
-                        "no target token after the first, so the example trains nothing", None, example_id=eid, tokens=n)))
+                    yield TaggedOutput(TAG_DEAD, (L, entry))
                 continue
             key = n if ctx.pack else 0
             b = sub_bucket(h, ctx.sub_buckets)

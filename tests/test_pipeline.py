@@ -310,13 +310,15 @@ def test_oasst1_message_table(tmp_path):
     check_shard_set(str(out / "L256"), tokenized(convs), 256)
 
 
-def test_chat_from_save_to_disk_folder(tmp_path):
+def test_chat_from_save_to_disk_folder_and_its_arrow_file(tmp_path):
     folder = save_chat_dataset(str(tmp_path / "chat_ds"), chat_records())
     out = tmp_path / "out"
-    result = pack(["--input", folder, "--format", "chat", "--output", str(out), "--max-length", "128"])
-    assert result.stats[128]["examples_read"] == 12
-    manifest, _ = check_shard_set(str(out / "L128"), expected_examples("chat", chat_records()), 128)
-    assert manifest.inputs[0]["kind"] == "hf_disk" and manifest.inputs[0]["fingerprint"].startswith("datasets:")
+    result = pack(["--input", folder, "--input", os.path.join(folder, "*.arrow"), "--format", "chat",
+                   "--output", str(out), "--max-length", "128"])
+    assert result.stats[128]["examples_read"] == 24
+    manifest, _ = check_shard_set(str(out / "L128"), expected_examples("chat", chat_records() * 2), 128)
+    assert [i["kind"] for i in manifest.inputs] == ["hf_disk", "files"]
+    assert manifest.inputs[0]["fingerprint"].startswith("datasets:") and manifest.inputs[1]["fingerprint"].startswith("sha256:")
 
 
 def test_prompt_response_from_tfds_unpacked(tmp_path):

@@ -159,6 +159,7 @@ def test_parse_args_defaults_and_pass_through(tmp_path):
     (["--input", "a", "--format", "alpaca"], "--output is required"),
     (["--input", "a", "--format", "alpaca", "--output", "o", "--max-bad-fraction", "2"], "within 0..1"),
     (["--sample", "--input", "a", "--output", "o"], "do not combine"),
+    (["--sample", "--output", "o", "--direct_running_mode", "multi_threading"], "multi_threading is not supported"),
 ])
 def test_parse_args_errors(args, message):
     with pytest.raises(OptionsError, match=message):
