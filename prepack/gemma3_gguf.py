@@ -271,11 +271,15 @@ def read_gguf_tensors(path: str | os.PathLike[str]) -> GGUFContents:
             n_elems *= d
         shape = tuple(reversed(dims))
         if shape and shape[-1] % block_size:
-            raise ValueError(f"{path}: tensor {name!r} row of {shape[-1]} is not a multiple of {qtype.name}'s block {block_size}")
+            raise ValueError(
+                f"{path}: tensor {name!r} row of {shape[-1]} is not a multiple of {qtype.name}'s block {block_size}"
+            )
         n_bytes = n_elems // block_size * type_size
         start = data_offset + rel_offset
         if start + n_bytes > file_size:
-            raise ValueError(f"{path}: tensor {name!r} ends at byte {start + n_bytes}, past the end of the file ({file_size})")
+            raise ValueError(
+                f"{path}: tensor {name!r} ends at byte {start + n_bytes}, past the end of the file ({file_size})"
+            )
         raw = mapped[start : start + n_bytes]
         if ttype in _TYPED_TENSORS:
             data = raw.view(np.dtype(_TYPED_TENSORS[ttype]).newbyteorder(endian)).reshape(shape)
