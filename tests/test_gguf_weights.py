@@ -399,10 +399,16 @@ def test_tensor_reader_agrees_with_gguf_reader(tmp_path: Path, big_endian: bool)
         assert a.data.shape == b.data.shape and a.data.dtype == b.data.dtype, a.name
         np.testing.assert_array_equal(a.data, b.data, err_msg=a.name)
         if not big_endian:  # GGUFReader + dequantize misread swapped F32/F16 (dequantize views as native)
-            np.testing.assert_array_equal(
-                gguf.quants.dequantize(a.data, a.tensor_type), gguf.quants.dequantize(b.data, b.tensor_type), err_msg=a.name
-            )
+            ours_values = gguf.quants.dequantize(a.data, a.tensor_type)
+            np.testing.assert_array_equal(ours_values, gguf.quants.dequantize(b.data, b.tensor_type), err_msg=a.name)
     assert types == {"F32", "F16", "BF16", "Q5_0", "Q8_0", "Q4_K", "Q6_K"}
+
+
+def test_tensor_reader_rejects_truncated_data(tiny_gguf: tuple[Path, dict[str, np.ndarray]], tmp_path: Path) -> None:
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny_gguf[0].read_bytes()[:-100])
+    with pytest.raises(ValueError, match="past the end of the file"):
+        gemma3_gguf.read_gguf_tensors(cut)
 
 
 def test_read_gguf_on_a_small_written_file(tiny_gguf: tuple[Path, dict[str, np.ndarray]], tmp_path: Path) -> None:
