@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from itertools import chain
 from typing import TYPE_CHECKING, Any, Callable, Sequence, Union
 
 import numpy as np
@@ -548,39 +549,33 @@ def tokenize_conversations(
     """
     fmt = _resolve_format(chat_format, tokenizer)
     segments = fmt.segments
-    texts: list[str] = []
-    payloads: list[Any] = []
-    masks: list[int] = []
+    all_segs: list[Segment] = []
     seg_counts: list[int] = []
-    add_text, add_payload, add_mask = texts.append, payloads.append, masks.append
+    add_count = seg_counts.append
     for index, conv in enumerate(convs):
         try:
             segs = segments(conv)
         except ChatFormatError as exc:
             raise ChatFormatError(exc.reason, exc.message, index) from exc
-        seg_counts.append(len(segs))
-        for payload, mask in segs:
-            if payload.__class__ is str:
-                if payload:
-                    add_text(payload)
-                else:
-                    payload = ()
-            add_payload(payload)
-            add_mask(mask)
+        add_count(len(segs))
+        all_segs += segs
     if not seg_counts:
         return []
 
-    encoded = iter(tokenizer.encode_batch(texts) if texts else ())
-    flat: list[int] = []
-    extend = flat.extend
-    lengths: list[int] = []
-    add_length = lengths.append
-    for payload in payloads:
-        ids = next(encoded) if payload.__class__ is str else payload
-        extend(ids)
-        add_length(len(ids))
-
-    input_ids = np.array(flat, dtype=np.int32)
+    # Per-segment work in C where possible: unzip, find the non-empty texts, encode them in one
+    # call and put their ids in place; an empty text stays "" and counts 0 tokens.
+    if all_segs:
+        payloads_t, masks = zip(*all_segs)
+        payloads: list[Any] = list(payloads_t)
+    else:
+        payloads, masks = [], ()
+    text_pos = [i for i, p in enumerate(payloads) if p.__class__ is str and p]
+    if text_pos:
+        encoded = tokenizer.encode_batch([payloads[i] for i in text_pos])
+        for i, ids in zip(text_pos, encoded):
+            payloads[i] = ids
+    lengths = list(map(len, payloads))
+    input_ids = np.fromiter(chain.from_iterable(payloads), dtype=np.int32, count=sum(lengths))
     loss_mask = np.repeat(np.array(masks, dtype=np.uint8), lengths)
     # Token offset where each conversation ends: cumulative tokens at its last segment.
     seg_ends = np.cumsum(np.array(seg_counts, dtype=np.int64)) - 1
