@@ -421,3 +421,43 @@ def gemma3_model_bytes(rebuild: bool = False) -> bytes:
     except OSError as e:
         log.warning("could not cache the Gemma 3 tokenizer model at %s: %s", path, e)
     return data
+
+
+# ----------------------------------------------------------------------------- identity cache
+#
+# The tokenizer's identity (sha256 over the 262k pieces, the named special ids) and the set of
+# characters a long text may not be cut after all scan the whole vocabulary: ~0.2-0.5 s CPU in
+# the launcher and again in every worker that needs them. They depend only on the model bytes,
+# so they are cached beside the model, keyed by the sha256 of those bytes.
+
+IDENTITY_CACHE_VERSION = 1
+
+
+def identity_cache_path() -> Path:
+    model = cached_model_path()
+    return model.with_name(model.name + ".identity.json")
+
+
+def load_cached_identity(model_sha256: str) -> dict[str, Any] | None:
+    """The cached vocabulary facts for the model with this sha256, or None (absent, stale, damaged)."""
+    import json
+
+    try:
+        with open(identity_cache_path(), encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("version") != IDENTITY_CACHE_VERSION or data.get("model_sha256") != model_sha256:
+        return None
+    return data
+
+
+def store_cached_identity(model_sha256: str, facts: dict[str, Any]) -> None:
+    """Best effort: an unwritable cache only means the facts are computed again next time."""
+    import json
+
+    data = {"version": IDENTITY_CACHE_VERSION, "model_sha256": model_sha256, **facts}
+    try:
+        _atomic_write(identity_cache_path(), json.dumps(data, ensure_ascii=False).encode("utf-8"))
+    except OSError as e:
+        log.warning("could not cache the Gemma 3 tokenizer identity at %s: %s", identity_cache_path(), e)

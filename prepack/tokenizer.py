@@ -367,12 +367,42 @@ def _load_gemma3(spec: TokenizerSpec) -> SentencePieceTokenizer:
     try:
         tok = SentencePieceTokenizer(spec, data, split_long_texts=True)
         if sane(tok):
-            return tok
+            return _with_cached_identity(tok, data)
     except TokenizerError:
         pass  # a damaged cache file: rebuild below
-    tok = SentencePieceTokenizer(spec, model_bytes(rebuild=True), split_long_texts=True)
+    data = model_bytes(rebuild=True)
+    tok = SentencePieceTokenizer(spec, data, split_long_texts=True)
     if not sane(tok):
         raise TokenizerError(f"tokenizer {spec.name!r}: the model rebuilt from the GGUF fails the pinned-id check")
+    return _with_cached_identity(tok, data)
+
+
+def _with_cached_identity(tok: SentencePieceTokenizer, model_proto: bytes) -> SentencePieceTokenizer:
+    """Fill the vocabulary scans (vocab_hash, special_ids, the no-cut characters) from the cache
+    beside the model file, keyed by the model bytes' sha256; compute and cache them on a miss."""
+    from prepack import gemma3_gguf
+
+    sha = hashlib.sha256(model_proto).hexdigest()
+    cached = gemma3_gguf.load_cached_identity(sha)
+    if cached is not None:
+        try:
+            vocab = cached["vocab_hash"]
+            special = {str(k): int(v) for k, v in cached["special_ids"]}
+            no_cut = frozenset(cached["no_cut_after"])
+            if cached["vocab_size"] == tok.vocab_size and isinstance(vocab, str):
+                tok._vocab_hash, tok._special, tok._no_cut_after = vocab, special, no_cut
+                return tok
+        except (KeyError, TypeError, ValueError):
+            pass  # damaged: recompute below
+    pieces = tok._pieces()
+    tok._vocab_hash = vocab_hash(pieces)
+    tok._no_cut_after = _chars_before_space_mark(pieces)
+    gemma3_gguf.store_cached_identity(sha, {
+        "vocab_size": tok.vocab_size,
+        "vocab_hash": tok._vocab_hash,
+        "special_ids": [[k, v] for k, v in tok.special_ids.items()],
+        "no_cut_after": sorted(tok._no_cut_after),
+    })
     return tok
 
 

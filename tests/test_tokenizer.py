@@ -211,9 +211,21 @@ def test_cutting_on_real_text(cut_pair: tuple[SentencePieceTokenizer, SentencePi
 
 def test_cold_build_wrote_cache(cold_load: tuple[Tokenizer, float], cache_dir: Path) -> None:
     files = sorted(p.name for p in cache_dir.iterdir())
-    assert len(files) == 1, files  # no temp files left behind
+    # The model and its vocabulary facts (identity_cache_path); no temp files left behind.
+    assert len(files) == 2, files
     assert files[0].startswith("gemma3-270m.") and files[0].endswith(".model")
     assert gemma3_gguf.gguf_sha256()[:16] in files[0]
+    assert files[1] == files[0] + ".identity.json" == gemma3_gguf.identity_cache_path().name
+
+
+def test_identity_cache_matches_a_fresh_scan(tok: Tokenizer, gemma_cache: Path) -> None:
+    from prepack.tokenizer import _chars_before_space_mark, vocab_hash
+
+    again = load_tokenizer("gemma3")  # identity from the cache file
+    pieces = again._pieces()
+    assert again.vocab_hash == vocab_hash(pieces)
+    assert list(again.special_ids.items()) == sorted(again._special_ids().items(), key=lambda kv: (kv[1], kv[0]))
+    assert again._no_cut_after == _chars_before_space_mark(pieces)
 
 
 def test_cached_load_is_fast_and_identical(tok: Tokenizer, gemma_cache: Path) -> None:
