@@ -382,3 +382,12 @@ def test_drop_records_after(tmp_path) -> None:
     assert _read_jsonl(path) == records[:4] + records[5:]
     assert trainer.drop_records_after(path, 2) == 0
     assert trainer.drop_records_after(str(tmp_path / "none.jsonl"), 2) == 0
+
+
+def test_relative_checkpoint_dir_is_made_absolute(tmp_path, monkeypatch) -> None:
+    """Orbax refuses relative paths; `prepack train --checkpoint-dir ckpt` must still work."""
+    monkeypatch.chdir(tmp_path)
+    ckpt = checkpointing.CheckpointDir("ckpt/")
+    assert ckpt.path == str(tmp_path / "ckpt")
+    assert ckpt.tunix_root == str(tmp_path / "ckpt" / "tunix")
+    assert checkpointing.CheckpointDir("gs://bucket/run/").path == "gs://bucket/run"

@@ -223,7 +223,9 @@ class CheckpointDir:
     """DIR/run.json, DIR/tunix (Tunix's Orbax root) and DIR/data (loader states)."""
 
     def __init__(self, path: str, process_index: int = 0, process_count: int = 1):
-        self.path = str(path).rstrip("/")
+        path = str(path).rstrip("/")
+        # Orbax refuses relative local paths ("Checkpoint path should be absolute").
+        self.path = path if storage.is_gcs(path) else os.path.abspath(path)
         self.process_index = process_index
         self.process_count = process_count
 
