@@ -203,20 +203,20 @@ class _Tokenizing:
     ) -> list[Example]:
         """Examples for convs (metas[i] = (loc, example_id)); a conversation the chat format
         rejects becomes a dead letter and the rest of the batch goes on."""
-        from prepack.chat_formats import ChatFormatError, tokenize_conversations
+        from prepack.chat_formats import ChatFormatError, tokenize_conversations_flat
 
         started = StageClock.now()
         out: list[Example] = []
         start = 0
         while start < len(convs):
             try:
-                tokenized = tokenize_conversations(convs[start:], self.tokenizer, self.format)
+                tokenized = tokenize_conversations_flat(convs[start:], self.tokenizer, self.format)
             except ChatFormatError as e:
                 if e.index is None:
                     raise
                 bad_at = start + e.index
                 if e.index:
-                    tokenized = tokenize_conversations(convs[start:bad_at], self.tokenizer, self.format)
+                    tokenized = tokenize_conversations_flat(convs[start:bad_at], self.tokenizer, self.format)
                     self._emit(tokenized, metas[start:bad_at], out)
                 loc, eid = metas[bad_at]
                 tally[("bad_example", e.reason)] += 1
@@ -229,25 +229,28 @@ class _Tokenizing:
         self.clock_tokenize.add(StageClock.now() - started)
         return out
 
-    def _emit(self, tokenized: list, metas: list[tuple[Any, str]], out: list[Example]) -> None:
-        if not tokenized:
+    def _emit(self, tokenized: tuple | None, metas: list[tuple[Any, str]], out: list[Example]) -> None:
+        """tokenized: (input_ids, loss_mask, ends) of a batch (tokenize_conversations_flat)."""
+        if tokenized is None:
+            return
+        input_ids, loss_mask, ends = tokenized
+        if not ends:
             return
         # One conversion of the whole batch, then byte slices: cheaper than two small
         # numpy conversions per example.
-        ids_all = ids_to_bytes(np.concatenate([ex.input_ids for ex in tokenized]))
-        mask_all = mask_to_bytes(np.concatenate([ex.loss_mask for ex in tokenized]))
+        ids_all = ids_to_bytes(input_ids)
+        mask_all = mask_to_bytes(loss_mask)
+        update_length = self.m_lengths.update
+        append = out.append
         start = 0
-        for ex, (loc, eid) in zip(tokenized, metas):
-            n = len(ex.input_ids)
-            end = start + n
-            self.m_lengths.update(n)
-            out.append((stable_hash(eid), eid, ids_all[4 * start : 4 * end], mask_all[start:end], loc))
+        for end, (loc, eid) in zip(ends, metas):
+            update_length(end - start)
+            append((stable_hash(eid), eid, ids_all[4 * start : 4 * end], mask_all[start:end], loc))
             start = end
-        tokens = start
-        self.m_examples.inc(len(tokenized))
-        self.m_tokens.inc(tokens)
+        self.m_examples.inc(len(ends))
+        self.m_tokens.inc(start)
         if self.ctx.progress:
-            _Progress.add("tokenized", "examples", len(tokenized))
+            _Progress.add("tokenized", "examples", len(ends))
 
 
 class PrepareFn(beam.DoFn, _Tokenizing):

@@ -45,6 +45,7 @@ __all__ = [
     "get_chat_format",
     "chat_format_names",
     "tokenize_conversations",
+    "tokenize_conversations_flat",
 ]
 
 # A segment: (text to encode | literal token ids, loss flag 0/1).
@@ -547,6 +548,24 @@ def tokenize_conversations(
     The returned arrays are views into one buffer per batch (one allocation instead of
     two per example); pickling a view stores only its own elements.
     """
+    flat = tokenize_conversations_flat(convs, tokenizer, chat_format)
+    if flat is None:
+        return []
+    input_ids, loss_mask, ends = flat
+    out: list[TokenizedExample] = []
+    start = 0
+    for end in ends:
+        out.append(TokenizedExample(input_ids[start:end], loss_mask[start:end]))
+        start = end
+    return out
+
+
+def tokenize_conversations_flat(
+    convs: Sequence[Conversation], tokenizer: "Tokenizer", chat_format: "ChatFormat | str"
+) -> tuple[np.ndarray, np.ndarray, list[int]] | None:
+    """tokenize_conversations without the per-example objects: (input_ids int32, loss_mask
+    uint8, ends) for the whole batch, conversation k being [ends[k-1], ends[k]); None for an
+    empty batch. Same ids, masks and errors as tokenize_conversations."""
     fmt = _resolve_format(chat_format, tokenizer)
     segments = fmt.segments
     all_segs: list[Segment] = []
@@ -560,7 +579,7 @@ def tokenize_conversations(
         add_count(len(segs))
         all_segs += segs
     if not seg_counts:
-        return []
+        return None
 
     # Per-segment work in C where possible: unzip, find the non-empty texts, encode them in one
     # call and put their ids in place; an empty text stays "" and counts 0 tokens.
@@ -581,9 +600,4 @@ def tokenize_conversations(
     seg_ends = np.cumsum(np.array(seg_counts, dtype=np.int64)) - 1
     tok_cum = np.cumsum(np.array(lengths, dtype=np.int64))
     ends = tok_cum[seg_ends].tolist()
-    out: list[TokenizedExample] = []
-    start = 0
-    for end in ends:
-        out.append(TokenizedExample(input_ids[start:end], loss_mask[start:end]))
-        start = end
-    return out
+    return input_ids, loss_mask, ends
