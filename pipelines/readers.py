@@ -24,6 +24,20 @@ from typing import Any
 
 from pipelines.sources import ReadTask
 
+# orjson parses a record ~4x faster than json (~0.7 vs ~3 us on the sample records), and gives
+# the same objects for every text it accepts, except integers beyond 64 bits (it returns a
+# float): texts with a run of 19+ digits go to json, as does every text orjson rejects (NaN,
+# Infinity, out-of-range floats, lone surrogates, invalid UTF-8, bad JSON), so results and
+# error messages stay json's. Optional: without orjson, json parses everything.
+try:
+    from orjson import JSONDecodeError as _orjson_error
+    from orjson import loads as _orjson_loads
+except ImportError:  # pragma: no cover - orjson is not a declared dependency
+    _orjson_loads = None
+    _orjson_error = ValueError
+_DIGITS_AS_ZERO = bytes.maketrans(b"0123456789", b"0" * 10)
+_LONG_DIGITS = b"0" * 19  # in payload.translate(_DIGITS_AS_ZERO): a run of 19+ digits
+
 RAW_TEXT, RAW_OBJECT, RAW_ERROR = 0, 1, 2
 RAW_SNIPPET_CHARS = 500  # raw text kept in a dead-letter entry
 READ_BLOCK = 4 << 20
@@ -256,6 +270,11 @@ def iter_task(task: ReadTask, digest: FileDigest, batch_size: int) -> Iterator[R
 
 def parse_text(payload: bytes) -> tuple[Any, tuple[str, str] | None]:
     """(record, None) or (None, (reason, message)) for one JSON text."""
+    if _orjson_loads is not None and _LONG_DIGITS not in payload.translate(_DIGITS_AS_ZERO):
+        try:
+            return _orjson_loads(payload), None
+        except _orjson_error:
+            pass  # the json path below decides, and words the error
     try:
         text = payload.decode("utf-8")
     except UnicodeDecodeError as e:
