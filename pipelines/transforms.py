@@ -439,6 +439,9 @@ class FitAndKeyFn(beam.DoFn):
         self.buffers: dict[tuple[int, int], list] = defaultdict(list)
         self.buffered = 0
         self.hist: Counter = Counter()
+        # (length_key, b) of examples that fit every max length: expanded into hist at the
+        # end of the bundle (one Counter update per example instead of one per L).
+        self.hist_fits_all: Counter = Counter()
         self.tally: Counter = Counter()
 
     def process(self, examples: list[Example]) -> Iterator[Any]:
@@ -446,8 +449,16 @@ class FitAndKeyFn(beam.DoFn):
         ctx = self.ctx
         truncate = ctx.overlong is OverlongPolicy.TRUNCATE
         hist, tally, buffers = self.hist, self.tally, self.buffers
+        fits_all, shortest = self.hist_fits_all, min(ctx.max_lengths)
+        pack, sub_buckets = ctx.pack, ctx.sub_buckets
         for h, eid, ids, mask, loc in examples:
             n = len(mask)
+            if n <= shortest and mask.find(b"\x01", 1) != -1:  # has_target(mask), fits every L
+                kb = (n if pack else 0, sub_bucket(h, sub_buckets))
+                fits_all[kb] += 1
+                buffers[kb].append((h, eid, ids, mask))
+                self.buffered += 1
+                continue
             if not has_target(mask):
                 tally[("no_targets",)] += 1
                 entry = dead_letter(ctx.tasks, loc, "no_targets", "", "no target token after the first, so the example "
@@ -492,6 +503,9 @@ class FitAndKeyFn(beam.DoFn):
 
     def finish_bundle(self) -> Iterator[Any]:
         yield from self._flush(windowed=True)
+        for (key, b), count in self.hist_fits_all.items():
+            for L in self.ctx.max_lengths:
+                self.hist[(L, key, b)] += count
         yield TaggedOutput(TAG_HIST, _windowed(self.hist))
         yield TaggedOutput(TAG_TALLY, _windowed(self.tally))
 
