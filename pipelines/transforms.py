@@ -229,6 +229,16 @@ class _Tokenizing:
         self.clock_tokenize.add(StageClock.now() - started)
         return out
 
+    def _tokenize_pairs(self, prompts: list[str], responses: list[str], metas: list[tuple[Any, str]]) -> list[Example]:
+        """Examples for single-turn pairs; a fixed layout has no per-conversation errors."""
+        from prepack.chat_formats import tokenize_pairs_flat
+
+        started = StageClock.now()
+        out: list[Example] = []
+        self._emit(tokenize_pairs_flat(prompts, responses, self.tokenizer, self.format), metas, out)
+        self.clock_tokenize.add(StageClock.now() - started)
+        return out
+
     def _emit(self, tokenized: tuple | None, metas: list[tuple[Any, str]], out: list[Example]) -> None:
         """tokenized: (input_ids, loss_mask, ends) of a batch (tokenize_conversations_flat)."""
         if tokenized is None:
@@ -267,6 +277,9 @@ class PrepareFn(beam.DoFn, _Tokenizing):
 
         self.template = get_template(self.ctx.template, **dict(self.ctx.template_options))
         self._setup_tokenizer()
+        # Single-turn templates under a format with a fixed layout skip the Conversation
+        # objects: (prompt, response) texts go straight to tokenize_pairs_flat.
+        self.pairs = hasattr(self.template, "to_pair") and self.format.pair_layout() is not None
 
     def process(self, element: tuple[int, list]) -> Iterator[Any]:
         from prepack.templates import RecordError
@@ -277,8 +290,10 @@ class PrepareFn(beam.DoFn, _Tokenizing):
         tally: Counter = Counter()
         bad: list[DeadLetter] = []
         convs: list = []
+        responses: list[str] = []
         metas: list[tuple[Any, str]] = []
-        to_conversations = self.template.to_conversations
+        pairs = self.pairs
+        to_conversations = self.template.to_pair if pairs else self.template.to_conversations
         for record_index, line, kind, payload in items:
             loc = (task_index, record_index, line, 0)
             if kind == readers.RAW_TEXT:
@@ -300,13 +315,21 @@ class PrepareFn(beam.DoFn, _Tokenizing):
                 tally[("bad_record", e.reason)] += 1
                 bad.append(dead_letter(self.ctx.tasks, loc, e.reason, e.field, e.message, readers.snippet(record)))
                 continue
+            if pairs:
+                convs.append(conversations[0])
+                responses.append(conversations[1])
+                metas.append((loc, example_id(meta, record_index)))
+                continue
             for sub, conv in enumerate(conversations):
                 convs.append(conv)
                 metas.append(((task_index, record_index, line, sub), example_id(meta, record_index, sub)))
         tally[("records_read",)] += len(items)
         tally[("examples",)] += len(convs)
         self.clock_template.add(StageClock.now() - started)
-        examples = self._tokenize(convs, metas, tally, bad)
+        if pairs:
+            examples = self._tokenize_pairs(convs, responses, metas)
+        else:
+            examples = self._tokenize(convs, metas, tally, bad)
         self.m_bad.inc(sum(v for k, v in tally.items() if k[0] == "bad_record"))
         if examples:
             yield examples

@@ -46,6 +46,8 @@ __all__ = [
     "chat_format_names",
     "tokenize_conversations",
     "tokenize_conversations_flat",
+    "PairLayout",
+    "tokenize_pairs_flat",
 ]
 
 # A segment: (text to encode | literal token ids, loss flag 0/1).
@@ -123,6 +125,11 @@ class ChatFormat:
         decode() of the ids (with special ids mapped back to their strings) gives this."""
         raise NotImplementedError
 
+    def pair_layout(self) -> "PairLayout | None":
+        """How segments() lays out one user turn followed by one target assistant turn, for
+        tokenize_pairs_flat; None when the format has no fixed layout (the jinja format)."""
+        return None
+
     def tokenize(self, conv: Conversation) -> TokenizedExample:
         """One conversation; for throughput use tokenize_conversations on a batch."""
         return tokenize_conversations([conv], self.tokenizer, self)[0]
@@ -185,6 +192,10 @@ class GemmaFormat(ChatFormat):
         self._open_model = {k: v + model_hdr for k, v in self._open_user.items()}
         self._close = {"start": (), "closed": eot_nl, "target": nl}
         self._eot_only = (self.eot,)
+
+    def pair_layout(self) -> "PairLayout":
+        return PairLayout(self._open_user["start"], "user\n", self._open_model["closed"], self._eot_only,
+                          self._close["target"], strip=True)
 
     def segments(self, conv: Conversation) -> list[Segment]:
         turns = conv.turns
@@ -259,6 +270,10 @@ class ChatMLFormat(ChatFormat):
         self._open_asst = {k: v + asst_hdr for k, v in self._open.items()}
         self._close = {"start": (), "closed": ime_nl, "target": nl}
         self._ime_only = (self.ime,)
+
+    def pair_layout(self) -> "PairLayout":
+        return PairLayout(self._open["start"], "user\n", self._open_asst["closed"], self._ime_only,
+                          self._close["target"], strip=False)
 
     def segments(self, conv: Conversation) -> list[Segment]:
         loss = conv.loss_turns
@@ -600,4 +615,83 @@ def tokenize_conversations_flat(
     seg_ends = np.cumsum(np.array(seg_counts, dtype=np.int64)) - 1
     tok_cum = np.cumsum(np.array(lengths, dtype=np.int64))
     ends = tok_cum[seg_ends].tolist()
+    return input_ids, loss_mask, ends
+
+
+# --------------------------------------------------------------------------------------
+# Single-turn fast path
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PairLayout:
+    """What segments() gives for [user(prompt), assistant(response)] with loss on the reply:
+
+        (before_prompt, 0) (prompt_prefix + prompt, 0) (between, 0) (response, 1)
+        (after_response, 1) (closing, 0)
+
+    prompt and response trimmed when `strip`. Only the two texts vary per example, so a
+    batch of pairs is laid out with whole-array operations instead of per-segment Python.
+    tests/test_templates.py checks it against segments() for every format that has one.
+    """
+
+    before_prompt: tuple[int, ...]
+    prompt_prefix: str
+    between: tuple[int, ...]
+    after_response: tuple[int, ...]
+    closing: tuple[int, ...]
+    strip: bool
+
+
+def tokenize_pairs_flat(
+    prompts: Sequence[str], responses: Sequence[str], tokenizer: "Tokenizer", chat_format: "ChatFormat | str"
+) -> tuple[np.ndarray, np.ndarray, list[int]] | None:
+    """tokenize_conversations_flat for single-turn examples given as prompt and response
+    texts: the same ids, masks and ends as for their Conversations, without building them.
+    None for an empty batch. Raises ValueError for a format without a pair layout."""
+    fmt = _resolve_format(chat_format, tokenizer)
+    layout = fmt.pair_layout()
+    if layout is None:
+        raise ValueError(f"chat format {fmt.name!r} has no single-turn layout; use tokenize_conversations_flat")
+    n = len(prompts)
+    if n != len(responses):
+        raise ValueError(f"{n} prompts but {len(responses)} responses")
+    if not n:
+        return None
+    prefix = layout.prompt_prefix
+    if layout.strip:
+        texts = [prefix + p.strip() for p in prompts]
+        texts += [r.strip() for r in responses]
+    else:
+        texts = [prefix + p for p in prompts]
+        texts += responses
+    # segments() leaves an empty text unencoded (0 tokens); encode_batch is not asked about "".
+    if "" in texts:
+        encoded = [[] for _ in texts]
+        nonempty = [i for i, t in enumerate(texts) if t]
+        for i, ids in zip(nonempty, tokenizer.encode_batch([texts[i] for i in nonempty])):
+            encoded[i] = ids
+    else:
+        encoded = tokenizer.encode_batch(texts)
+    lits = (layout.before_prompt, layout.between, layout.after_response, layout.closing)
+    # [n, 6] segment lengths in segment order; literal columns are constants.
+    seg_lens = np.empty((n, 6), dtype=np.int64)
+    seg_lens[:, 0], seg_lens[:, 2], seg_lens[:, 4], seg_lens[:, 5] = (len(x) for x in lits)
+    seg_lens[:, 1] = np.fromiter(map(len, encoded[:n]), dtype=np.int64, count=n)
+    seg_lens[:, 3] = np.fromiter(map(len, encoded[n:]), dtype=np.int64, count=n)
+    seg_starts = (np.cumsum(seg_lens.ravel()) - seg_lens.ravel()).reshape(n, 6)
+    total = int(seg_lens.sum())
+    input_ids = np.empty(total, dtype=np.int32)
+    for col, encoded_part in ((1, encoded[:n]), (3, encoded[n:])):
+        lens = seg_lens[:, col]
+        count = int(lens.sum())
+        # Each token's flat position: its segment's start plus its index within the segment.
+        within = np.arange(count, dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
+        input_ids[np.repeat(seg_starts[:, col], lens) + within] = np.fromiter(
+            chain.from_iterable(encoded_part), dtype=np.int32, count=count)
+    for col, lit in zip((0, 2, 4, 5), lits):
+        if lit:
+            input_ids[seg_starts[:, col, None] + np.arange(len(lit))] = np.asarray(lit, dtype=np.int32)
+    loss_mask = np.repeat(np.tile(np.array([0, 0, 0, 1, 1, 0], dtype=np.uint8), n), seg_lens.ravel())
+    ends = (seg_starts[:, 5] + seg_lens[:, 5]).tolist()
     return input_ids, loss_mask, ends

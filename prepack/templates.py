@@ -231,6 +231,11 @@ class Template(Protocol):
     def to_conversations(self, record: Mapping[str, Any]) -> list[Conversation]: ...
 
 
+# Single-turn templates (alpaca, prompt_response, translation) also offer
+# `to_pair(record) -> (prompt, response)`: the same example as to_conversations without the
+# Conversation objects, so a batch can go straight to chat_formats.tokenize_pairs_flat.
+
+
 def _trusted_turn(role: Role, content: str) -> Turn:
     # Turn(role, content) without __post_init__: callers pass a valid role and a str.
     turn = object.__new__(Turn)
@@ -262,14 +267,17 @@ class AlpacaTemplate:
     table_level: ClassVar[bool] = False
 
     def to_conversations(self, record: Mapping[str, Any]) -> list[Conversation]:
+        return _single_turn(*self.to_pair(record))
+
+    def to_pair(self, record: Mapping[str, Any]) -> tuple[str, str]:
+        """(prompt, response) of the one example; the same checks and errors as to_conversations."""
         record = _check_record(record)
         instruction = _get_str(record, "instruction", "instruction", "the task instruction")
         extra = _get_optional_str(record, "input", "input", "the optional task input")
         output = _get_str(record, "output", "output", "the target response")
         _require_nonblank(instruction, "empty_prompt", "instruction", "instruction text")
         _require_nonblank(output, "empty_response", "output", "response text")
-        prompt = instruction + "\n\n" + extra if extra.strip() else instruction
-        return _single_turn(prompt, output)
+        return (instruction + "\n\n" + extra if extra.strip() else instruction), output
 
 
 @dataclass(frozen=True)
@@ -280,12 +288,16 @@ class PromptResponseTemplate:
     table_level: ClassVar[bool] = False
 
     def to_conversations(self, record: Mapping[str, Any]) -> list[Conversation]:
+        return _single_turn(*self.to_pair(record))
+
+    def to_pair(self, record: Mapping[str, Any]) -> tuple[str, str]:
+        """(prompt, response) of the one example; the same checks and errors as to_conversations."""
         record = _check_record(record)
         prompt = _get_str(record, "prompt", "prompt", "the user prompt")
         response = _get_str(record, "response", "response", "the target response")
         _require_nonblank(prompt, "empty_prompt", "prompt", "prompt text")
         _require_nonblank(response, "empty_response", "response", "response text")
-        return _single_turn(prompt, response)
+        return prompt, response
 
 
 # ISO 639-1 codes -> English names used in the translation instruction. Small on purpose:
@@ -338,6 +350,10 @@ class TranslationTemplate:
         object.__setattr__(self, "_names", (language_name(self.source_lang), language_name(self.target_lang)))
 
     def to_conversations(self, record: Mapping[str, Any]) -> list[Conversation]:
+        return _single_turn(*self.to_pair(record))
+
+    def to_pair(self, record: Mapping[str, Any]) -> tuple[str, str]:
+        """(prompt, response) of the one example; the same checks and errors as to_conversations."""
         record = _check_record(record)
         src_code, tgt_code = self.source_lang, self.target_lang
         if "translation" in record:
@@ -362,8 +378,7 @@ class TranslationTemplate:
         target = _get_str(pair, tgt_code, prefix + tgt_code, f"the {tgt_name} target text")
         _require_nonblank(source, "empty_prompt", prefix + src_code, f"{src_name} source text")
         _require_nonblank(target, "empty_response", prefix + tgt_code, f"{tgt_name} target text")
-        prompt = self.prompt_format.format(source=src_name, target=tgt_name, text=source)
-        return _single_turn(prompt, target)
+        return self.prompt_format.format(source=src_name, target=tgt_name, text=source), target
 
 
 # Accepted chat roles. "model" is Gemma's word for the assistant.

@@ -180,14 +180,18 @@ def test_refuses_to_overwrite(mixed_run, data_dir):
 def test_interrupted_run_publishes_nothing(mixed_run, data_dir, tmp_path, monkeypatch):
     from prepack import templates
 
-    original = templates.AlpacaTemplate.to_conversations
+    # The job takes single-turn templates through to_pair (the fast path); fail both ways in.
+    originals = {name: getattr(templates.AlpacaTemplate, name) for name in ("to_pair", "to_conversations")}
 
-    def failing(self, record):
-        if str(record.get("instruction", "")).startswith("Task 7:"):
-            raise RuntimeError("injected failure inside a DoFn")
-        return original(self, record)
+    def failing(name):
+        def method(self, record):
+            if str(record.get("instruction", "")).startswith("Task 7:"):
+                raise RuntimeError("injected failure inside a DoFn")
+            return originals[name](self, record)
+        return method
 
-    monkeypatch.setattr(templates.AlpacaTemplate, "to_conversations", failing)
+    for name in originals:
+        monkeypatch.setattr(templates.AlpacaTemplate, name, failing(name))
     # A fresh output: no manifest, no shards, no staging left behind.
     fresh = tmp_path / "fresh"
     with pytest.raises(Exception, match="injected failure"):

@@ -27,6 +27,8 @@ from prepack.chat_formats import (
     TokenizedExample,
     get_chat_format,
     tokenize_conversations,
+    tokenize_conversations_flat,
+    tokenize_pairs_flat,
 )
 from prepack.templates import (
     OASST1_DROP_REASONS,
@@ -864,3 +866,76 @@ def test_hf_format_on_protocol_only_tokenizer() -> None:
     with pytest.raises(ChatFormatError) as info:
         get_chat_format("auto", ByteTokenizer({"<pad>": 0}, None, None))
     assert info.value.reason == "no_format_detected"
+
+
+# ======================================================================================
+# Single-turn fast path: tokenize_pairs_flat == tokenize_conversations_flat
+# ======================================================================================
+
+
+def assert_same_flat(pairs: list[tuple[str, str]], tok: Any, fmt: Any) -> None:
+    convs = [Conversation((Turn("user", p), Turn("assistant", r))) for p, r in pairs]
+    fast = tokenize_pairs_flat([p for p, _ in pairs], [r for _, r in pairs], tok, fmt)
+    slow = tokenize_conversations_flat(convs, tok, fmt)
+    if slow is None:
+        assert fast is None
+        return
+    assert fast is not None
+    assert fast[0].dtype == slow[0].dtype and fast[1].dtype == slow[1].dtype
+    assert fast[0].tolist() == slow[0].tolist()
+    assert fast[1].tolist() == slow[1].tolist()
+    assert fast[2] == slow[2]
+
+
+# Whitespace-only texts too: after gemma's trim the pair path must give 0 tokens exactly as
+# segments() does (a template would have refused them, the function must not care).
+PAIR_TEXT = texts(list("ab xyZ\n\t.é日<>|_ ") + ["<end_of_turn>", "<|im_end|>", "  ", "\n\n"], 30)
+
+
+@settings(max_examples=200, deadline=None)
+@given(pairs=st.lists(st.tuples(PAIR_TEXT, PAIR_TEXT), max_size=12))
+def test_property_pairs_match_conversations_fake(pairs: list[tuple[str, str]]) -> None:
+    for tok, fmt_cls in ((ByteTokenizer(GEMMA_SPECIALS, bos_id=2, eos_id=1), GemmaFormat),
+                         (ByteTokenizer(CHATML_SPECIALS, bos_id=None, eos_id=201), ChatMLFormat)):
+        assert_same_flat(pairs, tok, fmt_cls(tok))
+
+
+@needs_tokenizer
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(pairs=st.lists(st.tuples(GEMMA_TEXT, GEMMA_TEXT), min_size=1, max_size=8))
+def test_property_pairs_match_conversations_gemma3(gemma3: Any, pairs: list[tuple[str, str]]) -> None:
+    assert_same_flat(pairs, gemma3, get_chat_format("gemma", gemma3))
+
+
+@pytest.mark.parametrize("fmt_name,record", [
+    ("alpaca", {"instruction": " Give a synonym. ", "input": "happy", "output": " Joyful.\n"}),
+    ("alpaca", {"instruction": "Name a color.", "input": "  ", "output": "Blue."}),
+    ("prompt_response", {"prompt": "Q?", "response": "A."}),
+    ("translation", {"translation": {"en": "Hello.", "fr": "Bonjour."}}),
+    ("translation", {"en": "Bye.", "fr": "Salut."}),
+])
+def test_single_turn_templates_to_pair_matches_to_conversations(fmt_name: str, record: dict) -> None:
+    template = get_template(fmt_name)
+    [c] = template.to_conversations(record)
+    assert template.to_pair(record) == (c.turns[0].content, c.turns[1].content)
+    assert c.loss_turns == (1,)
+
+
+def test_to_pair_raises_the_same_record_errors() -> None:
+    template = get_template("alpaca")
+    for record in ({"instruction": "x", "output": ""}, {"output": "y"}, [1, 2], {"instruction": 3, "output": "y"}):
+        with pytest.raises(RecordError) as slow:
+            template.to_conversations(record)
+        with pytest.raises(RecordError) as fast:
+            template.to_pair(record)
+        assert (fast.value.reason, fast.value.field, str(fast.value)) == (slow.value.reason, slow.value.field, str(slow.value))
+
+
+def test_pairs_refuse_a_format_without_a_fixed_layout(hf_dirs: dict[str, str]) -> None:
+    tok = load_tokenizer(f"hf:{hf_dirs['chatml']}")
+    fmt = get_chat_format("hf", tok)
+    assert fmt.pair_layout() is None
+    with pytest.raises(ValueError, match="no single-turn layout"):
+        tokenize_pairs_flat(["q"], ["a"], tok, fmt)
+    with pytest.raises(ValueError, match="2 prompts but 1 responses"):
+        tokenize_pairs_flat(["q", "r"], ["a"], tok, get_chat_format("chatml", tok))
