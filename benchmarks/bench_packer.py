@@ -5,6 +5,7 @@ synthetic lengths. Grain's FirstFitPackIterDataset is run for real on the
 real-sample lengths (pool of 16 rows, how MaxText packs online).
 
     python benchmarks/bench_packer.py --data ../shared/data --synthetic 1000000
+    python benchmarks/bench_packer.py --plan-only   # just the job's planning step (build_plans)
 """
 
 from __future__ import annotations
@@ -66,13 +67,52 @@ def quality_table(name: str, lengths: list[int], max_lengths: list[int], pool_ro
     return lines
 
 
+def job_histogram(num_examples: int, max_lengths: list[int], seed: int = 0) -> dict[tuple[int, int, int], int]:
+    """The (L, length_key, b) histogram the packing job plans from: SFT-like lognormal
+    lengths (median ~80 tokens, clipped to 1..2048), --overlong drop, hash sub-buckets."""
+    from pipelines.planning import choose_sub_buckets
+
+    rng = np.random.default_rng(seed)
+    lengths = np.clip(rng.lognormal(math.log(80), 1.0, num_examples).astype(np.int64), 1, 2048)
+    buckets = rng.integers(0, choose_sub_buckets(num_examples, pack=True), num_examples)
+    hist: dict[tuple[int, int, int], int] = {}
+    for L in max_lengths:
+        keep = lengths <= L
+        keys, counts = np.unique(np.stack([lengths[keep], buckets[keep]]), axis=1, return_counts=True)
+        hist.update({(L, int(n), int(b)): int(c) for (n, b), c in zip(keys.T, counts)})
+    return hist
+
+
+def plan_timing(num_examples: int, max_lengths: list[int], repeats: int = 3) -> str:
+    """Wall time of build_plans (the job's single-process planning step), best of `repeats`."""
+    from pipelines.planning import build_plans
+
+    hist = job_histogram(num_examples, max_lengths)
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        plans = build_plans(hist, tuple(max_lengths), True, None, 256.0)
+        best = min(best, time.perf_counter() - t0)
+    rows = ", ".join(f"L={L}: {p.num_rows:,} rows" for L, p in plans.items())
+    return (f"build_plans on {num_examples:,} lognormal examples ({len(hist):,} histogram entries), "
+            f"L in {max_lengths}: {best:.3f} s ({rows})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--data", type=Path, default=Path("../shared/data"))
     ap.add_argument("--synthetic", type=int, default=1_000_000)
     ap.add_argument("--max-length", type=int, nargs="+", default=[512, 1024, 2048])
     ap.add_argument("--pool-rows", type=int, default=16)
+    ap.add_argument("--plan-examples", type=int, nargs="+", default=[200_000, 1_000_000],
+                    help="example counts for the build_plans timing")
+    ap.add_argument("--plan-only", action="store_true", help="only time build_plans")
     args = ap.parse_args()
+
+    if args.plan_only:
+        for n in args.plan_examples:
+            print(plan_timing(n, args.max_length), flush=True)
+        return
 
     header = ("| data | L | examples | dropped (> L) | lower bound rows | global BFD rows (÷ bound) | Grain first-fit, "
               f"pool {args.pool_rows} (÷ bound) | pool first-fit sim (÷ bound) | BFD density | unpacked density | BFD examples/s |")
@@ -97,6 +137,8 @@ def main() -> None:
     dt = time.perf_counter() - t0
     print(f"\nplan_from_histogram on {len(kept):,} synthetic lengths at L={L}: {len(plan):,} rows in {dt:.2f} s "
           f"({len(kept) / dt:,.0f} examples/s, including the histogram)")
+    for n in args.plan_examples:
+        print(plan_timing(n, args.max_length), flush=True)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from prepack.packer import plan_from_histogram
+from prepack.packer import RunPlan, plan_runs_from_histogram
 
 # Compressed bytes per token of a row under zstd:3, measured in docs/row_format.md
 # (2.4); used only to turn --target-shard-mb into a shard count.
@@ -108,6 +108,26 @@ class LengthPlan:
         return range(shard, self.num_rows, self.num_shards)
 
 
+def slots_from_runs(runs: RunPlan) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """class -> (row, position) int32 arrays of its slots, in row order then position order.
+
+    Runs are expanded with numpy, so the cost per slot is a few array elements rather
+    than Python objects. A row holds at most one run per class, so sorting the runs by
+    (class, row) and expanding each into consecutive positions gives that order."""
+    order = np.lexsort((runs.row, runs.length))
+    length, row, count, start = runs.length[order], runs.row[order], runs.count[order], runs.start[order]
+    first_flat = np.cumsum(count) - count  # flat index of each run's first slot
+    rows = np.repeat(row, count).astype(np.int32)
+    positions = (np.arange(int(count.sum())) - np.repeat(first_flat - start, count)).astype(np.int32)
+    classes, first_run = np.unique(length, return_index=True)
+    bounds = [*first_flat[first_run].tolist(), len(rows)]
+    by_class = {
+        int(cls): (rows[a:b], positions[a:b]) for cls, a, b in zip(classes.tolist(), bounds, bounds[1:])
+    }
+    # Insertion order as a row-by-row scan of the plan meets the classes.
+    return dict(sorted(by_class.items(), key=lambda item: (int(item[1][0][0]), int(item[1][1][0]))))
+
+
 def build_plan(
     histogram: Histogram, max_length: int, pack: bool, num_shards: int | None = None, target_shard_mb: float = 256.0
 ) -> LengthPlan:
@@ -123,20 +143,11 @@ def build_plan(
     num_examples = sum(class_counts.values())
     slots: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     if pack:
-        rows = plan_from_histogram(dict(class_counts), max_length)
-        by_class: dict[int, tuple[list[int], list[int]]] = {}
-        for row_index, row in enumerate(rows):
-            for position, length in enumerate(row):
-                lists = by_class.get(length)
-                if lists is None:
-                    lists = by_class[length] = ([], [])
-                lists[0].append(row_index)
-                lists[1].append(position)
-        slots = {cls: (np.asarray(r, dtype=np.int32), np.asarray(p, dtype=np.int32)) for cls, (r, p) in by_class.items()}
-        num_rows = len(rows)
+        runs = plan_runs_from_histogram(class_counts, max_length)
+        slots = slots_from_runs(runs)
+        num_rows = runs.num_rows
         tokens = sum(cls * count for cls, count in class_counts.items())
-        seg_counts = [len(r) for r in rows]
-        min_seg, max_seg = min(seg_counts, default=0), max(seg_counts, default=0)
+        min_seg, max_seg = (int(runs.segments.min()), int(runs.segments.max())) if num_rows else (0, 0)
     else:
         num_rows = num_examples
         tokens = 0

@@ -1,5 +1,6 @@
 """Packer properties: every item in exactly one row, capacity respected, BFD row counts."""
 
+import itertools
 import math
 
 import numpy as np
@@ -128,3 +129,64 @@ def test_overlong_policy():
     assert kept_mask.sum() == 2
     # Truncation that leaves no target (past the first token) is a drop, not an empty example.
     assert packer.fit_to_length(ids, mask, 6, OverlongPolicy.TRUNCATE) is DropReason.NO_TARGETS_AFTER_TRUNCATION
+
+
+# ----------------------------------------------------------------------------- runs of equal lengths
+
+
+@st.composite
+def histograms_and_limit(draw):
+    """Histograms that stress place_run: many equal lengths, lengths == L, divisors of L, tiny and large L."""
+    max_length = draw(st.one_of(st.integers(1, 64), st.sampled_from([100, 512, 1024, 2048])))
+    divisors = [d for d in range(1, max_length + 1) if max_length % d == 0]
+    length = st.one_of(st.integers(1, max_length), st.sampled_from(divisors), st.just(max_length),
+                       st.integers(max(1, max_length // 3), max_length))
+    histogram = draw(st.dictionaries(length, st.one_of(st.integers(0, 8), st.integers(1, 400)), max_size=25))
+    return histogram, max_length
+
+
+def item_by_item_plan(histogram, max_length):
+    """The plan as item-by-item BFD (one place() per item) makes it, rows as lists of lengths."""
+    lengths = [n for n in sorted(histogram, reverse=True) for _ in range(histogram[n])]
+    return [[lengths[i] for i in row] for row in packer.pack_best_fit_decreasing(lengths, max_length)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(histograms_and_limit())
+@example(({3: 5, 2: 7, 1: 30}, 8))
+@example(({4: 1, 3: 3, 2: 9, 1: 4}, 12))
+def test_histogram_plan_is_item_by_item_bfd(case):
+    histogram, max_length = case
+    assert packer.plan_from_histogram(histogram, max_length) == item_by_item_plan(histogram, max_length)
+
+
+@settings(max_examples=300, deadline=None)
+@given(histograms_and_limit())
+@example(({3: 5, 2: 7, 1: 30}, 8))
+def test_place_run_leaves_the_state_count_place_calls_leave(case):
+    histogram, max_length = case
+    runs, items = packer._BestFit(max_length), packer._BestFit(max_length)
+    for length in sorted(histogram, reverse=True):
+        count = histogram[length]
+        placed = runs.place_run(length, count)
+        before = list(items.segments)
+        rows = [items.place(length) for _ in range(count)]
+        grouped = [(row, sum(1 for _ in group)) for row, group in itertools.groupby(rows)]
+        assert [(row, k) for row, _, k in placed] == grouped
+        assert [start for row, start, _ in placed] == [before[row] if row < len(before) else 0 for row, _ in grouped]
+        # The whole state, bucket order included: later runs must see what later items would.
+        assert runs._rows_by_free == items._rows_by_free
+        assert runs._nonempty == items._nonempty
+        assert runs.segments == items.segments
+
+
+def test_run_plan_rows_match_and_placements_are_runs():
+    histogram = {2048: 3, 1500: 4, 700: 10, 512: 9, 100: 500, 37: 1000, 1: 5000}
+    runs = packer.plan_runs_from_histogram(histogram, 2048)
+    rows = item_by_item_plan(histogram, 2048)
+    assert runs.rows() == rows and runs.num_rows == len(rows)
+    assert runs.segments.tolist() == [len(r) for r in rows]
+    assert len(runs.row) < sum(histogram.values()) // 10  # one placement per row touched, not per item
+    assert len(set(zip(runs.row.tolist(), runs.length.tolist()))) == len(runs.row)  # one run per (row, length)
+    assert packer.plan_runs_from_histogram({}, 8).rows() == []
+    assert packer.plan_from_histogram({5: 0, 3: 2}, 4) == [[3], [3]]  # an empty count places nothing

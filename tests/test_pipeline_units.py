@@ -197,3 +197,47 @@ def test_density_table_lists_drops():
              "unpacked_density": 0.3, "target_density": 0.5, "row_reduction": 8 / 3}
     text = density_table({512: stats})
     assert "packed dens." in text and "90.0%" in text and "2.67x" in text and "L512 dropped: too_long 2" in text
+
+
+# ----------------------------------------------------------------------------- build_plan slots from runs
+
+
+def per_item_slots(histogram, max_length: int):
+    """build_plan's slots, segments and rows as the per-item scan of plan_from_histogram's rows gives them."""
+    from prepack.packer import plan_from_histogram
+
+    counts: Counter = Counter()
+    for (L, k, _), c in histogram.items():
+        if L == max_length and c > 0:
+            counts[min(k, max_length)] += c
+    rows = plan_from_histogram(dict(counts), max_length)
+    by_class: dict = {}
+    for row_index, row in enumerate(rows):
+        for position, length in enumerate(row):
+            by_class.setdefault(length, ([], []))
+            by_class[length][0].append(row_index)
+            by_class[length][1].append(position)
+    slots = {c: (np.asarray(r, dtype=np.int32), np.asarray(p, dtype=np.int32)) for c, (r, p) in by_class.items()}
+    return slots, [len(r) for r in rows]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    max_length=st.one_of(st.integers(1, 64), st.sampled_from([512, 2048])),
+    entries=st.lists(st.tuples(st.integers(1, 2100), st.integers(0, 3), st.integers(0, 300)), max_size=30),
+)
+def test_build_plan_slots_equal_the_per_item_construction(max_length, entries):
+    histogram: Counter = Counter()
+    for k, b, c in entries:
+        histogram[(max_length, k, b)] += c
+        histogram[(max_length + 1, k, b)] += c  # another L's entries are ignored
+    plan = build_plan(histogram, max_length, pack=True)
+    slots, segments = per_item_slots(histogram, max_length)
+    assert list(plan.slots) == list(slots)  # same classes, met in the same order
+    for cls, (rows, positions) in slots.items():
+        assert plan.slots[cls][0].dtype == rows.dtype == plan.slots[cls][1].dtype
+        np.testing.assert_array_equal(plan.slots[cls][0], rows)
+        np.testing.assert_array_equal(plan.slots[cls][1], positions)
+    assert plan.num_rows == len(segments)
+    assert (plan.min_segments, plan.max_segments) == (min(segments, default=0), max(segments, default=0))
+    assert plan.tokens == sum(cls * len(r) for cls, (r, _) in slots.items())
