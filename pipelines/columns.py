@@ -22,15 +22,15 @@ MASK = np.dtype(np.uint8)
 LENS = np.dtype("<i4")
 
 
-def ragged_gather(lens: np.ndarray, values: np.ndarray, take: np.ndarray, new_lens: np.ndarray | None = None) -> np.ndarray:
-    """values of examples `take` (in that order), each cut to new_lens when given."""
+def ragged_index(lens: np.ndarray, take: np.ndarray, new_lens: np.ndarray | None = None) -> np.ndarray:
+    """Flat positions of the tokens of examples `take` (in that order), each cut to new_lens
+    when given: one index serves every per-token array of the batch."""
     starts = np.cumsum(lens, dtype=np.int64) - lens
     out_lens = lens[take] if new_lens is None else new_lens
     if not len(take):
-        return values[:0]
+        return np.zeros(0, dtype=np.int64)
     out_starts = np.cumsum(out_lens, dtype=np.int64) - out_lens
-    flat = np.repeat(starts[take] - out_starts, out_lens) + np.arange(int(out_lens.sum()), dtype=np.int64)
-    return values[flat]
+    return np.repeat(starts[take] - out_starts, out_lens) + np.arange(int(out_lens.sum()), dtype=np.int64)
 
 
 @dataclasses.dataclass
@@ -44,11 +44,8 @@ class Ragged:
     def take(self, index: np.ndarray, cut_to: int | None = None) -> "Ragged":
         index = np.asarray(index, dtype=np.int64)
         new_lens = None if cut_to is None else np.minimum(self.lens[index], cut_to).astype(LENS)
-        return Ragged(
-            self.lens[index] if new_lens is None else new_lens,
-            ragged_gather(self.lens, self.ids, index, new_lens),
-            ragged_gather(self.lens, self.mask, index, new_lens),
-        )
+        flat = ragged_index(self.lens, index, new_lens)
+        return Ragged(self.lens[index] if new_lens is None else new_lens, self.ids[flat], self.mask[flat])
 
     @staticmethod
     def from_lists(ids: Sequence[bytes], masks: Sequence[bytes]) -> "Ragged":
