@@ -6,6 +6,8 @@ tuple of bytes. Beam's coders then copy a few buffers instead of encoding one
 tuple per example, the local runner (which decodes everything it shuffles)
 does almost no work, and routing and writing become array operations.
 
+- TokenizedBatch: (hash, example_id, source, ids, mask) per example, from the tokenizer to
+  FitAndKeyFn (same stage, never encoded).
 - PayloadBatch: (hash, example_id, ids, mask) per example; GroupByKey((length, sub-bucket)).
 - FragmentBatch: (row, position, ids, mask) per example; GroupByKey((L, shard)).
 """
@@ -13,7 +15,7 @@ does almost no work, and routing and writing become array operations.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -114,6 +116,58 @@ def _bytes_to_strings(lens_bytes: bytes, data: bytes) -> list[str]:
 
 
 @dataclasses.dataclass
+class TokenizedBatch:
+    """Examples as the tokenizer made them, with where they came from: PrepareFn's output and
+    FitAndKeyFn's input. The two are fused in one stage, so this batch is never encoded."""
+
+    hashes: np.ndarray  # uint64, stable_hash(example_id)
+    example_ids: list[str]
+    locs: list[tuple[int, int, int, int]]
+    examples: Ragged
+
+    def __len__(self) -> int:
+        return len(self.example_ids)
+
+    @staticmethod
+    def concat(parts: Sequence["TokenizedBatch"]) -> "TokenizedBatch":
+        return TokenizedBatch(
+            np.concatenate([p.hashes for p in parts]) if parts else np.zeros(0, np.uint64),
+            [eid for p in parts for eid in p.example_ids],
+            [loc for p in parts for loc in p.locs],
+            Ragged.concat([p.examples for p in parts]),
+        )
+
+    def grouped_payloads(self, index: np.ndarray, keys: np.ndarray) -> Iterator[tuple[int, "PayloadBatch"]]:
+        """(key, payloads of the examples `index` with that key) for each distinct key, in key
+        order; keys[i] belongs to index[i]. One gather for the whole buffer, then slices."""
+        order = np.argsort(keys, kind="stable")
+        index, keys = np.asarray(index, dtype=np.int64)[order], keys[order]
+        examples = self.examples.take(index)
+        hashes = self.hashes[index]
+        eids = self.example_ids
+        example_ids = [eids[i] for i in index.tolist()]
+        tokens = np.concatenate([[0], np.cumsum(examples.lens, dtype=np.int64)])
+        bounds = np.flatnonzero(np.diff(keys)) + 1
+        starts = [0, *bounds.tolist()]
+        ends = [*bounds.tolist(), len(keys)]
+        for a, b in zip(starts, ends):
+            if a == b:
+                continue
+            t0, t1 = int(tokens[a]), int(tokens[b])
+            yield int(keys[a]), PayloadBatch(hashes[a:b], example_ids[a:b],
+                                             Ragged(examples.lens[a:b], examples.ids[t0:t1], examples.mask[t0:t1]))
+
+    def targets_after_first(self, end: int | None = None) -> np.ndarray:
+        """Per example: target tokens after its first token (and before `end` tokens when
+        given), the count has_target() tests: the row builder zeroes a segment's first token."""
+        lens = self.examples.lens.astype(np.int64)
+        starts = np.cumsum(lens) - lens
+        sums = np.concatenate([[0], np.cumsum(self.examples.mask, dtype=np.int64)])
+        stop = starts + (lens if end is None else np.minimum(lens, end))
+        return sums[np.maximum(stop, starts + np.minimum(lens, 1))] - sums[starts + np.minimum(lens, 1)]
+
+
+@dataclasses.dataclass
 class PayloadBatch:
     hashes: np.ndarray  # uint64
     example_ids: list[str]
@@ -129,14 +183,6 @@ class PayloadBatch:
         hashes, id_lens, id_data, lens, ids, mask = wire
         return PayloadBatch(np.frombuffer(hashes, "<u8"), _bytes_to_strings(id_lens, id_data),
                             Ragged(np.frombuffer(lens, LENS), ids_from_wire(ids), mask_from_wire(mask)))
-
-    @staticmethod
-    def from_examples(items: Sequence[tuple[int, str, bytes, bytes]]) -> "PayloadBatch":
-        return PayloadBatch(
-            np.fromiter((h for h, _, _, _ in items), dtype=np.uint64, count=len(items)),
-            [eid for _, eid, _, _ in items],
-            Ragged.from_lists([ids for _, _, ids, _ in items], [m for _, _, _, m in items]),
-        )
 
     @staticmethod
     def concat(parts: Sequence["PayloadBatch"]) -> "PayloadBatch":

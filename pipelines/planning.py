@@ -53,6 +53,15 @@ def sub_bucket(h: int, num_sub_buckets: int) -> int:
     return (h * num_sub_buckets) >> 64
 
 
+def sub_buckets_of(hashes: np.ndarray, num_sub_buckets: int) -> np.ndarray:
+    """sub_bucket for an array of uint64 hashes, exactly: (h * B) >> 64 split at 32 bits so
+    that nothing overflows 64 bits (B <= MAX_SUB_BUCKETS < 2**32)."""
+    h = np.asarray(hashes, dtype=np.uint64)
+    b = np.uint64(num_sub_buckets)
+    high = (h >> np.uint64(32)) * b + (((h & np.uint64(0xFFFFFFFF)) * b) >> np.uint64(32))
+    return (high >> np.uint64(32)).astype(np.int64)
+
+
 def choose_sub_buckets(est_records: int, pack: bool) -> int:
     """Enough sub-buckets that one group stays small, derived from the input alone so
     two runs over the same inputs always agree."""

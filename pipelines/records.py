@@ -2,14 +2,11 @@
 
 Plain tuples of ints, strs and bytes go through Beam's fast primitive coder;
 dataclasses or numpy arrays would be pickled, several times slower per element.
-Token ids travel as little-endian int32 bytes and loss masks as uint8 bytes.
+Token payloads travel in columnar batches (pipelines/columns.py).
 
 - Loc = (task_index, record_index, line, sub_index): where an example came from.
   sub_index numbers the examples one record yields (0 for the first).
-- Example = (hash, example_id, ids_bytes, mask_bytes, loc)  after tokenizing
-- Payload = (hash, example_id, ids_bytes, mask_bytes)       while routed to rows
-- Fragment = (row, position, ids_bytes, mask_bytes)         on its way to a shard
-- DeadLetter = (sort_key, entry dict)                       sorted by source before writing
+- DeadLetter = (sort_key, entry dict): sorted by source before writing
 """
 
 from __future__ import annotations
@@ -17,15 +14,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import numpy as np
-
 Loc = tuple[int, int, int, int]
-Example = tuple[int, str, bytes, bytes, Loc]
-Payload = tuple[int, str, bytes, bytes]
-Fragment = tuple[int, int, bytes, bytes]
 DeadLetter = tuple[tuple, dict]
-
-IDS_DTYPE = np.dtype("<i4")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,16 +51,3 @@ def dead_letter(
 ) -> DeadLetter:
     entry = {"reason": reason, "field": field, "message": message, "source": source(metas, loc), "raw": raw, **extra}
     return (tuple(loc) + (reason,), entry)
-
-
-def ids_to_bytes(ids: Any) -> bytes:
-    return np.asarray(ids, dtype=IDS_DTYPE).tobytes()
-
-
-def mask_to_bytes(mask: Any) -> bytes:
-    return np.asarray(mask, dtype=np.uint8).tobytes()
-
-
-def has_target(mask: bytes, end: int | None = None) -> bool:
-    """Whether any token after the first (the row builder zeroes the first) is a target."""
-    return mask.find(b"\x01", 1, len(mask) if end is None else end) != -1

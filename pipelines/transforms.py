@@ -28,17 +28,13 @@ from apache_beam.pvalue import TaggedOutput
 from apache_beam.transforms.window import GlobalWindows
 
 from pipelines import readers
-from pipelines.columns import FragmentBatch, PayloadBatch, concat_wire
-from pipelines.planning import LengthPlan, stable_hash, sub_bucket
+from pipelines.columns import IDS, LENS, MASK, FragmentBatch, PayloadBatch, Ragged, TokenizedBatch, concat_wire
+from pipelines.planning import LengthPlan, stable_hash, sub_buckets_of
 from pipelines.records import (
     DeadLetter,
-    Example,
     TaskMeta,
     dead_letter,
     example_id,
-    has_target,
-    ids_to_bytes,
-    mask_to_bytes,
 )
 from pipelines.sources import ReadTask
 from prepack.packer import DropReason, OverlongPolicy
@@ -200,13 +196,13 @@ class _Tokenizing:
 
     def _tokenize(
         self, convs: list, metas: list[tuple[Any, str]], tally: Counter, bad: list[DeadLetter]
-    ) -> list[Example]:
+    ) -> list[TokenizedBatch]:
         """Examples for convs (metas[i] = (loc, example_id)); a conversation the chat format
         rejects becomes a dead letter and the rest of the batch goes on."""
         from prepack.chat_formats import ChatFormatError, tokenize_conversations_flat
 
         started = StageClock.now()
-        out: list[Example] = []
+        out: list[TokenizedBatch] = []
         start = 0
         while start < len(convs):
             try:
@@ -229,34 +225,32 @@ class _Tokenizing:
         self.clock_tokenize.add(StageClock.now() - started)
         return out
 
-    def _tokenize_pairs(self, prompts: list[str], responses: list[str], metas: list[tuple[Any, str]]) -> list[Example]:
+    def _tokenize_pairs(self, prompts: list[str], responses: list[str], metas: list[tuple[Any, str]]) -> list[TokenizedBatch]:
         """Examples for single-turn pairs; a fixed layout has no per-conversation errors."""
         from prepack.chat_formats import tokenize_pairs_flat
 
         started = StageClock.now()
-        out: list[Example] = []
+        out: list[TokenizedBatch] = []
         self._emit(tokenize_pairs_flat(prompts, responses, self.tokenizer, self.format), metas, out)
         self.clock_tokenize.add(StageClock.now() - started)
         return out
 
-    def _emit(self, tokenized: tuple | None, metas: list[tuple[Any, str]], out: list[Example]) -> None:
+    def _emit(self, tokenized: tuple | None, metas: list[tuple[Any, str]], out: list[TokenizedBatch]) -> None:
         """tokenized: (input_ids, loss_mask, ends) of a batch (tokenize_conversations_flat)."""
         if tokenized is None:
             return
         input_ids, loss_mask, ends = tokenized
         if not ends:
             return
-        # One conversion of the whole batch, then byte slices: cheaper than two small
-        # numpy conversions per example.
-        ids_all = ids_to_bytes(input_ids)
-        mask_all = mask_to_bytes(loss_mask)
+        lens = np.diff(np.asarray(ends, dtype=np.int64), prepend=0)
+        eids = [eid for _, eid in metas]
+        hashes = np.fromiter(map(stable_hash, eids), dtype=np.uint64, count=len(eids))
         update_length = self.m_lengths.update
-        append = out.append
-        start = 0
-        for end, (loc, eid) in zip(ends, metas):
-            update_length(end - start)
-            append((stable_hash(eid), eid, ids_all[4 * start : 4 * end], mask_all[start:end], loc))
-            start = end
+        for n in lens.tolist():
+            update_length(n)
+        out.append(TokenizedBatch(hashes, eids, [loc for loc, _ in metas],
+                                  Ragged(lens.astype(LENS), np.asarray(input_ids, IDS), np.asarray(loss_mask, MASK))))
+        start = ends[-1]
         self.m_examples.inc(len(ends))
         self.m_tokens.inc(start)
         if self.ctx.progress:
@@ -331,8 +325,7 @@ class PrepareFn(beam.DoFn, _Tokenizing):
         else:
             examples = self._tokenize(convs, metas, tally, bad)
         self.m_bad.inc(sum(v for k, v in tally.items() if k[0] == "bad_record"))
-        if examples:
-            yield examples
+        yield from examples
         for entry in bad:
             yield TaggedOutput(TAG_BAD, entry)
         yield TaggedOutput(TAG_TALLY, tally)
@@ -428,8 +421,8 @@ class TableToExamplesFn(beam.DoFn, _Tokenizing):
         examples = self._tokenize(self.convs, self.metas, self.tally, bad) if self.convs else []
         self.convs, self.metas = [], []
         wrap = _windowed if windowed else (lambda v: v)
-        if examples:
-            yield wrap(examples)
+        for batch in examples:
+            yield wrap(batch)
         for entry in bad:
             yield TaggedOutput(TAG_BAD, wrap(entry))
 
@@ -443,11 +436,13 @@ class TableToExamplesFn(beam.DoFn, _Tokenizing):
 
 
 class FitAndKeyFn(beam.DoFn):
-    """Examples -> ((length_key, b), PayloadBatch wire) for the routing GroupByKey.
+    """TokenizedBatches -> ((length_key, b), PayloadBatch wire) for the routing GroupByKey.
 
     Applies the overlong policy for every max length (counting drops by reason and
     writing their dead letters) and builds this bundle's share of the
-    (L, length_key, b) histogram the plan is made from.
+    (L, length_key, b) histogram the plan is made from. The common case, an example with
+    a target that fits every max length, is decided for the whole batch with array
+    operations; the others go one by one.
     """
 
     def __init__(self, ctx: JobContext):
@@ -459,50 +454,72 @@ class FitAndKeyFn(beam.DoFn):
         self.clock = StageClock("fit")
 
     def start_bundle(self) -> None:
-        self.buffers: dict[tuple[int, int], list] = defaultdict(list)
+        # Kept examples wait here until a flush: (batch, kept indices, group code per index).
+        self.pending: list[tuple[TokenizedBatch, np.ndarray, np.ndarray]] = []
         self.buffered = 0
         self.hist: Counter = Counter()
         # (length_key, b) of examples that fit every max length: expanded into hist at the
-        # end of the bundle (one Counter update per example instead of one per L).
+        # end of the bundle (one Counter update per group instead of one per example and L).
         self.hist_fits_all: Counter = Counter()
         self.tally: Counter = Counter()
 
-    def process(self, examples: list[Example]) -> Iterator[Any]:
+    def process(self, batch: TokenizedBatch) -> Iterator[Any]:
         started = StageClock.now()
         ctx = self.ctx
+        buckets = ctx.sub_buckets
+        lens = batch.examples.lens.astype(np.int64)
+        has_targets = batch.targets_after_first() > 0
+        fits_all = has_targets & (lens <= min(ctx.max_lengths))
+        length_keys = lens if ctx.pack else np.zeros_like(lens)
+        # One int per (length_key, b) group: code = length_key * B + b.
+        codes = length_keys * buckets + sub_buckets_of(batch.hashes, buckets)
+        groups, counts = np.unique(codes[fits_all], return_counts=True)
+        for code, count in zip(groups.tolist(), counts.tolist()):
+            self.hist_fits_all[divmod(code, buckets)] += count
+        kept = fits_all.copy()
+        others = np.flatnonzero(~fits_all).tolist()
+        if others:
+            yield from self._fit_one_by_one(batch, others, has_targets, codes, kept)
+        index = np.flatnonzero(kept)
+        if len(index):
+            self.pending.append((batch, index, codes[index]))
+            self.buffered += len(index)
+        self.clock.add(StageClock.now() - started)
+        if self.buffered >= FLUSH_EXAMPLES:
+            yield from self._flush(windowed=False)
+
+    def _fit_one_by_one(self, batch: TokenizedBatch, others: list[int], has_targets: np.ndarray,
+                        codes: np.ndarray, kept: np.ndarray) -> Iterator[Any]:
+        """Examples without a target, or longer than the shortest max length."""
+        ctx = self.ctx
         truncate = ctx.overlong is OverlongPolicy.TRUNCATE
-        hist, tally, buffers = self.hist, self.tally, self.buffers
-        fits_all, shortest = self.hist_fits_all, min(ctx.max_lengths)
-        pack, sub_buckets = ctx.pack, ctx.sub_buckets
-        for h, eid, ids, mask, loc in examples:
-            n = len(mask)
-            if n <= shortest and mask.find(b"\x01", 1) != -1:  # has_target(mask), fits every L
-                kb = (n if pack else 0, sub_bucket(h, sub_buckets))
-                fits_all[kb] += 1
-                buffers[kb].append((h, eid, ids, mask))
-                self.buffered += 1
-                continue
-            if not has_target(mask):
+        hist, tally = self.hist, self.tally
+        lens = batch.examples.lens
+        targets_within: dict[int, np.ndarray] = {}  # L -> targets after the first within L tokens
+        for i in others:
+            n, eid, loc = int(lens[i]), batch.example_ids[i], batch.locs[i]
+            if not has_targets[i]:
                 tally[("no_targets",)] += 1
                 entry = dead_letter(ctx.tasks, loc, "no_targets", "", "no target token after the first, so the example "
                                     "trains nothing", None, example_id=eid, tokens=n)
                 for L in ctx.max_lengths:
                     yield TaggedOutput(TAG_DEAD, (L, entry))
                 continue
-            key = n if ctx.pack else 0
-            b = sub_bucket(h, ctx.sub_buckets)
-            kept = False
+            key, b = divmod(int(codes[i]), ctx.sub_buckets)
             for L in ctx.max_lengths:
                 if n <= L:
                     hist[(L, key, b)] += 1
-                    kept = True
+                    kept[i] = True
                     continue
-                if truncate and has_target(mask, L):
-                    hist[(L, key, b)] += 1
-                    tally[("L", L, "truncated")] += 1
-                    self.m_truncated[L].inc()
-                    kept = True
-                    continue
+                if truncate:
+                    if L not in targets_within:
+                        targets_within[L] = batch.targets_after_first(L)
+                    if targets_within[L][i] > 0:
+                        hist[(L, key, b)] += 1
+                        tally[("L", L, "truncated")] += 1
+                        self.m_truncated[L].inc()
+                        kept[i] = True
+                        continue
                 reason = DropReason.NO_TARGETS_AFTER_TRUNCATION if truncate else DropReason.TOO_LONG
                 tally[("L", L, "dropped", reason.value)] += 1
                 self.m_dropped[L].inc()
@@ -510,18 +527,17 @@ class FitAndKeyFn(beam.DoFn):
                            else f"{n} tokens, more than max_length {L}")
                 yield TaggedOutput(TAG_DEAD, (L, dead_letter(ctx.tasks, loc, reason.value, "", message, None,
                                                              example_id=eid, tokens=n)))
-            if kept:
-                buffers[(key, b)].append((h, eid, ids, mask))
-                self.buffered += 1
-        self.clock.add(StageClock.now() - started)
-        if self.buffered >= FLUSH_EXAMPLES:
-            yield from self._flush(windowed=False)
 
     def _flush(self, windowed: bool) -> Iterator[Any]:
         wrap = _windowed if windowed else (lambda v: v)
-        for key, payloads in self.buffers.items():
-            yield wrap((key, PayloadBatch.from_examples(payloads).to_wire()))
-        self.buffers = defaultdict(list)
+        if self.pending:
+            offsets = np.cumsum([0] + [len(batch) for batch, _, _ in self.pending[:-1]])
+            merged = TokenizedBatch.concat([batch for batch, _, _ in self.pending])
+            index = np.concatenate([idx + off for (_, idx, _), off in zip(self.pending, offsets.tolist())])
+            codes = np.concatenate([c for _, _, c in self.pending])
+            for code, payloads in merged.grouped_payloads(index, codes):
+                yield wrap((divmod(code, self.ctx.sub_buckets), payloads.to_wire()))
+        self.pending = []
         self.buffered = 0
 
     def finish_bundle(self) -> Iterator[Any]:

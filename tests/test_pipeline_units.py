@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipelines.options import LOCAL_RUNNER_ARGS, OptionsError, parse_args, with_default_runner
-from pipelines.planning import build_plan, choose_num_shards, stable_hash, sub_bucket
+from pipelines.columns import Ragged, TokenizedBatch
+from pipelines.planning import build_plan, choose_num_shards, stable_hash, sub_bucket, sub_buckets_of
 from pipelines.report import density_table
 from pipelines.rows import RowLayoutError, encode_rows
 from pipelines.sources import InputError, parse_hf_spec, parse_tfds_spec, resolve_inputs
@@ -82,6 +83,51 @@ def test_sub_bucket_is_monotone_and_in_range():
     for B in (1, 3, 64, 1000):
         bs = [sub_bucket(h, B) for h in hs]
         assert bs == sorted(bs) and 0 <= min(bs) and max(bs) < B
+
+
+@given(hashes=st.lists(st.integers(0, 2**64 - 1), max_size=200),
+       buckets=st.sampled_from([1, 2, 3, 7, 64, 1000, 4095, 4096]))
+def test_sub_buckets_of_equals_sub_bucket(hashes, buckets):
+    edges = [0, 1, 2**32 - 1, 2**32, 2**63, 2**64 - 1]
+    hs = hashes + edges
+    assert sub_buckets_of(np.array(hs, dtype=np.uint64), buckets).tolist() == [sub_bucket(h, buckets) for h in hs]
+
+
+@settings(max_examples=200, deadline=None)
+@given(masks=st.lists(st.lists(st.integers(0, 1), min_size=1, max_size=12), min_size=1, max_size=20),
+       end=st.one_of(st.none(), st.integers(2, 14)))
+def test_targets_after_first_is_the_per_example_rule(masks, end):
+    # The rule FitAndKeyFn applies to whole batches: a target token after the first, within
+    # the first `end` tokens (the row builder zeroes a segment's first loss-mask entry).
+    flat = np.array([m for mask in masks for m in mask], dtype=np.uint8)
+    lens = np.array([len(m) for m in masks], dtype=np.int32)
+    batch = TokenizedBatch(np.zeros(len(masks), np.uint64), [str(i) for i in range(len(masks))],
+                           [(0, i, 0, 0) for i in range(len(masks))], Ragged(lens, np.zeros(len(flat), np.int32), flat))
+    want = [sum(mask[1:len(mask) if end is None else end]) for mask in masks]
+    assert batch.targets_after_first(end).tolist() == want
+
+
+def test_grouped_payloads_keeps_every_example_once_by_key():
+    rng = np.random.default_rng(0)
+    lens = rng.integers(1, 9, size=50).astype(np.int32)
+    ids = np.arange(int(lens.sum()), dtype=np.int32)
+    batch = TokenizedBatch(rng.integers(0, 2**63, size=50).astype(np.uint64), [f"e{i}" for i in range(50)],
+                           [(0, i, 0, 0) for i in range(50)], Ragged(lens, ids, (ids % 2).astype(np.uint8)))
+    index = np.array([i for i in range(50) if i % 3], dtype=np.int64)
+    keys = rng.integers(0, 5, size=len(index))
+    starts = np.cumsum(lens) - lens
+    seen = []
+    groups = list(batch.grouped_payloads(index, keys))
+    assert [k for k, _ in groups] == sorted({int(k) for k in keys})
+    for key, payloads in groups:
+        for j, eid in enumerate(payloads.example_ids):
+            i = int(eid[1:])
+            assert keys[list(index).index(i)] == key and payloads.hashes[j] == batch.hashes[i]
+            lo = int(np.cumsum(payloads.examples.lens)[j] - payloads.examples.lens[j])
+            got = payloads.examples.ids[lo:lo + lens[i]]
+            assert got.tolist() == ids[starts[i]:starts[i] + lens[i]].tolist()
+            seen.append(i)
+    assert sorted(seen) == index.tolist()
 
 
 def test_stable_hash_is_fixed():
