@@ -50,11 +50,6 @@ class Ragged:
         return Ragged(self.lens[index] if new_lens is None else new_lens, self.ids[flat], self.mask[flat])
 
     @staticmethod
-    def from_lists(ids: Sequence[bytes], masks: Sequence[bytes]) -> "Ragged":
-        lens = np.fromiter((len(m) for m in masks), dtype=LENS, count=len(masks))
-        return Ragged(lens, np.frombuffer(b"".join(ids), IDS), np.frombuffer(b"".join(masks), MASK))
-
-    @staticmethod
     def concat(parts: Sequence["Ragged"]) -> "Ragged":
         return Ragged(
             np.concatenate([p.lens for p in parts]) if parts else np.zeros(0, LENS),
@@ -127,6 +122,12 @@ class TokenizedBatch:
 
     def __len__(self) -> int:
         return len(self.example_ids)
+
+    def take(self, index: np.ndarray) -> "TokenizedBatch":
+        index = np.asarray(index, dtype=np.int64)
+        rows = index.tolist()
+        return TokenizedBatch(self.hashes[index], [self.example_ids[i] for i in rows], [self.locs[i] for i in rows],
+                              self.examples.take(index))
 
     @staticmethod
     def concat(parts: Sequence["TokenizedBatch"]) -> "TokenizedBatch":

@@ -16,6 +16,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from pipelines.planning import MAX_SUB_BUCKETS
 from prepack.packer import OverlongPolicy
 
 DEFAULT_MAX_LENGTHS = (2048,)
@@ -161,8 +162,8 @@ def parse_args(argv: Sequence[str]) -> tuple[PackConfig, list[str]]:
         raise OptionsError(f"--target-shard-mb must be positive, got {ns.target_shard_mb}")
     if not 0.0 <= ns.max_bad_fraction <= 1.0:
         raise OptionsError(f"--max-bad-fraction must be within 0..1, got {ns.max_bad_fraction}")
-    if ns.sub_buckets is not None and ns.sub_buckets < 1:
-        raise OptionsError(f"--sub-buckets must be at least 1, got {ns.sub_buckets}")
+    if ns.sub_buckets is not None and not 1 <= ns.sub_buckets <= MAX_SUB_BUCKETS:
+        raise OptionsError(f"--sub-buckets must be between 1 and {MAX_SUB_BUCKETS}, got {ns.sub_buckets}")
     if ns.batch_size < 1:
         raise OptionsError(f"--batch-size must be at least 1, got {ns.batch_size}")
     template_options = {}

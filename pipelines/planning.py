@@ -56,6 +56,8 @@ def sub_bucket(h: int, num_sub_buckets: int) -> int:
 def sub_buckets_of(hashes: np.ndarray, num_sub_buckets: int) -> np.ndarray:
     """sub_bucket for an array of uint64 hashes, exactly: (h * B) >> 64 split at 32 bits so
     that nothing overflows 64 bits (B <= MAX_SUB_BUCKETS < 2**32)."""
+    if not 1 <= num_sub_buckets <= MAX_SUB_BUCKETS:
+        raise ValueError(f"num_sub_buckets must be between 1 and {MAX_SUB_BUCKETS}, got {num_sub_buckets}")
     h = np.asarray(hashes, dtype=np.uint64)
     b = np.uint64(num_sub_buckets)
     high = (h >> np.uint64(32)) * b + (((h & np.uint64(0xFFFFFFFF)) * b) >> np.uint64(32))

@@ -3,11 +3,12 @@
 Writing shards and dead letters is in writer.py; the graph is wired in job.py.
 
 Batching: after reading, records travel in batches of `batch_size` (one
-element per batch), and examples on their way to a GroupByKey are buffered per
-key for the whole bundle. Per-element overhead in Beam's local runner is tens
-of microseconds, far more than the tokenizer spends on a short example, so
-moving batches rather than examples is what keeps the job near the raw
-tokenizer's speed.
+element per batch); tokenized examples stay columnar (one TokenizedBatch per
+batch), and the examples bound for the routing GroupByKey are buffered for the
+bundle and grouped by key when flushed. Per-element overhead in Beam's local
+runner is tens of microseconds, far more than the tokenizer spends on a short
+example, so moving batches rather than examples is what keeps the job near the
+raw tokenizer's speed.
 """
 
 from __future__ import annotations
@@ -236,7 +237,8 @@ class _Tokenizing:
         return out
 
     def _emit(self, tokenized: tuple | None, metas: list[tuple[Any, str]], out: list[TokenizedBatch]) -> None:
-        """tokenized: (input_ids, loss_mask, ends) of a batch (tokenize_conversations_flat)."""
+        """tokenized: (input_ids, loss_mask, ends) of a batch, from tokenize_conversations_flat
+        or tokenize_pairs_flat; appends one TokenizedBatch to `out`."""
         if tokenized is None:
             return
         input_ids, loss_mask, ends = tokenized
@@ -258,7 +260,8 @@ class _Tokenizing:
 
 
 class PrepareFn(beam.DoFn, _Tokenizing):
-    """(task_index, raw records) -> a list of Examples; tagged: dead letters, tallies.
+    """(task_index, raw records) -> TokenizedBatches (one per stretch of the batch between
+    conversations the chat format rejects, usually one); tagged: dead letters, tallies.
 
     Decodes, parses and templates each record, then tokenizes the whole batch at once.
     """
@@ -283,7 +286,7 @@ class PrepareFn(beam.DoFn, _Tokenizing):
         meta = self.ctx.tasks[task_index]
         tally: Counter = Counter()
         bad: list[DeadLetter] = []
-        convs: list = []
+        convs: list = []  # Conversations, or on the fast path the prompts
         responses: list[str] = []
         metas: list[tuple[Any, str]] = []
         pairs = self.pairs
@@ -364,7 +367,7 @@ class KeyTableRecordsFn(beam.DoFn):
 
 
 class TableToExamplesFn(beam.DoFn, _Tokenizing):
-    """(tree id, messages) -> Examples. Conversations are buffered across trees and
+    """(tree id, messages) -> TokenizedBatches. Conversations are buffered across trees and
     tokenized `batch_size` at a time; the bundle's rest is flushed at its end."""
 
     def __init__(self, ctx: JobContext):
@@ -454,8 +457,8 @@ class FitAndKeyFn(beam.DoFn):
         self.clock = StageClock("fit")
 
     def start_bundle(self) -> None:
-        # Kept examples wait here until a flush: (batch, kept indices, group code per index).
-        self.pending: list[tuple[TokenizedBatch, np.ndarray, np.ndarray]] = []
+        # Kept examples wait here until a flush: (batch of kept examples, group code of each).
+        self.pending: list[tuple[TokenizedBatch, np.ndarray]] = []
         self.buffered = 0
         self.hist: Counter = Counter()
         # (length_key, b) of examples that fit every max length: expanded into hist at the
@@ -482,7 +485,10 @@ class FitAndKeyFn(beam.DoFn):
             yield from self._fit_one_by_one(batch, others, has_targets, codes, kept)
         index = np.flatnonzero(kept)
         if len(index):
-            self.pending.append((batch, index, codes[index]))
+            # Only kept examples wait for the flush, so FLUSH_EXAMPLES bounds what a bundle holds.
+            if len(index) < len(batch):
+                batch = batch.take(index)
+            self.pending.append((batch, codes[index]))
             self.buffered += len(index)
         self.clock.add(StageClock.now() - started)
         if self.buffered >= FLUSH_EXAMPLES:
@@ -531,11 +537,9 @@ class FitAndKeyFn(beam.DoFn):
     def _flush(self, windowed: bool) -> Iterator[Any]:
         wrap = _windowed if windowed else (lambda v: v)
         if self.pending:
-            offsets = np.cumsum([0] + [len(batch) for batch, _, _ in self.pending[:-1]])
-            merged = TokenizedBatch.concat([batch for batch, _, _ in self.pending])
-            index = np.concatenate([idx + off for (_, idx, _), off in zip(self.pending, offsets.tolist())])
-            codes = np.concatenate([c for _, _, c in self.pending])
-            for code, payloads in merged.grouped_payloads(index, codes):
+            merged = TokenizedBatch.concat([batch for batch, _ in self.pending])
+            codes = np.concatenate([c for _, c in self.pending])
+            for code, payloads in merged.grouped_payloads(np.arange(len(merged)), codes):
                 yield wrap((divmod(code, self.ctx.sub_buckets), payloads.to_wire()))
         self.pending = []
         self.buffered = 0

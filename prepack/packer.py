@@ -58,8 +58,7 @@ class _BestFit:
 
     def place(self, length: int) -> int:
         """Puts an item of `length` into the fullest row it fits; returns the row index."""
-        if not 0 < length <= self.max_length:
-            raise ValueError(f"item length {length} is outside 1..{self.max_length}")
+        self._check(length)
         fits = self._nonempty >> length
         if fits:
             free = length + (fits & -fits).bit_length() - 1

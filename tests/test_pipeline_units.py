@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipelines.options import LOCAL_RUNNER_ARGS, OptionsError, parse_args, with_default_runner
-from pipelines.columns import Ragged, TokenizedBatch
+from pipelines.columns import PayloadBatch, Ragged, TokenizedBatch
 from pipelines.planning import build_plan, choose_num_shards, stable_hash, sub_bucket, sub_buckets_of
 from pipelines.report import density_table
 from pipelines.rows import RowLayoutError, encode_rows
@@ -206,6 +206,8 @@ def test_parse_args_defaults_and_pass_through(tmp_path):
     (["--input", "a", "--format", "alpaca", "--output", "o", "--max-bad-fraction", "2"], "within 0..1"),
     (["--sample", "--input", "a", "--output", "o"], "do not combine"),
     (["--sample", "--output", "o", "--direct_running_mode", "multi_threading"], "multi_threading is not supported"),
+    (["--sample", "--output", "o", "--sub-buckets", "0"], "--sub-buckets must be between 1 and 4096, got 0"),
+    (["--sample", "--output", "o", "--sub-buckets", "4097"], "--sub-buckets must be between 1 and 4096, got 4097"),
 ])
 def test_parse_args_errors(args, message):
     with pytest.raises(OptionsError, match=message):
@@ -287,3 +289,183 @@ def test_build_plan_slots_equal_the_per_item_construction(max_length, entries):
     assert plan.num_rows == len(segments)
     assert (plan.min_segments, plan.max_segments) == (min(segments, default=0), max(segments, default=0))
     assert plan.tokens == sum(cls * len(r) for cls, (r, _) in slots.items())
+
+
+# ----------------------------------------------------------------------------- fit step
+
+
+def _fit_reference(examples, max_lengths, truncate, pack, buckets):
+    """The per-example rule FitAndKeyFn applies, written out plainly."""
+    payloads, hist, tally, dead = set(), Counter(), Counter(), []
+    for eid, ids, mask in examples:
+        n, h = len(ids), stable_hash(eid)
+        if not any(mask[1:]):
+            tally[("no_targets",)] += 1
+            dead += [(L, "no_targets", eid) for L in max_lengths]
+            continue
+        key, kept = (n if pack else 0, sub_bucket(h, buckets)), False
+        for L in max_lengths:
+            if n <= L or (truncate and any(mask[1:L])):
+                hist[(L, *key)] += 1
+                kept = True
+                if n > L:
+                    tally[("L", L, "truncated")] += 1
+                continue
+            reason = "no_targets_after_truncation" if truncate else "too_long"
+            tally[("L", L, "dropped", reason)] += 1
+            dead.append((L, reason, eid))
+        if kept:
+            payloads.add((key, h, eid, tuple(ids), tuple(mask)))
+    return payloads, dict(hist), dict(tally), sorted(dead)
+
+
+@settings(max_examples=120, deadline=None)
+@given(data=st.data(), max_lengths=st.lists(st.sampled_from([3, 4, 6, 8, 16]), min_size=1, max_size=3, unique=True),
+       truncate=st.booleans(), pack=st.booleans(), buckets=st.sampled_from([1, 2, 7]), flush=st.sampled_from([3, 20_000]))
+def test_fit_and_key_matches_the_per_example_rule(data, max_lengths, truncate, pack, buckets, flush):
+    import pipelines.transforms as T
+    from pipelines.records import TaskMeta
+    from prepack.packer import OverlongPolicy
+
+    max_lengths = tuple(sorted(max_lengths))
+    batches, k = [], 0
+    for _ in range(data.draw(st.integers(1, 4))):
+        batch = []
+        for _ in range(data.draw(st.integers(1, 8))):
+            n = data.draw(st.integers(1, 20))
+            mask = data.draw(st.lists(st.integers(0, 1), min_size=n, max_size=n))
+            batch.append((f"0/f.jsonl/{k}", list(range(100 * k, 100 * k + n)), mask))
+            k += 1
+        batches.append(batch)
+    ctx = T.JobContext(tasks=(TaskMeta(0, "in", "f.jsonl", "f.jsonl"),), template="alpaca", template_options=(),
+                       tokenizer="unused", chat_format="gemma", max_lengths=max_lengths,
+                       overlong=OverlongPolicy.TRUNCATE if truncate else OverlongPolicy.DROP, pack=pack,
+                       sub_buckets=buckets, batch_size=8, progress=False, output="/tmp/unused", run_id="r", pad_id=0)
+    fn = T.FitAndKeyFn(ctx)
+    fn.setup()
+    fn.start_bundle()
+    old_flush, T.FLUSH_EXAMPLES = T.FLUSH_EXAMPLES, flush  # also flush mid-bundle
+    try:
+        out = []
+        for batch in batches:
+            lens = np.array([len(ids) for _, ids, _ in batch], dtype=np.int32)
+            out += list(fn.process(TokenizedBatch(
+                np.array([stable_hash(eid) for eid, _, _ in batch], dtype=np.uint64), [eid for eid, _, _ in batch],
+                [(0, int(eid.rsplit("/", 1)[1]), 0, 0) for eid, _, _ in batch],
+                Ragged(lens, np.array([t for _, ids, _ in batch for t in ids], dtype=np.int32),
+                       np.array([m for _, _, mask in batch for m in mask], dtype=np.uint8)))))
+        out += list(fn.finish_bundle())
+    finally:
+        T.FLUSH_EXAMPLES = old_flush
+    payloads, hist, tally, dead = set(), Counter(), Counter(), []
+    for item in out:
+        tag, value = getattr(item, "tag", None), getattr(item, "value", item)
+        value = getattr(value, "value", value)  # unwrap WindowedValue
+        if tag == T.TAG_HIST:
+            hist.update(value)
+        elif tag == T.TAG_TALLY:
+            tally.update(value)
+        elif tag == T.TAG_DEAD:
+            L, (_, entry) = value
+            dead.append((L, entry["reason"], entry["example_id"]))
+        else:
+            key, wire = value
+            batch = PayloadBatch.from_wire(wire)
+            ends = np.cumsum(batch.examples.lens).tolist()
+            starts = [0] + ends[:-1]
+            for j, eid in enumerate(batch.example_ids):
+                payloads.add((tuple(key), int(batch.hashes[j]), eid, tuple(batch.examples.ids[starts[j]:ends[j]].tolist()),
+                              tuple(batch.examples.mask[starts[j]:ends[j]].tolist())))
+    examples = [example for batch in batches for example in batch]
+    want = _fit_reference(examples, max_lengths, truncate, pack, buckets)
+    assert payloads == want[0]
+    assert {k: v for k, v in hist.items() if v} == want[1]
+    assert dict(tally) == want[2]
+    assert sorted(dead) == want[3]
+
+
+# ----------------------------------------------------------------------------- prepare step
+
+
+def _prepare_outputs(fn, records):
+    from pipelines import readers
+
+    items = [(i, i + 1, readers.RAW_TEXT, r if isinstance(r, bytes) else __import__("json").dumps(r).encode())
+             for i, r in enumerate(records)]
+    examples, tagged = [], []
+    for out in fn.process((0, items)):
+        if getattr(out, "tag", None):
+            tagged.append((out.tag, repr(out.value)))
+            continue
+        ends = np.cumsum(out.examples.lens).tolist()
+        for j, (eid, start, end) in enumerate(zip(out.example_ids, [0] + ends[:-1], ends)):
+            examples.append((int(out.hashes[j]), eid, out.locs[j], out.examples.ids[start:end].tolist(),
+                             out.examples.mask[start:end].tolist()))
+    return examples, tagged
+
+
+PREPARE_RECORDS = {
+    "alpaca": [{"instruction": " Name a color. ", "input": "", "output": " Blue.\n"},
+               {"instruction": "Add", "input": " 2 and 2 ", "output": "4"},
+               {"instruction": "x", "output": "  "}, {"output": "y"}, [1], b"{not json",
+               {"instruction": "Say <end_of_turn> or <|im_end|>", "input": None, "output": "\u3000ok\u00a0"}],
+    "prompt_response": [{"prompt": "Q?", "response": "A."}, {"prompt": " \t", "response": "A"},
+                        {"prompt": "Hello world", "response": "\nBonjour le monde\n"}],
+    "translation": [{"translation": {"en": "Hello.", "fr": "Bonjour."}}, {"en": " Bye. ", "fr": "Salut."},
+                    {"de": "x"}, {"translation": 3}],
+}
+
+
+@pytest.mark.parametrize("template", sorted(PREPARE_RECORDS))
+@pytest.mark.parametrize("tokenizer_kind", ["gemma3", "chatml"])
+def test_prepare_fast_path_equals_the_conversation_path(template, tokenizer_kind, tmp_path_factory):
+    """PrepareFn's single-turn path (to_pair + tokenize_pairs_flat) against the general one
+    (to_conversations + tokenize_conversations_flat): same examples, dead letters, tallies."""
+    import pipelines.transforms as T
+    from pipelines.records import TaskMeta
+    from prepack.packer import OverlongPolicy
+
+    if tokenizer_kind == "gemma3":
+        tokenizer, chat_format = "gemma3", "gemma"
+    else:
+        from test_templates import CHATML_TEMPLATE, build_hf_dir
+
+        chatml_kw = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "additional_special_tokens": ["<|im_start|>"]}
+        folder = build_hf_dir(tmp_path_factory.mktemp("chatml"), ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                              CHATML_TEMPLATE, **chatml_kw)
+        tokenizer, chat_format = f"hf:{folder}", "chatml"
+    options = (("source_lang", "en"), ("target_lang", "fr")) if template == "translation" else ()
+    ctx = T.JobContext(tasks=(TaskMeta(0, "in", "f.jsonl", "f.jsonl"),), template=template, template_options=options,
+                       tokenizer=tokenizer, chat_format=chat_format, max_lengths=(64,), overlong=OverlongPolicy.DROP,
+                       pack=True, sub_buckets=1, batch_size=64, progress=False, output="/tmp/unused", run_id="r", pad_id=0)
+    fast = T.PrepareFn(ctx)
+    fast.setup()
+    slow = T.PrepareFn(ctx)
+    slow.setup()
+    assert fast.pairs
+    slow.pairs = False
+    got, want = _prepare_outputs(fast, PREPARE_RECORDS[template]), _prepare_outputs(slow, PREPARE_RECORDS[template])
+    assert got == want and got[0]
+    if template == "alpaca":
+        assert {reason for _, text in got[1] for reason in ("empty_response", "missing_field", "not_an_object",
+                                                            "malformed_json") if reason in text} == {
+            "empty_response", "missing_field", "not_an_object", "malformed_json"}
+
+
+def test_prepare_has_no_fast_path_for_the_jinja_format(tmp_path_factory):
+    import pipelines.transforms as T
+    from pipelines.records import TaskMeta
+    from prepack.packer import OverlongPolicy
+    from test_templates import CHATML_TEMPLATE, build_hf_dir
+
+    folder = build_hf_dir(tmp_path_factory.mktemp("chatml_hf"), ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                          CHATML_TEMPLATE, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                          additional_special_tokens=["<|im_start|>"])
+    ctx = T.JobContext(tasks=(TaskMeta(0, "in", "f.jsonl", "f.jsonl"),), template="alpaca", template_options=(),
+                       tokenizer=f"hf:{folder}", chat_format="hf", max_lengths=(64,), overlong=OverlongPolicy.DROP,
+                       pack=True, sub_buckets=1, batch_size=64, progress=False, output="/tmp/unused", run_id="r", pad_id=0)
+    fn = T.PrepareFn(ctx)
+    fn.setup()
+    assert not fn.pairs
+    examples, _ = _prepare_outputs(fn, PREPARE_RECORDS["alpaca"][:2])
+    assert len(examples) == 2
