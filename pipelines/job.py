@@ -96,7 +96,8 @@ def prepare(config: PackConfig, run_id: str | None = None) -> PreparedJob:
     est = sum(i.est_records for i in inputs)
     sub_buckets = config.sub_buckets or choose_sub_buckets(est, config.pack)
     ctx = transforms.JobContext(
-        tasks=tuple(TaskMeta(t.input_index, inputs[t.input_index].spec, t.path, t.name) for t in tasks),
+        tasks=tuple(TaskMeta(t.input_index, inputs[t.input_index].spec, t.path, t.id_name,
+                             t.byte_range[0] if t.byte_range else None) for t in tasks),
         template=config.format,
         template_options=config.template_options,
         tokenizer=config.tokenizer,
@@ -140,7 +141,10 @@ def build_pipeline(pipeline: Any, job: PreparedJob) -> None:
         | "SpreadTasks" >> beam.Reshuffle()
         | "Read" >> beam.ParDo(T.ReadTaskFn(config.batch_size, config.progress)).with_outputs(T.TAG_FINGERPRINT, main="records")
     )
-    raw = read.records | "SpreadRecords" >> beam.Reshuffle()
+    # Records cross a shuffle only when some task is big and unsplittable (a large compressed or
+    # non-JSONL file); byte ranges and dataset row ranges already spread the reading evenly.
+    spread = any(t.may_exceed(sources.SPREAD_TASK_BYTES) for t in job.tasks)
+    raw = read.records | "SpreadRecords" >> beam.Reshuffle() if spread else read.records
     if job.table_level:
         keyed = raw | "KeyByTable" >> beam.ParDo(T.KeyTableRecordsFn(ctx, job.group_key)).with_outputs(T.TAG_BAD, T.TAG_TALLY, main="messages")
         prepared = (
@@ -174,7 +178,8 @@ def build_pipeline(pipeline: Any, job: PreparedJob) -> None:
     dead = (
         (bad_per_length, fitted[T.TAG_DEAD]) | "FlattenDead" >> beam.Flatten()
         | "GroupDead" >> beam.GroupByKey()
-        | "WriteDeadLetters" >> beam.ParDo(writer.WriteDeadLetterFn(config.output, job.run_id))
+        | "WriteDeadLetters" >> beam.ParDo(writer.WriteDeadLetterFn(config.output, job.run_id, ctx.tasks),
+                                           fingerprints=AsList(read[T.TAG_FINGERPRINT]))
     )
     tally = (
         (*tallies, fitted[T.TAG_TALLY]) | "FlattenTally" >> beam.Flatten()
@@ -192,7 +197,8 @@ def build_pipeline(pipeline: Any, job: PreparedJob) -> None:
 
 
 def input_descriptions(job: PreparedJob, fingerprints: list[list]) -> list[dict[str, Any]]:
-    """Each input with its content fingerprint: for files, sha256 over (name, sha256) of its files in order."""
+    """Each input with its content fingerprint: for files, sha256 over (name, sha256) of its read
+    tasks in order: whole files, or the byte ranges of a split JSONL file (fixed by its size)."""
     by_task = {f[0]: f for f in fingerprints}
     out = []
     for resolved in job.inputs:

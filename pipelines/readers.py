@@ -8,8 +8,11 @@ A raw record is `(record_index, line, kind, payload)`:
   Hugging Face, TFDS rows).
 - RAW_ERROR: payload is (reason, message, raw) for a record that is bad already
   at reading (undecodable TFDS text, an unparseable JSON array file).
-`record_index` counts records from 0 within the task's file or split; `line`
-is the 1-based line for JSONL and 0 otherwise.
+`record_index` counts records from 0 within the task's file or split, or within
+its byte range for a range of a JSONL file; `line` is the 1-based line (within
+the range, for a range) for JSONL and 0 otherwise. A range's records are those
+whose line starts inside it; the dead-letter writer turns range-relative
+numbers into file numbers from every range's counts (FileDigest.lines).
 
 File tasks also report a sha256 of the bytes they read: the inputs' content
 fingerprint in the manifest, at no extra pass over JSONL.
@@ -46,11 +49,13 @@ RawRecord = tuple[int, int, int, Any]
 
 
 class FileDigest:
-    """sha256 and size of what a task read."""
+    """sha256 and size of what a task read; for a JSONL byte range also the number of lines
+    that start in it (blank ones included), which places the next range's lines in the file."""
 
     def __init__(self) -> None:
         self._h = hashlib.sha256()
         self.num_bytes = 0
+        self.lines: int | None = None
 
     def update(self, data: bytes) -> None:
         self._h.update(data)
@@ -119,8 +124,47 @@ def _blocks(path: str, digest: FileDigest) -> Iterator[bytes]:
 
 
 def iter_jsonl(task: ReadTask, digest: FileDigest) -> Iterator[RawRecord]:
-    for index, (number, line) in enumerate(_jsonl_lines(_blocks(task.path, digest))):
+    lines = _jsonl_lines(_blocks(task.path, digest)) if task.byte_range is None else _jsonl_range_lines(task, digest)
+    for index, (number, line) in enumerate(lines):
         yield index, number, RAW_TEXT, line
+
+
+def _jsonl_range_lines(task: ReadTask, digest: FileDigest) -> Iterator[tuple[int, bytes]]:
+    """(line number within the range, line) for every non-blank line that starts in the task's
+    byte range [start, end); the last one may run past `end`. The digest covers [start, end)."""
+    from apache_beam.io.filesystem import CompressionTypes
+    from apache_beam.io.filesystems import FileSystems
+
+    start, end = task.byte_range
+    pos = max(start - 1, 0)  # the byte before the range says whether a line starts at `start`
+    with FileSystems.open(task.path, compression_type=CompressionTypes.UNCOMPRESSED) as f:
+        f.seek(pos)
+        data = f.read(end - pos)
+        digest.update(data[start - pos:])
+        if start:
+            newline = data.find(b"\n")
+            first = len(data) if newline == -1 else newline + 1
+        else:
+            first = 0
+        # Lines that start in the range: the last may end beyond it, so read on to its newline.
+        if first < len(data) and not data.endswith(b"\n"):
+            tail = [data]
+            while True:
+                block = f.read(READ_BLOCK)
+                if not block:
+                    break
+                cut = block.find(b"\n")
+                tail.append(block if cut == -1 else block[:cut])
+                if cut != -1:
+                    break
+            data = b"".join(tail)
+    parts = data[first:].split(b"\n") if first < len(data) else []
+    if parts and parts[-1] == b"" and data.endswith(b"\n"):
+        parts.pop()  # the newline that ends the range's last line, not a line of its own
+    digest.lines = len(parts)
+    for number, line in enumerate(parts, 1):
+        if line.strip():
+            yield number, line
 
 
 def iter_json(task: ReadTask, digest: FileDigest) -> Iterator[RawRecord]:

@@ -12,6 +12,7 @@ Token payloads travel in columnar batches (pipelines/columns.py).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 Loc = tuple[int, int, int, int]
@@ -25,7 +26,8 @@ class TaskMeta:
     input_index: int
     input_spec: str
     path: str
-    name: str
+    name: str  # in example ids: the file's name relative to its glob (plus "@start" for a byte range), or the split
+    byte_start: int | None = None  # where the task's byte range of a JSONL file starts; None: a whole file or a dataset
 
 
 def example_id(meta: TaskMeta, record_index: int, sub_index: int = 0) -> str:
@@ -44,6 +46,33 @@ def source(metas: list[TaskMeta], loc: Loc) -> dict[str, Any]:
     if sub_index:
         out["example"] = sub_index
     return out
+
+
+def range_offsets(metas: Sequence[TaskMeta], fingerprints: Iterable[Sequence]) -> dict[int, tuple[int, int]]:
+    """For each byte-range task: (records, lines) of its file before the range, from every
+    range's counts (fingerprint entries: task_index, sha256, bytes, records, lines)."""
+    counts = {f[0]: (f[3], f[4]) for f in fingerprints}
+    ranges = sorted((m.input_index, m.path, m.byte_start, i) for i, m in enumerate(metas) if m.byte_start is not None)
+    out: dict[int, tuple[int, int]] = {}
+    file, records, lines = None, 0, 0
+    for input_index, path, _, task_index in ranges:
+        if (input_index, path) != file:
+            file, records, lines = (input_index, path), 0, 0
+        out[task_index] = (records, lines)
+        records, lines = records + counts[task_index][0], lines + counts[task_index][1]
+    return out
+
+
+def place_in_file(entry: dict[str, Any], task_index: int, offsets: dict[int, tuple[int, int]]) -> dict[str, Any]:
+    """A dead letter's source with range-relative record and line numbers made file-relative."""
+    base = offsets.get(task_index)
+    if base is None:
+        return entry
+    src = dict(entry["source"])
+    src["record"] += base[0]
+    if "line" in src:
+        src["line"] += base[1]
+    return {**entry, "source": src}
 
 
 def dead_letter(

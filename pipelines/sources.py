@@ -3,8 +3,9 @@
 Everything that can be checked up front is checked here, so a typo in a path,
 an unreachable Hub or an unprepared TFDS dataset fails in seconds with one
 clear line instead of after workers have started. The result is a list of
-`ReadTask`s: one per file (or per row range of a Hugging Face / TFDS split),
-small picklable values that the read DoFn turns into records (readers.py).
+`ReadTask`s: one per file, per byte range of a large plain JSONL file, or per
+row range of a Hugging Face / TFDS split: small picklable values that the read
+DoFn turns into records (readers.py).
 
 Spec grammar (one --input):
   PATH or GLOB            .jsonl/.json/.parquet/.arrow files, local or gs://
@@ -28,6 +29,17 @@ FILE_KINDS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet"
 COMPRESSED_SUFFIXES = (".gz", ".bz2", ".zst", ".deflate", ".lzma")
 KNOWN_SPLITS = ("train", "validation", "valid", "test", "dev", "eval")
 ROWS_PER_TASK = 50_000  # Hugging Face / TFDS row ranges per read task
+# Plain (uncompressed) JSONL files are read in byte ranges, so that workers read and parse a big
+# file side by side instead of one worker reading it and every record crossing a shuffle. The
+# range size depends on the file's size alone: the split, and the example ids it implies, are the
+# same on every run and for any number of workers.
+JSONL_RANGES_PER_FILE = 64
+JSONL_RANGE_MIN_BYTES = 1 << 20
+JSONL_RANGE_MAX_BYTES = 64 << 20
+# A task that may hold more input than this (a whole big compressed or non-JSONL file) makes the
+# job reshuffle records after reading, so one worker does not tokenize it alone.
+SPREAD_TASK_BYTES = 64 << 20
+COMPRESSION_FACTOR = 8  # assumed for compressed files when sizing that decision
 EST_BYTES_PER_RECORD = 256  # only to size hash sub-buckets; a deterministic function of the input
 
 
@@ -49,6 +61,41 @@ class ReadTask:
 
     def param(self, key: str, default: Any = None) -> Any:
         return dict(self.params).get(key, default)
+
+    @property
+    def byte_range(self) -> tuple[int, int] | None:
+        """[start, end) of a plain JSONL file this task reads, None for a whole file or a dataset."""
+        return (self.param("start"), self.param("end")) if self.kind == "jsonl" and self.params else None
+
+    @property
+    def id_name(self) -> str:
+        """The name example ids use: a byte range's records are numbered within the range,
+        so its ids carry the range's start ('data.jsonl@1048576/17')."""
+        rng = self.byte_range
+        return self.name if rng is None else f"{self.name}@{rng[0]}"
+
+    def may_exceed(self, limit: int) -> bool:
+        """Whether this task may read more than `limit` bytes of (uncompressed) input."""
+        if self.kind in ("hf_disk", "hf_hub", "tfds"):
+            return False  # row ranges of ROWS_PER_TASK
+        rng = self.byte_range
+        if rng is not None:
+            return rng[1] - rng[0] > limit
+        compressed = self.path.lower().endswith(COMPRESSED_SUFFIXES)
+        return self.size * (COMPRESSION_FACTOR if compressed else 1) > limit
+
+
+def jsonl_range_bytes(size: int) -> int:
+    """Bytes per read range of a plain JSONL file of `size` bytes."""
+    return min(JSONL_RANGE_MAX_BYTES, max(JSONL_RANGE_MIN_BYTES, -(-size // JSONL_RANGES_PER_FILE)))
+
+
+def _file_tasks(first_task: int, index: int, kind: str, path: str, name: str, size: int) -> list[ReadTask]:
+    step = jsonl_range_bytes(size)
+    if kind != "jsonl" or path.lower().endswith(COMPRESSED_SUFFIXES) or size <= step:
+        return [ReadTask(first_task, index, kind, path, name, size)]
+    return [ReadTask(first_task + i, index, kind, path, name, size, (("end", min(size, start + step)), ("start", start)))
+            for i, start in enumerate(range(0, size, step))]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +197,7 @@ def _resolve_files(index: int, spec: str, first_task: int) -> tuple[ResolvedInpu
             except OSError as e:
                 raise InputError(f"input {spec!r}: cannot read {path!r} ({e.strerror or e})") from e
         name = path[len(base):] if base and path.startswith(base) else os.path.basename(path)
-        tasks.append(ReadTask(first_task + len(tasks), index, kind, path, name.lstrip("/"), size))
+        tasks += _file_tasks(first_task + len(tasks), index, kind, path, name.lstrip("/"), size)
         total += size
     est = max(1, math.ceil(total / EST_BYTES_PER_RECORD))
     return ResolvedInput(index, spec, "files", est, None, (("files", len(files)), ("bytes", total))), tasks

@@ -170,7 +170,7 @@ class ReadTaskFn(beam.DoFn):
         self.files.inc()
         self.bytes.inc(digest.num_bytes)
         fingerprint = digest.hexdigest() if task.kind in ("jsonl", "json", "parquet", "arrow") else None
-        yield TaggedOutput(TAG_FINGERPRINT, (task.task_index, fingerprint, digest.num_bytes, count))
+        yield TaggedOutput(TAG_FINGERPRINT, (task.task_index, fingerprint, digest.num_bytes, count, digest.lines))
 
 
 # ----------------------------------------------------------------------------- template + tokenize

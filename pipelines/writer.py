@@ -25,7 +25,7 @@ from apache_beam.metrics.metric import Metrics
 
 from pipelines.planning import LengthPlan
 from pipelines.columns import FragmentBatch, concat_wire
-from pipelines.records import DeadLetter
+from pipelines.records import DeadLetter, TaskMeta, place_in_file, range_offsets
 from pipelines.transforms import StageClock
 from pipelines.rows import encode_rows_flat
 from prepack.manifest import DEAD_LETTER_NAME
@@ -150,16 +150,20 @@ class WriteShardFn(beam.DoFn):
 
 
 class WriteDeadLetterFn(beam.DoFn):
-    """(L, dead letters) -> dead_letter.jsonl in L's staging folder, sorted by source."""
+    """(L, dead letters) -> dead_letter.jsonl in L's staging folder, sorted by source; records
+    and lines of byte-range tasks are numbered from the start of their file."""
 
-    def __init__(self, output: str, run_id: str):
+    def __init__(self, output: str, run_id: str, tasks: tuple[TaskMeta, ...]):
         self.output = output
         self.run_id = run_id
+        self.tasks = tasks
 
-    def process(self, element: tuple[int, Iterable[DeadLetter]]) -> Iterator[tuple[int, int]]:
+    def process(self, element: tuple[int, Iterable[DeadLetter]], fingerprints: list) -> Iterator[tuple[int, int]]:
         max_length, entries = element
+        offsets = range_offsets(self.tasks, fingerprints)
         ordered = sorted(entries, key=lambda e: e[0])
-        lines = [json.dumps(entry, ensure_ascii=False, sort_keys=True) + "\n" for _, entry in ordered]
+        lines = [json.dumps(place_in_file(entry, key[0], offsets), ensure_ascii=False, sort_keys=True) + "\n"
+                 for key, entry in ordered]
         write_bytes(f"{staging_dir(self.output, max_length, self.run_id)}/{DEAD_LETTER_NAME}", "".join(lines).encode("utf-8"))
         yield (max_length, len(lines))
 

@@ -406,3 +406,46 @@ def test_unpacked_with_overlong_examples(data_dir, tmp_path):
     stats = result.stats[64]
     assert stats["examples_truncated"] > 0 and stats["rows"] == stats["examples_written"]
     check_shard_set(str(out / "L64"), expected_examples("alpaca", alpaca_records(40, seed=0)), 64, truncate=True)
+
+
+# ----------------------------------------------------------------------------- JSONL byte ranges
+
+
+@pytest.fixture
+def tiny_ranges(monkeypatch):
+    """Splits every plain JSONL file into ranges of a few hundred bytes (lines cross them)."""
+    from pipelines import sources
+
+    monkeypatch.setattr(sources, "JSONL_RANGE_MIN_BYTES", 300)
+    monkeypatch.setattr(sources, "JSONL_RANGES_PER_FILE", 10_000)
+
+
+def test_byte_ranges_keep_records_dead_letters_and_counts(dirty_file, tmp_path, tiny_ranges):
+    path, good, long_prompt = dirty_file
+    from pipelines.sources import resolve_inputs
+
+    assert len(resolve_inputs([path])[1]) > 5  # really split
+    args = ["--input", path, "--format", "alpaca", "--max-length", "64", "--overlong", "truncate", "--max-bad-fraction", "0.5"]
+    result = pack(args + ["--output", str(tmp_path / "ranged")])
+    stats = result.stats[64]
+    assert stats["examples_read"] == 13 and stats["bad_records"] == 6 and stats["examples_truncated"] > 0
+    check_shard_set(str(tmp_path / "ranged" / "L64"), expected_examples("alpaca", good + [long_prompt]), 64, truncate=True)
+    entries = [json.loads(line) for line in (tmp_path / "ranged" / "L64" / "dead_letter.jsonl").read_text().splitlines()]
+    # Lines and records are the file's, as when the file is read whole.
+    assert [(e["source"]["line"], e["reason"], e["field"]) for e in entries] == EXPECTED_BAD + [(13, "no_targets_after_truncation", "")]
+    assert [e["source"]["record"] for e in entries] == list(range(6, 13))
+    manifest = json.loads((tmp_path / "ranged" / "L64" / "manifest.json").read_text())
+    assert manifest["inputs"][0]["records"] == 13
+
+
+def test_byte_ranges_one_vs_two_workers(tmp_path, tiny_ranges):
+    path = write_jsonl(str(tmp_path / "a.jsonl"), alpaca_records(60, seed=7), [b"", b"  ", b"{bad"])
+    args = ["--input", path, "--format", "alpaca", "--max-length", "128", "--max-bad-fraction", "0.1"]
+    one = pack(args + ["--output", str(tmp_path / "one")])
+    pack(args + ["--output", str(tmp_path / "two")], runner=TWO_PROCESSES)
+    a, b = tmp_path / "one" / "L128", tmp_path / "two" / "L128"
+    assert one.stats[128]["examples_read"] == 61
+    assert shard_bytes(str(a)) == shard_bytes(str(b))
+    assert without_volatile((a / "manifest.json").read_text()) == without_volatile((b / "manifest.json").read_text())
+    assert (a / "dead_letter.jsonl").read_text() == (b / "dead_letter.jsonl").read_text()
+    check_shard_set(str(a), expected_examples("alpaca", alpaca_records(60, seed=7)), 128)

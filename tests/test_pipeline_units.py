@@ -469,3 +469,84 @@ def test_prepare_has_no_fast_path_for_the_jinja_format(tmp_path_factory):
     assert not fn.pairs
     examples, _ = _prepare_outputs(fn, PREPARE_RECORDS["alpaca"][:2])
     assert len(examples) == 2
+
+
+# ----------------------------------------------------------------------------- JSONL byte ranges
+
+
+class _Bytes:
+    """A FileDigest that keeps what it was given, to check the ranges cover the file once."""
+
+    def __init__(self):
+        from pipelines.readers import FileDigest
+
+        self.inner, self.data = FileDigest(), b""
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __setattr__(self, name, value):
+        if name in ("inner", "data"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.inner, name, value)
+
+    def update(self, data):
+        self.data += data
+        self.inner.update(data)
+
+
+JSONL_PIECES = [b'{"a": 1}', b'{"b": "x y z"}', b"", b"  ", b"\t", b"\r", b'{"c": "' + b"w" * 40 + b'"}', b"not json", b"\xff"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(lines=st.lists(st.sampled_from(JSONL_PIECES), max_size=25), trailing_newline=st.booleans(),
+       step=st.integers(1, 60))
+def test_jsonl_byte_ranges_give_the_whole_file_records(tmp_path_factory, lines, trailing_newline, step):
+    """Every record of the file comes from exactly one range, with the file's record index and
+    line once the ranges before it are counted (records.range_offsets), and the ranges' bytes
+    are the file's bytes."""
+    from pipelines import readers
+    from pipelines.records import TaskMeta, range_offsets
+    from pipelines.sources import ReadTask
+
+    data = b"\n".join(lines) + (b"\n" if trailing_newline and lines else b"")
+    path = str(tmp_path_factory.mktemp("ranges") / "f.jsonl")
+    with open(path, "wb") as f:
+        f.write(data)
+    whole = list(readers.iter_jsonl(ReadTask(0, 0, "jsonl", path, "f.jsonl", len(data)), readers.FileDigest()))
+    tasks = [ReadTask(i, 0, "jsonl", path, "f.jsonl", len(data), (("end", min(len(data), s + step)), ("start", s)))
+             for i, s in enumerate(range(0, len(data), step))]
+    metas = [TaskMeta(0, "in", path, t.id_name, t.byte_range[0]) for t in tasks]
+    got, fingerprints, covered = [], [], b""
+    for task in tasks:
+        digest = _Bytes()
+        records = list(readers.iter_jsonl(task, digest))
+        fingerprints.append((task.task_index, None, digest.num_bytes, len(records), digest.lines))
+        covered += digest.data
+        got.append(records)
+    offsets = range_offsets(metas, fingerprints)
+    placed = [(index + offsets[t][0], line + offsets[t][1], kind, payload)
+              for t, records in enumerate(got) for index, line, kind, payload in records]
+    assert placed == whole
+    assert covered == data
+
+
+def test_jsonl_files_are_split_by_size_alone():
+    from pipelines import sources
+
+    assert sources.jsonl_range_bytes(10) == sources.JSONL_RANGE_MIN_BYTES
+    assert sources.jsonl_range_bytes(1 << 40) == sources.JSONL_RANGE_MAX_BYTES
+    size = 200 * sources.JSONL_RANGE_MIN_BYTES + 3
+    tasks = sources._file_tasks(5, 0, "jsonl", "/d/big.jsonl", "big.jsonl", size)
+    ranges = [t.byte_range for t in tasks]
+    assert [t.task_index for t in tasks] == list(range(5, 5 + len(tasks))) and len(tasks) == 64
+    assert ranges[0][0] == 0 and ranges[-1][1] == size
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert tasks[1].id_name == f"big.jsonl@{ranges[1][0]}" and not any(t.may_exceed(sources.SPREAD_TASK_BYTES) for t in tasks)
+    # Compressed, small or non-JSONL files stay whole; a big unsplittable one makes the job reshuffle.
+    for path, kind in (("/d/big.jsonl.gz", "jsonl"), ("/d/big.parquet", "parquet")):
+        [task] = sources._file_tasks(0, 0, kind, path, "x", size)
+        assert task.byte_range is None and task.id_name == "x" and task.may_exceed(sources.SPREAD_TASK_BYTES)
+    [small] = sources._file_tasks(0, 0, "jsonl", "/d/s.jsonl", "s.jsonl", 1000)
+    assert small.byte_range is None and not small.may_exceed(sources.SPREAD_TASK_BYTES)
