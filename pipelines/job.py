@@ -1,6 +1,7 @@
 """The packing job: checks up front, the Beam graph, then checks and publishing.
 
-    inputs --Create/Reshuffle--> ReadTaskFn --Reshuffle--> PrepareFn (template + tokenize)
+    inputs --Create/Reshuffle--> ReadTaskFn (files, JSONL byte ranges, dataset row ranges)
+    [--Reshuffle--, only when a task is a big unsplittable file] --> PrepareFn (template + tokenize)
         [oasst1: KeyTableRecordsFn --GroupByKey(tree)--> TableToExamplesFn]
     --> FitAndKeyFn (overlong policy per L, histogram)
     --> GroupByKey((length, sub-bucket)) --> RouteToRowsFn (side input: the global plans)
