@@ -9,7 +9,11 @@ does almost no work, and routing and writing become array operations.
 - TokenizedBatch: (hash, example_id, source, ids, mask) per example, from the tokenizer to
   FitAndKeyFn (same stage, never encoded).
 - PayloadBatch: (hash, example_id, ids, mask) per example; GroupByKey((length, sub-bucket)).
-- FragmentBatch: (row, position, ids, mask) per example; GroupByKey((L, shard)).
+- ShardWork: each example's tokens once, plus (L, row, position) for every slot it takes in
+  a shard with that index, for any L; GroupByKey(shard index). An example whose rows fall in
+  shards of the same index at several max lengths crosses the shuffle once, not once per L
+  (always, when every L has one shard).
+- FragmentBatch: (row, position, ids, mask) per slot of one L: what the writer builds rows from.
 """
 
 from __future__ import annotations
@@ -226,6 +230,49 @@ class FragmentBatch:
             np.concatenate([p.positions for p in parts]) if parts else np.zeros(0, np.int32),
             Ragged.concat([p.examples for p in parts]),
         )
+
+
+@dataclasses.dataclass
+class ShardWork:
+    lengths: np.ndarray  # int32: the max length of each slot
+    rows: np.ndarray  # int64
+    positions: np.ndarray  # int32
+    example: np.ndarray  # int32: the slot's example, an index into `examples`
+    examples: Ragged  # whole (not cut to any L)
+
+    def to_wire(self) -> tuple[bytes, ...]:
+        e = self.examples
+        return (self.lengths.astype("<i4").tobytes(), self.rows.astype("<i8").tobytes(),
+                self.positions.astype("<i4").tobytes(), self.example.astype("<i4").tobytes(), e.lens.tobytes(),
+                ids_to_wire(e.ids), mask_to_wire(e.mask))
+
+    @staticmethod
+    def from_wire(wire: tuple[bytes, ...]) -> "ShardWork":
+        lengths, rows, positions, example, lens, ids, mask = wire
+        return ShardWork(np.frombuffer(lengths, "<i4"), np.frombuffer(rows, "<i8"), np.frombuffer(positions, "<i4"),
+                         np.frombuffer(example, "<i4"), Ragged(np.frombuffer(lens, LENS), ids_from_wire(ids), mask_from_wire(mask)))
+
+    @staticmethod
+    def concat(parts: Sequence["ShardWork"]) -> "ShardWork":
+        if not parts:
+            empty = np.zeros(0, np.int32)
+            return ShardWork(empty, np.zeros(0, np.int64), empty, empty, Ragged(np.zeros(0, LENS), np.zeros(0, IDS), np.zeros(0, MASK)))
+        offsets = np.cumsum([0] + [len(p.examples.lens) for p in parts[:-1]])
+        return ShardWork(
+            np.concatenate([p.lengths for p in parts]),
+            np.concatenate([p.rows for p in parts]),
+            np.concatenate([p.positions for p in parts]),
+            np.concatenate([p.example.astype(np.int64) + off for p, off in zip(parts, offsets.tolist())]).astype(np.int32),
+            Ragged.concat([p.examples for p in parts]),
+        )
+
+    def max_lengths(self) -> list[int]:
+        return sorted(set(self.lengths.tolist()))
+
+    def fragments(self, max_length: int) -> FragmentBatch:
+        """The slots of one max length, each example cut to it (under --overlong truncate)."""
+        sel = self.lengths == max_length
+        return FragmentBatch(self.rows[sel], self.positions[sel], self.examples.take(self.example[sel], cut_to=max_length))
 
 
 def concat_wire(kind: type, wires: Iterable[tuple[bytes, ...]]):

@@ -29,7 +29,7 @@ from apache_beam.pvalue import TaggedOutput
 from apache_beam.transforms.window import GlobalWindows
 
 from pipelines import readers
-from pipelines.columns import IDS, LENS, MASK, FragmentBatch, PayloadBatch, Ragged, TokenizedBatch, concat_wire
+from pipelines.columns import IDS, LENS, MASK, PayloadBatch, Ragged, ShardWork, TokenizedBatch, concat_wire
 from pipelines.planning import LengthPlan, stable_hash, sub_buckets_of
 from pipelines.records import (
     DeadLetter,
@@ -557,10 +557,11 @@ class FitAndKeyFn(beam.DoFn):
 
 
 class RouteToRowsFn(beam.DoFn):
-    """((length_key, b), payload batches) -> ((L, shard), fragment batch).
+    """((length_key, b), payload batches) -> (shard index, ShardWork wire).
 
     Ranks the group's examples by (hash, example_id) and gives the k-th survivor of
-    each max length the slot the global plan reserved for it.
+    each max length the slot the global plan reserved for it. Slots in shards with the
+    same index share one writer, which gets each example's tokens once for all of them.
     """
 
     def __init__(self, ctx: JobContext):
@@ -571,7 +572,7 @@ class RouteToRowsFn(beam.DoFn):
         self.clock = StageClock("route")
 
     def start_bundle(self) -> None:
-        self.buffers: dict[tuple[int, int], list[FragmentBatch]] = defaultdict(list)
+        self.buffers: dict[int, list[ShardWork]] = defaultdict(list)
         self.buffered = 0
 
     def process(self, element: tuple[tuple[int, int], Iterable[tuple]], plans: dict[int, LengthPlan]) -> Iterator[Any]:
@@ -586,6 +587,7 @@ class RouteToRowsFn(beam.DoFn):
         starts = (np.cumsum(examples.lens, dtype=np.int64) - examples.lens)[order]
         mask_sums = np.concatenate([[0], np.cumsum(examples.mask, dtype=np.int64)])
         truncate = self.ctx.overlong is OverlongPolicy.TRUNCATE
+        slots: dict[int, list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]] = defaultdict(list)
         for L in self.ctx.max_lengths:
             plan = plans[L]
             keep = lens <= L
@@ -596,12 +598,24 @@ class RouteToRowsFn(beam.DoFn):
             if not len(survivors):
                 continue
             rows, positions = plan.route(key, b, len(survivors))
+            if plan.num_shards == 1:
+                slots[0].append((L, rows, positions, survivors))
+                continue
             shards = rows % plan.num_shards
             for shard in np.unique(shards).tolist():
                 sel = shards == shard
-                self.buffers[(L, shard)].append(
-                    FragmentBatch(rows[sel], positions[sel], examples.take(survivors[sel], cut_to=L)))
-            self.buffered += len(survivors)
+                slots[shard].append((L, rows[sel], positions[sel], survivors[sel]))
+        for shard, parts in slots.items():
+            taken = np.concatenate([p[3] for p in parts])
+            unique, local = np.unique(taken, return_inverse=True)
+            self.buffers[shard].append(ShardWork(
+                np.concatenate([np.full(len(p[1]), p[0], dtype=np.int32) for p in parts]),
+                np.concatenate([p[1] for p in parts]),
+                np.concatenate([p[2] for p in parts]).astype(np.int32),
+                local.astype(np.int32),
+                examples.take(unique),
+            ))
+            self.buffered += len(taken)
         self.m_routed.inc(len(order))
         self.clock.add(StageClock.now() - started)
         if self.buffered >= FLUSH_EXAMPLES:
@@ -609,8 +623,8 @@ class RouteToRowsFn(beam.DoFn):
 
     def _flush(self, windowed: bool) -> Iterator[Any]:
         wrap = _windowed if windowed else (lambda v: v)
-        for key, parts in self.buffers.items():
-            yield wrap((key, FragmentBatch.concat(parts).to_wire()))
+        for shard, parts in self.buffers.items():
+            yield wrap((shard, ShardWork.concat(parts).to_wire()))
         self.buffers = defaultdict(list)
         self.buffered = 0
 

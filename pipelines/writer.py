@@ -24,7 +24,7 @@ import numpy as np
 from apache_beam.metrics.metric import Metrics
 
 from pipelines.planning import LengthPlan
-from pipelines.columns import FragmentBatch, concat_wire
+from pipelines.columns import FragmentBatch, ShardWork, concat_wire
 from pipelines.records import DeadLetter, TaskMeta, place_in_file, range_offsets
 from pipelines.transforms import StageClock
 from pipelines.rows import encode_rows_flat
@@ -100,7 +100,8 @@ def _rows_from_fragments(
 
 
 class WriteShardFn(beam.DoFn):
-    """((L, shard), fragment lists) -> one shard file in staging, and its figures."""
+    """(shard index, ShardWork) -> that shard's file of every L that has one, in staging, and
+    each file's figures."""
 
     def __init__(self, output: str, run_id: str, pad_id: int):
         self.output = output
@@ -115,11 +116,16 @@ class WriteShardFn(beam.DoFn):
         self.clock_write = StageClock("write")
         self.clock_copy = StageClock("copy")
 
-    def process(self, element: tuple[tuple[int, int], Iterable[list]], plans: dict[int, LengthPlan]) -> Iterator[dict]:
+    def process(self, element: tuple[int, Iterable[tuple]], plans: dict[int, LengthPlan]) -> Iterator[dict]:
+        shard, wires = element
         started = StageClock.now()
-        (max_length, shard), wires = element
-        plan = plans[max_length]
-        fragments = concat_wire(FragmentBatch, wires)
+        work = concat_wire(ShardWork, wires)
+        self.clock_write.add(StageClock.now() - started)
+        for max_length in work.max_lengths():
+            yield self._write(max_length, shard, work.fragments(max_length), plans[max_length])
+
+    def _write(self, max_length: int, shard: int, fragments: FragmentBatch, plan: LengthPlan) -> dict:
+        started = StageClock.now()
         stats = {"rows": 0, "segments": 0, "tokens": 0, "target_tokens": 0, "min_segments": 1 << 30, "max_segments": 0}
         name = shard_name(shard, plan.num_shards)
         tmp = tempfile.mkdtemp(prefix="prepack-shard-")
@@ -138,7 +144,7 @@ class WriteShardFn(beam.DoFn):
         self.m_bytes.inc(info.num_bytes)
         if stats["rows"]:
             self.m_segments.update(stats["segments"] // stats["rows"])
-        yield {
+        return {
             "max_length": max_length,
             "index": shard,
             "path": info.path,

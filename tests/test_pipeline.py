@@ -449,3 +449,22 @@ def test_byte_ranges_one_vs_two_workers(tmp_path, tiny_ranges):
     assert without_volatile((a / "manifest.json").read_text()) == without_volatile((b / "manifest.json").read_text())
     assert (a / "dead_letter.jsonl").read_text() == (b / "dead_letter.jsonl").read_text()
     check_shard_set(str(a), expected_examples("alpaca", alpaca_records(60, seed=7)), 128)
+
+
+def test_shard_counts_differ_per_length_truncate_one_vs_two_workers(tmp_path):
+    """Writers are keyed by shard index across max lengths: with a different number of shards
+    per L (and examples cut to L), every L still gets exactly its rows, whatever the workers."""
+    records = alpaca_records(50, seed=11)
+    path = write_jsonl(str(tmp_path / "a.jsonl"), records)
+    args = ["--input", path, "--format", "alpaca", "--max-length", "64", "128", "512", "--overlong", "truncate",
+            "--target-shard-mb", "0.004"]
+    one = pack(args + ["--output", str(tmp_path / "one")])
+    pack(args + ["--output", str(tmp_path / "two")], runner=TWO_PROCESSES)
+    counts = {L: len(json.loads((tmp_path / "one" / f"L{L}" / "manifest.json").read_text())["shards"]) for L in (64, 128, 512)}
+    assert len(set(counts.values())) > 1 and max(counts.values()) > 1, counts
+    for L in (64, 128, 512):
+        a, b = tmp_path / "one" / f"L{L}", tmp_path / "two" / f"L{L}"
+        check_shard_set(str(a), expected_examples("alpaca", records), L, truncate=True)
+        assert shard_bytes(str(a)) == shard_bytes(str(b))
+        assert without_volatile((a / "manifest.json").read_text()) == without_volatile((b / "manifest.json").read_text())
+    assert one.stats[64]["examples_truncated"] > 0
