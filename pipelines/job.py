@@ -5,7 +5,7 @@
         [oasst1: KeyTableRecordsFn --GroupByKey(tree)--> TableToExamplesFn]
     --> FitAndKeyFn (overlong policy per L, histogram)
     --> GroupByKey((length, sub-bucket)) --> RouteToRowsFn (side input: the global plans)
-    --> GroupByKey((L, shard)) --> WriteShardFn (staging)
+    --> GroupByKey(shard index, across L) --> WriteShardFn (that shard of every L, staging)
     plus dead letters per L, tallies, and one summary.json for the launcher.
 
 The launcher (`run`) owns everything outside the graph: the fail-fast checks,
