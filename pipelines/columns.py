@@ -9,10 +9,12 @@ does almost no work, and routing and writing become array operations.
 - TokenizedBatch: (hash, example_id, source, ids, mask) per example, from the tokenizer to
   FitAndKeyFn (same stage, never encoded).
 - PayloadBatch: (hash, example_id, ids, mask) per example; GroupByKey((length, sub-bucket)).
-- ShardWork: each example's tokens once, plus (L, row, position) for every slot it takes in
-  a shard with that index, for any L; GroupByKey(shard index). An example whose rows fall in
-  shards of the same index at several max lengths crosses the shuffle once, not once per L
-  (always, when every L has one shard).
+- ShardWork: each example's tokens once (cut to the longest L it serves there), plus
+  (L, row, position) for every slot it takes in a shard with that index, for any L;
+  GroupByKey(shard index). An example whose rows fall in shards of the same index at several
+  max lengths crosses the shuffle once, not once per L (always, when every L has one shard),
+  and never carries more tokens than the slots it serves. The price: one writer writes that
+  shard of every L in turn, and holds its tokens while it does.
 - FragmentBatch: (row, position, ids, mask) per slot of one L: what the writer builds rows from.
 """
 
@@ -208,28 +210,11 @@ class PayloadBatch:
 
 @dataclasses.dataclass
 class FragmentBatch:
+    """The slots of one max length in one shard: what the writer lays rows out from."""
+
     rows: np.ndarray  # int64
     positions: np.ndarray  # int32
     examples: Ragged
-
-    def to_wire(self) -> tuple[bytes, ...]:
-        e = self.examples
-        return (self.rows.astype("<i8").tobytes(), self.positions.astype("<i4").tobytes(), e.lens.tobytes(),
-                ids_to_wire(e.ids), mask_to_wire(e.mask))
-
-    @staticmethod
-    def from_wire(wire: tuple[bytes, ...]) -> "FragmentBatch":
-        rows, positions, lens, ids, mask = wire
-        return FragmentBatch(np.frombuffer(rows, "<i8"), np.frombuffer(positions, "<i4"),
-                             Ragged(np.frombuffer(lens, LENS), ids_from_wire(ids), mask_from_wire(mask)))
-
-    @staticmethod
-    def concat(parts: Sequence["FragmentBatch"]) -> "FragmentBatch":
-        return FragmentBatch(
-            np.concatenate([p.rows for p in parts]) if parts else np.zeros(0, np.int64),
-            np.concatenate([p.positions for p in parts]) if parts else np.zeros(0, np.int32),
-            Ragged.concat([p.examples for p in parts]),
-        )
 
 
 @dataclasses.dataclass

@@ -112,9 +112,6 @@ class LengthPlan:
             raise AssertionError(f"L={self.max_length}: group {(length_key, b)} needs slots up to {end}, plan has {len(rows)}")
         return rows[start:end].astype(np.int64), positions[start:end]
 
-    def shard_of(self, row: int) -> int:
-        return row % self.num_shards
-
     def rows_in_shard(self, shard: int) -> range:
         return range(shard, self.num_rows, self.num_shards)
 

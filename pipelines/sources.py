@@ -39,7 +39,7 @@ JSONL_RANGE_MAX_BYTES = 64 << 20
 # A task that may hold more input than this (a whole big compressed or non-JSONL file) makes the
 # job reshuffle records after reading, so one worker does not tokenize it alone.
 SPREAD_TASK_BYTES = 64 << 20
-COMPRESSION_FACTOR = 8  # assumed for compressed files when sizing that decision
+COMPRESSION_FACTOR = 8  # assumed for compressed files (and Parquet) when sizing that decision
 EST_BYTES_PER_RECORD = 256  # only to size hash sub-buckets; a deterministic function of the input
 
 
@@ -81,7 +81,8 @@ class ReadTask:
         rng = self.byte_range
         if rng is not None:
             return rng[1] - rng[0] > limit
-        compressed = self.path.lower().endswith(COMPRESSED_SUFFIXES)
+        # Parquet compresses its columns itself.
+        compressed = self.path.lower().endswith(COMPRESSED_SUFFIXES) or self.kind == "parquet"
         return self.size * (COMPRESSION_FACTOR if compressed else 1) > limit
 
 

@@ -607,13 +607,18 @@ class RouteToRowsFn(beam.DoFn):
                 slots[shard].append((L, rows[sel], positions[sel], survivors[sel]))
         for shard, parts in slots.items():
             taken = np.concatenate([p[3] for p in parts])
+            lengths = np.concatenate([np.full(len(p[1]), p[0], dtype=np.int32) for p in parts])
             unique, local = np.unique(taken, return_inverse=True)
+            # Each example travels cut to the longest max length it serves in this shard
+            # (under --overlong truncate a long document would otherwise cross whole).
+            longest = np.zeros(len(unique), dtype=np.int64)
+            np.maximum.at(longest, local, lengths)
             self.buffers[shard].append(ShardWork(
-                np.concatenate([np.full(len(p[1]), p[0], dtype=np.int32) for p in parts]),
+                lengths,
                 np.concatenate([p[1] for p in parts]),
                 np.concatenate([p[2] for p in parts]).astype(np.int32),
                 local.astype(np.int32),
-                examples.take(unique),
+                examples.take(unique, cut_to=longest),
             ))
             self.buffered += len(taken)
         self.m_routed.inc(len(order))

@@ -501,11 +501,22 @@ JSONL_PIECES = [b'{"a": 1}', b'{"b": "x y z"}', b"", b"  ", b"\t", b"\r", b'{"c"
 
 @settings(max_examples=300, deadline=None)
 @given(lines=st.lists(st.sampled_from(JSONL_PIECES), max_size=25), trailing_newline=st.booleans(),
-       step=st.integers(1, 60))
-def test_jsonl_byte_ranges_give_the_whole_file_records(tmp_path_factory, lines, trailing_newline, step):
+       step=st.integers(1, 60), read_block=st.sampled_from([1, 2, 3, 7, 4 << 20]), tail_block=st.sampled_from([1, 5, 64 << 10]))
+def test_jsonl_byte_ranges_give_the_whole_file_records(tmp_path_factory, lines, trailing_newline, step, read_block, tail_block):
     """Every record of the file comes from exactly one range, with the file's record index and
     line once the ranges before it are counted (records.range_offsets), and the ranges' bytes
-    are the file's bytes."""
+    are the file's bytes; whatever the read block sizes (lines spread over many blocks)."""
+    from pipelines import readers
+
+    saved = readers.READ_BLOCK, readers._TAIL_BLOCK
+    readers.READ_BLOCK, readers._TAIL_BLOCK = read_block, tail_block
+    try:
+        _check_ranges_against_whole_file(tmp_path_factory, lines, trailing_newline, step)
+    finally:
+        readers.READ_BLOCK, readers._TAIL_BLOCK = saved
+
+
+def _check_ranges_against_whole_file(tmp_path_factory, lines, trailing_newline, step):
     from pipelines import readers
     from pipelines.records import TaskMeta, range_offsets
     from pipelines.sources import ReadTask
@@ -550,3 +561,47 @@ def test_jsonl_files_are_split_by_size_alone():
         assert task.byte_range is None and task.id_name == "x" and task.may_exceed(sources.SPREAD_TASK_BYTES)
     [small] = sources._file_tasks(0, 0, "jsonl", "/d/s.jsonl", "s.jsonl", 1000)
     assert small.byte_range is None and not small.may_exceed(sources.SPREAD_TASK_BYTES)
+
+
+def test_a_jsonl_file_that_changes_under_a_range_read_fails(tmp_path):
+    from pipelines import readers
+    from pipelines.sources import ReadTask
+
+    path = tmp_path / "f.jsonl"
+    path.write_bytes(b'{"a": 1}\n{"a": 2}\n{"a": 3')
+    size = path.stat().st_size
+    task = ReadTask(0, 0, "jsonl", str(path), "f.jsonl", size, (("end", size), ("start", 9)))
+    assert [line for _, _, _, line in readers.iter_jsonl(task, readers.FileDigest())] == [b'{"a": 2}', b'{"a": 3']
+    path.write_bytes(b'{"a": 1}\n{"a": 2}\n{"a": 333}\n{"a": 4}\n')  # grew after planning
+    with pytest.raises(RuntimeError, match=f"has 38 bytes, but had {size} when the job was planned; an input must not "
+                                           "change while the job runs"):
+        list(readers.iter_jsonl(task, readers.FileDigest()))
+
+
+def test_router_ships_examples_cut_to_the_longest_max_length_they_serve():
+    """Under --overlong truncate a 10,000-token example crosses the shard shuffle as its
+    first 128 tokens (the longest L), not whole; every slot still gets its own cut."""
+    import pipelines.transforms as T
+    from pipelines.columns import ShardWork
+    from pipelines.planning import build_plans
+    from pipelines.records import TaskMeta
+    from prepack.packer import OverlongPolicy
+
+    n, lengths = 10_000, (64, 128)
+    mask = np.ones(n, dtype=np.uint8)
+    payload = PayloadBatch(np.array([stable_hash("e")], dtype=np.uint64), ["e"],
+                           Ragged(np.array([n], dtype=np.int32), np.arange(n, dtype=np.int32), mask))
+    plans = build_plans({(L, n, 0): 1 for L in lengths}, lengths, True, None, 256.0)
+    ctx = T.JobContext(tasks=(TaskMeta(0, "in", "f.jsonl", "f.jsonl"),), template="alpaca", template_options=(),
+                       tokenizer="unused", chat_format="gemma", max_lengths=lengths, overlong=OverlongPolicy.TRUNCATE,
+                       pack=True, sub_buckets=1, batch_size=8, progress=False, output="/tmp/unused", run_id="r", pad_id=0)
+    fn = T.RouteToRowsFn(ctx)
+    fn.setup()
+    fn.start_bundle()
+    out = list(fn.process(((n, 0), [payload.to_wire()]), plans)) + list(fn.finish_bundle())
+    [(shard, wire)] = [getattr(o, "value", o) for o in out]
+    work = ShardWork.from_wire(wire)
+    assert shard == 0 and work.examples.lens.tolist() == [128] and work.max_lengths() == [64, 128]
+    for L in lengths:
+        fragments = work.fragments(L)
+        assert fragments.examples.lens.tolist() == [L] and fragments.examples.ids.tolist() == list(range(L))
