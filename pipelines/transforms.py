@@ -252,9 +252,8 @@ class _Tokenizing:
             update_length(n)
         out.append(TokenizedBatch(hashes, eids, [loc for loc, _ in metas],
                                   Ragged(lens.astype(LENS), np.asarray(input_ids, IDS), np.asarray(loss_mask, MASK))))
-        start = ends[-1]
         self.m_examples.inc(len(ends))
-        self.m_tokens.inc(start)
+        self.m_tokens.inc(ends[-1])
         if self.ctx.progress:
             _Progress.add("tokenized", "examples", len(ends))
 
