@@ -49,6 +49,17 @@ class Ragged:
     ids: np.ndarray
     mask: np.ndarray
 
+    def targets_after_first(self, end: int | None = None) -> np.ndarray:
+        """Per example: target tokens after its first token (within its first `end` tokens when
+        given). The row builder zeroes a segment's first target, so an example with none of
+        these trains nothing (whole, or cut to `end` under --overlong truncate)."""
+        lens = self.lens.astype(np.int64)
+        starts = np.cumsum(lens) - lens
+        sums = np.concatenate([[0], np.cumsum(self.mask, dtype=np.int64)])
+        first = starts + np.minimum(lens, 1)
+        stop = starts + (lens if end is None else np.minimum(lens, end))
+        return sums[np.maximum(stop, first)] - sums[first]
+
     def take(self, index: np.ndarray, cut_to: int | None = None) -> "Ragged":
         index = np.asarray(index, dtype=np.int64)
         new_lens = None if cut_to is None else np.minimum(self.lens[index], cut_to).astype(LENS)
@@ -144,15 +155,15 @@ class TokenizedBatch:
             Ragged.concat([p.examples for p in parts]),
         )
 
-    def grouped_payloads(self, index: np.ndarray, keys: np.ndarray) -> Iterator[tuple[int, "PayloadBatch"]]:
-        """(key, payloads of the examples `index` with that key) for each distinct key, in key
-        order; keys[i] belongs to index[i]. One gather for the whole buffer, then slices."""
+    def grouped_payloads(self, keys: np.ndarray) -> Iterator[tuple[int, "PayloadBatch"]]:
+        """(key, payloads of the examples with that key) for each distinct key, in key order;
+        keys[i] is example i's. One gather for the whole batch, then slices."""
         order = np.argsort(keys, kind="stable")
-        index, keys = np.asarray(index, dtype=np.int64)[order], keys[order]
-        examples = self.examples.take(index)
-        hashes = self.hashes[index]
+        keys = keys[order]
+        examples = self.examples.take(order)
+        hashes = self.hashes[order]
         eids = self.example_ids
-        example_ids = [eids[i] for i in index.tolist()]
+        example_ids = [eids[i] for i in order.tolist()]
         tokens = np.concatenate([[0], np.cumsum(examples.lens, dtype=np.int64)])
         bounds = np.flatnonzero(np.diff(keys)) + 1
         starts = [0, *bounds.tolist()]
@@ -165,13 +176,7 @@ class TokenizedBatch:
                                              Ragged(examples.lens[a:b], examples.ids[t0:t1], examples.mask[t0:t1]))
 
     def targets_after_first(self, end: int | None = None) -> np.ndarray:
-        """Per example: target tokens after its first token (and before `end` tokens when
-        given), the count has_target() tests: the row builder zeroes a segment's first token."""
-        lens = self.examples.lens.astype(np.int64)
-        starts = np.cumsum(lens) - lens
-        sums = np.concatenate([[0], np.cumsum(self.examples.mask, dtype=np.int64)])
-        stop = starts + (lens if end is None else np.minimum(lens, end))
-        return sums[np.maximum(stop, starts + np.minimum(lens, 1))] - sums[starts + np.minimum(lens, 1)]
+        return self.examples.targets_after_first(end)
 
 
 @dataclasses.dataclass

@@ -538,7 +538,7 @@ class FitAndKeyFn(beam.DoFn):
         if self.pending:
             merged = TokenizedBatch.concat([batch for batch, _ in self.pending])
             codes = np.concatenate([c for _, c in self.pending])
-            for code, payloads in merged.grouped_payloads(np.arange(len(merged)), codes):
+            for code, payloads in merged.grouped_payloads(codes):
                 yield wrap((divmod(code, self.ctx.sub_buckets), payloads.to_wire()))
         self.pending = []
         self.buffered = 0
@@ -581,18 +581,13 @@ class RouteToRowsFn(beam.DoFn):
         order = batch.rank_order()
         examples = batch.examples
         lens = examples.lens[order].astype(np.int64)
-        # Targets after the first token within the first L tokens, for every L at once:
-        # prefix sums of the loss mask, read at each example's start + 1 and start + L.
-        starts = (np.cumsum(examples.lens, dtype=np.int64) - examples.lens)[order]
-        mask_sums = np.concatenate([[0], np.cumsum(examples.mask, dtype=np.int64)])
         truncate = self.ctx.overlong is OverlongPolicy.TRUNCATE
         slots: dict[int, list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]] = defaultdict(list)
         for L in self.ctx.max_lengths:
             plan = plans[L]
             keep = lens <= L
             if truncate and not keep.all():
-                first = np.minimum(starts + 1, starts + lens)
-                keep |= mask_sums[starts + np.minimum(lens, L)] - mask_sums[first] > 0
+                keep |= examples.targets_after_first(L)[order] > 0  # FitAndKeyFn's rule
             survivors = order[keep]
             if not len(survivors):
                 continue

@@ -117,7 +117,7 @@ def test_grouped_payloads_keeps_every_example_once_by_key():
     keys = rng.integers(0, 5, size=len(index))
     starts = np.cumsum(lens) - lens
     seen = []
-    groups = list(batch.grouped_payloads(index, keys))
+    groups = list(batch.take(index).grouped_payloads(keys))
     assert [k for k, _ in groups] == sorted({int(k) for k in keys})
     for key, payloads in groups:
         for j, eid in enumerate(payloads.example_ids):
