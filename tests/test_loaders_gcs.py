@@ -1,5 +1,6 @@
-"""gs:// shard sets against a local GCS emulator: the manifest and sizes come through
-google-cloud-storage (STORAGE_EMULATOR_HOST), the records through array_record's own gs:// reader."""
+"""gs:// shard sets against a local GCS emulator: the manifest, sizes and whole-shard
+downloads come through google-cloud-storage (STORAGE_EMULATOR_HOST); records are read
+from the local shard cache."""
 
 from __future__ import annotations
 
@@ -39,9 +40,6 @@ def gcs(gcs_server, monkeypatch):
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_server)
     monkeypatch.delenv("CLOUD_STORAGE_EMULATOR_ENDPOINT", raising=False)
     yield storage.Client()
-    # open_shards mirrors the emulator for array_record; register it so monkeypatch removes it.
-    if "CLOUD_STORAGE_EMULATOR_ENDPOINT" in os.environ:
-        monkeypatch.setenv("CLOUD_STORAGE_EMULATOR_ENDPOINT", os.environ["CLOUD_STORAGE_EMULATOR_ENDPOINT"])
 
 
 def upload(client, local: str, prefix: str, skip: tuple[str, ...] = ()) -> str:
