@@ -57,7 +57,7 @@ class ShardCache:
     def _complete(self, path: str, num_bytes: int) -> bool:
         try:
             return os.path.getsize(path) == num_bytes
-        except FileNotFoundError:
+        except OSError:  # missing, or the folder is not one: fetch then says why
             return False
 
     def fetch(self, url: str, sha256: str, num_bytes: int) -> str:

@@ -53,7 +53,7 @@ def read_text(path: str) -> str | None:
 
         bucket, key = _split_gcs(path)
         try:
-            return gcs_client().bucket(bucket).blob(key).download_as_text()
+            return gcs_client().bucket(bucket).blob(key).download_as_bytes(raw_download=True).decode("utf-8")
         except exceptions.NotFound:
             return None
     try:
@@ -86,7 +86,7 @@ def file_sizes(folder: str, names: list[str]) -> dict[str, int | None]:
     if is_gcs(folder):
         bucket, key = _split_gcs(folder)
         prefix = key.rstrip("/") + "/" if key else ""
-        listed = {b.name[len(prefix) :]: b.size for b in gcs_client().list_blobs(bucket, prefix=prefix)}
+        listed = {b.name[len(prefix) :]: b.size for b in gcs_client().bucket(bucket).list_blobs(prefix=prefix)}
         return {n: listed.get(n) for n in names}
     sizes: dict[str, int | None] = {}
     for n in names:
