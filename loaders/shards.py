@@ -188,6 +188,16 @@ class ShardView:
         for k in range(min(self._prefetch_wanted, len(todo))):
             threading.Thread(target=work, daemon=True, name=f"shard-prefetch-{k}").start()
 
+    def _open_many(self, shards: np.ndarray) -> None:
+        """Opens the shards a read needs at the same time: on gs:// each may be a download,
+        and a batch of B rows touches up to B shards."""
+        closed = [k for k in np.unique(shards).tolist() if self._readers[k] is None]
+        if len(closed) > 1:
+            # Errors are left to the read of that shard, which retries and raises them.
+            with futures.ThreadPoolExecutor(max_workers=min(16, len(closed))) as pool:
+                for job in [pool.submit(self._reader, k) for k in closed]:
+                    job.exception()
+
     def _locate(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         n = len(self)
         if indices.size and (indices.min() < -n or indices.max() >= n):
@@ -207,6 +217,7 @@ class ShardView:
             self._start_prefetch()
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
         shards, positions = self._locate(idx)
+        self._open_many(shards)
         out: list[bytes] = []
         for shard, position in zip(shards.tolist(), positions.tolist()):
             reader = self._readers[shard] or self._reader(shard)
