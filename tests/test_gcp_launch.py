@@ -103,7 +103,7 @@ def test_beam_stages_our_package_and_the_pipeline_extra(tmp_path):
     assert {"requirements.txt", "workflow.tar.gz"} <= staged
     (sdist,) = tmp_path.glob("tunix-prepack-*.tar.gz")
     names = {n.split("/", 1)[1] for n in tarfile.open(sdist).getnames() if "/" in n}
-    assert {"pipelines/job.py", "pipelines/writer.py", "prepack/tokenizer.py", "prepack/sample_data/sample_sft.jsonl"} <= names
+    assert {"pipelines/job.py", "pipelines/write.py", "prepack/tokenizer.py", "prepack/sample_data/sample_sft.jsonl"} <= names
 
 
 def test_worker_requirements_are_the_pipeline_extra():
