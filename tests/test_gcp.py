@@ -20,9 +20,6 @@ import pytest
 from fixtures_pipeline import IN_PROCESS, alpaca_records, write_jsonl
 from gcs_emulator import GcsEmulator, gcs_emulator, gcs_prefix  # noqa: F401  (pytest fixtures)
 
-pytest.importorskip("apache_beam")
-pytest.importorskip("array_record")
-
 MAX_LENGTH = 128
 NUM_SHARDS = 3
 

@@ -65,7 +65,6 @@ def test_dry_run_prints_the_whole_command_and_runs_nothing(capsys, monkeypatch):
 
 
 def test_command_means_the_same_to_prepack_pack_and_beam():
-    pytest.importorskip("apache_beam")
     from apache_beam.options.pipeline_options import (
         DebugOptions, GoogleCloudOptions, PipelineOptions, SetupOptions, StandardOptions, WorkerOptions)
 
@@ -91,7 +90,6 @@ def test_command_means_the_same_to_prepack_pack_and_beam():
 def test_beam_stages_our_package_and_the_pipeline_extra(tmp_path):
     """What Dataflow submission does on the launcher, run offline: the sdist of this repo
     (with the embedded sample data) and the requirements file are staged."""
-    pytest.importorskip("apache_beam")
     from apache_beam.options.pipeline_options import PipelineOptions
     from apache_beam.runners.portability.stager import Stager
 
