@@ -19,7 +19,8 @@ import pytest
 
 import loaders
 from fixtures_pipeline import IN_PROCESS, alpaca_records, write_jsonl
-from pipelines import lock, outputs, staging, swap, writer
+from pipelines import lock, outputs, staging, swap
+from pipelines import write as writer
 from pipelines.cli import main as cli_main
 from pipelines.job import run
 from pipelines.options import parse_args
