@@ -137,3 +137,58 @@ def test_launcher_passes_the_signal_to_the_job_and_waits(tmp_path):
     assert got.read_text() == str(int(signal.SIGTERM))
     assert code == 128 + signal.SIGINT
     assert launcher.stderr.read().strip().endswith("the job was asked to cancel its Dataflow job and exited with status 130")
+
+
+def test_sigkill_between_lengths_then_the_next_run_repairs(tmp_path):
+    """A real kill -9 of the launcher right after L64's manifest was switched (fault point in a
+    child process): both lengths still verify, each whole; published.json says they mix two runs;
+    the next --overwrite run takes over the dead run's lock by itself (its pid is gone), reports
+    its staging as leftovers, and publishes one consistent set.
+    Base commit: a kill here left L64 new and L256 old with nothing to flag it, and a kill after the
+    old manifest's removal left L64 with no manifest at all."""
+    import json
+
+    import loaders
+    from fixtures_pipeline import IN_PROCESS, alpaca_records, write_jsonl
+
+    old = write_jsonl(str(tmp_path / "old.jsonl"), alpaca_records(16, seed=0))
+    new = write_jsonl(str(tmp_path / "new.jsonl"), alpaca_records(16, seed=5))
+    out = tmp_path / "out"
+
+    def args(inp: str, *extra: str) -> list[str]:
+        return ["--input", inp, "--format", "alpaca", "--output", str(out), "--max-length", "64", "256",
+                "--no-progress", *IN_PROCESS, *extra]
+
+    def pack_in_child(inp: str, kill_at: str | None, *extra: str) -> subprocess.CompletedProcess:
+        code = (
+            "import os, signal, sys\n"
+            "from pipelines import swap\n"
+            f"point = {kill_at!r}\n"
+            "swap.fault_point = lambda name: os.kill(os.getpid(), signal.SIGKILL) if name == point else None\n"
+            "from pipelines.cli import main\n"
+            f"sys.exit(main({args(inp, *extra)!r}))\n"
+        )
+        return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                              env=dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])))
+
+    assert pack_in_child(old, None).returncode == 0
+    killed = pack_in_child(new, "manifest_switched:L64", "--overwrite")
+    assert killed.returncode == -signal.SIGKILL
+    sources = {}
+    for L in (64, 256):
+        with loaders.open_shards(str(out / f"L{L}"), expected_max_length=L, verify=True):
+            pass
+        sources[L] = os.path.basename(json.loads((out / f"L{L}" / "manifest.json").read_text())["inputs"][0]["spec"])
+    assert sources == {64: "new.jsonl", 256: "old.jsonl"}
+    with pytest.raises(loaders.ShardSetError, match="mix two runs"):
+        loaders.published_lengths(str(out))
+    assert (out / ".lock").exists()
+
+    again = pack_in_child(new, None, "--overwrite")
+    assert again.returncode == 0, again.stderr
+    assert f"{out} holds leftovers of earlier killed runs: 2 staging folders" in again.stderr
+    assert sorted(loaders.published_lengths(str(out))) == [64, 256]
+    for L in (64, 256):
+        with loaders.open_shards(str(out / f"L{L}"), expected_max_length=L, verify=True):
+            pass
+    assert not (out / ".lock").exists()
