@@ -14,7 +14,9 @@ One module per stage (pipelines/<stage>.py), in graph order:
 pipelines/stage.py holds what the stages share (context, tags, clocks, the counter merge).
 
 The launcher (`run`) owns everything outside the graph: the fail-fast checks,
-the accounting identity and bad-fraction checks, and the publishing order.
+the output lock (lock.py), the accounting identity and bad-fraction checks, the
+publishing order (swap.py), staging clean-up on every exit it can catch
+(staging.py, and interrupts.py for signals), and one-line failures (failures.py).
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 Nothing here touches the final location. Every file lands under a staging
 prefix named by the run id (OUTPUT/L<L>/.staging-<run>/, OUTPUT/.staging-<run>/);
-publish.py moves shards into place and writes manifest.json last, after the
-whole pipeline succeeded and the accounting checks passed.
+swap.py moves shards into place and switches manifest.json last, after the
+whole pipeline succeeded and the accounting checks passed. A shard's published
+name carries its sha256, so it never overwrites another set's file.
 
 ArrayRecordWriter can only open local paths, so a shard is written to a local
 temp file (with group_size:1 spelled out) and then streamed to its staging
@@ -27,7 +28,7 @@ from pipelines.planning import LengthPlan
 from pipelines.columns import FragmentBatch, ShardWork, concat_wire
 from pipelines.records import DeadLetter, TaskMeta, place_in_file, range_offsets
 from pipelines.stage import StageClock
-from pipelines.swap import length_dir, run_staging_dir, staging_dir  # noqa: F401  (length_dir: re-exported)
+from pipelines.swap import run_staging_dir, staging_dir
 from pipelines.rows import encode_rows_flat
 from prepack.manifest import DEAD_LETTER_NAME
 from prepack.shardfile import DEFAULT_WRITER_OPTIONS, shard_name, write_shard
