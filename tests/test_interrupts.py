@@ -192,3 +192,37 @@ def test_sigkill_between_lengths_then_the_next_run_repairs(tmp_path):
         with loaders.open_shards(str(out / f"L{L}"), expected_max_length=L, verify=True):
             pass
     assert not (out / ".lock").exists()
+
+
+@pytest.mark.parametrize("second_signal", [False, True])
+def test_stuck_main_thread_still_exits_and_cleans_up(tmp_path, second_signal):
+    """The main thread swallows the KeyboardInterrupt and keeps waiting (as Beam's runner did
+    for minutes on the base commit): the watchdog runs the registered clean-up and exits 130
+    after the grace period; a second signal does so at once."""
+    cleaned, ready, first = tmp_path / "cleaned", tmp_path / "ready", tmp_path / "first"
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import pathlib, time\n"
+        "from pipelines import interrupts\n"
+        f"interrupts.GRACE_S = {3600 if second_signal else 1.0}\n"
+        "interrupts.install()\n"
+        f"interrupts.register(lambda: pathlib.Path({str(cleaned)!r}).write_text('yes'))\n"
+        "while True:\n"
+        "    try:\n"
+        f"        pathlib.Path({str(ready)!r}).write_text('up')  # inside the try: from here a signal is swallowed\n"
+        "        time.sleep(0.05)\n"
+        "    except KeyboardInterrupt:\n"
+        f"        pathlib.Path({str(first)!r}).write_text('got')  # and swallows it, as a stuck runner would\n"
+    )], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(ready.exists, "the child to start")
+        child.send_signal(signal.SIGINT)
+        if second_signal:
+            wait_for(first.exists, "the first signal to land")
+            child.send_signal(signal.SIGINT)
+        code = child.wait(timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert code == 128 + signal.SIGINT
+    assert cleaned.read_text() == "yes"
+    assert child.stderr.read().strip() == "prepack pack: stopped by signal 2; nothing new was published by this run"
