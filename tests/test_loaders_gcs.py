@@ -8,7 +8,7 @@ import socket
 
 import numpy as np
 import pytest
-from shardset_builder import build_shard_set, row_ids
+from testkit.shard_sets import build_shard_set, row_ids
 
 import loaders
 
