@@ -35,7 +35,7 @@ from pipelines.fit import FitAndKeyFn
 from pipelines.prepare import KeyTableRecordsFn, PrepareFn, TableToExamplesFn
 from pipelines.read import ReadTaskFn
 from pipelines.route import RouteToRowsFn
-from pipelines.stage import NAMESPACE, TAG_BAD, TAG_DEAD, TAG_FINGERPRINT, TAG_HIST, TAG_TALLY, JobContext, MergeCounters
+from pipelines.stage import NAMESPACE, TAG_BAD, TAG_DEAD, TAG_FINGERPRINT, TAG_HIST, TAG_TALLY, JobContext, MergeCounters, MergeTallies
 from pipelines.write import WriteDeadLetterFn, WriteShardFn, WriteSummaryFn
 from pipelines.options import PackConfig
 from pipelines.planning import build_plans, choose_sub_buckets
@@ -56,14 +56,23 @@ class JobResult:
 
 @dataclasses.dataclass
 class PreparedJob:
-    config: PackConfig
-    run_id: str
+    """The job after its checks: the workers' context (which holds the config and run id), the
+    read tasks and resolved inputs, and the facts the manifest records."""
+
     ctx: JobContext
     tasks: list[ReadTask]
     inputs: list[ResolvedInput]
     job_info: dict[str, Any]
     table_level: bool
     group_key: str | None
+
+    @property
+    def config(self) -> PackConfig:
+        return self.ctx.config
+
+    @property
+    def run_id(self) -> str:
+        return self.ctx.run_id
 
 
 def _tool_info() -> dict[str, Any]:
@@ -109,22 +118,8 @@ def prepare(config: PackConfig, run_id: str | None = None) -> PreparedJob:
         raise publish.JobError(str(e)) from e
     est = sum(i.est_records for i in inputs)
     sub_buckets = config.sub_buckets or choose_sub_buckets(est, config.pack)
-    ctx = JobContext(
-        tasks=sources.task_metas(inputs, tasks),
-        template=config.format,
-        template_options=config.template_options,
-        tokenizer=config.tokenizer,
-        chat_format=config.chat_format,
-        max_lengths=config.max_lengths,
-        overlong=config.overlong,
-        pack=config.pack,
-        sub_buckets=sub_buckets,
-        batch_size=config.batch_size,
-        progress=config.progress,
-        output=config.output,
-        run_id=run_id,
-        pad_id=int(tokenizer.pad_id),
-    )
+    ctx = JobContext(config=config, tasks=sources.task_metas(inputs, tasks), sub_buckets=sub_buckets, run_id=run_id,
+                     pad_id=int(tokenizer.pad_id))
     job_info = {
         "tokenizer": tokenizer.identity(),
         "template": {
@@ -137,7 +132,7 @@ def prepare(config: PackConfig, run_id: str | None = None) -> PreparedJob:
         "sub_buckets": sub_buckets,
     }
     return PreparedJob(
-        config=config, run_id=run_id, ctx=ctx, tasks=tasks, inputs=inputs, job_info=job_info,
+        ctx=ctx, tasks=tasks, inputs=inputs, job_info=job_info,
         table_level=bool(getattr(template, "table_level", False)), group_key=getattr(template, "group_key", None),
     )
 
@@ -195,7 +190,7 @@ def build_pipeline(pipeline: Any, job: PreparedJob) -> None:
     )
     tally = (
         (*tallies, fitted[TAG_TALLY]) | "FlattenTally" >> beam.Flatten()
-        | "Tally" >> beam.CombineGlobally(MergeCounters())
+        | "Tally" >> beam.CombineGlobally(MergeTallies())
     )
     (
         pipeline

@@ -18,8 +18,8 @@ import re
 import numpy as np
 import pytest
 
-from fixtures_pipeline import IN_PROCESS, alpaca_records, write_jsonl
-from gcs_emulator import GcsEmulator, gcs_emulator, gcs_prefix  # noqa: F401  (pytest fixtures)
+from testkit.pipeline import IN_PROCESS, alpaca_records, write_jsonl
+from testkit.gcs_emulator import GcsEmulator, gcs_emulator, gcs_prefix  # noqa: F401  (pytest fixtures)
 
 MAX_LENGTH = 128
 NUM_SHARDS = 3

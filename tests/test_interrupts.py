@@ -97,7 +97,7 @@ class FakeDataflowResult:
 def test_interrupted_wait_cancels_the_submitted_dataflow_job(tmp_path, monkeypatch):
     import apache_beam as beam
 
-    from fixtures_pipeline import IN_PROCESS, alpaca_records, write_jsonl
+    from testkit.pipeline import IN_PROCESS, alpaca_records, write_jsonl
     from pipelines.job import Interrupted, run
     from pipelines.options import parse_args
 
@@ -149,7 +149,7 @@ def test_sigkill_between_lengths_then_the_next_run_repairs(tmp_path):
     import json
 
     import loaders
-    from fixtures_pipeline import IN_PROCESS, alpaca_records, write_jsonl
+    from testkit.pipeline import IN_PROCESS, alpaca_records, write_jsonl
 
     old = write_jsonl(str(tmp_path / "old.jsonl"), alpaca_records(16, seed=0))
     new = write_jsonl(str(tmp_path / "new.jsonl"), alpaca_records(16, seed=5))
@@ -169,7 +169,7 @@ def test_sigkill_between_lengths_then_the_next_run_repairs(tmp_path):
             f"sys.exit(main({args(inp, *extra)!r}))\n"
         )
         return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                              env=dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])))
+                              env=dict(os.environ, PYTHONPATH=ROOT))
 
     assert pack_in_child(old, None).returncode == 0
     killed = pack_in_child(new, "manifest_switched:L64", "--overwrite")

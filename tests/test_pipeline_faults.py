@@ -18,7 +18,7 @@ import zlib
 import pytest
 
 import loaders
-from fixtures_pipeline import IN_PROCESS, alpaca_records, write_jsonl
+from testkit.pipeline import IN_PROCESS, alpaca_records, write_jsonl
 from pipelines import lock, outputs, staging, swap
 from pipelines import write as writer
 from pipelines.cli import main as cli_main
