@@ -12,7 +12,8 @@ A lock file per shard lets one process download it while others wait.
 
 The folder: cache_dir, else $PREPACK_SHARD_CACHE, else
 $XDG_CACHE_HOME/prepack/shards (~/.cache/prepack/shards). Nothing is evicted:
-delete the folder to reclaim the space.
+delete the folder to reclaim the space. A download killed midway leaves a
+`*.part-PID-THREAD` file that nothing reads; it may be deleted at any time.
 """
 
 from __future__ import annotations

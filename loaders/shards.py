@@ -5,7 +5,8 @@ otherwise surface as a shape error or silently wrong data mid-run:
 the manifest exists and is of a supported format, the shards were packed for
 the max_length and tokenizer the trainer uses, and every shard file is present
 with the size, row count and record size the manifest promises (plus, with
-verify=True, its sha256).
+verify=True, its sha256). A gs:// shard is checked when its local copy is made
+(its sha256, always) and opened, on first read (see loaders/shard_cache.py).
 
 Every error raised here is a `prepack.manifest.ManifestError` (ShardSetError is
 one) and names the path it is about.
@@ -91,9 +92,7 @@ class ShardView:
         self.path = path
         self.manifest = manifest
         self.shard_paths: tuple[str, ...] = tuple(storage.join(path, s.path) for s in manifest.shards)
-        self.cache = cache if storage.is_gcs(path) else None
-        if storage.is_gcs(path) and self.cache is None:
-            self.cache = ShardCache()
+        self.cache = (cache or ShardCache()) if storage.is_gcs(path) else None
         counts = [s.num_rows for s in manifest.shards]
         # starts[k] = global index of shard k's first row.
         self._starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)

@@ -219,3 +219,24 @@ def test_read_threads_follow_the_location(tmp_path, monkeypatch):
     assert not storage.is_network_mount(str(tmp_path / "set"))
     remote = loaders.ShardView("gs://bucket/set", view.manifest)
     assert remote.is_remote and default_read_threads(remote) == READ_THREADS_GCS
+
+
+def test_delay_proxy_holds_each_request_and_counts_it(gcs_emulator, gcs_prefix, tmp_path, monkeypatch):  # noqa: F811
+    # The benchmark rig's premise: every request waits at least the delay (a lower bound,
+    # so no timing luck), and the counts are what passed through.
+    import time
+
+    build_shard_set(tmp_path / "set", num_rows=4, num_shards=1, max_length=16)
+    url = upload(gcs_emulator, str(tmp_path / "set"), f"{gcs_prefix}/L16")
+    with start_proxy(gcs_emulator.endpoint, delay_ms=40) as p:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", p.endpoint)
+        storage.read_text(f"{url}/manifest.json")  # the client's first-use lookups
+        p.reset()
+        start = time.perf_counter()
+        for _ in range(3):
+            assert json.loads(storage.read_text(f"{url}/manifest.json"))["num_rows"] == 4
+        elapsed = time.perf_counter() - start
+        stats = p.stats()
+    assert elapsed >= 3 * 0.040
+    assert stats["requests"] == 3 and stats["bytes_down"] > 0
+    assert list(stats["by_path"].values()) == [3]
