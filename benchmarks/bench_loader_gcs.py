@@ -3,7 +3,7 @@
 The rig, all on this machine and rerunnable:
 - the GCS emulator of the tests (tests/gcs_emulator.py), holding the shard sets;
 - a proxy in front of it that holds every request 20 or 50 ms and counts them
-  (tests/http_delay_proxy.py): the round trip to real GCS, minus TLS;
+  (testkit/http_delay_proxy.py): the round trip to real GCS, minus TLS;
 - a network namespace with loopback only (`unshare -rn`), so nothing leaves
   the machine and nothing else shares the path. The script re-runs itself
   inside one unless --no-netns.
@@ -19,9 +19,9 @@ disk in the same run: the baseline for CPU, and the stand-in for a gcsfuse
 mount with a warm file cache (a local path with read_threads=16, the loader's
 choice on a FUSE mount).
 
-    python benchmarks/bench_loader_gcs.py                          # 8x2048 and 16x512, 20 and 50 ms
-    python benchmarks/bench_loader_gcs.py --shapes 8x2048 --delays 50 --batches 300
-    python benchmarks/bench_loader_gcs.py --code /path/to/other/checkout --batches 300   # same rig, other loader code
+    python -m benchmarks.bench_loader_gcs                          # 8x2048 and 16x512, 20 and 50 ms
+    python -m benchmarks.bench_loader_gcs --shapes 8x2048 --delays 50 --batches 300
+    python -m benchmarks.bench_loader_gcs --code /path/to/other/checkout --batches 300   # same rig, other loader code
 """
 
 from __future__ import annotations
@@ -36,8 +36,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IN_NETNS_FLAG = "--in-netns"
 
 
@@ -62,8 +61,8 @@ def _reexec_in_netns(argv: list[str]) -> int:
         print("error: unshare and ip (util-linux, iproute2) are needed for the loopback-only namespace; "
               "install them or pass --no-netns", file=sys.stderr)
         return 2
-    cmd = ["unshare", "-rn", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", sys.executable, os.path.abspath(__file__), *argv, IN_NETNS_FLAG]
-    return subprocess.call(cmd)
+    cmd = ["unshare", "-rn", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", sys.executable, "-m", "benchmarks.bench_loader_gcs", *argv, IN_NETNS_FLAG]
+    return subprocess.call(cmd, cwd=ROOT)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -75,11 +74,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.path.insert(0, os.path.abspath(args.code))
     import loaders  # noqa: F401  (first, so --code decides which loaders every later import sees)
 
-    sys.path.insert(0, HERE)
-    sys.path.insert(1, os.path.join(ROOT, "tests"))
-    import bench_loader
-    from gcs_emulator import start_emulator
-    from http_delay_proxy import start_proxy
+    from benchmarks import bench_loader
+    from testkit.gcs_emulator import start_emulator
+    from testkit.http_delay_proxy import start_proxy
 
     try:
         if args.synthetic:
@@ -189,7 +186,7 @@ def report(results: list[dict], inputs: str, argv: Sequence[str]) -> None:
         if r["source"].startswith("local disk"):
             print(f"- {r['shape']}: {r['rows']:,} rows read ({r['batches']} batches) of a set of {r['rows_in_set']:,} rows in "
                   f"{r['shards']} shards, {r['set_bytes'] / 1e6:.0f} MB.")
-    print("\nCommand: `" + " ".join(["python benchmarks/bench_loader_gcs.py", *[a for a in argv if a != IN_NETNS_FLAG]]) + "`")
+    print("\nCommand: `" + " ".join(["python -m benchmarks.bench_loader_gcs", *[a for a in argv if a != IN_NETNS_FLAG]]) + "`")
 
 
 if __name__ == "__main__":

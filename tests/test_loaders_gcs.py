@@ -1,6 +1,6 @@
 """gs:// shard sets against the local GCS emulator (testkit/gcs_emulator.py): the manifest,
 sizes and whole-shard downloads come through google-cloud-storage; records are read
-from the local shard cache. A counting proxy (tests/http_delay_proxy.py) in front of
+from the local shard cache. A counting proxy (testkit/http_delay_proxy.py) in front of
 the emulator shows what each read costs in requests."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from urllib.parse import unquote
 
 import numpy as np
 import pytest
-from http_delay_proxy import start_proxy
+from testkit.http_delay_proxy import start_proxy
 from testkit.gcs_emulator import gcs_emulator, gcs_prefix  # noqa: F401  (pytest fixtures)
 from testkit.shard_sets import build_shard_set, row_ids
 
