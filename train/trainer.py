@@ -484,13 +484,13 @@ def run_identity(cfg: TrainConfig, spec: Any, config: Any, view: Any) -> dict[st
 def setup(cfg: TrainConfig, out: TextIO | None = None) -> Setup:
     """Builds the model, LoRA and trainer; with cfg.checkpoint_dir, Tunix restores the latest checkpoint here."""
     import jax
-    import optax
     from flax import nnx
     from tunix.sft import peft_trainer
 
     import loaders
     from train import loss as loss_lib
-    from train import model_inputs, models
+    from train import model_inputs, models, precision
+    from train import optimizer as optimizer_lib
 
     if cfg.steps < 1:
         raise TrainError(f"--steps must be positive, got {cfg.steps}")
@@ -549,6 +549,7 @@ def setup(cfg: TrainConfig, out: TextIO | None = None) -> Setup:
         loss_fn = _with_aux(loss_lib.tunix_default_loss_fn())
     else:
         raise TrainError(f"unknown loss {cfg.loss!r}; choose masked or tunix-default")
+    loss_fn = precision.in_compute_dtype(loss_fn, models.parse_dtype(cfg.dtype, spec.default_dtype))
 
     static = {
         "model": cfg.model,
@@ -557,7 +558,7 @@ def setup(cfg: TrainConfig, out: TextIO | None = None) -> Setup:
         "batch_size": cfg.batch_size,
         "seq_len": manifest.max_length,
     }
-    optimizer = optax.inject_hyperparams(optax.adamw)(learning_rate=cfg.learning_rate)
+    optimizer = optimizer_lib.adamw(cfg.learning_rate)
     policy = checkpointing.EveryNStepsAndLast(cfg.checkpoint_every, cfg.steps) if ckpt is not None else None
     training_config = peft_trainer.TrainingConfig(
         eval_every_n_steps=cfg.eval_every or cfg.steps,
