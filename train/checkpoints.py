@@ -59,6 +59,8 @@ IDENTITY_LABELS: dict[str, str] = {
     "processes": "number of processes",
     "learning_rate": "learning rate",
     "loss": "loss",
+    "lora_dtype": "LoRA dtype",
+    "nan_policy": "--nan-policy",
 }
 
 
@@ -250,6 +252,9 @@ class DataStateCheckpoints:
 
     def save(self, step: int, model: Any, optimizer: Any = None, **kwargs: Any) -> bool:
         if kwargs.get("force") or self._policy.wants(step):
+            if not lora_is_finite(model):
+                # --nan-policy stop ends the run before this; a checkpoint of NaNs would only resume into NaNs.
+                raise CheckpointError(f"step {step}: the LoRA parameters hold NaN or Inf; not saving a checkpoint of them")
             latest = self._inner.latest_step()
             if latest is None or step > latest:
                 # Keep one more loader state than Orbax keeps steps: the newest save may be in flight.
@@ -267,6 +272,15 @@ class DataStateCheckpoints:
         if not self._closed:
             self._closed = True
             self._inner.close()
+
+
+def lora_is_finite(model: Any) -> bool:
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    leaves = jax.tree.leaves(nnx.state(model, nnx.LoRAParam))
+    return bool(all(jnp.isfinite(x).all() for x in leaves))
 
 
 def checkpoint_options(policy: EveryNStepsAndLast, keep: int) -> Any:

@@ -37,3 +37,4 @@ class TrainConfig:
     checkpoint_every: int | None = 100
     checkpoint_keep: int = 3  # Orbax max_to_keep
     save_lora: str | None = None  # safetensors export of the LoRA params at the end
+    nan_policy: str = "stop"  # on a non-finite loss or gradient norm: "stop" or "skip-step" (train/divergence.py)

@@ -86,11 +86,16 @@ def save_lora(model: Any, path: str, metadata: Mapping[str, Any]) -> dict[str, s
     """
     import jax
     import jax.numpy as jnp
+    import numpy as np
     import safetensors.flax
 
     tensors = lora_tensors(model)
     if not tensors:
         raise LoraFileError("the model has no LoRA parameters to export")
+    bad = sorted(name for name, value in tensors.items() if not np.isfinite(value).all())
+    if bad:
+        # A diverged run's adapters are useless and would poison whatever loads them.
+        raise LoraFileError(f"{path}: not written: {len(bad)} of {len(tensors)} LoRA tensors hold NaN or Inf (e.g. {bad[0]})")
     meta = {k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items() if v is not None}
     meta.update({
         "format": LORA_FORMAT,

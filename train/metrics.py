@@ -20,6 +20,8 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from train import divergence
+
 
 def batch_counts(batch: Mapping[str, np.ndarray]) -> dict[str, int]:
     """Host-side counts of one [B, L] batch (numpy, before it goes to the device)."""
@@ -76,6 +78,8 @@ class MetricsRecorder:
         out: TextIO | None = None,
         resume_from: int | None = None,
         resume_note: Mapping[str, Any] | None = None,
+        last_step: int | None = None,
+        nan_policy: str = divergence.STOP,
     ):
         """resume_from=k: the run continues after step k of a checkpoint; step numbers go on from k+1
         and the JSONL is appended to (its records of steps after k, which the resumed run redoes,
@@ -83,6 +87,9 @@ class MetricsRecorder:
         self.path = path
         self.static = dict(static or {})
         self.log_every = log_every
+        self.last_step = last_step  # printed even when not a multiple of log_every
+        self.nan_policy = nan_policy
+        self.stopped: dict[str, Any] | None = None  # why the run ended early (summary["stopped"])
         self.out = out if out is not None else sys.stderr
         self.first_step = (resume_from or 0) + 1
         self._file: TextIO | None = None
@@ -127,7 +134,8 @@ class MetricsRecorder:
         tokens = pending.get("tokens", 0)
         record = {
             "step": self.first_step + len(self.steps),
-            "loss": float(aux["loss"]),
+            "loss": divergence.finite_or_none(aux["loss"]),
+            "grad_norm": divergence.finite_or_none(aux["grad_norm"]) if "grad_norm" in aux else None,
             "step_time_s": step_time,
             "tokens": tokens,
             "target_tokens": target,
@@ -140,15 +148,28 @@ class MetricsRecorder:
             # Cross-check: the target count the loss saw on the device equals the host's count.
             "device_target_tokens": int(round(float(aux["target_tokens"]))),
         }
+        reason = divergence.nonfinite_reason({"loss": aux["loss"], "grad_norm": aux.get("grad_norm")})
+        if reason:
+            record["nonfinite"] = reason
+            # apply_if_finite rejects updates with non-finite gradients (train/optimizer.py).
+            record["skipped"] = self.nan_policy == divergence.SKIP_STEP
         record.update(self.static)
         self.steps.append(record)
         self._write(record)
-        if self.log_every and (record["step"] % self.log_every == 0 or record["step"] == 1):
+        step = record["step"]
+        if reason or (self.log_every and (step % self.log_every == 0 or step in (self.first_step, self.last_step))):
+            loss = f"{record['loss']:.4f}" if record["loss"] is not None else f"non-finite ({reason})"
             print(
-                f"step {record['step']}: loss {record['loss']:.4f}  {step_time:.3f}s  "
-                f"{record['target_tokens_per_s']:.0f} target tok/s  density {record['density']:.3f}",
+                f"step {step}: loss {loss}  {step_time:.3f}s  "
+                f"{record['target_tokens_per_s']:.0f} target tok/s  density {record['density']:.3f}"
+                + ("  (update skipped: --nan-policy skip-step)" if record.get("skipped") else ""),
                 file=self.out,
+                flush=True,
             )
+
+    def stop(self, step: int, reason: str) -> None:
+        """The run ends here (--nan-policy stop); the summary line records why."""
+        self.stopped = {"step": step, "reason": reason, "nan_policy": self.nan_policy}
 
     def eval_batch_done(self, aux: Mapping[str, Any]) -> None:
         self._eval_acc.append((float(aux["nll_sum"]), float(aux["target_tokens"]), float(aux["loss"])))
@@ -160,7 +181,7 @@ class MetricsRecorder:
         record = {
             "step": self.first_step - 1 + len(self.steps),
             # Token-weighted over the whole eval set (Tunix's own eval loss is a mean of batch means).
-            "loss": float(nll.sum() / max(targets.sum(), 1e-8)),
+            "loss": divergence.finite_or_none(nll.sum() / max(targets.sum(), 1e-8)),
             "mean_batch_loss": float(losses.mean()),
             "target_tokens": int(targets.sum()),
             "batches": len(losses),
@@ -169,7 +190,7 @@ class MetricsRecorder:
         self._eval_acc = []
         self.evals.append(record)
         self._write({"eval": record})
-        print(f"eval after step {record['step']}: loss {record['loss']:.4f} over {record['target_tokens']} target tokens", file=self.out)
+        print(f"eval after step {record['step']}: loss {record['loss'] if record['loss'] is None else format(record['loss'], '.4f')} over {record['target_tokens']} target tokens", file=self.out)
 
     def summary(self, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
         steps = self.steps
@@ -182,7 +203,9 @@ class MetricsRecorder:
             "target_tokens": int(sum(s["target_tokens"] for s in steps)),
             "examples": int(sum(s["examples"] for s in steps)),
             "first_loss": steps[0]["loss"] if steps else None,
-            "final_loss": steps[-1]["loss"] if steps else None,
+            "final_loss": steps[-1]["loss"] if steps else None,  # None when not finite
+            "skipped_steps": sum(1 for s in steps if s.get("skipped")),
+            "stopped": self.stopped,
             "first_step_time_s": steps[0]["step_time_s"] if steps else None,
             "timed_steps": len(timed),
             "mean_step_time_s": float(times.mean()) if len(times) else None,

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from train import resume
+from train import divergence, resume
 from train.config import TrainError
 from train.metrics import MetricsRecorder
 
@@ -52,12 +52,23 @@ def make_trainer_class() -> type:
                 self.recorder.batch_arrived(input_data)
             return device_fields(input_data)
 
+        def _train_step(self, model: Any, optimizer: Any, inputs: Any) -> Any:
+            # Tunix computes the gradient norm but hands _post_process_train_step only the aux;
+            # carry it there (still inside the jitted step) so every step checks and records it.
+            loss, aux, grad_norm = super()._train_step(model, optimizer, inputs)
+            return loss, {**aux, "grad_norm": grad_norm}, grad_norm
+
         def _post_process_train_step(self, aux: Any) -> None:
             import jax
 
             # Waiting here makes step_time_s the real step time (Tunix otherwise keeps 2 steps in flight).
             aux = jax.device_get(jax.block_until_ready(aux))
             self.recorder.step_done(aux)
+            record = self.recorder.steps[-1]
+            if record.get("nonfinite") and self.recorder.nan_policy == divergence.STOP:
+                # Raised before Tunix's save of this step (it follows this call in its loop).
+                self.recorder.stop(record["step"], record["nonfinite"])
+                raise divergence.Diverged(record["step"], record["nonfinite"])
 
         def _post_process_eval_step(self, aux: Any) -> None:
             import jax
@@ -76,6 +87,8 @@ def make_trainer_class() -> type:
             # What Tunix will shard batches over: empty unless a mesh is active through `with mesh:`.
             mesh = pxla.thread_resources.env.physical_mesh
             self.recorder.static_extra["active_mesh"] = None if mesh.empty else dict(mesh.shape)
+            # Step 1 compiles Tunix's train step (minutes for a real model): say so before the silence.
+            print("compiling the train step (runs as step 1) ...", file=self.recorder.out, flush=True)
             self.recorder.reset_clock()
             super().train(train_ds, eval_ds, *args, **kwargs)
 

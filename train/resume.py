@@ -93,7 +93,7 @@ def run_identity(cfg: TrainConfig, spec: Any, config: Any, view: Any) -> dict[st
     import jax.numpy as jnp
 
     from loaders.dataset import shard_set_id
-    from train import models
+    from train import models, precision
 
     return {
         "model": cfg.model,
@@ -111,6 +111,10 @@ def run_identity(cfg: TrainConfig, spec: Any, config: Any, view: Any) -> dict[st
         # silently bring back the old one; the loss changes what the gradients mean.
         "learning_rate": cfg.learning_rate,
         "loss": cfg.loss,
+        # float32 adapters since mixed precision (train/precision.py); skip-step adds
+        # apply_if_finite's counters to the optimizer state, so its layout differs.
+        "lora_dtype": jnp.dtype(precision.LORA_DTYPE).name,
+        "nan_policy": cfg.nan_policy,
     }
 
 

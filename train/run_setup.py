@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import time
 from typing import Any, TextIO
 
-from train import checkpoints, resume
+from train import checkpoints, divergence, resume
 from train.config import TrainConfig, TrainError
 from train.data import packing_kind
 from train.fingerprint import base_fingerprint
@@ -41,6 +42,7 @@ class Setup:
 def setup(cfg: TrainConfig, out: TextIO | None = None) -> Setup:
     """Builds the model, LoRA and trainer; with cfg.checkpoint_dir, Tunix restores the latest checkpoint here."""
     import jax
+    import jax.numpy as jnp
     from flax import nnx
     from tunix.sft import peft_trainer
 
@@ -57,6 +59,8 @@ def setup(cfg: TrainConfig, out: TextIO | None = None) -> Setup:
         raise TrainError(f"--checkpoint-every must be positive, got {cfg.checkpoint_every}")
     if cfg.checkpoint_keep < 1:
         raise TrainError(f"--checkpoint-keep must be positive, got {cfg.checkpoint_keep}")
+    divergence.check_policy(cfg.nan_policy)
+    say = out if out is not None else sys.stderr
     view = loaders.open_shards(cfg.shards)
     eval_view = loaders.open_shards(cfg.eval_shards) if cfg.eval_shards else None
     manifest = view.manifest
@@ -85,11 +89,16 @@ def setup(cfg: TrainConfig, out: TextIO | None = None) -> Setup:
         # Refuse another run's checkpoint now, before minutes of weight loading.
         ckpt.check_resumable(identity, info={"shards": cfg.shards})
 
+    dtype_name = jnp.dtype(models.parse_dtype(cfg.dtype, spec.default_dtype)).name
+    print(f"loading {cfg.model} weights ({models.describe_weights(spec, cfg.weights)}) as {dtype_name} ...", file=say, flush=True)
+    started = time.perf_counter()
     built = models.build_model(
         cfg.model, weights=cfg.weights, vocab_size=vocab, dtype=cfg.dtype,
         seed=cfg.seed, mesh=mesh, config_overrides=cfg.config_overrides,
     )
     base_params = models.count_params(built.model)
+    print(f"loaded {base_params:,} parameters ({base_params * jnp.dtype(dtype_name).itemsize / 1e6:,.0f} MB) "
+          f"in {time.perf_counter() - started:.1f} s", file=say, flush=True)
     base_weights = None
     if ckpt is not None or cfg.save_lora:
         base_weights = {"source": built.weights, "fingerprint": base_fingerprint(built.model)}
@@ -115,7 +124,7 @@ def setup(cfg: TrainConfig, out: TextIO | None = None) -> Setup:
         "batch_size": cfg.batch_size,
         "seq_len": manifest.max_length,
     }
-    optimizer = optimizer_lib.adamw(cfg.learning_rate)
+    optimizer = optimizer_lib.adamw(cfg.learning_rate, skip_nonfinite=cfg.nan_policy == divergence.SKIP_STEP)
     policy = checkpoints.EveryNStepsAndLast(cfg.checkpoint_every, cfg.steps) if ckpt is not None else None
     training_config = peft_trainer.TrainingConfig(
         eval_every_n_steps=cfg.eval_every or cfg.steps,
@@ -139,10 +148,11 @@ def setup(cfg: TrainConfig, out: TextIO | None = None) -> Setup:
         nnx.update(built.model, jax.device_put(nnx.state(built.model), device))
         nnx.update(trainer.optimizer, jax.device_put(nnx.state(trainer.optimizer), device))
     if resumed:
-        print(f"resuming from step {resumed} of {ckpt.path}", file=out if out is not None else sys.stderr)
+        print(f"resuming from step {resumed} of {ckpt.path}", file=say)
     recorder = MetricsRecorder(
         cfg.metrics_out, static=static, log_every=cfg.log_every, out=out,
         resume_from=resumed or None, resume_note={"checkpoint_dir": cfg.checkpoint_dir},
+        last_step=cfg.steps, nan_policy=cfg.nan_policy,
     )
     trainer.recorder = recorder
     trainer.vocab_size = built.vocab_size
@@ -161,6 +171,9 @@ def setup(cfg: TrainConfig, out: TextIO | None = None) -> Setup:
         "platform": jax.default_backend(),
         "device_kind": jax.devices()[0].device_kind,
         "loss_fn": cfg.loss,
+        "dtype": dtype_name,
+        "lora_dtype": jnp.dtype(precision.LORA_DTYPE).name,
+        "nan_policy": cfg.nan_policy,
     }
     if ckpt is not None:
         extra.update({"checkpoint_dir": cfg.checkpoint_dir, "resumed_from_step": resumed})
