@@ -11,7 +11,7 @@ import optax
 import pytest
 
 from testkit import train_batches as testing
-from train import compiled, loss as loss_lib, model_inputs, models, trainer as trainer_lib
+from train import compiled, loss as loss_lib, model_inputs, models
 
 
 def _trainer(name: str, vocab: int, loss_fn, overrides=None):
@@ -62,7 +62,7 @@ def test_masked_loss_plans_less_memory_than_tunix_default_at_gemma3_vocab() -> N
     overrides = {"num_layers": 1}  # the loss is what differs; one layer keeps the compile short
     ours = compiled.train_step_memory(_trainer("tiny-gemma3", vocab, loss_lib.masked_loss_fn_with_aux, overrides), batch)
     theirs = compiled.train_step_memory(
-        _trainer("tiny-gemma3", vocab, trainer_lib._with_aux(loss_lib.tunix_default_loss_fn()), overrides), batch
+        _trainer("tiny-gemma3", vocab, loss_lib.with_aux(loss_lib.tunix_default_loss_fn()), overrides), batch
     )
     logits_bytes = batch_size * max_length * vocab * 4
     print(

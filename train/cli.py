@@ -9,7 +9,7 @@ The same command trains on packed shards and on shards packed with `prepack pack
 (one example per row): both are [B, L] rows with segment_ids, so the packed-vs-unpacked
 comparison is one flag apart at pack time. See train/README.md for the metrics JSONL.
 --checkpoint-dir makes a run resumable (rerun the same command after a preemption) and
---save-lora writes the trained adapters; see train/checkpointing.py.
+--save-lora writes the trained adapters; see train/checkpoints.py and train/lora_file.py.
 """
 
 from __future__ import annotations
@@ -53,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=int, default=100, help="checkpoint every N steps, and after the last (default 100)")
     p.add_argument("--checkpoint-keep", type=int, default=3, help="checkpoints kept in --checkpoint-dir (default 3)")
     p.add_argument("--save-lora", default=None, help="at the end, write the LoRA parameters as a safetensors file here")
+    p.add_argument(
+        "--nan-policy", default="stop", choices=["stop", "skip-step"],
+        help="on a non-finite loss or gradient norm: stop (default; exit 3 naming the step, nothing saved for it) "
+        "or skip-step (the update is not applied; skipped steps are counted in the metrics)",
+    )
     return p
 
 
@@ -65,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
     from prepack.manifest import ManifestError
-    from train import checkpointing, models, trainer
+    from train import checkpoints, divergence, lora_file, models, trainer
 
     cfg = trainer.TrainConfig(
         shards=args.shards, model=args.model, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
@@ -74,10 +79,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         weights=args.weights, dtype=args.dtype, metrics_out=args.metrics_out, loss=args.loss,
         read_threads=args.read_threads, log_every=args.log_every, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, checkpoint_keep=args.checkpoint_keep, save_lora=args.save_lora,
+        nan_policy=args.nan_policy,
     )
     try:
         summary = trainer.run(cfg)
-    except (trainer.TrainError, models.ModelError, ManifestError, checkpointing.CheckpointError) as e:
+    except divergence.Diverged as e:
+        print(f"prepack train: {e}", file=sys.stderr)
+        return divergence.EXIT_DIVERGED
+    except (trainer.TrainError, models.ModelError, ManifestError, checkpoints.CheckpointError, lora_file.LoraFileError) as e:
         print(f"prepack train: {e}", file=sys.stderr)
         return 2
     print(json.dumps({"summary": {k: v for k, v in summary.items() if k != "evals"}}, indent=None))

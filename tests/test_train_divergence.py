@@ -1,0 +1,162 @@
+"""A run whose loss or gradient norm goes non-finite never ends quietly (--nan-policy, train/divergence.py).
+
+The fault is injected at a chosen row: the masked loss is wrapped (monkeypatched where the
+trainer looks it up) so that a batch holding the marker token POISON gets loss * NaN, which makes
+the loss and every gradient NaN inside the real jitted train step. Which step carries that row
+follows from the loader's deterministic order, computed here from the same shard set.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import loaders
+from prepack import rowformat
+from train import checkpoints, cli, divergence, lora_file
+from train import loss as loss_lib
+from train.config import TrainError
+
+sys.path.insert(0, os.path.dirname(__file__))
+from shardset_builder import TEST_TOKENIZER, build_shard_set  # noqa: E402
+from test_train_precision import learnable_segments  # noqa: E402
+
+VOCAB = 64
+MAX_LENGTH = 32
+BATCH = 4
+POISON = 1  # learnable_segments uses ids >= 3
+
+
+def _rows(poisoned: int | None) -> list[dict[str, np.ndarray]]:
+    segments = learnable_segments(12, VOCAB, seed=3)
+    if poisoned is not None:
+        ids = segments[poisoned].input_ids.copy()
+        ids[1] = POISON
+        segments[poisoned] = rowformat.Segment(ids, segments[poisoned].loss_mask)
+    return [rowformat.build_row([s], MAX_LENGTH) for s in segments]
+
+
+def _steps_holding(shards: str, row: dict[str, np.ndarray], steps: int) -> list[int]:
+    ds = loaders.make_dataset(shards, BATCH, 0, 0, 1, None)
+    return [k for k, batch in enumerate(itertools.islice(iter(ds), steps), 1)
+            if any(np.array_equal(r, row["input_ids"]) for r in np.asarray(batch["input_ids"]))]
+
+
+@pytest.fixture(scope="module")
+def poisoned(tmp_path_factory) -> dict:
+    """A shard set with the marker in the row that the loader serves at step 2 (and later in epoch 2)."""
+    root = tmp_path_factory.mktemp("divergence")
+    tokenizer = {**TEST_TOKENIZER, "name": "tiny-test", "vocab_size": VOCAB}
+    clean = str(root / "clean")
+    rows = _rows(None)
+    build_shard_set(clean, rows=rows, tokenizer=tokenizer, num_shards=1)
+    target = next(i for i, row in enumerate(rows) if _steps_holding(clean, row, 3) == [2])
+    shards = str(root / "poisoned")
+    rows = _rows(target)
+    build_shard_set(shards, rows=rows, tokenizer=tokenizer, num_shards=1)
+    # The marker changes a token, not the order: the poisoned row is still served at step 2.
+    assert _steps_holding(shards, rows[target], 3) == [2]
+    return {"shards": shards, "row": rows[target]}
+
+
+@pytest.fixture
+def poison_hook(monkeypatch) -> None:
+    real = loss_lib.masked_loss_fn_with_aux
+
+    def poisoned_loss(model, input_tokens, input_mask, positions, attention_mask):
+        loss, aux = real(model, input_tokens, input_mask, positions, attention_mask)
+        fault = jnp.where(jnp.any(input_tokens == POISON), jnp.nan, 1.0)
+        return loss * fault, {**aux, "loss": aux["loss"] * fault}
+
+    monkeypatch.setattr(loss_lib, "masked_loss_fn_with_aux", poisoned_loss)
+
+
+def _read(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _args(shards: str, tmp_path, steps: int, *extra: str) -> list[str]:
+    return ["--shards", shards, "--model", "tiny", "--lora-rank", "4", "--batch-size", str(BATCH), "--steps", str(steps),
+            "--learning-rate", "1e-2", "--metrics-out", str(tmp_path / "m.jsonl"), "--save-lora", str(tmp_path / "lora.safetensors"),
+            "--read-threads", "1", *extra]
+
+
+def test_stop_is_the_default_exits_3_naming_the_step_and_saves_nothing_for_it(poisoned, poison_hook, tmp_path, capsys) -> None:
+    ckpt = str(tmp_path / "ckpt")
+    rc = cli.main(_args(poisoned["shards"], tmp_path, 4, "--log-every", "0", "--checkpoint-dir", ckpt, "--checkpoint-every", "1"))
+    err = capsys.readouterr().err
+    assert rc == divergence.EXIT_DIVERGED == 3
+    message = [line for line in err.splitlines() if line.startswith("prepack train:")]
+    assert message == [
+        "prepack train: step 2: loss is nan, gradient norm is nan; training stopped (--nan-policy stop) without saving "
+        "this step's checkpoint or a LoRA file. Try a lower --learning-rate or --dtype float32, or --nan-policy skip-step "
+        "to skip such steps"
+    ]
+    assert "Traceback" not in err
+    assert not os.path.exists(tmp_path / "lora.safetensors")
+    assert checkpoints.CheckpointDir(ckpt).latest_step() == 1  # step 1 was saved; step 2 never was
+    records = _read(str(tmp_path / "m.jsonl"))
+    steps = [r for r in records if "step" in r and "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert steps[1]["loss"] is None and steps[1]["grad_norm"] is None and steps[1]["nonfinite"] == "loss is nan, gradient norm is nan"
+    summary = records[-1]["summary"]
+    assert summary["stopped"] == {"step": 2, "reason": "loss is nan, gradient norm is nan", "nan_policy": "stop"}
+    assert summary["final_loss"] is None
+
+
+def test_skip_step_skips_and_counts_the_bad_steps_and_progress_lines_say_what_happens(poisoned, poison_hook, tmp_path, capsys) -> None:
+    steps = 4
+    expected = _steps_holding(poisoned["shards"], poisoned["row"], steps)
+    assert expected[0] == 2
+    rc = cli.main(_args(poisoned["shards"], tmp_path, steps, "--nan-policy", "skip-step", "--log-every", "10"))
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    records = _read(str(tmp_path / "m.jsonl"))
+    step_records = [r for r in records if "step" in r and "loss" in r]
+    assert [r["step"] for r in step_records if r.get("skipped")] == expected
+    assert all(np.isfinite(r["loss"]) for r in step_records if not r.get("skipped"))
+    summary = records[-1]["summary"]
+    assert summary["skipped_steps"] == len(expected) and summary["stopped"] is None and np.isfinite(summary["final_loss"])
+    # The skipped updates were not applied: the exported adapters are finite.
+    import safetensors.numpy
+
+    assert all(np.isfinite(v).all() for v in safetensors.numpy.load_file(str(tmp_path / "lora.safetensors")).values())
+    # Progress: what it loads (and how big), that it compiles, then step 1, the skipped steps, and the last step.
+    lines = err.splitlines()
+    order = ["loading tiny weights (random) as float32 ...", "loaded ", "compiling the train step (runs as step 1) ...", "step 1: "]
+    at = [next(i for i, line in enumerate(lines) if line.startswith(p)) for p in order]
+    assert at == sorted(at)
+    assert any(line.startswith("step 2: loss non-finite (loss is nan, gradient norm is nan)") and "update skipped" in line for line in lines)
+    assert any(line.startswith(f"step {steps}: ") for line in lines)  # the last step, although 4 % 10 != 0
+    assert not any(line.startswith("step 3: ") for line in lines) or 3 in expected
+
+
+def test_nan_policy_is_checked() -> None:
+    divergence.check_policy("skip-step")
+    with pytest.raises(TrainError, match=r"--nan-policy 'skip': choose stop or skip-step"):
+        divergence.check_policy("skip")
+
+
+def test_a_lora_file_with_non_finite_values_is_not_written(tmp_path) -> None:
+    from flax import nnx
+
+    from train import models
+
+    built = models.build_model("tiny-qwen3", vocab_size=VOCAB)
+    model = models.apply_lora(built.model, built.spec, rank=2)
+    state = nnx.state(model, nnx.LoRAParam)
+    first = next(iter(nnx.to_flat_state(state)))[1]
+    first.set_value(first.get_value().at[(0,) * first.get_value().ndim].set(jnp.inf))
+    nnx.update(model, state)
+    path = str(tmp_path / "bad.safetensors")
+    with pytest.raises(lora_file.LoraFileError, match=r"bad.safetensors: not written: 1 of \d+ LoRA tensors hold NaN or Inf"):
+        lora_file.save_lora(model, path, {"model": "tiny-qwen3"})
+    assert not os.path.exists(path)
+    assert not checkpoints.lora_is_finite(model)
