@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 
-DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data")
+DATA = os.environ.get("PREPACK_BENCH_DATA", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data"))
 DATASETS = {
     # name: (file, --format, template options)
     "alpaca": ("alpaca.jsonl", "alpaca", {}),
