@@ -162,6 +162,9 @@ def main() -> int:
             if args.breakdown:
                 entry["single"] = run_job(path, fmt, options, os.path.join(work, f"out1_{name}"), args.max_length, single, spec)
             results[key] = entry
+            if args.json:  # after each dataset, so a long run interrupted still leaves what it measured
+                with open(args.json, "w") as f:
+                    json.dump(results, f, indent=2, default=str)
             shutil.rmtree(os.path.join(work, f"out_{name}"), ignore_errors=True)
             shutil.rmtree(os.path.join(work, f"out1_{name}"), ignore_errors=True)
             print(f"{key}: done", file=sys.stderr, flush=True)
