@@ -150,7 +150,7 @@ def in_process_section(args: argparse.Namespace, shards: dict[str, str]) -> dict
         out["packed_batch"] = compiled.train_step_memory(s.trainer, packed[0]).as_dict()
         out["unpacked_batch"] = compiled.train_step_memory(s.trainer, unpacked[0]).as_dict()
         # The same trainer with Tunix's default loss: compile_train_step traces the current loss_fn.
-        s.trainer.with_loss_fn(trainer._with_aux(loss_lib.tunix_default_loss_fn()), has_aux=True)
+        s.trainer.with_loss_fn(loss_lib.with_aux(loss_lib.tunix_default_loss_fn()), has_aux=True)
         out["tunix_default_loss"] = compiled.train_step_memory(s.trainer, packed[0]).as_dict()
     return out
 

@@ -19,8 +19,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from train import checkpointing, cli, trainer
-from train.checkpointing import CheckpointError
+from train import checkpoints, cli, fingerprint, lora_file, metrics, packed_trainer, resume, trainer
+from train.checkpoints import CheckpointError
+from train.lora_file import LoraFileError
 
 sys.path.insert(0, os.path.dirname(__file__))
 from gcs_emulator import gcs_emulator, gcs_prefix  # noqa: E402,F401  (pytest fixtures)
@@ -65,25 +66,25 @@ def _cfg(shards: str, **kw: Any) -> trainer.TrainConfig:
 def _watch(crash_after: int | None = None) -> Iterator[list[list[int]]]:
     """Records the row ids of every train batch the trainer prepares; optionally dies after a step."""
     seen: list[list[int]] = []
-    arrived, done = trainer.MetricsRecorder.batch_arrived, trainer.MetricsRecorder.step_done
+    arrived, done = metrics.MetricsRecorder.batch_arrived, metrics.MetricsRecorder.step_done
 
-    def batch_arrived(self: trainer.MetricsRecorder, batch: Any) -> None:
+    def batch_arrived(self: metrics.MetricsRecorder, batch: Any) -> None:
         seen.append(row_ids(batch).tolist())
         arrived(self, batch)
 
-    def step_done(self: trainer.MetricsRecorder, aux: Any) -> None:
+    def step_done(self: metrics.MetricsRecorder, aux: Any) -> None:
         done(self, aux)
         if crash_after is not None and self.steps[-1]["step"] == crash_after:
             raise Preempted(f"after step {crash_after}")
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(trainer.MetricsRecorder, "batch_arrived", batch_arrived)
-        mp.setattr(trainer.MetricsRecorder, "step_done", step_done)
+        mp.setattr(metrics.MetricsRecorder, "batch_arrived", batch_arrived)
+        mp.setattr(metrics.MetricsRecorder, "step_done", step_done)
         yield seen
 
 
 def _lora(model: Any) -> dict[str, np.ndarray]:
-    return checkpointing.lora_tensors(model)
+    return lora_file.lora_tensors(model)
 
 
 def _read_jsonl(path: str) -> list[dict]:
@@ -214,7 +215,7 @@ def test_resume_refuses_a_checkpoint_of_another_run(straight, shard_sets, tmp_pa
 
 
 def test_resume_refuses_other_base_weights_and_foreign_folders(straight, tmp_path) -> None:
-    ckpt = checkpointing.CheckpointDir(straight["cfg"].checkpoint_dir)
+    ckpt = checkpoints.CheckpointDir(straight["cfg"].checkpoint_dir)
     run = ckpt.read_run()
     assert ckpt.check_resumable(run["identity"], run["base_weights"]) == STEPS
     with pytest.raises(CheckpointError, match=r"base weights: checkpoint 'random' \(fingerprint \w+\), now 'gguf' \(fingerprint 0123\)"):
@@ -224,9 +225,9 @@ def test_resume_refuses_other_base_weights_and_foreign_folders(straight, tmp_pat
     shutil.copytree(straight["cfg"].checkpoint_dir, foreign)
     os.remove(os.path.join(foreign, "run.json"))
     with pytest.raises(CheckpointError, match="holds checkpoints \\(latest step 6\\) but no run.json"):
-        checkpointing.CheckpointDir(foreign).check_resumable(run["identity"])
+        checkpoints.CheckpointDir(foreign).check_resumable(run["identity"])
     # An empty folder is a fresh start.
-    assert checkpointing.CheckpointDir(str(tmp_path / "empty")).check_resumable(run["identity"]) is None
+    assert checkpoints.CheckpointDir(str(tmp_path / "empty")).check_resumable(run["identity"]) is None
 
 
 # ----------------------------------------------------------------------------- LoRA export
@@ -273,7 +274,7 @@ def test_save_lora_round_trip_and_refusals(straight, shard_sets, tmp_path) -> No
     from train import models
 
     path = straight["cfg"].save_lora
-    meta = checkpointing.read_lora_metadata(path)
+    meta = lora_file.read_lora_metadata(path)
     assert meta["model"] == MODEL and meta["lora_rank"] == str(RANK) and json.loads(meta["lora_alpha"]) == 2.0 * RANK
     assert meta["step"] == str(STEPS) and meta["base_fingerprint"] == straight["setup"].base_weights["fingerprint"]
     assert meta["base_weights"] == "random" and meta["dtype"] == "float32"
@@ -283,25 +284,25 @@ def test_save_lora_round_trip_and_refusals(straight, shard_sets, tmp_path) -> No
     model = models.apply_lora(built.model, built.spec, rank=int(meta["lora_rank"]), alpha=float(meta["lora_alpha"]))
 
     # Refusals first (they change nothing): another rank, other base weights, another model, not ours.
-    with pytest.raises(CheckpointError, match="LoRA rank 2 in the file, but the model's LoRA has rank 4"):
-        checkpointing.load_lora(model, _rewrite(path, str(tmp_path / "r2.safetensors"), rank=2))
-    with pytest.raises(CheckpointError, match=r"trained on other base weights \('random', fingerprint 0123\) than this model's"):
-        checkpointing.load_lora(model, _rewrite(path, str(tmp_path / "fp.safetensors"), base_fingerprint="0123"))
-    with pytest.raises(CheckpointError, match="model is 'tiny-qwen3' in the file, expected 'tiny'"):
-        checkpointing.load_lora(model, path, expected={"model": "tiny"})
-    with pytest.raises(CheckpointError, match="not a prepack LoRA export"):
-        checkpointing.load_lora(model, _rewrite(path, str(tmp_path / "x.safetensors"), format="other"))
-    with pytest.raises(CheckpointError, match="no LoRA file at"):
-        checkpointing.load_lora(model, str(tmp_path / "missing.safetensors"))
+    with pytest.raises(LoraFileError, match="LoRA rank 2 in the file, but the model's LoRA has rank 4"):
+        lora_file.load_lora(model, _rewrite(path, str(tmp_path / "r2.safetensors"), rank=2))
+    with pytest.raises(LoraFileError, match=r"trained on other base weights \('random', fingerprint 0123\) than this model's"):
+        lora_file.load_lora(model, _rewrite(path, str(tmp_path / "fp.safetensors"), base_fingerprint="0123"))
+    with pytest.raises(LoraFileError, match="model is 'tiny-qwen3' in the file, expected 'tiny'"):
+        lora_file.load_lora(model, path, expected={"model": "tiny"})
+    with pytest.raises(LoraFileError, match="not a prepack LoRA export"):
+        lora_file.load_lora(model, _rewrite(path, str(tmp_path / "x.safetensors"), format="other"))
+    with pytest.raises(LoraFileError, match="no LoRA file at"):
+        lora_file.load_lora(model, str(tmp_path / "missing.safetensors"))
     # The fingerprint does tell base weights apart (another seed draws other weights).
     other_seed = models.build_model(MODEL, vocab_size=VOCAB, seed=1).model
-    assert checkpointing.base_fingerprint(other_seed) != meta["base_fingerprint"] == checkpointing.base_fingerprint(model)
+    assert fingerprint.base_fingerprint(other_seed) != meta["base_fingerprint"] == fingerprint.base_fingerprint(model)
 
     batch = next(iter(loaders.make_dataset(shard_sets["main"], 4, seed=3, shard_index=0, shard_count=1)))
     trained = _logits(straight["setup"].built.model, batch)
     before = _logits(model, batch)
     assert float(np.max(np.abs(before - trained))) > 1e-2  # the adapters change the outputs
-    assert checkpointing.load_lora(model, path, expected={"model": MODEL, "lora_alpha": 2.0 * RANK})["step"] == str(STEPS)
+    assert lora_file.load_lora(model, path, expected={"model": MODEL, "lora_alpha": 2.0 * RANK})["step"] == str(STEPS)
     after = _logits(model, batch)
     print(f"\nmax |logits loaded - trained| = {float(np.max(np.abs(after - trained))):.3g} "
           f"(before loading {float(np.max(np.abs(before - trained))):.3g})")
@@ -316,13 +317,13 @@ def test_lora_file_and_loader_states_on_gcs(straight, gcs_prefix) -> None:
     """
     model = straight["setup"].built.model
     url = f"{gcs_prefix}/run/lora.safetensors"
-    meta = checkpointing.save_lora(model, url, {"model": MODEL, "base_fingerprint": straight["setup"].base_weights["fingerprint"]})
-    assert checkpointing.read_lora_metadata(url)["lora_rank"] == meta["lora_rank"] == str(RANK)
-    assert checkpointing.load_lora(model, url)["model"] == MODEL
+    meta = lora_file.save_lora(model, url, {"model": MODEL, "base_fingerprint": straight["setup"].base_weights["fingerprint"]})
+    assert lora_file.read_lora_metadata(url)["lora_rank"] == meta["lora_rank"] == str(RANK)
+    assert lora_file.load_lora(model, url)["model"] == MODEL
     for k, v in _lora(model).items():
         np.testing.assert_array_equal(v, straight["lora"][k])
 
-    ckpt = checkpointing.CheckpointDir(f"{gcs_prefix}/run/ckpt")
+    ckpt = checkpoints.CheckpointDir(f"{gcs_prefix}/run/ckpt")
     ckpt.write_run({"model": MODEL}, {"source": "random", "fingerprint": "f"}, {"shards": "s"})
     assert ckpt.read_run()["identity"] == {"model": MODEL}
     for step in (2, 4, 6):
@@ -343,17 +344,17 @@ def test_resumable_stream_and_policy(shard_sets) -> None:
     import loaders
 
     make = lambda: iter(loaders.make_dataset(shard_sets["main"], BATCH, 0, 0, 1, None, read_threads=1))  # noqa: E731
-    reread = checkpointing.ResumableStream(make())
+    reread = resume.ResumableStream(make())
     first = [row_ids(next(reread)).tolist() for _ in range(3)]
     state = reread.state_after(3)
     assert reread.consumed == 3 and reread.state_after(2) != state
 
     it = make()
     it.set_state(state)
-    seek = checkpointing.ResumableStream(it, consumed=3, placeholders=3)
+    seek = resume.ResumableStream(it, consumed=3, placeholders=3)
     stream = iter(seek)
     items = [next(stream) for _ in range(4)]
-    assert items[:3] == [checkpointing.PLACEHOLDER] * 3
+    assert items[:3] == [resume.PLACEHOLDER] * 3
     assert row_ids(items[3]).tolist() == row_ids(next(reread)).tolist()
     assert seek.state_after(4) == reread.state_after(4) and first[0] != row_ids(items[3]).tolist()
     with pytest.raises(RuntimeError, match="iterated once"):
@@ -361,15 +362,15 @@ def test_resumable_stream_and_policy(shard_sets) -> None:
     with pytest.raises(CheckpointError, match="no loader state recorded after batch 9"):
         seek.state_after(9)
 
-    policy = checkpointing.EveryNStepsAndLast(every=2, last=5)
+    policy = checkpoints.EveryNStepsAndLast(every=2, last=5)
     assert [s for s in range(1, 8) if policy.wants(s)] == [2, 4, 5, 6]
-    assert [s for s in range(1, 6) if checkpointing.EveryNStepsAndLast(None, 5).wants(s)] == [5]
+    assert [s for s in range(1, 6) if checkpoints.EveryNStepsAndLast(None, 5).wants(s)] == [5]
 
 
 def test_placeholder_reaching_the_step_is_refused() -> None:
-    cls = trainer._make_trainer_class()
+    cls = packed_trainer.make_trainer_class()
     with pytest.raises(trainer.TrainError, match="skipped-batch placeholder"):
-        cls._prepare_inputs(object.__new__(cls), checkpointing.PLACEHOLDER)
+        cls._prepare_inputs(object.__new__(cls), resume.PLACEHOLDER)
 
 
 def test_drop_records_after(tmp_path) -> None:
@@ -378,16 +379,16 @@ def test_drop_records_after(tmp_path) -> None:
                {"step": 3, "loss": 1.0}, {"summary": {"steps": 3}}]
     with open(path, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
-    assert trainer.drop_records_after(path, 2) == 1
+    assert metrics.drop_records_after(path, 2) == 1
     assert _read_jsonl(path) == records[:4] + records[5:]
-    assert trainer.drop_records_after(path, 2) == 0
-    assert trainer.drop_records_after(str(tmp_path / "none.jsonl"), 2) == 0
+    assert metrics.drop_records_after(path, 2) == 0
+    assert metrics.drop_records_after(str(tmp_path / "none.jsonl"), 2) == 0
 
 
 def test_relative_checkpoint_dir_is_made_absolute(tmp_path, monkeypatch) -> None:
     """Orbax refuses relative paths; `prepack train --checkpoint-dir ckpt` must still work."""
     monkeypatch.chdir(tmp_path)
-    ckpt = checkpointing.CheckpointDir("ckpt/")
+    ckpt = checkpoints.CheckpointDir("ckpt/")
     assert ckpt.path == str(tmp_path / "ckpt")
     assert ckpt.tunix_root == str(tmp_path / "ckpt" / "tunix")
-    assert checkpointing.CheckpointDir("gs://bucket/run/").path == "gs://bucket/run"
+    assert checkpoints.CheckpointDir("gs://bucket/run/").path == "gs://bucket/run"

@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 
-from train import compiled, loss as loss_lib, model_inputs, models, testing, trainer as trainer_lib
+from train import compiled, loss as loss_lib, model_inputs, models, testing
 
 
 def _trainer(name: str, vocab: int, loss_fn, overrides=None):
@@ -56,7 +56,7 @@ def test_masked_loss_plans_less_memory_than_tunix_default_at_gemma3_vocab() -> N
     overrides = {"num_layers": 1}  # the loss is what differs; one layer keeps the compile short
     ours = compiled.train_step_memory(_trainer("tiny-gemma3", vocab, loss_lib.masked_loss_fn_with_aux, overrides), batch)
     theirs = compiled.train_step_memory(
-        _trainer("tiny-gemma3", vocab, trainer_lib._with_aux(loss_lib.tunix_default_loss_fn()), overrides), batch
+        _trainer("tiny-gemma3", vocab, loss_lib.with_aux(loss_lib.tunix_default_loss_fn()), overrides), batch
     )
     logits_bytes = batch_size * max_length * vocab * 4
     print(

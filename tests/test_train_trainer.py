@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from prepack import rowformat
-from train import cli, trainer
-from train.trainer import TrainError
+from train import cli, data, mesh, metrics, vocab
+from train.config import TrainError
 
 sys.path.insert(0, os.path.dirname(__file__))
 from shardset_builder import TEST_TOKENIZER, build_shard_set  # noqa: E402
@@ -179,12 +179,12 @@ def test_gemma_vocab_shards_refused_by_qwen3_before_loading_weights(tmp_path, ca
 
 
 def test_check_vocab_rules() -> None:
-    trainer.check_vocab({"name": "gemma3", "vocab_size": 262_144}, "gemma3-270m", "gemma3", 262_144, "s")
-    trainer.check_vocab({"name": "hf:Qwen/Qwen3-0.6B", "vocab_size": 151_669}, "qwen3-0.6b", "qwen3", 151_936, "s")
+    vocab.check_vocab({"name": "gemma3", "vocab_size": 262_144}, "gemma3-270m", "gemma3", 262_144, "s")
+    vocab.check_vocab({"name": "hf:Qwen/Qwen3-0.6B", "vocab_size": 151_669}, "qwen3-0.6b", "qwen3", 151_936, "s")
     with pytest.raises(TrainError, match="qwen tokenizer"):
-        trainer.check_vocab({"name": "hf:Qwen/Qwen3-0.6B", "vocab_size": 151_669}, "gemma3-270m", "gemma3", 262_144, "s")
+        vocab.check_vocab({"name": "hf:Qwen/Qwen3-0.6B", "vocab_size": 151_669}, "gemma3-270m", "gemma3", 262_144, "s")
     with pytest.raises(TrainError, match="index past it"):
-        trainer.check_vocab({"name": "x", "vocab_size": 300_000}, "gemma3-1b", "gemma3", 262_144, "s")
+        vocab.check_vocab({"name": "x", "vocab_size": 300_000}, "gemma3-1b", "gemma3", 262_144, "s")
 
 
 def test_model_without_offline_weights_asks_for_them(shard_sets, capsys) -> None:
@@ -198,20 +198,20 @@ def test_model_without_offline_weights_asks_for_them(shard_sets, capsys) -> None
     [("fsdp=4,tp=2", {"fsdp": 4, "tp": 2}), ("tp=2", {"fsdp": 1, "tp": 2}), (None, None), ("", None)],
 )
 def test_parse_mesh(spec, sizes) -> None:
-    assert trainer.parse_mesh(spec) == sizes
+    assert mesh.parse_mesh(spec) == sizes
 
 
 @pytest.mark.parametrize("spec", ["fsdp", "dp=2", "fsdp=0", "fsdp=x"])
 def test_parse_mesh_rejects(spec) -> None:
     with pytest.raises(TrainError):
-        trainer.parse_mesh(spec)
+        mesh.parse_mesh(spec)
 
 
 def test_mesh_size_and_batch_divisibility_are_checked() -> None:
     with pytest.raises(TrainError, match="divisible by fsdp=3"):
-        trainer.make_mesh({"fsdp": 3, "tp": 1}, 8)
+        mesh.make_mesh({"fsdp": 3, "tp": 1}, 8)
     with pytest.raises(TrainError, match="needs 8 devices"):
-        trainer.make_mesh({"fsdp": 8, "tp": 1}, 8)
+        mesh.make_mesh({"fsdp": 8, "tp": 1}, 8)
 
 
 def test_batch_counts() -> None:
@@ -219,12 +219,12 @@ def test_batch_counts() -> None:
             rowformat.Segment(np.arange(3, 6, dtype=np.int32), np.array([0, 1, 1], np.int32))]
     rows = [rowformat.build_row(segs, 10), rowformat.build_row(segs[:1], 10)]
     batch = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
-    counts = trainer.batch_counts(batch)
+    counts = metrics.batch_counts(batch)
     assert counts == {"rows": 2, "seq_len": 10, "tokens": 13, "target_tokens": 3 + 2 + 3, "examples": 3}
 
 
 def test_packing_kind_from_manifest(shard_sets) -> None:
     import loaders
 
-    assert trainer.packing_kind(loaders.open_shards(shard_sets["packed"]).manifest) == "packed"
-    assert trainer.packing_kind(loaders.open_shards(shard_sets["unpacked"]).manifest) == "unpacked"
+    assert data.packing_kind(loaders.open_shards(shard_sets["packed"]).manifest) == "packed"
+    assert data.packing_kind(loaders.open_shards(shard_sets["unpacked"]).manifest) == "unpacked"

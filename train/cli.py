@@ -9,7 +9,7 @@ The same command trains on packed shards and on shards packed with `prepack pack
 (one example per row): both are [B, L] rows with segment_ids, so the packed-vs-unpacked
 comparison is one flag apart at pack time. See train/README.md for the metrics JSONL.
 --checkpoint-dir makes a run resumable (rerun the same command after a preemption) and
---save-lora writes the trained adapters; see train/checkpointing.py.
+--save-lora writes the trained adapters; see train/checkpoints.py and train/lora_file.py.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
     from prepack.manifest import ManifestError
-    from train import checkpointing, models, trainer
+    from train import checkpoints, lora_file, models, trainer
 
     cfg = trainer.TrainConfig(
         shards=args.shards, model=args.model, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
@@ -77,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         summary = trainer.run(cfg)
-    except (trainer.TrainError, models.ModelError, ManifestError, checkpointing.CheckpointError) as e:
+    except (trainer.TrainError, models.ModelError, ManifestError, checkpoints.CheckpointError, lora_file.LoraFileError) as e:
         print(f"prepack train: {e}", file=sys.stderr)
         return 2
     print(json.dumps({"summary": {k: v for k, v in summary.items() if k != "evals"}}, indent=None))

@@ -86,3 +86,13 @@ def tunix_default_loss_fn() -> Any:
     from tunix.sft import peft_trainer
 
     return peft_trainer._default_loss_fn  # pylint: disable=protected-access
+
+
+def with_aux(loss_fn: Any) -> Any:
+    """Wraps a scalar loss (Tunix's default) so that the trainer's aux-based metrics still work."""
+    def wrapped(model: Any, input_tokens: Any, input_mask: Any, positions: Any, attention_mask: Any) -> Any:
+        loss = loss_fn(model, input_tokens, input_mask, positions, attention_mask)
+        targets = jnp.sum(input_mask[:, 1:]).astype(jnp.float32)
+        return loss, {"loss": loss, "nll_sum": loss * targets, "target_tokens": targets}
+
+    return wrapped

@@ -251,12 +251,18 @@ def build_model(
 
 
 def apply_lora(model: nnx.Module, spec: ModelSpec, *, rank: int, alpha: float | None = None, seed: int = 0) -> nnx.Module:
-    """Adds qwix LoRA adapters (A: he_uniform, B: zeros) on Tunix's module paths for the family."""
+    """Adds qwix LoRA adapters (A: he_uniform, B: zeros, float32) on Tunix's module paths for the family."""
     import qwix
 
     if rank <= 0:
         raise ModelError(f"--lora-rank must be positive, got {rank}")
-    provider = qwix.LoraProvider(module_path=spec.lora_module_path, rank=rank, alpha=float(alpha if alpha is not None else 2 * rank))
+    from train import precision
+
+    # float32 adapters whatever the base dtype (train/precision.py: master weights for mixed precision).
+    provider = qwix.LoraProvider(
+        module_path=spec.lora_module_path, rank=rank, alpha=float(alpha if alpha is not None else 2 * rank),
+        **precision.float32_initializers(),
+    )
 
     # qwix finds the einsum/dot_general sites by running the model once (Tunix's [2, 1] dummy
     # input) and creates the adapters as it goes. Under nnx.jit that run is one compiled

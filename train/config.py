@@ -1,0 +1,39 @@
+"""What a `prepack train` run is asked to do (TrainConfig) and the error for a run that cannot start."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+class TrainError(ValueError):
+    """A training run that cannot start as configured; the message says what to change."""
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    shards: str
+    model: str = "tiny"
+    lora_rank: int = 8
+    lora_alpha: float | None = None  # default 2 * rank
+    batch_size: int = 8  # global rows per step
+    steps: int = 100
+    learning_rate: float = 1e-4
+    seed: int = 0
+    mesh: str | None = None  # "fsdp=F,tp=T"
+    eval_shards: str | None = None
+    eval_every: int | None = None  # default: only before the first and after the last step
+    eval_batches: int | None = None  # default: one pass over the eval set
+    weights: str | None = None  # HF safetensors folder, "random", "gguf"; see train/models.py
+    dtype: str | None = None  # parameter dtype; default per model (bf16 real, f32 tiny)
+    metrics_out: str | None = None
+    loss: str = "masked"  # "masked" (train/loss.py) or "tunix-default" (for comparisons)
+    read_threads: int = 4
+    config_overrides: dict[str, Any] | None = None  # e.g. {"sliding_window_size": 4} for tests
+    log_every: int = 10  # console progress line every N steps (0: none)
+    # Checkpoints (train/checkpoints.py): LoRA params + optimizer state through Tunix, plus the
+    # loader state, every checkpoint_every steps and at the last one; a run resumes from the latest.
+    checkpoint_dir: str | None = None
+    checkpoint_every: int | None = 100
+    checkpoint_keep: int = 3  # Orbax max_to_keep
+    save_lora: str | None = None  # safetensors export of the LoRA params at the end

@@ -1,0 +1,56 @@
+"""The train and eval datasets of a run, from its shard sets (loaders.make_dataset)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from train.config import TrainError
+
+if TYPE_CHECKING:
+    from train.run_setup import Setup
+
+
+def packing_kind(manifest: Any) -> str:
+    """'packed' or 'unpacked' (one example per row), for the metrics and the report."""
+    mode = str(getattr(manifest, "packing", "") or "").lower()
+    if mode in ("none", "unpacked", "no-pack", "nopack", "one-per-row", "one_per_row"):
+        return "unpacked"
+    stats = getattr(manifest, "stats", {}) or {}
+    if stats.get("examples_written") is not None and stats.get("examples_written") == manifest.num_rows:
+        return "unpacked"
+    return "packed"
+
+
+class FirstN:
+    """Re-iterable first-n view of a re-iterable dataset (Tunix re-iterates eval_ds at every eval)."""
+
+    def __init__(self, ds: Iterable[Any], n: int | None):
+        self.ds, self.n = ds, n
+
+    def __iter__(self) -> Iterator[Any]:
+        return itertools.islice(iter(self.ds), self.n)
+
+
+def datasets(s: Setup) -> tuple[Any, Any]:
+    import jax
+
+    import loaders
+
+    cfg = s.config
+    procs = jax.process_count()
+    if cfg.batch_size % procs:
+        raise TrainError(f"--batch-size {cfg.batch_size} must be divisible by the {procs} processes")
+    per_host = cfg.batch_size // procs
+    train_ds = loaders.make_dataset(
+        s.view, per_host, cfg.seed, jax.process_index(), procs, None, read_threads=cfg.read_threads
+    )
+    eval_ds = None
+    if s.eval_view is not None:
+        try:
+            eval_ds = loaders.make_dataset(s.eval_view, per_host, cfg.seed, jax.process_index(), procs, 1, read_threads=cfg.read_threads)
+        except ValueError as e:
+            raise TrainError(f"--eval-shards {cfg.eval_shards}: {e}") from e
+        eval_ds = FirstN(eval_ds, cfg.eval_batches)
+    return train_ds, eval_ds

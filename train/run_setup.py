@@ -1,0 +1,168 @@
+"""Builds everything a `prepack train` run needs, once: shards, checks, model + LoRA, optimizer, trainer.
+
+The order matters for the user's time: every check that can refuse the run (flags, mesh,
+vocabularies, another run's checkpoint) comes before the weights are loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any, TextIO
+
+from train import checkpoints, resume
+from train.config import TrainConfig, TrainError
+from train.data import packing_kind
+from train.fingerprint import base_fingerprint
+from train.mesh import make_mesh, parse_mesh
+from train.metrics import MetricsRecorder
+from train.packed_trainer import make_trainer_class
+from train.vocab import check_vocab
+
+
+@dataclasses.dataclass
+class Setup:
+    """Everything a run needs, built once (tests reuse it to drive steps by hand)."""
+
+    config: TrainConfig
+    view: Any
+    eval_view: Any
+    built: Any  # train.models.BuiltModel (LoRA applied)
+    mesh: Any
+    trainer: Any
+    recorder: MetricsRecorder
+    static: dict[str, Any]
+    checkpoint: checkpoints.CheckpointDir | None = None
+    policy: checkpoints.EveryNStepsAndLast | None = None
+    resumed_step: int = 0  # the checkpoint step Tunix restored (0: a fresh start)
+    base_weights: dict[str, Any] | None = None  # {"source", "fingerprint"} when checkpointing or exporting
+
+
+def setup(cfg: TrainConfig, out: TextIO | None = None) -> Setup:
+    """Builds the model, LoRA and trainer; with cfg.checkpoint_dir, Tunix restores the latest checkpoint here."""
+    import jax
+    from flax import nnx
+    from tunix.sft import peft_trainer
+
+    import loaders
+    from train import loss as loss_lib
+    from train import model_inputs, models, precision
+    from train import optimizer as optimizer_lib
+
+    if cfg.steps < 1:
+        raise TrainError(f"--steps must be positive, got {cfg.steps}")
+    if cfg.batch_size < 1:
+        raise TrainError(f"--batch-size must be positive, got {cfg.batch_size}")
+    if cfg.checkpoint_every is not None and cfg.checkpoint_every < 1:
+        raise TrainError(f"--checkpoint-every must be positive, got {cfg.checkpoint_every}")
+    if cfg.checkpoint_keep < 1:
+        raise TrainError(f"--checkpoint-keep must be positive, got {cfg.checkpoint_keep}")
+    view = loaders.open_shards(cfg.shards)
+    eval_view = loaders.open_shards(cfg.eval_shards) if cfg.eval_shards else None
+    manifest = view.manifest
+    if eval_view is not None and eval_view.manifest.max_length != manifest.max_length:
+        raise TrainError(
+            f"--eval-shards {cfg.eval_shards} has max_length {eval_view.manifest.max_length}, "
+            f"--shards {cfg.shards} has {manifest.max_length}; pack both for the same length"
+        )
+
+    mesh = make_mesh(parse_mesh(cfg.mesh), cfg.batch_size)
+    spec = models.get_spec(cfg.model)
+    vocab = manifest.tokenizer.get("vocab_size")
+    vocab = int(vocab) if vocab else None
+    # Check the vocabularies on the config, before loading or drawing any weights.
+    model_config = models.resolve_config(cfg.model, vocab_size=vocab, dtype=cfg.dtype, config_overrides=cfg.config_overrides)
+    model_vocab = models.config_vocab_size(model_config)
+    for v, path in ((view, cfg.shards), (eval_view, cfg.eval_shards)):
+        if v is not None:
+            check_vocab(v.manifest.tokenizer, cfg.model, spec.family, model_vocab, path)
+
+    ckpt = identity = None
+    if cfg.checkpoint_dir:
+        ckpt = checkpoints.CheckpointDir(cfg.checkpoint_dir, jax.process_index(), jax.process_count())
+        ckpt.require_backend()
+        identity = resume.run_identity(cfg, spec, model_config, view)
+        # Refuse another run's checkpoint now, before minutes of weight loading.
+        ckpt.check_resumable(identity, info={"shards": cfg.shards})
+
+    built = models.build_model(
+        cfg.model, weights=cfg.weights, vocab_size=vocab, dtype=cfg.dtype,
+        seed=cfg.seed, mesh=mesh, config_overrides=cfg.config_overrides,
+    )
+    base_params = models.count_params(built.model)
+    base_weights = None
+    if ckpt is not None or cfg.save_lora:
+        base_weights = {"source": built.weights, "fingerprint": base_fingerprint(built.model)}
+    if ckpt is not None:
+        # Same base weights as the checkpoint's LoRA was trained on (a random seed, a GGUF, an HF folder).
+        if ckpt.check_resumable(identity, base_weights, info={"shards": cfg.shards}) is None:
+            ckpt.write_run(identity, base_weights, {"shards": cfg.shards, "weights": built.weights, "steps": cfg.steps})
+    built.model = models.apply_lora(built.model, spec, rank=cfg.lora_rank, alpha=cfg.lora_alpha, seed=cfg.seed)
+    models.shard_model(built.model, mesh)
+
+    if cfg.loss == "masked":
+        loss_fn = loss_lib.masked_loss_fn_with_aux
+    elif cfg.loss == "tunix-default":
+        loss_fn = loss_lib.with_aux(loss_lib.tunix_default_loss_fn())
+    else:
+        raise TrainError(f"unknown loss {cfg.loss!r}; choose masked or tunix-default")
+    loss_fn = precision.in_compute_dtype(loss_fn, models.parse_dtype(cfg.dtype, spec.default_dtype))
+
+    static = {
+        "model": cfg.model,
+        "weights": built.weights,
+        "packing": packing_kind(manifest),
+        "batch_size": cfg.batch_size,
+        "seq_len": manifest.max_length,
+    }
+    optimizer = optimizer_lib.adamw(cfg.learning_rate)
+    policy = checkpoints.EveryNStepsAndLast(cfg.checkpoint_every, cfg.steps) if ckpt is not None else None
+    training_config = peft_trainer.TrainingConfig(
+        eval_every_n_steps=cfg.eval_every or cfg.steps,
+        max_steps=cfg.steps,
+        # Tunix's own checkpointing: it saves nnx.LoRAParam + optimizer state when the policy
+        # says so and restores the latest step in the constructor below.
+        checkpoint_root_directory=ckpt.tunix_root if ckpt is not None else None,
+        checkpointing_options=checkpoints.checkpoint_options(policy, cfg.checkpoint_keep) if policy is not None else None,
+        metrics_logging_options=None,  # in memory only; our JSONL is the record
+        pbar_description=None,
+    )
+    trainer = make_trainer_class()(built.model, optimizer, training_config)
+    resumed = int(trainer.train_steps)
+    if mesh is None:
+        # Commit model and optimizer state to the device. jit keys its lowering on which inputs
+        # are committed: all-uncommitted (a fresh run) compiles as all-committed (every later
+        # step), but Orbax restores LoRA params and optimizer state committed beside uncommitted
+        # base weights, and that mix compiled the step a second time at the next step
+        # (measured: +3.8 s on the tiny CPU model, minutes for a real model on a TPU).
+        device = jax.devices()[0]
+        nnx.update(built.model, jax.device_put(nnx.state(built.model), device))
+        nnx.update(trainer.optimizer, jax.device_put(nnx.state(trainer.optimizer), device))
+    if resumed:
+        print(f"resuming from step {resumed} of {ckpt.path}", file=out if out is not None else sys.stderr)
+    recorder = MetricsRecorder(
+        cfg.metrics_out, static=static, log_every=cfg.log_every, out=out,
+        resume_from=resumed or None, resume_note={"checkpoint_dir": cfg.checkpoint_dir},
+    )
+    trainer.recorder = recorder
+    trainer.vocab_size = built.vocab_size
+    trainer.with_gen_model_input_fn(model_inputs.make_gen_model_input_fn())
+    trainer.with_loss_fn(loss_fn, has_aux=True)
+    extra = {
+        "shards": cfg.shards,
+        "manifest_packing": getattr(manifest, "packing", None),
+        "lora_rank": cfg.lora_rank,
+        "learning_rate": cfg.learning_rate,
+        "params": base_params,
+        "lora_params": models.count_params(built.model, nnx.LoRAParam),
+        "vocab_size": built.vocab_size,
+        "mesh": cfg.mesh,
+        "devices": jax.device_count(),
+        "platform": jax.default_backend(),
+        "device_kind": jax.devices()[0].device_kind,
+        "loss_fn": cfg.loss,
+    }
+    if ckpt is not None:
+        extra.update({"checkpoint_dir": cfg.checkpoint_dir, "resumed_from_step": resumed})
+    return Setup(cfg, view, eval_view, built, mesh, trainer, recorder, {**static, **extra},
+                 checkpoint=ckpt, policy=policy, resumed_step=resumed, base_weights=base_weights)
