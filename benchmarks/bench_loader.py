@@ -1,7 +1,8 @@
 """Host CPU per batch: reading pre-packed shards vs tokenizing and packing online.
 
-The same examples (the real SFT samples in ../shared/data, Gemma3 tokenizer,
-Gemma chat format) feed both sides:
+The same examples (the real SFT samples in ../shared/data, tokenized by each family:
+Gemma3 with the gemma chat format, Qwen3 with the embedded qwen3 tokenizer and its ChatML)
+feed both sides:
 - pre-packed: tokenized and BFD-packed once, offline (not timed), written as a
   shard set; timed: loaders.make_dataset reading and decoding [B, L] batches.
 - online: what online packers (MaxText, Grain's examples) do on the training host:
@@ -22,7 +23,7 @@ host's CPU cost per row that the numbers compare.
 Without prepack.tokenizer/templates, synthetic rows and examples are used, and
 the online side then measures packing only.
 
-    python -m benchmarks.bench_loader                 # both shapes, markdown table
+    python -m benchmarks.bench_loader                 # both shapes, both tokenizers, markdown table
     python -m benchmarks.bench_loader --shapes 8x2048 --batches 300
 """
 
@@ -46,6 +47,8 @@ from prepack import packer, rowformat
 from testkit.shard_sets import build_shard_set
 
 DATA_DIR = os.environ.get("PREPACK_BENCH_DATA", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data"))
+# Tokenizer spec -> its chat format.
+FAMILIES = {"gemma3": "gemma", "qwen3": "qwen3"}
 # file -> (template, template options)
 SOURCES = {
     "alpaca.jsonl": ("alpaca", {}),
@@ -61,12 +64,12 @@ SOURCES = {
 class RealExamples:
     """Records from ../shared/data with their template, and a per-record tokenizing function."""
 
-    def __init__(self, data_dir: str):
+    def __init__(self, data_dir: str, tokenizer_spec: str = "gemma3"):
         from prepack import chat_formats, templates
         from prepack.tokenizer import load_tokenizer
 
-        self.tokenizer = load_tokenizer("gemma3")
-        self.chat_format = chat_formats.get_chat_format("gemma", self.tokenizer)
+        self.tokenizer = load_tokenizer(tokenizer_spec)
+        self.chat_format = chat_formats.get_chat_format(FAMILIES[tokenizer_spec], self.tokenizer)
         self.records: list[tuple[str, dict]] = []
         self.templates = {}
         for name, (template, options) in SOURCES.items():
@@ -84,7 +87,8 @@ class RealExamples:
                     self.records += [(name, record, k) for k in range(n)]
         if not self.records:
             raise FileNotFoundError(f"no sample data in {data_dir}")
-        self.description = f"{len(self.records):,} real examples ({', '.join(self.templates)}), gemma3 tokenizer, gemma chat format"
+        self.description = (f"{len(self.records):,} real examples ({', '.join(self.templates)}), {tokenizer_spec} tokenizer, "
+                            f"{self.chat_format.name} chat format")
 
     def tokenize(self, item: tuple[str, dict, int]) -> tuple[np.ndarray, np.ndarray]:
         """One example: template, chat format, tokenize (what an online pipeline does per example)."""
@@ -212,59 +216,68 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--online-batches", type=int, default=30, help="timed online batches per shape")
     p.add_argument("--min-rows", type=int, default=16_384, help="repeat packed rows up to this many in the shard set")
     p.add_argument("--synthetic", action="store_true", help="use synthetic examples even if the tokenizer is available")
+    p.add_argument("--tokenizers", nargs="+", default=list(FAMILIES), choices=list(FAMILIES),
+                   help="tokenizer families for the real examples (default: both, on the same records)")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
 
-    try:
-        if args.synthetic:
-            raise ImportError("--synthetic")
-        examples = RealExamples(DATA_DIR)
-    except (ImportError, FileNotFoundError) as e:
-        print(f"note: {e}; using synthetic examples", file=sys.stderr)
-        examples = SyntheticExamples()
-    t0 = time.process_time()
-    tokenized = [examples.tokenize(item) for item in examples.records]
-    tok_cpu = time.process_time() - t0
-    n_tokens = sum(len(e[0]) for e in tokenized)
-    print(f"inputs: {examples.description}; {len(tokenized):,} examples, {n_tokens:,} tokens; "
-          f"per-example tokenizing {1e6 * tok_cpu / n_tokens:.2f} us/token", file=sys.stderr)
+    inputs = []
+    for spec in args.tokenizers:
+        try:
+            if args.synthetic:
+                raise ImportError("--synthetic")
+            examples = RealExamples(DATA_DIR, spec)
+        except (ImportError, FileNotFoundError) as e:
+            print(f"note: {e}; using synthetic examples", file=sys.stderr)
+            inputs = [(SyntheticExamples(), "synthetic")]
+            break
+        inputs.append((examples, spec))
 
     results = []
-    with tempfile.TemporaryDirectory(prefix="bench_loader_") as tmp:
-        for batch_size, max_length in parse_shapes(args.shapes):
-            folder = os.path.join(tmp, f"L{max_length}")
-            n_rows, n_written = build_prepacked(tokenized, max_length, folder, examples.identity(), args.min_rows)
-            pre = measure(lambda: prepacked_batches(folder, batch_size, 0), args.batches, warmup=5)
-            pre_default = measure(lambda: prepacked_batches(folder, batch_size, None), args.batches, warmup=20)
-            pre_threads = measure(lambda: prepacked_batches(folder, batch_size, 16), args.batches, warmup=20)
-            online = measure(lambda: online_batches(examples, batch_size, max_length), args.online_batches, warmup=2)
-            pack_only = measure(lambda: online_packing_only(tokenized, batch_size, max_length), args.online_batches, warmup=2)
-            results.append({
-                "shape": f"{batch_size}x{max_length}", "packed_rows": n_rows, "rows_in_shard_set": n_written,
-                "prepacked": pre, "prepacked_default": pre_default, "prepacked_16_threads": pre_threads,
-                "online": online, "online_packing_only": pack_only,
-                "ratio_cpu_per_row": online["cpu_us_per_row"] / pre_default["cpu_us_per_row"],
-                "default_vs_zero_threads": pre_default["cpu_us_per_row"] / pre["cpu_us_per_row"],
-            })
-            print(f"done {batch_size}x{max_length}", file=sys.stderr)
+    for examples, family in inputs:
+        t0 = time.process_time()
+        tokenized = [examples.tokenize(item) for item in examples.records]
+        tok_cpu = time.process_time() - t0
+        n_tokens = sum(len(e[0]) for e in tokenized)
+        print(f"inputs: {examples.description}; {len(tokenized):,} examples, {n_tokens:,} tokens; "
+              f"per-example tokenizing {1e6 * tok_cpu / n_tokens:.2f} us/token", file=sys.stderr)
+        with tempfile.TemporaryDirectory(prefix="bench_loader_") as tmp:
+            for batch_size, max_length in parse_shapes(args.shapes):
+                folder = os.path.join(tmp, f"L{max_length}")
+                n_rows, n_written = build_prepacked(tokenized, max_length, folder, examples.identity(), args.min_rows)
+                pre = measure(lambda: prepacked_batches(folder, batch_size, 0), args.batches, warmup=5)
+                pre_default = measure(lambda: prepacked_batches(folder, batch_size, None), args.batches, warmup=20)
+                pre_threads = measure(lambda: prepacked_batches(folder, batch_size, 16), args.batches, warmup=20)
+                online = measure(lambda: online_batches(examples, batch_size, max_length), args.online_batches, warmup=2)
+                pack_only = measure(lambda: online_packing_only(tokenized, batch_size, max_length), args.online_batches, warmup=2)
+                results.append({
+                    "tokenizer": family, "description": examples.description,
+                    "shape": f"{batch_size}x{max_length}", "packed_rows": n_rows, "rows_in_shard_set": n_written,
+                    "prepacked": pre, "prepacked_default": pre_default, "prepacked_16_threads": pre_threads,
+                    "online": online, "online_packing_only": pack_only,
+                    "ratio_cpu_per_row": online["cpu_us_per_row"] / pre_default["cpu_us_per_row"],
+                    "default_vs_zero_threads": pre_default["cpu_us_per_row"] / pre["cpu_us_per_row"],
+                })
+                print(f"done {family} {batch_size}x{max_length}", file=sys.stderr)
 
     cpu = platform.processor() or platform.machine()
-    print(f"\nInputs: {examples.description}. Host: {os.cpu_count()} cores ({cpu}), Python {platform.python_version()}, "
+    descriptions = "; ".join(dict.fromkeys(r["description"] for r in results))
+    print(f"\nInputs: {descriptions}. Host: {os.cpu_count()} cores ({cpu}), Python {platform.python_version()}, "
           f"grain {getattr(grain, '__version__', '?')}.\n")
-    print("| B×L | pipeline | host CPU ms/batch | CPU µs/row | rows/s per core | rows/s (wall) | row density |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("| tokenizer | B×L | pipeline | host CPU ms/batch | CPU µs/row | rows/s per core | rows/s (wall) | row density |")
+    print("|---|---|---|---:|---:|---:|---:|---:|")
     for r in results:
         for key, label in (("prepacked", "pre-packed shards (read_threads=0)"), ("prepacked_default", "pre-packed shards (default: 1 thread on local disk)"),
                            ("prepacked_16_threads", "pre-packed shards (read_threads=16)"),
                            ("online", "online: tokenize + FirstFitPack"), ("online_packing_only", "online: FirstFitPack only (pre-tokenized)")):
             m = r[key]
-            print(f"| {r['shape']} | {label} | {m['cpu_ms_per_batch']:.3f} | {m['cpu_us_per_row']:.1f} | {m['rows_per_cpu_s']:,.0f} | "
+            print(f"| {r['tokenizer']} | {r['shape']} | {label} | {m['cpu_ms_per_batch']:.3f} | {m['cpu_us_per_row']:.1f} | {m['rows_per_cpu_s']:,.0f} | "
                   f"{m['rows_per_wall_s']:,.0f} | {100 * m['density']:.1f}% |")
     print()
     for r in results:
-        print(f"- {r['shape']}: shard set of {r['rows_in_shard_set']:,} rows ({r['packed_rows']:,} distinct BFD-packed rows, repeated).")
+        print(f"- {r['tokenizer']} {r['shape']}: shard set of {r['rows_in_shard_set']:,} rows ({r['packed_rows']:,} distinct BFD-packed rows, repeated).")
     for r in results:
-        print(f"- {r['shape']}: online uses {r['ratio_cpu_per_row']:.0f}x the host CPU per row of pre-packed shards at the default "
+        print(f"- {r['tokenizer']} {r['shape']}: online uses {r['ratio_cpu_per_row']:.0f}x the host CPU per row of pre-packed shards at the default "
               f"(goal >= 50x); the default costs {r['default_vs_zero_threads']:.2f}x the CPU per row of read_threads=0 (goal <= 1.3x); "
               f"it reads {r['prepacked_default']['rows_per_cpu_s']:,.0f} rows/s per core (goal >= 10k at L2048).")
     print("\nCommand: `" + " ".join(["python -m benchmarks.bench_loader", *(argv if argv is not None else sys.argv[1:])]) + "`")

@@ -18,6 +18,7 @@ the work folder): this sandbox sets PYTHONDONTWRITEBYTECODE, so every worker
 process would otherwise recompile Beam from source (~10 s each).
 
     python -m benchmarks.bench_pack_job --examples 200000 --breakdown
+    python -m benchmarks.bench_pack_job --tokenizers gemma3 qwen3 --examples 50000   # both families, same data
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import sys
 import tempfile
 import time
 
-DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data")
+DATA = os.environ.get("PREPACK_BENCH_DATA", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data"))
 DATASETS = {
     # name: (file, --format, template options)
     "alpaca": ("alpaca.jsonl", "alpaca", {}),
@@ -53,13 +54,13 @@ def repeat_to(src: str, dst: str, n: int) -> int:
     return written
 
 
-def raw_tokenizer(path: str, fmt: str, options: dict, batch: int = 512) -> dict:
+def raw_tokenizer(path: str, fmt: str, options: dict, batch: int = 512, tokenizer: str = "gemma3") -> dict:
     """encode_batch over the job's own text pieces: one core, no Beam."""
     from prepack.chat_formats import get_chat_format
     from prepack.templates import get_template
     from prepack.tokenizer import load_tokenizer
 
-    tok = load_tokenizer("gemma3")
+    tok = load_tokenizer(tokenizer)
     layout = get_chat_format("auto", tok)
     template = get_template(fmt, **options)
     with open(path, "rb") as f:
@@ -83,12 +84,13 @@ def _cpu(usage: resource.struct_rusage) -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def run_job(path: str, fmt: str, options: dict, out: str, max_lengths: list[int], beam_args: list[str]) -> dict:
+def run_job(path: str, fmt: str, options: dict, out: str, max_lengths: list[int], beam_args: list[str],
+            tokenizer: str = "gemma3") -> dict:
     from pipelines.job import run
     from pipelines.options import parse_args
 
     args = ["--input", path, "--format", fmt, "--output", out, "--overwrite", "--no-progress",
-            "--max-length", *map(str, max_lengths)]
+            "--tokenizer", tokenizer, "--max-length", *map(str, max_lengths)]
     for key, value in options.items():
         args += [f"--{key.replace('_', '-')}", value]
     config, beam = parse_args(args + beam_args)
@@ -121,6 +123,8 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=0, help="direct_num_workers (0: all cores)")
     ap.add_argument("--breakdown", action="store_true", help="also run one in-process worker for the per-stage times")
     ap.add_argument("--workdir", default=None, help="temp folder (default: a new one under /tmp)")
+    ap.add_argument("--tokenizers", nargs="+", default=["gemma3"], choices=["gemma3", "qwen3"],
+                    help="tokenizer specs, each against its own raw tokenizer on the same data (default gemma3)")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
 
@@ -139,25 +143,31 @@ def main() -> int:
     # Warm-up: fills the bytecode cache and the tokenizer cache; not timed.
     warm = os.path.join(work, "warm.jsonl")
     repeat_to(os.path.join(DATA, "alpaca.jsonl"), warm, 200)
-    run_job(warm, "alpaca", {}, os.path.join(work, "warm_out"), [512], multi)
+    for spec in args.tokenizers:
+        run_job(warm, "alpaca", {}, os.path.join(work, "warm_out"), [512], multi, spec)
 
     results = {}
     for name in args.datasets:
         file, fmt, options = DATASETS[name]
         path = os.path.join(work, f"{name}.jsonl")
         n = repeat_to(os.path.join(DATA, file), path, args.examples)
-        load_before = os.getloadavg()[0]
-        raw_before = raw_tokenizer(path, fmt, options)
-        job = run_job(path, fmt, options, os.path.join(work, f"out_{name}"), args.max_length, multi)
-        raw_after = raw_tokenizer(path, fmt, options)
-        entry = {"records": n, "cores": cores, "raw_before": raw_before, "raw_after": raw_after, "job": job,
-                 "load_before": load_before, "load_after": os.getloadavg()[0]}
-        if args.breakdown:
-            entry["single"] = run_job(path, fmt, options, os.path.join(work, f"out1_{name}"), args.max_length, single)
-        results[name] = entry
-        shutil.rmtree(os.path.join(work, f"out_{name}"), ignore_errors=True)
-        shutil.rmtree(os.path.join(work, f"out1_{name}"), ignore_errors=True)
-        print(f"{name}: done", file=sys.stderr, flush=True)
+        for spec in args.tokenizers:
+            key = name if args.tokenizers == ["gemma3"] else f"{name} ({spec})"
+            load_before = os.getloadavg()[0]
+            raw_before = raw_tokenizer(path, fmt, options, tokenizer=spec)
+            job = run_job(path, fmt, options, os.path.join(work, f"out_{name}"), args.max_length, multi, spec)
+            raw_after = raw_tokenizer(path, fmt, options, tokenizer=spec)
+            entry = {"records": n, "cores": cores, "raw_before": raw_before, "raw_after": raw_after, "job": job,
+                     "load_before": load_before, "load_after": os.getloadavg()[0]}
+            if args.breakdown:
+                entry["single"] = run_job(path, fmt, options, os.path.join(work, f"out1_{name}"), args.max_length, single, spec)
+            results[key] = entry
+            if args.json:  # after each dataset, so a long run interrupted still leaves what it measured
+                with open(args.json, "w") as f:
+                    json.dump(results, f, indent=2, default=str)
+            shutil.rmtree(os.path.join(work, f"out_{name}"), ignore_errors=True)
+            shutil.rmtree(os.path.join(work, f"out1_{name}"), ignore_errors=True)
+            print(f"{key}: done", file=sys.stderr, flush=True)
 
     print(report(results, args.max_length))
     if args.json:

@@ -1,7 +1,8 @@
 """Packer quality and speed: rows against the lower bound, global BFD, and Grain's online first-fit.
 
-Real samples (../shared/data, Gemma3 tokenizer, Gemma chat template) and 1M
-synthetic lengths. Grain's FirstFitPackIterDataset is run for real on the
+Real samples (../shared/data) tokenized by both families on the same records: Gemma3
+(gemma chat format) and Qwen3 (the embedded qwen3 tokenizer, Qwen3 ChatML with its think
+block); other lengths, so other densities. And 1M synthetic lengths. Grain's FirstFitPackIterDataset is run for real on the
 real-sample lengths (pool of 16 rows, how MaxText packs online).
 
     python -m benchmarks.bench_packer --data ../shared/data --synthetic 1000000
@@ -24,18 +25,22 @@ DATASETS = {"alpaca": ("alpaca.jsonl", "alpaca"), "oasst1": ("oasst1.jsonl", "pr
             "opus_en_fr": ("opus_en_fr.jsonl", "translation")}
 
 
-def real_lengths(data_dir: Path) -> dict[str, list[int]]:
+# Tokenizer spec -> its chat format.
+FAMILIES = {"gemma3": "gemma", "qwen3": "qwen3"}
+
+
+def real_lengths(data_dir: Path, tokenizer_spec: str = "gemma3") -> dict[str, list[int]]:
     from prepack.chat_formats import get_chat_format, tokenize_conversations
     from prepack.templates import get_template
     from prepack.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer("gemma3")
-    chat = get_chat_format("gemma", tokenizer)
+    tokenizer = load_tokenizer(tokenizer_spec)
+    chat = get_chat_format(FAMILIES[tokenizer_spec], tokenizer)
     out = {}
     for name, (file, template_name) in DATASETS.items():
         template = get_template(template_name)
         convs = [c for line in (data_dir / file).open() for c in template.to_conversations(json.loads(line))]
-        out[name] = [len(e.input_ids) for e in tokenize_conversations(convs, tokenizer, chat)]
+        out[f"{name} ({tokenizer_spec})"] = [len(e.input_ids) for e in tokenize_conversations(convs, tokenizer, chat)]
     return out
 
 
@@ -107,6 +112,8 @@ def main() -> None:
     ap.add_argument("--plan-examples", type=int, nargs="+", default=[200_000, 1_000_000],
                     help="example counts for the build_plans timing")
     ap.add_argument("--plan-only", action="store_true", help="only time build_plans")
+    ap.add_argument("--tokenizers", nargs="+", default=list(FAMILIES), choices=list(FAMILIES),
+                    help="tokenizer families for the real samples (default: both)")
     args = ap.parse_args()
 
     if args.plan_only:
@@ -119,8 +126,9 @@ def main() -> None:
     print(header)
     print("|---" * (header.count("|") - 1) + "|")
     if args.data.exists():
-        for name, lengths in real_lengths(args.data).items():
-            print("\n".join(quality_table(name, lengths, args.max_length, args.pool_rows, run_grain=True)), flush=True)
+        for spec in args.tokenizers:
+            for name, lengths in real_lengths(args.data, spec).items():
+                print("\n".join(quality_table(name, lengths, args.max_length, args.pool_rows, run_grain=True)), flush=True)
     rng = np.random.default_rng(0)
     synthetic = np.clip(rng.lognormal(4.6, 1.0, args.synthetic).astype(int), 4, 4096).tolist()
     print("\n".join(quality_table(f"synthetic lognormal ({args.synthetic:,})", synthetic, args.max_length,

@@ -110,8 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-format", help="translation: prompt with {source}, {target} and {text}")
     src.add_argument("--tfds-data-dir", help="data_dir for tfds: inputs (default: TFDS's own)")
     tok = p.add_argument_group("tokenizing")
-    tok.add_argument("--tokenizer", default="gemma3", help="gemma3 (embedded, default), sp:FILE.model, hf:NAME_OR_PATH")
-    tok.add_argument("--chat-format", default="auto", help="gemma, chatml, hf (the tokenizer's template) or auto (default)")
+    tok.add_argument("--tokenizer", default="gemma3", help="gemma3 (embedded, default), qwen3 (embedded), sp:FILE.model, hf:NAME_OR_PATH")
+    tok.add_argument("--chat-format", default="auto", help="gemma, chatml, qwen3, hf (the tokenizer's template) or auto (default)")
     pk = p.add_argument_group("packing")
     pk.add_argument(
         "--max-length", action="extend", nargs="+", type=int, default=[], metavar="L",

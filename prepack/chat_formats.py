@@ -18,7 +18,8 @@ this is exactly the tokenization it must learn to produce, and the mask boundary
 token boundary by construction. Prompt text between two special tokens is encoded as one
 piece, as the tokenizer would do on the whole rendered string.
 
-Formats: gemma, chatml, hf (the tokenizer's own jinja template), auto. See get_chat_format.
+Formats: gemma, chatml, qwen3 (ChatML with Qwen3's empty think block), hf (the tokenizer's own
+jinja template), auto. See get_chat_format.
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ __all__ = [
     "ChatFormat",
     "GemmaFormat",
     "ChatMLFormat",
+    "Qwen3Format",
     "HFTemplateFormat",
     "get_chat_format",
     "chat_format_names",
@@ -268,8 +270,14 @@ class ChatMLFormat(ChatFormat):
         ime_nl = (self.ime, *nl)
         self._open = {"start": (self.ims,), "closed": (*ime_nl, self.ims), "target": (*nl, self.ims)}
         self._open_asst = {k: v + asst_hdr for k, v in self._open.items()}
+        # The opener of the one assistant turn that _think_turn() picks (none in plain ChatML).
+        self._open_think = self._open_asst
         self._close = {"start": (), "closed": ime_nl, "target": nl}
         self._ime_only = (self.ime,)
+
+    def _think_turn(self, turns: Sequence[Any]) -> int:
+        """Index of the assistant turn opened with self._open_think (-1: none)."""
+        return -1
 
     def pair_layout(self) -> "PairLayout":
         return PairLayout(self._open["start"], "user\n", self._open_asst["closed"], self._ime_only,
@@ -280,15 +288,21 @@ class ChatMLFormat(ChatFormat):
         segs: list[Segment] = []
         append = segs.append
         state = "start"
+        think_at = self._think_turn(conv.turns)
         for i, turn in enumerate(conv.turns):
             if turn.role == "assistant":
-                append((self._open_asst[state], 0))
+                content = turn.content
+                if i == think_at:
+                    append((self._open_think[state], 0))
+                    content = content.lstrip("\n")
+                else:
+                    append((self._open_asst[state], 0))
                 if i in loss:
-                    append((turn.content, 1))
+                    append((content, 1))
                     append((self._ime_only, 1))
                     state = "target"
                     continue
-                append((turn.content, 0))
+                append((content, 0))
             else:
                 append((self._open[state], 0))
                 append((turn.role + "\n" + turn.content, 0))
@@ -298,7 +312,52 @@ class ChatMLFormat(ChatFormat):
 
     def render(self, conv: Conversation) -> str:
         ims, ime = self._token_str(self.ims), self._token_str(self.ime)
-        return "".join(f"{ims}{t.role}\n{t.content}{ime}\n" for t in conv.turns)
+        think_at = self._think_turn(conv.turns)
+        out = []
+        for i, t in enumerate(conv.turns):
+            content = self._think_str + t.content.lstrip("\n") if i == think_at else t.content
+            out.append(f"{ims}{t.role}\n{content}{ime}\n")
+        return "".join(out)
+
+    _think_str = ""
+
+
+class Qwen3Format(ChatMLFormat):
+    """ChatML as Qwen3's own chat template renders it for non-thinking SFT.
+
+    Qwen3's template (Qwen/Qwen3-0.6B tokenizer_config.json) writes an assistant turn that
+    comes after the last user turn and is the last message as
+    `<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n` + content.lstrip("\\n"), and every
+    earlier assistant turn without a think block (it drops reasoning from history). With
+    enable_thinking=False its generation prompt is exactly `<|im_start|>assistant\\n` followed
+    by that empty think block, so the block is prompt (loss 0) here: the model never learns to
+    emit it, only the reply and <|im_end|>. <think> and </think> go in by id, so a reply that
+    spells them stays plain text (the template would split such a reply into reasoning; here
+    content is never reinterpreted).
+    """
+
+    name = "qwen3"
+
+    def __init__(self, tokenizer: "Tokenizer") -> None:
+        super().__init__(tokenizer)
+        think, end_think = self._special("<think>"), self._special("</think>")
+        nl2 = self._const("\n\n")
+        block = (think, *nl2, end_think, *nl2)
+        self._open_think = {k: v + block for k, v in self._open_asst.items()}
+        self._think_str = f"{self._token_str(think)}\n\n{self._token_str(end_think)}\n\n"
+
+    def _think_turn(self, turns: Sequence[Any]) -> int:
+        last = len(turns) - 1
+        if last < 0 or turns[last].role != "assistant":
+            return -1
+        for i in range(last - 1, -1, -1):
+            if turns[i].role == "user":
+                return last  # the last message, after the last user turn
+        return -1  # no user turn: the template's last_query_index is the last message itself
+
+    def pair_layout(self) -> "PairLayout":
+        return PairLayout(self._open["start"], "user\n", self._open_think["closed"], self._ime_only,
+                          self._close["target"], strip=False, response_lstrip="\n")
 
 
 # --------------------------------------------------------------------------------------
@@ -500,6 +559,7 @@ class HFTemplateFormat(ChatFormat):
 _FORMATS: dict[str, Callable[..., ChatFormat]] = {
     "gemma": GemmaFormat,
     "chatml": ChatMLFormat,
+    "qwen3": Qwen3Format,
     "hf": HFTemplateFormat,
 }
 
@@ -512,7 +572,8 @@ def get_chat_format(name: str, tokenizer: "Tokenizer") -> ChatFormat:
     """Build chat format `name` for `tokenizer`.
 
     auto: 'hf' if the tokenizer has a chat template, else 'gemma' if it has
-    <start_of_turn>, else 'chatml' if it has <|im_start|>, else ChatFormatError.
+    <start_of_turn>, else 'qwen3' if it has <|im_start|>, <think> and </think>, else 'chatml'
+    if it has <|im_start|>, else ChatFormatError.
     """
     if name == "auto":
         if getattr(tokenizer, "chat_template", None):
@@ -520,6 +581,8 @@ def get_chat_format(name: str, tokenizer: "Tokenizer") -> ChatFormat:
         if tokenizer.token_to_id("<start_of_turn>") is not None:
             return GemmaFormat(tokenizer)
         if tokenizer.token_to_id("<|im_start|>") is not None:
+            if all(tokenizer.token_to_id(t) is not None for t in ("<think>", "</think>")):
+                return Qwen3Format(tokenizer)
             return ChatMLFormat(tokenizer)
         raise ChatFormatError(
             "no_format_detected",
@@ -630,7 +693,8 @@ class PairLayout:
         (before_prompt, 0) (prompt_prefix + prompt, 0) (between, 0) (response, 1)
         (after_response, 1) (closing, 0)
 
-    prompt and response trimmed when `strip`. Only the two texts vary per example, so a
+    prompt and response trimmed when `strip`; the response's leading `response_lstrip`
+    characters removed (qwen3 drops newlines before the reply, as its template does). Only the two texts vary per example, so a
     batch of pairs is laid out with whole-array operations instead of per-segment Python.
     tests/test_templates.py checks it against segments() for every format that has one.
     """
@@ -641,6 +705,7 @@ class PairLayout:
     after_response: tuple[int, ...]
     closing: tuple[int, ...]
     strip: bool
+    response_lstrip: str = ""
 
 
 def tokenize_pairs_flat(
@@ -664,7 +729,8 @@ def tokenize_pairs_flat(
         texts += [r.strip() for r in responses]
     else:
         texts = [prefix + p for p in prompts]
-        texts += responses
+        chars = layout.response_lstrip
+        texts += [r.lstrip(chars) for r in responses] if chars else responses
     # segments() leaves an empty text unencoded (0 tokens); encode_batch is not asked about "".
     if "" in texts:
         encoded = [[] for _ in texts]

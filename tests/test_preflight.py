@@ -366,3 +366,26 @@ def test_counter_of_bad_records_survives_json():
     result = preflight.run(cfg, lambda spec: ex)
     assert result["datasets"][0]["bad_records"] == {"empty_response": 1, "wrong_type": 2}
     assert result["rows"][0]["bad_records"] == 3
+
+
+def test_preflight_with_the_embedded_qwen3_tokenizer(tmp_path):
+    """--tokenizer qwen3: auto picks Qwen3's ChatML, and the lengths are the qwen3 examples' lengths."""
+    from prepack.chat_formats import tokenize_conversations
+    from prepack.templates import get_template
+    from prepack.tokenizer import load_tokenizer
+
+    records = [{"instruction": f"Count to {i}.", "input": "", "output": " ".join(str(k) for k in range(i))} for i in range(1, 30)]
+    data = tmp_path / "alpaca.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "out"
+    assert preflight.main(["--input", str(data), "--format", "alpaca", "--tokenizer", "qwen3", "--max-length", "64", "128",
+                           "--batch-size", "4", "--output", str(out), "--no-plots"]) == 0
+    result = json.loads((out / "preflight.json").read_text())
+    rows = [r for r in result["rows"] if r["max_length"] == 128]
+    assert rows and all(r["tokenizer"] == "qwen3" and r["chat_format"] == "qwen3" for r in rows)
+    tok = load_tokenizer("qwen3")
+    template = get_template("alpaca")
+    lengths = [len(e) for e in tokenize_conversations([c for r in records for c in template.to_conversations(r)], tok, "auto")]
+    assert rows[0]["examples_kept"] == sum(n <= 128 for n in lengths) == 29
+    assert rows[0]["tokens"] == sum(lengths)
+    assert rows[0]["mean_tokens"] == pytest.approx(np.mean(lengths), abs=0.05)

@@ -22,6 +22,7 @@ from prepack.chat_formats import (
     CHAT_FORMAT_ERROR_REASONS,
     ChatFormatError,
     ChatMLFormat,
+    Qwen3Format,
     GemmaFormat,
     HFTemplateFormat,
     TokenizedExample,
@@ -53,6 +54,7 @@ from prepack.tokenizer import load_tokenizer
 
 GEMMA_SPECIALS = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<start_of_turn>": 105, "<end_of_turn>": 106}
 CHATML_SPECIALS = {"<|endoftext|>": 0, "<|im_start|>": 200, "<|im_end|>": 201}
+QWEN3_SPECIALS = {**CHATML_SPECIALS, "<think>": 202, "</think>": 203}
 BYTE0 = 300  # byte b -> id 300 + b
 
 
@@ -883,25 +885,27 @@ PAIR_TEXT = texts(list("ab xyZ\n\t.é日<>|_ ") + ["<end_of_turn>", "<|im_end|>"
 
 
 def test_every_builtin_format_with_a_pair_layout_is_covered() -> None:
-    # The property test below covers gemma and chatml; a new format with a layout must join it.
+    # The property test below covers gemma, chatml and qwen3; a new format with a layout must join it.
     gemma, chatml = ByteTokenizer(GEMMA_SPECIALS, bos_id=2, eos_id=1), ByteTokenizer(CHATML_SPECIALS, bos_id=None, eos_id=201)
+    qwen3 = ByteTokenizer(QWEN3_SPECIALS, bos_id=None, eos_id=201)
     with_layout = set()
     for name in chat_format_names():
-        for tok in (gemma, chatml):
+        for tok in (gemma, chatml, qwen3):
             try:
                 fmt = get_chat_format(name, tok)
             except ChatFormatError:
                 continue
             if fmt.pair_layout() is not None:
                 with_layout.add(type(fmt))
-    assert with_layout == {GemmaFormat, ChatMLFormat}
+    assert with_layout == {GemmaFormat, ChatMLFormat, Qwen3Format}
 
 
 @settings(max_examples=200, deadline=None)
 @given(pairs=st.lists(st.tuples(PAIR_TEXT, PAIR_TEXT), max_size=12))
 def test_property_pairs_match_conversations_fake(pairs: list[tuple[str, str]]) -> None:
     for tok, fmt_cls in ((ByteTokenizer(GEMMA_SPECIALS, bos_id=2, eos_id=1), GemmaFormat),
-                         (ByteTokenizer(CHATML_SPECIALS, bos_id=None, eos_id=201), ChatMLFormat)):
+                         (ByteTokenizer(CHATML_SPECIALS, bos_id=None, eos_id=201), ChatMLFormat),
+                         (ByteTokenizer(QWEN3_SPECIALS, bos_id=None, eos_id=201), Qwen3Format)):
         assert_same_flat(pairs, tok, fmt_cls(tok))
 
 
