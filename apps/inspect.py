@@ -22,6 +22,7 @@ import numpy as np
 from loaders import storage
 from loaders.shards import ShardView, open_shards, read_manifest
 from prepack.manifest import Manifest, ManifestError
+from prepack.cli_help import DefaultsHelpFormatter
 
 GREEN, RESET = "\033[32m", "\033[0m"
 
@@ -203,7 +204,7 @@ def _use_color(choice: str, out: TextIO) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="prepack inspect", description="Show a shard set's manifest summary and decode rows.")
+    p = argparse.ArgumentParser(prog="prepack inspect", formatter_class=DefaultsHelpFormatter, description="Show a shard set's manifest summary and decode rows.")
     p.add_argument("path", help="shard set folder: local, gcsfuse mount or gs://")
     p.add_argument("--rows", type=int, default=2, metavar="N", help="rows to show (default 2; 0 for the summary only)")
     p.add_argument("--row-index", type=int, default=0, metavar="I", help="first row to show (default 0)")

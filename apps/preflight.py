@@ -45,6 +45,7 @@ from apps.packing_table import CSV_COLUMNS, THROUGHPUT_MODEL, render_text_table,
 from apps.report import find_manifests, manifest_rows
 from prepack.packer import DropReason, OverlongPolicy, fit_to_length, plan_from_histogram
 from prepack.stats import PackingStats, stats_from_rows
+from prepack.cli_help import DefaultsHelpFormatter
 
 DEFAULT_MAX_LENGTHS = (256, 512, 1024, 2048)
 DEFAULT_BATCH_SIZES = (16,)
@@ -609,6 +610,7 @@ def _csv_value(value: Any) -> Any:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="prepack preflight",
+        formatter_class=DefaultsHelpFormatter,
         description="Estimate packing gains from the tokenizer alone: per dataset x max length x batch size, "
         "densities, rows, steps and the expected target-token throughput gain. In-process; for very large inputs "
         "use --max-examples, or `prepack pack` then `prepack report --shards`.",

@@ -36,6 +36,7 @@ from prepack.manifest import MANIFEST_NAME, Manifest, ManifestError
 from prepack.packer import DropReason
 from apps.packing_table import TABLE_COLUMNS, THROUGHPUT_MODEL, dataset_heading, format_cell, result_row
 from prepack.stats import PackingStats
+from prepack.cli_help import DefaultsHelpFormatter
 
 DEFAULT_BATCH_SIZES = (16,)
 
@@ -563,7 +564,7 @@ def write_report(config: ReportConfig) -> list[str]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="prepack report", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="prepack report", formatter_class=DefaultsHelpFormatter, description=__doc__.split("\n\n")[0])
     p.add_argument("--shards", action="extend", nargs="+", default=[], metavar="DIR",
                    help="a shard set folder (with manifest.json) or an OUTPUT root with L*/ folders; repeatable")
     p.add_argument("--metrics", action="extend", nargs="+", default=[], metavar="[LABEL=]PATH",
