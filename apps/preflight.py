@@ -43,9 +43,10 @@ import numpy as np
 
 from apps.packing_table import CSV_COLUMNS, THROUGHPUT_MODEL, render_text_table, result_row
 from apps.report import find_manifests, manifest_rows
+from prepack.bad_records import too_many_bad_records
+from prepack.cli_help import DefaultsHelpFormatter
 from prepack.packer import DropReason, OverlongPolicy, fit_to_length, plan_from_histogram
 from prepack.stats import PackingStats, stats_from_rows
-from prepack.cli_help import DefaultsHelpFormatter
 
 DEFAULT_MAX_LENGTHS = (256, 512, 1024, 2048)
 DEFAULT_BATCH_SIZES = (16,)
@@ -65,6 +66,12 @@ class DatasetSpec:
     format: str  # a template name (prepack.templates)
 
 
+# More bad records than this fails the estimate, in `prepack pack`'s words. Higher than pack's
+# default (0): a few bad records do not move an estimate, but a majority means the wrong
+# --format or file, and figures from what is left would mislead.
+DEFAULT_MAX_BAD_FRACTION = 0.5
+
+
 @dataclasses.dataclass(frozen=True)
 class PreflightConfig:
     datasets: tuple[DatasetSpec, ...]
@@ -76,6 +83,7 @@ class PreflightConfig:
     overlong: OverlongPolicy = OverlongPolicy.DROP
     template_options: dict[str, str] = dataclasses.field(default_factory=dict)
     max_examples: int | None = None  # None: every example
+    max_bad_fraction: float = DEFAULT_MAX_BAD_FRACTION
     seed: int = 0
     plots: bool = True
     pack_output: str | None = None  # set: run the Beam job per dataset into this folder and read its manifests
@@ -453,6 +461,11 @@ def load_examples(spec: DatasetSpec, tokenizer: Any, chat_format: Any, config: P
             last = now
             print(f"preflight: {spec.name}: {len(collector):,} examples tokenized, "
                   f"{len(collector) / (now - started):,.0f}/s", file=sys.stderr, flush=True)
+    problem = too_many_bad_records(sum(counts.bad.values()), (seen if seen is not None else len(collector)) + sum(counts.bad.values()),
+                                   counts.bad, config.max_bad_fraction)
+    if problem:
+        raise PreflightError(f"{spec.name}: {problem}. Fix the inputs (is --format {spec.format} right?), "
+                             "or raise --max-bad-fraction to skip them")
     return collector.build(
         spec.name,
         input=spec.path,
@@ -531,7 +544,7 @@ _PACK_TEMPLATE_FLAGS = {"source_lang": "--source-lang", "target_lang": "--target
 def run_with_pipeline(config: PreflightConfig, pack_args: Sequence[str]) -> dict[str, Any]:
     """The same result as `run`, from the Beam job: one `prepack pack` per dataset, then its manifests.
 
-    Bad records are counted, not fatal (--max-bad-fraction 1), as in-process. Manifests carry
+    Bad records up to --max-bad-fraction are counted, not fatal, as in-process. Manifests carry
     no length histogram, so the median/p95 columns and the histogram plot are left out.
     """
     try:
@@ -546,7 +559,8 @@ def run_with_pipeline(config: PreflightConfig, pack_args: Sequence[str]) -> dict
         out = os.path.join(config.pack_output, spec.name)
         argv = ["--input", spec.path, "--format", spec.format, "--tokenizer", config.tokenizer,
                 "--chat-format", config.chat_format, "--max-length", *map(str, config.max_lengths),
-                "--overlong", config.overlong.value, "--output", out, "--max-bad-fraction", "1"]
+                "--overlong", config.overlong.value, "--output", out,
+                "--max-bad-fraction", str(config.max_bad_fraction)]
         for key, value in sorted(config.template_options.items()):
             argv += [_PACK_TEMPLATE_FLAGS[key], value]
         started = time.perf_counter()
@@ -635,6 +649,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-examples", type=int, default=None, metavar="N",
                    help="estimate from a seeded uniform sample of N examples per dataset (default: all)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--max-bad-fraction", type=float, default=DEFAULT_MAX_BAD_FRACTION,
+                   help="fail, as `prepack pack` does, when more than this fraction of a dataset's records are bad "
+                        "(malformed, or not in --format); fewer are counted and skipped")
     p.add_argument("--output", required=True, metavar="DIR", help="folder for preflight.csv, preflight.json and plots")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots (no matplotlib needed)")
     p.add_argument("--pack-output", metavar="DIR",
@@ -674,6 +691,8 @@ def config_from_args(args: argparse.Namespace) -> PreflightConfig:
     for key in ("source_lang", "target_lang", "prompt_format"):
         if getattr(args, key) is not None:
             options[key] = getattr(args, key)
+    if not 0.0 <= args.max_bad_fraction <= 1.0:
+        raise PreflightError(f"--max-bad-fraction must be within 0..1, got {args.max_bad_fraction}")
     return PreflightConfig(
         datasets=tuple(datasets),
         output=args.output,
@@ -685,6 +704,7 @@ def config_from_args(args: argparse.Namespace) -> PreflightConfig:
         template_options=options,
         max_examples=args.max_examples,
         seed=args.seed,
+        max_bad_fraction=args.max_bad_fraction,
         plots=not args.no_plots,
         pack_output=args.pack_output,
     )

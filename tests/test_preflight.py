@@ -308,6 +308,11 @@ def test_unknown_options_only_pass_through_in_pipeline_mode(tmp_path, capsys):
         (["--input", "{folder}/*.parquet", "--format", "alpaca"], "matches no file"),
         (["--input", "{folder}/notes.txt", "--format", "alpaca"], "cannot tell the file format"),
         (["--input", "{data}", "--format", "translation", "--template-option", "source_lang"], "expected KEY=VALUE"),
+        # The wrong --format: every record is bad, and it fails in `prepack pack`'s words (prepack.bad_records).
+        (["--input", "{data}", "--format", "oasst1"],
+         "d: 1 of 1 examples read are bad records (100.00%, more than --max-bad-fraction 0.5): invalid 1. "
+         "Fix the inputs (is --format oasst1 right?)"),
+        (["--input", "{data}", "--format", "alpaca", "--max-bad-fraction", "2"], "--max-bad-fraction must be within 0..1"),
     ],
 )
 def test_bad_input_fails_with_a_clear_message(tmp_path, capsys, argv, message):
