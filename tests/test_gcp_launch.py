@@ -169,7 +169,7 @@ def test_launch_with_credentials_starts_the_job(capsys, monkeypatch, tmp_path):
     started = []
     monkeypatch.setattr(subprocess, "call", lambda cmd, **k: started.append(cmd) or 0)
     assert ld.main(BASE + ["--max-length", "2048"]) == 0
-    assert len(started) == 1 and started[0][1:4] == ["-m", "prepack.cli", "pack"]
+    assert len(started) == 1 and started[0][3] == "pack"
 
 
 def test_new_max_length_is_one_command():
