@@ -98,3 +98,17 @@ def test_errors(tmp_path, shard_set):
 def test_console_script_dispatch(shard_set, capsys):
     assert cli.main(["inspect", shard_set, "--rows", "0"]) == 0
     assert "max_length 10" in capsys.readouterr().out
+
+
+def test_an_output_root_lists_its_shard_sets(tmp_path):
+    # `prepack pack --max-length 32 64 --output OUT` publishes OUT/L32 and OUT/L64; OUT itself has no manifest.
+    root = tmp_path / "OUT"
+    build_shard_set(root / "L64", num_rows=3, max_length=64)
+    build_shard_set(root / "L32", num_rows=5, max_length=32)
+    (root / "L128").mkdir()  # an interrupted run: no manifest, not listed
+    rc, out, err = run([str(root)])
+    assert rc == 0 and err == ""
+    lines = out.splitlines()
+    assert lines[0] == f"{root} holds 2 shard sets, one per max length; inspect one of them:"
+    assert [line.split()[2] for line in lines[1:]] == [str(root / "L32"), str(root / "L64")]
+    assert "5 rows" in lines[1] and "3 rows" in lines[2]
