@@ -160,7 +160,7 @@ def row_lines(view: ShardView, index: int, renderer: _Renderer) -> list[str]:
     n_valid = int(row["valid_mask"].sum())
     n_segments = int(seg.max(initial=0))
     lines = [
-        f"row {index}: {n_segments} segments, {n_valid:,}/{length:,} tokens ({100 * n_valid / length:.1f}%), "
+        f"row {index}: {n_segments} {'segment' if n_segments == 1 else 'segments'}, {n_valid:,}/{length:,} tokens ({100 * n_valid / length:.1f}%), "
         f"{int(row['loss_mask'].sum()):,} targets"
     ]
     for k in range(1, n_segments + 1):

@@ -70,7 +70,7 @@ TABLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("rows unp", "unpacked_rows", "int"),
     ("rows pk", "packed_rows", "int"),
     ("bound", "lower_bound_rows", "int"),
-    ("fewer", "row_reduction", "times"),
+    ("row reduction", "row_reduction", "times"),
     ("steps unp", "unpacked_steps", "int"),
     ("steps pk", "packed_steps", "int"),
     ("gain", "throughput_gain", "times"),
@@ -93,7 +93,8 @@ def format_cell(value: Any, kind: str) -> str:
 
 def dataset_heading(row: dict[str, Any]) -> str:
     parts = [f"{row['dataset']}:"]
-    if row.get("input"):
+    # A dataset named after its path (`--shards OUT`) would read "OUT: OUT".
+    if row.get("input") and str(row["input"]).rstrip("/") != str(row["dataset"]):
         parts.append(str(row["input"]))
     details = [f"{k} {row[k]}" for k in ("format", "tokenizer", "chat_format", "overlong") if row.get(k)]
     if row.get("records_read") not in (None, ""):

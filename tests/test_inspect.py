@@ -59,7 +59,7 @@ def test_summary_and_text_with_targets(shard_set, monkeypatch):
     # The first token of a segment is never a target (build_row zeroes it).
     assert "  segment 2: tokens 4..6 (3), positions 0..2, 2 targets\n    <9>[[<10><11>]]" in out
     assert "  padding: 3 tokens (id 0)" in out
-    assert "row 1: 1 segments, 10/10 tokens (100.0%), 5 targets" in out
+    assert "row 1: 1 segment, 10/10 tokens (100.0%), 5 targets" in out
     assert "<20><21><22><23><24>[[<25><26><27><28><29>]]" in out
 
 

@@ -293,3 +293,10 @@ def test_bad_input_fails_with_a_clear_message(tmp_path, capsys, argv, message):
     err = capsys.readouterr().err
     assert err.startswith("prepack report: error: ") and message in err, err
     assert not (tmp_path / "out").exists()  # nothing written on bad input
+
+
+def test_heading_does_not_repeat_a_dataset_named_after_its_path():
+    from apps.packing_table import dataset_heading
+
+    assert dataset_heading({"dataset": "OUT", "input": "OUT/", "format": "alpaca"}) == "OUT: (format alpaca)"
+    assert dataset_heading({"dataset": "a", "input": "data/a.jsonl"}) == "a: data/a.jsonl"
