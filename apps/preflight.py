@@ -383,13 +383,33 @@ class _ReadCounts:
     bad: Counter = dataclasses.field(default_factory=Counter)
 
 
-def _conversations(spec: DatasetSpec, template: Any, counts: _ReadCounts) -> Iterator[Any]:
-    """The dataset's conversations, streamed; bad records are counted by reason and skipped."""
+class _Progress:
+    """Prints one line to stderr at most every PROGRESS_EVERY_S: long in-process runs say they are alive."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.started = self.last = time.perf_counter()
+
+    def __call__(self, what: Callable[[float], str]) -> None:
+        now = time.perf_counter()
+        if now - self.last >= PROGRESS_EVERY_S:
+            self.last = now
+            print(f"preflight: {self.name}: {what(now - self.started)}", file=sys.stderr, flush=True)
+
+
+def _conversations(spec: DatasetSpec, template: Any, counts: _ReadCounts, progress: _Progress | None = None) -> Iterator[Any]:
+    """The dataset's conversations, streamed; bad records are counted by reason and skipped.
+
+    progress: reports records read, for when reading runs ahead of tokenizing (a table-level
+    format such as oasst1 reads the whole table first; --max-examples samples all of it first).
+    """
     from prepack.templates import RecordError
 
     table: list[Any] = []
     for _, record in input_records(spec.path):
         counts.records += 1
+        if progress is not None:
+            progress(lambda s: f"{counts.records:,} records read, {counts.records / s:,.0f}/s")
         if isinstance(record, ValueError):
             counts.bad[str(record).split(":", 1)[0]] += 1
         elif getattr(template, "table_level", False):
@@ -445,8 +465,9 @@ def load_examples(spec: DatasetSpec, tokenizer: Any, chat_format: Any, config: P
     """Reads, templates and tokenizes one dataset (all of it, or a seeded sample of --max-examples)."""
     template = make_template(spec.format, config.template_options)
     counts = _ReadCounts()
-    started = last = time.perf_counter()
-    convs: Iterable[Any] = _conversations(spec, template, counts)
+    progress = _Progress(spec.name)
+    reads_ahead = config.max_examples is not None or getattr(template, "table_level", False)
+    convs: Iterable[Any] = _conversations(spec, template, counts, progress if reads_ahead else None)
     seen = None
     if config.max_examples is not None:
         reservoir = _Reservoir(config.max_examples, config.seed)
@@ -456,11 +477,7 @@ def load_examples(spec: DatasetSpec, tokenizer: Any, chat_format: Any, config: P
     collector = _Collector(keep_over=min(config.max_lengths))
     for batch in _batches(convs, TOKENIZE_BATCH):
         collector.add(_tokenize(batch, tokenizer, chat_format, counts.bad))
-        now = time.perf_counter()
-        if now - last >= PROGRESS_EVERY_S:  # long in-process runs say they are alive
-            last = now
-            print(f"preflight: {spec.name}: {len(collector):,} examples tokenized, "
-                  f"{len(collector) / (now - started):,.0f}/s", file=sys.stderr, flush=True)
+        progress(lambda s: f"{len(collector):,} examples tokenized, {len(collector) / s:,.0f}/s")
     problem = too_many_bad_records(sum(counts.bad.values()), (seen if seen is not None else len(collector)) + sum(counts.bad.values()),
                                    counts.bad, config.max_bad_fraction)
     if problem:
@@ -473,7 +490,7 @@ def load_examples(spec: DatasetSpec, tokenizer: Any, chat_format: Any, config: P
         records_read=counts.records,
         bad_records=counts.bad,
         examples_seen=seen if seen is not None else len(collector),
-        tokenize_seconds=time.perf_counter() - started,
+        tokenize_seconds=time.perf_counter() - progress.started,
     )
 
 

@@ -335,3 +335,14 @@ def test_counter_of_bad_records_survives_json():
     result = preflight.run(cfg, lambda spec: ex)
     assert result["datasets"][0]["bad_records"] == {"empty_response": 1, "wrong_type": 2}
     assert result["rows"][0]["bad_records"] == 3
+
+
+def test_long_reads_report_progress(tmp_path, capsys, monkeypatch):
+    # With --max-examples the whole file is read before tokenizing starts: the read reports itself too.
+    monkeypatch.setattr(preflight, "PROGRESS_EVERY_S", 0.0)  # report at every chance
+    data = tmp_path / "a.jsonl"
+    data.write_text("\n".join(ALPACA_LINES) + "\n")
+    assert preflight.main(["--input", str(data), "--format", "alpaca", "--max-length", "64", "--max-examples", "2",
+                           "--no-plots", "--output", str(tmp_path / "out")]) == 0
+    err = capsys.readouterr().err
+    assert "preflight: a: 5 records read, " in err and "preflight: a: 2 examples tokenized, " in err
