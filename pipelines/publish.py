@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from pipelines.options import PackConfig
-from pipelines.writer import SUMMARY_NAME, length_dir, run_staging_dir, staging_dir, write_bytes
+from pipelines.write import SUMMARY_NAME, length_dir, run_staging_dir, staging_dir, write_bytes
 from prepack.bad_records import too_many_bad_records
 from prepack.manifest import DEAD_LETTER_NAME, MANIFEST_NAME, Manifest, ManifestError, ShardInfo
 from prepack.stats import PackingStats
