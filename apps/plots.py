@@ -17,6 +17,16 @@ from apps.packing_table import drops_too_many
 DPI = 110
 
 
+def matplotlib_missing() -> str | None:
+    """Why no plot can be drawn here (matplotlib is in the `report` extra, not in `pipeline`), or None.
+    Commands check it before any work, so a missing extra is one line, not a traceback at the end."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        return "plots need matplotlib: pip install 'tunix-prepack[report]' (or -e '.[pipeline,report]' in a checkout)"
+    return None
+
+
 def _plt() -> Any:
     import matplotlib
 

@@ -649,6 +649,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")  # only the pipeline mode passes options on
     try:
         config = config_from_args(args)
+        if config.plots:
+            from apps.plots import matplotlib_missing
+
+            if matplotlib_missing():
+                raise PreflightError(f"{matplotlib_missing()}, or pass --no-plots")
         # Fail on every bad input or format before the tokenizer loads or anything is read.
         for spec in config.datasets:
             make_template(spec.format, config.template_options)

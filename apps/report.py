@@ -643,6 +643,10 @@ def main(argv: list[str] | None = None) -> int:
         config = ReportConfig(output=args.output, shards=tuple(args.shards), metrics=tuple(args.metrics),
                               preflight=tuple(args.preflight), batch_sizes=batch_sizes, budget=args.budget,
                               warmup_steps=args.warmup_steps, title=args.title)
+        from apps.plots import matplotlib_missing
+
+        if matplotlib_missing():
+            raise ReportError(matplotlib_missing())
         written = write_report(config)
     except ReportError as e:
         print(f"prepack report: error: {e}", file=sys.stderr)

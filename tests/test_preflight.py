@@ -382,3 +382,18 @@ def test_long_reads_report_progress(tmp_path, capsys, monkeypatch):
                            "--no-plots", "--output", str(tmp_path / "out")]) == 0
     err = capsys.readouterr().err
     assert "preflight: a: 5 records read, " in err and "preflight: a: 2 examples tokenized, " in err
+
+
+def test_plots_without_matplotlib_fail_in_one_line_before_any_work(tmp_path, capsys, monkeypatch):
+    # The README's first install is the pipeline extra only; matplotlib comes with the report extra.
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a))
+    data = tmp_path / "a.jsonl"
+    data.write_text("\n".join(ALPACA_LINES) + "\n")
+    argv = ["--input", str(data), "--format", "alpaca", "--output", str(tmp_path / "out")]
+    assert preflight.main(argv) == 2
+    assert capsys.readouterr().err == ("prepack preflight: error: plots need matplotlib: pip install 'tunix-prepack[report]' "
+                                       "(or -e '.[pipeline,report]' in a checkout), or pass --no-plots\n")
+    assert not (tmp_path / "out").exists()
