@@ -22,6 +22,7 @@ import numpy as np
 from loaders import storage
 from loaders.shards import ShardView, open_shards, read_manifest
 from prepack.manifest import Manifest, ManifestError
+from prepack.cli_help import DefaultsHelpFormatter
 
 GREEN, RESET = "\033[32m", "\033[0m"
 
@@ -159,7 +160,7 @@ def row_lines(view: ShardView, index: int, renderer: _Renderer) -> list[str]:
     n_valid = int(row["valid_mask"].sum())
     n_segments = int(seg.max(initial=0))
     lines = [
-        f"row {index}: {n_segments} segments, {n_valid:,}/{length:,} tokens ({100 * n_valid / length:.1f}%), "
+        f"row {index}: {n_segments} {'segment' if n_segments == 1 else 'segments'}, {n_valid:,}/{length:,} tokens ({100 * n_valid / length:.1f}%), "
         f"{int(row['loss_mask'].sum()):,} targets"
     ]
     for k in range(1, n_segments + 1):
@@ -202,8 +203,34 @@ def _use_color(choice: str, out: TextIO) -> bool:
     return hasattr(out, "isatty") and out.isatty() and "NO_COLOR" not in os.environ
 
 
+def shard_sets_under(path: str) -> list[tuple[str, Manifest]]:
+    """(folder, manifest) of each published L<max_length>/ shard set directly under a local folder."""
+    if storage.is_gcs(path) or not os.path.isdir(path):
+        return []
+    found = []
+    for name in os.listdir(path):
+        folder = os.path.join(path, name)
+        if name[:1] == "L" and name[1:].isdigit() and os.path.isdir(folder):
+            try:
+                found.append((folder, read_manifest(folder)))
+            except ManifestError:
+                continue  # unfinished or damaged: not a shard set to point at
+    return sorted(found, key=lambda item: item[1].max_length)
+
+
+def root_lines(path: str, found: list[tuple[str, Manifest]]) -> list[str]:
+    sets = "shard set" if len(found) == 1 else "shard sets"
+    lines = [f"{path} holds {len(found)} {sets}, one per max length; inspect one of them:"]
+    width = max(len(folder) for folder, _ in found)
+    for folder, m in found:
+        written = m.stats.get("examples_written")
+        examples = f", {_fmt_int(written)} examples" if isinstance(written, int) else ""
+        lines.append(f"  prepack inspect {folder:<{width}}   {_fmt_int(m.num_rows)} rows{examples}, packing {m.packing}")
+    return lines
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="prepack inspect", description="Show a shard set's manifest summary and decode rows.")
+    p = argparse.ArgumentParser(prog="prepack inspect", formatter_class=DefaultsHelpFormatter, description="Show a shard set's manifest summary and decode rows.")
     p.add_argument("path", help="shard set folder: local, gcsfuse mount or gs://")
     p.add_argument("--rows", type=int, default=2, metavar="N", help="rows to show (default 2; 0 for the summary only)")
     p.add_argument("--row-index", type=int, default=0, metavar="I", help="first row to show (default 0)")
@@ -224,8 +251,13 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
     try:
         manifest = read_manifest(path)
     except ManifestError as e:
-        print(f"prepack inspect: {e}", file=err)
-        return 1
+        found = shard_sets_under(path)
+        if not found:
+            print(f"prepack inspect: {e}", file=err)
+            return 1
+        # An OUTPUT root of `prepack pack --max-length A B ...`: say which shard sets are in it.
+        print("\n".join(root_lines(path, found)), file=out)
+        return 0
     print("\n".join(summary_lines(manifest, path)), file=out)
     if args.rows <= 0 and not args.verify:
         return 0

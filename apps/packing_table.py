@@ -70,11 +70,33 @@ TABLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("rows unp", "unpacked_rows", "int"),
     ("rows pk", "packed_rows", "int"),
     ("bound", "lower_bound_rows", "int"),
-    ("fewer", "row_reduction", "times"),
+    ("row reduction", "row_reduction", "times"),
     ("steps unp", "unpacked_steps", "int"),
     ("steps pk", "packed_steps", "int"),
     ("gain", "throughput_gain", "times"),
 )
+
+
+# A max length that drops more than this share of a dataset's examples is flagged, in tables and plots.
+DROP_FLAG_FRACTION = 0.05
+
+
+def drops_too_many(dropped: int, total: int) -> bool:
+    return bool(total) and dropped / total > DROP_FLAG_FRACTION
+
+
+def drop_flags(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """One line per max length of a dataset that drops more than DROP_FLAG_FRACTION of its examples."""
+    lines, seen = [], set()
+    for r in rows:
+        dropped, kept = int(r.get("examples_dropped") or 0), int(r.get("examples_kept") or 0)
+        if (r["max_length"], r["dataset"]) in seen or not drops_too_many(dropped, dropped + kept):
+            continue
+        seen.add((r["max_length"], r["dataset"]))
+        lines.append(f"! L={r['max_length']} drops {dropped:,} of {dropped + kept:,} examples "
+                     f"({dropped / (dropped + kept):.1%}, more than {DROP_FLAG_FRACTION:.0%}): "
+                     "a longer max length, or --overlong truncate, keeps them")
+    return lines
 
 
 def format_cell(value: Any, kind: str) -> str:
@@ -93,7 +115,8 @@ def format_cell(value: Any, kind: str) -> str:
 
 def dataset_heading(row: dict[str, Any]) -> str:
     parts = [f"{row['dataset']}:"]
-    if row.get("input"):
+    # A dataset named after its path (`--shards OUT`) would read "OUT: OUT".
+    if row.get("input") and str(row["input"]).rstrip("/") != str(row["dataset"]):
         parts.append(str(row["input"]))
     details = [f"{k} {row[k]}" for k in ("format", "tokenizer", "chat_format", "overlong") if row.get(k)]
     if row.get("records_read") not in (None, ""):
@@ -108,11 +131,17 @@ def render_text_table(rows: Sequence[dict[str, Any]]) -> str:
     out: list[str] = []
     for name, group in _by_dataset(rows).items():
         cells = [[format_cell(r.get(key), kind) for _, key, kind in TABLE_COLUMNS] for r in group]
+        dropped_at = [key for _, key, _ in TABLE_COLUMNS].index("examples_dropped")
+        for r, line in zip(group, cells):  # the flag sits on the dropped count, explained under the table
+            kept, dropped = int(r.get("examples_kept") or 0), int(r.get("examples_dropped") or 0)
+            if drops_too_many(dropped, kept + dropped):
+                line[dropped_at] += " !"
         headers = [h for h, _, _ in TABLE_COLUMNS]
         widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
         out.append(dataset_heading(group[0]))
         out.append("  ".join(h.rjust(w) for h, w in zip(headers, widths)))
         out.extend("  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in cells)
+        out.extend(drop_flags(group))
         out.append("")
     return "\n".join(out)
 

@@ -12,7 +12,19 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from apps.packing_table import drops_too_many
+
 DPI = 110
+
+
+def matplotlib_missing() -> str | None:
+    """Why no plot can be drawn here (matplotlib is in the `report` extra, not in `pipeline`), or None.
+    Commands check it before any work, so a missing extra is one line, not a traceback at the end."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        return "plots need matplotlib: pip install 'tunix-prepack[report]' (or -e '.[pipeline,report]' in a checkout)"
+    return None
 
 
 def _plt() -> Any:
@@ -131,22 +143,42 @@ def row_reduction(rows: Sequence[dict[str, Any]], path: str) -> str:
                           key=lambda r: int(r["max_length"]))
             xs, ys = [int(r["max_length"]) for r in mine], [float(r["throughput_gain"]) for r in mine]
             right.plot(xs, ys, styles[i % len(styles)], color=colors[name], label=f"{name} B={b}")
-            if len(batch_sizes) == 1:
-                for x, y in zip(xs, ys):
-                    right.annotate(f"{y:.1f}x", (x, y), textcoords="offset points", xytext=(0, 6), ha="center",
-                                   fontsize=7, color=colors[name])
-    for ax in (left, right):
+            # Every batch size gets its values; the first above its points, the others below, so they do not collide.
+            above = i % 2 == 0
+            for x, y in zip(xs, ys):
+                right.annotate(f"{y:.1f}x", (x, y), textcoords="offset points", xytext=(0, 6 if above else -7),
+                               ha="center", va="bottom" if above else "top", fontsize=7, color=colors[name])
+    for ax, values in ((left, [float(r["row_reduction"]) for r in rows]), (right, [float(r["throughput_gain"]) for r in rows])):
         _log2_length_axis(ax, lengths)
-        ax.set_yscale("log", base=2)
-        ax.yaxis.set_major_formatter(_times_formatter())
-        ax.grid(True, which="both", alpha=0.3)
         ax.margins(x=0.08, y=0.12)
+        if any(v > 0 for v in values):  # a log axis of nothing but zeros only draws warnings
+            ax.set_yscale("log", base=2)
+            _times_ticks(ax)
+        ax.grid(True, which="major", alpha=0.3)
     left.set_title("Row reduction: unpacked rows / packed rows", fontsize=10)
     right.set_title("Expected target-token throughput gain (per step, fixed B x L)", fontsize=10)
     left.legend(fontsize=8)
     right.legend(fontsize=7, ncol=max(1, len(batch_sizes) // 3))
     fig.suptitle("What packing saves", fontsize=11)
     return _save(fig, path)
+
+
+# Tick candidates for "N x" axes: 1-1.5-2-3 per octave reads well on a log2 scale.
+_NICE_TIMES = sorted({m * 2.0 ** e for e in range(-4, 12) for m in (1.0, 1.5)} | {3.0 * 2.0 ** e for e in range(-4, 11)})
+
+
+def _times_ticks(ax: Any, most: int = 8) -> None:
+    """Ticks on a log "N x" axis that cover the data range (log2's default puts them at powers of 2 only,
+    so values from 3.1x to 23.6x got 4x, 8x, 16x), thinned to at most `most`, no minor ticks."""
+    from matplotlib.ticker import FixedLocator, NullLocator
+
+    lo, hi = ax.get_ylim()
+    ticks = [t for t in _NICE_TIMES if lo <= t <= hi]
+    while len(ticks) > most:
+        ticks = ticks[::2]
+    ax.yaxis.set_major_locator(FixedLocator(ticks))
+    ax.yaxis.set_minor_locator(NullLocator())
+    ax.yaxis.set_major_formatter(_times_formatter())
 
 
 def _times_formatter() -> Any:
@@ -173,11 +205,15 @@ def length_histogram(histograms: dict[str, dict[int, int]], max_lengths: Sequenc
         ax.set_xscale("log", base=2)
         ax.set_xlim(edges[0], max(all_lengths) * 1.9)
         ax.set_ylim(0, ax.get_ylim()[1] * 1.3)  # headroom for the L labels
-        for L in sorted(max_lengths):
+        for i, L in enumerate(sorted(max_lengths)):
             over = sum(c for n, c in hist.items() if n > L)
-            ax.axvline(L, color="black", linestyle="--", linewidth=1)
-            ax.text(L, 0.97, f" L={L}\n {over:,} over ({_pct(over, total)})", transform=ax.get_xaxis_transform(),
-                    va="top", ha="left", fontsize=7, bbox={"facecolor": "white", "alpha": 0.85, "edgecolor": "none", "pad": 1})
+            flagged = drops_too_many(over, total)
+            ax.axvline(L, color="#d62728" if flagged else "black", linestyle="--", linewidth=1)
+            # Short lines, and neighbours at two heights: one octave apart, a long label ran into the next one's box.
+            text = f" L={L}\n {over:,} over\n {_pct(over, total)}" + (" dropped!" if flagged else "")
+            ax.text(L, 0.97 if i % 2 == 0 else 0.62, text, transform=ax.get_xaxis_transform(), va="top", ha="left",
+                    fontsize=7, color="#d62728" if flagged else "black", fontweight="bold" if flagged else "normal",
+                    bbox={"facecolor": "white", "alpha": 0.85, "edgecolor": "none", "pad": 1})
         ax.set_ylabel("examples")
         ax.set_title(f"{name}: {total:,} examples", fontsize=10, loc="left")
         ax.grid(True, alpha=0.3)
@@ -261,6 +297,14 @@ def loss_curves(runs: Sequence[Any], path: str, budget: float | None = None) -> 
         left.text(budget, 0.98, " budget", transform=left.get_xaxis_transform(), va="top", fontsize=8)
     left.set_xlabel("target tokens trained (cumulative)")
     right.set_xlabel("training time (s, sum of step times)")
+    # Runs of the same steps train very different token counts (packed rows hold more targets), so a
+    # linear axis squeezes the shorter curve into a sliver at the left: then both axes go log.
+    for ax, series in ((left, [r.cum_target_tokens for r in runs]), (right, [r.cum_time for r in runs])):
+        ends = [float(s[-1]) for s in series if len(s)]
+        starts = [float(s[0]) for s in series if len(s)]
+        if len(ends) > 1 and min(starts) > 0 and max(ends) > 3 * min(ends):
+            ax.set_xscale("log")
+            ax.set_xlabel(ax.get_xlabel() + ", log scale")
     left.set_ylabel("loss")
     left.set_title("Loss against target tokens", fontsize=10)
     right.set_title("Loss against time (dotted: time to reach the budget)", fontsize=10)

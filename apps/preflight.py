@@ -42,6 +42,8 @@ import numpy as np
 from apps.packing_table import CSV_COLUMNS, THROUGHPUT_MODEL, render_text_table, result_row
 from apps.report import find_manifests, manifest_rows
 from prepack.accounting import LENGTH_REASONS, Tally
+from prepack.bad_records import too_many_bad_records
+from prepack.cli_help import DefaultsHelpFormatter
 from prepack.packer import DropReason, Fit, OverlongPolicy, fit_at_length, plan_from_histogram, targets_after_first
 from prepack.stats import PackingStats, stats_from_rows
 
@@ -63,6 +65,12 @@ class DatasetSpec:
     format: str  # a template name (prepack.templates)
 
 
+# More bad records than this fails the estimate, in `prepack pack`'s words. Higher than pack's
+# default (0): a few bad records do not move an estimate, but a majority means the wrong
+# --format or file, and figures from what is left would mislead.
+DEFAULT_MAX_BAD_FRACTION = 0.5
+
+
 @dataclasses.dataclass(frozen=True)
 class PreflightConfig:
     datasets: tuple[DatasetSpec, ...]
@@ -74,6 +82,7 @@ class PreflightConfig:
     overlong: OverlongPolicy = OverlongPolicy.DROP
     template_options: dict[str, str] = dataclasses.field(default_factory=dict)
     max_examples: int | None = None  # None: every example
+    max_bad_fraction: float = DEFAULT_MAX_BAD_FRACTION
     seed: int = 0
     plots: bool = True
     pack_output: str | None = None  # set: run the Beam job per dataset into this folder and read its manifests
@@ -261,9 +270,14 @@ def _raw_batches(tasks: Iterable[Any]) -> Iterator[tuple[int, list]]:
             yield task.task_index, batch
 
 
-def _templated(preparer: Any, metas: list[Any], tasks: list[Any], tally: Tally) -> Iterator[Any]:
+def _templated(preparer: Any, metas: list[Any], tasks: list[Any], tally: Tally, progress: Any = None) -> Iterator[Any]:
     """(conv, response, meta) of every example, through the job's prepare stage; bad records are
-    tallied by reason as the job does (their dead letters are not kept)."""
+    tallied by reason as the job does (their dead letters are not kept). progress (a _Progress)
+    reports records read after each batch."""
+
+    def read_so_far(seconds: float) -> str:
+        return f"{tally.records_read:,} records read, {tally.records_read / seconds:,.0f}/s"
+
     prepare, _, _ = _pipelines()
     bad: list[Any] = []
     template = preparer.template
@@ -273,6 +287,8 @@ def _templated(preparer: Any, metas: list[Any], tasks: list[Any], tally: Tally) 
             for key, located in prepare.key_table_records(metas, task_index, items, template.group_key, tally, bad):
                 trees.setdefault(key, []).append(located)
             bad.clear()
+            if progress is not None:
+                progress(read_so_far)
         for key in sorted(trees):
             yield from preparer.template_table(trees.pop(key), tally, bad).items()
             bad.clear()
@@ -280,6 +296,8 @@ def _templated(preparer: Any, metas: list[Any], tasks: list[Any], tally: Tally) 
     for task_index, items in _raw_batches(tasks):
         yield from preparer.template_records(task_index, items, tally, bad).items()
         bad.clear()
+        if progress is not None:
+            progress(read_so_far)
 
 
 # ----------------------------------------------------------------------------- template + tokenizer
@@ -303,6 +321,20 @@ class _Reservoir:
 
     def items(self) -> list[Any]:
         return [item for _, item in sorted(self._items, key=lambda pair: pair[0])]
+
+
+class _Progress:
+    """Prints one line to stderr at most every PROGRESS_EVERY_S: long in-process runs say they are alive."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.started = self.last = time.perf_counter()
+
+    def __call__(self, what: Callable[[float], str]) -> None:
+        now = time.perf_counter()
+        if now - self.last >= PROGRESS_EVERY_S:
+            self.last = now
+            print(f"preflight: {self.name}: {what(now - self.started)}", file=sys.stderr, flush=True)
 
 
 def _batches(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
@@ -329,10 +361,13 @@ def load_examples(spec: DatasetSpec, tokenizer: Any, chat_format: Any, config: P
     """Reads, templates and tokenizes one dataset (all of it, or a seeded sample of --max-examples)."""
     prepare, _, _ = _pipelines()
     metas, tasks = read_tasks(spec.path)
-    preparer = prepare.Preparer(metas, make_template(spec.format, config.template_options), tokenizer, chat_format)
+    template = make_template(spec.format, config.template_options)
+    preparer = prepare.Preparer(metas, template, tokenizer, chat_format)
     tally = Tally()
-    started = last = time.perf_counter()
-    items: Iterable[Any] = _templated(preparer, metas, tasks, tally)
+    progress = _Progress(spec.name)
+    # Reading runs ahead of tokenizing when sampling, or for a table-level format (oasst1): report it too.
+    reads_ahead = config.max_examples is not None or getattr(template, "table_level", False)
+    items: Iterable[Any] = _templated(preparer, metas, tasks, tally, progress if reads_ahead else None)
     seen = None
     if config.max_examples is not None:
         reservoir = _Reservoir(config.max_examples, config.seed)
@@ -342,19 +377,21 @@ def load_examples(spec: DatasetSpec, tokenizer: Any, chat_format: Any, config: P
     collector = _Collector(keep_over=min(config.max_lengths))
     for chunk in _batches(items, TOKENIZE_BATCH):
         collector.add(_loss_masks(preparer.tokenize(prepare.Templated.of(chunk), tally, [])))
-        now = time.perf_counter()
-        if now - last >= PROGRESS_EVERY_S:  # long in-process runs say they are alive
-            last = now
-            print(f"preflight: {spec.name}: {len(collector):,} examples tokenized, "
-                  f"{len(collector) / (now - started):,.0f}/s", file=sys.stderr, flush=True)
+        progress(lambda s: f"{len(collector):,} examples tokenized, {len(collector) / s:,.0f}/s")
+    bad_records = tally.bad_records + tally.bad_examples
+    problem = too_many_bad_records(sum(bad_records.values()), (seen if seen is not None else len(collector))
+                                   + sum(bad_records.values()), bad_records, config.max_bad_fraction)
+    if problem:
+        raise PreflightError(f"{spec.name}: {problem}. Fix the inputs (is --format {spec.format} right?), "
+                             "or raise --max-bad-fraction to skip them")
     return collector.build(
         spec.name,
         input=spec.path,
         format=spec.format,
         records_read=tally.records_read,
-        bad_records=tally.bad_records + tally.bad_examples,
+        bad_records=bad_records,
         examples_seen=seen if seen is not None else len(collector),
-        tokenize_seconds=time.perf_counter() - started,
+        tokenize_seconds=time.perf_counter() - progress.started,
     )
 
 
@@ -425,7 +462,7 @@ _PACK_TEMPLATE_FLAGS = {"source_lang": "--source-lang", "target_lang": "--target
 def run_with_pipeline(config: PreflightConfig, pack_args: Sequence[str]) -> dict[str, Any]:
     """The same result as `run`, from the Beam job: one `prepack pack` per dataset, then its manifests.
 
-    Bad records are counted, not fatal (--max-bad-fraction 1), as in-process. Manifests carry
+    Bad records up to --max-bad-fraction are counted, not fatal, as in-process. Manifests carry
     no length histogram, so the median/p95 columns and the histogram plot are left out.
     """
     try:
@@ -440,7 +477,8 @@ def run_with_pipeline(config: PreflightConfig, pack_args: Sequence[str]) -> dict
         out = os.path.join(config.pack_output, spec.name)
         argv = ["--input", spec.path, "--format", spec.format, "--tokenizer", config.tokenizer,
                 "--chat-format", config.chat_format, "--max-length", *map(str, config.max_lengths),
-                "--overlong", config.overlong.value, "--output", out, "--max-bad-fraction", "1"]
+                "--overlong", config.overlong.value, "--output", out,
+                "--max-bad-fraction", str(config.max_bad_fraction)]
         for key, value in sorted(config.template_options.items()):
             argv += [_PACK_TEMPLATE_FLAGS[key], value]
         started = time.perf_counter()
@@ -503,6 +541,7 @@ def _csv_value(value: Any) -> Any:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="prepack preflight",
+        formatter_class=DefaultsHelpFormatter,
         description="Estimate packing gains from the tokenizer alone: per dataset x max length x batch size, "
         "densities, rows, steps and the expected target-token throughput gain. In-process; for very large inputs "
         "use --max-examples, or `prepack pack` then `prepack report --shards`.",
@@ -527,6 +566,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-examples", type=int, default=None, metavar="N",
                    help="estimate from a seeded uniform sample of N examples per dataset (default: all)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--max-bad-fraction", type=float, default=DEFAULT_MAX_BAD_FRACTION,
+                   help="fail, as `prepack pack` does, when more than this fraction of a dataset's records are bad "
+                        "(malformed, or not in --format); fewer are counted and skipped")
     p.add_argument("--output", required=True, metavar="DIR", help="folder for preflight.csv, preflight.json and plots")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots (no matplotlib needed)")
     p.add_argument("--pack-output", metavar="DIR",
@@ -566,6 +608,8 @@ def config_from_args(args: argparse.Namespace) -> PreflightConfig:
     for key in ("source_lang", "target_lang", "prompt_format"):
         if getattr(args, key) is not None:
             options[key] = getattr(args, key)
+    if not 0.0 <= args.max_bad_fraction <= 1.0:
+        raise PreflightError(f"--max-bad-fraction must be within 0..1, got {args.max_bad_fraction}")
     return PreflightConfig(
         datasets=tuple(datasets),
         output=args.output,
@@ -577,6 +621,7 @@ def config_from_args(args: argparse.Namespace) -> PreflightConfig:
         template_options=options,
         max_examples=args.max_examples,
         seed=args.seed,
+        max_bad_fraction=args.max_bad_fraction,
         plots=not args.no_plots,
         pack_output=args.pack_output,
     )
@@ -601,6 +646,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")  # only the pipeline mode passes options on
     try:
         config = config_from_args(args)
+        if config.plots:
+            from apps.plots import matplotlib_missing
+
+            if matplotlib_missing():
+                raise PreflightError(f"{matplotlib_missing()}, or pass --no-plots")
         # Fail on every bad input or format before the tokenizer loads or anything is read.
         for spec in config.datasets:
             make_template(spec.format, config.template_options)

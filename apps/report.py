@@ -34,8 +34,9 @@ import numpy as np
 
 from prepack.manifest import MANIFEST_NAME, Manifest, ManifestError
 from prepack.accounting import LENGTH_REASONS
-from apps.packing_table import TABLE_COLUMNS, THROUGHPUT_MODEL, dataset_heading, format_cell, result_row
+from apps.packing_table import TABLE_COLUMNS, THROUGHPUT_MODEL, dataset_heading, drop_flags, format_cell, result_row
 from prepack.stats import PackingStats
+from prepack.cli_help import DefaultsHelpFormatter
 
 DEFAULT_BATCH_SIZES = (16,)
 
@@ -365,6 +366,42 @@ def _budget_cell(value: Any, kind: str) -> str:
     return format_cell(value, kind)
 
 
+# Below this gain, packing is not worth the extra step (a 5% gain is within run-to-run noise).
+WORTH_IT = 1.05
+
+
+def training_verdict(table: Sequence[dict[str, Any]], budget: float) -> str | None:
+    """One or two sentences from the measured runs: did packing reach the same target tokens sooner, and by how much."""
+    ref = next((r for r in table if r["run"] == r["reference"]), None)
+    others = [r for r in table if r is not ref and not math.isnan(r["speedup"])]
+    if ref is None or not others:
+        return None
+    best = max(others, key=lambda r: r["speedup"])
+    speed = best["speedup"]
+    measured = (f"the {best['run']} run trained on {budget:,.0f} target tokens in {best['time_to_budget_s']:.1f} s, "
+                f"against {ref['time_to_budget_s']:.1f} s for {ref['run']}")
+    if speed >= WORTH_IT:
+        return f"Packing was worth it here: {measured}, {speed:.2f}x faster."
+    if speed > 1 / WORTH_IT:
+        return f"Packing made no real difference here: {measured} ({speed:.2f}x)."
+    return f"Packing was not worth it here: {measured} ({speed:.2f}x, slower)."
+
+
+def estimate_verdict(rows: Sequence[dict[str, Any]], what: str) -> str | None:
+    """The same question from densities alone (no training measured): the best expected gain, where."""
+    packed = [r for r in rows if r.get("packing") != "unpacked" and r.get("throughput_gain")]
+    if not packed:
+        return None
+    best = max(packed, key=lambda r: float(r["throughput_gain"]))
+    gain = float(best["throughput_gain"])
+    where = f"{best['dataset']} at L={best['max_length']}, B={best['batch_size']}"
+    if gain >= WORTH_IT:
+        return (f"Packing should be worth it here ({what}; no training measured): {where} needs {gain:.2f}x fewer "
+                f"steps for the same examples ({100 * float(best['packed_density']):.0f}% of row slots hold tokens "
+                f"packed, {100 * float(best['unpacked_density']):.0f}% unpacked).")
+    return f"Packing would gain little here ({what}; no training measured): at best {gain:.2f}x fewer steps ({where})."
+
+
 def build_page(config: ReportConfig, figures_dir: str) -> tuple[Page, list[str]]:
     """Reads every input, draws the figures into figures_dir, lays out the page; returns it and its PNGs."""
     from apps import plots  # lazy: matplotlib only here
@@ -431,6 +468,13 @@ def build_page(config: ReportConfig, figures_dir: str) -> tuple[Page, list[str]]
                  [[_budget_cell(r[k], kind) for _, k, kind in BUDGET_COLUMNS] for r in table])
         figure("budget.png", plots.budget_bars, table, budget=budget)
 
+    # The page opens with the answer: measured training beats a shard-set estimate, which beats preflight's.
+    answer = (training_verdict(table, budget) if config.metrics else None) \
+        or (estimate_verdict(rows, "from the shard sets") if config.shards else None) \
+        or next((v for v in (estimate_verdict(_read_preflight(s)["rows"], "preflight estimate") for s in config.preflight) if v), None)
+    if answer:
+        page.blocks.insert(1, ("p", "Verdict: " + answer))
+
     page.add("h2", "Definitions")
     page.add("p", "density = real tokens / (rows x L); target density = trained tokens / (rows x L); unpacked = one "
                   "example per row; row reduction = unpacked rows / packed rows.")
@@ -452,6 +496,8 @@ def _packing_section(page: Page, rows: Sequence[dict[str, Any]], with_packing: b
                 f"L{L} " + ", ".join(f"{k} {int(v):,}" for k, v in d) for L, d in seen))
         headers, cells = _table_block(group, with_packing)
         page.add("table", headers, cells)
+        for line in drop_flags(group):
+            page.add("p", line)
 
 
 def _read_preflight(source: str) -> dict[str, Any]:
@@ -560,7 +606,7 @@ def write_report(config: ReportConfig) -> list[str]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="prepack report", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="prepack report", formatter_class=DefaultsHelpFormatter, description=__doc__.split("\n\n")[0])
     p.add_argument("--shards", action="extend", nargs="+", default=[], metavar="DIR",
                    help="a shard set folder (with manifest.json) or an OUTPUT root with L*/ folders; repeatable")
     p.add_argument("--metrics", action="extend", nargs="+", default=[], metavar="[LABEL=]PATH",
@@ -594,6 +640,10 @@ def main(argv: list[str] | None = None) -> int:
         config = ReportConfig(output=args.output, shards=tuple(args.shards), metrics=tuple(args.metrics),
                               preflight=tuple(args.preflight), batch_sizes=batch_sizes, budget=args.budget,
                               warmup_steps=args.warmup_steps, title=args.title)
+        from apps.plots import matplotlib_missing
+
+        if matplotlib_missing():
+            raise ReportError(matplotlib_missing())
         written = write_report(config)
     except ReportError as e:
         print(f"prepack report: error: {e}", file=sys.stderr)

@@ -20,7 +20,8 @@ last) from here. Run it where it can outlive your laptop's lid (Cloud Shell with
 tmux, a small VM). Interrupting it (Ctrl-C, SIGTERM) cancels the Dataflow job; if
 it dies mid-job, nothing is published; run it again.
 
-Standard library only, so --dry-run works anywhere, Beam installed or not.
+Standard library only, so --dry-run works anywhere, Beam installed or not (a real
+launch first checks credentials with google.auth, which the pipeline extra brings).
 """
 
 from __future__ import annotations
@@ -260,6 +261,28 @@ def render(launch: Launch) -> str:
     return "\n".join(lines)
 
 
+LOGIN_HINT = ("run `gcloud auth application-default login` (or set GOOGLE_APPLICATION_CREDENTIALS "
+              "to a service-account key file), then run this again")
+
+
+def credentials_problem() -> str | None:
+    """Why Dataflow would refuse this launch for lack of credentials, or None.
+
+    Checked up front because without credentials Beam's Dataflow client retries
+    for minutes, printing tracebacks, before it gives up.
+    """
+    try:
+        import google.auth
+        from google.auth.exceptions import DefaultCredentialsError
+    except ImportError:
+        return "google-auth is not installed; install the pipeline extra: pip install -e '.[pipeline]'"
+    try:
+        google.auth.default(scopes=["https://www.googleapis.com/auth/cloud-platform"])
+    except DefaultCredentialsError:
+        return f"no Google Cloud credentials found: {LOGIN_HINT}"
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -270,6 +293,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if launch.dry_run:
         print(render(launch))
         return 0
+    problem = credentials_problem()
+    if problem:
+        print(f"launch_dataflow: {problem}", file=sys.stderr)
+        return 2
     for w in launch.warnings:
         print(f"launch_dataflow: warning: {w}", file=sys.stderr)
     print(f"launch_dataflow: running {shlex.join(launch.cmd)}", file=sys.stderr, flush=True)

@@ -56,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for L, path in sorted(result.manifests.items()):
         print(f"L{L}: {path}")
     print()
-    print(density_table(result.stats))
+    print(density_table(result.stats, packed=config.pack))
     examples = next(iter(result.stats.values()))["examples_read"]
     print(f"\n{examples:,} examples in {result.seconds:,.1f} s ({examples / max(result.seconds, 1e-9):,.0f} examples/s)")
     return 0

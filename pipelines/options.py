@@ -19,6 +19,7 @@ from typing import Any
 
 from pipelines.planning import MAX_SUB_BUCKETS
 from prepack.packer import OverlongPolicy
+from prepack.cli_help import DefaultsHelpFormatter
 
 DEFAULT_MAX_LENGTHS = (2048,)
 MAX_LENGTHS_PER_JOB = 64  # each example carries one bit per max length (PayloadBatch.kept_at)
@@ -89,6 +90,7 @@ class PackConfig:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="prepack pack",
+        formatter_class=DefaultsHelpFormatter,
         allow_abbrev=False,  # a Beam flag must never be taken for an abbreviation of ours
         description=(
             "Read SFT datasets, apply a template and chat format, tokenize once, pack per max length "

@@ -15,7 +15,8 @@ from pipelines import swap
 from pipelines.options import PackConfig
 from pipelines.swap import FAILED_DEAD_LETTER_NAME, length_dir, run_staging_dir, staging_dir
 from pipelines.write import SUMMARY_NAME, write_bytes
-from prepack.accounting import NOT_BAD_INPUT, Tally
+from prepack.accounting import Tally
+from prepack.bad_records import too_many_bad_records
 from prepack.manifest import DEAD_LETTER_NAME, Manifest, ShardInfo
 from prepack.stats import PackingStats
 
@@ -120,16 +121,11 @@ def check_stats(stats: dict[str, Any], max_length: int, plan: dict[str, Any]) ->
 
 
 def bad_fraction_error(stats: dict[str, Any], config: PackConfig, failed_paths: list[str]) -> str | None:
-    if stats["bad_fraction"] <= config.max_bad_fraction or not stats["bad_records"]:
+    line = too_many_bad_records(stats["bad_records"], stats["examples_read"], stats["examples_dropped"], config.max_bad_fraction)
+    if line is None:
         return None
-    bad_reasons = {k: v for k, v in stats["examples_dropped"].items() if k not in NOT_BAD_INPUT}
-    reasons = ", ".join(f"{k} {v}" for k, v in sorted(bad_reasons.items(), key=lambda kv: (-kv[1], kv[0])))
     where = f"; they are listed in {failed_paths[0]}" if failed_paths else ""
-    return (
-        f"{stats['bad_records']} of {stats['examples_read']} examples read are bad records "
-        f"({stats['bad_fraction']:.2%}, more than --max-bad-fraction {config.max_bad_fraction:g}): {reasons}. "
-        f"Nothing was published{where}. Fix the inputs, or raise --max-bad-fraction to skip them"
-    )
+    return f"{line}. Nothing was published{where}. Fix the inputs, or raise --max-bad-fraction to skip them"
 
 
 # ----------------------------------------------------------------------------- publishing

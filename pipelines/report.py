@@ -19,6 +19,18 @@ COLUMNS = (
     ("target dens.", "target_density"),
     ("row reduction", "row_reduction"),
 )
+# `--no-pack` sets hold one example per row: rows equal examples, and the packed-only
+# figures (lower bound, rows/bound, packed density, row reduction) say nothing about them.
+UNPACKED_COLUMNS = (
+    ("L", "max_length"),
+    ("read", "examples_read"),
+    ("written", "examples_written"),
+    ("dropped", "dropped"),
+    ("truncated", "examples_truncated"),
+    ("rows", "rows"),
+    ("density", "unpacked_density"),
+    ("target dens.", "target_density"),
+)
 
 
 def _cell(key: str, value: Any) -> str:
@@ -33,13 +45,14 @@ def _cell(key: str, value: Any) -> str:
     return str(value)
 
 
-def density_table(stats_by_length: Mapping[int, Mapping[str, Any]]) -> str:
-    """A plain-text table; dropped examples are listed by reason under it."""
+def density_table(stats_by_length: Mapping[int, Mapping[str, Any]], packed: bool = True) -> str:
+    """A plain-text table (packed: COLUMNS, else UNPACKED_COLUMNS); dropped examples are listed by reason under it."""
+    columns = COLUMNS if packed else UNPACKED_COLUMNS
     rows = []
     for L, stats in sorted(stats_by_length.items()):
         values = dict(stats, max_length=L, dropped=sum(stats["examples_dropped"].values()))
-        rows.append([_cell(key, values[key]) for _, key in COLUMNS])
-    headers = [h for h, _ in COLUMNS]
+        rows.append([_cell(key, values[key]) for _, key in columns])
+    headers = [h for h, _ in columns]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(headers, widths))]
     lines.append("  ".join("-" * w for w in widths))

@@ -472,6 +472,8 @@ class HFTemplateFormat(ChatFormat):
                     kw[key] = tok.id_to_token(int(tid))
             self._render_kwargs = kw
         try:
+            from prepack import transformers_quiet
+            transformers_quiet.quiet()
             from transformers.utils.chat_template_utils import render_jinja_template
         except ImportError as exc:  # pragma: no cover - transformers is in the pipeline extra
             raise ChatFormatError("template_error", f"rendering a chat template needs transformers (and jinja2): {exc}") from exc

@@ -340,6 +340,8 @@ def build_sentencepiece_model(meta: GGUFTokenizerMetadata) -> bytes:
     """Serialized SentencePiece ModelProto equivalent to the Gemma 3 tokenizer."""
     # sentencepiece's bundled pb2 needs protobuf>=7; apache-beam pins 6.x, and transformers
     # ships a copy generated for older protobuf.
+    from prepack import transformers_quiet
+    transformers_quiet.quiet()
     from transformers.utils import sentencepiece_model_pb2_new as sp_pb2
 
     proto = sp_pb2.ModelProto()

@@ -624,6 +624,9 @@ def _load_hf(spec: TokenizerSpec, local_files_only: bool | None) -> HFTokenizer:
         target = str(path.resolve())
         local_files_only = True
 
+    from prepack import transformers_quiet
+
+    transformers_quiet.quiet()
     from transformers import AutoTokenizer
 
     def attempt(local_only: bool) -> Any:

@@ -140,6 +140,36 @@ def test_what_cannot_work_on_dataflow_fails_before_launch(argv, message, capsys,
     assert message in capsys.readouterr().err
 
 
+def no_credentials(monkeypatch, tmp_path) -> None:
+    """An environment with no Application Default Credentials and no metadata server."""
+    monkeypatch.delenv("GOOGLE_APPLICATION_CREDENTIALS", raising=False)
+    monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path / "gcloud"))  # where gcloud keeps ADC
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("GCE_METADATA_HOST", "127.0.0.1:9")  # nothing listens: not on GCE
+    monkeypatch.setenv("GCE_METADATA_IP", "127.0.0.1:9")
+    monkeypatch.setenv("NO_GCE_CHECK", "True")
+
+
+def test_launch_without_credentials_says_how_to_log_in(capsys, monkeypatch, tmp_path):
+    no_credentials(monkeypatch, tmp_path)
+    monkeypatch.setattr(subprocess, "call", lambda *a, **k: pytest.fail("must not start the job without credentials"))
+    assert ld.main(BASE + ["--max-length", "2048"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["launch_dataflow: no Google Cloud credentials found: run `gcloud auth application-default login` "
+                   "(or set GOOGLE_APPLICATION_CREDENTIALS to a service-account key file), then run this again"]
+
+
+def test_launch_with_credentials_starts_the_job(capsys, monkeypatch, tmp_path):
+    no_credentials(monkeypatch, tmp_path)
+    adc = tmp_path / "adc.json"  # the shape `gcloud auth application-default login` writes
+    adc.write_text('{"type": "authorized_user", "client_id": "c", "client_secret": "s", "refresh_token": "r"}')
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(adc))
+    started = []
+    monkeypatch.setattr(subprocess, "call", lambda cmd, **k: started.append(cmd) or 0)
+    assert ld.main(BASE + ["--max-length", "2048"]) == 0
+    assert len(started) == 1 and started[0][3] == "pack"
+
+
 def test_new_max_length_is_one_command():
     now = datetime.datetime(2026, 11, 30, 12, 0, 0, tzinfo=datetime.timezone.utc)
     assert ld.job_name("gs://b/sets/Alpaca_v2/", [4096], now) == "prepack-alpaca-v2-l4096-20261130-120000"
@@ -184,6 +214,14 @@ def tpu(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
 
 
 TPU_BASE = ["--project", "my-proj", "--shards", "gs://b/sets/alpaca/L2048"]
+
+
+def test_tpu_help_is_the_header_comment_and_the_options(fake_gcloud):
+    res = tpu(["--help"], fake_gcloud)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("Train LoRA on a TPU VM from shards in GCS")
+    assert "--dry-run prints every command" in res.stdout and "--steps N" in res.stdout
+    assert "set -euo" not in res.stdout and not re.search(r"^#", res.stdout, re.M)
 
 
 def test_tpu_dry_run_prints_every_step(fake_gcloud):

@@ -77,10 +77,21 @@ def loaded() -> tuple[gw.GGUFWeights, gemma3_model.Gemma3]:
     t0 = time.perf_counter()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(gw, "read_gguf", spy)
-        model = gw.load_gemma3_270m_from_gguf(dtype=jnp.float32, tmp_dir=_fast_tmp_dir())
+        model = gw.load_gemma3_270m_from_gguf(dtype=jnp.float32, tmp_dir=_fast_tmp_dir(), progress=LOAD_PROGRESS.append)
     print(f"\nload_gemma3_270m_from_gguf(float32): {time.perf_counter() - t0:.1f} s")
     (weights,) = captured
     return weights, model
+
+
+LOAD_PROGRESS: list[str] = []  # the load's stage lines (the default prints them to stderr)
+
+
+def test_the_load_says_what_it_is_doing(loaded: tuple[gw.GGUFWeights, gemma3_model.Gemma3]) -> None:
+    first, middle, last = LOAD_PROGRESS
+    assert re.fullmatch(r"gemma3-270m weights: dequantizing \S+\.gguf \(\d+ MB GGUF\) to float32", first), first
+    assert re.fullmatch(r"gemma3-270m weights: 268M parameters \(1\.07 GB\) dequantized in [\d.]+ s; "
+                        r"loading them into Tunix's Gemma3", middle), middle
+    assert re.fullmatch(r"gemma3-270m weights: loaded in [\d.]+ s", last), last
 
 
 @pytest.fixture(scope="module")

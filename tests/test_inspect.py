@@ -59,7 +59,7 @@ def test_summary_and_text_with_targets(shard_set, monkeypatch):
     # The first token of a segment is never a target (build_row zeroes it).
     assert "  segment 2: tokens 4..6 (3), positions 0..2, 2 targets\n    <9>[[<10><11>]]" in out
     assert "  padding: 3 tokens (id 0)" in out
-    assert "row 1: 1 segments, 10/10 tokens (100.0%), 5 targets" in out
+    assert "row 1: 1 segment, 10/10 tokens (100.0%), 5 targets" in out
     assert "<20><21><22><23><24>[[<25><26><27><28><29>]]" in out
 
 
@@ -119,3 +119,17 @@ def test_verify_runs_even_with_rows_0(shard_set, tmp_path):
     assert rc == 1
     assert err.startswith(f"prepack inspect: {shard}: sha256 ") and "differs from the manifest's" in err
     assert "verified" not in out
+
+
+def test_an_output_root_lists_its_shard_sets(tmp_path):
+    # `prepack pack --max-length 32 64 --output OUT` publishes OUT/L32 and OUT/L64; OUT itself has no manifest.
+    root = tmp_path / "OUT"
+    build_shard_set(root / "L64", num_rows=3, max_length=64)
+    build_shard_set(root / "L32", num_rows=5, max_length=32)
+    (root / "L128").mkdir()  # an interrupted run: no manifest, not listed
+    rc, out, err = run([str(root)])
+    assert rc == 0 and err == ""
+    lines = out.splitlines()
+    assert lines[0] == f"{root} holds 2 shard sets, one per max length; inspect one of them:"
+    assert [line.split()[2] for line in lines[1:]] == [str(root / "L32"), str(root / "L64")]
+    assert "5 rows" in lines[1] and "3 rows" in lines[2]

@@ -264,6 +264,16 @@ def test_density_table_lists_drops():
     assert "packed dens." in text and "90.0%" in text and "2.67x" in text and "L512 dropped: too_long 2" in text
 
 
+def test_density_table_of_an_unpacked_set_has_no_packed_columns():
+    # --no-pack: one example per row, so rows == examples and the density is the unpacked one.
+    stats = {"examples_read": 10, "examples_written": 8, "examples_dropped": {"too_long": 2}, "examples_truncated": 0,
+             "rows": 8, "lower_bound_rows": 3, "rows_over_lower_bound": 8 / 3, "packed_density": 0.3,
+             "unpacked_density": 0.3, "target_density": 0.2, "row_reduction": 1.0}
+    header, _, values = density_table({512: stats}, packed=False).splitlines()[:3]
+    assert header.split() == ["L", "read", "written", "dropped", "truncated", "rows", "density", "target", "dens."]
+    assert values.split() == ["512", "10", "8", "2", "0", "8", "30.0%", "20.0%"]
+
+
 # ----------------------------------------------------------------------------- build_plan slots from runs
 
 

@@ -344,6 +344,11 @@ def test_unknown_options_only_pass_through_in_pipeline_mode(tmp_path, capsys):
         (["--input", "{folder}/*.parquet", "--format", "alpaca"], "matches no file"),
         (["--input", "{folder}/notes.txt", "--format", "alpaca"], "cannot tell the file format"),
         (["--input", "{data}", "--format", "translation", "--template-option", "source_lang"], "expected KEY=VALUE"),
+        # The wrong --format: every record is bad, and it fails in `prepack pack`'s words (prepack.bad_records).
+        (["--input", "{data}", "--format", "oasst1"],
+         "d: 1 of 1 examples read are bad records (100.00%, more than --max-bad-fraction 0.5): invalid 1. "
+         "Fix the inputs (is --format oasst1 right?)"),
+        (["--input", "{data}", "--format", "alpaca", "--max-bad-fraction", "2"], "--max-bad-fraction must be within 0..1"),
     ],
 )
 def test_bad_input_fails_with_a_clear_message(tmp_path, capsys, argv, message):
@@ -389,3 +394,29 @@ def test_preflight_with_the_embedded_qwen3_tokenizer(tmp_path):
     assert rows[0]["examples_kept"] == sum(n <= 128 for n in lengths) == 29
     assert rows[0]["tokens"] == sum(lengths)
     assert rows[0]["mean_tokens"] == pytest.approx(np.mean(lengths), abs=0.05)
+
+
+def test_long_reads_report_progress(tmp_path, capsys, monkeypatch):
+    # With --max-examples the whole file is read before tokenizing starts: the read reports itself too.
+    monkeypatch.setattr(preflight, "PROGRESS_EVERY_S", 0.0)  # report at every chance
+    data = tmp_path / "a.jsonl"
+    data.write_text("\n".join(ALPACA_LINES) + "\n")
+    assert preflight.main(["--input", str(data), "--format", "alpaca", "--max-length", "64", "--max-examples", "2",
+                           "--no-plots", "--output", str(tmp_path / "out")]) == 0
+    err = capsys.readouterr().err
+    assert "preflight: a: 5 records read, " in err and "preflight: a: 2 examples tokenized, " in err
+
+
+def test_plots_without_matplotlib_fail_in_one_line_before_any_work(tmp_path, capsys, monkeypatch):
+    # The README's first install is the pipeline extra only; matplotlib comes with the report extra.
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a))
+    data = tmp_path / "a.jsonl"
+    data.write_text("\n".join(ALPACA_LINES) + "\n")
+    argv = ["--input", str(data), "--format", "alpaca", "--output", str(tmp_path / "out")]
+    assert preflight.main(argv) == 2
+    assert capsys.readouterr().err == ("prepack preflight: error: plots need matplotlib: pip install 'tunix-prepack[report]' "
+                                       "(or -e '.[pipeline,report]' in a checkout), or pass --no-plots\n")
+    assert not (tmp_path / "out").exists()

@@ -293,3 +293,37 @@ def test_bad_input_fails_with_a_clear_message(tmp_path, capsys, argv, message):
     err = capsys.readouterr().err
     assert err.startswith("prepack report: error: ") and message in err, err
     assert not (tmp_path / "out").exists()  # nothing written on bad input
+
+
+def test_heading_does_not_repeat_a_dataset_named_after_its_path():
+    from apps.packing_table import dataset_heading
+
+    assert dataset_heading({"dataset": "OUT", "input": "OUT/", "format": "alpaca"}) == "OUT: (format alpaca)"
+    assert dataset_heading({"dataset": "a", "input": "data/a.jsonl"}) == "a: data/a.jsonl"
+
+
+def test_page_opens_with_a_verdict_from_the_measured_runs(inputs, tmp_path):
+    root, a, b = inputs
+    out = tmp_path / "page.md"
+    assert report.main(["--shards", str(root / "packed"), "--metrics", str(a), str(b), "--output", str(out)]) == 0
+    text = out.read_text()
+    verdict = next(line for line in text.splitlines() if line.startswith("Verdict: "))
+    assert text.index(verdict) < text.index("## ")  # before the first section
+    # packed trains 3,000 target tokens a step, unpacked 600, at the same step time: 5x to the same budget.
+    assert re.fullmatch(r"Verdict: Packing was worth it here: the packed run trained on 72,000 target tokens in "
+                        r"[\d.]+ s, against [\d.]+ s for unpacked, (4\.9\d|5\.0\d)x faster\.", verdict), verdict
+
+
+def test_verdict_wording_follows_the_speedup():
+    def table(speed):
+        return [{"run": "u", "reference": "u", "speedup": 1.0, "time_to_budget_s": 10.0},
+                {"run": "p", "reference": "u", "speedup": speed, "time_to_budget_s": 10.0 / speed}]
+
+    assert report.training_verdict(table(2.0), 100).startswith("Packing was worth it here: the p run trained on 100 ")
+    assert report.training_verdict(table(1.01), 100).startswith("Packing made no real difference here")
+    assert report.training_verdict(table(0.5), 100).startswith("Packing was not worth it here")
+    rows = [{"dataset": "d", "max_length": 512, "batch_size": 8, "throughput_gain": 3.5, "packed_density": 0.97,
+             "unpacked_density": 0.25, "packing": "bfd"}]
+    assert report.estimate_verdict(rows, "from the shard sets") == (
+        "Packing should be worth it here (from the shard sets; no training measured): d at L=512, B=8 needs 3.50x "
+        "fewer steps for the same examples (97% of row slots hold tokens packed, 25% unpacked).")

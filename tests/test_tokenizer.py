@@ -544,3 +544,17 @@ def test_sp_spec_with_a_small_trained_model(tmp_path: Path) -> None:
     assert sp_tok.decode(sp_tok.encode(text)) == text
     assert 1 not in sp_tok.encode("<s> the fox </s>") and 2 not in sp_tok.encode("<s> the fox </s>")
     assert sp_tok.encode_batch([text, "dog"]) == [sp_tok.encode(text), sp_tok.encode("dog")]
+
+
+
+def test_a_cold_gemma3_build_prints_no_pytorch_notice(tmp_path: Path) -> None:
+    """The cold build imports transformers (its protobuf copy), which announces "PyTorch was
+    not found" at import. Nothing here needs torch, so no command should print it."""
+    code = ("import sys; from prepack.tokenizer import load_tokenizer; load_tokenizer('gemma3').encode('hi'); "
+            "print('transformers' in sys.modules)")
+    env = {k: v for k, v in os.environ.items() if k != "TRANSFORMERS_NO_ADVISORY_WARNINGS"}
+    env[gemma3_gguf.CACHE_ENV] = str(tmp_path)  # empty cache: the cold path
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "True"  # transformers was imported, so the notice had its chance
+    assert "PyTorch was not found" not in res.stderr + res.stdout, res.stderr

@@ -19,10 +19,11 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from prepack.cli_help import DefaultsHelpFormatter
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="prepack train", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="prepack train", formatter_class=DefaultsHelpFormatter, description=__doc__.split("\n\n")[0])
     p.add_argument("--shards", required=True, help="shard set folder (local, gcsfuse or gs://) with manifest.json")
     p.add_argument("--model", default="tiny", help="gemma3-270m, gemma3-1b, qwen3-0.6b, tiny (= tiny-gemma3), tiny-qwen3")
     p.add_argument("--lora-rank", type=int, default=8)

@@ -27,7 +27,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import sys
 import tempfile
+import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -294,12 +297,17 @@ def model_from_hf_state_dict(
         return _tunix_load(d, config if config is not None else _default_config(), dtype, mesh)
 
 
+def _to_stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
 def load_gemma3_270m_from_gguf(
     dtype: Any = None,
     mesh: jax.sharding.Mesh | None = None,
     gguf_path: str | os.PathLike[str] | None = None,
     config: gemma3_model.ModelConfig | None = None,
     tmp_dir: str | os.PathLike[str] | None = None,
+    progress: Callable[[str], None] | None = _to_stderr,
 ) -> gemma3_model.Gemma3:
     """Tunix's Gemma3 270M with the pretrained GGUF weights, fully offline.
 
@@ -311,16 +319,27 @@ def load_gemma3_270m_from_gguf(
     tmp_dir: where the temporary safetensors file goes (default: the system temp dir; a
       tmpfs such as /dev/shm, when it has room, makes the float32 load ~3 s faster).
     On 2 CPU cores: float32 ~8 s, peak host RSS ~2.9 GB; bfloat16 ~4 s, ~1.6 GB (the peak
-    is Tunix reading the file back).
+    is Tunix reading the file back); on a busy machine much longer, so each stage is reported.
+    progress: called with one line per stage (default: printed to stderr); None for silence.
     """
+    say = progress or (lambda _: None)
+    started = time.perf_counter()
     dtype = _normalize_dtype(dtype)
     config = config if config is not None else _default_config()
-    weights = read_gguf(gguf_path, dtype=_np_dtype(dtype))
+    path = os.fspath(gguf_path or default_gguf_path())
+    say(f"gemma3-270m weights: dequantizing {path} ({os.path.getsize(path) / 1e6:,.0f} MB GGUF) "
+        f"to {np.dtype(_np_dtype(dtype)).name}")
+    weights = read_gguf(path, dtype=_np_dtype(dtype))
     check_config(weights, config)
     n_params = sum(a.size for a in weights.hf_state.values())
     if n_params != GGUF_PARAM_COUNT:
         raise ValueError(f"GGUF has {n_params} parameters, expected {GGUF_PARAM_COUNT}")
+    nbytes = sum(a.nbytes for a in weights.hf_state.values())
+    say(f"gemma3-270m weights: {n_params / 1e6:,.0f}M parameters ({nbytes / 1e9:.2f} GB) dequantized in "
+        f"{time.perf_counter() - started:.1f} s; loading them into Tunix's Gemma3")
     with tempfile.TemporaryDirectory(prefix="gemma3_gguf_st_", dir=tmp_dir) as d:
         _write_safetensors(weights.hf_state, d, _np_dtype(dtype))
         del weights  # drop the host copy before Tunix reads the file back: ~1 GB less peak RSS
-        return _tunix_load(d, config, dtype, mesh)
+        model = _tunix_load(d, config, dtype, mesh)
+    say(f"gemma3-270m weights: loaded in {time.perf_counter() - started:.1f} s")
+    return model
