@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 
-from fixtures_pipeline import (
+from testkit.pipeline import (
     alpaca_records,
     chat_records,
     oasst1_messages,

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import sys
 from pathlib import Path
 
 import numpy as np
 from flax import nnx
 
-sys.path.insert(0, os.path.dirname(__file__))
-from shardset_builder import TEST_TOKENIZER, build_shard_set, synthetic_row  # noqa: E402
+from testkit.shard_sets import TEST_TOKENIZER, build_shard_set, synthetic_row
 
 REPO = Path(__file__).resolve().parent.parent
 SETTINGS = re.compile(r'^SHARDS, BATCH_SIZE, STEPS, CKPT = "[^"]+", \d+, \d+, "[^"]+"$')

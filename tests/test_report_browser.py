@@ -10,15 +10,13 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_report import write_manifest, write_metrics  # noqa: E402
+from test_report import write_manifest, write_metrics
 
-from apps import report  # noqa: E402
+from apps import report
 
 # Runs first in <head>: records uncaught errors, failed loads and console.error/warn calls.
 PROBE_HEAD = """<script>

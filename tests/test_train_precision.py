@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from collections import Counter
 
 import jax
@@ -33,9 +32,8 @@ from prepack import packer, rowformat
 from train import data, lora_file, optimizer, precision, run_setup
 from train.config import TrainConfig
 
-sys.path.insert(0, os.path.dirname(__file__))
-from fixtures_pipeline import tokenized  # noqa: E402
-from shardset_builder import TEST_TOKENIZER, build_shard_set  # noqa: E402
+from testkit.pipeline import tokenized
+from testkit.shard_sets import TEST_TOKENIZER, build_shard_set
 
 SAMPLE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "prepack", "sample_data", "sample_sft.jsonl")
 MAX_LENGTH = 96

@@ -6,17 +6,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import sys
 
 import pytest
 
-from fixtures_pipeline import alpaca_records, write_jsonl
+from testkit.pipeline import alpaca_records, write_jsonl
 from test_pipeline import pack
 from train import cli
 
-sys.path.insert(0, os.path.dirname(__file__))
-from shardset_builder import TEST_TOKENIZER, build_shard_set  # noqa: E402
+from testkit.shard_sets import TEST_TOKENIZER, build_shard_set
 
 QWEN3_IDS = 151_669
 
