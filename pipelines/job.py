@@ -366,12 +366,20 @@ def run(config: PackConfig, beam_args: list[str], run_id: str | None = None) -> 
             switched = swap.publish(config.output, job.run_id, manifests, seen, config.overwrite, progress=switched)
         except outputs.SwitchRefused as e:
             raise publish.JobError(f"{e}; the sets now in {config.output} are another run's") from e
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise
+            raise publish.JobError(_publish_failed(config, switched, e)) from e
+        except Exception as e:  # storage errors while publishing (gs:// 5xx, permissions): say what is published
+            raise publish.JobError(_publish_failed(config, switched, e)) from e
         return JobResult(switched, stats, time.monotonic() - started, job.run_id, metrics, notes)
     except KeyboardInterrupt as e:
         raise Interrupted(_interrupted_message(config, switched)) from e
     except OSError as e:
         if e.errno == errno.ENOSPC:
-            raise publish.JobError(failures.no_space(config.output, getattr(e, "filename", None)) + _partial(config, switched)) from e
+            if switched:  # the previous sets are not all intact any more: say which lengths are new
+                raise publish.JobError(_publish_failed(config, switched, e)) from e
+            raise publish.JobError(failures.no_space(config.output, getattr(e, "filename", None))) from e
         raise
     finally:
         clean_up()
@@ -394,9 +402,16 @@ def _partial(config: PackConfig, switched: dict[int, str]) -> str:
     if not switched or len(switched) == len(config.max_lengths):
         return ""
     rest = [L for L in config.max_lengths if L not in switched]
-    return (f" (but L{', L'.join(map(str, switched))} were already switched to this run's set and "
-            f"L{', L'.join(map(str, rest))} were not: {config.output}/{swap.RUN_RECORD_NAME} does not match them; "
-            "run again with --overwrite)")
+    return (f" (L{', L'.join(map(str, switched))} already hold{'s' if len(switched) == 1 else ''} this run's set, "
+            f"L{', L'.join(map(str, rest))} {'does' if len(rest) == 1 else 'do'} not: {config.output}/{swap.RUN_RECORD_NAME} "
+            "does not match them; run again with --overwrite)")
+
+
+def _publish_failed(config: PackConfig, switched: dict[int, str], error: Exception) -> str:
+    head = f"publishing into {config.output} failed ({type(error).__name__}: {error})"
+    if switched:
+        return head + (_partial(config, switched) or "; every length was switched: run again with --overwrite to clean up")
+    return head + "; nothing new was published, the previous shard sets are intact. Run again"
 
 
 def _interrupted_message(config: PackConfig, switched: dict[int, str]) -> str:
