@@ -22,11 +22,12 @@ import time
 import uuid
 from typing import Any
 
-from pipelines import publish, sources, transforms, writer
+from pipelines import publish, sources, tokens_sink, tokens_source, transforms, writer
 from pipelines.options import PackConfig
 from pipelines.planning import build_plans, choose_sub_buckets
 from pipelines.records import TaskMeta
 from pipelines.sources import ReadTask, ResolvedInput
+from prepack.tokenset import TokenSetError, TokenSetManifest
 
 log = logging.getLogger("prepack.pack")
 
@@ -50,6 +51,8 @@ class PreparedJob:
     job_info: dict[str, Any]
     table_level: bool
     group_key: str | None
+    tokens: TokenSetManifest | None = None  # --from-tokens: the set packed from
+    est_records: int = 0
 
 
 def _tool_info() -> dict[str, Any]:
@@ -76,7 +79,13 @@ def prepare(config: PackConfig, run_id: str | None = None) -> PreparedJob:
     from prepack.tokenizer import TokenizerError, load_tokenizer
 
     run_id = run_id or uuid.uuid4().hex[:12]
+    if config.from_tokens:
+        return _prepare_from_tokens(config, run_id)
     publish.refuse_existing(config)
+    if config.write_tokens and not config.overwrite:
+        refused = tokens_sink.refuse_existing(config.output)
+        if refused:
+            raise publish.JobError(refused)
     try:
         template = get_template(config.format, **config.template_kwargs)
     except ValueError as e:
@@ -127,15 +136,41 @@ def prepare(config: PackConfig, run_id: str | None = None) -> PreparedJob:
     return PreparedJob(
         config=config, run_id=run_id, ctx=ctx, tasks=tasks, inputs=inputs, job_info=job_info,
         table_level=bool(getattr(template, "table_level", False)), group_key=getattr(template, "group_key", None),
+        est_records=est,
     )
+
+
+def _prepare_from_tokens(config: PackConfig, run_id: str) -> PreparedJob:
+    """--from-tokens: the token choices, tasks and tokenizer identity come from the set."""
+    try:
+        tokens = tokens_source.open_token_set(config.from_tokens)
+        config = tokens_source.reconcile(config, tokens, config.from_tokens)
+    except TokenSetError as e:
+        raise publish.JobError(str(e)) from e
+    publish.refuse_existing(config)
+    publish.probe_output(config.output, run_id)
+    sub_buckets = config.sub_buckets or choose_sub_buckets(tokens.job["est_records"], config.pack)
+    ctx = transforms.JobContext(
+        tasks=tokens_source.tasks_of(tokens), template=config.format, template_options=config.template_options,
+        tokenizer=config.tokenizer, chat_format=config.chat_format, max_lengths=config.max_lengths,
+        overlong=config.overlong, pack=config.pack, sub_buckets=sub_buckets, batch_size=config.batch_size,
+        progress=config.progress, output=config.output, run_id=run_id, pad_id=int(tokens.tokenizer["pad_id"]),
+    )
+    job_info = {"tokenizer": tokens.tokenizer, "template": tokens.template, "tool": _tool_info(),
+                "sub_buckets": sub_buckets, "inputs": tokens.inputs}
+    return PreparedJob(config=config, run_id=run_id, ctx=ctx, tasks=[], inputs=[], job_info=job_info,
+                       table_level=False, group_key=None, tokens=tokens, est_records=tokens.job["est_records"])
 
 
 def build_pipeline(pipeline: Any, job: PreparedJob) -> None:
     import apache_beam as beam
-    from apache_beam.pvalue import AsList, AsSingleton
 
     ctx, config = job.ctx, job.config
     T = transforms
+    if job.tokens is not None:
+        examples, bads, tallies, fingerprints = tokens_source.read_tokens(pipeline, job.tokens, config.from_tokens)
+        _fit_route_write(pipeline, job, examples, bads, tallies, fingerprints)
+        return
     read = (
         pipeline
         | "ListInputs" >> beam.Create(job.tasks)
@@ -157,7 +192,24 @@ def build_pipeline(pipeline: Any, job: PreparedJob) -> None:
     else:
         prepared = raw | "TemplateTokenize" >> beam.ParDo(T.PrepareFn(ctx)).with_outputs(T.TAG_BAD, T.TAG_TALLY, main="examples")
         bads, tallies = [prepared[T.TAG_BAD]], [prepared[T.TAG_TALLY]]
-    fitted = prepared.examples | "FitAndKey" >> beam.ParDo(T.FitAndKeyFn(ctx)).with_outputs(
+    fitted = _fit_route_write(pipeline, job, prepared.examples, bads, tallies, read[T.TAG_FINGERPRINT])
+    if config.write_tokens:
+        first = config.max_lengths[0]
+        no_targets = fitted[T.TAG_DEAD] | "NoTargetsOnce" >> beam.FlatMap(
+            lambda le: [le[1]] if le[0] == first and le[1][1]["reason"] == "no_targets" else [])
+        dropped = (*bads, no_targets) | "FlattenDropped" >> beam.Flatten()
+        tokens_sink.add_to_pipeline(pipeline, prepared.examples, dropped, config.output, job.run_id)
+
+
+def _fit_route_write(pipeline: Any, job: PreparedJob, examples: Any, bads: list, tallies: list, fingerprints: Any) -> Any:
+    """From TokenizedBatches (tokenized now, or read from a tokenized set) to staged shard
+    sets, dead letters and the run summary; returns FitAndKeyFn's outputs."""
+    import apache_beam as beam
+    from apache_beam.pvalue import AsList, AsSingleton
+
+    ctx, config = job.ctx, job.config
+    T = transforms
+    fitted = examples | "FitAndKey" >> beam.ParDo(T.FitAndKeyFn(ctx)).with_outputs(
         T.TAG_HIST, T.TAG_TALLY, T.TAG_DEAD, main="keyed")
     plans = (
         fitted[T.TAG_HIST]
@@ -180,7 +232,7 @@ def build_pipeline(pipeline: Any, job: PreparedJob) -> None:
         (bad_per_length, fitted[T.TAG_DEAD]) | "FlattenDead" >> beam.Flatten()
         | "GroupDead" >> beam.GroupByKey()
         | "WriteDeadLetters" >> beam.ParDo(writer.WriteDeadLetterFn(config.output, job.run_id, ctx.tasks),
-                                           fingerprints=AsList(read[T.TAG_FINGERPRINT]))
+                                           fingerprints=AsList(fingerprints))
     )
     tally = (
         (*tallies, fitted[T.TAG_TALLY]) | "FlattenTally" >> beam.Flatten()
@@ -192,9 +244,10 @@ def build_pipeline(pipeline: Any, job: PreparedJob) -> None:
         | "WriteSummary" >> beam.ParDo(
             writer.WriteSummaryFn(config.output, job.run_id),
             tally=AsSingleton(tally), plans=AsSingleton(plans), shards=AsList(shards), dead=AsList(dead),
-            fingerprints=AsList(read[T.TAG_FINGERPRINT]),
+            fingerprints=AsList(fingerprints),
         )
     )
+    return fitted
 
 
 def input_descriptions(job: PreparedJob, fingerprints: list[list]) -> list[dict[str, Any]]:
@@ -240,6 +293,7 @@ def run(config: PackConfig, beam_args: list[str], run_id: str | None = None) -> 
 
     started = time.monotonic()
     job = prepare(config, run_id)
+    config = job.config  # --from-tokens: with the token choices of the set
     try:
         pipeline = beam.Pipeline(options=PipelineOptions(beam_args))
         build_pipeline(pipeline, job)
@@ -266,15 +320,38 @@ def run(config: PackConfig, beam_args: list[str], run_id: str | None = None) -> 
                 f"no example fits max length {', '.join(map(str, no_rows))} (examples dropped: "
                 f"{stats[no_rows[0]]['examples_dropped']}); nothing was published"
             )
-        job.job_info["inputs"] = input_descriptions(job, summary["fingerprints"])
+        if job.tokens is None:
+            job.job_info["inputs"] = input_descriptions(job, summary["fingerprints"])
+        tokens_manifest = _tokens_manifest(job, summary) if config.write_tokens else None
         created_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         manifests = {}
         for L in config.max_lengths:
             shards = summary["lengths"][str(L)]["shards"]
             manifest = publish.compose_manifest(config, L, stats[L], shards, job.job_info)
+            if job.tokens is not None:
+                manifest.lineage = tokens_source.lineage(job.tokens, config.from_tokens)
             manifests[L] = publish.publish_length(config, job.run_id, manifest, created_at)
+        if tokens_manifest is not None:
+            manifests_tokens = tokens_sink.publish(config.output, job.run_id, tokens_manifest, created_at)
+            log.info("tokenized set: %s", manifests_tokens)
         publish.cleanup(config, job.run_id)
+        tokens_sink.cleanup(config.output, job.run_id)
         return JobResult(manifests, stats, time.monotonic() - started, job.run_id, metrics)
     except BaseException:
         publish.cleanup(config, job.run_id)
+        tokens_sink.cleanup(config.output, job.run_id)
         raise
+
+
+def _tokens_manifest(job: PreparedJob, summary: dict[str, Any]) -> TokenSetManifest:
+    """The tokenized set's manifest; raises JobError if its counts do not add up."""
+    config = job.config
+    choices = {"inputs": list(config.inputs), "format": config.format, "template_options": config.template_kwargs,
+               "chat_format": config.chat_format, "tokenizer": config.tokenizer, "tfds_data_dir": config.tfds_data_dir}
+    index = tokens_sink.read_index(config.output, job.run_id)
+    manifest = tokens_sink.compose_manifest(summary, index, job.ctx.tasks, choices, job.job_info, job.est_records)
+    s = manifest.stats
+    if s["examples_read"] != s["examples_kept"] + sum(s["examples_dropped"].values()):
+        raise publish.JobError(f"accounting check failed for the tokenized set, nothing was published: examples read "
+                               f"{s['examples_read']} != kept {s['examples_kept']} + dropped {sum(s['examples_dropped'].values())}")
+    return manifest
