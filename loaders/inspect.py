@@ -203,10 +203,11 @@ def _use_color(choice: str, out: TextIO) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="prepack inspect", description="Show a shard set's manifest summary and decode rows.")
-    p.add_argument("path", help="shard set folder: local, gcsfuse mount or gs://")
-    p.add_argument("--rows", type=int, default=2, metavar="N", help="rows to show (default 2; 0 for the summary only)")
-    p.add_argument("--row-index", type=int, default=0, metavar="I", help="first row to show (default 0)")
+    p = argparse.ArgumentParser(prog="prepack inspect", description="Show a shard set's (or a tokenized set's) manifest summary "
+                                "and decode rows (examples).")
+    p.add_argument("path", help="shard set folder, or a tokenized set (OUTPUT/tokens): local, gcsfuse mount or gs://")
+    p.add_argument("--rows", type=int, default=2, metavar="N", help="rows (examples) to show (default 2; 0 for the summary only)")
+    p.add_argument("--row-index", type=int, default=0, metavar="I", help="first row (example) to show (default 0)")
     p.add_argument("--tokenizer", default=None, metavar="SPEC", help="tokenizer spec to decode with (default: the manifest's)")
     p.add_argument("--allow-download", action="store_true", help="let a Hugging Face tokenizer be downloaded (default: local cache only)")
     p.add_argument("--ids", action="store_true", help="show token ids instead of text")
@@ -221,6 +222,10 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
     err = err or sys.stderr
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     path = args.path.rstrip("/") or args.path
+    from loaders import inspect_tokens
+
+    if inspect_tokens.is_token_set(storage.read_text(storage.join(path, "manifest.json")) or ""):
+        return inspect_tokens.main(path, args, out, err)
     try:
         manifest = read_manifest(path)
     except ManifestError as e:
