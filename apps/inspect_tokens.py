@@ -2,7 +2,7 @@
 
     prepack inspect out/tokens --rows 3 --row-index 100
 
-Called by loaders/inspect.py when the folder's manifest is a tokenized set's.
+Called by apps/inspect.py when the folder's manifest is a tokenized set's.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import json
 from typing import Any, TextIO
 
 from loaders import storage
-from loaders.inspect import _fmt_bytes, _fmt_int, _load_decoder, _Renderer, _use_color
+from apps.inspect import _fmt_bytes, _fmt_int, _load_decoder, _Renderer, _use_color
 from loaders.shards import _close_quietly, _open_reader
 from prepack.manifest import MANIFEST_NAME
 from prepack.tokenset import TokenSetError, TokenSetManifest, decode_example
