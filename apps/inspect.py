@@ -222,10 +222,6 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
     err = err or sys.stderr
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     path = args.path.rstrip("/") or args.path
-    from apps import inspect_tokens
-
-    if inspect_tokens.is_token_set(storage.read_text(storage.join(path, "manifest.json")) or ""):
-        return inspect_tokens.main(path, args, out, err)
     try:
         manifest = read_manifest(path)
     except ManifestError as e:

@@ -2,16 +2,20 @@
 
     prepack inspect out/tokens --rows 3 --row-index 100
 
-Called by apps/inspect.py when the folder's manifest is a tokenized set's.
+`prepack inspect` starts here: a folder whose manifest is not a tokenized set's goes on
+to apps/inspect.py (shard sets), with the same options.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
+from collections.abc import Sequence
 from typing import Any, TextIO
 
 from loaders import storage
+from apps import inspect as inspect_shards
 from apps.inspect import _fmt_bytes, _fmt_int, _load_decoder, _Renderer, _use_color
 from loaders.shards import _close_quietly, _open_reader
 from prepack.manifest import MANIFEST_NAME
@@ -68,10 +72,19 @@ def _source(manifest: TokenSetManifest, loc: tuple[int, int, int, int]) -> str:
     return ", ".join(parts)
 
 
-def main(path: str, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = inspect_shards.build_parser().parse_args(argv)
+    path = args.path.rstrip("/") or args.path
     text = storage.read_text(storage.join(path, MANIFEST_NAME))
+    if not is_token_set(text or ""):
+        return inspect_shards.main(argv, out, err)
+    return show(path, text or "", args, out or sys.stdout, err or sys.stderr)
+
+
+def show(path: str, text: str, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     try:
-        manifest = TokenSetManifest.from_json(text or "", source=storage.join(path, MANIFEST_NAME))
+        manifest = TokenSetManifest.from_json(text, source=storage.join(path, MANIFEST_NAME))
     except TokenSetError as e:
         print(f"prepack inspect: {e}", file=err)
         return 1

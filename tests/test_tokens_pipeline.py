@@ -230,7 +230,7 @@ def test_cli_refusal_is_one_line(first, tmp_path, capsys):
 
 
 def test_inspect_summarizes_and_decodes_the_tokenized_set(first, capsys):
-    from apps.inspect import main
+    from apps.inspect_tokens import main
 
     assert main([str(first / "tokens"), "--rows", "2", "--no-color"]) == 0
     out = capsys.readouterr().out
