@@ -31,7 +31,15 @@ from pipelines.columns import TokenizedBatch
 from pipelines.records import DeadLetter, TaskMeta
 from pipelines.writer import copy_local_to, write_bytes
 from prepack.manifest import MANIFEST_NAME, ShardInfo
-from prepack.tokenset import DROPPED_NAME, TOKENS_DIR, TOKENS_WRITER_OPTIONS, TokenSetManifest, encode_batch, shard_name
+from prepack.tokenset import (
+    TOKENS_DIR,
+    TOKENS_WRITER_OPTIONS,
+    TokenSetManifest,
+    dropped_name,
+    encode_batch,
+    is_set_file,
+    shard_name,
+)
 
 NAMESPACE = "prepack"
 INDEX_NAME = "index.json"
@@ -129,7 +137,7 @@ class WriteTokensFn(beam.DoFn):
 
 
 class WriteTokenIndexFn(beam.DoFn):
-    """Once per run: dropped.jsonl (the examples dropped before fitting, with the keys that
+    """Once per run: dropped-<sha>.jsonl (the examples dropped before fitting, with the keys that
     order dead letters) and index.json (the files written) in the tokenized set's staging."""
 
     def __init__(self, output: str, run_id: str):
@@ -140,8 +148,11 @@ class WriteTokenIndexFn(beam.DoFn):
         staging = tokens_staging_dir(self.output, self.run_id)
         lines = [json.dumps([list(key), entry], ensure_ascii=False, sort_keys=True) + "\n"
                  for key, entry in sorted(dropped, key=lambda d: d[0])]
-        write_bytes(f"{staging}/{DROPPED_NAME}", "".join(lines).encode("utf-8"))
-        index = {"files": sorted(files, key=lambda f: f["path"]), "dropped_entries": len(lines)}
+        data = "".join(lines).encode("utf-8")
+        name = dropped_name(hashlib.sha256(data).hexdigest())
+        if lines:
+            write_bytes(f"{staging}/{name}", data)
+        index = {"files": sorted(files, key=lambda f: f["path"]), "dropped_entries": len(lines), "dropped_name": name}
         path = f"{staging}/{INDEX_NAME}"
         write_bytes(path, json.dumps(index, sort_keys=True).encode("utf-8"))
         yield path
@@ -214,7 +225,7 @@ def compose_manifest(summary: dict[str, Any], index: dict[str, Any], tasks: Iter
         stats=stats,
         job={"tasks": [dict(vars(t)) for t in tasks], "fingerprints": summary["fingerprints"], "tally": tally,
              "est_records": est_records},
-        dropped=DROPPED_NAME if index["dropped_entries"] else None,
+        dropped=index["dropped_name"] if index["dropped_entries"] else None,
         tool=job_info["tool"],
     )
 
@@ -225,42 +236,32 @@ def read_index(output: str, run_id: str) -> dict[str, Any]:
 
 
 def publish(output: str, run_id: str, manifest: TokenSetManifest, created_at: str) -> str:
-    """Moves the staged files into OUTPUT/tokens/ and writes its manifest last; an old set's
-    manifest goes first, so no reader pairs it with new files."""
-    from pipelines.publish import _remove, _remove_prefix
+    """Publishes the set the way pipelines/swap.py publishes shard sets: the new files (named
+    by content, so never over an old file of other content) go in beside the old ones, the
+    manifest is switched in one atomic step, and only then are files it does not name deleted."""
+    from apache_beam.io.filesystems import FileSystems
 
-    fs = _fs()
+    from pipelines import outputs
+
     final, staged = tokens_dir(output), tokens_staging_dir(output, run_id)
-    old: list[str] = []
-    if fs.exists(f"{final}/{MANIFEST_NAME}"):
-        try:
-            with fs.open(f"{final}/{MANIFEST_NAME}") as f:
-                previous = TokenSetManifest.from_json(f.read().decode("utf-8"))
-            old = [f"{final}/{s.path}" for s in previous.shards]
-        except Exception:  # a damaged old manifest: its files are left, the new set does not list them
-            old = []
-    _remove([f"{final}/{MANIFEST_NAME}"])
-    names = [s.path for s in manifest.shards] + ([DROPPED_NAME] if manifest.dropped else [])
-    targets = [f"{final}/{n}" for n in names]
-    _remove([t for t in targets if fs.exists(t)])
+    path = f"{final}/{MANIFEST_NAME}"
+    expected = outputs.version(path)  # refuse_existing stopped a run without --overwrite already
+    present = {p.rsplit("/", 1)[-1] for p in outputs.list_files(final) if "/.staging-" not in p}
+    names = [n for n in [s.path for s in manifest.shards] + [manifest.dropped] if n and n not in present]
     if names:
-        fs.rename([f"{staged}/{n}" for n in names], targets)
-    if not manifest.dropped:
-        _remove([f"{final}/{DROPPED_NAME}"])
-    _remove(sorted(set(old) - set(targets)))
+        FileSystems.rename([f"{staged}/{n}" for n in names], [f"{final}/{n}" for n in names])
     manifest.created_at = created_at
-    tmp = f"{final}/{MANIFEST_NAME}.tmp-{run_id}"
-    write_bytes(tmp, manifest.to_json().encode("utf-8"))
-    fs.rename([tmp], [f"{final}/{MANIFEST_NAME}"])
-    _remove_prefix(staged)
-    return f"{final}/{MANIFEST_NAME}"
+    outputs.switch(path, manifest.to_json().encode("utf-8"), expected, tmp=f"{staged}/{MANIFEST_NAME}")
+    keep = {s.path for s in manifest.shards} | {manifest.dropped}
+    outputs.delete([f"{final}/{n}" for n in sorted(present) if is_set_file(n) and n not in keep])
+    return path
 
 
 def cleanup(output: str, run_id: str) -> None:
     """Best effort: removes this run's tokenized-set staging (never a published set)."""
-    from pipelines.publish import _remove_prefix
+    from pipelines import outputs
 
     try:
-        _remove_prefix(tokens_staging_dir(output, run_id))
+        outputs.delete_tree(tokens_staging_dir(output, run_id))
     except Exception:
         pass

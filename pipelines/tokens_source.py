@@ -31,7 +31,7 @@ from pipelines.options import PackConfig
 from pipelines.planning import stable_hash
 from pipelines.records import TaskMeta
 from prepack.manifest import MANIFEST_NAME
-from prepack.tokenset import DROPPED_NAME, TokenSetError, TokenSetManifest, decode_batch
+from prepack.tokenset import TokenSetError, TokenSetManifest, decode_batch
 
 NAMESPACE = "prepack"
 READ_BATCH = 4096  # records per TokenizedBatch
@@ -198,4 +198,4 @@ def read_tokens(pipeline: Any, manifest: TokenSetManifest, folder: str) -> tuple
     return examples, [dropped], [tallies], fingerprints
 
 
-__all__ = ["DROPPED_NAME", "TokenSetError", "lineage", "open_token_set", "read_tokens", "reconcile", "tasks_of"]
+__all__ = ["TokenSetError", "lineage", "open_token_set", "read_tokens", "reconcile", "tasks_of"]

@@ -2,7 +2,7 @@
 lengths can be packed later without the inputs or the tokenizer (`--from-tokens`).
 
 A tokenized set is a folder (OUTPUT/tokens/) with ArrayRecord files of one record per
-kept example, `dropped.jsonl` (the examples dropped before fitting, for the dead letters
+kept example, `dropped-<sha>.jsonl` (the examples dropped before fitting, for the dead letters
 of later runs) and `manifest.json`, written last. No Beam, no JAX: the job writes and
 reads it through pipelines/tokens_sink.py and tokens_source.py, `prepack inspect` reads it.
 
@@ -31,7 +31,6 @@ from prepack.manifest import MANIFEST_NAME, ShardInfo
 TOKENS_FORMAT_VERSION = 1
 TOKENS_KIND = "tokens"
 TOKENS_DIR = "tokens"
-DROPPED_NAME = "dropped.jsonl"
 # Records are read in order, never one at a time: groups of 256 compress far better than one.
 TOKENS_WRITER_OPTIONS = "group_size:256,zstd:3"
 
@@ -46,8 +45,17 @@ class TokenSetError(ValueError):
 
 
 def shard_name(digest: str) -> str:
-    """Named by content: the files of a run's bundles need no coordination to be unique."""
+    """Named by content: the files of a run's bundles need no coordination to be unique, and a
+    new set never overwrites an old set's file of other content while it is published."""
     return f"tokens-{digest[:16]}.array_record"
+
+
+def dropped_name(digest: str) -> str:
+    return f"dropped-{digest[:16]}.jsonl"
+
+
+def is_set_file(name: str) -> bool:
+    return (name.startswith("tokens-") and name.endswith(".array_record")) or (name.startswith("dropped-") and name.endswith(".jsonl"))
 
 
 # ----------------------------------------------------------------------------- records

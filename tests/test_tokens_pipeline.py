@@ -60,7 +60,7 @@ def test_full_run_publishes_the_tokenized_set(first):
 
     tokens = first / "tokens"
     manifest = read_tokens_manifest(tokens)
-    assert sorted(os.listdir(tokens)) == sorted(["manifest.json", "dropped.jsonl"] + [s.path for s in manifest.shards])
+    assert sorted(os.listdir(tokens)) == sorted(["manifest.json", manifest.dropped] + [s.path for s in manifest.shards])
     stats = manifest.stats
     # 31 good examples (one longer than every max length of the run, kept), 2 bad records.
     assert stats["examples_read"] == 33 and stats["examples_kept"] == manifest.num_examples == 31
@@ -77,7 +77,7 @@ def test_full_run_publishes_the_tokenized_set(first):
     decoded = decode_batch(records)
     assert int(decoded.lens.sum()) == manifest.tokens and int(decoded.mask.sum()) == manifest.target_tokens
     assert int(decoded.lens.max()) > int(FIRST_LENGTHS[-1])  # the long example is kept
-    dropped = [json.loads(line) for line in (tokens / "dropped.jsonl").read_text().splitlines()]
+    dropped = [json.loads(line) for line in (tokens / manifest.dropped).read_text().splitlines()]
     assert [entry["reason"] for _, entry in dropped] == ["malformed_json", "missing_field"]
 
 
@@ -217,7 +217,7 @@ def test_existing_tokenized_set_is_refused_without_overwrite(first, source, tmp_
     assert (out / "tokens" / "manifest.json").read_text() == before  # --no-tokens leaves it alone
     pack(source_args(source) + ["--output", str(out), "--max-length", "128", "--overwrite"])
     replaced = read_tokens_manifest(out / "tokens")
-    assert sorted(os.listdir(out / "tokens")) == sorted(["manifest.json", "dropped.jsonl"] + [s.path for s in replaced.shards])
+    assert sorted(os.listdir(out / "tokens")) == sorted(["manifest.json", replaced.dropped] + [s.path for s in replaced.shards])
 
 
 def test_cli_refusal_is_one_line(first, tmp_path, capsys):
