@@ -1,12 +1,17 @@
 """The packing job: checks up front, the Beam graph, then checks and publishing.
 
-    inputs --Create/Reshuffle--> ReadTaskFn (files, JSONL byte ranges, dataset row ranges)
-    [--Reshuffle--, only when a task is a big unsplittable file] --> PrepareFn (template + tokenize)
-        [oasst1: KeyTableRecordsFn --GroupByKey(tree)--> TableToExamplesFn]
-    --> FitAndKeyFn (overlong policy per L, histogram)
-    --> GroupByKey((length, sub-bucket)) --> RouteToRowsFn (side input: the global plans)
-    --> GroupByKey(shard index, across L) --> WriteShardFn (that shard of every L, staging)
-    plus dead letters per L, tallies, and one summary.json for the launcher.
+One module per stage (pipelines/<stage>.py), in graph order:
+
+    read     inputs --Create/Reshuffle--> ReadTaskFn (files, JSONL byte ranges, dataset row ranges)
+             [--Reshuffle--, only when a task is a big unsplittable file]
+    prepare  --> PrepareFn (decode, parse, template, tokenize)
+             [oasst1: KeyTableRecordsFn --GroupByKey(tree)--> TableToExamplesFn]
+    fit      --> FitAndKeyFn (overlong policy per L, histogram)
+    route    --> GroupByKey((length, sub-bucket)) --> RouteToRowsFn (side input: the global plans)
+    write    --> GroupByKey(shard index, across L) --> WriteShardFn (that shard of every L, staging)
+             plus dead letters per L (WriteDeadLetterFn), tallies, and one summary.json (WriteSummaryFn)
+
+pipelines/stage.py holds what the stages share (context, tags, clocks, the counter merge).
 
 The launcher (`run`) owns everything outside the graph: the fail-fast checks,
 the accounting identity and bad-fraction checks, and the publishing order.
@@ -23,10 +28,15 @@ import time
 import uuid
 from typing import Any
 
-from pipelines import failures, lock, outputs, publish, sources, staging, swap, tokens_sink, tokens_source, transforms, writer
+from pipelines import failures, lock, outputs, publish, sources, staging, swap, tokens_sink, tokens_source
+from pipelines.fit import FitAndKeyFn
+from pipelines.prepare import KeyTableRecordsFn, PrepareFn, TableToExamplesFn
+from pipelines.read import ReadTaskFn
+from pipelines.route import RouteToRowsFn
+from pipelines.stage import NAMESPACE, TAG_BAD, TAG_DEAD, TAG_FINGERPRINT, TAG_HIST, TAG_TALLY, JobContext, MergeCounters
+from pipelines.write import WriteDeadLetterFn, WriteShardFn, WriteSummaryFn
 from pipelines.options import PackConfig
 from pipelines.planning import build_plans, choose_sub_buckets
-from pipelines.records import TaskMeta
 from pipelines.sources import ReadTask, ResolvedInput
 from prepack.tokenset import TokenSetError, TokenSetManifest
 
@@ -47,7 +57,7 @@ class JobResult:
 class PreparedJob:
     config: PackConfig
     run_id: str
-    ctx: transforms.JobContext
+    ctx: JobContext
     tasks: list[ReadTask]
     inputs: list[ResolvedInput]
     job_info: dict[str, Any]
@@ -106,9 +116,8 @@ def prepare(config: PackConfig, run_id: str | None = None) -> PreparedJob:
         raise publish.JobError(str(e)) from e
     est = sum(i.est_records for i in inputs)
     sub_buckets = config.sub_buckets or choose_sub_buckets(est, config.pack)
-    ctx = transforms.JobContext(
-        tasks=tuple(TaskMeta(t.input_index, inputs[t.input_index].spec, t.path, t.id_name,
-                             t.byte_range[0] if t.byte_range else None) for t in tasks),
+    ctx = JobContext(
+        tasks=sources.task_metas(inputs, tasks),
         template=config.format,
         template_options=config.template_options,
         tokenizer=config.tokenizer,
@@ -150,7 +159,7 @@ def _prepare_from_tokens(config: PackConfig, run_id: str) -> PreparedJob:
         raise publish.JobError(str(e)) from e
     publish.refuse_existing(config)
     sub_buckets = config.sub_buckets or choose_sub_buckets(tokens.job["est_records"], config.pack)
-    ctx = transforms.JobContext(
+    ctx = JobContext(
         tasks=tokens_source.tasks_of(tokens), template=config.format, template_options=config.template_options,
         tokenizer=config.tokenizer, chat_format=config.chat_format, max_lengths=config.max_lengths,
         overlong=config.overlong, pack=config.pack, sub_buckets=sub_buckets, batch_size=config.batch_size,
@@ -166,7 +175,6 @@ def build_pipeline(pipeline: Any, job: PreparedJob) -> None:
     import apache_beam as beam
 
     ctx, config = job.ctx, job.config
-    T = transforms
     if job.tokens is not None:
         examples, bads, tallies, fingerprints = tokens_source.read_tokens(pipeline, job.tokens, config.from_tokens)
         _fit_route_write(pipeline, job, examples, bads, tallies, fingerprints)
@@ -175,27 +183,27 @@ def build_pipeline(pipeline: Any, job: PreparedJob) -> None:
         pipeline
         | "ListInputs" >> beam.Create(job.tasks)
         | "SpreadTasks" >> beam.Reshuffle()
-        | "Read" >> beam.ParDo(T.ReadTaskFn(config.batch_size, config.progress)).with_outputs(T.TAG_FINGERPRINT, main="records")
+        | "Read" >> beam.ParDo(ReadTaskFn(config.batch_size, config.progress)).with_outputs(TAG_FINGERPRINT, main="records")
     )
     # Records cross a shuffle only when some task is big and unsplittable (a large compressed or
     # non-JSONL file); byte ranges and dataset row ranges already spread the reading evenly.
     spread = any(t.may_exceed(sources.SPREAD_TASK_BYTES) for t in job.tasks)
     raw = read.records | "SpreadRecords" >> beam.Reshuffle() if spread else read.records
     if job.table_level:
-        keyed = raw | "KeyByTable" >> beam.ParDo(T.KeyTableRecordsFn(ctx, job.group_key)).with_outputs(T.TAG_BAD, T.TAG_TALLY, main="messages")
+        keyed = raw | "KeyByTable" >> beam.ParDo(KeyTableRecordsFn(ctx, job.group_key)).with_outputs(TAG_BAD, TAG_TALLY, main="messages")
         prepared = (
             keyed.messages
             | "GroupTables" >> beam.GroupByKey()
-            | "TemplateTokenize" >> beam.ParDo(T.TableToExamplesFn(ctx)).with_outputs(T.TAG_BAD, T.TAG_TALLY, main="examples")
+            | "TemplateTokenize" >> beam.ParDo(TableToExamplesFn(ctx)).with_outputs(TAG_BAD, TAG_TALLY, main="examples")
         )
-        bads, tallies = [keyed[T.TAG_BAD], prepared[T.TAG_BAD]], [keyed[T.TAG_TALLY], prepared[T.TAG_TALLY]]
+        bads, tallies = [keyed[TAG_BAD], prepared[TAG_BAD]], [keyed[TAG_TALLY], prepared[TAG_TALLY]]
     else:
-        prepared = raw | "TemplateTokenize" >> beam.ParDo(T.PrepareFn(ctx)).with_outputs(T.TAG_BAD, T.TAG_TALLY, main="examples")
-        bads, tallies = [prepared[T.TAG_BAD]], [prepared[T.TAG_TALLY]]
-    fitted = _fit_route_write(pipeline, job, prepared.examples, bads, tallies, read[T.TAG_FINGERPRINT])
+        prepared = raw | "TemplateTokenize" >> beam.ParDo(PrepareFn(ctx)).with_outputs(TAG_BAD, TAG_TALLY, main="examples")
+        bads, tallies = [prepared[TAG_BAD]], [prepared[TAG_TALLY]]
+    fitted = _fit_route_write(pipeline, job, prepared.examples, bads, tallies, read[TAG_FINGERPRINT])
     if config.write_tokens:
         first = config.max_lengths[0]
-        no_targets = fitted[T.TAG_DEAD] | "NoTargetsOnce" >> beam.FlatMap(
+        no_targets = fitted[TAG_DEAD] | "NoTargetsOnce" >> beam.FlatMap(
             lambda le: [le[1]] if le[0] == first and le[1][1]["reason"] == "no_targets" else [])
         dropped = (*bads, no_targets) | "FlattenDropped" >> beam.Flatten()
         tokens_sink.add_to_pipeline(pipeline, prepared.examples, dropped, config.output, job.run_id)
@@ -208,20 +216,19 @@ def _fit_route_write(pipeline: Any, job: PreparedJob, examples: Any, bads: list,
     from apache_beam.pvalue import AsList, AsSingleton
 
     ctx, config = job.ctx, job.config
-    T = transforms
-    fitted = examples | "FitAndKey" >> beam.ParDo(T.FitAndKeyFn(ctx)).with_outputs(
-        T.TAG_HIST, T.TAG_TALLY, T.TAG_DEAD, main="keyed")
+    fitted = examples | "FitAndKey" >> beam.ParDo(FitAndKeyFn(ctx)).with_outputs(
+        TAG_HIST, TAG_TALLY, TAG_DEAD, main="keyed")
     plans = (
-        fitted[T.TAG_HIST]
-        | "Histogram" >> beam.CombineGlobally(T.MergeCounters())
+        fitted[TAG_HIST]
+        | "Histogram" >> beam.CombineGlobally(MergeCounters())
         | "Plan" >> beam.Map(build_plans, config.max_lengths, config.pack, config.num_shards, config.target_shard_mb)
     )
     shards = (
         fitted.keyed
         | "GroupByLength" >> beam.GroupByKey()
-        | "RouteToRows" >> beam.ParDo(T.RouteToRowsFn(ctx), plans=AsSingleton(plans))
+        | "RouteToRows" >> beam.ParDo(RouteToRowsFn(ctx), plans=AsSingleton(plans))
         | "GroupByShard" >> beam.GroupByKey()
-        | "WriteShards" >> beam.ParDo(writer.WriteShardFn(config.output, job.run_id, ctx.pad_id), plans=AsSingleton(plans))
+        | "WriteShards" >> beam.ParDo(WriteShardFn(config.output, job.run_id, ctx.pad_id), plans=AsSingleton(plans))
     )
     lengths = config.max_lengths
     bad_per_length = (
@@ -229,20 +236,20 @@ def _fit_route_write(pipeline: Any, job: PreparedJob, examples: Any, bads: list,
         | "BadToEveryLength" >> beam.FlatMap(lambda entry: [(L, entry) for L in lengths])
     )
     dead = (
-        (bad_per_length, fitted[T.TAG_DEAD]) | "FlattenDead" >> beam.Flatten()
+        (bad_per_length, fitted[TAG_DEAD]) | "FlattenDead" >> beam.Flatten()
         | "GroupDead" >> beam.GroupByKey()
-        | "WriteDeadLetters" >> beam.ParDo(writer.WriteDeadLetterFn(config.output, job.run_id, ctx.tasks),
+        | "WriteDeadLetters" >> beam.ParDo(WriteDeadLetterFn(config.output, job.run_id, ctx.tasks),
                                            fingerprints=AsList(fingerprints))
     )
     tally = (
-        (*tallies, fitted[T.TAG_TALLY]) | "FlattenTally" >> beam.Flatten()
-        | "Tally" >> beam.CombineGlobally(T.MergeCounters())
+        (*tallies, fitted[TAG_TALLY]) | "FlattenTally" >> beam.Flatten()
+        | "Tally" >> beam.CombineGlobally(MergeCounters())
     )
     (
         pipeline
         | "Once" >> beam.Create([None])
         | "WriteSummary" >> beam.ParDo(
-            writer.WriteSummaryFn(config.output, job.run_id),
+            WriteSummaryFn(config.output, job.run_id),
             tally=AsSingleton(tally), plans=AsSingleton(plans), shards=AsList(shards), dead=AsList(dead),
             fingerprints=AsList(fingerprints),
         )
@@ -274,7 +281,7 @@ def _metrics(result: Any) -> dict[str, Any]:
     try:
         from apache_beam.metrics.metric import MetricsFilter
 
-        q = result.metrics().query(MetricsFilter().with_namespace(transforms.NAMESPACE))
+        q = result.metrics().query(MetricsFilter().with_namespace(NAMESPACE))
         out: dict[str, Any] = {}
         for c in q["counters"]:
             out[c.key.metric.name] = out.get(c.key.metric.name, 0) + c.committed

@@ -15,7 +15,7 @@ from typing import Any
 from pipelines import swap
 from pipelines.options import PackConfig
 from pipelines.swap import FAILED_DEAD_LETTER_NAME, length_dir, run_staging_dir, staging_dir
-from pipelines.writer import SUMMARY_NAME, write_bytes
+from pipelines.write import SUMMARY_NAME, write_bytes
 from prepack.manifest import DEAD_LETTER_NAME, Manifest, ShardInfo
 from prepack.stats import PackingStats
 

@@ -29,7 +29,8 @@ from apache_beam.transforms.window import GlobalWindows
 
 from pipelines.columns import TokenizedBatch
 from pipelines.records import DeadLetter, TaskMeta
-from pipelines.writer import copy_local_to, write_bytes
+from pipelines.stage import StageClock
+from pipelines.write import copy_local_to, write_bytes
 from prepack.manifest import MANIFEST_NAME, ShardInfo
 from prepack.tokenset import (
     TOKENS_DIR,
@@ -69,8 +70,6 @@ class WriteTokensFn(beam.DoFn):
         self.run_id = run_id
 
     def setup(self) -> None:
-        from pipelines.transforms import StageClock
-
         self.m_examples = Metrics.counter(NAMESPACE, "tokens_set_examples")
         self.m_bytes = Metrics.counter(NAMESPACE, "tokens_set_bytes")
         self.clock = StageClock("tokens")
@@ -87,8 +86,6 @@ class WriteTokensFn(beam.DoFn):
         self.figures = Counter()
 
     def process(self, batch: TokenizedBatch) -> Iterator[dict]:
-        from pipelines.transforms import StageClock
-
         started = StageClock.now()
         keep = np.flatnonzero(batch.targets_after_first() > 0)
         if len(keep) < len(batch):
@@ -109,8 +106,6 @@ class WriteTokensFn(beam.DoFn):
             yield self._close()
 
     def _close(self) -> dict:
-        from pipelines.transforms import StageClock
-
         started = StageClock.now()
         self.writer.close()
         self.writer = None

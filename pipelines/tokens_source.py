@@ -30,6 +30,7 @@ from pipelines.columns import LENS, Ragged, TokenizedBatch
 from pipelines.options import PackConfig
 from pipelines.planning import stable_hash
 from pipelines.records import TaskMeta
+from pipelines.stage import StageClock
 from prepack.manifest import MANIFEST_NAME
 from prepack.tokenset import TokenSetError, TokenSetManifest, decode_batch
 
@@ -111,15 +112,11 @@ class ReadTokenFileFn(beam.DoFn):
         self.folder = folder
 
     def setup(self) -> None:
-        from pipelines.transforms import StageClock
-
         self.m_examples = Metrics.counter(NAMESPACE, "tokens_set_examples_read")
         self.clock = StageClock("read_tokens")
 
     def process(self, element: tuple[str, int, int, str]) -> Iterator[TokenizedBatch]:
         from array_record.python.array_record_module import ArrayRecordReader
-
-        from pipelines.transforms import StageClock
 
         name, num_records, num_bytes, sha256 = element
         path = f"{self.folder}/{name}"
@@ -196,6 +193,5 @@ def read_tokens(pipeline: Any, manifest: TokenSetManifest, folder: str) -> tuple
     tallies = pipeline | "StoredTally" >> beam.Create([tally])
     fingerprints = pipeline | "StoredFingerprints" >> beam.Create([tuple(f) for f in manifest.job["fingerprints"]])
     return examples, [dropped], [tallies], fingerprints
-
 
 __all__ = ["TokenSetError", "lineage", "open_token_set", "read_tokens", "reconcile", "tasks_of"]
