@@ -15,7 +15,7 @@ import shutil
 import numpy as np
 import pytest
 
-from fixtures_pipeline import IN_PROCESS, TWO_PROCESSES, alpaca_records, shard_bytes, write_jsonl
+from fixtures_pipeline import IN_PROCESS, TWO_PROCESSES, alpaca_records, oasst1_messages, shard_bytes, write_jsonl
 from pipelines.job import run
 from pipelines.options import parse_args
 from pipelines.publish import JobError
@@ -107,6 +107,32 @@ def test_from_tokens_equals_a_full_run(first, source, tmp_path, options, runner)
         assert_same_as_full(from_out, full_out, L, first / "tokens")
     stats = next(iter(result.stats.values()))
     assert stats["examples_read"] == stats["examples_written"] + sum(stats["examples_dropped"].values())
+
+
+@pytest.mark.parametrize("case", ["oasst1-table", "jsonl-byte-ranges"])
+def test_from_tokens_equals_a_full_run_for_tables_and_byte_ranges(case, source, tmp_path, monkeypatch):
+    """oasst1: examples made per message tree, messages filtered by design and a bad role; byte
+    ranges: records and lines numbered per range, made file-relative in the dead letters."""
+    if case == "oasst1-table":
+        path = write_jsonl(str(tmp_path / "oasst1.jsonl"), oasst1_messages())
+        args = ["--input", path, "--format", "oasst1", "--max-bad-fraction", "0.5"]
+    else:
+        from pipelines import sources
+
+        monkeypatch.setattr(sources, "JSONL_RANGE_MIN_BYTES", 300)
+        monkeypatch.setattr(sources, "JSONL_RANGES_PER_FILE", 10_000)
+        args = source_args(source)
+        assert len(sources.resolve_inputs([source])[1]) > 5
+    first_out, from_out, full_out = tmp_path / "first", tmp_path / "from", tmp_path / "full"
+    pack(args + ["--output", str(first_out), "--max-length", "32"])
+    tokens = read_tokens_manifest(first_out / "tokens")
+    if case == "oasst1-table":
+        assert tokens.stats["records_filtered"] and tokens.stats["examples_dropped"]
+    pack(["--from-tokens", str(first_out / "tokens"), "--max-bad-fraction", "0.5", "--output", str(from_out),
+          "--max-length", "256"])
+    pack(args + ["--output", str(full_out), "--max-length", "256", "--no-tokens"])
+    assert (full_out / "L256" / "dead_letter.jsonl").read_text()
+    assert_same_as_full(from_out, full_out, 256, first_out / "tokens")
 
 
 def test_from_tokens_never_reads_the_inputs_or_loads_the_tokenizer(first, source, tmp_path, monkeypatch):
