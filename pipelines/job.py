@@ -51,6 +51,7 @@ class JobResult:
     run_id: str
     metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
     notes: list[str] = dataclasses.field(default_factory=list)  # said to the user: leftovers, shard counts
+    tokens_manifest: str | None = None  # the tokenized set published with the shard sets
 
 
 @dataclasses.dataclass
@@ -414,9 +415,10 @@ def run(config: PackConfig, beam_args: list[str], run_id: str | None = None) -> 
             switched = swap.publish(config.output, job.run_id, manifests, seen, config.overwrite, progress=switched)
         except outputs.SwitchRefused as e:
             raise publish.JobError(f"{e}; the sets now in {config.output} are another run's") from e
+        tokens_path = None
         if tokens_manifest is not None:
-            log.info("tokenized set: %s", tokens_sink.publish(config.output, job.run_id, tokens_manifest, created_at))
-        return JobResult(switched, stats, time.monotonic() - started, job.run_id, metrics, notes)
+            tokens_path = tokens_sink.publish(config.output, job.run_id, tokens_manifest, created_at)
+        return JobResult(switched, stats, time.monotonic() - started, job.run_id, metrics, notes, tokens_path)
     except KeyboardInterrupt as e:
         raise Interrupted(_interrupted_message(config, switched)) from e
     except OSError as e:

@@ -249,6 +249,9 @@ def test_existing_tokenized_set_is_refused_without_overwrite(first, source, tmp_
 def test_cli_refusal_is_one_line(first, tmp_path, capsys):
     from pipelines.cli import main
 
+    assert main(["--sample", "--output", str(tmp_path / "s"), "--max-length", "512", "--no-progress", *IN_PROCESS]) == 0
+    assert f"tokens: {tmp_path / 's' / 'tokens' / 'manifest.json'} (for new max lengths" in capsys.readouterr().out
+
     code = main(["--from-tokens", str(first / "tokens"), "--tokenizer", "sp:x.model", "--output", str(tmp_path / "o"),
                  "--max-length", "128", "--no-progress", *IN_PROCESS])
     err = capsys.readouterr().err
