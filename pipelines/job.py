@@ -28,7 +28,7 @@ import time
 import uuid
 from typing import Any
 
-from pipelines import failures, lock, outputs, publish, sources, staging, swap, tokens_sink, tokens_source
+from pipelines import failures, interrupts, lock, outputs, publish, sources, staging, swap, tokens_sink, tokens_source
 from pipelines.fit import FitAndKeyFn
 from pipelines.prepare import KeyTableRecordsFn, PrepareFn, TableToExamplesFn
 from pipelines.read import ReadTaskFn
@@ -352,6 +352,14 @@ def run(config: PackConfig, beam_args: list[str], run_id: str | None = None) -> 
     config = job.config  # --from-tokens: with the token choices of the set
     held = _acquire_lock(config, job.run_id)
     switched: dict[int, str] = {}
+    result = None
+
+    def clean_up() -> None:
+        staging.cleanup_run(config.output, config.max_lengths, job.run_id)
+        tokens_sink.cleanup(config.output, job.run_id)
+        held.release()
+
+    cleanup_key = interrupts.register(clean_up)  # run by the signal watchdog if this thread is stuck
     try:
         seen = swap.look(config.output, config.max_lengths)
         notes = _leftovers(config, job.run_id)
@@ -363,6 +371,9 @@ def run(config: PackConfig, beam_args: list[str], run_id: str | None = None) -> 
         try:
             result = pipeline.run()
             state = result.wait_until_finish()
+        except KeyboardInterrupt:
+            _cancel(result)
+            raise
         except Exception as e:
             line = failures.one_line(e, config.output)
             if line is None:
@@ -406,6 +417,7 @@ def run(config: PackConfig, beam_args: list[str], run_id: str | None = None) -> 
             if job.tokens is not None:
                 manifests[L].lineage = tokens_source.lineage(job.tokens, config.from_tokens)
         # Checked again at the last moment: the lock is still ours, and nothing appeared meanwhile.
+        swap.fault_point("before_publish")
         try:
             held.check()
         except lock.LockLost as e:
@@ -426,9 +438,20 @@ def run(config: PackConfig, beam_args: list[str], run_id: str | None = None) -> 
             raise publish.JobError(failures.no_space(config.output, getattr(e, "filename", None)) + _partial(config, switched)) from e
         raise
     finally:
-        staging.cleanup_run(config.output, config.max_lengths, job.run_id)
-        tokens_sink.cleanup(config.output, job.run_id)
-        held.release()
+        clean_up()
+        interrupts.unregister(cleanup_key)
+
+
+def _cancel(result: Any) -> None:
+    """Cancels a submitted remote job (Dataflow) when the launcher is interrupted; a local
+    runner's result is already finished or has none to cancel."""
+    if result is None or not hasattr(result, "cancel"):
+        return
+    try:
+        log.warning("interrupted: cancelling the submitted job %s", getattr(result, "job_id", lambda: "")())
+        result.cancel()
+    except Exception as e:  # already finished, or the service is unreachable: say so and go on
+        log.warning("could not cancel the submitted job (%s: %s); cancel it in the console", type(e).__name__, e)
 
 
 def _partial(config: PackConfig, switched: dict[int, str]) -> str:
