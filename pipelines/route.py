@@ -14,15 +14,17 @@ from apache_beam.metrics.metric import Metrics
 from pipelines.columns import PayloadBatch, ShardWork, concat_wire
 from pipelines.planning import LengthPlan
 from pipelines.stage import FLUSH_EXAMPLES, NAMESPACE, JobContext, StageClock, in_global_window
-from prepack.packer import OverlongPolicy
 
 
 class RouteToRowsFn(beam.DoFn):
     """((length_key, b), payload batches) -> (shard index, ShardWork wire).
 
-    Ranks the group's examples by (hash, example_id) and gives the k-th survivor of
-    each max length the slot the global plan reserved for it. Slots in shards with the
-    same index share one writer, which gets each example's tokens once for all of them.
+    Contract: ranks the group's examples by (hash, example_id), never by arrival order, so
+    any number of workers and any bundling give the same rows; the k-th survivor at each max
+    length (an example whose PayloadBatch.kept_at bit the fit stage set) gets the k-th slot the
+    global plan reserved for this (length_key, b) group. Slots in shards with the same index
+    share one writer, which gets each example's tokens once for all of them, cut to the
+    longest max length it serves there.
     """
 
     def __init__(self, ctx: JobContext):
@@ -42,15 +44,10 @@ class RouteToRowsFn(beam.DoFn):
         batch = concat_wire(PayloadBatch, wires)
         order = batch.rank_order()
         examples = batch.examples
-        lens = examples.lens[order].astype(np.int64)
-        truncate = self.ctx.overlong is OverlongPolicy.TRUNCATE
         slots: dict[int, list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]] = defaultdict(list)
-        for L in self.ctx.max_lengths:
+        for bit, L in enumerate(self.ctx.config.max_lengths):
             plan = plans[L]
-            keep = lens <= L
-            if truncate and not keep.all():
-                keep |= examples.targets_after_first(L)[order] > 0  # FitAndKeyFn's rule
-            survivors = order[keep]
+            survivors = order[batch.kept_at_length(bit)[order]]  # the fit stage's decision
             if not len(survivors):
                 continue
             rows, positions = plan.route(key, b, len(survivors))

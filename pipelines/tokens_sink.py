@@ -31,6 +31,7 @@ from pipelines.columns import TokenizedBatch
 from pipelines.records import DeadLetter, TaskMeta
 from pipelines.stage import StageClock
 from pipelines.write import copy_local_to, write_bytes
+from prepack.accounting import Tally
 from prepack.manifest import MANIFEST_NAME, ShardInfo
 from prepack.tokenset import (
     TOKENS_DIR,
@@ -178,32 +179,27 @@ def refuse_existing(output: str) -> str | None:
     return None
 
 
-def stored_tally(tally: dict[str, int]) -> dict[str, int]:
-    """The run's tallies that do not depend on the max length (what a later run starts from)."""
-    return {k: v for k, v in sorted(tally.items()) if not k.startswith("L:")}
+def stored_tally(tally_json: dict[str, Any]) -> Tally:
+    """The run's counts that do not depend on the max length (what a later run starts from)."""
+    tally = Tally.from_json(tally_json)
+    tally.truncated.clear()
+    tally.dropped.clear()
+    return tally
 
 
 def compose_manifest(summary: dict[str, Any], index: dict[str, Any], tasks: Iterable[TaskMeta],
                      choices: dict[str, Any], job_info: dict[str, Any], est_records: int) -> TokenSetManifest:
-    from pipelines.publish import _tally_groups
-
     tally = stored_tally(summary["tally"])
-    groups = _tally_groups(tally)
     files = index["files"]
     num_examples = sum(f["num_rows"] for f in files)
     tokens = sum(f["tokens"] for f in files)
-    dropped: Counter = Counter()
-    dropped.update(groups["bad_record"])
-    dropped.update(groups["bad_example"])
-    if groups["no_targets"]:
-        dropped["no_targets"] += groups["no_targets"]
     num_bytes = sum(f["num_bytes"] for f in files)
     stats = {
-        "records_read": groups["records_read"],
-        "records_filtered": dict(sorted(groups["filtered"].items())),
-        "examples_read": groups["examples"] + sum(groups["bad_record"].values()),
+        "records_read": tally.records_read,
+        "records_filtered": dict(sorted(tally.filtered.items())),
+        "examples_read": tally.examples_read,
         "examples_kept": num_examples,
-        "examples_dropped": dict(sorted(dropped.items())),
+        "examples_dropped": tally.examples_dropped(0),  # no per-length reasons are left in it
         "tokens": tokens,
         "bytes": num_bytes,
         "bytes_per_token": num_bytes / tokens if tokens else 0.0,
@@ -218,7 +214,7 @@ def compose_manifest(summary: dict[str, Any], index: dict[str, Any], tasks: Iter
         template=job_info["template"],
         inputs=job_info["inputs"],
         stats=stats,
-        job={"tasks": [dict(vars(t)) for t in tasks], "fingerprints": summary["fingerprints"], "tally": tally,
+        job={"tasks": [dict(vars(t)) for t in tasks], "fingerprints": summary["fingerprints"], "tally": tally.to_json(),
              "est_records": est_records},
         dropped=index["dropped_name"] if index["dropped_entries"] else None,
         tool=job_info["tool"],

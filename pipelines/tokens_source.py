@@ -18,7 +18,6 @@ import json
 import os
 import shutil
 import tempfile
-from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,6 +30,7 @@ from pipelines.options import PackConfig
 from pipelines.planning import stable_hash
 from pipelines.records import TaskMeta
 from pipelines.stage import StageClock
+from prepack.accounting import Tally
 from prepack.manifest import MANIFEST_NAME
 from prepack.tokenset import TokenSetError, TokenSetManifest, decode_batch
 
@@ -168,11 +168,6 @@ def _read_dropped(path: str) -> Iterator[tuple[tuple, dict]]:
                 yield (tuple(key), entry)
 
 
-def _tally_key(flat: str) -> tuple:
-    """A stored tally key ('bad_record:missing_field') as the pipeline counts it."""
-    return tuple(flat.split(":", 1))
-
-
 def read_tokens(pipeline: Any, manifest: TokenSetManifest, folder: str) -> tuple[Any, list, list, Any]:
     """(examples, [dead letters of examples dropped before fitting], [tallies], input fingerprints):
     what the full run's reading and tokenizing steps hand to the rest of the graph."""
@@ -189,7 +184,7 @@ def read_tokens(pipeline: Any, manifest: TokenSetManifest, folder: str) -> tuple
         | "ListDropped" >> beam.Create([dropped_path] if dropped_path else [])
         | "ReadDropped" >> beam.FlatMap(_read_dropped)
     )
-    tally = Counter({_tally_key(k): v for k, v in manifest.job["tally"].items()})
+    tally = Tally.from_json(manifest.job["tally"])
     tallies = pipeline | "StoredTally" >> beam.Create([tally])
     fingerprints = pipeline | "StoredFingerprints" >> beam.Create([tuple(f) for f in manifest.job["fingerprints"]])
     return examples, [dropped], [tallies], fingerprints

@@ -15,7 +15,7 @@ import shutil
 import numpy as np
 import pytest
 
-from fixtures_pipeline import IN_PROCESS, TWO_PROCESSES, alpaca_records, oasst1_messages, shard_bytes, write_jsonl
+from testkit.pipeline import IN_PROCESS, TWO_PROCESSES, alpaca_records, oasst1_messages, shard_bytes, write_jsonl
 from pipelines.job import run
 from pipelines.options import parse_args
 from pipelines.publish import JobError
