@@ -311,4 +311,7 @@ def test_gcs_overwrite_is_exclusive_and_replaces_the_set_whole(gcs_emulator, gcs
     assert sorted(loaders.published_lengths(out)) == [MAX_LENGTH]
     with loaders.open_shards(f"{out}/L{MAX_LENGTH}", expected_max_length=MAX_LENGTH, verify=True) as view:
         assert len(view) == manifest["num_rows"]
-    assert gcs_objects(gcs_emulator, out) == sorted(["published.json", *(f"L{MAX_LENGTH}/{n}" for n in names)])
+    # The tokenized set published with it was replaced whole too: its manifest and the files it names.
+    tokens = json.loads(gcs_emulator.read_bytes(f"{out}/tokens/manifest.json"))
+    assert gcs_objects(gcs_emulator, out) == sorted(["published.json", *(f"L{MAX_LENGTH}/{n}" for n in names),
+                                                     "tokens/manifest.json", *(f"tokens/{s['path']}" for s in tokens["shards"])])
