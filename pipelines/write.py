@@ -92,7 +92,12 @@ def _rows_from_fragments(
 
 class WriteShardFn(beam.DoFn):
     """(shard index, ShardWork) -> that shard's file of every L that has one, in staging, and
-    each file's figures."""
+    each file's figures (rows, segments, tokens, bytes, sha256) for the summary.
+
+    Contract: a file holds exactly the rows the plan put in that shard, each with segment
+    positions 0..k-1 (ShardCheckError otherwise), laid out in (row, position) order, so its
+    bytes do not depend on the order the slots arrived in; nothing is written outside staging.
+    """
 
     def __init__(self, output: str, run_id: str, pad_id: int):
         self.output = output
@@ -168,7 +173,9 @@ class WriteDeadLetterFn(beam.DoFn):
 
 
 class WriteSummaryFn(beam.DoFn):
-    """Collects the run's figures into OUTPUT/.staging-<run>/summary.json for the launcher."""
+    """Collects the run's figures (the job's Tally, plans, shard files, dead-letter counts,
+    input fingerprints) into OUTPUT/.staging-<run>/summary.json, which the launcher checks
+    and publishes from; keys and lists sorted, so equal runs write equal summaries."""
 
     def __init__(self, output: str, run_id: str):
         self.output = output
