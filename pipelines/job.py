@@ -40,6 +40,7 @@ from pipelines.write import WriteDeadLetterFn, WriteShardFn, WriteSummaryFn
 from pipelines.options import PackConfig
 from pipelines.planning import build_plans, choose_sub_buckets
 from pipelines.sources import ReadTask, ResolvedInput
+from prepack.accounting import NO_TARGETS
 from prepack.tokenset import TokenSetError, TokenSetManifest
 
 log = logging.getLogger("prepack.pack")
@@ -198,7 +199,7 @@ def build_pipeline(pipeline: Any, job: PreparedJob) -> None:
     if config.write_tokens:
         first = config.max_lengths[0]
         no_targets = fitted[TAG_DEAD] | "NoTargetsOnce" >> beam.FlatMap(
-            lambda le: [le[1]] if le[0] == first and le[1][1]["reason"] == "no_targets" else [])
+            lambda le: [le[1]] if le[0] == first and le[1][1]["reason"] == NO_TARGETS else [])
         dropped = (*bads, no_targets) | "FlattenDropped" >> beam.Flatten()
         tokens_sink.add_to_pipeline(pipeline, prepared.examples, dropped, config.output, job.run_id)
 
