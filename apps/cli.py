@@ -9,7 +9,8 @@ import sys
 # subcommand -> (module, function taking argv, the extra it needs, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str, str, str]] = {
     "pack": ("pipelines.cli", "main", "pipeline", "run the Beam packing job: inputs -> ArrayRecord shard sets, one per max length"),
-    "inspect": ("apps.inspect", "main", "train", "print a shard set's manifest summary and decode rows segment by segment"),
+    "inspect": ("apps.inspect_tokens", "main", "train",
+                "print a shard set's (or tokenized set's) manifest summary and decode rows (examples) segment by segment"),
     "preflight": ("apps.preflight", "main", "pipeline,report", "estimate packing gains from the tokenizer alone, with tables and plots"),
     "report": ("apps.report", "main", "report", "render manifests and training metrics into one page with plots"),
     "train": ("train.cli", "main", "train", "LoRA SFT with Tunix on a shard set, packed or unpacked"),

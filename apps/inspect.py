@@ -230,10 +230,11 @@ def root_lines(path: str, found: list[tuple[str, Manifest]]) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="prepack inspect", formatter_class=DefaultsHelpFormatter, description="Show a shard set's manifest summary and decode rows.")
-    p.add_argument("path", help="shard set folder: local, gcsfuse mount or gs://")
-    p.add_argument("--rows", type=int, default=2, metavar="N", help="rows to show (default 2; 0 for the summary only)")
-    p.add_argument("--row-index", type=int, default=0, metavar="I", help="first row to show (default 0)")
+    p = argparse.ArgumentParser(prog="prepack inspect", formatter_class=DefaultsHelpFormatter,
+                                description="Show a shard set's (or a tokenized set's) manifest summary and decode rows (examples).")
+    p.add_argument("path", help="shard set folder, or a tokenized set (OUTPUT/tokens): local, gcsfuse mount or gs://")
+    p.add_argument("--rows", type=int, default=2, metavar="N", help="rows (examples) to show (default 2; 0 for the summary only)")
+    p.add_argument("--row-index", type=int, default=0, metavar="I", help="first row (example) to show (default 0)")
     p.add_argument("--tokenizer", default=None, metavar="SPEC", help="tokenizer spec to decode with (default: the manifest's)")
     p.add_argument("--allow-download", action="store_true", help="let a Hugging Face tokenizer be downloaded (default: local cache only)")
     p.add_argument("--ids", action="store_true", help="show token ids instead of text")

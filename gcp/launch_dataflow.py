@@ -112,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", action="append", default=[], metavar="SPEC",
                    help="repeatable: gs:// file or glob, hf:NAME..., or tfds:NAME (workers cannot read the launcher's disk)")
     p.add_argument("--format", help="source format (alpaca, translation, oasst1, chat, prompt_response)")
+    p.add_argument("--from-tokens", metavar="GS_DIR",
+                   help="instead of --input/--format: pack a tokenized set (gs://.../tokens of an earlier run) for new max lengths")
     p.add_argument("--output", help="gs://BUCKET/PREFIX; each max length is published to OUTPUT/L<L>/")
     p.add_argument("--max-length", action="extend", nargs="+", type=int, default=[], metavar="L",
                    help="one or more max lengths (default: prepack pack's)")
@@ -142,13 +144,16 @@ def check(args: argparse.Namespace, passthrough: Sequence[str]) -> list[str]:
     if "--sample" in passthrough:
         raise LaunchError("--sample reads a file inside the launcher's install, which workers cannot see; "
                           "upload it (gcloud storage cp) and pass --input gs://... --format alpaca")
-    if not args.input:
-        raise LaunchError("no input: pass --input gs://... (or hf:/tfds:) at least once")
+    if args.from_tokens and not args.from_tokens.startswith("gs://"):
+        raise LaunchError(f"--from-tokens {args.from_tokens!r} is on the launcher's disk, which Dataflow workers cannot read; "
+                          "pass the gs:// tokenized set an earlier run published (OUTPUT/tokens)")
+    if not args.input and not args.from_tokens:
+        raise LaunchError("no input: pass --input gs://... (or hf:/tfds:) at least once, or --from-tokens gs://.../tokens")
     for spec in args.input:
         if not (spec.startswith("gs://") or spec.startswith("hf:") or spec.startswith("tfds:")):
             raise LaunchError(f"--input {spec!r} is on the launcher's disk, which Dataflow workers cannot read; "
                               f"copy it to GCS first: gcloud storage cp {shlex.quote(spec)} gs://BUCKET/raw/")
-    if not args.format:
+    if not args.format and not args.from_tokens:
         raise LaunchError("--format is required: alpaca, translation, oasst1, chat or prompt_response")
     if args.bucket and not args.bucket.startswith("gs://"):
         raise LaunchError(f"--bucket must look like gs://NAME, got {args.bucket!r}")
@@ -221,7 +226,11 @@ def dataflow_choices(args: argparse.Namespace) -> list[Choice]:
 
 def pack_choices(args: argparse.Namespace) -> list[Choice]:
     out = [Choice("--input", spec, "read by the workers") for spec in args.input]
-    out += [Choice("--format", args.format, "source format"), Choice("--output", args.output, "published to OUTPUT/L<L>/")]
+    if args.from_tokens:
+        out.append(Choice("--from-tokens", args.from_tokens, "tokenized set read by the workers: no inputs, no tokenizer"))
+    if args.format:
+        out.append(Choice("--format", args.format, "source format"))
+    out.append(Choice("--output", args.output, "published to OUTPUT/L<L>/"))
     if args.max_length:
         out.append(Choice("--max-length", " ".join(map(str, args.max_length)), "tokenized once, one shard set per length"))
     return out

@@ -55,6 +55,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     for L, path in sorted(result.manifests.items()):
         print(f"L{L}: {path}")
+    if result.tokens_manifest:
+        print(f"tokens: {result.tokens_manifest} (for new max lengths: prepack pack --from-tokens "
+              f"{result.tokens_manifest.rsplit('/', 1)[0]} --max-length L --output ...)")
     print()
     print(density_table(result.stats, packed=config.pack))
     examples = next(iter(result.stats.values()))["examples_read"]

@@ -26,9 +26,8 @@ from collections.abc import Iterable, Iterator, Sequence
 import numpy as np
 
 from prepack.packer import targets_after_first
+from prepack.tokenwire import IDS, MASK, ids_from_wire, ids_to_wire, mask_from_wire, mask_to_wire
 
-IDS = np.dtype("<i4")
-MASK = np.dtype(np.uint8)
 LENS = np.dtype("<i4")
 
 
@@ -70,44 +69,8 @@ class Ragged:
         )
 
 
-# Token payloads on the wire. The local runner's data plane costs CPU per byte shuffled (~20 ms
-# per MB), and ids + mask are most of the bytes: ids whose values all fit in 24 bits (any
-# vocabulary up to 16.7M pieces, Gemma 3's 262k included) travel as 3 bytes, a 0/1 mask as
-# bits; anything else travels as before. 5 bytes per token become 3.125. The first byte says which.
-_IDS_24 = b"\x03"
-_IDS_32 = b"\x04"
-_MASK_BITS = b"\x01"
-_MASK_BYTES = b"\x08"
-
-
-def ids_to_wire(ids: np.ndarray) -> bytes:
-    ids = np.asarray(ids, dtype=IDS)
-    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= 1 << 24):
-        return _IDS_32 + ids.tobytes()
-    return _IDS_24 + ids.view(np.uint8).reshape(-1, 4)[:, :3].tobytes()
-
-
-def ids_from_wire(data: bytes) -> np.ndarray:
-    if data[:1] == _IDS_32:
-        return np.frombuffer(data, IDS, offset=1)
-    packed = np.frombuffer(data, np.uint8, offset=1).reshape(-1, 3)
-    out = np.zeros((len(packed), 4), np.uint8)
-    out[:, :3] = packed
-    return out.view(IDS).reshape(-1)
-
-
-def mask_to_wire(mask: np.ndarray) -> bytes:
-    mask = np.asarray(mask, dtype=MASK)
-    if mask.size and int(mask.max()) > 1:
-        return _MASK_BYTES + mask.tobytes()
-    return _MASK_BITS + len(mask).to_bytes(8, "little") + np.packbits(mask).tobytes()
-
-
-def mask_from_wire(data: bytes) -> np.ndarray:
-    if data[:1] == _MASK_BYTES:
-        return np.frombuffer(data, MASK, offset=1)
-    count = int.from_bytes(data[1:9], "little")
-    return np.unpackbits(np.frombuffer(data, np.uint8, offset=9), count=count)
+# Token payloads on the wire: ids in 3 bytes, masks in bits (prepack.tokenwire); the local
+# runner's data plane costs CPU per byte shuffled (~20 ms per MB), and ids + mask are most of the bytes.
 
 
 def _strings_to_bytes(strings: Sequence[str]) -> tuple[bytes, bytes]:

@@ -30,7 +30,7 @@ import time
 import uuid
 from typing import Any
 
-from pipelines import failures, interrupts, lock, outputs, publish, sources, staging, swap
+from pipelines import failures, interrupts, lock, outputs, publish, sources, staging, swap, tokens_sink, tokens_source
 from pipelines.fit import FitAndKeyFn
 from pipelines.prepare import KeyTableRecordsFn, PrepareFn, TableToExamplesFn
 from pipelines.read import ReadTaskFn
@@ -40,6 +40,8 @@ from pipelines.write import WriteDeadLetterFn, WriteShardFn, WriteSummaryFn
 from pipelines.options import PackConfig
 from pipelines.planning import build_plans, choose_sub_buckets
 from pipelines.sources import ReadTask, ResolvedInput
+from prepack.accounting import NO_TARGETS
+from prepack.tokenset import TokenSetError, TokenSetManifest
 
 log = logging.getLogger("prepack.pack")
 
@@ -52,6 +54,7 @@ class JobResult:
     run_id: str
     metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
     notes: list[str] = dataclasses.field(default_factory=list)  # said to the user: leftovers, shard counts
+    tokens_manifest: str | None = None  # the tokenized set published with the shard sets
 
 
 @dataclasses.dataclass
@@ -65,6 +68,8 @@ class PreparedJob:
     job_info: dict[str, Any]
     table_level: bool
     group_key: str | None
+    tokens: TokenSetManifest | None = None  # --from-tokens: the set packed from
+    est_records: int = 0
 
     @property
     def config(self) -> PackConfig:
@@ -99,7 +104,13 @@ def prepare(config: PackConfig, run_id: str | None = None) -> PreparedJob:
     from prepack.tokenizer import TokenizerError, load_tokenizer
 
     run_id = run_id or uuid.uuid4().hex[:12]
+    if config.from_tokens:
+        return _prepare_from_tokens(config, run_id)
     publish.refuse_existing(config)
+    if config.write_tokens and not config.overwrite:
+        refused = tokens_sink.refuse_existing(config.output)
+        if refused:
+            raise publish.JobError(refused)
     try:
         template = get_template(config.format, **config.template_kwargs)
     except ValueError as e:
@@ -134,14 +145,35 @@ def prepare(config: PackConfig, run_id: str | None = None) -> PreparedJob:
     return PreparedJob(
         ctx=ctx, tasks=tasks, inputs=inputs, job_info=job_info,
         table_level=bool(getattr(template, "table_level", False)), group_key=getattr(template, "group_key", None),
+        est_records=est,
     )
+
+
+def _prepare_from_tokens(config: PackConfig, run_id: str) -> PreparedJob:
+    """--from-tokens: the token choices, tasks and tokenizer identity come from the set."""
+    try:
+        tokens = tokens_source.open_token_set(config.from_tokens)
+        config = tokens_source.reconcile(config, tokens, config.from_tokens)
+    except TokenSetError as e:
+        raise publish.JobError(str(e)) from e
+    publish.refuse_existing(config)
+    sub_buckets = config.sub_buckets or choose_sub_buckets(tokens.job["est_records"], config.pack)
+    ctx = JobContext(config=config, tasks=tokens_source.tasks_of(tokens), sub_buckets=sub_buckets, run_id=run_id,
+                     pad_id=int(tokens.tokenizer["pad_id"]))
+    job_info = {"tokenizer": tokens.tokenizer, "template": tokens.template, "tool": _tool_info(),
+                "sub_buckets": sub_buckets, "inputs": tokens.inputs}
+    return PreparedJob(ctx=ctx, tasks=[], inputs=[], job_info=job_info,
+                       table_level=False, group_key=None, tokens=tokens, est_records=tokens.job["est_records"])
 
 
 def build_pipeline(pipeline: Any, job: PreparedJob) -> None:
     import apache_beam as beam
-    from apache_beam.pvalue import AsList, AsSingleton
 
     ctx, config = job.ctx, job.config
+    if job.tokens is not None:
+        examples, bads, tallies, fingerprints = tokens_source.read_tokens(pipeline, job.tokens, config.from_tokens)
+        _fit_route_write(pipeline, job, examples, bads, tallies, fingerprints)
+        return
     read = (
         pipeline
         | "ListInputs" >> beam.Create(job.tasks)
@@ -163,7 +195,23 @@ def build_pipeline(pipeline: Any, job: PreparedJob) -> None:
     else:
         prepared = raw | "TemplateTokenize" >> beam.ParDo(PrepareFn(ctx)).with_outputs(TAG_BAD, TAG_TALLY, main="examples")
         bads, tallies = [prepared[TAG_BAD]], [prepared[TAG_TALLY]]
-    fitted = prepared.examples | "FitAndKey" >> beam.ParDo(FitAndKeyFn(ctx)).with_outputs(
+    fitted = _fit_route_write(pipeline, job, prepared.examples, bads, tallies, read[TAG_FINGERPRINT])
+    if config.write_tokens:
+        first = config.max_lengths[0]
+        no_targets = fitted[TAG_DEAD] | "NoTargetsOnce" >> beam.FlatMap(
+            lambda le: [le[1]] if le[0] == first and le[1][1]["reason"] == NO_TARGETS else [])
+        dropped = (*bads, no_targets) | "FlattenDropped" >> beam.Flatten()
+        tokens_sink.add_to_pipeline(pipeline, prepared.examples, dropped, config.output, job.run_id)
+
+
+def _fit_route_write(pipeline: Any, job: PreparedJob, examples: Any, bads: list, tallies: list, fingerprints: Any) -> Any:
+    """From TokenizedBatches (tokenized now, or read from a tokenized set) to staged shard
+    sets, dead letters and the run summary; returns FitAndKeyFn's outputs."""
+    import apache_beam as beam
+    from apache_beam.pvalue import AsList, AsSingleton
+
+    ctx, config = job.ctx, job.config
+    fitted = examples | "FitAndKey" >> beam.ParDo(FitAndKeyFn(ctx)).with_outputs(
         TAG_HIST, TAG_TALLY, TAG_DEAD, main="keyed")
     plans = (
         fitted[TAG_HIST]
@@ -186,7 +234,7 @@ def build_pipeline(pipeline: Any, job: PreparedJob) -> None:
         (bad_per_length, fitted[TAG_DEAD]) | "FlattenDead" >> beam.Flatten()
         | "GroupDead" >> beam.GroupByKey()
         | "WriteDeadLetters" >> beam.ParDo(WriteDeadLetterFn(config.output, job.run_id, ctx.tasks),
-                                           fingerprints=AsList(read[TAG_FINGERPRINT]))
+                                           fingerprints=AsList(fingerprints))
     )
     tally = (
         (*tallies, fitted[TAG_TALLY]) | "FlattenTally" >> beam.Flatten()
@@ -198,9 +246,10 @@ def build_pipeline(pipeline: Any, job: PreparedJob) -> None:
         | "WriteSummary" >> beam.ParDo(
             WriteSummaryFn(config.output, job.run_id),
             tally=AsSingleton(tally), plans=AsSingleton(plans), shards=AsList(shards), dead=AsList(dead),
-            fingerprints=AsList(read[TAG_FINGERPRINT]),
+            fingerprints=AsList(fingerprints),
         )
     )
+    return fitted
 
 
 def input_descriptions(job: PreparedJob, fingerprints: list[list]) -> list[dict[str, Any]]:
@@ -294,12 +343,14 @@ def run(config: PackConfig, beam_args: list[str], run_id: str | None = None) -> 
 
     started = time.monotonic()
     job = prepare(config, run_id)
+    config = job.config  # --from-tokens: with the token choices of the set
     held = _acquire_lock(config, job.run_id)
     switched: dict[int, str] = {}
     result = None
 
     def clean_up() -> None:
         staging.cleanup_run(config.output, config.max_lengths, job.run_id)
+        tokens_sink.cleanup(config.output, job.run_id)
         held.release()
 
     cleanup_key = interrupts.register(clean_up)  # run by the signal watchdog if this thread is stuck
@@ -349,12 +400,16 @@ def run(config: PackConfig, beam_args: list[str], run_id: str | None = None) -> 
         for note in _shard_notes(config, summary):
             log.warning(note)
             notes.append(note)
-        job.job_info["inputs"] = input_descriptions(job, summary["fingerprints"])
+        if job.tokens is None:
+            job.job_info["inputs"] = input_descriptions(job, summary["fingerprints"])
+        tokens_manifest = _tokens_manifest(job, summary) if config.write_tokens else None
         created_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         manifests = {}
         for L in config.max_lengths:
             manifests[L] = publish.compose_manifest(config, L, stats[L], summary["lengths"][str(L)]["shards"], job.job_info)
             manifests[L].created_at = created_at
+            if job.tokens is not None:
+                manifests[L].lineage = tokens_source.lineage(job.tokens, config.from_tokens)
         # Checked again at the last moment: the lock is still ours, and nothing appeared meanwhile.
         swap.fault_point("before_publish")
         try:
@@ -372,7 +427,14 @@ def run(config: PackConfig, beam_args: list[str], run_id: str | None = None) -> 
             raise publish.JobError(_publish_failed(config, switched, e)) from e
         except Exception as e:  # storage errors while publishing (gs:// 5xx, permissions): say what is published
             raise publish.JobError(_publish_failed(config, switched, e)) from e
-        return JobResult(switched, stats, time.monotonic() - started, job.run_id, metrics, notes)
+        tokens_path = None
+        if tokens_manifest is not None:
+            try:
+                tokens_path = tokens_sink.publish(config.output, job.run_id, tokens_manifest, created_at)
+            except Exception as e:  # the shard sets are published; say that the tokenized set is not
+                raise publish.JobError(f"the shard sets are published, but the tokenized set {config.output}/tokens "
+                                       f"could not be ({type(e).__name__}: {e}); run again to publish it") from e
+        return JobResult(switched, stats, time.monotonic() - started, job.run_id, metrics, notes, tokens_path)
     except KeyboardInterrupt as e:
         raise Interrupted(_interrupted_message(config, switched)) from e
     except OSError as e:
@@ -420,3 +482,17 @@ def _interrupted_message(config: PackConfig, switched: dict[int, str]) -> str:
     if len(switched) == len(config.max_lengths):
         return "interrupted after every length was switched to the new sets; run again with --overwrite to finish cleaning up"
     return "interrupted while publishing" + _partial(config, switched)
+
+
+def _tokens_manifest(job: PreparedJob, summary: dict[str, Any]) -> TokenSetManifest:
+    """The tokenized set's manifest; raises JobError if its counts do not add up."""
+    config = job.config
+    choices = {"inputs": list(config.inputs), "format": config.format, "template_options": config.template_kwargs,
+               "chat_format": config.chat_format, "tokenizer": config.tokenizer, "tfds_data_dir": config.tfds_data_dir}
+    index = tokens_sink.read_index(config.output, job.run_id)
+    manifest = tokens_sink.compose_manifest(summary, index, job.ctx.tasks, choices, job.job_info, job.est_records)
+    s = manifest.stats
+    if s["examples_read"] != s["examples_kept"] + sum(s["examples_dropped"].values()):
+        raise publish.JobError(f"accounting check failed for the tokenized set, nothing was published: examples read "
+                               f"{s['examples_read']} != kept {s['examples_kept']} + dropped {sum(s['examples_dropped'].values())}")
+    return manifest

@@ -62,6 +62,11 @@ class PackConfig:
     tfds_data_dir: str | None = None
     batch_size: int = 512  # records per element after reading; also the encode_batch size
     progress: bool = True
+    write_tokens: bool = True  # also publish OUTPUT/tokens (the tokenized set)
+    from_tokens: str | None = None  # pack from this tokenized set instead of the inputs
+    # --from-tokens: the token choices (prepack.tokenset.TOKEN_CHOICES) the user gave, to be
+    # checked against the tokenized set's; the fields above then come from the set.
+    requested: tuple[tuple[str, Any], ...] = ()
 
     @property
     def template_kwargs(self) -> dict[str, str]:
@@ -111,9 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--target-lang", help="translation: target language code (default fr)")
     src.add_argument("--prompt-format", help="translation: prompt with {source}, {target} and {text}")
     src.add_argument("--tfds-data-dir", help="data_dir for tfds: inputs (default: TFDS's own)")
+    src.add_argument("--from-tokens", metavar="DIR",
+                     help="pack from a tokenized set (OUTPUT/tokens of an earlier run) instead of --input: "
+                     "no reading of the inputs, no tokenizer; same shard sets as a full run")
     tok = p.add_argument_group("tokenizing")
-    tok.add_argument("--tokenizer", default="gemma3", help="gemma3 (embedded, default), qwen3 (embedded), sp:FILE.model, hf:NAME_OR_PATH")
-    tok.add_argument("--chat-format", default="auto", help="gemma, chatml, qwen3, hf (the tokenizer's template) or auto (default)")
+    tok.add_argument("--tokenizer", help="gemma3 (embedded, default), qwen3 (embedded), sp:FILE.model, hf:NAME_OR_PATH")
+    tok.add_argument("--chat-format", help="gemma, chatml, qwen3, hf (the tokenizer's template) or auto (default)")
+    tok.add_argument("--no-tokens", action="store_true",
+                     help="do not publish the tokenized set OUTPUT/tokens (by default it is, for --from-tokens later)")
     pk = p.add_argument_group("packing")
     pk.add_argument(
         "--max-length", action="extend", nargs="+", type=int, default=[], metavar="L",
@@ -144,7 +154,11 @@ def parse_args(argv: Sequence[str]) -> tuple[PackConfig, list[str]]:
     """(our config, the remaining arguments for Beam). Raises OptionsError on bad values."""
     parser = build_parser()
     ns, beam_args = parser.parse_known_args(list(argv))
-    if ns.sample:
+    if ns.from_tokens:
+        if ns.sample:
+            raise OptionsError("--from-tokens packs a tokenized set; do not combine it with --sample")
+        inputs, fmt = tuple(ns.input), ns.format or ""
+    elif ns.sample:
         if ns.input:
             raise OptionsError("--sample packs the embedded sample dataset; do not combine it with --input")
         inputs = (sample_path(),)
@@ -179,13 +193,18 @@ def parse_args(argv: Sequence[str]) -> tuple[PackConfig, list[str]]:
         value = getattr(ns, flag)
         if value is not None:
             template_options[key] = value
+    requested: dict[str, Any] = {}
+    if ns.from_tokens:
+        given = {"inputs": inputs, "format": ns.format, "chat_format": ns.chat_format, "tokenizer": ns.tokenizer,
+                 "template_options": tuple(sorted(template_options.items())) if template_options else None}
+        requested = {k: v for k, v in given.items() if v}
     config = PackConfig(
         inputs=inputs,
         format=fmt,
         output=ns.output.rstrip("/") if ns.output not in ("/",) else ns.output,
         template_options=tuple(sorted(template_options.items())),
-        chat_format=ns.chat_format,
-        tokenizer=ns.tokenizer,
+        chat_format=ns.chat_format or "auto",
+        tokenizer=ns.tokenizer or "gemma3",
         max_lengths=max_lengths,
         pack=not ns.no_pack,
         overlong=OverlongPolicy(ns.overlong),
@@ -198,6 +217,9 @@ def parse_args(argv: Sequence[str]) -> tuple[PackConfig, list[str]]:
         tfds_data_dir=ns.tfds_data_dir,
         batch_size=ns.batch_size,
         progress=not ns.no_progress,
+        write_tokens=not ns.no_tokens and not ns.from_tokens,
+        from_tokens=ns.from_tokens.rstrip("/") if ns.from_tokens else None,
+        requested=tuple(sorted(requested.items())),
     )
     beam_args = with_default_runner(beam_args)
     if "--direct_running_mode=multi_threading" in beam_args or _flag_value(beam_args, "--direct_running_mode") == "multi_threading":

@@ -65,6 +65,8 @@ class Manifest:
     tool: dict[str, Any] = dataclasses.field(default_factory=dict)
     dead_letter: str | None = None
     created_at: str | None = None
+    # Where the examples came from when not from the inputs: {"from_tokens": the tokenized set, ...}.
+    lineage: dict[str, Any] | None = None
     format_version: int = rowformat.FORMAT_VERSION
     fields: dict[str, str] = dataclasses.field(default_factory=rowformat.field_spec)
     array_record_options: str = "group_size:1,zstd:3"

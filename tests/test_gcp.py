@@ -133,7 +133,31 @@ def test_job_on_gcs_matches_local_run_byte_for_byte(gcs_emulator, local_run, gcs
             assert gcs_emulator.read_bytes(f"{gcs_run}/{name}") == open(os.path.join(local_run, name), "rb").read(), name
     # Nothing else was written anywhere under the job's output.
     out = gcs_run.rsplit("/", 1)[0]
-    assert [n for n in gcs_objects(gcs_emulator, out) if not n.startswith(f"L{MAX_LENGTH}/")] == ["published.json"]
+    others = [n for n in gcs_objects(gcs_emulator, out) if not n.startswith(f"L{MAX_LENGTH}/")]
+    assert [n for n in others if not n.startswith("tokens/tokens-")] == ["published.json", "tokens/manifest.json"]
+    assert others[2:] and all(re.fullmatch(r"tokens/tokens-[0-9a-f]{16}\.array_record", n) for n in others[2:])
+
+
+def test_from_tokens_on_gcs_equals_a_full_run_on_gcs(gcs_emulator, gcs_prefix, gcs_run):
+    """--from-tokens reads the tokenized set from gs:// (GcsIO, as on Dataflow) and writes
+    gs://: the same shards, dead letter and manifest as a full run from the gs:// input."""
+    from prepack.manifest import without_volatile
+
+    base = gcs_run.rsplit("/", 2)[0]
+    from_out, full_out = f"{gcs_prefix}/from", f"{gcs_prefix}/full"
+    assert pack(["--from-tokens", f"{base}/out/tokens", "--output", from_out, "--max-length", "512", "--num-shards", "2"]) == 0
+    assert pack(job_args(f"{base}/in/alpaca.jsonl", full_out)[:-4] + ["--max-length", "512", "--num-shards", "2",
+                                                                     "--no-tokens"]) == 0
+    names = gcs_objects(gcs_emulator, f"{full_out}/L512")
+    assert names == gcs_objects(gcs_emulator, f"{from_out}/L512") and len(names) == 3
+    for name in names:
+        a, b = gcs_emulator.read_bytes(f"{from_out}/L512/{name}"), gcs_emulator.read_bytes(f"{full_out}/L512/{name}")
+        if name == "manifest.json":
+            got, want = without_volatile(a.decode()), without_volatile(b.decode())
+            assert got.pop("lineage")["from_tokens"] == f"{base}/out/tokens" and want.pop("lineage") is None
+            assert got == want
+        else:
+            assert a == b, name
 
 
 def test_loader_reads_the_gcs_set_like_the_local_one(local_run, gcs_run):
@@ -287,4 +311,7 @@ def test_gcs_overwrite_is_exclusive_and_replaces_the_set_whole(gcs_emulator, gcs
     assert sorted(loaders.published_lengths(out)) == [MAX_LENGTH]
     with loaders.open_shards(f"{out}/L{MAX_LENGTH}", expected_max_length=MAX_LENGTH, verify=True) as view:
         assert len(view) == manifest["num_rows"]
-    assert gcs_objects(gcs_emulator, out) == sorted(["published.json", *(f"L{MAX_LENGTH}/{n}" for n in names)])
+    # The tokenized set published with it was replaced whole too: its manifest and the files it names.
+    tokens = json.loads(gcs_emulator.read_bytes(f"{out}/tokens/manifest.json"))
+    assert gcs_objects(gcs_emulator, out) == sorted(["published.json", *(f"L{MAX_LENGTH}/{n}" for n in names),
+                                                     "tokens/manifest.json", *(f"tokens/{s['path']}" for s in tokens["shards"])])

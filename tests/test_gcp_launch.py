@@ -176,6 +176,15 @@ def test_new_max_length_is_one_command():
     assert launch.cmd[launch.cmd.index("--max-length") + 1] == "4096"
 
 
+def test_new_max_length_from_the_tokenized_set_on_dataflow(capsys):
+    launch = ld.build_command(["--project", "p", "--from-tokens", "gs://b/sets/alpaca/tokens", "--output", "gs://b/sets/alpaca",
+                               "--max-length", "4096"])
+    assert option(launch.cmd, "--from-tokens") == "gs://b/sets/alpaca/tokens" and "--input" not in launch.cmd
+    assert "--format" not in launch.cmd and option(launch.cmd, "--runner") == "DataflowRunner"
+    assert ld.main(["--project", "p", "--from-tokens", "out/tokens", "--output", "gs://b/o", "--dry-run"]) == 2
+    assert "--from-tokens 'out/tokens' is on the launcher's disk" in capsys.readouterr().err
+
+
 def test_dockerfile_matches_the_pins():
     dockerfile = (REPO / "gcp" / "Dockerfile").read_text()
     (base,) = re.findall(r"^FROM (\S+)", dockerfile, re.M)

@@ -157,7 +157,7 @@ def test_sigkill_between_lengths_then_the_next_run_repairs(tmp_path):
 
     def args(inp: str, *extra: str) -> list[str]:
         return ["--input", inp, "--format", "alpaca", "--output", str(out), "--max-length", "64", "256",
-                "--no-progress", *IN_PROCESS, *extra]
+                "--no-tokens", "--no-progress", *IN_PROCESS, *extra]
 
     def pack_in_child(inp: str, kill_at: str | None, *extra: str) -> subprocess.CompletedProcess:
         code = (

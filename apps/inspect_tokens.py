@@ -1,0 +1,123 @@
+"""`prepack inspect OUTPUT/tokens`: a tokenized set's summary, and examples decoded like rows.
+
+    prepack inspect out/tokens --rows 3 --row-index 100
+
+`prepack inspect` starts here: a folder whose manifest is not a tokenized set's goes on
+to apps/inspect.py (shard sets), with the same options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+from loaders import storage
+from apps import inspect as inspect_shards
+from apps.inspect import _fmt_bytes, _fmt_int, _load_decoder, _Renderer, _use_color
+from loaders.shards import _close_quietly, _open_reader
+from prepack.manifest import MANIFEST_NAME
+from prepack.tokenset import TokenSetError, TokenSetManifest, decode_example
+
+
+def is_token_set(manifest_text: str) -> bool:
+    try:
+        return json.loads(manifest_text).get("kind") == "tokens"
+    except (ValueError, AttributeError):
+        return False
+
+
+def summary_lines(manifest: TokenSetManifest, path: str) -> list[str]:
+    tok, s = manifest.tokenizer, manifest.stats
+    dropped = s.get("examples_dropped", {})
+    reasons = ", ".join(f"{k} {_fmt_int(v)}" for k, v in sorted(dropped.items()))
+    lines = [
+        f"tokenized set {path}",
+        f"  format      tokens v{manifest.format_version}, {_fmt_int(manifest.num_examples)} examples in "
+        f"{len(manifest.shards)} files ({_fmt_bytes(manifest.num_bytes)}, {manifest.array_record_options})",
+        f"  tokens      {_fmt_int(manifest.tokens)} tokens (targets {_fmt_int(manifest.target_tokens)}), "
+        f"{s.get('bytes_per_token', 0):.3f} bytes per token on disk",
+        f"  tokenizer   {tok.get('name', '?')} (vocab {_fmt_int(tok.get('vocab_size'))}, bos {tok.get('bos_id')}, "
+        f"eos {tok.get('eos_id')}, pad {tok.get('pad_id')}, vocab_hash {str(tok.get('vocab_hash', '?'))[:12]})",
+        f"  template    {json.dumps(manifest.template, sort_keys=True)}",
+        f"  choices     {json.dumps(manifest.choices, sort_keys=True)}",
+    ]
+    if manifest.created_at:
+        lines.append(f"  created     {manifest.created_at}")
+    for entry in manifest.inputs:
+        lines.append(f"  input       {json.dumps(entry, sort_keys=True)}")
+    lines.append("stats")
+    lines.append(f"  examples    read {_fmt_int(s.get('examples_read'))}, kept {_fmt_int(s.get('examples_kept'))}, "
+                 f"dropped {_fmt_int(sum(dropped.values()))}{f' ({reasons})' if reasons else ''}")
+    lines.append(f"  records     read {_fmt_int(s.get('records_read'))}, filtered {json.dumps(s.get('records_filtered', {}))}")
+    if manifest.dropped:
+        lines.append(f"  dropped     {manifest.dropped}: the dead letters later runs carry into each shard set")
+    return lines
+
+
+def _source(manifest: TokenSetManifest, loc: tuple[int, int, int, int]) -> str:
+    task, record, line, sub = loc
+    tasks = manifest.job.get("tasks", [])
+    meta: dict[str, Any] = tasks[task] if 0 <= task < len(tasks) else {}
+    where = meta.get("path", "?")
+    if meta.get("byte_start") is not None:
+        where += f" (range from byte {meta['byte_start']:,}; record and line counted from there)"
+    parts = [where, f"record {record}"]
+    if line:
+        parts.append(f"line {line}")
+    if sub:
+        parts.append(f"example {sub}")
+    return ", ".join(parts)
+
+
+def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = inspect_shards.build_parser().parse_args(argv)
+    path = args.path.rstrip("/") or args.path
+    text = storage.read_text(storage.join(path, MANIFEST_NAME))
+    if not is_token_set(text or ""):
+        return inspect_shards.main(argv, out, err)
+    return show(path, text or "", args, out or sys.stdout, err or sys.stderr)
+
+
+def show(path: str, text: str, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    try:
+        manifest = TokenSetManifest.from_json(text, source=storage.join(path, MANIFEST_NAME))
+    except TokenSetError as e:
+        print(f"prepack inspect: {e}", file=err)
+        return 1
+    print("\n".join(summary_lines(manifest, path)), file=out)
+    if args.rows <= 0:
+        return 0
+    if not 0 <= args.row_index < manifest.num_examples:
+        print(f"prepack inspect: --row-index {args.row_index} is outside 0..{manifest.num_examples - 1}", file=err)
+        return 2
+    decode = None if args.ids else _load_decoder(args.tokenizer or manifest.tokenizer.get("name", "gemma3"), manifest,
+                                                 err, args.allow_download)
+    specials = {int(i): str(t) for t, i in (manifest.tokenizer.get("special_ids") or {}).items() if isinstance(i, int)}
+    renderer = _Renderer(decode, _use_color(args.color, out), specials)
+    stop = min(manifest.num_examples, args.row_index + args.rows)
+    print(f"\nexamples {args.row_index}..{stop - 1} in file order "
+          f"({'targets in green' if renderer.color else 'targets between [[ ]]'})", file=out)
+    index, first = args.row_index, 0
+    for shard in manifest.shards:
+        if index >= stop:
+            break
+        if index >= first + shard.num_rows:
+            first += shard.num_rows
+            continue
+        reader = _open_reader(storage.join(path, shard.path))
+        try:
+            wanted = list(range(index - first, min(stop - first, shard.num_rows)))
+            for offset, record in zip(wanted, reader.read(wanted)):
+                eid, loc, ids, mask = decode_example(record)
+                print(f"example {first + offset}: {eid}, {len(ids):,} tokens, {int(mask.sum()):,} targets; "
+                      f"source {_source(manifest, loc)}", file=out)
+                print("    " + renderer.segment(ids, mask.astype(bool)).replace("\n", "\n    "), file=out)
+        finally:
+            _close_quietly(reader)
+        index = first + wanted[-1] + 1
+        first += shard.num_rows
+    return 0

@@ -1,0 +1,258 @@
+"""Writing the tokenized set (OUTPUT/tokens/) during a full run, and publishing it.
+
+The tokenized examples are written where they are made: the writer runs in the same
+fused stage as the tokenizer, one ArrayRecord file per bundle (split at TARGET_FILE_BYTES),
+named by its content, so the examples never cross a shuffle on their way to disk. Which
+examples share a file therefore depends on the runner's bundles; the records, the
+manifest's figures and any shard set packed from them do not (the job ranks examples by
+hash and id, never by file order).
+
+Published like a shard set, after the shard sets: files staged under
+OUTPUT/tokens/.staging-<run>/, moved into place, manifest.json written last.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import apache_beam as beam
+import numpy as np
+from apache_beam.metrics.metric import Metrics
+from apache_beam.transforms.window import GlobalWindows
+
+from pipelines.columns import TokenizedBatch
+from pipelines.records import DeadLetter, TaskMeta
+from pipelines.stage import StageClock
+from pipelines.write import copy_local_to, write_bytes
+from prepack.accounting import Tally
+from prepack.manifest import MANIFEST_NAME, ShardInfo
+from prepack.tokenset import (
+    TOKENS_DIR,
+    TOKENS_WRITER_OPTIONS,
+    TokenSetManifest,
+    dropped_name,
+    encode_batch,
+    is_set_file,
+    shard_name,
+)
+
+NAMESPACE = "prepack"
+INDEX_NAME = "index.json"
+TARGET_FILE_BYTES = 256 << 20  # encoded bytes per file before it is split (compressed: ~half)
+
+
+def tokens_dir(output: str) -> str:
+    return f"{output}/{TOKENS_DIR}"
+
+
+def tokens_staging_dir(output: str, run_id: str) -> str:
+    return f"{tokens_dir(output)}/.staging-{run_id}"
+
+
+def _fs():
+    from apache_beam.io.filesystems import FileSystems
+
+    return FileSystems
+
+
+class WriteTokensFn(beam.DoFn):
+    """TokenizedBatch -> this bundle's tokenized-set files in staging; yields each file's figures.
+    Examples without a target after their first token are left out (dropped at any max length)."""
+
+    def __init__(self, output: str, run_id: str):
+        self.output = output
+        self.run_id = run_id
+
+    def setup(self) -> None:
+        self.m_examples = Metrics.counter(NAMESPACE, "tokens_set_examples")
+        self.m_bytes = Metrics.counter(NAMESPACE, "tokens_set_bytes")
+        self.clock = StageClock("tokens")
+
+    def start_bundle(self) -> None:
+        self.writer = None
+
+    def _open(self) -> None:
+        from array_record.python.array_record_module import ArrayRecordWriter
+
+        self.tmp = tempfile.mkdtemp(prefix="prepack-tokens-")
+        self.local = os.path.join(self.tmp, "tokens.array_record")
+        self.writer = ArrayRecordWriter(self.local, TOKENS_WRITER_OPTIONS)
+        self.figures = Counter()
+
+    def process(self, batch: TokenizedBatch) -> Iterator[dict]:
+        started = StageClock.now()
+        keep = np.flatnonzero(batch.targets_after_first() > 0)
+        if len(keep) < len(batch):
+            batch = batch.take(keep)
+        if not len(batch):
+            return
+        if self.writer is None:
+            self._open()
+        e = batch.examples
+        for record in encode_batch(batch.example_ids, batch.locs, e.lens, e.ids, e.mask):
+            self.writer.write(record)
+            self.figures["encoded_bytes"] += len(record)
+        self.figures["num_rows"] += len(batch)
+        self.figures["tokens"] += int(e.lens.sum())
+        self.figures["target_tokens"] += int(e.mask.sum())
+        self.clock.add(StageClock.now() - started)
+        if self.figures["encoded_bytes"] >= TARGET_FILE_BYTES:
+            yield self._close()
+
+    def _close(self) -> dict:
+        started = StageClock.now()
+        self.writer.close()
+        self.writer = None
+        try:
+            digest = hashlib.sha256()
+            with open(self.local, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(block)
+            sha = digest.hexdigest()
+            name = shard_name(sha)
+            size = os.path.getsize(self.local)
+            copy_local_to(self.local, f"{tokens_staging_dir(self.output, self.run_id)}/{name}")
+        finally:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        self.m_examples.inc(self.figures["num_rows"])
+        self.m_bytes.inc(size)
+        self.clock.add(StageClock.now() - started)
+        return {"path": name, "num_rows": self.figures["num_rows"], "num_bytes": size, "sha256": sha,
+                "tokens": self.figures["tokens"], "target_tokens": self.figures["target_tokens"]}
+
+    def finish_bundle(self) -> Iterator[Any]:
+        if self.writer is not None:
+            yield GlobalWindows.windowed_value(self._close())
+
+
+class WriteTokenIndexFn(beam.DoFn):
+    """Once per run: dropped-<sha>.jsonl (the examples dropped before fitting, with the keys that
+    order dead letters) and index.json (the files written) in the tokenized set's staging."""
+
+    def __init__(self, output: str, run_id: str):
+        self.output = output
+        self.run_id = run_id
+
+    def process(self, _: Any, files: list[dict], dropped: list[DeadLetter]) -> Iterator[str]:
+        staging = tokens_staging_dir(self.output, self.run_id)
+        lines = [json.dumps([list(key), entry], ensure_ascii=False, sort_keys=True) + "\n"
+                 for key, entry in sorted(dropped, key=lambda d: d[0])]
+        data = "".join(lines).encode("utf-8")
+        name = dropped_name(hashlib.sha256(data).hexdigest())
+        if lines:
+            write_bytes(f"{staging}/{name}", data)
+        index = {"files": sorted(files, key=lambda f: f["path"]), "dropped_entries": len(lines), "dropped_name": name}
+        path = f"{staging}/{INDEX_NAME}"
+        write_bytes(path, json.dumps(index, sort_keys=True).encode("utf-8"))
+        yield path
+
+
+def add_to_pipeline(pipeline: Any, examples: Any, dropped: Any, output: str, run_id: str) -> None:
+    """examples: TokenizedBatches as the tokenizer made them; dropped: the dead letters of
+    examples dropped before fitting (bad input, no targets)."""
+    from apache_beam.pvalue import AsList
+
+    files = examples | "WriteTokens" >> beam.ParDo(WriteTokensFn(output, run_id))
+    (
+        pipeline
+        | "OnceTokens" >> beam.Create([None])
+        | "WriteTokenIndex" >> beam.ParDo(WriteTokenIndexFn(output, run_id), files=AsList(files), dropped=AsList(dropped))
+    )
+
+
+# ----------------------------------------------------------------------------- launcher side
+
+
+def refuse_existing(output: str) -> str | None:
+    """The error line when OUTPUT/tokens already holds a tokenized set (None otherwise)."""
+    path = f"{tokens_dir(output)}/{MANIFEST_NAME}"
+    if _fs().exists(path):
+        return (f"{path} already exists: refusing to write over an existing tokenized set. Pass --overwrite to "
+                f"replace it, --no-tokens to leave it, or choose another --output")
+    return None
+
+
+def stored_tally(tally_json: dict[str, Any]) -> Tally:
+    """The run's counts that do not depend on the max length (what a later run starts from)."""
+    tally = Tally.from_json(tally_json)
+    tally.truncated.clear()
+    tally.dropped.clear()
+    return tally
+
+
+def compose_manifest(summary: dict[str, Any], index: dict[str, Any], tasks: Iterable[TaskMeta],
+                     choices: dict[str, Any], job_info: dict[str, Any], est_records: int) -> TokenSetManifest:
+    tally = stored_tally(summary["tally"])
+    files = index["files"]
+    num_examples = sum(f["num_rows"] for f in files)
+    tokens = sum(f["tokens"] for f in files)
+    num_bytes = sum(f["num_bytes"] for f in files)
+    stats = {
+        "records_read": tally.records_read,
+        "records_filtered": dict(sorted(tally.filtered.items())),
+        "examples_read": tally.examples_read,
+        "examples_kept": num_examples,
+        "examples_dropped": tally.examples_dropped(0),  # no per-length reasons are left in it
+        "tokens": tokens,
+        "bytes": num_bytes,
+        "bytes_per_token": num_bytes / tokens if tokens else 0.0,
+    }
+    return TokenSetManifest(
+        shards=[ShardInfo(path=f["path"], num_rows=f["num_rows"], num_bytes=f["num_bytes"], sha256=f["sha256"]) for f in files],
+        num_examples=num_examples,
+        tokens=tokens,
+        target_tokens=sum(f["target_tokens"] for f in files),
+        choices=choices,
+        tokenizer=job_info["tokenizer"],
+        template=job_info["template"],
+        inputs=job_info["inputs"],
+        stats=stats,
+        job={"tasks": [dict(vars(t)) for t in tasks], "fingerprints": summary["fingerprints"], "tally": tally.to_json(),
+             "est_records": est_records},
+        dropped=index["dropped_name"] if index["dropped_entries"] else None,
+        tool=job_info["tool"],
+    )
+
+
+def read_index(output: str, run_id: str) -> dict[str, Any]:
+    with _fs().open(f"{tokens_staging_dir(output, run_id)}/{INDEX_NAME}") as f:
+        return json.loads(f.read().decode("utf-8"))
+
+
+def publish(output: str, run_id: str, manifest: TokenSetManifest, created_at: str) -> str:
+    """Publishes the set the way pipelines/swap.py publishes shard sets: the new files (named
+    by content, so never over an old file of other content) go in beside the old ones, the
+    manifest is switched in one atomic step, and only then are files it does not name deleted."""
+    from apache_beam.io.filesystems import FileSystems
+
+    from pipelines import outputs
+
+    final, staged = tokens_dir(output), tokens_staging_dir(output, run_id)
+    path = f"{final}/{MANIFEST_NAME}"
+    expected = outputs.version(path)  # refuse_existing stopped a run without --overwrite already
+    present = {p.rsplit("/", 1)[-1] for p in outputs.list_files(final) if "/.staging-" not in p}
+    names = [n for n in [s.path for s in manifest.shards] + [manifest.dropped] if n and n not in present]
+    if names:
+        FileSystems.rename([f"{staged}/{n}" for n in names], [f"{final}/{n}" for n in names])
+    manifest.created_at = created_at
+    outputs.switch(path, manifest.to_json().encode("utf-8"), expected, tmp=f"{staged}/{MANIFEST_NAME}")
+    keep = {s.path for s in manifest.shards} | {manifest.dropped}
+    outputs.delete([f"{final}/{n}" for n in sorted(present) if is_set_file(n) and n not in keep])
+    return path
+
+
+def cleanup(output: str, run_id: str) -> None:
+    """Best effort: removes this run's tokenized-set staging (never a published set)."""
+    from pipelines import outputs
+
+    try:
+        outputs.delete_tree(tokens_staging_dir(output, run_id))
+    except Exception:
+        pass

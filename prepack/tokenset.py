@@ -1,0 +1,259 @@
+"""The tokenized set: the examples a `prepack pack` run tokenized, kept so that new max
+lengths can be packed later without the inputs or the tokenizer (`--from-tokens`).
+
+A tokenized set is a folder (OUTPUT/tokens/) with ArrayRecord files of one record per
+kept example, `dropped-<sha>.jsonl` (the examples dropped before fitting, for the dead letters
+of later runs) and `manifest.json`, written last. No Beam, no JAX: the job writes and
+reads it through pipelines/tokens_sink.py and tokens_source.py, `prepack inspect` reads it.
+
+Record (little-endian), docs/row_format.md "Tokenized set":
+
+    u8 version | u32 tokens n | i32 task | i64 record | i64 line | i32 sub | u16 id bytes
+    | example id (utf-8) | ids (prepack.tokenwire, 1 + 3n bytes) | mask (tokenwire, 9 + ceil(n/8))
+
+(task, record, line, sub) is where the example came from, as the job numbers it
+(pipelines/records.Loc); the manifest's `job.tasks` names the files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from prepack import tokenwire
+from prepack.manifest import MANIFEST_NAME, ShardInfo
+
+TOKENS_FORMAT_VERSION = 1
+TOKENS_KIND = "tokens"
+TOKENS_DIR = "tokens"
+# Records are read in order, never one at a time: groups of 256 compress far better than one.
+TOKENS_WRITER_OPTIONS = "group_size:256,zstd:3"
+
+_RECORD_VERSION = 1
+_HEAD = struct.Struct("<BIiqqiH")
+# What decides the tokens: a run that changes any of these must tokenize again.
+TOKEN_CHOICES = ("inputs", "format", "template_options", "chat_format", "tokenizer")
+
+
+class TokenSetError(ValueError):
+    """A tokenized set that is missing, of another version, damaged, or does not fit the run."""
+
+
+def shard_name(digest: str) -> str:
+    """Named by content: the files of a run's bundles need no coordination to be unique, and a
+    new set never overwrites an old set's file of other content while it is published."""
+    return f"tokens-{digest[:16]}.array_record"
+
+
+def dropped_name(digest: str) -> str:
+    return f"dropped-{digest[:16]}.jsonl"
+
+
+def is_set_file(name: str) -> bool:
+    return (name.startswith("tokens-") and name.endswith(".array_record")) or (name.startswith("dropped-") and name.endswith(".jsonl"))
+
+
+# ----------------------------------------------------------------------------- records
+
+
+def encode_example(example_id: str, loc: Sequence[int], ids: np.ndarray, mask: np.ndarray) -> bytes:
+    """One example's record (the reference; encode_batch writes the same bytes faster)."""
+    eid = example_id.encode("utf-8")
+    task, record, line, sub = (int(v) for v in loc)
+    return b"".join((_HEAD.pack(_RECORD_VERSION, len(ids), task, record, line, sub, len(eid)), eid,
+                     tokenwire.ids_to_wire(ids), tokenwire.mask_to_wire(mask)))
+
+
+def encode_batch(example_ids: Sequence[str], locs: Sequence[Sequence[int]], lens: np.ndarray,
+                 ids: np.ndarray, mask: np.ndarray) -> list[bytes]:
+    """The records of a batch of examples (flat ids/mask, lens per example), with one ids and
+    one mask encoding for the whole batch: each record is encode_example's bytes when the
+    batch's ids fit 24 bits and its mask is 0/1, and a valid record either way."""
+    lens = np.asarray(lens, dtype=np.int64)
+    if not len(lens):
+        return []
+    ids_wire = tokenwire.ids_to_wire(ids)
+    ids_tag, id_width = ids_wire[:1], (3 if ids_wire[:1] == tokenwire.IDS_24 else 4)
+    ends = np.cumsum(lens)
+    starts = ends - lens
+    mask = np.asarray(mask, dtype=tokenwire.MASK)
+    if mask.size and int(mask.max()) > 1:
+        mask_parts = [tokenwire.MASK_BYTES + mask[a:b].tobytes() for a, b in zip(starts.tolist(), ends.tolist())]
+    else:
+        # Each record's mask bits start on a byte: spread the mask over per-example byte-aligned
+        # slots, pack once, and slice.
+        padded = (lens + 7) // 8 * 8
+        pad_starts = np.cumsum(padded) - padded
+        spread = np.zeros(int(padded.sum()), dtype=tokenwire.MASK)
+        spread[np.repeat(pad_starts - starts, lens) + np.arange(int(ends[-1]))] = mask
+        bits = np.packbits(spread).tobytes()
+        byte_starts, byte_ends = (pad_starts // 8).tolist(), ((pad_starts + padded) // 8).tolist()
+        mask_parts = [tokenwire.MASK_BITS + n.to_bytes(tokenwire.MASK_COUNT_BYTES, "little") + bits[a:b]
+                      for n, a, b in zip(lens.tolist(), byte_starts, byte_ends)]
+    body = ids_wire[1:]
+    pack = _HEAD.pack
+    out = []
+    for eid, loc, n, a, m in zip(example_ids, locs, lens.tolist(), starts.tolist(), mask_parts):
+        e = eid.encode("utf-8")
+        out.append(b"".join((pack(_RECORD_VERSION, n, loc[0], loc[1], loc[2], loc[3], len(e)), e, ids_tag,
+                             body[a * id_width : (a + n) * id_width], m)))
+    return out
+
+
+@dataclasses.dataclass
+class DecodedExamples:
+    """A batch of examples as flat arrays: what the job's fit step takes."""
+
+    example_ids: list[str]
+    locs: list[tuple[int, int, int, int]]
+    lens: np.ndarray  # int32
+    ids: np.ndarray  # int32, all examples' ids back to back
+    mask: np.ndarray  # uint8
+
+
+def decode_example(record: bytes) -> tuple[str, tuple[int, int, int, int], np.ndarray, np.ndarray]:
+    """(example id, loc, ids, mask) of one record; raises TokenSetError on a damaged record."""
+    if len(record) < _HEAD.size or record[0] != _RECORD_VERSION:
+        raise TokenSetError(f"not a tokenized-set record of version {_RECORD_VERSION}")
+    _, n, task, rec, line, sub, id_len = _HEAD.unpack_from(record)
+    at = _HEAD.size + id_len
+    eid = record[_HEAD.size : at].decode("utf-8")
+    ids_end = at + tokenwire.ids_wire_size(record[at : at + 1], n)
+    ids = tokenwire.ids_from_wire(record[at:ids_end])
+    mask_end = ids_end + tokenwire.mask_wire_size(record[ids_end : ids_end + 1], n)
+    mask = tokenwire.mask_from_wire(record[ids_end:mask_end])
+    if len(ids) != n or len(mask) != n or mask_end != len(record):
+        raise TokenSetError(f"record of {eid!r} is damaged: {n} tokens declared, {len(ids)} ids and {len(mask)} mask values found")
+    return eid, (task, rec, line, sub), ids, mask
+
+
+def decode_batch(records: Sequence[bytes]) -> DecodedExamples:
+    """Many records at once: headers one by one, ids and masks with a few array operations
+    when every record has 24-bit ids and a bit mask (what encode_batch writes), else
+    record by record."""
+    heads = [_HEAD.unpack_from(r) for r in records]
+    if any(h[0] != _RECORD_VERSION for h in heads):
+        raise TokenSetError(f"not a tokenized-set record of version {_RECORD_VERSION}")
+    lens = np.fromiter((h[1] for h in heads), dtype=np.int64, count=len(heads))
+    id_lens = np.fromiter((h[6] for h in heads), dtype=np.int64, count=len(heads))
+    ids_at = _HEAD.size + id_lens
+    mask_at = ids_at + 1 + 3 * lens
+    mask_bytes = (lens + 7) // 8
+    sizes = np.fromiter(map(len, records), dtype=np.int64, count=len(records))
+    common = bool(len(records)) and all(r[a] == 3 for r, a in zip(records, ids_at.tolist())) and \
+        all(r[a] == 1 for r, a in zip(records, mask_at.tolist())) and bool((mask_at + 9 + mask_bytes == sizes).all())
+    if not common:
+        decoded = [decode_example(r) for r in records]
+        return DecodedExamples([d[0] for d in decoded], [d[1] for d in decoded],
+                               np.asarray([len(d[2]) for d in decoded], dtype=np.int32),
+                               np.concatenate([d[2] for d in decoded]) if decoded else np.zeros(0, tokenwire.IDS),
+                               np.concatenate([d[3] for d in decoded]) if decoded else np.zeros(0, tokenwire.MASK))
+    eids = [r[_HEAD.size : a].decode("utf-8") for r, a in zip(records, ids_at.tolist())]
+    locs = [(h[2], h[3], h[4], h[5]) for h in heads]
+    joined = np.frombuffer(b"".join(records), dtype=np.uint8)
+    record_starts = np.cumsum(sizes) - sizes
+    total = int(lens.sum())
+    # ids: the 3-byte bodies gathered back to back are one 24-bit ids buffer.
+    body_lens = 3 * lens
+    body_starts = np.cumsum(body_lens) - body_lens
+    src = record_starts + ids_at + 1
+    gather = np.repeat(src - body_starts, body_lens) + np.arange(int(body_lens.sum()), dtype=np.int64)
+    ids = tokenwire.ids_from_wire(tokenwire.IDS_24 + joined[gather].tobytes())
+    # masks: each record's bits start on a byte; unpack all, keep each record's first n.
+    byte_starts = np.cumsum(mask_bytes) - mask_bytes
+    src = record_starts + mask_at + 9
+    gather = np.repeat(src - byte_starts, mask_bytes) + np.arange(int(mask_bytes.sum()), dtype=np.int64)
+    bits = np.unpackbits(joined[gather])
+    starts = np.cumsum(lens) - lens
+    keep = np.repeat(byte_starts * 8 - starts, lens) + np.arange(total, dtype=np.int64)
+    return DecodedExamples(eids, locs, lens.astype(np.int32), ids, bits[keep])
+
+
+# ----------------------------------------------------------------------------- manifest
+
+
+@dataclasses.dataclass
+class TokenSetManifest:
+    """What makes the tokens valid (choices, tokenizer identity, input fingerprints) and what
+    a later run needs to reproduce a full run's shard sets (tasks, tallies, fingerprints)."""
+
+    shards: list[ShardInfo]
+    num_examples: int
+    tokens: int
+    target_tokens: int
+    choices: dict[str, Any]  # TOKEN_CHOICES -> value, as the run was asked
+    tokenizer: dict[str, Any]  # identity: name, vocab hash, special ids, ...
+    template: dict[str, Any]
+    inputs: list[dict[str, Any]]  # with content fingerprints
+    stats: dict[str, Any]  # examples_read, examples_kept, examples_dropped, ...
+    job: dict[str, Any]  # tasks, fingerprints, tally, est_records: to reproduce the full run's figures
+    dropped: str | None = None
+    tool: dict[str, Any] = dataclasses.field(default_factory=dict)
+    created_at: str | None = None
+    kind: str = TOKENS_KIND
+    format_version: int = TOKENS_FORMAT_VERSION
+    array_record_options: str = TOKENS_WRITER_OPTIONS
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(s.num_bytes for s in self.shards)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, source: str = MANIFEST_NAME) -> "TokenSetManifest":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise TokenSetError(f"{source}: not valid JSON ({e})") from e
+        if not isinstance(data, dict) or data.get("kind") != TOKENS_KIND:
+            raise TokenSetError(f"{source}: not a tokenized set's manifest (a shard set's? pass the OUTPUT/{TOKENS_DIR} folder)")
+        if data.get("format_version") != TOKENS_FORMAT_VERSION:
+            raise TokenSetError(
+                f"{source}: tokenized-set format_version {data.get('format_version')!r} is not supported "
+                f"(this version reads {TOKENS_FORMAT_VERSION}); run a full `prepack pack` from the inputs again")
+        known = {f.name for f in dataclasses.fields(cls)}
+        missing = [f.name for f in dataclasses.fields(cls)
+                   if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and f.name not in data]
+        if missing:
+            raise TokenSetError(f"{source}: missing keys {missing}")
+        try:
+            shards = [ShardInfo(**s) for s in data["shards"]]
+        except TypeError as e:
+            raise TokenSetError(f"{source}: malformed shard entry ({e})") from e
+        manifest = cls(shards=shards, **{k: v for k, v in data.items() if k in known and k != "shards"})
+        if sum(s.num_rows for s in shards) != manifest.num_examples:
+            raise TokenSetError(f"{source}: shard record counts add up to {sum(s.num_rows for s in shards)}, "
+                                f"not num_examples {manifest.num_examples}")
+        return manifest
+
+    def mismatch(self, requested: dict[str, Any]) -> str | None:
+        """The first choice the run asks for that differs from the tokens' (None if all agree);
+        `requested` holds only what the user gave."""
+        for key in TOKEN_CHOICES:
+            if key not in requested:
+                continue
+            want, have = requested[key], self.choices.get(key)
+            if key == "inputs":
+                want, have = list(want), list(have or [])
+            if key == "template_options":
+                want, have = dict(want), dict(have or {})
+            if want != have:
+                flag = {"inputs": "--input", "format": "--format", "template_options": "template options",
+                        "chat_format": "--chat-format", "tokenizer": "--tokenizer"}[key]
+                return f"{flag} {_show(want)} differs from the tokenized set's {_show(have)}"
+        return None
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, list):
+        return " ".join(map(str, value)) or "(none)"
+    if isinstance(value, dict):
+        return json.dumps(value, sort_keys=True)
+    return str(value)

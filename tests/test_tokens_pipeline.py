@@ -1,0 +1,301 @@
+"""The tokenized set end to end: a full run publishes OUTPUT/tokens, and `--from-tokens`
+packs new max lengths from it into exactly the shard sets a full run makes.
+
+One full run (L 48 and 64, bad records, an example longer than both) makes the set that
+every test here packs from; each --from-tokens result is compared byte for byte with a
+full run at the same options (`--no-tokens`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from testkit.pipeline import IN_PROCESS, TWO_PROCESSES, alpaca_records, oasst1_messages, shard_bytes, write_jsonl
+from pipelines.job import run
+from pipelines.options import parse_args
+from pipelines.publish import JobError
+from prepack.manifest import without_volatile
+from prepack.tokenset import TokenSetManifest
+
+FIRST_LENGTHS = ("48", "64")
+BAD_LINES = [b'{"instruction": "broken", "output": ', json.dumps({"output": "no instruction"}).encode()]
+LONG = {"instruction": "Explain " + " ".join(["everything"] * 120), "input": "", "output": "All of it, briefly."}
+
+
+def pack(args: list[str], runner: list[str] = IN_PROCESS):
+    config, beam_args = parse_args(args + ["--no-progress"] + runner)
+    return run(config, beam_args)
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tokens-in")
+    return write_jsonl(str(d / "alpaca.jsonl"), alpaca_records(30, seed=7) + [LONG], BAD_LINES)
+
+
+def source_args(source: str) -> list[str]:
+    return ["--input", source, "--format", "alpaca", "--max-bad-fraction", "0.5"]
+
+
+@pytest.fixture(scope="module")
+def first(source, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tokens-first") / "out"
+    pack(source_args(source) + ["--output", str(out), "--max-length", *FIRST_LENGTHS])
+    return out
+
+
+def read_tokens_manifest(folder) -> TokenSetManifest:
+    return TokenSetManifest.from_json((folder / "manifest.json").read_text())
+
+
+def test_full_run_publishes_the_tokenized_set(first):
+    from array_record.python.array_record_module import ArrayRecordReader
+
+    from prepack.tokenset import decode_batch
+
+    tokens = first / "tokens"
+    manifest = read_tokens_manifest(tokens)
+    assert sorted(os.listdir(tokens)) == sorted(["manifest.json", manifest.dropped] + [s.path for s in manifest.shards])
+    stats = manifest.stats
+    # 31 good examples (one longer than every max length of the run, kept), 2 bad records.
+    assert stats["examples_read"] == 33 and stats["examples_kept"] == manifest.num_examples == 31
+    assert stats["examples_dropped"] == {"malformed_json": 1, "missing_field": 1}
+    assert manifest.choices["format"] == "alpaca" and manifest.tokenizer["name"] == "gemma3"
+    assert manifest.tokenizer["vocab_hash"] and "special_ids" in manifest.tokenizer
+    assert manifest.inputs[0]["fingerprint"].startswith("sha256:")
+    assert stats["bytes"] == manifest.num_bytes and stats["bytes_per_token"] == manifest.num_bytes / manifest.tokens
+    records = []
+    for s in manifest.shards:
+        reader = ArrayRecordReader(str(tokens / s.path))
+        records += reader.read_all()
+        reader.close()
+    decoded = decode_batch(records)
+    assert int(decoded.lens.sum()) == manifest.tokens and int(decoded.mask.sum()) == manifest.target_tokens
+    assert int(decoded.lens.max()) > int(FIRST_LENGTHS[-1])  # the long example is kept
+    dropped = [json.loads(line) for line in (tokens / manifest.dropped).read_text().splitlines()]
+    assert [entry["reason"] for _, entry in dropped] == ["malformed_json", "missing_field"]
+
+
+def assert_same_as_full(from_out, full_out, L: int, tokens_folder) -> None:
+    a, b = from_out / f"L{L}", full_out / f"L{L}"
+    assert shard_bytes(str(a)) == shard_bytes(str(b))  # shards and dead letter, byte for byte
+    got, want = without_volatile((a / "manifest.json").read_text()), without_volatile((b / "manifest.json").read_text())
+    lineage = got.pop("lineage")
+    assert want.pop("lineage") is None
+    assert got == want
+    assert lineage["from_tokens"] == str(tokens_folder)
+    assert lineage["tokens_created_at"] == read_tokens_manifest(tokens_folder).created_at
+
+
+@pytest.mark.parametrize("options,runner", [
+    (["--max-length", "256"], IN_PROCESS),
+    (["--max-length", "256", "--no-pack"], IN_PROCESS),
+    (["--max-length", "40", "--overlong", "truncate"], IN_PROCESS),
+    (["--max-length", "32", "256", "--num-shards", "2"], TWO_PROCESSES),
+], ids=["packed", "no-pack", "truncate", "two-lengths-two-workers"])
+def test_from_tokens_equals_a_full_run(first, source, tmp_path, options, runner):
+    from_out, full_out = tmp_path / "from", tmp_path / "full"
+    result = pack(["--from-tokens", str(first / "tokens"), "--max-bad-fraction", "0.5", "--output", str(from_out)] + options, runner)
+    pack(source_args(source) + ["--output", str(full_out), "--no-tokens"] + options)
+    assert not (full_out / "tokens").exists() and not (from_out / "tokens").exists()
+    for L in result.manifests:
+        assert_same_as_full(from_out, full_out, L, first / "tokens")
+    stats = next(iter(result.stats.values()))
+    assert stats["examples_read"] == stats["examples_written"] + sum(stats["examples_dropped"].values())
+
+
+@pytest.mark.parametrize("case", ["oasst1-table", "jsonl-byte-ranges"])
+def test_from_tokens_equals_a_full_run_for_tables_and_byte_ranges(case, source, tmp_path, monkeypatch):
+    """oasst1: examples made per message tree, messages filtered by design and a bad role; byte
+    ranges: records and lines numbered per range, made file-relative in the dead letters."""
+    if case == "oasst1-table":
+        path = write_jsonl(str(tmp_path / "oasst1.jsonl"), oasst1_messages())
+        args = ["--input", path, "--format", "oasst1", "--max-bad-fraction", "0.5"]
+    else:
+        from pipelines import sources
+
+        monkeypatch.setattr(sources, "JSONL_RANGE_MIN_BYTES", 300)
+        monkeypatch.setattr(sources, "JSONL_RANGES_PER_FILE", 10_000)
+        args = source_args(source)
+        assert len(sources.resolve_inputs([source])[1]) > 5
+    first_out, from_out, full_out = tmp_path / "first", tmp_path / "from", tmp_path / "full"
+    pack(args + ["--output", str(first_out), "--max-length", "32"])
+    tokens = read_tokens_manifest(first_out / "tokens")
+    if case == "oasst1-table":
+        assert tokens.stats["records_filtered"] and tokens.stats["examples_dropped"]
+    pack(["--from-tokens", str(first_out / "tokens"), "--max-bad-fraction", "0.5", "--output", str(from_out),
+          "--max-length", "256"])
+    pack(args + ["--output", str(full_out), "--max-length", "256", "--no-tokens"])
+    assert (full_out / "L256" / "dead_letter.jsonl").read_text()
+    assert_same_as_full(from_out, full_out, 256, first_out / "tokens")
+
+
+def test_from_tokens_never_reads_the_inputs_or_loads_the_tokenizer(first, source, tmp_path, monkeypatch):
+    import prepack.tokenizer
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the tokenizer was loaded")
+
+    monkeypatch.setattr(prepack.tokenizer, "load_tokenizer", refuse)
+    moved = tmp_path / "elsewhere.jsonl"
+    shutil.move(source, moved)  # the inputs are gone
+    try:
+        result = pack(["--from-tokens", str(first / "tokens"), "--max-bad-fraction", "0.5", "--output", str(tmp_path / "out"), "--max-length", "128"])
+    finally:
+        shutil.move(moved, source)
+    assert result.stats[128]["examples_read"] == 33
+
+
+# ----------------------------------------------------------------------------- refusals
+
+
+def copy_tokens(first, tmp_path):
+    folder = tmp_path / "tokens"
+    shutil.copytree(first / "tokens", folder)
+    return folder
+
+
+def refused(args: list[str], tmp_path) -> str:
+    with pytest.raises(JobError) as err:
+        pack(args + ["--output", str(tmp_path / "out"), "--max-length", "128"])
+    assert not (tmp_path / "out" / "L128" / "manifest.json").exists()
+    return str(err.value)
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--tokenizer", "sp:other.model"], "--tokenizer sp:other.model differs from the tokenized set's gemma3"),
+    (["--format", "chat"], "--format chat differs from the tokenized set's alpaca"),
+    (["--chat-format", "chatml"], "--chat-format chatml differs from the tokenized set's auto"),
+    (["--input", "other.jsonl"], "--input other.jsonl differs from the tokenized set's "),
+    (["--source-lang", "de"], 'template options {"source_lang": "de"} differs from the tokenized set\'s {}'),
+])
+def test_other_token_choices_are_refused(first, tmp_path, extra, message):
+    text = refused(["--from-tokens", str(first / "tokens")] + extra, tmp_path)
+    assert message in text and "\n" not in text
+    assert "run a full `prepack pack` with --input" in text
+
+
+def test_same_token_choices_are_accepted(first, source, tmp_path):
+    result = pack(["--from-tokens", str(first / "tokens"), "--max-bad-fraction", "0.5", "--format", "alpaca", "--tokenizer", "gemma3", "--input", source,
+                   "--chat-format", "auto", "--output", str(tmp_path / "out"), "--max-length", "128"])
+    assert 128 in result.manifests
+
+
+def test_missing_manifest_is_refused(first, tmp_path):
+    folder = copy_tokens(first, tmp_path)
+    (folder / "manifest.json").unlink()
+    assert f"{folder}/manifest.json not found: {folder} is not a tokenized set" in refused(["--from-tokens", str(folder)], tmp_path)
+
+
+def test_other_format_version_is_refused(first, tmp_path):
+    folder = copy_tokens(first, tmp_path)
+    text = (folder / "manifest.json").read_text().replace('"format_version": 1', '"format_version": 7')
+    (folder / "manifest.json").write_text(text)
+    assert "tokenized-set format_version 7 is not supported" in refused(["--from-tokens", str(folder)], tmp_path)
+
+
+def test_a_shard_set_is_not_a_tokenized_set(first, tmp_path):
+    assert "not a tokenized set's manifest" in refused(["--from-tokens", str(first / "L64")], tmp_path)
+
+
+def test_missing_or_resized_file_is_refused_before_any_work(first, tmp_path, monkeypatch):
+    import apache_beam
+
+    def no_pipeline(*args, **kwargs):
+        raise AssertionError("a pipeline was built")
+
+    monkeypatch.setattr(apache_beam, "Pipeline", no_pipeline)
+    folder = copy_tokens(first, tmp_path)
+    shard = read_tokens_manifest(folder).shards[0]
+    with open(folder / shard.path, "ab") as f:
+        f.write(b"x")
+    text = refused(["--from-tokens", str(folder)], tmp_path)
+    assert f"{folder}/{shard.path} has {shard.num_bytes + 1} bytes, but {folder}/manifest.json says {shard.num_bytes}" in text
+    (folder / shard.path).unlink()
+    assert f"{folder}/{shard.path} is listed in {folder}/manifest.json but missing" in refused(["--from-tokens", str(folder)], tmp_path)
+
+
+def test_changed_file_fails_the_run_and_publishes_nothing(first, tmp_path):
+    folder = copy_tokens(first, tmp_path)
+    shard = read_tokens_manifest(folder).shards[0]
+    data = bytearray((folder / shard.path).read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, other bytes
+    (folder / shard.path).write_bytes(bytes(data))
+    with pytest.raises(Exception, match="the file changed after it was published"):
+        pack(["--from-tokens", str(folder), "--output", str(tmp_path / "out"), "--max-length", "128"])
+    out = tmp_path / "out"
+    leftovers = [os.path.join(r, f) for r, _, files in os.walk(out) for f in files] if out.exists() else []
+    assert leftovers == []
+
+
+def test_existing_tokenized_set_is_refused_without_overwrite(first, source, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(first / "tokens", out / "tokens")
+    with pytest.raises(JobError, match=r"tokens/manifest.json already exists: refusing to write over an existing tokenized set"):
+        pack(source_args(source) + ["--output", str(out), "--max-length", "128"])
+    before = (out / "tokens" / "manifest.json").read_text()
+    pack(source_args(source) + ["--output", str(out), "--max-length", "128", "--no-tokens"])
+    assert (out / "tokens" / "manifest.json").read_text() == before  # --no-tokens leaves it alone
+    pack(source_args(source) + ["--output", str(out), "--max-length", "128", "--overwrite"])
+    replaced = read_tokens_manifest(out / "tokens")
+    assert sorted(os.listdir(out / "tokens")) == sorted(["manifest.json", replaced.dropped] + [s.path for s in replaced.shards])
+
+
+def test_cli_refusal_is_one_line(first, tmp_path, capsys):
+    from pipelines.cli import main
+
+    assert main(["--sample", "--output", str(tmp_path / "s"), "--max-length", "512", "--no-progress", *IN_PROCESS]) == 0
+    assert f"tokens: {tmp_path / 's' / 'tokens' / 'manifest.json'} (for new max lengths" in capsys.readouterr().out
+
+    code = main(["--from-tokens", str(first / "tokens"), "--tokenizer", "sp:x.model", "--output", str(tmp_path / "o"),
+                 "--max-length", "128", "--no-progress", *IN_PROCESS])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1 and err.startswith("prepack pack: --tokenizer sp:x.model differs")
+
+
+def test_inspect_summarizes_and_decodes_the_tokenized_set(first, capsys):
+    from apps.inspect_tokens import main
+
+    assert main([str(first / "tokens"), "--rows", "2", "--no-color"]) == 0
+    out = capsys.readouterr().out
+    assert "tokenized set" in out and "31 examples" in out and "bytes per token" in out
+    assert "example 0:" in out and "example 1:" in out and "[[" in out
+    manifest = read_tokens_manifest(first / "tokens")
+    assert f"{manifest.tokens:,} tokens" in out
+    assert np.isfinite(manifest.stats["bytes_per_token"])
+
+
+def test_killed_run_leaves_the_old_tokenized_set_and_its_staging_is_cleaned_next_time(first, source, tmp_path, monkeypatch):
+    """kill -9 after the shard sets are switched, before the tokenized set is: the old set stays
+    whole (manifest and the files it names); the next run reports the killed run's staging,
+    --clean-stale removes it, and the set is published."""
+    from test_pipeline_faults import Killed, mark_lock_owner_dead
+
+    from pipelines import lock, staging, tokens_sink
+
+    out = tmp_path / "out"
+    shutil.copytree(first / "tokens", out / "tokens")
+    before = {n: (out / "tokens" / n).read_bytes() for n in os.listdir(out / "tokens")}
+    monkeypatch.setattr(staging, "cleanup_run", lambda *a, **k: None)
+    monkeypatch.setattr(tokens_sink, "cleanup", lambda *a, **k: None)
+    monkeypatch.setattr(lock.OutputLock, "release", lambda self: None)
+
+    def killed(*args, **kwargs):
+        raise Killed("before the tokenized set")
+
+    monkeypatch.setattr(tokens_sink, "publish", killed)
+    with pytest.raises(Killed):
+        pack(source_args(source) + ["--output", str(out), "--max-length", "128", "--overwrite"])
+    assert {n: (out / "tokens" / n).read_bytes() for n in os.listdir(out / "tokens") if not n.startswith(".staging-")} == before
+    assert [n for n in os.listdir(out / "tokens") if n.startswith(".staging-")]
+    monkeypatch.undo()
+    mark_lock_owner_dead(out)
+    result = pack(source_args(source) + ["--output", str(out), "--max-length", "128", "--overwrite", "--clean-stale"])
+    assert result.notes[0].startswith("removed ")
+    manifest = read_tokens_manifest(out / "tokens")
+    assert sorted(os.listdir(out / "tokens")) == sorted(["manifest.json", manifest.dropped] + [s.path for s in manifest.shards])
