@@ -19,7 +19,9 @@ for the job, then publishes (moves the shards into place, writes manifest.json
 last) from here. Run it where it can outlive your laptop's lid (Cloud Shell with
 tmux, a small VM). If it dies mid-job, nothing is published; run it again.
 
-Standard library only, so --dry-run works anywhere, Beam installed or not.
+Standard library only, so --dry-run works anywhere, Beam installed or not; --validate
+(gcp/dataflow_validate.py) builds the job with the real DataflowRunner offline and needs
+the pipeline extra.
 """
 
 from __future__ import annotations
@@ -127,6 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--flexrs", action="store_true", help="FlexRS: cheaper (preemptible + discounted), starts within 6 h")
     p.add_argument("--job-name", help="Dataflow job name (default: prepack-<output>-l<L>-<UTC time>)")
     p.add_argument("--dry-run", action="store_true", help="print the command and why each option has its value; run nothing")
+    p.add_argument("--validate", action="store_true",
+                   help="build the job with Beam's DataflowRunner offline (--dry_run=True: no credentials, no network) and "
+                        "check its steps, the code the workers get, and that every DoFn and coder unpickles without JAX; "
+                        "needs the pipeline extra; submits nothing")
     return p
 
 
@@ -230,6 +236,7 @@ class Launch:
     choices: list[Choice]  # our options and why (passthrough ones are only in cmd)
     warnings: list[str]
     dry_run: bool
+    validate: bool = False
 
 
 def build_command(argv: Sequence[str]) -> Launch:
@@ -245,7 +252,7 @@ def build_command(argv: Sequence[str]) -> Launch:
             cmd += choice.args()
     # Last, so they win over ours (argparse keeps the last value of a repeated option).
     cmd += list(passthrough)
-    return Launch(cmd, choices, warnings, args.dry_run)
+    return Launch(cmd, choices, warnings, args.dry_run, args.validate)
 
 
 def render(launch: Launch) -> str:
@@ -258,6 +265,28 @@ def render(launch: Launch) -> str:
     return "\n".join(lines)
 
 
+def validate(launch: Launch) -> int:
+    """Runs gcp/dataflow_validate.py on the command: 0 when the job builds and ships right."""
+    if str(REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT))
+    try:
+        from gcp import dataflow_validate
+    except ImportError as e:
+        print(f"launch_dataflow: --validate needs the pipeline extra (pip install -e '.[pipeline]'): {e}", file=sys.stderr)
+        return 2
+    try:
+        report = dataflow_validate.validate(launch.cmd[4:])
+    except dataflow_validate.ValidationError as e:
+        print(f"launch_dataflow: the job does not build for Dataflow: {e}", file=sys.stderr)
+        return 1
+    print("\n".join(report.lines()))
+    if report.problems:
+        print(f"launch_dataflow: {len(report.problems)} problem(s); fix them before launching", file=sys.stderr)
+        return 1
+    print("launch_dataflow: the job builds for Dataflow; run the same command without --validate to launch")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -268,6 +297,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if launch.dry_run:
         print(render(launch))
         return 0
+    if launch.validate:
+        return validate(launch)
     for w in launch.warnings:
         print(f"launch_dataflow: warning: {w}", file=sys.stderr)
     print(f"launch_dataflow: running {shlex.join(launch.cmd)}", file=sys.stderr, flush=True)

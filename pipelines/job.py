@@ -69,14 +69,21 @@ def _tool_info() -> dict[str, Any]:
     }
 
 
-def prepare(config: PackConfig, run_id: str | None = None) -> PreparedJob:
-    """Every check that can run before the pipeline: raises JobError with one clear line."""
+def prepare(
+    config: PackConfig, run_id: str | None = None, resolved: tuple[list[ResolvedInput], list[ReadTask]] | None = None
+) -> PreparedJob:
+    """Every check that can run before the pipeline: raises JobError with one clear line.
+
+    `resolved`: the inputs and read tasks, given by a caller that must touch neither input
+    nor output (the offline Dataflow graph check, gcp/dataflow_validate.py); then the
+    existing-set, input and output-probe checks are skipped."""
     from prepack.chat_formats import ChatFormatError, get_chat_format
     from prepack.templates import get_template
     from prepack.tokenizer import TokenizerError, load_tokenizer
 
     run_id = run_id or uuid.uuid4().hex[:12]
-    publish.refuse_existing(config)
+    if resolved is None:
+        publish.refuse_existing(config)
     try:
         template = get_template(config.format, **config.template_kwargs)
     except ValueError as e:
@@ -89,11 +96,14 @@ def prepare(config: PackConfig, run_id: str | None = None) -> PreparedJob:
         chat_format = get_chat_format(config.chat_format, tokenizer)
     except ChatFormatError as e:
         raise publish.JobError(f"chat format: {e.message}") from e
-    try:
-        inputs, tasks = sources.resolve_inputs(config.inputs, config.tfds_data_dir)
-    except sources.InputError as e:
-        raise publish.JobError(str(e)) from e
-    publish.probe_output(config.output, run_id)
+    if resolved is None:
+        try:
+            inputs, tasks = sources.resolve_inputs(config.inputs, config.tfds_data_dir)
+        except sources.InputError as e:
+            raise publish.JobError(str(e)) from e
+        publish.probe_output(config.output, run_id)
+    else:
+        inputs, tasks = resolved
     est = sum(i.est_records for i in inputs)
     sub_buckets = config.sub_buckets or choose_sub_buckets(est, config.pack)
     ctx = transforms.JobContext(

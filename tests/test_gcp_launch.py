@@ -128,6 +128,69 @@ def test_container_packaging(capsys):
     assert any("Cloud NAT" in w for w in ld.build_command(BASE + ["--no-public-ips"]).warnings)
 
 
+# ----------------------------------------------------------------------------- --validate: the real DataflowRunner, offline
+
+# Beam refuses a 1-letter bucket and replaces it by a default bucket over the network.
+VALID_BASE = ["--project", "my-proj", "--input", "gs://my-bucket/raw/*.jsonl", "--format", "alpaca",
+              "--output", "gs://my-bucket/sets/alpaca", "--max-length", "512", "2048"]
+
+
+def test_validate_builds_the_job_with_the_dataflow_runner_offline(capsys, monkeypatch):
+    """DataflowRunner --dry_run builds the whole graph with no credentials and no network: the
+    steps, the worker code (sdist + pipeline-extra requirements), the worker pool, and every
+    DoFn/CombineFn/coder unpickled (and our DoFns set up) where the training stack cannot load."""
+    from gcp import dataflow_validate as dv
+
+    monkeypatch.setattr(subprocess, "call", lambda *a, **k: pytest.fail("--validate must not launch anything"))
+    assert ld.main(VALID_BASE + ["--validate"]) == 0
+    out = capsys.readouterr().out
+    assert "the job builds for Dataflow" in out and "problem" not in out
+    report = dv.validate(ld.build_command(VALID_BASE + ["--number_of_worker_harness_threads", "2"]).cmd[4:])
+    assert report.problems == []
+    assert set(dv.EXPECTED_STEPS) <= set(report.steps)
+    assert report.packaging == "setup" and {"workflow.tar.gz", "requirements.txt"} <= set(report.staged)
+    assert (report.machine_type, report.disk_size_gb, report.harness_threads) == (ld.DEFAULT_MACHINE_TYPE, ld.DEFAULT_DISK_GB, 2)
+    # Every project DoFn with a setup ran it: read, tokenize, fit, route, write shards/dead letters/summary.
+    assert report.unpickled["dofns"] >= 20 and report.unpickled["coders"] >= 10 and report.unpickled["setups"] >= 7
+
+
+def test_validate_catches_training_packages_in_the_worker_requirements(tmp_path):
+    from gcp import dataflow_validate as dv
+
+    reqs = tmp_path / "requirements.txt"
+    reqs.write_text((REPO / "gcp" / "worker_requirements.txt").read_text() + "jax==0.10.2\n")
+    report = dv.validate(ld.build_command(VALID_BASE + ["--requirements_file", str(reqs)]).cmd[4:])
+    assert report.problems == ["the staged requirements install training packages ['jax']"]
+
+
+def test_validate_catches_worker_code_that_needs_the_training_stack(tmp_path, monkeypatch):
+    """The unpickling interpreter is not vacuous: a DoFn whose module imports jax fails there
+    (and is named), though it unpickles in this test's process, where jax is installed."""
+    import apache_beam as beam
+
+    from gcp import dataflow_validate as dv
+
+    (tmp_path / "needs_jax_fn.py").write_text(
+        "import apache_beam as beam\nimport jax\n\nclass NeedsJaxFn(beam.DoFn):\n"
+        "    def process(self, x):\n        yield jax.numpy.asarray(x)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    import needs_jax_fn
+
+    pipeline = beam.Pipeline()
+    _ = pipeline | beam.Create([1]) | "UsesJax" >> beam.ParDo(needs_jax_fn.NeedsJaxFn())
+    child = dv.unpickle_in_fresh_interpreter(pipeline.to_runner_api(), "cloudpickle")
+    assert any(e.startswith("UsesJax") and "jax" in e for e in child["errors"]), child["errors"]
+    assert "jax" in child["blocked_attempts"] and child["loaded"] == []
+
+
+def test_validate_refuses_what_cannot_build(capsys):
+    assert ld.main(VALID_BASE + ["--validate", "--temp_location", "gs://b/tmp", "--staging_location", "gs://b/st"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("launch_dataflow: the job does not build for Dataflow: --temp_location: ") and "\n" == err[-1]
+    assert len(err.strip().splitlines()) == 1
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--input", "data/train.jsonl", "--format", "alpaca", "--output", "gs://b/o", "--project", "p"], "cannot read"),
     (["--sample", "--output", "gs://b/o", "--project", "p", "--input", "gs://b/x"], "--sample"),
