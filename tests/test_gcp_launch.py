@@ -51,7 +51,7 @@ def test_dry_run_prints_the_whole_command_and_runs_nothing(capsys, monkeypatch):
     out = capsys.readouterr().out
     command, _, explained = out.partition("\n\n")
     argv = shlex.split(command)
-    assert argv[1:4] == ["-m", "prepack.cli", "pack"]
+    assert argv[1:4] == ["-m", "apps.cli", "pack"]
     for flag, value in [("--runner", "DataflowRunner"), ("--project", "my-proj"), ("--region", "us-central1"),
                         ("--temp_location", "gs://b/dataflow/temp"), ("--staging_location", "gs://b/dataflow/staging"),
                         ("--worker_machine_type", "n2-standard-8"), ("--max_num_workers", "8"), ("--disk_size_gb", "50"),

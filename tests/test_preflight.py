@@ -15,9 +15,9 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from prepack import preflight
+from apps import preflight
 from prepack.packer import OverlongPolicy
-from prepack.preflight import DatasetSpec, ExampleSet, PreflightConfig
+from apps.preflight import DatasetSpec, ExampleSet, PreflightConfig
 
 # Four examples, lengths [3, 5, 2, 6]; targets counted from token 1: [2, 3, 1, 3] -> 9.
 MASKS = [

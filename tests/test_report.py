@@ -11,9 +11,9 @@ import struct
 import numpy as np
 import pytest
 
-from prepack import report
+from apps import report
 from prepack.manifest import Manifest, ShardInfo
-from prepack.report import ReportError
+from apps.report import ReportError
 
 
 def write_manifest(folder, max_length, examples_written, tokens, target_tokens, num_rows, dropped=None, packing="bfd",
@@ -230,7 +230,7 @@ def test_markdown_page_with_pngs_beside(inputs, tmp_path):
 
 def test_preflight_json_on_the_page(tmp_path):
     # The hand case of test_preflight (lengths 3,5,2,6 at L=8) rendered from its preflight.json.
-    from prepack import preflight
+    from apps import preflight
 
     masks = [np.array(m, dtype=np.uint8) for m in ([0, 1, 1], [0, 0, 1, 1, 1], [0, 1], [0, 0, 0, 1, 1, 1])]
     cfg = preflight.PreflightConfig(datasets=(preflight.DatasetSpec("hand", "hand.jsonl", "alpaca"),),

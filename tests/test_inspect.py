@@ -9,8 +9,8 @@ import pytest
 from shardset_builder import build_shard_set
 
 import prepack.tokenizer
-from loaders import inspect
-from prepack import cli, rowformat
+from apps import cli, inspect
+from prepack import rowformat
 
 
 class FakeTokenizer:

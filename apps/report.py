@@ -34,7 +34,7 @@ import numpy as np
 
 from prepack.manifest import MANIFEST_NAME, Manifest, ManifestError
 from prepack.packer import DropReason
-from prepack.preflight import TABLE_COLUMNS, THROUGHPUT_MODEL, dataset_heading, format_cell, result_row
+from apps.packing_table import TABLE_COLUMNS, THROUGHPUT_MODEL, dataset_heading, format_cell, result_row
 from prepack.stats import PackingStats
 
 DEFAULT_BATCH_SIZES = (16,)
@@ -370,7 +370,7 @@ def _budget_cell(value: Any, kind: str) -> str:
 
 def build_page(config: ReportConfig, figures_dir: str) -> tuple[Page, list[str]]:
     """Reads every input, draws the figures into figures_dir, lays out the page; returns it and its PNGs."""
-    from prepack import plots  # lazy: matplotlib only here
+    from apps import plots  # lazy: matplotlib only here
 
     page, pngs = Page(), []
     page.add("h1", config.title)
