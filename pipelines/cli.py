@@ -26,8 +26,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OptionsError as e:
         print(f"prepack pack: {e}", file=sys.stderr)
         return 2
+    # An existing set without --overwrite is refused first, before Beam is even imported.
+    from pipelines import swap
+
+    existing = [] if config.overwrite else swap.existing_manifests(config.output, config.max_lengths)
+    if existing:
+        print(f"prepack pack: {', '.join(existing)} already exist{'s' if len(existing) == 1 else ''}: refusing to write "
+              "into an existing shard set. Pass --overwrite to replace it, or choose another --output", file=sys.stderr)
+        return 1
     _quiet_beam_logs()
-    from pipelines.job import run
+    from pipelines.job import Interrupted, run
     from pipelines.publish import JobError
     from pipelines.report import density_table
 
@@ -36,6 +44,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except JobError as e:
         print(f"prepack pack: {e}", file=sys.stderr)
         return 1
+    except Interrupted as e:
+        print(f"prepack pack: {e}", file=sys.stderr)
+        return 130
     except KeyboardInterrupt:
         print("prepack pack: interrupted; nothing new was published", file=sys.stderr)
         return 130

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import errno
 import hashlib
 import logging
 import time
 import uuid
 from typing import Any
 
-from pipelines import publish, sources, transforms, writer
+from pipelines import failures, lock, outputs, publish, sources, staging, swap, transforms, writer
 from pipelines.options import PackConfig
 from pipelines.planning import build_plans, choose_sub_buckets
 from pipelines.records import TaskMeta
@@ -38,6 +39,7 @@ class JobResult:
     seconds: float
     run_id: str
     metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
+    notes: list[str] = dataclasses.field(default_factory=list)  # said to the user: leftovers, shard counts
 
 
 @dataclasses.dataclass
@@ -101,7 +103,6 @@ def prepare(
             inputs, tasks = sources.resolve_inputs(config.inputs, config.tfds_data_dir)
         except sources.InputError as e:
             raise publish.JobError(str(e)) from e
-        publish.probe_output(config.output, run_id)
     else:
         inputs, tasks = resolved
     est = sum(i.est_records for i in inputs)
@@ -243,18 +244,79 @@ def _metrics(result: Any) -> dict[str, Any]:
         return {}
 
 
+class Interrupted(KeyboardInterrupt):
+    """The run was interrupted (SIGINT/SIGTERM); the message says what is published now."""
+
+
+def _acquire_lock(config: PackConfig, run_id: str) -> lock.OutputLock:
+    try:
+        return lock.OutputLock.acquire(config.output, run_id)
+    except lock.LockHeld as e:
+        raise publish.JobError(str(e)) from e
+    except Exception as e:  # a missing bucket, a read-only folder: say so before any work
+        raise publish.JobError(f"output {config.output!r} is not writable ({type(e).__name__}: {e})") from e
+
+
+def _leftovers(config: PackConfig, run_id: str) -> list[str]:
+    """Reports (or with --clean-stale removes) what earlier killed runs left in the output."""
+    found = staging.find_leftovers(config.output, run_id)
+    if not found.paths:
+        return []
+    if config.clean_stale:
+        staging.remove_leftovers(found)
+        return [f"removed {found.describe(config.output).split(' holds ', 1)[1]}"]
+    return [f"{found.describe(config.output)}; pass --clean-stale to remove them"]
+
+
+def _empty_or_all_bad(stats: dict[str, Any], config: PackConfig, kept: list[str]) -> str | None:
+    if stats["records_read"] == 0:
+        return (f"the inputs hold no records ({', '.join(config.inputs)} {'is' if len(config.inputs) == 1 else 'are'} "
+                "empty); nothing was published. Check --input")
+    if stats["examples_read"] and stats["bad_records"] == stats["examples_read"]:
+        where = f"; they are listed in {kept[0]}" if kept else ""
+        return (f"all {stats['examples_read']} examples read are bad records ({', '.join(f'{k} {v}' for k, v in sorted(stats['examples_dropped'].items()))})"
+                f"; nothing was published{where}. Check --format and the inputs")
+    if stats["examples_read"] == 0:
+        return (f"no examples in the inputs ({stats['records_read']} records read, "
+                f"{sum(stats['records_filtered'].values())} left out by design); nothing was published")
+    return None
+
+
+def _shard_notes(config: PackConfig, summary: dict[str, Any]) -> list[str]:
+    notes = []
+    for L in config.max_lengths:
+        written = summary["lengths"][str(L)]["plan"]["num_shards"]
+        if config.num_shards is not None and written < config.num_shards:
+            rows = summary["lengths"][str(L)]["plan"]["num_rows"]
+            notes.append(f"L{L}: --num-shards {config.num_shards} asked, {written} written ({rows} rows; a shard holds at least one row)")
+    return notes
+
+
 def run(config: PackConfig, beam_args: list[str], run_id: str | None = None) -> JobResult:
-    """Runs the whole job and publishes; raises JobError (nothing published) on failure."""
+    """Runs the whole job and publishes; raises JobError (the previous sets intact) on failure."""
     import apache_beam as beam
     from apache_beam.options.pipeline_options import PipelineOptions
 
     started = time.monotonic()
     job = prepare(config, run_id)
+    held = _acquire_lock(config, job.run_id)
+    switched: dict[int, str] = {}
     try:
+        seen = swap.look(config.output, config.max_lengths)
+        notes = _leftovers(config, job.run_id)
+        for note in notes:
+            log.warning(note)
+        publish.probe_output(config.output, job.run_id)
         pipeline = beam.Pipeline(options=PipelineOptions(beam_args))
         build_pipeline(pipeline, job)
-        result = pipeline.run()
-        state = result.wait_until_finish()
+        try:
+            result = pipeline.run()
+            state = result.wait_until_finish()
+        except Exception as e:
+            line = failures.one_line(e, config.output)
+            if line is None:
+                raise
+            raise publish.JobError(line) from e
         if str(state).split(".")[-1] not in ("DONE", "None"):
             raise publish.JobError(f"the pipeline ended in state {state}; nothing was published")
         metrics = _metrics(result)
@@ -267,6 +329,9 @@ def run(config: PackConfig, beam_args: list[str], run_id: str | None = None) -> 
         if problems:
             raise publish.JobError("accounting check failed, nothing was published: " + "; ".join(problems))
         first = stats[config.max_lengths[0]]
+        if _empty_or_all_bad(first, config, []) is not None:
+            kept = publish.keep_failed_dead_letters(config, job.run_id) if first["bad_records"] else []
+            raise publish.JobError(_empty_or_all_bad(first, config, kept))
         if publish.bad_fraction_error(first, config, []) is not None:
             kept = publish.keep_failed_dead_letters(config, job.run_id)
             raise publish.JobError(publish.bad_fraction_error(first, config, kept))
@@ -276,15 +341,49 @@ def run(config: PackConfig, beam_args: list[str], run_id: str | None = None) -> 
                 f"no example fits max length {', '.join(map(str, no_rows))} (examples dropped: "
                 f"{stats[no_rows[0]]['examples_dropped']}); nothing was published"
             )
+        for note in _shard_notes(config, summary):
+            log.warning(note)
+            notes.append(note)
         job.job_info["inputs"] = input_descriptions(job, summary["fingerprints"])
         created_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         manifests = {}
         for L in config.max_lengths:
-            shards = summary["lengths"][str(L)]["shards"]
-            manifest = publish.compose_manifest(config, L, stats[L], shards, job.job_info)
-            manifests[L] = publish.publish_length(config, job.run_id, manifest, created_at)
-        publish.cleanup(config, job.run_id)
-        return JobResult(manifests, stats, time.monotonic() - started, job.run_id, metrics)
-    except BaseException:
-        publish.cleanup(config, job.run_id)
+            manifests[L] = publish.compose_manifest(config, L, stats[L], summary["lengths"][str(L)]["shards"], job.job_info)
+            manifests[L].created_at = created_at
+        # Checked again at the last moment: the lock is still ours, and nothing appeared meanwhile.
+        try:
+            held.check()
+        except lock.LockLost as e:
+            raise publish.JobError(str(e)) from e
+        publish.refuse_existing(config)
+        try:
+            switched = swap.publish(config.output, job.run_id, manifests, seen, config.overwrite, progress=switched)
+        except outputs.SwitchRefused as e:
+            raise publish.JobError(f"{e}; the sets now in {config.output} are another run's") from e
+        return JobResult(switched, stats, time.monotonic() - started, job.run_id, metrics, notes)
+    except KeyboardInterrupt as e:
+        raise Interrupted(_interrupted_message(config, switched)) from e
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise publish.JobError(failures.no_space(config.output, getattr(e, "filename", None)) + _partial(config, switched)) from e
         raise
+    finally:
+        staging.cleanup_run(config.output, config.max_lengths, job.run_id)
+        held.release()
+
+
+def _partial(config: PackConfig, switched: dict[int, str]) -> str:
+    if not switched or len(switched) == len(config.max_lengths):
+        return ""
+    rest = [L for L in config.max_lengths if L not in switched]
+    return (f" (but L{', L'.join(map(str, switched))} were already switched to this run's set and "
+            f"L{', L'.join(map(str, rest))} were not: {config.output}/{swap.RUN_RECORD_NAME} does not match them; "
+            "run again with --overwrite)")
+
+
+def _interrupted_message(config: PackConfig, switched: dict[int, str]) -> str:
+    if not switched:
+        return "interrupted; nothing new was published, the previous shard sets are intact"
+    if len(switched) == len(config.max_lengths):
+        return "interrupted after every length was switched to the new sets; run again with --overwrite to finish cleaning up"
+    return "interrupted while publishing" + _partial(config, switched)

@@ -56,6 +56,7 @@ class PackConfig:
     target_shard_mb: float = DEFAULT_TARGET_SHARD_MB
     max_bad_fraction: float = 0.0
     overwrite: bool = False
+    clean_stale: bool = False  # remove leftovers of earlier killed runs (does not shape the rows)
     sub_buckets: int | None = None  # None: derived from the input size (planning.choose_sub_buckets)
     tfds_data_dir: str | None = None
     batch_size: int = 512  # records per element after reading; also the encode_batch size
@@ -130,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--max-bad-fraction", type=float, default=0.0,
                      help="fail when bad records / examples read exceeds this (default 0: any bad record fails the job)")
     out.add_argument("--overwrite", action="store_true", help="replace existing shard sets in OUTPUT")
+    out.add_argument("--clean-stale", action="store_true",
+                     help="remove what earlier killed runs left in OUTPUT (staging folders, temp files, unpublished shards)")
     out.add_argument("--batch-size", type=int, default=512, help="records per batch for tokenizing (default 512)")
     out.add_argument("--no-progress", action="store_true", help="no records/s lines from the workers")
     return p
@@ -185,6 +188,7 @@ def parse_args(argv: Sequence[str]) -> tuple[PackConfig, list[str]]:
         target_shard_mb=ns.target_shard_mb,
         max_bad_fraction=ns.max_bad_fraction,
         overwrite=ns.overwrite,
+        clean_stale=ns.clean_stale,
         sub_buckets=ns.sub_buckets,
         tfds_data_dir=ns.tfds_data_dir,
         batch_size=ns.batch_size,

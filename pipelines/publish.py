@@ -1,13 +1,8 @@
-"""Launcher side of writing: checks before the run, the manifest, and atomic publishing.
+"""Launcher side of writing: checks before the run, the figures and the manifest.
 
-The manifest is what makes a shard set exist. Publishing one max length:
-1. (with --overwrite) delete the old manifest first, so no reader ever pairs an
-   old manifest with new shards;
-2. move the new shards and dead letter from staging into OUTPUT/L<L>/;
-3. delete old shards the new set does not reuse;
-4. write manifest.json (a temp name, then a rename) as the very last step.
-A run that fails or is interrupted before step 4 leaves no manifest, and the
-staging prefix is removed on failure.
+Publishing itself (the order that lets readers see the old set or the new one,
+never a mix) is pipelines/swap.py; the lock is pipelines/lock.py; staging
+clean-up and leftovers of killed runs are pipelines/staging.py.
 """
 
 from __future__ import annotations
@@ -15,15 +10,14 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from collections.abc import Iterable
 from typing import Any
 
+from pipelines import swap
 from pipelines.options import PackConfig
-from pipelines.writer import SUMMARY_NAME, length_dir, run_staging_dir, staging_dir, write_bytes
-from prepack.manifest import DEAD_LETTER_NAME, MANIFEST_NAME, Manifest, ManifestError, ShardInfo
+from pipelines.swap import FAILED_DEAD_LETTER_NAME, length_dir, run_staging_dir, staging_dir
+from pipelines.writer import SUMMARY_NAME, write_bytes
+from prepack.manifest import DEAD_LETTER_NAME, Manifest, ShardInfo
 from prepack.stats import PackingStats
-
-FAILED_DEAD_LETTER_NAME = "dead_letter.failed.jsonl"
 
 
 class JobError(RuntimeError):
@@ -37,14 +31,15 @@ def _fs():
 
 
 def manifest_path(output: str, max_length: int) -> str:
-    return f"{length_dir(output, max_length)}/{MANIFEST_NAME}"
+    return swap.manifest_path(output, max_length)
 
 
 def refuse_existing(config: PackConfig) -> None:
-    """Fails before any work when a shard set already exists and --overwrite was not given."""
+    """Fails when a shard set already exists and --overwrite was not given: before any work,
+    and again right before publishing."""
     if config.overwrite:
         return
-    existing = [manifest_path(config.output, L) for L in config.max_lengths if _fs().exists(manifest_path(config.output, L))]
+    existing = swap.existing_manifests(config.output, config.max_lengths)
     if existing:
         raise JobError(
             f"{', '.join(existing)} already exist{'s' if len(existing) == 1 else ''}: refusing to write into an existing "
@@ -68,35 +63,10 @@ def read_summary(output: str, run_id: str) -> dict[str, Any]:
         return json.loads(f.read().decode("utf-8"))
 
 
-def _remove(paths: Iterable[str]) -> None:
+def _remove(paths: list[str]) -> None:
     paths = [p for p in paths if _fs().exists(p)]
     if paths:
         _fs().delete(paths)
-
-
-def _remove_prefix(prefix: str) -> None:
-    """Deletes a staging folder and everything in it, local or gs://."""
-    fs = _fs()
-    try:
-        matched = [m.path for m in fs.match([prefix + "/*"])[0].metadata_list]
-    except Exception:
-        matched = []
-    _remove(matched)
-    if not prefix.startswith("gs://"):
-        _remove([prefix])
-
-
-def cleanup(config: PackConfig, run_id: str) -> None:
-    """Best effort: removes this run's staging prefixes (never anything published)."""
-    for L in config.max_lengths:
-        try:
-            _remove_prefix(staging_dir(config.output, L, run_id))
-        except Exception:
-            pass
-    try:
-        _remove_prefix(run_staging_dir(config.output, run_id))
-    except Exception:
-        pass
 
 
 # ----------------------------------------------------------------------------- figures
@@ -214,46 +184,6 @@ def compose_manifest(
         tool=job_info["tool"],
         dead_letter=DEAD_LETTER_NAME if stats["dead_letter_entries"] else None,
     )
-
-
-def _old_shards(final_dir: str) -> list[str]:
-    path = f"{final_dir}/{MANIFEST_NAME}"
-    if not _fs().exists(path):
-        return []
-    try:
-        with _fs().open(path) as f:
-            old = Manifest.from_json(f.read().decode("utf-8"), source=path)
-        return [f"{final_dir}/{s.path}" for s in old.shards]
-    except (ManifestError, OSError):
-        return []
-
-
-def publish_length(config: PackConfig, run_id: str, manifest: Manifest, created_at: str) -> str:
-    """Moves one max length's staged files into place and writes its manifest last."""
-    fs = _fs()
-    final = length_dir(config.output, manifest.max_length)
-    staged = staging_dir(config.output, manifest.max_length, run_id)
-    old_shards = _old_shards(final)
-    _remove([f"{final}/{MANIFEST_NAME}"])  # from here on the folder is not a shard set
-    sources = [f"{staged}/{s.path}" for s in manifest.shards]
-    targets = [f"{final}/{s.path}" for s in manifest.shards]
-    staged_dead = f"{staged}/{DEAD_LETTER_NAME}"
-    if manifest.dead_letter:
-        sources.append(staged_dead)
-        targets.append(f"{final}/{DEAD_LETTER_NAME}")
-    _remove([t for t in targets if fs.exists(t)])
-    if sources:
-        fs.rename(sources, targets)
-    if not manifest.dead_letter:
-        _remove([f"{final}/{DEAD_LETTER_NAME}"])
-    _remove([f"{final}/{FAILED_DEAD_LETTER_NAME}"])
-    _remove(sorted(set(old_shards) - set(targets)))
-    manifest.created_at = created_at
-    tmp = f"{final}/{MANIFEST_NAME}.tmp-{run_id}"
-    write_bytes(tmp, manifest.to_json().encode("utf-8"))
-    fs.rename([tmp], [f"{final}/{MANIFEST_NAME}"])
-    _remove_prefix(staged)
-    return f"{final}/{MANIFEST_NAME}"
 
 
 def keep_failed_dead_letters(config: PackConfig, run_id: str) -> list[str]:

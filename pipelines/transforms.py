@@ -29,6 +29,7 @@ from apache_beam.pvalue import TaggedOutput
 from apache_beam.transforms.window import GlobalWindows
 
 from pipelines import readers
+from pipelines.failures import InputFileError
 from pipelines.columns import IDS, LENS, MASK, PayloadBatch, Ragged, ShardWork, TokenizedBatch, concat_wire
 from pipelines.planning import LengthPlan, stable_hash, sub_buckets_of
 from pipelines.records import (
@@ -157,9 +158,12 @@ class ReadTaskFn(beam.DoFn):
                     yield (task.task_index, batch)
                     started = StageClock.now()
                     batch = []
+        except InputFileError:
+            raise
         except Exception as e:
             # Name the file: a corrupt Parquet footer deep in pyarrow says nothing about which input it was.
-            raise RuntimeError(f"reading {task.path} ({task.kind}) failed after {count + len(batch)} records: {type(e).__name__}: {e}") from e
+            raise InputFileError(f"reading {task.path} ({task.kind}) failed after {count + len(batch)} records: "
+                                 f"{type(e).__name__}: {e}; check or replace the file") from e
         self.clock.add(StageClock.now() - started)
         if batch:
             count += len(batch)
@@ -310,6 +314,11 @@ class PrepareFn(beam.DoFn, _Tokenizing):
             except RecordError as e:
                 tally[("bad_record", e.reason)] += 1
                 bad.append(dead_letter(self.ctx.tasks, loc, e.reason, e.field, e.message, readers.snippet(record)))
+                continue
+            except RecursionError:  # a record nested too deeply for the template: its problem, not the job's
+                tally[("bad_record", "too_deeply_nested")] += 1
+                bad.append(dead_letter(self.ctx.tasks, loc, "too_deeply_nested", "", "record nested too deeply to read",
+                                       readers.snippet(payload if kind == readers.RAW_TEXT else "")))
                 continue
             if pairs:
                 convs.append(conversations[0])

@@ -26,6 +26,7 @@ from apache_beam.metrics.metric import Metrics
 from pipelines.planning import LengthPlan
 from pipelines.columns import FragmentBatch, ShardWork, concat_wire
 from pipelines.records import DeadLetter, TaskMeta, place_in_file, range_offsets
+from pipelines.swap import length_dir, run_staging_dir, staging_dir  # noqa: F401  (length_dir: re-exported)
 from pipelines.transforms import StageClock
 from pipelines.rows import encode_rows_flat
 from prepack.manifest import DEAD_LETTER_NAME
@@ -34,18 +35,6 @@ from prepack.shardfile import DEFAULT_WRITER_OPTIONS, shard_name, write_shard
 NAMESPACE = "prepack"
 SUMMARY_NAME = "summary.json"
 COPY_BLOCK = 8 << 20
-
-
-def length_dir(output: str, max_length: int) -> str:
-    return f"{output}/L{max_length}"
-
-
-def staging_dir(output: str, max_length: int, run_id: str) -> str:
-    return f"{length_dir(output, max_length)}/.staging-{run_id}"
-
-
-def run_staging_dir(output: str, run_id: str) -> str:
-    return f"{output}/.staging-{run_id}"
 
 
 def create_file(path: str):
@@ -127,14 +116,16 @@ class WriteShardFn(beam.DoFn):
     def _write(self, max_length: int, shard: int, fragments: FragmentBatch, plan: LengthPlan) -> dict:
         started = StageClock.now()
         stats = {"rows": 0, "segments": 0, "tokens": 0, "target_tokens": 0, "min_segments": 1 << 30, "max_segments": 0}
-        name = shard_name(shard, plan.num_shards)
         tmp = tempfile.mkdtemp(prefix="prepack-shard-")
         try:
-            local = os.path.join(tmp, name)
+            local = os.path.join(tmp, shard_name(shard, plan.num_shards))
             rows = _rows_from_fragments(fragments, plan.rows_in_shard(shard), max_length, self.pad_id, stats)
             info = write_shard(local, rows, DEFAULT_WRITER_OPTIONS)
             written = StageClock.now()
             self.clock_write.add(written - started)
+            # The published name carries the content's hash: a new set never overwrites a file
+            # of the set readers may still be using (docs/manifest.md, "Publishing and readers").
+            name = shard_name(shard, plan.num_shards, info.sha256)
             copy_local_to(local, f"{staging_dir(self.output, max_length, self.run_id)}/{name}")
             self.clock_copy.add(StageClock.now() - written)
         finally:
@@ -147,7 +138,7 @@ class WriteShardFn(beam.DoFn):
         return {
             "max_length": max_length,
             "index": shard,
-            "path": info.path,
+            "path": name,
             "num_rows": info.num_rows,
             "num_bytes": info.num_bytes,
             "sha256": info.sha256,

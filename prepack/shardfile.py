@@ -17,8 +17,11 @@ from prepack.manifest import ShardInfo
 DEFAULT_WRITER_OPTIONS = "group_size:1,zstd:3"
 
 
-def shard_name(index: int, count: int) -> str:
-    return f"rows-{index:05d}-of-{count:05d}.array_record"
+def shard_name(index: int, count: int, sha256: str | None = None) -> str:
+    """rows-00000-of-00004.array_record; with the file's sha256 (as the pipeline publishes):
+    rows-00000-of-00004-<first 12 hex digits>.array_record, a name no other content takes."""
+    suffix = f"-{sha256[:12]}" if sha256 else ""
+    return f"rows-{index:05d}-of-{count:05d}{suffix}.array_record"
 
 
 def write_shard(local_path: str, records: Iterable[bytes], options: str = DEFAULT_WRITER_OPTIONS) -> ShardInfo:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -122,7 +123,9 @@ def test_emulator_serves_beam_and_array_record(gcs_emulator, gcs_prefix, tmp_pat
 def test_job_on_gcs_matches_local_run_byte_for_byte(gcs_emulator, local_run, gcs_run):
     names = gcs_objects(gcs_emulator, gcs_run)
     # Exactly a published set: no staging prefix, temp manifest or probe left behind.
-    assert names == sorted(os.listdir(local_run)) == ["manifest.json"] + [
+    assert names == sorted(os.listdir(local_run))
+    assert names[0] == "manifest.json"
+    assert [re.sub(r"-[0-9a-f]{12}\.", ".", n) for n in names[1:]] == [
         f"rows-{i:05d}-of-{NUM_SHARDS:05d}.array_record" for i in range(NUM_SHARDS)
     ]
     local_manifest = open(os.path.join(local_run, "manifest.json"), encoding="utf-8").read()
@@ -133,7 +136,7 @@ def test_job_on_gcs_matches_local_run_byte_for_byte(gcs_emulator, local_run, gcs
             assert gcs_emulator.read_bytes(f"{gcs_run}/{name}") == open(os.path.join(local_run, name), "rb").read(), name
     # Nothing else was written anywhere under the job's output.
     out = gcs_run.rsplit("/", 1)[0]
-    assert [n for n in gcs_objects(gcs_emulator, out) if not n.startswith(f"L{MAX_LENGTH}/")] == []
+    assert [n for n in gcs_objects(gcs_emulator, out) if not n.startswith(f"L{MAX_LENGTH}/")] == ["published.json"]
 
 
 def test_loader_reads_the_gcs_set_like_the_local_one(local_run, gcs_run):
@@ -206,19 +209,16 @@ def test_interrupted_overwrite_keeps_the_published_gcs_set(gcs_emulator, gcs_run
 
 
 def test_crash_before_the_manifest_leaves_an_unpublished_folder(gcs_emulator, gcs_prefix, gcs_run, monkeypatch):
-    """The launcher dies after moving the shards into place but before writing
+    """The launcher is interrupted after moving the shards into place but before switching
     manifest.json: the folder holds shards, and no reader accepts it."""
     import loaders
-    from pipelines import publish
+    from pipelines import swap
 
-    original = publish.write_bytes
-
-    def die_on_manifest(path: str, data: bytes) -> None:
-        if "manifest.json" in path:
+    def die_before_the_manifest(name: str) -> None:
+        if name == "shards_in_place":
             raise KeyboardInterrupt("injected: launcher killed before the manifest")
-        original(path, data)
 
-    monkeypatch.setattr(publish, "write_bytes", die_on_manifest)
+    monkeypatch.setattr(swap, "fault_point", die_before_the_manifest)
     out = f"{gcs_prefix}/out"
     # The CLI turns an interrupt into exit status 130 after its cleanup.
     assert pack(job_args(f"{gcs_run.rsplit('/', 2)[0]}/in/alpaca.jsonl", out)) == 130

@@ -352,7 +352,8 @@ def test_prompt_response_from_tfds_unpacked(tmp_path):
 def read_shard_set_rows(folder, shard: int) -> list:
     from array_record.python.array_record_module import ArrayRecordReader
 
-    reader = ArrayRecordReader(str(folder / f"rows-{shard:05d}-of-00002.array_record"))
+    manifest = json.loads((folder / "manifest.json").read_text())
+    reader = ArrayRecordReader(str(folder / manifest["shards"][shard]["path"]))
     try:
         return [rowformat.decode_row(r, 128) for r in reader.read_all()]
     finally:

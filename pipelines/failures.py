@@ -1,0 +1,51 @@
+"""Turning a failed pipeline into one line that names the file and what to do.
+
+A worker's exception reaches the launcher wrapped by the runner (its message then
+holds the worker's whole traceback). Errors raised on purpose in the workers are
+InputFileError, whose message is already the line to show; it is found again in
+the runner's text by its class name. A full disk is recognised by errno 28.
+"""
+
+from __future__ import annotations
+
+import errno
+import re
+
+
+class InputFileError(RuntimeError):
+    """An input file cannot be read as a whole (truncated, corrupt, changed while the job ran);
+    the message names the file and what to do."""
+
+
+_INPUT_FILE_ERROR = re.compile(r"InputFileError: (?P<line>[^\n]+)")
+_NO_SPACE = re.compile(r"\[Errno 28\][^\n]*|No space left on device[^\n]*")
+
+
+def _chain(exc: BaseException):
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def one_line(exc: BaseException, output: str) -> str | None:
+    """The line to show for a pipeline failure we know, else None."""
+    for e in _chain(exc):
+        if isinstance(e, InputFileError):
+            return str(e).splitlines()[0]
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return no_space(output, getattr(e, "filename", None))
+    text = str(exc)
+    m = _INPUT_FILE_ERROR.search(text)
+    if m:
+        return m.group("line").strip()
+    if _NO_SPACE.search(text):
+        return no_space(output, None)
+    return None
+
+
+def no_space(output: str, where: str | None) -> str:
+    place = f" ({where})" if where else ""
+    return (f"no space left on device while writing{place}: free space on the disk holding {output} and the temp "
+            "folder, or choose another --output; nothing new was published, the previous shard sets are intact")
