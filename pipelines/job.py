@@ -4,8 +4,10 @@
     [--Reshuffle--, only when a task is a big unsplittable file] --> PrepareFn (template + tokenize)
         [oasst1: KeyTableRecordsFn --GroupByKey(tree)--> TableToExamplesFn]
     --> FitAndKeyFn (overlong policy per L, histogram)
-    --> GroupByKey((length, sub-bucket)) --> RouteToRowsFn (side input: the global plans)
-    --> GroupByKey(shard index, across L) --> WriteShardFn (that shard of every L, staging)
+    --> PlanFn (global BFD plan per L from the histogram; each group's slice of the slots)
+    --> GroupByKey((length, sub-bucket)): examples joined with their plan slices --> RouteToRowsFn
+    --> GroupByKey((shard index, window), across L) --> WriteWindowFn (rows of one window, part files)
+    --> GroupByKey((L, shard)) --> AssembleShardFn (parts streamed into the shard, staging)
     plus dead letters per L, tallies, and one summary.json for the launcher.
 
 The launcher (`run`) owns everything outside the graph: the fail-fast checks,
@@ -23,7 +25,7 @@ import time
 import uuid
 from typing import Any
 
-from pipelines import failures, lock, outputs, publish, sources, staging, swap, transforms, writer
+from pipelines import local_memory, failures, lock, outputs, publish, sources, staging, swap, transforms, writer
 from pipelines.options import PackConfig
 from pipelines.planning import build_plans, choose_sub_buckets
 from pipelines.records import TaskMeta
@@ -143,7 +145,7 @@ def prepare(
 
 def build_pipeline(pipeline: Any, job: PreparedJob) -> None:
     import apache_beam as beam
-    from apache_beam.pvalue import AsList, AsSingleton
+    from apache_beam.pvalue import AsDict, AsList, AsSingleton
 
     ctx, config = job.ctx, job.config
     T = transforms
@@ -170,17 +172,24 @@ def build_pipeline(pipeline: Any, job: PreparedJob) -> None:
         bads, tallies = [prepared[T.TAG_BAD]], [prepared[T.TAG_TALLY]]
     fitted = prepared.examples | "FitAndKey" >> beam.ParDo(T.FitAndKeyFn(ctx)).with_outputs(
         T.TAG_HIST, T.TAG_TALLY, T.TAG_DEAD, main="keyed")
-    plans = (
+    planned = (
         fitted[T.TAG_HIST]
         | "Histogram" >> beam.CombineGlobally(T.MergeCounters())
-        | "Plan" >> beam.Map(build_plans, config.max_lengths, config.pack, config.num_shards, config.target_shard_mb)
+        | "Plan" >> beam.ParDo(T.PlanFn(config.max_lengths, config.pack, config.num_shards, config.target_shard_mb))
+        .with_outputs(T.TAG_PLAN, main="slices")
     )
+    # Every worker holds the plans without their slots (O(groups)); each (length, sub-bucket)
+    # group gets its own slice of the slots through the routing GroupByKey.
+    plans = AsDict(planned[T.TAG_PLAN])
     shards = (
-        fitted.keyed
+        (fitted.keyed | "TagExamples" >> beam.Map(T.tag_examples), planned.slices)
+        | "JoinPlanSlices" >> beam.Flatten()
         | "GroupByLength" >> beam.GroupByKey()
-        | "RouteToRows" >> beam.ParDo(T.RouteToRowsFn(ctx), plans=AsSingleton(plans))
+        | "RouteToRows" >> beam.ParDo(T.RouteToRowsFn(ctx), plans=plans)
+        | "GroupByWindow" >> beam.GroupByKey()
+        | "WriteWindows" >> beam.ParDo(writer.WriteWindowFn(config.output, job.run_id, ctx.pad_id), plans=plans)
         | "GroupByShard" >> beam.GroupByKey()
-        | "WriteShards" >> beam.ParDo(writer.WriteShardFn(config.output, job.run_id, ctx.pad_id), plans=AsSingleton(plans))
+        | "WriteShards" >> beam.ParDo(writer.AssembleShardFn(config.output, job.run_id), plans=plans)
     )
     lengths = config.max_lengths
     bad_per_length = (
@@ -202,7 +211,7 @@ def build_pipeline(pipeline: Any, job: PreparedJob) -> None:
         | "Once" >> beam.Create([None])
         | "WriteSummary" >> beam.ParDo(
             writer.WriteSummaryFn(config.output, job.run_id),
-            tally=AsSingleton(tally), plans=AsSingleton(plans), shards=AsList(shards), dead=AsList(dead),
+            tally=AsSingleton(tally), plans=plans, shards=AsList(shards), dead=AsList(dead),
             fingerprints=AsList(read[T.TAG_FINGERPRINT]),
         )
     )
@@ -304,6 +313,10 @@ def run(config: PackConfig, beam_args: list[str], run_id: str | None = None) -> 
     try:
         seen = swap.look(config.output, config.max_lengths)
         notes = _leftovers(config, job.run_id)
+        if local_memory.is_local_runner(beam_args):
+            too_big = local_memory.warning(local_memory.estimate_examples(job.inputs, job.tasks),
+                                           local_memory.local_workers(beam_args), local_memory.available_bytes())
+            notes += [too_big] if too_big else []
         for note in notes:
             log.warning(note)
         publish.probe_output(config.output, job.run_id)

@@ -47,6 +47,7 @@ TAG_TALLY = "tally"
 TAG_HIST = "hist"
 TAG_DEAD = "dead"
 TAG_FINGERPRINT = "fingerprint"
+TAG_PLAN = "plan"
 
 # oasst1 messages dropped for these reasons are a property of the data set (other
 # languages, failed review, deleted threads), not bad input: counted, not failed on.
@@ -564,12 +565,48 @@ class FitAndKeyFn(beam.DoFn):
 # ----------------------------------------------------------------------------- route to rows
 
 
+# What a value in a routing group is: a batch of the group's examples, or its slice of one plan.
+EXAMPLES, SLICE = 0, 1
+
+
+def tag_examples(element: tuple) -> tuple:
+    """((length_key, b), wire) -> ((length_key, b), (EXAMPLES, wire)) for the routing join."""
+    return element[0], (EXAMPLES, element[1])
+
+
+class PlanFn(beam.DoFn):
+    """The global histogram -> one BFD plan per L.
+
+    Main output: each (length_key, b) group's slice of the plan's slots,
+    ((length_key, b), (SLICE, (L, rows, positions))), which the routing GroupByKey joins
+    with that group's examples, so no worker holds more of the plan than its group's slots.
+    Tagged `plan`: (L, the plan without slots), O(groups), the side input every worker gets.
+    """
+
+    def __init__(self, max_lengths: tuple[int, ...], pack: bool, num_shards: int | None, target_shard_mb: float):
+        self.max_lengths = max_lengths
+        self.pack = pack
+        self.num_shards = num_shards
+        self.target_shard_mb = target_shard_mb
+
+    def process(self, histogram: dict) -> Iterator[Any]:
+        from pipelines.planning import build_plan
+
+        for L in self.max_lengths:
+            plan = build_plan(histogram, L, self.pack, self.num_shards, self.target_shard_mb)
+            if self.pack:
+                for key, rows, positions in plan.group_slices():
+                    yield (key, (SLICE, (L, rows.astype("<i4").tobytes(), positions.astype("<i4").tobytes())))
+            yield TaggedOutput(TAG_PLAN, (L, plan.without_slots()))
+
+
 class RouteToRowsFn(beam.DoFn):
-    """((length_key, b), payload batches) -> (shard index, ShardWork wire).
+    """((length_key, b), [examples and plan slices]) -> ((shard index, window), ShardWork wire).
 
     Ranks the group's examples by (hash, example_id) and gives the k-th survivor of
-    each max length the slot the global plan reserved for it. Slots in shards with the
-    same index share one writer, which gets each example's tokens once for all of them.
+    each max length the k-th slot of the group's slice of that L's plan. Slots in the same
+    write window of shards with the same index share one writer, which gets each example's
+    tokens once for all of them.
     """
 
     def __init__(self, ctx: JobContext):
@@ -580,18 +617,34 @@ class RouteToRowsFn(beam.DoFn):
         self.clock = StageClock("route")
 
     def start_bundle(self) -> None:
-        self.buffers: dict[int, list[ShardWork]] = defaultdict(list)
+        self.buffers: dict[tuple[int, int], list[ShardWork]] = defaultdict(list)
         self.buffered = 0
 
     def process(self, element: tuple[tuple[int, int], Iterable[tuple]], plans: dict[int, LengthPlan]) -> Iterator[Any]:
         started = StageClock.now()
-        (key, b), wires = element
+        (key, b), values = element
+        wires, slices = [], {}
+        for kind, value in values:
+            if kind == SLICE:
+                L, rows, positions = value
+                slices[L] = (np.frombuffer(rows, "<i4").astype(np.int64), np.frombuffer(positions, "<i4"))
+            else:
+                wires.append(value)
+        # A plan slice whose examples never came routes nothing: the writers' row checks fail the job.
+        if wires:
+            self._route(key, b, wires, slices, plans)
+        self.clock.add(StageClock.now() - started)
+        if self.buffered >= FLUSH_EXAMPLES:
+            yield from self._flush(windowed=False)
+
+    def _route(self, key: int, b: int, wires: list, slices: dict, plans: dict[int, LengthPlan]) -> None:
+        """Buffers the group's examples as ShardWork per (shard, window) target."""
         batch = concat_wire(PayloadBatch, wires)
         order = batch.rank_order()
         examples = batch.examples
         lens = examples.lens[order].astype(np.int64)
         truncate = self.ctx.overlong is OverlongPolicy.TRUNCATE
-        slots: dict[int, list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]] = defaultdict(list)
+        slots: dict[tuple[int, int], list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]] = defaultdict(list)
         for L in self.ctx.max_lengths:
             plan = plans[L]
             keep = lens <= L
@@ -600,23 +653,28 @@ class RouteToRowsFn(beam.DoFn):
             survivors = order[keep]
             if not len(survivors):
                 continue
-            rows, positions = plan.route(key, b, len(survivors))
-            if plan.num_shards == 1:
-                slots[0].append((L, rows, positions, survivors))
-                continue
-            shards = rows % plan.num_shards
-            for shard in np.unique(shards).tolist():
-                sel = shards == shard
-                slots[shard].append((L, rows[sel], positions[sel], survivors[sel]))
-        for shard, parts in slots.items():
+            if plan.pack:
+                rows, positions = slices.get(L, (np.zeros(0, np.int64), np.zeros(0, np.int32)))
+                if len(rows) != len(survivors):
+                    raise AssertionError(f"L={L}: group {(key, b)} has {len(survivors)} examples, its plan slice "
+                                         f"{len(rows)} slots")
+            else:
+                rows, positions = plan.route(key, b, len(survivors))
+            # (shard, window) of each slot, as one sortable code; a group's slots are split by it.
+            codes = (rows % plan.num_shards) << 32 | plan.windows_of(rows)
+            by_code = np.argsort(codes, kind="stable")
+            unique, starts = np.unique(codes[by_code], return_index=True)
+            for code, sel in zip(unique.tolist(), np.split(by_code, starts[1:])):
+                slots[(code >> 32, code & 0xFFFFFFFF)].append((L, rows[sel], positions[sel], survivors[sel]))
+        for target, parts in slots.items():
             taken = np.concatenate([p[3] for p in parts])
             lengths = np.concatenate([np.full(len(p[1]), p[0], dtype=np.int32) for p in parts])
             unique, local = np.unique(taken, return_inverse=True)
-            # Each example travels cut to the longest max length it serves in this shard
+            # Each example travels cut to the longest max length it serves in this window
             # (under --overlong truncate a long document would otherwise cross whole).
             longest = np.zeros(len(unique), dtype=np.int64)
             np.maximum.at(longest, local, lengths)
-            self.buffers[shard].append(ShardWork(
+            self.buffers[target].append(ShardWork(
                 lengths,
                 np.concatenate([p[1] for p in parts]),
                 np.concatenate([p[2] for p in parts]).astype(np.int32),
@@ -625,14 +683,11 @@ class RouteToRowsFn(beam.DoFn):
             ))
             self.buffered += len(taken)
         self.m_routed.inc(len(order))
-        self.clock.add(StageClock.now() - started)
-        if self.buffered >= FLUSH_EXAMPLES:
-            yield from self._flush(windowed=False)
 
     def _flush(self, windowed: bool) -> Iterator[Any]:
         wrap = _windowed if windowed else (lambda v: v)
-        for shard, parts in self.buffers.items():
-            yield wrap((shard, ShardWork.concat(parts).to_wire()))
+        for target, parts in self.buffers.items():
+            yield wrap((target, ShardWork.concat(parts).to_wire()))
         self.buffers = defaultdict(list)
         self.buffered = 0
 

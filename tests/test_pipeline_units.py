@@ -3,6 +3,7 @@ the batched row encoder, options, input specs and the density table."""
 
 from __future__ import annotations
 
+import json
 import random
 from collections import Counter
 
@@ -598,10 +599,37 @@ def test_router_ships_examples_cut_to_the_longest_max_length_they_serve():
     fn = T.RouteToRowsFn(ctx)
     fn.setup()
     fn.start_bundle()
-    out = list(fn.process(((n, 0), [payload.to_wire()]), plans)) + list(fn.finish_bundle())
-    [(shard, wire)] = [getattr(o, "value", o) for o in out]
+    values = [(T.EXAMPLES, payload.to_wire())] + [
+        (T.SLICE, (L, rows.astype("<i4").tobytes(), positions.astype("<i4").tobytes()))
+        for L in lengths for _, rows, positions in plans[L].group_slices()]
+    summaries = {L: plan.without_slots() for L, plan in plans.items()}
+    out = list(fn.process(((n, 0), values), summaries)) + list(fn.finish_bundle())
+    [(target, wire)] = [getattr(o, "value", o) for o in out]
     work = ShardWork.from_wire(wire)
-    assert shard == 0 and work.examples.lens.tolist() == [128] and work.max_lengths() == [64, 128]
+    assert target == (0, 0) and work.examples.lens.tolist() == [128] and work.max_lengths() == [64, 128]
     for L in lengths:
         fragments = work.fragments(L)
         assert fragments.examples.lens.tolist() == [L] and fragments.examples.ids.tolist() == list(range(L))
+
+
+def test_local_runner_memory_estimate_and_warning(tmp_path):
+    """Before a local run: examples estimated from the input (JSONL sampled for bytes per line),
+    and one warning naming Dataflow and the split size when the launcher would not fit."""
+    from pipelines import local_memory as lm
+    from pipelines.sources import resolve_inputs
+
+    path = tmp_path / "a.jsonl"
+    path.write_text("".join(json.dumps({"en": f"pair {i}", "fr": f"paire {i}"}) + "\n" for i in range(5000)))
+    inputs, tasks = resolve_inputs([str(path)])
+    assert lm.estimate_examples(inputs, tasks) == 5000
+    gb = 1 << 30
+    assert lm.warning(1_000_000, 2, 24 * gb) is None
+    message = lm.warning(10_000_000, 2, 24 * gb)
+    assert message == (
+        "this input holds about 10,000,000 examples; Beam's local runner keeps every shuffle in memory (~2.3 KB per "
+        "example), so this run needs about 24.8 GB but 24.0 GB are available: it will likely run out of memory. "
+        "Run it on Dataflow (gcp/launch_dataflow.py), or split the input into parts of at most 7,380,516 examples "
+        "and pack each part on its own")
+    assert lm.warning(10_000_000, 2, None) is None  # unknown memory: no guess
+    assert lm.local_workers(["--direct_num_workers=3"]) == 3 and lm.local_workers(["--direct_num_workers", "2"]) == 2
+    assert lm.is_local_runner(["--runner=FnApiRunner"]) and not lm.is_local_runner(["--runner", "DataflowRunner"])
