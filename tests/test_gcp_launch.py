@@ -54,7 +54,8 @@ def test_dry_run_prints_the_whole_command_and_runs_nothing(capsys, monkeypatch):
     assert argv[1:4] == ["-m", "apps.cli", "pack"]
     for flag, value in [("--runner", "DataflowRunner"), ("--project", "my-proj"), ("--region", "us-central1"),
                         ("--temp_location", "gs://b/dataflow/temp"), ("--staging_location", "gs://b/dataflow/staging"),
-                        ("--worker_machine_type", "n2-standard-8"), ("--max_num_workers", "8"), ("--disk_size_gb", "50"),
+                        ("--worker_machine_type", "n2-standard-8"), ("--max_num_workers", "16"), ("--disk_size_gb", "50"),
+                        ("--number_of_worker_harness_threads", "2"),
                         ("--experiments", "use_runner_v2"), ("--setup_file", str(REPO / "setup.py")),
                         ("--requirements_file", str(REPO / "gcp" / "worker_requirements.txt")),
                         ("--output", "gs://b/sets/alpaca"), ("--max-length", "2048")]:
@@ -106,6 +107,18 @@ def test_beam_stages_our_package_and_the_pipeline_extra(tmp_path):
     assert {"pipelines/job.py", "pipelines/writer.py", "prepack/tokenizer.py", "prepack/sample_data/sample_sft.jsonl"} <= names
 
 
+@pytest.mark.parametrize("examples, workers", [(1_000_000, 4), (10_000_000, 4), (10_000_001, 16), (100_000_000, 16),
+                                               (1_000_000_000, 64), (5_000_000_000, 64)])
+def test_worker_ceiling_follows_the_sizing_table(examples, workers):
+    """docs/gcp.md's table: 4 n2-standard-8 up to 10M examples, 16 up to 100M, 64 up to 1B."""
+    cmd = ld.build_command(BASE + ["--examples", str(examples)]).cmd
+    assert option(cmd, "--max_num_workers") == str(workers)
+    assert option(ld.build_command(BASE + ["--examples", str(examples), "--max-workers", "3"]).cmd, "--max_num_workers") == "3"
+    table = (REPO / "docs" / "gcp.md").read_text()
+    for _, n in ld.SIZING:
+        assert f"| {n} × `{ld.DEFAULT_MACHINE_TYPE}` |" in table, n
+
+
 def test_worker_requirements_are_the_pipeline_extra():
     listed = [line.strip() for line in (REPO / "gcp" / "worker_requirements.txt").read_text().splitlines()
               if line.strip() and not line.startswith("#")]
@@ -145,11 +158,12 @@ def test_validate_builds_the_job_with_the_dataflow_runner_offline(capsys, monkey
     assert ld.main(VALID_BASE + ["--validate"]) == 0
     out = capsys.readouterr().out
     assert "the job builds for Dataflow" in out and "problem" not in out
-    report = dv.validate(ld.build_command(VALID_BASE + ["--number_of_worker_harness_threads", "2"]).cmd[4:])
+    report = dv.validate(ld.build_command(VALID_BASE + ["--examples", "1000000000"]).cmd[4:])
     assert report.problems == []
     assert set(dv.EXPECTED_STEPS) <= set(report.steps)
     assert report.packaging == "setup" and {"workflow.tar.gz", "requirements.txt"} <= set(report.staged)
-    assert (report.machine_type, report.disk_size_gb, report.harness_threads) == (ld.DEFAULT_MACHINE_TYPE, ld.DEFAULT_DISK_GB, 2)
+    assert (report.machine_type, report.disk_size_gb, report.harness_threads, report.max_workers) == (
+        ld.DEFAULT_MACHINE_TYPE, ld.DEFAULT_DISK_GB, ld.DEFAULT_HARNESS_THREADS, 64)
     # Every project DoFn with a setup ran it: read, tokenize, fit, route, write shards/dead letters/summary.
     assert report.unpickled["dofns"] >= 20 and report.unpickled["coders"] >= 10 and report.unpickled["setups"] >= 7
 
