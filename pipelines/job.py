@@ -5,7 +5,8 @@
         [oasst1: KeyTableRecordsFn --GroupByKey(tree)--> TableToExamplesFn]
     --> FitAndKeyFn (overlong policy per L, histogram)
     --> PlanFn (global BFD plan per L from the histogram; each group's slice of the slots)
-    --> GroupByKey((length, sub-bucket)): examples joined with their plan slices --> RouteToRowsFn
+    --> GroupByKey((length, sub-bucket)) --> RouteToRowsFn (side inputs: plans without slots; the
+        group's slice of the slots, looked up by its key in a multimap)
     --> GroupByKey((shard index, window), across L) --> WriteWindowFn (rows of one window, part files)
     --> GroupByKey((L, shard)) --> AssembleShardFn (parts streamed into the shard, staging)
     plus dead letters per L, tallies, and one summary.json for the launcher.
@@ -145,7 +146,7 @@ def prepare(
 
 def build_pipeline(pipeline: Any, job: PreparedJob) -> None:
     import apache_beam as beam
-    from apache_beam.pvalue import AsDict, AsList, AsSingleton
+    from apache_beam.pvalue import AsDict, AsList, AsMultiMap, AsSingleton
 
     ctx, config = job.ctx, job.config
     T = transforms
@@ -179,13 +180,12 @@ def build_pipeline(pipeline: Any, job: PreparedJob) -> None:
         .with_outputs(T.TAG_PLAN, main="slices")
     )
     # Every worker holds the plans without their slots (O(groups)); each (length, sub-bucket)
-    # group gets its own slice of the slots through the routing GroupByKey.
+    # group reads its own slice of the slots from a multimap side input, fetched per key.
     plans = AsDict(planned[T.TAG_PLAN])
     shards = (
-        (fitted.keyed | "TagExamples" >> beam.Map(T.tag_examples), planned.slices)
-        | "JoinPlanSlices" >> beam.Flatten()
+        fitted.keyed
         | "GroupByLength" >> beam.GroupByKey()
-        | "RouteToRows" >> beam.ParDo(T.RouteToRowsFn(ctx), plans=plans)
+        | "RouteToRows" >> beam.ParDo(T.RouteToRowsFn(ctx), plans=plans, slices=AsMultiMap(planned.slices))
         | "GroupByWindow" >> beam.GroupByKey()
         | "WriteWindows" >> beam.ParDo(writer.WriteWindowFn(config.output, job.run_id, ctx.pad_id), plans=plans)
         | "GroupByShard" >> beam.GroupByKey()

@@ -565,21 +565,13 @@ class FitAndKeyFn(beam.DoFn):
 # ----------------------------------------------------------------------------- route to rows
 
 
-# What a value in a routing group is: a batch of the group's examples, or its slice of one plan.
-EXAMPLES, SLICE = 0, 1
-
-
-def tag_examples(element: tuple) -> tuple:
-    """((length_key, b), wire) -> ((length_key, b), (EXAMPLES, wire)) for the routing join."""
-    return element[0], (EXAMPLES, element[1])
-
-
 class PlanFn(beam.DoFn):
     """The global histogram -> one BFD plan per L.
 
     Main output: each (length_key, b) group's slice of the plan's slots,
-    ((length_key, b), (SLICE, (L, rows, positions))), which the routing GroupByKey joins
-    with that group's examples, so no worker holds more of the plan than its group's slots.
+    ((length_key, b), (L, rows, positions)), a multimap side input of RouteToRowsFn that a
+    worker reads one group's key at a time (Beam's multimap side inputs are fetched per key
+    through the state API), so no worker holds more of the plan than its groups' slots.
     Tagged `plan`: (L, the plan without slots), O(groups), the side input every worker gets.
     """
 
@@ -596,15 +588,16 @@ class PlanFn(beam.DoFn):
             plan = build_plan(histogram, L, self.pack, self.num_shards, self.target_shard_mb)
             if self.pack:
                 for key, rows, positions in plan.group_slices():
-                    yield (key, (SLICE, (L, rows.astype("<i4").tobytes(), positions.astype("<i4").tobytes())))
+                    yield (key, (L, rows.astype("<i4").tobytes(), positions.astype("<i4").tobytes()))
             yield TaggedOutput(TAG_PLAN, (L, plan.without_slots()))
 
 
 class RouteToRowsFn(beam.DoFn):
-    """((length_key, b), [examples and plan slices]) -> ((shard index, window), ShardWork wire).
+    """((length_key, b), example batches) -> ((shard index, window), ShardWork wire).
 
     Ranks the group's examples by (hash, example_id) and gives the k-th survivor of
-    each max length the k-th slot of the group's slice of that L's plan. Slots in the same
+    each max length the k-th slot of the group's slice of that L's plan (looked up by the
+    group's key in the `slices` multimap side input). Slots in the same
     write window of shards with the same index share one writer, which gets each example's
     tokens once for all of them.
     """
@@ -620,19 +613,15 @@ class RouteToRowsFn(beam.DoFn):
         self.buffers: dict[tuple[int, int], list[ShardWork]] = defaultdict(list)
         self.buffered = 0
 
-    def process(self, element: tuple[tuple[int, int], Iterable[tuple]], plans: dict[int, LengthPlan]) -> Iterator[Any]:
+    def process(self, element: tuple[tuple[int, int], Iterable[tuple]], plans: dict[int, LengthPlan],
+                slices: Any = None) -> Iterator[Any]:
         started = StageClock.now()
-        (key, b), values = element
-        wires, slices = [], {}
-        for kind, value in values:
-            if kind == SLICE:
-                L, rows, positions = value
-                slices[L] = (np.frombuffer(rows, "<i4").astype(np.int64), np.frombuffer(positions, "<i4"))
-            else:
-                wires.append(value)
-        # A plan slice whose examples never came routes nothing: the writers' row checks fail the job.
-        if wires:
-            self._route(key, b, wires, slices, plans)
+        (key, b), wires = element
+        mine = {}
+        if slices is not None:
+            for L, rows, positions in slices[(key, b)]:
+                mine[L] = (np.frombuffer(rows, "<i4").astype(np.int64), np.frombuffer(positions, "<i4"))
+        self._route(key, b, list(wires), mine, plans)
         self.clock.add(StageClock.now() - started)
         if self.buffered >= FLUSH_EXAMPLES:
             yield from self._flush(windowed=False)

@@ -599,11 +599,10 @@ def test_router_ships_examples_cut_to_the_longest_max_length_they_serve():
     fn = T.RouteToRowsFn(ctx)
     fn.setup()
     fn.start_bundle()
-    values = [(T.EXAMPLES, payload.to_wire())] + [
-        (T.SLICE, (L, rows.astype("<i4").tobytes(), positions.astype("<i4").tobytes()))
-        for L in lengths for _, rows, positions in plans[L].group_slices()]
+    slices = {(n, 0): [(L, rows.astype("<i4").tobytes(), positions.astype("<i4").tobytes())
+                       for L in lengths for _, rows, positions in plans[L].group_slices()]}
     summaries = {L: plan.without_slots() for L, plan in plans.items()}
-    out = list(fn.process(((n, 0), values), summaries)) + list(fn.finish_bundle())
+    out = list(fn.process(((n, 0), [payload.to_wire()]), summaries, slices)) + list(fn.finish_bundle())
     [(target, wire)] = [getattr(o, "value", o) for o in out]
     work = ShardWork.from_wire(wire)
     assert target == (0, 0) and work.examples.lens.tolist() == [128] and work.max_lengths() == [64, 128]
