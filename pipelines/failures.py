@@ -12,6 +12,11 @@ import errno
 import re
 
 
+class ShardCheckError(AssertionError):
+    """The rows that reached a writer are not the rows the plan put there (elements were lost
+    or duplicated between steps); `one_line` turns it into the job's one-line error."""
+
+
 class InputFileError(RuntimeError):
     """An input file cannot be read as a whole (truncated, corrupt, changed while the job ran);
     the message names the file and what to do."""

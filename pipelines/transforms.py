@@ -29,7 +29,7 @@ from apache_beam.pvalue import TaggedOutput
 from apache_beam.transforms.window import GlobalWindows
 
 from pipelines import readers
-from pipelines.failures import InputFileError
+from pipelines.failures import InputFileError, ShardCheckError
 from pipelines.columns import IDS, LENS, MASK, PayloadBatch, Ragged, ShardWork, TokenizedBatch, concat_wire
 from pipelines.planning import LengthPlan, stable_hash, sub_buckets_of
 from pipelines.records import (
@@ -645,8 +645,8 @@ class RouteToRowsFn(beam.DoFn):
             if plan.pack:
                 rows, positions = slices.get(L, (np.zeros(0, np.int64), np.zeros(0, np.int32)))
                 if len(rows) != len(survivors):
-                    raise AssertionError(f"L={L}: group {(key, b)} has {len(survivors)} examples, its plan slice "
-                                         f"{len(rows)} slots")
+                    raise ShardCheckError(f"L={L}: group {(key, b)} has {len(survivors)} examples, its plan slice "
+                                          f"{len(rows)} slots")
             else:
                 rows, positions = plan.route(key, b, len(survivors))
             # (shard, window) of each slot, as one sortable code; a group's slots are split by it.

@@ -26,6 +26,7 @@ from apache_beam.metrics.metric import Metrics
 
 from pipelines.planning import LengthPlan
 from pipelines.columns import FragmentBatch, ShardWork, concat_wire
+from pipelines.failures import ShardCheckError
 from pipelines.records import DeadLetter, TaskMeta, place_in_file, range_offsets
 from pipelines.swap import length_dir, run_staging_dir, staging_dir  # noqa: F401  (length_dir: re-exported)
 from pipelines.transforms import StageClock
@@ -53,10 +54,6 @@ def write_bytes(path: str, data: bytes) -> None:
 def copy_local_to(local_path: str, dest: str) -> None:
     with open(local_path, "rb") as src, create_file(dest) as dst:
         shutil.copyfileobj(src, dst, COPY_BLOCK)
-
-
-class ShardCheckError(AssertionError):
-    """The rows that reached a shard are not the rows the plan put there."""
 
 
 def _rows_from_fragments(

@@ -632,3 +632,18 @@ def test_local_runner_memory_estimate_and_warning(tmp_path):
     assert lm.warning(10_000_000, 2, None) is None  # unknown memory: no guess
     assert lm.local_workers(["--direct_num_workers=3"]) == 3 and lm.local_workers(["--direct_num_workers", "2"]) == 2
     assert lm.is_local_runner(["--runner=FnApiRunner"]) and not lm.is_local_runner(["--runner", "DataflowRunner"])
+
+
+def test_a_shard_check_error_from_a_worker_becomes_one_line():
+    """The runner wraps a worker's exception with its whole traceback; the launcher shows one line."""
+    from pipelines.failures import one_line
+
+    text = ("Traceback (most recent call last):\n  File \"apache_beam/runners/common.py\", line 1512, in process\n"
+            "pipelines.failures.ShardCheckError: L=512: group (31, 0) has 20 examples, its plan slice 0 slots "
+            "[while running 'RouteToRows']\n")
+    assert one_line(RuntimeError(text), "/out") == (
+        "the shard check failed, nothing was published, the previous shard sets are intact: L=512: group (31, 0) has "
+        "20 examples, its plan slice 0 slots [while running 'RouteToRows']. Elements were lost or duplicated between "
+        "pipeline steps (a runner fault): run the job again; locally use --direct_running_mode=multi_processing "
+        "(the default) or in_memory")
+    assert one_line(RuntimeError("some other failure"), "/out") is None
