@@ -227,13 +227,18 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
         print(f"prepack inspect: {e}", file=err)
         return 1
     print("\n".join(summary_lines(manifest, path)), file=out)
-    if args.rows <= 0:
+    if args.rows <= 0 and not args.verify:
         return 0
     try:
         view = open_shards(path, verify=args.verify)
     except ManifestError as e:
         print(f"prepack inspect: {e}", file=err)
         return 1
+    if args.verify:  # asked for: always run, and say that it passed
+        print(f"verified {len(manifest.shards)} shards (sha256)", file=out)
+    if args.rows <= 0:
+        view.close()
+        return 0
     try:
         with view:
             return _show_rows(view, manifest, args, out, err)

@@ -11,10 +11,9 @@ rows fill ceil(rows / B) steps, the last one padded with empty rows. The
 expected gain in useful-token (target-token) throughput is then packed target
 tokens per step over unpacked target tokens per step (stats.BatchFigures).
 
-Inputs take the same specs as `prepack pack`: plain local JSONL/JSON/Parquet
-files are read here; gs://, hf:, tfds:, Arrow, compressed files and
-save_to_disk folders go through the pipeline's own read stage (pipelines.sources
-and pipelines.readers, imported lazily), run in this process.
+Inputs take the same specs as `prepack pack` and go through the job's own read
+and prepare stages (pipelines.sources, pipelines.readers, pipelines.prepare.Preparer),
+run in this process: the same records, examples and bad-record reasons.
 
 Tokenizing runs in this process, which suits inputs up to a few million
 examples (about 2M tokens/s per core). For larger ones, `--max-examples N`
@@ -29,7 +28,6 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
-import glob
 import json
 import os
 import random
@@ -229,120 +227,60 @@ def evaluate(examples: ExampleSet, config: PreflightConfig, tokenizer_name: str 
 
 
 # ----------------------------------------------------------------------------- reading inputs
-
-_MISSING = object()
-
-
-LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
+# The job's own read and prepare stages (pipelines.readers, pipelines.prepare.Preparer), run in
+# this process: the same specs, the same records, examples and bad-record reasons as `prepack pack`.
 
 
-def reads_in_process(spec: str) -> bool:
-    """Plain local JSONL/JSON/Parquet files (or globs of them) are read here, without Beam.
-    Every other spec the pipeline accepts (gs://, hf:, tfds:, Arrow, compressed files,
-    save_to_disk folders) goes through the pipeline's own readers, imported lazily."""
-    if spec.startswith(("gs://", "hf:", "tfds:")) or os.path.isdir(spec):
-        return False
-    return spec.lower().endswith(LOCAL_SUFFIXES)
+def _pipelines() -> Any:
+    try:
+        from pipelines import prepare, readers, sources  # lazy: Beam's file systems, datasets, TFDS
+    except ImportError as e:
+        raise PreflightError(f"reading inputs needs the pipeline extra ({e}); pip install 'tunix-prepack[pipeline]'") from e
+    return prepare, readers, sources
+
+
+def read_tasks(spec: str) -> tuple[list[Any], list[Any]]:
+    """(TaskMetas, ReadTasks) of one --input, as the job plans them; PreflightError if unreadable."""
+    _, _, sources = _pipelines()
+    try:
+        inputs, tasks = sources.resolve_inputs([spec])
+    except sources.InputError as e:
+        raise PreflightError(str(e)) from e
+    return sources.task_metas(inputs, tasks), tasks
 
 
 def check_input(spec: str) -> None:
     """Raises PreflightError if the input cannot be read: before the tokenizer loads."""
-    if reads_in_process(spec):
-        expand_input(spec)
-    else:
-        _pipeline_tasks(spec)
+    read_tasks(spec)
 
 
-def input_records(spec: str) -> Iterator[tuple[str, Any]]:
-    """(location, record or ValueError) for every record of an input."""
-    if reads_in_process(spec):
-        for file in expand_input(spec):
-            yield from iter_records(file)
-    else:
-        yield from _pipeline_records(spec)
+def _raw_batches(tasks: Iterable[Any]) -> Iterator[tuple[int, list]]:
+    """(task index, raw records) in batches, as the job's read stage makes them."""
+    _, readers, _ = _pipelines()
+    for task in tasks:
+        for batch in _batches(readers.iter_task(task, readers.FileDigest(), TOKENIZE_BATCH), TOKENIZE_BATCH):
+            yield task.task_index, batch
 
 
-def expand_input(path: str) -> list[str]:
-    """The files a local --input names: a file, or a glob that matches at least one file."""
-    if any(ch in path for ch in "*?["):
-        files = sorted(f for f in glob.glob(path) if os.path.isfile(f))
-        if not files:
-            raise PreflightError(f"input {path!r}: the pattern matches no file")
-        return files
-    if not os.path.exists(path):
-        raise PreflightError(f"input {path!r}: no such file")
-    return [path]
-
-
-def _pipeline_tasks(spec: str) -> list[Any]:
-    try:
-        from pipelines import sources  # lazy: Beam's file systems, datasets, TFDS only for these inputs
-    except ImportError as e:
-        raise PreflightError(f"input {spec!r}: reading it needs the pipeline extra ({e}); "
-                             "pip install 'tunix-prepack[pipeline]'") from e
-    try:
-        return sources.resolve_inputs([spec])[1]
-    except sources.InputError as e:
-        raise PreflightError(str(e)) from e
-
-
-def _pipeline_records(spec: str) -> Iterator[tuple[str, Any]]:
-    """The pipeline's read stage, run in this process: same specs, same bad-record reasons."""
-    from pipelines import readers
-
-    for task in _pipeline_tasks(spec):
-        for index, line, kind, payload in readers.iter_task(task, readers.FileDigest(), TOKENIZE_BATCH):
-            location = f"{task.path}:{line or index}"
-            if kind == readers.RAW_TEXT:
-                record, error = readers.parse_text(payload)
-                yield location, record if error is None else ValueError(f"{error[0]}: {error[1]}")
-            elif kind == readers.RAW_OBJECT:
-                yield location, payload
-            else:
-                reason, message, _ = payload
-                yield location, ValueError(f"{reason}: {message}")
-
-
-def iter_records(path: str) -> Iterator[tuple[str, Any]]:
-    """(location, record) for every record of a JSONL, JSON or Parquet file.
-
-    A line that is not valid JSON yields a ValueError in place of the record,
-    so it is counted as a bad record rather than stopping the estimate.
-    """
-    lower = path.lower()
-    if lower.endswith(".parquet"):
-        try:
-            import pyarrow.parquet as pq  # lazy: only Parquet inputs need it
-        except ImportError as e:
-            raise PreflightError(f"input {path!r}: reading Parquet needs pyarrow ({e})") from e
-        for index, record in enumerate(pq.read_table(path).to_pylist()):
-            yield f"{path}:{index}", record
+def _templated(preparer: Any, metas: list[Any], tasks: list[Any], tally: Counter) -> Iterator[Any]:
+    """(conv, response, meta) of every example, through the job's prepare stage; bad records are
+    tallied by reason as the job does (their dead letters are not kept)."""
+    prepare, _, _ = _pipelines()
+    bad: list[Any] = []
+    template = preparer.template
+    if getattr(template, "table_level", False):  # oasst1: messages only make sense as whole trees
+        trees: dict[str, list] = {}
+        for task_index, items in _raw_batches(tasks):
+            for key, located in prepare.key_table_records(metas, task_index, items, template.group_key, tally, bad):
+                trees.setdefault(key, []).append(located)
+            bad.clear()
+        for key in sorted(trees):
+            yield from preparer.template_table(trees.pop(key), tally, bad).items()
+            bad.clear()
         return
-    if lower.endswith(".json"):
-        with open(path, "rb") as f:
-            text = f.read()
-        try:
-            data = json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            data = _MISSING  # maybe JSON Lines under a .json name
-        if data is not _MISSING:
-            if isinstance(data, dict) and isinstance(data.get("data"), list):
-                data = data["data"]
-            if not isinstance(data, list):
-                raise PreflightError(f"input {path!r}: expected a JSON array of records (or JSON Lines)")
-            for index, record in enumerate(data):
-                yield f"{path}:{index}", record
-            return
-    with open(path, "rb") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                yield f"{path}:{number}", json.loads(line.decode("utf-8"))
-            except UnicodeDecodeError as e:
-                yield f"{path}:{number}", ValueError(f"undecodable_bytes: {e}")
-            except json.JSONDecodeError as e:
-                yield f"{path}:{number}", ValueError(f"malformed_json: {e}")
+    for task_index, items in _raw_batches(tasks):
+        yield from preparer.template_records(task_index, items, tally, bad).items()
+        bad.clear()
 
 
 # ----------------------------------------------------------------------------- template + tokenizer
@@ -368,36 +306,6 @@ class _Reservoir:
         return [item for _, item in sorted(self._items, key=lambda pair: pair[0])]
 
 
-@dataclasses.dataclass
-class _ReadCounts:
-    records: int = 0
-    bad: Counter = dataclasses.field(default_factory=Counter)
-
-
-def _conversations(spec: DatasetSpec, template: Any, counts: _ReadCounts) -> Iterator[Any]:
-    """The dataset's conversations, streamed; bad records are counted by reason and skipped."""
-    from prepack.templates import RecordError
-
-    table: list[Any] = []
-    for _, record in input_records(spec.path):
-        counts.records += 1
-        if isinstance(record, ValueError):
-            counts.bad[str(record).split(":", 1)[0]] += 1
-        elif getattr(template, "table_level", False):
-            table.append(record)  # oasst1: messages only make sense as a whole table
-        else:
-            try:
-                yield from template.to_conversations(record)
-            except RecordError as e:
-                counts.bad[e.reason] += 1
-    if table:
-        result = template.conversations_from_table(table)
-        for dropped in result.dropped:
-            counts.bad[dropped.reason] += 1
-        for conv, _ in result.examples:
-            yield conv
-
-
 def _batches(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
     batch: list[Any] = []
     for item in items:
@@ -409,44 +317,33 @@ def _batches(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
         yield batch
 
 
-def _tokenize(batch: list[Any], tokenizer: Any, chat_format: Any, bad: Counter) -> list[np.ndarray]:
-    """Loss masks of a batch of conversations; one that the chat format rejects is counted and skipped."""
-    from prepack.chat_formats import ChatFormatError, tokenize_conversations
-
-    masks: list[np.ndarray] = []
-    while batch:
-        try:
-            masks.extend(ex.loss_mask for ex in tokenize_conversations(batch, tokenizer, chat_format))
-            break
-        except ChatFormatError as e:
-            if e.index is None:
-                raise
-            # Keep everything before the bad one, count it, and go on after it.
-            if e.index:
-                masks.extend(ex.loss_mask for ex in tokenize_conversations(batch[: e.index], tokenizer, chat_format))
-            bad[e.reason] += 1
-            batch = batch[e.index + 1 :]
-    return masks
+def _loss_masks(batches: Iterable[Any]) -> Iterator[np.ndarray]:
+    for batch in batches:
+        examples = batch.examples
+        yield from np.split(examples.mask, np.cumsum(examples.lens, dtype=np.int64)[:-1])
 
 
 PROGRESS_EVERY_S = 10.0
+_BAD_KINDS = ("bad_record", "bad_example")
 
 
 def load_examples(spec: DatasetSpec, tokenizer: Any, chat_format: Any, config: PreflightConfig) -> ExampleSet:
     """Reads, templates and tokenizes one dataset (all of it, or a seeded sample of --max-examples)."""
-    template = make_template(spec.format, config.template_options)
-    counts = _ReadCounts()
+    prepare, _, _ = _pipelines()
+    metas, tasks = read_tasks(spec.path)
+    preparer = prepare.Preparer(metas, make_template(spec.format, config.template_options), tokenizer, chat_format)
+    tally: Counter = Counter()
     started = last = time.perf_counter()
-    convs: Iterable[Any] = _conversations(spec, template, counts)
+    items: Iterable[Any] = _templated(preparer, metas, tasks, tally)
     seen = None
     if config.max_examples is not None:
         reservoir = _Reservoir(config.max_examples, config.seed)
-        for conv in convs:
-            reservoir.add(conv)
-        convs, seen = reservoir.items(), reservoir.seen
+        for item in items:
+            reservoir.add(item)
+        items, seen = reservoir.items(), reservoir.seen
     collector = _Collector(keep_over=min(config.max_lengths))
-    for batch in _batches(convs, TOKENIZE_BATCH):
-        collector.add(_tokenize(batch, tokenizer, chat_format, counts.bad))
+    for chunk in _batches(items, TOKENIZE_BATCH):
+        collector.add(_loss_masks(preparer.tokenize(prepare.Templated.of(chunk), tally, [])))
         now = time.perf_counter()
         if now - last >= PROGRESS_EVERY_S:  # long in-process runs say they are alive
             last = now
@@ -456,8 +353,8 @@ def load_examples(spec: DatasetSpec, tokenizer: Any, chat_format: Any, config: P
         spec.name,
         input=spec.path,
         format=spec.format,
-        records_read=counts.records,
-        bad_records=counts.bad,
+        records_read=tally[("records_read",)],
+        bad_records=Counter({key[1]: n for key, n in tally.items() if key[0] in _BAD_KINDS}),
         examples_seen=seen if seen is not None else len(collector),
         tokenize_seconds=time.perf_counter() - started,
     )

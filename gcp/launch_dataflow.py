@@ -15,9 +15,10 @@ so they can also override a Beam option it sets (e.g. --num-shards 64,
 --tokenizer hf:Qwen/Qwen3-0.6B, --overlong truncate, --max_num_workers 32).
 
 The launcher process stays up until the Dataflow job ends: `prepack pack` waits
-for the job, then publishes (moves the shards into place, writes manifest.json
+for the job, then publishes (moves the shards into place, switches manifest.json
 last) from here. Run it where it can outlive your laptop's lid (Cloud Shell with
-tmux, a small VM). If it dies mid-job, nothing is published; run it again.
+tmux, a small VM). Interrupting it (Ctrl-C, SIGTERM) cancels the Dataflow job; if
+it dies mid-job, nothing is published; run it again.
 
 Standard library only, so --dry-run works anywhere, Beam installed or not; --validate
 (gcp/dataflow_validate.py) builds the job with the real DataflowRunner offline and needs
@@ -33,6 +34,7 @@ import datetime
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -330,7 +332,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The repository root on sys.path lets `-m apps.cli` work from a checkout
     # that was not pip-installed (the workers get it through --setup_file).
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
-    return subprocess.call(launch.cmd, env=env)
+    return run_job(launch.cmd, env)
+
+
+def run_job(cmd: Sequence[str], env: dict[str, str] | None = None) -> int:
+    """Runs `prepack pack` and waits. When this launcher is interrupted (SIGINT, SIGTERM), the
+    signal is passed on to the job process, which cancels the Dataflow job it submitted, removes
+    its staging files and exits; the launcher waits for that, then exits non-zero."""
+    child = subprocess.Popen(list(cmd), env=env)
+    received: list[int] = []
+
+    def forward(signum: int, frame: object) -> None:
+        received.append(signum)
+        try:
+            child.send_signal(signal.SIGTERM if len(received) == 1 else signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = child.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if received:
+        print(f"launch_dataflow: interrupted (signal {received[0]}); the job was asked to cancel its Dataflow job "
+              f"and exited with status {code}", file=sys.stderr)
+        return 128 + received[0]
+    return code
 
 
 if __name__ == "__main__":

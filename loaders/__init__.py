@@ -18,6 +18,7 @@ from typing import Any
 from loaders.checkpoint import orbax_restore_args, orbax_save_args, restore_iterator_state, save_iterator_state
 from loaders.mask import block_causal_mask, block_causal_mask_jax
 from loaders.shards import ShardSetError, ShardView, open_shards
+from loaders.published import published_lengths
 from prepack.manifest import ManifestError
 
 _LAZY = {
@@ -29,6 +30,7 @@ _LAZY = {
 
 __all__ = [
     "open_shards",
+    "published_lengths",
     "ShardView",
     "ShardSetError",
     "ManifestError",

@@ -13,15 +13,18 @@ one) and names the path it is about.
 
 from __future__ import annotations
 
+import collections
+import functools
 import logging
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent import futures
 from typing import Any, Protocol
 
 import numpy as np
 
 from loaders import storage
+from loaders.shard_cache import ShardCache, ShardCacheError, ShardDigestError
 from prepack import rowformat
 from prepack.manifest import MANIFEST_NAME, Manifest, ManifestError
 
@@ -73,26 +76,45 @@ class ShardView:
     """Random access to the rows of an opened shard set.
 
     len(view) rows; view[i] is row i as a dict of int32 [L] arrays (read-only
-    views of the record); view.read(indices) is a batch as int32 [n, L] arrays,
-    fetched with array_record's batched reads (one call per shard touched).
+    views of the record); view.read(indices) is a batch as int32 [n, L] arrays.
     Row i is the i-th record when the shards are read in manifest order.
-    Readers open lazily and are dropped when pickled, so a view can be sent to
-    worker processes.
+
+    Local (and gcsfuse) shards are read in place. gs:// shards are read from
+    whole-file local copies (loaders.shard_cache): a shard is downloaded, with
+    one GET, on its first read or by prefetch(), and checked against the manifest.
+
+    Each shard's reader opens once per process, on first use (opening reads the
+    footer): readers are dropped when pickled, so a view can go to worker processes.
     """
 
-    def __init__(self, path: str, manifest: Manifest, readers: Sequence[Any] | None = None):
+    def __init__(self, path: str, manifest: Manifest, readers: Sequence[Any] | None = None, cache: ShardCache | None = None):
         self.path = path
         self.manifest = manifest
         self.shard_paths: tuple[str, ...] = tuple(storage.join(path, s.path) for s in manifest.shards)
+        self.cache = cache if storage.is_gcs(path) else None
+        if storage.is_gcs(path) and self.cache is None:
+            self.cache = ShardCache()
         counts = [s.num_rows for s in manifest.shards]
         # starts[k] = global index of shard k's first row.
         self._starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         self._readers: list[Any] = list(readers) if readers is not None else [None] * len(counts)
-        self._lock = threading.Lock()
+        self._init_locks()
+
+    def _init_locks(self) -> None:
+        # One lock per shard: opening one (maybe a download) never waits on another.
+        self._locks = [threading.Lock() for _ in self.shard_paths]
+        self._prefetch_lock = threading.Lock()
+        self._prefetching = False  # per process: a worker process starts its own
+        self._prefetch_wanted = getattr(self, "_prefetch_wanted", 0)
 
     @property
     def max_length(self) -> int:
         return self.manifest.max_length
+
+    @property
+    def is_remote(self) -> bool:
+        """True for gs:// sets (read through the local shard cache)."""
+        return self.cache is not None
 
     def __len__(self) -> int:
         return self.manifest.num_rows
@@ -103,21 +125,78 @@ class ShardView:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_readers"] = [None] * len(self._readers)
-        del state["_lock"]
+        for name in ("_locks", "_prefetch_lock", "_prefetching"):
+            del state[name]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._lock = threading.Lock()
+        self._init_locks()
+
+    def _open(self, shard: int):
+        info = self.manifest.shards[shard]
+        name = self.shard_paths[shard]
+        if self.cache is None:
+            return _check_shard(name, info, self.max_length, verify=False)
+        try:
+            local = self.cache.fetch(name, info.sha256, info.num_bytes)
+        except (ShardCacheError, ShardDigestError) as e:
+            raise ShardSetError(str(e)) from e
+        except Exception as e:  # the client's network errors: name the shard, keep the reason
+            raise ShardSetError(f"{name}: download failed ({type(e).__name__}: {e}); check access to the bucket and retry") from e
+        # The sha256 matched: the copy is the published file; the checks below are cheap and local.
+        return _check_shard(local, info, self.max_length, verify=False, name=name)
 
     def _reader(self, shard: int):
         reader = self._readers[shard]
         if reader is None:
-            with self._lock:
+            with self._locks[shard]:
                 if self._readers[shard] is None:
-                    self._readers[shard] = _open_reader(self.shard_paths[shard])
+                    self._readers[shard] = self._open(shard)
                 reader = self._readers[shard]
         return reader
+
+    def prefetch(self, threads: int = 8) -> None:
+        """Starts fetching every shard in the background (gs:// sets; a no-op for local ones).
+
+        The setting survives pickling: a worker process starts its own on its first read.
+        Errors are left to the read that needs the shard, which retries and raises them.
+        """
+        if self.cache is None:
+            return
+        self._prefetch_wanted = threads
+        self._start_prefetch()
+
+    def _start_prefetch(self) -> None:
+        with self._prefetch_lock:
+            if self._prefetching or not self._prefetch_wanted:
+                return
+            self._prefetching = True
+        todo = collections.deque(range(len(self.shard_paths)))  # popleft is atomic
+
+        def work() -> None:
+            while todo:
+                try:
+                    shard = todo.popleft()
+                except IndexError:
+                    return
+                try:
+                    self._reader(shard)
+                except Exception:  # the foreground read of this shard retries and reports it
+                    pass
+
+        for k in range(min(self._prefetch_wanted, len(todo))):
+            threading.Thread(target=work, daemon=True, name=f"shard-prefetch-{k}").start()
+
+    def _open_many(self, shards: np.ndarray) -> None:
+        """Opens the shards a read needs at the same time: on gs:// each may be a download,
+        and a batch of B rows touches up to B shards."""
+        closed = [k for k in np.unique(shards).tolist() if self._readers[k] is None]
+        if len(closed) > 1:
+            # Errors are left to the read of that shard, which retries and raises them.
+            with futures.ThreadPoolExecutor(max_workers=min(16, len(closed))) as pool:
+                for job in [pool.submit(self._reader, k) for k in closed]:
+                    job.exception()
 
     def _locate(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         n = len(self)
@@ -129,14 +208,26 @@ class ShardView:
         return shards, indices - self._starts[shards]
 
     def records(self, indices: Sequence[int] | np.ndarray) -> list[bytes]:
-        """Raw records for global row indices, in the given order."""
+        """Raw records for global row indices, in the given order.
+
+        One read call per row: array_record's batched read runs a thread pool
+        that costs more host CPU than it saves on local files (measured).
+        """
+        if self._prefetch_wanted and not self._prefetching:
+            self._start_prefetch()
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
         shards, positions = self._locate(idx)
-        out: list[bytes] = [b""] * len(idx)
-        for shard in np.unique(shards).tolist():
-            where = np.flatnonzero(shards == shard)
-            for j, record in zip(where.tolist(), self._reader(shard).read(positions[where].tolist())):
-                out[j] = record
+        self._open_many(shards)
+        out: list[bytes] = []
+        for shard, position in zip(shards.tolist(), positions.tolist()):
+            reader = self._readers[shard] or self._reader(shard)
+            try:
+                out.append(reader.read([position])[0])
+            except Exception as e:  # riegeli checks each chunk's hash: a corrupt record fails here
+                raise ShardSetError(
+                    f"{self.shard_paths[shard]}: record {position} (row {self._starts[shard] + position}) is unreadable, "
+                    f"the file is corrupt ({e}); republish the set or check it with verify=True"
+                ) from e
         return out
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
@@ -153,24 +244,12 @@ class ShardView:
         for i in range(len(self)):
             yield self[i]
 
-    def data_source(self):
-        """A grain.sources.ArrayRecordDataSource over the shards, in manifest order.
-
-        Paths are given in the "file[0:n]" form with the validated row counts,
-        so the source does not open every shard again to count records.
-        """
-        import grain
-
-        return grain.sources.ArrayRecordDataSource(
-            [f"{p}[0:{s.num_rows}]" for p, s in zip(self.shard_paths, self.manifest.shards)]
-        )
-
     def close(self) -> None:
-        with self._lock:
-            for reader in self._readers:
-                if reader is not None:
-                    _close_quietly(reader)
-            self._readers = [None] * len(self._readers)
+        for shard, lock in enumerate(self._locks):
+            with lock:
+                if self._readers[shard] is not None:
+                    _close_quietly(self._readers[shard])
+                    self._readers[shard] = None
 
     def __enter__(self) -> "ShardView":
         return self
@@ -189,32 +268,36 @@ def read_manifest(path: str) -> Manifest:
     return Manifest.from_json(text, source=manifest_path)
 
 
-def _check_shard(path: str, info: Any, max_length: int, verify: bool):
-    """Opens one shard and checks it against its manifest entry; returns the open reader."""
+def _check_shard(path: str, info: Any, max_length: int, verify: bool, name: str | None = None):
+    """Opens one shard and checks it against its manifest entry; returns the open reader.
+
+    name: what messages call the file (a gs:// URL for a cached copy at `path`).
+    """
+    shown = name or path
     try:
         reader = _open_reader(path)
     except Exception as e:  # array_record raises RuntimeError/ValueError with riegeli's status text
-        raise ShardSetError(f"{path}: not a readable ArrayRecord file, truncated or corrupt ({e})") from e
+        raise ShardSetError(f"{shown}: not a readable ArrayRecord file, truncated or corrupt ({e})") from e
     try:
         if verify:  # first: a corrupt file is then named as such, whatever it would fail on below
             digest = storage.sha256(path)
             if digest != info.sha256:
-                raise ShardSetError(f"{path}: sha256 {digest} differs from the manifest's {info.sha256}; the file is corrupt")
+                raise ShardSetError(f"{shown}: sha256 {digest} differs from the manifest's {info.sha256}; the file is corrupt")
         try:
             count = reader.num_records()
             first = reader.read([0])[0] if count else None
             options = reader.writer_options_string()
         except Exception as e:  # riegeli checks chunk hashes: corrupt bytes fail here
-            raise ShardSetError(f"{path}: not a readable ArrayRecord file, truncated or corrupt ({e})") from e
+            raise ShardSetError(f"{shown}: not a readable ArrayRecord file, truncated or corrupt ({e})") from e
         if count != info.num_rows:
-            raise ShardSetError(f"{path}: holds {count} rows, but the manifest says {info.num_rows}; the file was replaced or is corrupt")
+            raise ShardSetError(f"{shown}: holds {count} rows, but the manifest says {info.num_rows}; the file was replaced or is corrupt")
         if first is not None and len(first) != rowformat.record_size(max_length):
             raise ShardSetError(
-                f"{path}: records are {len(first)} bytes, but max_length {max_length} needs "
+                f"{shown}: records are {len(first)} bytes, but max_length {max_length} needs "
                 f"{rowformat.record_size(max_length)}; the shards do not match their manifest"
             )
         if "group_size:1," not in options + ",":
-            log.warning("%s: written with %r; random access wants group_size:1", path, options)
+            log.warning("%s: written with %r; random access wants group_size:1", shown, options)
     except BaseException:
         _close_quietly(reader)
         raise
@@ -227,17 +310,23 @@ def open_shards(
     tokenizer: TokenizerLike | None = None,
     *,
     verify: bool = False,
+    cache_dir: str | None = None,
 ) -> ShardView:
     """Opens and validates a shard set folder (local, gcsfuse mount, or gs://).
 
     expected_max_length: the trainer's sequence length; a set packed for another one is refused.
     tokenizer: the trainer's tokenizer (or its identity dict); a set made with another is refused.
     verify: also hash every shard and compare with the manifest's sha256 (reads every byte).
+      On gs:// every download is hashed anyway; verify=True downloads all shards now.
+    cache_dir: where gs:// shards are copied (see loaders.shard_cache; default
+      $PREPACK_SHARD_CACHE or ~/.cache/prepack/shards). Unused for local sets.
     Raises ManifestError (ShardSetError for shard files) naming the offending path.
+
+    Local shards are opened and checked now (one footer and one record each);
+    gs:// shards are listed and size-checked now, and each is downloaded,
+    hashed and checked when first read (or all now with verify=True).
     """
     path = str(path)
-    if storage.is_gcs(path):
-        storage.gcs_client()  # also points array_record at STORAGE_EMULATOR_HOST, if set
     path = path.rstrip("/") or path
     manifest = read_manifest(path)
     manifest_path = storage.join(path, MANIFEST_NAME)
@@ -259,20 +348,33 @@ def open_shards(
                 "the file is truncated or was replaced"
             )
 
+    if storage.is_gcs(path):
+        view = ShardView(path, manifest, cache=ShardCache(cache_dir))
+        if verify:
+            _run_all([functools.partial(view._reader, k) for k in range(len(names))], close=lambda r: None)
+        return view
     shard_paths = [storage.join(path, n) for n in names]
-    # Opening a shard reads its footer: one round trip each on gs://, so do them concurrently.
-    with futures.ThreadPoolExecutor(max_workers=max(1, min(32, len(names)))) as pool:
-        jobs = [pool.submit(_check_shard, p, s, manifest.max_length, verify) for p, s in zip(shard_paths, manifest.shards)]
-        readers, error = [], None
-        for job in jobs:
-            try:
-                readers.append(job.result())
-            except Exception as e:  # keep the first error, in shard order, after all jobs end
-                error = error or e
-                readers.append(None)
-    if error is not None:
-        for reader in readers:
-            if reader is not None:
-                _close_quietly(reader)
-        raise error
+    readers = _run_all(
+        [functools.partial(_check_shard, p, s, manifest.max_length, verify) for p, s in zip(shard_paths, manifest.shards)],
+        close=_close_quietly,
+    )
     return ShardView(path, manifest, readers)
+
+
+def _run_all(jobs: list[Callable[[], Any]], close: Callable[[Any], None]) -> list[Any]:
+    """Runs the jobs concurrently (each may wait on storage); raises the first error in job order after all end."""
+    with futures.ThreadPoolExecutor(max_workers=max(1, min(32, len(jobs)))) as pool:
+        pending = [pool.submit(job) for job in jobs]
+        results, error = [], None
+        for job in pending:
+            try:
+                results.append(job.result())
+            except Exception as e:
+                error = error or e
+                results.append(None)
+    if error is not None:
+        for result in results:
+            if result is not None:
+                close(result)
+        raise error
+    return results

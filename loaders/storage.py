@@ -1,9 +1,10 @@
 """The few file operations the reader needs, for local paths, gcsfuse mounts and gs:// URLs.
 
-A gcsfuse mount is a local path, so only gs:// needs code of its own: the
-manifest and file sizes come from google-cloud-storage (which honors
-STORAGE_EMULATOR_HOST), while the shard records are read by array_record
-itself, which opens gs:// natively since 0.8.3 (../shared/research/io_stack.md §1.1).
+A gcsfuse mount is a local path, so only gs:// needs code of its own, all
+through google-cloud-storage (which honors STORAGE_EMULATOR_HOST): the manifest,
+file sizes (one listing), and whole-shard downloads into the local shard cache
+(loaders/shard_cache.py). Records are then read from local files: array_record's
+own gs:// reader costs one HTTP request per record.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import functools
 import hashlib
 import os
 from collections.abc import Iterator
+from typing import BinaryIO
 
 GCS_PREFIX = "gs://"
 
@@ -33,16 +35,6 @@ def _split_gcs(path: str) -> tuple[str, str]:
     return bucket, key
 
 
-def _mirror_emulator_for_array_record() -> None:
-    # array_record reads gs:// through google-cloud-cpp, which looks at
-    # CLOUD_STORAGE_EMULATOR_ENDPOINT, while the Python client looks at
-    # STORAGE_EMULATOR_HOST. Mirroring one into the other makes both halves talk
-    # to the same emulator; it never touches a real-GCS setup (neither is set there).
-    host = os.environ.get("STORAGE_EMULATOR_HOST")
-    if host and not os.environ.get("CLOUD_STORAGE_EMULATOR_ENDPOINT"):
-        os.environ["CLOUD_STORAGE_EMULATOR_ENDPOINT"] = host if "://" in host else f"http://{host}"
-
-
 @functools.lru_cache(maxsize=None)
 def _gcs_client(emulator: str | None):  # keyed by the emulator so tests can switch it
     from google.cloud import storage
@@ -51,7 +43,6 @@ def _gcs_client(emulator: str | None):  # keyed by the emulator so tests can swi
 
 
 def gcs_client():
-    _mirror_emulator_for_array_record()
     return _gcs_client(os.environ.get("STORAGE_EMULATOR_HOST"))
 
 
@@ -62,7 +53,7 @@ def read_text(path: str) -> str | None:
 
         bucket, key = _split_gcs(path)
         try:
-            return gcs_client().bucket(bucket).blob(key).download_as_text()
+            return gcs_client().bucket(bucket).blob(key).download_as_bytes(raw_download=True).decode("utf-8")
         except exceptions.NotFound:
             return None
     try:
@@ -95,7 +86,7 @@ def file_sizes(folder: str, names: list[str]) -> dict[str, int | None]:
     if is_gcs(folder):
         bucket, key = _split_gcs(folder)
         prefix = key.rstrip("/") + "/" if key else ""
-        listed = {b.name[len(prefix) :]: b.size for b in gcs_client().list_blobs(bucket, prefix=prefix)}
+        listed = {b.name[len(prefix) :]: b.size for b in gcs_client().bucket(bucket).list_blobs(prefix=prefix)}
         return {n: listed.get(n) for n in names}
     sizes: dict[str, int | None] = {}
     for n in names:
@@ -104,6 +95,50 @@ def file_sizes(folder: str, names: list[str]) -> dict[str, int | None]:
         except FileNotFoundError:
             sizes[n] = None
     return sizes
+
+
+class _HashingWriter:
+    """A write-only file object that hashes what passes through it on its way to `out`."""
+
+    def __init__(self, out: BinaryIO):
+        self._out = out
+        self.digest = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: bytes) -> int:
+        self.digest.update(data)
+        self.size += len(data)
+        return self._out.write(data)
+
+
+def download(url: str, out: BinaryIO) -> tuple[int, str]:
+    """Copies a whole gs:// object into `out` with one GET; returns (bytes, sha256 hex).
+
+    GCS's own checksum is skipped: the caller compares the sha256 with the manifest's.
+    """
+    bucket, key = _split_gcs(url)
+    writer = _HashingWriter(out)
+    gcs_client().bucket(bucket).blob(key).download_to_file(writer, raw_download=True, checksum=None)
+    return writer.size, writer.digest.hexdigest()
+
+
+def _mount_points() -> list[tuple[str, str]]:
+    try:
+        with open("/proc/self/mounts", encoding="utf-8") as f:
+            rows = [line.split()[1:3] for line in f if len(line.split()) > 2]
+    except OSError:
+        return []
+    return [(point.replace("\\040", " "), fstype) for point, fstype in rows]
+
+
+def is_network_mount(path: str) -> bool:
+    """True if `path` lies on a FUSE (gcsfuse) or network file system, where each read waits on the network."""
+    real = os.path.realpath(path)
+    best, fstype = "", ""
+    for point, kind in _mount_points():
+        if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) > len(best):
+            best, fstype = point, kind
+    return fstype.startswith("fuse") or fstype in {"nfs", "nfs4", "cifs", "smb3"}
 
 
 def _chunks(path: str, block: int = 1 << 22) -> Iterator[bytes]:

@@ -6,6 +6,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from pipelines import interrupts
 from pipelines.options import OptionsError, parse_args
 
 # Local runs: worker processes forward their logs to the runner, which re-logs
@@ -29,12 +30,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     # An existing set without --overwrite is refused first, before Beam is even imported.
     from pipelines import swap
 
-    existing = [] if config.overwrite else swap.existing_manifests(config.output, config.max_lengths)
-    if existing:
-        print(f"prepack pack: {', '.join(existing)} already exist{'s' if len(existing) == 1 else ''}: refusing to write "
-              "into an existing shard set. Pass --overwrite to replace it, or choose another --output", file=sys.stderr)
+    refusal = None if config.overwrite else swap.refusal(config.output, config.max_lengths)
+    if refusal:
+        print(f"prepack pack: {refusal}", file=sys.stderr)
         return 1
     _quiet_beam_logs()
+    interrupts.install()
     from pipelines.job import Interrupted, run
     from pipelines.publish import JobError
     from pipelines.report import density_table
@@ -46,9 +47,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except Interrupted as e:
         print(f"prepack pack: {e}", file=sys.stderr)
+        interrupts.exit_if_signalled(130)
         return 130
     except KeyboardInterrupt:
         print("prepack pack: interrupted; nothing new was published", file=sys.stderr)
+        interrupts.exit_if_signalled(130)
         return 130
     for L, path in sorted(result.manifests.items()):
         print(f"L{L}: {path}")

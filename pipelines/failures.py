@@ -24,6 +24,7 @@ class InputFileError(RuntimeError):
 
 _INPUT_FILE_ERROR = re.compile(r"InputFileError: (?P<line>[^\n]+)")
 _SHARD_CHECK_ERROR = re.compile(r"ShardCheckError: (?P<line>[^\n]+)")
+_RUNNER_SUFFIX = re.compile(r"\s*\[while running '[^\n]*'\]\s*$")  # Beam's note of the step
 _NO_SPACE = re.compile(r"\[Errno 28\][^\n]*|No space left on device[^\n]*")
 
 
@@ -38,19 +39,19 @@ def _chain(exc: BaseException):
 def one_line(exc: BaseException, output: str) -> str | None:
     """The line to show for a pipeline failure we know, else None."""
     for e in _chain(exc):
-        if isinstance(e, InputFileError):
-            return str(e).splitlines()[0]
+        if isinstance(e, InputFileError):  # the in-process runner re-raises it, with a note appended
+            return _RUNNER_SUFFIX.sub("", str(e).splitlines()[0]).strip()
         if isinstance(e, OSError) and e.errno == errno.ENOSPC:
             return no_space(output, getattr(e, "filename", None))
         if type(e).__name__ == "ShardCheckError":
-            return lost_rows(str(e).splitlines()[0])
+            return lost_rows(_RUNNER_SUFFIX.sub("", str(e).splitlines()[0]).strip())
     text = str(exc)
     m = _INPUT_FILE_ERROR.search(text)
     if m:
-        return m.group("line").strip()
+        return _RUNNER_SUFFIX.sub("", m.group("line")).strip()
     m = _SHARD_CHECK_ERROR.search(text)
     if m:
-        return lost_rows(m.group("line").strip())
+        return lost_rows(_RUNNER_SUFFIX.sub("", m.group("line")).strip())
     if _NO_SPACE.search(text):
         return no_space(output, None)
     return None

@@ -1,15 +1,20 @@
 """The packing job: checks up front, the Beam graph, then checks and publishing.
 
-    inputs --Create/Reshuffle--> ReadTaskFn (files, JSONL byte ranges, dataset row ranges)
-    [--Reshuffle--, only when a task is a big unsplittable file] --> PrepareFn (template + tokenize)
-        [oasst1: KeyTableRecordsFn --GroupByKey(tree)--> TableToExamplesFn]
-    --> FitAndKeyFn (overlong policy per L, histogram)
-    --> PlanFn (global BFD plan per L from the histogram; each group's slice of the slots)
-    --> GroupByKey((length, sub-bucket)) --> RouteToRowsFn (side inputs: plans without slots; the
-        group's slice of the slots, looked up by its key in a multimap)
-    --> GroupByKey((shard index, window), across L) --> WriteWindowFn (rows of one window, part files)
-    --> GroupByKey((L, shard)) --> AssembleShardFn (parts streamed into the shard, staging)
-    plus dead letters per L, tallies, and one summary.json for the launcher.
+One module per stage (pipelines/<stage>.py), in graph order:
+
+    read     inputs --Create/Reshuffle--> ReadTaskFn (files, JSONL byte ranges, dataset row ranges)
+             [--Reshuffle--, only when a task is a big unsplittable file]
+    prepare  --> PrepareFn (decode, parse, template, tokenize)
+             [oasst1: KeyTableRecordsFn --GroupByKey(tree)--> TableToExamplesFn]
+    fit      --> FitAndKeyFn (overlong policy per L, histogram)
+    route    --> PlanFn (global BFD plan per L from the histogram; each group's slice of the slots)
+             --> GroupByKey((length, sub-bucket)) --> RouteToRowsFn (side inputs: plans without slots;
+                 the group's slice of the slots, looked up by its key in a multimap)
+    write    --> GroupByKey((shard index, window), across L) --> WriteWindowFn (one window's rows, part files)
+             --> GroupByKey((L, shard)) --> AssembleShardFn (parts streamed into the shard, staging)
+             plus dead letters per L (WriteDeadLetterFn), tallies, and one summary.json (WriteSummaryFn)
+
+pipelines/stage.py holds what the stages share (context, tags, clocks, the counter merge).
 
 The launcher (`run`) owns everything outside the graph: the fail-fast checks,
 the accounting identity and bad-fraction checks, and the publishing order.
@@ -26,10 +31,15 @@ import time
 import uuid
 from typing import Any
 
-from pipelines import local_memory, failures, lock, outputs, publish, sources, staging, swap, transforms, writer
+from pipelines import failures, interrupts, local_memory, lock, outputs, publish, sources, staging, swap
+from pipelines.fit import FitAndKeyFn
+from pipelines.prepare import KeyTableRecordsFn, PrepareFn, TableToExamplesFn
+from pipelines.read import ReadTaskFn
+from pipelines.route import PlanFn, RouteToRowsFn
+from pipelines.stage import NAMESPACE, TAG_BAD, TAG_DEAD, TAG_FINGERPRINT, TAG_HIST, TAG_PLAN, TAG_TALLY, JobContext, MergeCounters
+from pipelines.write import AssembleShardFn, WriteDeadLetterFn, WriteSummaryFn, WriteWindowFn
 from pipelines.options import PackConfig
-from pipelines.planning import build_plans, choose_sub_buckets
-from pipelines.records import TaskMeta
+from pipelines.planning import choose_sub_buckets
 from pipelines.sources import ReadTask, ResolvedInput
 
 log = logging.getLogger("prepack.pack")
@@ -49,7 +59,7 @@ class JobResult:
 class PreparedJob:
     config: PackConfig
     run_id: str
-    ctx: transforms.JobContext
+    ctx: JobContext
     tasks: list[ReadTask]
     inputs: list[ResolvedInput]
     job_info: dict[str, Any]
@@ -110,9 +120,8 @@ def prepare(
         inputs, tasks = resolved
     est = sum(i.est_records for i in inputs)
     sub_buckets = config.sub_buckets or choose_sub_buckets(est, config.pack)
-    ctx = transforms.JobContext(
-        tasks=tuple(TaskMeta(t.input_index, inputs[t.input_index].spec, t.path, t.id_name,
-                             t.byte_range[0] if t.byte_range else None) for t in tasks),
+    ctx = JobContext(
+        tasks=sources.task_metas(inputs, tasks),
         template=config.format,
         template_options=config.template_options,
         tokenizer=config.tokenizer,
@@ -149,47 +158,46 @@ def build_pipeline(pipeline: Any, job: PreparedJob) -> None:
     from apache_beam.pvalue import AsDict, AsList, AsMultiMap, AsSingleton
 
     ctx, config = job.ctx, job.config
-    T = transforms
     read = (
         pipeline
         | "ListInputs" >> beam.Create(job.tasks)
         | "SpreadTasks" >> beam.Reshuffle()
-        | "Read" >> beam.ParDo(T.ReadTaskFn(config.batch_size, config.progress)).with_outputs(T.TAG_FINGERPRINT, main="records")
+        | "Read" >> beam.ParDo(ReadTaskFn(config.batch_size, config.progress)).with_outputs(TAG_FINGERPRINT, main="records")
     )
     # Records cross a shuffle only when some task is big and unsplittable (a large compressed or
     # non-JSONL file); byte ranges and dataset row ranges already spread the reading evenly.
     spread = any(t.may_exceed(sources.SPREAD_TASK_BYTES) for t in job.tasks)
     raw = read.records | "SpreadRecords" >> beam.Reshuffle() if spread else read.records
     if job.table_level:
-        keyed = raw | "KeyByTable" >> beam.ParDo(T.KeyTableRecordsFn(ctx, job.group_key)).with_outputs(T.TAG_BAD, T.TAG_TALLY, main="messages")
+        keyed = raw | "KeyByTable" >> beam.ParDo(KeyTableRecordsFn(ctx, job.group_key)).with_outputs(TAG_BAD, TAG_TALLY, main="messages")
         prepared = (
             keyed.messages
             | "GroupTables" >> beam.GroupByKey()
-            | "TemplateTokenize" >> beam.ParDo(T.TableToExamplesFn(ctx)).with_outputs(T.TAG_BAD, T.TAG_TALLY, main="examples")
+            | "TemplateTokenize" >> beam.ParDo(TableToExamplesFn(ctx)).with_outputs(TAG_BAD, TAG_TALLY, main="examples")
         )
-        bads, tallies = [keyed[T.TAG_BAD], prepared[T.TAG_BAD]], [keyed[T.TAG_TALLY], prepared[T.TAG_TALLY]]
+        bads, tallies = [keyed[TAG_BAD], prepared[TAG_BAD]], [keyed[TAG_TALLY], prepared[TAG_TALLY]]
     else:
-        prepared = raw | "TemplateTokenize" >> beam.ParDo(T.PrepareFn(ctx)).with_outputs(T.TAG_BAD, T.TAG_TALLY, main="examples")
-        bads, tallies = [prepared[T.TAG_BAD]], [prepared[T.TAG_TALLY]]
-    fitted = prepared.examples | "FitAndKey" >> beam.ParDo(T.FitAndKeyFn(ctx)).with_outputs(
-        T.TAG_HIST, T.TAG_TALLY, T.TAG_DEAD, main="keyed")
+        prepared = raw | "TemplateTokenize" >> beam.ParDo(PrepareFn(ctx)).with_outputs(TAG_BAD, TAG_TALLY, main="examples")
+        bads, tallies = [prepared[TAG_BAD]], [prepared[TAG_TALLY]]
+    fitted = prepared.examples | "FitAndKey" >> beam.ParDo(FitAndKeyFn(ctx)).with_outputs(
+        TAG_HIST, TAG_TALLY, TAG_DEAD, main="keyed")
     planned = (
-        fitted[T.TAG_HIST]
-        | "Histogram" >> beam.CombineGlobally(T.MergeCounters())
-        | "Plan" >> beam.ParDo(T.PlanFn(config.max_lengths, config.pack, config.num_shards, config.target_shard_mb))
-        .with_outputs(T.TAG_PLAN, main="slices")
+        fitted[TAG_HIST]
+        | "Histogram" >> beam.CombineGlobally(MergeCounters())
+        | "Plan" >> beam.ParDo(PlanFn(config.max_lengths, config.pack, config.num_shards, config.target_shard_mb))
+        .with_outputs(TAG_PLAN, main="slices")
     )
     # Every worker holds the plans without their slots (O(groups)); each (length, sub-bucket)
     # group reads its own slice of the slots from a multimap side input, fetched per key.
-    plans = AsDict(planned[T.TAG_PLAN])
+    plans = AsDict(planned[TAG_PLAN])
     shards = (
         fitted.keyed
         | "GroupByLength" >> beam.GroupByKey()
-        | "RouteToRows" >> beam.ParDo(T.RouteToRowsFn(ctx), plans=plans, slices=AsMultiMap(planned.slices))
+        | "RouteToRows" >> beam.ParDo(RouteToRowsFn(ctx), plans=plans, slices=AsMultiMap(planned.slices))
         | "GroupByWindow" >> beam.GroupByKey()
-        | "WriteWindows" >> beam.ParDo(writer.WriteWindowFn(config.output, job.run_id, ctx.pad_id), plans=plans)
+        | "WriteWindows" >> beam.ParDo(WriteWindowFn(config.output, job.run_id, ctx.pad_id), plans=plans)
         | "GroupByShard" >> beam.GroupByKey()
-        | "WriteShards" >> beam.ParDo(writer.AssembleShardFn(config.output, job.run_id), plans=plans)
+        | "WriteShards" >> beam.ParDo(AssembleShardFn(config.output, job.run_id), plans=plans)
     )
     lengths = config.max_lengths
     bad_per_length = (
@@ -197,22 +205,22 @@ def build_pipeline(pipeline: Any, job: PreparedJob) -> None:
         | "BadToEveryLength" >> beam.FlatMap(lambda entry: [(L, entry) for L in lengths])
     )
     dead = (
-        (bad_per_length, fitted[T.TAG_DEAD]) | "FlattenDead" >> beam.Flatten()
+        (bad_per_length, fitted[TAG_DEAD]) | "FlattenDead" >> beam.Flatten()
         | "GroupDead" >> beam.GroupByKey()
-        | "WriteDeadLetters" >> beam.ParDo(writer.WriteDeadLetterFn(config.output, job.run_id, ctx.tasks),
-                                           fingerprints=AsList(read[T.TAG_FINGERPRINT]))
+        | "WriteDeadLetters" >> beam.ParDo(WriteDeadLetterFn(config.output, job.run_id, ctx.tasks),
+                                           fingerprints=AsList(read[TAG_FINGERPRINT]))
     )
     tally = (
-        (*tallies, fitted[T.TAG_TALLY]) | "FlattenTally" >> beam.Flatten()
-        | "Tally" >> beam.CombineGlobally(T.MergeCounters())
+        (*tallies, fitted[TAG_TALLY]) | "FlattenTally" >> beam.Flatten()
+        | "Tally" >> beam.CombineGlobally(MergeCounters())
     )
     (
         pipeline
         | "Once" >> beam.Create([None])
         | "WriteSummary" >> beam.ParDo(
-            writer.WriteSummaryFn(config.output, job.run_id),
+            WriteSummaryFn(config.output, job.run_id),
             tally=AsSingleton(tally), plans=plans, shards=AsList(shards), dead=AsList(dead),
-            fingerprints=AsList(read[T.TAG_FINGERPRINT]),
+            fingerprints=AsList(read[TAG_FINGERPRINT]),
         )
     )
 
@@ -241,7 +249,7 @@ def _metrics(result: Any) -> dict[str, Any]:
     try:
         from apache_beam.metrics.metric import MetricsFilter
 
-        q = result.metrics().query(MetricsFilter().with_namespace(transforms.NAMESPACE))
+        q = result.metrics().query(MetricsFilter().with_namespace(NAMESPACE))
         out: dict[str, Any] = {}
         for c in q["counters"]:
             out[c.key.metric.name] = out.get(c.key.metric.name, 0) + c.committed
@@ -310,6 +318,13 @@ def run(config: PackConfig, beam_args: list[str], run_id: str | None = None) -> 
     job = prepare(config, run_id)
     held = _acquire_lock(config, job.run_id)
     switched: dict[int, str] = {}
+    result = None
+
+    def clean_up() -> None:
+        staging.cleanup_run(config.output, config.max_lengths, job.run_id)
+        held.release()
+
+    cleanup_key = interrupts.register(clean_up)  # run by the signal watchdog if this thread is stuck
     try:
         seen = swap.look(config.output, config.max_lengths)
         notes = _leftovers(config, job.run_id)
@@ -325,6 +340,9 @@ def run(config: PackConfig, beam_args: list[str], run_id: str | None = None) -> 
         try:
             result = pipeline.run()
             state = result.wait_until_finish()
+        except KeyboardInterrupt:
+            _cancel(result)
+            raise
         except Exception as e:
             line = failures.one_line(e, config.output)
             if line is None:
@@ -364,6 +382,7 @@ def run(config: PackConfig, beam_args: list[str], run_id: str | None = None) -> 
             manifests[L] = publish.compose_manifest(config, L, stats[L], summary["lengths"][str(L)]["shards"], job.job_info)
             manifests[L].created_at = created_at
         # Checked again at the last moment: the lock is still ours, and nothing appeared meanwhile.
+        swap.fault_point("before_publish")
         try:
             held.check()
         except lock.LockLost as e:
@@ -381,8 +400,20 @@ def run(config: PackConfig, beam_args: list[str], run_id: str | None = None) -> 
             raise publish.JobError(failures.no_space(config.output, getattr(e, "filename", None)) + _partial(config, switched)) from e
         raise
     finally:
-        staging.cleanup_run(config.output, config.max_lengths, job.run_id)
-        held.release()
+        clean_up()
+        interrupts.unregister(cleanup_key)
+
+
+def _cancel(result: Any) -> None:
+    """Cancels a submitted remote job (Dataflow) when the launcher is interrupted; a local
+    runner's result is already finished or has none to cancel."""
+    if result is None or not hasattr(result, "cancel"):
+        return
+    try:
+        log.warning("interrupted: cancelling the submitted job %s", getattr(result, "job_id", lambda: "")())
+        result.cancel()
+    except Exception as e:  # already finished, or the service is unreachable: say so and go on
+        log.warning("could not cancel the submitted job (%s: %s); cancel it in the console", type(e).__name__, e)
 
 
 def _partial(config: PackConfig, switched: dict[int, str]) -> str:

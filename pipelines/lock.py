@@ -173,11 +173,14 @@ class _GcsStore:
     def read(self) -> tuple[bytes, Any] | None:
         from google.api_core import exceptions
 
-        blob = self.bucket.get_blob(self.blob_name)
-        if blob is None:
-            return None
+        blob = self._blob()
         try:
-            return blob.download_as_bytes(if_generation_match=blob.generation), blob.generation
+            blob.reload()
+        except exceptions.NotFound:
+            return None
+        generation = blob.generation  # read first: a download may reset the blob's properties
+        try:
+            return blob.download_as_bytes(if_generation_match=generation), generation
         except (exceptions.NotFound, exceptions.PreconditionFailed):
             return self.read()
 

@@ -5,7 +5,8 @@ handed to Beam's PipelineOptions untouched, so every Beam option (runner,
 direct_num_workers, project, region, temp_location, setup_file, ...) works.
 Only when no runner is given do we pick one: FnApiRunner in multi-processing
 mode on all cores. The plain DirectRunner would first try Prism, which
-downloads a binary and fails offline (../shared/research/io_stack.md §3.1).
+downloads a binary and fails offline (since Beam 2.68 the DirectRunner tries the Prism
+runner first, apache/beam#34612; FnApiRunner runs in process).
 """
 
 from __future__ import annotations

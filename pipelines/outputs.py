@@ -101,6 +101,7 @@ def switch(path: str, data: bytes, expected: str | int, tmp: str | None = None) 
         return
     assert tmp is not None, "a local switch needs a temp path"
     os.makedirs(os.path.dirname(tmp), exist_ok=True)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     try:
         with open(tmp, "wb") as f:
             f.write(data)

@@ -15,7 +15,7 @@ from typing import Any
 from pipelines import swap
 from pipelines.options import PackConfig
 from pipelines.swap import FAILED_DEAD_LETTER_NAME, length_dir, run_staging_dir, staging_dir
-from pipelines.writer import SUMMARY_NAME, write_bytes
+from pipelines.write import SUMMARY_NAME, write_bytes
 from prepack.manifest import DEAD_LETTER_NAME, Manifest, ShardInfo
 from prepack.stats import PackingStats
 
@@ -37,14 +37,9 @@ def manifest_path(output: str, max_length: int) -> str:
 def refuse_existing(config: PackConfig) -> None:
     """Fails when a shard set already exists and --overwrite was not given: before any work,
     and again right before publishing."""
-    if config.overwrite:
-        return
-    existing = swap.existing_manifests(config.output, config.max_lengths)
-    if existing:
-        raise JobError(
-            f"{', '.join(existing)} already exist{'s' if len(existing) == 1 else ''}: refusing to write into an existing "
-            f"shard set. Pass --overwrite to replace it, or choose another --output"
-        )
+    message = None if config.overwrite else swap.refusal(config.output, config.max_lengths)
+    if message:
+        raise JobError(message)
 
 
 def probe_output(output: str, run_id: str) -> None:

@@ -73,6 +73,15 @@ def existing_manifests(output: str, max_lengths: tuple[int, ...]) -> list[str]:
     return [manifest_path(output, L) for L in max_lengths if outputs.exists(manifest_path(output, L))]
 
 
+def refusal(output: str, max_lengths: tuple[int, ...]) -> str | None:
+    """The message refusing to write over existing shard sets (without --overwrite), or None."""
+    existing = existing_manifests(output, max_lengths)
+    if not existing:
+        return None
+    return (f"{', '.join(existing)} already exist{'s' if len(existing) == 1 else ''}: refusing to write into an existing "
+            f"shard set. Pass --overwrite to replace it, or choose another --output")
+
+
 def _names_in(folder: str) -> set[str]:
     prefix = folder.rstrip("/") + "/"
     return {p[len(prefix):] for p in outputs.list_files(folder) if "/" not in p[len(prefix):]}

@@ -3,7 +3,7 @@
 Global BFD over a whole dataset lands within a fraction of a percent of the
 lower bound ceil(tokens / L) on SFT length distributions; what loses density
 in online packers is the small window, not the heuristic
-(docs/benchmarks.md, ../shared/research/packing_anchors.md).
+(docs/benchmarks.md: within 0-0.5 % of the bound on Alpaca, OASST1 and 1M synthetic lengths).
 
 Open rows live in capacity buckets: `rows_by_free[c]` holds the rows with
 exactly c free slots, and bit c of an integer bitset says that bucket is

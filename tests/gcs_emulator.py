@@ -10,7 +10,7 @@
 The server is `gcp-storage-emulator` (pure Python, in the dev extra), run in a
 child process so that clients in this process, including array_record's C++
 reader that holds the GIL while it reads, never wait on our own threads.
-Three things are added around it, each because a real client needs it:
+Four things are added around it, each because a real client needs it:
 
 * a threading HTTP server: the stock one serves one request at a time, and
   array_record's reader (google-cloud-cpp) asks for `bytes=N-` ranges and stops
@@ -20,6 +20,8 @@ Three things are added around it, each because a real client needs it:
 * suffix ranges (`Range: bytes=-N`): the reader fetches a file's footer that
   way; the stock server ignores the header and returns the whole object with
   200, which riegeli reads as a corrupt file once a shard is over 1 MiB;
+* ifGenerationMatch preconditions on uploads and deletes (412 when not met): the
+  pipeline's output lock and manifest switch rely on them, as on GCS;
 * a token endpoint (`POST /token`): Application Default Credentials point at a
   throwaway service-account key whose token_uri is this server, so Beam's
   GcsIO finds credentials at once (otherwise it retries google.auth.default
@@ -42,6 +44,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import io
 import json
 import os
 import re
@@ -52,7 +55,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
-from urllib.parse import unquote
+from urllib.parse import parse_qs, unquote
 
 import pytest
 
@@ -125,12 +128,49 @@ def _make_handler_class():
             self.end_headers()
             self.wfile.write(body)
 
+        def _generation_now(self, bucket: str, name: str) -> int:
+            try:
+                return int(self.storage.get_file_obj(bucket, name).get("generation") or 0)
+            except NotFound:
+                return 0
+
+        def _precondition_failed(self) -> bool:
+            """ifGenerationMatch on uploads and deletes (0: the object must not exist). Checked
+            under the mutation lock, so check and write are one step as on GCS."""
+            path, _, query = self.path.partition("?")
+            wanted = parse_qs(query).get("ifGenerationMatch")
+            if not wanted:
+                return False
+            m = re.match(r"^(?:/upload)?/storage/v1/b/(?P<bucket>[^/]+)/o(?:/(?P<object>.+))?$", path)
+            if not m:
+                return False
+            name = unquote(m["object"]) if m["object"] else (parse_qs(query).get("name") or [None])[0]
+            if name is None:  # a multipart upload names the object in its metadata part
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length)
+                self.rfile = io.BytesIO(body)
+                found = re.search(rb'"name"\s*:\s*"((?:[^"\\]|\\.)*)"', body)
+                name = json.loads(b'"' + found.group(1) + b'"') if found else None
+            if name is None or self._generation_now(m["bucket"], name) == int(wanted[0]):
+                return False
+            length = int(self.headers.get("Content-Length") or 0)
+            if self.rfile is not None and not isinstance(self.rfile, io.BytesIO) and length:
+                self.rfile.read(length)
+            body = json.dumps({"error": {"code": 412, "message": "conditionNotMet"}}).encode()
+            self.send_response(412)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return True
+
         def do_POST(self) -> None:
             if self.path.split("?", 1)[0] == "/token":
                 self._token()
                 return
             with mutation_lock:
-                super().do_POST()
+                if not self._precondition_failed():
+                    super().do_POST()
 
         def do_PUT(self) -> None:
             with mutation_lock:
@@ -142,7 +182,8 @@ def _make_handler_class():
 
         def do_DELETE(self) -> None:
             with mutation_lock:
-                super().do_DELETE()
+                if not self._precondition_failed():
+                    super().do_DELETE()
 
     return Handler
 
@@ -315,8 +356,6 @@ def start_emulator(workdir: str, bucket: str = DEFAULT_BUCKET) -> Iterator[GcsEm
 @pytest.fixture(scope="session")
 def gcs_emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GcsEmulator]:
     """One emulator for the whole session, with DEFAULT_BUCKET; use gcs_prefix for a private folder."""
-    pytest.importorskip("gcp_storage_emulator", reason="the dev extra's gcp-storage-emulator is not installed")
-    pytest.importorskip("google.cloud.storage", reason="google-cloud-storage is not installed")
     with start_emulator(str(tmp_path_factory.mktemp("gcs-emulator"))) as emulator:
         yield emulator
 

@@ -66,7 +66,6 @@ def test_dry_run_prints_the_whole_command_and_runs_nothing(capsys, monkeypatch):
 
 
 def test_command_means_the_same_to_prepack_pack_and_beam():
-    pytest.importorskip("apache_beam")
     from apache_beam.options.pipeline_options import (
         DebugOptions, GoogleCloudOptions, PipelineOptions, SetupOptions, StandardOptions, WorkerOptions)
 
@@ -92,7 +91,6 @@ def test_command_means_the_same_to_prepack_pack_and_beam():
 def test_beam_stages_our_package_and_the_pipeline_extra(tmp_path):
     """What Dataflow submission does on the launcher, run offline: the sdist of this repo
     (with the embedded sample data) and the requirements file are staged."""
-    pytest.importorskip("apache_beam")
     from apache_beam.options.pipeline_options import PipelineOptions
     from apache_beam.runners.portability.stager import Stager
 
@@ -104,7 +102,7 @@ def test_beam_stages_our_package_and_the_pipeline_extra(tmp_path):
     assert {"requirements.txt", "workflow.tar.gz"} <= staged
     (sdist,) = tmp_path.glob("tunix-prepack-*.tar.gz")
     names = {n.split("/", 1)[1] for n in tarfile.open(sdist).getnames() if "/" in n}
-    assert {"pipelines/job.py", "pipelines/writer.py", "prepack/tokenizer.py", "prepack/sample_data/sample_sft.jsonl"} <= names
+    assert {"pipelines/job.py", "pipelines/write.py", "prepack/tokenizer.py", "prepack/sample_data/sample_sft.jsonl"} <= names
 
 
 @pytest.mark.parametrize("examples, workers", [(1_000_000, 4), (10_000_000, 4), (10_000_001, 16), (100_000_000, 16),

@@ -67,7 +67,8 @@ CASES = {
         ("apache_beam", "jax", "grain"),
     ),
     "pipeline": (
-        "import pipelines.cli, pipelines.job, pipelines.transforms, pipelines.writer, pipelines.publish, "
+        "import pipelines.cli, pipelines.job, pipelines.read, pipelines.prepare, pipelines.fit, pipelines.route, "
+        "pipelines.write, pipelines.publish, "
         "pipelines.sources, pipelines.readers, pipelines.planning",
         ("jax", "flax", "tunix", "grain"),
     ),

@@ -98,3 +98,24 @@ def test_errors(tmp_path, shard_set):
 def test_console_script_dispatch(shard_set, capsys):
     assert cli.main(["inspect", shard_set, "--rows", "0"]) == 0
     assert "max_length 10" in capsys.readouterr().out
+
+
+def test_verify_runs_even_with_rows_0(shard_set, tmp_path):
+    """Base commit: --verify --rows 0 skipped the check and exited 0 on a corrupt shard."""
+    import json
+    import os
+    import shutil
+
+    rc, out, err = run([shard_set, "--verify", "--rows", "0"])
+    assert rc == 0, err
+    assert out.rstrip().endswith("verified 1 shards (sha256)")
+    broken = str(tmp_path / "L10")
+    shutil.copytree(shard_set, broken)
+    shard = os.path.join(broken, json.load(open(os.path.join(broken, "manifest.json")))["shards"][0]["path"])
+    data = bytearray(open(shard, "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    open(shard, "wb").write(bytes(data))
+    rc, out, err = run([broken, "--verify", "--rows", "0"])
+    assert rc == 1
+    assert err.startswith(f"prepack inspect: {shard}: sha256 ") and "differs from the manifest's" in err
+    assert "verified" not in out

@@ -497,7 +497,7 @@ def test_lost_elements_end_the_job_with_one_line(tmp_path, monkeypatch):
     """A write window whose elements never arrive (fault hook: as a runner losing grouped
     elements would) is caught by the shard check: JobError with one line, nothing published."""
     from pipelines.planning import WINDOW_TOKENS_ENV
-    from pipelines.writer import FAULT_DROP_WINDOW_ENV
+    from pipelines.write import FAULT_DROP_WINDOW_ENV
 
     path = write_jsonl(str(tmp_path / "a.jsonl"), alpaca_records(40, seed=3))
     monkeypatch.setenv(WINDOW_TOKENS_ENV, "512")  # L=128: 4 rows per window

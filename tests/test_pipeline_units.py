@@ -324,7 +324,7 @@ def _fit_reference(examples, max_lengths, truncate, pack, buckets):
 @given(data=st.data(), max_lengths=st.lists(st.sampled_from([3, 4, 6, 8, 16]), min_size=1, max_size=3, unique=True),
        truncate=st.booleans(), pack=st.booleans(), buckets=st.sampled_from([1, 2, 7]), flush=st.sampled_from([3, 20_000]))
 def test_fit_and_key_matches_the_per_example_rule(data, max_lengths, truncate, pack, buckets, flush):
-    import pipelines.transforms as T
+    from pipelines import fit, stage
     from pipelines.records import TaskMeta
     from prepack.packer import OverlongPolicy
 
@@ -338,14 +338,14 @@ def test_fit_and_key_matches_the_per_example_rule(data, max_lengths, truncate, p
             batch.append((f"0/f.jsonl/{k}", list(range(100 * k, 100 * k + n)), mask))
             k += 1
         batches.append(batch)
-    ctx = T.JobContext(tasks=(TaskMeta(0, "in", "f.jsonl", "f.jsonl"),), template="alpaca", template_options=(),
+    ctx = stage.JobContext(tasks=(TaskMeta(0, "in", "f.jsonl", "f.jsonl"),), template="alpaca", template_options=(),
                        tokenizer="unused", chat_format="gemma", max_lengths=max_lengths,
                        overlong=OverlongPolicy.TRUNCATE if truncate else OverlongPolicy.DROP, pack=pack,
                        sub_buckets=buckets, batch_size=8, progress=False, output="/tmp/unused", run_id="r", pad_id=0)
-    fn = T.FitAndKeyFn(ctx)
+    fn = fit.FitAndKeyFn(ctx)
     fn.setup()
     fn.start_bundle()
-    old_flush, T.FLUSH_EXAMPLES = T.FLUSH_EXAMPLES, flush  # also flush mid-bundle
+    old_flush, fit.FLUSH_EXAMPLES = fit.FLUSH_EXAMPLES, flush  # also flush mid-bundle
     try:
         out = []
         for batch in batches:
@@ -357,16 +357,16 @@ def test_fit_and_key_matches_the_per_example_rule(data, max_lengths, truncate, p
                        np.array([m for _, _, mask in batch for m in mask], dtype=np.uint8)))))
         out += list(fn.finish_bundle())
     finally:
-        T.FLUSH_EXAMPLES = old_flush
+        fit.FLUSH_EXAMPLES = old_flush
     payloads, hist, tally, dead = set(), Counter(), Counter(), []
     for item in out:
         tag, value = getattr(item, "tag", None), getattr(item, "value", item)
         value = getattr(value, "value", value)  # unwrap WindowedValue
-        if tag == T.TAG_HIST:
+        if tag == stage.TAG_HIST:
             hist.update(value)
-        elif tag == T.TAG_TALLY:
+        elif tag == stage.TAG_TALLY:
             tally.update(value)
-        elif tag == T.TAG_DEAD:
+        elif tag == stage.TAG_DEAD:
             L, (_, entry) = value
             dead.append((L, entry["reason"], entry["example_id"]))
         else:
@@ -422,7 +422,7 @@ PREPARE_RECORDS = {
 def test_prepare_fast_path_equals_the_conversation_path(template, tokenizer_kind, tmp_path_factory):
     """PrepareFn's single-turn path (to_pair + tokenize_pairs_flat) against the general one
     (to_conversations + tokenize_conversations_flat): same examples, dead letters, tallies."""
-    import pipelines.transforms as T
+    from pipelines import prepare, stage
     from pipelines.records import TaskMeta
     from prepack.packer import OverlongPolicy
 
@@ -436,15 +436,15 @@ def test_prepare_fast_path_equals_the_conversation_path(template, tokenizer_kind
                               CHATML_TEMPLATE, **chatml_kw)
         tokenizer, chat_format = f"hf:{folder}", "chatml"
     options = (("source_lang", "en"), ("target_lang", "fr")) if template == "translation" else ()
-    ctx = T.JobContext(tasks=(TaskMeta(0, "in", "f.jsonl", "f.jsonl"),), template=template, template_options=options,
+    ctx = stage.JobContext(tasks=(TaskMeta(0, "in", "f.jsonl", "f.jsonl"),), template=template, template_options=options,
                        tokenizer=tokenizer, chat_format=chat_format, max_lengths=(64,), overlong=OverlongPolicy.DROP,
                        pack=True, sub_buckets=1, batch_size=64, progress=False, output="/tmp/unused", run_id="r", pad_id=0)
-    fast = T.PrepareFn(ctx)
+    fast = prepare.PrepareFn(ctx)
     fast.setup()
-    slow = T.PrepareFn(ctx)
+    slow = prepare.PrepareFn(ctx)
     slow.setup()
-    assert fast.pairs
-    slow.pairs = False
+    assert fast.preparer.pairs
+    slow.preparer.pairs = False
     got, want = _prepare_outputs(fast, PREPARE_RECORDS[template]), _prepare_outputs(slow, PREPARE_RECORDS[template])
     assert got == want and got[0]
     if template == "alpaca":
@@ -454,7 +454,7 @@ def test_prepare_fast_path_equals_the_conversation_path(template, tokenizer_kind
 
 
 def test_prepare_has_no_fast_path_for_the_jinja_format(tmp_path_factory):
-    import pipelines.transforms as T
+    from pipelines import prepare, stage
     from pipelines.records import TaskMeta
     from prepack.packer import OverlongPolicy
     from test_templates import CHATML_TEMPLATE, build_hf_dir
@@ -462,12 +462,12 @@ def test_prepare_has_no_fast_path_for_the_jinja_format(tmp_path_factory):
     folder = build_hf_dir(tmp_path_factory.mktemp("chatml_hf"), ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
                           CHATML_TEMPLATE, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                           additional_special_tokens=["<|im_start|>"])
-    ctx = T.JobContext(tasks=(TaskMeta(0, "in", "f.jsonl", "f.jsonl"),), template="alpaca", template_options=(),
+    ctx = stage.JobContext(tasks=(TaskMeta(0, "in", "f.jsonl", "f.jsonl"),), template="alpaca", template_options=(),
                        tokenizer=f"hf:{folder}", chat_format="hf", max_lengths=(64,), overlong=OverlongPolicy.DROP,
                        pack=True, sub_buckets=1, batch_size=64, progress=False, output="/tmp/unused", run_id="r", pad_id=0)
-    fn = T.PrepareFn(ctx)
+    fn = prepare.PrepareFn(ctx)
     fn.setup()
-    assert not fn.pairs
+    assert not fn.preparer.pairs
     examples, _ = _prepare_outputs(fn, PREPARE_RECORDS["alpaca"][:2])
     assert len(examples) == 2
 
@@ -582,7 +582,7 @@ def test_a_jsonl_file_that_changes_under_a_range_read_fails(tmp_path):
 def test_router_ships_examples_cut_to_the_longest_max_length_they_serve():
     """Under --overlong truncate a 10,000-token example crosses the shard shuffle as its
     first 128 tokens (the longest L), not whole; every slot still gets its own cut."""
-    import pipelines.transforms as T
+    from pipelines import route, stage
     from pipelines.columns import ShardWork
     from pipelines.planning import build_plans
     from pipelines.records import TaskMeta
@@ -593,10 +593,10 @@ def test_router_ships_examples_cut_to_the_longest_max_length_they_serve():
     payload = PayloadBatch(np.array([stable_hash("e")], dtype=np.uint64), ["e"],
                            Ragged(np.array([n], dtype=np.int32), np.arange(n, dtype=np.int32), mask))
     plans = build_plans({(L, n, 0): 1 for L in lengths}, lengths, True, None, 256.0)
-    ctx = T.JobContext(tasks=(TaskMeta(0, "in", "f.jsonl", "f.jsonl"),), template="alpaca", template_options=(),
+    ctx = stage.JobContext(tasks=(TaskMeta(0, "in", "f.jsonl", "f.jsonl"),), template="alpaca", template_options=(),
                        tokenizer="unused", chat_format="gemma", max_lengths=lengths, overlong=OverlongPolicy.TRUNCATE,
                        pack=True, sub_buckets=1, batch_size=8, progress=False, output="/tmp/unused", run_id="r", pad_id=0)
-    fn = T.RouteToRowsFn(ctx)
+    fn = route.RouteToRowsFn(ctx)
     fn.setup()
     fn.start_bundle()
     slices = {(n, 0): [(L, rows.astype("<i4").tobytes(), positions.astype("<i4").tobytes())
@@ -643,7 +643,7 @@ def test_a_shard_check_error_from_a_worker_becomes_one_line():
             "[while running 'RouteToRows']\n")
     assert one_line(RuntimeError(text), "/out") == (
         "the shard check failed, nothing was published, the previous shard sets are intact: L=512: group (31, 0) has "
-        "20 examples, its plan slice 0 slots [while running 'RouteToRows']. Elements were lost or duplicated between "
+        "20 examples, its plan slice 0 slots. Elements were lost or duplicated between "
         "pipeline steps (a runner fault): run the job again; locally use --direct_running_mode=multi_processing "
         "(the default) or in_memory")
     assert one_line(RuntimeError("some other failure"), "/out") is None

@@ -1,4 +1,4 @@
-"""Writing inside the pipeline: shards, dead letters and the run summary, all to staging.
+"""Write stage: shards, dead letters and the run summary, all to staging.
 
 Nothing here touches the final location. Every file lands under a staging
 prefix named by the run id (OUTPUT/L<L>/.staging-<run>/, OUTPUT/.staging-<run>/);
@@ -28,8 +28,8 @@ from pipelines.planning import LengthPlan
 from pipelines.columns import FragmentBatch, ShardWork, concat_wire
 from pipelines.failures import ShardCheckError
 from pipelines.records import DeadLetter, TaskMeta, place_in_file, range_offsets
+from pipelines.stage import StageClock
 from pipelines.swap import length_dir, run_staging_dir, staging_dir  # noqa: F401  (length_dir: re-exported)
-from pipelines.transforms import StageClock
 from pipelines.rows import encode_rows_flat
 from prepack.manifest import DEAD_LETTER_NAME
 from prepack.shardfile import DEFAULT_WRITER_OPTIONS, shard_name, write_shard

@@ -1,0 +1,139 @@
+"""SIGINT / SIGTERM to the main process alone end the job, its workers and its staging; on
+Dataflow the submitted job is cancelled.
+
+The signal is sent at a chosen moment, not after a sleep: the input is a named pipe, so a
+worker that starts reading it blocks there, and the test signals once a worker has opened it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from pipelines import interrupts
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def wait_for(condition, what: str, limit_s: float = 120.0):
+    """Polls a condition (not a timing assumption: the limit only bounds a hung test)."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_signal_to_the_main_process_ends_job_and_workers(tmp_path, signum):
+    """Base commit: SIGINT hung for minutes; SIGTERM killed the main process (status -15) and
+    left two workers running and the staging folder behind."""
+    fifo = tmp_path / "in.jsonl"
+    os.mkfifo(fifo)
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    job = subprocess.Popen(
+        [sys.executable, "-m", "pipelines.cli", "--input", str(fifo), "--format", "alpaca", "--output", str(out),
+         "--max-length", "64", "--no-progress", "--direct_running_mode=multi_processing", "--direct_num_workers=2"],
+        env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        # The launcher's readability check opens the pipe and reads a byte: feed it until it closes.
+        with open(fifo, "wb", buffering=0) as check:
+            try:
+                while True:
+                    check.write(b"{")
+                    time.sleep(0.01)
+            except BrokenPipeError:
+                pass
+        with open(fifo, "wb"):  # opens once a worker opened the pipe: the job is mid-pipeline
+            workers = interrupts.descendants(job.pid)
+            assert workers, "the job has no worker processes"
+            assert os.path.isdir(out) and os.path.exists(out / ".lock")
+            job.send_signal(signum)
+            code = job.wait(timeout=interrupts.GRACE_S + 10)
+        stderr = job.stderr.read()
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert code == 130
+    assert stderr.strip().splitlines()[-1] == "prepack pack: interrupted; nothing new was published, the previous shard sets are intact"
+    assert "Traceback" not in stderr.split("prepack pack:")[-1]
+    wait_for(lambda: not [p for p in workers if alive(p)], "the workers to exit", limit_s=5)
+    left = [os.path.join(r, f) for r, _, fs in os.walk(out) for f in fs]
+    assert left == []  # staging removed, lock released
+
+
+class FakeDataflowResult:
+    """What DataflowRunner.run returns: the job was submitted and runs remotely."""
+
+    def __init__(self):
+        self.cancelled = 0
+
+    def job_id(self) -> str:
+        return "2026-12-01_fake"
+
+    def wait_until_finish(self, duration=None):
+        raise KeyboardInterrupt  # Ctrl-C while the launcher waits for the remote job
+
+    def cancel(self):
+        self.cancelled += 1
+
+
+def test_interrupted_wait_cancels_the_submitted_dataflow_job(tmp_path, monkeypatch):
+    import apache_beam as beam
+
+    from fixtures_pipeline import IN_PROCESS, alpaca_records, write_jsonl
+    from pipelines.job import Interrupted, run
+    from pipelines.options import parse_args
+
+    submitted = FakeDataflowResult()
+    monkeypatch.setattr(beam.Pipeline, "run", lambda self, *a, **k: submitted)
+    path = write_jsonl(str(tmp_path / "in.jsonl"), alpaca_records(5))
+    out = tmp_path / "out"
+    config, beam_args = parse_args(["--input", path, "--format", "alpaca", "--output", str(out), "--no-progress"] + IN_PROCESS)
+    with pytest.raises(Interrupted, match="^interrupted; nothing new was published"):
+        run(config, beam_args)
+    assert submitted.cancelled == 1
+    assert [f for _, _, fs in os.walk(out) for f in fs] == []
+
+
+def test_launcher_passes_the_signal_to_the_job_and_waits(tmp_path):
+    """The launcher alone gets SIGINT (as from `kill -INT`): the job process gets SIGTERM (it
+    then cancels the Dataflow job, tested above), the launcher waits for it and exits non-zero."""
+    ready, got = tmp_path / "ready", tmp_path / "got"
+    child = (
+        "import pathlib, signal, sys, time\n"
+        f"def on_term(s, f):\n    pathlib.Path({str(got)!r}).write_text(str(s)); sys.exit(130)\n"
+        "signal.signal(signal.SIGTERM, on_term)\n"
+        "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        f"pathlib.Path({str(ready)!r}).write_text('up')\n"
+        "while True:\n    time.sleep(0.05)\n"
+    )
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", f"import sys; from gcp.launch_dataflow import run_job; sys.exit(run_job([sys.executable, '-c', {child!r}]))"],
+        cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(ready.exists, "the job process to start")
+        launcher.send_signal(signal.SIGINT)
+        code = launcher.wait(timeout=30)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert got.read_text() == str(int(signal.SIGTERM))
+    assert code == 128 + signal.SIGINT
+    assert launcher.stderr.read().strip().endswith("the job was asked to cancel its Dataflow job and exited with status 130")
