@@ -59,17 +59,24 @@ DEFAULT_MACHINE_TYPE = "n2-standard-8"
 # 2 bundles per SDK process: the DoFns are CPU-bound under the GIL, so a second thread only fills
 # the GCS and shuffle waits; 8 processes x 2 x 1.5 GB = 24 GB of the VM's 32 GB.
 DEFAULT_HARNESS_THREADS = 2
-# (examples up to, workers): docs/gcp.md's table; the default is the 100M row.
-SIZING = ((10_000_000, 4), (100_000_000, 16), (1_000_000_000, 64))
+# (examples up to, workers, machine type): docs/gcp.md's table; the default is the 100M row.
+# Above 100M the plan step (one bundle, ~35 bytes per example) outgrows what a 32 GB VM
+# has left beside its 16 bundles, hence highmem (64 GB).
+SIZING = ((10_000_000, 4, DEFAULT_MACHINE_TYPE), (100_000_000, 16, DEFAULT_MACHINE_TYPE),
+          (1_000_000_000, 64, "n2-highmem-8"))
 DEFAULT_EXAMPLES = 100_000_000
 
 
-def workers_for(examples: int) -> int:
-    """The autoscaling ceiling for an input of this many examples (docs/gcp.md, "Sizing")."""
-    for upto, workers in SIZING:
+def sizing_for(examples: int) -> tuple[int, str]:
+    """(autoscaling ceiling, machine type) for an input of this many examples (docs/gcp.md, 5a)."""
+    for upto, workers, machine in SIZING:
         if examples <= upto:
-            return workers
-    return SIZING[-1][1]
+            return workers, machine
+    return SIZING[-1][1], SIZING[-1][2]
+
+
+def workers_for(examples: int) -> int:
+    return sizing_for(examples)[0]
 
 
 DEFAULT_MAX_WORKERS = workers_for(DEFAULT_EXAMPLES)
@@ -131,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-length", action="extend", nargs="+", type=int, default=[], metavar="L",
                    help="one or more max lengths (default: prepack pack's)")
     p.add_argument("--bucket", help="gs://BUCKET for Dataflow's temp and staging files (default: the output's bucket)")
-    p.add_argument("--machine-type", default=DEFAULT_MACHINE_TYPE, help=f"worker machine type (default {DEFAULT_MACHINE_TYPE})")
+    p.add_argument("--machine-type", help=f"worker machine type (default: from --examples, {DEFAULT_MACHINE_TYPE} up to "
+                                          "100M examples, n2-highmem-8 above)")
     p.add_argument("--examples", type=int, default=DEFAULT_EXAMPLES,
                    help=f"about how many examples the input holds; picks --max-workers from docs/gcp.md's sizing table "
                         f"(default {DEFAULT_EXAMPLES:,})")
@@ -178,6 +186,8 @@ def check(args: argparse.Namespace, passthrough: Sequence[str]) -> list[str]:
         raise LaunchError(f"--bucket must look like gs://NAME, got {args.bucket!r}")
     if args.max_workers is None:
         args.max_workers = workers_for(args.examples)
+    if args.machine_type is None:
+        args.machine_type = sizing_for(args.examples)[1]
     if args.max_workers < 1 or args.disk_gb < 10 or args.harness_threads < 1 or args.examples < 1:
         raise LaunchError("--max-workers, --harness-threads and --examples must be >= 1, and --disk-gb >= 10")
     warnings = []
