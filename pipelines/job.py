@@ -329,9 +329,11 @@ def run(config: PackConfig, beam_args: list[str], run_id: str | None = None) -> 
         seen = swap.look(config.output, config.max_lengths)
         notes = _leftovers(config, job.run_id)
         if local_memory.is_local_runner(beam_args):
+            # Logged, not kept in the result's notes: it depends on this machine's free memory now.
             too_big = local_memory.warning(local_memory.estimate_examples(job.inputs, job.tasks),
                                            local_memory.local_workers(beam_args), local_memory.available_bytes())
-            notes += [too_big] if too_big else []
+            if too_big:
+                log.warning(too_big)
         for note in notes:
             log.warning(note)
         publish.probe_output(config.output, job.run_id)

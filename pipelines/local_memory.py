@@ -10,6 +10,7 @@ input into parts (one job each) bounds it locally.
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Sequence
 
 from pipelines.sources import COMPRESSED_SUFFIXES, ReadTask, ResolvedInput
@@ -47,6 +48,8 @@ def _bytes_per_record(path: str) -> float | None:
     if "://" in path or path.lower().endswith(COMPRESSED_SUFFIXES):
         return None
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return None  # a named pipe or device: reading would take records from the job
         with open(path, "rb") as f:
             head = f.read(SAMPLE_BYTES)
     except OSError:

@@ -4,6 +4,7 @@ the batched row encoder, options, input specs and the density table."""
 from __future__ import annotations
 
 import json
+import os
 import random
 from collections import Counter
 
@@ -632,6 +633,9 @@ def test_local_runner_memory_estimate_and_warning(tmp_path):
     assert lm.warning(10_000_000, 2, None) is None  # unknown memory: no guess
     assert lm.local_workers(["--direct_num_workers=3"]) == 3 and lm.local_workers(["--direct_num_workers", "2"]) == 2
     assert lm.is_local_runner(["--runner=FnApiRunner"]) and not lm.is_local_runner(["--runner", "DataflowRunner"])
+    fifo = tmp_path / "pipe.jsonl"
+    os.mkfifo(fifo)
+    assert lm._bytes_per_record(str(fifo)) is None  # never opened: reading would block or steal records
 
 
 def test_a_shard_check_error_from_a_worker_becomes_one_line():
