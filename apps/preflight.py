@@ -41,7 +41,8 @@ import numpy as np
 
 from apps.packing_table import CSV_COLUMNS, THROUGHPUT_MODEL, render_text_table, result_row
 from apps.report import find_manifests, manifest_rows
-from prepack.packer import DropReason, OverlongPolicy, fit_to_length, plan_from_histogram
+from prepack.accounting import LENGTH_REASONS, Tally
+from prepack.packer import DropReason, Fit, OverlongPolicy, fit_at_length, plan_from_histogram, targets_after_first
 from prepack.stats import PackingStats, stats_from_rows
 
 DEFAULT_MAX_LENGTHS = (256, 512, 1024, 2048)
@@ -158,25 +159,23 @@ class LengthResult:
 
 
 def fit_examples(examples: ExampleSet, max_length: int, overlong: OverlongPolicy) -> tuple[np.ndarray, np.ndarray, dict[str, int], int]:
-    """(kept lengths, kept target counts, dropped by reason, truncated) under the overlong policy."""
+    """(kept lengths, kept target counts, dropped by reason, truncated) under the overlong rule
+    the job applies (prepack.packer.fit_at_length)."""
     lengths, targets = examples.lengths.copy(), examples.targets.copy()
+    over = np.flatnonzero(lengths > max_length)
+    missing = [int(i) for i in over if int(i) not in examples.overlong_masks]
+    if missing:
+        raise ValueError(f"{examples.name}: example {missing[0]} is longer than {max_length} but its loss mask was not kept")
+    masks = [examples.overlong_masks[int(i)] for i in over]
+    within = targets_after_first(lengths[over], np.concatenate(masks) if masks else np.zeros(0, np.uint8), max_length)
+    fit = fit_at_length(lengths[over], max_length, overlong, within)
+    truncated = fit == Fit.TRUNCATED
+    lengths[over[truncated]] = max_length
+    targets[over[truncated]] = within[truncated]
     keep = np.ones(len(lengths), dtype=bool)
-    dropped: Counter = Counter()
-    truncated = 0
-    for i in np.flatnonzero(lengths > max_length).tolist():
-        mask = examples.overlong_masks.get(i)
-        if mask is None:
-            raise ValueError(f"{examples.name}: example {i} is longer than {max_length} but its loss mask was not kept")
-        # Same policy code as the job; the mask stands in for the ids, whose values do not matter here.
-        fitted = fit_to_length(mask, mask, max_length, overlong)
-        if isinstance(fitted, DropReason):
-            keep[i] = False
-            dropped[fitted.value] += 1
-        else:
-            truncated += 1
-            lengths[i] = len(fitted[1])
-            targets[i] = int(np.count_nonzero(fitted[1][1:]))
-    return lengths[keep], targets[keep], dict(dropped), truncated
+    keep[over[fit > Fit.TRUNCATED]] = False
+    dropped = Counter(Fit(int(f)).drop_reason.value for f in fit[fit > Fit.TRUNCATED])
+    return lengths[keep], targets[keep], dict(dropped), int(np.count_nonzero(truncated))
 
 
 def evaluate_length(examples: ExampleSet, max_length: int, overlong: OverlongPolicy) -> LengthResult:
@@ -262,7 +261,7 @@ def _raw_batches(tasks: Iterable[Any]) -> Iterator[tuple[int, list]]:
             yield task.task_index, batch
 
 
-def _templated(preparer: Any, metas: list[Any], tasks: list[Any], tally: Counter) -> Iterator[Any]:
+def _templated(preparer: Any, metas: list[Any], tasks: list[Any], tally: Tally) -> Iterator[Any]:
     """(conv, response, meta) of every example, through the job's prepare stage; bad records are
     tallied by reason as the job does (their dead letters are not kept)."""
     prepare, _, _ = _pipelines()
@@ -324,7 +323,6 @@ def _loss_masks(batches: Iterable[Any]) -> Iterator[np.ndarray]:
 
 
 PROGRESS_EVERY_S = 10.0
-_BAD_KINDS = ("bad_record", "bad_example")
 
 
 def load_examples(spec: DatasetSpec, tokenizer: Any, chat_format: Any, config: PreflightConfig) -> ExampleSet:
@@ -332,7 +330,7 @@ def load_examples(spec: DatasetSpec, tokenizer: Any, chat_format: Any, config: P
     prepare, _, _ = _pipelines()
     metas, tasks = read_tasks(spec.path)
     preparer = prepare.Preparer(metas, make_template(spec.format, config.template_options), tokenizer, chat_format)
-    tally: Counter = Counter()
+    tally = Tally()
     started = last = time.perf_counter()
     items: Iterable[Any] = _templated(preparer, metas, tasks, tally)
     seen = None
@@ -353,8 +351,8 @@ def load_examples(spec: DatasetSpec, tokenizer: Any, chat_format: Any, config: P
         spec.name,
         input=spec.path,
         format=spec.format,
-        records_read=tally[("records_read",)],
-        bad_records=Counter({key[1]: n for key, n in tally.items() if key[0] in _BAD_KINDS}),
+        records_read=tally.records_read,
+        bad_records=tally.bad_records + tally.bad_examples,
         examples_seen=seen if seen is not None else len(collector),
         tokenize_seconds=time.perf_counter() - started,
     )
@@ -463,8 +461,7 @@ def run_with_pipeline(config: PreflightConfig, pack_args: Sequence[str]) -> dict
         datasets.append({
             "name": spec.name, "input": spec.path, "format": spec.format, "shards": out,
             "records_read": stats.get("records_read", stats.get("examples_read")),
-            "bad_records": {k: v for k, v in stats.get("examples_dropped", {}).items()
-                            if k not in {r.value for r in DropReason}},
+            "bad_records": {k: v for k, v in stats.get("examples_dropped", {}).items() if k not in LENGTH_REASONS},
             "examples": stats.get("examples_read"), "examples_seen": stats.get("examples_read"), "sampled": False,
             "pack_seconds": round(time.perf_counter() - started, 3), "length_histogram": {},
         })

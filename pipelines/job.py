@@ -17,7 +17,9 @@ One module per stage (pipelines/<stage>.py), in graph order:
 pipelines/stage.py holds what the stages share (context, tags, clocks, the counter merge).
 
 The launcher (`run`) owns everything outside the graph: the fail-fast checks,
-the accounting identity and bad-fraction checks, and the publishing order.
+the output lock (lock.py), the accounting identity and bad-fraction checks, the
+publishing order (swap.py), staging clean-up on every exit it can catch
+(staging.py, and interrupts.py for signals), and one-line failures (failures.py).
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from pipelines.fit import FitAndKeyFn
 from pipelines.prepare import KeyTableRecordsFn, PrepareFn, TableToExamplesFn
 from pipelines.read import ReadTaskFn
 from pipelines.route import PlanFn, RouteToRowsFn
-from pipelines.stage import NAMESPACE, TAG_BAD, TAG_DEAD, TAG_FINGERPRINT, TAG_HIST, TAG_PLAN, TAG_TALLY, JobContext, MergeCounters
+from pipelines.stage import (NAMESPACE, TAG_BAD, TAG_DEAD, TAG_FINGERPRINT, TAG_HIST, TAG_PLAN, TAG_TALLY, JobContext,
+                             MergeCounters, MergeTallies)
 from pipelines.write import AssembleShardFn, WriteDeadLetterFn, WriteSummaryFn, WriteWindowFn
 from pipelines.options import PackConfig
 from pipelines.planning import choose_sub_buckets
@@ -57,14 +60,23 @@ class JobResult:
 
 @dataclasses.dataclass
 class PreparedJob:
-    config: PackConfig
-    run_id: str
+    """The job after its checks: the workers' context (which holds the config and run id), the
+    read tasks and resolved inputs, and the facts the manifest records."""
+
     ctx: JobContext
     tasks: list[ReadTask]
     inputs: list[ResolvedInput]
     job_info: dict[str, Any]
     table_level: bool
     group_key: str | None
+
+    @property
+    def config(self) -> PackConfig:
+        return self.ctx.config
+
+    @property
+    def run_id(self) -> str:
+        return self.ctx.run_id
 
 
 def _tool_info() -> dict[str, Any]:
@@ -120,22 +132,8 @@ def prepare(
         inputs, tasks = resolved
     est = sum(i.est_records for i in inputs)
     sub_buckets = config.sub_buckets or choose_sub_buckets(est, config.pack)
-    ctx = JobContext(
-        tasks=sources.task_metas(inputs, tasks),
-        template=config.format,
-        template_options=config.template_options,
-        tokenizer=config.tokenizer,
-        chat_format=config.chat_format,
-        max_lengths=config.max_lengths,
-        overlong=config.overlong,
-        pack=config.pack,
-        sub_buckets=sub_buckets,
-        batch_size=config.batch_size,
-        progress=config.progress,
-        output=config.output,
-        run_id=run_id,
-        pad_id=int(tokenizer.pad_id),
-    )
+    ctx = JobContext(config=config, tasks=sources.task_metas(inputs, tasks), sub_buckets=sub_buckets, run_id=run_id,
+                     pad_id=int(tokenizer.pad_id))
     job_info = {
         "tokenizer": tokenizer.identity(),
         "template": {
@@ -148,7 +146,7 @@ def prepare(
         "sub_buckets": sub_buckets,
     }
     return PreparedJob(
-        config=config, run_id=run_id, ctx=ctx, tasks=tasks, inputs=inputs, job_info=job_info,
+        ctx=ctx, tasks=tasks, inputs=inputs, job_info=job_info,
         table_level=bool(getattr(template, "table_level", False)), group_key=getattr(template, "group_key", None),
     )
 
@@ -212,7 +210,7 @@ def build_pipeline(pipeline: Any, job: PreparedJob) -> None:
     )
     tally = (
         (*tallies, fitted[TAG_TALLY]) | "FlattenTally" >> beam.Flatten()
-        | "Tally" >> beam.CombineGlobally(MergeCounters())
+        | "Tally" >> beam.CombineGlobally(MergeTallies())
     )
     (
         pipeline
@@ -394,12 +392,20 @@ def run(config: PackConfig, beam_args: list[str], run_id: str | None = None) -> 
             switched = swap.publish(config.output, job.run_id, manifests, seen, config.overwrite, progress=switched)
         except outputs.SwitchRefused as e:
             raise publish.JobError(f"{e}; the sets now in {config.output} are another run's") from e
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise
+            raise publish.JobError(_publish_failed(config, switched, e)) from e
+        except Exception as e:  # storage errors while publishing (gs:// 5xx, permissions): say what is published
+            raise publish.JobError(_publish_failed(config, switched, e)) from e
         return JobResult(switched, stats, time.monotonic() - started, job.run_id, metrics, notes)
     except KeyboardInterrupt as e:
         raise Interrupted(_interrupted_message(config, switched)) from e
     except OSError as e:
         if e.errno == errno.ENOSPC:
-            raise publish.JobError(failures.no_space(config.output, getattr(e, "filename", None)) + _partial(config, switched)) from e
+            if switched:  # the previous sets are not all intact any more: say which lengths are new
+                raise publish.JobError(_publish_failed(config, switched, e)) from e
+            raise publish.JobError(failures.no_space(config.output, getattr(e, "filename", None))) from e
         raise
     finally:
         clean_up()
@@ -422,9 +428,16 @@ def _partial(config: PackConfig, switched: dict[int, str]) -> str:
     if not switched or len(switched) == len(config.max_lengths):
         return ""
     rest = [L for L in config.max_lengths if L not in switched]
-    return (f" (but L{', L'.join(map(str, switched))} were already switched to this run's set and "
-            f"L{', L'.join(map(str, rest))} were not: {config.output}/{swap.RUN_RECORD_NAME} does not match them; "
-            "run again with --overwrite)")
+    return (f" (L{', L'.join(map(str, switched))} already hold{'s' if len(switched) == 1 else ''} this run's set, "
+            f"L{', L'.join(map(str, rest))} {'does' if len(rest) == 1 else 'do'} not: {config.output}/{swap.RUN_RECORD_NAME} "
+            "does not match them; run again with --overwrite)")
+
+
+def _publish_failed(config: PackConfig, switched: dict[int, str], error: Exception) -> str:
+    head = f"publishing into {config.output} failed ({type(error).__name__}: {error})"
+    if switched:
+        return head + (_partial(config, switched) or "; every length was switched: run again with --overwrite to clean up")
+    return head + "; nothing new was published, the previous shard sets are intact. Run again"
 
 
 def _interrupted_message(config: PackConfig, switched: dict[int, str]) -> str:

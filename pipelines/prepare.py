@@ -23,6 +23,7 @@ from pipelines import readers
 from pipelines.columns import IDS, LENS, MASK, Ragged, TokenizedBatch
 from pipelines.planning import stable_hash
 from pipelines.records import DeadLetter, Loc, TaskMeta, dead_letter, example_id
+from prepack.accounting import Tally
 from pipelines.stage import NAMESPACE, TAG_BAD, TAG_TALLY, JobContext, Progress, StageClock, in_global_window
 
 # oasst1 messages dropped for these reasons are a property of the data set (other
@@ -57,10 +58,10 @@ class Templated:
         return out
 
 
-def key_table_records(tasks: Sequence[TaskMeta], task_index: int, items: list, group_key: str, tally: Counter,
+def key_table_records(tasks: Sequence[TaskMeta], task_index: int, items: list, group_key: str, tally: Tally,
                       bad: list[DeadLetter]) -> list[tuple[str, tuple[Loc, dict]]]:
     """(tree id, (loc, message)) for every valid message of a batch of raw records."""
-    tally[("records_read",)] += len(items)
+    tally.records_read += len(items)
     keyed = []
     for record_index, line, kind, payload in items:
         loc = (task_index, record_index, line, 0)
@@ -75,7 +76,7 @@ def key_table_records(tasks: Sequence[TaskMeta], task_index: int, items: list, g
         if error is None and not (isinstance(record.get("message_id"), str) and record["message_id"]):
             error = ("invalid", f"message_id: expected a non-empty string, got {record.get('message_id')!r}")
         if error is not None:
-            tally[("bad_record", error[0])] += 1
+            tally.bad_records[error[0]] += 1
             raw = payload[2] if kind == readers.RAW_ERROR else readers.snippet(payload if record is None else record)
             bad.append(dead_letter(tasks, loc, error[0], "", error[1], raw))
             continue
@@ -88,9 +89,9 @@ class Preparer:
     """The prepare stage for one template, tokenizer and chat format, without Beam.
 
     Contract: every raw record read becomes either examples (one per conversation the template
-    yields) or exactly one dead letter with its reason, counted in `tally` under
-    ("bad_record", reason) (record-level) or ("bad_example", reason) (the chat format refused a
-    conversation); oasst1 messages left out by design count as ("filtered", reason). Example ids
+    yields) or exactly one dead letter with its reason, counted in the Tally's bad_records
+    (record-level) or bad_examples (the chat format refused a conversation); oasst1 messages
+    left out by design count in its `filtered`. Example ids
     and hashes depend on the record's source only, so any split of the work gives the same
     examples. `on_batch` sees every TokenizedBatch made (the DoFns count it).
     """
@@ -119,7 +120,7 @@ class Preparer:
 
     # ------------------------------------------------------------------ per-record formats
 
-    def template_records(self, task_index: int, items: list, tally: Counter, bad: list[DeadLetter]) -> Templated:
+    def template_records(self, task_index: int, items: list, tally: Tally, bad: list[DeadLetter]) -> Templated:
         """Decodes, parses and templates a batch of raw records of one task."""
         from prepack.templates import RecordError
 
@@ -132,12 +133,12 @@ class Preparer:
             if kind == readers.RAW_TEXT:
                 record, error = readers.parse_text(payload)
                 if error is not None:
-                    tally[("bad_record", error[0])] += 1
+                    tally.bad_records[error[0]] += 1
                     bad.append(dead_letter(self.tasks, loc, error[0], "", error[1], readers.snippet(payload)))
                     continue
             elif kind == readers.RAW_ERROR:
                 reason, message, raw = payload
-                tally[("bad_record", reason)] += 1
+                tally.bad_records[reason] += 1
                 bad.append(dead_letter(self.tasks, loc, reason, "", message, raw))
                 continue
             else:
@@ -145,7 +146,7 @@ class Preparer:
             try:
                 conversations = to_conversations(record)
             except RecordError as e:
-                tally[("bad_record", e.reason)] += 1
+                tally.bad_records[e.reason] += 1
                 bad.append(dead_letter(self.tasks, loc, e.reason, e.field, e.message, readers.snippet(record)))
                 continue
             except RecursionError:  # a record nested too deeply for the template: its problem, not the job's
@@ -161,18 +162,18 @@ class Preparer:
             for sub, conv in enumerate(conversations):
                 out.convs.append(conv)
                 out.metas.append(((task_index, record_index, line, sub), example_id(meta, record_index, sub)))
-        tally[("records_read",)] += len(items)
-        tally[("examples",)] += len(out)
+        tally.records_read += len(items)
+        tally.examples += len(out)
         return out
 
-    def tokenize(self, templated: Templated, tally: Counter, bad: list[DeadLetter]) -> list[TokenizedBatch]:
+    def tokenize(self, templated: Templated, tally: Tally, bad: list[DeadLetter]) -> list[TokenizedBatch]:
         if self.pairs:
             return self._tokenize_pairs(templated.convs, templated.responses, templated.metas)
         return self._tokenize(templated.convs, templated.metas, tally, bad)
 
     # ------------------------------------------------------------------ table-level formats (oasst1): see also key_table_records
 
-    def template_table(self, messages: Iterable[tuple[Loc, dict]], tally: Counter, bad: list[DeadLetter]) -> Templated:
+    def template_table(self, messages: Iterable[tuple[Loc, dict]], tally: Tally, bad: list[DeadLetter]) -> Templated:
         """One tree's messages -> its conversations."""
         located = sorted(messages, key=lambda lm: lm[0])  # input order decides duplicate_id
         locs_by_id: dict[str, list] = defaultdict(list)
@@ -189,9 +190,9 @@ class Preparer:
             else:
                 loc = locs[0] if locs else (0, -1, 0, 0)
             if dropped.reason in OASST1_FILTER_REASONS:
-                tally[("filtered", dropped.reason)] += 1
+                tally.filtered[dropped.reason] += 1
                 continue
-            tally[("bad_record", dropped.reason)] += 1
+            tally.bad_records[dropped.reason] += 1
             raw = readers.snippet(msgs_by_id.get(dropped.message_id or ""))
             bad.append(dead_letter(self.tasks, loc, dropped.reason, "", dropped.detail, raw, message_id=dropped.message_id))
         out = Templated()
@@ -200,12 +201,12 @@ class Preparer:
             meta = self.tasks[loc[0]]
             out.convs.append(conv)
             out.metas.append((loc, f"{meta.input_index}/oasst1/{mid}"))
-        tally[("examples",)] += len(result.examples)
+        tally.examples += len(result.examples)
         return out
 
     # ------------------------------------------------------------------ tokenizing
 
-    def _tokenize(self, convs: list, metas: list[tuple[Loc, str]], tally: Counter, bad: list[DeadLetter]) -> list[TokenizedBatch]:
+    def _tokenize(self, convs: list, metas: list[tuple[Loc, str]], tally: Tally, bad: list[DeadLetter]) -> list[TokenizedBatch]:
         """Examples for convs (metas[i] = (loc, example_id)); a conversation the chat format
         rejects becomes a dead letter and the rest of the batch goes on."""
         from prepack.chat_formats import ChatFormatError, tokenize_conversations_flat
@@ -223,7 +224,7 @@ class Preparer:
                     tokenized = tokenize_conversations_flat(convs[start:bad_at], self.tokenizer, self.format)
                     self._emit(tokenized, metas[start:bad_at], out)
                 loc, eid = metas[bad_at]
-                tally[("bad_example", e.reason)] += 1
+                tally.bad_examples[e.reason] += 1
                 bad.append(dead_letter(self.tasks, loc, e.reason, "", e.message, example_id=eid))
                 start = bad_at + 1
                 continue
@@ -265,8 +266,8 @@ class _Counting:
 
     def _setup_preparer(self) -> None:
         ctx = self.ctx
-        self.preparer = Preparer.from_names(ctx.tasks, ctx.template, ctx.template_options, ctx.tokenizer,
-                                            ctx.chat_format, on_batch=self._count_batch)
+        self.preparer = Preparer.from_names(ctx.tasks, ctx.config.format, ctx.config.template_options, ctx.config.tokenizer,
+                                            ctx.config.chat_format, on_batch=self._count_batch)
         self.m_examples = Metrics.counter(NAMESPACE, "examples_tokenized")
         self.m_tokens = Metrics.counter(NAMESPACE, "tokens_tokenized")
         self.m_lengths = Metrics.distribution(NAMESPACE, "example_tokens")
@@ -281,10 +282,10 @@ class _Counting:
             update_length(n)
         self.m_examples.inc(len(lens))
         self.m_tokens.inc(int(lens.sum()))
-        if self.ctx.progress:
+        if self.ctx.config.progress:
             Progress.add("tokenized", "examples", len(lens))
 
-    def _tokenize(self, templated: Templated, tally: Counter, bad: list[DeadLetter]) -> list[TokenizedBatch]:
+    def _tokenize(self, templated: Templated, tally: Tally, bad: list[DeadLetter]) -> list[TokenizedBatch]:
         started = StageClock.now()
         before = len(bad)
         out = self.preparer.tokenize(templated, tally, bad)
@@ -310,7 +311,7 @@ class PrepareFn(beam.DoFn, _Counting):
     def process(self, element: tuple[int, list]) -> Iterator[Any]:
         started = StageClock.now()
         task_index, items = element
-        tally: Counter = Counter()
+        tally = Tally()
         bad: list[DeadLetter] = []
         templated = self.preparer.template_records(task_index, items, tally, bad)
         self.m_bad.inc(len(bad))
@@ -331,7 +332,7 @@ class KeyTableRecordsFn(beam.DoFn):
 
     def process(self, element: tuple[int, list]) -> Iterator[Any]:
         task_index, items = element
-        tally: Counter = Counter()
+        tally = Tally()
         bad: list[DeadLetter] = []
         keyed = key_table_records(self.ctx.tasks, task_index, items, self.group_key, tally, bad)
         for entry in bad:
@@ -353,7 +354,7 @@ class TableToExamplesFn(beam.DoFn, _Counting):
 
     def start_bundle(self) -> None:
         self.pending = Templated()
-        self.tally: Counter = Counter()
+        self.tally = Tally()
 
     def process(self, element: tuple[str, Iterable]) -> Iterator[Any]:
         started = StageClock.now()
@@ -366,7 +367,7 @@ class TableToExamplesFn(beam.DoFn, _Counting):
         self.pending.convs += templated.convs
         self.pending.metas += templated.metas
         self.clock_template.add(StageClock.now() - started)
-        if len(self.pending) >= self.ctx.batch_size:
+        if len(self.pending) >= self.ctx.config.batch_size:
             yield from self._flush(windowed=False)
 
     def _flush(self, windowed: bool) -> Iterator[Any]:

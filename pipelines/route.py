@@ -17,7 +17,6 @@ from pipelines.columns import PayloadBatch, ShardWork, concat_wire
 from pipelines.failures import ShardCheckError
 from pipelines.planning import LengthPlan
 from pipelines.stage import FLUSH_EXAMPLES, NAMESPACE, TAG_PLAN, JobContext, StageClock, in_global_window
-from prepack.packer import OverlongPolicy
 
 
 class PlanFn(beam.DoFn):
@@ -50,11 +49,13 @@ class PlanFn(beam.DoFn):
 class RouteToRowsFn(beam.DoFn):
     """((length_key, b), example batches) -> ((shard index, window), ShardWork wire).
 
-    Ranks the group's examples by (hash, example_id) and gives the k-th survivor of
-    each max length the k-th slot of the group's slice of that L's plan (looked up by the
-    group's key in the `slices` multimap side input). Slots in the same
-    write window of shards with the same index share one writer, which gets each example's
-    tokens once for all of them.
+    Contract: ranks the group's examples by (hash, example_id), never by arrival order, so
+    any number of workers and any bundling give the same rows; the k-th survivor at each max
+    length (an example whose PayloadBatch.kept_at bit the fit stage set) gets the k-th slot of
+    the group's slice of that L's plan (looked up by the group's key in the `slices` multimap
+    side input). Slots in the same write window of shards with the same index share one
+    writer, which gets each example's tokens once for all of them, cut to the longest max
+    length it serves there.
     """
 
     def __init__(self, ctx: JobContext):
@@ -86,15 +87,10 @@ class RouteToRowsFn(beam.DoFn):
         batch = concat_wire(PayloadBatch, wires)
         order = batch.rank_order()
         examples = batch.examples
-        lens = examples.lens[order].astype(np.int64)
-        truncate = self.ctx.overlong is OverlongPolicy.TRUNCATE
         slots: dict[tuple[int, int], list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]] = defaultdict(list)
-        for L in self.ctx.max_lengths:
+        for bit, L in enumerate(self.ctx.config.max_lengths):
             plan = plans[L]
-            keep = lens <= L
-            if truncate and not keep.all():
-                keep |= examples.targets_after_first(L)[order] > 0  # FitAndKeyFn's rule
-            survivors = order[keep]
+            survivors = order[batch.kept_at_length(bit)[order]]  # the fit stage's decision
             if not len(survivors):
                 continue
             if plan.pack:

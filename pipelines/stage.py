@@ -25,8 +25,9 @@ import apache_beam as beam
 from apache_beam.metrics.metric import Metrics
 from apache_beam.transforms.window import GlobalWindows
 
+from pipelines.options import PackConfig
 from pipelines.records import TaskMeta
-from prepack.packer import OverlongPolicy
+from prepack.accounting import Tally
 
 NAMESPACE = "prepack"
 TAG_BAD = "bad"
@@ -42,20 +43,12 @@ FLUSH_EXAMPLES = 20_000  # buffered examples per bundle before an early flush (m
 
 @dataclasses.dataclass(frozen=True)
 class JobContext:
-    """The parts of the config every worker needs (small and picklable)."""
+    """What every worker needs (small and picklable): the job's config, and what the launcher
+    derived from it and the inputs before the pipeline started."""
 
+    config: PackConfig
     tasks: tuple[TaskMeta, ...]
-    template: str
-    template_options: tuple[tuple[str, str], ...]
-    tokenizer: str
-    chat_format: str
-    max_lengths: tuple[int, ...]
-    overlong: OverlongPolicy
-    pack: bool
-    sub_buckets: int
-    batch_size: int
-    progress: bool
-    output: str
+    sub_buckets: int  # resolved: config.sub_buckets, or chosen from the input size
     run_id: str
     pad_id: int
 
@@ -110,7 +103,7 @@ class Progress:
 
 
 class MergeCounters(beam.CombineFn):
-    """Sums Counters: tallies and histograms from every bundle into one."""
+    """Sums Counters: the (L, length_key, b) histograms from every bundle into one."""
 
     def create_accumulator(self) -> Counter:
         return Counter()
@@ -127,3 +120,22 @@ class MergeCounters(beam.CombineFn):
 
     def extract_output(self, acc: Counter) -> dict:
         return dict(acc)
+
+
+class MergeTallies(beam.CombineFn):
+    """Merges every bundle's Tally into the job's."""
+
+    def create_accumulator(self) -> Tally:
+        return Tally()
+
+    def add_input(self, acc: Tally, value: Tally) -> Tally:
+        return acc.merge(value)
+
+    def merge_accumulators(self, accs: Iterable[Tally]) -> Tally:
+        out = Tally()
+        for acc in accs:
+            out.merge(acc)
+        return out
+
+    def extract_output(self, acc: Tally) -> Tally:
+        return acc

@@ -2,8 +2,9 @@
 
 Nothing here touches the final location. Every file lands under a staging
 prefix named by the run id (OUTPUT/L<L>/.staging-<run>/, OUTPUT/.staging-<run>/);
-publish.py moves shards into place and writes manifest.json last, after the
-whole pipeline succeeded and the accounting checks passed.
+swap.py moves shards into place and switches manifest.json last, after the
+whole pipeline succeeded and the accounting checks passed. A shard's published
+name carries its sha256, so it never overwrites another set's file.
 
 ArrayRecordWriter can only open local paths, so a shard is written to a local
 temp file (with group_size:1 spelled out) and then streamed to its staging
@@ -29,8 +30,9 @@ from pipelines.columns import FragmentBatch, ShardWork, concat_wire
 from pipelines.failures import ShardCheckError
 from pipelines.records import DeadLetter, TaskMeta, place_in_file, range_offsets
 from pipelines.stage import StageClock
-from pipelines.swap import length_dir, run_staging_dir, staging_dir  # noqa: F401  (length_dir: re-exported)
+from pipelines.swap import run_staging_dir, staging_dir
 from pipelines.rows import encode_rows_flat
+from prepack.accounting import Tally
 from prepack.manifest import DEAD_LETTER_NAME
 from prepack.shardfile import DEFAULT_WRITER_OPTIONS, shard_name, write_shard
 
@@ -254,10 +256,6 @@ class WriteDeadLetterFn(beam.DoFn):
         yield (max_length, len(lines))
 
 
-def _json_key(key: tuple) -> str:
-    return ":".join(str(k) for k in key)
-
-
 class WriteSummaryFn(beam.DoFn):
     """Collects the run's figures into OUTPUT/.staging-<run>/summary.json for the launcher."""
 
@@ -266,10 +264,10 @@ class WriteSummaryFn(beam.DoFn):
         self.run_id = run_id
 
     def process(
-        self, _: Any, tally: dict, plans: dict[int, LengthPlan], shards: list[dict], dead: list, fingerprints: list
+        self, _: Any, tally: Tally, plans: dict[int, LengthPlan], shards: list[dict], dead: list, fingerprints: list
     ) -> Iterator[str]:
         summary: dict[str, Any] = {
-            "tally": {_json_key(k): v for k, v in sorted(tally.items(), key=lambda kv: _json_key(kv[0]))},
+            "tally": tally.to_json(),
             "fingerprints": sorted([list(f) for f in fingerprints], key=lambda f: f[0]),
             "lengths": {},
         }

@@ -1,6 +1,6 @@
 """An HTTP proxy that holds every request for a fixed delay and counts requests.
 
-Put between a client and the GCS emulator (tests/gcs_emulator.py), it stands in
+Put between a client and the GCS emulator (testkit/gcs_emulator.py), it stands in
 for the round trip to real GCS: each request waits `delay_ms` before it is sent
 on, whatever connection it arrives on. It also counts what passes through, so
 tests and benchmarks can see how many requests and connections a read costs.

@@ -18,8 +18,8 @@ import re
 import numpy as np
 import pytest
 
-from fixtures_pipeline import IN_PROCESS, alpaca_records, write_jsonl
-from gcs_emulator import GcsEmulator, gcs_emulator, gcs_prefix  # noqa: F401  (pytest fixtures)
+from testkit.pipeline import IN_PROCESS, alpaca_records, write_jsonl
+from testkit.gcs_emulator import GcsEmulator, gcs_emulator, gcs_prefix  # noqa: F401  (pytest fixtures)
 
 MAX_LENGTH = 128
 NUM_SHARDS = 3
@@ -255,3 +255,36 @@ def test_jsonl_byte_ranges_read_from_gcs_like_local_ones(gcs_emulator, gcs_prefi
                 json.loads(line)["source"]["line"] for line in local.decode().splitlines()]
         else:
             assert data == local, name
+
+
+def test_gcs_overwrite_is_exclusive_and_replaces_the_set_whole(gcs_emulator, gcs_prefix, input_file, tmp_path,
+                                                               monkeypatch, capsys):
+    """On gs:// (lock by ifGenerationMatch=0, manifest switched by a generation precondition): a
+    second run while the first publishes is refused at start; the first replaces the old set,
+    deletes its shards after the switch, and writes published.json."""
+    import loaders
+    from pipelines import swap
+
+    out = f"{gcs_prefix}/out"
+    other = write_jsonl(str(tmp_path / "other.jsonl"), alpaca_records(30, seed=8))
+    assert pack(job_args(other, out)) == 0
+    old_names = set(gcs_objects(gcs_emulator, f"{out}/L{MAX_LENGTH}"))
+    capsys.readouterr()
+    refused = []
+
+    def race(name: str) -> None:
+        if name == "shards_in_place" and not refused:
+            refused.append(pack(job_args(input_file, out) + ["--overwrite"]))
+
+    monkeypatch.setattr(swap, "fault_point", race)
+    assert pack(job_args(input_file, out) + ["--overwrite"]) == 0
+    assert refused == [1]
+    assert f"prepack pack: {out} is being written by run " in capsys.readouterr().err
+    names = set(gcs_objects(gcs_emulator, f"{out}/L{MAX_LENGTH}"))
+    manifest = json.loads(gcs_emulator.read_bytes(f"{out}/L{MAX_LENGTH}/manifest.json"))
+    assert names == {"manifest.json", *(s["path"] for s in manifest["shards"])}
+    assert not (names & old_names) - {"manifest.json"}
+    assert sorted(loaders.published_lengths(out)) == [MAX_LENGTH]
+    with loaders.open_shards(f"{out}/L{MAX_LENGTH}", expected_max_length=MAX_LENGTH, verify=True) as view:
+        assert len(view) == manifest["num_rows"]
+    assert gcs_objects(gcs_emulator, out) == sorted(["published.json", *(f"L{MAX_LENGTH}/{n}" for n in names)])

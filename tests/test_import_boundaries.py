@@ -1,6 +1,6 @@
 """The layering the project promises.
 
-1. Between packages (tests/import_graph.py reads every import from the source,
+1. Between packages (testkit/import_graph.py reads every import from the source,
    including imports inside functions): apps/ and gcp/ on top; train/ above
    loaders/; pipelines/ and loaders/ side by side, importing neither each
    other nor anything above; the core prepack/ at the bottom importing none of
@@ -16,7 +16,7 @@ import sys
 import textwrap
 
 import pytest
-from import_graph import LAYERS, ROOT, cycles, import_graph, upward_imports
+from testkit.import_graph import LAYERS, ROOT, cycles, import_graph, upward_imports
 
 
 def test_no_import_points_up_or_sideways():

@@ -6,7 +6,7 @@ import io
 
 import numpy as np
 import pytest
-from shardset_builder import build_shard_set
+from testkit.shard_sets import build_shard_set
 
 import prepack.tokenizer
 from apps import cli, inspect

@@ -97,7 +97,7 @@ class FakeDataflowResult:
 def test_interrupted_wait_cancels_the_submitted_dataflow_job(tmp_path, monkeypatch):
     import apache_beam as beam
 
-    from fixtures_pipeline import IN_PROCESS, alpaca_records, write_jsonl
+    from testkit.pipeline import IN_PROCESS, alpaca_records, write_jsonl
     from pipelines.job import Interrupted, run
     from pipelines.options import parse_args
 
@@ -137,3 +137,92 @@ def test_launcher_passes_the_signal_to_the_job_and_waits(tmp_path):
     assert got.read_text() == str(int(signal.SIGTERM))
     assert code == 128 + signal.SIGINT
     assert launcher.stderr.read().strip().endswith("the job was asked to cancel its Dataflow job and exited with status 130")
+
+
+def test_sigkill_between_lengths_then_the_next_run_repairs(tmp_path):
+    """A real kill -9 of the launcher right after L64's manifest was switched (fault point in a
+    child process): both lengths still verify, each whole; published.json says they mix two runs;
+    the next --overwrite run takes over the dead run's lock by itself (its pid is gone), reports
+    its staging as leftovers, and publishes one consistent set.
+    Base commit: a kill here left L64 new and L256 old with nothing to flag it, and a kill after the
+    old manifest's removal left L64 with no manifest at all."""
+    import json
+
+    import loaders
+    from testkit.pipeline import IN_PROCESS, alpaca_records, write_jsonl
+
+    old = write_jsonl(str(tmp_path / "old.jsonl"), alpaca_records(16, seed=0))
+    new = write_jsonl(str(tmp_path / "new.jsonl"), alpaca_records(16, seed=5))
+    out = tmp_path / "out"
+
+    def args(inp: str, *extra: str) -> list[str]:
+        return ["--input", inp, "--format", "alpaca", "--output", str(out), "--max-length", "64", "256",
+                "--no-progress", *IN_PROCESS, *extra]
+
+    def pack_in_child(inp: str, kill_at: str | None, *extra: str) -> subprocess.CompletedProcess:
+        code = (
+            "import os, signal, sys\n"
+            "from pipelines import swap\n"
+            f"point = {kill_at!r}\n"
+            "swap.fault_point = lambda name: os.kill(os.getpid(), signal.SIGKILL) if name == point else None\n"
+            "from pipelines.cli import main\n"
+            f"sys.exit(main({args(inp, *extra)!r}))\n"
+        )
+        return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                              env=dict(os.environ, PYTHONPATH=ROOT))
+
+    assert pack_in_child(old, None).returncode == 0
+    killed = pack_in_child(new, "manifest_switched:L64", "--overwrite")
+    assert killed.returncode == -signal.SIGKILL
+    sources = {}
+    for L in (64, 256):
+        with loaders.open_shards(str(out / f"L{L}"), expected_max_length=L, verify=True):
+            pass
+        sources[L] = os.path.basename(json.loads((out / f"L{L}" / "manifest.json").read_text())["inputs"][0]["spec"])
+    assert sources == {64: "new.jsonl", 256: "old.jsonl"}
+    with pytest.raises(loaders.ShardSetError, match="mix two runs"):
+        loaders.published_lengths(str(out))
+    assert (out / ".lock").exists()
+
+    again = pack_in_child(new, None, "--overwrite")
+    assert again.returncode == 0, again.stderr
+    assert f"{out} holds leftovers of earlier killed runs: 2 staging folders" in again.stderr
+    assert sorted(loaders.published_lengths(str(out))) == [64, 256]
+    for L in (64, 256):
+        with loaders.open_shards(str(out / f"L{L}"), expected_max_length=L, verify=True):
+            pass
+    assert not (out / ".lock").exists()
+
+
+@pytest.mark.parametrize("second_signal", [False, True])
+def test_stuck_main_thread_still_exits_and_cleans_up(tmp_path, second_signal):
+    """The main thread swallows the KeyboardInterrupt and keeps waiting (as Beam's runner did
+    for minutes on the base commit): the watchdog runs the registered clean-up and exits 130
+    after the grace period; a second signal does so at once."""
+    cleaned, ready, first = tmp_path / "cleaned", tmp_path / "ready", tmp_path / "first"
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import pathlib, time\n"
+        "from pipelines import interrupts\n"
+        f"interrupts.GRACE_S = {3600 if second_signal else 1.0}\n"
+        "interrupts.install()\n"
+        f"interrupts.register(lambda: pathlib.Path({str(cleaned)!r}).write_text('yes'))\n"
+        "while True:\n"
+        "    try:\n"
+        f"        pathlib.Path({str(ready)!r}).write_text('up')  # inside the try: from here a signal is swallowed\n"
+        "        time.sleep(0.05)\n"
+        "    except KeyboardInterrupt:\n"
+        f"        pathlib.Path({str(first)!r}).write_text('got')  # and swallows it, as a stuck runner would\n"
+    )], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(ready.exists, "the child to start")
+        child.send_signal(signal.SIGINT)
+        if second_signal:
+            wait_for(first.exists, "the first signal to land")
+            child.send_signal(signal.SIGINT)
+        code = child.wait(timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert code == 128 + signal.SIGINT
+    assert cleaned.read_text() == "yes"
+    assert child.stderr.read().strip() == "prepack pack: stopped by signal 2; nothing new was published by this run"

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from shardset_builder import build_shard_set, row_ids
+from testkit.shard_sets import build_shard_set, row_ids
 
 import loaders
 from loaders import HostPlan

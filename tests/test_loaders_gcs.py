@@ -1,4 +1,4 @@
-"""gs:// shard sets against the local GCS emulator (tests/gcs_emulator.py): the manifest,
+"""gs:// shard sets against the local GCS emulator (testkit/gcs_emulator.py): the manifest,
 sizes and whole-shard downloads come through google-cloud-storage; records are read
 from the local shard cache. A counting proxy (tests/http_delay_proxy.py) in front of
 the emulator shows what each read costs in requests."""
@@ -11,9 +11,9 @@ from urllib.parse import unquote
 
 import numpy as np
 import pytest
-from gcs_emulator import gcs_emulator, gcs_prefix  # noqa: F401  (pytest fixtures)
 from http_delay_proxy import start_proxy
-from shardset_builder import build_shard_set, row_ids
+from testkit.gcs_emulator import gcs_emulator, gcs_prefix  # noqa: F401  (pytest fixtures)
+from testkit.shard_sets import build_shard_set, row_ids
 
 import loaders
 from loaders import shards as shards_module

@@ -9,7 +9,7 @@ import shutil
 
 import numpy as np
 import pytest
-from shardset_builder import TEST_TOKENIZER, build_shard_set, row_ids
+from testkit.shard_sets import TEST_TOKENIZER, build_shard_set, row_ids
 
 import loaders
 from prepack import rowformat

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from gcs_emulator import gcs_emulator, gcs_prefix  # noqa: F401  (pytest fixtures)
+from testkit.gcs_emulator import gcs_emulator, gcs_prefix  # noqa: F401  (pytest fixtures)
 from pipelines import lock, outputs
 
 

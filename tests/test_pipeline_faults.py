@@ -18,7 +18,7 @@ import zlib
 import pytest
 
 import loaders
-from fixtures_pipeline import IN_PROCESS, alpaca_records, write_jsonl
+from testkit.pipeline import IN_PROCESS, alpaca_records, write_jsonl
 from pipelines import lock, outputs, staging, swap
 from pipelines import write as writer
 from pipelines.cli import main as cli_main
@@ -374,3 +374,19 @@ def test_existing_set_is_refused_before_beam_is_imported(published, inputs):
     assert done.stderr.strip() == (f"prepack pack: {published}/L64/manifest.json, {published}/L256/manifest.json already exist: "
                                    "refusing to write into an existing shard set. Pass --overwrite to replace it, or "
                                    "choose another --output")
+
+
+def test_storage_error_between_lengths_says_what_is_published(old_output, inputs, monkeypatch):
+    """A storage error after L64 was switched (a gs:// 503, say): one line that says L64 is the new
+    set and L256 is not, and what to do; both lengths still verify."""
+    def fail(name: str) -> None:
+        if name == "manifest_switched:L64":
+            raise ConnectionError("injected: the storage service is unavailable")
+
+    monkeypatch.setattr(swap, "fault_point", fail)
+    with pytest.raises(JobError) as e:
+        pack(args_for(inputs["new"], str(old_output), "--overwrite"))
+    assert str(e.value) == (
+        f"publishing into {old_output} failed (ConnectionError: injected: the storage service is unavailable) (L64 already "
+        f"holds this run's set, L256 does not: {old_output}/published.json does not match them; run again with --overwrite)")
+    assert assert_complete(old_output) == {64: "new.jsonl", 256: "old.jsonl"}

@@ -18,8 +18,7 @@ from prepack import rowformat
 from train import cli, trainer
 from train.trainer import TrainError
 
-sys.path.insert(0, os.path.dirname(__file__))
-from shardset_builder import TEST_TOKENIZER, build_shard_set  # noqa: E402
+from testkit.shard_sets import TEST_TOKENIZER, build_shard_set
 
 VOCAB = 64
 MAX_LENGTH = 32

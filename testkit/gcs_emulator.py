@@ -1,6 +1,6 @@
 """A real local GCS emulator for tests, started by the tests themselves.
 
-    from gcs_emulator import gcs_emulator, gcs_prefix  # noqa: F401  (pytest fixtures)
+    from testkit.gcs_emulator import gcs_emulator, gcs_prefix  # noqa: F401  (pytest fixtures)
 
     def test_x(gcs_emulator, gcs_prefix):
         out = f"{gcs_prefix}/shards"          # gs://prepack-test/<test>-<uuid>/shards

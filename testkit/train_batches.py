@@ -1,7 +1,6 @@
 """Helpers shared by the train tests and benchmarks: the same examples laid out packed and unpacked.
 
-Kept in the package (not under tests/) so that benchmarks/ can use them too.
-Nothing here is used by training itself.
+Nothing here is used by training itself, so it lives in testkit/, not in train/.
 """
 
 from __future__ import annotations
