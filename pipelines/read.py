@@ -16,7 +16,13 @@ from pipelines.stage import NAMESPACE, TAG_FINGERPRINT, Progress, StageClock
 
 
 class ReadTaskFn(beam.DoFn):
-    """ReadTask -> (task_index, [raw record, ...]) batches; tagged: the task's fingerprint."""
+    """ReadTask -> (task_index, [raw record, ...]) batches of at most batch_size (a raw record is
+    described in pipelines/readers.py); tagged TAG_FINGERPRINT: one (task_index, sha256 or None,
+    bytes read, records, lines) per task.
+
+    Contract: every record of the task is emitted exactly once, in the task's order; a read
+    that fails fails the job with the file named.
+    """
 
     def __init__(self, batch_size: int, progress: bool):
         self.batch_size = batch_size

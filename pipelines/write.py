@@ -147,7 +147,12 @@ class WriteWindowFn(beam.DoFn):
     ((L, shard), (window, part path, figures)) for AssembleShardFn.
 
     A window holds at most WINDOW_TOKENS row slots per L (planning.WINDOW_TOKENS), so what one
-    writer holds does not grow with the shard size or the input."""
+    writer holds does not grow with the shard size or the input.
+
+    Contract: a part holds exactly the rows the plan put in that window of that shard, each
+    with segment positions 0..k-1 (ShardCheckError otherwise), in (row, position) order, so its
+    bytes do not depend on the order the slots arrived in; nothing is written outside staging.
+    """
 
     def __init__(self, output: str, run_id: str, pad_id: int):
         self.output = output
@@ -182,8 +187,12 @@ class WriteWindowFn(beam.DoFn):
 
 class AssembleShardFn(beam.DoFn):
     """((L, shard index), [(window, part path, figures)]) -> the shard file in staging, its rows
-    streamed from the parts in window order (one row in memory at a time), and its figures.
-    Every window of the shard must have its part: a missing one means lost rows."""
+    streamed from the parts in window order (one row in memory at a time), and its figures
+    (rows, segments, tokens, bytes, sha256) for the summary.
+
+    Contract: every window of the shard has its part (ShardCheckError otherwise: lost rows), so
+    the file holds exactly the shard's planned rows in row order; nothing is written outside
+    staging."""
 
     def __init__(self, output: str, run_id: str):
         self.output = output
@@ -257,7 +266,9 @@ class WriteDeadLetterFn(beam.DoFn):
 
 
 class WriteSummaryFn(beam.DoFn):
-    """Collects the run's figures into OUTPUT/.staging-<run>/summary.json for the launcher."""
+    """Collects the run's figures (the job's Tally, plans, shard files, dead-letter counts,
+    input fingerprints) into OUTPUT/.staging-<run>/summary.json, which the launcher checks
+    and publishes from; keys and lists sorted, so equal runs write equal summaries."""
 
     def __init__(self, output: str, run_id: str):
         self.output = output
