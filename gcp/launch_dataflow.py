@@ -21,7 +21,9 @@ tmux, a small VM). Interrupting it (Ctrl-C, SIGTERM) cancels the Dataflow job; i
 it dies mid-job, nothing is published; run it again.
 
 Standard library only, so --dry-run works anywhere, Beam installed or not (a real
-launch first checks credentials with google.auth, which the pipeline extra brings).
+launch first checks credentials with google.auth, which the pipeline extra brings);
+--validate (gcp/dataflow_validate.py) builds the job with the real DataflowRunner offline
+and needs the pipeline extra.
 """
 
 from __future__ import annotations
@@ -48,16 +50,37 @@ WORKER_REQUIREMENTS = Path(__file__).resolve().parent / "worker_requirements.txt
 CONTAINER_PYTHON = (3, 11)
 
 DEFAULT_REGION = "us-central1"
-# 8 vCPUs / 32 GB. Dataflow bills per vCPU-hour and GB-hour whatever the shape, so
-# a larger VM costs the same per core but boots (and, with setup packaging,
-# pip-installs transformers/pyarrow/tfds) once for 8 SDK processes instead of
-# once per 1-2. 4 GB per process holds a tokenizer plus one shard's fragments in
-# the write step (~1-2 GB at the default 256 MB target shard). N2 cores are faster
-# than N1's at the same Dataflow rate.
+# Sizing from measurement (docs/gcp.md, "Sizing"): ~1.6 us of CPU per token measured end to end,
+# x1.5 for Dataflow's remote shuffle, at 512 tokens per example ~1.23 ms per example; at most
+# 1.5 GB per concurrent bundle (pipelines/README.md, "Bounded worker memory").
+# 8 vCPUs / 32 GB: Dataflow bills per vCPU-hour and GB-hour whatever the shape, so a larger VM
+# costs the same per core but boots (and pip-installs) once for 8 SDK processes. N2 cores are
+# faster than N1's at the same Dataflow rate.
 DEFAULT_MACHINE_TYPE = "n2-standard-8"
-# 64 vCPUs at most: a 1M-example set tokenizes in minutes on far fewer (docs/gcp.md),
-# and it stays near new projects' regional CPU quota; raise it for 100M+ examples.
-DEFAULT_MAX_WORKERS = 8
+# 2 bundles per SDK process: the DoFns are CPU-bound under the GIL, so a second thread only fills
+# the GCS and shuffle waits; 8 processes x 2 x 1.5 GB = 24 GB of the VM's 32 GB.
+DEFAULT_HARNESS_THREADS = 2
+# (examples up to, workers, machine type): docs/gcp.md's table; the default is the 100M row.
+# Above 100M the plan step (one bundle, ~35 bytes per example) outgrows what a 32 GB VM
+# has left beside its 16 bundles, hence highmem (64 GB).
+SIZING = ((10_000_000, 4, DEFAULT_MACHINE_TYPE), (100_000_000, 16, DEFAULT_MACHINE_TYPE),
+          (1_000_000_000, 64, "n2-highmem-8"))
+DEFAULT_EXAMPLES = 100_000_000
+
+
+def sizing_for(examples: int) -> tuple[int, str]:
+    """(autoscaling ceiling, machine type) for an input of this many examples (docs/gcp.md, 5a)."""
+    for upto, workers, machine in SIZING:
+        if examples <= upto:
+            return workers, machine
+    return SIZING[-1][1], SIZING[-1][2]
+
+
+def workers_for(examples: int) -> int:
+    return sizing_for(examples)[0]
+
+
+DEFAULT_MAX_WORKERS = workers_for(DEFAULT_EXAMPLES)
 # Holds the container image, the pip-installed pipeline extra (~3 GB) and the local
 # temp shard files (each shard is written to local disk, then copied to GCS).
 DEFAULT_DISK_GB = 50
@@ -118,8 +141,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-length", action="extend", nargs="+", type=int, default=[], metavar="L",
                    help="one or more max lengths (default: prepack pack's)")
     p.add_argument("--bucket", help="gs://BUCKET for Dataflow's temp and staging files (default: the output's bucket)")
-    p.add_argument("--machine-type", default=DEFAULT_MACHINE_TYPE, help=f"worker machine type (default {DEFAULT_MACHINE_TYPE})")
-    p.add_argument("--max-workers", type=int, default=DEFAULT_MAX_WORKERS, help=f"autoscaling ceiling (default {DEFAULT_MAX_WORKERS})")
+    p.add_argument("--machine-type", help=f"worker machine type (default: from --examples, {DEFAULT_MACHINE_TYPE} up to "
+                                          "100M examples, n2-highmem-8 above)")
+    p.add_argument("--examples", type=int, default=DEFAULT_EXAMPLES,
+                   help=f"about how many examples the input holds; picks --max-workers from docs/gcp.md's sizing table "
+                        f"(default {DEFAULT_EXAMPLES:,})")
+    p.add_argument("--max-workers", type=int, help="autoscaling ceiling (default: from --examples, docs/gcp.md)")
+    p.add_argument("--harness-threads", type=int, default=DEFAULT_HARNESS_THREADS,
+                   help=f"bundles per SDK process (default {DEFAULT_HARNESS_THREADS}; 1.5 GB each)")
     p.add_argument("--disk-gb", type=int, default=DEFAULT_DISK_GB, help=f"worker boot disk in GB (default {DEFAULT_DISK_GB})")
     p.add_argument("--packaging", choices=("setup", "container"), default="setup",
                    help="setup: stage setup.py + gcp/worker_requirements.txt, workers pip-install from PyPI (default); "
@@ -132,6 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--flexrs", action="store_true", help="FlexRS: cheaper (preemptible + discounted), starts within 6 h")
     p.add_argument("--job-name", help="Dataflow job name (default: prepack-<output>-l<L>-<UTC time>)")
     p.add_argument("--dry-run", action="store_true", help="print the command and why each option has its value; run nothing")
+    p.add_argument("--validate", action="store_true",
+                   help="build the job with Beam's DataflowRunner offline (--dry_run=True: no credentials, no network) and "
+                        "check its steps, the code the workers get, and that every DoFn and coder unpickles without JAX; "
+                        "needs the pipeline extra; submits nothing")
     return p
 
 
@@ -157,8 +190,12 @@ def check(args: argparse.Namespace, passthrough: Sequence[str]) -> list[str]:
         raise LaunchError("--format is required: alpaca, translation, oasst1, chat or prompt_response")
     if args.bucket and not args.bucket.startswith("gs://"):
         raise LaunchError(f"--bucket must look like gs://NAME, got {args.bucket!r}")
-    if args.max_workers < 1 or args.disk_gb < 10:
-        raise LaunchError("--max-workers must be >= 1 and --disk-gb >= 10")
+    if args.max_workers is None:
+        args.max_workers = workers_for(args.examples)
+    if args.machine_type is None:
+        args.machine_type = sizing_for(args.examples)[1]
+    if args.max_workers < 1 or args.disk_gb < 10 or args.harness_threads < 1 or args.examples < 1:
+        raise LaunchError("--max-workers, --harness-threads and --examples must be >= 1, and --disk-gb >= 10")
     warnings = []
     if args.packaging == "setup" and args.no_public_ips:
         warnings.append("--no-public-ips with --packaging setup: workers pip-install gcp/worker_requirements.txt from "
@@ -186,9 +223,13 @@ def dataflow_choices(args: argparse.Namespace) -> list[Choice]:
         Choice("--job_name", name, "output, max lengths and UTC start time, so runs are easy to tell apart"),
         Choice("--worker_machine_type", args.machine_type,
                "Dataflow bills per vCPU and GB whatever the shape; 8 vCPUs amortize each VM's boot and pip install "
-               "over 8 SDK processes, 4 GB each holds a tokenizer and one shard's rows in the write step"),
+               "over 8 SDK processes; 4 GB per vCPU holds its bundles at 1.5 GB each"),
+        Choice("--number_of_worker_harness_threads", str(args.harness_threads),
+               "bundles per SDK process: CPU-bound DoFns under the GIL gain from a second thread only while the "
+               "first waits on GCS or shuffle; 8 x 2 x 1.5 GB = 24 GB of 32"),
         Choice("--max_num_workers", str(args.max_workers),
-               "autoscaling ceiling; 1M examples need far less, and it stays near default regional CPU quotas"),
+               f"autoscaling ceiling for ~{args.examples:,} examples (docs/gcp.md sizing: 4 up to 10M, 16 up to "
+               "100M, 64 up to 1B)"),
         Choice("--autoscaling_algorithm", "THROUGHPUT_BASED", "scale with the backlog, down to 1 worker in the tail"),
         Choice("--disk_size_gb", str(args.disk_gb),
                "container image + pipeline extra (~3 GB) + local temp shards before their copy to GCS"),
@@ -242,6 +283,7 @@ class Launch:
     choices: list[Choice]  # our options and why (passthrough ones are only in cmd)
     warnings: list[str]
     dry_run: bool
+    validate: bool = False
 
 
 def build_command(argv: Sequence[str]) -> Launch:
@@ -257,7 +299,7 @@ def build_command(argv: Sequence[str]) -> Launch:
             cmd += choice.args()
     # Last, so they win over ours (argparse keeps the last value of a repeated option).
     cmd += list(passthrough)
-    return Launch(cmd, choices, warnings, args.dry_run)
+    return Launch(cmd, choices, warnings, args.dry_run, args.validate)
 
 
 def render(launch: Launch) -> str:
@@ -292,6 +334,28 @@ def credentials_problem() -> str | None:
     return None
 
 
+def validate(launch: Launch) -> int:
+    """Runs gcp/dataflow_validate.py on the command: 0 when the job builds and ships right."""
+    if str(REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT))
+    try:
+        from gcp import dataflow_validate
+    except ImportError as e:
+        print(f"launch_dataflow: --validate needs the pipeline extra (pip install -e '.[pipeline]'): {e}", file=sys.stderr)
+        return 2
+    try:
+        report = dataflow_validate.validate(launch.cmd[4:])
+    except dataflow_validate.ValidationError as e:
+        print(f"launch_dataflow: the job does not build for Dataflow: {e}", file=sys.stderr)
+        return 1
+    print("\n".join(report.lines()))
+    if report.problems:
+        print(f"launch_dataflow: {len(report.problems)} problem(s); fix them before launching", file=sys.stderr)
+        return 1
+    print("launch_dataflow: the job builds for Dataflow; run the same command without --validate to launch")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -302,6 +366,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if launch.dry_run:
         print(render(launch))
         return 0
+    if launch.validate:
+        return validate(launch)
     problem = credentials_problem()
     if problem:
         print(f"launch_dataflow: {problem}", file=sys.stderr)

@@ -12,12 +12,18 @@ import errno
 import re
 
 
+class ShardCheckError(AssertionError):
+    """The rows that reached a writer are not the rows the plan put there (elements were lost
+    or duplicated between steps); `one_line` turns it into the job's one-line error."""
+
+
 class InputFileError(RuntimeError):
     """An input file cannot be read as a whole (truncated, corrupt, changed while the job ran);
     the message names the file and what to do."""
 
 
 _INPUT_FILE_ERROR = re.compile(r"InputFileError: (?P<line>[^\n]+)")
+_SHARD_CHECK_ERROR = re.compile(r"ShardCheckError: (?P<line>[^\n]+)")
 _RUNNER_SUFFIX = re.compile(r"\s*\[while running '[^\n]*'\]\s*$")  # Beam's note of the step
 _NO_SPACE = re.compile(r"\[Errno 28\][^\n]*|No space left on device[^\n]*")
 
@@ -37,10 +43,15 @@ def one_line(exc: BaseException, output: str) -> str | None:
             return _RUNNER_SUFFIX.sub("", str(e).splitlines()[0]).strip()
         if isinstance(e, OSError) and e.errno == errno.ENOSPC:
             return no_space(output, getattr(e, "filename", None))
+        if type(e).__name__ == "ShardCheckError":
+            return lost_rows(_RUNNER_SUFFIX.sub("", str(e).splitlines()[0]).strip())
     text = str(exc)
     m = _INPUT_FILE_ERROR.search(text)
     if m:
         return _RUNNER_SUFFIX.sub("", m.group("line")).strip()
+    m = _SHARD_CHECK_ERROR.search(text)
+    if m:
+        return lost_rows(_RUNNER_SUFFIX.sub("", m.group("line")).strip())
     if _NO_SPACE.search(text):
         return no_space(output, None)
     return None
@@ -50,3 +61,11 @@ def no_space(output: str, where: str | None) -> str:
     place = f" ({where})" if where else ""
     return (f"no space left on device while writing{place}: free space on the disk holding {output} and the temp "
             "folder, or choose another --output; nothing new was published, the previous shard sets are intact")
+
+
+def lost_rows(detail: str) -> str:
+    """The writers' row check (writer.ShardCheckError) failed: the runner lost or duplicated
+    elements between steps. Never the input's fault, so the line says what to run instead."""
+    return (f"the shard check failed, nothing was published, the previous shard sets are intact: {detail}. "
+            "Elements were lost or duplicated between pipeline steps (a runner fault): run the job again; "
+            "locally use --direct_running_mode=multi_processing (the default) or in_memory")

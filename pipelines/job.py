@@ -7,8 +7,11 @@ One module per stage (pipelines/<stage>.py), in graph order:
     prepare  --> PrepareFn (decode, parse, template, tokenize)
              [oasst1: KeyTableRecordsFn --GroupByKey(tree)--> TableToExamplesFn]
     fit      --> FitAndKeyFn (overlong policy per L, histogram)
-    route    --> GroupByKey((length, sub-bucket)) --> RouteToRowsFn (side input: the global plans)
-    write    --> GroupByKey(shard index, across L) --> WriteShardFn (that shard of every L, staging)
+    route    --> PlanFn (global BFD plan per L from the histogram; each group's slice of the slots)
+             --> GroupByKey((length, sub-bucket)) --> RouteToRowsFn (side inputs: plans without slots;
+                 the group's slice of the slots, looked up by its key in a multimap)
+    write    --> GroupByKey((shard index, window), across L) --> WriteWindowFn (one window's rows, part files)
+             --> GroupByKey((L, shard)) --> AssembleShardFn (parts streamed into the shard, staging)
              plus dead letters per L (WriteDeadLetterFn), tallies, and one summary.json (WriteSummaryFn)
 
 pipelines/stage.py holds what the stages share (context, tags, clocks, the counter merge).
@@ -30,15 +33,16 @@ import time
 import uuid
 from typing import Any
 
-from pipelines import failures, interrupts, lock, outputs, publish, sources, staging, swap, tokens_sink, tokens_source
+from pipelines import failures, interrupts, local_memory, lock, outputs, publish, sources, staging, swap, tokens_sink, tokens_source
 from pipelines.fit import FitAndKeyFn
 from pipelines.prepare import KeyTableRecordsFn, PrepareFn, TableToExamplesFn
 from pipelines.read import ReadTaskFn
-from pipelines.route import RouteToRowsFn
-from pipelines.stage import NAMESPACE, TAG_BAD, TAG_DEAD, TAG_FINGERPRINT, TAG_HIST, TAG_TALLY, JobContext, MergeCounters, MergeTallies
-from pipelines.write import WriteDeadLetterFn, WriteShardFn, WriteSummaryFn
+from pipelines.route import PlanFn, RouteToRowsFn
+from pipelines.stage import (NAMESPACE, TAG_BAD, TAG_DEAD, TAG_FINGERPRINT, TAG_HIST, TAG_PLAN, TAG_TALLY, JobContext,
+                             MergeCounters, MergeTallies)
+from pipelines.write import AssembleShardFn, WriteDeadLetterFn, WriteSummaryFn, WriteWindowFn
 from pipelines.options import PackConfig
-from pipelines.planning import build_plans, choose_sub_buckets
+from pipelines.planning import choose_sub_buckets
 from pipelines.sources import ReadTask, ResolvedInput
 from prepack.accounting import NO_TARGETS
 from prepack.tokenset import TokenSetError, TokenSetManifest
@@ -97,8 +101,14 @@ def _tool_info() -> dict[str, Any]:
     }
 
 
-def prepare(config: PackConfig, run_id: str | None = None) -> PreparedJob:
-    """Every check that can run before the pipeline: raises JobError with one clear line."""
+def prepare(
+    config: PackConfig, run_id: str | None = None, resolved: tuple[list[ResolvedInput], list[ReadTask]] | None = None
+) -> PreparedJob:
+    """Every check that can run before the pipeline: raises JobError with one clear line.
+
+    `resolved`: the inputs and read tasks, given by a caller that must touch neither input
+    nor output (the offline Dataflow graph check, gcp/dataflow_validate.py); then the
+    existing-set, input and output-probe checks are skipped."""
     from prepack.chat_formats import ChatFormatError, get_chat_format
     from prepack.templates import get_template
     from prepack.tokenizer import TokenizerError, load_tokenizer
@@ -106,11 +116,12 @@ def prepare(config: PackConfig, run_id: str | None = None) -> PreparedJob:
     run_id = run_id or uuid.uuid4().hex[:12]
     if config.from_tokens:
         return _prepare_from_tokens(config, run_id)
-    publish.refuse_existing(config)
-    if config.write_tokens and not config.overwrite:
-        refused = tokens_sink.refuse_existing(config.output)
-        if refused:
-            raise publish.JobError(refused)
+    if resolved is None:
+        publish.refuse_existing(config)
+        if config.write_tokens and not config.overwrite:
+            refused = tokens_sink.refuse_existing(config.output)
+            if refused:
+                raise publish.JobError(refused)
     try:
         template = get_template(config.format, **config.template_kwargs)
     except ValueError as e:
@@ -123,10 +134,13 @@ def prepare(config: PackConfig, run_id: str | None = None) -> PreparedJob:
         chat_format = get_chat_format(config.chat_format, tokenizer)
     except ChatFormatError as e:
         raise publish.JobError(f"chat format: {e.message}") from e
-    try:
-        inputs, tasks = sources.resolve_inputs(config.inputs, config.tfds_data_dir)
-    except sources.InputError as e:
-        raise publish.JobError(str(e)) from e
+    if resolved is None:
+        try:
+            inputs, tasks = sources.resolve_inputs(config.inputs, config.tfds_data_dir)
+        except sources.InputError as e:
+            raise publish.JobError(str(e)) from e
+    else:
+        inputs, tasks = resolved
     est = sum(i.est_records for i in inputs)
     sub_buckets = config.sub_buckets or choose_sub_buckets(est, config.pack)
     ctx = JobContext(config=config, tasks=sources.task_metas(inputs, tasks), sub_buckets=sub_buckets, run_id=run_id,
@@ -208,22 +222,28 @@ def _fit_route_write(pipeline: Any, job: PreparedJob, examples: Any, bads: list,
     """From TokenizedBatches (tokenized now, or read from a tokenized set) to staged shard
     sets, dead letters and the run summary; returns FitAndKeyFn's outputs."""
     import apache_beam as beam
-    from apache_beam.pvalue import AsList, AsSingleton
+    from apache_beam.pvalue import AsDict, AsList, AsMultiMap, AsSingleton
 
     ctx, config = job.ctx, job.config
     fitted = examples | "FitAndKey" >> beam.ParDo(FitAndKeyFn(ctx)).with_outputs(
         TAG_HIST, TAG_TALLY, TAG_DEAD, main="keyed")
-    plans = (
+    planned = (
         fitted[TAG_HIST]
         | "Histogram" >> beam.CombineGlobally(MergeCounters())
-        | "Plan" >> beam.Map(build_plans, config.max_lengths, config.pack, config.num_shards, config.target_shard_mb)
+        | "Plan" >> beam.ParDo(PlanFn(config.max_lengths, config.pack, config.num_shards, config.target_shard_mb))
+        .with_outputs(TAG_PLAN, main="slices")
     )
+    # Every worker holds the plans without their slots (O(groups)); each (length, sub-bucket)
+    # group reads its own slice of the slots from a multimap side input, fetched per key.
+    plans = AsDict(planned[TAG_PLAN])
     shards = (
         fitted.keyed
         | "GroupByLength" >> beam.GroupByKey()
-        | "RouteToRows" >> beam.ParDo(RouteToRowsFn(ctx), plans=AsSingleton(plans))
+        | "RouteToRows" >> beam.ParDo(RouteToRowsFn(ctx), plans=plans, slices=AsMultiMap(planned.slices))
+        | "GroupByWindow" >> beam.GroupByKey()
+        | "WriteWindows" >> beam.ParDo(WriteWindowFn(config.output, job.run_id, ctx.pad_id), plans=plans)
         | "GroupByShard" >> beam.GroupByKey()
-        | "WriteShards" >> beam.ParDo(WriteShardFn(config.output, job.run_id, ctx.pad_id), plans=AsSingleton(plans))
+        | "WriteShards" >> beam.ParDo(AssembleShardFn(config.output, job.run_id), plans=plans)
     )
     lengths = config.max_lengths
     bad_per_length = (
@@ -245,7 +265,7 @@ def _fit_route_write(pipeline: Any, job: PreparedJob, examples: Any, bads: list,
         | "Once" >> beam.Create([None])
         | "WriteSummary" >> beam.ParDo(
             WriteSummaryFn(config.output, job.run_id),
-            tally=AsSingleton(tally), plans=AsSingleton(plans), shards=AsList(shards), dead=AsList(dead),
+            tally=AsSingleton(tally), plans=plans, shards=AsList(shards), dead=AsList(dead),
             fingerprints=AsList(fingerprints),
         )
     )
@@ -357,6 +377,12 @@ def run(config: PackConfig, beam_args: list[str], run_id: str | None = None) -> 
     try:
         seen = swap.look(config.output, config.max_lengths)
         notes = _leftovers(config, job.run_id)
+        if local_memory.is_local_runner(beam_args):
+            # Logged, not kept in the result's notes: it depends on this machine's free memory now.
+            too_big = local_memory.warning(local_memory.estimate_examples(job.inputs, job.tasks),
+                                           local_memory.local_workers(beam_args), local_memory.available_bytes())
+            if too_big:
+                log.warning(too_big)
         for note in notes:
             log.warning(note)
         publish.probe_output(config.output, job.run_id)

@@ -224,8 +224,9 @@ def parse_args(argv: Sequence[str]) -> tuple[PackConfig, list[str]]:
     beam_args = with_default_runner(beam_args)
     if "--direct_running_mode=multi_threading" in beam_args or _flag_value(beam_args, "--direct_running_mode") == "multi_threading":
         raise OptionsError(
-            "--direct_running_mode=multi_threading is not supported: under load, Beam's multi-threaded local runner "
-            "lost grouped elements in our tests (the job's shard check stops such a run before publishing). "
+            "--direct_running_mode=multi_threading is not supported: Beam's embedded SDK worker loses elements under "
+            "load (its timed 1 s output-buffer flush, TimeBasedBufferingClosableOutputStream, sends get() then _clear() "
+            "while the bundle thread writes without _flush_lock; an upstream bug, see pipelines/README.md). "
             "Use multi_processing (the default) or in_memory"
         )
     return config, beam_args

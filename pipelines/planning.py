@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import os
 from collections import defaultdict
 from collections.abc import Mapping
 
@@ -39,6 +40,18 @@ EST_COMPRESSED_BYTES_PER_TOKEN = 2.5
 PACKED_EXAMPLES_PER_SUB_BUCKET = 2_000_000
 UNPACKED_EXAMPLES_PER_SUB_BUCKET = 100_000
 MAX_SUB_BUCKETS = 4096
+# Row slots (max length x rows) per write window: the unit one writer holds in memory. A shard's
+# rows are written by window, each window to a part file, and the parts are streamed into the
+# shard in row order, so a writer's memory does not grow with the shard or the input
+# (pipelines/README.md, "Bounded worker memory").
+WINDOW_TOKENS = 4 << 20
+# Overrides WINDOW_TOKENS where the plan is built (tests use tiny windows to cross many window
+# boundaries; the rows and bytes written do not depend on it).
+WINDOW_TOKENS_ENV = "PREPACK_WINDOW_TOKENS"
+
+
+def window_tokens() -> int:
+    return max(1, int(os.environ.get(WINDOW_TOKENS_ENV, WINDOW_TOKENS)))
 
 Histogram = Mapping[tuple[int, int, int], int]  # (L, length_key, b) -> surviving examples
 
@@ -93,8 +106,11 @@ class LengthPlan:
     min_segments: int
     max_segments: int
     offsets: dict[tuple[int, int], int]
-    # class -> (row of the k-th slot, position of that slot in its row); packed only
+    # class -> (row of the k-th slot, position of that slot in its row); packed only. Never
+    # broadcast: the job sends each (length_key, b) group its own slice (group_slices).
     slots: dict[int, tuple[np.ndarray, np.ndarray]]
+    group_counts: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)
+    window_tokens: int = WINDOW_TOKENS
 
     def route(self, length_key: int, b: int, count: int) -> tuple[np.ndarray, np.ndarray]:
         """Rows and positions (int64 arrays) of a group's `count` survivors, in rank order."""
@@ -107,8 +123,35 @@ class LengthPlan:
             raise AssertionError(f"L={self.max_length}: group {(length_key, b)} needs slots up to {end}, plan has {len(rows)}")
         return rows[start:end].astype(np.int64), positions[start:end]
 
+    def group_slices(self):
+        """((length_key, b), rows, positions) of every group, packed only: the group's slots in
+        rank order, what `route` returns for it, as int32 arrays."""
+        for (key, b), start in self.offsets.items():
+            rows, positions = self.slots[example_class(key, self.max_length, True)]
+            count = self.group_counts[(key, b)]
+            yield (key, b), rows[start:start + count], positions[start:start + count]
+
+    def without_slots(self) -> "LengthPlan":
+        """What every worker may hold: sizes and group offsets (O(groups)), no slots."""
+        return dataclasses.replace(self, slots={}, group_counts={})
+
     def rows_in_shard(self, shard: int) -> range:
         return range(shard, self.num_rows, self.num_shards)
+
+    @property
+    def rows_per_window(self) -> int:
+        return max(1, self.window_tokens // self.max_length)
+
+    def windows_of(self, rows: np.ndarray) -> np.ndarray:
+        """The write window of each row: its rank within its shard // rows_per_window."""
+        return (rows // self.num_shards) // self.rows_per_window
+
+    def rows_in_window(self, shard: int, window: int) -> range:
+        per = self.rows_per_window
+        return self.rows_in_shard(shard)[window * per:(window + 1) * per]
+
+    def num_windows(self, shard: int) -> int:
+        return -(-len(self.rows_in_shard(shard)) // self.rows_per_window)
 
 
 def slots_from_runs(runs: RunPlan) -> dict[int, tuple[np.ndarray, np.ndarray]]:
@@ -166,6 +209,8 @@ def build_plan(
         max_segments=max_seg,
         offsets=offsets,
         slots=slots,
+        group_counts={(k, b): count for _, b, k, count in entries},
+        window_tokens=window_tokens(),
     )
 
 

@@ -1,5 +1,6 @@
-"""Route stage: each (length, sub-bucket) group's examples to the rows and slots the global
-plan reserved for them, grouped by shard index for the writers."""
+"""Plan and route stages: one global BFD plan per L from the histogram (PlanFn), then each
+(length, sub-bucket) group's examples to the rows and slots the plan reserved for them,
+grouped by (shard index, write window) for the writers."""
 
 from __future__ import annotations
 
@@ -10,21 +11,51 @@ from typing import Any
 import apache_beam as beam
 import numpy as np
 from apache_beam.metrics.metric import Metrics
+from apache_beam.pvalue import TaggedOutput
 
 from pipelines.columns import PayloadBatch, ShardWork, concat_wire
+from pipelines.failures import ShardCheckError
 from pipelines.planning import LengthPlan
-from pipelines.stage import FLUSH_EXAMPLES, NAMESPACE, JobContext, StageClock, in_global_window
+from pipelines.stage import FLUSH_EXAMPLES, NAMESPACE, TAG_PLAN, JobContext, StageClock, in_global_window
+
+
+class PlanFn(beam.DoFn):
+    """The global histogram -> one BFD plan per L.
+
+    Main output: each (length_key, b) group's slice of the plan's slots,
+    ((length_key, b), (L, rows, positions)), a multimap side input of RouteToRowsFn that a
+    worker reads one group's key at a time (Beam's multimap side inputs are fetched per key
+    through the state API), so no worker holds more of the plan than its groups' slots.
+    Tagged `plan`: (L, the plan without slots), O(groups), the side input every worker gets.
+    """
+
+    def __init__(self, max_lengths: tuple[int, ...], pack: bool, num_shards: int | None, target_shard_mb: float):
+        self.max_lengths = max_lengths
+        self.pack = pack
+        self.num_shards = num_shards
+        self.target_shard_mb = target_shard_mb
+
+    def process(self, histogram: dict) -> Iterator[Any]:
+        from pipelines.planning import build_plan
+
+        for L in self.max_lengths:
+            plan = build_plan(histogram, L, self.pack, self.num_shards, self.target_shard_mb)
+            if self.pack:
+                for key, rows, positions in plan.group_slices():
+                    yield (key, (L, rows.astype("<i4").tobytes(), positions.astype("<i4").tobytes()))
+            yield TaggedOutput(TAG_PLAN, (L, plan.without_slots()))
 
 
 class RouteToRowsFn(beam.DoFn):
-    """((length_key, b), payload batches) -> (shard index, ShardWork wire).
+    """((length_key, b), example batches) -> ((shard index, window), ShardWork wire).
 
     Contract: ranks the group's examples by (hash, example_id), never by arrival order, so
     any number of workers and any bundling give the same rows; the k-th survivor at each max
-    length (an example whose PayloadBatch.kept_at bit the fit stage set) gets the k-th slot the
-    global plan reserved for this (length_key, b) group. Slots in shards with the same index
-    share one writer, which gets each example's tokens once for all of them, cut to the
-    longest max length it serves there.
+    length (an example whose PayloadBatch.kept_at bit the fit stage set) gets the k-th slot of
+    the group's slice of that L's plan (looked up by the group's key in the `slices` multimap
+    side input). Slots in the same write window of shards with the same index share one
+    writer, which gets each example's tokens once for all of them, cut to the longest max
+    length it serves there.
     """
 
     def __init__(self, ctx: JobContext):
@@ -35,38 +66,55 @@ class RouteToRowsFn(beam.DoFn):
         self.clock = StageClock("route")
 
     def start_bundle(self) -> None:
-        self.buffers: dict[int, list[ShardWork]] = defaultdict(list)
+        self.buffers: dict[tuple[int, int], list[ShardWork]] = defaultdict(list)
         self.buffered = 0
 
-    def process(self, element: tuple[tuple[int, int], Iterable[tuple]], plans: dict[int, LengthPlan]) -> Iterator[Any]:
+    def process(self, element: tuple[tuple[int, int], Iterable[tuple]], plans: dict[int, LengthPlan],
+                slices: Any = None) -> Iterator[Any]:
         started = StageClock.now()
         (key, b), wires = element
+        mine = {}
+        if slices is not None:
+            for L, rows, positions in slices[(key, b)]:
+                mine[L] = (np.frombuffer(rows, "<i4").astype(np.int64), np.frombuffer(positions, "<i4"))
+        self._route(key, b, list(wires), mine, plans)
+        self.clock.add(StageClock.now() - started)
+        if self.buffered >= FLUSH_EXAMPLES:
+            yield from self._flush(windowed=False)
+
+    def _route(self, key: int, b: int, wires: list, slices: dict, plans: dict[int, LengthPlan]) -> None:
+        """Buffers the group's examples as ShardWork per (shard, window) target."""
         batch = concat_wire(PayloadBatch, wires)
         order = batch.rank_order()
         examples = batch.examples
-        slots: dict[int, list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]] = defaultdict(list)
+        slots: dict[tuple[int, int], list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]] = defaultdict(list)
         for bit, L in enumerate(self.ctx.config.max_lengths):
             plan = plans[L]
             survivors = order[batch.kept_at_length(bit)[order]]  # the fit stage's decision
             if not len(survivors):
                 continue
-            rows, positions = plan.route(key, b, len(survivors))
-            if plan.num_shards == 1:
-                slots[0].append((L, rows, positions, survivors))
-                continue
-            shards = rows % plan.num_shards
-            for shard in np.unique(shards).tolist():
-                sel = shards == shard
-                slots[shard].append((L, rows[sel], positions[sel], survivors[sel]))
-        for shard, parts in slots.items():
+            if plan.pack:
+                rows, positions = slices.get(L, (np.zeros(0, np.int64), np.zeros(0, np.int32)))
+                if len(rows) != len(survivors):
+                    raise ShardCheckError(f"L={L}: group {(key, b)} has {len(survivors)} examples, its plan slice "
+                                          f"{len(rows)} slots")
+            else:
+                rows, positions = plan.route(key, b, len(survivors))
+            # (shard, window) of each slot, as one sortable code; a group's slots are split by it.
+            codes = (rows % plan.num_shards) << 32 | plan.windows_of(rows)
+            by_code = np.argsort(codes, kind="stable")
+            unique, starts = np.unique(codes[by_code], return_index=True)
+            for code, sel in zip(unique.tolist(), np.split(by_code, starts[1:])):
+                slots[(code >> 32, code & 0xFFFFFFFF)].append((L, rows[sel], positions[sel], survivors[sel]))
+        for target, parts in slots.items():
             taken = np.concatenate([p[3] for p in parts])
             lengths = np.concatenate([np.full(len(p[1]), p[0], dtype=np.int32) for p in parts])
             unique, local = np.unique(taken, return_inverse=True)
-            # Each example travels cut to the longest max length it serves in this shard
+            # Each example travels cut to the longest max length it serves in this window
             # (under --overlong truncate a long document would otherwise cross whole).
             longest = np.zeros(len(unique), dtype=np.int64)
             np.maximum.at(longest, local, lengths)
-            self.buffers[shard].append(ShardWork(
+            self.buffers[target].append(ShardWork(
                 lengths,
                 np.concatenate([p[1] for p in parts]),
                 np.concatenate([p[2] for p in parts]).astype(np.int32),
@@ -75,14 +123,11 @@ class RouteToRowsFn(beam.DoFn):
             ))
             self.buffered += len(taken)
         self.m_routed.inc(len(order))
-        self.clock.add(StageClock.now() - started)
-        if self.buffered >= FLUSH_EXAMPLES:
-            yield from self._flush(windowed=False)
 
     def _flush(self, windowed: bool) -> Iterator[Any]:
         wrap = in_global_window if windowed else (lambda v: v)
-        for shard, parts in self.buffers.items():
-            yield wrap((shard, ShardWork.concat(parts).to_wire()))
+        for target, parts in self.buffers.items():
+            yield wrap((target, ShardWork.concat(parts).to_wire()))
         self.buffers = defaultdict(list)
         self.buffered = 0
 

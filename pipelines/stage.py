@@ -35,6 +35,7 @@ TAG_TALLY = "tally"
 TAG_HIST = "hist"
 TAG_DEAD = "dead"
 TAG_FINGERPRINT = "fingerprint"
+TAG_PLAN = "plan"
 
 
 FLUSH_EXAMPLES = 20_000  # buffered examples per bundle before an early flush (memory bound)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 import tempfile
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -26,6 +27,7 @@ from apache_beam.metrics.metric import Metrics
 
 from pipelines.planning import LengthPlan
 from pipelines.columns import FragmentBatch, ShardWork, concat_wire
+from pipelines.failures import ShardCheckError
 from pipelines.records import DeadLetter, TaskMeta, place_in_file, range_offsets
 from pipelines.stage import StageClock
 from pipelines.swap import run_staging_dir, staging_dir
@@ -54,10 +56,6 @@ def write_bytes(path: str, data: bytes) -> None:
 def copy_local_to(local_path: str, dest: str) -> None:
     with open(local_path, "rb") as src, create_file(dest) as dst:
         shutil.copyfileobj(src, dst, COPY_BLOCK)
-
-
-class ShardCheckError(AssertionError):
-    """The rows that reached a shard are not the rows the plan put there."""
 
 
 def _rows_from_fragments(
@@ -90,12 +88,69 @@ def _rows_from_fragments(
         yield record
 
 
-class WriteShardFn(beam.DoFn):
-    """(shard index, ShardWork) -> that shard's file of every L that has one, in staging, and
-    each file's figures (rows, segments, tokens, bytes, sha256) for the summary.
+# Fault hook for tests: "SHARD:WINDOW" of a write window whose elements are dropped, as a runner
+# that loses elements would (the assembler's check must then fail the job with one line).
+FAULT_DROP_WINDOW_ENV = "PREPACK_FAULT_DROP_WINDOW"
+PART_BLOCK = 8 << 20  # bytes of framed rows buffered before a write to a part file
+_FRAME = struct.Struct("<I")
 
-    Contract: a file holds exactly the rows the plan put in that shard, each with segment
-    positions 0..k-1 (ShardCheckError otherwise), laid out in (row, position) order, so its
+
+def part_path(output: str, run_id: str, max_length: int, shard: int, window: int) -> str:
+    return f"{run_staging_dir(output, run_id)}/parts/L{max_length}/{shard:06d}-{window:06d}"
+
+
+def _new_stats() -> dict[str, int]:
+    return {"rows": 0, "segments": 0, "tokens": 0, "target_tokens": 0, "min_segments": 1 << 30, "max_segments": 0}
+
+
+def _merge_stats(into: dict[str, int], part: dict[str, int]) -> None:
+    for k in ("rows", "segments", "tokens", "target_tokens"):
+        into[k] += part[k]
+    into["min_segments"] = min(into["min_segments"], part["min_segments"])
+    into["max_segments"] = max(into["max_segments"], part["max_segments"])
+
+
+def write_part(path: str, records: Iterable[bytes]) -> None:
+    """Length-framed records to a part file, in blocks of PART_BLOCK bytes."""
+    with create_file(path) as f:
+        block: list[bytes] = []
+        size = 0
+        for record in records:
+            block += (_FRAME.pack(len(record)), record)
+            size += len(record) + 4
+            if size >= PART_BLOCK:
+                f.write(b"".join(block))
+                block, size = [], 0
+        if block:
+            f.write(b"".join(block))
+
+
+def read_part(path: str) -> Iterator[bytes]:
+    """The records of a part file, one at a time."""
+    from apache_beam.io.filesystems import FileSystems
+
+    with FileSystems.open(path, compression_type="uncompressed") as f:
+        while True:
+            head = f.read(4)
+            if not head:
+                return
+            (n,) = _FRAME.unpack(head)
+            record = f.read(n)
+            if len(record) != n:
+                raise ShardCheckError(f"part file {path} is truncated")
+            yield record
+
+
+class WriteWindowFn(beam.DoFn):
+    """((shard index, window), ShardWork) -> one part file per L with rows in that window of
+    that shard, rows checked against the plan and encoded in row order; emits
+    ((L, shard), (window, part path, figures)) for AssembleShardFn.
+
+    A window holds at most WINDOW_TOKENS row slots per L (planning.WINDOW_TOKENS), so what one
+    writer holds does not grow with the shard size or the input.
+
+    Contract: a part holds exactly the rows the plan put in that window of that shard, each
+    with segment positions 0..k-1 (ShardCheckError otherwise), in (row, position) order, so its
     bytes do not depend on the order the slots arrived in; nothing is written outside staging.
     """
 
@@ -106,28 +161,68 @@ class WriteShardFn(beam.DoFn):
 
     def setup(self) -> None:
         self.m_rows = Metrics.counter(NAMESPACE, "rows_written")
+        self.m_segments = Metrics.distribution(NAMESPACE, "segments_per_row")
+        self.clock_write = StageClock("write")
+        self.drop = os.environ.get(FAULT_DROP_WINDOW_ENV)
+
+    def process(self, element: tuple[tuple[int, int], Iterable[tuple]], plans: dict[int, LengthPlan]) -> Iterator[tuple]:
+        (shard, window), wires = element
+        if self.drop == f"{shard}:{window}":
+            return
+        started = StageClock.now()
+        work = concat_wire(ShardWork, wires)
+        for max_length in work.max_lengths():
+            stats = _new_stats()
+            plan = plans[max_length]
+            rows = _rows_from_fragments(work.fragments(max_length), plan.rows_in_window(shard, window), max_length,
+                                        self.pad_id, stats)
+            path = part_path(self.output, self.run_id, max_length, shard, window)
+            write_part(path, rows)
+            self.m_rows.inc(stats["rows"])
+            if stats["rows"]:
+                self.m_segments.update(stats["segments"] // stats["rows"])
+            yield ((max_length, shard), (window, path, stats))
+        self.clock_write.add(StageClock.now() - started)
+
+
+class AssembleShardFn(beam.DoFn):
+    """((L, shard index), [(window, part path, figures)]) -> the shard file in staging, its rows
+    streamed from the parts in window order (one row in memory at a time), and its figures
+    (rows, segments, tokens, bytes, sha256) for the summary.
+
+    Contract: every window of the shard has its part (ShardCheckError otherwise: lost rows), so
+    the file holds exactly the shard's planned rows in row order; nothing is written outside
+    staging."""
+
+    def __init__(self, output: str, run_id: str):
+        self.output = output
+        self.run_id = run_id
+
+    def setup(self) -> None:
         self.m_shards = Metrics.counter(NAMESPACE, "shards_written")
         self.m_bytes = Metrics.counter(NAMESPACE, "shard_bytes_written")
-        self.m_segments = Metrics.distribution(NAMESPACE, "segments_per_row")
         self.clock_write = StageClock("write")
         self.clock_copy = StageClock("copy")
 
-    def process(self, element: tuple[int, Iterable[tuple]], plans: dict[int, LengthPlan]) -> Iterator[dict]:
-        shard, wires = element
+    def process(self, element: tuple[tuple[int, int], Iterable[tuple]], plans: dict[int, LengthPlan]) -> Iterator[dict]:
+        (max_length, shard), parts = element
+        plan = plans[max_length]
+        parts = sorted(parts, key=lambda p: p[0])
+        windows = [p[0] for p in parts]
+        expected = list(range(plan.num_windows(shard)))
+        if windows != expected:
+            missing = sorted(set(expected) - set(windows))[:5]
+            first_rows = [plan.rows_in_window(shard, w)[0] for w in missing]
+            raise ShardCheckError(f"L={max_length}: shard {shard} lacks the rows of write windows {missing} "
+                                  f"(starting at rows {first_rows})")
+        stats = _new_stats()
+        for _, _, part in parts:
+            _merge_stats(stats, part)
         started = StageClock.now()
-        work = concat_wire(ShardWork, wires)
-        self.clock_write.add(StageClock.now() - started)
-        for max_length in work.max_lengths():
-            yield self._write(max_length, shard, work.fragments(max_length), plans[max_length])
-
-    def _write(self, max_length: int, shard: int, fragments: FragmentBatch, plan: LengthPlan) -> dict:
-        started = StageClock.now()
-        stats = {"rows": 0, "segments": 0, "tokens": 0, "target_tokens": 0, "min_segments": 1 << 30, "max_segments": 0}
         tmp = tempfile.mkdtemp(prefix="prepack-shard-")
         try:
             local = os.path.join(tmp, shard_name(shard, plan.num_shards))
-            rows = _rows_from_fragments(fragments, plan.rows_in_shard(shard), max_length, self.pad_id, stats)
-            info = write_shard(local, rows, DEFAULT_WRITER_OPTIONS)
+            info = write_shard(local, (record for _, path, _ in parts for record in read_part(path)), DEFAULT_WRITER_OPTIONS)
             written = StageClock.now()
             self.clock_write.add(written - started)
             # The published name carries the content's hash: a new set never overwrites a file
@@ -137,12 +232,10 @@ class WriteShardFn(beam.DoFn):
             self.clock_copy.add(StageClock.now() - written)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        self.m_rows.inc(info.num_rows)
+        # Part files stay until the run's staging prefix is removed: a retried bundle may read them again.
         self.m_shards.inc()
         self.m_bytes.inc(info.num_bytes)
-        if stats["rows"]:
-            self.m_segments.update(stats["segments"] // stats["rows"])
-        return {
+        yield {
             "max_length": max_length,
             "index": shard,
             "path": name,

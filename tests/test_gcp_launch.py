@@ -45,7 +45,7 @@ def option(cmd: list[str], flag: str) -> str:
 
 
 def test_dry_run_prints_the_whole_command_and_runs_nothing(capsys, monkeypatch):
-    monkeypatch.setattr(subprocess, "call", lambda *a, **k: pytest.fail("--dry-run must not run anything"))
+    monkeypatch.setattr(ld, "run_job", lambda *a, **k: pytest.fail("--dry-run must not run anything"))
     assert ld.main(BASE + ["--max-length", "2048", "--dry-run"]) == 0
     out = capsys.readouterr().out
     command, _, explained = out.partition("\n\n")
@@ -53,7 +53,8 @@ def test_dry_run_prints_the_whole_command_and_runs_nothing(capsys, monkeypatch):
     assert argv[1:4] == ["-m", "apps.cli", "pack"]
     for flag, value in [("--runner", "DataflowRunner"), ("--project", "my-proj"), ("--region", "us-central1"),
                         ("--temp_location", "gs://b/dataflow/temp"), ("--staging_location", "gs://b/dataflow/staging"),
-                        ("--worker_machine_type", "n2-standard-8"), ("--max_num_workers", "8"), ("--disk_size_gb", "50"),
+                        ("--worker_machine_type", "n2-standard-8"), ("--max_num_workers", "16"), ("--disk_size_gb", "50"),
+                        ("--number_of_worker_harness_threads", "2"),
                         ("--experiments", "use_runner_v2"), ("--setup_file", str(REPO / "setup.py")),
                         ("--requirements_file", str(REPO / "gcp" / "worker_requirements.txt")),
                         ("--output", "gs://b/sets/alpaca"), ("--max-length", "2048")]:
@@ -103,6 +104,19 @@ def test_beam_stages_our_package_and_the_pipeline_extra(tmp_path):
     assert {"pipelines/job.py", "pipelines/write.py", "prepack/tokenizer.py", "prepack/sample_data/sample_sft.jsonl"} <= names
 
 
+@pytest.mark.parametrize("examples, workers", [(1_000_000, 4), (10_000_000, 4), (10_000_001, 16), (100_000_000, 16),
+                                               (1_000_000_000, 64), (5_000_000_000, 64)])
+def test_worker_ceiling_follows_the_sizing_table(examples, workers):
+    """docs/gcp.md's table: 4 n2-standard-8 up to 10M examples, 16 up to 100M, 64 n2-highmem-8 above."""
+    cmd = ld.build_command(BASE + ["--examples", str(examples)]).cmd
+    assert option(cmd, "--max_num_workers") == str(workers)
+    assert option(ld.build_command(BASE + ["--examples", str(examples), "--max-workers", "3"]).cmd, "--max_num_workers") == "3"
+    table = (REPO / "docs" / "gcp.md").read_text()
+    for _, n, machine in ld.SIZING:
+        assert f"| {n} × `{machine}` |" in table, (n, machine)
+    assert option(cmd, "--worker_machine_type") == ld.sizing_for(examples)[1]
+
+
 def test_worker_requirements_are_the_pipeline_extra():
     listed = [line.strip() for line in (REPO / "gcp" / "worker_requirements.txt").read_text().splitlines()
               if line.strip() and not line.startswith("#")]
@@ -123,6 +137,70 @@ def test_container_packaging(capsys):
     assert option(custom.cmd, "--service_account_email") == "sa@my-proj.iam.gserviceaccount.com"
     # Setup packaging without public IPs cannot reach PyPI unless NAT exists: said, not refused.
     assert any("Cloud NAT" in w for w in ld.build_command(BASE + ["--no-public-ips"]).warnings)
+
+
+# ----------------------------------------------------------------------------- --validate: the real DataflowRunner, offline
+
+# Beam refuses a 1-letter bucket and replaces it by a default bucket over the network.
+VALID_BASE = ["--project", "my-proj", "--input", "gs://my-bucket/raw/*.jsonl", "--format", "alpaca",
+              "--output", "gs://my-bucket/sets/alpaca", "--max-length", "512", "2048"]
+
+
+def test_validate_builds_the_job_with_the_dataflow_runner_offline(capsys, monkeypatch):
+    """DataflowRunner --dry_run builds the whole graph with no credentials and no network: the
+    steps, the worker code (sdist + pipeline-extra requirements), the worker pool, and every
+    DoFn/CombineFn/coder unpickled (and our DoFns set up) where the training stack cannot load."""
+    from gcp import dataflow_validate as dv
+
+    monkeypatch.setattr(ld, "run_job", lambda *a, **k: pytest.fail("--validate must not launch anything"))
+    assert ld.main(VALID_BASE + ["--validate"]) == 0
+    out = capsys.readouterr().out
+    assert "the job builds for Dataflow" in out and "problem" not in out
+    report = dv.validate(ld.build_command(VALID_BASE + ["--examples", "1000000000"]).cmd[4:])
+    assert report.problems == []
+    assert set(dv.EXPECTED_STEPS) <= set(report.steps)
+    assert report.packaging == "setup" and {"workflow.tar.gz", "requirements.txt"} <= set(report.staged)
+    assert (report.machine_type, report.disk_size_gb, report.harness_threads, report.max_workers) == (
+        "n2-highmem-8", ld.DEFAULT_DISK_GB, ld.DEFAULT_HARNESS_THREADS, 64)
+    # Every project DoFn with a setup ran it: read, tokenize, fit, route, write shards/dead letters/summary.
+    assert report.unpickled["dofns"] >= 20 and report.unpickled["coders"] >= 10 and report.unpickled["setups"] >= 7
+
+
+def test_validate_catches_training_packages_in_the_worker_requirements(tmp_path):
+    from gcp import dataflow_validate as dv
+
+    reqs = tmp_path / "requirements.txt"
+    reqs.write_text((REPO / "gcp" / "worker_requirements.txt").read_text() + "jax==0.10.2\n")
+    report = dv.validate(ld.build_command(VALID_BASE + ["--requirements_file", str(reqs)]).cmd[4:])
+    assert report.problems == ["the staged requirements install training packages ['jax']"]
+
+
+def test_validate_catches_worker_code_that_needs_the_training_stack(tmp_path, monkeypatch):
+    """The unpickling interpreter is not vacuous: a DoFn whose module imports jax fails there
+    (and is named), though it unpickles in this test's process, where jax is installed."""
+    import apache_beam as beam
+
+    from gcp import dataflow_validate as dv
+
+    (tmp_path / "needs_jax_fn.py").write_text(
+        "import apache_beam as beam\nimport jax\n\nclass NeedsJaxFn(beam.DoFn):\n"
+        "    def process(self, x):\n        yield jax.numpy.asarray(x)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    import needs_jax_fn
+
+    pipeline = beam.Pipeline()
+    _ = pipeline | beam.Create([1]) | "UsesJax" >> beam.ParDo(needs_jax_fn.NeedsJaxFn())
+    child = dv.unpickle_in_fresh_interpreter(pipeline.to_runner_api(), "cloudpickle")
+    assert any(e.startswith("UsesJax") and "jax" in e for e in child["errors"]), child["errors"]
+    assert "jax" in child["blocked_attempts"] and child["loaded"] == []
+
+
+def test_validate_refuses_what_cannot_build(capsys):
+    assert ld.main(VALID_BASE + ["--validate", "--temp_location", "gs://b/tmp", "--staging_location", "gs://b/st"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("launch_dataflow: the job does not build for Dataflow: --temp_location: ") and "\n" == err[-1]
+    assert len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -151,7 +229,7 @@ def no_credentials(monkeypatch, tmp_path) -> None:
 
 def test_launch_without_credentials_says_how_to_log_in(capsys, monkeypatch, tmp_path):
     no_credentials(monkeypatch, tmp_path)
-    monkeypatch.setattr(subprocess, "call", lambda *a, **k: pytest.fail("must not start the job without credentials"))
+    monkeypatch.setattr(ld, "run_job", lambda *a, **k: pytest.fail("must not start the job without credentials"))
     assert ld.main(BASE + ["--max-length", "2048"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["launch_dataflow: no Google Cloud credentials found: run `gcloud auth application-default login` "
@@ -164,7 +242,7 @@ def test_launch_with_credentials_starts_the_job(capsys, monkeypatch, tmp_path):
     adc.write_text('{"type": "authorized_user", "client_id": "c", "client_secret": "s", "refresh_token": "r"}')
     monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(adc))
     started = []
-    monkeypatch.setattr(subprocess, "call", lambda cmd, **k: started.append(cmd) or 0)
+    monkeypatch.setattr(ld, "run_job", lambda cmd, env=None: started.append(cmd) or 0)
     assert ld.main(BASE + ["--max-length", "2048"]) == 0
     assert len(started) == 1 and started[0][3] == "pack"
 

@@ -472,6 +472,47 @@ def test_shard_counts_differ_per_length_truncate_one_vs_two_workers(tmp_path):
     assert one.stats[64]["examples_truncated"] > 0
 
 
+def test_tiny_write_windows_write_the_same_bytes(tmp_path, monkeypatch):
+    """Rows are written window by window (part files streamed into the shard): with windows of
+    200 row slots (one row per window at L=512, a few at L=64) across two workers, the shards,
+    manifests and dead letters are byte-identical to the default windows in one process."""
+    from pipelines.planning import WINDOW_TOKENS_ENV
+
+    records = alpaca_records(50, seed=11)
+    path = write_jsonl(str(tmp_path / "a.jsonl"), records)
+    args = ["--input", path, "--format", "alpaca", "--max-length", "64", "128", "512", "--overlong", "truncate",
+            "--target-shard-mb", "0.004"]
+    pack(args + ["--output", str(tmp_path / "default")])
+    monkeypatch.setenv(WINDOW_TOKENS_ENV, "200")
+    pack(args + ["--output", str(tmp_path / "tiny")], runner=TWO_PROCESSES)
+    for L in (64, 128, 512):
+        a, b = tmp_path / "default" / f"L{L}", tmp_path / "tiny" / f"L{L}"
+        check_shard_set(str(b), expected_examples("alpaca", records), L, truncate=True)
+        assert shard_bytes(str(a)) == shard_bytes(str(b))
+        assert without_volatile((a / "manifest.json").read_text()) == without_volatile((b / "manifest.json").read_text())
+        assert sorted(os.listdir(a)) == sorted(os.listdir(b))
+    assert not list((tmp_path / "tiny").glob(".staging-*")), "part files must go with the run's staging prefix"
+
+
+def test_lost_elements_end_the_job_with_one_line(tmp_path, monkeypatch):
+    """A write window whose elements never arrive (fault hook: as a runner losing grouped
+    elements would) is caught by the shard check: JobError with one line, nothing published."""
+    from pipelines.planning import WINDOW_TOKENS_ENV
+    from pipelines.write import FAULT_DROP_WINDOW_ENV
+
+    path = write_jsonl(str(tmp_path / "a.jsonl"), alpaca_records(40, seed=3))
+    monkeypatch.setenv(WINDOW_TOKENS_ENV, "512")  # L=128: 4 rows per window
+    monkeypatch.setenv(FAULT_DROP_WINDOW_ENV, "0:1")
+    out = tmp_path / "out"
+    with pytest.raises(JobError) as caught:
+        pack(["--input", path, "--format", "alpaca", "--max-length", "128", "--output", str(out)])
+    message = str(caught.value)
+    assert message.startswith("the shard check failed, nothing was published, the previous shard sets are intact: "
+                              "L=128: shard 0 lacks the rows of write windows [1] (starting at rows [4])")
+    assert "\n" not in message and "Traceback" not in message and "multi_processing" in message
+    assert not (out / "L128" / "manifest.json").exists()
+
+
 def test_several_sub_buckets_thousands_of_records_one_vs_two_workers(tmp_path):
     """3,000 records, 6 sub-buckets, two max lengths under truncate: in-process and on two
     worker processes (other bundles, other arrival orders at the routing step) the job writes

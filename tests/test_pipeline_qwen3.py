@@ -20,7 +20,7 @@ from testkit.pipeline import (
     translation_records,
     write_jsonl,
 )
-from prepack import rowformat
+from testkit import reference
 from prepack.chat_formats import tokenize_conversations
 from prepack.templates import get_template, oasst1_conversations
 from prepack.tokenizer import load_tokenizer
@@ -49,7 +49,7 @@ def check_qwen3_rows(folder: str, tok, expected: list, max_length: int) -> list:
     assert manifest.tokenizer == tok.identity()
     assert manifest.tokenizer["vocab_size"] == 151_669 and manifest.tokenizer["special_ids"]["<|im_end|>"] == IM_END
     for row in rows:
-        for seg in rowformat.split_segments(row):
+        for seg in reference.split_segments(row):
             ids, mask = seg.input_ids.tolist(), seg.loss_mask.tolist()
             assert ids[0] == IM_START and ids.count(THINK) == 1 and ids.count(END_THINK) == 1
             # Every target run ends on <|im_end|>, and the think block is never a target.
@@ -97,7 +97,7 @@ def test_chat(qwen3, tmp_path):
     expected = qwen3_examples(qwen3, "chat", chat_records())
     rows = check_qwen3_rows(str(tmp_path / "out" / "L128"), qwen3, expected, 128)
     # Multi-turn records: both replies are targets, only the last one has the think block.
-    multi = [s for r in rows for s in rowformat.split_segments(r) if np.count_nonzero(s.input_ids == IM_START) == 5]
+    multi = [s for r in rows for s in reference.split_segments(r) if np.count_nonzero(s.input_ids == IM_START) == 5]
     assert multi and all(int(np.count_nonzero(s.loss_mask[s.input_ids == IM_END])) == 2 for s in multi)
 
 

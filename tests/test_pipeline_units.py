@@ -3,6 +3,8 @@ the batched row encoder, options, input specs and the density table."""
 
 from __future__ import annotations
 
+import json
+import os
 import random
 from collections import Counter
 
@@ -618,16 +620,70 @@ def test_router_ships_examples_cut_to_the_longest_max_length_they_serve():
     fn = route.RouteToRowsFn(ctx)
     fn.setup()
     fn.start_bundle()
-    out = list(fn.process(((n, 0), [payload.to_wire()]), plans)) + list(fn.finish_bundle())
-    [(shard, wire)] = [getattr(o, "value", o) for o in out]
+    slices = {(n, 0): [(L, rows.astype("<i4").tobytes(), positions.astype("<i4").tobytes())
+                       for L in lengths for _, rows, positions in plans[L].group_slices()]}
+    summaries = {L: plan.without_slots() for L, plan in plans.items()}
+    out = list(fn.process(((n, 0), [payload.to_wire()]), summaries, slices)) + list(fn.finish_bundle())
+    [(target, wire)] = [getattr(o, "value", o) for o in out]
     work = ShardWork.from_wire(wire)
-    assert shard == 0 and work.examples.lens.tolist() == [128] and work.max_lengths() == [64, 128]
+    assert target == (0, 0) and work.examples.lens.tolist() == [128] and work.max_lengths() == [64, 128]
     for L in lengths:
         fragments = work.fragments(L)
         assert fragments.examples.lens.tolist() == [L] and fragments.examples.ids.tolist() == list(range(L))
 
 
+def test_local_runner_memory_estimate_and_warning(tmp_path):
+    """Before a local run: examples estimated from the input (JSONL sampled for bytes per line),
+    and one warning naming Dataflow and the split size when the launcher would not fit."""
+    from pipelines import local_memory as lm
+    from pipelines.sources import resolve_inputs
+
+    path = tmp_path / "a.jsonl"
+    path.write_text("".join(json.dumps({"en": f"pair {i}", "fr": f"paire {i}"}) + "\n" for i in range(5000)))
+    inputs, tasks = resolve_inputs([str(path)])
+    assert lm.estimate_examples(inputs, tasks) == 5000
+    gb = 1 << 30
+    assert lm.warning(1_000_000, 2, 24 * gb) is None
+    message = lm.warning(10_000_000, 2, 24 * gb)
+    assert message == (
+        "this input holds about 10,000,000 examples; Beam's local runner keeps every shuffle in memory (~2.3 KB per "
+        "example), so this run needs about 24.8 GB but 24.0 GB are available: it will likely run out of memory. "
+        "Run it on Dataflow (gcp/launch_dataflow.py), or split the input into parts of at most 7,380,516 examples "
+        "and pack each part on its own")
+    assert lm.warning(10_000_000, 2, None) is None  # unknown memory: no guess
+    assert lm.local_workers(["--direct_num_workers=3"]) == 3 and lm.local_workers(["--direct_num_workers", "2"]) == 2
+    assert lm.is_local_runner(["--runner=FnApiRunner"]) and not lm.is_local_runner(["--runner", "DataflowRunner"])
+    fifo = tmp_path / "pipe.jsonl"
+    os.mkfifo(fifo)
+    assert lm._bytes_per_record(str(fifo)) is None  # never opened: reading would block or steal records
+
+
+def test_a_shard_check_error_from_a_worker_becomes_one_line():
+    """The runner wraps a worker's exception with its whole traceback; the launcher shows one line."""
+    from pipelines.failures import one_line
+
+    text = ("Traceback (most recent call last):\n  File \"apache_beam/runners/common.py\", line 1512, in process\n"
+            "pipelines.failures.ShardCheckError: L=512: group (31, 0) has 20 examples, its plan slice 0 slots "
+            "[while running 'RouteToRows']\n")
+    assert one_line(RuntimeError(text), "/out") == (
+        "the shard check failed, nothing was published, the previous shard sets are intact: L=512: group (31, 0) has "
+        "20 examples, its plan slice 0 slots. Elements were lost or duplicated between "
+        "pipeline steps (a runner fault): run the job again; locally use --direct_running_mode=multi_processing "
+        "(the default) or in_memory")
+    assert one_line(RuntimeError("some other failure"), "/out") is None
+
+
 # ----------------------------------------------------------------------------- routing is independent of arrival order
+
+
+def _plan_side_inputs(plans: dict) -> tuple[dict, dict]:
+    """What RouteToRowsFn gets from PlanFn: the plans without slots, and each group's slices
+    by key (the multimap side input)."""
+    slices: dict = {}
+    for L, plan in plans.items():
+        for key, rows, positions in plan.group_slices():
+            slices.setdefault(key, []).append((L, rows.astype("<i4").tobytes(), positions.astype("<i4").tobytes()))
+    return {L: plan.without_slots() for L, plan in plans.items()}, slices
 
 
 def _routed_slots(groups: dict, plans: dict, lengths: tuple[int, ...], seed: int | None) -> set:
@@ -641,6 +697,7 @@ def _routed_slots(groups: dict, plans: dict, lengths: tuple[int, ...], seed: int
     fn = route.RouteToRowsFn(ctx)
     fn.setup()
     fn.start_bundle()
+    summaries, slices = _plan_side_inputs(plans)
     rng = np.random.default_rng(seed)
     keys = sorted(groups)
     if seed is not None:
@@ -653,7 +710,7 @@ def _routed_slots(groups: dict, plans: dict, lengths: tuple[int, ...], seed: int
             seed is not None and len(order) > 1) else []
         wires = [PayloadBatch(batch.hashes[part], [batch.example_ids[i] for i in part], batch.examples.take(part),
                               batch.kept_at[part]).to_wire() for part in np.split(order, cuts)]
-        out += list(fn.process((key, wires), plans))
+        out += list(fn.process((key, wires), summaries, slices))
     out += list(fn.finish_bundle())
     slots = set()
     for item in out:
