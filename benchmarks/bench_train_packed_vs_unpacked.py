@@ -35,6 +35,8 @@ import sys
 import time
 from typing import Any
 
+from benchmarks.data import DATA_DIR
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -157,7 +159,7 @@ def in_process_section(args: argparse.Namespace, shards: dict[str, str]) -> dict
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", default="/work/shared/data/alpaca.jsonl")
+    p.add_argument("--data", default=os.path.join(DATA_DIR, "alpaca.jsonl"))
     p.add_argument("--format", default="alpaca")
     p.add_argument("--tokenizer", default="gemma3")
     p.add_argument("--max-length", type=int, default=256)
