@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Train LoRA on a TPU VM from shards in GCS: create (or reuse) the VM, install the
-# `train` extra with jax[tpu] at setup.py's jax pin, mount the bucket with gcsfuse
-# (or read gs:// directly), run `prepack train` with a mesh, copy the run's outputs
+# `train` extra with jax[tpu] at setup.py's jax pin, read the shards from gs:// (or
+# mount the bucket with gcsfuse), run `prepack train` with a mesh, copy the run's outputs
 # back to GCS.
 #
 #   gcp/tpu_vm.sh --project P --zone us-central1-a --shards gs://B/sets/alpaca/L2048 \
@@ -32,7 +32,8 @@ options:
   --spot                 create a Spot VM (much cheaper, can be preempted)
   --service-account SA   the VM's service account (needs read on the bucket, write on --results)
   --shards URL           gs://BUCKET/PATH/L<L> published shard set (required)
-  --read MODE            gcsfuse (default: mount the bucket read-only) or gcs (gs:// straight to array_record)
+  --read MODE            gcs (default: the loader downloads each shard once into a local cache,
+                         sha256-checked) or gcsfuse (mount the bucket read-only; for sets larger than the disk)
   --gcsfuse-file-cache   also cache whole shard files on the VM's disk (fast from the 2nd read; needs disk)
   --model M              prepack train --model (default gemma3-270m)
   --mesh SPEC            e.g. fsdp=8,tp=1 (default: fsdp=<chips>,tp=1)
@@ -53,7 +54,7 @@ RUNTIME=""
 SPOT=0
 SERVICE_ACCOUNT=""
 SHARDS=""
-READ_MODE="gcsfuse"
+READ_MODE="gcs"
 FILE_CACHE=0
 MODEL="gemma3-270m"
 MESH=""

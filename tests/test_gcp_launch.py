@@ -311,7 +311,7 @@ def test_tpu_help_is_the_header_comment_and_the_options(fake_gcloud):
 
 
 def test_tpu_dry_run_prints_every_step(fake_gcloud):
-    res = tpu(TPU_BASE + ["--results", "gs://b/runs/r1", "--dry-run", "--", "--lora-rank", "16"], fake_gcloud)
+    res = tpu(TPU_BASE + ["--read", "gcsfuse", "--results", "gs://b/runs/r1", "--dry-run", "--", "--lora-rank", "16"], fake_gcloud)
     assert res.returncode == 0, res.stderr
     out = res.stdout
     jax_pin = next(r for r in setup_list("TRAIN") if dist_name(r) == "jax").split("==")[1]
@@ -326,7 +326,7 @@ def test_tpu_dry_run_prints_every_step(fake_gcloud):
 
 
 def test_tpu_dry_run_direct_gcs_and_other_slices(fake_gcloud):
-    out = tpu(TPU_BASE + ["--read", "gcs", "--accelerator", "v4-8", "--spot", "--dry-run"], fake_gcloud).stdout
+    out = tpu(TPU_BASE + ["--accelerator", "v4-8", "--spot", "--dry-run"], fake_gcloud).stdout  # gs:// direct is the default
     assert "gcsfuse" not in out
     assert "--accelerator-type v4-8 --version tpu-ubuntu2204-base --spot" in out
     assert re.search(r"prepack train --shards gs://b/sets/alpaca/L2048 .*--mesh fsdp=4\\?,tp=1", out)
@@ -347,7 +347,7 @@ def test_tpu_real_path_sends_the_scripts_it_shows(fake_gcloud, tmp_path):
     """Without --dry-run, against a fake gcloud: the VM is reused (describe says READY), and
     each remote script arrives through ssh --command quoting intact and valid bash."""
     env, log = fake_gcloud, Path(fake_gcloud["FAKE_GCLOUD_LOG"])
-    ours, train_args = TPU_BASE + ["--results", "gs://b/runs/r1"], ["--", "--eval-shards", "gs://b/sets/eval set/L2048"]
+    ours, train_args = TPU_BASE + ["--read", "gcsfuse", "--results", "gs://b/runs/r1"], ["--", "--eval-shards", "gs://b/sets/eval set/L2048"]
     res = tpu(ours + train_args, env=env)
     assert res.returncode == 0, res.stderr
     calls = [c.strip("\n").split("\n") for c in log.read_text().split("---\n") if c.strip()]
