@@ -9,18 +9,12 @@ own gs:// reader costs one HTTP request per record.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import os
 from collections.abc import Iterator
 from typing import BinaryIO
 
-GCS_PREFIX = "gs://"
-
-
-def is_gcs(path: str) -> bool:
-    return path.startswith(GCS_PREFIX)
-
+from prepack.gcs import gcs_client, is_gcs, split_gcs  # noqa: F401  (also used through loaders.storage)
 
 def join(folder: str, name: str) -> str:
     if is_gcs(folder):
@@ -28,30 +22,12 @@ def join(folder: str, name: str) -> str:
     return os.path.join(folder, name)
 
 
-def _split_gcs(path: str) -> tuple[str, str]:
-    bucket, _, key = path[len(GCS_PREFIX) :].partition("/")
-    if not bucket:
-        raise ValueError(f"{path}: a gs:// path needs a bucket name")
-    return bucket, key
-
-
-@functools.lru_cache(maxsize=None)
-def _gcs_client(emulator: str | None):  # keyed by the emulator so tests can switch it
-    from google.cloud import storage
-
-    return storage.Client()
-
-
-def gcs_client():
-    return _gcs_client(os.environ.get("STORAGE_EMULATOR_HOST"))
-
-
 def read_text(path: str) -> str | None:
     """The file's text, or None if it does not exist."""
     if is_gcs(path):
         from google.api_core import exceptions
 
-        bucket, key = _split_gcs(path)
+        bucket, key = split_gcs(path)
         try:
             return gcs_client().bucket(bucket).blob(key).download_as_bytes(raw_download=True).decode("utf-8")
         except exceptions.NotFound:
@@ -66,7 +42,7 @@ def read_text(path: str) -> str | None:
 def write_text(path: str, text: str) -> None:
     """Writes a small text file; local writes go through a temp name so a crash leaves the old file."""
     if is_gcs(path):
-        bucket, key = _split_gcs(path)
+        bucket, key = split_gcs(path)
         gcs_client().bucket(bucket).blob(key).upload_from_string(text, content_type="application/json")
         return
     folder = os.path.dirname(path)
@@ -84,7 +60,7 @@ def file_sizes(folder: str, names: list[str]) -> dict[str, int | None]:
     For gs:// one listing of the folder answers all names, instead of a request per shard.
     """
     if is_gcs(folder):
-        bucket, key = _split_gcs(folder)
+        bucket, key = split_gcs(folder)
         prefix = key.rstrip("/") + "/" if key else ""
         listed = {b.name[len(prefix) :]: b.size for b in gcs_client().bucket(bucket).list_blobs(prefix=prefix)}
         return {n: listed.get(n) for n in names}
@@ -116,7 +92,7 @@ def download(url: str, out: BinaryIO) -> tuple[int, str]:
 
     GCS's own checksum is skipped: the caller compares the sha256 with the manifest's.
     """
-    bucket, key = _split_gcs(url)
+    bucket, key = split_gcs(url)
     writer = _HashingWriter(out)
     gcs_client().bucket(bucket).blob(key).download_to_file(writer, raw_download=True, checksum=None)
     return writer.size, writer.digest.hexdigest()
@@ -143,7 +119,7 @@ def is_network_mount(path: str) -> bool:
 
 def _chunks(path: str, block: int = 1 << 22) -> Iterator[bytes]:
     if is_gcs(path):
-        bucket, key = _split_gcs(path)
+        bucket, key = split_gcs(path)
         with gcs_client().bucket(bucket).blob(key).open("rb", chunk_size=block) as f:
             yield from iter(lambda: f.read(block), b"")
         return

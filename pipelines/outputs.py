@@ -8,37 +8,14 @@ ifGenerationMatch=0) and replace-if-unchanged (a generation precondition).
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import os
 
-GCS_PREFIX = "gs://"
+from prepack.gcs import GCS_PREFIX, gcs_client, is_gcs, split_gcs  # noqa: F401  (the lock reaches them through here)
 
 
 class SwitchRefused(RuntimeError):
     """The file changed since this run looked at it (another writer), so it was not replaced."""
-
-
-def is_gcs(path: str) -> bool:
-    return path.startswith(GCS_PREFIX)
-
-
-def split_gcs(path: str) -> tuple[str, str]:
-    bucket, _, key = path[len(GCS_PREFIX):].partition("/")
-    if not bucket:
-        raise ValueError(f"{path}: a gs:// path needs a bucket name")
-    return bucket, key
-
-
-@functools.lru_cache(maxsize=None)
-def _client(emulator: str | None):  # keyed by the emulator so tests can switch it
-    from google.cloud import storage
-
-    return storage.Client()
-
-
-def gcs_client():
-    return _client(os.environ.get("STORAGE_EMULATOR_HOST"))
 
 
 def _blob(path: str):
