@@ -25,10 +25,9 @@ import os
 import resource
 import shutil
 import sys
-import tempfile
 import time
 
-from benchmarks.bench_pack_job import DATA, DATASETS, repeat_to  # the same data preparation
+from benchmarks.bench_pack_job import DATA, DATASETS, make_workdir, repeat_to  # the same data preparation
 
 
 def _cpu(usage: resource.struct_rusage) -> float:
@@ -74,13 +73,7 @@ def main() -> int:
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
 
-    work = args.workdir or tempfile.mkdtemp(prefix="prepack-bench-tokens-")
-    os.makedirs(work, exist_ok=True)
-    # Workers compile Beam from source without a bytecode cache (this sandbox sets PYTHONDONTWRITEBYTECODE).
-    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
-    os.environ["PYTHONPYCACHEPREFIX"] = os.path.join(work, "pycache")
-    sys.pycache_prefix = os.environ["PYTHONPYCACHEPREFIX"]
-    sys.dont_write_bytecode = False
+    work = make_workdir(args.workdir, "prepack-bench-tokens-")
     beam_args = ["--runner=FnApiRunner", "--direct_running_mode=multi_processing", f"--direct_num_workers={os.cpu_count()}"]
 
     warm = os.path.join(work, "warm.jsonl")

@@ -115,6 +115,18 @@ def run_job(path: str, fmt: str, options: dict, out: str, max_lengths: list[int]
     }
 
 
+def make_workdir(workdir: str | None, prefix: str) -> str:
+    """The benchmark's temp folder, also holding a bytecode cache for the Beam workers: this
+    sandbox sets PYTHONDONTWRITEBYTECODE, so each worker would otherwise compile Beam from source."""
+    work = workdir or tempfile.mkdtemp(prefix=prefix)
+    os.makedirs(work, exist_ok=True)
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    os.environ["PYTHONPYCACHEPREFIX"] = os.path.join(work, "pycache")
+    sys.pycache_prefix = os.environ["PYTHONPYCACHEPREFIX"]
+    sys.dont_write_bytecode = False
+    return work
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--examples", type=int, default=200_000)
@@ -128,12 +140,7 @@ def main() -> int:
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
 
-    work = args.workdir or tempfile.mkdtemp(prefix="prepack-bench-")
-    os.makedirs(work, exist_ok=True)
-    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
-    os.environ["PYTHONPYCACHEPREFIX"] = os.path.join(work, "pycache")
-    sys.pycache_prefix = os.environ["PYTHONPYCACHEPREFIX"]
-    sys.dont_write_bytecode = False
+    work = make_workdir(args.workdir, "prepack-bench-")
     import multiprocessing
 
     cores = args.workers or multiprocessing.cpu_count()

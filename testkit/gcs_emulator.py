@@ -261,6 +261,19 @@ class GcsEmulator:
         self.client().bucket(bucket).blob(key).upload_from_filename(local_path)
 
 
+def stop_server(proc: subprocess.Popen) -> None:
+    """Ends a server process started by a fixture or rig: terminate, then kill after 5 s; closes its pipes."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    for pipe in (proc.stdin, proc.stdout):
+        if pipe is not None:
+            pipe.close()
+
+
 def _wait_for_port(proc: subprocess.Popen, timeout: float) -> int:
     """Reads the child's `PORT <n>` line, failing on exit or after `timeout`."""
     found: list[int] = []
@@ -342,15 +355,7 @@ def start_emulator(workdir: str, bucket: str = DEFAULT_BUCKET) -> Iterator[GcsEm
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-        proc.terminate()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        for pipe in (proc.stdin, proc.stdout):
-            if pipe is not None:
-                pipe.close()
+        stop_server(proc)
 
 
 @pytest.fixture(scope="session")

@@ -172,15 +172,9 @@ def start_proxy(upstream: str, delay_ms: float = 0.0) -> Iterator[DelayProxy]:
             raise RuntimeError(f"the delay proxy did not start within {START_TIMEOUT_S:.0f}s (exit status {proc.poll()})")
         yield DelayProxy(endpoint=f"http://127.0.0.1:{port[0]}", delay_ms=delay_ms)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        for pipe in (proc.stdin, proc.stdout):
-            if pipe is not None:
-                pipe.close()
+        from testkit.gcs_emulator import stop_server
+
+        stop_server(proc)
 
 
 def main(argv: list[str] | None = None) -> None:
