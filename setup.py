@@ -7,7 +7,7 @@ Extras:
 """
 from setuptools import find_packages, setup
 
-# One resolved set, checked together on Python 3.11 (see docs/install.md).
+# One resolved set, checked together on Python 3.11 (the versions .ci/run installs).
 PIPELINE = [
     "apache-beam[gcp]==2.77.0",
     "array-record==0.8.6",
@@ -52,9 +52,9 @@ setup(
     version="0.1.0",
     description="Offline sequence packing for LoRA SFT on JAX/Tunix: Beam -> ArrayRecord -> Grain -> Tunix.",
     python_requires=">=3.11",
-    packages=find_packages(include=["prepack", "prepack.*", "pipelines", "pipelines.*", "loaders", "loaders.*", "train", "train.*", "gcp", "gcp.*"]),
+    packages=find_packages(include=["apps", "apps.*", "prepack", "prepack.*", "pipelines", "pipelines.*", "loaders", "loaders.*", "train", "train.*", "gcp", "gcp.*"]),
     package_data={"prepack": ["sample_data/*.jsonl"]},
     install_requires=["numpy>=1.26,<3"],
     extras_require={"pipeline": PIPELINE, "train": TRAIN, "report": REPORT, "dev": DEV},
-    entry_points={"console_scripts": ["prepack=prepack.cli:main"]},
+    entry_points={"console_scripts": ["prepack=apps.cli:main"]},
 )

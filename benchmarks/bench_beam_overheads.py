@@ -10,7 +10,7 @@ default runner (FnApiRunner, multi-processing, one worker per core):
    empty values; every byte crosses the runner's data plane (worker -> runner -> worker).
 3. the import of apache_beam in a fresh interpreter, which each SDK worker pays.
 
-    python benchmarks/bench_beam_overheads.py
+    python -m benchmarks.bench_beam_overheads
 """
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ import subprocess
 import sys
 import tempfile
 import time
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
 def _cpu() -> tuple[float, float]:

@@ -18,8 +18,8 @@ host's CPU cost per row that the numbers compare.
 Without prepack.tokenizer/templates, synthetic rows and examples are used, and
 the online side then measures packing only.
 
-    python benchmarks/bench_loader.py                 # both shapes, markdown table
-    python benchmarks/bench_loader.py --shapes 8x2048 --batches 300
+    python -m benchmarks.bench_loader                 # both shapes, markdown table
+    python -m benchmarks.bench_loader --shapes 8x2048 --batches 300
 """
 
 from __future__ import annotations
@@ -35,13 +35,11 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import grain
 
-import grain  # noqa: E402
-
-import loaders  # noqa: E402
-from prepack import packer, rowformat  # noqa: E402
-from tests.shardset_builder import build_shard_set  # noqa: E402
+import loaders
+from prepack import packer, rowformat
+from testkit.shard_sets import build_shard_set
 
 DATA_DIR = os.environ.get("PREPACK_BENCH_DATA", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data"))
 # file -> (template, template options)
@@ -260,7 +258,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for r in results:
         print(f"- {r['shape']}: online uses {r['ratio_cpu_per_row']:.0f}x the host CPU per row of pre-packed shards "
               f"(goal >= 20x); pre-packed reads {r['prepacked']['rows_per_cpu_s']:,.0f} rows/s per core.")
-    print("\nCommand: `" + " ".join(["python benchmarks/bench_loader.py", *(argv if argv is not None else sys.argv[1:])]) + "`")
+    print("\nCommand: `" + " ".join(["python -m benchmarks.bench_loader", *(argv if argv is not None else sys.argv[1:])]) + "`")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

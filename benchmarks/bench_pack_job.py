@@ -17,7 +17,7 @@ Workers are started with a private bytecode cache (PYTHONPYCACHEPREFIX under
 the work folder): this sandbox sets PYTHONDONTWRITEBYTECODE, so every worker
 process would otherwise recompile Beam from source (~10 s each).
 
-    python benchmarks/bench_pack_job.py --examples 200000 --breakdown
+    python -m benchmarks.bench_pack_job --examples 200000 --breakdown
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ Real samples (../shared/data, Gemma3 tokenizer, Gemma chat template) and 1M
 synthetic lengths. Grain's FirstFitPackIterDataset is run for real on the
 real-sample lengths (pool of 16 rows, how MaxText packs online).
 
-    python benchmarks/bench_packer.py --data ../shared/data --synthetic 1000000
-    python benchmarks/bench_packer.py --plan-only   # just the job's planning step (build_plans)
+    python -m benchmarks.bench_packer --data ../shared/data --synthetic 1000000
+    python -m benchmarks.bench_packer --plan-only   # just the job's planning step (build_plans)
 """
 
 from __future__ import annotations

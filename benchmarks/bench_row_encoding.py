@@ -4,7 +4,7 @@ Compares the int32 [5, L] layout of prepack.rowformat with a narrow layout
 (int32 ids, uint16 positions/segments, uint8 masks), on disk with and
 without zstd, and the decode time of one row.
 
-    python benchmarks/bench_row_encoding.py --max-length 2048 --rows 2000
+    python -m benchmarks.bench_row_encoding --max-length 2048 --rows 2000
 """
 
 from __future__ import annotations

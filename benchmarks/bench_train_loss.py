@@ -8,7 +8,7 @@ measures value_and_grad with respect to the logits, jitted, for both:
 - XLA's planned temporary memory (compiled.memory_analysis());
 - median wall time of the compiled function.
 
-    python benchmarks/bench_train_loss.py [--batch-size 4 --max-length 256 --vocab 262144 --dtype float32]
+    python -m benchmarks.bench_train_loss [--batch-size 4 --max-length 256 --vocab 262144 --dtype float32]
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
 
     from train import loss as loss_lib
-    from train import testing
+    from testkit import train_batches as testing
     from train.compiled import fmt_bytes, memory_of
 
     b, l, v = args.batch_size, args.max_length, args.vocab

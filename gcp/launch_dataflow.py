@@ -226,7 +226,7 @@ def pack_choices(args: argparse.Namespace) -> list[Choice]:
 
 @dataclasses.dataclass(frozen=True)
 class Launch:
-    cmd: list[str]  # what runs: this Python, `-m prepack.cli pack`, then every option
+    cmd: list[str]  # what runs: this Python, `-m apps.cli pack`, then every option
     choices: list[Choice]  # our options and why (passthrough ones are only in cmd)
     warnings: list[str]
     dry_run: bool
@@ -237,7 +237,7 @@ def build_command(argv: Sequence[str]) -> Launch:
     args, passthrough = build_parser().parse_known_args(list(argv))
     warnings = check(args, passthrough)
     choices = pack_choices(args) + dataflow_choices(args)
-    cmd = [sys.executable, "-m", "prepack.cli", "pack"]
+    cmd = [sys.executable, "-m", "apps.cli", "pack"]
     for choice in choices:
         if choice.flag == "--max-length":
             cmd += ["--max-length", *choice.value.split()]
@@ -271,7 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for w in launch.warnings:
         print(f"launch_dataflow: warning: {w}", file=sys.stderr)
     print(f"launch_dataflow: running {shlex.join(launch.cmd)}", file=sys.stderr, flush=True)
-    # The repository root on sys.path lets `-m prepack.cli` work from a checkout
+    # The repository root on sys.path lets `-m apps.cli` work from a checkout
     # that was not pip-installed (the workers get it through --setup_file).
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
     return subprocess.call(launch.cmd, env=env)

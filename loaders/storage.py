@@ -3,7 +3,8 @@
 A gcsfuse mount is a local path, so only gs:// needs code of its own: the
 manifest and file sizes come from google-cloud-storage (which honors
 STORAGE_EMULATOR_HOST), while the shard records are read by array_record
-itself, which opens gs:// natively since 0.8.3 (../shared/research/io_stack.md §1.1).
+itself, which opens gs:// natively since 0.8.3 (google/array_record commit 6662d1d; 0.8.1 and
+0.8.2 cannot).
 """
 
 from __future__ import annotations

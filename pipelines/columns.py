@@ -25,6 +25,8 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
+from prepack.packer import targets_after_first
+
 IDS = np.dtype("<i4")
 MASK = np.dtype(np.uint8)
 LENS = np.dtype("<i4")
@@ -50,15 +52,8 @@ class Ragged:
     mask: np.ndarray
 
     def targets_after_first(self, end: int | None = None) -> np.ndarray:
-        """Per example: target tokens after its first token (within its first `end` tokens when
-        given). The row builder zeroes a segment's first target, so an example with none of
-        these trains nothing (whole, or cut to `end` under --overlong truncate)."""
-        lens = self.lens.astype(np.int64)
-        starts = np.cumsum(lens) - lens
-        sums = np.concatenate([[0], np.cumsum(self.mask, dtype=np.int64)])
-        first = starts + np.minimum(lens, 1)
-        stop = starts + (lens if end is None else np.minimum(lens, end))
-        return sums[np.maximum(stop, first)] - sums[first]
+        """prepack.packer.targets_after_first of these examples."""
+        return targets_after_first(self.lens, self.mask, end)
 
     def take(self, index: np.ndarray, cut_to: int | None = None) -> "Ragged":
         index = np.asarray(index, dtype=np.int64)
@@ -155,11 +150,13 @@ class TokenizedBatch:
             Ragged.concat([p.examples for p in parts]),
         )
 
-    def grouped_payloads(self, keys: np.ndarray) -> Iterator[tuple[int, "PayloadBatch"]]:
+    def grouped_payloads(self, keys: np.ndarray, kept_at: np.ndarray) -> Iterator[tuple[int, "PayloadBatch"]]:
         """(key, payloads of the examples with that key) for each distinct key, in key order;
-        keys[i] is example i's. One gather for the whole batch, then slices."""
+        keys[i] and kept_at[i] (see PayloadBatch) are example i's. One gather for the whole
+        batch, then slices."""
         order = np.argsort(keys, kind="stable")
         keys = keys[order]
+        kept_at = np.asarray(kept_at, dtype=np.uint64)[order]
         examples = self.examples.take(order)
         hashes = self.hashes[order]
         eids = self.example_ids
@@ -173,7 +170,8 @@ class TokenizedBatch:
                 continue
             t0, t1 = int(tokens[a]), int(tokens[b])
             yield int(keys[a]), PayloadBatch(hashes[a:b], example_ids[a:b],
-                                             Ragged(examples.lens[a:b], examples.ids[t0:t1], examples.mask[t0:t1]))
+                                             Ragged(examples.lens[a:b], examples.ids[t0:t1], examples.mask[t0:t1]),
+                                             kept_at[a:b])
 
     def targets_after_first(self, end: int | None = None) -> np.ndarray:
         return self.examples.targets_after_first(end)
@@ -181,20 +179,27 @@ class TokenizedBatch:
 
 @dataclasses.dataclass
 class PayloadBatch:
+    """Kept examples of one (length, sub-bucket) group on their way to the router, each with
+    the fit stage's decision: bit i of kept_at[j] is set when example j is kept (whole or
+    truncated) at the i-th max length, so the router never re-derives it."""
+
     hashes: np.ndarray  # uint64
     example_ids: list[str]
     examples: Ragged
+    kept_at: np.ndarray  # uint64 bit set, one bit per max length in order (at most 64)
 
     def to_wire(self) -> tuple[bytes, ...]:
         id_lens, id_data = _strings_to_bytes(self.example_ids)
         e = self.examples
-        return (self.hashes.astype("<u8").tobytes(), id_lens, id_data, e.lens.tobytes(), ids_to_wire(e.ids), mask_to_wire(e.mask))
+        return (self.hashes.astype("<u8").tobytes(), id_lens, id_data, e.lens.tobytes(), ids_to_wire(e.ids),
+                mask_to_wire(e.mask), self.kept_at.astype("<u8").tobytes())
 
     @staticmethod
     def from_wire(wire: tuple[bytes, ...]) -> "PayloadBatch":
-        hashes, id_lens, id_data, lens, ids, mask = wire
+        hashes, id_lens, id_data, lens, ids, mask, kept_at = wire
         return PayloadBatch(np.frombuffer(hashes, "<u8"), _bytes_to_strings(id_lens, id_data),
-                            Ragged(np.frombuffer(lens, LENS), ids_from_wire(ids), mask_from_wire(mask)))
+                            Ragged(np.frombuffer(lens, LENS), ids_from_wire(ids), mask_from_wire(mask)),
+                            np.frombuffer(kept_at, "<u8"))
 
     @staticmethod
     def concat(parts: Sequence["PayloadBatch"]) -> "PayloadBatch":
@@ -202,7 +207,12 @@ class PayloadBatch:
             np.concatenate([p.hashes for p in parts]) if parts else np.zeros(0, np.uint64),
             [eid for p in parts for eid in p.example_ids],
             Ragged.concat([p.examples for p in parts]),
+            np.concatenate([p.kept_at for p in parts]) if parts else np.zeros(0, np.uint64),
         )
+
+    def kept_at_length(self, index: int) -> np.ndarray:
+        """Per example: kept at the index-th max length."""
+        return (self.kept_at >> np.uint64(index)) & np.uint64(1) == 1
 
     def rank_order(self) -> np.ndarray:
         """Indices in (hash, example_id) order: the order that decides who gets which slot."""

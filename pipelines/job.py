@@ -1,12 +1,17 @@
 """The packing job: checks up front, the Beam graph, then checks and publishing.
 
-    inputs --Create/Reshuffle--> ReadTaskFn (files, JSONL byte ranges, dataset row ranges)
-    [--Reshuffle--, only when a task is a big unsplittable file] --> PrepareFn (template + tokenize)
-        [oasst1: KeyTableRecordsFn --GroupByKey(tree)--> TableToExamplesFn]
-    --> FitAndKeyFn (overlong policy per L, histogram)
-    --> GroupByKey((length, sub-bucket)) --> RouteToRowsFn (side input: the global plans)
-    --> GroupByKey(shard index, across L) --> WriteShardFn (that shard of every L, staging)
-    plus dead letters per L, tallies, and one summary.json for the launcher.
+One module per stage (pipelines/<stage>.py), in graph order:
+
+    read     inputs --Create/Reshuffle--> ReadTaskFn (files, JSONL byte ranges, dataset row ranges)
+             [--Reshuffle--, only when a task is a big unsplittable file]
+    prepare  --> PrepareFn (decode, parse, template, tokenize)
+             [oasst1: KeyTableRecordsFn --GroupByKey(tree)--> TableToExamplesFn]
+    fit      --> FitAndKeyFn (overlong policy per L, histogram)
+    route    --> GroupByKey((length, sub-bucket)) --> RouteToRowsFn (side input: the global plans)
+    write    --> GroupByKey(shard index, across L) --> WriteShardFn (that shard of every L, staging)
+             plus dead letters per L (WriteDeadLetterFn), tallies, and one summary.json (WriteSummaryFn)
+
+pipelines/stage.py holds what the stages share (context, tags, clocks, the counter merge).
 
 The launcher (`run`) owns everything outside the graph: the fail-fast checks,
 the accounting identity and bad-fraction checks, and the publishing order.
@@ -22,10 +27,15 @@ import time
 import uuid
 from typing import Any
 
-from pipelines import publish, sources, transforms, writer
+from pipelines import publish, sources
+from pipelines.fit import FitAndKeyFn
+from pipelines.prepare import KeyTableRecordsFn, PrepareFn, TableToExamplesFn
+from pipelines.read import ReadTaskFn
+from pipelines.route import RouteToRowsFn
+from pipelines.stage import NAMESPACE, TAG_BAD, TAG_DEAD, TAG_FINGERPRINT, TAG_HIST, TAG_TALLY, JobContext, MergeCounters, MergeTallies
+from pipelines.write import WriteDeadLetterFn, WriteShardFn, WriteSummaryFn
 from pipelines.options import PackConfig
 from pipelines.planning import build_plans, choose_sub_buckets
-from pipelines.records import TaskMeta
 from pipelines.sources import ReadTask, ResolvedInput
 
 log = logging.getLogger("prepack.pack")
@@ -42,14 +52,23 @@ class JobResult:
 
 @dataclasses.dataclass
 class PreparedJob:
-    config: PackConfig
-    run_id: str
-    ctx: transforms.JobContext
+    """The job after its checks: the workers' context (which holds the config and run id), the
+    read tasks and resolved inputs, and the facts the manifest records."""
+
+    ctx: JobContext
     tasks: list[ReadTask]
     inputs: list[ResolvedInput]
     job_info: dict[str, Any]
     table_level: bool
     group_key: str | None
+
+    @property
+    def config(self) -> PackConfig:
+        return self.ctx.config
+
+    @property
+    def run_id(self) -> str:
+        return self.ctx.run_id
 
 
 def _tool_info() -> dict[str, Any]:
@@ -96,23 +115,8 @@ def prepare(config: PackConfig, run_id: str | None = None) -> PreparedJob:
     publish.probe_output(config.output, run_id)
     est = sum(i.est_records for i in inputs)
     sub_buckets = config.sub_buckets or choose_sub_buckets(est, config.pack)
-    ctx = transforms.JobContext(
-        tasks=tuple(TaskMeta(t.input_index, inputs[t.input_index].spec, t.path, t.id_name,
-                             t.byte_range[0] if t.byte_range else None) for t in tasks),
-        template=config.format,
-        template_options=config.template_options,
-        tokenizer=config.tokenizer,
-        chat_format=config.chat_format,
-        max_lengths=config.max_lengths,
-        overlong=config.overlong,
-        pack=config.pack,
-        sub_buckets=sub_buckets,
-        batch_size=config.batch_size,
-        progress=config.progress,
-        output=config.output,
-        run_id=run_id,
-        pad_id=int(tokenizer.pad_id),
-    )
+    ctx = JobContext(config=config, tasks=sources.task_metas(inputs, tasks), sub_buckets=sub_buckets, run_id=run_id,
+                     pad_id=int(tokenizer.pad_id))
     job_info = {
         "tokenizer": tokenizer.identity(),
         "template": {
@@ -125,7 +129,7 @@ def prepare(config: PackConfig, run_id: str | None = None) -> PreparedJob:
         "sub_buckets": sub_buckets,
     }
     return PreparedJob(
-        config=config, run_id=run_id, ctx=ctx, tasks=tasks, inputs=inputs, job_info=job_info,
+        ctx=ctx, tasks=tasks, inputs=inputs, job_info=job_info,
         table_level=bool(getattr(template, "table_level", False)), group_key=getattr(template, "group_key", None),
     )
 
@@ -135,41 +139,40 @@ def build_pipeline(pipeline: Any, job: PreparedJob) -> None:
     from apache_beam.pvalue import AsList, AsSingleton
 
     ctx, config = job.ctx, job.config
-    T = transforms
     read = (
         pipeline
         | "ListInputs" >> beam.Create(job.tasks)
         | "SpreadTasks" >> beam.Reshuffle()
-        | "Read" >> beam.ParDo(T.ReadTaskFn(config.batch_size, config.progress)).with_outputs(T.TAG_FINGERPRINT, main="records")
+        | "Read" >> beam.ParDo(ReadTaskFn(config.batch_size, config.progress)).with_outputs(TAG_FINGERPRINT, main="records")
     )
     # Records cross a shuffle only when some task is big and unsplittable (a large compressed or
     # non-JSONL file); byte ranges and dataset row ranges already spread the reading evenly.
     spread = any(t.may_exceed(sources.SPREAD_TASK_BYTES) for t in job.tasks)
     raw = read.records | "SpreadRecords" >> beam.Reshuffle() if spread else read.records
     if job.table_level:
-        keyed = raw | "KeyByTable" >> beam.ParDo(T.KeyTableRecordsFn(ctx, job.group_key)).with_outputs(T.TAG_BAD, T.TAG_TALLY, main="messages")
+        keyed = raw | "KeyByTable" >> beam.ParDo(KeyTableRecordsFn(ctx, job.group_key)).with_outputs(TAG_BAD, TAG_TALLY, main="messages")
         prepared = (
             keyed.messages
             | "GroupTables" >> beam.GroupByKey()
-            | "TemplateTokenize" >> beam.ParDo(T.TableToExamplesFn(ctx)).with_outputs(T.TAG_BAD, T.TAG_TALLY, main="examples")
+            | "TemplateTokenize" >> beam.ParDo(TableToExamplesFn(ctx)).with_outputs(TAG_BAD, TAG_TALLY, main="examples")
         )
-        bads, tallies = [keyed[T.TAG_BAD], prepared[T.TAG_BAD]], [keyed[T.TAG_TALLY], prepared[T.TAG_TALLY]]
+        bads, tallies = [keyed[TAG_BAD], prepared[TAG_BAD]], [keyed[TAG_TALLY], prepared[TAG_TALLY]]
     else:
-        prepared = raw | "TemplateTokenize" >> beam.ParDo(T.PrepareFn(ctx)).with_outputs(T.TAG_BAD, T.TAG_TALLY, main="examples")
-        bads, tallies = [prepared[T.TAG_BAD]], [prepared[T.TAG_TALLY]]
-    fitted = prepared.examples | "FitAndKey" >> beam.ParDo(T.FitAndKeyFn(ctx)).with_outputs(
-        T.TAG_HIST, T.TAG_TALLY, T.TAG_DEAD, main="keyed")
+        prepared = raw | "TemplateTokenize" >> beam.ParDo(PrepareFn(ctx)).with_outputs(TAG_BAD, TAG_TALLY, main="examples")
+        bads, tallies = [prepared[TAG_BAD]], [prepared[TAG_TALLY]]
+    fitted = prepared.examples | "FitAndKey" >> beam.ParDo(FitAndKeyFn(ctx)).with_outputs(
+        TAG_HIST, TAG_TALLY, TAG_DEAD, main="keyed")
     plans = (
-        fitted[T.TAG_HIST]
-        | "Histogram" >> beam.CombineGlobally(T.MergeCounters())
+        fitted[TAG_HIST]
+        | "Histogram" >> beam.CombineGlobally(MergeCounters())
         | "Plan" >> beam.Map(build_plans, config.max_lengths, config.pack, config.num_shards, config.target_shard_mb)
     )
     shards = (
         fitted.keyed
         | "GroupByLength" >> beam.GroupByKey()
-        | "RouteToRows" >> beam.ParDo(T.RouteToRowsFn(ctx), plans=AsSingleton(plans))
+        | "RouteToRows" >> beam.ParDo(RouteToRowsFn(ctx), plans=AsSingleton(plans))
         | "GroupByShard" >> beam.GroupByKey()
-        | "WriteShards" >> beam.ParDo(writer.WriteShardFn(config.output, job.run_id, ctx.pad_id), plans=AsSingleton(plans))
+        | "WriteShards" >> beam.ParDo(WriteShardFn(config.output, job.run_id, ctx.pad_id), plans=AsSingleton(plans))
     )
     lengths = config.max_lengths
     bad_per_length = (
@@ -177,22 +180,22 @@ def build_pipeline(pipeline: Any, job: PreparedJob) -> None:
         | "BadToEveryLength" >> beam.FlatMap(lambda entry: [(L, entry) for L in lengths])
     )
     dead = (
-        (bad_per_length, fitted[T.TAG_DEAD]) | "FlattenDead" >> beam.Flatten()
+        (bad_per_length, fitted[TAG_DEAD]) | "FlattenDead" >> beam.Flatten()
         | "GroupDead" >> beam.GroupByKey()
-        | "WriteDeadLetters" >> beam.ParDo(writer.WriteDeadLetterFn(config.output, job.run_id, ctx.tasks),
-                                           fingerprints=AsList(read[T.TAG_FINGERPRINT]))
+        | "WriteDeadLetters" >> beam.ParDo(WriteDeadLetterFn(config.output, job.run_id, ctx.tasks),
+                                           fingerprints=AsList(read[TAG_FINGERPRINT]))
     )
     tally = (
-        (*tallies, fitted[T.TAG_TALLY]) | "FlattenTally" >> beam.Flatten()
-        | "Tally" >> beam.CombineGlobally(T.MergeCounters())
+        (*tallies, fitted[TAG_TALLY]) | "FlattenTally" >> beam.Flatten()
+        | "Tally" >> beam.CombineGlobally(MergeTallies())
     )
     (
         pipeline
         | "Once" >> beam.Create([None])
         | "WriteSummary" >> beam.ParDo(
-            writer.WriteSummaryFn(config.output, job.run_id),
+            WriteSummaryFn(config.output, job.run_id),
             tally=AsSingleton(tally), plans=AsSingleton(plans), shards=AsList(shards), dead=AsList(dead),
-            fingerprints=AsList(read[T.TAG_FINGERPRINT]),
+            fingerprints=AsList(read[TAG_FINGERPRINT]),
         )
     )
 
@@ -221,7 +224,7 @@ def _metrics(result: Any) -> dict[str, Any]:
     try:
         from apache_beam.metrics.metric import MetricsFilter
 
-        q = result.metrics().query(MetricsFilter().with_namespace(transforms.NAMESPACE))
+        q = result.metrics().query(MetricsFilter().with_namespace(NAMESPACE))
         out: dict[str, Any] = {}
         for c in q["counters"]:
             out[c.key.metric.name] = out.get(c.key.metric.name, 0) + c.committed

@@ -5,7 +5,8 @@ handed to Beam's PipelineOptions untouched, so every Beam option (runner,
 direct_num_workers, project, region, temp_location, setup_file, ...) works.
 Only when no runner is given do we pick one: FnApiRunner in multi-processing
 mode on all cores. The plain DirectRunner would first try Prism, which
-downloads a binary and fails offline (../shared/research/io_stack.md §3.1).
+downloads a binary and fails offline (since Beam 2.68 the DirectRunner tries the Prism
+runner first, apache/beam#34612; FnApiRunner runs in process).
 """
 
 from __future__ import annotations
@@ -20,11 +21,10 @@ from pipelines.planning import MAX_SUB_BUCKETS
 from prepack.packer import OverlongPolicy
 
 DEFAULT_MAX_LENGTHS = (2048,)
+MAX_LENGTHS_PER_JOB = 64  # each example carries one bit per max length (PayloadBatch.kept_at)
 DEFAULT_TARGET_SHARD_MB = 256.0
 SAMPLE_FORMAT = "alpaca"
 
-# Beam flags we add when the user names no runner.
-LOCAL_RUNNER_ARGS = ("--runner=FnApiRunner", "--direct_running_mode=multi_processing", "--direct_num_workers=0")
 
 
 class OptionsError(ValueError):
@@ -156,6 +156,9 @@ def parse_args(argv: Sequence[str]) -> tuple[PackConfig, list[str]]:
     max_lengths = tuple(sorted(set(ns.max_length))) or DEFAULT_MAX_LENGTHS
     if any(L < 2 for L in max_lengths):
         raise OptionsError(f"--max-length must be at least 2, got {min(max_lengths)}")
+    if len(max_lengths) > MAX_LENGTHS_PER_JOB:
+        raise OptionsError(f"--max-length: at most {MAX_LENGTHS_PER_JOB} lengths in one job, got {len(max_lengths)}; "
+                           "run the job again for the others")
     if ns.num_shards is not None and ns.num_shards < 1:
         raise OptionsError(f"--num-shards must be at least 1, got {ns.num_shards}")
     if ns.target_shard_mb <= 0:

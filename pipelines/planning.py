@@ -9,7 +9,7 @@ rows, whatever the scale or the number of workers.
 
 Keys and order, per max length L:
 - `length_key` is an example's tokenized length n (packed) or 0 (unpacked).
-- `b = sub_bucket(hash, B)` splits big lengths over B groups; the job groups
+- `b = sub_buckets_of(hashes, B)` splits big lengths over B groups; the job groups
   examples by (length_key, b).
 - the example's *class* is the row-slot length it needs: min(n, L) (truncation
   makes all n > L land in class L), or 0 when unpacked.
@@ -46,11 +46,6 @@ Histogram = Mapping[tuple[int, int, int], int]  # (L, length_key, b) -> survivin
 def stable_hash(example_id: str) -> int:
     """64-bit hash of an example id; the same in every process (unlike hash())."""
     return int.from_bytes(hashlib.blake2b(example_id.encode("utf-8"), digest_size=8).digest(), "big")
-
-
-def sub_bucket(h: int, num_sub_buckets: int) -> int:
-    """Monotone in h (multiply-shift), so ordering by (b, h) is ordering by h."""
-    return (h * num_sub_buckets) >> 64
 
 
 def sub_buckets_of(hashes: np.ndarray, num_sub_buckets: int) -> np.ndarray:

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import json
 import math
-from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
 from pipelines.options import PackConfig
-from pipelines.writer import SUMMARY_NAME, length_dir, run_staging_dir, staging_dir, write_bytes
+from pipelines.write import SUMMARY_NAME, length_dir, run_staging_dir, staging_dir, write_bytes
+from prepack.accounting import NOT_BAD_INPUT, Tally
 from prepack.manifest import DEAD_LETTER_NAME, MANIFEST_NAME, Manifest, ManifestError, ShardInfo
 from prepack.stats import PackingStats
 
@@ -102,38 +102,12 @@ def cleanup(config: PackConfig, run_id: str) -> None:
 # ----------------------------------------------------------------------------- figures
 
 
-def _tally_groups(tally: dict[str, int]) -> dict[str, Any]:
-    """The flat 'kind:detail' tally keys from the pipeline, grouped."""
-    out: dict[str, Any] = {"records_read": 0, "examples": 0, "bad_record": Counter(), "bad_example": Counter(),
-                           "filtered": Counter(), "no_targets": 0, "per_length": {}}
-    for key, value in tally.items():
-        parts = key.split(":")
-        if parts[0] in ("records_read", "examples", "no_targets"):
-            out[parts[0]] += value
-        elif parts[0] in ("bad_record", "bad_example", "filtered"):
-            out[parts[0]][parts[1]] += value
-        elif parts[0] == "L":
-            per = out["per_length"].setdefault(int(parts[1]), {"dropped": Counter(), "truncated": 0})
-            if parts[2] == "truncated":
-                per["truncated"] += value
-            else:
-                per["dropped"][parts[3]] += value
-    return out
-
-
 def length_stats(summary: dict[str, Any], max_length: int, pack: bool = True) -> dict[str, Any]:
     """The manifest's `stats` for one max length, from the run summary."""
-    groups = _tally_groups(summary["tally"])
+    tally = Tally.from_json(summary["tally"])
     per = summary["lengths"][str(max_length)]
     shards = per["shards"]
     plan = per["plan"]
-    per_length = groups["per_length"].get(max_length, {"dropped": Counter(), "truncated": 0})
-    dropped: Counter = Counter()
-    dropped.update(groups["bad_record"])
-    dropped.update(groups["bad_example"])
-    if groups["no_targets"]:
-        dropped["no_targets"] += groups["no_targets"]
-    dropped.update(per_length["dropped"])
     written = sum(s["segments"] for s in shards)
     rows = sum(s["num_rows"] for s in shards)
     packing = PackingStats(
@@ -147,17 +121,16 @@ def length_stats(summary: dict[str, Any], max_length: int, pack: bool = True) ->
     ).as_dict()
     packing.pop("max_length")
     packing.pop("examples")
-    examples_read = groups["examples"] + sum(groups["bad_record"].values())
-    bad = sum(groups["bad_record"].values()) + sum(groups["bad_example"].values())
+    examples_read = tally.examples_read
     return {
-        "records_read": groups["records_read"],
-        "records_filtered": dict(sorted(groups["filtered"].items())),
+        "records_read": tally.records_read,
+        "records_filtered": dict(sorted(tally.filtered.items())),
         "examples_read": examples_read,
         "examples_written": written,
-        "examples_dropped": dict(sorted(dropped.items())),
-        "examples_truncated": per_length["truncated"],
-        "bad_records": bad,
-        "bad_fraction": bad / examples_read if examples_read else 0.0,
+        "examples_dropped": tally.examples_dropped(max_length),
+        "examples_truncated": tally.truncated.get(max_length, 0),
+        "bad_records": tally.bad,
+        "bad_fraction": tally.bad / examples_read if examples_read else 0.0,
         "global_bfd_rows": plan["num_rows"] if pack else None,
         "planned_examples": plan["num_examples"],
         "dead_letter_entries": per["dead_letter_entries"],
@@ -184,7 +157,7 @@ def check_stats(stats: dict[str, Any], max_length: int, plan: dict[str, Any]) ->
 def bad_fraction_error(stats: dict[str, Any], config: PackConfig, failed_paths: list[str]) -> str | None:
     if stats["bad_fraction"] <= config.max_bad_fraction or not stats["bad_records"]:
         return None
-    bad_reasons = {k: v for k, v in stats["examples_dropped"].items() if k not in ("too_long", "no_targets_after_truncation", "no_targets")}
+    bad_reasons = {k: v for k, v in stats["examples_dropped"].items() if k not in NOT_BAD_INPUT}
     reasons = ", ".join(f"{k} {v}" for k, v in sorted(bad_reasons.items(), key=lambda kv: (-kv[1], kv[0])))
     where = f"; they are listed in {failed_paths[0]}" if failed_paths else ""
     return (

@@ -10,7 +10,7 @@ tests/test_pipeline_units.py), so the row format keeps one definition.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -22,19 +22,6 @@ CHUNK_BYTES = 64 << 20  # one chunk's [rows, fields, L] matrix
 
 class RowLayoutError(ValueError):
     """Segments that do not make a valid row (too long, or an empty segment)."""
-
-
-def encode_rows(
-    rows: Sequence[Sequence[tuple[bytes, bytes]]], max_length: int, pad_id: int = 0
-) -> Iterator[tuple[bytes, int, int]]:
-    """For each row (a list of (int32 ids bytes, uint8 loss-mask bytes) segments): its
-    encoded record, its real tokens and its target tokens."""
-    seg_counts = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
-    segments = [seg for row in rows for seg in row]
-    lens = np.fromiter((len(mask) for _, mask in segments), dtype=np.int64, count=len(segments))
-    ids = np.frombuffer(b"".join(ids for ids, _ in segments), dtype=rowformat.STORAGE_DTYPE)
-    mask = np.frombuffer(b"".join(m for _, m in segments), dtype=np.uint8)
-    return encode_rows_flat(seg_counts, lens, ids, mask, max_length, pad_id)
 
 
 def encode_rows_flat(

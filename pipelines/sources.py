@@ -25,6 +25,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from pipelines.records import TaskMeta
+
 FILE_KINDS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 COMPRESSED_SUFFIXES = (".gz", ".bz2", ".zst", ".deflate", ".lzma")
 KNOWN_SPLITS = ("train", "validation", "valid", "test", "dev", "eval")
@@ -160,6 +162,12 @@ def resolve_inputs(specs: Sequence[str], tfds_data_dir: str | None = None) -> tu
         resolved.append(r)
         tasks.extend(t)
     return resolved, tasks
+
+
+def task_metas(inputs: Sequence[ResolvedInput], tasks: Sequence[ReadTask]) -> tuple[TaskMeta, ...]:
+    """What workers need to name each task's records (example ids, dead-letter sources)."""
+    return tuple(TaskMeta(t.input_index, inputs[t.input_index].spec, t.path, t.id_name,
+                          t.byte_range[0] if t.byte_range else None) for t in tasks)
 
 
 # ----------------------------------------------------------------------------- files

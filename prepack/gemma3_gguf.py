@@ -2,8 +2,8 @@
 
 The tokenizer inside the GGUF is stored as three parallel arrays (pieces, scores, types).
 Rebuilding a SentencePiece ModelProto from them reproduces the published Gemma 3 token ids,
-whereas transformers' own GGUF tokenizer conversion does not (see
-shared/research/gguf_gemma3.md). Building the proto is slow-ish, so the serialized model is
+whereas transformers' own GGUF tokenizer conversion does not (transformers 5.12 loads it but
+splits "Hello world" into ['Hello', '▁w', 'or', 'ld'] instead of ids 9259 1902). Building the proto is slow-ish, so the serialized model is
 cached on disk, keyed by the GGUF's sha256 and by the recipe version below.
 
 Why not `gguf.GGUFReader` for the metadata: its constructor turns every element of every

@@ -151,13 +151,3 @@ def check_row(row: Mapping[str, np.ndarray], max_length: int) -> None:
         raise RowFormatError("loss_mask must be 0 on padding")
     if loss[starts].any():
         raise RowFormatError("loss_mask must be 0 on the first token of every segment")
-
-
-def split_segments(row: Mapping[str, np.ndarray]) -> list[Segment]:
-    """The inverse of build_row, up to the zeroed first-token loss."""
-    seg = np.asarray(row["segment_ids"])
-    out = []
-    for k in range(1, int(seg.max(initial=0)) + 1):
-        idx = np.flatnonzero(seg == k)
-        out.append(Segment(np.asarray(row["input_ids"])[idx], np.asarray(row["loss_mask"])[idx]))
-    return out

@@ -17,11 +17,8 @@ import os
 import numpy as np
 import pytest
 
-from fixtures_pipeline import IN_PROCESS, alpaca_records, write_jsonl
-from gcs_emulator import GcsEmulator, gcs_emulator, gcs_prefix  # noqa: F401  (pytest fixtures)
-
-pytest.importorskip("apache_beam")
-pytest.importorskip("array_record")
+from testkit.pipeline import IN_PROCESS, alpaca_records, write_jsonl
+from testkit.gcs_emulator import GcsEmulator, gcs_emulator, gcs_prefix  # noqa: F401  (pytest fixtures)
 
 MAX_LENGTH = 128
 NUM_SHARDS = 3
@@ -167,7 +164,7 @@ def test_loader_reads_the_gcs_set_like_the_local_one(local_run, gcs_run):
 def _interrupt_upload_of_shard(monkeypatch, shard_index: int) -> None:
     """The copy of one shard from the worker's disk to GCS dies half way, as on a lost worker
     or a dropped connection; the other shards upload normally."""
-    from pipelines import writer
+    from pipelines import write as writer
 
     original = writer.copy_local_to
     victim = f"rows-{shard_index:05d}-of-"

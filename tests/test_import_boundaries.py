@@ -1,29 +1,82 @@
-"""The layering the project promises: the core imports neither Beam nor JAX, the
-pipeline never imports JAX (Dataflow workers install no JAX), and the loader
-never imports Beam. Each check runs in a fresh interpreter so nothing else in
-the test session has loaded the modules first."""
+"""The layering the project promises.
+
+1. Between packages (testkit/import_graph.py reads every import from the source,
+   including imports inside functions): apps/ and gcp/ on top; train/ above
+   loaders/; pipelines/ and loaders/ side by side, importing neither each
+   other nor anything above; the core prepack/ at the bottom importing none of
+   them. No module imports anything above it, and there is no cycle.
+2. Third-party: the core imports neither Beam nor JAX, the pipeline never
+   imports JAX (Dataflow workers install no JAX), and the loader never imports
+   Beam. Each of these checks runs in a fresh interpreter so nothing else in the
+   test session has loaded the modules first.
+"""
 
 import subprocess
 import sys
+import textwrap
 
 import pytest
+from testkit.import_graph import LAYERS, ROOT, cycles, import_graph, upward_imports
+
+
+def test_no_import_points_up_or_sideways():
+    graph = import_graph()
+    assert set(graph) >= {"apps.cli", "apps.preflight", "apps.report", "pipelines.job", "loaders.shards", "prepack.packer"}
+    assert upward_imports(graph) == []
+
+
+def test_no_import_cycle():
+    assert cycles(import_graph()) == []
+
+
+def _tree(tmp_path, files: dict[str, str]):
+    for name, text in files.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    return import_graph(tmp_path)
+
+
+def test_the_layer_check_can_fail(tmp_path):
+    """A lazy upward import in the core, a sideways one between pipelines and loaders, and a
+    cycle are each caught, so the assertions above are not vacuous."""
+    graph = _tree(tmp_path, {
+        "prepack/__init__.py": "",
+        "prepack/core.py": "def f():\n    from pipelines import job  # lazy, still counts\n",
+        "pipelines/__init__.py": "",
+        "pipelines/job.py": "from loaders.shards import open_shards\nimport prepack.core\n",
+        "loaders/__init__.py": "",
+        "loaders/shards.py": "import loaders.other\n",
+        "loaders/other.py": "from loaders import shards\n",
+        "apps/__init__.py": "", "gcp/__init__.py": "", "train/__init__.py": "",
+    })
+    assert upward_imports(graph) == ["pipelines.job -> loaders.shards", "prepack.core -> pipelines.job"]
+    assert cycles(graph) == [["loaders.other", "loaders.shards"], ["pipelines.job", "prepack.core"]]
+
+
+def test_every_package_has_a_layer():
+    top_level = {p.parent.name for p in ROOT.glob("*/__init__.py")}
+    assert top_level == set(LAYERS)
+
 
 CASES = {
     "core": (
         "import prepack.rowformat, prepack.packer, prepack.stats, prepack.manifest, prepack.shardfile, "
-        "prepack.templates, prepack.chat_formats, prepack.tokenizer, prepack.gemma3_gguf, prepack.cli; "
+        "prepack.templates, prepack.chat_formats, prepack.tokenizer, prepack.gemma3_gguf; "
         "from prepack.tokenizer import load_tokenizer; load_tokenizer('gemma3').encode('hi')",
         ("apache_beam", "jax", "grain"),
     ),
     "pipeline": (
-        "import pipelines.cli, pipelines.job, pipelines.transforms, pipelines.writer, pipelines.publish, "
+        "import pipelines.cli, pipelines.job, pipelines.read, pipelines.prepare, pipelines.fit, pipelines.route, "
+        "pipelines.write, pipelines.publish, "
         "pipelines.sources, pipelines.readers, pipelines.planning",
         ("jax", "flax", "tunix", "grain"),
     ),
     "loader": (
-        "import loaders, loaders.shards, loaders.dataset, loaders.mask, loaders.checkpoint, loaders.inspect",
+        "import loaders, loaders.shards, loaders.dataset, loaders.mask, loaders.checkpoint",
         ("apache_beam",),
     ),
+    "cli": ("import apps.cli, apps.inspect", ("apache_beam", "jax")),
 }
 
 

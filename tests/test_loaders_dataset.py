@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from shardset_builder import build_shard_set, row_ids
+from testkit.shard_sets import build_shard_set, row_ids
 
 import loaders
 from loaders import HostPlan
@@ -205,7 +205,7 @@ def test_resume_helpers_and_state_checks(view, tmp_path):
 
 
 def test_resume_with_orbax_checkpoint_manager(view, tmp_path):
-    ocp = pytest.importorskip("orbax.checkpoint")
+    import orbax.checkpoint as ocp
     it = iter(make(view, seed=4))
     for _ in range(5):
         next(it)

@@ -8,12 +8,12 @@ import socket
 
 import numpy as np
 import pytest
-from shardset_builder import build_shard_set, row_ids
+from testkit.shard_sets import build_shard_set, row_ids
 
 import loaders
 
-emulator = pytest.importorskip("gcp_storage_emulator.server")
-storage = pytest.importorskip("google.cloud.storage")
+import gcp_storage_emulator.server as emulator
+from google.cloud import storage
 
 BUCKET = "prepack-test"
 

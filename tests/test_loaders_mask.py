@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numpy as np
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -75,15 +74,11 @@ def test_worked_example():
     ]
 
 
-try:
-    import jax
-except ImportError:  # the numpy mask needs no jax; only these tests do
-    jax = None
-_jitted_mask = jax.jit(block_causal_mask_jax) if jax else None
-needs_jax = pytest.mark.skipif(jax is None, reason="jax is not installed")
+import jax
+
+_jitted_mask = jax.jit(block_causal_mask_jax)
 
 
-@needs_jax
 @settings(max_examples=40, deadline=None)
 @given(packed_segment_ids(length=16, batch=4))
 def test_jax_equals_numpy(segment_ids):
@@ -91,7 +86,6 @@ def test_jax_equals_numpy(segment_ids):
     np.testing.assert_array_equal(np.asarray(_jitted_mask(segment_ids)), block_causal_mask(segment_ids))
 
 
-@needs_jax
 def test_jax_under_jit():
     segment_ids = np.array([[1, 1, 1, 2, 2, 3, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1]], dtype=np.int32)
     masked = jax.jit(lambda s: block_causal_mask_jax(s))(segment_ids)

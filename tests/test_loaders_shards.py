@@ -9,7 +9,7 @@ import shutil
 
 import numpy as np
 import pytest
-from shardset_builder import TEST_TOKENIZER, build_shard_set, row_ids
+from testkit.shard_sets import TEST_TOKENIZER, build_shard_set, row_ids
 
 import loaders
 from prepack import rowformat
@@ -218,7 +218,7 @@ def test_imports_stay_light():
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(loaders.__file__)))
-    code = "import sys, loaders, loaders.inspect; print(sorted({'grain', 'jax', 'apache_beam'} & set(sys.modules)))"
+    code = "import sys, loaders, apps.inspect; print(sorted({'grain', 'jax', 'apache_beam'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
     for name in os.listdir(os.path.dirname(loaders.__file__)):

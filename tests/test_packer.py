@@ -9,7 +9,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from prepack import packer
-from prepack.packer import DropReason, OverlongPolicy
+from prepack.packer import DropReason, Fit, OverlongPolicy
+from testkit.reference import pack_unpacked, slots_by_length
 
 lengths_and_limit = st.integers(1, 200).flatmap(
     lambda L: st.tuples(st.lists(st.integers(1, L), min_size=0, max_size=300), st.just(L))
@@ -68,7 +69,7 @@ def test_slots_cover_the_plan_once(case):
     for n in lengths:
         histogram[n] = histogram.get(n, 0) + 1
     plan = packer.plan_from_histogram(histogram, max_length)
-    slots = packer.slots_by_length(plan)
+    slots = slots_by_length(plan)
     assert {n: len(s) for n, s in slots.items()} == histogram
     seen = {(s.row, s.position) for ss in slots.values() for s in ss}
     assert len(seen) == len(lengths)
@@ -106,9 +107,9 @@ def test_near_lower_bound_on_sft_like_lengths():
 
 
 def test_unpacked_is_one_item_per_row_and_rejects_overlong():
-    assert packer.pack_unpacked([3, 1, 2], 4) == [[0], [1], [2]]
+    assert pack_unpacked([3, 1, 2], 4) == [[0], [1], [2]]
     with pytest.raises(ValueError, match="item 1 has length 5, outside 1..4"):
-        packer.pack_unpacked([3, 5], 4)
+        pack_unpacked([3, 5], 4)
 
 
 def test_bad_lengths_are_rejected():
@@ -120,15 +121,23 @@ def test_bad_lengths_are_rejected():
         packer.pack_best_fit_decreasing([1], 0)
 
 
-def test_overlong_policy():
-    ids, mask = np.arange(10), np.array([0] * 6 + [1] * 4)
-    assert packer.fit_to_length(ids, mask, 10, OverlongPolicy.DROP)[0] is ids
-    assert packer.fit_to_length(ids, mask, 8, OverlongPolicy.DROP) is DropReason.TOO_LONG
-    kept_ids, kept_mask = packer.fit_to_length(ids, mask, 8, OverlongPolicy.TRUNCATE)
-    np.testing.assert_array_equal(kept_ids, np.arange(8))
-    assert kept_mask.sum() == 2
+def test_overlong_rule_by_hand():
+    # Four examples (lengths 10, 10, 6, 3); the masks' targets after the first token within
+    # L=8: 2, 0 (its targets start at token 9), 1, 1.
+    masks = [[0] * 6 + [1] * 4, [0] * 8 + [1] * 2, [0, 0, 0, 0, 0, 1], [1, 0, 1]]
+    lens, flat = np.array([len(m) for m in masks]), np.concatenate(masks)
+    within = packer.targets_after_first(lens, flat, 8)
+    assert within.tolist() == [2, 0, 1, 1]
+    assert packer.targets_after_first(lens, flat).tolist() == [4, 2, 1, 1]
+    assert packer.fit_at_length(lens, 10, OverlongPolicy.DROP).tolist() == [Fit.WHOLE] * 4
+    assert packer.fit_at_length(lens, 8, OverlongPolicy.DROP).tolist() == [Fit.TOO_LONG, Fit.TOO_LONG, Fit.WHOLE, Fit.WHOLE]
     # Truncation that leaves no target (past the first token) is a drop, not an empty example.
-    assert packer.fit_to_length(ids, mask, 6, OverlongPolicy.TRUNCATE) is DropReason.NO_TARGETS_AFTER_TRUNCATION
+    assert packer.fit_at_length(lens, 8, OverlongPolicy.TRUNCATE, within).tolist() == [
+        Fit.TRUNCATED, Fit.NO_TARGETS_AFTER_TRUNCATION, Fit.WHOLE, Fit.WHOLE]
+    assert [Fit(f).drop_reason for f in (Fit.WHOLE, Fit.TRUNCATED, Fit.TOO_LONG, Fit.NO_TARGETS_AFTER_TRUNCATION)] == [
+        None, None, DropReason.TOO_LONG, DropReason.NO_TARGETS_AFTER_TRUNCATION]
+    with pytest.raises(ValueError, match="truncating needs each example's targets"):
+        packer.fit_at_length(lens, 8, OverlongPolicy.TRUNCATE)
 
 
 # ----------------------------------------------------------------------------- runs of equal lengths

@@ -16,7 +16,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from fixtures_pipeline import (
+from testkit.pipeline import (
     IN_PROCESS,
     TWO_PROCESSES,
     alpaca_records,
@@ -43,6 +43,7 @@ from prepack import rowformat
 from prepack.manifest import STABLE_KEYS, without_volatile
 from prepack.packer import pack_best_fit_decreasing
 from prepack.templates import get_template
+from testkit.reference import split_segments
 
 LENGTHS = (64, 256)
 
@@ -360,7 +361,7 @@ def read_shard_set_rows(folder, shard: int) -> list:
 
 
 def _only_segment(row) -> tuple:
-    (seg,) = rowformat.split_segments(row)
+    (seg,) = split_segments(row)
     return seg.input_ids, seg.loss_mask
 
 
@@ -468,3 +469,23 @@ def test_shard_counts_differ_per_length_truncate_one_vs_two_workers(tmp_path):
         assert shard_bytes(str(a)) == shard_bytes(str(b))
         assert without_volatile((a / "manifest.json").read_text()) == without_volatile((b / "manifest.json").read_text())
     assert one.stats[64]["examples_truncated"] > 0
+
+
+def test_several_sub_buckets_thousands_of_records_one_vs_two_workers(tmp_path):
+    """3,000 records, 6 sub-buckets, two max lengths under truncate: in-process and on two
+    worker processes (other bundles, other arrival orders at the routing step) the job writes
+    the same bytes, and its rows are the global BFD rows with every kept example once."""
+    records = alpaca_records(3000, seed=21)
+    path = write_jsonl(str(tmp_path / "a.jsonl"), records)
+    args = ["--input", path, "--format", "alpaca", "--max-length", "64", "256", "--overlong", "truncate",
+            "--sub-buckets", "6"]
+    one = pack(args + ["--output", str(tmp_path / "one")])
+    pack(args + ["--output", str(tmp_path / "two")], runner=TWO_PROCESSES)
+    expected = expected_examples("alpaca", records)
+    for L in (64, 256):
+        a, b = tmp_path / "one" / f"L{L}", tmp_path / "two" / f"L{L}"
+        manifest, _ = check_shard_set(str(a), expected, L, truncate=True)
+        assert manifest.options["sub_buckets"] == 6
+        assert shard_bytes(str(a)) == shard_bytes(str(b))
+        assert without_volatile((a / "manifest.json").read_text()) == without_volatile((b / "manifest.json").read_text())
+    assert one.stats[64]["examples_read"] == 3000 and one.stats[64]["examples_truncated"] > 0

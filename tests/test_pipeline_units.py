@@ -11,14 +11,25 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipelines.options import LOCAL_RUNNER_ARGS, OptionsError, parse_args, with_default_runner
+from pipelines.options import OptionsError, parse_args, with_default_runner
 from pipelines.columns import PayloadBatch, Ragged, TokenizedBatch
-from pipelines.planning import build_plan, choose_num_shards, stable_hash, sub_bucket, sub_buckets_of
+from pipelines.planning import build_plan, choose_num_shards, stable_hash, sub_buckets_of
 from pipelines.report import density_table
-from pipelines.rows import RowLayoutError, encode_rows
+from pipelines.rows import RowLayoutError
 from pipelines.sources import InputError, parse_hf_spec, parse_tfds_spec, resolve_inputs
 from prepack import rowformat
 from prepack.packer import pack_best_fit_decreasing
+from testkit.reference import encode_rows, sub_bucket
+
+
+def _job_context(sub_buckets: int = 1, format: str = "alpaca", **config):
+    """A worker context over one task, for calling a stage's DoFn directly."""
+    from pipelines.options import PackConfig
+    from pipelines.records import TaskMeta
+    from pipelines.stage import JobContext
+
+    return JobContext(config=PackConfig(inputs=("in",), format=format, output="/tmp/unused", progress=False, **config),
+                      tasks=(TaskMeta(0, "in", "f.jsonl", "f.jsonl"),), sub_buckets=sub_buckets, run_id="r", pad_id=0)
 
 
 # ----------------------------------------------------------------------------- planning
@@ -117,12 +128,14 @@ def test_grouped_payloads_keeps_every_example_once_by_key():
     keys = rng.integers(0, 5, size=len(index))
     starts = np.cumsum(lens) - lens
     seen = []
-    groups = list(batch.take(index).grouped_payloads(keys))
+    kept_at = rng.integers(1, 8, size=len(index)).astype(np.uint64)
+    groups = list(batch.take(index).grouped_payloads(keys, kept_at))
     assert [k for k, _ in groups] == sorted({int(k) for k in keys})
     for key, payloads in groups:
         for j, eid in enumerate(payloads.example_ids):
             i = int(eid[1:])
             assert keys[list(index).index(i)] == key and payloads.hashes[j] == batch.hashes[i]
+            assert payloads.kept_at[j] == kept_at[list(index).index(i)]
             lo = int(np.cumsum(payloads.examples.lens)[j] - payloads.examples.lens[j])
             got = payloads.examples.ids[lo:lo + lens[i]]
             assert got.tolist() == ids[starts[i]:starts[i] + lens[i]].tolist()
@@ -131,9 +144,10 @@ def test_grouped_payloads_keeps_every_example_once_by_key():
 
 
 def test_stable_hash_is_fixed():
-    # Pinned: the packing of every published shard set depends on it.
-    assert stable_hash("0/data.jsonl/0") == stable_hash("0/data.jsonl/0") == int.from_bytes(
-        __import__("hashlib").blake2b(b"0/data.jsonl/0", digest_size=8).digest(), "big")
+    # Pinned to literal values: the packing of every published shard set depends on them.
+    assert stable_hash("0/data.jsonl/0") == 92069101301227464
+    assert stable_hash("0/oasst1/abc") == 17130994264084080321
+    assert stable_hash("1/b.jsonl@1048576/7") == 6578389634231397383
 
 
 def test_shard_count():
@@ -189,8 +203,8 @@ def test_parse_args_defaults_and_pass_through(tmp_path):
                                "--max-length", "1024", "512", "--max-length", "2048", "--project=p", "--region", "r"])
     assert config.inputs == ("a.jsonl", "b.parquet") and config.output == "out"
     assert config.max_lengths == (512, 1024, 2048) and config.pack and config.max_bad_fraction == 0
-    assert beam[: len(LOCAL_RUNNER_ARGS)] == list(LOCAL_RUNNER_ARGS)
-    assert beam[len(LOCAL_RUNNER_ARGS):] == ["--project=p", "--region", "r"]
+    assert beam == ["--runner=FnApiRunner", "--direct_running_mode=multi_processing", "--direct_num_workers=0",
+                    "--project=p", "--region", "r"]
     assert with_default_runner(["--runner=DataflowRunner"]) == ["--runner=DataflowRunner"]
     assert with_default_runner(["--direct_num_workers=1"]) == [
         "--runner=FnApiRunner", "--direct_running_mode=multi_processing", "--direct_num_workers=1"]
@@ -208,6 +222,9 @@ def test_parse_args_defaults_and_pass_through(tmp_path):
     (["--sample", "--output", "o", "--direct_running_mode", "multi_threading"], "multi_threading is not supported"),
     (["--sample", "--output", "o", "--sub-buckets", "0"], "--sub-buckets must be between 1 and 4096, got 0"),
     (["--sample", "--output", "o", "--sub-buckets", "4097"], "--sub-buckets must be between 1 and 4096, got 4097"),
+    (["--sample", "--output", "o", "--max-length", "1"], "--max-length must be at least 2, got 1"),
+    (["--sample", "--output", "o", "--max-length", *map(str, range(2, 67))],
+     "--max-length: at most 64 lengths in one job, got 65; run the job again for the others"),
 ])
 def test_parse_args_errors(args, message):
     with pytest.raises(OptionsError, match=message):
@@ -296,35 +313,37 @@ def test_build_plan_slots_equal_the_per_item_construction(max_length, entries):
 
 def _fit_reference(examples, max_lengths, truncate, pack, buckets):
     """The per-example rule FitAndKeyFn applies, written out plainly."""
-    payloads, hist, tally, dead = set(), Counter(), Counter(), []
+    from prepack.accounting import Tally
+    from prepack.packer import DropReason
+
+    payloads, hist, tally, dead = set(), Counter(), Tally(), []
     for eid, ids, mask in examples:
         n, h = len(ids), stable_hash(eid)
         if not any(mask[1:]):
-            tally[("no_targets",)] += 1
+            tally.no_targets += 1
             dead += [(L, "no_targets", eid) for L in max_lengths]
             continue
-        key, kept = (n if pack else 0, sub_bucket(h, buckets)), False
-        for L in max_lengths:
+        key, kept = (n if pack else 0, sub_bucket(h, buckets)), 0
+        for bit, L in enumerate(max_lengths):
             if n <= L or (truncate and any(mask[1:L])):
                 hist[(L, *key)] += 1
-                kept = True
+                kept |= 1 << bit
                 if n > L:
-                    tally[("L", L, "truncated")] += 1
+                    tally.truncated[L] += 1
                 continue
             reason = "no_targets_after_truncation" if truncate else "too_long"
-            tally[("L", L, "dropped", reason)] += 1
+            tally.dropped[(L, DropReason(reason))] += 1
             dead.append((L, reason, eid))
         if kept:
-            payloads.add((key, h, eid, tuple(ids), tuple(mask)))
-    return payloads, dict(hist), dict(tally), sorted(dead)
+            payloads.add((key, h, eid, tuple(ids), tuple(mask), kept))
+    return payloads, dict(hist), tally, sorted(dead)
 
 
 @settings(max_examples=120, deadline=None)
 @given(data=st.data(), max_lengths=st.lists(st.sampled_from([3, 4, 6, 8, 16]), min_size=1, max_size=3, unique=True),
        truncate=st.booleans(), pack=st.booleans(), buckets=st.sampled_from([1, 2, 7]), flush=st.sampled_from([3, 20_000]))
 def test_fit_and_key_matches_the_per_example_rule(data, max_lengths, truncate, pack, buckets, flush):
-    import pipelines.transforms as T
-    from pipelines.records import TaskMeta
+    from pipelines import fit, stage
     from prepack.packer import OverlongPolicy
 
     max_lengths = tuple(sorted(max_lengths))
@@ -337,14 +356,11 @@ def test_fit_and_key_matches_the_per_example_rule(data, max_lengths, truncate, p
             batch.append((f"0/f.jsonl/{k}", list(range(100 * k, 100 * k + n)), mask))
             k += 1
         batches.append(batch)
-    ctx = T.JobContext(tasks=(TaskMeta(0, "in", "f.jsonl", "f.jsonl"),), template="alpaca", template_options=(),
-                       tokenizer="unused", chat_format="gemma", max_lengths=max_lengths,
-                       overlong=OverlongPolicy.TRUNCATE if truncate else OverlongPolicy.DROP, pack=pack,
-                       sub_buckets=buckets, batch_size=8, progress=False, output="/tmp/unused", run_id="r", pad_id=0)
-    fn = T.FitAndKeyFn(ctx)
+    ctx = _job_context(tokenizer="unused", chat_format="gemma", max_lengths=max_lengths, overlong=OverlongPolicy.TRUNCATE if truncate else OverlongPolicy.DROP, pack=pack, sub_buckets=buckets, batch_size=8)
+    fn = fit.FitAndKeyFn(ctx)
     fn.setup()
     fn.start_bundle()
-    old_flush, T.FLUSH_EXAMPLES = T.FLUSH_EXAMPLES, flush  # also flush mid-bundle
+    old_flush, fit.FLUSH_EXAMPLES = fit.FLUSH_EXAMPLES, flush  # also flush mid-bundle
     try:
         out = []
         for batch in batches:
@@ -356,16 +372,18 @@ def test_fit_and_key_matches_the_per_example_rule(data, max_lengths, truncate, p
                        np.array([m for _, _, mask in batch for m in mask], dtype=np.uint8)))))
         out += list(fn.finish_bundle())
     finally:
-        T.FLUSH_EXAMPLES = old_flush
-    payloads, hist, tally, dead = set(), Counter(), Counter(), []
+        fit.FLUSH_EXAMPLES = old_flush
+    from prepack.accounting import Tally
+
+    payloads, hist, tally, dead = set(), Counter(), Tally(), []
     for item in out:
         tag, value = getattr(item, "tag", None), getattr(item, "value", item)
         value = getattr(value, "value", value)  # unwrap WindowedValue
-        if tag == T.TAG_HIST:
+        if tag == stage.TAG_HIST:
             hist.update(value)
-        elif tag == T.TAG_TALLY:
-            tally.update(value)
-        elif tag == T.TAG_DEAD:
+        elif tag == stage.TAG_TALLY:
+            tally.merge(value)
+        elif tag == stage.TAG_DEAD:
             L, (_, entry) = value
             dead.append((L, entry["reason"], entry["example_id"]))
         else:
@@ -375,12 +393,12 @@ def test_fit_and_key_matches_the_per_example_rule(data, max_lengths, truncate, p
             starts = [0] + ends[:-1]
             for j, eid in enumerate(batch.example_ids):
                 payloads.add((tuple(key), int(batch.hashes[j]), eid, tuple(batch.examples.ids[starts[j]:ends[j]].tolist()),
-                              tuple(batch.examples.mask[starts[j]:ends[j]].tolist())))
+                              tuple(batch.examples.mask[starts[j]:ends[j]].tolist()), int(batch.kept_at[j])))
     examples = [example for batch in batches for example in batch]
     want = _fit_reference(examples, max_lengths, truncate, pack, buckets)
     assert payloads == want[0]
     assert {k: v for k, v in hist.items() if v} == want[1]
-    assert dict(tally) == want[2]
+    assert tally.to_json() == want[2].to_json()
     assert sorted(dead) == want[3]
 
 
@@ -421,8 +439,7 @@ PREPARE_RECORDS = {
 def test_prepare_fast_path_equals_the_conversation_path(template, tokenizer_kind, tmp_path_factory):
     """PrepareFn's single-turn path (to_pair + tokenize_pairs_flat) against the general one
     (to_conversations + tokenize_conversations_flat): same examples, dead letters, tallies."""
-    import pipelines.transforms as T
-    from pipelines.records import TaskMeta
+    from pipelines import prepare
     from prepack.packer import OverlongPolicy
 
     if tokenizer_kind == "gemma3":
@@ -435,15 +452,13 @@ def test_prepare_fast_path_equals_the_conversation_path(template, tokenizer_kind
                               CHATML_TEMPLATE, **chatml_kw)
         tokenizer, chat_format = f"hf:{folder}", "chatml"
     options = (("source_lang", "en"), ("target_lang", "fr")) if template == "translation" else ()
-    ctx = T.JobContext(tasks=(TaskMeta(0, "in", "f.jsonl", "f.jsonl"),), template=template, template_options=options,
-                       tokenizer=tokenizer, chat_format=chat_format, max_lengths=(64,), overlong=OverlongPolicy.DROP,
-                       pack=True, sub_buckets=1, batch_size=64, progress=False, output="/tmp/unused", run_id="r", pad_id=0)
-    fast = T.PrepareFn(ctx)
+    ctx = _job_context(format=template, template_options=options, tokenizer=tokenizer, chat_format=chat_format, max_lengths=(64,), overlong=OverlongPolicy.DROP, pack=True, sub_buckets=1, batch_size=64)
+    fast = prepare.PrepareFn(ctx)
     fast.setup()
-    slow = T.PrepareFn(ctx)
+    slow = prepare.PrepareFn(ctx)
     slow.setup()
-    assert fast.pairs
-    slow.pairs = False
+    assert fast.preparer.pairs
+    slow.preparer.pairs = False
     got, want = _prepare_outputs(fast, PREPARE_RECORDS[template]), _prepare_outputs(slow, PREPARE_RECORDS[template])
     assert got == want and got[0]
     if template == "alpaca":
@@ -453,20 +468,17 @@ def test_prepare_fast_path_equals_the_conversation_path(template, tokenizer_kind
 
 
 def test_prepare_has_no_fast_path_for_the_jinja_format(tmp_path_factory):
-    import pipelines.transforms as T
-    from pipelines.records import TaskMeta
+    from pipelines import prepare
     from prepack.packer import OverlongPolicy
     from test_templates import CHATML_TEMPLATE, build_hf_dir
 
     folder = build_hf_dir(tmp_path_factory.mktemp("chatml_hf"), ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
                           CHATML_TEMPLATE, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                           additional_special_tokens=["<|im_start|>"])
-    ctx = T.JobContext(tasks=(TaskMeta(0, "in", "f.jsonl", "f.jsonl"),), template="alpaca", template_options=(),
-                       tokenizer=f"hf:{folder}", chat_format="hf", max_lengths=(64,), overlong=OverlongPolicy.DROP,
-                       pack=True, sub_buckets=1, batch_size=64, progress=False, output="/tmp/unused", run_id="r", pad_id=0)
-    fn = T.PrepareFn(ctx)
+    ctx = _job_context(format="alpaca", template_options=(), tokenizer=f"hf:{folder}", chat_format="hf", max_lengths=(64,), overlong=OverlongPolicy.DROP, pack=True, sub_buckets=1, batch_size=64)
+    fn = prepare.PrepareFn(ctx)
     fn.setup()
-    assert not fn.pairs
+    assert not fn.preparer.pairs
     examples, _ = _prepare_outputs(fn, PREPARE_RECORDS["alpaca"][:2])
     assert len(examples) == 2
 
@@ -581,21 +593,19 @@ def test_a_jsonl_file_that_changes_under_a_range_read_fails(tmp_path):
 def test_router_ships_examples_cut_to_the_longest_max_length_they_serve():
     """Under --overlong truncate a 10,000-token example crosses the shard shuffle as its
     first 128 tokens (the longest L), not whole; every slot still gets its own cut."""
-    import pipelines.transforms as T
+    from pipelines import route
     from pipelines.columns import ShardWork
     from pipelines.planning import build_plans
-    from pipelines.records import TaskMeta
     from prepack.packer import OverlongPolicy
 
     n, lengths = 10_000, (64, 128)
     mask = np.ones(n, dtype=np.uint8)
     payload = PayloadBatch(np.array([stable_hash("e")], dtype=np.uint64), ["e"],
-                           Ragged(np.array([n], dtype=np.int32), np.arange(n, dtype=np.int32), mask))
+                           Ragged(np.array([n], dtype=np.int32), np.arange(n, dtype=np.int32), mask),
+                           np.array([0b11], dtype=np.uint64))  # kept (truncated) at both max lengths
     plans = build_plans({(L, n, 0): 1 for L in lengths}, lengths, True, None, 256.0)
-    ctx = T.JobContext(tasks=(TaskMeta(0, "in", "f.jsonl", "f.jsonl"),), template="alpaca", template_options=(),
-                       tokenizer="unused", chat_format="gemma", max_lengths=lengths, overlong=OverlongPolicy.TRUNCATE,
-                       pack=True, sub_buckets=1, batch_size=8, progress=False, output="/tmp/unused", run_id="r", pad_id=0)
-    fn = T.RouteToRowsFn(ctx)
+    ctx = _job_context(tokenizer="unused", chat_format="gemma", max_lengths=lengths, overlong=OverlongPolicy.TRUNCATE, pack=True, sub_buckets=1, batch_size=8)
+    fn = route.RouteToRowsFn(ctx)
     fn.setup()
     fn.start_bundle()
     out = list(fn.process(((n, 0), [payload.to_wire()]), plans)) + list(fn.finish_bundle())
@@ -605,3 +615,70 @@ def test_router_ships_examples_cut_to_the_longest_max_length_they_serve():
     for L in lengths:
         fragments = work.fragments(L)
         assert fragments.examples.lens.tolist() == [L] and fragments.examples.ids.tolist() == list(range(L))
+
+
+# ----------------------------------------------------------------------------- routing is independent of arrival order
+
+
+def _routed_slots(groups: dict, plans: dict, lengths: tuple[int, ...], seed: int | None) -> set:
+    """(L, row, position, example) of every slot RouteToRowsFn fills, with each group's examples
+    permuted and split into wires at random (as shuffles deliver them) when seed is given."""
+    from pipelines import route
+    from pipelines.columns import ShardWork
+    from prepack.packer import OverlongPolicy
+
+    ctx = _job_context(tokenizer="unused", chat_format="gemma", max_lengths=lengths, overlong=OverlongPolicy.TRUNCATE, pack=True, sub_buckets=3, batch_size=8)
+    fn = route.RouteToRowsFn(ctx)
+    fn.setup()
+    fn.start_bundle()
+    rng = np.random.default_rng(seed)
+    keys = sorted(groups)
+    if seed is not None:
+        keys = [keys[i] for i in rng.permutation(len(keys))]
+    out = []
+    for key in keys:
+        batch = groups[key]
+        order = np.arange(len(batch.example_ids)) if seed is None else rng.permutation(len(batch.example_ids))
+        cuts = sorted(rng.choice(np.arange(1, len(order)), size=min(2, len(order) - 1), replace=False).tolist()) if (
+            seed is not None and len(order) > 1) else []
+        wires = [PayloadBatch(batch.hashes[part], [batch.example_ids[i] for i in part], batch.examples.take(part),
+                              batch.kept_at[part]).to_wire() for part in np.split(order, cuts)]
+        out += list(fn.process((key, wires), plans))
+    out += list(fn.finish_bundle())
+    slots = set()
+    for item in out:
+        _, wire = getattr(item, "value", item)
+        work = ShardWork.from_wire(wire)
+        for L in work.max_lengths():
+            fragments = work.fragments(L)
+            firsts = fragments.examples.ids[np.cumsum(fragments.examples.lens) - fragments.examples.lens]
+            slots |= {(L, int(r), int(p), int(f)) for r, p, f in zip(fragments.rows, fragments.positions, firsts)}
+    return slots
+
+
+def test_routing_gives_the_same_rows_whatever_the_arrival_order():
+    """Workers deliver a group's examples in any order and split; the slots must not change.
+    Fails when PayloadBatch.rank_order is replaced by arrival order (np.arange)."""
+    from pipelines.planning import build_plans
+
+    lengths, buckets = (8, 16), 3
+    rng = np.random.default_rng(5)
+    n = rng.integers(1, 21, size=400)  # some longer than 8: truncated there (every token a target)
+    eids = [f"0/f.jsonl/{k}" for k in range(len(n))]
+    hashes = np.array([stable_hash(e) for e in eids], dtype=np.uint64)
+    b = sub_buckets_of(hashes, buckets)
+    ids = np.concatenate([np.full(m, k, dtype=np.int32) for k, m in enumerate(n)])  # first token: the example
+    examples = Ragged(n.astype(np.int32), ids, np.ones(len(ids), dtype=np.uint8))
+    groups, histogram = {}, Counter()
+    for key in sorted({(int(m), int(c)) for m, c in zip(n, b)}):
+        members = np.flatnonzero((n == key[0]) & (b == key[1]))
+        groups[key] = PayloadBatch(hashes[members], [eids[i] for i in members], examples.take(members),
+                                   np.full(len(members), 0b11, dtype=np.uint64))
+        for L in lengths:
+            histogram[(L, *key)] += len(members)
+    assert max(len(g.example_ids) for g in groups.values()) > 5
+    plans = build_plans(dict(histogram), lengths, True, 3, 256.0)
+    want = _routed_slots(groups, plans, lengths, seed=None)
+    assert len(want) == 2 * len(n)
+    for seed in (1, 2, 3):
+        assert _routed_slots(groups, plans, lengths, seed) == want

@@ -15,9 +15,9 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from prepack import preflight
+from apps import preflight
 from prepack.packer import OverlongPolicy
-from prepack.preflight import DatasetSpec, ExampleSet, PreflightConfig
+from apps.preflight import DatasetSpec, ExampleSet, PreflightConfig
 
 # Four examples, lengths [3, 5, 2, 6]; targets counted from token 1: [2, 3, 1, 3] -> 9.
 MASKS = [
@@ -261,18 +261,54 @@ def test_pack_spellings_are_accepted():
 
 
 def test_other_specs_go_through_the_pipeline_readers(tmp_path):
-    # A gzipped JSONL is not read in-process: the pipeline's read stage handles it, with the same reasons.
+    # A gzipped JSONL is read by the pipeline's read stage, with the same reasons.
     import gzip
 
     data = tmp_path / "a.jsonl.gz"
     data.write_bytes(gzip.compress(("\n".join(ALPACA_LINES) + "\n").encode()))
-    assert not preflight.reads_in_process(str(data))
-    assert preflight.reads_in_process(str(tmp_path / "*.jsonl"))
     out = tmp_path / "out"
     assert preflight.main(["--input", str(data), "--template", "alpaca", "--max-length", "64", "--output", str(out),
                            "--no-plots"]) == 0
     ds = json.loads((out / "preflight.json").read_text())["datasets"][0]
     assert (ds["records_read"], ds["examples"], ds["bad_records"]) == (5, 3, {"malformed_json": 1, "missing_field": 1})
+
+
+@pytest.mark.parametrize("text, records", [
+    ('{"instruction": "Name a colour", "input": "", "output": "Blue."}', 1),  # one object: the job packs it
+    ('[{"instruction": "a", "output": "b"}, {"instruction": "c", "output": "d"}]', 2),
+    ('{"data": [{"instruction": "a", "output": "b"}]}', 1),
+])
+def test_a_json_file_reads_as_the_job_reads_it(tmp_path, text, records):
+    """preflight and `prepack pack` share one reader: a .json file holding one object used to be
+    refused here ("expected a JSON array") while the job packed it."""
+    from pipelines import readers, sources
+
+    data = tmp_path / "one.json"
+    data.write_text(text)
+    _, tasks = sources.resolve_inputs([str(data)])
+    job_records = [r for t in tasks for r in readers.iter_task(t, readers.FileDigest(), 8)]
+    out = tmp_path / "out"
+    assert preflight.main(["--input", str(data), "--format", "alpaca", "--max-length", "64", "--output", str(out),
+                           "--no-plots"]) == 0
+    ds = json.loads((out / "preflight.json").read_text())["datasets"][0]
+    assert (ds["records_read"], ds["examples"], ds["bad_records"]) == (len(job_records), records, {}) == (records, records, {})
+
+
+def test_oasst1_messages_left_out_by_design_are_not_bad_records(tmp_path):
+    """Preflight runs the job's table-level prepare: a non-English tree is filtered, as in the job."""
+    def msg(mid, parent, role, text, lang="en"):
+        return {"message_id": mid, "parent_id": parent, "message_tree_id": "t" + mid[0], "role": role, "text": text,
+                "lang": lang, "review_result": True, "deleted": False}
+
+    rows = [msg("a1", None, "prompter", "Hi?"), msg("a2", "a1", "assistant", "Hello."),
+            msg("b1", None, "prompter", "Salut?", "fr"), msg("b2", "b1", "assistant", "Bonjour.", "fr")]
+    data = tmp_path / "oasst.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = tmp_path / "out"
+    assert preflight.main(["--input", str(data), "--format", "oasst1", "--max-length", "64", "--output", str(out),
+                           "--no-plots"]) == 0
+    ds = json.loads((out / "preflight.json").read_text())["datasets"][0]
+    assert (ds["records_read"], ds["examples"], ds["bad_records"]) == (4, 1, {})
 
 
 def test_pipeline_mode_matches_in_process(tmp_path):

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from prepack import rowformat
 from prepack.rowformat import RowFormatError, Segment
+from testkit.reference import split_segments
 
 
 @st.composite
@@ -41,7 +42,7 @@ def test_built_rows_hold_every_invariant(case):
     rowformat.check_row(row, max_length)
     assert no_target_crosses_boundary(row)
     # Every token lands in its segment, in order; only the first token's loss changes.
-    back = rowformat.split_segments(row)
+    back = split_segments(row)
     assert len(back) == len(segments)
     for original, restored in zip(segments, back):
         np.testing.assert_array_equal(original.input_ids, restored.input_ids)

@@ -44,12 +44,7 @@ from prepack.templates import (
     template_names,
 )
 
-try:  # prepack/tokenizer.py is written in parallel; the real-tokenizer tests need it.
-    from prepack.tokenizer import load_tokenizer
-except ImportError:  # pragma: no cover
-    load_tokenizer = None  # type: ignore[assignment]
-
-needs_tokenizer = pytest.mark.skipif(load_tokenizer is None, reason="prepack.tokenizer not available")
+from prepack.tokenizer import load_tokenizer
 
 
 # ======================================================================================
@@ -632,12 +627,9 @@ def test_property_chatml_fake(c: Conversation) -> None:
 
 @pytest.fixture(scope="module")
 def gemma3() -> Any:
-    if load_tokenizer is None:
-        pytest.skip("prepack.tokenizer not available")
     return load_tokenizer("gemma3")
 
 
-@needs_tokenizer
 def test_gemma3_exact_ids(gemma3: Any) -> None:
     assert (gemma3.bos_id, gemma3.token_to_id("<start_of_turn>"), gemma3.token_to_id("<end_of_turn>")) == (2, 105, 106)
     [ex] = tokenize_conversations([conv(("user", "Hello world"), ("assistant", "Hello world"))], gemma3, "gemma")
@@ -647,7 +639,6 @@ def test_gemma3_exact_ids(gemma3: Any) -> None:
     assert ex.loss_mask.tolist() == [0] * 11 + [1, 1, 1, 0]
 
 
-@needs_tokenizer
 def test_gemma3_layout_multi_turn_and_auto(gemma3: Any) -> None:
     rec = {"messages": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Capital of France?"},
                         {"role": "assistant", "content": "Paris."}, {"role": "user", "content": "And Italy?"},
@@ -683,7 +674,6 @@ def gemma_conversations(draw: Any) -> Conversation:
     return Conversation(tuple(turns))
 
 
-@needs_tokenizer
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(c=gemma_conversations())
 def test_property_gemma3_real(gemma3: Any, c: Conversation) -> None:
@@ -692,7 +682,6 @@ def test_property_gemma3_real(gemma3: Any, c: Conversation) -> None:
     check_invariants(ex, c, gemma3, fmt, 106, {2, 105, 106}, strip=True)
 
 
-@needs_tokenizer
 def test_alpaca_sample_end_to_end_gemma3(gemma3: Any) -> None:
     t = get_template("alpaca")
     recs = [{"instruction": "Give a synonym.", "input": "happy", "output": "Joyful."},
@@ -769,8 +758,6 @@ def build_hf_dir(path: Any, specials: list[str], chat_template: str | None, **sp
 
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory: Any) -> dict[str, str]:
-    if load_tokenizer is None:
-        pytest.skip("prepack.tokenizer not available")
     root = tmp_path_factory.mktemp("hf_tok")
     chatml_specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     chatml_kw = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "additional_special_tokens": ["<|im_start|>"]}
@@ -800,7 +787,6 @@ HF_CONVS = [
 ]
 
 
-@needs_tokenizer
 def test_hf_chatml_template_matches_builtin_chatml(hf_dirs: dict[str, str]) -> None:
     tok = load_tokenizer(f"hf:{hf_dirs['chatml']}")
     hf = get_chat_format("hf", tok)
@@ -820,7 +806,6 @@ def test_hf_chatml_template_matches_builtin_chatml(hf_dirs: dict[str, str]) -> N
     assert len(masked_runs(got[2])) == 1  # loss_turns=(3,): the first reply is context
 
 
-@needs_tokenizer
 def test_hf_gemma_like_template_matches_builtin_gemma(hf_dirs: dict[str, str]) -> None:
     tok = load_tokenizer(f"hf:{hf_dirs['gemma_like']}")
     hf = get_chat_format("hf", tok)
@@ -833,7 +818,6 @@ def test_hf_gemma_like_template_matches_builtin_gemma(hf_dirs: dict[str, str]) -
         assert g.input_ids[0] == tok.bos_id and g.loss_mask[0] == 0
 
 
-@needs_tokenizer
 def test_hf_template_errors(hf_dirs: dict[str, str]) -> None:
     tok = load_tokenizer(f"hf:{hf_dirs['gemma_like']}")
     hf = get_chat_format("hf", tok)
@@ -921,7 +905,6 @@ def test_property_pairs_match_conversations_fake(pairs: list[tuple[str, str]]) -
         assert_same_flat(pairs, tok, fmt_cls(tok))
 
 
-@needs_tokenizer
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(pairs=st.lists(st.tuples(GEMMA_TEXT, GEMMA_TEXT), min_size=1, max_size=8))
 def test_property_pairs_match_conversations_gemma3(gemma3: Any, pairs: list[tuple[str, str]]) -> None:

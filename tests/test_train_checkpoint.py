@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -23,9 +22,8 @@ from train import checkpoints, cli, fingerprint, lora_file, metrics, packed_trai
 from train.checkpoints import CheckpointError
 from train.lora_file import LoraFileError
 
-sys.path.insert(0, os.path.dirname(__file__))
-from gcs_emulator import gcs_emulator, gcs_prefix  # noqa: E402,F401  (pytest fixtures)
-from shardset_builder import TEST_TOKENIZER, build_shard_set, row_ids, synthetic_row  # noqa: E402
+from testkit.gcs_emulator import gcs_emulator, gcs_prefix  # noqa: F401  (pytest fixtures)
+from testkit.shard_sets import TEST_TOKENIZER, build_shard_set, row_ids, synthetic_row
 
 MODEL = "tiny-qwen3"
 VOCAB = 128

@@ -27,7 +27,8 @@ import pytest
 from flax import nnx
 
 from train import loss as loss_lib
-from train import model_inputs, models, testing
+from testkit import train_batches as testing
+from train import model_inputs, models
 
 VOCAB = 128
 LENGTHS = (11, 7, 13, 3, 9)  # the 3-token example is shorter than the window, the rest longer

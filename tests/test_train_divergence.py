@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -19,13 +18,11 @@ import pytest
 
 import loaders
 from prepack import rowformat
+from testkit.shard_sets import TEST_TOKENIZER, build_shard_set
+from testkit.train_batches import learnable_segments
 from train import checkpoints, cli, divergence, lora_file
 from train import loss as loss_lib
 from train.config import TrainError
-
-sys.path.insert(0, os.path.dirname(__file__))
-from shardset_builder import TEST_TOKENIZER, build_shard_set  # noqa: E402
-from test_train_precision import learnable_segments  # noqa: E402
 
 VOCAB = 64
 MAX_LENGTH = 32

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from collections import Counter
 
 import jax
@@ -30,12 +29,11 @@ import optax
 import pytest
 
 from prepack import packer, rowformat
+from testkit.pipeline import tokenized
+from testkit.shard_sets import TEST_TOKENIZER, build_shard_set
+from testkit.train_batches import learnable_segments
 from train import data, lora_file, optimizer, precision, run_setup
 from train.config import TrainConfig
-
-sys.path.insert(0, os.path.dirname(__file__))
-from fixtures_pipeline import tokenized  # noqa: E402
-from shardset_builder import TEST_TOKENIZER, build_shard_set  # noqa: E402
 
 SAMPLE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "prepack", "sample_data", "sample_sft.jsonl")
 MAX_LENGTH = 96
@@ -58,19 +56,6 @@ def sample_segments() -> tuple[list[rowformat.Segment], int]:
         for ex in examples
     ]
     return segments, len(used) + 1
-
-
-def learnable_segments(n: int, vocab: int, seed: int) -> list[rowformat.Segment]:
-    """Synthetic rows a tiny model can learn: a 3-token prompt, then an arithmetic continuation."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        start, length = int(rng.integers(3, 8)), int(rng.integers(6, 15))
-        ids = ((start + 3 * np.arange(length)) % (vocab - 3) + 3).astype(np.int32)
-        mask = np.zeros(length, np.int32)
-        mask[3:] = 1
-        out.append(rowformat.Segment(ids, mask))
-    return out
 
 
 def write_sets(root: str, name: str, segments: list[rowformat.Segment], vocab: int, max_length: int) -> dict[str, str]:
@@ -116,7 +101,7 @@ def train(cfg: TrainConfig) -> dict:
     counter.recorder = s.recorder
     jax.monitoring.register_event_duration_secs_listener(counter)
     try:
-        train_ds, _ = data.datasets(s)
+        train_ds, _ = data.datasets(cfg, s.view)
         s.trainer.train(train_ds)
     finally:
         jax.monitoring.unregister_event_duration_listener(counter)
@@ -205,7 +190,8 @@ def test_lora_cast_keeps_the_compute_in_the_model_dtype() -> None:
     """LoRA params are float32; without the cast the adapted layers would promote activations to float32."""
     from flax import nnx
 
-    from train import model_inputs, models, testing
+    from testkit import train_batches as testing
+    from train import model_inputs, models
 
     built = models.build_model("tiny-qwen3", vocab_size=64, dtype="bfloat16")
     model = models.apply_lora(built.model, built.spec, rank=4)

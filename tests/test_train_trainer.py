@@ -18,8 +18,7 @@ from prepack import rowformat
 from train import cli, data, mesh, metrics, vocab
 from train.config import TrainError
 
-sys.path.insert(0, os.path.dirname(__file__))
-from shardset_builder import TEST_TOKENIZER, build_shard_set  # noqa: E402
+from testkit.shard_sets import TEST_TOKENIZER, build_shard_set
 
 VOCAB = 64
 MAX_LENGTH = 32
@@ -109,7 +108,7 @@ def test_tiny_gemma3_trains_on_packed_shards(shard_sets, tmp_path) -> None:
     assert summary["mean_density"] > 0.6
 
     # The report module reads the file as a training run.
-    from prepack import report
+    from apps import report
 
     run = report.load_run(metrics)
     assert len(run.steps) == steps and run.packing == "packed"
@@ -142,7 +141,7 @@ def test_mesh_fsdp2_on_two_fake_cpu_devices(shard_sets, tmp_path) -> None:
     """--mesh in a fresh process (the fake device count must be set before JAX starts)."""
     metrics = str(tmp_path / "mesh.jsonl")
     cmd = [
-        sys.executable, "-m", "prepack.cli", "train", "--shards", shard_sets["packed"], "--model", "tiny-qwen3",
+        sys.executable, "-m", "apps.cli", "train", "--shards", shard_sets["packed"], "--model", "tiny-qwen3",
         "--lora-rank", "2", "--batch-size", "4", "--steps", "2", "--metrics-out", metrics, "--log-every", "0",
         "--cpu-devices", "2", "--mesh", "fsdp=2,tp=1",
     ]

@@ -1,7 +1,8 @@
 """Turns a pre-packed [B, L] batch into the inputs Tunix's loss function takes.
 
 PeftTrainer calls `gen_model_input_fn(batch)` *inside* its jitted train step
-(google-tunix 0.1.7, see ../shared/research/tunix.md section 1.4), so everything
+(google-tunix 0.1.7, tunix/sft/peft_trainer.py: `inputs = self.gen_model_input_fn(inputs)`
+in the jitted step), so everything
 here is traceable jnp code and the [B, L, L] attention mask is built on the
 device from segment_ids: only [B, L] int32 arrays cross the host->device link.
 

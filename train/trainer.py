@@ -66,9 +66,11 @@ def execute(cfg: TrainConfig, out: TextIO | None = None) -> tuple[Setup, dict[st
         if s.resumed_step >= cfg.steps:
             print(f"checkpoint step {s.resumed_step} >= --steps {cfg.steps}: nothing to train", file=out if out is not None else sys.stderr)
         else:
-            train_ds, eval_ds = data.datasets(s)
-            if s.checkpoint is not None:
-                train_ds = resume.checkpointed_stream(s, train_ds)
+            train_ds, eval_ds = data.datasets(cfg, s.view, s.eval_view)
+            if s.checkpoint is not None and s.policy is not None:
+                train_ds = resume.checkpointed_stream(
+                    s.trainer, s.checkpoint, s.policy, s.resumed_step, cfg.checkpoint_keep, train_ds
+                )
             with context:
                 s.trainer.train(train_ds, eval_ds)
         if cfg.save_lora:

@@ -1,6 +1,6 @@
 """A real local GCS emulator for tests, started by the tests themselves.
 
-    from gcs_emulator import gcs_emulator, gcs_prefix  # noqa: F401  (pytest fixtures)
+    from testkit.gcs_emulator import gcs_emulator, gcs_prefix  # noqa: F401  (pytest fixtures)
 
     def test_x(gcs_emulator, gcs_prefix):
         out = f"{gcs_prefix}/shards"          # gs://prepack-test/<test>-<uuid>/shards
@@ -315,8 +315,6 @@ def start_emulator(workdir: str, bucket: str = DEFAULT_BUCKET) -> Iterator[GcsEm
 @pytest.fixture(scope="session")
 def gcs_emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GcsEmulator]:
     """One emulator for the whole session, with DEFAULT_BUCKET; use gcs_prefix for a private folder."""
-    pytest.importorskip("gcp_storage_emulator", reason="the dev extra's gcp-storage-emulator is not installed")
-    pytest.importorskip("google.cloud.storage", reason="google-cloud-storage is not installed")
     with start_emulator(str(tmp_path_factory.mktemp("gcs-emulator"))) as emulator:
         yield emulator
 

@@ -11,10 +11,9 @@ rows fill ceil(rows / B) steps, the last one padded with empty rows. The
 expected gain in useful-token (target-token) throughput is then packed target
 tokens per step over unpacked target tokens per step (stats.BatchFigures).
 
-Inputs take the same specs as `prepack pack`: plain local JSONL/JSON/Parquet
-files are read here; gs://, hf:, tfds:, Arrow, compressed files and
-save_to_disk folders go through the pipeline's own read stage (pipelines.sources
-and pipelines.readers, imported lazily), run in this process.
+Inputs take the same specs as `prepack pack` and go through the job's own read
+and prepare stages (pipelines.sources, pipelines.readers, pipelines.prepare.Preparer),
+run in this process: the same records, examples and bad-record reasons.
 
 Tokenizing runs in this process, which suits inputs up to a few million
 examples (about 2M tokens/s per core). For larger ones, `--max-examples N`
@@ -29,7 +28,6 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
-import glob
 import json
 import os
 import random
@@ -41,32 +39,15 @@ from typing import Any
 
 import numpy as np
 
-from prepack.packer import DropReason, OverlongPolicy, fit_to_length, plan_from_histogram
-from prepack.stats import BatchFigures, PackingStats, stats_from_rows
+from apps.packing_table import CSV_COLUMNS, THROUGHPUT_MODEL, render_text_table, result_row
+from apps.report import find_manifests, manifest_rows
+from prepack.accounting import LENGTH_REASONS, Tally
+from prepack.packer import DropReason, Fit, OverlongPolicy, fit_at_length, plan_from_histogram, targets_after_first
+from prepack.stats import PackingStats, stats_from_rows
 
 DEFAULT_MAX_LENGTHS = (256, 512, 1024, 2048)
 DEFAULT_BATCH_SIZES = (16,)
 TOKENIZE_BATCH = 512  # conversations per encode_batch call: big enough to amortize, small enough to retry
-
-THROUGHPUT_MODEL = (
-    "Fixed [B, L] batches: a step costs the same packed or unpacked. Rows fill ceil(rows / B) steps, the last "
-    "padded with empty rows. step densities = tokens (or target tokens) / (steps * B * L). "
-    "throughput_gain = packed_step_target_density / unpacked_step_target_density = unpacked_steps / packed_steps. "
-    "Target tokens count as they land in a row: the loss mask minus each example's first token."
-)
-
-# preflight.csv columns, in order; report.py fills the same keys from manifests.
-CSV_COLUMNS = (
-    "dataset", "input", "format", "tokenizer", "chat_format", "overlong", "max_length", "batch_size",
-    "records_read", "bad_records", "examples", "examples_kept", "examples_dropped",
-    "dropped_too_long", "dropped_no_targets_after_truncation", "examples_truncated",
-    "mean_tokens", "median_tokens", "p95_tokens", "max_tokens", "tokens", "target_tokens",
-    "unpacked_rows", "packed_rows", "lower_bound_rows", "row_reduction",
-    "unpacked_density", "packed_density", "unpacked_target_density", "packed_target_density",
-    "unpacked_steps", "packed_steps", "unpacked_step_density", "packed_step_density",
-    "unpacked_step_target_density", "packed_step_target_density", "throughput_gain",
-)
-
 
 class PreflightError(Exception):
     """Bad input or options: printed as one line, exit status 2."""
@@ -178,25 +159,23 @@ class LengthResult:
 
 
 def fit_examples(examples: ExampleSet, max_length: int, overlong: OverlongPolicy) -> tuple[np.ndarray, np.ndarray, dict[str, int], int]:
-    """(kept lengths, kept target counts, dropped by reason, truncated) under the overlong policy."""
+    """(kept lengths, kept target counts, dropped by reason, truncated) under the overlong rule
+    the job applies (prepack.packer.fit_at_length)."""
     lengths, targets = examples.lengths.copy(), examples.targets.copy()
+    over = np.flatnonzero(lengths > max_length)
+    missing = [int(i) for i in over if int(i) not in examples.overlong_masks]
+    if missing:
+        raise ValueError(f"{examples.name}: example {missing[0]} is longer than {max_length} but its loss mask was not kept")
+    masks = [examples.overlong_masks[int(i)] for i in over]
+    within = targets_after_first(lengths[over], np.concatenate(masks) if masks else np.zeros(0, np.uint8), max_length)
+    fit = fit_at_length(lengths[over], max_length, overlong, within)
+    truncated = fit == Fit.TRUNCATED
+    lengths[over[truncated]] = max_length
+    targets[over[truncated]] = within[truncated]
     keep = np.ones(len(lengths), dtype=bool)
-    dropped: Counter = Counter()
-    truncated = 0
-    for i in np.flatnonzero(lengths > max_length).tolist():
-        mask = examples.overlong_masks.get(i)
-        if mask is None:
-            raise ValueError(f"{examples.name}: example {i} is longer than {max_length} but its loss mask was not kept")
-        # Same policy code as the job; the mask stands in for the ids, whose values do not matter here.
-        fitted = fit_to_length(mask, mask, max_length, overlong)
-        if isinstance(fitted, DropReason):
-            keep[i] = False
-            dropped[fitted.value] += 1
-        else:
-            truncated += 1
-            lengths[i] = len(fitted[1])
-            targets[i] = int(np.count_nonzero(fitted[1][1:]))
-    return lengths[keep], targets[keep], dict(dropped), truncated
+    keep[over[fit > Fit.TRUNCATED]] = False
+    dropped = Counter(Fit(int(f)).drop_reason.value for f in fit[fit > Fit.TRUNCATED])
+    return lengths[keep], targets[keep], dict(dropped), int(np.count_nonzero(truncated))
 
 
 def evaluate_length(examples: ExampleSet, max_length: int, overlong: OverlongPolicy) -> LengthResult:
@@ -217,31 +196,6 @@ def _quantiles(lengths: np.ndarray) -> dict[str, float]:
         "p95_tokens": float(np.percentile(lengths, 95)),
         "max_tokens": int(np.max(lengths)),
     }
-
-
-def result_row(meta: dict[str, Any], stats: PackingStats, batch_size: int, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One table row (CSV_COLUMNS) from packing stats; densities come only from prepack.stats."""
-    batch = BatchFigures(stats, batch_size)
-    row: dict[str, Any] = dict.fromkeys(CSV_COLUMNS)
-    row.update(meta)
-    row.update(extra or {})
-    row.update(
-        max_length=stats.max_length,
-        batch_size=batch_size,
-        examples_kept=stats.examples,
-        tokens=stats.tokens,
-        target_tokens=stats.target_tokens,
-        unpacked_rows=stats.examples,
-        packed_rows=stats.rows,
-        lower_bound_rows=stats.lower_bound_rows,
-        row_reduction=stats.row_reduction,
-        unpacked_density=stats.unpacked_density,
-        packed_density=stats.packed_density,
-        unpacked_target_density=stats.unpacked_target_density,
-        packed_target_density=stats.target_density,
-    )
-    row.update({k: v for k, v in batch.as_dict().items() if k != "batch_size"})
-    return row
 
 
 def evaluate(examples: ExampleSet, config: PreflightConfig, tokenizer_name: str = "", chat_format_name: str = "") -> list[dict[str, Any]]:
@@ -272,120 +226,60 @@ def evaluate(examples: ExampleSet, config: PreflightConfig, tokenizer_name: str 
 
 
 # ----------------------------------------------------------------------------- reading inputs
-
-_MISSING = object()
-
-
-LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
+# The job's own read and prepare stages (pipelines.readers, pipelines.prepare.Preparer), run in
+# this process: the same specs, the same records, examples and bad-record reasons as `prepack pack`.
 
 
-def reads_in_process(spec: str) -> bool:
-    """Plain local JSONL/JSON/Parquet files (or globs of them) are read here, without Beam.
-    Every other spec the pipeline accepts (gs://, hf:, tfds:, Arrow, compressed files,
-    save_to_disk folders) goes through the pipeline's own readers, imported lazily."""
-    if spec.startswith(("gs://", "hf:", "tfds:")) or os.path.isdir(spec):
-        return False
-    return spec.lower().endswith(LOCAL_SUFFIXES)
+def _pipelines() -> Any:
+    try:
+        from pipelines import prepare, readers, sources  # lazy: Beam's file systems, datasets, TFDS
+    except ImportError as e:
+        raise PreflightError(f"reading inputs needs the pipeline extra ({e}); pip install 'tunix-prepack[pipeline]'") from e
+    return prepare, readers, sources
+
+
+def read_tasks(spec: str) -> tuple[list[Any], list[Any]]:
+    """(TaskMetas, ReadTasks) of one --input, as the job plans them; PreflightError if unreadable."""
+    _, _, sources = _pipelines()
+    try:
+        inputs, tasks = sources.resolve_inputs([spec])
+    except sources.InputError as e:
+        raise PreflightError(str(e)) from e
+    return sources.task_metas(inputs, tasks), tasks
 
 
 def check_input(spec: str) -> None:
     """Raises PreflightError if the input cannot be read: before the tokenizer loads."""
-    if reads_in_process(spec):
-        expand_input(spec)
-    else:
-        _pipeline_tasks(spec)
+    read_tasks(spec)
 
 
-def input_records(spec: str) -> Iterator[tuple[str, Any]]:
-    """(location, record or ValueError) for every record of an input."""
-    if reads_in_process(spec):
-        for file in expand_input(spec):
-            yield from iter_records(file)
-    else:
-        yield from _pipeline_records(spec)
+def _raw_batches(tasks: Iterable[Any]) -> Iterator[tuple[int, list]]:
+    """(task index, raw records) in batches, as the job's read stage makes them."""
+    _, readers, _ = _pipelines()
+    for task in tasks:
+        for batch in _batches(readers.iter_task(task, readers.FileDigest(), TOKENIZE_BATCH), TOKENIZE_BATCH):
+            yield task.task_index, batch
 
 
-def expand_input(path: str) -> list[str]:
-    """The files a local --input names: a file, or a glob that matches at least one file."""
-    if any(ch in path for ch in "*?["):
-        files = sorted(f for f in glob.glob(path) if os.path.isfile(f))
-        if not files:
-            raise PreflightError(f"input {path!r}: the pattern matches no file")
-        return files
-    if not os.path.exists(path):
-        raise PreflightError(f"input {path!r}: no such file")
-    return [path]
-
-
-def _pipeline_tasks(spec: str) -> list[Any]:
-    try:
-        from pipelines import sources  # lazy: Beam's file systems, datasets, TFDS only for these inputs
-    except ImportError as e:
-        raise PreflightError(f"input {spec!r}: reading it needs the pipeline extra ({e}); "
-                             "pip install 'tunix-prepack[pipeline]'") from e
-    try:
-        return sources.resolve_inputs([spec])[1]
-    except sources.InputError as e:
-        raise PreflightError(str(e)) from e
-
-
-def _pipeline_records(spec: str) -> Iterator[tuple[str, Any]]:
-    """The pipeline's read stage, run in this process: same specs, same bad-record reasons."""
-    from pipelines import readers
-
-    for task in _pipeline_tasks(spec):
-        for index, line, kind, payload in readers.iter_task(task, readers.FileDigest(), TOKENIZE_BATCH):
-            location = f"{task.path}:{line or index}"
-            if kind == readers.RAW_TEXT:
-                record, error = readers.parse_text(payload)
-                yield location, record if error is None else ValueError(f"{error[0]}: {error[1]}")
-            elif kind == readers.RAW_OBJECT:
-                yield location, payload
-            else:
-                reason, message, _ = payload
-                yield location, ValueError(f"{reason}: {message}")
-
-
-def iter_records(path: str) -> Iterator[tuple[str, Any]]:
-    """(location, record) for every record of a JSONL, JSON or Parquet file.
-
-    A line that is not valid JSON yields a ValueError in place of the record,
-    so it is counted as a bad record rather than stopping the estimate.
-    """
-    lower = path.lower()
-    if lower.endswith(".parquet"):
-        try:
-            import pyarrow.parquet as pq  # lazy: only Parquet inputs need it
-        except ImportError as e:
-            raise PreflightError(f"input {path!r}: reading Parquet needs pyarrow ({e})") from e
-        for index, record in enumerate(pq.read_table(path).to_pylist()):
-            yield f"{path}:{index}", record
+def _templated(preparer: Any, metas: list[Any], tasks: list[Any], tally: Tally) -> Iterator[Any]:
+    """(conv, response, meta) of every example, through the job's prepare stage; bad records are
+    tallied by reason as the job does (their dead letters are not kept)."""
+    prepare, _, _ = _pipelines()
+    bad: list[Any] = []
+    template = preparer.template
+    if getattr(template, "table_level", False):  # oasst1: messages only make sense as whole trees
+        trees: dict[str, list] = {}
+        for task_index, items in _raw_batches(tasks):
+            for key, located in prepare.key_table_records(metas, task_index, items, template.group_key, tally, bad):
+                trees.setdefault(key, []).append(located)
+            bad.clear()
+        for key in sorted(trees):
+            yield from preparer.template_table(trees.pop(key), tally, bad).items()
+            bad.clear()
         return
-    if lower.endswith(".json"):
-        with open(path, "rb") as f:
-            text = f.read()
-        try:
-            data = json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            data = _MISSING  # maybe JSON Lines under a .json name
-        if data is not _MISSING:
-            if isinstance(data, dict) and isinstance(data.get("data"), list):
-                data = data["data"]
-            if not isinstance(data, list):
-                raise PreflightError(f"input {path!r}: expected a JSON array of records (or JSON Lines)")
-            for index, record in enumerate(data):
-                yield f"{path}:{index}", record
-            return
-    with open(path, "rb") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                yield f"{path}:{number}", json.loads(line.decode("utf-8"))
-            except UnicodeDecodeError as e:
-                yield f"{path}:{number}", ValueError(f"undecodable_bytes: {e}")
-            except json.JSONDecodeError as e:
-                yield f"{path}:{number}", ValueError(f"malformed_json: {e}")
+    for task_index, items in _raw_batches(tasks):
+        yield from preparer.template_records(task_index, items, tally, bad).items()
+        bad.clear()
 
 
 # ----------------------------------------------------------------------------- template + tokenizer
@@ -411,36 +305,6 @@ class _Reservoir:
         return [item for _, item in sorted(self._items, key=lambda pair: pair[0])]
 
 
-@dataclasses.dataclass
-class _ReadCounts:
-    records: int = 0
-    bad: Counter = dataclasses.field(default_factory=Counter)
-
-
-def _conversations(spec: DatasetSpec, template: Any, counts: _ReadCounts) -> Iterator[Any]:
-    """The dataset's conversations, streamed; bad records are counted by reason and skipped."""
-    from prepack.templates import RecordError
-
-    table: list[Any] = []
-    for _, record in input_records(spec.path):
-        counts.records += 1
-        if isinstance(record, ValueError):
-            counts.bad[str(record).split(":", 1)[0]] += 1
-        elif getattr(template, "table_level", False):
-            table.append(record)  # oasst1: messages only make sense as a whole table
-        else:
-            try:
-                yield from template.to_conversations(record)
-            except RecordError as e:
-                counts.bad[e.reason] += 1
-    if table:
-        result = template.conversations_from_table(table)
-        for dropped in result.dropped:
-            counts.bad[dropped.reason] += 1
-        for conv, _ in result.examples:
-            yield conv
-
-
 def _batches(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
     batch: list[Any] = []
     for item in items:
@@ -452,24 +316,10 @@ def _batches(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
         yield batch
 
 
-def _tokenize(batch: list[Any], tokenizer: Any, chat_format: Any, bad: Counter) -> list[np.ndarray]:
-    """Loss masks of a batch of conversations; one that the chat format rejects is counted and skipped."""
-    from prepack.chat_formats import ChatFormatError, tokenize_conversations
-
-    masks: list[np.ndarray] = []
-    while batch:
-        try:
-            masks.extend(ex.loss_mask for ex in tokenize_conversations(batch, tokenizer, chat_format))
-            break
-        except ChatFormatError as e:
-            if e.index is None:
-                raise
-            # Keep everything before the bad one, count it, and go on after it.
-            if e.index:
-                masks.extend(ex.loss_mask for ex in tokenize_conversations(batch[: e.index], tokenizer, chat_format))
-            bad[e.reason] += 1
-            batch = batch[e.index + 1 :]
-    return masks
+def _loss_masks(batches: Iterable[Any]) -> Iterator[np.ndarray]:
+    for batch in batches:
+        examples = batch.examples
+        yield from np.split(examples.mask, np.cumsum(examples.lens, dtype=np.int64)[:-1])
 
 
 PROGRESS_EVERY_S = 10.0
@@ -477,19 +327,21 @@ PROGRESS_EVERY_S = 10.0
 
 def load_examples(spec: DatasetSpec, tokenizer: Any, chat_format: Any, config: PreflightConfig) -> ExampleSet:
     """Reads, templates and tokenizes one dataset (all of it, or a seeded sample of --max-examples)."""
-    template = make_template(spec.format, config.template_options)
-    counts = _ReadCounts()
+    prepare, _, _ = _pipelines()
+    metas, tasks = read_tasks(spec.path)
+    preparer = prepare.Preparer(metas, make_template(spec.format, config.template_options), tokenizer, chat_format)
+    tally = Tally()
     started = last = time.perf_counter()
-    convs: Iterable[Any] = _conversations(spec, template, counts)
+    items: Iterable[Any] = _templated(preparer, metas, tasks, tally)
     seen = None
     if config.max_examples is not None:
         reservoir = _Reservoir(config.max_examples, config.seed)
-        for conv in convs:
-            reservoir.add(conv)
-        convs, seen = reservoir.items(), reservoir.seen
+        for item in items:
+            reservoir.add(item)
+        items, seen = reservoir.items(), reservoir.seen
     collector = _Collector(keep_over=min(config.max_lengths))
-    for batch in _batches(convs, TOKENIZE_BATCH):
-        collector.add(_tokenize(batch, tokenizer, chat_format, counts.bad))
+    for chunk in _batches(items, TOKENIZE_BATCH):
+        collector.add(_loss_masks(preparer.tokenize(prepare.Templated.of(chunk), tally, [])))
         now = time.perf_counter()
         if now - last >= PROGRESS_EVERY_S:  # long in-process runs say they are alive
             last = now
@@ -499,8 +351,8 @@ def load_examples(spec: DatasetSpec, tokenizer: Any, chat_format: Any, config: P
         spec.name,
         input=spec.path,
         format=spec.format,
-        records_read=counts.records,
-        bad_records=counts.bad,
+        records_read=tally.records_read,
+        bad_records=tally.bad_records + tally.bad_examples,
         examples_seen=seen if seen is not None else len(collector),
         tokenize_seconds=time.perf_counter() - started,
     )
@@ -518,78 +370,6 @@ def make_template(name: str, options: dict[str, str]) -> Any:
         return get_template(name, **{k: v for k, v in options.items() if k in accepted})
     except ValueError as e:
         raise PreflightError(f"format {name!r}: {e}") from e
-
-
-# ----------------------------------------------------------------------------- the readable table
-
-# (header, row key, kind) for stdout and report tables; kinds pick the cell format.
-TABLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
-    ("L", "max_length", "int"),
-    ("B", "batch_size", "int"),
-    ("kept", "examples_kept", "int"),
-    ("dropped", "examples_dropped", "int"),
-    ("mean", "mean_tokens", "float1"),
-    ("median", "median_tokens", "float1"),
-    ("p95", "p95_tokens", "float1"),
-    ("dens unp", "unpacked_density", "pct"),
-    ("dens pk", "packed_density", "pct"),
-    ("tgt unp", "unpacked_target_density", "pct"),
-    ("tgt pk", "packed_target_density", "pct"),
-    ("rows unp", "unpacked_rows", "int"),
-    ("rows pk", "packed_rows", "int"),
-    ("bound", "lower_bound_rows", "int"),
-    ("fewer", "row_reduction", "times"),
-    ("steps unp", "unpacked_steps", "int"),
-    ("steps pk", "packed_steps", "int"),
-    ("gain", "throughput_gain", "times"),
-)
-
-
-def format_cell(value: Any, kind: str) -> str:
-    if value is None or value == "":
-        return "-"
-    if kind == "int":
-        return f"{int(value):,}"
-    if kind == "float1":
-        return f"{float(value):.1f}"
-    if kind == "pct":
-        return f"{100 * float(value):.1f}%"
-    if kind == "times":
-        return f"{float(value):.2f}x"
-    return str(value)
-
-
-def dataset_heading(row: dict[str, Any]) -> str:
-    parts = [f"{row['dataset']}:"]
-    if row.get("input"):
-        parts.append(str(row["input"]))
-    details = [f"{k} {row[k]}" for k in ("format", "tokenizer", "chat_format", "overlong") if row.get(k)]
-    if row.get("records_read") not in (None, ""):
-        details.append(f"records {int(row['records_read']):,}, bad {int(row.get('bad_records') or 0):,}, examples {int(row.get('examples') or 0):,}")
-    if details:
-        parts.append(f"({'; '.join(details)})")
-    return " ".join(parts)
-
-
-def render_text_table(rows: Sequence[dict[str, Any]]) -> str:
-    """Fixed-width table, one block per dataset."""
-    out: list[str] = []
-    for name, group in _by_dataset(rows).items():
-        cells = [[format_cell(r.get(key), kind) for _, key, kind in TABLE_COLUMNS] for r in group]
-        headers = [h for h, _, _ in TABLE_COLUMNS]
-        widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
-        out.append(dataset_heading(group[0]))
-        out.append("  ".join(h.rjust(w) for h, w in zip(headers, widths)))
-        out.extend("  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in cells)
-        out.append("")
-    return "\n".join(out)
-
-
-def _by_dataset(rows: Iterable[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    groups: dict[str, list[dict[str, Any]]] = {}
-    for row in rows:
-        groups.setdefault(str(row["dataset"]), []).append(row)
-    return groups
 
 
 # ----------------------------------------------------------------------------- run and write
@@ -652,8 +432,6 @@ def run_with_pipeline(config: PreflightConfig, pack_args: Sequence[str]) -> dict
         from pipelines import cli as pack_cli  # lazy: Beam only in this mode
     except ImportError as e:
         raise PreflightError(f"--pack-output needs the pipeline extra ({e}); pip install 'tunix-prepack[pipeline]'") from e
-    from prepack import report  # lazy: report imports this module
-
     unknown = sorted(set(config.template_options) - set(_PACK_TEMPLATE_FLAGS))
     if unknown:
         raise PreflightError(f"--pack-output: `prepack pack` takes no template option {', '.join(unknown)}")
@@ -669,9 +447,9 @@ def run_with_pipeline(config: PreflightConfig, pack_args: Sequence[str]) -> dict
         code = pack_cli.main(argv + list(pack_args))
         if code != 0:
             raise PreflightError(f"{spec.name}: `prepack pack` failed (exit {code}); see its message above")
-        found = report.find_manifests(out)
+        found = find_manifests(out)
         for folder, manifest in found:
-            more, warnings = report.manifest_rows(spec.name, folder, manifest, config.batch_sizes, given=spec.path)
+            more, warnings = manifest_rows(spec.name, folder, manifest, config.batch_sizes, given=spec.path)
             for row in more:
                 row.pop("dropped_by_reason", None)
                 row.pop("packing", None)
@@ -683,8 +461,7 @@ def run_with_pipeline(config: PreflightConfig, pack_args: Sequence[str]) -> dict
         datasets.append({
             "name": spec.name, "input": spec.path, "format": spec.format, "shards": out,
             "records_read": stats.get("records_read", stats.get("examples_read")),
-            "bad_records": {k: v for k, v in stats.get("examples_dropped", {}).items()
-                            if k not in {r.value for r in DropReason}},
+            "bad_records": {k: v for k, v in stats.get("examples_dropped", {}).items() if k not in LENGTH_REASONS},
             "examples": stats.get("examples_read"), "examples_seen": stats.get("examples_read"), "sampled": False,
             "pack_seconds": round(time.perf_counter() - started, 3), "length_histogram": {},
         })
@@ -708,7 +485,7 @@ def write_outputs(result: dict[str, Any], output: str, plots: bool = True) -> li
         f.write("\n")
     written = [csv_path, json_path]
     if plots:
-        from prepack import plots as plotting  # lazy: matplotlib only when plots are asked for
+        from apps import plots as plotting  # lazy: matplotlib only when plots are asked for
 
         histograms = {d["name"]: {int(k): v for k, v in d["length_histogram"].items()} for d in result["datasets"]}
         written += plotting.preflight_plots(result["rows"], histograms, result["config"]["max_lengths"], output)

@@ -7,7 +7,7 @@ Rows are synthetic but valid (prepack.rowformat.check_row passes) and
 identifiable: the first token of global row r is `r` (see `row_ids`), so tests
 can tell which rows a batch holds without decoding anything else.
 
-    from shardset_builder import build_shard_set, row_ids
+    from testkit.shard_sets import build_shard_set, row_ids
     manifest = build_shard_set(tmp_path, num_rows=100, num_shards=3, max_length=64)
 """
 

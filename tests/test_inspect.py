@@ -6,11 +6,11 @@ import io
 
 import numpy as np
 import pytest
-from shardset_builder import build_shard_set
+from testkit.shard_sets import build_shard_set
 
 import prepack.tokenizer
-from loaders import inspect
-from prepack import cli, rowformat
+from apps import cli, inspect
+from prepack import rowformat
 
 
 class FakeTokenizer:

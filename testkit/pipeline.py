@@ -18,6 +18,7 @@ import numpy as np
 
 from prepack import rowformat
 from prepack.manifest import Manifest
+from testkit.reference import split_segments
 
 # In-process Beam runner: no worker start-up cost, DoFns still pickled and bundled.
 IN_PROCESS = ["--runner=FnApiRunner", "--direct_running_mode=in_memory", "--direct_num_workers=1"]
@@ -170,7 +171,7 @@ def segment_key(ids: Sequence[int], mask: Sequence[int]) -> tuple:
 def segments_in(rows: Sequence[dict[str, np.ndarray]]) -> Counter:
     found: Counter = Counter()
     for row in rows:
-        for seg in rowformat.split_segments(row):
+        for seg in split_segments(row):
             assert int(seg.loss_mask[0]) == 0
             found[segment_key(seg.input_ids, seg.loss_mask)] += 1
     return found

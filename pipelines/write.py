@@ -1,4 +1,4 @@
-"""Writing inside the pipeline: shards, dead letters and the run summary, all to staging.
+"""Write stage: shards, dead letters and the run summary, all to staging.
 
 Nothing here touches the final location. Every file lands under a staging
 prefix named by the run id (OUTPUT/L<L>/.staging-<run>/, OUTPUT/.staging-<run>/);
@@ -26,8 +26,9 @@ from apache_beam.metrics.metric import Metrics
 from pipelines.planning import LengthPlan
 from pipelines.columns import FragmentBatch, ShardWork, concat_wire
 from pipelines.records import DeadLetter, TaskMeta, place_in_file, range_offsets
-from pipelines.transforms import StageClock
+from pipelines.stage import StageClock
 from pipelines.rows import encode_rows_flat
+from prepack.accounting import Tally
 from prepack.manifest import DEAD_LETTER_NAME
 from prepack.shardfile import DEFAULT_WRITER_OPTIONS, shard_name, write_shard
 
@@ -174,10 +175,6 @@ class WriteDeadLetterFn(beam.DoFn):
         yield (max_length, len(lines))
 
 
-def _json_key(key: tuple) -> str:
-    return ":".join(str(k) for k in key)
-
-
 class WriteSummaryFn(beam.DoFn):
     """Collects the run's figures into OUTPUT/.staging-<run>/summary.json for the launcher."""
 
@@ -186,10 +183,10 @@ class WriteSummaryFn(beam.DoFn):
         self.run_id = run_id
 
     def process(
-        self, _: Any, tally: dict, plans: dict[int, LengthPlan], shards: list[dict], dead: list, fingerprints: list
+        self, _: Any, tally: Tally, plans: dict[int, LengthPlan], shards: list[dict], dead: list, fingerprints: list
     ) -> Iterator[str]:
         summary: dict[str, Any] = {
-            "tally": {_json_key(k): v for k, v in sorted(tally.items(), key=lambda kv: _json_key(kv[0]))},
+            "tally": tally.to_json(),
             "fingerprints": sorted([list(f) for f in fingerprints], key=lambda f: f[0]),
             "lengths": {},
         }

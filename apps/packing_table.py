@@ -1,0 +1,124 @@
+"""The packing table that preflight and report share: its columns, one row from
+packing stats (densities only from prepack.stats), and its text rendering. Both
+applications import this module; neither imports the other for it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from prepack.stats import BatchFigures, PackingStats
+
+THROUGHPUT_MODEL = (
+    "Fixed [B, L] batches: a step costs the same packed or unpacked. Rows fill ceil(rows / B) steps, the last "
+    "padded with empty rows. step densities = tokens (or target tokens) / (steps * B * L). "
+    "throughput_gain = packed_step_target_density / unpacked_step_target_density = unpacked_steps / packed_steps. "
+    "Target tokens count as they land in a row: the loss mask minus each example's first token."
+)
+
+# preflight.csv columns, in order; report.py fills the same keys from manifests.
+CSV_COLUMNS = (
+    "dataset", "input", "format", "tokenizer", "chat_format", "overlong", "max_length", "batch_size",
+    "records_read", "bad_records", "examples", "examples_kept", "examples_dropped",
+    "dropped_too_long", "dropped_no_targets_after_truncation", "examples_truncated",
+    "mean_tokens", "median_tokens", "p95_tokens", "max_tokens", "tokens", "target_tokens",
+    "unpacked_rows", "packed_rows", "lower_bound_rows", "row_reduction",
+    "unpacked_density", "packed_density", "unpacked_target_density", "packed_target_density",
+    "unpacked_steps", "packed_steps", "unpacked_step_density", "packed_step_density",
+    "unpacked_step_target_density", "packed_step_target_density", "throughput_gain",
+)
+
+
+def result_row(meta: dict[str, Any], stats: PackingStats, batch_size: int, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One table row (CSV_COLUMNS) from packing stats; densities come only from prepack.stats."""
+    batch = BatchFigures(stats, batch_size)
+    row: dict[str, Any] = dict.fromkeys(CSV_COLUMNS)
+    row.update(meta)
+    row.update(extra or {})
+    row.update(
+        max_length=stats.max_length,
+        batch_size=batch_size,
+        examples_kept=stats.examples,
+        tokens=stats.tokens,
+        target_tokens=stats.target_tokens,
+        unpacked_rows=stats.examples,
+        packed_rows=stats.rows,
+        lower_bound_rows=stats.lower_bound_rows,
+        row_reduction=stats.row_reduction,
+        unpacked_density=stats.unpacked_density,
+        packed_density=stats.packed_density,
+        unpacked_target_density=stats.unpacked_target_density,
+        packed_target_density=stats.target_density,
+    )
+    row.update({k: v for k, v in batch.as_dict().items() if k != "batch_size"})
+    return row
+
+
+# (header, row key, kind) for stdout and report tables; kinds pick the cell format.
+TABLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("L", "max_length", "int"),
+    ("B", "batch_size", "int"),
+    ("kept", "examples_kept", "int"),
+    ("dropped", "examples_dropped", "int"),
+    ("mean", "mean_tokens", "float1"),
+    ("median", "median_tokens", "float1"),
+    ("p95", "p95_tokens", "float1"),
+    ("dens unp", "unpacked_density", "pct"),
+    ("dens pk", "packed_density", "pct"),
+    ("tgt unp", "unpacked_target_density", "pct"),
+    ("tgt pk", "packed_target_density", "pct"),
+    ("rows unp", "unpacked_rows", "int"),
+    ("rows pk", "packed_rows", "int"),
+    ("bound", "lower_bound_rows", "int"),
+    ("fewer", "row_reduction", "times"),
+    ("steps unp", "unpacked_steps", "int"),
+    ("steps pk", "packed_steps", "int"),
+    ("gain", "throughput_gain", "times"),
+)
+
+
+def format_cell(value: Any, kind: str) -> str:
+    if value is None or value == "":
+        return "-"
+    if kind == "int":
+        return f"{int(value):,}"
+    if kind == "float1":
+        return f"{float(value):.1f}"
+    if kind == "pct":
+        return f"{100 * float(value):.1f}%"
+    if kind == "times":
+        return f"{float(value):.2f}x"
+    return str(value)
+
+
+def dataset_heading(row: dict[str, Any]) -> str:
+    parts = [f"{row['dataset']}:"]
+    if row.get("input"):
+        parts.append(str(row["input"]))
+    details = [f"{k} {row[k]}" for k in ("format", "tokenizer", "chat_format", "overlong") if row.get(k)]
+    if row.get("records_read") not in (None, ""):
+        details.append(f"records {int(row['records_read']):,}, bad {int(row.get('bad_records') or 0):,}, examples {int(row.get('examples') or 0):,}")
+    if details:
+        parts.append(f"({'; '.join(details)})")
+    return " ".join(parts)
+
+
+def render_text_table(rows: Sequence[dict[str, Any]]) -> str:
+    """Fixed-width table, one block per dataset."""
+    out: list[str] = []
+    for name, group in _by_dataset(rows).items():
+        cells = [[format_cell(r.get(key), kind) for _, key, kind in TABLE_COLUMNS] for r in group]
+        headers = [h for h, _, _ in TABLE_COLUMNS]
+        widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
+        out.append(dataset_heading(group[0]))
+        out.append("  ".join(h.rjust(w) for h, w in zip(headers, widths)))
+        out.extend("  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in cells)
+        out.append("")
+    return "\n".join(out)
+
+
+def _by_dataset(rows: Iterable[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault(str(row["dataset"]), []).append(row)
+    return groups

@@ -1,0 +1,137 @@
+"""Fit stage: the overlong policy for every max length, and the (L, length, sub-bucket)
+histogram the plan is made from; kept examples are keyed for the routing GroupByKey."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import apache_beam as beam
+import numpy as np
+from apache_beam.metrics.metric import Metrics
+from apache_beam.pvalue import TaggedOutput
+
+from pipelines.columns import TokenizedBatch
+from pipelines.planning import sub_buckets_of
+from pipelines.records import dead_letter
+from pipelines.stage import FLUSH_EXAMPLES, NAMESPACE, TAG_DEAD, TAG_HIST, TAG_TALLY, JobContext, StageClock, in_global_window
+from prepack.accounting import Tally
+from prepack.packer import Fit, OverlongPolicy, fit_at_length
+
+
+class FitAndKeyFn(beam.DoFn):
+    """TokenizedBatches -> ((length_key, b), PayloadBatch wire) for the routing GroupByKey.
+
+    Contract: applies the overlong rule (prepack.packer.fit_at_length) at every max length;
+    every example either travels on, carrying in PayloadBatch.kept_at the max lengths it is kept
+    at, or is dropped at a max length with a dead letter and a tally entry of its reason (an
+    example with no target at all is counted once in Tally.no_targets and dropped at every L). Builds this
+    bundle's share of the (L, length_key, b) histogram the plan is made from, counting exactly
+    the examples kept at each L. The common case, an example with a target that fits every max
+    length, is decided for the whole batch at once; the others go through fit_at_length per L.
+    """
+
+    def __init__(self, ctx: JobContext):
+        self.ctx = ctx
+
+    def setup(self) -> None:
+        self.m_dropped = {L: Metrics.counter(NAMESPACE, f"L{L}_dropped") for L in self.ctx.config.max_lengths}
+        self.m_truncated = {L: Metrics.counter(NAMESPACE, f"L{L}_truncated") for L in self.ctx.config.max_lengths}
+        self.clock = StageClock("fit")
+        self.kept_everywhere = np.uint64((1 << len(self.ctx.config.max_lengths)) - 1)
+
+    def start_bundle(self) -> None:
+        # Kept examples wait here until a flush: (batch of kept examples, group code, kept_at of each).
+        self.pending: list[tuple[TokenizedBatch, np.ndarray, np.ndarray]] = []
+        self.buffered = 0
+        self.hist: Counter = Counter()
+        # (length_key, b) of examples that fit every max length: expanded into hist at the
+        # end of the bundle (one Counter update per group instead of one per example and L).
+        self.hist_fits_all: Counter = Counter()
+        self.tally = Tally()
+
+    def process(self, batch: TokenizedBatch) -> Iterator[Any]:
+        started = StageClock.now()
+        ctx = self.ctx
+        buckets = ctx.sub_buckets
+        lens = batch.examples.lens.astype(np.int64)
+        has_targets = batch.targets_after_first() > 0
+        fits_all = has_targets & (lens <= min(ctx.config.max_lengths))
+        length_keys = lens if ctx.config.pack else np.zeros_like(lens)
+        # One int per (length_key, b) group: code = length_key * B + b.
+        codes = length_keys * buckets + sub_buckets_of(batch.hashes, buckets)
+        groups, counts = np.unique(codes[fits_all], return_counts=True)
+        for code, count in zip(groups.tolist(), counts.tolist()):
+            self.hist_fits_all[divmod(code, buckets)] += count
+        kept_at = np.where(fits_all, self.kept_everywhere, np.uint64(0)).astype(np.uint64)
+        others = np.flatnonzero(~fits_all)
+        if len(others):
+            yield from self._fit_others(batch, others, has_targets, codes, kept_at)
+        index = np.flatnonzero(kept_at)
+        if len(index):
+            # Only kept examples wait for the flush, so FLUSH_EXAMPLES bounds what a bundle holds.
+            if len(index) < len(batch):
+                batch = batch.take(index)
+            self.pending.append((batch, codes[index], kept_at[index]))
+            self.buffered += len(index)
+        self.clock.add(StageClock.now() - started)
+        if self.buffered >= FLUSH_EXAMPLES:
+            yield from self._flush(windowed=False)
+
+    def _fit_others(self, batch: TokenizedBatch, others: np.ndarray, has_targets: np.ndarray,
+                    codes: np.ndarray, kept_at: np.ndarray) -> Iterator[Any]:
+        """Examples without a target, or longer than the shortest max length."""
+        ctx = self.ctx
+        hist, tally = self.hist, self.tally
+        lens = batch.examples.lens.astype(np.int64)
+        for i in others[~has_targets[others]].tolist():
+            tally.no_targets += 1
+            entry = dead_letter(ctx.tasks, batch.locs[i], "no_targets", "", "no target token after the first, so the "
+                                "example trains nothing", None, example_id=batch.example_ids[i], tokens=int(lens[i]))
+            for L in ctx.config.max_lengths:
+                yield TaggedOutput(TAG_DEAD, (L, entry))
+        index = others[has_targets[others]]
+        if not len(index):
+            return
+        n = lens[index]
+        keys, bs = np.divmod(codes[index], ctx.sub_buckets)
+        truncate = ctx.config.overlong is OverlongPolicy.TRUNCATE
+        for bit, L in enumerate(ctx.config.max_lengths):
+            within = batch.targets_after_first(L)[index] if truncate and (n > L).any() else None
+            fit = fit_at_length(n, L, ctx.config.overlong, within)
+            kept = fit <= Fit.TRUNCATED
+            kept_at[index[kept]] |= np.uint64(1 << bit)
+            for key, b in zip(keys[kept].tolist(), bs[kept].tolist()):
+                hist[(L, key, b)] += 1
+            truncated = int(np.count_nonzero(fit == Fit.TRUNCATED))
+            if truncated:
+                tally.truncated[L] += truncated
+                self.m_truncated[L].inc(truncated)
+            for j in np.flatnonzero(~kept).tolist():
+                i, reason = int(index[j]), Fit(int(fit[j])).drop_reason
+                tally.dropped[(L, reason)] += 1
+                self.m_dropped[L].inc()
+                message = (f"no target token left after truncating {n[j]} tokens to {L}" if truncate
+                           else f"{n[j]} tokens, more than max_length {L}")
+                yield TaggedOutput(TAG_DEAD, (L, dead_letter(ctx.tasks, batch.locs[i], reason.value, "", message, None,
+                                                             example_id=batch.example_ids[i], tokens=int(n[j]))))
+
+    def _flush(self, windowed: bool) -> Iterator[Any]:
+        wrap = in_global_window if windowed else (lambda v: v)
+        if self.pending:
+            merged = TokenizedBatch.concat([batch for batch, _, _ in self.pending])
+            codes = np.concatenate([c for _, c, _ in self.pending])
+            kept_at = np.concatenate([k for _, _, k in self.pending])
+            for code, payloads in merged.grouped_payloads(codes, kept_at):
+                yield wrap((divmod(code, self.ctx.sub_buckets), payloads.to_wire()))
+        self.pending = []
+        self.buffered = 0
+
+    def finish_bundle(self) -> Iterator[Any]:
+        yield from self._flush(windowed=True)
+        for (key, b), count in self.hist_fits_all.items():
+            for L in self.ctx.config.max_lengths:
+                self.hist[(L, key, b)] += count
+        yield TaggedOutput(TAG_HIST, in_global_window(self.hist))
+        yield TaggedOutput(TAG_TALLY, in_global_window(self.tally))

@@ -1,0 +1,381 @@
+"""Prepare stage: raw records -> decoded, parsed, templated and tokenized examples
+(TokenizedBatch), with a dead letter and a tally entry for every bad record.
+Table-level formats (oasst1) key their messages by tree first and template whole trees.
+
+`Preparer` is the stage itself, without Beam: the DoFns below wrap it with counters and
+clocks, and `prepack preflight` runs it in process, so an estimate reads and tokenizes
+exactly as the job does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import apache_beam as beam
+import numpy as np
+from apache_beam.metrics.metric import Metrics
+from apache_beam.pvalue import TaggedOutput
+
+from pipelines import readers
+from pipelines.columns import IDS, LENS, MASK, Ragged, TokenizedBatch
+from pipelines.planning import stable_hash
+from pipelines.records import DeadLetter, Loc, TaskMeta, dead_letter, example_id
+from prepack.accounting import Tally
+from pipelines.stage import NAMESPACE, TAG_BAD, TAG_TALLY, JobContext, Progress, StageClock, in_global_window
+
+# oasst1 messages dropped for these reasons are a property of the data set (other
+# languages, failed review, deleted threads), not bad input: counted, not failed on.
+OASST1_FILTER_REASONS = frozenset({"deleted", "not_english", "review_failed", "orphaned", "assistant_root"})
+
+
+@dataclasses.dataclass
+class Templated:
+    """A batch of examples after the template, before the tokenizer. On the single-turn fast
+    path `convs` holds the prompts and `responses` the responses; otherwise Conversations."""
+
+    convs: list = dataclasses.field(default_factory=list)
+    responses: list[str] = dataclasses.field(default_factory=list)
+    metas: list[tuple[Loc, str]] = dataclasses.field(default_factory=list)  # (loc, example_id)
+
+    def __len__(self) -> int:
+        return len(self.metas)
+
+    def items(self) -> Iterator[tuple[Any, str | None, tuple[Loc, str]]]:
+        responses = self.responses or [None] * len(self.metas)
+        return zip(self.convs, responses, self.metas)
+
+    @classmethod
+    def of(cls, items: Sequence[tuple[Any, str | None, tuple[Loc, str]]]) -> "Templated":
+        out = cls()
+        for conv, response, meta in items:
+            out.convs.append(conv)
+            if response is not None:
+                out.responses.append(response)
+            out.metas.append(meta)
+        return out
+
+
+def key_table_records(tasks: Sequence[TaskMeta], task_index: int, items: list, group_key: str, tally: Tally,
+                      bad: list[DeadLetter]) -> list[tuple[str, tuple[Loc, dict]]]:
+    """(tree id, (loc, message)) for every valid message of a batch of raw records."""
+    tally.records_read += len(items)
+    keyed = []
+    for record_index, line, kind, payload in items:
+        loc = (task_index, record_index, line, 0)
+        if kind == readers.RAW_TEXT:
+            record, error = readers.parse_text(payload)
+        elif kind == readers.RAW_ERROR:
+            record, error = None, payload[:2]
+        else:
+            record, error = payload, None
+        if error is None and not isinstance(record, dict):
+            error = ("invalid", "expected a message object")
+        if error is None and not (isinstance(record.get("message_id"), str) and record["message_id"]):
+            error = ("invalid", f"message_id: expected a non-empty string, got {record.get('message_id')!r}")
+        if error is not None:
+            tally.bad_records[error[0]] += 1
+            raw = payload[2] if kind == readers.RAW_ERROR else readers.snippet(payload if record is None else record)
+            bad.append(dead_letter(tasks, loc, error[0], "", error[1], raw))
+            continue
+        group = record.get(group_key)
+        keyed.append((group if isinstance(group, str) else "", (loc, record)))
+    return keyed
+
+
+class Preparer:
+    """The prepare stage for one template, tokenizer and chat format, without Beam.
+
+    Contract: every raw record read becomes either examples (one per conversation the template
+    yields) or exactly one dead letter with its reason, counted in the Tally's bad_records
+    (record-level) or bad_examples (the chat format refused a conversation); oasst1 messages
+    left out by design count in its `filtered`. Example ids
+    and hashes depend on the record's source only, so any split of the work gives the same
+    examples. `on_batch` sees every TokenizedBatch made (the DoFns count it).
+    """
+
+    def __init__(self, tasks: Sequence[TaskMeta], template: Any, tokenizer: Any, chat_format: Any,
+                 on_batch: Callable[[TokenizedBatch], None] | None = None):
+        self.tasks = tasks
+        self.template = template
+        self.tokenizer = tokenizer
+        self.format = chat_format
+        self.on_batch = on_batch
+        # Single-turn templates under a format with a fixed layout skip the Conversation
+        # objects: (prompt, response) texts go straight to tokenize_pairs_flat.
+        self.pairs = hasattr(template, "to_pair") and chat_format.pair_layout() is not None
+
+    @classmethod
+    def from_names(cls, tasks: Sequence[TaskMeta], template: str, template_options: Iterable[tuple[str, str]],
+                   tokenizer: str, chat_format: str, **kwargs: Any) -> "Preparer":
+        from prepack.chat_formats import get_chat_format
+        from prepack.templates import get_template
+        from prepack.tokenizer import load_tokenizer
+
+        loaded = load_tokenizer(tokenizer)
+        return cls(tasks, get_template(template, **dict(template_options)), loaded,
+                   get_chat_format(chat_format, loaded), **kwargs)
+
+    # ------------------------------------------------------------------ per-record formats
+
+    def template_records(self, task_index: int, items: list, tally: Tally, bad: list[DeadLetter]) -> Templated:
+        """Decodes, parses and templates a batch of raw records of one task."""
+        from prepack.templates import RecordError
+
+        meta = self.tasks[task_index]
+        out = Templated()
+        pairs = self.pairs
+        to_conversations = self.template.to_pair if pairs else self.template.to_conversations
+        for record_index, line, kind, payload in items:
+            loc = (task_index, record_index, line, 0)
+            if kind == readers.RAW_TEXT:
+                record, error = readers.parse_text(payload)
+                if error is not None:
+                    tally.bad_records[error[0]] += 1
+                    bad.append(dead_letter(self.tasks, loc, error[0], "", error[1], readers.snippet(payload)))
+                    continue
+            elif kind == readers.RAW_ERROR:
+                reason, message, raw = payload
+                tally.bad_records[reason] += 1
+                bad.append(dead_letter(self.tasks, loc, reason, "", message, raw))
+                continue
+            else:
+                record = payload
+            try:
+                conversations = to_conversations(record)
+            except RecordError as e:
+                tally.bad_records[e.reason] += 1
+                bad.append(dead_letter(self.tasks, loc, e.reason, e.field, e.message, readers.snippet(record)))
+                continue
+            if pairs:
+                out.convs.append(conversations[0])
+                out.responses.append(conversations[1])
+                out.metas.append((loc, example_id(meta, record_index)))
+                continue
+            for sub, conv in enumerate(conversations):
+                out.convs.append(conv)
+                out.metas.append(((task_index, record_index, line, sub), example_id(meta, record_index, sub)))
+        tally.records_read += len(items)
+        tally.examples += len(out)
+        return out
+
+    def tokenize(self, templated: Templated, tally: Tally, bad: list[DeadLetter]) -> list[TokenizedBatch]:
+        if self.pairs:
+            return self._tokenize_pairs(templated.convs, templated.responses, templated.metas)
+        return self._tokenize(templated.convs, templated.metas, tally, bad)
+
+    # ------------------------------------------------------------------ table-level formats (oasst1): see also key_table_records
+
+    def template_table(self, messages: Iterable[tuple[Loc, dict]], tally: Tally, bad: list[DeadLetter]) -> Templated:
+        """One tree's messages -> its conversations."""
+        located = sorted(messages, key=lambda lm: lm[0])  # input order decides duplicate_id
+        locs_by_id: dict[str, list] = defaultdict(list)
+        for loc, msg in located:
+            locs_by_id[msg["message_id"]].append(loc)
+        result = self.template.conversations_from_table([msg for _, msg in located])
+        msgs_by_id = {msg["message_id"]: msg for _, msg in reversed(located)}  # the first of duplicates
+        seen_dupes: Counter = Counter()
+        for dropped in result.dropped:
+            locs = locs_by_id.get(dropped.message_id or "", [])
+            if dropped.reason == "duplicate_id":
+                seen_dupes[dropped.message_id] += 1
+                loc = locs[min(seen_dupes[dropped.message_id], len(locs) - 1)]
+            else:
+                loc = locs[0] if locs else (0, -1, 0, 0)
+            if dropped.reason in OASST1_FILTER_REASONS:
+                tally.filtered[dropped.reason] += 1
+                continue
+            tally.bad_records[dropped.reason] += 1
+            raw = readers.snippet(msgs_by_id.get(dropped.message_id or ""))
+            bad.append(dead_letter(self.tasks, loc, dropped.reason, "", dropped.detail, raw, message_id=dropped.message_id))
+        out = Templated()
+        for conv, mid in result.examples:
+            loc = locs_by_id[mid][0]
+            meta = self.tasks[loc[0]]
+            out.convs.append(conv)
+            out.metas.append((loc, f"{meta.input_index}/oasst1/{mid}"))
+        tally.examples += len(result.examples)
+        return out
+
+    # ------------------------------------------------------------------ tokenizing
+
+    def _tokenize(self, convs: list, metas: list[tuple[Loc, str]], tally: Tally, bad: list[DeadLetter]) -> list[TokenizedBatch]:
+        """Examples for convs (metas[i] = (loc, example_id)); a conversation the chat format
+        rejects becomes a dead letter and the rest of the batch goes on."""
+        from prepack.chat_formats import ChatFormatError, tokenize_conversations_flat
+
+        out: list[TokenizedBatch] = []
+        start = 0
+        while start < len(convs):
+            try:
+                tokenized = tokenize_conversations_flat(convs[start:], self.tokenizer, self.format)
+            except ChatFormatError as e:
+                if e.index is None:
+                    raise
+                bad_at = start + e.index
+                if e.index:
+                    tokenized = tokenize_conversations_flat(convs[start:bad_at], self.tokenizer, self.format)
+                    self._emit(tokenized, metas[start:bad_at], out)
+                loc, eid = metas[bad_at]
+                tally.bad_examples[e.reason] += 1
+                bad.append(dead_letter(self.tasks, loc, e.reason, "", e.message, example_id=eid))
+                start = bad_at + 1
+                continue
+            self._emit(tokenized, metas[start:], out)
+            break
+        return out
+
+    def _tokenize_pairs(self, prompts: list[str], responses: list[str], metas: list[tuple[Loc, str]]) -> list[TokenizedBatch]:
+        """Examples for single-turn pairs; a fixed layout has no per-conversation errors."""
+        from prepack.chat_formats import tokenize_pairs_flat
+
+        out: list[TokenizedBatch] = []
+        if prompts:
+            self._emit(tokenize_pairs_flat(prompts, responses, self.tokenizer, self.format), metas, out)
+        return out
+
+    def _emit(self, tokenized: tuple | None, metas: list[tuple[Loc, str]], out: list[TokenizedBatch]) -> None:
+        """tokenized: (input_ids, loss_mask, ends) of a batch, from tokenize_conversations_flat
+        or tokenize_pairs_flat; appends one TokenizedBatch to `out`."""
+        if tokenized is None:
+            return
+        input_ids, loss_mask, ends = tokenized
+        if not ends:
+            return
+        lens = np.diff(np.asarray(ends, dtype=np.int64), prepend=0)
+        eids = [eid for _, eid in metas]
+        hashes = np.fromiter(map(stable_hash, eids), dtype=np.uint64, count=len(eids))
+        batch = TokenizedBatch(hashes, eids, [loc for loc, _ in metas],
+                               Ragged(lens.astype(LENS), np.asarray(input_ids, IDS), np.asarray(loss_mask, MASK)))
+        out.append(batch)
+        if self.on_batch is not None:
+            self.on_batch(batch)
+
+
+class _Counting:
+    """Loads the Preparer once per worker and counts what it tokenizes as Beam metrics."""
+
+    ctx: JobContext
+
+    def _setup_preparer(self) -> None:
+        ctx = self.ctx
+        self.preparer = Preparer.from_names(ctx.tasks, ctx.config.format, ctx.config.template_options, ctx.config.tokenizer,
+                                            ctx.config.chat_format, on_batch=self._count_batch)
+        self.m_examples = Metrics.counter(NAMESPACE, "examples_tokenized")
+        self.m_tokens = Metrics.counter(NAMESPACE, "tokens_tokenized")
+        self.m_lengths = Metrics.distribution(NAMESPACE, "example_tokens")
+        self.m_bad = Metrics.counter(NAMESPACE, "bad_records")
+        self.clock_template = StageClock("template")
+        self.clock_tokenize = StageClock("tokenize")
+
+    def _count_batch(self, batch: TokenizedBatch) -> None:
+        lens = batch.examples.lens
+        update_length = self.m_lengths.update
+        for n in lens.tolist():
+            update_length(n)
+        self.m_examples.inc(len(lens))
+        self.m_tokens.inc(int(lens.sum()))
+        if self.ctx.config.progress:
+            Progress.add("tokenized", "examples", len(lens))
+
+    def _tokenize(self, templated: Templated, tally: Tally, bad: list[DeadLetter]) -> list[TokenizedBatch]:
+        started = StageClock.now()
+        before = len(bad)
+        out = self.preparer.tokenize(templated, tally, bad)
+        self.m_bad.inc(len(bad) - before)
+        self.clock_tokenize.add(StageClock.now() - started)
+        return out
+
+
+class PrepareFn(beam.DoFn, _Counting):
+    """(task_index, raw records) -> TokenizedBatches (one per stretch of the batch between
+    conversations the chat format rejects, usually one); tagged: dead letters, tallies.
+
+    Decodes, parses and templates each record, then tokenizes the whole batch at once
+    (Preparer.template_records, Preparer.tokenize).
+    """
+
+    def __init__(self, ctx: JobContext):
+        self.ctx = ctx
+
+    def setup(self) -> None:
+        self._setup_preparer()
+
+    def process(self, element: tuple[int, list]) -> Iterator[Any]:
+        started = StageClock.now()
+        task_index, items = element
+        tally = Tally()
+        bad: list[DeadLetter] = []
+        templated = self.preparer.template_records(task_index, items, tally, bad)
+        self.m_bad.inc(len(bad))
+        self.clock_template.add(StageClock.now() - started)
+        yield from self._tokenize(templated, tally, bad)
+        for entry in bad:
+            yield TaggedOutput(TAG_BAD, entry)
+        yield TaggedOutput(TAG_TALLY, tally)
+
+
+class KeyTableRecordsFn(beam.DoFn):
+    """Table-level formats (oasst1): (task_index, raw records) -> (tree id, (loc, message));
+    tagged: a dead letter per record that is not a message object with a message_id, tallies."""
+
+    def __init__(self, ctx: JobContext, group_key: str):
+        self.ctx = ctx
+        self.group_key = group_key
+
+    def process(self, element: tuple[int, list]) -> Iterator[Any]:
+        task_index, items = element
+        tally = Tally()
+        bad: list[DeadLetter] = []
+        keyed = key_table_records(self.ctx.tasks, task_index, items, self.group_key, tally, bad)
+        for entry in bad:
+            yield TaggedOutput(TAG_BAD, entry)
+        yield from keyed
+        yield TaggedOutput(TAG_TALLY, tally)
+
+
+class TableToExamplesFn(beam.DoFn, _Counting):
+    """(tree id, messages) -> TokenizedBatches; tagged: dead letters, tallies. Conversations
+    are buffered across trees and tokenized `batch_size` at a time; the bundle's rest is
+    flushed at its end."""
+
+    def __init__(self, ctx: JobContext):
+        self.ctx = ctx
+
+    def setup(self) -> None:
+        self._setup_preparer()
+
+    def start_bundle(self) -> None:
+        self.pending = Templated()
+        self.tally = Tally()
+
+    def process(self, element: tuple[str, Iterable]) -> Iterator[Any]:
+        started = StageClock.now()
+        _, messages = element
+        bad: list[DeadLetter] = []
+        templated = self.preparer.template_table(messages, self.tally, bad)
+        self.m_bad.inc(len(bad))
+        for entry in bad:
+            yield TaggedOutput(TAG_BAD, entry)
+        self.pending.convs += templated.convs
+        self.pending.metas += templated.metas
+        self.clock_template.add(StageClock.now() - started)
+        if len(self.pending) >= self.ctx.config.batch_size:
+            yield from self._flush(windowed=False)
+
+    def _flush(self, windowed: bool) -> Iterator[Any]:
+        bad: list[DeadLetter] = []
+        examples = self._tokenize(self.pending, self.tally, bad) if len(self.pending) else []
+        self.pending = Templated()
+        wrap = in_global_window if windowed else (lambda v: v)
+        for batch in examples:
+            yield wrap(batch)
+        for entry in bad:
+            yield TaggedOutput(TAG_BAD, wrap(entry))
+
+    def finish_bundle(self) -> Iterator[Any]:
+        yield from self._flush(windowed=True)
+        if self.tally:
+            yield TaggedOutput(TAG_TALLY, in_global_window(self.tally))

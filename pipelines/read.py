@@ -1,0 +1,61 @@
+"""Read stage: one ReadTask -> batches of raw records (pipelines/readers.py reads each kind)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import apache_beam as beam
+from apache_beam.metrics.metric import Metrics
+from apache_beam.pvalue import TaggedOutput
+
+from pipelines import readers
+from pipelines.sources import ReadTask
+from pipelines.stage import NAMESPACE, TAG_FINGERPRINT, Progress, StageClock
+
+
+class ReadTaskFn(beam.DoFn):
+    """ReadTask -> (task_index, [raw record, ...]) batches; tagged: the task's fingerprint."""
+
+    def __init__(self, batch_size: int, progress: bool):
+        self.batch_size = batch_size
+        self.progress = progress
+
+    def setup(self) -> None:
+        self.records = Metrics.counter(NAMESPACE, "records_read")
+        self.bytes = Metrics.counter(NAMESPACE, "bytes_read")
+        self.files = Metrics.counter(NAMESPACE, "tasks_read")
+        self.clock = StageClock("read")
+
+    def process(self, task: ReadTask) -> Iterator[Any]:
+        digest = readers.FileDigest()
+        batch: list = []
+        count = 0
+        started = StageClock.now()
+        try:
+            for record in readers.iter_task(task, digest, self.batch_size):
+                batch.append(record)
+                if len(batch) >= self.batch_size:
+                    count += len(batch)
+                    self.records.inc(len(batch))
+                    if self.progress:
+                        Progress.add("read", "records", len(batch))
+                    # Downstream steps of the same stage run inside the yield: not reading time.
+                    self.clock.add(StageClock.now() - started)
+                    yield (task.task_index, batch)
+                    started = StageClock.now()
+                    batch = []
+        except Exception as e:
+            # Name the file: a corrupt Parquet footer deep in pyarrow says nothing about which input it was.
+            raise RuntimeError(f"reading {task.path} ({task.kind}) failed after {count + len(batch)} records: {type(e).__name__}: {e}") from e
+        self.clock.add(StageClock.now() - started)
+        if batch:
+            count += len(batch)
+            self.records.inc(len(batch))
+            if self.progress:
+                Progress.add("read", "records", len(batch))
+            yield (task.task_index, batch)
+        self.files.inc()
+        self.bytes.inc(digest.num_bytes)
+        fingerprint = digest.hexdigest() if task.kind in ("jsonl", "json", "parquet", "arrow") else None
+        yield TaggedOutput(TAG_FINGERPRINT, (task.task_index, fingerprint, digest.num_bytes, count, digest.lines))

@@ -1,0 +1,140 @@
+"""What every stage of the job shares: its Beam counter namespace, the tags of its side
+outputs, the worker context, the CPU clock per stage, progress lines and the counter merge.
+
+Batching: after reading, records travel in batches of `batch_size` (one
+element per batch); tokenized examples stay columnar (one TokenizedBatch per
+batch), and the examples bound for the routing GroupByKey are buffered for the
+bundle and grouped by key when flushed. Per-element overhead in Beam's local
+runner is tens of microseconds, far more than the tokenizer spends on a short
+example, so moving batches rather than examples is what keeps the job near the
+raw tokenizer's speed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any
+
+import apache_beam as beam
+from apache_beam.metrics.metric import Metrics
+from apache_beam.transforms.window import GlobalWindows
+
+from pipelines.options import PackConfig
+from pipelines.records import TaskMeta
+from prepack.accounting import Tally
+
+NAMESPACE = "prepack"
+TAG_BAD = "bad"
+TAG_TALLY = "tally"
+TAG_HIST = "hist"
+TAG_DEAD = "dead"
+TAG_FINGERPRINT = "fingerprint"
+
+
+FLUSH_EXAMPLES = 20_000  # buffered examples per bundle before an early flush (memory bound)
+
+
+@dataclasses.dataclass(frozen=True)
+class JobContext:
+    """What every worker needs (small and picklable): the job's config, and what the launcher
+    derived from it and the inputs before the pipeline started."""
+
+    config: PackConfig
+    tasks: tuple[TaskMeta, ...]
+    sub_buckets: int  # resolved: config.sub_buckets, or chosen from the input size
+    run_id: str
+    pad_id: int
+
+
+def in_global_window(value: Any) -> Any:
+    return GlobalWindows.windowed_value(value)
+
+
+class StageClock:
+    """CPU time a worker spends in one stage, as a Beam counter `time_us_<stage>`.
+
+    Summed over workers, these say where the job's time goes (benchmarks/bench_pack_job.py);
+    what is left of the job's CPU time is Beam itself: coders, shuffles, scheduling.
+    """
+
+    def __init__(self, stage: str):
+        self.counter = Metrics.counter(NAMESPACE, f"time_us_{stage}")
+
+    def add(self, seconds: float) -> None:
+        self.counter.inc(int(seconds * 1e6))
+
+    @staticmethod
+    def now() -> float:
+        # CPU time, not wall time: on a shared machine wall time counts other jobs too. Process
+        # time rather than thread time, because sentencepiece encodes batches on its own threads.
+        return time.process_time()
+
+
+# ----------------------------------------------------------------------------- progress
+
+
+class Progress:
+    """Rates for local runs: one line to stderr every `every_s` per worker process and
+    activity ("read" records, "tokenized" examples). Beam's local runner runs one stage
+    after the other, so reading and tokenizing each report while they happen."""
+
+    lock = threading.Lock()
+    state: dict[str, list[float]] = {}  # what -> [count, started, last printed]
+
+    @classmethod
+    def add(cls, what: str, unit: str, n: int, every_s: float = 10.0) -> None:
+        now = time.monotonic()
+        with cls.lock:
+            entry = cls.state.setdefault(what, [0, now, now])
+            entry[0] += n
+            if now - entry[2] < every_s:
+                return
+            entry[2] = now
+            count, elapsed = int(entry[0]), now - entry[1]
+        print(f"prepack pack [pid {os.getpid()}]: {what} {count:,} {unit} in {elapsed:,.0f} s "
+              f"({count / max(elapsed, 1e-9):,.0f} {unit}/s)", file=sys.stderr, flush=True)
+
+
+class MergeCounters(beam.CombineFn):
+    """Sums Counters: the (L, length_key, b) histograms from every bundle into one."""
+
+    def create_accumulator(self) -> Counter:
+        return Counter()
+
+    def add_input(self, acc: Counter, value: Counter) -> Counter:
+        acc.update(value)
+        return acc
+
+    def merge_accumulators(self, accs: Iterable[Counter]) -> Counter:
+        out: Counter = Counter()
+        for acc in accs:
+            out.update(acc)
+        return out
+
+    def extract_output(self, acc: Counter) -> dict:
+        return dict(acc)
+
+
+class MergeTallies(beam.CombineFn):
+    """Merges every bundle's Tally into the job's."""
+
+    def create_accumulator(self) -> Tally:
+        return Tally()
+
+    def add_input(self, acc: Tally, value: Tally) -> Tally:
+        return acc.merge(value)
+
+    def merge_accumulators(self, accs: Iterable[Tally]) -> Tally:
+        out = Tally()
+        for acc in accs:
+            out.merge(acc)
+        return out
+
+    def extract_output(self, acc: Tally) -> Tally:
+        return acc

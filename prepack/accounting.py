@@ -1,0 +1,93 @@
+"""The job's accounting: what happened to every record read, in one typed structure.
+
+The pipeline's stages count into a `Tally` (bundles merge theirs), the launcher checks
+and publishes from it, and the manifest's `stats.examples_dropped` (reason -> count) is
+derived from it; the report classifies those reasons with the sets below. An example read
+is written at a max length L, or dropped there for exactly one reason:
+- bad input (`bad_records`: the reader's or template's reason, such as malformed_json or
+  missing_field; `bad_examples`: the chat format refused the conversation), at every L;
+- `no_targets`: no target token after its first, at every L;
+- a DropReason at L (too_long, no_targets_after_truncation): the overlong rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from typing import Any
+
+from prepack.packer import DropReason
+
+NO_TARGETS = "no_targets"
+# Drop reasons that depend on the max length, and those that are not bad input.
+LENGTH_REASONS = frozenset(reason.value for reason in DropReason)
+NOT_BAD_INPUT = LENGTH_REASONS | {NO_TARGETS}
+
+
+@dataclasses.dataclass
+class Tally:
+    records_read: int = 0  # raw records (lines, rows, messages)
+    examples: int = 0  # examples the templates produced
+    bad_records: Counter = dataclasses.field(default_factory=Counter)  # reason -> records
+    bad_examples: Counter = dataclasses.field(default_factory=Counter)  # reason -> examples the chat format refused
+    filtered: Counter = dataclasses.field(default_factory=Counter)  # reason -> oasst1 messages left out by design
+    no_targets: int = 0  # examples with no target after their first token
+    truncated: Counter = dataclasses.field(default_factory=Counter)  # max length -> examples cut to it
+    dropped: Counter = dataclasses.field(default_factory=Counter)  # (max length, DropReason) -> examples
+
+    def merge(self, other: "Tally") -> "Tally":
+        self.records_read += other.records_read
+        self.examples += other.examples
+        self.no_targets += other.no_targets
+        for mine, theirs in ((self.bad_records, other.bad_records), (self.bad_examples, other.bad_examples),
+                             (self.filtered, other.filtered), (self.truncated, other.truncated),
+                             (self.dropped, other.dropped)):
+            mine.update(theirs)
+        return self
+
+    @property
+    def bad(self) -> int:
+        """Bad input: records and examples dropped for what they hold, at every max length."""
+        return sum(self.bad_records.values()) + sum(self.bad_examples.values())
+
+    @property
+    def examples_read(self) -> int:
+        """Examples the templates produced, plus records that could not become one."""
+        return self.examples + sum(self.bad_records.values())
+
+    def examples_dropped(self, max_length: int) -> dict[str, int]:
+        """The manifest's stats.examples_dropped at one max length: reason -> count."""
+        out: Counter = Counter(self.bad_records)
+        out.update(self.bad_examples)
+        if self.no_targets:
+            out[NO_TARGETS] += self.no_targets
+        for (L, reason), n in self.dropped.items():
+            if L == max_length:
+                out[DropReason(reason).value] += n
+        return dict(sorted(out.items()))
+
+    def to_json(self) -> dict[str, Any]:
+        lengths = sorted({L for L in self.truncated} | {L for L, _ in self.dropped})
+        return {
+            "records_read": self.records_read,
+            "examples": self.examples,
+            "bad_records": dict(sorted(self.bad_records.items())),
+            "bad_examples": dict(sorted(self.bad_examples.items())),
+            "filtered": dict(sorted(self.filtered.items())),
+            "no_targets": self.no_targets,
+            "per_length": {str(L): {"truncated": self.truncated.get(L, 0),
+                                    "dropped": {DropReason(r).value: n for (m, r), n in sorted(self.dropped.items()) if m == L}}
+                           for L in lengths},
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "Tally":
+        tally = cls(records_read=data["records_read"], examples=data["examples"], no_targets=data["no_targets"],
+                    bad_records=Counter(data["bad_records"]), bad_examples=Counter(data["bad_examples"]),
+                    filtered=Counter(data["filtered"]))
+        for L, per in data["per_length"].items():
+            if per["truncated"]:
+                tally.truncated[int(L)] = per["truncated"]
+            for reason, n in per["dropped"].items():
+                tally.dropped[(int(L), DropReason(reason))] = n
+        return tally
