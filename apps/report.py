@@ -222,6 +222,19 @@ class Run:
         return int(np.searchsorted(cum, budget) + 1) if len(cum) and budget <= cum[-1] else 0
 
     @property
+    def diverged(self) -> str | None:
+        """Why this run's result cannot be trusted (it stopped on a non-finite value, or its final loss is
+        not finite or missing), or None. Such a run gets no speed-up: time to a budget means nothing
+        when the model it bought is broken."""
+        stopped = self.summary.get("stopped")
+        if isinstance(stopped, dict):
+            return f"stopped at step {stopped.get('step')}: {stopped.get('reason')}"
+        final = self.loss[-1] if len(self.loss) else math.nan
+        if not math.isfinite(final):
+            return f"final loss is {'missing or NaN' if math.isnan(final) else final} (step {int(self.steps[-1])})"
+        return None
+
+    @property
     def eval_loss(self) -> float:
         value = self.summary.get("eval_loss")
         if value is None and self.evals:
@@ -230,6 +243,8 @@ class Run:
 
 
 REQUIRED_STEP_KEYS = ("step", "loss", "step_time_s", "target_tokens")
+# `prepack train` writes a non-finite loss as null (JSON has no NaN) with the reason beside it.
+NULLABLE_STEP_KEYS = ("loss",)
 
 
 def load_run(path: str, label: str | None = None, warmup_steps: int = 1) -> Run:
@@ -254,7 +269,7 @@ def load_run(path: str, label: str | None = None, warmup_steps: int = 1) -> Run:
             elif isinstance(record.get("summary"), dict):
                 summary.update(record["summary"])
             elif "loss" in record and "step" in record and "summary" not in record:
-                missing = [k for k in REQUIRED_STEP_KEYS if record.get(k) is None]
+                missing = [k for k in REQUIRED_STEP_KEYS if k not in record or (record[k] is None and k not in NULLABLE_STEP_KEYS)]
                 if missing:
                     raise ReportError(f"{path}:{number}: step record lacks {', '.join(missing)}")
                 steps.append(record)
@@ -266,7 +281,8 @@ def load_run(path: str, label: str | None = None, warmup_steps: int = 1) -> Run:
     target = _per_step(column("target_tokens"), column("step_time_s"), [r.get("target_tokens_per_s") for r in steps])
     name = label or os.path.splitext(os.path.basename(path))[0]
     packing = str(steps[-1].get("packing") or summary.get("packing") or _packing_from_name(name))
-    return Run(name, path, column("step"), column("loss"), column("step_time_s"), target,
+    loss = np.array([math.nan if r.get("loss") is None else float(r["loss"]) for r in steps], dtype=np.float64)
+    return Run(name, path, column("step"), loss, column("step_time_s"), target,
                column("tokens"), summary, packing, warmup_steps, evals)
 
 
@@ -297,10 +313,11 @@ def budget_rows(runs: Sequence[Run], budget: float | None = None) -> tuple[float
 
     Default budget: the most target tokens every run reached, so every run has a time.
     Speed-up is against the unpacked run when there is exactly one, else against the slowest.
+    A diverged run (Run.diverged) gets no time to the budget and no speed-up, and is no reference.
     """
     if budget is None:
         budget = min(float(r.cum_target_tokens[-1]) for r in runs)
-    times = [r.time_to(budget) for r in runs]
+    times = [math.nan if r.diverged else r.time_to(budget) for r in runs]
     unpacked = [i for i, r in enumerate(runs) if r.packing == "unpacked"]
     finite = [i for i, t in enumerate(times) if not math.isnan(t)]
     ref = unpacked[0] if len(unpacked) == 1 and not math.isnan(times[unpacked[0]]) else (
@@ -322,6 +339,7 @@ def budget_rows(runs: Sequence[Run], budget: float | None = None) -> tuple[float
             "speedup": (times[ref] / t) if ref is not None and t and not math.isnan(t) else math.nan,
             "reference": runs[ref].label if ref is not None else "-",
             "final_loss": float(np.mean(run.loss[-max(1, len(run.loss) // 10):])),
+            "status": f"diverged: {run.diverged}" if run.diverged else "ok",
             "eval_loss": run.eval_loss,
         })
     return budget, out
@@ -353,6 +371,7 @@ BUDGET_COLUMNS = (
     ("target tok/s", "target_tokens_per_s", "int"), ("s/step", "mean_step_time_s", "seconds"),
     ("steps to budget", "steps_to_budget", "int"), ("time to budget", "time_to_budget_s", "seconds"),
     ("speed-up", "speedup", "times"), ("final loss", "final_loss", "float3"), ("eval loss", "eval_loss", "float3"),
+    ("status", "status", "str"),
 )
 
 
@@ -409,6 +428,12 @@ def build_page(config: ReportConfig, figures_dir: str) -> tuple[Page, list[str]]
     page, pngs = Page(), []
     page.add("h1", config.title)
     page.add("p", f"Generated {datetime.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')} by `prepack report`.")
+    runs = [load_run(path, label, config.warmup_steps) for label, path in map(_split_label, config.metrics)]
+    for run in runs:
+        if run.diverged:
+            # At the top: a broken run must not read as a result further down.
+            page.add("p", f"Warning: training run {run.label} diverged ({run.diverged}); it is shown without a "
+                          "speed-up, and its loss curve ends where the loss stopped being finite.")
 
     def figure(name: str, draw: Any, *args: Any, **kwargs: Any) -> None:
         path = draw(*args, path=os.path.join(figures_dir, name), **kwargs)
@@ -451,8 +476,7 @@ def build_page(config: ReportConfig, figures_dir: str) -> tuple[Page, list[str]]
         if hists:
             figure("shards_length_histogram.png", plots.length_histogram, hists, sorted(lengths))
 
-    if config.metrics:
-        runs = [load_run(path, label, config.warmup_steps) for label, path in map(_split_label, config.metrics)]
+    if runs:
         budget, table = budget_rows(runs, config.budget)
         page.add("h2", "Training runs")
         warm = (f" The first {config.warmup_steps} step(s) of each run carry compilation, so they are timed as the "

@@ -66,7 +66,7 @@ def pack(args: argparse.Namespace, data: str, name: str, packed: bool) -> str:
     if os.path.exists(os.path.join(path, "manifest.json")):
         print(f"reusing {path}")
         return path
-    cmd = [sys.executable, "-m", "prepack.cli", "pack", "--input", data, "--format", args.format,
+    cmd = [sys.executable, "-m", "apps.cli", "pack", "--input", data, "--format", args.format,
            "--tokenizer", args.tokenizer, "--max-length", str(args.max_length), "--output", out, "--no-progress"]
     if not packed:
         cmd.append("--no-pack")
@@ -99,7 +99,7 @@ def steps_to_reach(shards: str, args: argparse.Namespace, budget: int, limit: in
 
 def train(args: argparse.Namespace, shards: str, eval_shards: str, steps: int, name: str) -> dict[str, Any]:
     metrics = os.path.join(args.work_dir, f"metrics-{name}.jsonl")
-    cmd = [sys.executable, "-m", "prepack.cli", "train", "--shards", shards, "--eval-shards", eval_shards,
+    cmd = [sys.executable, "-m", "apps.cli", "train", "--shards", shards, "--eval-shards", eval_shards,
            "--model", args.model, "--seed", str(args.seed), "--lora-rank", str(args.lora_rank),
            "--batch-size", str(args.batch_size), "--steps", str(steps), "--learning-rate", str(args.learning_rate),
            "--metrics-out", metrics, "--log-every", "1"]

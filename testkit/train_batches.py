@@ -86,3 +86,17 @@ def plain_causal_inputs(batch: dict[str, np.ndarray]) -> dict[str, Any]:
         "positions": utils.build_positions_from_mask(valid),
         "attention_mask": utils.make_causal_attn_mask(valid),
     }
+
+
+def learnable_segments(n: int, vocab_size: int, seed: int = 0) -> list[rowformat.Segment]:
+    """Rows a tiny model learns in a few steps: a 3-token prompt (loss 0), then an arithmetic
+    continuation of its first token (ids >= 3, so 0-2 stay free for pad and test markers)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        start, length = int(rng.integers(3, 8)), int(rng.integers(6, 15))
+        ids = ((start + 3 * np.arange(length)) % (vocab_size - 3) + 3).astype(np.int32)
+        mask = np.zeros(length, np.int32)
+        mask[3:] = 1
+        out.append(rowformat.Segment(ids, mask))
+    return out

@@ -327,3 +327,34 @@ def test_verdict_wording_follows_the_speedup():
     assert report.estimate_verdict(rows, "from the shard sets") == (
         "Packing should be worth it here (from the shard sets; no training measured): d at L=512, B=8 needs 3.50x "
         "fewer steps for the same examples (97% of row slots hold tokens packed, 25% unpacked).")
+
+
+# ----------------------------------------------------------------------------- diverged runs
+
+
+def test_a_diverged_run_gets_no_speedup_and_a_warning_at_the_top(tmp_path):
+    # The packed run would be 2.5x faster (test_budget_view_by_hand), but its loss went NaN at step 3:
+    # `prepack train` wrote the loss as null and the summary says why it stopped.
+    packed = write_metrics(tmp_path / "packed.jsonl", [100] * 3, [1.0] * 3, losses=[3.0, 2.9, None],
+                           summary={"summary": {"packing": "packed", "final_loss": None,
+                                                "stopped": {"step": 3, "reason": "loss is nan, gradient norm is nan"}}})
+    unpacked = write_metrics(tmp_path / "unpacked.jsonl", [40] * 4, [1.0] * 4, summary={"packing": "unpacked"})
+    runs = [report.load_run(str(packed)), report.load_run(str(unpacked))]
+    assert runs[0].diverged == "stopped at step 3: loss is nan, gradient norm is nan" and runs[1].diverged is None
+    _, (a, b) = report.budget_rows(runs)
+    assert math.isnan(a["speedup"]) and math.isnan(a["time_to_budget_s"]) and a["status"].startswith("diverged: stopped at step 3")
+    assert b["status"] == "ok"
+    page, _ = report.build_page(report.ReportConfig(output=str(tmp_path / "r.html"), metrics=(str(packed), str(unpacked))), str(tmp_path))
+    warning = "Warning: training run packed diverged (stopped at step 3: loss is nan, gradient norm is nan)"
+    assert page.blocks[2][0] == "p" and page.blocks[2][1].startswith(warning)  # right after the title and date
+    (table,) = [blk for blk in page.blocks if blk[0] == "table"]
+    row = next(r for r in table[2] if r[0] == "packed")
+    assert row[table[1].index("speed-up")] == "-" and row[table[1].index("time to budget")] == "-"
+
+
+def test_a_run_whose_last_loss_is_not_finite_is_diverged_without_a_stop_record(tmp_path):
+    # What the trainer wrote before --nan-policy: NaN losses to the end, a normal exit.
+    path = tmp_path / "old.jsonl"
+    path.write_text("\n".join(json.dumps({"step": i, "loss": float("nan") if i > 1 else 2.5, "step_time_s": 1.0,
+                                           "target_tokens": 10}) for i in (1, 2, 3)) + "\n")
+    assert report.load_run(str(path)).diverged == "final loss is missing or NaN (step 3)"

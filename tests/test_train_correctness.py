@@ -290,3 +290,39 @@ def test_bf16_packed_segment_logits_equal_each_example_alone_on_real_qwen3_rows(
     print(f"\nbf16 tiny-qwen3 real rows: packed {['%.1e' % e for e in errors['packed']]}, plain causal {['%.1e' % e for e in errors['plain_causal']]}")
     assert max(errors["packed"]) <= BF16_ATOL
     assert max(errors["plain_causal"]) > 10 * BF16_ATOL  # the check can fail
+
+
+# ----------------------------------------------------------------------------- bfloat16
+
+
+# bfloat16 keeps 8 mantissa bits (relative step 2**-8 = 0.4%); packed and alone may round
+# differently, so "equal" becomes: within 2% of the logits' scale. A segment that sees its
+# neighbours (plain causal mask) must still miss by more than 10x that.
+BF16_RELATIVE_TOLERANCE = 0.02
+
+
+@pytest.mark.parametrize("name", ["tiny-gemma3", "tiny-qwen3"])
+def test_bfloat16_packed_segment_logits_equal_each_example_alone(name: str) -> None:
+    overrides = {"sliding_window_size": 4} if "gemma" in name else None
+    model = models.build_model(name, vocab_size=VOCAB, seed=1, dtype="bfloat16", config_overrides=overrides).model
+    forward = nnx.jit(_forward)
+    examples = testing.make_examples(LENGTHS, VOCAB, seed=2)
+    packed = testing.packed_batch(examples, PLAN, MAX_LENGTH)
+    inputs = {
+        "packed": model_inputs.make_gen_model_input_fn()(packed),
+        "alone": testing.plain_causal_inputs(testing.unpacked_batch(examples, MAX_LENGTH)),
+        "plain_causal": testing.plain_causal_inputs(packed),
+    }
+    logits = {k: np.asarray(forward(model, i["input_tokens"], i["positions"], i["attention_mask"]), np.float32)
+              for k, i in inputs.items()}
+    assert jax.tree.leaves(nnx.state(model, nnx.Param))[0].dtype == jnp.bfloat16
+    tolerance = BF16_RELATIVE_TOLERANCE * float(np.abs(logits["alone"]).max())
+    errors = {k: [] for k in ("packed", "plain_causal")}
+    for p in testing.placements(PLAN, examples):
+        want = logits["alone"][p.example, : p.length]
+        for k in errors:
+            errors[k].append(float(np.max(np.abs(logits[k][p.row, p.start : p.start + p.length] - want))))
+    print(f"\nbf16 {name}: tolerance {tolerance:.2e}; packed {['%.1e' % e for e in errors['packed']]}, "
+          f"plain causal {['%.1e' % e for e in errors['plain_causal']]}")
+    assert max(errors["packed"]) <= tolerance
+    assert max(errors["plain_causal"]) > 10 * tolerance  # the check can fail

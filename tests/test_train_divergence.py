@@ -18,12 +18,11 @@ import pytest
 
 import loaders
 from prepack import rowformat
+from testkit.shard_sets import TEST_TOKENIZER, build_shard_set
+from testkit.train_batches import learnable_segments
 from train import checkpoints, cli, divergence, lora_file
 from train import loss as loss_lib
 from train.config import TrainError
-
-from testkit.shard_sets import TEST_TOKENIZER, build_shard_set
-from test_train_precision import learnable_segments
 
 VOCAB = 64
 MAX_LENGTH = 32

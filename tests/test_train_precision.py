@@ -29,11 +29,11 @@ import optax
 import pytest
 
 from prepack import packer, rowformat
-from train import data, lora_file, optimizer, precision, run_setup
-from train.config import TrainConfig
-
 from testkit.pipeline import tokenized
 from testkit.shard_sets import TEST_TOKENIZER, build_shard_set
+from testkit.train_batches import learnable_segments
+from train import data, lora_file, optimizer, precision, run_setup
+from train.config import TrainConfig
 
 SAMPLE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "prepack", "sample_data", "sample_sft.jsonl")
 MAX_LENGTH = 96
@@ -56,19 +56,6 @@ def sample_segments() -> tuple[list[rowformat.Segment], int]:
         for ex in examples
     ]
     return segments, len(used) + 1
-
-
-def learnable_segments(n: int, vocab: int, seed: int) -> list[rowformat.Segment]:
-    """Synthetic rows a tiny model can learn: a 3-token prompt, then an arithmetic continuation."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        start, length = int(rng.integers(3, 8)), int(rng.integers(6, 15))
-        ids = ((start + 3 * np.arange(length)) % (vocab - 3) + 3).astype(np.int32)
-        mask = np.zeros(length, np.int32)
-        mask[3:] = 1
-        out.append(rowformat.Segment(ids, mask))
-    return out
 
 
 def write_sets(root: str, name: str, segments: list[rowformat.Segment], vocab: int, max_length: int) -> dict[str, str]:
@@ -114,10 +101,14 @@ def train(cfg: TrainConfig) -> dict:
     counter.recorder = s.recorder
     jax.monitoring.register_event_duration_secs_listener(counter)
     try:
-        train_ds, _ = data.datasets(s)
+        train_ds, _ = data.datasets(cfg, s.view)
         s.trainer.train(train_ds)
     finally:
-        jax.monitoring.unregister_event_duration_listener(counter)
+        # Tunix's metrics logger clears every jax.monitoring listener when training ends.
+        try:
+            jax.monitoring.unregister_event_duration_listener(counter)
+        except AssertionError:  # already cleared
+            pass
         s.recorder.close(s.recorder.summary())
     from flax import nnx
 
@@ -128,6 +119,7 @@ def train(cfg: TrainConfig) -> dict:
         "after": lora_file.lora_tensors(s.built.model),
         "base_dtypes": {str(x.dtype) for x in base},
         "opt_dtypes": {str(x.dtype) for x in jax.tree.leaves(nnx.state(s.trainer.optimizer)) if jnp.issubdtype(x.dtype, jnp.floating)},
+        "compiles_in_step_1": sum(1 for k in counter.at_step if k == 0),
         "compiles_after_step_1": [k for k in counter.at_step if k >= 1],
     }
 
@@ -244,6 +236,7 @@ def test_bfloat16_run_is_mixed_precision_and_compiles_once(gemma3_runs) -> None:
     assert bf16["base_dtypes"] == {"bfloat16"}
     assert {str(v.dtype) for v in bf16["after"].values()} == {"float32"}
     assert bf16["opt_dtypes"] == {"float32"}
+    assert bf16["compiles_in_step_1"] > 0  # the counter was listening
     assert bf16["compiles_after_step_1"] == [], "the train step compiled again after step 1"
 
 

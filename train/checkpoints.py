@@ -31,12 +31,9 @@ import json
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from loaders import storage
-
-if TYPE_CHECKING:
-    from train.resume import ResumableStream
 
 log = logging.getLogger(__name__)
 
@@ -238,7 +235,8 @@ class DataStateCheckpoints:
     state beforehand when the shared policy wants that step (or Tunix forces a last save).
     """
 
-    def __init__(self, inner: Any, ckpt: CheckpointDir, stream: ResumableStream, policy: EveryNStepsAndLast, keep: int):
+    def __init__(self, inner: Any, ckpt: CheckpointDir, stream: Any, policy: EveryNStepsAndLast, keep: int):
+        """stream: the run's resume.ResumableStream (its state_after(step) is what gets saved)."""
         self._inner = inner
         self._ckpt = ckpt
         self._stream = stream

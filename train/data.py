@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from train.config import TrainError
-
-if TYPE_CHECKING:
-    from train.run_setup import Setup
+from train.config import TrainConfig, TrainError
 
 
 def packing_kind(manifest: Any) -> str:
@@ -33,23 +30,23 @@ class FirstN:
         return itertools.islice(iter(self.ds), self.n)
 
 
-def datasets(s: Setup) -> tuple[Any, Any]:
+def datasets(cfg: TrainConfig, view: Any, eval_view: Any = None) -> tuple[Any, Any]:
+    """The train dataset (endless, this host's share of each global batch) and the eval one (one pass, or None)."""
     import jax
 
     import loaders
 
-    cfg = s.config
     procs = jax.process_count()
     if cfg.batch_size % procs:
         raise TrainError(f"--batch-size {cfg.batch_size} must be divisible by the {procs} processes")
     per_host = cfg.batch_size // procs
     train_ds = loaders.make_dataset(
-        s.view, per_host, cfg.seed, jax.process_index(), procs, None, read_threads=cfg.read_threads
+        view, per_host, cfg.seed, jax.process_index(), procs, None, read_threads=cfg.read_threads
     )
     eval_ds = None
-    if s.eval_view is not None:
+    if eval_view is not None:
         try:
-            eval_ds = loaders.make_dataset(s.eval_view, per_host, cfg.seed, jax.process_index(), procs, 1, read_threads=cfg.read_threads)
+            eval_ds = loaders.make_dataset(eval_view, per_host, cfg.seed, jax.process_index(), procs, 1, read_threads=cfg.read_threads)
         except ValueError as e:
             raise TrainError(f"--eval-shards {cfg.eval_shards}: {e}") from e
         eval_ds = FirstN(eval_ds, cfg.eval_batches)

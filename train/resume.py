@@ -19,14 +19,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from train import checkpoints
 from train.checkpoints import CheckpointError
 from train.config import TrainConfig, TrainError
-
-if TYPE_CHECKING:
-    from train.run_setup import Setup
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +115,14 @@ def run_identity(cfg: TrainConfig, spec: Any, config: Any, view: Any) -> dict[st
     }
 
 
-def checkpointed_stream(s: Setup, train_ds: Iterable[Any]) -> ResumableStream:
+def checkpointed_stream(
+    trainer: Any,
+    checkpoint: checkpoints.CheckpointDir,
+    policy: checkpoints.EveryNStepsAndLast,
+    resumed_step: int,
+    keep: int,
+    train_ds: Iterable[Any],
+) -> ResumableStream:
     """The train iterable for a checkpointed run, positioned after the restored step without re-reading.
 
     Tunix (0.1.7) restores model and optimizer in its constructor, then discards
@@ -127,29 +131,26 @@ def checkpointed_stream(s: Setup, train_ds: Iterable[Any]) -> ResumableStream:
     nothing and does not move the data a second time. And we wrap its checkpoint manager so
     every save writes the loader state for that step first (checkpoints.DataStateCheckpoints).
     """
-    assert s.checkpoint is not None and s.policy is not None
     it = iter(train_ds)
-    k = s.resumed_step
-    if s.trainer.iter_steps != k:
+    k = resumed_step
+    if trainer.iter_steps != k:
         # Gradient accumulation would make Tunix skip k * G elements; we never configure it.
-        raise TrainError(f"Tunix restored {k} steps but will skip {s.trainer.iter_steps} batches; gradient accumulation is not supported here")
+        raise TrainError(f"Tunix restored {k} steps but will skip {trainer.iter_steps} batches; gradient accumulation is not supported here")
     if not k:
         stream = ResumableStream(it)
     else:
-        state = s.checkpoint.load_data_state(k)
+        state = checkpoint.load_data_state(k)
         if state is None:
             log.warning(
                 "%s: no loader state for step %d; Tunix will re-read and skip %d batches (exact, since run.json "
-                "pins shards, seed and batch size, but slower)", s.checkpoint.path, k, k,
+                "pins shards, seed and batch size, but slower)", checkpoint.path, k, k,
             )
             stream = ResumableStream(it)
         else:
             try:
                 it.set_state(state)
             except ValueError as e:
-                raise CheckpointError(f"{s.checkpoint.data_path}: step {k}: {e}") from e
-            stream = ResumableStream(it, consumed=k, placeholders=s.trainer.iter_steps)
-    s.trainer.checkpoint_manager = checkpoints.DataStateCheckpoints(
-        s.trainer.checkpoint_manager, s.checkpoint, stream, s.policy, keep=s.config.checkpoint_keep
-    )
+                raise CheckpointError(f"{checkpoint.data_path}: step {k}: {e}") from e
+            stream = ResumableStream(it, consumed=k, placeholders=trainer.iter_steps)
+    trainer.checkpoint_manager = checkpoints.DataStateCheckpoints(trainer.checkpoint_manager, checkpoint, stream, policy, keep=keep)
     return stream

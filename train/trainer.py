@@ -1,6 +1,7 @@
 """LoRA SFT with Tunix's PeftTrainer on a pre-packed shard set (packed or one example per row).
 
-Wiring (google-tunix 0.1.7, see ../shared/research/tunix.md):
+Wiring (google-tunix 0.1.7: PeftTrainer takes any iterable of batches and calls gen_model_input_fn
+inside its jitted train step):
 - data: loaders.make_dataset -> dicts of int32 [B, L] numpy arrays; the trainer
   consumes them as they are (Tunix does no batching or collation).
 - gen_model_input_fn (train/model_inputs.py) runs inside the jitted step and builds
@@ -10,13 +11,8 @@ Wiring (google-tunix 0.1.7, see ../shared/research/tunix.md):
   along 'fsdp' and pre-shards the optimizer only when the mesh is active through the
   legacy `with mesh:` context, so training runs inside `with mesh:` (train/mesh.py).
 
-Metrics: one JSON line per optimizer step, then eval lines and one summary line:
-  {"step", "loss", "step_time_s", "tokens", "target_tokens", "target_tokens_per_s", "density", ...}
-  {"eval": {"step", "loss", "target_tokens", "batches", "time_s"}}
-  {"summary": {...}}
-Every step is synchronized (the loss's aux is awaited) so that step_time_s is the
-wall time from the previous step's end to this one's, input wait included; step 1
-includes compilation and is left out of the summary's means and rates.
+Metrics: train/metrics.py (one JSONL line per step, eval lines, a summary line). Mixed
+precision: train/precision.py and train/optimizer.py. A diverging run: train/divergence.py.
 
 Checkpoints (cfg.checkpoint_dir, train/checkpoints.py and train/resume.py): Tunix's own CheckpointManager
 saves the LoRA params and optimizer state, our wrapper adds the loader state for the same
@@ -66,9 +62,11 @@ def execute(cfg: TrainConfig, out: TextIO | None = None) -> tuple[Setup, dict[st
         if s.resumed_step >= cfg.steps:
             print(f"checkpoint step {s.resumed_step} >= --steps {cfg.steps}: nothing to train", file=out if out is not None else sys.stderr)
         else:
-            train_ds, eval_ds = data.datasets(s)
-            if s.checkpoint is not None:
-                train_ds = resume.checkpointed_stream(s, train_ds)
+            train_ds, eval_ds = data.datasets(cfg, s.view, s.eval_view)
+            if s.checkpoint is not None and s.policy is not None:
+                train_ds = resume.checkpointed_stream(
+                    s.trainer, s.checkpoint, s.policy, s.resumed_step, cfg.checkpoint_keep, train_ds
+                )
             with context:
                 s.trainer.train(train_ds, eval_ds)
         if cfg.save_lora:
