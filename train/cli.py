@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="parameter dtype (default: bf16 real, f32 tiny)")
     p.add_argument("--metrics-out", default=None, help="write per-step metrics JSONL here")
     p.add_argument("--loss", default="masked", choices=["masked", "tunix-default"], help="masked: no one-hot (default)")
-    p.add_argument("--read-threads", type=int, default=4, help="Grain read threads")
+    p.add_argument("--read-threads", type=int, default=None, help="loader read threads (default: chosen by where the shards are: 1 on local disk, 16 on a gcsfuse/NFS mount, 4 for gs://)")
     p.add_argument("--log-every", type=int, default=10, help="print a progress line every N steps (0: never)")
     p.add_argument("--cpu-devices", type=int, default=None, help="fake N CPU devices (to try --mesh on a CPU)")
     p.add_argument(

@@ -28,7 +28,7 @@ class TrainConfig:
     dtype: str | None = None  # parameter dtype; default per model (bf16 real, f32 tiny)
     metrics_out: str | None = None
     loss: str = "masked"  # "masked" (train/loss.py) or "tunix-default" (for comparisons)
-    read_threads: int = 4
+    read_threads: int | None = None  # None: the loader chooses by where the shards are (local disk, mount, gs://)
     config_overrides: dict[str, Any] | None = None  # e.g. {"sliding_window_size": 4} for tests
     log_every: int = 10  # console progress line every N steps (0: none)
     # Checkpoints (train/checkpoints.py): LoRA params + optimizer state through Tunix, plus the

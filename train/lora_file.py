@@ -53,7 +53,7 @@ def _lora_rank(tensors: Mapping[str, Any]) -> int | None:
 
 def _write_bytes(path: str, data: bytes) -> None:
     if storage.is_gcs(path):
-        bucket, _, key = path[len("gs://") :].partition("/")
+        bucket, key = storage.split_gcs(path)
         storage.gcs_client().bucket(bucket).blob(key).upload_from_string(data, content_type="application/octet-stream")
         return
     folder = os.path.dirname(os.path.abspath(path))
@@ -66,7 +66,7 @@ def _write_bytes(path: str, data: bytes) -> None:
 
 def _read_bytes(path: str) -> bytes:
     if storage.is_gcs(path):
-        bucket, _, key = path[len("gs://") :].partition("/")
+        bucket, key = storage.split_gcs(path)
         blob = storage.gcs_client().bucket(bucket).blob(key)
         if not blob.exists():
             raise LoraFileError(f"no LoRA file at {path}")
