@@ -372,6 +372,7 @@ def run(config: PackConfig, beam_args: list[str], run_id: str | None = None) -> 
         staging.cleanup_run(config.output, config.max_lengths, job.run_id)
         tokens_sink.cleanup(config.output, job.run_id)
         held.release()
+        outputs.remove_if_empty(config.output)  # a failed first run into a new folder leaves no folder behind
 
     cleanup_key = interrupts.register(clean_up)  # run by the signal watchdog if this thread is stuck
     try:

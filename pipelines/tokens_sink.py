@@ -249,10 +249,12 @@ def publish(output: str, run_id: str, manifest: TokenSetManifest, created_at: st
 
 
 def cleanup(output: str, run_id: str) -> None:
-    """Best effort: removes this run's tokenized-set staging (never a published set)."""
+    """Best effort: removes this run's tokenized-set staging (never a published set), and the
+    tokens/ folder when that leaves it empty."""
     from pipelines import outputs
 
     try:
         outputs.delete_tree(tokens_staging_dir(output, run_id))
+        outputs.remove_if_empty(tokens_dir(output))
     except Exception:
         pass

@@ -365,6 +365,15 @@ def test_nothing_fits_leaves_no_length_folder(inputs, tmp_path):
     assert not (out / "L16").exists() and files_in(out) == []
 
 
+def test_a_failed_first_run_with_its_tokenized_set_leaves_no_folders(inputs, tmp_path):
+    # "nothing was published": no empty L16/, tokens/ or output folder either (the tokenized
+    # set is published only after the shard sets).
+    out = tmp_path / "new-output"
+    with pytest.raises(JobError, match="no example fits max length 16.*nothing was published"):
+        pack(["--input", inputs["new"], "--format", "alpaca", "--output", str(out), "--max-length", "16"])
+    assert not out.exists()
+
+
 def test_existing_set_is_refused_before_beam_is_imported(published, inputs):
     code = (
         "import sys; from pipelines.cli import main; "
