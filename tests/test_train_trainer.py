@@ -154,6 +154,51 @@ def test_mesh_fsdp2_on_two_fake_cpu_devices(shard_sets, tmp_path) -> None:
     assert np.isfinite(summary["final_loss"])
 
 
+# Runs in a fresh interpreter with two fake CPU devices: records how Tunix's own input sharding
+# placed each batch, then checks the trained model's parameters and optimizer state.
+_MESH_PROBE = """
+import json, os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import jax
+from flax import nnx
+from tunix.sft import peft_trainer, sharding_utils
+from train import trainer
+from train.config import TrainConfig
+
+seen = []
+real_shard_input = sharding_utils.shard_input
+def recording_shard_input(data, axis):
+    out = real_shard_input(data, axis)
+    x = next(leaf for leaf in jax.tree.leaves(out) if getattr(leaf, "ndim", 0) == 2)  # a [B, L] field
+    seen.append({"devices": len(x.sharding.device_set), "spec": str(getattr(x.sharding, "spec", None)),
+                 "rows_per_device": sorted({s.data.shape[0] for s in x.addressable_shards})})
+    return out
+peft_trainer.sharding_utils.shard_input = recording_shard_input
+
+cfg = TrainConfig(shards=sys.argv[1], model="tiny-qwen3", lora_rank=2, batch_size=4, steps=2, log_every=0,
+                  read_threads=1, mesh="fsdp=2,tp=1", metrics_out=sys.argv[2])
+s, summary = trainer.execute(cfg)
+def specs(state):
+    return sorted({str(leaf.sharding.spec) for leaf in jax.tree.leaves(state) if hasattr(leaf, "sharding") and leaf.ndim == 2})
+print(json.dumps({"batches": seen, "params": specs(nnx.state(s.built.model, nnx.Param)),
+                  "lora": specs(nnx.state(s.built.model, nnx.LoRAParam)), "final_loss": summary["final_loss"]}))
+"""
+
+
+def test_mesh_fsdp2_shards_batches_and_parameters_over_two_devices(shard_sets, tmp_path) -> None:
+    """--mesh fsdp=2 on two fake CPU devices: each batch Tunix feeds the step is split over both
+    devices by rows, and the base weights are split over fsdp (not only what the summary says)."""
+    done = subprocess.run([sys.executable, "-c", _MESH_PROBE, shard_sets["packed"], str(tmp_path / "m.jsonl")],
+                          capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+                          cwd=os.path.dirname(os.path.dirname(__file__)), timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    probe = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(probe["batches"]) >= 2
+    assert all(b["devices"] == 2 and b["rows_per_device"] == [2] and "fsdp" in b["spec"] for b in probe["batches"])
+    assert any("fsdp" in spec for spec in probe["params"])
+    assert np.isfinite(probe["final_loss"])
+
+
 # ----------------------------------------------------------------------------- errors
 
 
