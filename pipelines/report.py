@@ -5,13 +5,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-COLUMNS = (
+# What every set reports: examples in and out, and the rows they fill.
+_COUNT_COLUMNS = (
     ("L", "max_length"),
     ("read", "examples_read"),
     ("written", "examples_written"),
     ("dropped", "dropped"),
     ("truncated", "examples_truncated"),
     ("rows", "rows"),
+)
+COLUMNS = _COUNT_COLUMNS + (
     ("lower bound", "lower_bound_rows"),
     ("rows/bound", "rows_over_lower_bound"),
     ("packed dens.", "packed_density"),
@@ -21,13 +24,7 @@ COLUMNS = (
 )
 # `--no-pack` sets hold one example per row: rows equal examples, and the packed-only
 # figures (lower bound, rows/bound, packed density, row reduction) say nothing about them.
-UNPACKED_COLUMNS = (
-    ("L", "max_length"),
-    ("read", "examples_read"),
-    ("written", "examples_written"),
-    ("dropped", "dropped"),
-    ("truncated", "examples_truncated"),
-    ("rows", "rows"),
+UNPACKED_COLUMNS = _COUNT_COLUMNS + (
     ("density", "unpacked_density"),
     ("target dens.", "target_density"),
 )
