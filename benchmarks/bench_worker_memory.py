@@ -1,18 +1,20 @@
 """Peak memory of the packing job's processes as the input grows, at a fixed shard target.
 
-    python -m benchmarks.bench_worker_memory --data DATA/opus_en_fr.jsonl --examples 500000 1000000 2000000 \\
-        [--code-dir OTHER_CHECKOUT] [--work-dir /tmp/bench_worker_memory]
+    python -m benchmarks.bench_worker_memory --data DATA/opus_en_fr.jsonl --examples 1000000 2000000 3000000 \\
+        [--workers auto|N] [--code-dir OTHER_CHECKOUT] [--work-dir /tmp/bench_worker_memory] [--keep-data]
 
 For each size it writes unique translation pairs (the sample's pairs, each copy suffixed
 with its copy number so no two examples are equal) to the work folder, runs
 `prepack pack --format translation --max-length 512 1024 2048` on the default local runner
-(FnApiRunner, multi-processing, one SDK worker per core), and samples every process of
-the run every 0.2 s: peak RSS (Linux VmHWM) of the launcher and of each SDK worker.
+(FnApiRunner, multi-processing; `--workers auto` lets the job choose the number of SDK workers
+from the input size, `--workers N` passes --direct_num_workers=N, the fixed count the job used
+before), and samples every process of the run every 0.2 s: peak RSS (Linux VmHWM) of the
+launcher and of each SDK worker.
 
 Reports per size: launcher peak, largest SDK worker peak, shards per L, wall time, and
 the ratios to the smallest size (flat = bounded by the window, not by the input).
 `--code-dir` runs another checkout's code on the same files (the baseline in the same run).
-The generated files are deleted at the end unless --keep.
+The generated files are deleted at the end unless --keep (outputs too) or --keep-data.
 """
 
 from __future__ import annotations
@@ -91,7 +93,9 @@ def main() -> int:
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/bench_worker_memory"))
     ap.add_argument("--code-dir", type=Path, default=REPO, help="checkout whose code runs (default: this one)")
     ap.add_argument("--target-shard-mb", type=float, default=256.0)
+    ap.add_argument("--workers", default="auto", help="auto (the job chooses) or a fixed --direct_num_workers")
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--keep-data", action="store_true", help="keep the generated inputs for another run")
     args = ap.parse_args()
     args.work_dir.mkdir(parents=True, exist_ok=True)
     code = str(args.code_dir.resolve())
@@ -106,6 +110,8 @@ def main() -> int:
         cmd = [sys.executable, "-m", "apps.cli", "pack", "--input", str(data), "--format", "translation",
                "--max-length", "512", "1024", "2048", "--output", str(out), "--no-progress",
                "--target-shard-mb", str(args.target_shard_mb)]
+        if args.workers != "auto":
+            cmd.append(f"--direct_num_workers={int(args.workers)}")
         result = run_and_sample(cmd, env, code, args.work_dir / f"log_{n}.txt")
         shards = {}
         for L in (512, 1024, 2048):
@@ -116,18 +122,19 @@ def main() -> int:
         rows.append((n, result, shards))
         w = result["workers_mb"]
         print(f"{n:>10,} examples: rc {result['rc']}, wall {result['wall_s']:.0f} s, launcher {result['launcher_mb']:,.0f} MB, "
-              f"SDK workers {', '.join(f'{x:,.0f}' for x in w)} MB, shards per L (largest MB) "
+              f"{len(w)} SDK workers {', '.join(f'{x:,.0f}' for x in w)} MB, shards per L (largest MB) "
               f"{ {L: f'{c} ({mb:.0f})' for L, (c, mb) in shards.items()} }", flush=True)
         if not args.keep:
             shutil.rmtree(out, ignore_errors=True)
     base_n, base, _ = rows[0]
-    print(f"\n| examples | launcher peak MB | largest SDK worker peak MB | worker ÷ {base_n:,} | launcher KB per example | wall s |")
-    print("|---|---|---|---|---|---|")
+    print(f"\n| examples | workers ({args.workers}) | launcher peak MB | largest SDK worker peak MB | worker ÷ {base_n:,} "
+          f"| launcher KB per example | wall s |")
+    print("|---|---|---|---|---|---|---|")
     for n, r, _ in rows:
         top = max(r["workers_mb"] or [0])
         ratio = top / max(base["workers_mb"] or [1])
-        print(f"| {n:,} | {r['launcher_mb']:,.0f} | {top:,.0f} | {ratio:.2f} | {r['launcher_mb'] * 1024 / n:.2f} | {r['wall_s']:.0f} |")
-    if not args.keep:
+        print(f"| {n:,} | {len(r['workers_mb'])} | {r['launcher_mb']:,.0f} | {top:,.0f} | {ratio:.2f} | {r['launcher_mb'] * 1024 / n:.2f} | {r['wall_s']:.0f} |")
+    if not args.keep and not args.keep_data:
         for n in args.examples:
             (args.work_dir / f"en_fr_unique_{n}.jsonl").unlink(missing_ok=True)
     return 0

@@ -379,9 +379,13 @@ def run(config: PackConfig, beam_args: list[str], run_id: str | None = None) -> 
         seen = swap.look(config.output, config.max_lengths)
         notes = _leftovers(config, job.run_id)
         if local_memory.is_local_runner(beam_args):
+            examples = job.est_records if job.tokens is not None else local_memory.estimate_examples(job.inputs, job.tasks)
+            beam_args = local_memory.with_local_workers(beam_args, examples)
+            workers = local_memory.local_workers(beam_args)
+            log.info("local runner: %d SDK worker process%s for about %s examples", workers, "" if workers == 1 else "es",
+                     f"{examples:,}")
             # Logged, not kept in the result's notes: it depends on this machine's free memory now.
-            too_big = local_memory.warning(local_memory.estimate_examples(job.inputs, job.tasks),
-                                           local_memory.local_workers(beam_args), local_memory.available_bytes())
+            too_big = local_memory.warning(examples, workers, local_memory.available_bytes())
             if too_big:
                 log.warning(too_big)
         for note in notes:

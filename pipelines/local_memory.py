@@ -1,10 +1,17 @@
-"""Will this job fit in Beam's local runner? An estimate before the pipeline starts.
+"""Beam's local runner and memory: how many SDK workers, and will the job fit?
 
-Beam's FnApiRunner keeps every shuffle in the launcher's memory, so the launcher grows
-with the input: measured on unique EN-FR pairs (benchmarks/bench_worker_memory.py,
-docs/benchmarks.md) at about LOCAL_RUNNER_BYTES_PER_EXAMPLE per example over a fixed
-base. Dataflow's shuffle is a service, so nothing of this applies there; splitting the
-input into parts (one job each) bounds it locally.
+Two facts of Beam's FnApiRunner (multi_processing), both measured
+(benchmarks/bench_local_runner_shares.py, benchmarks/bench_worker_memory.py, docs/benchmarks.md):
+- It keeps every shuffle in the launcher's memory, so the launcher grows with the input,
+  about LOCAL_RUNNER_BYTES_PER_EXAMPLE per example over a fixed base.
+- A step's input is cut into one part per SDK worker, each part is one bundle, and the
+  runner writes a bundle's whole input to its worker before it starts the bundle
+  (`BundleManager._run_bundle` in apache_beam/runners/portability/fn_api_runner/fn_runner.py,
+  Beam 2.77). So a worker holds its whole share of every step, whatever the job's own code
+  holds, and the only bound is the share: the job starts one worker per
+  EXAMPLES_PER_LOCAL_WORKER examples (at least one per core).
+Dataflow streams a bundle's input and its shuffle is a service, so neither applies there;
+splitting the input into parts (one job each) bounds the launcher locally.
 """
 
 from __future__ import annotations
@@ -19,9 +26,13 @@ from pipelines.sources import COMPRESSED_SUFFIXES, ReadTask, ResolvedInput
 # in docs/benchmarks.md ("Local runner memory").
 LOCAL_RUNNER_BYTES_PER_EXAMPLE = 2300
 LOCAL_RUNNER_BASE_BYTES = 400 << 20
-# The SDK worker processes next to the launcher: each holds at most its bundle's window
-# (pipelines/README.md, "Bounded worker memory").
+# Examples whose payloads one local SDK worker may hold at once (its share of a step), and
+# that worker's peak RSS: about 1 GB measured at this share (docs/benchmarks.md, "Worker
+# memory"), bounded here by the documented 1.5 GB per bundle (pipelines/README.md).
+EXAMPLES_PER_LOCAL_WORKER = 500_000
 SDK_WORKER_BYTES = 1536 << 20
+# Overrides EXAMPLES_PER_LOCAL_WORKER (tests start several workers on a small input).
+EXAMPLES_PER_LOCAL_WORKER_ENV = "PREPACK_EXAMPLES_PER_LOCAL_WORKER"
 SAMPLE_BYTES = 1 << 20  # read from the first local JSONL file to learn its bytes per record
 FIT_FRACTION = 0.8  # of the available memory; the rest is the page cache and the machine's others
 
@@ -84,6 +95,34 @@ def warning(examples: int, num_workers: int, available: int | None) -> str | Non
             f"{need / 2**30:.1f} GB but {available / 2**30:.1f} GB are available: it will likely run out of memory. "
             f"Run it on Dataflow (gcp/launch_dataflow.py), or split the input into parts of at most "
             f"{fits:,} examples and pack each part on its own")
+
+
+def examples_per_local_worker() -> int:
+    return max(1, int(os.environ.get(EXAMPLES_PER_LOCAL_WORKER_ENV, EXAMPLES_PER_LOCAL_WORKER)))
+
+
+def local_worker_count(examples: int, cores: int) -> int:
+    """One SDK worker per EXAMPLES_PER_LOCAL_WORKER examples, at least one per core."""
+    return max(cores, -(-examples // examples_per_local_worker()))
+
+
+def _multi_processing(beam_args: Sequence[str]) -> bool:
+    for i, arg in enumerate(beam_args):
+        if arg == "--direct_running_mode=multi_processing" or (
+                arg == "--direct_running_mode" and beam_args[i + 1:i + 2] == ["multi_processing"]):
+            return True
+    return False
+
+
+def with_local_workers(beam_args: Sequence[str], examples: int, cores: int | None = None) -> list[str]:
+    """beam_args with `--direct_num_workers` from the input size (local_worker_count), for the
+    local runner in multi_processing mode when the user did not choose a worker count."""
+    args = list(beam_args)
+    if not is_local_runner(args) or not _multi_processing(args):
+        return args
+    if any(a == "--direct_num_workers" or a.startswith("--direct_num_workers=") for a in args):
+        return args
+    return [*args, f"--direct_num_workers={local_worker_count(examples, cores or os.cpu_count() or 1)}"]
 
 
 def local_workers(beam_args: Sequence[str]) -> int:

@@ -241,8 +241,9 @@ def _flag_value(args: Sequence[str], flag: str) -> str | None:
 
 
 def with_default_runner(beam_args: Sequence[str]) -> list[str]:
-    """Adds FnApiRunner multi-processing on all cores unless a runner is named; a local
-    mode or worker count the user gives is kept."""
+    """Adds FnApiRunner multi-processing unless a runner is named; a local mode or worker
+    count the user gives is kept. The job chooses the worker count from the input size
+    (local_memory.with_local_workers)."""
     args = list(beam_args)
     given = {a.split("=")[0] for a in args}
     if "--runner" in given:
@@ -250,8 +251,4 @@ def with_default_runner(beam_args: Sequence[str]) -> list[str]:
     extra = ["--runner=FnApiRunner"]
     if "--direct_running_mode" not in given:
         extra.append("--direct_running_mode=multi_processing")
-    in_memory = "--direct_running_mode=in_memory" in args or (
-        "--direct_running_mode" in args and args[args.index("--direct_running_mode") + 1 :][:1] == ["in_memory"])
-    if "--direct_num_workers" not in given and not in_memory:
-        extra.append("--direct_num_workers=0")
     return extra + args

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 import os
 import shutil
 from collections import Counter
@@ -161,10 +162,18 @@ def test_too_long_examples_are_dead_letters(mixed_run):
     assert keys == sorted(keys)
 
 
-def test_determinism_one_vs_two_workers(mixed_run, data_dir, tmp_path):
+def test_determinism_one_vs_several_workers(mixed_run, data_dir, tmp_path, monkeypatch, caplog):
+    """The default local runner starts one SDK worker per share of the input (here 30 examples;
+    the inputs are estimated at 73, so 3 workers on a 2-core machine); the sets equal the in-process run's."""
+    from pipelines import local_memory
+
     _, out1 = mixed_run
     out2 = tmp_path / "out2"
-    pack(mixed_args(data_dir, out2), runner=TWO_PROCESSES)
+    monkeypatch.setenv(local_memory.EXAMPLES_PER_LOCAL_WORKER_ENV, "30")
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    with caplog.at_level(logging.INFO, logger="prepack.pack"):
+        pack(mixed_args(data_dir, out2), runner=[])
+    assert "local runner: 3 SDK worker processes for about 73 examples" in caplog.text
     for L in LENGTHS:
         a, b = out1 / f"L{L}", out2 / f"L{L}"
         assert shard_bytes(str(a)) == shard_bytes(str(b))

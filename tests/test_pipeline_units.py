@@ -205,8 +205,7 @@ def test_parse_args_defaults_and_pass_through(tmp_path):
                                "--max-length", "1024", "512", "--max-length", "2048", "--project=p", "--region", "r"])
     assert config.inputs == ("a.jsonl", "b.parquet") and config.output == "out"
     assert config.max_lengths == (512, 1024, 2048) and config.pack and config.max_bad_fraction == 0
-    assert beam == ["--runner=FnApiRunner", "--direct_running_mode=multi_processing", "--direct_num_workers=0",
-                    "--project=p", "--region", "r"]
+    assert beam == ["--runner=FnApiRunner", "--direct_running_mode=multi_processing", "--project=p", "--region", "r"]
     assert with_default_runner(["--runner=DataflowRunner"]) == ["--runner=DataflowRunner"]
     assert with_default_runner(["--direct_num_workers=1"]) == [
         "--runner=FnApiRunner", "--direct_running_mode=multi_processing", "--direct_num_workers=1"]
@@ -652,10 +651,37 @@ def test_local_runner_memory_estimate_and_warning(tmp_path):
         "and pack each part on its own")
     assert lm.warning(10_000_000, 2, None) is None  # unknown memory: no guess
     assert lm.local_workers(["--direct_num_workers=3"]) == 3 and lm.local_workers(["--direct_num_workers", "2"]) == 2
+    assert lm.warning(3_000_000, 6, 24 * gb) is None  # 6 workers of 500k examples each fit beside the launcher
     assert lm.is_local_runner(["--runner=FnApiRunner"]) and not lm.is_local_runner(["--runner", "DataflowRunner"])
     fifo = tmp_path / "pipe.jsonl"
     os.mkfifo(fifo)
     assert lm._bytes_per_record(str(fifo)) is None  # never opened: reading would block or steal records
+
+
+def test_the_local_runner_starts_one_worker_per_share_of_the_input(monkeypatch):
+    """Beam's FnApiRunner hands each SDK worker its whole share of a step before the bundle
+    starts, so the job bounds the share: one worker per EXAMPLES_PER_LOCAL_WORKER examples,
+    at least one per core; a worker count the user gives, in_memory and remote runners are kept."""
+    from pipelines import local_memory as lm
+
+    monkeypatch.delenv(lm.EXAMPLES_PER_LOCAL_WORKER_ENV, raising=False)
+    local = ["--runner=FnApiRunner", "--direct_running_mode=multi_processing"]
+    assert lm.local_worker_count(10, cores=2) == 2
+    assert lm.local_worker_count(1_000_000, cores=2) == 2
+    assert lm.local_worker_count(1_000_001, cores=2) == 3
+    assert lm.local_worker_count(3_000_000, cores=2) == 6
+    assert lm.local_worker_count(3_000_000, cores=16) == 16
+    assert lm.with_local_workers(local, 3_000_000, cores=2) == [*local, "--direct_num_workers=6"]
+    assert lm.with_local_workers(["--runner=FnApiRunner", "--direct_running_mode", "multi_processing"], 1, cores=4)[-1] == (
+        "--direct_num_workers=4")
+    assert lm.with_local_workers([*local, "--direct_num_workers=1"], 3_000_000, cores=2) == [*local, "--direct_num_workers=1"]
+    assert lm.with_local_workers([*local, "--direct_num_workers", "3"], 3_000_000, cores=2) == [
+        *local, "--direct_num_workers", "3"]
+    in_memory = ["--runner=FnApiRunner", "--direct_running_mode=in_memory"]
+    assert lm.with_local_workers(in_memory, 3_000_000, cores=2) == in_memory
+    assert lm.with_local_workers(["--runner=DataflowRunner"], 3_000_000, cores=2) == ["--runner=DataflowRunner"]
+    monkeypatch.setenv(lm.EXAMPLES_PER_LOCAL_WORKER_ENV, "40")
+    assert lm.local_worker_count(120, cores=2) == 3
 
 
 def test_a_shard_check_error_from_a_worker_becomes_one_line():
