@@ -109,6 +109,7 @@ def run_job(path: str, fmt: str, options: dict, out: str, max_lengths: list[int]
         "workers_cpu": workers_cpu,
         "examples": first["examples_read"],
         "tokens": result.metrics.get("tokens_tokenized", 0),
+        "window_copies": result.metrics.get("example_copies_to_windows", 0) / max(1, result.metrics.get("examples_routed", 0)),
         "stages": stages,
         "rows": {L: s["rows"] for L, s in result.stats.items()},
         "rows_over_bound": {L: s["rows_over_lower_bound"] for L, s in result.stats.items()},
@@ -224,6 +225,10 @@ def report(results: dict, max_lengths: list[int]) -> str:
     lines += ["", "Rows over the lower bound ceil(tokens / L) (the rows are exactly the global BFD rows):", ""]
     for name, e in results.items():
         lines.append(f"- {name}: " + ", ".join(f"L{L} {v:.4f}" for L, v in e["job"]["rows_over_bound"].items()))
+    lines += ["", f"Write-window copies per example (how often an example's tokens cross the shuffle to the write "
+              f"windows: 1 = once for all {len(max_lengths)} max lengths, {len(max_lengths)} = once per max length):", ""]
+    for name, e in results.items():
+        lines.append(f"- {name}: {e['job']['window_copies']:.3f}")
     return "\n".join(lines)
 
 

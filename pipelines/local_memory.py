@@ -26,11 +26,12 @@ from pipelines.sources import COMPRESSED_SUFFIXES, ReadTask, ResolvedInput
 # in docs/benchmarks.md ("Local runner memory").
 LOCAL_RUNNER_BYTES_PER_EXAMPLE = 2300
 LOCAL_RUNNER_BASE_BYTES = 400 << 20
-# Examples whose payloads one local SDK worker may hold at once (its share of a step), and
-# that worker's peak RSS: about 1 GB measured at this share (docs/benchmarks.md, "Worker
-# memory"), bounded here by the documented 1.5 GB per bundle (pipelines/README.md).
-EXAMPLES_PER_LOCAL_WORKER = 500_000
-SDK_WORKER_BYTES = 1536 << 20
+# Examples whose payloads one local SDK worker may hold at once: its share of a step.
+EXAMPLES_PER_LOCAL_WORKER = 250_000
+# An SDK worker's peak RSS: its base (Beam and the tokenizer) plus its share of a step, about
+# 1.5 KB per example of the share (docs/benchmarks.md, "Worker memory": ~1.0 GB at a 400k-500k share).
+SDK_WORKER_BASE_BYTES = 400 << 20
+SDK_WORKER_BYTES_PER_EXAMPLE = 1500
 # Overrides EXAMPLES_PER_LOCAL_WORKER (tests start several workers on a small input).
 EXAMPLES_PER_LOCAL_WORKER_ENV = "PREPACK_EXAMPLES_PER_LOCAL_WORKER"
 SAMPLE_BYTES = 1 << 20  # read from the first local JSONL file to learn its bytes per record
@@ -81,20 +82,39 @@ def estimate_examples(inputs: Sequence[ResolvedInput], tasks: Sequence[ReadTask]
     return total
 
 
-def warning(examples: int, num_workers: int, available: int | None) -> str | None:
+def local_run_bytes(examples: int, num_workers: int) -> int:
+    """Peak memory of a local run: the launcher, and the workers with their shares."""
+    return (LOCAL_RUNNER_BASE_BYTES + examples * LOCAL_RUNNER_BYTES_PER_EXAMPLE
+            + num_workers * SDK_WORKER_BASE_BYTES + examples * SDK_WORKER_BYTES_PER_EXAMPLE)
+
+
+def examples_that_fit(budget: int, cores: int) -> int:
+    """The most examples a local run with the job's own worker count fits in `budget` bytes."""
+    low, high = 0, max(1, budget // (LOCAL_RUNNER_BYTES_PER_EXAMPLE + SDK_WORKER_BYTES_PER_EXAMPLE))
+    while low < high:
+        mid = (low + high + 1) // 2
+        if local_run_bytes(mid, local_worker_count(mid, cores)) <= budget:
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+def warning(examples: int, num_workers: int, available: int | None, cores: int | None = None) -> str | None:
     """The warning to print before a local run that will not fit, else None."""
     if available is None:
         return None
-    need = LOCAL_RUNNER_BASE_BYTES + examples * LOCAL_RUNNER_BYTES_PER_EXAMPLE + num_workers * SDK_WORKER_BYTES
-    if need <= available * FIT_FRACTION:
+    need = local_run_bytes(examples, num_workers)
+    budget = int(available * FIT_FRACTION)
+    if need <= budget:
         return None
-    fits = max(0, int((available * FIT_FRACTION - LOCAL_RUNNER_BASE_BYTES - num_workers * SDK_WORKER_BYTES)
-                      // LOCAL_RUNNER_BYTES_PER_EXAMPLE))
-    return (f"this input holds about {examples:,} examples; Beam's local runner keeps every shuffle in memory "
-            f"(~{LOCAL_RUNNER_BYTES_PER_EXAMPLE / 1000:.1f} KB per example), so this run needs about "
-            f"{need / 2**30:.1f} GB but {available / 2**30:.1f} GB are available: it will likely run out of memory. "
-            f"Run it on Dataflow (gcp/launch_dataflow.py), or split the input into parts of at most "
-            f"{fits:,} examples and pack each part on its own")
+    fits = examples_that_fit(budget, cores or os.cpu_count() or 1)
+    per_example = (LOCAL_RUNNER_BYTES_PER_EXAMPLE + SDK_WORKER_BYTES_PER_EXAMPLE) / 1000
+    return (f"this input holds about {examples:,} examples; Beam's local runner keeps every shuffle in memory and "
+            f"hands each of its {num_workers} SDK workers its whole share of a step (~{per_example:.1f} KB per example "
+            f"in all), so this run needs about {need / 2**30:.1f} GB but {available / 2**30:.1f} GB are available: it "
+            f"will likely run out of memory. Run it on Dataflow (gcp/launch_dataflow.py), or split the input into "
+            f"parts of at most {fits:,} examples and pack each part on its own")
 
 
 def examples_per_local_worker() -> int:

@@ -63,6 +63,9 @@ class RouteToRowsFn(beam.DoFn):
 
     def setup(self) -> None:
         self.m_routed = Metrics.counter(NAMESPACE, "examples_routed")
+        # Examples sent to write windows, one per (example, window) pair: over examples_routed, how
+        # often an example's tokens cross the window shuffle (1 to the number of max lengths).
+        self.m_copies = Metrics.counter(NAMESPACE, "example_copies_to_windows")
         self.clock = StageClock("route")
 
     def start_bundle(self) -> None:
@@ -122,6 +125,7 @@ class RouteToRowsFn(beam.DoFn):
                 examples.take(unique, cut_to=longest),
             ))
             self.buffered += len(taken)
+            self.m_copies.inc(len(unique))
         self.m_routed.inc(len(order))
 
     def _flush(self, windowed: bool) -> Iterator[Any]:

@@ -642,16 +642,20 @@ def test_local_runner_memory_estimate_and_warning(tmp_path):
     inputs, tasks = resolve_inputs([str(path)])
     assert lm.estimate_examples(inputs, tasks) == 5000
     gb = 1 << 30
-    assert lm.warning(1_000_000, 2, 24 * gb) is None
-    message = lm.warning(10_000_000, 2, 24 * gb)
+    assert lm.warning(1_000_000, 2, 24 * gb, cores=2) is None
+    assert lm.warning(3_000_000, 12, 24 * gb, cores=2) is None  # 12 workers of 250k examples each fit beside the launcher
+    message = lm.warning(10_000_000, 40, 24 * gb, cores=2)
     assert message == (
-        "this input holds about 10,000,000 examples; Beam's local runner keeps every shuffle in memory (~2.3 KB per "
-        "example), so this run needs about 24.8 GB but 24.0 GB are available: it will likely run out of memory. "
-        "Run it on Dataflow (gcp/launch_dataflow.py), or split the input into parts of at most 7,380,516 examples "
-        "and pack each part on its own")
+        "this input holds about 10,000,000 examples; Beam's local runner keeps every shuffle in memory and hands each "
+        "of its 40 SDK workers its whole share of a step (~3.8 KB per example in all), so this run needs about 51.4 GB "
+        "but 24.0 GB are available: it will likely run out of memory. Run it on Dataflow (gcp/launch_dataflow.py), or "
+        "split the input into parts of at most 3,659,199 examples and pack each part on its own")
+    # The split size is the largest that fits with the workers the job would start for it.
+    fits = lm.examples_that_fit(int(24 * gb * lm.FIT_FRACTION), cores=2)
+    assert lm.local_run_bytes(fits, lm.local_worker_count(fits, 2)) <= 24 * gb * lm.FIT_FRACTION
+    assert lm.local_run_bytes(fits + 1, lm.local_worker_count(fits + 1, 2)) > 24 * gb * lm.FIT_FRACTION
     assert lm.warning(10_000_000, 2, None) is None  # unknown memory: no guess
     assert lm.local_workers(["--direct_num_workers=3"]) == 3 and lm.local_workers(["--direct_num_workers", "2"]) == 2
-    assert lm.warning(3_000_000, 6, 24 * gb) is None  # 6 workers of 500k examples each fit beside the launcher
     assert lm.is_local_runner(["--runner=FnApiRunner"]) and not lm.is_local_runner(["--runner", "DataflowRunner"])
     fifo = tmp_path / "pipe.jsonl"
     os.mkfifo(fifo)
@@ -667,11 +671,11 @@ def test_the_local_runner_starts_one_worker_per_share_of_the_input(monkeypatch):
     monkeypatch.delenv(lm.EXAMPLES_PER_LOCAL_WORKER_ENV, raising=False)
     local = ["--runner=FnApiRunner", "--direct_running_mode=multi_processing"]
     assert lm.local_worker_count(10, cores=2) == 2
-    assert lm.local_worker_count(1_000_000, cores=2) == 2
-    assert lm.local_worker_count(1_000_001, cores=2) == 3
-    assert lm.local_worker_count(3_000_000, cores=2) == 6
+    assert lm.local_worker_count(1_000_000, cores=2) == 4
+    assert lm.local_worker_count(1_000_001, cores=2) == 5
+    assert lm.local_worker_count(3_000_000, cores=2) == 12
     assert lm.local_worker_count(3_000_000, cores=16) == 16
-    assert lm.with_local_workers(local, 3_000_000, cores=2) == [*local, "--direct_num_workers=6"]
+    assert lm.with_local_workers(local, 3_000_000, cores=2) == [*local, "--direct_num_workers=12"]
     assert lm.with_local_workers(["--runner=FnApiRunner", "--direct_running_mode", "multi_processing"], 1, cores=4)[-1] == (
         "--direct_num_workers=4")
     assert lm.with_local_workers([*local, "--direct_num_workers=1"], 3_000_000, cores=2) == [*local, "--direct_num_workers=1"]
