@@ -199,3 +199,12 @@ def test_run_plan_rows_match_and_placements_are_runs():
     assert len(set(zip(runs.row.tolist(), runs.length.tolist()))) == len(runs.row)  # one run per (row, length)
     assert packer.plan_runs_from_histogram({}, 8).rows() == []
     assert packer.plan_from_histogram({5: 0, 3: 2}, 4) == [[3], [3]]  # an empty count places nothing
+
+
+def test_a_plan_past_the_row_limit_names_the_way_out(monkeypatch):
+    """Rows are C ints in the BFD state; a plan that would need more is refused in one line."""
+    monkeypatch.setattr(packer, "MAX_ROWS", 3)
+    assert len(packer.plan_from_histogram({4: 3}, 4)) == 3
+    with pytest.raises(ValueError, match=r"^the plan at max length 4 needs more than 3 rows: split the input and pack "
+                                         r"each part on its own$"):
+        packer.plan_from_histogram({4: 4}, 4)
