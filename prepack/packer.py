@@ -19,6 +19,7 @@ from __future__ import annotations
 import array
 import dataclasses
 import enum
+import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -181,7 +182,18 @@ class _BestFit:
         self._nonempty = nonempty
         if count:
             self._open_rows(length, count, placed)
-        return np.frombuffer(placed, dtype=np.intc).reshape(-1, 3).copy()
+        return np.frombuffer(placed, dtype=np.intc).reshape(-1, 3)
+
+    def release_spare(self) -> None:
+        """Gives back what emptied buckets still hold: an array never reallocates as it pops, so
+        without this a bucket keeps the most rows it ever held. Called once the runs since the
+        last call have touched an eighth of the rows, it bounds the buckets by ~4 bytes per open
+        row plus ~0.5 per row."""
+        empty = sys.getsizeof(array.array(_C_INT))
+        for free, bucket in enumerate(self._rows_by_free):
+            spare = sys.getsizeof(bucket) - empty - bucket.itemsize * len(bucket)
+            if spare > max(4096, bucket.itemsize * len(bucket)):
+                self._rows_by_free[free] = array.array(_C_INT, bucket)
 
     def _open_rows(self, length: int, count: int, placed: array.array) -> None:
         """The rest of a run when no open row fits it: new rows of max_length // length items each.
@@ -197,7 +209,7 @@ class _BestFit:
                              "split the input and pack each part on its own")
         rows = np.arange(first, first + full, dtype=np.intc)
         placed.frombytes(_c_ints(np.column_stack([rows, np.zeros(full, np.intc), np.full(full, per_row, np.intc)])))
-        self.segments.frombytes(_c_ints(np.full(full, per_row)))
+        self.segments.frombytes(_c_ints(np.full(full, per_row, dtype=np.intc)))
         left = self.max_length - per_row * length
         if left and full:
             self._rows_by_free[left].frombytes(_c_ints(rows))
@@ -275,8 +287,8 @@ class ClassRuns:
     @classmethod
     def of(cls, length: int, placed: np.ndarray) -> "ClassRuns":
         """From place_run's (row, start, items) in placement order."""
-        by_row = placed[np.argsort(placed[:, 0], kind="stable")]
-        return cls(length, by_row[:, 0].copy(), by_row[:, 1].copy(), np.cumsum(by_row[:, 2], dtype=np.int64))
+        order = np.argsort(placed[:, 0], kind="stable")
+        return cls(length, placed[order, 0], placed[order, 1], np.cumsum(placed[order, 2], dtype=np.int64))
 
     @property
     def num_slots(self) -> int:
@@ -305,13 +317,21 @@ class HistogramBestFit:
     hand out a length's slots and drop them. The state kept across lengths is O(rows):
     about 8 bytes per row (items per row, open rows by free space)."""
 
-    def __init__(self, histogram: Mapping[int, int], max_length: int):
+    def __init__(self, histogram: Mapping[int, int], max_length: int, release_after: int = 1 << 16):
         self.histogram = histogram
         self._packer = _BestFit(max_length)
+        # Rows the runs touch between two passes that give the buckets' spare room back (at
+        # least; an eighth of the rows when that is more): a pass visits every bucket.
+        self.release_after = release_after
 
     def classes(self) -> Iterator[ClassRuns]:
+        pushed = 0  # rows touched since the buckets' spare room was last given back
         for length in sorted(self.histogram, reverse=True):
             placed = self._packer.place_run(length, self.histogram[length])
+            pushed += len(placed)
+            if pushed > max(self.release_after, self.num_rows // 8):
+                self._packer.release_spare()
+                pushed = 0
             if len(placed):
                 yield ClassRuns.of(length, placed)
 
