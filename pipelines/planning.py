@@ -176,10 +176,11 @@ class LengthPlanner:
         self.class_counts: dict[int, int] = defaultdict(int)
         self._groups_by_class: dict[int, list[tuple[int, int]]] = defaultdict(list)
         for cls, b, k, count in entries:
-            self.offsets[(k, b)] = self.class_counts[cls]
-            self.group_counts[(k, b)] = count
+            key = (k, b)  # one tuple for the three maps: ~100 bytes per group less at 1M groups
+            self.offsets[key] = self.class_counts[cls]
+            self.group_counts[key] = count
             self.class_counts[cls] += count
-            self._groups_by_class[cls].append((k, b))
+            self._groups_by_class[cls].append(key)
         self._bfd = HistogramBestFit(self.class_counts, max_length) if pack else None
         self._placed = not pack
 

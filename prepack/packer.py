@@ -86,9 +86,10 @@ def fit_at_length(lengths: np.ndarray, max_length: int, policy: OverlongPolicy,
     return out
 
 
-# Rows, positions and run sizes are C ints (array typecode "i", numpy intc, 4 bytes): the
-# BFD state is 4 bytes per row for the items per row and 4 per open row in its capacity
-# bucket, rather than a Python int object (28 bytes plus a list slot) each.
+# Rows, positions and run sizes are C ints (array typecode "i", numpy intc, 4 bytes), and a
+# row's item count (at most its max length) a C unsigned short where it fits: the BFD state
+# is 2 bytes per row for the items per row and 4 per open row in its capacity bucket, rather
+# than a Python int object (28 bytes plus a list slot) each.
 _C_INT = "i"
 MAX_ROWS = 2**31 - 1
 
@@ -104,7 +105,7 @@ class _BestFit:
         if max_length <= 0:
             raise ValueError(f"max_length must be positive, got {max_length}")
         self.max_length = max_length
-        self.segments = array.array(_C_INT)  # items placed in each row so far
+        self.segments = array.array("H" if max_length <= 0xFFFF else _C_INT)  # items placed in each row so far
         self._rows_by_free = [array.array(_C_INT) for _ in range(max_length + 1)]
         self._nonempty = 0
 
@@ -209,7 +210,7 @@ class _BestFit:
                              "split the input and pack each part on its own")
         rows = np.arange(first, first + full, dtype=np.intc)
         placed.frombytes(_c_ints(np.column_stack([rows, np.zeros(full, np.intc), np.full(full, per_row, np.intc)])))
-        self.segments.frombytes(_c_ints(np.full(full, per_row, dtype=np.intc)))
+        self.segments.frombytes(np.full(full, per_row, dtype=np.dtype(self.segments.typecode)).tobytes())
         left = self.max_length - per_row * length
         if left and full:
             self._rows_by_free[left].frombytes(_c_ints(rows))
@@ -333,7 +334,9 @@ class HistogramBestFit:
                 self._packer.release_spare()
                 pushed = 0
             if len(placed):
-                yield ClassRuns.of(length, placed)
+                runs = ClassRuns.of(length, placed)
+                del placed  # while the caller hands the class out, only its runs by row are held
+                yield runs
 
     @property
     def num_rows(self) -> int:
