@@ -206,8 +206,7 @@ class LengthPlanner:
         if self._bfd is not None:
             num_rows = self._bfd.num_rows
             tokens = sum(cls * count for cls, count in self.class_counts.items())
-            segments = self._bfd.segments
-            min_seg, max_seg = (int(segments.min()), int(segments.max())) if num_rows else (0, 0)
+            min_seg, max_seg = self._bfd.segment_range()
         else:
             num_rows = num_examples
             tokens = 0

@@ -342,10 +342,20 @@ class HistogramBestFit:
     def num_rows(self) -> int:
         return len(self._packer.segments)
 
+    def _segments_view(self) -> np.ndarray:
+        # Shares the array's buffer: the array cannot grow while the view lives.
+        segments = self._packer.segments
+        return np.frombuffer(segments, dtype=np.dtype(segments.typecode)) if len(segments) else np.zeros(0, np.intc)
+
     @property
     def segments(self) -> np.ndarray:
-        """Items per row (intc), final once classes() is exhausted."""
-        return np.asarray(self._packer.segments, dtype=np.intc)
+        """Items per row (a copy), final once classes() is exhausted."""
+        return self._segments_view().copy()
+
+    def segment_range(self) -> tuple[int, int]:
+        """(fewest, most) items in a row, (0, 0) without rows; reads the state in place, no copy."""
+        view = self._segments_view()
+        return (int(view.min()), int(view.max())) if len(view) else (0, 0)
 
 
 def plan_from_histogram(histogram: dict[int, int], max_length: int) -> list[list[int]]:
