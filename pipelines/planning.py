@@ -106,8 +106,9 @@ class LengthPlan:
     min_segments: int
     max_segments: int
     offsets: dict[tuple[int, int], int]
-    # class -> (row of the k-th slot, position of that slot in its row); packed only. Never
-    # broadcast: the job sends each (length_key, b) group its own slice (group_slices).
+    # class -> (row of the k-th slot, position of that slot in its row); packed only, and only
+    # in build_plan's whole plan: the job never holds every slot, it streams each
+    # (length_key, b) group its own slice (LengthPlanner.group_slices).
     slots: dict[int, tuple[np.ndarray, np.ndarray]]
     group_counts: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)
     window_tokens: int = WINDOW_TOKENS

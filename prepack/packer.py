@@ -11,7 +11,9 @@ non-empty. The best fit for an item of length n is the lowest set bit at or
 above n, one shift and one lowest-bit extraction on an L-bit integer, so the
 work per item does not grow with the number of open rows. Planning from a
 histogram goes further: equal lengths are placed as a run, one step per row
-they touch instead of one per item (`_BestFit.place_run`).
+they touch instead of one per item (`_BestFit.place_run`), and one length at a
+time (`HistogramBestFit`), so a caller can hand out a length's slots before the
+next is placed: memory grows with rows (C arrays, a few bytes each), not items.
 """
 
 from __future__ import annotations
