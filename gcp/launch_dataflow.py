@@ -61,10 +61,11 @@ DEFAULT_MACHINE_TYPE = "n2-standard-8"
 # the GCS and shuffle waits; 8 processes x 2 x 1.5 GB = 24 GB of the VM's 32 GB.
 DEFAULT_HARNESS_THREADS = 2
 # (examples up to, workers, machine type): docs/gcp.md's table; the default is the 100M row.
-# Above 100M the plan step (one bundle, ~35 bytes per example) outgrows what a 32 GB VM
-# has left beside its 16 bundles, hence highmem (64 GB).
+# The plan step (one bundle) streams its slices and holds ~10 bytes per row of one L: under
+# 2 GB at 1B examples (benchmarks/bench_plan_scale.py), within the 8 GB a 32 GB VM has left
+# beside its 16 bundles, so no size needs a highmem VM.
 SIZING = ((10_000_000, 4, DEFAULT_MACHINE_TYPE), (100_000_000, 16, DEFAULT_MACHINE_TYPE),
-          (1_000_000_000, 64, "n2-highmem-8"))
+          (1_000_000_000, 64, DEFAULT_MACHINE_TYPE))
 DEFAULT_EXAMPLES = 100_000_000
 
 
@@ -141,8 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-length", action="extend", nargs="+", type=int, default=[], metavar="L",
                    help="one or more max lengths (default: prepack pack's)")
     p.add_argument("--bucket", help="gs://BUCKET for Dataflow's temp and staging files (default: the output's bucket)")
-    p.add_argument("--machine-type", help=f"worker machine type (default: from --examples, {DEFAULT_MACHINE_TYPE} up to "
-                                          "100M examples, n2-highmem-8 above)")
+    p.add_argument("--machine-type", help="worker machine type (default: from --examples by docs/gcp.md's sizing table, "
+                                          f"{DEFAULT_MACHINE_TYPE} at every size)")
     p.add_argument("--examples", type=int, default=DEFAULT_EXAMPLES,
                    help=f"about how many examples the input holds; picks --max-workers from docs/gcp.md's sizing table "
                         f"(default {DEFAULT_EXAMPLES:,})")

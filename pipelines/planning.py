@@ -27,11 +27,11 @@ import hashlib
 import math
 import os
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import numpy as np
 
-from prepack.packer import RunPlan, plan_runs_from_histogram
+from prepack.packer import ClassRuns, HistogramBestFit
 
 # Compressed bytes per token of a row under zstd:3, measured in docs/row_format.md
 # (2.4); used only to turn --target-shard-mb into a shard count.
@@ -106,8 +106,9 @@ class LengthPlan:
     min_segments: int
     max_segments: int
     offsets: dict[tuple[int, int], int]
-    # class -> (row of the k-th slot, position of that slot in its row); packed only. Never
-    # broadcast: the job sends each (length_key, b) group its own slice (group_slices).
+    # class -> (row of the k-th slot, position of that slot in its row); packed only, and only
+    # in build_plan's whole plan: the job never holds every slot, it streams each
+    # (length_key, b) group its own slice (LengthPlanner.group_slices).
     slots: dict[int, tuple[np.ndarray, np.ndarray]]
     group_counts: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)
     window_tokens: int = WINDOW_TOKENS
@@ -154,64 +155,89 @@ class LengthPlan:
         return -(-len(self.rows_in_shard(shard)) // self.rows_per_window)
 
 
-def slots_from_runs(runs: RunPlan) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    """class -> (row, position) int32 arrays of its slots, in row order then position order.
+class LengthPlanner:
+    """One L's plan from the (L, length_key, b) histogram (other L's entries are ignored),
+    streamed: `group_slices()` places one class at a time, longest first, and yields each of
+    its groups' slices before it places the next class, so the planner never holds more than
+    the BFD state (~8 bytes per row), one class's runs (O(rows it touches)), one group's slice
+    and the group offsets (O(groups)); `plan()` is the plan once every class is placed.
 
-    Runs are expanded with numpy, so the cost per slot is a few array elements rather
-    than Python objects. A row holds at most one run per class, so sorting the runs by
-    (class, row) and expanding each into consecutive positions gives that order."""
-    order = np.lexsort((runs.row, runs.length))
-    length, row, count, start = runs.length[order], runs.row[order], runs.count[order], runs.start[order]
-    first_flat = np.cumsum(count) - count  # flat index of each run's first slot
-    rows = np.repeat(row, count).astype(np.int32)
-    positions = (np.arange(int(count.sum())) - np.repeat(first_flat - start, count)).astype(np.int32)
-    classes, first_run = np.unique(length, return_index=True)
-    bounds = [*first_flat[first_run].tolist(), len(rows)]
-    by_class = {
-        int(cls): (rows[a:b], positions[a:b]) for cls, a, b in zip(classes.tolist(), bounds, bounds[1:])
-    }
-    # Insertion order as a row-by-row scan of the plan meets the classes.
-    return dict(sorted(by_class.items(), key=lambda item: (int(item[1][0][0]), int(item[1][1][0]))))
+    Groups take their class's slots in (b, length_key) order, each a consecutive range from
+    `offsets[(length_key, b)]`; under truncation every length_key > L is in class L."""
+
+    def __init__(self, histogram: Histogram, max_length: int, pack: bool, num_shards: int | None = None,
+                 target_shard_mb: float = 256.0):
+        self.max_length, self.pack = max_length, pack
+        self.num_shards, self.target_shard_mb = num_shards, target_shard_mb
+        entries = sorted(
+            (example_class(k, max_length, pack), b, k, c) for (L, k, b), c in histogram.items() if L == max_length and c > 0
+        )
+        self.offsets: dict[tuple[int, int], int] = {}
+        self.group_counts: dict[tuple[int, int], int] = {}
+        self.class_counts: dict[int, int] = defaultdict(int)
+        self._groups_by_class: dict[int, list[tuple[int, int]]] = defaultdict(list)
+        for cls, b, k, count in entries:
+            key = (k, b)  # one tuple for the three maps: ~100 bytes per group less at 1M groups
+            self.offsets[key] = self.class_counts[cls]
+            self.group_counts[key] = count
+            self.class_counts[cls] += count
+            self._groups_by_class[cls].append(key)
+        self._bfd = HistogramBestFit(self.class_counts, max_length) if pack else None
+        self._placed = not pack
+
+    def classes(self) -> Iterator[ClassRuns]:
+        """Each class's runs (packed only), placed one class at a time, longest first."""
+        if self._bfd is not None:
+            yield from self._bfd.classes()
+            self._placed = True
+
+    def group_slices(self) -> Iterator[tuple[tuple[int, int], np.ndarray, np.ndarray]]:
+        """((length_key, b), rows, positions) of every group, packed only: the group's slots in
+        rank order (int32), what LengthPlan.route returns for it; class by class."""
+        for runs in self.classes():
+            for key in self._groups_by_class[runs.length]:
+                start = self.offsets[key]
+                yield (key, *runs.slots(start, start + self.group_counts[key]))
+
+    def plan(self, slots: dict[int, tuple[np.ndarray, np.ndarray]] | None = None) -> LengthPlan:
+        """The plan, once every class is placed (classes() or group_slices() exhausted)."""
+        if not self._placed:
+            raise RuntimeError("LengthPlanner.plan() needs every class placed first: exhaust group_slices()")
+        num_examples = sum(self.class_counts.values())
+        if self._bfd is not None:
+            num_rows = self._bfd.num_rows
+            tokens = sum(cls * count for cls, count in self.class_counts.items())
+            min_seg, max_seg = self._bfd.segment_range()
+        else:
+            num_rows = num_examples
+            tokens = 0
+            min_seg = max_seg = 1 if num_rows else 0
+        return LengthPlan(
+            max_length=self.max_length,
+            pack=self.pack,
+            num_rows=num_rows,
+            num_shards=choose_num_shards(num_rows, self.max_length, self.num_shards, self.target_shard_mb),
+            num_examples=num_examples,
+            tokens=tokens,
+            min_segments=min_seg,
+            max_segments=max_seg,
+            offsets=self.offsets,
+            slots=slots or {},
+            group_counts=self.group_counts,
+            window_tokens=window_tokens(),
+        )
 
 
 def build_plan(
     histogram: Histogram, max_length: int, pack: bool, num_shards: int | None = None, target_shard_mb: float = 256.0
 ) -> LengthPlan:
-    """The plan for one L from the (L, length_key, b) histogram (other L's entries are ignored)."""
-    entries = sorted(
-        ((example_class(k, max_length, pack), b, k, c) for (L, k, b), c in histogram.items() if L == max_length and c > 0)
-    )
-    offsets: dict[tuple[int, int], int] = {}
-    class_counts: dict[int, int] = defaultdict(int)
-    for cls, b, k, count in entries:
-        offsets[(k, b)] = class_counts[cls]
-        class_counts[cls] += count
-    num_examples = sum(class_counts.values())
-    slots: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-    if pack:
-        runs = plan_runs_from_histogram(class_counts, max_length)
-        slots = slots_from_runs(runs)
-        num_rows = runs.num_rows
-        tokens = sum(cls * count for cls, count in class_counts.items())
-        min_seg, max_seg = (int(runs.segments.min()), int(runs.segments.max())) if num_rows else (0, 0)
-    else:
-        num_rows = num_examples
-        tokens = 0
-        min_seg = max_seg = 1 if num_rows else 0
-    return LengthPlan(
-        max_length=max_length,
-        pack=pack,
-        num_rows=num_rows,
-        num_shards=choose_num_shards(num_rows, max_length, num_shards, target_shard_mb),
-        num_examples=num_examples,
-        tokens=tokens,
-        min_segments=min_seg,
-        max_segments=max_seg,
-        offsets=offsets,
-        slots=slots,
-        group_counts={(k, b): count for _, b, k, count in entries},
-        window_tokens=window_tokens(),
-    )
+    """The whole plan for one L in memory, slots of every class included (8 bytes per example):
+    for tests, benchmarks and small runs. The job streams it instead (LengthPlanner)."""
+    planner = LengthPlanner(histogram, max_length, pack, num_shards, target_shard_mb)
+    by_class = {runs.length: runs.slots(0, runs.num_slots) for runs in planner.classes()}
+    # Insertion order as a row-by-row scan of the plan meets the classes.
+    slots = dict(sorted(by_class.items(), key=lambda item: (int(item[1][0][0]), int(item[1][1][0]))))
+    return planner.plan(slots)
 
 
 def build_plans(

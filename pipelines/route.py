@@ -36,14 +36,15 @@ class PlanFn(beam.DoFn):
         self.target_shard_mb = target_shard_mb
 
     def process(self, histogram: dict) -> Iterator[Any]:
-        from pipelines.planning import build_plan
+        from pipelines.planning import LengthPlanner
 
         for L in self.max_lengths:
-            plan = build_plan(histogram, L, self.pack, self.num_shards, self.target_shard_mb)
-            if self.pack:
-                for key, rows, positions in plan.group_slices():
-                    yield (key, (L, rows.astype("<i4").tobytes(), positions.astype("<i4").tobytes()))
-            yield TaggedOutput(TAG_PLAN, (L, plan.without_slots()))
+            # Streamed: each class's slices go out before the next class is placed, so the
+            # planner holds ~8 bytes per row, not the slots of every example (LengthPlanner).
+            planner = LengthPlanner(histogram, L, self.pack, self.num_shards, self.target_shard_mb)
+            for key, rows, positions in planner.group_slices():
+                yield (key, (L, rows.astype("<i4").tobytes(), positions.astype("<i4").tobytes()))
+            yield TaggedOutput(TAG_PLAN, (L, planner.plan().without_slots()))
 
 
 class RouteToRowsFn(beam.DoFn):

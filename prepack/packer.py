@@ -11,15 +11,18 @@ non-empty. The best fit for an item of length n is the lowest set bit at or
 above n, one shift and one lowest-bit extraction on an L-bit integer, so the
 work per item does not grow with the number of open rows. Planning from a
 histogram goes further: equal lengths are placed as a run, one step per row
-they touch instead of one per item (`_BestFit.place_run`).
+they touch instead of one per item (`_BestFit.place_run`), and one length at a
+time (`HistogramBestFit`), so a caller can hand out a length's slots before the
+next is placed: memory grows with rows (C arrays, a few bytes each), not items.
 """
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import enum
-import itertools
-from collections.abc import Iterable, Mapping, Sequence
+import sys
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -85,6 +88,18 @@ def fit_at_length(lengths: np.ndarray, max_length: int, policy: OverlongPolicy,
     return out
 
 
+# Rows, positions and run sizes are C ints (array typecode "i", numpy intc, 4 bytes), and a
+# row's item count (at most its max length) a C unsigned short where it fits: the BFD state
+# is 2 bytes per row for the items per row and 4 per open row in its capacity bucket, rather
+# than a Python int object (28 bytes plus a list slot) each.
+_C_INT = "i"
+MAX_ROWS = 2**31 - 1
+
+
+def _c_ints(values: np.ndarray) -> bytes:
+    return np.ascontiguousarray(values, dtype=np.intc).tobytes()
+
+
 class _BestFit:
     """Incremental best-fit state: place items one at a time, or a run of equal items at once."""
 
@@ -92,8 +107,8 @@ class _BestFit:
         if max_length <= 0:
             raise ValueError(f"max_length must be positive, got {max_length}")
         self.max_length = max_length
-        self.segments: list[int] = []  # items placed in each row so far
-        self._rows_by_free: list[list[int]] = [[] for _ in range(max_length + 1)]
+        self.segments = array.array("H" if max_length <= 0xFFFF else _C_INT)  # items placed in each row so far
+        self._rows_by_free = [array.array(_C_INT) for _ in range(max_length + 1)]
         self._nonempty = 0
 
     def _check(self, length: int) -> None:
@@ -126,9 +141,10 @@ class _BestFit:
             self._nonempty |= 1 << left
         return row
 
-    def place_run(self, length: int, count: int) -> list[tuple[int, int, int]]:
+    def place_run(self, length: int, count: int) -> np.ndarray:
         """Places `count` items of `length` exactly as `count` calls of place() would;
-        returns (row, position of its first item, items) per row touched, in placement order.
+        returns (row, position of its first item, items) per row touched, in placement
+        order, as an (n, 3) intc array.
 
         Why a row takes many at once: place() puts an item into the open row with the
         least free space r >= length. Afterwards that row has r - length free, less than
@@ -140,25 +156,26 @@ class _BestFit:
         the final bucket state (order within a bucket included) are item-by-item BFD's.
         The work is per row touched, not per item.
         """
+        placed = array.array(_C_INT)  # row, start, items; three C ints per row touched
         if count <= 0:
-            return []
+            return np.zeros((0, 3), dtype=np.intc)
         self._check(length)
-        placed: list[tuple[int, int, int]] = []
         rows_by_free, segments, nonempty = self._rows_by_free, self.segments, self._nonempty
+        add = placed.append
         # place() inlined: this loop runs once per row touched, the hot path of planning.
         while count:
             fits = nonempty >> length
             if not fits:
-                self._nonempty = nonempty
-                placed += self._open_rows(length, count)
-                return placed
+                break
             free = length + (fits & -fits).bit_length() - 1
             bucket = rows_by_free[free]
             row = bucket.pop()  # the same tie-break as place()
             if not bucket:
                 nonempty &= ~(1 << free)
             k = min(count, free // length)
-            placed.append((row, segments[row], k))
+            add(row)
+            add(segments[row])
+            add(k)
             segments[row] += k
             left = free - k * length
             if left:
@@ -166,9 +183,22 @@ class _BestFit:
                 nonempty |= 1 << left
             count -= k
         self._nonempty = nonempty
-        return placed
+        if count:
+            self._open_rows(length, count, placed)
+        return np.frombuffer(placed, dtype=np.intc).reshape(-1, 3)
 
-    def _open_rows(self, length: int, count: int) -> list[tuple[int, int, int]]:
+    def release_spare(self) -> None:
+        """Gives back what emptied buckets still hold: an array never reallocates as it pops, so
+        without this a bucket keeps the most rows it ever held. Called once the runs since the
+        last call have touched an eighth of the rows, it bounds the buckets by ~4 bytes per open
+        row plus ~0.5 per row."""
+        empty = sys.getsizeof(array.array(_C_INT))
+        for free, bucket in enumerate(self._rows_by_free):
+            spare = sys.getsizeof(bucket) - empty - bucket.itemsize * len(bucket)
+            if spare > max(4096, bucket.itemsize * len(bucket)):
+                self._rows_by_free[free] = array.array(_C_INT, bucket)
+
+    def _open_rows(self, length: int, count: int, placed: array.array) -> None:
         """The rest of a run when no open row fits it: new rows of max_length // length items each.
 
         A new row that is full for this length keeps less than `length` free, so nothing
@@ -177,18 +207,21 @@ class _BestFit:
         per_row = self.max_length // length
         full, rest = divmod(count, per_row)
         first = len(self.segments)
-        placed = list(zip(range(first, first + full), itertools.repeat(0), itertools.repeat(per_row, full)))
-        self.segments += itertools.repeat(per_row, full)
+        if first + full + (1 if rest else 0) > MAX_ROWS:
+            raise ValueError(f"the plan at max length {self.max_length} needs more than {MAX_ROWS:,} rows: "
+                             "split the input and pack each part on its own")
+        rows = np.arange(first, first + full, dtype=np.intc)
+        placed.frombytes(_c_ints(np.column_stack([rows, np.zeros(full, np.intc), np.full(full, per_row, np.intc)])))
+        self.segments.frombytes(np.full(full, per_row, dtype=np.dtype(self.segments.typecode)).tobytes())
         left = self.max_length - per_row * length
         if left and full:
-            self._rows_by_free[left] += range(first, first + full)
+            self._rows_by_free[left].frombytes(_c_ints(rows))
             self._nonempty |= 1 << left
         if rest:
             row = first + full
-            placed.append((row, 0, rest))
+            placed.extend((row, 0, rest))
             self.segments.append(rest)
             self._push(row, self.max_length - rest * length)
-        return placed
 
 
 def _decreasing_order(lengths: Sequence[int]) -> np.ndarray:
@@ -233,16 +266,98 @@ def plan_runs_from_histogram(histogram: Mapping[int, int], max_length: int) -> R
     """BFD over a length histogram, one place_run per length: the plan_from_histogram plan,
     computed in time that grows with rows and distinct lengths rather than items."""
     packer = _BestFit(max_length)
-    placed: list[tuple[int, int, int]] = []
-    lengths: list[int] = []
+    runs = [np.zeros((0, 3), dtype=np.intc)]
+    lengths = [np.zeros(0, dtype=np.int64)]
     for length in sorted(histogram, reverse=True):
-        run = packer.place_run(length, histogram[length])
-        placed += run
-        lengths += itertools.repeat(length, len(run))
-    flat = np.fromiter(itertools.chain.from_iterable(placed), dtype=np.int64, count=3 * len(placed))
-    row, start, count = flat.reshape(-1, 3).T
-    return RunPlan(len(packer.segments), np.array(packer.segments, dtype=np.int64), row,
-                   np.array(lengths, dtype=np.int64), count, start)
+        runs.append(packer.place_run(length, histogram[length]))
+        lengths.append(np.full(len(runs[-1]), length, dtype=np.int64))
+    row, start, count = np.concatenate(runs).astype(np.int64).T
+    return RunPlan(len(packer.segments), np.asarray(packer.segments, dtype=np.int64), row,
+                   np.concatenate(lengths), count, start)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ClassRuns:
+    """The runs of one length (a class), sorted by row: the class's slots in row order (a row
+    holds at most one run per length), each run's slots at consecutive positions. `ends[i]`:
+    the slots of runs 0..i. O(rows the class touched), however many slots it has."""
+
+    length: int
+    row: np.ndarray  # intc, ascending
+    start: np.ndarray  # intc: the position of the run's first slot in its row
+    ends: np.ndarray  # int64
+
+    @classmethod
+    def of(cls, length: int, placed: np.ndarray) -> "ClassRuns":
+        """From place_run's (row, start, items) in placement order."""
+        order = np.argsort(placed[:, 0], kind="stable")
+        return cls(length, placed[order, 0], placed[order, 1], np.cumsum(placed[order, 2], dtype=np.int64))
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.ends[-1]) if len(self.ends) else 0
+
+    def slots(self, first: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """Rows and positions (int32) of the class's slots first, ..., stop - 1: only the runs
+        that hold them are expanded."""
+        if not 0 <= first <= stop <= self.num_slots:
+            raise ValueError(f"slots {first}..{stop} are outside the {self.num_slots} slots of length {self.length}")
+        if first == stop:
+            return np.zeros(0, np.int32), np.zeros(0, np.int32)
+        a = int(np.searchsorted(self.ends, first, side="right"))
+        b = int(np.searchsorted(self.ends, stop - 1, side="right")) + 1
+        ends = self.ends[a:b]
+        begins = np.concatenate([self.ends[a - 1:a] if a else np.zeros(1, np.int64), ends[:-1]])
+        taken = np.minimum(ends, stop) - np.maximum(begins, first)
+        rows = np.repeat(self.row[a:b], taken).astype(np.int32)
+        positions = (np.repeat(self.start[a:b] - begins, taken) + np.arange(first, stop)).astype(np.int32)
+        return rows, positions
+
+
+class HistogramBestFit:
+    """BFD over a length histogram, streamed by length: `classes()` places one length at a
+    time, longest first, and yields its ClassRuns before it places the next, so a caller can
+    hand out a length's slots and drop them. The state kept across lengths is O(rows):
+    about 8 bytes per row (items per row, open rows by free space)."""
+
+    def __init__(self, histogram: Mapping[int, int], max_length: int, release_after: int = 1 << 16):
+        self.histogram = histogram
+        self._packer = _BestFit(max_length)
+        # Rows the runs touch between two passes that give the buckets' spare room back (at
+        # least; an eighth of the rows when that is more): a pass visits every bucket.
+        self.release_after = release_after
+
+    def classes(self) -> Iterator[ClassRuns]:
+        pushed = 0  # rows touched since the buckets' spare room was last given back
+        for length in sorted(self.histogram, reverse=True):
+            placed = self._packer.place_run(length, self.histogram[length])
+            pushed += len(placed)
+            if pushed > max(self.release_after, self.num_rows // 8):
+                self._packer.release_spare()
+                pushed = 0
+            if len(placed):
+                runs = ClassRuns.of(length, placed)
+                del placed  # while the caller hands the class out, only its runs by row are held
+                yield runs
+
+    @property
+    def num_rows(self) -> int:
+        return len(self._packer.segments)
+
+    def _segments_view(self) -> np.ndarray:
+        # Shares the array's buffer: the array cannot grow while the view lives.
+        segments = self._packer.segments
+        return np.frombuffer(segments, dtype=np.dtype(segments.typecode)) if len(segments) else np.zeros(0, np.intc)
+
+    @property
+    def segments(self) -> np.ndarray:
+        """Items per row (a copy), final once classes() is exhausted."""
+        return self._segments_view().copy()
+
+    def segment_range(self) -> tuple[int, int]:
+        """(fewest, most) items in a row, (0, 0) without rows; reads the state in place, no copy."""
+        view = self._segments_view()
+        return (int(view.min()), int(view.max())) if len(view) else (0, 0)
 
 
 def plan_from_histogram(histogram: dict[int, int], max_length: int) -> list[list[int]]:

@@ -107,7 +107,7 @@ def test_beam_stages_our_package_and_the_pipeline_extra(tmp_path):
 @pytest.mark.parametrize("examples, workers", [(1_000_000, 4), (10_000_000, 4), (10_000_001, 16), (100_000_000, 16),
                                                (1_000_000_000, 64), (5_000_000_000, 64)])
 def test_worker_ceiling_follows_the_sizing_table(examples, workers):
-    """docs/gcp.md's table: 4 n2-standard-8 up to 10M examples, 16 up to 100M, 64 n2-highmem-8 above."""
+    """docs/gcp.md's table: 4 n2-standard-8 up to 10M examples, 16 up to 100M, 64 above."""
     cmd = ld.build_command(BASE + ["--examples", str(examples)]).cmd
     assert option(cmd, "--max_num_workers") == str(workers)
     assert option(ld.build_command(BASE + ["--examples", str(examples), "--max-workers", "3"]).cmd, "--max_num_workers") == "3"
@@ -161,7 +161,7 @@ def test_validate_builds_the_job_with_the_dataflow_runner_offline(capsys, monkey
     assert set(dv.EXPECTED_STEPS) <= set(report.steps)
     assert report.packaging == "setup" and {"workflow.tar.gz", "requirements.txt"} <= set(report.staged)
     assert (report.machine_type, report.disk_size_gb, report.harness_threads, report.max_workers) == (
-        "n2-highmem-8", ld.DEFAULT_DISK_GB, ld.DEFAULT_HARNESS_THREADS, 64)
+        "n2-standard-8", ld.DEFAULT_DISK_GB, ld.DEFAULT_HARNESS_THREADS, 64)
     # Every project DoFn with a setup ran it: read, tokenize, fit, route, write shards/dead letters/summary.
     assert report.unpickled["dofns"] >= 20 and report.unpickled["coders"] >= 10 and report.unpickled["setups"] >= 7
 

@@ -199,3 +199,57 @@ def test_run_plan_rows_match_and_placements_are_runs():
     assert len(set(zip(runs.row.tolist(), runs.length.tolist()))) == len(runs.row)  # one run per (row, length)
     assert packer.plan_runs_from_histogram({}, 8).rows() == []
     assert packer.plan_from_histogram({5: 0, 3: 2}, 4) == [[3], [3]]  # an empty count places nothing
+
+
+def test_a_plan_past_the_row_limit_names_the_way_out(monkeypatch):
+    """Rows are C ints in the BFD state; a plan that would need more is refused in one line."""
+    monkeypatch.setattr(packer, "MAX_ROWS", 3)
+    assert len(packer.plan_from_histogram({4: 3}, 4)) == 3
+    with pytest.raises(ValueError, match=r"^the plan at max length 4 needs more than 3 rows: split the input and pack "
+                                         r"each part on its own$"):
+        packer.plan_from_histogram({4: 4}, 4)
+
+
+# ----------------------------------------------------------------------------- streamed by length
+
+
+@settings(max_examples=200, deadline=None)
+@given(histograms_and_limit(), st.booleans(), st.randoms(use_true_random=False))
+def test_streamed_classes_are_the_run_plan_one_length_at_a_time(case, release_often, rnd):
+    """HistogramBestFit.classes: each length's slots in row order, then position order, as the
+    whole run plan has them, whether or not the buckets' spare room is given back after every
+    length; any range of a class's slots is that range of the whole expansion."""
+    histogram, max_length = case
+    rows = packer.plan_runs_from_histogram(histogram, max_length).rows()
+    bfd = packer.HistogramBestFit(histogram, max_length, release_after=0 if release_often else 1 << 16)
+    streamed = list(bfd.classes())
+    assert [c.length for c in streamed] == sorted((n for n, c in histogram.items() if c > 0), reverse=True)
+    slots = slots_by_length(rows)
+    for runs in streamed:
+        want = [(s.row, s.position) for s in slots[runs.length]]
+        got_rows, got_positions = runs.slots(0, runs.num_slots)
+        assert got_rows.dtype == got_positions.dtype == np.int32
+        assert list(zip(got_rows.tolist(), got_positions.tolist())) == want
+        first = rnd.randint(0, len(want))
+        stop = rnd.randint(first, len(want))
+        part_rows, part_positions = runs.slots(first, stop)
+        assert list(zip(part_rows.tolist(), part_positions.tolist())) == want[first:stop]
+    assert bfd.num_rows == len(rows) and bfd.segments.tolist() == [len(r) for r in rows]
+    if streamed:
+        with pytest.raises(ValueError, match=rf"^slots 0..{streamed[0].num_slots + 1} are outside the "
+                                             rf"{streamed[0].num_slots} slots of length {streamed[0].length}$"):
+            streamed[0].slots(0, streamed[0].num_slots + 1)
+
+
+def test_release_spare_gives_back_what_emptied_buckets_hold_and_keeps_their_rows():
+    """array.pop never reallocates: without release_spare a bucket keeps its largest size."""
+    import sys
+
+    fit = packer._BestFit(8)
+    fit.place_run(5, 100_000)  # 100,000 rows with 3 free, all in bucket 3
+    fit.place_run(3, 99_990)  # fills all but 10 of them
+    before = [b.tolist() for b in fit._rows_by_free]
+    assert len(fit._rows_by_free[3]) == 10 and sys.getsizeof(fit._rows_by_free[3]) > 400_000
+    fit.release_spare()
+    assert [b.tolist() for b in fit._rows_by_free] == before
+    assert sys.getsizeof(fit._rows_by_free[3]) < 1_000

@@ -319,6 +319,76 @@ def test_build_plan_slots_equal_the_per_item_construction(max_length, entries):
     assert plan.tokens == sum(cls * len(r) for cls, (r, _) in slots.items())
 
 
+@st.composite
+def histograms_with_truncation(draw):
+    """(L, length_key, b) histograms over several sub-buckets, lengths up to 3 L: under
+    --overlong truncate every length_key > L is in class L, so a class merges many keys."""
+    max_length = draw(st.one_of(st.integers(1, 40), st.sampled_from([128, 512])))
+    sub_buckets = draw(st.integers(1, 5))
+    keys = st.tuples(st.one_of(st.integers(1, 3 * max_length), st.just(max_length)), st.integers(0, sub_buckets - 1))
+    counts = draw(st.dictionaries(keys, st.one_of(st.integers(0, 5), st.integers(1, 400)), max_size=40))
+    return {(max_length, k, b): c for (k, b), c in counts.items()}, max_length
+
+
+@settings(max_examples=150, deadline=None)
+@given(histograms_with_truncation())
+def test_streamed_group_slices_equal_the_whole_expansion(case):
+    """PlanFn's streamed slices: each group's slots as cut from every slot of the plan at
+    once (the per-item scan of the BFD rows), and the same plan without slots."""
+    from pipelines.planning import LengthPlanner
+
+    histogram, max_length = case
+    whole = build_plan(histogram, max_length, pack=True)
+    slots, _ = per_item_slots(histogram, max_length)
+    planner = LengthPlanner(histogram, max_length, pack=True)
+    streamed = {key: (rows, positions) for key, rows, positions in planner.group_slices()}
+    assert set(streamed) == set(whole.offsets)
+    for (key, b), (rows, positions) in streamed.items():
+        start, count = whole.offsets[(key, b)], whole.group_counts[(key, b)]
+        class_rows, class_positions = slots[min(key, max_length)]
+        assert rows.dtype == positions.dtype == np.int32
+        np.testing.assert_array_equal(rows, class_rows[start:start + count])
+        np.testing.assert_array_equal(positions, class_positions[start:start + count])
+    assert planner.plan().without_slots() == whole.without_slots()
+
+
+def test_the_planner_hands_out_a_class_before_it_places_the_next(monkeypatch):
+    """The planner never needs every slot at once: each class's slices come out after that
+    class is placed and before the next (shorter) one is. Fails when LengthPlanner.classes
+    collects the classes first (list(...) of the BFD's classes)."""
+    from pipelines.planning import LengthPlanner
+    from prepack import packer
+
+    events = []
+    place_run = packer._BestFit.place_run
+
+    def logged(self, length, count):
+        events.append(("place", length))
+        return place_run(self, length, count)
+
+    monkeypatch.setattr(packer._BestFit, "place_run", logged)
+    L = 16
+    # Keys 20 and 30 are truncated into class 16, beside key 16 itself; three sub-buckets.
+    histogram = {(L, k, b): 3 + k + b for k in (1, 2, 5, 9, 16, 20, 30) for b in range(3)}
+    planner = LengthPlanner(histogram, L, pack=True)
+    slices = planner.group_slices()
+    with pytest.raises(RuntimeError, match=r"needs every class placed first: exhaust group_slices\(\)"):
+        planner.plan()
+    for key, rows, _ in slices:
+        events.append(("slice", min(key[0], L), key[1], len(rows)))
+    assert [e[1] for e in events if e[0] == "place"] == [16, 9, 5, 2, 1]
+    # Between two placements: only the slices of the class just placed, (b, length_key) order.
+    current = None
+    for event in events:
+        if event[0] == "place":
+            current = event[1]
+        else:
+            assert event[1] == current
+    class_16 = [(e[2], e[3]) for e in events if e[0] == "slice" and e[1] == 16]
+    assert class_16 == [(b, 3 + k + b) for b in range(3) for k in (16, 20, 30)]
+    assert planner.plan().num_examples == sum(histogram.values())
+
+
 # ----------------------------------------------------------------------------- fit step
 
 
