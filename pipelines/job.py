@@ -381,6 +381,7 @@ def run(config: PackConfig, beam_args: list[str], run_id: str | None = None) -> 
         if local_memory.is_local_runner(beam_args):
             examples = job.est_records if job.tokens is not None else local_memory.estimate_examples(job.inputs, job.tasks)
             beam_args = local_memory.with_local_workers(beam_args, examples)
+            local_memory.bound_worker_arenas(beam_args)
             workers = local_memory.local_workers(beam_args)
             log.info("local runner: %d SDK worker process%s for about %s examples", workers, "" if workers == 1 else "es",
                      f"{examples:,}")

@@ -133,11 +133,27 @@ class LengthPlan:
             yield (key, b), rows[start:start + count], positions[start:start + count]
 
     def without_slots(self) -> "LengthPlan":
-        """What every worker may hold: sizes and group offsets (O(groups)), no slots."""
-        return dataclasses.replace(self, slots={}, group_counts={})
+        """What every worker holds: the plan's sizes, and when unpacked the group offsets (at most
+        MAX_SUB_BUCKETS groups, all of length_key 0). A packed plan's groups get their slices
+        instead, so its offsets (a million groups at 1B examples) stay with the planner."""
+        return dataclasses.replace(self, slots={}, group_counts={}, offsets={} if self.pack else self.offsets)
+
+    # Shards hold contiguous runs of rows, as even as the row count allows (none empty, since
+    # num_shards <= num_rows). Why not row % num_shards: an example's slots at each max length sit
+    # at about the same relative place in each plan, so with contiguous shards they mostly meet
+    # in one write window and its tokens cross the window shuffle once; dealt round-robin, each L
+    # put them in an unrelated shard (1.79 window copies per example against 1.10, 3 L, 2 shards
+    # per L; docs/benchmarks.md). Readers shuffle rows globally, so a shard need not be a sample.
+    def shard_start(self, shard: int) -> int:
+        return shard * self.num_rows // self.num_shards
 
     def rows_in_shard(self, shard: int) -> range:
-        return range(shard, self.num_rows, self.num_shards)
+        return range(self.shard_start(shard), self.shard_start(shard + 1))
+
+    def shards_of(self, rows: np.ndarray) -> np.ndarray:
+        """The shard of each row: the s with shard_start(s) <= row < shard_start(s + 1)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        return ((rows + 1) * self.num_shards - 1) // self.num_rows
 
     @property
     def rows_per_window(self) -> int:
@@ -145,7 +161,8 @@ class LengthPlan:
 
     def windows_of(self, rows: np.ndarray) -> np.ndarray:
         """The write window of each row: its rank within its shard // rows_per_window."""
-        return (rows // self.num_shards) // self.rows_per_window
+        rows = np.asarray(rows, dtype=np.int64)
+        return (rows - self.shards_of(rows) * self.num_rows // self.num_shards) // self.rows_per_window
 
     def rows_in_window(self, shard: int, window: int) -> range:
         per = self.rows_per_window

@@ -105,7 +105,7 @@ class RouteToRowsFn(beam.DoFn):
             else:
                 rows, positions = plan.route(key, b, len(survivors))
             # (shard, window) of each slot, as one sortable code; a group's slots are split by it.
-            codes = (rows % plan.num_shards) << 32 | plan.windows_of(rows)
+            codes = plan.shards_of(rows) << 32 | plan.windows_of(rows)
             by_code = np.argsort(codes, kind="stable")
             unique, starts = np.unique(codes[by_code], return_index=True)
             for code, sel in zip(unique.tolist(), np.split(by_code, starts[1:])):

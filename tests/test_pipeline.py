@@ -346,7 +346,7 @@ def test_prompt_response_from_tfds_unpacked(tmp_path):
     assert stats["examples_read"] == 15 and stats["rows"] == stats["examples_written"]
     manifest, _ = check_shard_set(str(out / "L128"), expected_examples("prompt_response", records), 128)
     assert manifest.packing == "unpacked" and len(manifest.shards) == 2
-    # One example per row, rows in stable-hash order of the example ids (row r is in shard r % 2).
+    # One example per row, rows in stable-hash order of the example ids (shards hold contiguous runs of rows).
     import tensorflow_datasets as tfds
 
     source = tfds.data_source(name, split="train", data_dir=data_dir)
@@ -355,7 +355,8 @@ def test_prompt_response_from_tfds_unpacked(tmp_path):
     order = sorted(range(len(stored)), key=lambda i: (stable_hash(ids[i]), ids[i]))
     want = [segment_key(ex.input_ids, ex.loss_mask) for ex in expected_examples("prompt_response", [stored[i] for i in order])]
     by_shard = [read_shard_set_rows(out / "L128", s) for s in range(2)]
-    rows = [by_shard[r % 2][r // 2] for r in range(len(want))]
+    assert [len(rows) for rows in by_shard] == [7, 8]  # 15 rows: shard s holds rows [s * 15 // 2, (s + 1) * 15 // 2)
+    rows = by_shard[0] + by_shard[1]
     assert [segment_key(*_only_segment(row)) for row in rows] == want
 
 

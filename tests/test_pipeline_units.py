@@ -758,6 +758,21 @@ def test_the_local_runner_starts_one_worker_per_share_of_the_input(monkeypatch):
     assert lm.local_worker_count(120, cores=2) == 3
 
 
+def test_local_workers_get_few_malloc_arenas_unless_the_user_chose(monkeypatch):
+    from pipelines import local_memory as lm
+
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "")  # so that monkeypatch restores this process's value afterwards
+    for args in (["--runner=FnApiRunner", "--direct_running_mode=in_memory"], ["--runner=DataflowRunner"]):
+        monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+        lm.bound_worker_arenas(args)
+        assert "MALLOC_ARENA_MAX" not in os.environ
+    lm.bound_worker_arenas(["--runner=FnApiRunner", "--direct_running_mode=multi_processing"])
+    assert os.environ["MALLOC_ARENA_MAX"] == lm.WORKER_MALLOC_ARENAS
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "8")
+    lm.bound_worker_arenas(["--runner=FnApiRunner", "--direct_running_mode=multi_processing"])
+    assert os.environ["MALLOC_ARENA_MAX"] == "8"
+
+
 def test_a_shard_check_error_from_a_worker_becomes_one_line():
     """The runner wraps a worker's exception with its whole traceback; the launcher shows one line."""
     from pipelines.failures import one_line
@@ -849,3 +864,23 @@ def test_routing_gives_the_same_rows_whatever_the_arrival_order():
     assert len(want) == 2 * len(n)
     for seed in (1, 2, 3):
         assert _routed_slots(groups, plans, lengths, seed) == want
+
+
+@given(st.integers(1, 5000), st.integers(1, 300), st.integers(1, 64), st.data())
+def test_shards_are_contiguous_even_runs_of_rows_and_windows_tile_them(num_rows, num_shards, rows_per_window, data):
+    """Every row is in exactly one shard and one window of it; shards are contiguous, none is
+    empty, and their sizes differ by at most one row."""
+    from pipelines.planning import LengthPlan
+
+    num_shards = min(num_shards, num_rows)
+    plan = LengthPlan(max_length=8, pack=True, num_rows=num_rows, num_shards=num_shards, num_examples=0, tokens=0,
+                      min_segments=0, max_segments=0, offsets={}, slots={}, window_tokens=8 * rows_per_window)
+    rows = np.arange(num_rows)
+    shards, windows = plan.shards_of(rows), plan.windows_of(rows)
+    sizes = [len(plan.rows_in_shard(s)) for s in range(num_shards)]
+    assert min(sizes) >= 1 and max(sizes) - min(sizes) <= 1 and sum(sizes) == num_rows
+    assert np.all(np.diff(shards) >= 0)  # contiguous: row order never goes back to an earlier shard
+    tiled = [r for s in range(num_shards) for w in range(plan.num_windows(s)) for r in plan.rows_in_window(s, w)]
+    assert tiled == rows.tolist()
+    r = data.draw(st.integers(0, num_rows - 1))
+    assert r in plan.rows_in_window(int(shards[r]), int(windows[r]))
