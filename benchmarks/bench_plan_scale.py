@@ -168,7 +168,7 @@ def main() -> int:
     for r in results:
         print(f"| {r['examples']:,} | {r['sub_buckets']} | {r['rows']:,} | {r['plan_and_slices_cpu_s']:,.1f} | "
               f"{r['planner_peak_rss_mb']:,.0f} | {r['planner_own_bytes_per_row']:,.1f} | "
-              f"{r['side_input_bytes'] / 1024:,.0f} KB | {r['old_broadcast_bytes'] / mb:,.0f} MB | "
+              f"{r['side_input_bytes']:,} B | {r['old_broadcast_bytes'] / mb:,.0f} MB | "
               f"{r['largest_group_examples']:,} / {r['largest_group_slice_bytes'] / mb:,.1f} MB / "
               f"{r['largest_group_payload_bytes'] / mb:,.0f} MB | {r['window_payload_bytes_per_L'] / mb:,.0f} MB |")
     if before:

@@ -29,12 +29,12 @@ LOCAL_RUNNER_BASE_BYTES = 400 << 20
 # Examples whose payloads one local SDK worker may hold at once: its share of a step.
 EXAMPLES_PER_LOCAL_WORKER = 250_000
 # An SDK worker's peak RSS: its base (Beam and the tokenizer) plus its share of a step, about
-# 1.5 KB per example of the share (docs/benchmarks.md, "Worker memory": ~1.0 GB at a 400k-500k share).
+# 1.5 KB per example of the share (docs/benchmarks.md, "Worker memory": under 1 GB at a 200k-250k share).
 SDK_WORKER_BASE_BYTES = 400 << 20
 SDK_WORKER_BYTES_PER_EXAMPLE = 1500
 # glibc malloc arenas per SDK worker: the worker's gRPC threads receive a step's input and its
 # bundle thread frees it, and with glibc's default (8 arenas per core) what one arena freed is
-# not reused by the next, so a worker's RSS adds up over the steps (measured: 1,103 -> 994 MB
+# not reused by the next, so a worker's RSS adds up over the steps (measured: 1,103 -> 1,027 MB
 # for the largest worker at 3M examples, docs/benchmarks.md). Workers inherit the launcher's
 # environment; a value the user set is kept.
 WORKER_MALLOC_ARENAS = "2"
