@@ -22,6 +22,7 @@ PIPELINE = [
     "pyarrow>=18",
     "tqdm>=4.66",
     "orjson==3.13.0",  # the readers parse JSON lines ~2x faster with it (json is the fallback)
+    "zstandard==0.25.0",  # .zst inputs, and the write windows' part files (also a Beam dependency)
 ]
 TRAIN = [
     "jax==0.10.2",

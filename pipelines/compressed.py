@@ -41,15 +41,16 @@ def suffix_of(path: str) -> str | None:
     return next((s for s in DECOMPRESSORS if lower.endswith(s)), None)
 
 
-def decompressed_blocks(raw: BinaryIO, path: str, suffix: str) -> Iterator[bytes]:
-    """The file's decompressed bytes in blocks; raises InputFileError on truncation or corruption."""
+def decompressed_blocks(raw: BinaryIO, path: str, suffix: str, read_block: int = READ_BLOCK) -> Iterator[bytes]:
+    """The file's decompressed bytes in blocks (each from at most `read_block` compressed bytes);
+    raises InputFileError on truncation or corruption."""
     fresh = DECOMPRESSORS[suffix]
     d = fresh()
     consumed = 0
     pending = b""
     try:
         while True:
-            block = pending or raw.read(READ_BLOCK)
+            block = pending or raw.read(read_block)
             pending = b""
             if not block:
                 break

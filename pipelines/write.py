@@ -27,7 +27,8 @@ from apache_beam.metrics.metric import Metrics
 
 from pipelines.planning import LengthPlan
 from pipelines.columns import FragmentBatch, ShardWork, concat_wire
-from pipelines.failures import ShardCheckError
+from pipelines.compressed import decompressed_blocks
+from pipelines.failures import InputFileError, ShardCheckError
 from pipelines.records import DeadLetter, TaskMeta, place_in_file, range_offsets
 from pipelines.stage import StageClock
 from pipelines.swap import run_staging_dir, staging_dir
@@ -92,6 +93,8 @@ def _rows_from_fragments(
 # that loses elements would (the assembler's check must then fail the job with one line).
 FAULT_DROP_WINDOW_ENV = "PREPACK_FAULT_DROP_WINDOW"
 PART_BLOCK = 8 << 20  # bytes of framed rows buffered before a write to a part file
+PART_ZSTD_LEVEL = 1  # the fastest level: parts are read once, by the assembler
+PART_READ_BLOCK = 256 << 10  # compressed bytes per read: what one read decompresses to stays small
 _FRAME = struct.Struct("<I")
 
 
@@ -111,34 +114,46 @@ def _merge_stats(into: dict[str, int], part: dict[str, int]) -> None:
 
 
 def write_part(path: str, records: Iterable[bytes]) -> None:
-    """Length-framed records to a part file, in blocks of PART_BLOCK bytes."""
-    with create_file(path) as f:
+    """Length-framed records to a part file, zstd-compressed (level PART_ZSTD_LEVEL), in blocks
+    of PART_BLOCK bytes. Compressed because a part holds rows before padding is squeezed out:
+    written raw, the parts were the job's largest write (~2.6 KB per example for 3 L) and cost
+    more CPU than compressing them (docs/benchmarks.md, "Packing-job CPU after the window writer")."""
+    import zstandard
+
+    with create_file(path) as f, zstandard.ZstdCompressor(level=PART_ZSTD_LEVEL).stream_writer(f, closefd=False) as z:
         block: list[bytes] = []
         size = 0
         for record in records:
             block += (_FRAME.pack(len(record)), record)
             size += len(record) + 4
             if size >= PART_BLOCK:
-                f.write(b"".join(block))
+                z.write(b"".join(block))
                 block, size = [], 0
         if block:
-            f.write(b"".join(block))
+            z.write(b"".join(block))
 
 
 def read_part(path: str) -> Iterator[bytes]:
-    """The records of a part file, one at a time."""
+    """The records of a part file, one at a time; ShardCheckError if it is damaged or truncated."""
     from apache_beam.io.filesystems import FileSystems
 
-    with FileSystems.open(path, compression_type="uncompressed") as f:
-        while True:
-            head = f.read(4)
-            if not head:
-                return
-            (n,) = _FRAME.unpack(head)
-            record = f.read(n)
-            if len(record) != n:
-                raise ShardCheckError(f"part file {path} is truncated")
-            yield record
+    buf = bytearray()
+    with FileSystems.open(path, compression_type="uncompressed") as raw:
+        try:
+            for block in decompressed_blocks(raw, path, ".zst", read_block=PART_READ_BLOCK):
+                buf += block
+                pos = 0
+                while len(buf) - pos >= 4:
+                    (n,) = _FRAME.unpack_from(buf, pos)
+                    if len(buf) - pos - 4 < n:
+                        break
+                    yield bytes(buf[pos + 4:pos + 4 + n])
+                    pos += 4 + n
+                del buf[:pos]
+        except InputFileError as e:
+            raise ShardCheckError(f"part file {path} is truncated or damaged (a storage fault)") from e
+    if buf:
+        raise ShardCheckError(f"part file {path} ends inside a row (a storage fault)")
 
 
 class WriteWindowFn(beam.DoFn):
@@ -223,6 +238,9 @@ class AssembleShardFn(beam.DoFn):
         try:
             local = os.path.join(tmp, shard_name(shard, plan.num_shards))
             info = write_shard(local, (record for _, path, _ in parts for record in read_part(path)), DEFAULT_WRITER_OPTIONS)
+            if info.num_rows != stats["rows"]:
+                raise ShardCheckError(f"L={max_length}: shard {shard} read {info.num_rows} rows back from its parts, "
+                                      f"its windows wrote {stats['rows']}")
             written = StageClock.now()
             self.clock_write.add(written - started)
             # The published name carries the content's hash: a new set never overwrites a file

@@ -884,3 +884,30 @@ def test_shards_are_contiguous_even_runs_of_rows_and_windows_tile_them(num_rows,
     assert tiled == rows.tolist()
     r = data.draw(st.integers(0, num_rows - 1))
     assert r in plan.rows_in_window(int(shards[r]), int(windows[r]))
+
+
+def test_part_files_round_trip_and_a_damaged_part_fails_the_shard(tmp_path):
+    """Write windows' part files are zstd frames of length-framed rows; a truncated part, or a
+    part that reads back fewer rows than its window wrote, ends the job with a ShardCheckError."""
+    from pipelines.failures import ShardCheckError
+    from pipelines.planning import LengthPlan
+    from pipelines.write import AssembleShardFn, _new_stats, read_part, write_part
+
+    records = [bytes([i % 251]) * (100 + i) for i in range(500)]
+    path = str(tmp_path / "part")
+    write_part(path, records)
+    assert list(read_part(path)) == records
+    data = open(path, "rb").read()
+    with open(path, "wb") as f:
+        f.write(data[: len(data) // 2])
+    with pytest.raises(ShardCheckError, match=r"part file .*part is truncated or damaged \(a storage fault\)"):
+        list(read_part(path))
+
+    plan = LengthPlan(max_length=8, pack=True, num_rows=3, num_shards=1, num_examples=3, tokens=0, min_segments=1,
+                      max_segments=1, offsets={}, slots={})
+    write_part(path, records[:2])
+    stats = {**_new_stats(), "rows": 3, "segments": 3, "min_segments": 1, "max_segments": 1}
+    fn = AssembleShardFn(str(tmp_path / "out"), "run")
+    fn.setup()
+    with pytest.raises(ShardCheckError, match=r"L=8: shard 0 read 2 rows back from its parts, its windows wrote 3"):
+        list(fn.process(((8, 0), [(0, path, stats)]), {8: plan}))
