@@ -50,8 +50,8 @@ WORKER_REQUIREMENTS = Path(__file__).resolve().parent / "worker_requirements.txt
 CONTAINER_PYTHON = (3, 11)
 
 DEFAULT_REGION = "us-central1"
-# Sizing from measurement (docs/gcp.md, "Sizing"): ~2.5 us of CPU per token measured end to end,
-# x1.5 for Dataflow's remote shuffle, at 512 tokens per example ~1.94 ms per example; at most
+# Sizing from measurement (docs/gcp.md, "Sizing"): ~1.9 us of CPU per token measured end to end,
+# x1.5 for Dataflow's remote shuffle, at 512 tokens per example ~1.49 ms per example; at most
 # 1.5 GB per concurrent bundle (pipelines/README.md, "Bounded worker memory").
 # 8 vCPUs / 32 GB: Dataflow bills per vCPU-hour and GB-hour whatever the shape, so a larger VM
 # costs the same per core but boots (and pip-installs) once for 8 SDK processes. N2 cores are
