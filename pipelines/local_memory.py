@@ -20,6 +20,7 @@ import os
 import stat
 from collections.abc import Sequence
 
+from pipelines.options import flag_value
 from pipelines.sources import COMPRESSED_SUFFIXES, ReadTask, ResolvedInput
 
 # Launcher (FnApiRunner) peak RSS per example and at zero examples, from the measurements
@@ -133,11 +134,7 @@ def local_worker_count(examples: int, cores: int) -> int:
 
 
 def _multi_processing(beam_args: Sequence[str]) -> bool:
-    for i, arg in enumerate(beam_args):
-        if arg == "--direct_running_mode=multi_processing" or (
-                arg == "--direct_running_mode" and beam_args[i + 1:i + 2] == ["multi_processing"]):
-            return True
-    return False
+    return flag_value(beam_args, "--direct_running_mode") == "multi_processing"
 
 
 def with_local_workers(beam_args: Sequence[str], examples: int, cores: int | None = None) -> list[str]:
@@ -146,7 +143,7 @@ def with_local_workers(beam_args: Sequence[str], examples: int, cores: int | Non
     args = list(beam_args)
     if not is_local_runner(args) or not _multi_processing(args):
         return args
-    if any(a == "--direct_num_workers" or a.startswith("--direct_num_workers=") for a in args):
+    if flag_value(args, "--direct_num_workers") is not None:
         return args
     return [*args, f"--direct_num_workers={local_worker_count(examples, cores or os.cpu_count() or 1)}"]
 
@@ -159,10 +156,8 @@ def bound_worker_arenas(beam_args: Sequence[str]) -> None:
 
 def local_workers(beam_args: Sequence[str]) -> int:
     """SDK worker processes the local runner will start (--direct_num_workers, 0 = all cores)."""
-    for i, arg in enumerate(beam_args):
-        value = arg.split("=", 1)[1] if arg.startswith("--direct_num_workers=") else (
-            beam_args[i + 1] if arg == "--direct_num_workers" and i + 1 < len(beam_args) else None)
-        if value is not None:
-            n = int(value)
-            return n if n > 0 else (os.cpu_count() or 1)
-    return 1
+    value = flag_value(beam_args, "--direct_num_workers")
+    if value is None:
+        return 1
+    n = int(value)
+    return n if n > 0 else (os.cpu_count() or 1)

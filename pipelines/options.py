@@ -222,7 +222,7 @@ def parse_args(argv: Sequence[str]) -> tuple[PackConfig, list[str]]:
         requested=tuple(sorted(requested.items())),
     )
     beam_args = with_default_runner(beam_args)
-    if "--direct_running_mode=multi_threading" in beam_args or _flag_value(beam_args, "--direct_running_mode") == "multi_threading":
+    if flag_value(beam_args, "--direct_running_mode") == "multi_threading":
         raise OptionsError(
             "--direct_running_mode=multi_threading is not supported: Beam's embedded SDK worker loses elements under "
             "load (its timed 1 s output-buffer flush, TimeBasedBufferingClosableOutputStream, sends get() then _clear() "
@@ -232,10 +232,12 @@ def parse_args(argv: Sequence[str]) -> tuple[PackConfig, list[str]]:
     return config, beam_args
 
 
-def _flag_value(args: Sequence[str], flag: str) -> str | None:
-    """The value of `--flag VALUE` (space-separated form) if present."""
-    for i, a in enumerate(args[:-1]):
-        if a == flag:
+def flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The value of a Beam option given as `--flag=VALUE` or `--flag VALUE`, if present."""
+    for i, a in enumerate(args):
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+        if a == flag and i + 1 < len(args):
             return args[i + 1]
     return None
 
