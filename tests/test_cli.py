@@ -1,0 +1,44 @@
+"""The `prepack` console script: missing extras, --version, unknown commands."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from apps import cli
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+
+
+def test_train_without_the_train_extra_names_the_extra():
+    # A fresh process where `import jax` fails as on a machine without the train extra.
+    done = _run("import sys; sys.modules['jax'] = None; from apps.cli import main; "
+                "sys.exit(main(['train', '--shards', 'OUT/L512']))")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == ("prepack train: needs the 'train' extra (no module named 'jax'); install it with "
+                           "pip install 'tunix-prepack[train]' (in a checkout: .venv/bin/pip install -e '.[train]')\n")
+
+
+def test_a_missing_module_outside_the_extras_is_not_blamed_on_them():
+    err = ModuleNotFoundError("No module named 'nosuchthing'", name="nosuchthing")
+    assert cli.missing_extra(err, "train") is None
+    assert cli.missing_extra(ModuleNotFoundError(name="apache_beam.io"), "pipeline,report") == "pipeline"
+    assert cli.missing_extra(ModuleNotFoundError(name="matplotlib"), "pipeline,report") == "report"
+
+
+def test_version(capsys):
+    assert cli.main(["--version"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("prepack ") and out.count("\n") == 1 and out.split()[1][0].isdigit()
+
+
+def test_unknown_command(capsys):
+    assert cli.main(["pakc"]) == 2
+    assert capsys.readouterr().err.startswith("prepack: unknown command 'pakc'\n")
