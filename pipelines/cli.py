@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -14,10 +16,23 @@ from pipelines.options import OptionsError, parse_args
 _QUIET_LOGGERS = ("apache_beam.runners.portability.local_job_service", "apache_beam.runners.worker")
 
 
-def _quiet_beam_logs() -> None:
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    for name in _QUIET_LOGGERS:
-        logging.getLogger(name).setLevel(logging.ERROR)
+def _configure_logs(verbose: bool) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if not verbose:
+        for name in _QUIET_LOGGERS:
+            logging.getLogger(name).setLevel(logging.ERROR)
+
+
+@contextlib.contextmanager
+def _signal_handlers_restored():
+    """interrupts.install() is for this run only: an in-process caller (a test, a notebook) gets
+    its own SIGINT/SIGTERM handlers back afterwards."""
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -34,14 +49,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if refusal:
         print(f"prepack pack: {refusal}", file=sys.stderr)
         return 1
-    _quiet_beam_logs()
-    interrupts.install()
+    _configure_logs(config.verbose)
     from pipelines.job import Interrupted, run
     from pipelines.publish import JobError
     from pipelines.report import density_table
+    from pipelines.worker_stderr import QuietAfterSignal
 
     try:
-        result = run(config, beam_args)
+        with _signal_handlers_restored():
+            interrupts.install()
+            with contextlib.nullcontext() if config.verbose else QuietAfterSignal():
+                result = run(config, beam_args)
     except JobError as e:
         print(f"prepack pack: {e}", file=sys.stderr)
         return 1

@@ -77,6 +77,7 @@ class PackConfig:
     tfds_data_dir: str | None = None
     batch_size: int = 512  # records per element after reading; also the encode_batch size
     progress: bool = True
+    verbose: bool = False  # Beam's and the workers' full logs, also after Ctrl-C (does not shape the rows)
     write_tokens: bool = True  # also publish OUTPUT/tokens (the tokenized set)
     from_tokens: str | None = None  # pack from this tokenized set instead of the inputs
     # --from-tokens: the token choices (prepack.tokenset.TOKEN_CHOICES) the user gave, to be
@@ -167,6 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--allow-untested-runner", action="store_true",
                      help=f"run on a Beam runner other than {' and '.join(SUPPORTED_RUNNERS)} (untested; may lose or misroute rows)")
     out.add_argument("--no-progress", action="store_true", help="no records/s lines from the workers")
+    out.add_argument("--verbose", action="store_true",
+                     help="Beam's and the workers' full logs (by default warnings only, and after Ctrl-C only the last line)")
     return p
 
 
@@ -251,6 +254,7 @@ def parse_args(argv: Sequence[str]) -> tuple[PackConfig, list[str]]:
         tfds_data_dir=ns.tfds_data_dir,
         batch_size=ns.batch_size,
         progress=not ns.no_progress,
+        verbose=ns.verbose,
         write_tokens=not ns.no_tokens and not ns.from_tokens,
         from_tokens=ns.from_tokens.rstrip("/") if ns.from_tokens else None,
         requested=tuple(sorted(requested.items())),

@@ -226,3 +226,64 @@ def test_stuck_main_thread_still_exits_and_cleans_up(tmp_path, second_signal):
     assert code == 128 + signal.SIGINT
     assert cleaned.read_text() == "yes"
     assert child.stderr.read().strip() == "prepack pack: stopped by signal 2; nothing new was published by this run"
+
+
+
+# A worker's dying words, made deterministic: in each SDK worker process (and only there) this
+# sitecustomize says it is up, then answers SIGINT at once by writing to its stderr, as real
+# workers do with KeyboardInterrupt tracebacks, "CRITICAL ... sdk harness failed" and gRPC's
+# "terminate called without an active exception" when Ctrl-C reaches them mid-import or
+# mid-bundle (those print only when they win the race against the launcher's SIGTERM).
+NOISY_WORKER = '''
+import os, signal, sys, threading
+if "sdk_worker_main" in " ".join(getattr(sys, "orig_argv", sys.argv)):
+    os.write(2, b"worker up\\n")
+    # Every thread Beam starts inherits this mask: SIGINT reaches only the sigwait below, so the
+    # words are written on every Ctrl-C, before the launcher's SIGTERM can end the worker.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    def _last_words():
+        signal.sigwait({signal.SIGINT})
+        os.write(2, b"CRITICAL worker: sdk harness failed\\nterminate called without an active exception\\n")
+        os._exit(1)
+    threading.Thread(target=_last_words, daemon=True).start()
+'''
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_ctrl_c_to_the_process_group_prints_only_the_last_line(tmp_path, verbose):
+    """Ctrl-C signals the whole foreground process group, workers included. What workers write
+    before it passes through; after it only the launcher's last line shows, unless --verbose.
+    Base commit: the workers' words after the signal reached the terminal."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(NOISY_WORKER)
+    fifo = tmp_path / "in.jsonl"
+    os.mkfifo(fifo)
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), ROOT, os.environ.get("PYTHONPATH", "")]))
+    job = subprocess.Popen(
+        [sys.executable, "-m", "pipelines.cli", "--input", str(fifo), "--format", "alpaca", "--output", str(out),
+         "--max-length", "64", "--no-progress", "--direct_num_workers=2", *(["--verbose"] if verbose else [])],
+        env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        with open(fifo, "wb", buffering=0) as check:  # the launcher's readability check, as above
+            try:
+                while True:
+                    check.write(b"{")
+                    time.sleep(0.01)
+            except BrokenPipeError:
+                pass
+        with open(fifo, "wb"):  # a worker opened the pipe: the job is mid-pipeline
+            os.killpg(job.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+            code = job.wait(timeout=interrupts.GRACE_S + 10)
+        stderr = job.stderr.read()
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert code == 130
+    lines = stderr.splitlines()
+    assert lines[-1] == "prepack pack: interrupted; nothing new was published, the previous shard sets are intact"
+    if verbose:
+        assert "terminate called without an active exception" in lines and any(line.startswith("INFO ") for line in lines)
+    else:
+        assert lines[:-1] and set(lines[:-1]) == {"worker up"}, stderr  # before the signal: passed through
