@@ -1,4 +1,4 @@
-"""The report page in a real browser: headless Chromium (Debian's `chromium`, installed by .ci/run)
+"""The report page in a real browser: headless Chromium (Debian's `chromium`, installed by tests/run.sh)
 loads it with no console errors, shows every image, and renders a screenshot that is not blank.
 
 Set PREPACK_SCREENSHOT_DIR to keep the screenshot for a look.
@@ -44,7 +44,7 @@ window.addEventListener('load', () => {
 def chromium() -> str:
     path = shutil.which("chromium") or shutil.which("chromium-browser")
     if path is None:
-        pytest.fail("headless Chromium is needed: apt-get install chromium (.ci/run does)")
+        pytest.fail("headless Chromium is needed: apt-get install chromium (bash tests/run.sh does)")
     return path
 
 
