@@ -85,6 +85,7 @@ def loaded() -> tuple[gw.GGUFWeights, gemma3_model.Gemma3]:
 LOAD_PROGRESS: list[str] = []  # the load's stage lines (the default prints them to stderr)
 
 
+@pytest.mark.slow  # trains or loads a real model: see pytest.ini
 def test_the_load_says_what_it_is_doing(loaded: tuple[gw.GGUFWeights, gemma3_model.Gemma3]) -> None:
     first, middle, last = LOAD_PROGRESS
     assert re.fullmatch(r"gemma3-270m weights: dequantizing \S+\.gguf \(\d+ MB GGUF\) to float32", first), first
@@ -365,6 +366,7 @@ def _reference_logits(sd: dict[str, np.ndarray], ids: list[int]) -> np.ndarray:
 # ------------------------------------------------------------------------------- tests
 
 
+@pytest.mark.slow  # trains or loads a real model: see pytest.ini
 def test_hf_state_dict_names_shapes_and_norm_shift(weights: gw.GGUFWeights) -> None:
     sd = weights.hf_state
     assert len(sd) == 2 + 18 * 13
@@ -457,6 +459,7 @@ def test_hf_name_mapping_rejects_unknown() -> None:
         gw.hf_name("rope_freqs.weight")
 
 
+@pytest.mark.slow  # trains or loads a real model: see pytest.ini
 def test_config_mismatch_is_refused(weights: gw.GGUFWeights) -> None:
     gw.check_config(weights, gemma3_model.ModelConfig.gemma3_270m())
     with pytest.raises(ValueError, match="block_count"):
@@ -468,6 +471,7 @@ def test_config_mismatch_is_refused(weights: gw.GGUFWeights) -> None:
         gw.load_gemma3_270m_from_gguf(dtype=jnp.int8)
 
 
+@pytest.mark.slow  # trains or loads a real model: see pytest.ini
 def test_tunix_params_hold_the_gguf_weights(weights: gw.GGUFWeights, model: gemma3_model.Gemma3) -> None:
     sd = weights.hf_state
     params = jax.tree.leaves(nnx.state(model, nnx.Param))
@@ -529,6 +533,7 @@ def test_bfloat16_build_on_a_mesh(tiny_gguf: tuple[Path, dict[str, np.ndarray]])
     eq(layer.post_ffw_norm.scale, bf16(p + "post_feedforward_layernorm.weight"))
 
 
+@pytest.mark.slow  # trains or loads a real model: see pytest.ini
 def test_tunix_forward_matches_numpy_reference(
     weights: gw.GGUFWeights, city_logits: np.ndarray, encode: Callable[[str], list[int]]
 ) -> None:
@@ -540,6 +545,7 @@ def test_tunix_forward_matches_numpy_reference(
     assert (city_logits.argmax(-1) == ref.argmax(-1)).all()
 
 
+@pytest.mark.slow  # trains or loads a real model: see pytest.ini
 def test_greedy_decoding_says_paris(
     weights: gw.GGUFWeights,
     model: gemma3_model.Gemma3,
@@ -574,6 +580,7 @@ def test_greedy_decoding_says_paris(
     np.testing.assert_allclose(city_logits[len(prompt)], logits[len(prompt)], atol=1e-3)
 
 
+@pytest.mark.slow  # trains or loads a real model: see pytest.ini
 def test_real_weights_predict_english_far_better_than_random(
     model: gemma3_model.Gemma3, forward: Forward, encode: Callable[[str], list[int]]
 ) -> None:
@@ -595,6 +602,7 @@ def test_real_weights_predict_english_far_better_than_random(
     assert rand > 10.0
 
 
+@pytest.mark.slow  # trains or loads a real model: see pytest.ini
 def test_word_lookup_matches_project_tokenizer(encode: Callable[[str], list[int]]) -> None:
     """Our test-only tokenization equals prepack's real one, when that is available."""
     from prepack.tokenizer import load_tokenizer

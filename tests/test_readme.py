@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import numpy as np
+import pytest
 from flax import nnx
 
 from testkit.shard_sets import TEST_TOKENIZER, build_shard_set, synthetic_row
@@ -35,6 +36,7 @@ def run_own_trainer(settings: str, block: str) -> dict:
     return scope
 
 
+@pytest.mark.slow  # trains or loads a real model: see pytest.ini
 def test_own_tunix_trainer_section_trains_and_resumes(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     rng = np.random.default_rng(0)

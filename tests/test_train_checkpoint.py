@@ -105,6 +105,7 @@ def straight(shard_sets, tmp_path_factory) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- exact resume
 
 
+@pytest.mark.slow  # trains or loads a real model: see pytest.ini
 def test_interrupted_then_resumed_equals_straight(straight, shard_sets, tmp_path) -> None:
     assert len(straight["batches"]) == STEPS and straight["summary"]["checkpoints_saved"] == [2, 4, 6]
     cfg = _cfg(shard_sets["main"], checkpoint_dir=str(tmp_path / "ckpt"), metrics_out=str(tmp_path / "m.jsonl"))
@@ -156,6 +157,7 @@ def test_interrupted_then_resumed_equals_straight(straight, shard_sets, tmp_path
         np.testing.assert_allclose(exported[k], ref[k], rtol=1e-6, atol=1e-7, err_msg=k)
 
 
+@pytest.mark.slow  # trains or loads a real model: see pytest.ini
 def test_checkpoint_holds_only_lora_params_and_the_loader_state(straight) -> None:
     import jax
     import orbax.checkpoint as ocp
@@ -196,6 +198,7 @@ def test_checkpoint_holds_only_lora_params_and_the_loader_state(straight) -> Non
         ({"learning_rate": 1e-3}, ["learning rate: checkpoint 0.03, now 0.001"]),
     ],
 )
+@pytest.mark.slow  # trains or loads a real model: see pytest.ini
 def test_resume_refuses_a_checkpoint_of_another_run(straight, shard_sets, tmp_path, capsys, change, expected) -> None:
     ckpt = str(tmp_path / "ckpt")
     shutil.copytree(straight["cfg"].checkpoint_dir, ckpt)  # an undetected mismatch must not touch the fixture
@@ -212,6 +215,7 @@ def test_resume_refuses_a_checkpoint_of_another_run(straight, shard_sets, tmp_pa
     assert "use a new --checkpoint-dir" in err
 
 
+@pytest.mark.slow  # trains or loads a real model: see pytest.ini
 def test_resume_refuses_other_base_weights_and_foreign_folders(straight, tmp_path) -> None:
     ckpt = checkpoints.CheckpointDir(straight["cfg"].checkpoint_dir)
     run = ckpt.read_run()
@@ -267,6 +271,7 @@ def _rewrite(src: str, dst: str, *, rank: int | None = None, **meta: str) -> str
     return dst
 
 
+@pytest.mark.slow  # trains or loads a real model: see pytest.ini
 def test_save_lora_round_trip_and_refusals(straight, shard_sets, tmp_path) -> None:
     import loaders
     from train import models
@@ -307,6 +312,7 @@ def test_save_lora_round_trip_and_refusals(straight, shard_sets, tmp_path) -> No
     np.testing.assert_allclose(after, trained, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow  # trains or loads a real model: see pytest.ini
 def test_lora_file_and_loader_states_on_gcs(straight, gcs_prefix) -> None:
     """Our own gs:// writes (the LoRA file, run.json, loader states) against the GCS emulator.
 

@@ -270,6 +270,7 @@ def test_cumsum_positions_are_rounding_close_but_break_at_long_offsets(case: Cas
 BF16_ATOL = 0.05
 
 
+@pytest.mark.slow  # trains or loads a real model: see pytest.ini
 def test_bf16_packed_segment_logits_equal_each_example_alone_on_real_qwen3_rows() -> None:
     vocab, examples = _real_qwen3_examples(LENGTHS)
     model = models.build_model("tiny-qwen3", vocab_size=vocab, seed=1, dtype="bfloat16").model
@@ -302,6 +303,7 @@ BF16_RELATIVE_TOLERANCE = 0.02
 
 
 @pytest.mark.parametrize("name", ["tiny-gemma3", "tiny-qwen3"])
+@pytest.mark.slow  # trains or loads a real model: see pytest.ini
 def test_bfloat16_packed_segment_logits_equal_each_example_alone(name: str) -> None:
     overrides = {"sliding_window_size": 4} if "gemma" in name else None
     model = models.build_model(name, vocab_size=VOCAB, seed=1, dtype="bfloat16", config_overrides=overrides).model

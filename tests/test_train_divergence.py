@@ -85,6 +85,7 @@ def _args(shards: str, tmp_path, steps: int, *extra: str) -> list[str]:
             "--read-threads", "1", *extra]
 
 
+@pytest.mark.slow  # trains or loads a real model: see pytest.ini
 def test_stop_is_the_default_exits_3_naming_the_step_and_saves_nothing_for_it(poisoned, poison_hook, tmp_path, capsys) -> None:
     ckpt = str(tmp_path / "ckpt")
     rc = cli.main(_args(poisoned["shards"], tmp_path, 4, "--log-every", "0", "--checkpoint-dir", ckpt, "--checkpoint-every", "1"))
@@ -108,6 +109,7 @@ def test_stop_is_the_default_exits_3_naming_the_step_and_saves_nothing_for_it(po
     assert summary["final_loss"] is None
 
 
+@pytest.mark.slow  # trains or loads a real model: see pytest.ini
 def test_skip_step_skips_and_counts_the_bad_steps_and_progress_lines_say_what_happens(poisoned, poison_hook, tmp_path, capsys) -> None:
     steps = 4
     expected = _steps_holding(poisoned["shards"], poisoned["row"], steps)

@@ -35,6 +35,7 @@ def _one_train_step(batch: dict) -> tuple[float, float]:
     return float(loss), float(grad_norm)
 
 
+@pytest.mark.slow  # trains or loads a real model: see pytest.ini
 def test_packed_and_unpacked_batches_train_the_same_through_the_trainer_step() -> None:
     """The same ten examples, packed into 4 rows and one per row (10 rows), through the real
     train step (gen_model_input_fn, our loss, value_and_grad): the same loss and the same

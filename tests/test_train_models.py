@@ -18,6 +18,7 @@ def _paths(state) -> list[str]:
     return [".".join(name(k) for k in path) for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
 
 
+@pytest.mark.slow  # trains or loads a real model: see pytest.ini
 def test_qwen3_hf_safetensors_folder_loads_through_tunix(tmp_path) -> None:
     """A Hugging Face-layout Qwen3 folder (tiny shapes) goes through Tunix's qwen3.params loader."""
     from safetensors.numpy import save_file
@@ -49,6 +50,7 @@ def test_qwen3_hf_safetensors_folder_loads_through_tunix(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("name", ["tiny-gemma3", "tiny-qwen3"])
+@pytest.mark.slow  # trains or loads a real model: see pytest.ini
 def test_random_init_draws_every_parameter(name) -> None:
     model = models.build_model(name, vocab_size=64, seed=3).model
     state = nnx.state(model, nnx.Param)

@@ -222,6 +222,7 @@ def gemma3_runs(shard_sets) -> dict[str, dict]:
     return {dtype: train(config(packed, "tiny-gemma3", dtype, steps=50, lr=1e-3)) for dtype in ("float32", "bfloat16")}
 
 
+@pytest.mark.slow  # trains or loads a real model: see pytest.ini
 def test_bfloat16_loss_tracks_float32_within_2_percent_for_50_steps(gemma3_runs) -> None:
     f32, bf16 = gemma3_runs["float32"]["losses"], gemma3_runs["bfloat16"]["losses"]
     rel = np.abs(np.array(bf16) - np.array(f32)) / np.array(f32)
@@ -231,6 +232,7 @@ def test_bfloat16_loss_tracks_float32_within_2_percent_for_50_steps(gemma3_runs)
     assert np.mean(bf16[-5:]) < np.mean(bf16[:5]) - 0.5  # and it learns
 
 
+@pytest.mark.slow  # trains or loads a real model: see pytest.ini
 def test_bfloat16_run_is_mixed_precision_and_compiles_once(gemma3_runs) -> None:
     bf16 = gemma3_runs["bfloat16"]
     assert bf16["base_dtypes"] == {"bfloat16"}
@@ -240,6 +242,7 @@ def test_bfloat16_run_is_mixed_precision_and_compiles_once(gemma3_runs) -> None:
     assert bf16["compiles_after_step_1"] == [], "the train step compiled again after step 1"
 
 
+@pytest.mark.slow  # trains or loads a real model: see pytest.ini
 def test_every_lora_entry_moves_in_bfloat16_as_in_float32(gemma3_runs) -> None:
     fractions = {dtype: moved_fraction(run) for dtype, run in gemma3_runs.items()}
     print(f"\nLoRA entries changed after 50 steps: {fractions}")
@@ -249,6 +252,7 @@ def test_every_lora_entry_moves_in_bfloat16_as_in_float32(gemma3_runs) -> None:
 
 @pytest.mark.parametrize("model", ["tiny-gemma3", "tiny-qwen3"])
 @pytest.mark.parametrize("layout", ["packed", "unpacked"])
+@pytest.mark.slow  # trains or loads a real model: see pytest.ini
 def test_20_bfloat16_steps_are_finite_and_the_loss_falls(shard_sets, model, layout) -> None:
     lr = 1e-3 if model == "tiny-gemma3" else 3e-2
     run = train(config(shard_sets[model][layout], model, "bfloat16", steps=20, lr=lr))

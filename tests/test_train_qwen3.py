@@ -27,6 +27,7 @@ def qwen3_shards(tmp_path_factory) -> str:
     return str(root / "out" / "L64")
 
 
+@pytest.mark.slow  # trains or loads a real model: see pytest.ini
 def test_tiny_qwen3_trains_on_qwen3_shards(qwen3_shards, tmp_path, capsys) -> None:
     metrics = str(tmp_path / "m.jsonl")
     rc = cli.main(["--shards", qwen3_shards, "--model", "tiny-qwen3", "--batch-size", "2", "--steps", "2",
@@ -40,6 +41,7 @@ def test_tiny_qwen3_trains_on_qwen3_shards(qwen3_shards, tmp_path, capsys) -> No
     assert abs(losses[0] - math.log(QWEN3_IDS)) < 1.0
 
 
+@pytest.mark.slow  # trains or loads a real model: see pytest.ini
 def test_tiny_qwen3_trains_on_qwen3_shards_in_bfloat16(qwen3_shards, tmp_path, capsys) -> None:
     # bf16 base and compute with float32 LoRA/optimizer state (issue 11's fix): before it, step 2 was NaN.
     metrics = str(tmp_path / "m.jsonl")

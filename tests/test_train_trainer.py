@@ -90,6 +90,7 @@ def _check_metrics(lines: list[dict], steps: int, packing: str) -> tuple[list[di
     return step_lines, summary
 
 
+@pytest.mark.slow  # trains or loads a real model: see pytest.ini
 def test_tiny_gemma3_trains_on_packed_shards(shard_sets, tmp_path) -> None:
     metrics = str(tmp_path / "packed.jsonl")
     steps = 8
@@ -114,6 +115,7 @@ def test_tiny_gemma3_trains_on_packed_shards(shard_sets, tmp_path) -> None:
     assert len(run.steps) == steps and run.packing == "packed"
 
 
+@pytest.mark.slow  # trains or loads a real model: see pytest.ini
 def test_tiny_qwen3_trains_on_unpacked_shards_with_packed_eval(shard_sets, tmp_path) -> None:
     metrics = str(tmp_path / "unpacked.jsonl")
     steps = 8
@@ -137,6 +139,7 @@ def test_tiny_qwen3_trains_on_unpacked_shards_with_packed_eval(shard_sets, tmp_p
     assert summary["mean_density"] < 0.45
 
 
+@pytest.mark.slow  # trains or loads a real model: see pytest.ini
 def test_mesh_fsdp2_on_two_fake_cpu_devices(shard_sets, tmp_path) -> None:
     """--mesh in a fresh process (the fake device count must be set before JAX starts)."""
     metrics = str(tmp_path / "mesh.jsonl")
@@ -185,6 +188,7 @@ print(json.dumps({"batches": seen, "params": specs(nnx.state(s.built.model, nnx.
 """
 
 
+@pytest.mark.slow  # trains or loads a real model: see pytest.ini
 def test_mesh_fsdp2_shards_batches_and_parameters_over_two_devices(shard_sets, tmp_path) -> None:
     """--mesh fsdp=2 on two fake CPU devices: each batch Tunix feeds the step is split over both
     devices by rows, and the base weights are split over fsdp (not only what the summary says)."""
