@@ -11,7 +11,7 @@ metadata array into its own numpy view (~800k of them here), which takes ~13 s o
 before any field can be read. The metadata section is a simple length-prefixed layout, so a
 header-only reader (below) gets the same values in ~0.3 s and never reads the tensor
 section. Tests cross-check it against GGUFReader on small files written by gguf.GGUFWriter
-(both byte orders) and, opt-in (PREPACK_SLOW_TESTS=1), on the packaged file.
+(both byte orders) and on the packaged file (tests/test_tokenizer.py, marked slow).
 read_gguf_tensors() continues past the metadata into the tensor infos and returns each
 tensor as a memory-mapped view shaped like GGUFReader's (train/gguf_weights.py uses it).
 

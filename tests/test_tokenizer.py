@@ -340,6 +340,7 @@ def test_packaged_gguf_tokenizer_metadata() -> None:
     assert meta.add_space_prefix is False
 
 
+@pytest.mark.slow  # reads the whole packaged GGUF with gguf's reader
 def test_header_reader_agrees_on_packaged_gguf() -> None:
     """Our header reader against gguf's own GGUFReader on the real packaged file (~15 s)."""
     import gguf

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -316,8 +317,8 @@ def test_save_lora_round_trip_and_refusals(straight, shard_sets, tmp_path) -> No
 def test_lora_file_and_loader_states_on_gcs(straight, gcs_prefix) -> None:
     """Our own gs:// writes (the LoRA file, run.json, loader states) against the GCS emulator.
 
-    Orbax's half of a gs:// --checkpoint-dir goes through etils.epath, which needs gcsfs;
-    without it the run stops at once with a message saying so (asserted below when absent).
+    Orbax's half of a gs:// --checkpoint-dir goes through etils.epath, which needs gcsfs (a
+    declared dependency); without it the run stops at once (test_gs_checkpoint_dir_without_gcsfs...).
     """
     model = straight["setup"].built.model
     url = f"{gcs_prefix}/run/lora.safetensors"
@@ -333,14 +334,20 @@ def test_lora_file_and_loader_states_on_gcs(straight, gcs_prefix) -> None:
     for step in (2, 4, 6):
         ckpt.save_data_state(step, {"grain": {"next_index": step}}, keep=2)
     assert ckpt.load_data_state(2) is None and ckpt.load_data_state(6) == {"grain": {"next_index": 6}}
-    try:
-        import gcsfs  # noqa: F401
-    except ImportError:
-        with pytest.raises(CheckpointError, match="Orbax needs the gcsfs package for gs:// folders"):
-            ckpt.require_backend()
+    ckpt.require_backend()  # gcsfs is a declared dependency of the train extra: Orbax can reach gs://
 
 
 # ----------------------------------------------------------------------------- pieces
+
+
+def test_gs_checkpoint_dir_without_gcsfs_says_what_to_install(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "gcsfs", None)  # as on a machine without gcsfs
+    with pytest.raises(CheckpointError) as err:
+        checkpoints.CheckpointDir("gs://bucket/run/ckpt").require_backend()
+    assert str(err.value) == ("--checkpoint-dir gs://bucket/run/ckpt: Orbax needs the gcsfs package for gs:// folders "
+                              "(pip install gcsfs), or mount the bucket read-write with gcsfuse and pass the local path")
+    monkeypatch.delitem(sys.modules, "gcsfs")
+    checkpoints.CheckpointDir("gs://bucket/run/ckpt").require_backend()  # with it: no error
 
 
 def test_resumable_stream_and_policy(shard_sets) -> None:
