@@ -62,8 +62,44 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def shards_refusal(flag: str, path: str) -> str | None:
+    """Why a local --shards path is no shard set, in the user's terms; None when it looks like one
+    (or is on gs://: the loader checks it then). A damaged shard set is the loader's to report."""
+    from prepack.manifest import MANIFEST_NAME
+    from prepack.tokenset import TOKENS_KIND
+
+    path = path.rstrip("/") or path
+    if path.startswith("gs://"):
+        return None
+    if not os.path.exists(path):
+        return f"{flag} {path}: no such file or folder"
+    manifest = os.path.join(path, MANIFEST_NAME)
+    if os.path.isfile(manifest):
+        try:
+            with open(manifest, encoding="utf-8") as f:
+                kind = json.load(f).get("kind")
+        except (OSError, ValueError, AttributeError):
+            return None
+        if kind == TOKENS_KIND:
+            return (f"{flag} {path} is a tokenized set (examples, not packed rows): pack it first, e.g. "
+                    f"prepack pack --from-tokens {path} --max-length 1024 --output OUT, then {flag} OUT/L1024")
+        return None
+    if os.path.isdir(path):
+        sets = sorted((int(name[1:]), os.path.join(path, name)) for name in os.listdir(path)
+                      if name[:1] == "L" and name[1:].isdigit() and os.path.isfile(os.path.join(path, name, MANIFEST_NAME)))
+        if sets:
+            return (f"{flag} {path} holds {len(sets)} shard set{'s' if len(sets) > 1 else ''}, one per max length: "
+                    f"pass one of them: {', '.join(folder for _, folder in sets)}")
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    for flag, path in (("--shards", args.shards), ("--eval-shards", args.eval_shards)):
+        refusal = path and shards_refusal(flag, path)
+        if refusal:
+            print(f"prepack train: {refusal}", file=sys.stderr)
+            return 2
     if args.cpu_devices:
         # Must be set before JAX initializes its backends, i.e. before the imports below.
         flags = os.environ.get("XLA_FLAGS", "")
