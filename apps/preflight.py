@@ -549,7 +549,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--input", action="extend", nargs="+", required=True, metavar="[NAME=]PATH",
                    help="a dataset: JSONL, JSON or Parquet file, or a glob; repeatable, each is its own dataset")
     p.add_argument("--format", "--template", dest="format", action="extend", nargs="+", required=True, metavar="FORMAT",
-                   help="source format (template) of the inputs: one for all, or one per --input in order")
+                   help="source format (template) of the inputs: alpaca, translation, oasst1, chat, prompt_response; "
+                   "one for all, or one per --input in order")
     p.add_argument("--tokenizer", default="gemma3", help="tokenizer spec: gemma3 (embedded, default), qwen3 (embedded), sp:FILE.model, hf:NAME")
     p.add_argument("--chat-format", default="auto", help="gemma, chatml, qwen3, hf or auto (default)")
     p.add_argument("--max-length", action="extend", nargs="+", type=int, metavar="L",

@@ -11,7 +11,7 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
 
     Unlike argparse.ArgumentDefaultsHelpFormatter, it leaves alone help that already
     states its default in words, flags (default False) and options whose default is
-    None (nothing to show; their help says what happens instead).
+    None or an empty list (nothing to show; their help says what happens instead).
     """
 
     def add_argument(self, action: argparse.Action) -> None:
@@ -23,5 +23,7 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
 
 def _shows_default(action: argparse.Action) -> bool:
     if action.default is None or action.default is False or action.default is argparse.SUPPRESS:
+        return False
+    if isinstance(action.default, (list, tuple)) and not action.default:  # a repeatable option: nothing to show
         return False
     return "default" not in (action.help or "")

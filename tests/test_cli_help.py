@@ -21,12 +21,23 @@ def test_help_shows_every_default(name):
     parser = PARSERS[name]()
     assert parser.formatter_class is DefaultsHelpFormatter
     for action in parser._actions:  # noqa: SLF001
-        if not action.option_strings or action.default in (None, False, argparse.SUPPRESS):
+        if not action.option_strings or action.default in (None, False, argparse.SUPPRESS, []):
             continue
         formatter = parser._get_formatter()  # noqa: SLF001  (the help of this one option, as --help prints it)
         formatter.add_argument(action)
         entry = " ".join(formatter.format_help().split())
         assert "default" in entry, f"prepack {name} --help: {action.option_strings[-1]} does not show its default: {entry}"
+
+
+@pytest.mark.parametrize("name", sorted(PARSERS))
+def test_help_never_shows_an_empty_list_default(name):
+    assert "(default: [])" not in PARSERS[name]().format_help()
+
+
+def test_preflight_and_pack_help_list_the_format_names():
+    for name in ("pack", "preflight"):
+        text = " ".join(PARSERS[name]().format_help().split())
+        assert "alpaca, translation, oasst1, chat, prompt_response" in text, name
 
 
 def test_train_help_names_the_defaults_a_newcomer_asks_for():
