@@ -42,7 +42,7 @@ import numpy as np
 from apps.packing_table import CSV_COLUMNS, THROUGHPUT_MODEL, render_text_table, result_row
 from apps.report import find_manifests, manifest_rows
 from prepack.accounting import LENGTH_REASONS, Tally
-from prepack.bad_records import too_many_bad_records
+from prepack.bad_records import DEFAULT_MAX_BAD_FRACTION, too_many_bad_records
 from prepack.cli_help import DefaultsHelpFormatter
 from prepack.packer import DropReason, Fit, OverlongPolicy, fit_at_length, plan_from_histogram, targets_after_first
 from prepack.stats import PackingStats, stats_from_rows
@@ -65,10 +65,6 @@ class DatasetSpec:
     format: str  # a template name (prepack.templates)
 
 
-# More bad records than this fails the estimate, in `prepack pack`'s words. Higher than pack's
-# default (0): a few bad records do not move an estimate, but a majority means the wrong
-# --format or file, and figures from what is left would mislead.
-DEFAULT_MAX_BAD_FRACTION = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -568,9 +564,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="estimate from a seeded uniform sample of N examples per dataset (default: all)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--max-bad-fraction", type=float, default=DEFAULT_MAX_BAD_FRACTION,
-                   help="fail, as `prepack pack` does, when more than this fraction of a dataset's records are bad "
-                        "(malformed, or not in --format); fewer are counted and skipped")
+                   help="fail, as `prepack pack` does and with its default, when more than this fraction of a "
+                        "dataset's records are bad (malformed, or not in --format); fewer are counted and skipped")
     p.add_argument("--output", required=True, metavar="DIR", help="folder for preflight.csv, preflight.json and plots")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier preflight's files in --output")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots (no matplotlib needed)")
     p.add_argument("--pack-output", metavar="DIR",
                    help="large inputs: run the Beam job (`prepack pack`) per dataset into DIR/NAME/L*/ and take the "
@@ -647,6 +644,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")  # only the pipeline mode passes options on
     try:
         config = config_from_args(args)
+        if not args.overwrite:
+            from prepack.overwrite import refusal
+
+            exists = refusal([os.path.join(config.output, name) for name in ("preflight.csv", "preflight.json")],
+                             "an earlier preflight")
+            if exists:
+                raise PreflightError(exists)
         if config.plots:
             from apps.plots import matplotlib_missing
 

@@ -646,6 +646,7 @@ def _parser() -> argparse.ArgumentParser:
                         "trainer's summary leaves step 1 out; 0 counts them as logged)")
     p.add_argument("--title", default="tunix-prepack report")
     p.add_argument("--output", required=True, metavar="FILE.html|FILE.md")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --output page")
     return p
 
 
@@ -661,6 +662,12 @@ def main(argv: list[str] | None = None) -> int:
             raise ReportError("--warmup-steps must be >= 0")
         if args.budget is not None and args.budget <= 0:
             raise ReportError("--budget must be positive")
+        if not args.overwrite:
+            from prepack.overwrite import refusal
+
+            exists = refusal([args.output], "an existing report")
+            if exists:
+                raise ReportError(exists)
         config = ReportConfig(output=args.output, shards=tuple(args.shards), metrics=tuple(args.metrics),
                               preflight=tuple(args.preflight), batch_sizes=batch_sizes, budget=args.budget,
                               warmup_steps=args.warmup_steps, title=args.title)

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pipelines.planning import MAX_SUB_BUCKETS
+from prepack.bad_records import DEFAULT_MAX_BAD_FRACTION
 from prepack.packer import OverlongPolicy
 from prepack.cli_help import DefaultsHelpFormatter
 
@@ -70,7 +71,7 @@ class PackConfig:
     overlong: OverlongPolicy = OverlongPolicy.DROP
     num_shards: int | None = None
     target_shard_mb: float = DEFAULT_TARGET_SHARD_MB
-    max_bad_fraction: float = 0.0
+    max_bad_fraction: float = DEFAULT_MAX_BAD_FRACTION
     overwrite: bool = False
     clean_stale: bool = False  # remove leftovers of earlier killed runs (does not shape the rows)
     sub_buckets: int | None = None  # None: derived from the input size (planning.choose_sub_buckets)
@@ -156,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     shards.add_argument("--num-shards", type=int, help="shards per max length (default: from --target-shard-mb)")
     shards.add_argument("--target-shard-mb", type=float, default=DEFAULT_TARGET_SHARD_MB,
                         help=f"approximate compressed shard size (default {DEFAULT_TARGET_SHARD_MB:g})")
-    out.add_argument("--max-bad-fraction", type=float, default=0.0,
+    out.add_argument("--max-bad-fraction", type=float, default=DEFAULT_MAX_BAD_FRACTION,
                      help="fail when bad records / examples read exceeds this (default 0: any bad record fails the job)")
     out.add_argument("--overwrite", action="store_true", help="replace existing shard sets in OUTPUT")
     out.add_argument("--clean-stale", action="store_true",

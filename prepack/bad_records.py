@@ -11,6 +11,10 @@ from collections.abc import Mapping
 
 from prepack.accounting import NOT_BAD_INPUT
 
+# The default of --max-bad-fraction in `prepack pack` and `prepack preflight` alike: any bad
+# record fails, so an estimate never stands on input the job would refuse.
+DEFAULT_MAX_BAD_FRACTION = 0.0
+
 
 def too_many_bad_records(bad_records: int, examples_read: int, reasons: Mapping[str, int], max_bad_fraction: float) -> str | None:
     """'N of M examples read are bad records (P%, more than --max-bad-fraction F): reason count, ...',

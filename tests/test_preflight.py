@@ -206,7 +206,8 @@ def cli_run(tmp_path_factory):
     pr.write_text('{"prompt": "Why?", "response": "' + "Because. " * 40 + '"}\n')
     out = root / "out"
     code = preflight.main(["--input", str(data), f"qa={pr}", "--format", "alpaca", "prompt_response",
-                           "--max-length", "32", "64", "--batch-size", "1", "2", "--output", str(out)])
+                           "--max-length", "32", "64", "--batch-size", "1", "2", "--output", str(out),
+                           "--max-bad-fraction", "0.5"])  # ALPACA_LINES holds two bad records on purpose
     return code, out
 
 
@@ -239,7 +240,7 @@ def test_cli_sample_of_max_examples(tmp_path, capsys):
     data = tmp_path / "a.jsonl"
     data.write_text("\n".join(ALPACA_LINES) + "\n")
     out = tmp_path / "out"
-    argv = ["--input", str(data), "--format", "alpaca", "--max-length", "64", "--max-examples", "2", "--output", str(out),
+    argv = ["--input", str(data), "--format", "alpaca", "--max-length", "64", "--max-examples", "2", "--output", str(out), "--max-bad-fraction", "0.5",
             "--no-plots"]
     assert preflight.main(argv) == 0
     ds = json.loads((out / "preflight.json").read_text())["datasets"][0]
@@ -268,7 +269,7 @@ def test_other_specs_go_through_the_pipeline_readers(tmp_path):
     data.write_bytes(gzip.compress(("\n".join(ALPACA_LINES) + "\n").encode()))
     out = tmp_path / "out"
     assert preflight.main(["--input", str(data), "--template", "alpaca", "--max-length", "64", "--output", str(out),
-                           "--no-plots"]) == 0
+                           "--no-plots", "--max-bad-fraction", "0.5"]) == 0
     ds = json.loads((out / "preflight.json").read_text())["datasets"][0]
     assert (ds["records_read"], ds["examples"], ds["bad_records"]) == (5, 3, {"malformed_json": 1, "missing_field": 1})
 
@@ -315,7 +316,8 @@ def test_pipeline_mode_matches_in_process(tmp_path):
     # --pack-output runs the Beam job and reads its manifests: same rows and densities as the in-process estimate.
     data = tmp_path / "a.jsonl"
     data.write_text("\n".join(ALPACA_LINES) + "\n")
-    common = ["--input", str(data), "--format", "alpaca", "--max-length", "32", "64", "--batch-size", "2", "--no-plots"]
+    common = ["--input", str(data), "--format", "alpaca", "--max-length", "32", "64", "--batch-size", "2", "--no-plots",
+              "--max-bad-fraction", "0.5"]
     assert preflight.main(common + ["--output", str(tmp_path / "here")]) == 0
     assert preflight.main(common + ["--output", str(tmp_path / "beam"), "--pack-output", str(tmp_path / "shards"),
                                     "--direct_num_workers=1", "--no-progress"]) == 0
@@ -346,7 +348,7 @@ def test_unknown_options_only_pass_through_in_pipeline_mode(tmp_path, capsys):
         (["--input", "{data}", "--format", "translation", "--template-option", "source_lang"], "expected KEY=VALUE"),
         # The wrong --format: every record is bad, and it fails in `prepack pack`'s words (prepack.bad_records).
         (["--input", "{data}", "--format", "oasst1"],
-         "d: 1 of 1 examples read are bad records (100.00%, more than --max-bad-fraction 0.5): invalid 1. "
+         "d: 1 of 1 examples read are bad records (100.00%, more than --max-bad-fraction 0): invalid 1. "
          "Fix the inputs (is --format oasst1 right?)"),
         (["--input", "{data}", "--format", "alpaca", "--max-bad-fraction", "2"], "--max-bad-fraction must be within 0..1"),
     ],
@@ -361,6 +363,45 @@ def test_bad_input_fails_with_a_clear_message(tmp_path, capsys, argv, message):
     err = capsys.readouterr().err
     assert err.startswith("prepack preflight: error: ") and message in err, err
     assert not (tmp_path / "out").exists()  # nothing written on bad input
+
+
+def test_bad_records_fail_by_default_as_in_pack(tmp_path, capsys):
+    # Pack's default (any bad record fails) and pack's sentence (prepack.bad_records).
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(ALPACA_LINES) + "\n")
+    assert preflight.main(["--input", str(data), "--format", "alpaca", "--output", str(tmp_path / "out"), "--no-plots"]) == 2
+    assert capsys.readouterr().err == (
+        "prepack preflight: error: d: 2 of 5 examples read are bad records (40.00%, more than --max-bad-fraction 0): "
+        "malformed_json 1, missing_field 1. Fix the inputs (is --format alpaca right?), or raise --max-bad-fraction "
+        "to skip them\n")
+
+
+@pytest.mark.parametrize("command", ["preflight", "report"])
+def test_an_existing_output_is_replaced_only_with_overwrite(tmp_path, capsys, command):
+    # One rule for every subcommand that writes, as `prepack pack` refuses an existing shard set.
+    from apps import report
+
+    data = tmp_path / "d.jsonl"
+    data.write_text(ALPACA_LINES[0] + "\n")
+    if command == "preflight":
+        target = tmp_path / "out"
+        target.mkdir()
+        (target / "preflight.json").write_text("{}")
+        argv = ["--input", str(data), "--format", "alpaca", "--output", str(target), "--no-plots"]
+        main, existing = preflight.main, target / "preflight.json"
+    else:
+        existing = target = tmp_path / "report.html"
+        target.write_text("old")
+        argv = ["--preflight", str(tmp_path / "none.json"), "--output", str(target)]
+        main = report.main
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (
+        f"prepack {command}: error: {existing} already exists: refusing to replace "
+        f"{'an earlier preflight' if command == 'preflight' else 'an existing report'}. "
+        "Pass --overwrite to replace it, or choose another --output\n")
+    assert existing.read_text() in ("{}", "old")
+    if command == "preflight":
+        assert main(argv + ["--overwrite"]) == 0 and json.loads(existing.read_text())["rows"]
 
 
 def test_counter_of_bad_records_survives_json():
@@ -402,7 +443,7 @@ def test_long_reads_report_progress(tmp_path, capsys, monkeypatch):
     data = tmp_path / "a.jsonl"
     data.write_text("\n".join(ALPACA_LINES) + "\n")
     assert preflight.main(["--input", str(data), "--format", "alpaca", "--max-length", "64", "--max-examples", "2",
-                           "--no-plots", "--output", str(tmp_path / "out")]) == 0
+                           "--no-plots", "--output", str(tmp_path / "out"), "--max-bad-fraction", "0.5"]) == 0
     err = capsys.readouterr().err
     assert "preflight: a: 5 records read, " in err and "preflight: a: 2 examples tokenized, " in err
 
