@@ -51,7 +51,7 @@ class ReportConfig:
     shards: tuple[str, ...] = ()
     metrics: tuple[str, ...] = ()
     preflight: tuple[str, ...] = ()
-    batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
+    batch_sizes: tuple[int, ...] = ()  # () : the training runs' own (from --metrics), else DEFAULT_BATCH_SIZES
     budget: float | None = None  # target tokens; None: the most that every run reached
     warmup_steps: int = 1  # first steps (compilation) timed as the median step, as the trainer's summary leaves step 1 out
     title: str = "tunix-prepack report"
@@ -421,6 +421,16 @@ def estimate_verdict(rows: Sequence[dict[str, Any]], what: str) -> str | None:
     return f"Packing would gain little here ({what}; no training measured): at best {gain:.2f}x fewer steps ({where})."
 
 
+def table_batch_sizes(given: Sequence[int], runs: Sequence[Run]) -> tuple[int, ...]:
+    """The batch sizes of the shard tables: those given, else the training runs' own (their metrics
+    record batch_size), so that the tables' gain is the one the runs measured; else the default."""
+    if given:
+        return tuple(given)
+    from_runs = {r.summary.get("batch_size") for r in runs}
+    from_runs = {b for b in from_runs if isinstance(b, int) and not isinstance(b, bool) and b > 0}
+    return tuple(sorted(from_runs)) or DEFAULT_BATCH_SIZES
+
+
 def build_page(config: ReportConfig, figures_dir: str) -> tuple[Page, list[str]]:
     """Reads every input, draws the figures into figures_dir, lays out the page; returns it and its PNGs."""
     from apps import plots  # lazy: matplotlib only here
@@ -452,11 +462,12 @@ def build_page(config: ReportConfig, figures_dir: str) -> tuple[Page, list[str]]
             figure(prefix + "length_histogram.png", plots.length_histogram, hists, data["config"]["max_lengths"])
 
     if config.shards:
+        batch_sizes = table_batch_sizes(config.batch_sizes, runs)
         rows, warnings, hists, lengths = [], [], {}, set()
         for path in config.shards:
             label = _shard_label(path)
             for folder, manifest in find_manifests(path):
-                more, warn = manifest_rows(label, folder, manifest, config.batch_sizes, given=path)
+                more, warn = manifest_rows(label, folder, manifest, batch_sizes, given=path)
                 rows += more
                 warnings += warn
                 lengths.add(manifest.max_length)
@@ -638,7 +649,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--preflight", action="extend", nargs="+", default=[], metavar="PATH",
                    help="a preflight.json (or its folder) to include")
     p.add_argument("--batch-size", action="extend", nargs="+", type=int, metavar="B",
-                   help="batch sizes for steps and throughput gain in the shard tables (default 16)")
+                   help="batch sizes for steps and throughput gain in the shard tables "
+                        f"(default: the training runs' own, from --metrics; without runs {DEFAULT_BATCH_SIZES[0]})")
     p.add_argument("--budget", type=float, default=None, metavar="TOKENS",
                    help="target-token budget for the budget view (default: the most every run reached)")
     p.add_argument("--warmup-steps", type=int, default=1, metavar="N",
@@ -655,7 +667,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not (args.shards or args.metrics or args.preflight):
             raise ReportError("nothing to report: give --shards, --metrics and/or --preflight")
-        batch_sizes = tuple(sorted(set(args.batch_size or DEFAULT_BATCH_SIZES)))
+        batch_sizes = tuple(sorted(set(args.batch_size or ())))
         if any(b <= 0 for b in batch_sizes):
             raise ReportError(f"--batch-size must be positive, got {list(batch_sizes)}")
         if args.warmup_steps < 0:

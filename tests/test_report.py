@@ -358,3 +358,17 @@ def test_a_run_whose_last_loss_is_not_finite_is_diverged_without_a_stop_record(t
     path.write_text("\n".join(json.dumps({"step": i, "loss": float("nan") if i > 1 else 2.5, "step_time_s": 1.0,
                                            "target_tokens": 10}) for i in (1, 2, 3)) + "\n")
     assert report.load_run(str(path)).diverged == "final loss is missing or NaN (step 3)"
+
+
+def test_shard_tables_use_the_runs_own_batch_size():
+    # The tables' gain must be the one the runs measured: B from their metrics unless --batch-size is given.
+    from apps.report import DEFAULT_BATCH_SIZES, Run, table_batch_sizes
+
+    def run(summary):
+        empty = np.array([])
+        return Run("r", "r.jsonl", empty, empty, empty, empty, empty, summary)
+
+    assert table_batch_sizes((), [run({"batch_size": 2}), run({"batch_size": 2})]) == (2,)
+    assert table_batch_sizes((), [run({"batch_size": 2}), run({"batch_size": 8})]) == (2, 8)
+    assert table_batch_sizes((16,), [run({"batch_size": 2})]) == (16,)
+    assert table_batch_sizes((), [run({})]) == table_batch_sizes((), []) == DEFAULT_BATCH_SIZES == (16,)
