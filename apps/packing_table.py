@@ -95,8 +95,17 @@ def drop_flags(rows: Sequence[dict[str, Any]]) -> list[str]:
         seen.add((r["max_length"], r["dataset"]))
         lines.append(f"! L={r['max_length']} drops {dropped:,} of {dropped + kept:,} examples "
                      f"({dropped / (dropped + kept):.1%}, more than {DROP_FLAG_FRACTION:.0%}): "
-                     "a longer max length, or --overlong truncate, keeps them")
+                     f"a longer max length keeps them{_truncate_note(r.get('truncate_would_keep'))}")
     return lines
+
+
+def _truncate_note(keeps: Any) -> str:
+    """What --overlong truncate would keep of them, when the estimate worked it out (preflight does)."""
+    if not isinstance(keeps, int):
+        return ""
+    if keeps == 0:
+        return "; --overlong truncate would keep none (no target within the first L tokens)"
+    return f"; --overlong truncate would keep {keeps:,} of them"
 
 
 def format_cell(value: Any, kind: str) -> str:

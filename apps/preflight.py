@@ -209,6 +209,11 @@ def evaluate(examples: ExampleSet, config: PreflightConfig, tokenizer_name: str 
     for max_length in config.max_lengths:
         result = evaluate_length(examples, max_length, config.overlong)
         dropped = sum(result.dropped.values())
+        # What --overlong truncate would keep of the examples dropped as too long: only those with
+        # a target within the first max_length tokens (the others have nothing left to train on).
+        truncate_keeps = None
+        if config.overlong is OverlongPolicy.DROP and result.dropped.get(DropReason.TOO_LONG.value, 0):
+            truncate_keeps = len(fit_examples(examples, max_length, OverlongPolicy.TRUNCATE)[0]) - len(result.kept_lengths)
         meta = {
             "dataset": examples.name,
             "input": examples.input,
@@ -223,6 +228,7 @@ def evaluate(examples: ExampleSet, config: PreflightConfig, tokenizer_name: str 
             "dropped_too_long": result.dropped.get(DropReason.TOO_LONG.value, 0),
             "dropped_no_targets_after_truncation": result.dropped.get(DropReason.NO_TARGETS_AFTER_TRUNCATION.value, 0),
             "examples_truncated": result.truncated,
+            "truncate_would_keep": truncate_keeps,
             **_quantiles(result.kept_lengths),
         }
         for batch_size in config.batch_sizes:

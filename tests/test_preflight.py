@@ -461,3 +461,23 @@ def test_plots_without_matplotlib_fail_in_one_line_before_any_work(tmp_path, cap
     assert capsys.readouterr().err == ("prepack preflight: error: plots need matplotlib: pip install 'tunix-prepack[report]' "
                                        "(or -e '.[pipeline,report]' in a checkout), or pass --no-plots\n")
     assert not (tmp_path / "out").exists()
+
+
+def test_drop_flag_says_what_truncate_would_really_keep(tmp_path, capsys):
+    # At L=8 every sample example is dropped and truncating keeps none (no target in the first 8 tokens);
+    # at L=64 truncate keeps exactly what a --overlong truncate run reports as truncated.
+    from pipelines.options import sample_path
+
+    common = ["--input", sample_path(), "--format", "alpaca", "--max-length", "8", "64", "--no-plots"]
+    assert preflight.main(common + ["--output", str(tmp_path / "drop")]) == 0
+    flags = [line for line in capsys.readouterr().out.splitlines() if line.startswith("!")]
+    assert preflight.main(common + ["--output", str(tmp_path / "truncate"), "--overlong", "truncate"]) == 0
+    truncated = {r["max_length"]: r["examples_truncated"]
+                 for r in json.loads((tmp_path / "truncate" / "preflight.json").read_text())["rows"]}
+    assert truncated[8] == 0 and truncated[64] > 0
+    assert flags == [
+        "! L=8 drops 400 of 400 examples (100.0%, more than 5%): a longer max length keeps them; "
+        "--overlong truncate would keep none (no target within the first L tokens)",
+        f"! L=64 drops 173 of 400 examples (43.2%, more than 5%): a longer max length keeps them; "
+        f"--overlong truncate would keep {truncated[64]:,} of them",
+    ]
