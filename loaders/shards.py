@@ -233,11 +233,11 @@ class ShardView:
         if not isinstance(index, (int, np.integer)):
             raise TypeError(f"rows are indexed by int, not {type(index).__name__}; use view.read(indices) for many")
         (record,) = self.records([int(index)])
-        return rowformat.decode_row(record, self.max_length)
+        return rowformat.decode_row(record, self.max_length, self.manifest.field_order)
 
     def read(self, indices: Sequence[int] | np.ndarray) -> dict[str, np.ndarray]:
         """Rows as int32 [len(indices), L] arrays, in the given order."""
-        return rowformat.decode_rows(self.records(indices), self.max_length)
+        return rowformat.decode_rows(self.records(indices), self.max_length, self.manifest.field_order)
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         for i in range(len(self)):

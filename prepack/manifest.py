@@ -69,6 +69,8 @@ class Manifest:
     lineage: dict[str, Any] | None = None
     format_version: int = rowformat.FORMAT_VERSION
     fields: dict[str, str] = dataclasses.field(default_factory=rowformat.field_spec)
+    # The record's field names in order: what readers decode by (`fields` is key-sorted JSON).
+    field_order: list[str] = dataclasses.field(default_factory=lambda: list(rowformat.FIELD_NAMES))
     array_record_options: str = "group_size:1,zstd:3"
 
     def to_json(self) -> str:
@@ -103,6 +105,10 @@ class Manifest:
             raise ManifestError(f"{source}: shard row counts add up to {sum(s.num_rows for s in shards)}, not num_rows {manifest.num_rows}")
         if manifest.fields != rowformat.field_spec():
             raise ManifestError(f"{source}: fields {manifest.fields} differ from this reader's {rowformat.field_spec()}")
+        try:  # a manifest written before field_order existed gets format 1's order, the default
+            rowformat.check_field_order(manifest.field_order)
+        except rowformat.RowFormatError as e:
+            raise ManifestError(f"{source}: {e}") from None
         return manifest
 
     def check_compatible(

@@ -1,9 +1,10 @@
 """One packed row: its fields, its on-disk record encoding, and its invariants.
 
 A record is a fixed layout with no header: a C-order int32 little-endian
-matrix [len(FIELDS), max_length], one row per field in `FIELDS` order. The
-layout is fully described by (format_version, max_length), both of which live
-in the manifest, so decoding is one `np.frombuffer` and a reshape, with no copy.
+matrix [len(FIELDS), max_length], one row per field in `FIELD_NAMES` order,
+which every manifest records as `field_order` (its `fields` object is
+key-sorted JSON, so its order is not the record's). Readers decode by the
+manifest's `field_order`. Decoding is one `np.frombuffer` and a reshape, with no copy.
 Why int32 everywhere rather than narrow dtypes: under zstd the two are within
 5% on disk, and the wide layout decodes 7x faster (docs/row_format.md).
 """
@@ -54,19 +55,26 @@ def _check_size(nbytes: int, max_length: int) -> None:
         )
 
 
-def decode_row(record: bytes, max_length: int) -> dict[str, np.ndarray]:
-    """Decodes one record into read-only int32 views of the record's buffer."""
+def check_field_order(field_order: Sequence[str]) -> None:
+    """Raises RowFormatError unless field_order names each field of this format exactly once."""
+    if not isinstance(field_order, (list, tuple)) or sorted(field_order) != sorted(FIELD_NAMES):
+        raise RowFormatError(f"field_order {field_order!r} must list the fields {list(FIELD_NAMES)} once each, in record order")
+
+
+def decode_row(record: bytes, max_length: int, field_order: Sequence[str] = FIELD_NAMES) -> dict[str, np.ndarray]:
+    """Decodes one record into read-only int32 views of the record's buffer; field_order: the
+    manifest's (the record's row order)."""
     _check_size(len(record), max_length)
     matrix = np.frombuffer(record, dtype=STORAGE_DTYPE).reshape(len(FIELD_NAMES), max_length)
-    return dict(zip(FIELD_NAMES, matrix))
+    return dict(zip(field_order, matrix))
 
 
-def decode_rows(records: Sequence[bytes], max_length: int) -> dict[str, np.ndarray]:
+def decode_rows(records: Sequence[bytes], max_length: int, field_order: Sequence[str] = FIELD_NAMES) -> dict[str, np.ndarray]:
     """Decodes a batch of records into [B, L] int32 arrays (one join, one transpose copy)."""
     for record in records:
         _check_size(len(record), max_length)
     stacked = np.frombuffer(b"".join(records), dtype=STORAGE_DTYPE).reshape(len(records), len(FIELD_NAMES), max_length)
-    return {name: np.ascontiguousarray(stacked[:, i]) for i, name in enumerate(FIELD_NAMES)}
+    return {name: np.ascontiguousarray(stacked[:, i]) for i, name in enumerate(field_order)}
 
 
 @dataclasses.dataclass(frozen=True)

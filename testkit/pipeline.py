@@ -156,7 +156,7 @@ def read_shard_set(folder: str) -> tuple[Manifest, list[dict[str, np.ndarray]]]:
         reader = ArrayRecordReader(os.path.join(folder, shard.path))
         try:
             assert "group_size:1" in reader.writer_options_string()
-            rows += [rowformat.decode_row(r, manifest.max_length) for r in reader.read_all()]
+            rows += [rowformat.decode_row(r, manifest.max_length, manifest.field_order) for r in reader.read_all()]
         finally:
             reader.close()
     return manifest, rows

@@ -120,3 +120,40 @@ def test_bad_sizes_and_overfull_rows_have_clear_errors():
         rowformat.encode_row({name: np.zeros(3) for name in rowformat.FIELD_NAMES}, 10)
     with pytest.raises(RowFormatError, match="segment 2 is empty"):
         rowformat.build_row([Segment(np.arange(2), np.ones(2)), Segment(np.arange(0), np.ones(0))], 4)
+
+
+def test_readers_decode_by_the_manifests_field_order(tmp_path):
+    """The manifest's `fields` object is key-sorted JSON, not the record's order; `field_order` is,
+    and the loader decodes by it (a reader going by `fields` would read loss_mask as positions)."""
+    import json
+
+    import loaders
+    from prepack.manifest import Manifest, ManifestError
+    from testkit.shard_sets import build_shard_set
+
+    build_shard_set(tmp_path / "set", num_rows=4, num_shards=1, max_length=16)
+    path = tmp_path / "set" / "manifest.json"
+    data = json.loads(path.read_text())
+    assert data["field_order"] == list(rowformat.FIELD_NAMES) == ["input_ids", "loss_mask", "valid_mask", "positions", "segment_ids"]
+    assert list(data["fields"]) != data["field_order"]  # sorted keys: why field_order exists
+    with loaders.open_shards(str(tmp_path / "set")) as view:
+        row = {k: v.copy() for k, v in view[1].items()}
+    rowformat.check_row(row, 16)
+
+    # The same records under a manifest that names another order decode by that order.
+    data["field_order"] = list(reversed(rowformat.FIELD_NAMES))
+    path.write_text(json.dumps(data))
+    with loaders.open_shards(str(tmp_path / "set")) as view:
+        swapped = view[1]
+        batch = view.read([1])
+    for i, name in enumerate(rowformat.FIELD_NAMES):
+        np.testing.assert_array_equal(swapped[data["field_order"][i]], row[name])
+        np.testing.assert_array_equal(batch[data["field_order"][i]][0], row[name])
+
+    data["field_order"] = ["input_ids", "loss_mask"]
+    with pytest.raises(ManifestError) as err:
+        Manifest.from_json(json.dumps(data), source="m.json")
+    assert str(err.value) == ("m.json: field_order ['input_ids', 'loss_mask'] must list the fields ['input_ids', "
+                              "'loss_mask', 'valid_mask', 'positions', 'segment_ids'] once each, in record order")
+    del data["field_order"]  # written before field_order existed: format 1's order
+    assert Manifest.from_json(json.dumps(data)).field_order == list(rowformat.FIELD_NAMES)
