@@ -50,14 +50,26 @@ def test_own_tunix_trainer_section_trains_and_resumes(tmp_path, monkeypatch):
     assert lora_b and any(float(np.abs(np.asarray(v[...])).max()) > 0 for v in lora_b)  # B starts at zero: it trained
 
     # A second process-equivalent run: Tunix restores step 2, the loader seeks to batch 3.
+    from train import resume
+
+    streams = []
+
+    class Recorded(resume.ResumableStream):
+        def __init__(self, iterator, **kwargs):
+            streams.append(kwargs)
+            super().__init__(iterator, **kwargs)
+
+    monkeypatch.setattr(resume, "ResumableStream", Recorded)
     second = run_own_trainer(f'SHARDS, BATCH_SIZE, STEPS, CKPT = "OUT/L32", {BATCH}, 4, "ckpt"', block)
     assert second["trainer"].train_steps == 4
-    assert second["skip"] == 2  # resumed by seeking, not by re-reading
+    assert streams == [{"consumed": 2, "placeholders": 2}]  # resumed by seeking, not by re-reading
 
     import loaders
+    from train.checkpoints import CheckpointDir
 
     fresh = iter(loaders.make_dataset("OUT/L32", batch_size=BATCH, seed=0))
     for _ in range(4):
         next(fresh)
-    assert json.loads(Path("ckpt/loader-4.json").read_text()) == json.loads(json.dumps(fresh.get_state()))
-    assert sorted(p.name for p in Path("ckpt").iterdir() if p.name.startswith("loader")) == ["loader-2.json", "loader-4.json"]
+    ckpt = CheckpointDir("ckpt")
+    assert ckpt.load_data_state(4) == json.loads(json.dumps(fresh.get_state()))  # saved with Tunix's step 4
+    assert ckpt.load_data_state(2) is not None and sorted(ckpt._read_data()["states"]) == ["2", "4"]
