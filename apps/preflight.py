@@ -573,7 +573,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="fail, as `prepack pack` does and with its default, when more than this fraction of a "
                         "dataset's records are bad (malformed, or not in --format); fewer are counted and skipped")
     p.add_argument("--output", required=True, metavar="DIR", help="folder for preflight.csv, preflight.json and plots")
-    p.add_argument("--overwrite", action="store_true", help="replace an earlier preflight's files in --output")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier preflight's files in --output (and, with --pack-output, its shard sets)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots (no matplotlib needed)")
     p.add_argument("--pack-output", metavar="DIR",
                    help="large inputs: run the Beam job (`prepack pack`) per dataset into DIR/NAME/L*/ and take the "
@@ -668,7 +669,8 @@ def main(argv: list[str] | None = None) -> int:
             if not config.pack_output:
                 check_input(spec.path)  # the job checks its own inputs up front
         if config.pack_output:
-            result = run_with_pipeline(config, extra)
+            # One --overwrite for the whole command: the job's shard sets as well as preflight's files.
+            result = run_with_pipeline(config, extra + (["--overwrite"] if args.overwrite else []))
         else:
             tokenizer, chat_format = _load_tokenizer(config)
             fmt_name = getattr(chat_format, "name", type(chat_format).__name__)

@@ -42,3 +42,22 @@ def test_version(capsys):
 def test_unknown_command(capsys):
     assert cli.main(["pakc"]) == 2
     assert capsys.readouterr().err.startswith("prepack: unknown command 'pakc'\n")
+
+
+def test_pack_refuses_a_misspelled_option_before_any_work(tmp_path, capsys):
+    out = tmp_path / "X"
+    assert cli.main(["pack", "--sample", "--max-lenght", "512", "--output", str(out)]) == 2
+    assert capsys.readouterr().err == (
+        "prepack pack: unknown option --max-lenght (neither prepack pack nor Beam knows it); did you mean --max-length?\n")
+    assert not out.exists()  # nothing ran, nothing written
+
+
+def test_pack_refuses_an_untested_runner_and_an_unknown_tokenizer(tmp_path, capsys):
+    out = tmp_path / "X"
+    assert cli.main(["pack", "--sample", "--output", str(out), "--runner", "DaskRunner"]) == 2
+    assert capsys.readouterr().err.startswith("prepack pack: --runner DaskRunner: this job is tested only on FnApiRunner "
+                                              "and DataflowRunner")
+    assert cli.main(["pack", "--sample", "--output", str(out), "--tokenizer", "gemma4"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not an embedded name (gemma3, qwen3)" in err and "hf:gemma4" in err
+    assert not out.exists()
