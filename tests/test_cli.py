@@ -17,10 +17,11 @@ def _run(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
 
 
-def test_train_without_the_train_extra_names_the_extra():
+def test_train_without_the_train_extra_names_the_extra(tmp_path):
     # A fresh process where `import jax` fails as on a machine without the train extra.
+    (tmp_path / "manifest.json").write_text('{"max_length": 512}')  # past the --shards check
     done = _run("import sys; sys.modules['jax'] = None; from apps.cli import main; "
-                "sys.exit(main(['train', '--shards', 'OUT/L512']))")
+                f"sys.exit(main(['train', '--shards', {str(tmp_path)!r}]))")
     assert done.returncode == 2, done.stderr
     assert done.stderr == ("prepack train: needs the 'train' extra (no module named 'jax'); install it with "
                            "pip install 'tunix-prepack[train]' (in a checkout: .venv/bin/pip install -e '.[train]')\n")
