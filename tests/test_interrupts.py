@@ -287,3 +287,23 @@ def test_ctrl_c_to_the_process_group_prints_only_the_last_line(tmp_path, verbose
         assert "terminate called without an active exception" in lines and any(line.startswith("INFO ") for line in lines)
     else:
         assert lines[:-1] and set(lines[:-1]) == {"worker up"}, stderr  # before the signal: passed through
+
+
+def test_in_process_pack_gives_the_callers_signal_handlers_back(tmp_path):
+    """A test or notebook calling pipelines.cli.main keeps its own SIGINT/SIGTERM handlers afterwards
+    (they used to stay prepack's, and a later Ctrl-C in the test session raised inside pytest)."""
+    from pipelines.cli import main
+    from testkit.pipeline import IN_PROCESS, alpaca_records, write_jsonl
+
+    def mine(signum, frame):
+        pass
+
+    before = {s: signal.signal(s, mine) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        path = write_jsonl(str(tmp_path / "in.jsonl"), alpaca_records(4))
+        assert main(["--input", path, "--format", "alpaca", "--output", str(tmp_path / "out"), "--max-length", "64",
+                     "--no-progress", *IN_PROCESS]) == 0
+        assert signal.getsignal(signal.SIGINT) is mine and signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
