@@ -31,8 +31,9 @@ def _signal_handlers_restored():
     try:
         yield
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        if interrupts.received() is None:  # after a signal, a second one must still end the process at once
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
