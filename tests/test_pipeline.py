@@ -78,9 +78,11 @@ def check_shard_set(folder: str, expected: list, max_length: int, truncate: bool
         kept[segment_key(ids, mask)] += 1
         lengths.append(len(ids))
     assert segments_in(rows) == kept
-    if manifest.packing == "bfd":
-        assert manifest.num_rows == len(pack_best_fit_decreasing(lengths, max_length))
-        assert manifest.stats["global_bfd_rows"] == manifest.num_rows
+    if manifest.packing != "unpacked":
+        bfd_rows = len(pack_best_fit_decreasing(lengths, max_length, manifest.options["max_segments_per_row"]))
+        assert manifest.stats["bfd_rows"] == bfd_rows
+        assert manifest.num_rows <= bfd_rows
+        assert manifest.num_rows == bfd_rows or manifest.packing == "exact_fill"
     assert manifest.stats["examples_written"] == sum(kept.values())
     assert manifest.stats["tokens"] == sum(lengths)
     stats = manifest.stats
@@ -179,6 +181,27 @@ def test_determinism_one_vs_several_workers(mixed_run, data_dir, tmp_path, monke
         assert shard_bytes(str(a)) == shard_bytes(str(b))
         assert without_volatile((a / "manifest.json").read_text()) == without_volatile((b / "manifest.json").read_text())
         assert sorted(os.listdir(a)) == sorted(os.listdir(b))
+
+
+def test_segment_cap_and_planner_one_vs_two_workers(data_dir, tmp_path, mixed_expected):
+    """--max-segments-per-row 3: no row holds more than 3 segments, the rows are the capped
+    plan's (stats.bfd_rows is capped BFD's), both options are in the manifest, and 1 vs 2
+    workers write the same bytes; --planner bfd gives BFD's rows."""
+    outs = {}
+    for name, extra, runner in (("one", [], IN_PROCESS), ("two", [], TWO_PROCESSES), ("bfd", ["--planner", "bfd"], IN_PROCESS)):
+        outs[name] = tmp_path / name
+        pack(mixed_args(data_dir, outs[name]) + ["--max-segments-per-row", "3", *extra], runner=runner)
+    for L in LENGTHS:
+        manifest, rows = check_shard_set(str(outs["one"] / f"L{L}"), mixed_expected, L)
+        assert manifest.options["max_segments_per_row"] == 3 and manifest.options["planner"] == "best"
+        assert max(len(split_segments(row)) for row in rows) == manifest.stats["segments_per_row"]["max"] <= 3
+        assert shard_bytes(str(outs["one"] / f"L{L}")) == shard_bytes(str(outs["two"] / f"L{L}"))
+        a, b = (outs[k] / f"L{L}" / "manifest.json" for k in ("one", "two"))
+        assert without_volatile(a.read_text()) == without_volatile(b.read_text())
+        bfd, _ = check_shard_set(str(outs["bfd"] / f"L{L}"), mixed_expected, L)
+        assert bfd.packing == "bfd" and bfd.options["planner"] == "bfd"
+        assert bfd.num_rows == bfd.stats["bfd_rows"] == manifest.stats["bfd_rows"] >= manifest.num_rows
+    assert manifest.stats["segments_per_row"]["max"] == 3  # at L 256 the cap binds (uncapped rows hold more)
 
 
 def test_refuses_to_overwrite(mixed_run, data_dir):
