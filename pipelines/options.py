@@ -136,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pk.add_argument("--no-pack", action="store_true", help="one example per row (baseline), same format and manifest")
     pk.add_argument("--overlong", choices=[p.value for p in OverlongPolicy], default=OverlongPolicy.DROP.value,
-                    help="examples longer than L: drop (default) or truncate")
+                    help="examples longer than L: drop (default), truncate (cut to L), or split (cut into pieces of at most L "
+                    "tokens, each its own segment; a piece sees no earlier context)")
     pk.add_argument("--planner", choices=[p.value for p in Planner], default=Planner.BEST.value,
                     help="how rows are planned from the length histogram: best (default: the fewer rows of "
                     "best-fit-decreasing and exact fills) or bfd (best-fit-decreasing only)")

@@ -95,6 +95,8 @@ def length_stats(summary: dict[str, Any], max_length: int, pack: bool = True) ->
         "examples_written": written,
         "examples_dropped": tally.examples_dropped(max_length),
         "examples_truncated": tally.truncated.get(max_length, 0),
+        "examples_split": tally.split.get(max_length, 0),
+        "split_pieces": tally.split_pieces.get(max_length, 0),
         "bad_records": tally.bad,
         "bad_fraction": tally.bad / examples_read if examples_read else 0.0,
         "bfd_rows": plan["bfd_rows"] if pack else None,
@@ -105,13 +107,15 @@ def length_stats(summary: dict[str, Any], max_length: int, pack: bool = True) ->
 
 
 def check_stats(stats: dict[str, Any], max_length: int, plan: dict[str, Any], cap: int | None = None) -> list[str]:
-    """Accounting problems (empty when all is well): every example read is written or dropped."""
+    """Accounting problems (empty when all is well): every example read is written or dropped
+    (under --overlong split, each of its pieces)."""
     problems = []
     dropped = sum(stats["examples_dropped"].values())
-    if stats["examples_read"] != stats["examples_written"] + dropped:
+    arrived = stats["examples_read"] - stats["examples_split"] + stats["split_pieces"]
+    if arrived != stats["examples_written"] + dropped:
         problems.append(
-            f"L={max_length}: examples read {stats['examples_read']} != written {stats['examples_written']} "
-            f"+ dropped {dropped}"
+            f"L={max_length}: examples read {stats['examples_read']} (- split {stats['examples_split']} + pieces "
+            f"{stats['split_pieces']}) != written {stats['examples_written']} + dropped {dropped}"
         )
     if stats["examples_written"] != plan["num_examples"]:
         problems.append(f"L={max_length}: {stats['examples_written']} examples in rows, but the plan placed {plan['num_examples']}")

@@ -32,6 +32,7 @@ from prepack import exact_fill
 class OverlongPolicy(str, enum.Enum):
     DROP = "drop"
     TRUNCATE = "truncate"
+    SPLIT = "split"  # cut into pieces of at most L tokens, each its own segment (split_pieces)
 
 
 class Planner(str, enum.Enum):
@@ -46,6 +47,7 @@ class DropReason(str, enum.Enum):
 
     TOO_LONG = "too_long"
     NO_TARGETS_AFTER_TRUNCATION = "no_targets_after_truncation"
+    NO_TARGETS_AFTER_SPLIT = "no_targets_after_split"  # counts pieces, not examples
 
 
 class Fit(enum.IntEnum):
@@ -56,6 +58,7 @@ class Fit(enum.IntEnum):
     TRUNCATED = 1  # cut to the max length under --overlong truncate; a target survives
     TOO_LONG = 2  # dropped: longer than the max length under --overlong drop
     NO_TARGETS_AFTER_TRUNCATION = 3  # dropped: cut to the max length, no target survives
+    SPLIT = 4  # cut into pieces under --overlong split (split_pieces decides which are kept)
 
     @property
     def drop_reason(self) -> DropReason | None:
@@ -76,6 +79,21 @@ def targets_after_first(lens: np.ndarray, mask: np.ndarray, end: int | None = No
     return sums[np.maximum(stop, first)] - sums[first]
 
 
+def split_pieces(length: int, max_length: int) -> list[tuple[int, int]]:
+    """The rule of --overlong split: an example of `length` > max_length tokens becomes the
+    pieces [0, L), [L, 2L), ..., the last holding the rest; each is its own segment (positions
+    from 0, no earlier context: nothing is repeated), its loss mask the example's own there,
+    and, as for every segment, no target on its first token. A piece with no target after its
+    first token is dropped (DropReason.NO_TARGETS_AFTER_SPLIT)."""
+    return [(start, min(start + max_length, length)) for start in range(0, length, max_length)]
+
+
+def piece_id(example_id: str, start: int, end: int) -> str:
+    """A piece's identity: its example and token range, the same at every max length that cuts
+    it there (one piece then serves all of them), distinct from every example id (no '#')."""
+    return f"{example_id}#{start}:{end}"
+
+
 def fit_at_length(lengths: np.ndarray, max_length: int, policy: OverlongPolicy,
                   targets_within: np.ndarray | None = None) -> np.ndarray:
     """The overlong rule: each example's Fit (int8) at `max_length`. An example that fits is
@@ -90,6 +108,9 @@ def fit_at_length(lengths: np.ndarray, max_length: int, policy: OverlongPolicy,
         return out
     if policy is OverlongPolicy.DROP:
         out[over] = Fit.TOO_LONG
+        return out
+    if policy is OverlongPolicy.SPLIT:
+        out[over] = Fit.SPLIT
         return out
     if targets_within is None:
         raise ValueError("fit_at_length: truncating needs each example's targets within the max length")

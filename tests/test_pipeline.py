@@ -204,6 +204,63 @@ def test_segment_cap_and_planner_one_vs_two_workers(data_dir, tmp_path, mixed_ex
     assert manifest.stats["segments_per_row"]["max"] == 3  # at L 256 the cap binds (uncapped rows hold more)
 
 
+def expected_split_segments(expected: list, max_length: int) -> tuple[Counter, dict]:
+    """--overlong split as the issue states it, written out independently of split_pieces: an
+    example longer than L is cut at L, 2L, ...; a piece keeps its own ids and loss mask; a piece
+    with no target after its first token is dropped. (segments, counts) at one L."""
+    kept, counts = Counter(), Counter()
+    for ex in expected:
+        ids, mask = list(ex.input_ids), list(ex.loss_mask)
+        if len(ids) <= max_length:
+            kept[segment_key(ids, mask)] += 1
+            continue
+        counts["examples_split"] += 1
+        pieces = [(ids[a:a + max_length], mask[a:a + max_length]) for a in range(0, len(ids), max_length)]
+        assert [t for p, _ in pieces for t in p] == ids and [m for _, p in pieces for m in p] == mask  # reassembles
+        counts["split_pieces"] += len(pieces)
+        for p_ids, p_mask in pieces:
+            if any(p_mask[1:]):
+                kept[segment_key(p_ids, p_mask)] += 1
+            else:
+                counts["no_targets_after_split"] += 1
+    return kept, counts
+
+
+def test_overlong_split_pieces_one_vs_two_workers_and_unpacked(data_dir, tmp_path, mixed_expected):
+    """--overlong split: the rows hold exactly the pieces (each piece's ids and loss mask are its
+    example's, no target on its first token, positions from 0), every token of a kept piece is
+    written once, the counts and the accounting identity hold, 1 vs 2 workers write the same
+    bytes, and with --no-pack each piece is a row of its own."""
+    outs = {}
+    for name, extra, runner in (("one", [], IN_PROCESS), ("two", [], TWO_PROCESSES), ("unpacked", ["--no-pack"], IN_PROCESS)):
+        outs[name] = tmp_path / name
+        pack(mixed_args(data_dir, outs[name]) + ["--overlong", "split", *extra], runner=runner)
+    for L in LENGTHS:
+        want, counts = expected_split_segments(mixed_expected, L)
+        for name in ("one", "unpacked"):
+            manifest, rows = read_shard_set(str(outs[name] / f"L{L}"))
+            for row in rows:
+                rowformat.check_row(row, L)
+                for k in range(1, int(row["segment_ids"].max()) + 1):
+                    at = np.flatnonzero(row["segment_ids"] == k)
+                    assert row["positions"][at].tolist() == list(range(len(at)))  # each piece starts at 0
+            assert segments_in(rows) == want
+            stats = manifest.stats
+            assert stats["examples_split"] == counts["examples_split"] and (counts["examples_split"] > 0 or L > 64)
+            assert stats["split_pieces"] == counts["split_pieces"]
+            assert stats["examples_dropped"].get("no_targets_after_split", 0) == counts["no_targets_after_split"]
+            assert stats["examples_written"] == sum(want.values())
+            assert stats["tokens"] == sum(len(k[0]) * c for k, c in want.items())
+            assert (stats["examples_read"] - stats["examples_split"] + stats["split_pieces"]
+                    == stats["examples_written"] + sum(stats["examples_dropped"].values()))
+            assert manifest.options["overlong"] == "split"
+            if name == "unpacked":
+                assert manifest.num_rows == stats["examples_written"] and all(int(r["segment_ids"].max()) == 1 for r in rows)
+        assert shard_bytes(str(outs["one"] / f"L{L}")) == shard_bytes(str(outs["two"] / f"L{L}"))
+        a, b = (outs[k] / f"L{L}" / "manifest.json" for k in ("one", "two"))
+        assert without_volatile(a.read_text()) == without_volatile(b.read_text())
+
+
 def test_refuses_to_overwrite(mixed_run, data_dir):
     _, out = mixed_run
     with pytest.raises(JobError, match=r"already exist.*--overwrite"):
