@@ -1,10 +1,10 @@
 """Global packing plans from lengths alone, and the routing of examples to rows.
 
-Why this shape: best-fit-decreasing needs to see every length, but not every
-payload. So the job first combines a length histogram (a few thousand numbers),
-plans once, and then each example finds its row from (its length, its rank
-among examples of that length), which needs only the examples of one length
-(and one hash sub-bucket) on one worker. The rows are exactly the global BFD
+Why this shape: a global plan (best-fit-decreasing, or the exact fills of `--planner best`)
+needs to see every length, but not every payload. So the job first combines a length
+histogram (a few thousand numbers), plans once, and then each example finds its row from
+(its length, its rank among examples of that length), which needs only the examples of one
+length (and one hash sub-bucket) on one worker. The rows are exactly the global plan's
 rows, whatever the scale or the number of workers.
 
 Keys and order, per max length L:

@@ -163,17 +163,20 @@ def test_decomposable_rows_that_bfd_misses():
 
 
 def test_the_budget_is_work_and_past_it_the_result_is_bfds():
-    """The work is counted in subset-sum cells: the same count on every call; a budget below it
-    raises BudgetExhausted in the fill, and the plan is BFD's (method `bfd`, BFD's rows)."""
+    """The work is counted in subset-sum cells: the same count on every call; a budget the first
+    fill runs past raises BudgetExhausted, and the plan is BFD's (method `bfd`, BFD's rows); a
+    budget that cuts only a later fill keeps the fills that finished."""
     rnd = random.Random(5)
     histogram = Counter(rnd.randint(1, 300) for _ in range(5000))
     first = exact_fill.plan_exact_fill(histogram, 512)
     again = exact_fill.plan_exact_fill(dict(reversed(list(histogram.items()))), 512)
     assert first.work == again.work > 0 and first.patterns == again.patterns  # deterministic
     with pytest.raises(exact_fill.BudgetExhausted):
-        exact_fill.plan_exact_fill(histogram, 512, budget=first.work - 1)
+        exact_fill.plan_exact_fill(histogram, 512, budget=10)
     assert exact_fill.plan_exact_fill(histogram, 512, budget=first.work).patterns == first.patterns
-    starved = HistogramPlan(histogram, 512, Planner.BEST, budget=first.work - 1)
+    cut = exact_fill.plan_exact_fill(histogram, 512, budget=first.work - 1)  # the last fill left out
+    assert cut.work == first.work and cut.num_rows >= first.num_rows
+    starved = HistogramPlan(histogram, 512, Planner.BEST, budget=10)
     bfd = packer.plan_from_histogram(dict(histogram), 512)
     assert starved.method == "bfd" and starved.fill_rows is None and starved.rows() == bfd
     fed = HistogramPlan(histogram, 512, Planner.BEST, budget=first.work)
