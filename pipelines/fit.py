@@ -146,10 +146,12 @@ class FitAndKeyFn(beam.DoFn):
                     reason = DropReason.NO_TARGETS_AFTER_SPLIT
                     self.tally.dropped[(L, reason)] += 1
                     self.m_dropped[L].inc()
-                    yield TaggedOutput(TAG_DEAD, (L, dead_letter(
+                    key, entry = dead_letter(
                         ctx.tasks, batch.locs[i], reason.value, "", f"no target token after the first in tokens "
                         f"{a}..{b - 1} of {n}, a piece of the example cut at max_length {L}", None,
-                        example_id=batch.example_ids[i], tokens=b - a)))
+                        example_id=batch.example_ids[i], tokens=b - a)
+                    # The piece's start in the sort key: two pieces of one example sort the same way in every run.
+                    yield TaggedOutput(TAG_DEAD, (L, (key + (a,), entry)))
         if not pieces:
             return
         keys = sorted(pieces)

@@ -21,8 +21,9 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 
-# Cells of subset-sum work one plan may spend. Measured: EN-FR, Alpaca and OASST1 samples
-# at L 512-4096 spend under 2% of it; 1M EN-FR examples at L 4096 about 5%.
+# Cells of subset-sum work one plan may spend (~9 s on a shared 2-core machine). Measured
+# (docs/benchmarks.md, "Planner beyond BFD"): uncapped fills of the samples and 1M EN-FR pairs at
+# L 512-4096 spend at most 3% of it; capped fills at L 2048-4096 25-100% (a row per item count).
 DEFAULT_BUDGET_CELLS = 4_000_000_000
 
 

@@ -254,6 +254,9 @@ def test_overlong_split_pieces_one_vs_two_workers_and_unpacked(data_dir, tmp_pat
             assert (stats["examples_read"] - stats["examples_split"] + stats["split_pieces"]
                     == stats["examples_written"] + sum(stats["examples_dropped"].values()))
             assert manifest.options["overlong"] == "split"
+            dead = outs[name] / f"L{L}" / "dead_letter.jsonl"
+            reasons = Counter(json.loads(line)["reason"] for line in dead.read_text().splitlines()) if dead.exists() else {}
+            assert reasons.get("no_targets_after_split", 0) == counts["no_targets_after_split"]
             if name == "unpacked":
                 assert manifest.num_rows == stats["examples_written"] and all(int(r["segment_ids"].max()) == 1 for r in rows)
         assert shard_bytes(str(outs["one"] / f"L{L}")) == shard_bytes(str(outs["two"] / f"L{L}"))
