@@ -201,3 +201,32 @@ def test_bad_caps_and_lengths_are_refused_in_one_line():
         exact_fill.plan_exact_fill({9: 1}, 8)
     with pytest.raises(ValueError, match=r"^'worst' is not a valid Planner$"):
         HistogramPlan({3: 1}, 8, "worst")
+
+
+# ----------------------------------------------------------------------------- --overlong split
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 3000), st.integers(2, 600))
+def test_split_pieces_reassemble_and_have_distinct_stable_ids(length, max_length):
+    """The pieces cover the example once, in order, none longer than L, all but the last exactly
+    L; their ids are distinct (equal-length pieces of one example too, which share a routing
+    group and are ranked by hash then id) and differ from every plain example id."""
+    pieces = packer.split_pieces(length, max_length)
+    assert [t for a, b in pieces for t in range(a, b)] == list(range(length))
+    assert all(b - a == max_length for a, b in pieces[:-1]) and 0 < pieces[-1][1] - pieces[-1][0] <= max_length
+    ids = [packer.piece_id("0/data.jsonl/7", a, b) for a, b in pieces]
+    assert len(set(ids)) == len(ids) and all("#" in i for i in ids)
+    assert ids == [packer.piece_id("0/data.jsonl/7", a, b) for a, b in packer.split_pieces(length, max_length)]
+
+
+def test_split_fit_and_its_counts_in_preflight():
+    """Preflight's fit under split, by hand: L 4, masks of 10 tokens cut at 4 and 8; the piece
+    [4, 8) has no target after its first token and is dropped as no_targets_after_split."""
+    from apps.preflight import ExampleSet, fit_examples
+
+    mask = [0, 1, 1, 1, 1, 0, 0, 0, 0, 1]  # pieces [0,4): 3 targets, [4,8): 0 after its first, [8,10): 1
+    examples = ExampleSet.from_masks("hand", [mask, [0, 1]], keep_over=2)
+    kept, targets, dropped, truncated, split, pieces = fit_examples(examples, 4, packer.OverlongPolicy.SPLIT)
+    assert sorted(zip(kept.tolist(), targets.tolist())) == [(2, 1), (2, 1), (4, 3)]
+    assert dropped == {"no_targets_after_split": 1} and (truncated, split, pieces) == (0, 1, 3)
