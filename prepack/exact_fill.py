@@ -139,6 +139,11 @@ def best_fill(lengths: np.ndarray, counts: np.ndarray, room: int, max_items: int
     if not fits.any():
         return take, 0
     limits = np.where(fits, np.minimum(counts, np.minimum(room // np.maximum(lengths, 1), max_items)), 0)
+    # When the longest items that fit, up to max_items of them, fit together, nothing beats them
+    # (any max_items items sum to no more): the common case under a binding cap, found without a table.
+    longest = np.minimum(limits, np.maximum(0, max_items - (np.cumsum(limits) - limits)))
+    if int((longest * lengths).sum()) <= room:
+        return longest, int((longest * lengths).sum())
     index, copies = _chunks(lengths, limits)
     if order == "plenty":
         rank = np.argsort(-counts[index], kind="stable")

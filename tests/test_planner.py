@@ -82,14 +82,17 @@ def histograms(draw, max_items=None):
 @example(({5: 3, 3: 4, 2: 9, 1: 2}, 8, 2), Planner.BFD)
 @example(({300: 5, 212: 5, 100: 7, 6: 3}, 512, 2), Planner.BEST)
 @example(({1: 300}, 512, 4), Planner.BEST)
+@example(({10: 1, 7: 2, 4: 3, 1: 10}, 20, 3), Planner.BEST)  # uncapped, the fill after 10 is 7+1+1+1
 def test_the_cap_holds_in_every_row_of_every_planner(case, planner):
-    """Fails when BFD's run placement ignores the cap (place_run's `cap - segments[row]`), when
-    a new row of a run takes max_length // length items, or when the fill's subset-sum forgets
-    its item count."""
+    """The plan's rows, and the exact fill's own (whether or not `best` keeps them), hold at most
+    `cap` segments. Fails when BFD's run placement ignores the cap (place_run's
+    `cap - segments[row]`), when a new row of a run takes max_length // length items, when the
+    fill's subset-sum forgets its item count, or when its longest-items shortcut takes more."""
     histogram, max_length, cap = case
     plan = HistogramPlan(histogram, max_length, planner, cap)
     rows = plan.rows()
     check_rows(rows, histogram, max_length, cap)
+    check_rows(exact_fill.plan_exact_fill(histogram, max_length, cap).rows(), histogram, max_length, cap)
     assert plan.num_rows == len(rows)
     lows, highs = plan.segment_range()
     assert (lows, highs) == ((min(map(len, rows)), max(map(len, rows))) if rows else (0, 0))
