@@ -2,7 +2,7 @@
 
 Best-fit-decreasing lands a few rows above the lower bound ceil(tokens / L) because it
 never looks ahead: each long item takes the fullest row it fits, and the small gaps it
-leaves add up (EN-FR at L 512: 515 rows against a bound of 507). Here each row is built
+leaves add up (EN-FR at L 512: 514 rows against a bound of 507). Here each row is built
 whole: take the longest length left, then fill the rest of the row with the subset of the
 remaining lengths whose sum comes closest to the room left (a bounded subset-sum over the
 histogram, at most L sums), and repeat that row, a *pattern*, as often as the counts left
@@ -22,8 +22,8 @@ from collections.abc import Iterator, Mapping
 import numpy as np
 
 # Cells of subset-sum work one plan may spend (~9 s on a shared 2-core machine). Measured
-# (docs/benchmarks.md, "Planner beyond BFD"): uncapped fills of the samples and 1M EN-FR pairs at
-# L 512-4096 spend at most 3% of it; capped fills at L 2048-4096 25-100% (a row per item count).
+# (docs/benchmarks.md, "Planner beyond BFD"): the samples and 1M EN-FR pairs at L 512-4096 spend
+# at most 3% of it uncapped, 12% under caps of 4-16; a synthetic 2,048-length histogram at L 4096 22%.
 DEFAULT_BUDGET_CELLS = 4_000_000_000
 
 
@@ -128,7 +128,7 @@ def best_fill(lengths: np.ndarray, counts: np.ndarray, room: int, max_items: int
 
     A 0/1 subset-sum over binary chunks; each sum remembers the first chunk that reached it,
     so the fill prefers the chunks met first (`order`: "long", longest lengths first, keeping
-    the short ones as filler; "plenty", the lengths with the most items left first; "short"),
+    the short ones as filler; "plenty", the lengths with the most items left first),
     and the chain back from the best sum uses each chunk once. Under a binding item cap the
     table has one row per item count, and the fill takes the fewest items that reach the best
     sum, or the most with `most_items`."""
@@ -147,9 +147,6 @@ def best_fill(lengths: np.ndarray, counts: np.ndarray, room: int, max_items: int
     index, copies = _chunks(lengths, limits)
     if order == "plenty":
         rank = np.argsort(-counts[index], kind="stable")
-        index, copies = index[rank], copies[rank]
-    elif order == "short":
-        rank = np.argsort(lengths[index], kind="stable")
         index, copies = index[rank], copies[rank]
     weights = lengths[index] * copies
     capped = max_items < room // int(lengths[fits].min())
