@@ -103,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,  # a Beam flag must never be taken for an abbreviation of ours
         description=(
             "Read SFT datasets, apply a template and chat format, tokenize once, pack per max length "
-            "with global best-fit-decreasing, and publish ArrayRecord shards plus manifest.json into "
+            "with a global plan (best-fit-decreasing, or exact fills where they need fewer rows), and publish "
+            "ArrayRecord shards plus manifest.json into "
             "OUTPUT/L<max_length>/. Options this command does not know are passed to Beam "
             "(e.g. --runner=DataflowRunner --project=... --region=... --temp_location=gs://...)."
         ),
