@@ -18,9 +18,10 @@ THROUGHPUT_MODEL = (
 
 # preflight.csv columns, in order; report.py fills the same keys from manifests.
 CSV_COLUMNS = (
-    "dataset", "input", "format", "tokenizer", "chat_format", "overlong", "max_length", "batch_size",
-    "records_read", "bad_records", "examples", "examples_kept", "examples_dropped",
+    "dataset", "input", "format", "tokenizer", "chat_format", "overlong", "planner", "max_segments_per_row",
+    "max_length", "batch_size", "records_read", "bad_records", "examples", "examples_kept", "examples_dropped",
     "dropped_too_long", "dropped_no_targets_after_truncation", "examples_truncated",
+    "examples_split", "split_pieces", "dropped_no_targets_after_split", "bfd_rows",
     "mean_tokens", "median_tokens", "p95_tokens", "max_tokens", "tokens", "target_tokens",
     "unpacked_rows", "packed_rows", "lower_bound_rows", "row_reduction",
     "unpacked_density", "packed_density", "unpacked_target_density", "packed_target_density",

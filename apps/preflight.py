@@ -44,7 +44,8 @@ from apps.report import find_manifests, manifest_rows
 from prepack.accounting import LENGTH_REASONS, Tally
 from prepack.bad_records import DEFAULT_MAX_BAD_FRACTION, too_many_bad_records
 from prepack.cli_help import DefaultsHelpFormatter
-from prepack.packer import DropReason, Fit, OverlongPolicy, fit_at_length, plan_from_histogram, targets_after_first
+from prepack.packer import (DropReason, Fit, HistogramPlan, OverlongPolicy, Planner, fit_at_length, split_pieces,
+                            targets_after_first)
 from prepack.stats import PackingStats, stats_from_rows
 
 DEFAULT_MAX_LENGTHS = (256, 512, 1024, 2048)
@@ -76,6 +77,8 @@ class PreflightConfig:
     max_lengths: tuple[int, ...] = DEFAULT_MAX_LENGTHS
     batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
     overlong: OverlongPolicy = OverlongPolicy.DROP
+    planner: Planner = Planner.BEST  # as `prepack pack --planner`
+    max_segments_per_row: int | None = None  # as `prepack pack --max-segments-per-row`
     template_options: dict[str, str] = dataclasses.field(default_factory=dict)
     max_examples: int | None = None  # None: every example
     max_bad_fraction: float = DEFAULT_MAX_BAD_FRACTION
@@ -161,11 +164,16 @@ class LengthResult:
     dropped: dict[str, int]  # DropReason value -> count
     truncated: int
     stats: PackingStats
+    bfd_rows: int = 0
+    split: int = 0  # examples cut into pieces (--overlong split)
+    pieces: int = 0  # the pieces they were cut into, kept or not
 
 
-def fit_examples(examples: ExampleSet, max_length: int, overlong: OverlongPolicy) -> tuple[np.ndarray, np.ndarray, dict[str, int], int]:
-    """(kept lengths, kept target counts, dropped by reason, truncated) under the overlong rule
-    the job applies (prepack.packer.fit_at_length)."""
+def fit_examples(examples: ExampleSet, max_length: int, overlong: OverlongPolicy
+                 ) -> tuple[np.ndarray, np.ndarray, dict[str, int], int, int, int]:
+    """(kept lengths, kept target counts, dropped by reason, truncated, split, pieces) under
+    the overlong rule the job applies (prepack.packer.fit_at_length, split_pieces): under
+    --overlong split an example longer than L gives way to its pieces that keep a target."""
     lengths, targets = examples.lengths.copy(), examples.targets.copy()
     over = np.flatnonzero(lengths > max_length)
     missing = [int(i) for i in over if int(i) not in examples.overlong_masks]
@@ -179,16 +187,32 @@ def fit_examples(examples: ExampleSet, max_length: int, overlong: OverlongPolicy
     targets[over[truncated]] = within[truncated]
     keep = np.ones(len(lengths), dtype=bool)
     keep[over[fit > Fit.TRUNCATED]] = False
-    dropped = Counter(Fit(int(f)).drop_reason.value for f in fit[fit > Fit.TRUNCATED])
-    return lengths[keep], targets[keep], dict(dropped), int(np.count_nonzero(truncated))
+    dropped = Counter(Fit(int(f)).drop_reason.value for f in fit[(fit > Fit.TRUNCATED) & (fit != Fit.SPLIT)])
+    piece_lengths, piece_targets, pieces = [], [], 0
+    for j in np.flatnonzero(fit == Fit.SPLIT).tolist():
+        mask = masks[j]
+        for a, b in split_pieces(len(mask), max_length):
+            pieces += 1
+            kept_targets = int(np.count_nonzero(mask[a + 1:b]))
+            if kept_targets:
+                piece_lengths.append(b - a)
+                piece_targets.append(kept_targets)
+            else:
+                dropped[DropReason.NO_TARGETS_AFTER_SPLIT.value] += 1
+    kept_lengths = np.concatenate([lengths[keep], np.asarray(piece_lengths, dtype=np.int64)])
+    kept_targets = np.concatenate([targets[keep], np.asarray(piece_targets, dtype=np.int64)])
+    return (kept_lengths, kept_targets, dict(dropped), int(np.count_nonzero(truncated)),
+            int(np.count_nonzero(fit == Fit.SPLIT)), pieces)
 
 
-def evaluate_length(examples: ExampleSet, max_length: int, overlong: OverlongPolicy) -> LengthResult:
-    kept, targets, dropped, truncated = fit_examples(examples, max_length, overlong)
+def evaluate_length(examples: ExampleSet, max_length: int, overlong: OverlongPolicy,
+                    planner: Planner = Planner.BEST, max_segments: int | None = None) -> LengthResult:
+    """One max length planned as the job plans it: the same overlong rule, planner and cap."""
+    kept, targets, dropped, truncated, split, pieces = fit_examples(examples, max_length, overlong)
     values, counts = np.unique(kept, return_counts=True)
-    plan = plan_from_histogram({int(v): int(c) for v, c in zip(values, counts)}, max_length)
-    stats = stats_from_rows(plan, max_length, int(targets.sum()))
-    return LengthResult(max_length, kept, dropped, truncated, stats)
+    plan = HistogramPlan({int(v): int(c) for v, c in zip(values, counts)}, max_length, planner, max_segments)
+    stats = stats_from_rows(plan.rows(), max_length, int(targets.sum()))
+    return LengthResult(max_length, kept, dropped, truncated, stats, plan.bfd_rows, split, pieces)
 
 
 def _quantiles(lengths: np.ndarray) -> dict[str, float]:
@@ -207,7 +231,7 @@ def evaluate(examples: ExampleSet, config: PreflightConfig, tokenizer_name: str 
     """Rows for one dataset: one per max length x batch size, in that order."""
     rows = []
     for max_length in config.max_lengths:
-        result = evaluate_length(examples, max_length, config.overlong)
+        result = evaluate_length(examples, max_length, config.overlong, config.planner, config.max_segments_per_row)
         dropped = sum(result.dropped.values())
         # What --overlong truncate would keep of the examples dropped as too long: only those with
         # a target within the first max_length tokens (the others have nothing left to train on).
@@ -221,6 +245,12 @@ def evaluate(examples: ExampleSet, config: PreflightConfig, tokenizer_name: str 
             "tokenizer": tokenizer_name,
             "chat_format": chat_format_name,
             "overlong": config.overlong.value,
+            "planner": config.planner.value,
+            "max_segments_per_row": config.max_segments_per_row,
+            "bfd_rows": result.bfd_rows,
+            "examples_split": result.split,
+            "split_pieces": result.pieces,
+            "dropped_no_targets_after_split": result.dropped.get(DropReason.NO_TARGETS_AFTER_SPLIT.value, 0),
             "records_read": examples.records_read,
             "bad_records": sum(examples.bad_records.values()),
             "examples": len(examples.lengths),
@@ -446,13 +476,16 @@ def run(config: PreflightConfig, loader: Callable[[DatasetSpec], ExampleSet], to
             "max_lengths": list(config.max_lengths),
             "batch_sizes": list(config.batch_sizes),
             "overlong": config.overlong.value,
+            "planner": config.planner.value,
+            "max_segments_per_row": config.max_segments_per_row,
             "template_options": dict(config.template_options),
             "max_examples": config.max_examples,
             "seed": config.seed,
             "pack_output": config.pack_output,
         },
         "throughput_model": THROUGHPUT_MODEL,
-        "packing": "global best-fit decreasing over the length histogram (prepack.packer.plan_from_histogram)",
+        "packing": f"the job's planner over the length histogram (prepack.packer.HistogramPlan, --planner "
+                   f"{config.planner.value})",
         "datasets": datasets,
         "rows": rows,
     }
@@ -479,8 +512,10 @@ def run_with_pipeline(config: PreflightConfig, pack_args: Sequence[str]) -> dict
         out = os.path.join(config.pack_output, spec.name)
         argv = ["--input", spec.path, "--format", spec.format, "--tokenizer", config.tokenizer,
                 "--chat-format", config.chat_format, "--max-length", *map(str, config.max_lengths),
-                "--overlong", config.overlong.value, "--output", out,
+                "--overlong", config.overlong.value, "--output", out, "--planner", config.planner.value,
                 "--max-bad-fraction", str(config.max_bad_fraction)]
+        if config.max_segments_per_row is not None:
+            argv += ["--max-segments-per-row", str(config.max_segments_per_row)]
         for key, value in sorted(config.template_options.items()):
             argv += [_PACK_TEMPLATE_FLAGS[key], value]
         started = time.perf_counter()
@@ -494,6 +529,8 @@ def run_with_pipeline(config: PreflightConfig, pack_args: Sequence[str]) -> dict
                 row.pop("dropped_by_reason", None)
                 row.pop("packing", None)
                 row["overlong"] = config.overlong.value
+                row["planner"] = config.planner.value
+                row["max_segments_per_row"] = config.max_segments_per_row
             rows += more
             for w in warnings:
                 print("warning: " + w, file=sys.stderr)
@@ -560,7 +597,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", action="extend", nargs="+", type=int, metavar="B",
                    help=f"batch sizes (default: {' '.join(map(str, DEFAULT_BATCH_SIZES))})")
     p.add_argument("--overlong", choices=[p.value for p in OverlongPolicy], default=OverlongPolicy.DROP.value,
-                   help="examples longer than L: drop (default) or truncate")
+                   help="examples longer than L: drop (default), truncate or split, as `prepack pack`")
+    p.add_argument("--planner", choices=[p.value for p in Planner], default=Planner.BEST.value,
+                   help="row planner, as `prepack pack --planner` (default best)")
+    p.add_argument("--max-segments-per-row", type=int, metavar="N",
+                   help="at most N examples per row, as `prepack pack --max-segments-per-row` (default: no cap)")
     p.add_argument("--template-option", action="append", default=[], metavar="KEY=VALUE",
                    help="template option, e.g. source_lang=de (given only to formats that take it)")
     # The same spellings as `prepack pack`, so one command line works for both.
@@ -615,6 +656,8 @@ def config_from_args(args: argparse.Namespace) -> PreflightConfig:
             options[key] = getattr(args, key)
     if not 0.0 <= args.max_bad_fraction <= 1.0:
         raise PreflightError(f"--max-bad-fraction must be within 0..1, got {args.max_bad_fraction}")
+    if args.max_segments_per_row is not None and args.max_segments_per_row < 1:
+        raise PreflightError(f"--max-segments-per-row must be at least 1, got {args.max_segments_per_row}")
     return PreflightConfig(
         datasets=tuple(datasets),
         output=args.output,
@@ -623,6 +666,8 @@ def config_from_args(args: argparse.Namespace) -> PreflightConfig:
         max_lengths=tuple(sorted(set(max_lengths))),
         batch_sizes=tuple(sorted(set(batch_sizes))),
         overlong=OverlongPolicy(args.overlong),
+        planner=Planner(args.planner),
+        max_segments_per_row=args.max_segments_per_row,
         template_options=options,
         max_examples=args.max_examples,
         seed=args.seed,

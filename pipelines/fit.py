@@ -12,12 +12,12 @@ import numpy as np
 from apache_beam.metrics.metric import Metrics
 from apache_beam.pvalue import TaggedOutput
 
-from pipelines.columns import TokenizedBatch
-from pipelines.planning import sub_buckets_of
+from pipelines.columns import Ragged, TokenizedBatch
+from pipelines.planning import stable_hash, sub_buckets_of
 from pipelines.records import dead_letter
 from pipelines.stage import FLUSH_EXAMPLES, NAMESPACE, TAG_DEAD, TAG_HIST, TAG_TALLY, JobContext, StageClock, in_global_window
 from prepack.accounting import Tally
-from prepack.packer import Fit, OverlongPolicy, fit_at_length
+from prepack.packer import DropReason, Fit, OverlongPolicy, fit_at_length, piece_id, split_pieces
 
 
 class FitAndKeyFn(beam.DoFn):
@@ -97,9 +97,12 @@ class FitAndKeyFn(beam.DoFn):
         n = lens[index]
         keys, bs = np.divmod(codes[index], ctx.sub_buckets)
         truncate = ctx.config.overlong is OverlongPolicy.TRUNCATE
+        split_at: dict[int, list[int]] = {}  # example -> the max lengths it is cut into pieces at
         for bit, L in enumerate(ctx.config.max_lengths):
             within = batch.targets_after_first(L)[index] if truncate and (n > L).any() else None
             fit = fit_at_length(n, L, ctx.config.overlong, within)
+            for j in np.flatnonzero(fit == Fit.SPLIT).tolist():
+                split_at.setdefault(int(index[j]), []).append(bit)
             kept = fit <= Fit.TRUNCATED
             kept_at[index[kept]] |= np.uint64(1 << bit)
             for key, b in zip(keys[kept].tolist(), bs[kept].tolist()):
@@ -108,7 +111,7 @@ class FitAndKeyFn(beam.DoFn):
             if truncated:
                 tally.truncated[L] += truncated
                 self.m_truncated[L].inc(truncated)
-            for j in np.flatnonzero(~kept).tolist():
+            for j in np.flatnonzero(~kept & (fit != Fit.SPLIT)).tolist():
                 i, reason = int(index[j]), Fit(int(fit[j])).drop_reason
                 tally.dropped[(L, reason)] += 1
                 self.m_dropped[L].inc()
@@ -116,6 +119,57 @@ class FitAndKeyFn(beam.DoFn):
                            else f"{n[j]} tokens, more than max_length {L}")
                 yield TaggedOutput(TAG_DEAD, (L, dead_letter(ctx.tasks, batch.locs[i], reason.value, "", message, None,
                                                              example_id=batch.example_ids[i], tokens=int(n[j]))))
+        if split_at:
+            yield from self._split(batch, split_at)
+
+    def _split(self, batch: TokenizedBatch, split_at: dict[int, list[int]]) -> Iterator[Any]:
+        """Examples cut into pieces (--overlong split) at some max lengths: each piece travels
+        on as an example of its own (id piece_id(...), its own hash and sub-bucket), kept at
+        every max length that cuts the example there (the last pieces of two max lengths are
+        often the same range); a piece with no target after its first token is dropped there."""
+        ctx = self.ctx
+        lengths = ctx.config.max_lengths
+        starts = np.cumsum(batch.examples.lens, dtype=np.int64) - batch.examples.lens
+        pieces: dict[tuple[int, int, int], int] = {}  # (example, start, end) -> kept_at bits
+        for i, bits in split_at.items():
+            n, first = int(batch.examples.lens[i]), int(starts[i])
+            mask = batch.examples.mask[first:first + n]
+            for bit in bits:
+                L = lengths[bit]
+                cut = split_pieces(n, L)
+                self.tally.split[L] += 1
+                self.tally.split_pieces[L] += len(cut)
+                for a, b in cut:
+                    if mask[a + 1:b].any():
+                        pieces[(i, a, b)] = pieces.get((i, a, b), 0) | 1 << bit
+                        continue
+                    reason = DropReason.NO_TARGETS_AFTER_SPLIT
+                    self.tally.dropped[(L, reason)] += 1
+                    self.m_dropped[L].inc()
+                    key, entry = dead_letter(
+                        ctx.tasks, batch.locs[i], reason.value, "", f"no target token after the first in tokens "
+                        f"{a}..{b - 1} of {n}, a piece of the example cut at max_length {L}", None,
+                        example_id=batch.example_ids[i], tokens=b - a)
+                    # The piece's start in the sort key: two pieces of one example sort the same way in every run.
+                    yield TaggedOutput(TAG_DEAD, (L, (key + (a,), entry)))
+        if not pieces:
+            return
+        keys = sorted(pieces)
+        ids = [piece_id(batch.example_ids[i], a, b) for i, a, b in keys]
+        hashes = np.array([stable_hash(e) for e in ids], dtype=np.uint64)
+        flat = np.concatenate([np.arange(starts[i] + a, starts[i] + b) for i, a, b in keys])
+        piece_lens = np.array([b - a for _, a, b in keys], dtype=batch.examples.lens.dtype)
+        cut = TokenizedBatch(hashes, ids, [batch.locs[i] for i, _, _ in keys],
+                             Ragged(piece_lens, batch.examples.ids[flat], batch.examples.mask[flat]))
+        kept_at = np.array([pieces[k] for k in keys], dtype=np.uint64)
+        length_keys = piece_lens.astype(np.int64) if ctx.config.pack else np.zeros(len(keys), np.int64)
+        b = sub_buckets_of(hashes, ctx.sub_buckets)
+        for bit, L in enumerate(lengths):
+            at = (kept_at >> np.uint64(bit)) & np.uint64(1) == 1
+            for key, sub in zip(length_keys[at].tolist(), b[at].tolist()):
+                self.hist[(L, key, sub)] += 1
+        self.pending.append((cut, length_keys * ctx.sub_buckets + b, kept_at))
+        self.buffered += len(keys)
 
     def _flush(self, windowed: bool) -> Iterator[Any]:
         wrap = in_global_window if windowed else (lambda v: v)

@@ -230,7 +230,8 @@ def _fit_route_write(pipeline: Any, job: PreparedJob, examples: Any, bads: list,
     planned = (
         fitted[TAG_HIST]
         | "Histogram" >> beam.CombineGlobally(MergeCounters())
-        | "Plan" >> beam.ParDo(PlanFn(config.max_lengths, config.pack, config.num_shards, config.target_shard_mb))
+        | "Plan" >> beam.ParDo(PlanFn(config.max_lengths, config.pack, config.num_shards, config.target_shard_mb,
+                                      config.planner, config.max_segments_per_row))
         .with_outputs(TAG_PLAN, main="slices")
     )
     # Every worker holds the plans without their slots (O(groups)); each (length, sub-bucket)
@@ -413,7 +414,8 @@ def run(config: PackConfig, beam_args: list[str], run_id: str | None = None) -> 
         problems: list[str] = []
         for L in config.max_lengths:
             stats[L] = publish.length_stats(summary, L, config.pack)
-            problems += publish.check_stats(stats[L], L, summary["lengths"][str(L)]["plan"])
+            problems += publish.check_stats(stats[L], L, summary["lengths"][str(L)]["plan"],
+                                            config.max_segments_per_row)
         if problems:
             raise publish.JobError("accounting check failed, nothing was published: " + "; ".join(problems))
         first = stats[config.max_lengths[0]]
@@ -438,7 +440,8 @@ def run(config: PackConfig, beam_args: list[str], run_id: str | None = None) -> 
         created_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         manifests = {}
         for L in config.max_lengths:
-            manifests[L] = publish.compose_manifest(config, L, stats[L], summary["lengths"][str(L)]["shards"], job.job_info)
+            manifests[L] = publish.compose_manifest(config, L, stats[L], summary["lengths"][str(L)]["shards"], job.job_info,
+                                                     summary["lengths"][str(L)]["plan"]["method"])
             manifests[L].created_at = created_at
             if job.tokens is not None:
                 manifests[L].lineage = tokens_source.lineage(job.tokens, config.from_tokens)

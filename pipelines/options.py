@@ -22,7 +22,7 @@ from typing import Any
 
 from pipelines.planning import MAX_SUB_BUCKETS
 from prepack.bad_records import DEFAULT_MAX_BAD_FRACTION
-from prepack.packer import OverlongPolicy
+from prepack.packer import OverlongPolicy, Planner
 from prepack.cli_help import DefaultsHelpFormatter
 
 DEFAULT_MAX_LENGTHS = (2048,)
@@ -69,6 +69,8 @@ class PackConfig:
     max_lengths: tuple[int, ...] = DEFAULT_MAX_LENGTHS
     pack: bool = True
     overlong: OverlongPolicy = OverlongPolicy.DROP
+    planner: Planner = Planner.BEST
+    max_segments_per_row: int | None = None  # None: no cap
     num_shards: int | None = None
     target_shard_mb: float = DEFAULT_TARGET_SHARD_MB
     max_bad_fraction: float = DEFAULT_MAX_BAD_FRACTION
@@ -101,6 +103,8 @@ class PackConfig:
             "max_lengths": list(self.max_lengths),
             "packing": "bfd" if self.pack else "unpacked",
             "overlong": self.overlong.value,
+            "planner": self.planner.value,
+            "max_segments_per_row": self.max_segments_per_row,
             "num_shards": self.num_shards,
             "target_shard_mb": self.target_shard_mb,
             "max_bad_fraction": self.max_bad_fraction,
@@ -116,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,  # a Beam flag must never be taken for an abbreviation of ours
         description=(
             "Read SFT datasets, apply a template and chat format, tokenize once, pack per max length "
-            "with global best-fit-decreasing, and publish ArrayRecord shards plus manifest.json into "
+            "with a global plan (best-fit-decreasing, or exact fills where they need fewer rows), and publish "
+            "ArrayRecord shards plus manifest.json into "
             "OUTPUT/L<max_length>/. Options this command does not know are passed to Beam "
             "(e.g. --runner=DataflowRunner --project=... --region=... --temp_location=gs://...)."
         ),
@@ -149,7 +154,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pk.add_argument("--no-pack", action="store_true", help="one example per row (baseline), same format and manifest")
     pk.add_argument("--overlong", choices=[p.value for p in OverlongPolicy], default=OverlongPolicy.DROP.value,
-                    help="examples longer than L: drop (default) or truncate")
+                    help="examples longer than L: drop (default), truncate (cut to L), or split (cut into pieces of at most L "
+                    "tokens, each its own segment; a piece sees no earlier context)")
+    pk.add_argument("--planner", choices=[p.value for p in Planner], default=Planner.BEST.value,
+                    help="how rows are planned from the length histogram: best (default: the fewer rows of "
+                    "best-fit-decreasing and exact fills) or bfd (best-fit-decreasing only)")
+    pk.add_argument("--max-segments-per-row", type=int, metavar="N",
+                    help="at most N examples (segments) in a row, for attention kernels that cap them (default: no cap)")
     pk.add_argument("--sub-buckets", type=int, help="advanced: hash sub-buckets per length when assigning rows (default: from input size)")
     out = p.add_argument_group("output")
     out.add_argument("--output", help="output folder, local or gs://; each max length gets OUTPUT/L<L>/")
@@ -217,6 +228,8 @@ def parse_args(argv: Sequence[str]) -> tuple[PackConfig, list[str]]:
         raise OptionsError(f"--max-bad-fraction must be within 0..1, got {ns.max_bad_fraction}")
     if ns.sub_buckets is not None and not 1 <= ns.sub_buckets <= MAX_SUB_BUCKETS:
         raise OptionsError(f"--sub-buckets must be between 1 and {MAX_SUB_BUCKETS}, got {ns.sub_buckets}")
+    if ns.max_segments_per_row is not None and ns.max_segments_per_row < 1:
+        raise OptionsError(f"--max-segments-per-row must be at least 1, got {ns.max_segments_per_row}")
     if ns.batch_size < 1:
         raise OptionsError(f"--tokenize-batch-size must be at least 1, got {ns.batch_size}")
     template_options = {}
@@ -246,6 +259,8 @@ def parse_args(argv: Sequence[str]) -> tuple[PackConfig, list[str]]:
         max_lengths=max_lengths,
         pack=not ns.no_pack,
         overlong=OverlongPolicy(ns.overlong),
+        planner=Planner(ns.planner),
+        max_segments_per_row=ns.max_segments_per_row,
         num_shards=ns.num_shards,
         target_shard_mb=ns.target_shard_mb,
         max_bad_fraction=ns.max_bad_fraction,

@@ -1,10 +1,10 @@
 """Global packing plans from lengths alone, and the routing of examples to rows.
 
-Why this shape: best-fit-decreasing needs to see every length, but not every
-payload. So the job first combines a length histogram (a few thousand numbers),
-plans once, and then each example finds its row from (its length, its rank
-among examples of that length), which needs only the examples of one length
-(and one hash sub-bucket) on one worker. The rows are exactly the global BFD
+Why this shape: a global plan (best-fit-decreasing, or the exact fills of `--planner best`)
+needs to see every length, but not every payload. So the job first combines a length
+histogram (a few thousand numbers), plans once, and then each example finds its row from
+(its length, its rank among examples of that length), which needs only the examples of one
+length (and one hash sub-bucket) on one worker. The rows are exactly the global plan's
 rows, whatever the scale or the number of workers.
 
 Keys and order, per max length L:
@@ -31,7 +31,7 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 
-from prepack.packer import ClassRuns, HistogramBestFit
+from prepack.packer import ClassRuns, HistogramPlan, Planner
 
 # Compressed bytes per token of a row under zstd:3, measured in docs/row_format.md
 # (2.4); used only to turn --target-shard-mb into a shard count.
@@ -112,6 +112,8 @@ class LengthPlan:
     slots: dict[int, tuple[np.ndarray, np.ndarray]]
     group_counts: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)
     window_tokens: int = WINDOW_TOKENS
+    bfd_rows: int | None = None  # BFD's own rows (packed), beside num_rows; None unpacked
+    method: str = "bfd"  # what made the rows: "bfd", "exact_fill", or "unpacked"
 
     def route(self, length_key: int, b: int, count: int) -> tuple[np.ndarray, np.ndarray]:
         """Rows and positions (int64 arrays) of a group's `count` survivors, in rank order."""
@@ -183,7 +185,7 @@ class LengthPlanner:
     `offsets[(length_key, b)]`; under truncation every length_key > L is in class L."""
 
     def __init__(self, histogram: Histogram, max_length: int, pack: bool, num_shards: int | None = None,
-                 target_shard_mb: float = 256.0):
+                 target_shard_mb: float = 256.0, planner: Planner = Planner.BEST, max_segments: int | None = None):
         self.max_length, self.pack = max_length, pack
         self.num_shards, self.target_shard_mb = num_shards, target_shard_mb
         entries = sorted(
@@ -199,7 +201,7 @@ class LengthPlanner:
             self.group_counts[key] = count
             self.class_counts[cls] += count
             self._groups_by_class[cls].append(key)
-        self._bfd = HistogramBestFit(self.class_counts, max_length) if pack else None
+        self._bfd = HistogramPlan(self.class_counts, max_length, planner, max_segments) if pack else None
         self._placed = not pack
 
     def classes(self) -> Iterator[ClassRuns]:
@@ -225,7 +227,9 @@ class LengthPlanner:
             num_rows = self._bfd.num_rows
             tokens = sum(cls * count for cls, count in self.class_counts.items())
             min_seg, max_seg = self._bfd.segment_range()
+            bfd_rows, method = self._bfd.bfd_rows, self._bfd.method
         else:
+            bfd_rows, method = None, "unpacked"
             num_rows = num_examples
             tokens = 0
             min_seg = max_seg = 1 if num_rows else 0
@@ -242,15 +246,18 @@ class LengthPlanner:
             slots=slots or {},
             group_counts=self.group_counts,
             window_tokens=window_tokens(),
+            bfd_rows=bfd_rows,
+            method=method,
         )
 
 
 def build_plan(
-    histogram: Histogram, max_length: int, pack: bool, num_shards: int | None = None, target_shard_mb: float = 256.0
+    histogram: Histogram, max_length: int, pack: bool, num_shards: int | None = None, target_shard_mb: float = 256.0,
+    planner: Planner = Planner.BEST, max_segments: int | None = None,
 ) -> LengthPlan:
     """The whole plan for one L in memory, slots of every class included (8 bytes per example):
     for tests, benchmarks and small runs. The job streams it instead (LengthPlanner)."""
-    planner = LengthPlanner(histogram, max_length, pack, num_shards, target_shard_mb)
+    planner = LengthPlanner(histogram, max_length, pack, num_shards, target_shard_mb, planner, max_segments)
     by_class = {runs.length: runs.slots(0, runs.num_slots) for runs in planner.classes()}
     # Insertion order as a row-by-row scan of the plan meets the classes.
     slots = dict(sorted(by_class.items(), key=lambda item: (int(item[1][0][0]), int(item[1][1][0]))))
@@ -258,6 +265,7 @@ def build_plan(
 
 
 def build_plans(
-    histogram: Histogram, max_lengths: tuple[int, ...], pack: bool, num_shards: int | None, target_shard_mb: float
+    histogram: Histogram, max_lengths: tuple[int, ...], pack: bool, num_shards: int | None, target_shard_mb: float,
+    planner: Planner = Planner.BEST, max_segments: int | None = None,
 ) -> dict[int, LengthPlan]:
-    return {L: build_plan(histogram, L, pack, num_shards, target_shard_mb) for L in max_lengths}
+    return {L: build_plan(histogram, L, pack, num_shards, target_shard_mb, planner, max_segments) for L in max_lengths}

@@ -95,28 +95,35 @@ def length_stats(summary: dict[str, Any], max_length: int, pack: bool = True) ->
         "examples_written": written,
         "examples_dropped": tally.examples_dropped(max_length),
         "examples_truncated": tally.truncated.get(max_length, 0),
+        "examples_split": tally.split.get(max_length, 0),
+        "split_pieces": tally.split_pieces.get(max_length, 0),
         "bad_records": tally.bad,
         "bad_fraction": tally.bad / examples_read if examples_read else 0.0,
-        "global_bfd_rows": plan["num_rows"] if pack else None,
+        "bfd_rows": plan["bfd_rows"] if pack else None,
         "planned_examples": plan["num_examples"],
         "dead_letter_entries": per["dead_letter_entries"],
         **packing,
     }
 
 
-def check_stats(stats: dict[str, Any], max_length: int, plan: dict[str, Any]) -> list[str]:
-    """Accounting problems (empty when all is well): every example read is written or dropped."""
+def check_stats(stats: dict[str, Any], max_length: int, plan: dict[str, Any], cap: int | None = None) -> list[str]:
+    """Accounting problems (empty when all is well): every example read is written or dropped
+    (under --overlong split, each of its pieces)."""
     problems = []
     dropped = sum(stats["examples_dropped"].values())
-    if stats["examples_read"] != stats["examples_written"] + dropped:
+    arrived = stats["examples_read"] - stats["examples_split"] + stats["split_pieces"]
+    if arrived != stats["examples_written"] + dropped:
         problems.append(
-            f"L={max_length}: examples read {stats['examples_read']} != written {stats['examples_written']} "
-            f"+ dropped {dropped}"
+            f"L={max_length}: examples read {stats['examples_read']} (- split {stats['examples_split']} + pieces "
+            f"{stats['split_pieces']}) != written {stats['examples_written']} + dropped {dropped}"
         )
     if stats["examples_written"] != plan["num_examples"]:
         problems.append(f"L={max_length}: {stats['examples_written']} examples in rows, but the plan placed {plan['num_examples']}")
     if stats["rows"] != plan["num_rows"]:
         problems.append(f"L={max_length}: {stats['rows']} rows written, but the plan has {plan['num_rows']}")
+    if cap is not None and stats["segments_per_row"]["max"] > cap:
+        problems.append(f"L={max_length}: a row holds {stats['segments_per_row']['max']} segments, more than "
+                        f"--max-segments-per-row {cap}")
     return problems
 
 
@@ -132,8 +139,10 @@ def bad_fraction_error(stats: dict[str, Any], config: PackConfig, failed_paths: 
 
 
 def compose_manifest(
-    config: PackConfig, max_length: int, stats: dict[str, Any], shards: list[dict], job_info: dict[str, Any]
+    config: PackConfig, max_length: int, stats: dict[str, Any], shards: list[dict], job_info: dict[str, Any],
+    method: str | None = None,
 ) -> Manifest:
+    """`method`: what made the rows (the plan's: bfd, exact_fill or unpacked), the manifest's `packing`."""
     infos = [ShardInfo(path=s["path"], num_rows=s["num_rows"], num_bytes=s["num_bytes"], sha256=s["sha256"]) for s in shards]
     return Manifest(
         max_length=max_length,
@@ -141,7 +150,7 @@ def compose_manifest(
         shards=infos,
         tokenizer=job_info["tokenizer"],
         stats=stats,
-        packing="bfd" if config.pack else "unpacked",
+        packing=method or ("bfd" if config.pack else "unpacked"),
         template=job_info["template"],
         inputs=job_info["inputs"],
         options={**config.manifest_options(), "sub_buckets": job_info["sub_buckets"]},

@@ -17,10 +17,12 @@ from pipelines.columns import PayloadBatch, ShardWork, concat_wire
 from pipelines.failures import ShardCheckError
 from pipelines.planning import LengthPlan
 from pipelines.stage import FLUSH_EXAMPLES, NAMESPACE, TAG_PLAN, JobContext, StageClock, in_global_window
+from prepack.packer import Planner
 
 
 class PlanFn(beam.DoFn):
-    """The global histogram -> one BFD plan per L.
+    """The global histogram -> one plan per L (--planner: BFD, or the best of BFD and exact fills;
+    at most --max-segments-per-row segments per row).
 
     Main output: each (length_key, b) group's slice of the plan's slots,
     ((length_key, b), (L, rows, positions)), a multimap side input of RouteToRowsFn that a
@@ -29,11 +31,14 @@ class PlanFn(beam.DoFn):
     Tagged `plan`: (L, the plan without slots), O(groups), the side input every worker gets.
     """
 
-    def __init__(self, max_lengths: tuple[int, ...], pack: bool, num_shards: int | None, target_shard_mb: float):
+    def __init__(self, max_lengths: tuple[int, ...], pack: bool, num_shards: int | None, target_shard_mb: float,
+                 planner: Planner = Planner.BEST, max_segments: int | None = None):
         self.max_lengths = max_lengths
         self.pack = pack
         self.num_shards = num_shards
         self.target_shard_mb = target_shard_mb
+        self.planner = planner
+        self.max_segments = max_segments
 
     def process(self, histogram: dict) -> Iterator[Any]:
         from pipelines.planning import LengthPlanner
@@ -41,7 +46,8 @@ class PlanFn(beam.DoFn):
         for L in self.max_lengths:
             # Streamed: each class's slices go out before the next class is placed, so the
             # planner holds ~8 bytes per row, not the slots of every example (LengthPlanner).
-            planner = LengthPlanner(histogram, L, self.pack, self.num_shards, self.target_shard_mb)
+            planner = LengthPlanner(histogram, L, self.pack, self.num_shards, self.target_shard_mb, self.planner,
+                                    self.max_segments)
             for key, rows, positions in planner.group_slices():
                 yield (key, (L, rows.astype("<i4").tobytes(), positions.astype("<i4").tobytes()))
             yield TaggedOutput(TAG_PLAN, (L, planner.plan().without_slots()))

@@ -310,6 +310,8 @@ class WriteSummaryFn(beam.DoFn):
                     "tokens": plan.tokens,
                     "min_segments": plan.min_segments,
                     "max_segments": plan.max_segments,
+                    "bfd_rows": plan.bfd_rows,
+                    "method": plan.method,
                 },
                 "shards": sorted((s for s in shards if s["max_length"] == max_length), key=lambda s: s["index"]),
                 "dead_letter_entries": dead_counts.get(max_length, 0),

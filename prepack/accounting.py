@@ -8,6 +8,9 @@ is written at a max length L, or dropped there for exactly one reason:
   missing_field; `bad_examples`: the chat format refused the conversation), at every L;
 - `no_targets`: no target token after its first, at every L;
 - a DropReason at L (too_long, no_targets_after_truncation): the overlong rule.
+Under --overlong split an example longer than L is cut into pieces at L (`split` counts the
+examples, `split_pieces` the pieces); each piece is written or dropped as
+no_targets_after_split, so per L: examples_read - split + split_pieces == written + dropped.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ class Tally:
     no_targets: int = 0  # examples with no target after their first token
     truncated: Counter = dataclasses.field(default_factory=Counter)  # max length -> examples cut to it
     dropped: Counter = dataclasses.field(default_factory=Counter)  # (max length, DropReason) -> examples
+    split: Counter = dataclasses.field(default_factory=Counter)  # max length -> examples cut into pieces
+    split_pieces: Counter = dataclasses.field(default_factory=Counter)  # max length -> pieces they were cut into
 
     def merge(self, other: "Tally") -> "Tally":
         self.records_read += other.records_read
@@ -41,7 +46,8 @@ class Tally:
         self.no_targets += other.no_targets
         for mine, theirs in ((self.bad_records, other.bad_records), (self.bad_examples, other.bad_examples),
                              (self.filtered, other.filtered), (self.truncated, other.truncated),
-                             (self.dropped, other.dropped)):
+                             (self.dropped, other.dropped), (self.split, other.split),
+                             (self.split_pieces, other.split_pieces)):
             mine.update(theirs)
         return self
 
@@ -67,7 +73,7 @@ class Tally:
         return dict(sorted(out.items()))
 
     def to_json(self) -> dict[str, Any]:
-        lengths = sorted({L for L in self.truncated} | {L for L, _ in self.dropped})
+        lengths = sorted({L for L in self.truncated} | {L for L, _ in self.dropped} | set(self.split))
         return {
             "records_read": self.records_read,
             "examples": self.examples,
@@ -76,6 +82,7 @@ class Tally:
             "filtered": dict(sorted(self.filtered.items())),
             "no_targets": self.no_targets,
             "per_length": {str(L): {"truncated": self.truncated.get(L, 0),
+                                    "split": self.split.get(L, 0), "split_pieces": self.split_pieces.get(L, 0),
                                     "dropped": {DropReason(r).value: n for (m, r), n in sorted(self.dropped.items()) if m == L}}
                            for L in lengths},
         }
@@ -88,6 +95,9 @@ class Tally:
         for L, per in data["per_length"].items():
             if per["truncated"]:
                 tally.truncated[int(L)] = per["truncated"]
+            if per.get("split"):
+                tally.split[int(L)] = per["split"]
+                tally.split_pieces[int(L)] = per["split_pieces"]
             for reason, n in per["dropped"].items():
                 tally.dropped[(int(L), DropReason(reason))] = n
         return tally

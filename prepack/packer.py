@@ -26,10 +26,20 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from prepack import exact_fill
+
 
 class OverlongPolicy(str, enum.Enum):
     DROP = "drop"
     TRUNCATE = "truncate"
+    SPLIT = "split"  # cut into pieces of at most L tokens, each its own segment (split_pieces)
+
+
+class Planner(str, enum.Enum):
+    """How a max length's rows are planned from its length histogram (`--planner`)."""
+
+    BFD = "bfd"  # best-fit-decreasing
+    BEST = "best"  # the fewer rows of BFD and exact fills (prepack.exact_fill); BFD's on a tie
 
 
 class DropReason(str, enum.Enum):
@@ -37,6 +47,7 @@ class DropReason(str, enum.Enum):
 
     TOO_LONG = "too_long"
     NO_TARGETS_AFTER_TRUNCATION = "no_targets_after_truncation"
+    NO_TARGETS_AFTER_SPLIT = "no_targets_after_split"  # counts pieces, not examples
 
 
 class Fit(enum.IntEnum):
@@ -47,6 +58,7 @@ class Fit(enum.IntEnum):
     TRUNCATED = 1  # cut to the max length under --overlong truncate; a target survives
     TOO_LONG = 2  # dropped: longer than the max length under --overlong drop
     NO_TARGETS_AFTER_TRUNCATION = 3  # dropped: cut to the max length, no target survives
+    SPLIT = 4  # cut into pieces under --overlong split (split_pieces decides which are kept)
 
     @property
     def drop_reason(self) -> DropReason | None:
@@ -67,6 +79,21 @@ def targets_after_first(lens: np.ndarray, mask: np.ndarray, end: int | None = No
     return sums[np.maximum(stop, first)] - sums[first]
 
 
+def split_pieces(length: int, max_length: int) -> list[tuple[int, int]]:
+    """The rule of --overlong split: an example of `length` > max_length tokens becomes the
+    pieces [0, L), [L, 2L), ..., the last holding the rest; each is its own segment (positions
+    from 0, no earlier context: nothing is repeated), its loss mask the example's own there,
+    and, as for every segment, no target on its first token. A piece with no target after its
+    first token is dropped (DropReason.NO_TARGETS_AFTER_SPLIT)."""
+    return [(start, min(start + max_length, length)) for start in range(0, length, max_length)]
+
+
+def piece_id(example_id: str, start: int, end: int) -> str:
+    """A piece's identity: its example and token range, the same at every max length that cuts
+    it there (one piece then serves all of them), distinct from every example id (no '#')."""
+    return f"{example_id}#{start}:{end}"
+
+
 def fit_at_length(lengths: np.ndarray, max_length: int, policy: OverlongPolicy,
                   targets_within: np.ndarray | None = None) -> np.ndarray:
     """The overlong rule: each example's Fit (int8) at `max_length`. An example that fits is
@@ -82,6 +109,9 @@ def fit_at_length(lengths: np.ndarray, max_length: int, policy: OverlongPolicy,
     if policy is OverlongPolicy.DROP:
         out[over] = Fit.TOO_LONG
         return out
+    if policy is OverlongPolicy.SPLIT:
+        out[over] = Fit.SPLIT
+        return out
     if targets_within is None:
         raise ValueError("fit_at_length: truncating needs each example's targets within the max length")
     out[over] = np.where(np.asarray(targets_within)[over] > 0, Fit.TRUNCATED, Fit.NO_TARGETS_AFTER_TRUNCATION)
@@ -96,6 +126,11 @@ _C_INT = "i"
 MAX_ROWS = 2**31 - 1
 
 
+def check_max_segments(max_segments: int | None) -> None:
+    if max_segments is not None and max_segments < 1:
+        raise ValueError(f"max_segments must be at least 1, got {max_segments}")
+
+
 def _c_ints(values: np.ndarray) -> bytes:
     return np.ascontiguousarray(values, dtype=np.intc).tobytes()
 
@@ -103,10 +138,15 @@ def _c_ints(values: np.ndarray) -> bytes:
 class _BestFit:
     """Incremental best-fit state: place items one at a time, or a run of equal items at once."""
 
-    def __init__(self, max_length: int):
+    def __init__(self, max_length: int, max_segments: int | None = None):
         if max_length <= 0:
             raise ValueError(f"max_length must be positive, got {max_length}")
+        check_max_segments(max_segments)
         self.max_length = max_length
+        # A row never holds more than max_length items, so no cap is the cap max_length: one
+        # comparison on every path instead of a branch for "no cap". A row at the cap is closed:
+        # it leaves the buckets, whatever room it has left.
+        self.cap = min(max_segments or max_length, max_length)
         self.segments = array.array("H" if max_length <= 0xFFFF else _C_INT)  # items placed in each row so far
         self._rows_by_free = [array.array(_C_INT) for _ in range(max_length + 1)]
         self._nonempty = 0
@@ -136,7 +176,7 @@ class _BestFit:
             row = len(self.segments)
             self.segments.append(1)
         left = free - length
-        if left:
+        if left and self.segments[row] < self.cap:
             self._rows_by_free[left].append(row)
             self._nonempty |= 1 << left
         return row
@@ -154,13 +194,15 @@ class _BestFit:
         min(count, r // length) items, then the next best row, and so on; the buckets it
         would pass through on the way end empty again, so row order, row contents and
         the final bucket state (order within a bucket included) are item-by-item BFD's.
-        The work is per row touched, not per item.
+        The work is per row touched, not per item. Under a segment cap a row takes at most
+        cap - items of the run and, once at the cap, leaves the buckets: the next item goes to
+        the next best row, as place() would send it.
         """
         placed = array.array(_C_INT)  # row, start, items; three C ints per row touched
         if count <= 0:
             return np.zeros((0, 3), dtype=np.intc)
         self._check(length)
-        rows_by_free, segments, nonempty = self._rows_by_free, self.segments, self._nonempty
+        rows_by_free, segments, nonempty, cap = self._rows_by_free, self.segments, self._nonempty, self.cap
         add = placed.append
         # place() inlined: this loop runs once per row touched, the hot path of planning.
         while count:
@@ -172,13 +214,13 @@ class _BestFit:
             row = bucket.pop()  # the same tie-break as place()
             if not bucket:
                 nonempty &= ~(1 << free)
-            k = min(count, free // length)
+            k = min(count, free // length, cap - segments[row])
             add(row)
             add(segments[row])
             add(k)
             segments[row] += k
             left = free - k * length
-            if left:
+            if left and segments[row] < cap:
                 rows_by_free[left].append(row)
                 nonempty |= 1 << left
             count -= k
@@ -204,7 +246,7 @@ class _BestFit:
         A new row that is full for this length keeps less than `length` free, so nothing
         open fits the next item either and it opens the next row: new rows come in index
         order, each pushed to its bucket in that order, the last one with what is left."""
-        per_row = self.max_length // length
+        per_row = min(self.max_length // length, self.cap)
         full, rest = divmod(count, per_row)
         first = len(self.segments)
         if first + full + (1 if rest else 0) > MAX_ROWS:
@@ -214,7 +256,7 @@ class _BestFit:
         placed.frombytes(_c_ints(np.column_stack([rows, np.zeros(full, np.intc), np.full(full, per_row, np.intc)])))
         self.segments.frombytes(np.full(full, per_row, dtype=np.dtype(self.segments.typecode)).tobytes())
         left = self.max_length - per_row * length
-        if left and full:
+        if left and full and per_row < self.cap:
             self._rows_by_free[left].frombytes(_c_ints(rows))
             self._nonempty |= 1 << left
         if rest:
@@ -229,9 +271,11 @@ def _decreasing_order(lengths: Sequence[int]) -> np.ndarray:
     return np.argsort(-np.asarray(lengths, dtype=np.int64), kind="stable")
 
 
-def pack_best_fit_decreasing(lengths: Sequence[int], max_length: int) -> list[list[int]]:
-    """Packs items (by index into `lengths`) into rows; each row lists item indices in placement order."""
-    packer = _BestFit(max_length)
+def pack_best_fit_decreasing(lengths: Sequence[int], max_length: int,
+                             max_segments: int | None = None) -> list[list[int]]:
+    """Packs items (by index into `lengths`) into rows, at most `max_segments` per row when
+    given; each row lists item indices in placement order."""
+    packer = _BestFit(max_length, max_segments)
     rows: list[list[int]] = []
     for index in _decreasing_order(lengths).tolist():
         row = packer.place(int(lengths[index]))
@@ -262,10 +306,11 @@ class RunPlan:
         return [flat[a:b] for a, b in zip([0, *ends], ends)]
 
 
-def plan_runs_from_histogram(histogram: Mapping[int, int], max_length: int) -> RunPlan:
+def plan_runs_from_histogram(histogram: Mapping[int, int], max_length: int,
+                             max_segments: int | None = None) -> RunPlan:
     """BFD over a length histogram, one place_run per length: the plan_from_histogram plan,
     computed in time that grows with rows and distinct lengths rather than items."""
-    packer = _BestFit(max_length)
+    packer = _BestFit(max_length, max_segments)
     runs = [np.zeros((0, 3), dtype=np.intc)]
     lengths = [np.zeros(0, dtype=np.int64)]
     for length in sorted(histogram, reverse=True):
@@ -320,9 +365,10 @@ class HistogramBestFit:
     hand out a length's slots and drop them. The state kept across lengths is O(rows):
     about 8 bytes per row (items per row, open rows by free space)."""
 
-    def __init__(self, histogram: Mapping[int, int], max_length: int, release_after: int = 1 << 16):
+    def __init__(self, histogram: Mapping[int, int], max_length: int, release_after: int = 1 << 16,
+                 max_segments: int | None = None):
         self.histogram = histogram
-        self._packer = _BestFit(max_length)
+        self._packer = _BestFit(max_length, max_segments)
         # Rows the runs touch between two passes that give the buckets' spare room back (at
         # least; an eighth of the rows when that is more): a pass visits every bucket.
         self.release_after = release_after
@@ -360,13 +406,13 @@ class HistogramBestFit:
         return (int(view.min()), int(view.max())) if len(view) else (0, 0)
 
 
-def plan_from_histogram(histogram: dict[int, int], max_length: int) -> list[list[int]]:
+def plan_from_histogram(histogram: dict[int, int], max_length: int, max_segments: int | None = None) -> list[list[int]]:
     """BFD over a length histogram: rows as lists of lengths.
 
     This is what lets a distributed job plan globally from lengths alone and
     then route each example to its row by (length, rank within that length).
     """
-    return plan_runs_from_histogram(histogram, max_length).rows()
+    return plan_runs_from_histogram(histogram, max_length, max_segments).rows()
 
 
 def first_fit_in_pools(lengths: Iterable[int], max_length: int, pool_rows: int) -> int:
@@ -387,3 +433,75 @@ def first_fit_in_pools(lengths: Iterable[int], max_length: int, pool_rows: int) 
             pool.append(n)
     return emitted + len(pool)
 
+
+
+class HistogramPlan:
+    """One max length's plan from its length histogram, streamed by length like
+    HistogramBestFit (`classes()`: each length's ClassRuns, longest first, one at a time), under
+    either planner and an optional cap on items per row.
+
+    `bfd_rows` is always BFD's own row count. Under Planner.BEST, BFD is run first for its row
+    count only (its state, ~8 bytes per row, is freed), then the exact fill within its work
+    budget; the fill's rows are used only when fewer than BFD's, and otherwise (a tie, or the
+    budget spent) BFD is run again and streamed, so `best` never has more rows than BFD and
+    its result does not depend on the machine. The fill's state is its patterns, O(distinct
+    lengths), however many rows they cover."""
+
+    def __init__(self, histogram: Mapping[int, int], max_length: int, planner: Planner = Planner.BEST,
+                 max_segments: int | None = None, budget: int = exact_fill.DEFAULT_BUDGET_CELLS):
+        check_max_segments(max_segments)
+        self.histogram = {int(n): int(c) for n, c in histogram.items() if c > 0}
+        self.max_length, self.planner, self.max_segments = max_length, Planner(planner), max_segments
+        self.fill: exact_fill.PatternPlan | None = None
+        self.fill_rows: int | None = None  # the fill's rows, also when BFD's were kept
+        self.bfd_rows: int | None = None
+        self._bfd: HistogramBestFit | None = None
+        if self.planner is Planner.BEST:
+            self.bfd_rows = _bfd_row_count(self.histogram, max_length, max_segments)
+        if self.planner is Planner.BEST and self.histogram:
+            try:
+                fill = exact_fill.plan_exact_fill(self.histogram, max_length, max_segments, budget)
+            except exact_fill.BudgetExhausted:
+                fill = None
+            self.fill_rows = fill.num_rows if fill is not None else None
+            if fill is not None and fill.num_rows < self.bfd_rows:
+                self.fill = fill
+        if self.fill is None:
+            self._bfd = HistogramBestFit(self.histogram, max_length, max_segments=max_segments)
+
+    @property
+    def method(self) -> str:
+        """What made the rows: "exact_fill" or "bfd"."""
+        return "exact_fill" if self.fill is not None else "bfd"
+
+    def classes(self) -> Iterator[ClassRuns]:
+        if self.fill is None:
+            yield from self._bfd.classes()
+            self.bfd_rows = self._bfd.num_rows
+            return
+        for length, row, start, items in self.fill.class_runs():
+            yield ClassRuns(length, row.astype(np.intc), start.astype(np.intc), np.cumsum(items, dtype=np.int64))
+
+    @property
+    def num_rows(self) -> int:
+        """Final once classes() is exhausted (under BFD, rows so far)."""
+        return self.fill.num_rows if self.fill is not None else self._bfd.num_rows
+
+    def segment_range(self) -> tuple[int, int]:
+        return self.fill.segment_range() if self.fill is not None else self._bfd.segment_range()
+
+    def rows(self) -> list[list[int]]:
+        """Rows as lists of lengths (small plans: tests and benchmarks); exhausts classes()."""
+        slots: dict[int, list[tuple[int, int, int]]] = {}
+        for runs in self.classes():
+            rows, positions = runs.slots(0, runs.num_slots)
+            for r, p in zip(rows.tolist(), positions.tolist()):
+                slots.setdefault(r, []).append((p, runs.length))
+        return [[n for _, n in sorted(slots[r])] for r in range(self.num_rows)]
+
+
+def _bfd_row_count(histogram: Mapping[int, int], max_length: int, max_segments: int | None) -> int:
+    bfd = HistogramBestFit(histogram, max_length, max_segments=max_segments)
+    for _ in bfd.classes():  # each length's runs are dropped as they come: only the BFD state is held
+        pass
+    return bfd.num_rows

@@ -78,9 +78,11 @@ def check_shard_set(folder: str, expected: list, max_length: int, truncate: bool
         kept[segment_key(ids, mask)] += 1
         lengths.append(len(ids))
     assert segments_in(rows) == kept
-    if manifest.packing == "bfd":
-        assert manifest.num_rows == len(pack_best_fit_decreasing(lengths, max_length))
-        assert manifest.stats["global_bfd_rows"] == manifest.num_rows
+    if manifest.packing != "unpacked":
+        bfd_rows = len(pack_best_fit_decreasing(lengths, max_length, manifest.options["max_segments_per_row"]))
+        assert manifest.stats["bfd_rows"] == bfd_rows
+        assert manifest.num_rows <= bfd_rows
+        assert manifest.num_rows == bfd_rows or manifest.packing == "exact_fill"
     assert manifest.stats["examples_written"] == sum(kept.values())
     assert manifest.stats["tokens"] == sum(lengths)
     stats = manifest.stats
@@ -179,6 +181,87 @@ def test_determinism_one_vs_several_workers(mixed_run, data_dir, tmp_path, monke
         assert shard_bytes(str(a)) == shard_bytes(str(b))
         assert without_volatile((a / "manifest.json").read_text()) == without_volatile((b / "manifest.json").read_text())
         assert sorted(os.listdir(a)) == sorted(os.listdir(b))
+
+
+def test_segment_cap_and_planner_one_vs_two_workers(data_dir, tmp_path, mixed_expected):
+    """--max-segments-per-row 3: no row holds more than 3 segments, the rows are the capped
+    plan's (stats.bfd_rows is capped BFD's), both options are in the manifest, and 1 vs 2
+    workers write the same bytes; --planner bfd gives BFD's rows."""
+    outs = {}
+    for name, extra, runner in (("one", [], IN_PROCESS), ("two", [], TWO_PROCESSES), ("bfd", ["--planner", "bfd"], IN_PROCESS)):
+        outs[name] = tmp_path / name
+        pack(mixed_args(data_dir, outs[name]) + ["--max-segments-per-row", "3", *extra], runner=runner)
+    for L in LENGTHS:
+        manifest, rows = check_shard_set(str(outs["one"] / f"L{L}"), mixed_expected, L)
+        assert manifest.options["max_segments_per_row"] == 3 and manifest.options["planner"] == "best"
+        assert max(len(split_segments(row)) for row in rows) == manifest.stats["segments_per_row"]["max"] <= 3
+        assert shard_bytes(str(outs["one"] / f"L{L}")) == shard_bytes(str(outs["two"] / f"L{L}"))
+        a, b = (outs[k] / f"L{L}" / "manifest.json" for k in ("one", "two"))
+        assert without_volatile(a.read_text()) == without_volatile(b.read_text())
+        bfd, _ = check_shard_set(str(outs["bfd"] / f"L{L}"), mixed_expected, L)
+        assert bfd.packing == "bfd" and bfd.options["planner"] == "bfd"
+        assert bfd.num_rows == bfd.stats["bfd_rows"] == manifest.stats["bfd_rows"] >= manifest.num_rows
+    assert manifest.stats["segments_per_row"]["max"] == 3  # at L 256 the cap binds (uncapped rows hold more)
+
+
+def expected_split_segments(expected: list, max_length: int) -> tuple[Counter, dict]:
+    """--overlong split as the issue states it, written out independently of split_pieces: an
+    example longer than L is cut at L, 2L, ...; a piece keeps its own ids and loss mask; a piece
+    with no target after its first token is dropped. (segments, counts) at one L."""
+    kept, counts = Counter(), Counter()
+    for ex in expected:
+        ids, mask = list(ex.input_ids), list(ex.loss_mask)
+        if len(ids) <= max_length:
+            kept[segment_key(ids, mask)] += 1
+            continue
+        counts["examples_split"] += 1
+        pieces = [(ids[a:a + max_length], mask[a:a + max_length]) for a in range(0, len(ids), max_length)]
+        assert [t for p, _ in pieces for t in p] == ids and [m for _, p in pieces for m in p] == mask  # reassembles
+        counts["split_pieces"] += len(pieces)
+        for p_ids, p_mask in pieces:
+            if any(p_mask[1:]):
+                kept[segment_key(p_ids, p_mask)] += 1
+            else:
+                counts["no_targets_after_split"] += 1
+    return kept, counts
+
+
+def test_overlong_split_pieces_one_vs_two_workers_and_unpacked(data_dir, tmp_path, mixed_expected):
+    """--overlong split: the rows hold exactly the pieces (each piece's ids and loss mask are its
+    example's, no target on its first token, positions from 0), every token of a kept piece is
+    written once, the counts and the accounting identity hold, 1 vs 2 workers write the same
+    bytes, and with --no-pack each piece is a row of its own."""
+    outs = {}
+    for name, extra, runner in (("one", [], IN_PROCESS), ("two", [], TWO_PROCESSES), ("unpacked", ["--no-pack"], IN_PROCESS)):
+        outs[name] = tmp_path / name
+        pack(mixed_args(data_dir, outs[name]) + ["--overlong", "split", *extra], runner=runner)
+    for L in LENGTHS:
+        want, counts = expected_split_segments(mixed_expected, L)
+        for name in ("one", "unpacked"):
+            manifest, rows = read_shard_set(str(outs[name] / f"L{L}"))
+            for row in rows:
+                rowformat.check_row(row, L)
+                for k in range(1, int(row["segment_ids"].max()) + 1):
+                    at = np.flatnonzero(row["segment_ids"] == k)
+                    assert row["positions"][at].tolist() == list(range(len(at)))  # each piece starts at 0
+            assert segments_in(rows) == want
+            stats = manifest.stats
+            assert stats["examples_split"] == counts["examples_split"] and (counts["examples_split"] > 0 or L > 64)
+            assert stats["split_pieces"] == counts["split_pieces"]
+            assert stats["examples_dropped"].get("no_targets_after_split", 0) == counts["no_targets_after_split"]
+            assert stats["examples_written"] == sum(want.values())
+            assert stats["tokens"] == sum(len(k[0]) * c for k, c in want.items())
+            assert (stats["examples_read"] - stats["examples_split"] + stats["split_pieces"]
+                    == stats["examples_written"] + sum(stats["examples_dropped"].values()))
+            assert manifest.options["overlong"] == "split"
+            dead = outs[name] / f"L{L}" / "dead_letter.jsonl"
+            reasons = Counter(json.loads(line)["reason"] for line in dead.read_text().splitlines()) if dead.exists() else {}
+            assert reasons.get("no_targets_after_split", 0) == counts["no_targets_after_split"]
+            if name == "unpacked":
+                assert manifest.num_rows == stats["examples_written"] and all(int(r["segment_ids"].max()) == 1 for r in rows)
+        assert shard_bytes(str(outs["one"] / f"L{L}")) == shard_bytes(str(outs["two"] / f"L{L}"))
+        a, b = (outs[k] / f"L{L}" / "manifest.json" for k in ("one", "two"))
+        assert without_volatile(a.read_text()) == without_volatile(b.read_text())
 
 
 def test_refuses_to_overwrite(mixed_run, data_dir):

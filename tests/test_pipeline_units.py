@@ -11,7 +11,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from pipelines.options import OptionsError, parse_args, with_default_runner
@@ -71,7 +71,8 @@ def route_all(lengths: list[int], max_length: int, pack: bool, truncate: bool, s
 def test_routing_fills_every_slot_of_the_global_bfd_plan_once(lengths, max_length, truncate, sub_buckets):
     plan, placed, _ = route_all(lengths, max_length, True, truncate, sub_buckets)
     fitted = [min(n, max_length) for n in lengths if n <= max_length or truncate]
-    assert plan.num_rows == len(pack_best_fit_decreasing(fitted, max_length))
+    assert plan.bfd_rows == len(pack_best_fit_decreasing(fitted, max_length))
+    assert plan.num_rows <= plan.bfd_rows
     assert len(placed) == len(fitted) == plan.num_examples
     assert len(set(placed.values())) == len(placed)  # no slot twice
     fill = Counter()
@@ -213,6 +214,9 @@ def test_parse_args_defaults_and_pass_through(tmp_path):
     assert with_default_runner(["--direct_running_mode=in_memory"]) == ["--runner=FnApiRunner", "--direct_running_mode=in_memory"]
     config, _ = parse_args(["--sample", "--output", "o"])
     assert config.format == "alpaca" and config.inputs[0].endswith("sample_sft.jsonl")
+    assert config.manifest_options()["planner"] == "best" and config.manifest_options()["max_segments_per_row"] is None
+    config, _ = parse_args(["--sample", "--output", "o", "--planner", "bfd", "--max-segments-per-row", "8"])
+    assert config.manifest_options()["planner"] == "bfd" and config.manifest_options()["max_segments_per_row"] == 8
 
 
 @pytest.mark.parametrize("args, message", [
@@ -242,6 +246,7 @@ def test_parse_args_defaults_and_pass_through(tmp_path):
        rf"^--runner {re.escape(runner)}: this job is tested only on FnApiRunner and DataflowRunner \(the default, no "
        r"--runner, is the local FnApiRunner\); pass --allow-untested-runner to try it anyway$")
       for runner in ("DaskRunner", "dask", "apache_beam.runners.dask.dask_runner.DaskRunner", "DirectRunner", "PrismRunner")],
+    (["--sample", "--output", "o", "--max-segments-per-row", "0"], "^--max-segments-per-row must be at least 1, got 0$"),
     (["--sample", "--output", "o", "--max-length", *map(str, range(2, 67))],
      "--max-length: at most 64 lengths in one job, got 65; run the job again for the others"),
 ])
@@ -317,15 +322,17 @@ def test_density_table_of_an_unpacked_set_has_no_packed_columns():
 # ----------------------------------------------------------------------------- build_plan slots from runs
 
 
-def per_item_slots(histogram, max_length: int):
-    """build_plan's slots, segments and rows as the per-item scan of plan_from_histogram's rows gives them."""
-    from prepack.packer import plan_from_histogram
+def per_item_slots(histogram, max_length: int, planner: str = "bfd"):
+    """build_plan's slots, segments and rows as the per-item scan of the planner's rows gives
+    them: plan_from_histogram's (BFD), or the exact fill's patterns written out row by row."""
+    from prepack.packer import HistogramPlan, plan_from_histogram
 
     counts: Counter = Counter()
     for (L, k, _), c in histogram.items():
         if L == max_length and c > 0:
             counts[min(k, max_length)] += c
-    rows = plan_from_histogram(dict(counts), max_length)
+    chosen = HistogramPlan(dict(counts), max_length, planner)
+    rows = chosen.fill.rows() if chosen.fill is not None else plan_from_histogram(dict(counts), max_length)
     by_class: dict = {}
     for row_index, row in enumerate(rows):
         for position, length in enumerate(row):
@@ -340,14 +347,17 @@ def per_item_slots(histogram, max_length: int):
 @given(
     max_length=st.one_of(st.integers(1, 64), st.sampled_from([512, 2048])),
     entries=st.lists(st.tuples(st.integers(1, 2100), st.integers(0, 3), st.integers(0, 300)), max_size=30),
+    planner=st.sampled_from(["bfd", "best"]),
 )
-def test_build_plan_slots_equal_the_per_item_construction(max_length, entries):
+@example(max_length=8, entries=[(5, 0, 3), (3, 0, 4), (2, 1, 9), (1, 0, 2)], planner="best")
+@example(max_length=512, entries=[(300, 0, 5), (212, 1, 5), (100, 0, 7), (6, 2, 3)], planner="best")
+def test_build_plan_slots_equal_the_per_item_construction(max_length, entries, planner):
     histogram: Counter = Counter()
     for k, b, c in entries:
         histogram[(max_length, k, b)] += c
         histogram[(max_length + 1, k, b)] += c  # another L's entries are ignored
-    plan = build_plan(histogram, max_length, pack=True)
-    slots, segments = per_item_slots(histogram, max_length)
+    plan = build_plan(histogram, max_length, pack=True, planner=planner)
+    slots, segments = per_item_slots(histogram, max_length, planner)
     assert list(plan.slots) == list(slots)  # same classes, met in the same order
     for cls, (rows, positions) in slots.items():
         assert plan.slots[cls][0].dtype == rows.dtype == plan.slots[cls][1].dtype
@@ -378,7 +388,7 @@ def test_streamed_group_slices_equal_the_whole_expansion(case):
 
     histogram, max_length = case
     whole = build_plan(histogram, max_length, pack=True)
-    slots, _ = per_item_slots(histogram, max_length)
+    slots, _ = per_item_slots(histogram, max_length, "best")
     planner = LengthPlanner(histogram, max_length, pack=True)
     streamed = {key: (rows, positions) for key, rows, positions in planner.group_slices()}
     assert set(streamed) == set(whole.offsets)
@@ -409,7 +419,7 @@ def test_the_planner_hands_out_a_class_before_it_places_the_next(monkeypatch):
     L = 16
     # Keys 20 and 30 are truncated into class 16, beside key 16 itself; three sub-buckets.
     histogram = {(L, k, b): 3 + k + b for k in (1, 2, 5, 9, 16, 20, 30) for b in range(3)}
-    planner = LengthPlanner(histogram, L, pack=True)
+    planner = LengthPlanner(histogram, L, pack=True, planner="bfd")  # `best` counts BFD's rows first
     slices = planner.group_slices()
     with pytest.raises(RuntimeError, match=r"needs every class placed first: exhaust group_slices\(\)"):
         planner.plan()

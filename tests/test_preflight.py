@@ -330,6 +330,40 @@ def test_pipeline_mode_matches_in_process(tmp_path):
     assert beam[0]["records_read"] == 5 and beam[0]["bad_records"] == 2
 
 
+@pytest.mark.parametrize("extra", [
+    ["--max-segments-per-row", "2"],
+    ["--overlong", "split", "--max-segments-per-row", "3"],
+    ["--planner", "bfd", "--overlong", "split"],
+])
+def test_forecast_rows_equal_the_published_rows(tmp_path, extra):
+    """Preflight plans as the job does (same planner, cap and split): its packed_rows and
+    bfd_rows are the rows a real `prepack pack` run publishes (stats.rows, stats.bfd_rows).
+    Fails when preflight plans with plain BFD, without the cap, or drops what the job splits."""
+    from pipelines.job import run as pack_run
+    from pipelines.options import parse_args
+    from prepack.manifest import Manifest
+
+    from testkit.pipeline import alpaca_records
+
+    data = tmp_path / "a.jsonl"
+    data.write_text("\n".join(ALPACA_LINES + [json.dumps(r) for r in alpaca_records(40, seed=4)]) + "\n")
+    lengths = ["--max-length", "64", "128", "256"]
+    assert preflight.main(["--input", str(data), "--format", "alpaca", *lengths, "--batch-size", "2", "--no-plots",
+                           "--max-bad-fraction", "1", "--output", str(tmp_path / "pre"), *extra]) == 0
+    config, beam = parse_args(["--input", str(data), "--format", "alpaca", *lengths, "--max-bad-fraction", "1",
+                               "--output", str(tmp_path / "out"), "--no-progress", "--direct_running_mode=in_memory",
+                               *extra])
+    pack_run(config, beam)
+    rows = json.loads((tmp_path / "pre" / "preflight.json").read_text())["rows"]
+    for r in rows:
+        manifest = Manifest.from_json((tmp_path / "out" / f"L{r['max_length']}" / "manifest.json").read_text())
+        assert r["packed_rows"] == manifest.stats["rows"] == manifest.num_rows
+        assert r["bfd_rows"] == manifest.stats["bfd_rows"]
+        assert r["examples_kept"] == manifest.stats["examples_written"]
+        assert r["examples_split"] == manifest.stats["examples_split"]
+        assert r["split_pieces"] == manifest.stats["split_pieces"]
+
+
 def test_unknown_options_only_pass_through_in_pipeline_mode(tmp_path, capsys):
     with pytest.raises(SystemExit):
         preflight.main(["--input", "a.jsonl", "--format", "alpaca", "--output", str(tmp_path), "--runner=DataflowRunner"])
