@@ -16,10 +16,11 @@ One module per stage (pipelines/<stage>.py), in graph order:
 
 pipelines/stage.py holds what the stages share (context, tags, clocks, the counter merge).
 
-The launcher (`run`) owns everything outside the graph: the fail-fast checks,
-the output lock (lock.py), the accounting identity and bad-fraction checks, the
-publishing order (swap.py), staging clean-up on every exit it can catch
-(staging.py, and interrupts.py for signals), and one-line failures (failures.py).
+The launcher (`run`) owns everything outside the graph, in four steps: prepare (the
+fail-fast checks), run (the lock, then the pipeline), verify (the accounting identity
+and bad-fraction checks) and commit (the output layer, pipelines/output/: every
+publishing step fenced by the lock), with staging cleaned on every exit it can catch
+(interrupts.py for signals) and one-line failures (failures.py).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import time
 import uuid
 from typing import Any
 
-from pipelines import failures, interrupts, local_memory, lock, outputs, publish, sources, staging, swap, tokens_sink, tokens_source
+from pipelines import failures, interrupts, local_memory, output, publish, sources, tokens_sink, tokens_source
 from pipelines.fit import FitAndKeyFn
 from pipelines.prepare import KeyTableRecordsFn, PrepareFn, TableToExamplesFn
 from pipelines.read import ReadTaskFn
@@ -44,6 +45,7 @@ from pipelines.write import AssembleShardFn, WriteDeadLetterFn, WriteSummaryFn, 
 from pipelines.options import PackConfig
 from pipelines.planning import choose_sub_buckets
 from pipelines.sources import ReadTask, ResolvedInput
+from prepack import failpoints, layout
 from prepack.accounting import NO_TARGETS
 from prepack.tokenset import TokenSetError, TokenSetManifest
 
@@ -114,14 +116,14 @@ def prepare(
     from prepack.tokenizer import TokenizerError, load_tokenizer
 
     run_id = run_id or uuid.uuid4().hex[:12]
+    try:
+        failpoints.check()
+    except failpoints.FailpointError as e:
+        raise publish.JobError(str(e)) from e
     if config.from_tokens:
         return _prepare_from_tokens(config, run_id)
     if resolved is None:
         publish.refuse_existing(config)
-        if config.write_tokens and not config.overwrite:
-            refused = tokens_sink.refuse_existing(config.output)
-            if refused:
-                raise publish.JobError(refused)
     try:
         template = get_template(config.format, **config.template_kwargs)
     except ValueError as e:
@@ -312,10 +314,10 @@ class Interrupted(KeyboardInterrupt):
     """The run was interrupted (SIGINT/SIGTERM); the message says what is published now."""
 
 
-def _acquire_lock(config: PackConfig, run_id: str) -> lock.OutputLock:
+def _acquire_lock(config: PackConfig, run_id: str) -> output.OutputLock:
     try:
-        return lock.OutputLock.acquire(config.output, run_id)
-    except lock.LockHeld as e:
+        return output.OutputLock.acquire(config.output, run_id, config.lock_expiry_s)
+    except output.LockHeld as e:
         raise publish.JobError(str(e)) from e
     except Exception as e:  # a missing bucket, a read-only folder: say so before any work
         raise publish.JobError(f"output {config.output!r} is not writable ({type(e).__name__}: {e})") from e
@@ -323,11 +325,11 @@ def _acquire_lock(config: PackConfig, run_id: str) -> lock.OutputLock:
 
 def _leftovers(config: PackConfig, run_id: str) -> list[str]:
     """Reports (or with --clean-stale removes) what earlier killed runs left in the output."""
-    found = staging.find_leftovers(config.output, run_id)
+    found = output.find_leftovers(config.output, run_id)
     if not found.paths:
         return []
     if config.clean_stale:
-        staging.remove_leftovers(found)
+        output.remove_leftovers(found)
         return [f"removed {found.describe(config.output).split(' holds ', 1)[1]}"]
     return [f"{found.describe(config.output)}; pass --clean-stale to remove them"]
 
@@ -357,127 +359,166 @@ def _shard_notes(config: PackConfig, summary: dict[str, Any]) -> list[str]:
 
 
 def run(config: PackConfig, beam_args: list[str], run_id: str | None = None) -> JobResult:
-    """Runs the whole job and publishes; raises JobError (the previous sets intact) on failure."""
-    import apache_beam as beam
-    from apache_beam.options.pipeline_options import PipelineOptions
-
+    """Prepare, run, verify, commit; raises JobError (the previous sets intact) on failure."""
     started = time.monotonic()
     job = prepare(config, run_id)
     config = job.config  # --from-tokens: with the token choices of the set
     held = _acquire_lock(config, job.run_id)
-    switched: dict[int, str] = {}
-    result = None
+    commit: output.Commit | None = None
 
     def clean_up() -> None:
-        staging.cleanup_run(config.output, config.max_lengths, job.run_id)
-        tokens_sink.cleanup(config.output, job.run_id)
+        output.cleanup_run(config.output, config.max_lengths, job.run_id)
         held.release()
-        outputs.remove_if_empty(config.output)  # a failed first run into a new folder leaves no folder behind
+        output.storage_for(config.output).remove_if_empty(config.output)  # a failed first run leaves no folder
 
     cleanup_key = interrupts.register(clean_up)  # run by the signal watchdog if this thread is stuck
     try:
-        seen = swap.look(config.output, config.max_lengths)
+        failpoints.hit("after_lock")
+        places = [output.length_place(config.output, L) for L in config.max_lengths]
+        places += [output.tokens_place(config.output)] if config.write_tokens else []
+        seen = output.look(config.output, places, held)
         notes = _leftovers(config, job.run_id)
-        if local_memory.is_local_runner(beam_args):
-            examples = job.est_records if job.tokens is not None else local_memory.estimate_examples(job.inputs, job.tasks)
-            beam_args = local_memory.with_local_workers(beam_args, examples)
-            local_memory.bound_worker_arenas(beam_args)
-            workers = local_memory.local_workers(beam_args)
-            log.info("local runner: %d SDK worker process%s for about %s examples", workers, "" if workers == 1 else "es",
-                     f"{examples:,}")
-            # Logged, not kept in the result's notes: it depends on this machine's free memory now.
-            too_big = local_memory.warning(examples, workers, local_memory.available_bytes())
-            if too_big:
-                log.warning(too_big)
         for note in notes:
             log.warning(note)
-        publish.probe_output(config.output, job.run_id)
-        pipeline = beam.Pipeline(options=PipelineOptions(beam_args))
-        build_pipeline(pipeline, job)
-        try:
-            result = pipeline.run()
-            state = result.wait_until_finish()
-        except KeyboardInterrupt:
-            _cancel(result)
-            raise
-        except Exception as e:
-            line = failures.one_line(e, config.output)
-            if line is None:
-                raise
-            raise publish.JobError(line) from e
-        if str(state).split(".")[-1] not in ("DONE", "None"):
-            raise publish.JobError(f"the pipeline ended in state {state}; nothing was published")
-        metrics = _metrics(result)
-        summary = publish.read_summary(config.output, job.run_id)
-        stats: dict[int, dict[str, Any]] = {}
-        problems: list[str] = []
-        for L in config.max_lengths:
-            stats[L] = publish.length_stats(summary, L, config.pack)
-            problems += publish.check_stats(stats[L], L, summary["lengths"][str(L)]["plan"])
-        if problems:
-            raise publish.JobError("accounting check failed, nothing was published: " + "; ".join(problems))
-        first = stats[config.max_lengths[0]]
-        if _empty_or_all_bad(first, config, []) is not None:
-            kept = publish.keep_failed_dead_letters(config, job.run_id) if first["bad_records"] else []
-            raise publish.JobError(_empty_or_all_bad(first, config, kept))
-        if publish.bad_fraction_error(first, config, []) is not None:
-            kept = publish.keep_failed_dead_letters(config, job.run_id)
-            raise publish.JobError(publish.bad_fraction_error(first, config, kept))
-        no_rows = [L for L in config.max_lengths if stats[L]["rows"] == 0]
-        if no_rows:
-            raise publish.JobError(
-                f"no example fits max length {', '.join(map(str, no_rows))} (examples dropped: "
-                f"{stats[no_rows[0]]['examples_dropped']}); nothing was published"
-            )
-        for note in _shard_notes(config, summary):
-            log.warning(note)
-            notes.append(note)
-        if job.tokens is None:
-            job.job_info["inputs"] = input_descriptions(job, summary["fingerprints"])
-        tokens_manifest = _tokens_manifest(job, summary) if config.write_tokens else None
-        created_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        manifests = {}
-        for L in config.max_lengths:
-            manifests[L] = publish.compose_manifest(config, L, stats[L], summary["lengths"][str(L)]["shards"], job.job_info)
-            manifests[L].created_at = created_at
-            if job.tokens is not None:
-                manifests[L].lineage = tokens_source.lineage(job.tokens, config.from_tokens)
-        # Checked again at the last moment: the lock is still ours, and nothing appeared meanwhile.
-        swap.fault_point("before_publish")
-        try:
-            held.check()
-        except lock.LockLost as e:
-            raise publish.JobError(str(e)) from e
-        publish.refuse_existing(config)
-        try:
-            switched = swap.publish(config.output, job.run_id, manifests, seen, config.overwrite, progress=switched)
-        except outputs.SwitchRefused as e:
-            raise publish.JobError(f"{e}; the sets now in {config.output} are another run's") from e
-        except OSError as e:
-            if e.errno == errno.ENOSPC:
-                raise
-            raise publish.JobError(_publish_failed(config, switched, e)) from e
-        except Exception as e:  # storage errors while publishing (gs:// 5xx, permissions): say what is published
-            raise publish.JobError(_publish_failed(config, switched, e)) from e
-        tokens_path = None
-        if tokens_manifest is not None:
-            try:
-                tokens_path = tokens_sink.publish(config.output, job.run_id, tokens_manifest, created_at)
-            except Exception as e:  # the shard sets are published; say that the tokenized set is not
-                raise publish.JobError(f"the shard sets are published, but the tokenized set {config.output}/tokens "
-                                       f"could not be ({type(e).__name__}: {e}); run again to publish it") from e
-        return JobResult(switched, stats, time.monotonic() - started, job.run_id, metrics, notes, tokens_path)
+        summary, metrics = _run_pipeline(job, _local_beam_args(job, beam_args))
+        stats = verify(job, summary)
+        notes += _shard_notes(config, summary)
+        lengths, tokens = _staged_sets(job, summary, stats)
+        failpoints.hit("before_publish")
+        commit = output.Commit(config.output, job.run_id, held, seen, config.overwrite)
+        _commit(commit, config, lengths, tokens)
+        tokens_path = layout.tokens_manifest_path(config.output) if tokens else None
+        return JobResult(_lengths_switched(commit), stats, time.monotonic() - started, job.run_id, metrics, notes,
+                         tokens_path)
     except KeyboardInterrupt as e:
-        raise Interrupted(_interrupted_message(config, switched)) from e
+        raise Interrupted(_interrupted_message(config, _lengths_switched(commit))) from e
     except OSError as e:
         if e.errno == errno.ENOSPC:
-            if switched:  # the previous sets are not all intact any more: say which lengths are new
-                raise publish.JobError(_publish_failed(config, switched, e)) from e
+            if commit is not None and commit.switched:  # the previous sets are not all intact any more: say which are new
+                raise publish.JobError(_publish_failed(config, _lengths_switched(commit), e)) from e
             raise publish.JobError(failures.no_space(config.output, getattr(e, "filename", None))) from e
         raise
     finally:
         clean_up()
         interrupts.unregister(cleanup_key)
+
+
+def _local_beam_args(job: PreparedJob, beam_args: list[str]) -> list[str]:
+    """On the local runner: as many SDK workers as the examples and this machine's memory allow."""
+    if not local_memory.is_local_runner(beam_args):
+        return beam_args
+    examples = job.est_records if job.tokens is not None else local_memory.estimate_examples(job.inputs, job.tasks)
+    beam_args = local_memory.with_local_workers(beam_args, examples)
+    local_memory.bound_worker_arenas(beam_args)
+    workers = local_memory.local_workers(beam_args)
+    log.info("local runner: %d SDK worker process%s for about %s examples", workers, "" if workers == 1 else "es",
+             f"{examples:,}")
+    # Logged, not kept in the result's notes: it depends on this machine's free memory now.
+    too_big = local_memory.warning(examples, workers, local_memory.available_bytes())
+    if too_big:
+        log.warning(too_big)
+    return beam_args
+
+
+def _run_pipeline(job: PreparedJob, beam_args: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Runs the Beam graph; returns the workers' run summary and the job's metrics."""
+    import apache_beam as beam
+    from apache_beam.options.pipeline_options import PipelineOptions
+
+    config = job.config
+    publish.probe_output(config.output, job.run_id)
+    pipeline = beam.Pipeline(options=PipelineOptions(beam_args))
+    build_pipeline(pipeline, job)
+    result = None
+    try:
+        result = pipeline.run()
+        state = result.wait_until_finish()
+    except KeyboardInterrupt:
+        _cancel(result)
+        raise
+    except Exception as e:
+        line = failures.one_line(e, config.output)
+        if line is None:
+            raise
+        raise publish.JobError(line) from e
+    if str(state).split(".")[-1] not in ("DONE", "None"):
+        raise publish.JobError(f"the pipeline ended in state {state}; nothing was published")
+    return publish.read_summary(config.output, job.run_id), _metrics(result)
+
+
+def verify(job: PreparedJob, summary: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """Each length's figures, once they add up; raises JobError (nothing published) when not."""
+    config = job.config
+    stats: dict[int, dict[str, Any]] = {}
+    problems: list[str] = []
+    for L in config.max_lengths:
+        stats[L] = publish.length_stats(summary, L, config.pack)
+        problems += publish.check_stats(stats[L], L, summary["lengths"][str(L)]["plan"])
+    if problems:
+        raise publish.JobError("accounting check failed, nothing was published: " + "; ".join(problems))
+    first = stats[config.max_lengths[0]]
+    if _empty_or_all_bad(first, config, []) is not None:
+        kept = publish.keep_failed_dead_letters(config, job.run_id) if first["bad_records"] else []
+        raise publish.JobError(_empty_or_all_bad(first, config, kept))
+    if publish.bad_fraction_error(first, config, []) is not None:
+        kept = publish.keep_failed_dead_letters(config, job.run_id)
+        raise publish.JobError(publish.bad_fraction_error(first, config, kept))
+    no_rows = [L for L in config.max_lengths if stats[L]["rows"] == 0]
+    if no_rows:
+        raise publish.JobError(
+            f"no example fits max length {', '.join(map(str, no_rows))} (examples dropped: "
+            f"{stats[no_rows[0]]['examples_dropped']}); nothing was published"
+        )
+    for note in _shard_notes(config, summary):
+        log.warning(note)
+    return stats
+
+
+def _staged_sets(job: PreparedJob, summary: dict[str, Any], stats: dict[int, dict[str, Any]]
+                 ) -> tuple[dict[int, output.StagedSet], output.StagedSet | None]:
+    """The run's staged shard sets and tokenized set, with the manifests that publish them."""
+    config = job.config
+    if job.tokens is None:
+        job.job_info["inputs"] = input_descriptions(job, summary["fingerprints"])
+    created_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    lengths = {}
+    for L in config.max_lengths:
+        manifest = publish.compose_manifest(config, L, stats[L], summary["lengths"][str(L)]["shards"], job.job_info)
+        manifest.created_at = created_at
+        if job.tokens is not None:
+            manifest.lineage = tokens_source.lineage(job.tokens, config.from_tokens)
+        lengths[L] = output.StagedSet(
+            output.length_place(config.output, L), layout.staging_dir(config.output, L, job.run_id),
+            manifest.to_json().encode("utf-8"), tuple(s.path for s in manifest.shards), manifest.dead_letter)
+    if not config.write_tokens:
+        return lengths, None
+    tokens = _tokens_manifest(job, summary)
+    tokens.created_at = created_at
+    files = tuple(s.path for s in tokens.shards) + ((tokens.dropped,) if tokens.dropped else ())
+    return lengths, output.StagedSet(output.tokens_place(config.output), layout.tokens_staging_dir(config.output, job.run_id),
+                                     tokens.to_json().encode("utf-8"), files)
+
+
+def _lengths_switched(commit: output.Commit | None) -> dict[int, str]:
+    switched = commit.switched if commit is not None else {}
+    return {int(name[1:]): path for name, path in switched.items() if name.startswith("L")}
+
+
+def _commit(commit: output.Commit, config: PackConfig, lengths: dict[int, output.StagedSet],
+            tokens: output.StagedSet | None) -> None:
+    """Publishes through the output layer; every failure becomes one line saying what is published."""
+    try:
+        commit.publish(lengths, tokens)
+    except output.LockLost as e:
+        raise publish.JobError(str(e)) from e
+    except output.SwitchRefused as e:
+        raise publish.JobError(f"{e}; the sets now in {config.output} are another run's") from e
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise
+        raise publish.JobError(_publish_failed(config, _lengths_switched(commit), e)) from e
+    except Exception as e:  # storage errors while publishing (gs:// 5xx, permissions): say what is published
+        raise publish.JobError(_publish_failed(config, _lengths_switched(commit), e)) from e
 
 
 def _cancel(result: Any) -> None:
@@ -497,7 +538,7 @@ def _partial(config: PackConfig, switched: dict[int, str]) -> str:
         return ""
     rest = [L for L in config.max_lengths if L not in switched]
     return (f" (L{', L'.join(map(str, switched))} already hold{'s' if len(switched) == 1 else ''} this run's set, "
-            f"L{', L'.join(map(str, rest))} {'does' if len(rest) == 1 else 'do'} not: {config.output}/{swap.RUN_RECORD_NAME} "
+            f"L{', L'.join(map(str, rest))} {'does' if len(rest) == 1 else 'do'} not: {layout.run_record_path(config.output)} "
             "does not match them; run again with --overwrite)")
 
 

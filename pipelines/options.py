@@ -58,6 +58,7 @@ class PackConfig:
     max_bad_fraction: float = 0.0
     overwrite: bool = False
     clean_stale: bool = False  # remove leftovers of earlier killed runs (does not shape the rows)
+    lock_expiry_s: float = 600.0  # a gs:// output lock not renewed for this long is stale (does not shape the rows)
     sub_buckets: int | None = None  # None: derived from the input size (planning.choose_sub_buckets)
     tfds_data_dir: str | None = None
     batch_size: int = 512  # records per element after reading; also the encode_batch size
@@ -145,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--overwrite", action="store_true", help="replace existing shard sets in OUTPUT")
     out.add_argument("--clean-stale", action="store_true",
                      help="remove what earlier killed runs left in OUTPUT (staging folders, temp files, unpublished shards)")
+    out.add_argument("--lock-expiry-s", type=float, default=600.0,
+                     help="a gs:// output lock its run has not renewed for this long is stale and may be taken over "
+                          "(default 600; the run renews it every min(60, expiry/3) s)")
     out.add_argument("--batch-size", type=int, default=512, help="records per batch for tokenizing (default 512)")
     out.add_argument("--no-progress", action="store_true", help="no records/s lines from the workers")
     return p
@@ -186,6 +190,8 @@ def parse_args(argv: Sequence[str]) -> tuple[PackConfig, list[str]]:
         raise OptionsError(f"--max-bad-fraction must be within 0..1, got {ns.max_bad_fraction}")
     if ns.sub_buckets is not None and not 1 <= ns.sub_buckets <= MAX_SUB_BUCKETS:
         raise OptionsError(f"--sub-buckets must be between 1 and {MAX_SUB_BUCKETS}, got {ns.sub_buckets}")
+    if not 1.0 <= ns.lock_expiry_s <= 86400.0:
+        raise OptionsError(f"--lock-expiry-s must be between 1 and 86400 seconds, got {ns.lock_expiry_s:g}")
     if ns.batch_size < 1:
         raise OptionsError(f"--batch-size must be at least 1, got {ns.batch_size}")
     template_options = {}
@@ -213,6 +219,7 @@ def parse_args(argv: Sequence[str]) -> tuple[PackConfig, list[str]]:
         max_bad_fraction=ns.max_bad_fraction,
         overwrite=ns.overwrite,
         clean_stale=ns.clean_stale,
+        lock_expiry_s=ns.lock_expiry_s,
         sub_buckets=ns.sub_buckets,
         tfds_data_dir=ns.tfds_data_dir,
         batch_size=ns.batch_size,

@@ -1,8 +1,7 @@
 """Launcher side of writing: checks before the run, the figures and the manifest.
 
-Publishing itself (the order that lets readers see the old set or the new one,
-never a mix) is pipelines/swap.py; the lock is pipelines/lock.py; staging
-clean-up and leftovers of killed runs are pipelines/staging.py.
+Publishing itself (the lock, the order that lets readers see the old set or the new
+one, never a mix, and staging clean-up) is the output layer, pipelines/output/.
 """
 
 from __future__ import annotations
@@ -11,10 +10,9 @@ import json
 import math
 from typing import Any
 
-from pipelines import swap
 from pipelines.options import PackConfig
-from pipelines.swap import FAILED_DEAD_LETTER_NAME, length_dir, run_staging_dir, staging_dir
-from pipelines.write import SUMMARY_NAME, write_bytes
+from pipelines.write import write_bytes
+from prepack.layout import FAILED_DEAD_LETTER_NAME, length_dir, run_staging_dir, staging_dir, summary_path
 from prepack.accounting import Tally
 from prepack.bad_records import too_many_bad_records
 from prepack.manifest import DEAD_LETTER_NAME, Manifest, ShardInfo
@@ -31,14 +29,11 @@ def _fs():
     return FileSystems
 
 
-def manifest_path(output: str, max_length: int) -> str:
-    return swap.manifest_path(output, max_length)
-
-
 def refuse_existing(config: PackConfig) -> None:
-    """Fails when a shard set already exists and --overwrite was not given: before any work,
-    and again right before publishing."""
-    message = None if config.overwrite else swap.refusal(config.output, config.max_lengths)
+    """Fails when a set this run would write already exists and --overwrite was not given."""
+    from pipelines.output import refuse_existing as refusal
+
+    message = None if config.overwrite else refusal(config.output, config.max_lengths, config.write_tokens)
     if message:
         raise JobError(message)
 
@@ -54,8 +49,7 @@ def probe_output(output: str, run_id: str) -> None:
 
 
 def read_summary(output: str, run_id: str) -> dict[str, Any]:
-    path = f"{run_staging_dir(output, run_id)}/{SUMMARY_NAME}"
-    with _fs().open(path) as f:
+    with _fs().open(summary_path(output, run_id)) as f:
         return json.loads(f.read().decode("utf-8"))
 
 

@@ -7,8 +7,9 @@ examples share a file therefore depends on the runner's bundles; the records, th
 manifest's figures and any shard set packed from them do not (the job ranks examples by
 hash and id, never by file order).
 
-Published like a shard set, after the shard sets: files staged under
-OUTPUT/tokens/.staging-<run>/, moved into place, manifest.json written last.
+Published with the shard sets through the same commit (pipelines/output/commit.py):
+files staged under OUTPUT/tokens/.staging-<run>/, moved into place, the manifest switched
+after the shard sets' and before the run record.
 """
 
 from __future__ import annotations
@@ -32,28 +33,19 @@ from pipelines.records import DeadLetter, TaskMeta
 from pipelines.stage import StageClock
 from pipelines.write import copy_local_to, write_bytes
 from prepack.accounting import Tally
-from prepack.manifest import MANIFEST_NAME, ShardInfo
+from prepack.layout import tokens_staging_dir
+from prepack.manifest import ShardInfo
 from prepack.tokenset import (
-    TOKENS_DIR,
     TOKENS_WRITER_OPTIONS,
     TokenSetManifest,
     dropped_name,
     encode_batch,
-    is_set_file,
     shard_name,
 )
 
 NAMESPACE = "prepack"
 INDEX_NAME = "index.json"
 TARGET_FILE_BYTES = 256 << 20  # encoded bytes per file before it is split (compressed: ~half)
-
-
-def tokens_dir(output: str) -> str:
-    return f"{output}/{TOKENS_DIR}"
-
-
-def tokens_staging_dir(output: str, run_id: str) -> str:
-    return f"{tokens_dir(output)}/.staging-{run_id}"
 
 
 def _fs():
@@ -170,15 +162,6 @@ def add_to_pipeline(pipeline: Any, examples: Any, dropped: Any, output: str, run
 # ----------------------------------------------------------------------------- launcher side
 
 
-def refuse_existing(output: str) -> str | None:
-    """The error line when OUTPUT/tokens already holds a tokenized set (None otherwise)."""
-    path = f"{tokens_dir(output)}/{MANIFEST_NAME}"
-    if _fs().exists(path):
-        return (f"{path} already exists: refusing to write over an existing tokenized set. Pass --overwrite to "
-                f"replace it, --no-tokens to leave it, or choose another --output")
-    return None
-
-
 def stored_tally(tally_json: dict[str, Any]) -> Tally:
     """The run's counts that do not depend on the max length (what a later run starts from)."""
     tally = Tally.from_json(tally_json)
@@ -224,37 +207,3 @@ def compose_manifest(summary: dict[str, Any], index: dict[str, Any], tasks: Iter
 def read_index(output: str, run_id: str) -> dict[str, Any]:
     with _fs().open(f"{tokens_staging_dir(output, run_id)}/{INDEX_NAME}") as f:
         return json.loads(f.read().decode("utf-8"))
-
-
-def publish(output: str, run_id: str, manifest: TokenSetManifest, created_at: str) -> str:
-    """Publishes the set the way pipelines/swap.py publishes shard sets: the new files (named
-    by content, so never over an old file of other content) go in beside the old ones, the
-    manifest is switched in one atomic step, and only then are files it does not name deleted."""
-    from apache_beam.io.filesystems import FileSystems
-
-    from pipelines import outputs
-
-    final, staged = tokens_dir(output), tokens_staging_dir(output, run_id)
-    path = f"{final}/{MANIFEST_NAME}"
-    expected = outputs.version(path)  # refuse_existing stopped a run without --overwrite already
-    present = {p.rsplit("/", 1)[-1] for p in outputs.list_files(final) if "/.staging-" not in p}
-    names = [n for n in [s.path for s in manifest.shards] + [manifest.dropped] if n and n not in present]
-    if names:
-        FileSystems.rename([f"{staged}/{n}" for n in names], [f"{final}/{n}" for n in names])
-    manifest.created_at = created_at
-    outputs.switch(path, manifest.to_json().encode("utf-8"), expected, tmp=f"{staged}/{MANIFEST_NAME}")
-    keep = {s.path for s in manifest.shards} | {manifest.dropped}
-    outputs.delete([f"{final}/{n}" for n in sorted(present) if is_set_file(n) and n not in keep])
-    return path
-
-
-def cleanup(output: str, run_id: str) -> None:
-    """Best effort: removes this run's tokenized-set staging (never a published set), and the
-    tokens/ folder when that leaves it empty."""
-    from pipelines import outputs
-
-    try:
-        outputs.delete_tree(tokens_staging_dir(output, run_id))
-        outputs.remove_if_empty(tokens_dir(output))
-    except Exception:
-        pass

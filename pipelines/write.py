@@ -31,14 +31,13 @@ from pipelines.compressed import decompressed_blocks
 from pipelines.failures import InputFileError, ShardCheckError
 from pipelines.records import DeadLetter, TaskMeta, place_in_file, range_offsets
 from pipelines.stage import StageClock
-from pipelines.swap import run_staging_dir, staging_dir
+from prepack.layout import SUMMARY_NAME, run_staging_dir, staging_dir
 from pipelines.rows import encode_rows_flat
 from prepack.accounting import Tally
 from prepack.manifest import DEAD_LETTER_NAME
 from prepack.shardfile import DEFAULT_WRITER_OPTIONS, shard_name, write_shard
 
 NAMESPACE = "prepack"
-SUMMARY_NAME = "summary.json"
 COPY_BLOCK = 8 << 20
 
 

@@ -16,23 +16,25 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 
-from pipelines import outputs, swap
-from prepack.manifest import MANIFEST_NAME
+from pipelines.output.storage import storage_for
+from prepack import layout
 
 
 def cleanup_run(output: str, max_lengths: tuple[int, ...], run_id: str) -> None:
-    """Best effort: removes this run's staging prefixes (never anything published), and
-    length folders this run created and left empty."""
-    for L in max_lengths:
+    """Best effort: removes this run's staging prefixes (never anything published), and the
+    length and tokens folders this run created and left empty."""
+    store = storage_for(output)
+    folders = [(layout.staging_dir(output, L, run_id), layout.length_dir(output, L)) for L in max_lengths]
+    folders.append((layout.tokens_staging_dir(output, run_id), layout.tokens_dir(output)))
+    for staged, final in folders:
         try:
-            outputs.delete_tree(swap.staging_dir(output, L, run_id))
-            outputs.remove_if_empty(swap.length_dir(output, L))
+            store.delete_tree(staged)
+            store.remove_if_empty(final)
         except Exception:
             pass
     try:
-        outputs.delete_tree(swap.run_staging_dir(output, run_id))
+        store.delete_tree(layout.run_staging_dir(output, run_id))
     except Exception:
         pass
 
@@ -57,49 +59,49 @@ class Leftovers:
 
 
 def _named_by_manifest(folder: str) -> set[str]:
-    data = outputs.read_bytes(f"{folder}/{MANIFEST_NAME}")
-    if data is None:
+    found = storage_for(folder).read(layout.join(folder, layout.MANIFEST_NAME))
+    if found is None:
         return set()
     try:
-        return {s["path"] for s in json.loads(data.decode("utf-8")).get("shards", [])}
+        return {s["path"] for s in json.loads(found.data.decode("utf-8")).get("shards", [])}
     except Exception:
         return set()
 
 
 def find_leftovers(output: str, run_id: str) -> Leftovers:
     """What earlier runs left under `output` (call while holding its lock)."""
-    mine = f"/.staging-{run_id}"
+    store = storage_for(output)
+    mine = f"/{layout.STAGING_PREFIX}{run_id}"
     found: list[str] = []
     named: dict[str, set[str]] = {}
     sizes = 0
-    for path in outputs.list_files(output):
+    for path in store.list_files(output):
         rel = path[len(output.rstrip("/")) + 1:]
         parts = rel.split("/")
-        if mine in "/" + rel or path.endswith("/" + ".lock"):
+        if mine in "/" + rel or rel == layout.LOCK_NAME:
             continue
         stale = False
-        if any(p.startswith(".staging-") for p in parts):
+        if any(p.startswith(layout.STAGING_PREFIX) for p in parts):
             stale = True
-        elif parts[-1].startswith((f"{MANIFEST_NAME}.tmp-", ".lock.renew-", ".lock.takeover")):
-            stale = True
-        elif len(parts) == 2 and parts[0].startswith("L") and swap.SHARD_FILE.match(parts[1]):
+        elif parts[-1].startswith((f"{layout.MANIFEST_NAME}.tmp-", ".lock.renew-", ".lock.takeover")):
+            stale = True  # from older versions of this tool
+        elif len(parts) == 2 and parts[0].startswith("L") and layout.SHARD_FILE.match(parts[1]):
             folder = f"{output}/{parts[0]}"
             if folder not in named:
                 named[folder] = _named_by_manifest(folder)
             stale = parts[1] not in named[folder]
         if stale:
             found.append(path)
-            if not outputs.is_gcs(path):
-                try:
-                    sizes += os.path.getsize(path)
-                except OSError:
-                    pass
+            sizes += store.size(path)
     return Leftovers(sorted(found), sizes)
 
 
 def remove_leftovers(leftovers: Leftovers) -> None:
-    outputs.delete(leftovers.paths)
+    store = storage_for(leftovers.paths[0]) if leftovers.paths else None
+    if store is None:
+        return
+    store.delete(leftovers.paths)
     folders = {p.split("/.staging-")[0] + "/.staging-" + p.split("/.staging-")[1].split("/")[0]
                for p in leftovers.paths if "/.staging-" in p}
     for folder in sorted(folders):
-        outputs.delete_tree(folder)
+        store.delete_tree(folder)
