@@ -45,6 +45,7 @@ from pipelines.write import AssembleShardFn, WriteDeadLetterFn, WriteSummaryFn, 
 from pipelines.options import PackConfig
 from pipelines.planning import choose_sub_buckets
 from pipelines.sources import ReadTask, ResolvedInput
+from pipelines.summary import RunSummary
 from prepack import failpoints, layout
 from prepack.accounting import NO_TARGETS
 from prepack.tokenset import TokenSetError, TokenSetManifest
@@ -274,7 +275,7 @@ def _fit_route_write(pipeline: Any, job: PreparedJob, examples: Any, bads: list,
     return fitted
 
 
-def input_descriptions(job: PreparedJob, fingerprints: list[list]) -> list[dict[str, Any]]:
+def input_descriptions(job: PreparedJob, fingerprints: tuple[tuple, ...]) -> list[dict[str, Any]]:
     """Each input with its content fingerprint: for files, sha256 over (name, sha256) of its read
     tasks in order: whole files, or the byte ranges of a split JSONL file (fixed by its size)."""
     by_task = {f[0]: f for f in fingerprints}
@@ -348,12 +349,12 @@ def _empty_or_all_bad(stats: dict[str, Any], config: PackConfig, kept: list[str]
     return None
 
 
-def _shard_notes(config: PackConfig, summary: dict[str, Any]) -> list[str]:
+def _shard_notes(config: PackConfig, summary: RunSummary) -> list[str]:
     notes = []
     for L in config.max_lengths:
-        written = summary["lengths"][str(L)]["plan"]["num_shards"]
+        written = summary.lengths[L].plan.num_shards
         if config.num_shards is not None and written < config.num_shards:
-            rows = summary["lengths"][str(L)]["plan"]["num_rows"]
+            rows = summary.lengths[L].plan.num_rows
             notes.append(f"L{L}: --num-shards {config.num_shards} asked, {written} written ({rows} rows; a shard holds at least one row)")
     return notes
 
@@ -420,7 +421,7 @@ def _local_beam_args(job: PreparedJob, beam_args: list[str]) -> list[str]:
     return beam_args
 
 
-def _run_pipeline(job: PreparedJob, beam_args: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+def _run_pipeline(job: PreparedJob, beam_args: list[str]) -> tuple[RunSummary, dict[str, Any]]:
     """Runs the Beam graph; returns the workers' run summary and the job's metrics."""
     import apache_beam as beam
     from apache_beam.options.pipeline_options import PipelineOptions
@@ -446,14 +447,14 @@ def _run_pipeline(job: PreparedJob, beam_args: list[str]) -> tuple[dict[str, Any
     return publish.read_summary(config.output, job.run_id), _metrics(result)
 
 
-def verify(job: PreparedJob, summary: dict[str, Any]) -> dict[int, dict[str, Any]]:
+def verify(job: PreparedJob, summary: RunSummary) -> dict[int, dict[str, Any]]:
     """Each length's figures, once they add up; raises JobError (nothing published) when not."""
     config = job.config
     stats: dict[int, dict[str, Any]] = {}
     problems: list[str] = []
     for L in config.max_lengths:
         stats[L] = publish.length_stats(summary, L, config.pack)
-        problems += publish.check_stats(stats[L], L, summary["lengths"][str(L)]["plan"])
+        problems += publish.check_stats(stats[L], L, summary.lengths[L].plan)
     if problems:
         raise publish.JobError("accounting check failed, nothing was published: " + "; ".join(problems))
     first = stats[config.max_lengths[0]]
@@ -474,16 +475,16 @@ def verify(job: PreparedJob, summary: dict[str, Any]) -> dict[int, dict[str, Any
     return stats
 
 
-def _staged_sets(job: PreparedJob, summary: dict[str, Any], stats: dict[int, dict[str, Any]]
+def _staged_sets(job: PreparedJob, summary: RunSummary, stats: dict[int, dict[str, Any]]
                  ) -> tuple[dict[int, output.StagedSet], output.StagedSet | None]:
     """The run's staged shard sets and tokenized set, with the manifests that publish them."""
     config = job.config
     if job.tokens is None:
-        job.job_info["inputs"] = input_descriptions(job, summary["fingerprints"])
+        job.job_info["inputs"] = input_descriptions(job, summary.fingerprints)
     created_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     lengths = {}
     for L in config.max_lengths:
-        manifest = publish.compose_manifest(config, L, stats[L], summary["lengths"][str(L)]["shards"], job.job_info)
+        manifest = publish.compose_manifest(config, L, stats[L], summary.lengths[L].shards, job.job_info)
         manifest.created_at = created_at
         if job.tokens is not None:
             manifest.lineage = tokens_source.lineage(job.tokens, config.from_tokens)
@@ -557,7 +558,7 @@ def _interrupted_message(config: PackConfig, switched: dict[int, str]) -> str:
     return "interrupted while publishing" + _partial(config, switched)
 
 
-def _tokens_manifest(job: PreparedJob, summary: dict[str, Any]) -> TokenSetManifest:
+def _tokens_manifest(job: PreparedJob, summary: RunSummary) -> TokenSetManifest:
     """The tokenized set's manifest; raises JobError if its counts do not add up."""
     config = job.config
     choices = {"inputs": list(config.inputs), "format": config.format, "template_options": config.template_kwargs,

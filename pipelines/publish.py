@@ -6,11 +6,11 @@ one, never a mix, and staging clean-up) is the output layer, pipelines/output/.
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any
 
 from pipelines.options import PackConfig
+from pipelines.summary import PlanSummary, RunSummary, ShardSummary
 from pipelines.write import write_bytes
 from prepack.layout import FAILED_DEAD_LETTER_NAME, length_dir, run_staging_dir, staging_dir, summary_path
 from prepack.accounting import Tally
@@ -48,9 +48,9 @@ def probe_output(output: str, run_id: str) -> None:
         raise JobError(f"output {output!r} is not writable ({type(e).__name__}: {e})") from e
 
 
-def read_summary(output: str, run_id: str) -> dict[str, Any]:
+def read_summary(output: str, run_id: str) -> RunSummary:
     with _fs().open(summary_path(output, run_id)) as f:
-        return json.loads(f.read().decode("utf-8"))
+        return RunSummary.from_json(f.read().decode("utf-8"))
 
 
 def _remove(paths: list[str]) -> None:
@@ -62,22 +62,22 @@ def _remove(paths: list[str]) -> None:
 # ----------------------------------------------------------------------------- figures
 
 
-def length_stats(summary: dict[str, Any], max_length: int, pack: bool = True) -> dict[str, Any]:
+def length_stats(summary: RunSummary, max_length: int, pack: bool = True) -> dict[str, Any]:
     """The manifest's `stats` for one max length, from the run summary."""
-    tally = Tally.from_json(summary["tally"])
-    per = summary["lengths"][str(max_length)]
-    shards = per["shards"]
-    plan = per["plan"]
-    written = sum(s["segments"] for s in shards)
-    rows = sum(s["num_rows"] for s in shards)
+    tally = Tally.from_json(summary.tally)
+    per = summary.lengths[max_length]
+    shards = per.shards
+    plan = per.plan
+    written = sum(s.segments for s in shards)
+    rows = sum(s.num_rows for s in shards)
     packing = PackingStats(
         max_length=max_length,
         examples=written,
-        tokens=sum(s["tokens"] for s in shards),
-        target_tokens=sum(s["target_tokens"] for s in shards),
+        tokens=sum(s.tokens for s in shards),
+        target_tokens=sum(s.target_tokens for s in shards),
         rows=rows,
-        min_segments_per_row=min((s["min_segments"] for s in shards), default=0),
-        max_segments_per_row=max((s["max_segments"] for s in shards), default=0),
+        min_segments_per_row=min((s.min_segments for s in shards), default=0),
+        max_segments_per_row=max((s.max_segments for s in shards), default=0),
     ).as_dict()
     packing.pop("max_length")
     packing.pop("examples")
@@ -91,14 +91,14 @@ def length_stats(summary: dict[str, Any], max_length: int, pack: bool = True) ->
         "examples_truncated": tally.truncated.get(max_length, 0),
         "bad_records": tally.bad,
         "bad_fraction": tally.bad / examples_read if examples_read else 0.0,
-        "global_bfd_rows": plan["num_rows"] if pack else None,
-        "planned_examples": plan["num_examples"],
-        "dead_letter_entries": per["dead_letter_entries"],
+        "global_bfd_rows": plan.num_rows if pack else None,
+        "planned_examples": plan.num_examples,
+        "dead_letter_entries": per.dead_letter_entries,
         **packing,
     }
 
 
-def check_stats(stats: dict[str, Any], max_length: int, plan: dict[str, Any]) -> list[str]:
+def check_stats(stats: dict[str, Any], max_length: int, plan: PlanSummary) -> list[str]:
     """Accounting problems (empty when all is well): every example read is written or dropped."""
     problems = []
     dropped = sum(stats["examples_dropped"].values())
@@ -107,10 +107,10 @@ def check_stats(stats: dict[str, Any], max_length: int, plan: dict[str, Any]) ->
             f"L={max_length}: examples read {stats['examples_read']} != written {stats['examples_written']} "
             f"+ dropped {dropped}"
         )
-    if stats["examples_written"] != plan["num_examples"]:
-        problems.append(f"L={max_length}: {stats['examples_written']} examples in rows, but the plan placed {plan['num_examples']}")
-    if stats["rows"] != plan["num_rows"]:
-        problems.append(f"L={max_length}: {stats['rows']} rows written, but the plan has {plan['num_rows']}")
+    if stats["examples_written"] != plan.num_examples:
+        problems.append(f"L={max_length}: {stats['examples_written']} examples in rows, but the plan placed {plan.num_examples}")
+    if stats["rows"] != plan.num_rows:
+        problems.append(f"L={max_length}: {stats['rows']} rows written, but the plan has {plan.num_rows}")
     return problems
 
 
@@ -126,9 +126,9 @@ def bad_fraction_error(stats: dict[str, Any], config: PackConfig, failed_paths: 
 
 
 def compose_manifest(
-    config: PackConfig, max_length: int, stats: dict[str, Any], shards: list[dict], job_info: dict[str, Any]
+    config: PackConfig, max_length: int, stats: dict[str, Any], shards: tuple[ShardSummary, ...], job_info: dict[str, Any]
 ) -> Manifest:
-    infos = [ShardInfo(path=s["path"], num_rows=s["num_rows"], num_bytes=s["num_bytes"], sha256=s["sha256"]) for s in shards]
+    infos = [ShardInfo(path=s.path, num_rows=s.num_rows, num_bytes=s.num_bytes, sha256=s.sha256) for s in shards]
     return Manifest(
         max_length=max_length,
         num_rows=sum(s.num_rows for s in infos),

@@ -31,6 +31,7 @@ from apache_beam.transforms.window import GlobalWindows
 from pipelines.columns import TokenizedBatch
 from pipelines.records import DeadLetter, TaskMeta
 from pipelines.stage import StageClock
+from pipelines.summary import RunSummary
 from pipelines.write import copy_local_to, write_bytes
 from prepack.accounting import Tally
 from prepack.layout import tokens_staging_dir
@@ -170,9 +171,9 @@ def stored_tally(tally_json: dict[str, Any]) -> Tally:
     return tally
 
 
-def compose_manifest(summary: dict[str, Any], index: dict[str, Any], tasks: Iterable[TaskMeta],
+def compose_manifest(summary: RunSummary, index: dict[str, Any], tasks: Iterable[TaskMeta],
                      choices: dict[str, Any], job_info: dict[str, Any], est_records: int) -> TokenSetManifest:
-    tally = stored_tally(summary["tally"])
+    tally = stored_tally(summary.tally)
     files = index["files"]
     num_examples = sum(f["num_rows"] for f in files)
     tokens = sum(f["tokens"] for f in files)
@@ -197,7 +198,7 @@ def compose_manifest(summary: dict[str, Any], index: dict[str, Any], tasks: Iter
         template=job_info["template"],
         inputs=job_info["inputs"],
         stats=stats,
-        job={"tasks": [dict(vars(t)) for t in tasks], "fingerprints": summary["fingerprints"], "tally": tally.to_json(),
+        job={"tasks": [dict(vars(t)) for t in tasks], "fingerprints": [list(f) for f in summary.fingerprints], "tally": tally.to_json(),
              "est_records": est_records},
         dropped=index["dropped_name"] if index["dropped_entries"] else None,
         tool=job_info["tool"],

@@ -31,7 +31,8 @@ from pipelines.compressed import decompressed_blocks
 from pipelines.failures import InputFileError, ShardCheckError
 from pipelines.records import DeadLetter, TaskMeta, place_in_file, range_offsets
 from pipelines.stage import StageClock
-from prepack.layout import SUMMARY_NAME, run_staging_dir, staging_dir
+from pipelines.summary import LengthSummary, PlanSummary, RunSummary, ShardSummary
+from prepack.layout import run_staging_dir, staging_dir, summary_path
 from pipelines.rows import encode_rows_flat
 from prepack.accounting import Tally
 from prepack.manifest import DEAD_LETTER_NAME
@@ -252,15 +253,8 @@ class AssembleShardFn(beam.DoFn):
         # Part files stay until the run's staging prefix is removed: a retried bundle may read them again.
         self.m_shards.inc()
         self.m_bytes.inc(info.num_bytes)
-        yield {
-            "max_length": max_length,
-            "index": shard,
-            "path": name,
-            "num_rows": info.num_rows,
-            "num_bytes": info.num_bytes,
-            "sha256": info.sha256,
-            **stats,
-        }
+        yield ShardSummary(max_length=max_length, index=shard, path=name, num_rows=info.num_rows,
+                           num_bytes=info.num_bytes, sha256=info.sha256, **stats)
 
 
 class WriteDeadLetterFn(beam.DoFn):
@@ -292,27 +286,19 @@ class WriteSummaryFn(beam.DoFn):
         self.run_id = run_id
 
     def process(
-        self, _: Any, tally: Tally, plans: dict[int, LengthPlan], shards: list[dict], dead: list, fingerprints: list
+        self, _: Any, tally: Tally, plans: dict[int, LengthPlan], shards: list[ShardSummary], dead: list, fingerprints: list
     ) -> Iterator[str]:
-        summary: dict[str, Any] = {
-            "tally": tally.to_json(),
-            "fingerprints": sorted([list(f) for f in fingerprints], key=lambda f: f[0]),
-            "lengths": {},
-        }
         dead_counts = dict(dead)
-        for max_length, plan in sorted(plans.items()):
-            summary["lengths"][str(max_length)] = {
-                "plan": {
-                    "num_rows": plan.num_rows,
-                    "num_shards": plan.num_shards,
-                    "num_examples": plan.num_examples,
-                    "tokens": plan.tokens,
-                    "min_segments": plan.min_segments,
-                    "max_segments": plan.max_segments,
-                },
-                "shards": sorted((s for s in shards if s["max_length"] == max_length), key=lambda s: s["index"]),
-                "dead_letter_entries": dead_counts.get(max_length, 0),
-            }
-        path = f"{run_staging_dir(self.output, self.run_id)}/{SUMMARY_NAME}"
-        write_bytes(path, json.dumps(summary, sort_keys=True).encode("utf-8"))
+        lengths = {
+            max_length: LengthSummary(
+                plan=PlanSummary(num_rows=plan.num_rows, num_shards=plan.num_shards, num_examples=plan.num_examples,
+                                 tokens=plan.tokens, min_segments=plan.min_segments, max_segments=plan.max_segments),
+                shards=tuple(sorted((s for s in shards if s.max_length == max_length), key=lambda s: s.index)),
+                dead_letter_entries=dead_counts.get(max_length, 0),
+            )
+            for max_length, plan in sorted(plans.items())
+        }
+        summary = RunSummary(tally.to_json(), tuple(sorted((tuple(f) for f in fingerprints), key=lambda f: f[0])), lengths)
+        path = summary_path(self.output, self.run_id)
+        write_bytes(path, summary.to_json().encode("utf-8"))
         yield path

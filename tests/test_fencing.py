@@ -144,7 +144,7 @@ def test_gcs_run_paused_past_its_lease_changes_nothing_when_it_resumes(gcs_out, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("point", ["before_publish", "after_manifest_switch:L64", "after_run_record", "before_delete"])
+@pytest.mark.parametrize("point", ["before_publish", "after_manifest_switch:L64", "after_run_record", "before_delete:L64"])
 def test_local_run_paused_holds_the_output_until_it_ends(inputs, tmp_path, point):
     out = str(tmp_path / "out")
     code, err = finish(start(inputs["old"], out))

@@ -1,0 +1,89 @@
+"""The workers' report to the launcher: the run, length and shard summaries (summary.json).
+
+Written once per run by write.WriteSummaryFn into the run's staging folder, read by the
+launcher (job.verify, publish.length_stats, the manifests). Frozen dataclasses with
+to_json/from_json, as Manifest has, so a key misspelled on one side fails at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardSummary:
+    """One shard file as AssembleShardFn wrote it (figures read back from its parts)."""
+
+    max_length: int
+    index: int
+    path: str  # the file name in the length's folder
+    num_rows: int
+    num_bytes: int
+    sha256: str
+    rows: int
+    segments: int
+    tokens: int
+    target_tokens: int
+    min_segments: int
+    max_segments: int
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "ShardSummary":
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls)})
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanSummary:
+    """One length's plan, as PlanFn made it."""
+
+    num_rows: int
+    num_shards: int
+    num_examples: int
+    tokens: int
+    min_segments: int
+    max_segments: int
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "PlanSummary":
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls)})
+
+
+@dataclasses.dataclass(frozen=True)
+class LengthSummary:
+    plan: PlanSummary
+    shards: tuple[ShardSummary, ...]  # by index
+    dead_letter_entries: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"plan": self.plan.to_json(), "shards": [s.to_json() for s in self.shards],
+                "dead_letter_entries": self.dead_letter_entries}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "LengthSummary":
+        return cls(PlanSummary.from_json(d["plan"]), tuple(ShardSummary.from_json(s) for s in d["shards"]),
+                   int(d["dead_letter_entries"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSummary:
+    tally: dict[str, Any]  # prepack.accounting.Tally.to_json()
+    fingerprints: tuple[tuple, ...]  # (task index, sha256, size, records), by task index
+    lengths: dict[int, LengthSummary]
+
+    def to_json(self) -> str:
+        return json.dumps({"tally": self.tally, "fingerprints": [list(f) for f in self.fingerprints],
+                           "lengths": {str(L): s.to_json() for L, s in sorted(self.lengths.items())}}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "RunSummary":
+        d = json.loads(text)
+        return cls(d["tally"], tuple(tuple(f) for f in d["fingerprints"]),
+                   {int(L): LengthSummary.from_json(s) for L, s in d["lengths"].items()})
