@@ -1,18 +1,21 @@
 """The packing job: checks up front, the Beam graph, then checks and publishing.
 
-One module per stage (pipelines/<stage>.py), in graph order:
+One module per stage (pipelines/<stage>.py), each exposing one beam.PTransform that
+build_pipeline composes, in graph order:
 
-    read     inputs --Create/Reshuffle--> ReadTaskFn (files, JSONL byte ranges, dataset row ranges)
+    read     ReadInputs: inputs --Create/Reshuffle--> ReadTaskFn (files, JSONL byte ranges, dataset row ranges)
              [--Reshuffle--, only when a task is a big unsplittable file]
-    prepare  --> PrepareFn (decode, parse, template, tokenize)
+    prepare  PrepareExamples: --> PrepareFn (decode, parse, template, tokenize)
              [oasst1: KeyTableRecordsFn --GroupByKey(tree)--> TableToExamplesFn]
-    fit      --> FitAndKeyFn (overlong policy per L, histogram)
-    route    --> PlanFn (global BFD plan per L from the histogram; each group's slice of the slots)
+    fit      FitToLengths: --> FitAndKeyFn (overlong policy per L, histogram)
+    route    PlanAndRoute: --> PlanFn (global BFD plan per L from the histogram; each group's slice of the slots)
              --> GroupByKey((length, sub-bucket)) --> RouteToRowsFn (side inputs: plans without slots;
                  the group's slice of the slots, looked up by its key in a multimap)
-    write    --> GroupByKey((shard index, window), across L) --> WriteWindowFn (one window's rows, part files)
+    write    WriteShardSets: --> GroupByKey((shard index, window), across L) --> WriteWindowFn (one window's rows, part files)
              --> GroupByKey((L, shard)) --> AssembleShardFn (parts streamed into the shard, staging)
              plus dead letters per L (WriteDeadLetterFn), tallies, and one summary.json (WriteSummaryFn)
+    tokens   tokens_sink.WriteTokenSet (the tokenized set, beside the shard sets);
+             --from-tokens: tokens_source.ReadTokenSet stands in for read and prepare
 
 pipelines/stage.py holds what the stages share (context, tags, clocks, the counter merge).
 
@@ -35,19 +38,17 @@ import uuid
 from typing import Any
 
 from pipelines import failures, interrupts, local_memory, output, publish, sources, tokens_sink, tokens_source
-from pipelines.fit import FitAndKeyFn
-from pipelines.prepare import KeyTableRecordsFn, PrepareFn, TableToExamplesFn
-from pipelines.read import ReadTaskFn
-from pipelines.route import PlanFn, RouteToRowsFn
-from pipelines.stage import (NAMESPACE, TAG_BAD, TAG_DEAD, TAG_FINGERPRINT, TAG_HIST, TAG_PLAN, TAG_TALLY, JobContext,
-                             MergeCounters, MergeTallies)
-from pipelines.write import AssembleShardFn, WriteDeadLetterFn, WriteSummaryFn, WriteWindowFn
+from pipelines.fit import FitToLengths
+from pipelines.prepare import PrepareExamples
+from pipelines.read import ReadInputs
+from pipelines.route import PlanAndRoute
+from pipelines.stage import NAMESPACE, JobContext
+from pipelines.write import WriteShardSets
 from pipelines.options import PackConfig
 from pipelines.planning import choose_sub_buckets
 from pipelines.sources import ReadTask, ResolvedInput
 from pipelines.summary import RunSummary
 from prepack import failpoints, layout
-from prepack.accounting import NO_TARGETS
 from prepack.tokenset import TokenSetError, TokenSetManifest
 
 log = logging.getLogger("prepack.pack")
@@ -184,95 +185,22 @@ def _prepare_from_tokens(config: PackConfig, run_id: str) -> PreparedJob:
 
 
 def build_pipeline(pipeline: Any, job: PreparedJob) -> None:
-    import apache_beam as beam
-
+    """The graph: one transform per stage (each stage module's PTransform), in order."""
     ctx, config = job.ctx, job.config
     if job.tokens is not None:
-        examples, bads, tallies, fingerprints = tokens_source.read_tokens(pipeline, job.tokens, config.from_tokens)
-        _fit_route_write(pipeline, job, examples, bads, tallies, fingerprints)
-        return
-    read = (
-        pipeline
-        | "ListInputs" >> beam.Create(job.tasks)
-        | "SpreadTasks" >> beam.Reshuffle()
-        | "Read" >> beam.ParDo(ReadTaskFn(config.batch_size, config.progress)).with_outputs(TAG_FINGERPRINT, main="records")
-    )
-    # Records cross a shuffle only when some task is big and unsplittable (a large compressed or
-    # non-JSONL file); byte ranges and dataset row ranges already spread the reading evenly.
-    spread = any(t.may_exceed(sources.SPREAD_TASK_BYTES) for t in job.tasks)
-    raw = read.records | "SpreadRecords" >> beam.Reshuffle() if spread else read.records
-    if job.table_level:
-        keyed = raw | "KeyByTable" >> beam.ParDo(KeyTableRecordsFn(ctx, job.group_key)).with_outputs(TAG_BAD, TAG_TALLY, main="messages")
-        prepared = (
-            keyed.messages
-            | "GroupTables" >> beam.GroupByKey()
-            | "TemplateTokenize" >> beam.ParDo(TableToExamplesFn(ctx)).with_outputs(TAG_BAD, TAG_TALLY, main="examples")
-        )
-        bads, tallies = [keyed[TAG_BAD], prepared[TAG_BAD]], [keyed[TAG_TALLY], prepared[TAG_TALLY]]
+        prepared = pipeline | "ReadTokenSet" >> tokens_source.ReadTokenSet(job.tokens, config.from_tokens)
+        fingerprints = prepared["fingerprints"]
     else:
-        prepared = raw | "TemplateTokenize" >> beam.ParDo(PrepareFn(ctx)).with_outputs(TAG_BAD, TAG_TALLY, main="examples")
-        bads, tallies = [prepared[TAG_BAD]], [prepared[TAG_TALLY]]
-    fitted = _fit_route_write(pipeline, job, prepared.examples, bads, tallies, read[TAG_FINGERPRINT])
+        read = pipeline | "Read" >> ReadInputs(job.tasks, config.batch_size, config.progress)
+        prepared = read["records"] | "Prepare" >> PrepareExamples(ctx, job.table_level, job.group_key)
+        fingerprints = read["fingerprints"]
+    fitted = prepared["examples"] | "Fit" >> FitToLengths(ctx)
+    routed = {"keyed": fitted["keyed"], "hist": fitted["hist"]} | "Route" >> PlanAndRoute(ctx)
+    _ = {"rows": routed["rows"], "plans": routed["plans"], "bad": prepared["bad"], "dead": fitted["dead"],
+         "tally_read": prepared["tally"], "tally_fit": fitted["tally"], "fingerprints": fingerprints} | "Write" >> WriteShardSets(ctx)
     if config.write_tokens:
-        first = config.max_lengths[0]
-        no_targets = fitted[TAG_DEAD] | "NoTargetsOnce" >> beam.FlatMap(
-            lambda le: [le[1]] if le[0] == first and le[1][1]["reason"] == NO_TARGETS else [])
-        dropped = (*bads, no_targets) | "FlattenDropped" >> beam.Flatten()
-        tokens_sink.add_to_pipeline(pipeline, prepared.examples, dropped, config.output, job.run_id)
-
-
-def _fit_route_write(pipeline: Any, job: PreparedJob, examples: Any, bads: list, tallies: list, fingerprints: Any) -> Any:
-    """From TokenizedBatches (tokenized now, or read from a tokenized set) to staged shard
-    sets, dead letters and the run summary; returns FitAndKeyFn's outputs."""
-    import apache_beam as beam
-    from apache_beam.pvalue import AsDict, AsList, AsMultiMap, AsSingleton
-
-    ctx, config = job.ctx, job.config
-    fitted = examples | "FitAndKey" >> beam.ParDo(FitAndKeyFn(ctx)).with_outputs(
-        TAG_HIST, TAG_TALLY, TAG_DEAD, main="keyed")
-    planned = (
-        fitted[TAG_HIST]
-        | "Histogram" >> beam.CombineGlobally(MergeCounters())
-        | "Plan" >> beam.ParDo(PlanFn(config.max_lengths, config.pack, config.num_shards, config.target_shard_mb))
-        .with_outputs(TAG_PLAN, main="slices")
-    )
-    # Every worker holds the plans without their slots (O(groups)); each (length, sub-bucket)
-    # group reads its own slice of the slots from a multimap side input, fetched per key.
-    plans = AsDict(planned[TAG_PLAN])
-    shards = (
-        fitted.keyed
-        | "GroupByLength" >> beam.GroupByKey()
-        | "RouteToRows" >> beam.ParDo(RouteToRowsFn(ctx), plans=plans, slices=AsMultiMap(planned.slices))
-        | "GroupByWindow" >> beam.GroupByKey()
-        | "WriteWindows" >> beam.ParDo(WriteWindowFn(config.output, job.run_id, ctx.pad_id), plans=plans)
-        | "GroupByShard" >> beam.GroupByKey()
-        | "WriteShards" >> beam.ParDo(AssembleShardFn(config.output, job.run_id), plans=plans)
-    )
-    lengths = config.max_lengths
-    bad_per_length = (
-        tuple(bads) | "FlattenBad" >> beam.Flatten()
-        | "BadToEveryLength" >> beam.FlatMap(lambda entry: [(L, entry) for L in lengths])
-    )
-    dead = (
-        (bad_per_length, fitted[TAG_DEAD]) | "FlattenDead" >> beam.Flatten()
-        | "GroupDead" >> beam.GroupByKey()
-        | "WriteDeadLetters" >> beam.ParDo(WriteDeadLetterFn(config.output, job.run_id, ctx.tasks),
-                                           fingerprints=AsList(fingerprints))
-    )
-    tally = (
-        (*tallies, fitted[TAG_TALLY]) | "FlattenTally" >> beam.Flatten()
-        | "Tally" >> beam.CombineGlobally(MergeTallies())
-    )
-    (
-        pipeline
-        | "Once" >> beam.Create([None])
-        | "WriteSummary" >> beam.ParDo(
-            WriteSummaryFn(config.output, job.run_id),
-            tally=AsSingleton(tally), plans=plans, shards=AsList(shards), dead=AsList(dead),
-            fingerprints=AsList(fingerprints),
-        )
-    )
-    return fitted
+        _ = ({"examples": prepared["examples"], "bad": prepared["bad"], "dead": fitted["dead"]}
+             | "WriteTokenSet" >> tokens_sink.WriteTokenSet(config.output, job.run_id, config.max_lengths[0]))
 
 
 def input_descriptions(job: PreparedJob, fingerprints: tuple[tuple, ...]) -> list[dict[str, Any]]:
@@ -382,7 +310,7 @@ def run(config: PackConfig, beam_args: list[str], run_id: str | None = None) -> 
         for note in notes:
             log.warning(note)
         summary, metrics = _run_pipeline(job, _local_beam_args(job, beam_args))
-        stats = verify(job, summary)
+        stats = verify(job, summary, held)
         notes += _shard_notes(config, summary)
         lengths, tokens = _staged_sets(job, summary, stats)
         failpoints.hit("before_publish")
@@ -427,7 +355,10 @@ def _run_pipeline(job: PreparedJob, beam_args: list[str]) -> tuple[RunSummary, d
     from apache_beam.options.pipeline_options import PipelineOptions
 
     config = job.config
-    publish.probe_output(config.output, job.run_id)
+    try:
+        output.probe(config.output, job.run_id)
+    except Exception as e:
+        raise publish.JobError(f"output {config.output!r} is not writable ({type(e).__name__}: {e})") from e
     pipeline = beam.Pipeline(options=PipelineOptions(beam_args))
     build_pipeline(pipeline, job)
     result = None
@@ -447,7 +378,7 @@ def _run_pipeline(job: PreparedJob, beam_args: list[str]) -> tuple[RunSummary, d
     return publish.read_summary(config.output, job.run_id), _metrics(result)
 
 
-def verify(job: PreparedJob, summary: RunSummary) -> dict[int, dict[str, Any]]:
+def verify(job: PreparedJob, summary: RunSummary, held: output.OutputLock) -> dict[int, dict[str, Any]]:
     """Each length's figures, once they add up; raises JobError (nothing published) when not."""
     config = job.config
     stats: dict[int, dict[str, Any]] = {}
@@ -459,10 +390,10 @@ def verify(job: PreparedJob, summary: RunSummary) -> dict[int, dict[str, Any]]:
         raise publish.JobError("accounting check failed, nothing was published: " + "; ".join(problems))
     first = stats[config.max_lengths[0]]
     if _empty_or_all_bad(first, config, []) is not None:
-        kept = publish.keep_failed_dead_letters(config, job.run_id) if first["bad_records"] else []
+        kept = output.keep_failed_dead_letters(config.output, config.max_lengths, job.run_id, held) if first["bad_records"] else []
         raise publish.JobError(_empty_or_all_bad(first, config, kept))
     if publish.bad_fraction_error(first, config, []) is not None:
-        kept = publish.keep_failed_dead_letters(config, job.run_id)
+        kept = output.keep_failed_dead_letters(config.output, config.max_lengths, job.run_id, held)
         raise publish.JobError(publish.bad_fraction_error(first, config, kept))
     no_rows = [L for L in config.max_lengths if stats[L]["rows"] == 0]
     if no_rows:

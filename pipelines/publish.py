@@ -11,8 +11,7 @@ from typing import Any
 
 from pipelines.options import PackConfig
 from pipelines.summary import PlanSummary, RunSummary, ShardSummary
-from pipelines.write import write_bytes
-from prepack.layout import FAILED_DEAD_LETTER_NAME, length_dir, run_staging_dir, staging_dir, summary_path
+from prepack.layout import summary_path
 from prepack.accounting import Tally
 from prepack.bad_records import too_many_bad_records
 from prepack.manifest import DEAD_LETTER_NAME, Manifest, ShardInfo
@@ -38,25 +37,9 @@ def refuse_existing(config: PackConfig) -> None:
         raise JobError(message)
 
 
-def probe_output(output: str, run_id: str) -> None:
-    """Writes and deletes a small file under the output, so a bad bucket or a read-only folder fails now."""
-    probe = f"{run_staging_dir(output, run_id)}/probe"
-    try:
-        write_bytes(probe, b"ok")
-        _fs().delete([probe])
-    except Exception as e:
-        raise JobError(f"output {output!r} is not writable ({type(e).__name__}: {e})") from e
-
-
 def read_summary(output: str, run_id: str) -> RunSummary:
     with _fs().open(summary_path(output, run_id)) as f:
         return RunSummary.from_json(f.read().decode("utf-8"))
-
-
-def _remove(paths: list[str]) -> None:
-    paths = [p for p in paths if _fs().exists(p)]
-    if paths:
-        _fs().delete(paths)
 
 
 # ----------------------------------------------------------------------------- figures
@@ -142,22 +125,6 @@ def compose_manifest(
         tool=job_info["tool"],
         dead_letter=DEAD_LETTER_NAME if stats["dead_letter_entries"] else None,
     )
-
-
-def keep_failed_dead_letters(config: PackConfig, run_id: str) -> list[str]:
-    """On a bad-fraction failure, keeps each length's dead letter beside (not in) the shard set."""
-    kept = []
-    for L in config.max_lengths:
-        staged = f"{staging_dir(config.output, L, run_id)}/{DEAD_LETTER_NAME}"
-        target = f"{length_dir(config.output, L)}/{FAILED_DEAD_LETTER_NAME}"
-        try:
-            if _fs().exists(staged):
-                _remove([target])
-                _fs().rename([staged], [target])
-                kept.append(target)
-        except Exception:
-            pass
-    return kept
 
 
 def rows_over(value: int, bound: int) -> float:

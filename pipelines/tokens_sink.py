@@ -147,17 +147,32 @@ class WriteTokenIndexFn(beam.DoFn):
         yield path
 
 
-def add_to_pipeline(pipeline: Any, examples: Any, dropped: Any, output: str, run_id: str) -> None:
-    """examples: TokenizedBatches as the tokenizer made them; dropped: the dead letters of
-    examples dropped before fitting (bad input, no targets)."""
-    from apache_beam.pvalue import AsList
+class WriteTokenSet(beam.PTransform):
+    """{"examples": TokenizedBatches as the tokenizer made them, "bad": bad records' dead letters,
+    "dead": (L, dead letter) from fitting} -> the tokenized set staged under OUTPUT/tokens/
+    (a PCollection of its index.json path). Examples with no target are dropped at every
+    length: their dead letters are taken once, from the first length."""
 
-    files = examples | "WriteTokens" >> beam.ParDo(WriteTokensFn(output, run_id))
-    (
-        pipeline
-        | "OnceTokens" >> beam.Create([None])
-        | "WriteTokenIndex" >> beam.ParDo(WriteTokenIndexFn(output, run_id), files=AsList(files), dropped=AsList(dropped))
-    )
+    def __init__(self, output: str, run_id: str, first_length: int):
+        super().__init__()
+        self.output, self.run_id, self.first_length = output, run_id, first_length
+
+    def expand(self, inputs: dict[str, Any]) -> Any:
+        from apache_beam.pvalue import AsList
+
+        from prepack.accounting import NO_TARGETS
+
+        first = self.first_length
+        no_targets = inputs["dead"] | "NoTargetsOnce" >> beam.FlatMap(
+            lambda le: [le[1]] if le[0] == first and le[1][1]["reason"] == NO_TARGETS else [])
+        dropped = (inputs["bad"], no_targets) | "FlattenDropped" >> beam.Flatten()
+        files = inputs["examples"] | "WriteTokens" >> beam.ParDo(WriteTokensFn(self.output, self.run_id))
+        return (
+            inputs["examples"].pipeline
+            | "OnceTokens" >> beam.Create([None])
+            | "WriteTokenIndex" >> beam.ParDo(WriteTokenIndexFn(self.output, self.run_id), files=AsList(files),
+                                              dropped=AsList(dropped))
+        )
 
 
 # ----------------------------------------------------------------------------- launcher side

@@ -302,3 +302,51 @@ class WriteSummaryFn(beam.DoFn):
         path = summary_path(self.output, self.run_id)
         write_bytes(path, summary.to_json().encode("utf-8"))
         yield path
+
+
+class WriteShardSets(beam.PTransform):
+    """The write stage as one transform: {"rows", "plans"} (PlanAndRoute's outputs), "bad" (bad
+    records' dead letters, for every length), "dead" ((L, dead letter)), "tally_read" and
+    "tally_fit" (Tallies), "fingerprints" -> the staged shard sets, their dead letters, and the
+    run's summary.json (a PCollection of its one path).
+
+    Rows go to their shard's windows (part files), then each shard is assembled from its parts
+    in window order; everything is written under the run's staging folders (prepack.layout)."""
+
+    def __init__(self, ctx: Any):
+        super().__init__()
+        self.ctx = ctx
+
+    def expand(self, inputs: dict[str, Any]) -> Any:
+        from apache_beam.pvalue import AsDict, AsList, AsSingleton
+
+        from pipelines.stage import MergeTallies
+
+        ctx, config = self.ctx, self.ctx.config
+        plans = AsDict(inputs["plans"])
+        shards = (
+            inputs["rows"]
+            | "GroupByWindow" >> beam.GroupByKey()
+            | "WriteWindows" >> beam.ParDo(WriteWindowFn(config.output, ctx.run_id, ctx.pad_id), plans=plans)
+            | "GroupByShard" >> beam.GroupByKey()
+            | "WriteShards" >> beam.ParDo(AssembleShardFn(config.output, ctx.run_id), plans=plans)
+        )
+        lengths = config.max_lengths
+        bad_per_length = inputs["bad"] | "BadToEveryLength" >> beam.FlatMap(lambda entry: [(L, entry) for L in lengths])
+        fingerprints = AsList(inputs["fingerprints"])
+        dead = (
+            (bad_per_length, inputs["dead"]) | "FlattenDead" >> beam.Flatten()
+            | "GroupDead" >> beam.GroupByKey()
+            | "WriteDeadLetters" >> beam.ParDo(WriteDeadLetterFn(config.output, ctx.run_id, ctx.tasks),
+                                               fingerprints=fingerprints)
+        )
+        tally = (
+            (inputs["tally_read"], inputs["tally_fit"]) | "FlattenTally" >> beam.Flatten()
+            | "Tally" >> beam.CombineGlobally(MergeTallies())
+        )
+        return (
+            inputs["rows"].pipeline
+            | "Once" >> beam.Create([None])
+            | "WriteSummary" >> beam.ParDo(WriteSummaryFn(config.output, ctx.run_id), tally=AsSingleton(tally), plans=plans,
+                                           shards=AsList(shards), dead=AsList(dead), fingerprints=fingerprints)
+        )

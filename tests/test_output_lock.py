@@ -186,3 +186,24 @@ def test_delete_if_deletes_only_the_version_seen(output):
     assert store.read(path).data == b"republished"
     assert store.delete_if(path, store.version(path))
     assert store.read(path) is None
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "nan", "100000"])
+def test_lock_expiry_out_of_range_is_one_line(value):
+    from pipelines.options import OptionsError, parse_args
+
+    with pytest.raises(OptionsError) as e:
+        parse_args(["--sample", "--output", "out", "--lock-expiry-s", value])
+    assert str(e.value) == f"--lock-expiry-s must be between 1 and 86400 seconds, got {float(value):g}"
+
+
+def test_lock_expiry_is_the_lease_length(gcs_prefix):
+    from pipelines.options import parse_args
+
+    config, _ = parse_args(["--sample", "--output", "out", "--lock-expiry-s", "5"])
+    assert config.lock_expiry_s == 5.0 and parse_args(["--sample", "--output", "o"])[0].lock_expiry_s == 600.0
+    out = f"{gcs_prefix}/out"
+    held = lock.OutputLock.acquire(out, "run-a", expiry_s=config.lock_expiry_s, renew=False)
+    info = lock.read_lock(out)
+    assert 4.5 <= info.expires - info.created <= 5.5
+    held.release()

@@ -90,7 +90,7 @@ def look(output: str, places: list[SetPlace], lock: OutputLock) -> Seen:
     generation that any write still in flight from the stale run was not conditioned on."""
     store = storage_for(output)
     record_path = layout.run_record_path(output)
-    if lock.took_over is not None and store.absent == 0:
+    if lock.took_over is not None and not store.os_locks:  # a lease: a stale owner may still be writing
         for path in [p.manifest_path for p in places] + [record_path]:
             found = store.read(path)
             if found is not None:
@@ -144,7 +144,7 @@ class Commit:
         self.lock.check()
         failpoints.hit("after_publish")
 
-    def _refused(self, place: SetPlace, error: SwitchRefused) -> SwitchRefused:
+    def _refused(self, error: SwitchRefused) -> SwitchRefused:
         self.lock.check()  # lost the lock: that is the message (it names the owner)
         done = ", ".join(self.switched) or "none"
         return SwitchRefused(f"{error}; refusing to replace it (sets already switched by this run: {done}). "
@@ -168,7 +168,7 @@ class Commit:
             self.store.write_if(s.place.manifest_path, s.manifest, expected,
                                 tmp=layout.join(layout.run_staging_dir(self.output, self.run_id), f"manifest.{s.place.name}"))
         except SwitchRefused as e:
-            raise self._refused(s.place, e) from e
+            raise self._refused(e) from e
         self.switched[s.place.name] = s.place.manifest_path
         if s.dead_letter:
             target = layout.join(s.place.folder, s.dead_letter)

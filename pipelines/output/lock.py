@@ -39,7 +39,6 @@ import time
 
 from pipelines.output.storage import GcsStorage, SwitchRefused, storage_for
 from prepack import layout
-from prepack.gcs import is_gcs
 
 DEFAULT_EXPIRY_S = 600.0  # a gs:// lease not renewed for this long is stale
 RENEW_EVERY_S = 60.0  # at most; a third of the expiry when that is shorter
@@ -77,10 +76,6 @@ class LockInfo:
         return f"run {self.run_id} (pid {self.pid} on {self.host}, since {when})"
 
 
-def _describe(info: LockInfo | None) -> str:
-    return info.describe() if info else "no run"
-
-
 def _owner_now(output: str, holder: LockInfo | None) -> str:
     """Who owns the output now: the lock's holder, else the run whose record is published there."""
     if holder is not None:
@@ -109,9 +104,9 @@ class OutputLock:
     @staticmethod
     def acquire(output: str, run_id: str, expiry_s: float | None = None, renew: bool = True) -> "OutputLock":
         expiry_s = DEFAULT_EXPIRY_S if expiry_s is None else float(expiry_s)
-        if is_gcs(output):
-            return LeaseLock.acquire(output, run_id, expiry_s, renew)
-        return LocalLock.acquire(output, run_id, expiry_s)
+        if storage_for(output).os_locks:
+            return LocalLock.acquire(output, run_id, expiry_s)
+        return LeaseLock.acquire(output, run_id, expiry_s, renew)
 
     def check(self) -> None:
         raise NotImplementedError
@@ -144,8 +139,9 @@ class LocalLock(OutputLock):
             except BlockingIOError:
                 holder = LockInfo.from_bytes(os.pread(fd, 1 << 16, 0))
                 os.close(fd)
+                who = holder.describe() if holder else "another run (its lock file is still being written)"
                 raise LockHeld(
-                    f"{output} is being written by {_describe(holder)}, whose process holds the OS lock on {path} "
+                    f"{output} is being written by {who}, whose process holds the OS lock on {path} "
                     "(a paused run keeps it until it ends). Wait for that run to end, end that process to free the "
                     "output, or choose another --output") from None
             try:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from pipelines.output.lock import LockLost, OutputLock
 from pipelines.output.storage import storage_for
 from prepack import layout
 
@@ -37,6 +38,36 @@ def cleanup_run(output: str, max_lengths: tuple[int, ...], run_id: str) -> None:
         store.delete_tree(layout.run_staging_dir(output, run_id))
     except Exception:
         pass
+
+
+def probe(output: str, run_id: str) -> None:
+    """Writes and deletes a small file in the run's staging, so a bad bucket or a read-only
+    folder fails before the pipeline runs (raises the storage's error)."""
+    store = storage_for(output)
+    path = layout.join(layout.run_staging_dir(output, run_id), "probe")
+    store.write(path, b"ok")
+    store.delete([path])
+
+
+def keep_failed_dead_letters(output: str, max_lengths: tuple[int, ...], run_id: str, lock: OutputLock) -> list[str]:
+    """On a failed run (too many bad records), moves each length's staged dead letter beside
+    (not into) the published set, as dead_letter.failed.jsonl; returns the paths kept."""
+    store = storage_for(output)
+    kept = []
+    for L in max_lengths:
+        staged = layout.join(layout.staging_dir(output, L, run_id), layout.DEAD_LETTER_NAME)
+        target = layout.join(layout.length_dir(output, L), layout.FAILED_DEAD_LETTER_NAME)
+        try:
+            if store.exists(staged):
+                lock.check()
+                store.delete([target])
+                store.move([staged], [target])
+                kept.append(target)
+        except LockLost:
+            raise
+        except Exception:
+            pass
+    return kept
 
 
 @dataclasses.dataclass

@@ -43,6 +43,7 @@ class Versioned:
 
 class Storage(Protocol):
     absent: Version
+    os_locks: bool  # the output lock can be an OS lock (flock) here; else a renewed lease
 
     def read(self, path: str) -> Versioned | None: ...
     def version(self, path: str) -> Version: ...
@@ -70,6 +71,7 @@ def _refused(path: str, current: bytes | None) -> SwitchRefused:
 
 class LocalStorage:
     absent: Version = ""
+    os_locks = True
 
     def read(self, path: str) -> Versioned | None:
         try:
@@ -201,6 +203,7 @@ class LocalStorage:
 
 class GcsStorage:
     absent: Version = 0
+    os_locks = False
 
     @staticmethod
     def _blob(path: str, generation: int | None = None):
