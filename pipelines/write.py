@@ -2,7 +2,7 @@
 
 Nothing here touches the final location. Every file lands under a staging
 prefix named by the run id (OUTPUT/L<L>/.staging-<run>/, OUTPUT/.staging-<run>/);
-swap.py moves shards into place and switches manifest.json last, after the
+the output layer (pipelines/output/commit.py) moves shards into place and switches manifest.json, after the
 whole pipeline succeeded and the accounting checks passed. A shard's published
 name carries its sha256, so it never overwrites another set's file.
 

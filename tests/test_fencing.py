@@ -43,7 +43,7 @@ EXPIRY_S = 2
 
 # Every step of the publishing order, as a failpoint (docs/manifest.md lists them).
 POINTS = ["before_publish", "shards_in_place", "after_manifest_switch:L64", "after_manifest_switch:L256",
-          "before_tokens_switch", "after_run_record", "before_delete"]
+          "before_tokens_switch", "after_tokens_switch", "after_run_record", "before_delete"]
 
 
 @pytest.fixture(scope="module")

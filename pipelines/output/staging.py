@@ -8,7 +8,7 @@ lock (so no other run is live there), lists what such runs left:
 - manifest temp files (`manifest.json.tmp-*`, from older versions of this tool),
 - shard files in OUTPUT/L<L>/ that no manifest names (moved in by a run killed
   before it switched the manifest, or old files of a run killed before deleting them),
-- a lock's renew temp or takeover marker.
+- a lock's renew temp or takeover marker (from older versions of this tool).
 It reports them in one line; with --clean-stale it removes them.
 """
 
