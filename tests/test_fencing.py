@@ -8,13 +8,13 @@ length, the tokenized set and published.json.
 
 * gs:// (the emulator): the paused run's lease expires, run B takes the output over and
   publishes; when A resumes it stops at once with one line naming the owner, exit 1.
-  Shown to fail with LeaseLock.check made a no-op and deletes unconditioned (the base
-  commit's protocol): A then switched manifests over B's, wrote its run record beside B's
+  Shown to fail with the base commit's protocol (LeaseLock.check a no-op, each switch
+  conditioned on the version read at switch time, every file the run's manifest does not
+  name deleted): A then switched manifests over B's, wrote its run record beside B's
   manifests, or deleted B's shards, and exited 0.
 * local disk: the paused run holds its OS lock however long it is paused, so B is refused
   with one line naming A and how to free the output; A, continued, publishes its set whole.
-  Shown to fail with the lock file judged by expiry (the base commit's lock), where B took
-  the output over and A, resumed, published over B's set.
+  Shown to fail with the flock taken out of LocalLock: B then took A's live output over.
 """
 
 from __future__ import annotations
@@ -185,8 +185,8 @@ def test_local_run_ended_while_paused_frees_the_output(inputs, tmp_path):
 def test_a_live_local_lock_is_not_taken_over_from_another_pid_namespace(inputs, tmp_path):
     """Run A is paused; run B starts in a new PID namespace (`unshare --pid --fork`), where A's
     pid does not exist. The flock is the kernel's, shared across namespaces: B is refused, and
-    A, continued, publishes. Shown to fail with the base commit's rule (same hostname and no such
-    pid here: stale), which took A's live lock over from inside the namespace."""
+    A, continued, publishes. Shown to fail with the flock taken out of LocalLock (B, seeing no
+    such pid, took the live output over); the gs:// lease's counterpart is in test_output_lock.py."""
     if subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True).returncode != 0:
         pytest.skip("unshare --pid needs root (CAP_SYS_ADMIN)")
     out = str(tmp_path / "out")
