@@ -228,7 +228,7 @@ class LeaseLock(OutputLock):
                     f"{output} is being written by {holder.describe()}; its lease {path} expires "
                     f"{time.strftime('%H:%M:%S UTC', time.gmtime(holder.expires))} unless that run renews it. Wait "
                     "for that run to end, or choose another --output")
-            took_over = holder
+            took_over = holder or LockInfo("unreadable", "unknown", 0, 0.0, 0.0)  # its writer died mid-write
             store.delete_if(path, current.version)  # of the runs judging it stale, one deletes it
         raise LockHeld(f"could not take the lock {path}: other runs keep taking it; try again")
 
