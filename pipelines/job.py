@@ -47,7 +47,7 @@ from pipelines.write import WriteShardSets
 from pipelines.options import PackConfig
 from pipelines.planning import choose_sub_buckets
 from pipelines.sources import ReadTask, ResolvedInput
-from pipelines.summary import RunSummary
+from pipelines.summary import LengthStats, RunSummary
 from prepack import failpoints, layout
 from prepack.tokenset import TokenSetError, TokenSetManifest
 
@@ -57,7 +57,7 @@ log = logging.getLogger("prepack.pack")
 @dataclasses.dataclass
 class JobResult:
     manifests: dict[int, str]  # max length -> manifest path
-    stats: dict[int, dict[str, Any]]
+    stats: dict[int, dict[str, Any]]  # each length's manifest `stats` (LengthStats.to_json)
     seconds: float
     run_id: str
     metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -263,17 +263,17 @@ def _leftovers(config: PackConfig, run_id: str) -> list[str]:
     return [f"{found.describe(config.output)}; pass --clean-stale to remove them"]
 
 
-def _empty_or_all_bad(stats: dict[str, Any], config: PackConfig, kept: list[str]) -> str | None:
-    if stats["records_read"] == 0:
+def _empty_or_all_bad(stats: LengthStats, config: PackConfig, kept: list[str]) -> str | None:
+    if stats.records_read == 0:
         return (f"the inputs hold no records ({', '.join(config.inputs)} {'is' if len(config.inputs) == 1 else 'are'} "
                 "empty); nothing was published. Check --input")
-    if stats["examples_read"] and stats["bad_records"] == stats["examples_read"]:
+    if stats.examples_read and stats.bad_records == stats.examples_read:
         where = f"; they are listed in {kept[0]}" if kept else ""
-        return (f"all {stats['examples_read']} examples read are bad records ({', '.join(f'{k} {v}' for k, v in sorted(stats['examples_dropped'].items()))})"
+        return (f"all {stats.examples_read} examples read are bad records ({', '.join(f'{k} {v}' for k, v in sorted(stats.examples_dropped.items()))})"
                 f"; nothing was published{where}. Check --format and the inputs")
-    if stats["examples_read"] == 0:
-        return (f"no examples in the inputs ({stats['records_read']} records read, "
-                f"{sum(stats['records_filtered'].values())} left out by design); nothing was published")
+    if stats.examples_read == 0:
+        return (f"no examples in the inputs ({stats.records_read} records read, "
+                f"{sum(stats.records_filtered.values())} left out by design); nothing was published")
     return None
 
 
@@ -317,8 +317,8 @@ def run(config: PackConfig, beam_args: list[str], run_id: str | None = None) -> 
         commit = output.Commit(config.output, job.run_id, held, seen, config.overwrite)
         _commit(commit, config, lengths, tokens)
         tokens_path = layout.tokens_manifest_path(config.output) if tokens else None
-        return JobResult(_lengths_switched(commit), stats, time.monotonic() - started, job.run_id, metrics, notes,
-                         tokens_path)
+        figures = {L: s.to_json() for L, s in stats.items()}
+        return JobResult(_lengths_switched(commit), figures, time.monotonic() - started, job.run_id, metrics, notes, tokens_path)
     except KeyboardInterrupt as e:
         raise Interrupted(_interrupted_message(config, _lengths_switched(commit))) from e
     except OSError as e:
@@ -378,10 +378,10 @@ def _run_pipeline(job: PreparedJob, beam_args: list[str]) -> tuple[RunSummary, d
     return publish.read_summary(config.output, job.run_id), _metrics(result)
 
 
-def verify(job: PreparedJob, summary: RunSummary, held: output.OutputLock) -> dict[int, dict[str, Any]]:
+def verify(job: PreparedJob, summary: RunSummary, held: output.OutputLock) -> dict[int, LengthStats]:
     """Each length's figures, once they add up; raises JobError (nothing published) when not."""
     config = job.config
-    stats: dict[int, dict[str, Any]] = {}
+    stats: dict[int, LengthStats] = {}
     problems: list[str] = []
     for L in config.max_lengths:
         stats[L] = publish.length_stats(summary, L, config.pack)
@@ -390,23 +390,23 @@ def verify(job: PreparedJob, summary: RunSummary, held: output.OutputLock) -> di
         raise publish.JobError("accounting check failed, nothing was published: " + "; ".join(problems))
     first = stats[config.max_lengths[0]]
     if _empty_or_all_bad(first, config, []) is not None:
-        kept = output.keep_failed_dead_letters(config.output, config.max_lengths, job.run_id, held) if first["bad_records"] else []
+        kept = output.keep_failed_dead_letters(config.output, config.max_lengths, job.run_id, held) if first.bad_records else []
         raise publish.JobError(_empty_or_all_bad(first, config, kept))
     if publish.bad_fraction_error(first, config, []) is not None:
         kept = output.keep_failed_dead_letters(config.output, config.max_lengths, job.run_id, held)
         raise publish.JobError(publish.bad_fraction_error(first, config, kept))
-    no_rows = [L for L in config.max_lengths if stats[L]["rows"] == 0]
+    no_rows = [L for L in config.max_lengths if stats[L].rows == 0]
     if no_rows:
         raise publish.JobError(
             f"no example fits max length {', '.join(map(str, no_rows))} (examples dropped: "
-            f"{stats[no_rows[0]]['examples_dropped']}); nothing was published"
+            f"{stats[no_rows[0]].examples_dropped}); nothing was published"
         )
     for note in _shard_notes(config, summary):
         log.warning(note)
     return stats
 
 
-def _staged_sets(job: PreparedJob, summary: RunSummary, stats: dict[int, dict[str, Any]]
+def _staged_sets(job: PreparedJob, summary: RunSummary, stats: dict[int, LengthStats]
                  ) -> tuple[dict[int, output.StagedSet], output.StagedSet | None]:
     """The run's staged shard sets and tokenized set, with the manifests that publish them."""
     config = job.config

@@ -10,7 +10,7 @@ import math
 from typing import Any
 
 from pipelines.options import PackConfig
-from pipelines.summary import PlanSummary, RunSummary, ShardSummary
+from pipelines.summary import LengthStats, PlanSummary, RunSummary, ShardSummary
 from prepack.layout import summary_path
 from prepack.accounting import Tally
 from prepack.bad_records import too_many_bad_records
@@ -45,7 +45,7 @@ def read_summary(output: str, run_id: str) -> RunSummary:
 # ----------------------------------------------------------------------------- figures
 
 
-def length_stats(summary: RunSummary, max_length: int, pack: bool = True) -> dict[str, Any]:
+def length_stats(summary: RunSummary, max_length: int, pack: bool = True) -> LengthStats:
     """The manifest's `stats` for one max length, from the run summary."""
     tally = Tally.from_json(summary.tally)
     per = summary.lengths[max_length]
@@ -65,40 +65,40 @@ def length_stats(summary: RunSummary, max_length: int, pack: bool = True) -> dic
     packing.pop("max_length")
     packing.pop("examples")
     examples_read = tally.examples_read
-    return {
-        "records_read": tally.records_read,
-        "records_filtered": dict(sorted(tally.filtered.items())),
-        "examples_read": examples_read,
-        "examples_written": written,
-        "examples_dropped": tally.examples_dropped(max_length),
-        "examples_truncated": tally.truncated.get(max_length, 0),
-        "bad_records": tally.bad,
-        "bad_fraction": tally.bad / examples_read if examples_read else 0.0,
-        "global_bfd_rows": plan.num_rows if pack else None,
-        "planned_examples": plan.num_examples,
-        "dead_letter_entries": per.dead_letter_entries,
-        **packing,
-    }
+    return LengthStats(
+        records_read=tally.records_read,
+        records_filtered=dict(sorted(tally.filtered.items())),
+        examples_read=examples_read,
+        examples_written=written,
+        examples_dropped=tally.examples_dropped(max_length),
+        examples_truncated=tally.truncated.get(max_length, 0),
+        bad_records=tally.bad,
+        bad_fraction=tally.bad / examples_read if examples_read else 0.0,
+        global_bfd_rows=plan.num_rows if pack else None,
+        planned_examples=plan.num_examples,
+        dead_letter_entries=per.dead_letter_entries,
+        packing=packing,
+    )
 
 
-def check_stats(stats: dict[str, Any], max_length: int, plan: PlanSummary) -> list[str]:
+def check_stats(stats: LengthStats, max_length: int, plan: PlanSummary) -> list[str]:
     """Accounting problems (empty when all is well): every example read is written or dropped."""
     problems = []
-    dropped = sum(stats["examples_dropped"].values())
-    if stats["examples_read"] != stats["examples_written"] + dropped:
+    dropped = sum(stats.examples_dropped.values())
+    if stats.examples_read != stats.examples_written + dropped:
         problems.append(
-            f"L={max_length}: examples read {stats['examples_read']} != written {stats['examples_written']} "
+            f"L={max_length}: examples read {stats.examples_read} != written {stats.examples_written} "
             f"+ dropped {dropped}"
         )
-    if stats["examples_written"] != plan.num_examples:
-        problems.append(f"L={max_length}: {stats['examples_written']} examples in rows, but the plan placed {plan.num_examples}")
-    if stats["rows"] != plan.num_rows:
-        problems.append(f"L={max_length}: {stats['rows']} rows written, but the plan has {plan.num_rows}")
+    if stats.examples_written != plan.num_examples:
+        problems.append(f"L={max_length}: {stats.examples_written} examples in rows, but the plan placed {plan.num_examples}")
+    if stats.rows != plan.num_rows:
+        problems.append(f"L={max_length}: {stats.rows} rows written, but the plan has {plan.num_rows}")
     return problems
 
 
-def bad_fraction_error(stats: dict[str, Any], config: PackConfig, failed_paths: list[str]) -> str | None:
-    line = too_many_bad_records(stats["bad_records"], stats["examples_read"], stats["examples_dropped"], config.max_bad_fraction)
+def bad_fraction_error(stats: LengthStats, config: PackConfig, failed_paths: list[str]) -> str | None:
+    line = too_many_bad_records(stats.bad_records, stats.examples_read, stats.examples_dropped, config.max_bad_fraction)
     if line is None:
         return None
     where = f"; they are listed in {failed_paths[0]}" if failed_paths else ""
@@ -109,7 +109,7 @@ def bad_fraction_error(stats: dict[str, Any], config: PackConfig, failed_paths: 
 
 
 def compose_manifest(
-    config: PackConfig, max_length: int, stats: dict[str, Any], shards: tuple[ShardSummary, ...], job_info: dict[str, Any]
+    config: PackConfig, max_length: int, stats: LengthStats, shards: tuple[ShardSummary, ...], job_info: dict[str, Any]
 ) -> Manifest:
     infos = [ShardInfo(path=s.path, num_rows=s.num_rows, num_bytes=s.num_bytes, sha256=s.sha256) for s in shards]
     return Manifest(
@@ -117,13 +117,13 @@ def compose_manifest(
         num_rows=sum(s.num_rows for s in infos),
         shards=infos,
         tokenizer=job_info["tokenizer"],
-        stats=stats,
+        stats=stats.to_json(),
         packing="bfd" if config.pack else "unpacked",
         template=job_info["template"],
         inputs=job_info["inputs"],
         options={**config.manifest_options(), "sub_buckets": job_info["sub_buckets"]},
         tool=job_info["tool"],
-        dead_letter=DEAD_LETTER_NAME if stats["dead_letter_entries"] else None,
+        dead_letter=DEAD_LETTER_NAME if stats.dead_letter_entries else None,
     )
 
 

@@ -87,3 +87,30 @@ class RunSummary:
         d = json.loads(text)
         return cls(d["tally"], tuple(tuple(f) for f in d["fingerprints"]),
                    {int(L): LengthSummary.from_json(s) for L, s in d["lengths"].items()})
+
+
+@dataclasses.dataclass(frozen=True)
+class LengthStats:
+    """One length's figures, from the run summary (publish.length_stats): what the launcher
+    checks and what the manifest records as `stats` (to_json)."""
+
+    records_read: int
+    records_filtered: dict[str, int]
+    examples_read: int
+    examples_written: int
+    examples_dropped: dict[str, int]
+    examples_truncated: int
+    bad_records: int
+    bad_fraction: float
+    global_bfd_rows: int | None  # None: unpacked
+    planned_examples: int
+    dead_letter_entries: int
+    packing: dict[str, Any]  # prepack.stats.PackingStats.as_dict() less max_length and examples
+
+    @property
+    def rows(self) -> int:
+        return int(self.packing["rows"])
+
+    def to_json(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "packing"}
+        return {**d, **self.packing}
