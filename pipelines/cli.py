@@ -51,6 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = run(config, beam_args)
     except JobError as e:
         print(f"prepack pack: {e}", file=sys.stderr)
+        interrupts.exit_if_signalled(1)  # stopped by a signal (a lost lock): Beam's threads would hold the exit
         return 1
     except Interrupted as e:
         print(f"prepack pack: {e}", file=sys.stderr)

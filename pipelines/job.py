@@ -293,6 +293,7 @@ def run(config: PackConfig, beam_args: list[str], run_id: str | None = None) -> 
     job = prepare(config, run_id)
     config = job.config  # --from-tokens: with the token choices of the set
     held = _acquire_lock(config, job.run_id)
+    held.on_lost = interrupts.stop_main  # a lease found lost mid-pipeline stops the run at once
     commit: output.Commit | None = None
 
     def clean_up() -> None:
@@ -320,6 +321,8 @@ def run(config: PackConfig, beam_args: list[str], run_id: str | None = None) -> 
         figures = {L: s.to_json() for L, s in stats.items()}
         return JobResult(_lengths_switched(commit), figures, time.monotonic() - started, job.run_id, metrics, notes, tokens_path)
     except KeyboardInterrupt as e:
+        if held.lost is not None:
+            raise publish.JobError(str(held.lost)) from e
         raise Interrupted(_interrupted_message(config, _lengths_switched(commit))) from e
     except OSError as e:
         if e.errno == errno.ENOSPC:

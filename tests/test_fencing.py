@@ -207,3 +207,28 @@ def test_a_live_local_lock_is_not_taken_over_from_another_pid_namespace(inputs, 
     code, err = finish(a)
     assert code == 0, err
     assert_wholly_one_runs(out, "a")
+
+
+@pytest.mark.slow
+def test_gcs_run_that_loses_its_lease_mid_pipeline_stops_at_once(gcs_out, inputs):
+    """Paused right after taking the lock, past its lease; run B publishes meanwhile. When A
+    resumes, its renewer finds the lease taken over and stops the run at once (its pipeline
+    included), with the one line: A never reaches before_publish (which would exit 9).
+    Shown to fail without LeaseLock.on_lost (A ran its whole pipeline and exited 9 there)."""
+    out = gcs_out
+    a = start(inputs["a"], out, "--overwrite", failpoints="after_lock=stop;before_publish=exit(9)")
+    try:
+        wait_until_stopped(a)
+        while (held := output_lock.read_lock(out)) is not None and held.expires >= time.time():
+            time.sleep(0.1)
+        code, err = finish(start(inputs["b"], out, "--overwrite"))
+        assert code == 0, err
+        b_record = assert_wholly_one_runs(out, "b")
+    finally:
+        os.kill(a.pid, signal.SIGCONT)
+    code, err = finish(a)
+    assert code == 1, err
+    (line,) = lines(err)
+    assert re.fullmatch(rf"prepack pack: this run \(run \w+\) lost the lock on {re.escape(out)} \(.*\); the output now "
+                        rf"belongs to run {b_record.run_id} \(.*\)\. This run stopped and changed nothing more", line), line
+    assert assert_wholly_one_runs(out, "b") == b_record

@@ -36,6 +36,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 from pipelines.output.storage import GcsStorage, SwitchRefused, storage_for
 from prepack import layout
@@ -100,6 +101,8 @@ class OutputLock:
     output: str
     run_id: str
     took_over: LockInfo | None  # the killed (or stale) run whose lock this one replaced
+    lost: LockLost | None = None  # set when the lock was found lost (a lease, by its renewer)
+    on_lost: Callable[[], None] | None = None
 
     @staticmethod
     def acquire(output: str, run_id: str, expiry_s: float | None = None, renew: bool = True) -> "OutputLock":
@@ -195,6 +198,7 @@ class LeaseLock(OutputLock):
         self._guard = threading.Lock()
         self._stop = threading.Event()
         self.lost: LockLost | None = None
+        self.on_lost: Callable[[], None] | None = None  # called by the renewer when it finds the lease lost
         self._thread = threading.Thread(target=self._renew_loop, name="prepack-lock-renew", daemon=True)
 
     @classmethod
@@ -238,15 +242,20 @@ class LeaseLock(OutputLock):
             try:
                 self.check()
             except LockLost:
+                if self.on_lost is not None and not self._stop.is_set():
+                    self.on_lost()  # stop the run at once, mid-pipeline included
                 return
             except Exception:  # a storage hiccup: the next tick, or the next check, tries again
                 pass
 
     def check(self) -> None:
         """Renews the lease if this run still holds it (ifGenerationMatch = its generation);
-        raises LockLost naming the owner otherwise. Storage decides, not this process's clock."""
+        raises LockLost naming the owner otherwise. Storage decides, not this process's clock.
+        Once the main thread has found the loss, the renewer just stops."""
         with self._guard:
             if self.lost is not None:
+                if threading.current_thread() is self._thread:
+                    self._stop.set()
                 raise self.lost
             info = dataclasses.replace(self.info, expires=time.time() + self._expiry_s)
             try:
