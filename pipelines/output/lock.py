@@ -108,8 +108,8 @@ class OutputLock:
     def acquire(output: str, run_id: str, expiry_s: float | None = None, renew: bool = True) -> "OutputLock":
         expiry_s = DEFAULT_EXPIRY_S if expiry_s is None else float(expiry_s)
         if storage_for(output).os_locks:
-            return LocalLock.acquire(output, run_id, expiry_s)
-        return LeaseLock.acquire(output, run_id, expiry_s, renew)
+            return LocalLock.take(output, run_id, expiry_s)
+        return LeaseLock.take(output, run_id, expiry_s, renew)
 
     def check(self) -> None:
         raise NotImplementedError
@@ -132,7 +132,7 @@ class LocalLock(OutputLock):
         self.path = layout.lock_path(output)
 
     @classmethod
-    def acquire(cls, output: str, run_id: str, expiry_s: float) -> "LocalLock":
+    def take(cls, output: str, run_id: str, expiry_s: float) -> "LocalLock":
         path = layout.lock_path(output)
         os.makedirs(output, exist_ok=True)
         for _ in range(5):
@@ -202,7 +202,7 @@ class LeaseLock(OutputLock):
         self._thread = threading.Thread(target=self._renew_loop, name="prepack-lock-renew", daemon=True)
 
     @classmethod
-    def acquire(cls, output: str, run_id: str, expiry_s: float, renew: bool = True) -> "LeaseLock":
+    def take(cls, output: str, run_id: str, expiry_s: float, renew: bool = True) -> "LeaseLock":
         store = storage_for(output)
         path = layout.lock_path(output)
         took_over = None
