@@ -114,3 +114,34 @@ class LengthStats:
     def to_json(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "packing"}
         return {**d, **self.packing}
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenFile:
+    """One file of the tokenized set, as WriteTokensFn wrote it."""
+
+    path: str
+    num_rows: int
+    num_bytes: int
+    sha256: str
+    tokens: int
+    target_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenIndex:
+    """The tokenized set's index.json (WriteTokenIndexFn): its files and the dropped examples' file."""
+
+    files: tuple[TokenFile, ...]  # by path
+    dropped_entries: int
+    dropped_name: str
+
+    def to_json(self) -> str:
+        return json.dumps({"files": [dataclasses.asdict(f) for f in self.files], "dropped_entries": self.dropped_entries,
+                           "dropped_name": self.dropped_name}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "TokenIndex":
+        d = json.loads(text)
+        files = tuple(TokenFile(**{f.name: x[f.name] for f in dataclasses.fields(TokenFile)}) for x in d["files"])
+        return cls(files, int(d["dropped_entries"]), str(d["dropped_name"]))

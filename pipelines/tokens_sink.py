@@ -31,7 +31,7 @@ from apache_beam.transforms.window import GlobalWindows
 from pipelines.columns import TokenizedBatch
 from pipelines.records import DeadLetter, TaskMeta
 from pipelines.stage import StageClock
-from pipelines.summary import RunSummary
+from pipelines.summary import RunSummary, TokenFile, TokenIndex
 from pipelines.write import copy_local_to, write_bytes
 from prepack.accounting import Tally
 from prepack.layout import tokens_staging_dir
@@ -79,7 +79,7 @@ class WriteTokensFn(beam.DoFn):
         self.writer = ArrayRecordWriter(self.local, TOKENS_WRITER_OPTIONS)
         self.figures = Counter()
 
-    def process(self, batch: TokenizedBatch) -> Iterator[dict]:
+    def process(self, batch: TokenizedBatch) -> Iterator[TokenFile]:
         started = StageClock.now()
         keep = np.flatnonzero(batch.targets_after_first() > 0)
         if len(keep) < len(batch):
@@ -99,7 +99,7 @@ class WriteTokensFn(beam.DoFn):
         if self.figures["encoded_bytes"] >= TARGET_FILE_BYTES:
             yield self._close()
 
-    def _close(self) -> dict:
+    def _close(self) -> TokenFile:
         started = StageClock.now()
         self.writer.close()
         self.writer = None
@@ -117,8 +117,8 @@ class WriteTokensFn(beam.DoFn):
         self.m_examples.inc(self.figures["num_rows"])
         self.m_bytes.inc(size)
         self.clock.add(StageClock.now() - started)
-        return {"path": name, "num_rows": self.figures["num_rows"], "num_bytes": size, "sha256": sha,
-                "tokens": self.figures["tokens"], "target_tokens": self.figures["target_tokens"]}
+        return TokenFile(path=name, num_rows=self.figures["num_rows"], num_bytes=size, sha256=sha,
+                         tokens=self.figures["tokens"], target_tokens=self.figures["target_tokens"])
 
     def finish_bundle(self) -> Iterator[Any]:
         if self.writer is not None:
@@ -133,7 +133,7 @@ class WriteTokenIndexFn(beam.DoFn):
         self.output = output
         self.run_id = run_id
 
-    def process(self, _: Any, files: list[dict], dropped: list[DeadLetter]) -> Iterator[str]:
+    def process(self, _: Any, files: list[TokenFile], dropped: list[DeadLetter]) -> Iterator[str]:
         staging = tokens_staging_dir(self.output, self.run_id)
         lines = [json.dumps([list(key), entry], ensure_ascii=False, sort_keys=True) + "\n"
                  for key, entry in sorted(dropped, key=lambda d: d[0])]
@@ -141,9 +141,9 @@ class WriteTokenIndexFn(beam.DoFn):
         name = dropped_name(hashlib.sha256(data).hexdigest())
         if lines:
             write_bytes(f"{staging}/{name}", data)
-        index = {"files": sorted(files, key=lambda f: f["path"]), "dropped_entries": len(lines), "dropped_name": name}
+        index = TokenIndex(tuple(sorted(files, key=lambda f: f.path)), len(lines), name)
         path = f"{staging}/{INDEX_NAME}"
-        write_bytes(path, json.dumps(index, sort_keys=True).encode("utf-8"))
+        write_bytes(path, index.to_json().encode("utf-8"))
         yield path
 
 
@@ -186,13 +186,13 @@ def stored_tally(tally_json: dict[str, Any]) -> Tally:
     return tally
 
 
-def compose_manifest(summary: RunSummary, index: dict[str, Any], tasks: Iterable[TaskMeta],
+def compose_manifest(summary: RunSummary, index: TokenIndex, tasks: Iterable[TaskMeta],
                      choices: dict[str, Any], job_info: dict[str, Any], est_records: int) -> TokenSetManifest:
     tally = stored_tally(summary.tally)
-    files = index["files"]
-    num_examples = sum(f["num_rows"] for f in files)
-    tokens = sum(f["tokens"] for f in files)
-    num_bytes = sum(f["num_bytes"] for f in files)
+    files = index.files
+    num_examples = sum(f.num_rows for f in files)
+    tokens = sum(f.tokens for f in files)
+    num_bytes = sum(f.num_bytes for f in files)
     stats = {
         "records_read": tally.records_read,
         "records_filtered": dict(sorted(tally.filtered.items())),
@@ -204,10 +204,10 @@ def compose_manifest(summary: RunSummary, index: dict[str, Any], tasks: Iterable
         "bytes_per_token": num_bytes / tokens if tokens else 0.0,
     }
     return TokenSetManifest(
-        shards=[ShardInfo(path=f["path"], num_rows=f["num_rows"], num_bytes=f["num_bytes"], sha256=f["sha256"]) for f in files],
+        shards=[ShardInfo(path=f.path, num_rows=f.num_rows, num_bytes=f.num_bytes, sha256=f.sha256) for f in files],
         num_examples=num_examples,
         tokens=tokens,
-        target_tokens=sum(f["target_tokens"] for f in files),
+        target_tokens=sum(f.target_tokens for f in files),
         choices=choices,
         tokenizer=job_info["tokenizer"],
         template=job_info["template"],
@@ -215,11 +215,11 @@ def compose_manifest(summary: RunSummary, index: dict[str, Any], tasks: Iterable
         stats=stats,
         job={"tasks": [dict(vars(t)) for t in tasks], "fingerprints": [list(f) for f in summary.fingerprints], "tally": tally.to_json(),
              "est_records": est_records},
-        dropped=index["dropped_name"] if index["dropped_entries"] else None,
+        dropped=index.dropped_name if index.dropped_entries else None,
         tool=job_info["tool"],
     )
 
 
-def read_index(output: str, run_id: str) -> dict[str, Any]:
+def read_index(output: str, run_id: str) -> TokenIndex:
     with _fs().open(f"{tokens_staging_dir(output, run_id)}/{INDEX_NAME}") as f:
-        return json.loads(f.read().decode("utf-8"))
+        return TokenIndex.from_json(f.read().decode("utf-8"))
