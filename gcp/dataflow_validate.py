@@ -49,11 +49,7 @@ TRAINING_MODULES = ("jax", "jaxlib", "flax", "tunix", "grain", "orbax", "optax",
 TRAINING_DISTS = ("jax", "jaxlib", "flax", "google-tunix", "grain", "orbax-checkpoint", "optax", "qwix")
 
 # The steps of pipelines/job.build_pipeline a Dataflow job must have (top-level names).
-EXPECTED_STEPS = (
-    "ListInputs", "SpreadTasks", "Read", "TemplateTokenize", "FitAndKey", "Histogram", "Plan",
-    "GroupByLength", "RouteToRows", "GroupByShard", "WriteShards", "FlattenDead", "GroupDead",
-    "WriteDeadLetters", "Tally", "WriteSummary",
-)
+EXPECTED_STEPS = ("Read", "Prepare", "Fit", "Route", "Write", "WriteTokenSet")
 # Steps whose DoFns the project wrote (their setup() runs in the child interpreter).
 PROJECT_MODULE_PREFIXES = ("pipelines.", "prepack.")
 

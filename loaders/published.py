@@ -10,12 +10,11 @@ checks here that they belong together.
 from __future__ import annotations
 
 import hashlib
-import json
 
 from loaders import storage
 from loaders.shards import ShardSetError
-
-RUN_RECORD_NAME = "published.json"
+from prepack.layout import RUN_RECORD_NAME
+from prepack.run_record import RunRecord, RunRecordError
 
 
 def published_lengths(output: str) -> dict[int, str]:
@@ -30,18 +29,17 @@ def published_lengths(output: str) -> dict[int, str]:
     if text is None:
         raise ShardSetError(f"no {RUN_RECORD_NAME} in {output}: no run has published all its lengths here")
     try:
-        record = json.loads(text)
-        lengths = {int(L): entry for L, entry in record["lengths"].items()}
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ShardSetError(f"{record_path}: not a valid run record ({e})") from e
+        record = RunRecord.from_json(text, record_path)
+    except RunRecordError as e:
+        raise ShardSetError(f"not a valid run record: {e}") from e
     out = {}
-    for L, entry in sorted(lengths.items()):
-        manifest_path = storage.join(output, entry["manifest"])
+    for L, entry in sorted(record.lengths.items()):
+        manifest_path = storage.join(output, entry.manifest)
         manifest = storage.read_text(manifest_path)
         digest = None if manifest is None else hashlib.sha256(manifest.encode("utf-8")).hexdigest()
-        if digest != entry["sha256"]:
+        if digest != entry.sha256:
             raise ShardSetError(
-                f"{manifest_path} is not the manifest {record_path} names (run {record.get('run_id')}): the lengths in "
+                f"{manifest_path} is not the manifest {record_path} names (run {record.run_id}): the lengths in "
                 f"{output} are being published, or a publish was interrupted and they mix two runs; "
                 "wait for the run, or run `prepack pack --overwrite` again"
             )

@@ -43,10 +43,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OptionsError as e:
         print(f"prepack pack: {e}", file=sys.stderr)
         return 2
-    # An existing set without --overwrite is refused first, before Beam is even imported.
-    from pipelines import swap
+    from prepack import failpoints
 
-    refusal = None if config.overwrite else swap.refusal(config.output, config.max_lengths)
+    try:
+        failpoints.check()
+    except failpoints.FailpointError as e:
+        print(f"prepack pack: {e}", file=sys.stderr)
+        return 2
+    # An existing set without --overwrite is refused first, before Beam is even imported.
+    from pipelines.output import refuse_existing
+
+    refusal = None if config.overwrite else refuse_existing(config.output, config.max_lengths, config.write_tokens)
     if refusal:
         print(f"prepack pack: {refusal}", file=sys.stderr)
         return 1
@@ -63,6 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 result = run(config, beam_args)
     except JobError as e:
         print(f"prepack pack: {e}", file=sys.stderr)
+        interrupts.exit_if_signalled(1)  # stopped by a signal (a lost lock): Beam's threads would hold the exit
         return 1
     except Interrupted as e:
         print(f"prepack pack: {e}", file=sys.stderr)

@@ -189,3 +189,17 @@ class FitAndKeyFn(beam.DoFn):
                 self.hist[(L, key, b)] += count
         yield TaggedOutput(TAG_HIST, in_global_window(self.hist))
         yield TaggedOutput(TAG_TALLY, in_global_window(self.tally))
+
+
+class FitToLengths(beam.PTransform):
+    """The fit stage as one transform: TokenizedBatches -> {"keyed": examples keyed by (length,
+    sub-bucket), "hist": length histograms, "tally": Tallies, "dead": (L, dead letter)}."""
+
+    def __init__(self, ctx: JobContext):
+        super().__init__()
+        self.ctx = ctx
+
+    def expand(self, examples: Any) -> dict[str, Any]:
+        fitted = examples | "FitAndKey" >> beam.ParDo(FitAndKeyFn(self.ctx)).with_outputs(
+            TAG_HIST, TAG_TALLY, TAG_DEAD, main="keyed")
+        return {"keyed": fitted.keyed, "hist": fitted[TAG_HIST], "tally": fitted[TAG_TALLY], "dead": fitted[TAG_DEAD]}

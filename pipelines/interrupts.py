@@ -113,6 +113,18 @@ def _handler(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def stop_main() -> None:
+    """Stops the job from another thread (the lock renewer, when the lock is lost): as SIGTERM
+    would, workers included, where the handler is installed (`prepack pack`); otherwise a
+    KeyboardInterrupt in the main thread."""
+    if signal.getsignal(signal.SIGTERM) is _handler:
+        os.kill(os.getpid(), signal.SIGTERM)
+    else:
+        import _thread
+
+        _thread.interrupt_main()
+
+
 def install() -> None:
     """Installs the handler for SIGINT and SIGTERM (main thread only)."""
     for signum in (signal.SIGINT, signal.SIGTERM):

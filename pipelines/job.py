@@ -1,25 +1,29 @@
 """The packing job: checks up front, the Beam graph, then checks and publishing.
 
-One module per stage (pipelines/<stage>.py), in graph order:
+One module per stage (pipelines/<stage>.py), each exposing one beam.PTransform that
+build_pipeline composes, in graph order:
 
-    read     inputs --Create/Reshuffle--> ReadTaskFn (files, JSONL byte ranges, dataset row ranges)
+    read     ReadInputs: inputs --Create/Reshuffle--> ReadTaskFn (files, JSONL byte ranges, dataset row ranges)
              [--Reshuffle--, only when a task is a big unsplittable file]
-    prepare  --> PrepareFn (decode, parse, template, tokenize)
+    prepare  PrepareExamples: --> PrepareFn (decode, parse, template, tokenize)
              [oasst1: KeyTableRecordsFn --GroupByKey(tree)--> TableToExamplesFn]
-    fit      --> FitAndKeyFn (overlong policy per L, histogram)
-    route    --> PlanFn (global BFD plan per L from the histogram; each group's slice of the slots)
+    fit      FitToLengths: --> FitAndKeyFn (overlong policy per L, histogram)
+    route    PlanAndRoute: --> PlanFn (global BFD plan per L from the histogram; each group's slice of the slots)
              --> GroupByKey((length, sub-bucket)) --> RouteToRowsFn (side inputs: plans without slots;
                  the group's slice of the slots, looked up by its key in a multimap)
-    write    --> GroupByKey((shard index, window), across L) --> WriteWindowFn (one window's rows, part files)
+    write    WriteShardSets: --> GroupByKey((shard index, window), across L) --> WriteWindowFn (one window's rows, part files)
              --> GroupByKey((L, shard)) --> AssembleShardFn (parts streamed into the shard, staging)
              plus dead letters per L (WriteDeadLetterFn), tallies, and one summary.json (WriteSummaryFn)
+    tokens   tokens_sink.WriteTokenSet (the tokenized set, beside the shard sets);
+             --from-tokens: tokens_source.ReadTokenSet stands in for read and prepare
 
 pipelines/stage.py holds what the stages share (context, tags, clocks, the counter merge).
 
-The launcher (`run`) owns everything outside the graph: the fail-fast checks,
-the output lock (lock.py), the accounting identity and bad-fraction checks, the
-publishing order (swap.py), staging clean-up on every exit it can catch
-(staging.py, and interrupts.py for signals), and one-line failures (failures.py).
+The launcher (`run`) owns everything outside the graph, in four steps: prepare (the
+fail-fast checks), run (the lock, then the pipeline), verify (the accounting identity
+and bad-fraction checks) and commit (the output layer, pipelines/output/: every
+publishing step fenced by the lock), with staging cleaned on every exit it can catch
+(interrupts.py for signals) and one-line failures (failures.py).
 """
 
 from __future__ import annotations
@@ -33,18 +37,18 @@ import time
 import uuid
 from typing import Any
 
-from pipelines import failures, interrupts, local_memory, lock, outputs, publish, sources, staging, swap, tokens_sink, tokens_source
-from pipelines.fit import FitAndKeyFn
-from pipelines.prepare import KeyTableRecordsFn, PrepareFn, TableToExamplesFn
-from pipelines.read import ReadTaskFn
-from pipelines.route import PlanFn, RouteToRowsFn
-from pipelines.stage import (NAMESPACE, TAG_BAD, TAG_DEAD, TAG_FINGERPRINT, TAG_HIST, TAG_PLAN, TAG_TALLY, JobContext,
-                             MergeCounters, MergeTallies)
-from pipelines.write import AssembleShardFn, WriteDeadLetterFn, WriteSummaryFn, WriteWindowFn
+from pipelines import failures, interrupts, local_memory, output, publish, sources, tokens_sink, tokens_source
+from pipelines.fit import FitToLengths
+from pipelines.prepare import PrepareExamples
+from pipelines.read import ReadInputs
+from pipelines.route import PlanAndRoute
+from pipelines.stage import NAMESPACE, JobContext
+from pipelines.write import WriteShardSets
 from pipelines.options import PackConfig
 from pipelines.planning import choose_sub_buckets
 from pipelines.sources import ReadTask, ResolvedInput
-from prepack.accounting import NO_TARGETS
+from pipelines.summary import LengthStats, RunSummary
+from prepack import failpoints, layout
 from prepack.tokenset import TokenSetError, TokenSetManifest
 
 log = logging.getLogger("prepack.pack")
@@ -53,7 +57,7 @@ log = logging.getLogger("prepack.pack")
 @dataclasses.dataclass
 class JobResult:
     manifests: dict[int, str]  # max length -> manifest path
-    stats: dict[int, dict[str, Any]]
+    stats: dict[int, dict[str, Any]]  # each length's manifest `stats` (LengthStats.to_json)
     seconds: float
     run_id: str
     metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -114,14 +118,14 @@ def prepare(
     from prepack.tokenizer import TokenizerError, load_tokenizer
 
     run_id = run_id or uuid.uuid4().hex[:12]
+    try:
+        failpoints.check()
+    except failpoints.FailpointError as e:
+        raise publish.JobError(str(e)) from e
     if config.from_tokens:
         return _prepare_from_tokens(config, run_id)
     if resolved is None:
         publish.refuse_existing(config)
-        if config.write_tokens and not config.overwrite:
-            refused = tokens_sink.refuse_existing(config.output)
-            if refused:
-                raise publish.JobError(refused)
     try:
         template = get_template(config.format, **config.template_kwargs)
     except ValueError as e:
@@ -181,99 +185,25 @@ def _prepare_from_tokens(config: PackConfig, run_id: str) -> PreparedJob:
 
 
 def build_pipeline(pipeline: Any, job: PreparedJob) -> None:
-    import apache_beam as beam
-
+    """The graph: one transform per stage (each stage module's PTransform), in order."""
     ctx, config = job.ctx, job.config
     if job.tokens is not None:
-        examples, bads, tallies, fingerprints = tokens_source.read_tokens(pipeline, job.tokens, config.from_tokens)
-        _fit_route_write(pipeline, job, examples, bads, tallies, fingerprints)
-        return
-    read = (
-        pipeline
-        | "ListInputs" >> beam.Create(job.tasks)
-        | "SpreadTasks" >> beam.Reshuffle()
-        | "Read" >> beam.ParDo(ReadTaskFn(config.batch_size, config.progress)).with_outputs(TAG_FINGERPRINT, main="records")
-    )
-    # Records cross a shuffle only when some task is big and unsplittable (a large compressed or
-    # non-JSONL file); byte ranges and dataset row ranges already spread the reading evenly.
-    spread = any(t.may_exceed(sources.SPREAD_TASK_BYTES) for t in job.tasks)
-    raw = read.records | "SpreadRecords" >> beam.Reshuffle() if spread else read.records
-    if job.table_level:
-        keyed = raw | "KeyByTable" >> beam.ParDo(KeyTableRecordsFn(ctx, job.group_key)).with_outputs(TAG_BAD, TAG_TALLY, main="messages")
-        prepared = (
-            keyed.messages
-            | "GroupTables" >> beam.GroupByKey()
-            | "TemplateTokenize" >> beam.ParDo(TableToExamplesFn(ctx)).with_outputs(TAG_BAD, TAG_TALLY, main="examples")
-        )
-        bads, tallies = [keyed[TAG_BAD], prepared[TAG_BAD]], [keyed[TAG_TALLY], prepared[TAG_TALLY]]
+        prepared = pipeline | "ReadTokenSet" >> tokens_source.ReadTokenSet(job.tokens, config.from_tokens)
+        fingerprints = prepared["fingerprints"]
     else:
-        prepared = raw | "TemplateTokenize" >> beam.ParDo(PrepareFn(ctx)).with_outputs(TAG_BAD, TAG_TALLY, main="examples")
-        bads, tallies = [prepared[TAG_BAD]], [prepared[TAG_TALLY]]
-    fitted = _fit_route_write(pipeline, job, prepared.examples, bads, tallies, read[TAG_FINGERPRINT])
+        read = pipeline | "Read" >> ReadInputs(job.tasks, config.batch_size, config.progress)
+        prepared = read["records"] | "Prepare" >> PrepareExamples(ctx, job.table_level, job.group_key)
+        fingerprints = read["fingerprints"]
+    fitted = prepared["examples"] | "Fit" >> FitToLengths(ctx)
+    routed = {"keyed": fitted["keyed"], "hist": fitted["hist"]} | "Route" >> PlanAndRoute(ctx)
+    _ = {"rows": routed["rows"], "plans": routed["plans"], "bad": prepared["bad"], "dead": fitted["dead"],
+         "tally_read": prepared["tally"], "tally_fit": fitted["tally"], "fingerprints": fingerprints} | "Write" >> WriteShardSets(ctx)
     if config.write_tokens:
-        first = config.max_lengths[0]
-        no_targets = fitted[TAG_DEAD] | "NoTargetsOnce" >> beam.FlatMap(
-            lambda le: [le[1]] if le[0] == first and le[1][1]["reason"] == NO_TARGETS else [])
-        dropped = (*bads, no_targets) | "FlattenDropped" >> beam.Flatten()
-        tokens_sink.add_to_pipeline(pipeline, prepared.examples, dropped, config.output, job.run_id)
+        _ = ({"examples": prepared["examples"], "bad": prepared["bad"], "dead": fitted["dead"]}
+             | "WriteTokenSet" >> tokens_sink.WriteTokenSet(config.output, job.run_id, config.max_lengths[0]))
 
 
-def _fit_route_write(pipeline: Any, job: PreparedJob, examples: Any, bads: list, tallies: list, fingerprints: Any) -> Any:
-    """From TokenizedBatches (tokenized now, or read from a tokenized set) to staged shard
-    sets, dead letters and the run summary; returns FitAndKeyFn's outputs."""
-    import apache_beam as beam
-    from apache_beam.pvalue import AsDict, AsList, AsMultiMap, AsSingleton
-
-    ctx, config = job.ctx, job.config
-    fitted = examples | "FitAndKey" >> beam.ParDo(FitAndKeyFn(ctx)).with_outputs(
-        TAG_HIST, TAG_TALLY, TAG_DEAD, main="keyed")
-    planned = (
-        fitted[TAG_HIST]
-        | "Histogram" >> beam.CombineGlobally(MergeCounters())
-        | "Plan" >> beam.ParDo(PlanFn(config.max_lengths, config.pack, config.num_shards, config.target_shard_mb,
-                                      config.planner, config.max_segments_per_row))
-        .with_outputs(TAG_PLAN, main="slices")
-    )
-    # Every worker holds the plans without their slots (O(groups)); each (length, sub-bucket)
-    # group reads its own slice of the slots from a multimap side input, fetched per key.
-    plans = AsDict(planned[TAG_PLAN])
-    shards = (
-        fitted.keyed
-        | "GroupByLength" >> beam.GroupByKey()
-        | "RouteToRows" >> beam.ParDo(RouteToRowsFn(ctx), plans=plans, slices=AsMultiMap(planned.slices))
-        | "GroupByWindow" >> beam.GroupByKey()
-        | "WriteWindows" >> beam.ParDo(WriteWindowFn(config.output, job.run_id, ctx.pad_id), plans=plans)
-        | "GroupByShard" >> beam.GroupByKey()
-        | "WriteShards" >> beam.ParDo(AssembleShardFn(config.output, job.run_id), plans=plans)
-    )
-    lengths = config.max_lengths
-    bad_per_length = (
-        tuple(bads) | "FlattenBad" >> beam.Flatten()
-        | "BadToEveryLength" >> beam.FlatMap(lambda entry: [(L, entry) for L in lengths])
-    )
-    dead = (
-        (bad_per_length, fitted[TAG_DEAD]) | "FlattenDead" >> beam.Flatten()
-        | "GroupDead" >> beam.GroupByKey()
-        | "WriteDeadLetters" >> beam.ParDo(WriteDeadLetterFn(config.output, job.run_id, ctx.tasks),
-                                           fingerprints=AsList(fingerprints))
-    )
-    tally = (
-        (*tallies, fitted[TAG_TALLY]) | "FlattenTally" >> beam.Flatten()
-        | "Tally" >> beam.CombineGlobally(MergeTallies())
-    )
-    (
-        pipeline
-        | "Once" >> beam.Create([None])
-        | "WriteSummary" >> beam.ParDo(
-            WriteSummaryFn(config.output, job.run_id),
-            tally=AsSingleton(tally), plans=plans, shards=AsList(shards), dead=AsList(dead),
-            fingerprints=AsList(fingerprints),
-        )
-    )
-    return fitted
-
-
-def input_descriptions(job: PreparedJob, fingerprints: list[list]) -> list[dict[str, Any]]:
+def input_descriptions(job: PreparedJob, fingerprints: tuple[tuple, ...]) -> list[dict[str, Any]]:
     """Each input with its content fingerprint: for files, sha256 over (name, sha256) of its read
     tasks in order: whole files, or the byte ranges of a split JSONL file (fixed by its size)."""
     by_task = {f[0]: f for f in fingerprints}
@@ -313,10 +243,10 @@ class Interrupted(KeyboardInterrupt):
     """The run was interrupted (SIGINT/SIGTERM); the message says what is published now."""
 
 
-def _acquire_lock(config: PackConfig, run_id: str) -> lock.OutputLock:
+def _acquire_lock(config: PackConfig, run_id: str) -> output.OutputLock:
     try:
-        return lock.OutputLock.acquire(config.output, run_id)
-    except lock.LockHeld as e:
+        return output.OutputLock.acquire(config.output, run_id, config.lock_expiry_s)
+    except output.LockHeld as e:
         raise publish.JobError(str(e)) from e
     except Exception as e:  # a missing bucket, a read-only folder: say so before any work
         raise publish.JobError(f"output {config.output!r} is not writable ({type(e).__name__}: {e})") from e
@@ -324,163 +254,207 @@ def _acquire_lock(config: PackConfig, run_id: str) -> lock.OutputLock:
 
 def _leftovers(config: PackConfig, run_id: str) -> list[str]:
     """Reports (or with --clean-stale removes) what earlier killed runs left in the output."""
-    found = staging.find_leftovers(config.output, run_id)
+    found = output.find_leftovers(config.output, run_id)
     if not found.paths:
         return []
     if config.clean_stale:
-        staging.remove_leftovers(found)
+        output.remove_leftovers(found)
         return [f"removed {found.describe(config.output).split(' holds ', 1)[1]}"]
     return [f"{found.describe(config.output)}; pass --clean-stale to remove them"]
 
 
-def _empty_or_all_bad(stats: dict[str, Any], config: PackConfig, kept: list[str]) -> str | None:
-    if stats["records_read"] == 0:
+def _empty_or_all_bad(stats: LengthStats, config: PackConfig, kept: list[str]) -> str | None:
+    if stats.records_read == 0:
         return (f"the inputs hold no records ({', '.join(config.inputs)} {'is' if len(config.inputs) == 1 else 'are'} "
                 "empty); nothing was published. Check --input")
-    if stats["examples_read"] and stats["bad_records"] == stats["examples_read"]:
+    if stats.examples_read and stats.bad_records == stats.examples_read:
         where = f"; they are listed in {kept[0]}" if kept else ""
-        return (f"all {stats['examples_read']} examples read are bad records ({', '.join(f'{k} {v}' for k, v in sorted(stats['examples_dropped'].items()))})"
+        return (f"all {stats.examples_read} examples read are bad records ({', '.join(f'{k} {v}' for k, v in sorted(stats.examples_dropped.items()))})"
                 f"; nothing was published{where}. Check --format and the inputs")
-    if stats["examples_read"] == 0:
-        return (f"no examples in the inputs ({stats['records_read']} records read, "
-                f"{sum(stats['records_filtered'].values())} left out by design); nothing was published")
+    if stats.examples_read == 0:
+        return (f"no examples in the inputs ({stats.records_read} records read, "
+                f"{sum(stats.records_filtered.values())} left out by design); nothing was published")
     return None
 
 
-def _shard_notes(config: PackConfig, summary: dict[str, Any]) -> list[str]:
+def _shard_notes(config: PackConfig, summary: RunSummary) -> list[str]:
     notes = []
     for L in config.max_lengths:
-        written = summary["lengths"][str(L)]["plan"]["num_shards"]
+        written = summary.lengths[L].plan.num_shards
         if config.num_shards is not None and written < config.num_shards:
-            rows = summary["lengths"][str(L)]["plan"]["num_rows"]
+            rows = summary.lengths[L].plan.num_rows
             notes.append(f"L{L}: --num-shards {config.num_shards} asked, {written} written ({rows} rows; a shard holds at least one row)")
     return notes
 
 
 def run(config: PackConfig, beam_args: list[str], run_id: str | None = None) -> JobResult:
-    """Runs the whole job and publishes; raises JobError (the previous sets intact) on failure."""
-    import apache_beam as beam
-    from apache_beam.options.pipeline_options import PipelineOptions
-
+    """Prepare, run, verify, commit; raises JobError (the previous sets intact) on failure."""
     started = time.monotonic()
     job = prepare(config, run_id)
     config = job.config  # --from-tokens: with the token choices of the set
     held = _acquire_lock(config, job.run_id)
-    switched: dict[int, str] = {}
-    result = None
+    held.on_lost = interrupts.stop_main  # a lease found lost mid-pipeline stops the run at once
+    commit: output.Commit | None = None
 
     def clean_up() -> None:
-        staging.cleanup_run(config.output, config.max_lengths, job.run_id)
-        tokens_sink.cleanup(config.output, job.run_id)
+        output.cleanup_run(config.output, config.max_lengths, job.run_id)
         held.release()
-        outputs.remove_if_empty(config.output)  # a failed first run into a new folder leaves no folder behind
+        output.storage_for(config.output).remove_if_empty(config.output)  # a failed first run leaves no folder
 
     cleanup_key = interrupts.register(clean_up)  # run by the signal watchdog if this thread is stuck
     try:
-        seen = swap.look(config.output, config.max_lengths)
+        failpoints.hit("after_lock")
+        places = [output.length_place(config.output, L) for L in config.max_lengths]
+        places += [output.tokens_place(config.output)] if config.write_tokens else []
+        seen = output.look(config.output, places, held)
         notes = _leftovers(config, job.run_id)
-        if local_memory.is_local_runner(beam_args):
-            examples = job.est_records if job.tokens is not None else local_memory.estimate_examples(job.inputs, job.tasks)
-            beam_args = local_memory.with_local_workers(beam_args, examples)
-            local_memory.bound_worker_arenas(beam_args)
-            workers = local_memory.local_workers(beam_args)
-            log.info("local runner: %d SDK worker process%s for about %s examples", workers, "" if workers == 1 else "es",
-                     f"{examples:,}")
-            # Logged, not kept in the result's notes: it depends on this machine's free memory now.
-            too_big = local_memory.warning(examples, workers, local_memory.available_bytes())
-            if too_big:
-                log.warning(too_big)
         for note in notes:
             log.warning(note)
-        publish.probe_output(config.output, job.run_id)
-        pipeline = beam.Pipeline(options=PipelineOptions(beam_args))
-        build_pipeline(pipeline, job)
-        try:
-            result = pipeline.run()
-            state = result.wait_until_finish()
-        except KeyboardInterrupt:
-            _cancel(result)
-            raise
-        except Exception as e:
-            line = failures.one_line(e, config.output)
-            if line is None:
-                raise
-            raise publish.JobError(line) from e
-        if str(state).split(".")[-1] not in ("DONE", "None"):
-            raise publish.JobError(f"the pipeline ended in state {state}; nothing was published")
-        metrics = _metrics(result)
-        summary = publish.read_summary(config.output, job.run_id)
-        stats: dict[int, dict[str, Any]] = {}
-        problems: list[str] = []
-        for L in config.max_lengths:
-            stats[L] = publish.length_stats(summary, L, config.pack)
-            problems += publish.check_stats(stats[L], L, summary["lengths"][str(L)]["plan"],
-                                            config.max_segments_per_row)
-        if problems:
-            raise publish.JobError("accounting check failed, nothing was published: " + "; ".join(problems))
-        first = stats[config.max_lengths[0]]
-        if _empty_or_all_bad(first, config, []) is not None:
-            kept = publish.keep_failed_dead_letters(config, job.run_id) if first["bad_records"] else []
-            raise publish.JobError(_empty_or_all_bad(first, config, kept))
-        if publish.bad_fraction_error(first, config, []) is not None:
-            kept = publish.keep_failed_dead_letters(config, job.run_id)
-            raise publish.JobError(publish.bad_fraction_error(first, config, kept))
-        no_rows = [L for L in config.max_lengths if stats[L]["rows"] == 0]
-        if no_rows:
-            raise publish.JobError(
-                f"no example fits max length {', '.join(map(str, no_rows))} (examples dropped: "
-                f"{stats[no_rows[0]]['examples_dropped']}); nothing was published"
-            )
-        for note in _shard_notes(config, summary):
-            log.warning(note)
-            notes.append(note)
-        if job.tokens is None:
-            job.job_info["inputs"] = input_descriptions(job, summary["fingerprints"])
-        tokens_manifest = _tokens_manifest(job, summary) if config.write_tokens else None
-        created_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        manifests = {}
-        for L in config.max_lengths:
-            manifests[L] = publish.compose_manifest(config, L, stats[L], summary["lengths"][str(L)]["shards"], job.job_info,
-                                                     summary["lengths"][str(L)]["plan"]["method"])
-            manifests[L].created_at = created_at
-            if job.tokens is not None:
-                manifests[L].lineage = tokens_source.lineage(job.tokens, config.from_tokens)
-        # Checked again at the last moment: the lock is still ours, and nothing appeared meanwhile.
-        swap.fault_point("before_publish")
-        try:
-            held.check()
-        except lock.LockLost as e:
-            raise publish.JobError(str(e)) from e
-        publish.refuse_existing(config)
-        try:
-            switched = swap.publish(config.output, job.run_id, manifests, seen, config.overwrite, progress=switched)
-        except outputs.SwitchRefused as e:
-            raise publish.JobError(f"{e}; the sets now in {config.output} are another run's") from e
-        except OSError as e:
-            if e.errno == errno.ENOSPC:
-                raise
-            raise publish.JobError(_publish_failed(config, switched, e)) from e
-        except Exception as e:  # storage errors while publishing (gs:// 5xx, permissions): say what is published
-            raise publish.JobError(_publish_failed(config, switched, e)) from e
-        tokens_path = None
-        if tokens_manifest is not None:
-            try:
-                tokens_path = tokens_sink.publish(config.output, job.run_id, tokens_manifest, created_at)
-            except Exception as e:  # the shard sets are published; say that the tokenized set is not
-                raise publish.JobError(f"the shard sets are published, but the tokenized set {config.output}/tokens "
-                                       f"could not be ({type(e).__name__}: {e}); run again to publish it") from e
-        return JobResult(switched, stats, time.monotonic() - started, job.run_id, metrics, notes, tokens_path)
+        summary, metrics = _run_pipeline(job, _local_beam_args(job, beam_args))
+        stats = verify(job, summary, held)
+        notes += _shard_notes(config, summary)
+        lengths, tokens = _staged_sets(job, summary, stats)
+        failpoints.hit("before_publish")
+        commit = output.Commit(config.output, job.run_id, held, seen, config.overwrite)
+        _commit(commit, config, lengths, tokens)
+        tokens_path = layout.tokens_manifest_path(config.output) if tokens else None
+        figures = {L: s.to_json() for L, s in stats.items()}
+        return JobResult(_lengths_switched(commit), figures, time.monotonic() - started, job.run_id, metrics, notes, tokens_path)
     except KeyboardInterrupt as e:
-        raise Interrupted(_interrupted_message(config, switched)) from e
+        if held.lost is not None:
+            raise publish.JobError(str(held.lost)) from e
+        raise Interrupted(_interrupted_message(config, _lengths_switched(commit))) from e
     except OSError as e:
         if e.errno == errno.ENOSPC:
-            if switched:  # the previous sets are not all intact any more: say which lengths are new
-                raise publish.JobError(_publish_failed(config, switched, e)) from e
+            if commit is not None and commit.switched:  # the previous sets are not all intact any more: say which are new
+                raise publish.JobError(_publish_failed(config, _lengths_switched(commit), e)) from e
             raise publish.JobError(failures.no_space(config.output, getattr(e, "filename", None))) from e
         raise
     finally:
         clean_up()
         interrupts.unregister(cleanup_key)
+
+
+def _local_beam_args(job: PreparedJob, beam_args: list[str]) -> list[str]:
+    """On the local runner: as many SDK workers as the examples and this machine's memory allow."""
+    if not local_memory.is_local_runner(beam_args):
+        return beam_args
+    examples = job.est_records if job.tokens is not None else local_memory.estimate_examples(job.inputs, job.tasks)
+    beam_args = local_memory.with_local_workers(beam_args, examples)
+    local_memory.bound_worker_arenas(beam_args)
+    workers = local_memory.local_workers(beam_args)
+    log.info("local runner: %d SDK worker process%s for about %s examples", workers, "" if workers == 1 else "es",
+             f"{examples:,}")
+    # Logged, not kept in the result's notes: it depends on this machine's free memory now.
+    too_big = local_memory.warning(examples, workers, local_memory.available_bytes())
+    if too_big:
+        log.warning(too_big)
+    return beam_args
+
+
+def _run_pipeline(job: PreparedJob, beam_args: list[str]) -> tuple[RunSummary, dict[str, Any]]:
+    """Runs the Beam graph; returns the workers' run summary and the job's metrics."""
+    import apache_beam as beam
+    from apache_beam.options.pipeline_options import PipelineOptions
+
+    config = job.config
+    try:
+        output.probe(config.output, job.run_id)
+    except Exception as e:
+        raise publish.JobError(f"output {config.output!r} is not writable ({type(e).__name__}: {e})") from e
+    pipeline = beam.Pipeline(options=PipelineOptions(beam_args))
+    build_pipeline(pipeline, job)
+    result = None
+    try:
+        result = pipeline.run()
+        state = result.wait_until_finish()
+    except KeyboardInterrupt:
+        _cancel(result)
+        raise
+    except Exception as e:
+        line = failures.one_line(e, config.output)
+        if line is None:
+            raise
+        raise publish.JobError(line) from e
+    if str(state).split(".")[-1] not in ("DONE", "None"):
+        raise publish.JobError(f"the pipeline ended in state {state}; nothing was published")
+    return publish.read_summary(config.output, job.run_id), _metrics(result)
+
+
+def verify(job: PreparedJob, summary: RunSummary, held: output.OutputLock) -> dict[int, LengthStats]:
+    """Each length's figures, once they add up; raises JobError (nothing published) when not."""
+    config = job.config
+    stats: dict[int, LengthStats] = {}
+    problems: list[str] = []
+    for L in config.max_lengths:
+        stats[L] = publish.length_stats(summary, L, config.pack)
+        problems += publish.check_stats(stats[L], L, summary.lengths[L].plan, config.max_segments_per_row)
+    if problems:
+        raise publish.JobError("accounting check failed, nothing was published: " + "; ".join(problems))
+    first = stats[config.max_lengths[0]]
+    if _empty_or_all_bad(first, config, []) is not None:
+        kept = output.keep_failed_dead_letters(config.output, config.max_lengths, job.run_id, held) if first.bad_records else []
+        raise publish.JobError(_empty_or_all_bad(first, config, kept))
+    if publish.bad_fraction_error(first, config, []) is not None:
+        kept = output.keep_failed_dead_letters(config.output, config.max_lengths, job.run_id, held)
+        raise publish.JobError(publish.bad_fraction_error(first, config, kept))
+    no_rows = [L for L in config.max_lengths if stats[L].rows == 0]
+    if no_rows:
+        raise publish.JobError(
+            f"no example fits max length {', '.join(map(str, no_rows))} (examples dropped: "
+            f"{stats[no_rows[0]].examples_dropped}); nothing was published"
+        )
+    for note in _shard_notes(config, summary):
+        log.warning(note)
+    return stats
+
+
+def _staged_sets(job: PreparedJob, summary: RunSummary, stats: dict[int, LengthStats]
+                 ) -> tuple[dict[int, output.StagedSet], output.StagedSet | None]:
+    """The run's staged shard sets and tokenized set, with the manifests that publish them."""
+    config = job.config
+    if job.tokens is None:
+        job.job_info["inputs"] = input_descriptions(job, summary.fingerprints)
+    created_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    lengths = {}
+    for L in config.max_lengths:
+        manifest = publish.compose_manifest(config, L, stats[L], summary.lengths[L].shards, job.job_info,
+                                            summary.lengths[L].plan.method)
+        manifest.created_at = created_at
+        if job.tokens is not None:
+            manifest.lineage = tokens_source.lineage(job.tokens, config.from_tokens)
+        lengths[L] = output.StagedSet(
+            output.length_place(config.output, L), layout.staging_dir(config.output, L, job.run_id),
+            manifest.to_json().encode("utf-8"), tuple(s.path for s in manifest.shards), manifest.dead_letter)
+    if not config.write_tokens:
+        return lengths, None
+    tokens = _tokens_manifest(job, summary)
+    tokens.created_at = created_at
+    files = tuple(s.path for s in tokens.shards) + ((tokens.dropped,) if tokens.dropped else ())
+    return lengths, output.StagedSet(output.tokens_place(config.output), layout.tokens_staging_dir(config.output, job.run_id),
+                                     tokens.to_json().encode("utf-8"), files)
+
+
+def _lengths_switched(commit: output.Commit | None) -> dict[int, str]:
+    switched = commit.switched if commit is not None else {}
+    return {int(name[1:]): path for name, path in switched.items() if name.startswith("L")}
+
+
+def _commit(commit: output.Commit, config: PackConfig, lengths: dict[int, output.StagedSet],
+            tokens: output.StagedSet | None) -> None:
+    """Publishes through the output layer; every failure becomes one line saying what is published."""
+    try:
+        commit.publish(lengths, tokens)
+    except output.LockLost as e:
+        raise publish.JobError(str(e)) from e
+    except output.SwitchRefused as e:
+        raise publish.JobError(f"{e}; the sets now in {config.output} are another run's") from e
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise
+        raise publish.JobError(_publish_failed(config, _lengths_switched(commit), e)) from e
+    except Exception as e:  # storage errors while publishing (gs:// 5xx, permissions): say what is published
+        raise publish.JobError(_publish_failed(config, _lengths_switched(commit), e)) from e
 
 
 def _cancel(result: Any) -> None:
@@ -500,7 +474,7 @@ def _partial(config: PackConfig, switched: dict[int, str]) -> str:
         return ""
     rest = [L for L in config.max_lengths if L not in switched]
     return (f" (L{', L'.join(map(str, switched))} already hold{'s' if len(switched) == 1 else ''} this run's set, "
-            f"L{', L'.join(map(str, rest))} {'does' if len(rest) == 1 else 'do'} not: {config.output}/{swap.RUN_RECORD_NAME} "
+            f"L{', L'.join(map(str, rest))} {'does' if len(rest) == 1 else 'do'} not: {layout.run_record_path(config.output)} "
             "does not match them; run again with --overwrite)")
 
 
@@ -519,7 +493,7 @@ def _interrupted_message(config: PackConfig, switched: dict[int, str]) -> str:
     return "interrupted while publishing" + _partial(config, switched)
 
 
-def _tokens_manifest(job: PreparedJob, summary: dict[str, Any]) -> TokenSetManifest:
+def _tokens_manifest(job: PreparedJob, summary: RunSummary) -> TokenSetManifest:
     """The tokenized set's manifest; raises JobError if its counts do not add up."""
     config = job.config
     choices = {"inputs": list(config.inputs), "format": config.format, "template_options": config.template_kwargs,

@@ -76,6 +76,7 @@ class PackConfig:
     max_bad_fraction: float = DEFAULT_MAX_BAD_FRACTION
     overwrite: bool = False
     clean_stale: bool = False  # remove leftovers of earlier killed runs (does not shape the rows)
+    lock_expiry_s: float = 600.0  # a gs:// output lock not renewed for this long is stale (does not shape the rows)
     sub_buckets: int | None = None  # None: derived from the input size (planning.choose_sub_buckets)
     tfds_data_dir: str | None = None
     batch_size: int = 512  # records per element after reading; also the encode_batch size
@@ -179,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--batch-size", dest="old_batch_size", type=int, help=argparse.SUPPRESS)
     out.add_argument("--allow-untested-runner", action="store_true",
                      help=f"run on a Beam runner other than {' and '.join(SUPPORTED_RUNNERS)} (untested; may lose or misroute rows)")
+    out.add_argument("--lock-expiry-s", type=float, default=600.0,
+                     help="a gs:// output lock its run has not renewed for this long is stale and may be taken over "
+                          "(default 600; the run renews it every min(60, expiry/3) s)")
     out.add_argument("--no-progress", action="store_true", help="no records/s lines from the workers")
     out.add_argument("--verbose", action="store_true",
                      help="Beam's and the workers' full logs (by default warnings only, and after Ctrl-C only the last line)")
@@ -230,6 +234,8 @@ def parse_args(argv: Sequence[str]) -> tuple[PackConfig, list[str]]:
         raise OptionsError(f"--sub-buckets must be between 1 and {MAX_SUB_BUCKETS}, got {ns.sub_buckets}")
     if ns.max_segments_per_row is not None and ns.max_segments_per_row < 1:
         raise OptionsError(f"--max-segments-per-row must be at least 1, got {ns.max_segments_per_row}")
+    if not 1.0 <= ns.lock_expiry_s <= 86400.0:
+        raise OptionsError(f"--lock-expiry-s must be between 1 and 86400 seconds, got {ns.lock_expiry_s:g}")
     if ns.batch_size < 1:
         raise OptionsError(f"--tokenize-batch-size must be at least 1, got {ns.batch_size}")
     template_options = {}
@@ -266,6 +272,7 @@ def parse_args(argv: Sequence[str]) -> tuple[PackConfig, list[str]]:
         max_bad_fraction=ns.max_bad_fraction,
         overwrite=ns.overwrite,
         clean_stale=ns.clean_stale,
+        lock_expiry_s=ns.lock_expiry_s,
         sub_buckets=ns.sub_buckets,
         tfds_data_dir=ns.tfds_data_dir,
         batch_size=ns.batch_size,

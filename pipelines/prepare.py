@@ -384,3 +384,31 @@ class TableToExamplesFn(beam.DoFn, _Counting):
         yield from self._flush(windowed=True)
         if self.tally:
             yield TaggedOutput(TAG_TALLY, in_global_window(self.tally))
+
+
+class PrepareExamples(beam.PTransform):
+    """The prepare stage as one transform: batches of raw records -> {"examples":
+    TokenizedBatches, "bad": dead letters of bad records, "tally": per-bundle Tallies}.
+    A table-level template (oasst1) first groups each table's records by its key."""
+
+    def __init__(self, ctx: JobContext, table_level: bool, group_key: str | None):
+        super().__init__()
+        self.ctx, self.table_level, self.group_key = ctx, table_level, group_key
+
+    def expand(self, records: Any) -> dict[str, Any]:
+        if not self.table_level:
+            prepared = records | "TemplateTokenize" >> beam.ParDo(PrepareFn(self.ctx)).with_outputs(
+                TAG_BAD, TAG_TALLY, main="examples")
+            return {"examples": prepared.examples, "bad": prepared[TAG_BAD], "tally": prepared[TAG_TALLY]}
+        keyed = records | "KeyByTable" >> beam.ParDo(KeyTableRecordsFn(self.ctx, self.group_key)).with_outputs(
+            TAG_BAD, TAG_TALLY, main="messages")
+        prepared = (
+            keyed.messages
+            | "GroupTables" >> beam.GroupByKey()
+            | "TemplateTokenize" >> beam.ParDo(TableToExamplesFn(self.ctx)).with_outputs(TAG_BAD, TAG_TALLY, main="examples")
+        )
+        return {
+            "examples": prepared.examples,
+            "bad": (keyed[TAG_BAD], prepared[TAG_BAD]) | "FlattenBad" >> beam.Flatten(),
+            "tally": (keyed[TAG_TALLY], prepared[TAG_TALLY]) | "FlattenTally" >> beam.Flatten(),
+        }

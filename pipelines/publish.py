@@ -1,20 +1,17 @@
 """Launcher side of writing: checks before the run, the figures and the manifest.
 
-Publishing itself (the order that lets readers see the old set or the new one,
-never a mix) is pipelines/swap.py; the lock is pipelines/lock.py; staging
-clean-up and leftovers of killed runs are pipelines/staging.py.
+Publishing itself (the lock, the order that lets readers see the old set or the new
+one, never a mix, and staging clean-up) is the output layer, pipelines/output/.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any
 
-from pipelines import swap
 from pipelines.options import PackConfig
-from pipelines.swap import FAILED_DEAD_LETTER_NAME, length_dir, run_staging_dir, staging_dir
-from pipelines.write import SUMMARY_NAME, write_bytes
+from pipelines.summary import LengthStats, PlanSummary, RunSummary, ShardSummary
+from prepack.layout import summary_path
 from prepack.accounting import Tally
 from prepack.bad_records import too_many_bad_records
 from prepack.manifest import DEAD_LETTER_NAME, Manifest, ShardInfo
@@ -31,104 +28,84 @@ def _fs():
     return FileSystems
 
 
-def manifest_path(output: str, max_length: int) -> str:
-    return swap.manifest_path(output, max_length)
-
-
 def refuse_existing(config: PackConfig) -> None:
-    """Fails when a shard set already exists and --overwrite was not given: before any work,
-    and again right before publishing."""
-    message = None if config.overwrite else swap.refusal(config.output, config.max_lengths)
+    """Fails when a set this run would write already exists and --overwrite was not given."""
+    from pipelines.output import refuse_existing as refusal
+
+    message = None if config.overwrite else refusal(config.output, config.max_lengths, config.write_tokens)
     if message:
         raise JobError(message)
 
 
-def probe_output(output: str, run_id: str) -> None:
-    """Writes and deletes a small file under the output, so a bad bucket or a read-only folder fails now."""
-    probe = f"{run_staging_dir(output, run_id)}/probe"
-    try:
-        write_bytes(probe, b"ok")
-        _fs().delete([probe])
-    except Exception as e:
-        raise JobError(f"output {output!r} is not writable ({type(e).__name__}: {e})") from e
-
-
-def read_summary(output: str, run_id: str) -> dict[str, Any]:
-    path = f"{run_staging_dir(output, run_id)}/{SUMMARY_NAME}"
-    with _fs().open(path) as f:
-        return json.loads(f.read().decode("utf-8"))
-
-
-def _remove(paths: list[str]) -> None:
-    paths = [p for p in paths if _fs().exists(p)]
-    if paths:
-        _fs().delete(paths)
+def read_summary(output: str, run_id: str) -> RunSummary:
+    with _fs().open(summary_path(output, run_id)) as f:
+        return RunSummary.from_json(f.read().decode("utf-8"))
 
 
 # ----------------------------------------------------------------------------- figures
 
 
-def length_stats(summary: dict[str, Any], max_length: int, pack: bool = True) -> dict[str, Any]:
+def length_stats(summary: RunSummary, max_length: int, pack: bool = True) -> LengthStats:
     """The manifest's `stats` for one max length, from the run summary."""
-    tally = Tally.from_json(summary["tally"])
-    per = summary["lengths"][str(max_length)]
-    shards = per["shards"]
-    plan = per["plan"]
-    written = sum(s["segments"] for s in shards)
-    rows = sum(s["num_rows"] for s in shards)
+    tally = Tally.from_json(summary.tally)
+    per = summary.lengths[max_length]
+    shards = per.shards
+    plan = per.plan
+    written = sum(s.segments for s in shards)
+    rows = sum(s.num_rows for s in shards)
     packing = PackingStats(
         max_length=max_length,
         examples=written,
-        tokens=sum(s["tokens"] for s in shards),
-        target_tokens=sum(s["target_tokens"] for s in shards),
+        tokens=sum(s.tokens for s in shards),
+        target_tokens=sum(s.target_tokens for s in shards),
         rows=rows,
-        min_segments_per_row=min((s["min_segments"] for s in shards), default=0),
-        max_segments_per_row=max((s["max_segments"] for s in shards), default=0),
+        min_segments_per_row=min((s.min_segments for s in shards), default=0),
+        max_segments_per_row=max((s.max_segments for s in shards), default=0),
     ).as_dict()
     packing.pop("max_length")
     packing.pop("examples")
     examples_read = tally.examples_read
-    return {
-        "records_read": tally.records_read,
-        "records_filtered": dict(sorted(tally.filtered.items())),
-        "examples_read": examples_read,
-        "examples_written": written,
-        "examples_dropped": tally.examples_dropped(max_length),
-        "examples_truncated": tally.truncated.get(max_length, 0),
-        "examples_split": tally.split.get(max_length, 0),
-        "split_pieces": tally.split_pieces.get(max_length, 0),
-        "bad_records": tally.bad,
-        "bad_fraction": tally.bad / examples_read if examples_read else 0.0,
-        "bfd_rows": plan["bfd_rows"] if pack else None,
-        "planned_examples": plan["num_examples"],
-        "dead_letter_entries": per["dead_letter_entries"],
-        **packing,
-    }
+    return LengthStats(
+        records_read=tally.records_read,
+        records_filtered=dict(sorted(tally.filtered.items())),
+        examples_read=examples_read,
+        examples_written=written,
+        examples_dropped=tally.examples_dropped(max_length),
+        examples_truncated=tally.truncated.get(max_length, 0),
+        examples_split=tally.split.get(max_length, 0),
+        split_pieces=tally.split_pieces.get(max_length, 0),
+        bad_records=tally.bad,
+        bad_fraction=tally.bad / examples_read if examples_read else 0.0,
+        bfd_rows=plan.bfd_rows if pack else None,
+        planned_examples=plan.num_examples,
+        dead_letter_entries=per.dead_letter_entries,
+        packing=packing,
+    )
 
 
-def check_stats(stats: dict[str, Any], max_length: int, plan: dict[str, Any], cap: int | None = None) -> list[str]:
+def check_stats(stats: LengthStats, max_length: int, plan: PlanSummary, cap: int | None = None) -> list[str]:
     """Accounting problems (empty when all is well): every example read is written or dropped
-    (under --overlong split, each of its pieces)."""
+    (under --overlong split, each of its pieces), and no row holds more than `cap` segments."""
     problems = []
-    dropped = sum(stats["examples_dropped"].values())
-    arrived = stats["examples_read"] - stats["examples_split"] + stats["split_pieces"]
-    if arrived != stats["examples_written"] + dropped:
+    dropped = sum(stats.examples_dropped.values())
+    arrived = stats.examples_read - stats.examples_split + stats.split_pieces
+    if arrived != stats.examples_written + dropped:
         problems.append(
-            f"L={max_length}: examples read {stats['examples_read']} (- split {stats['examples_split']} + pieces "
-            f"{stats['split_pieces']}) != written {stats['examples_written']} + dropped {dropped}"
+            f"L={max_length}: examples read {stats.examples_read} (- split {stats.examples_split} + pieces "
+            f"{stats.split_pieces}) != written {stats.examples_written} + dropped {dropped}"
         )
-    if stats["examples_written"] != plan["num_examples"]:
-        problems.append(f"L={max_length}: {stats['examples_written']} examples in rows, but the plan placed {plan['num_examples']}")
-    if stats["rows"] != plan["num_rows"]:
-        problems.append(f"L={max_length}: {stats['rows']} rows written, but the plan has {plan['num_rows']}")
-    if cap is not None and stats["segments_per_row"]["max"] > cap:
-        problems.append(f"L={max_length}: a row holds {stats['segments_per_row']['max']} segments, more than "
+    if stats.examples_written != plan.num_examples:
+        problems.append(f"L={max_length}: {stats.examples_written} examples in rows, but the plan placed {plan.num_examples}")
+    if stats.rows != plan.num_rows:
+        problems.append(f"L={max_length}: {stats.rows} rows written, but the plan has {plan.num_rows}")
+    if cap is not None and stats.packing["segments_per_row"]["max"] > cap:
+        problems.append(f"L={max_length}: a row holds {stats.packing['segments_per_row']['max']} segments, more than "
                         f"--max-segments-per-row {cap}")
     return problems
 
 
-def bad_fraction_error(stats: dict[str, Any], config: PackConfig, failed_paths: list[str]) -> str | None:
-    line = too_many_bad_records(stats["bad_records"], stats["examples_read"], stats["examples_dropped"], config.max_bad_fraction)
+def bad_fraction_error(stats: LengthStats, config: PackConfig, failed_paths: list[str]) -> str | None:
+    line = too_many_bad_records(stats.bad_records, stats.examples_read, stats.examples_dropped, config.max_bad_fraction)
     if line is None:
         return None
     where = f"; they are listed in {failed_paths[0]}" if failed_paths else ""
@@ -139,40 +116,24 @@ def bad_fraction_error(stats: dict[str, Any], config: PackConfig, failed_paths: 
 
 
 def compose_manifest(
-    config: PackConfig, max_length: int, stats: dict[str, Any], shards: list[dict], job_info: dict[str, Any],
+    config: PackConfig, max_length: int, stats: LengthStats, shards: tuple[ShardSummary, ...], job_info: dict[str, Any],
     method: str | None = None,
 ) -> Manifest:
     """`method`: what made the rows (the plan's: bfd, exact_fill or unpacked), the manifest's `packing`."""
-    infos = [ShardInfo(path=s["path"], num_rows=s["num_rows"], num_bytes=s["num_bytes"], sha256=s["sha256"]) for s in shards]
+    infos = [ShardInfo(path=s.path, num_rows=s.num_rows, num_bytes=s.num_bytes, sha256=s.sha256) for s in shards]
     return Manifest(
         max_length=max_length,
         num_rows=sum(s.num_rows for s in infos),
         shards=infos,
         tokenizer=job_info["tokenizer"],
-        stats=stats,
+        stats=stats.to_json(),
         packing=method or ("bfd" if config.pack else "unpacked"),
         template=job_info["template"],
         inputs=job_info["inputs"],
         options={**config.manifest_options(), "sub_buckets": job_info["sub_buckets"]},
         tool=job_info["tool"],
-        dead_letter=DEAD_LETTER_NAME if stats["dead_letter_entries"] else None,
+        dead_letter=DEAD_LETTER_NAME if stats.dead_letter_entries else None,
     )
-
-
-def keep_failed_dead_letters(config: PackConfig, run_id: str) -> list[str]:
-    """On a bad-fraction failure, keeps each length's dead letter beside (not in) the shard set."""
-    kept = []
-    for L in config.max_lengths:
-        staged = f"{staging_dir(config.output, L, run_id)}/{DEAD_LETTER_NAME}"
-        target = f"{length_dir(config.output, L)}/{FAILED_DEAD_LETTER_NAME}"
-        try:
-            if _fs().exists(staged):
-                _remove([target])
-                _fs().rename([staged], [target])
-                kept.append(target)
-        except Exception:
-            pass
-    return kept
 
 
 def rows_over(value: int, bound: int) -> float:

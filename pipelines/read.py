@@ -69,3 +69,28 @@ class ReadTaskFn(beam.DoFn):
         self.bytes.inc(digest.num_bytes)
         fingerprint = digest.hexdigest() if task.kind in ("jsonl", "json", "parquet", "arrow") else None
         yield TaggedOutput(TAG_FINGERPRINT, (task.task_index, fingerprint, digest.num_bytes, count, digest.lines))
+
+
+class ReadInputs(beam.PTransform):
+    """The read stage as one transform: the job's read tasks -> {"records": batches of raw
+    records, "fingerprints": one (task_index, sha256, bytes, records, lines) per task}.
+
+    Records cross a shuffle only when some task is big and unsplittable (a large compressed or
+    non-JSONL file); byte ranges and dataset row ranges already spread the reading evenly."""
+
+    def __init__(self, tasks: list[ReadTask], batch_size: int, progress: bool):
+        super().__init__()
+        self.tasks, self.batch_size, self.progress = tasks, batch_size, progress
+
+    def expand(self, pbegin: Any) -> dict[str, Any]:
+        from pipelines.sources import SPREAD_TASK_BYTES
+
+        read = (
+            pbegin
+            | "ListInputs" >> beam.Create(self.tasks)
+            | "SpreadTasks" >> beam.Reshuffle()
+            | "Read" >> beam.ParDo(ReadTaskFn(self.batch_size, self.progress)).with_outputs(TAG_FINGERPRINT, main="records")
+        )
+        spread = any(t.may_exceed(SPREAD_TASK_BYTES) for t in self.tasks)
+        records = read.records | "SpreadRecords" >> beam.Reshuffle() if spread else read.records
+        return {"records": records, "fingerprints": read[TAG_FINGERPRINT]}

@@ -144,3 +144,36 @@ class RouteToRowsFn(beam.DoFn):
 
     def finish_bundle(self) -> Iterator[Any]:
         yield from self._flush(windowed=True)
+
+
+class PlanAndRoute(beam.PTransform):
+    """The route stage as one transform: {"keyed", "hist"} (FitToLengths' outputs) -> {"rows":
+    rows keyed by (shard, window), "plans": (L, plan without its slots)}.
+
+    Every worker holds the plans without their slots (O(groups)); each (length, sub-bucket)
+    group reads its own slice of the slots from a multimap side input, fetched per key."""
+
+    def __init__(self, ctx: JobContext):
+        super().__init__()
+        self.ctx = ctx
+
+    def expand(self, fitted: dict[str, Any]) -> dict[str, Any]:
+        from apache_beam.pvalue import AsDict, AsMultiMap
+
+        from pipelines.stage import MergeCounters
+
+        config = self.ctx.config
+        planned = (
+            fitted["hist"]
+            | "Histogram" >> beam.CombineGlobally(MergeCounters())
+            | "Plan" >> beam.ParDo(PlanFn(config.max_lengths, config.pack, config.num_shards, config.target_shard_mb,
+                                          config.planner, config.max_segments_per_row))
+            .with_outputs(TAG_PLAN, main="slices")
+        )
+        rows = (
+            fitted["keyed"]
+            | "GroupByLength" >> beam.GroupByKey()
+            | "RouteToRows" >> beam.ParDo(RouteToRowsFn(self.ctx), plans=AsDict(planned[TAG_PLAN]),
+                                          slices=AsMultiMap(planned.slices))
+        )
+        return {"rows": rows, "plans": planned[TAG_PLAN]}

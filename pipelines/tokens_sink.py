@@ -7,8 +7,9 @@ examples share a file therefore depends on the runner's bundles; the records, th
 manifest's figures and any shard set packed from them do not (the job ranks examples by
 hash and id, never by file order).
 
-Published like a shard set, after the shard sets: files staged under
-OUTPUT/tokens/.staging-<run>/, moved into place, manifest.json written last.
+Published with the shard sets through the same commit (pipelines/output/commit.py):
+files staged under OUTPUT/tokens/.staging-<run>/, moved into place, the manifest switched
+after the shard sets' and before the run record.
 """
 
 from __future__ import annotations
@@ -30,30 +31,22 @@ from apache_beam.transforms.window import GlobalWindows
 from pipelines.columns import TokenizedBatch
 from pipelines.records import DeadLetter, TaskMeta
 from pipelines.stage import StageClock
+from pipelines.summary import RunSummary, TokenFile, TokenIndex
 from pipelines.write import copy_local_to, write_bytes
 from prepack.accounting import Tally
-from prepack.manifest import MANIFEST_NAME, ShardInfo
+from prepack.layout import tokens_staging_dir
+from prepack.manifest import ShardInfo
 from prepack.tokenset import (
-    TOKENS_DIR,
     TOKENS_WRITER_OPTIONS,
     TokenSetManifest,
     dropped_name,
     encode_batch,
-    is_set_file,
     shard_name,
 )
 
 NAMESPACE = "prepack"
 INDEX_NAME = "index.json"
 TARGET_FILE_BYTES = 256 << 20  # encoded bytes per file before it is split (compressed: ~half)
-
-
-def tokens_dir(output: str) -> str:
-    return f"{output}/{TOKENS_DIR}"
-
-
-def tokens_staging_dir(output: str, run_id: str) -> str:
-    return f"{tokens_dir(output)}/.staging-{run_id}"
 
 
 def _fs():
@@ -86,7 +79,7 @@ class WriteTokensFn(beam.DoFn):
         self.writer = ArrayRecordWriter(self.local, TOKENS_WRITER_OPTIONS)
         self.figures = Counter()
 
-    def process(self, batch: TokenizedBatch) -> Iterator[dict]:
+    def process(self, batch: TokenizedBatch) -> Iterator[TokenFile]:
         started = StageClock.now()
         keep = np.flatnonzero(batch.targets_after_first() > 0)
         if len(keep) < len(batch):
@@ -106,7 +99,7 @@ class WriteTokensFn(beam.DoFn):
         if self.figures["encoded_bytes"] >= TARGET_FILE_BYTES:
             yield self._close()
 
-    def _close(self) -> dict:
+    def _close(self) -> TokenFile:
         started = StageClock.now()
         self.writer.close()
         self.writer = None
@@ -124,8 +117,8 @@ class WriteTokensFn(beam.DoFn):
         self.m_examples.inc(self.figures["num_rows"])
         self.m_bytes.inc(size)
         self.clock.add(StageClock.now() - started)
-        return {"path": name, "num_rows": self.figures["num_rows"], "num_bytes": size, "sha256": sha,
-                "tokens": self.figures["tokens"], "target_tokens": self.figures["target_tokens"]}
+        return TokenFile(path=name, num_rows=self.figures["num_rows"], num_bytes=size, sha256=sha,
+                         tokens=self.figures["tokens"], target_tokens=self.figures["target_tokens"])
 
     def finish_bundle(self) -> Iterator[Any]:
         if self.writer is not None:
@@ -140,7 +133,7 @@ class WriteTokenIndexFn(beam.DoFn):
         self.output = output
         self.run_id = run_id
 
-    def process(self, _: Any, files: list[dict], dropped: list[DeadLetter]) -> Iterator[str]:
+    def process(self, _: Any, files: list[TokenFile], dropped: list[DeadLetter]) -> Iterator[str]:
         staging = tokens_staging_dir(self.output, self.run_id)
         lines = [json.dumps([list(key), entry], ensure_ascii=False, sort_keys=True) + "\n"
                  for key, entry in sorted(dropped, key=lambda d: d[0])]
@@ -148,35 +141,41 @@ class WriteTokenIndexFn(beam.DoFn):
         name = dropped_name(hashlib.sha256(data).hexdigest())
         if lines:
             write_bytes(f"{staging}/{name}", data)
-        index = {"files": sorted(files, key=lambda f: f["path"]), "dropped_entries": len(lines), "dropped_name": name}
+        index = TokenIndex(tuple(sorted(files, key=lambda f: f.path)), len(lines), name)
         path = f"{staging}/{INDEX_NAME}"
-        write_bytes(path, json.dumps(index, sort_keys=True).encode("utf-8"))
+        write_bytes(path, index.to_json().encode("utf-8"))
         yield path
 
 
-def add_to_pipeline(pipeline: Any, examples: Any, dropped: Any, output: str, run_id: str) -> None:
-    """examples: TokenizedBatches as the tokenizer made them; dropped: the dead letters of
-    examples dropped before fitting (bad input, no targets)."""
-    from apache_beam.pvalue import AsList
+class WriteTokenSet(beam.PTransform):
+    """{"examples": TokenizedBatches as the tokenizer made them, "bad": bad records' dead letters,
+    "dead": (L, dead letter) from fitting} -> the tokenized set staged under OUTPUT/tokens/
+    (a PCollection of its index.json path). Examples with no target are dropped at every
+    length: their dead letters are taken once, from the first length."""
 
-    files = examples | "WriteTokens" >> beam.ParDo(WriteTokensFn(output, run_id))
-    (
-        pipeline
-        | "OnceTokens" >> beam.Create([None])
-        | "WriteTokenIndex" >> beam.ParDo(WriteTokenIndexFn(output, run_id), files=AsList(files), dropped=AsList(dropped))
-    )
+    def __init__(self, output: str, run_id: str, first_length: int):
+        super().__init__()
+        self.output, self.run_id, self.first_length = output, run_id, first_length
+
+    def expand(self, inputs: dict[str, Any]) -> Any:
+        from apache_beam.pvalue import AsList
+
+        from prepack.accounting import NO_TARGETS
+
+        first = self.first_length
+        no_targets = inputs["dead"] | "NoTargetsOnce" >> beam.FlatMap(
+            lambda le: [le[1]] if le[0] == first and le[1][1]["reason"] == NO_TARGETS else [])
+        dropped = (inputs["bad"], no_targets) | "FlattenDropped" >> beam.Flatten()
+        files = inputs["examples"] | "WriteTokens" >> beam.ParDo(WriteTokensFn(self.output, self.run_id))
+        return (
+            inputs["examples"].pipeline
+            | "OnceTokens" >> beam.Create([None])
+            | "WriteTokenIndex" >> beam.ParDo(WriteTokenIndexFn(self.output, self.run_id), files=AsList(files),
+                                              dropped=AsList(dropped))
+        )
 
 
 # ----------------------------------------------------------------------------- launcher side
-
-
-def refuse_existing(output: str) -> str | None:
-    """The error line when OUTPUT/tokens already holds a tokenized set (None otherwise)."""
-    path = f"{tokens_dir(output)}/{MANIFEST_NAME}"
-    if _fs().exists(path):
-        return (f"{path} already exists: refusing to write over an existing tokenized set. Pass --overwrite to "
-                f"replace it, --no-tokens to leave it, or choose another --output")
-    return None
 
 
 def stored_tally(tally_json: dict[str, Any]) -> Tally:
@@ -187,13 +186,13 @@ def stored_tally(tally_json: dict[str, Any]) -> Tally:
     return tally
 
 
-def compose_manifest(summary: dict[str, Any], index: dict[str, Any], tasks: Iterable[TaskMeta],
+def compose_manifest(summary: RunSummary, index: TokenIndex, tasks: Iterable[TaskMeta],
                      choices: dict[str, Any], job_info: dict[str, Any], est_records: int) -> TokenSetManifest:
-    tally = stored_tally(summary["tally"])
-    files = index["files"]
-    num_examples = sum(f["num_rows"] for f in files)
-    tokens = sum(f["tokens"] for f in files)
-    num_bytes = sum(f["num_bytes"] for f in files)
+    tally = stored_tally(summary.tally)
+    files = index.files
+    num_examples = sum(f.num_rows for f in files)
+    tokens = sum(f.tokens for f in files)
+    num_bytes = sum(f.num_bytes for f in files)
     stats = {
         "records_read": tally.records_read,
         "records_filtered": dict(sorted(tally.filtered.items())),
@@ -205,56 +204,22 @@ def compose_manifest(summary: dict[str, Any], index: dict[str, Any], tasks: Iter
         "bytes_per_token": num_bytes / tokens if tokens else 0.0,
     }
     return TokenSetManifest(
-        shards=[ShardInfo(path=f["path"], num_rows=f["num_rows"], num_bytes=f["num_bytes"], sha256=f["sha256"]) for f in files],
+        shards=[ShardInfo(path=f.path, num_rows=f.num_rows, num_bytes=f.num_bytes, sha256=f.sha256) for f in files],
         num_examples=num_examples,
         tokens=tokens,
-        target_tokens=sum(f["target_tokens"] for f in files),
+        target_tokens=sum(f.target_tokens for f in files),
         choices=choices,
         tokenizer=job_info["tokenizer"],
         template=job_info["template"],
         inputs=job_info["inputs"],
         stats=stats,
-        job={"tasks": [dict(vars(t)) for t in tasks], "fingerprints": summary["fingerprints"], "tally": tally.to_json(),
+        job={"tasks": [dict(vars(t)) for t in tasks], "fingerprints": [list(f) for f in summary.fingerprints], "tally": tally.to_json(),
              "est_records": est_records},
-        dropped=index["dropped_name"] if index["dropped_entries"] else None,
+        dropped=index.dropped_name if index.dropped_entries else None,
         tool=job_info["tool"],
     )
 
 
-def read_index(output: str, run_id: str) -> dict[str, Any]:
+def read_index(output: str, run_id: str) -> TokenIndex:
     with _fs().open(f"{tokens_staging_dir(output, run_id)}/{INDEX_NAME}") as f:
-        return json.loads(f.read().decode("utf-8"))
-
-
-def publish(output: str, run_id: str, manifest: TokenSetManifest, created_at: str) -> str:
-    """Publishes the set the way pipelines/swap.py publishes shard sets: the new files (named
-    by content, so never over an old file of other content) go in beside the old ones, the
-    manifest is switched in one atomic step, and only then are files it does not name deleted."""
-    from apache_beam.io.filesystems import FileSystems
-
-    from pipelines import outputs
-
-    final, staged = tokens_dir(output), tokens_staging_dir(output, run_id)
-    path = f"{final}/{MANIFEST_NAME}"
-    expected = outputs.version(path)  # refuse_existing stopped a run without --overwrite already
-    present = {p.rsplit("/", 1)[-1] for p in outputs.list_files(final) if "/.staging-" not in p}
-    names = [n for n in [s.path for s in manifest.shards] + [manifest.dropped] if n and n not in present]
-    if names:
-        FileSystems.rename([f"{staged}/{n}" for n in names], [f"{final}/{n}" for n in names])
-    manifest.created_at = created_at
-    outputs.switch(path, manifest.to_json().encode("utf-8"), expected, tmp=f"{staged}/{MANIFEST_NAME}")
-    keep = {s.path for s in manifest.shards} | {manifest.dropped}
-    outputs.delete([f"{final}/{n}" for n in sorted(present) if is_set_file(n) and n not in keep])
-    return path
-
-
-def cleanup(output: str, run_id: str) -> None:
-    """Best effort: removes this run's tokenized-set staging (never a published set), and the
-    tokens/ folder when that leaves it empty."""
-    from pipelines import outputs
-
-    try:
-        outputs.delete_tree(tokens_staging_dir(output, run_id))
-        outputs.remove_if_empty(tokens_dir(output))
-    except Exception:
-        pass
+        return TokenIndex.from_json(f.read().decode("utf-8"))

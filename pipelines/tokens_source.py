@@ -189,4 +189,17 @@ def read_tokens(pipeline: Any, manifest: TokenSetManifest, folder: str) -> tuple
     fingerprints = pipeline | "StoredFingerprints" >> beam.Create([tuple(f) for f in manifest.job["fingerprints"]])
     return examples, [dropped], [tallies], fingerprints
 
-__all__ = ["TokenSetError", "lineage", "open_token_set", "read_tokens", "reconcile", "tasks_of"]
+class ReadTokenSet(beam.PTransform):
+    """A tokenized set as one transform: -> {"examples", "bad" (examples dropped before fitting),
+    "tally" (the stored Tally), "fingerprints"}, what the read and prepare stages give a full run."""
+
+    def __init__(self, manifest: TokenSetManifest, folder: str):
+        super().__init__()
+        self.manifest, self.folder = manifest, folder
+
+    def expand(self, pbegin: Any) -> dict[str, Any]:
+        examples, (dropped,), (tally,), fingerprints = read_tokens(pbegin, self.manifest, self.folder)
+        return {"examples": examples, "bad": dropped, "tally": tally, "fingerprints": fingerprints}
+
+
+__all__ = ["ReadTokenSet", "TokenSetError", "lineage", "open_token_set", "read_tokens", "reconcile", "tasks_of"]

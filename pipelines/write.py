@@ -2,7 +2,7 @@
 
 Nothing here touches the final location. Every file lands under a staging
 prefix named by the run id (OUTPUT/L<L>/.staging-<run>/, OUTPUT/.staging-<run>/);
-swap.py moves shards into place and switches manifest.json last, after the
+the output layer (pipelines/output/commit.py) moves shards into place and switches manifest.json, after the
 whole pipeline succeeded and the accounting checks passed. A shard's published
 name carries its sha256, so it never overwrites another set's file.
 
@@ -31,14 +31,14 @@ from pipelines.compressed import decompressed_blocks
 from pipelines.failures import InputFileError, ShardCheckError
 from pipelines.records import DeadLetter, TaskMeta, place_in_file, range_offsets
 from pipelines.stage import StageClock
-from pipelines.swap import run_staging_dir, staging_dir
+from pipelines.summary import LengthSummary, PlanSummary, RunSummary, ShardSummary
+from prepack.layout import run_staging_dir, staging_dir, summary_path
 from pipelines.rows import encode_rows_flat
 from prepack.accounting import Tally
 from prepack.manifest import DEAD_LETTER_NAME
 from prepack.shardfile import DEFAULT_WRITER_OPTIONS, shard_name, write_shard
 
 NAMESPACE = "prepack"
-SUMMARY_NAME = "summary.json"
 COPY_BLOCK = 8 << 20
 
 
@@ -253,15 +253,8 @@ class AssembleShardFn(beam.DoFn):
         # Part files stay until the run's staging prefix is removed: a retried bundle may read them again.
         self.m_shards.inc()
         self.m_bytes.inc(info.num_bytes)
-        yield {
-            "max_length": max_length,
-            "index": shard,
-            "path": name,
-            "num_rows": info.num_rows,
-            "num_bytes": info.num_bytes,
-            "sha256": info.sha256,
-            **stats,
-        }
+        yield ShardSummary(max_length=max_length, index=shard, path=name, num_rows=info.num_rows,
+                           num_bytes=info.num_bytes, sha256=info.sha256, **stats)
 
 
 class WriteDeadLetterFn(beam.DoFn):
@@ -293,29 +286,68 @@ class WriteSummaryFn(beam.DoFn):
         self.run_id = run_id
 
     def process(
-        self, _: Any, tally: Tally, plans: dict[int, LengthPlan], shards: list[dict], dead: list, fingerprints: list
+        self, _: Any, tally: Tally, plans: dict[int, LengthPlan], shards: list[ShardSummary], dead: list, fingerprints: list
     ) -> Iterator[str]:
-        summary: dict[str, Any] = {
-            "tally": tally.to_json(),
-            "fingerprints": sorted([list(f) for f in fingerprints], key=lambda f: f[0]),
-            "lengths": {},
-        }
         dead_counts = dict(dead)
-        for max_length, plan in sorted(plans.items()):
-            summary["lengths"][str(max_length)] = {
-                "plan": {
-                    "num_rows": plan.num_rows,
-                    "num_shards": plan.num_shards,
-                    "num_examples": plan.num_examples,
-                    "tokens": plan.tokens,
-                    "min_segments": plan.min_segments,
-                    "max_segments": plan.max_segments,
-                    "bfd_rows": plan.bfd_rows,
-                    "method": plan.method,
-                },
-                "shards": sorted((s for s in shards if s["max_length"] == max_length), key=lambda s: s["index"]),
-                "dead_letter_entries": dead_counts.get(max_length, 0),
-            }
-        path = f"{run_staging_dir(self.output, self.run_id)}/{SUMMARY_NAME}"
-        write_bytes(path, json.dumps(summary, sort_keys=True).encode("utf-8"))
+        lengths = {
+            max_length: LengthSummary(
+                plan=PlanSummary(num_rows=plan.num_rows, num_shards=plan.num_shards, num_examples=plan.num_examples,
+                                 tokens=plan.tokens, min_segments=plan.min_segments, max_segments=plan.max_segments,
+                                 bfd_rows=plan.bfd_rows, method=plan.method),
+                shards=tuple(sorted((s for s in shards if s.max_length == max_length), key=lambda s: s.index)),
+                dead_letter_entries=dead_counts.get(max_length, 0),
+            )
+            for max_length, plan in sorted(plans.items())
+        }
+        summary = RunSummary(tally.to_json(), tuple(sorted((tuple(f) for f in fingerprints), key=lambda f: f[0])), lengths)
+        path = summary_path(self.output, self.run_id)
+        write_bytes(path, summary.to_json().encode("utf-8"))
         yield path
+
+
+class WriteShardSets(beam.PTransform):
+    """The write stage as one transform: {"rows", "plans"} (PlanAndRoute's outputs), "bad" (bad
+    records' dead letters, for every length), "dead" ((L, dead letter)), "tally_read" and
+    "tally_fit" (Tallies), "fingerprints" -> the staged shard sets, their dead letters, and the
+    run's summary.json (a PCollection of its one path).
+
+    Rows go to their shard's windows (part files), then each shard is assembled from its parts
+    in window order; everything is written under the run's staging folders (prepack.layout)."""
+
+    def __init__(self, ctx: Any):
+        super().__init__()
+        self.ctx = ctx
+
+    def expand(self, inputs: dict[str, Any]) -> Any:
+        from apache_beam.pvalue import AsDict, AsList, AsSingleton
+
+        from pipelines.stage import MergeTallies
+
+        ctx, config = self.ctx, self.ctx.config
+        plans = AsDict(inputs["plans"])
+        shards = (
+            inputs["rows"]
+            | "GroupByWindow" >> beam.GroupByKey()
+            | "WriteWindows" >> beam.ParDo(WriteWindowFn(config.output, ctx.run_id, ctx.pad_id), plans=plans)
+            | "GroupByShard" >> beam.GroupByKey()
+            | "WriteShards" >> beam.ParDo(AssembleShardFn(config.output, ctx.run_id), plans=plans)
+        )
+        lengths = config.max_lengths
+        bad_per_length = inputs["bad"] | "BadToEveryLength" >> beam.FlatMap(lambda entry: [(L, entry) for L in lengths])
+        fingerprints = AsList(inputs["fingerprints"])
+        dead = (
+            (bad_per_length, inputs["dead"]) | "FlattenDead" >> beam.Flatten()
+            | "GroupDead" >> beam.GroupByKey()
+            | "WriteDeadLetters" >> beam.ParDo(WriteDeadLetterFn(config.output, ctx.run_id, ctx.tasks),
+                                               fingerprints=fingerprints)
+        )
+        tally = (
+            (inputs["tally_read"], inputs["tally_fit"]) | "FlattenTally" >> beam.Flatten()
+            | "Tally" >> beam.CombineGlobally(MergeTallies())
+        )
+        return (
+            inputs["rows"].pipeline
+            | "Once" >> beam.Create([None])
+            | "WriteSummary" >> beam.ParDo(WriteSummaryFn(config.output, ctx.run_id), tally=AsSingleton(tally), plans=plans,
+                                           shards=AsList(shards), dead=AsList(dead), fingerprints=fingerprints)
+        )

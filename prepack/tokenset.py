@@ -26,11 +26,11 @@ from typing import Any
 import numpy as np
 
 from prepack import tokenwire
+from prepack.layout import TOKENS_DIR  # noqa: F401  (defined once, in the layout; others import it from here)
 from prepack.manifest import MANIFEST_NAME, ShardInfo
 
 TOKENS_FORMAT_VERSION = 1
 TOKENS_KIND = "tokens"
-TOKENS_DIR = "tokens"
 # Records are read in order, never one at a time: groups of 256 compress far better than one.
 TOKENS_WRITER_OPTIONS = "group_size:256,zstd:3"
 

@@ -11,6 +11,7 @@ tests/test_import_boundaries.py keeps it on the top layer, above every applicati
   run the job in process and read shard sets back.
 - `shard_sets`: shard sets built directly (no Beam) for the loader and trainer tests.
 - `gcs_emulator`: a local GCS emulator and its pytest fixtures.
+- `http_delay_proxy`: a proxy in front of it that delays, counts, or loses responses.
 - `train_batches`: the same examples laid out packed and unpacked for the trainer.
 - `import_graph`: the import graph and layering check (and docs/imports.md).
 """

@@ -1,4 +1,4 @@
-"""An HTTP proxy that holds every request for a fixed delay and counts requests.
+"""An HTTP proxy that holds every request for a fixed delay, counts requests, and can lose responses.
 
 Put between a client and the GCS emulator (testkit/gcs_emulator.py), it stands in
 for the round trip to real GCS: each request waits `delay_ms` before it is sent
@@ -11,9 +11,14 @@ tests and benchmarks can see how many requests and connections a read costs.
         proxy.stats()   # {"requests": n, "connections": n, "bytes_down": n, "by_path": {...}}
         proxy.reset()
 
+Lost responses: `proxy.drop_response(b"out/L64/manifest.json", count=1)` makes the next
+request whose head or body holds those bytes reach the server, which commits it, while its
+response is read and thrown away and the client's connection closed: as when a network
+path fails after the server acted. The client then retries, as GCS clients do.
+
 It runs in a child process (asyncio), so its CPU is not the client's and a
-client holding the GIL never stalls it. GET /__proxy__/stats and
-POST /__proxy__/reset are answered by the proxy itself. Request bodies must
+client holding the GIL never stalls it. GET /__proxy__/stats, POST /__proxy__/reset
+and POST /__proxy__/drop are answered by the proxy itself. Request bodies must
 carry Content-Length (reads and small uploads do; chunked uploads are refused).
 """
 
@@ -35,6 +40,7 @@ from urllib.parse import urlsplit
 
 STATS_PATH = "/__proxy__/stats"
 RESET_PATH = "/__proxy__/reset"
+DROP_PATH = "/__proxy__/drop"
 START_TIMEOUT_S = 30.0
 
 
@@ -47,9 +53,19 @@ class _Counts:
         self.connections = 0
         self.bytes_down = 0
         self.by_path: Counter[str] = Counter()
+        self.drops: list[list] = []  # [bytes to match, responses still to drop]
+        self.dropped: list[str] = []  # "METHOD path" of each request whose response was dropped
+
+    def take_drop(self, request: bytes) -> bool:
+        for drop in self.drops:
+            if drop[1] > 0 and drop[0] in request:
+                drop[1] -= 1
+                return True
+        return False
 
     def as_dict(self) -> dict:
-        return {"requests": self.requests, "connections": self.connections, "bytes_down": self.bytes_down, "by_path": dict(self.by_path)}
+        return {"requests": self.requests, "connections": self.connections, "bytes_down": self.bytes_down,
+                "by_path": dict(self.by_path), "dropped": list(self.dropped)}
 
 
 def _header(head: bytes, name: bytes) -> bytes | None:
@@ -79,6 +95,23 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, coun
         writer.close()
 
 
+async def _send_and_discard(upstream: tuple[str, int], request: bytes) -> None:
+    """Sends one request on its own connection and reads its whole answer (the server has
+    acted on it by then), answering nobody."""
+    up_r, up_w = await asyncio.open_connection(*upstream)
+    try:
+        up_w.write(request)
+        await up_w.drain()
+        head = await asyncio.wait_for(up_r.readuntil(b"\r\n\r\n"), timeout=60)
+        length = _header(head, b"content-length")
+        if length is not None:
+            await asyncio.wait_for(up_r.readexactly(int(length)), timeout=60)
+        else:
+            await asyncio.wait_for(up_r.read(), timeout=60)  # until the server closes
+    finally:
+        up_w.close()
+
+
 async def _serve_connection(
     client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter, upstream: tuple[str, int], delay_s: float, counts: _Counts
 ) -> None:
@@ -102,9 +135,18 @@ async def _serve_connection(
             if _header(head, b"transfer-encoding"):
                 return  # chunked request bodies are not supported (see the module docstring)
             body = await client_r.readexactly(int(_header(head, b"content-length") or 0))
+            if path == DROP_PATH:
+                ask = json.loads(body)
+                counts.drops.append([ask["match"].encode("latin-1"), int(ask["count"])])
+                await _answer(client_w, {"armed": True})
+                continue
             counts.requests += 1
             counts.by_path[f"{method.decode()} {path}"] += 1
             await asyncio.sleep(delay_s)  # the round trip this proxy stands in for
+            if counts.take_drop(head + body):
+                counts.dropped.append(f"{method.decode()} {path}")
+                await _send_and_discard(upstream, head + body)
+                return  # the client's connection closes with no answer
             if up_w is None or pump is None or pump.done():
                 if up_w is not None:
                     return  # the server closed after its answer; the client must reconnect
@@ -154,6 +196,12 @@ class DelayProxy:
 
     def reset(self) -> None:
         urllib.request.urlopen(urllib.request.Request(self.endpoint + RESET_PATH, data=b"", method="POST"), timeout=10).read()
+
+    def drop_response(self, match: bytes, count: int = 1) -> None:
+        """The next `count` requests holding `match` (in the request line, headers or body) reach
+        the server, but their responses are lost."""
+        body = json.dumps({"match": match.decode("latin-1"), "count": count}).encode()
+        urllib.request.urlopen(urllib.request.Request(self.endpoint + DROP_PATH, data=body, method="POST"), timeout=10).read()
 
 
 @contextlib.contextmanager

@@ -233,13 +233,13 @@ def test_crash_before_the_manifest_leaves_an_unpublished_folder(gcs_emulator, gc
     """The launcher is interrupted after moving the shards into place but before switching
     manifest.json: the folder holds shards, and no reader accepts it."""
     import loaders
-    from pipelines import swap
+    from prepack import failpoints
 
-    def die_before_the_manifest(name: str) -> None:
+    def die_before_the_manifest(name: str, detail: str | None = None) -> None:
         if name == "shards_in_place":
             raise KeyboardInterrupt("injected: launcher killed before the manifest")
 
-    monkeypatch.setattr(swap, "fault_point", die_before_the_manifest)
+    monkeypatch.setattr(failpoints, "hit", die_before_the_manifest)
     out = f"{gcs_prefix}/out"
     # The CLI turns an interrupt into exit status 130 after its cleanup.
     assert pack(job_args(f"{gcs_run.rsplit('/', 2)[0]}/in/alpaca.jsonl", out)) == 130
@@ -287,7 +287,7 @@ def test_gcs_overwrite_is_exclusive_and_replaces_the_set_whole(gcs_emulator, gcs
     second run while the first publishes is refused at start; the first replaces the old set,
     deletes its shards after the switch, and writes published.json."""
     import loaders
-    from pipelines import swap
+    from prepack import failpoints
 
     out = f"{gcs_prefix}/out"
     other = write_jsonl(str(tmp_path / "other.jsonl"), alpaca_records(30, seed=8))
@@ -296,11 +296,11 @@ def test_gcs_overwrite_is_exclusive_and_replaces_the_set_whole(gcs_emulator, gcs
     capsys.readouterr()
     refused = []
 
-    def race(name: str) -> None:
+    def race(name: str, detail: str | None = None) -> None:
         if name == "shards_in_place" and not refused:
             refused.append(pack(job_args(input_file, out) + ["--overwrite"]))
 
-    monkeypatch.setattr(swap, "fault_point", race)
+    monkeypatch.setattr(failpoints, "hit", race)
     assert pack(job_args(input_file, out) + ["--overwrite"]) == 0
     assert refused == [1]
     assert f"prepack pack: {out} is being written by run " in capsys.readouterr().err

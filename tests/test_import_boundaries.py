@@ -94,3 +94,16 @@ def test_the_check_can_fail():
     out = subprocess.run([sys.executable, "-c", "import sys, jax.numpy; print(sorted(m for m in ('jax',) if m in sys.modules))"],
                          capture_output=True, text=True, timeout=300)
     assert out.stdout.strip().splitlines()[-1] == "['jax']"
+
+
+def test_stages_do_not_reach_into_the_output_layer():
+    """Stages write only under staging paths named by prepack.layout; publishing (and its storage,
+    lock and fencing) is the launcher's, through pipelines.output. is_gcs is asked in one place of
+    the output layer (its storage)."""
+    graph = import_graph()
+    stages = ("pipelines.read", "pipelines.prepare", "pipelines.fit", "pipelines.route", "pipelines.write",
+              "pipelines.tokens_sink", "pipelines.tokens_source")
+    assert [f"{m} -> {d}" for m in stages for d in graph[m] if d.startswith("pipelines.output")] == []
+    output_modules = sorted((ROOT / "pipelines" / "output").glob("*.py"))
+    asking = [p.name for p in output_modules if "is_gcs(" in p.read_text()]
+    assert asking == ["storage.py"]

@@ -140,9 +140,10 @@ def test_launcher_passes_the_signal_to_the_job_and_waits(tmp_path):
 
 
 def test_sigkill_between_lengths_then_the_next_run_repairs(tmp_path):
-    """A real kill -9 of the launcher right after L64's manifest was switched (fault point in a
-    child process): both lengths still verify, each whole; published.json says they mix two runs;
-    the next --overwrite run takes over the dead run's lock by itself (its pid is gone), reports
+    """A real death of the launcher right after L64's manifest was switched (the failpoint
+    after_manifest_switch:L64=exit(137) in a child process): both lengths still verify, each whole;
+    published.json says they mix two runs; the next --overwrite run takes over the dead run's
+    lock by itself (the kernel dropped its OS lock), reports
     its staging as leftovers, and publishes one consistent set.
     Base commit: a kill here left L64 new and L256 old with nothing to flag it, and a kill after the
     old manifest's removal left L64 with no manifest at all."""
@@ -161,19 +162,18 @@ def test_sigkill_between_lengths_then_the_next_run_repairs(tmp_path):
 
     def pack_in_child(inp: str, kill_at: str | None, *extra: str) -> subprocess.CompletedProcess:
         code = (
-            "import os, signal, sys\n"
-            "from pipelines import swap\n"
-            f"point = {kill_at!r}\n"
-            "swap.fault_point = lambda name: os.kill(os.getpid(), signal.SIGKILL) if name == point else None\n"
+            "import os, sys\n"
             "from pipelines.cli import main\n"
             f"sys.exit(main({args(inp, *extra)!r}))\n"
         )
-        return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                              env=dict(os.environ, PYTHONPATH=ROOT))
+        env = dict(os.environ, PYTHONPATH=ROOT)
+        if kill_at:
+            env["PREPACK_FAILPOINTS"] = f"{kill_at}=exit(137)"  # os._exit: nothing cleaned, as kill -9
+        return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env)
 
     assert pack_in_child(old, None).returncode == 0
-    killed = pack_in_child(new, "manifest_switched:L64", "--overwrite")
-    assert killed.returncode == -signal.SIGKILL
+    killed = pack_in_child(new, "after_manifest_switch:L64", "--overwrite")
+    assert killed.returncode == 137
     sources = {}
     for L in (64, 256):
         with loaders.open_shards(str(out / f"L{L}"), expected_max_length=L, verify=True):
@@ -186,7 +186,7 @@ def test_sigkill_between_lengths_then_the_next_run_repairs(tmp_path):
 
     again = pack_in_child(new, None, "--overwrite")
     assert again.returncode == 0, again.stderr
-    assert f"{out} holds leftovers of earlier killed runs: 2 staging folders" in again.stderr
+    assert f"{out} holds leftovers of earlier killed runs: 1 staging folder ({out}/.staging-" in again.stderr
     assert sorted(loaders.published_lengths(str(out))) == [64, 256]
     for L in (64, 256):
         with loaders.open_shards(str(out / f"L{L}"), expected_max_length=L, verify=True):

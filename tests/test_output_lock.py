@@ -1,17 +1,22 @@
-"""OUTPUT/.lock: one writer per output, exclusive creation, stale takeover, and the manifest switch's
-compare-and-swap, locally and on gs:// (the GCS emulator honors ifGenerationMatch)."""
+"""OUTPUT/.lock: one writer per output. Locally an OS lock (flock) that dies with its process;
+on gs:// a lease renewed with generation preconditions. Liveness never rests on a pid existing
+here. Also the storage's compare-and-swap that every publishing step uses (the GCS emulator
+honors ifGenerationMatch)."""
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
 from testkit.gcs_emulator import gcs_emulator, gcs_prefix  # noqa: F401  (pytest fixtures)
-from pipelines import lock, outputs
+from pipelines.output import lock, storage
+from prepack import layout
 
 
 def dead_pid() -> int:
@@ -28,21 +33,25 @@ def output(request, tmp_path):
     return f"{emulator_prefix}/out"
 
 
-def write_lock(output: str, **fields) -> None:
+def write_lock(output: str, data: bytes | None = None, **fields) -> None:
+    """A lock file as another run left it (no OS lock held on it)."""
     info = {"run_id": "killed", "host": "elsewhere", "pid": 1, "created": 0.0, "expires": 4e9, **fields}
-    path = lock.lock_path(output)
-    if outputs.is_gcs(path):
-        outputs._blob(path).upload_from_string(json.dumps(info))
-    else:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(info, f)
+    data = json.dumps(info).encode() if data is None else data
+    path = layout.lock_path(output)
+    if not output.startswith("gs://"):
+        os.makedirs(output, exist_ok=True)
+    storage.storage_for(path).write(path, data)
 
 
 def test_second_run_is_refused_with_the_owner_named(output):
     first = lock.OutputLock.acquire(output, "run-a", renew=False)
-    with pytest.raises(lock.LockHeld, match=rf"^{output} is being written by run run-a \(pid {os.getpid()} on .*\); "
-                                            r"its lock .*\.lock expires .*Wait for that run to end, or choose another --output"):
+    held_by = rf"^{output} is being written by run run-a \(pid {os.getpid()} on .*, since .*\)"
+    if output.startswith("gs://"):
+        expected = held_by + r"; its lease .*\.lock expires .* unless that run renews it. Wait for that run to end, or choose another --output$"
+    else:
+        expected = held_by + (r", whose process holds the OS lock on .*\.lock \(a paused run keeps it until it ends\). Wait for "
+                              r"that run to end, end that process to free the output, or choose another --output$")
+    with pytest.raises(lock.LockHeld, match=expected):
         lock.OutputLock.acquire(output, "run-b", renew=False)
     first.release()
     second = lock.OutputLock.acquire(output, "run-b", renew=False)
@@ -51,81 +60,150 @@ def test_second_run_is_refused_with_the_owner_named(output):
     assert lock.read_lock(output) is None
 
 
-@pytest.mark.parametrize("left", ["expired", "dead_pid", "half_written"])
+@pytest.mark.parametrize("left", ["expired", "half_written"])
 def test_lock_of_a_killed_run_is_taken_over(output, left):
-    import socket
-
-    if left == "expired":
-        write_lock(output, expires=1.0)
-    elif left == "dead_pid":
-        write_lock(output, host=socket.gethostname(), pid=dead_pid())
-    else:
-        path = lock.lock_path(output)
-        if outputs.is_gcs(path):
-            outputs._blob(path).upload_from_string(b'{"run_id": "kil')
-        else:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            open(path, "wb").write(b'{"run_id": "kil')
+    write_lock(output, **({"expires": 1.0} if left == "expired" else {}), data=b'{"run_id": "kil' if left == "half_written" else None)
     taken = lock.OutputLock.acquire(output, "run-b", renew=False)
     assert lock.read_lock(output).run_id == "run-b"
     taken.check()
     taken.release()
 
 
-def test_a_live_lock_on_another_host_is_respected_until_it_expires(output):
-    write_lock(output, host="elsewhere", pid=dead_pid())  # another host: its pid says nothing here
+def test_a_local_lock_file_without_its_os_lock_is_free(tmp_path):
+    """Locally the flock is the lock: a file left by a killed process (whatever it says, even
+    an expiry far ahead and a live pid) is taken over at once."""
+    out = str(tmp_path / "out")
+    write_lock(out, host=socket.gethostname(), pid=os.getppid(), expires=4e9)
+    taken = lock.OutputLock.acquire(out, "run-b")
+    assert taken.took_over.run_id == "killed"
+    taken.release()
+
+
+def test_a_live_lease_naming_a_pid_that_does_not_exist_here_is_respected(gcs_prefix):
+    """The PID-namespace bug: a lease on this hostname whose pid does not exist here belongs to a
+    run in another container (shared hostname, separate PID namespace); until it expires it is
+    live. Shown to fail with the old rule (same host and no such pid: stale), which took it over."""
+    out = f"{gcs_prefix}/out"
+    write_lock(out, host=socket.gethostname(), pid=dead_pid(), expires=time.time() + 600)
     with pytest.raises(lock.LockHeld, match="being written by run killed"):
-        lock.OutputLock.acquire(output, "run-b", renew=False)
+        lock.OutputLock.acquire(out, "run-b", renew=False)
 
 
-def test_takeover_is_exclusive(output, monkeypatch):
-    """Two runs judge the same stale lock: run C takes it over while run B is between judging
-    and deleting. B's delete (conditional on the version it judged) must not remove C's lock.
-    Shown to fail when delete_if ignores the version (B deletes C's lock and takes it too)."""
-    write_lock(output, expires=1.0)
-    original = lock.is_stale
+def test_lease_takeover_is_exclusive(gcs_prefix, monkeypatch):
+    """Two runs judge the same stale lease: run C takes it over while run B is between judging
+    and deleting. B's delete (conditioned on the generation it judged) must not remove C's lease.
+    Shown to fail when delete_if ignores the generation (B deletes C's lease and takes it too)."""
+    out = f"{gcs_prefix}/out"
+    write_lock(out, expires=1.0)
+    original = storage.GcsStorage.delete_if
     raced = []
 
-    def judge_then_race(info, now=None):
-        stale = original(info, now)
-        if stale and not raced:
-            raced.append(None)  # C's own judgement below must not race again
-            raced[0] = lock.OutputLock.acquire(output, "run-c", renew=False)
-        return stale
+    def race_then_delete(self, path, version):
+        if not raced:
+            raced.append(None)  # C's own delete below must not race again
+            raced[0] = lock.OutputLock.acquire(out, "run-c", renew=False)
+        return original(self, path, version)
 
-    monkeypatch.setattr(lock, "is_stale", judge_then_race)
+    monkeypatch.setattr(storage.GcsStorage, "delete_if", race_then_delete)
     with pytest.raises(lock.LockHeld, match="being written by run run-c"):
-        lock.OutputLock.acquire(output, "run-b", renew=False)
-    assert lock.read_lock(output).run_id == "run-c"
+        lock.OutputLock.acquire(out, "run-b", renew=False)
+    assert lock.read_lock(out).run_id == "run-c"
     raced[0].check()
     raced[0].release()
 
 
-def test_renewal_extends_the_expiry_and_a_stolen_lock_is_noticed(output):
-    held = lock.OutputLock.acquire(output, "run-a", expiry_s=60, renew=False)
-    before = lock.read_lock(output).expires
-    held.renew()
-    assert lock.read_lock(output).expires >= before
-    held.check()
-    write_lock(output, run_id="thief", expires=4e9)
-    with pytest.raises(lock.LockLost, match=r"no longer held by this run \(run run-a; it is held by run thief"):
+def test_renewal_extends_the_lease_and_a_stolen_lease_is_noticed(gcs_prefix):
+    out = f"{gcs_prefix}/out"
+    held = lock.OutputLock.acquire(out, "run-a", expiry_s=60, renew=False)
+    before = lock.read_lock(out).expires
+    time.sleep(0.01)
+    held.check()  # a check is a conditional renewal
+    assert lock.read_lock(out).expires > before
+    write_lock(out, run_id="thief", expires=4e9)
+    with pytest.raises(lock.LockLost, match=r"^this run \(run run-a\) lost the lock on .*out \(its lease expired and was "
+                                            r"taken over\); the output now belongs to run thief \(pid 1 on elsewhere, "):
         held.check()
-    held.renew()
-    assert held.lost
     held.release()
-    assert lock.read_lock(output).run_id == "thief"  # release never deletes someone else's lock
+    assert lock.read_lock(out).run_id == "thief"  # release never deletes someone else's lock
 
 
-def test_switch_is_compare_and_swap(output, tmp_path):
+def test_a_replaced_local_lock_file_is_noticed(tmp_path):
+    out = str(tmp_path / "out")
+    held = lock.OutputLock.acquire(out, "run-a")
+    held.check()
+    os.remove(layout.lock_path(out))
+    thief = lock.OutputLock.acquire(out, "thief")
+    with pytest.raises(lock.LockLost, match=r"\.lock was removed or replaced\); the output now belongs to run thief"):
+        held.check()
+    held.release()
+    assert lock.read_lock(out).run_id == "thief"  # release never deletes someone else's lock
+    thief.release()
+
+
+def test_the_local_lock_is_not_inherited_by_child_processes(tmp_path):
+    """Opened close-on-exec: a Beam worker started while the lock is held does not keep it when
+    the run is killed (its lock file stays; the kernel drops the run's own descriptor). Shown to
+    fail when the descriptor is made inheritable (the orphaned child then holds the flock)."""
+    out = str(tmp_path / "out")
+    held = lock.OutputLock.acquire(out, "run-a")
+    child = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(30)"],
+                             close_fds=False, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "up\n"  # exec'd: until then a forked child holds every descriptor
+        os.close(held._fd)  # the run is killed; its worker lives on
+        lock.OutputLock.acquire(out, "run-b").release()
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_write_if_is_compare_and_swap(output, tmp_path):
     path = f"{output}/L64/manifest.json"
     tmp = str(tmp_path / "staging" / "manifest.tmp")
-    absent = outputs.absent_version(path)
-    outputs.switch(path, b"one", absent, tmp=tmp)
-    with pytest.raises(outputs.SwitchRefused, match="created by another run|changed by another run"):
-        outputs.switch(path, b"two", absent, tmp=tmp)  # must not exist: another run made it
-    seen = outputs.version(path)
-    outputs.switch(path, b"two", seen, tmp=tmp)
-    with pytest.raises(outputs.SwitchRefused, match="changed by another run"):
-        outputs.switch(path, b"three", seen, tmp=tmp)  # changed since it was seen
-    assert outputs.read_bytes(path) == b"two"
+    store = storage.storage_for(path)
+    store.write_if(path, b"one", store.absent, tmp=tmp)
+    with pytest.raises(storage.SwitchRefused, match="changed by another run since this one started"):
+        store.write_if(path, b"two", store.absent, tmp=tmp)  # must not exist: another run made it
+    seen = store.version(path)
+    store.write_if(path, b"two", seen, tmp=tmp)
+    with pytest.raises(storage.SwitchRefused, match="changed by another run") as e:
+        store.write_if(path, b"three", seen, tmp=tmp)  # changed since it was seen
+    assert e.value.current == b"two"  # what is there now, to name its writer
+    assert store.read(path).data == b"two"
     assert not os.path.exists(tmp)
+
+
+def test_delete_if_deletes_only_the_version_seen(output):
+    path = f"{output}/L64/rows-00000-of-00001-aaaaaaaaaaaa.array_record"
+    if not output.startswith("gs://"):
+        os.makedirs(os.path.dirname(path))
+    store = storage.storage_for(path)
+    store.write(path, b"old")
+    seen = store.version(path)
+    time.sleep(0.01)
+    store.write(path, b"republished")  # a later run published the same (content-addressed) name
+    assert not store.delete_if(path, seen)
+    assert store.read(path).data == b"republished"
+    assert store.delete_if(path, store.version(path))
+    assert store.read(path) is None
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "nan", "100000"])
+def test_lock_expiry_out_of_range_is_one_line(value):
+    from pipelines.options import OptionsError, parse_args
+
+    with pytest.raises(OptionsError) as e:
+        parse_args(["--sample", "--output", "out", "--lock-expiry-s", value])
+    assert str(e.value) == f"--lock-expiry-s must be between 1 and 86400 seconds, got {float(value):g}"
+
+
+def test_lock_expiry_is_the_lease_length(gcs_prefix):
+    from pipelines.options import parse_args
+
+    config, _ = parse_args(["--sample", "--output", "out", "--lock-expiry-s", "5"])
+    assert config.lock_expiry_s == 5.0 and parse_args(["--sample", "--output", "o"])[0].lock_expiry_s == 600.0
+    out = f"{gcs_prefix}/out"
+    held = lock.OutputLock.acquire(out, "run-a", expiry_s=config.lock_expiry_s, renew=False)
+    info = lock.read_lock(out)
+    assert 4.5 <= info.expires - info.created <= 5.5
+    held.release()

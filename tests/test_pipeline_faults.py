@@ -1,9 +1,10 @@
 """A published shard set is never lost, mixed or half-replaced; bad inputs fail with one line.
 
-Every fault is injected at a chosen point: `pipelines.swap.fault_point` between publishing
-steps, or a patched function, never timing. A "kill" in-process raises Killed (a
-BaseException no handler catches) with the run's clean-up disabled, which leaves the output
-exactly as SIGKILL would (tests/test_interrupts.py kills a real process).
+Every fault is injected at a chosen point: a named failpoint (prepack/failpoints.py) between
+publishing steps, or a patched function, never timing. A "kill" in-process raises Killed (a
+BaseException no handler catches) with the run's clean-up disabled and its OS lock dropped,
+which leaves the output exactly as SIGKILL would (tests/test_interrupts.py and
+tests/test_fencing.py kill and pause real processes).
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ import pytest
 
 import loaders
 from testkit.pipeline import IN_PROCESS, alpaca_records, write_jsonl
-from pipelines import lock, outputs, staging, swap
+from pipelines import output
+from pipelines.output import lock as output_lock
+from pipelines.output import storage as output_storage
+from prepack import failpoints, layout
 from pipelines import write as writer
 from pipelines.cli import main as cli_main
 from pipelines.job import run
@@ -91,24 +95,24 @@ class Killed(BaseException):
     """Stands for SIGKILL: nothing catches it, and the run's clean-up is disabled."""
 
 
+def at_failpoint(monkeypatch, point: str, action) -> None:
+    """Runs `action()` when the failpoint `point` (NAME or NAME:DETAIL) is hit, in this process."""
+    def hit(name: str, detail: str | None = None) -> None:
+        if point in (name, f"{name}:{detail}"):
+            action()
+
+    monkeypatch.setattr(failpoints, "hit", hit)
+
+
 def kill_at(monkeypatch, point: str) -> None:
-    monkeypatch.setattr(staging, "cleanup_run", lambda *a, **k: None)
-    monkeypatch.setattr(lock.OutputLock, "release", lambda self: None)
+    """As SIGKILL at `point`: no clean-up, and the kernel drops the run's OS lock (its file stays)."""
+    monkeypatch.setattr(output, "cleanup_run", lambda *a, **k: None)
+    monkeypatch.setattr(output_lock.LocalLock, "release", lambda self: os.close(self._fd))
 
-    def fault(name: str) -> None:
-        if name == point:
-            raise Killed(point)
+    def die() -> None:
+        raise Killed(point)
 
-    monkeypatch.setattr(swap, "fault_point", fault)
-
-
-def mark_lock_owner_dead(out) -> None:
-    """The killed run's process is gone: its lock names a pid that no longer exists."""
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
-    child.wait()
-    path = out / ".lock"
-    info = json.loads(path.read_text())
-    path.write_text(json.dumps({**info, "pid": child.pid}))
+    at_failpoint(monkeypatch, point, die)
 
 
 # ----------------------------------------------------------------------------- kills while publishing
@@ -117,8 +121,8 @@ def mark_lock_owner_dead(out) -> None:
 @pytest.mark.parametrize("point, expect, consistent", [
     ("before_publish", {64: "old", 256: "old"}, True),
     ("shards_in_place", {64: "old", 256: "old"}, True),
-    ("manifest_switched:L64", {64: "new", 256: "old"}, False),
-    ("run_record_written", {64: "new", 256: "new"}, True),
+    ("after_manifest_switch:L64", {64: "new", 256: "old"}, False),
+    ("after_run_record", {64: "new", 256: "new"}, True),
 ])
 def test_overwrite_killed_while_publishing_leaves_old_or_new_never_a_mix(
         old_output, inputs, monkeypatch, point, expect, consistent):
@@ -142,9 +146,9 @@ def test_overwrite_killed_while_publishing_leaves_old_or_new_never_a_mix(
         with pytest.raises(loaders.ShardSetError, match=r"L64/manifest.json is not the manifest .*published.json names.*"
                                                         r"mix two runs; wait for the run, or run `prepack pack --overwrite` again"):
             loaders.published_lengths(str(out))
-    # The next run: takes over the dead run's lock, reports what it left, --clean-stale removes it.
+    # The next run: takes over the dead run's lock (the kernel freed it), reports what it left,
+    # --clean-stale removes it.
     monkeypatch.undo()
-    mark_lock_owner_dead(out)
     result = pack(args_for(inputs["new"], str(out), "--overwrite", "--clean-stale"))
     assert result.notes[0].startswith("removed ")  # the killed run's staging, at least
     assert assert_complete(out) == {64: "new.jsonl", 256: "new.jsonl"}
@@ -164,18 +168,17 @@ def test_leftovers_are_reported_then_cleaned(old_output, inputs, monkeypatch):
     with pytest.raises(Killed):
         pack(args_for(inputs["new"], str(out), "--overwrite"))
     monkeypatch.undo()
-    mark_lock_owner_dead(out)
-    leftovers = staging.find_leftovers(str(out), "no-such-run")
+    leftovers = output.find_leftovers(str(out), "no-such-run")
     assert any("/.staging-" in p for p in leftovers.paths)
-    assert any(swap.SHARD_FILE.match(os.path.basename(p)) for p in leftovers.paths)
+    assert any(layout.SHARD_FILE.match(os.path.basename(p)) for p in leftovers.paths)
     result = pack(args_for(inputs["other"], str(out), "--overwrite"))
     (note,) = result.notes
     assert note.startswith(f"{out} holds leftovers of earlier killed runs: 2 staging folders (") and note.endswith(
         "pass --clean-stale to remove them")
-    assert staging.find_leftovers(str(out), "no-such-run").paths
+    assert output.find_leftovers(str(out), "no-such-run").paths
     result = pack(args_for(inputs["other"], str(out), "--overwrite", "--clean-stale"))
     assert result.notes and result.notes[0].startswith("removed ")
-    assert staging.find_leftovers(str(out), "no-such-run").paths == []
+    assert output.find_leftovers(str(out), "no-such-run").paths == []
     assert assert_complete(out) == {64: "other.jsonl", 256: "other.jsonl"}
 
 
@@ -192,13 +195,13 @@ def test_second_run_into_a_held_output_is_refused(inputs, tmp_path, monkeypatch,
         pack(args_for(inputs["other"], str(out)))
     refusals = []
 
-    def race(name: str) -> None:
-        if name == "shards_in_place" and not refusals:
+    def race() -> None:
+        if not refusals:
             with pytest.raises(JobError) as e:
                 pack(args_for(inputs["new"], str(out), *(["--overwrite"] if overwrite else [])))
             refusals.append(str(e.value))
 
-    monkeypatch.setattr(swap, "fault_point", race)
+    at_failpoint(monkeypatch, "shards_in_place", race)
     pack(args_for(inputs["old"], str(out), *(["--overwrite"] if overwrite else [])))
     (refusal,) = refusals
     assert refusal.startswith(f"{out} is being written by run ") and "choose another --output" in refusal
@@ -215,14 +218,16 @@ def test_run_that_lost_its_lock_does_not_publish(inputs, tmp_path, monkeypatch, 
     out = tmp_path / "out"
     done = []
 
-    def stall(name: str) -> None:
-        if name == "before_publish" and not done:
+    def stall() -> None:
+        if not done:
             done.append(True)
-            os.remove(out / ".lock")  # A's lock expired and was taken over
+            os.remove(out / ".lock")  # an operator removed A's lock file by hand
             pack(args_for(inputs["new"], str(out), *(["--overwrite"] if overwrite else [])))
 
-    monkeypatch.setattr(swap, "fault_point", stall)
-    with pytest.raises(JobError, match=r"(no longer held by this run|already exist).*"):
+    at_failpoint(monkeypatch, "before_publish", stall)
+    with pytest.raises(JobError, match=r"^this run \(run \w+\) lost the lock on .*\.lock was removed or replaced\); "
+                                       r"the output now belongs to run \w+ \(it published published.json; no run holds the lock now\). This run stopped "
+                                       r"and changed nothing more$"):
         pack(args_for(inputs["old"], str(out), *(["--overwrite"] if overwrite else [])))
     assert assert_complete(out) == {64: "new.jsonl", 256: "new.jsonl"}
     assert sorted(loaders.published_lengths(str(out))) == list(LENGTHS)
@@ -233,13 +238,12 @@ def test_manifest_changed_behind_the_lock_is_not_replaced(old_output, inputs, mo
     switched (compare-and-swap), and the message says what state the output is in."""
     out = old_output
 
-    def sneak(name: str) -> None:
-        if name == "shards_in_place":
-            (out / "L64" / "manifest.json").write_text((out / "L64" / "manifest.json").read_text() + " ")
+    def sneak() -> None:
+        (out / "L64" / "manifest.json").write_text((out / "L64" / "manifest.json").read_text() + " ")
 
-    monkeypatch.setattr(swap, "fault_point", sneak)
+    at_failpoint(monkeypatch, "shards_in_place", sneak)
     with pytest.raises(JobError, match=r"L64/manifest.json was changed by another run since this one started; refusing "
-                                       r"to replace it \(lengths already switched by this run: none\)"):
+                                       r"to replace it \(sets already switched by this run: none\)"):
         pack(args_for(inputs["new"], str(out), "--overwrite"))
     assert input_of(manifests(out)[256]) == "old.jsonl"
 
@@ -259,8 +263,8 @@ def test_disk_full_during_the_manifest_switch(old_output, inputs, monkeypatch):
             raise OSError(errno.ENOSPC, "No space left on device")
         real_fsync(fd)
 
-    monkeypatch.setattr(outputs.os, "fsync", fsync)
-    monkeypatch.setattr(swap, "fault_point", lambda name: full.append(name) if name == "shards_in_place" else None)
+    monkeypatch.setattr(output_storage.os, "fsync", fsync)
+    at_failpoint(monkeypatch, "shards_in_place", lambda: full.append(True))
     with pytest.raises(JobError) as e:
         pack(args_for(inputs["new"], str(out), "--overwrite"))
     assert str(e.value).startswith("no space left on device while writing")
@@ -390,11 +394,10 @@ def test_existing_set_is_refused_before_beam_is_imported(published, inputs):
 def test_storage_error_between_lengths_says_what_is_published(old_output, inputs, monkeypatch):
     """A storage error after L64 was switched (a gs:// 503, say): one line that says L64 is the new
     set and L256 is not, and what to do; both lengths still verify."""
-    def fail(name: str) -> None:
-        if name == "manifest_switched:L64":
-            raise ConnectionError("injected: the storage service is unavailable")
+    def fail() -> None:
+        raise ConnectionError("injected: the storage service is unavailable")
 
-    monkeypatch.setattr(swap, "fault_point", fail)
+    at_failpoint(monkeypatch, "after_manifest_switch:L64", fail)
     with pytest.raises(JobError) as e:
         pack(args_for(inputs["new"], str(old_output), "--overwrite"))
     assert str(e.value) == (

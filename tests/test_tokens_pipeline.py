@@ -271,30 +271,20 @@ def test_inspect_summarizes_and_decodes_the_tokenized_set(first, capsys):
 
 
 def test_killed_run_leaves_the_old_tokenized_set_and_its_staging_is_cleaned_next_time(first, source, tmp_path, monkeypatch):
-    """kill -9 after the shard sets are switched, before the tokenized set is: the old set stays
-    whole (manifest and the files it names); the next run reports the killed run's staging,
-    --clean-stale removes it, and the set is published."""
-    from test_pipeline_faults import Killed, mark_lock_owner_dead
-
-    from pipelines import lock, staging, tokens_sink
+    """kill -9 after the shard sets are switched, before the tokenized set is (the failpoint
+    before_tokens_switch): the old set stays whole (manifest and the files it names); the next
+    run reports the killed run's staging, --clean-stale removes it, and the set is published."""
+    from test_pipeline_faults import Killed, kill_at
 
     out = tmp_path / "out"
     shutil.copytree(first / "tokens", out / "tokens")
     before = {n: (out / "tokens" / n).read_bytes() for n in os.listdir(out / "tokens")}
-    monkeypatch.setattr(staging, "cleanup_run", lambda *a, **k: None)
-    monkeypatch.setattr(tokens_sink, "cleanup", lambda *a, **k: None)
-    monkeypatch.setattr(lock.OutputLock, "release", lambda self: None)
-
-    def killed(*args, **kwargs):
-        raise Killed("before the tokenized set")
-
-    monkeypatch.setattr(tokens_sink, "publish", killed)
+    kill_at(monkeypatch, "before_tokens_switch")
     with pytest.raises(Killed):
         pack(source_args(source) + ["--output", str(out), "--max-length", "128", "--overwrite"])
     assert {n: (out / "tokens" / n).read_bytes() for n in os.listdir(out / "tokens") if not n.startswith(".staging-")} == before
     assert [n for n in os.listdir(out / "tokens") if n.startswith(".staging-")]
     monkeypatch.undo()
-    mark_lock_owner_dead(out)
     result = pack(source_args(source) + ["--output", str(out), "--max-length", "128", "--overwrite", "--clean-stale"])
     assert result.notes[0].startswith("removed ")
     manifest = read_tokens_manifest(out / "tokens")

@@ -1,0 +1,277 @@
+"""One writer per output: OUTPUT/.lock, and the fence every publishing step goes through.
+
+    lock = OutputLock.acquire(output, run_id, expiry_s)   # raises LockHeld naming the owner
+    lock.check()                                          # before each step: raises LockLost
+    lock.release()
+
+Liveness is proven by something a pause or a PID namespace cannot fake, never by
+whether a pid exists here:
+
+* Local disk: an OS lock, fcntl.flock on OUTPUT/.lock, opened close-on-exec (Beam's
+  worker processes do not inherit it) and held for the run's life. The kernel drops it
+  when the process ends, however it ends, so a killed run's lock is free at once. A
+  paused (SIGSTOP) run still holds it: the output stays that run's until the process
+  ends or is continued; an operator frees it by ending that process. The file's content
+  (run id, host, pid) only names the owner in messages. Across PID namespaces on one
+  kernel the flock is the same lock. On NFS, flock is emulated with byte-range locks
+  (Linux >= 2.6.12) and is visible to other clients only with a working lock manager
+  (NFSv4, or NFSv3 with lockd); gcsfuse does not share locks between machines at all:
+  write to gs://OUTPUT instead, which uses the lease below.
+* gs://: a lease object OUTPUT/.lock created with ifGenerationMatch=0 and rewritten by a
+  renewer thread within the expiry (--lock-expiry-s) with ifGenerationMatch = this run's
+  generation. A lock not renewed within its expiry is stale and is taken over: deleted
+  with ifGenerationMatch = the generation judged stale (of two runs judging it, one
+  wins), then created exclusively. `check()` is itself a conditional renewal, so a run
+  paused past its expiry learns, the moment it resumes, that another run owns the output;
+  every publishing write is also conditioned on generations it read under its lock
+  (pipelines/output/commit.py), so a write in flight when the lease ran out fails too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+from pipelines.output.storage import GcsStorage, SwitchRefused, storage_for
+from prepack import layout
+
+DEFAULT_EXPIRY_S = 600.0  # a gs:// lease not renewed for this long is stale
+RENEW_EVERY_S = 60.0  # at most; a third of the expiry when that is shorter
+
+
+class LockHeld(RuntimeError):
+    """Another live run holds the output."""
+
+
+class LockLost(RuntimeError):
+    """This run's lock was taken over or removed while it ran; the message names the owner now."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LockInfo:
+    run_id: str
+    host: str
+    pid: int
+    created: float
+    expires: float
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True).encode("utf-8")
+
+    @classmethod
+    def from_bytes(cls, data: bytes | None) -> "LockInfo | None":
+        try:
+            d = json.loads(data.decode("utf-8"))
+            return cls(str(d["run_id"]), str(d["host"]), int(d["pid"]), float(d["created"]), float(d["expires"]))
+        except Exception:  # a half-written lock (its writer died mid-write), or none
+            return None
+
+    def describe(self) -> str:
+        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.created))
+        return f"run {self.run_id} (pid {self.pid} on {self.host}, since {when})"
+
+
+def _owner_now(output: str, holder: LockInfo | None) -> str:
+    """Who owns the output now: the lock's holder, else the run whose record is published there."""
+    if holder is not None:
+        return holder.describe()
+    from prepack.run_record import RunRecord
+
+    found = storage_for(output).read(layout.run_record_path(output))
+    try:
+        return f"run {RunRecord.from_json(found.data.decode('utf-8')).run_id} (it published {layout.RUN_RECORD_NAME}; no run holds the lock now)"
+    except Exception:
+        return "no run (nobody holds the lock now)"
+
+
+def _lost(output: str, run_id: str, holder: LockInfo | None, why: str) -> LockLost:
+    return LockLost(f"this run (run {run_id}) lost the lock on {output} ({why}); the output now belongs to "
+                    f"{_owner_now(output, holder)}. This run stopped and changed nothing more")
+
+
+class OutputLock:
+    """The lock of one run on one output (LocalLock or LeaseLock)."""
+
+    output: str
+    run_id: str
+    took_over: LockInfo | None  # the killed (or stale) run whose lock this one replaced
+    lost: LockLost | None = None  # set when the lock was found lost (a lease, by its renewer)
+    on_lost: Callable[[], None] | None = None
+
+    @staticmethod
+    def acquire(output: str, run_id: str, expiry_s: float | None = None, renew: bool = True) -> "OutputLock":
+        expiry_s = DEFAULT_EXPIRY_S if expiry_s is None else float(expiry_s)
+        if storage_for(output).os_locks:
+            return LocalLock.take(output, run_id, expiry_s)
+        return LeaseLock.take(output, run_id, expiry_s, renew)
+
+    def check(self) -> None:
+        raise NotImplementedError
+
+    def release(self) -> None:
+        raise NotImplementedError
+
+
+def read_lock(output: str) -> LockInfo | None:
+    found = storage_for(output).read(layout.lock_path(output))
+    return LockInfo.from_bytes(found.data) if found else None
+
+
+# ----------------------------------------------------------------------------- local: an OS lock
+
+
+class LocalLock(OutputLock):
+    def __init__(self, output: str, info: LockInfo, fd: int, took_over: LockInfo | None):
+        self.output, self.run_id, self.info, self._fd, self.took_over = output, info.run_id, info, fd, took_over
+        self.path = layout.lock_path(output)
+
+    @classmethod
+    def take(cls, output: str, run_id: str, expiry_s: float) -> "LocalLock":
+        path = layout.lock_path(output)
+        os.makedirs(output, exist_ok=True)
+        for _ in range(5):
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = LockInfo.from_bytes(os.pread(fd, 1 << 16, 0))
+                os.close(fd)
+                who = holder.describe() if holder else "another run (its lock file is still being written)"
+                raise LockHeld(
+                    f"{output} is being written by {who}, whose process holds the OS lock on {path} "
+                    "(a paused run keeps it until it ends). Wait for that run to end, end that process to free the "
+                    "output, or choose another --output") from None
+            try:
+                same = os.fstat(fd).st_ino == os.stat(path).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:  # the file was released (unlinked) between our open and our lock
+                os.close(fd)
+                continue
+            previous = LockInfo.from_bytes(os.pread(fd, 1 << 16, 0))
+            now = time.time()
+            info = LockInfo(run_id, socket.gethostname(), os.getpid(), now, now + expiry_s)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, info.to_bytes(), 0)
+            os.fsync(fd)
+            return cls(output, info, fd, previous)
+        raise LockHeld(f"could not take the lock {path}: other runs keep taking and releasing it; try again")
+
+    def check(self) -> None:
+        if self._fd < 0:
+            raise _lost(self.output, self.run_id, None, "it was released")
+        try:
+            same = os.stat(self.path).st_ino == os.fstat(self._fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if not same:
+            raise _lost(self.output, self.run_id, read_lock(self.output), f"{self.path} was removed or replaced")
+
+    def release(self) -> None:
+        if self._fd < 0:
+            return
+        try:
+            if os.stat(self.path).st_ino == os.fstat(self._fd).st_ino:
+                os.remove(self.path)  # while still locked: a run waiting on it re-opens the new file
+        except OSError:
+            pass
+        os.close(self._fd)
+        self._fd = -1
+
+
+# ----------------------------------------------------------------------------- gs://: a renewed lease
+
+
+class LeaseLock(OutputLock):
+    def __init__(self, output: str, info: LockInfo, generation: int, expiry_s: float, took_over: LockInfo | None):
+        self.output, self.run_id, self.info, self.took_over = output, info.run_id, info, took_over
+        self.path = layout.lock_path(output)
+        self._store: GcsStorage = storage_for(output)  # type: ignore[assignment]
+        self._generation = generation
+        self._expiry_s = expiry_s
+        self._guard = threading.Lock()
+        self._stop = threading.Event()
+        self.lost: LockLost | None = None
+        self.on_lost: Callable[[], None] | None = None  # called by the renewer when it finds the lease lost
+        self._thread = threading.Thread(target=self._renew_loop, name="prepack-lock-renew", daemon=True)
+
+    @classmethod
+    def take(cls, output: str, run_id: str, expiry_s: float, renew: bool = True) -> "LeaseLock":
+        store = storage_for(output)
+        path = layout.lock_path(output)
+        took_over = None
+        for _ in range(5):
+            now = time.time()
+            info = LockInfo(run_id, socket.gethostname(), os.getpid(), now, now + expiry_s)
+            generation = store.create(path, info.to_bytes())  # idempotent: a retried create finds its own bytes
+            if generation is not None:
+                lock = cls(output, info, int(generation), expiry_s, took_over)
+                if renew:
+                    lock._thread.start()
+                return lock
+            current = store.read(path)
+            if current is None:
+                continue  # released between our create and our read: try again
+            holder = LockInfo.from_bytes(current.data)
+            if holder is not None and holder.run_id == run_id:
+                # Our own lock (a create retried after its response was lost wrote other bytes
+                # than these: a new `created`); adopt it rather than refuse ourselves.
+                lock = cls(output, holder, int(current.version), expiry_s, took_over)
+                lock.check()
+                if renew:
+                    lock._thread.start()
+                return lock
+            if holder is not None and holder.expires >= time.time():
+                raise LockHeld(
+                    f"{output} is being written by {holder.describe()}; its lease {path} expires "
+                    f"{time.strftime('%H:%M:%S UTC', time.gmtime(holder.expires))} unless that run renews it. Wait "
+                    "for that run to end, or choose another --output")
+            took_over = holder or LockInfo("unreadable", "unknown", 0, 0.0, 0.0)  # its writer died mid-write
+            store.delete_if(path, current.version)  # of the runs judging it stale, one deletes it
+        raise LockHeld(f"could not take the lock {path}: other runs keep taking it; try again")
+
+    def _renew_loop(self) -> None:
+        every = min(RENEW_EVERY_S, self._expiry_s / 3)
+        while not self._stop.wait(every):
+            try:
+                self.check()
+            except LockLost:
+                if self.on_lost is not None and not self._stop.is_set():
+                    self.on_lost()  # stop the run at once, mid-pipeline included
+                return
+            except Exception:  # a storage hiccup: the next tick, or the next check, tries again
+                pass
+
+    def check(self) -> None:
+        """Renews the lease if this run still holds it (ifGenerationMatch = its generation);
+        raises LockLost naming the owner otherwise. Storage decides, not this process's clock.
+        Once the main thread has found the loss, the renewer just stops."""
+        with self._guard:
+            if self.lost is not None:
+                if threading.current_thread() is self._thread:
+                    self._stop.set()
+                raise self.lost
+            info = dataclasses.replace(self.info, expires=time.time() + self._expiry_s)
+            try:
+                self._generation = int(self._store.write_if(self.path, info.to_bytes(), self._generation, tmp=""))
+                self.info = info
+            except SwitchRefused as e:
+                why = "its lease expired and was taken over" if e.current is not None else f"{self.path} was removed"
+                self.lost = _lost(self.output, self.run_id, LockInfo.from_bytes(e.current), why)
+                raise self.lost from None
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        with self._guard:
+            try:
+                self._store.delete_if(self.path, self._generation)
+            except Exception:
+                pass

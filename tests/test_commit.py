@@ -1,0 +1,95 @@
+"""The commit's delete rule, on local disk and gs://: a run deletes exactly the files the manifest
+it replaced named, at the versions it saw under its lock, and never a name that the manifest now
+published names. Driven directly (no pipeline) with a lock that always says "still yours", so
+these are the storage's own guarantees, beneath the lock check."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from pipelines.output import commit as output_commit
+from pipelines.output.storage import SwitchRefused, storage_for
+from prepack import layout
+from testkit.gcs_emulator import gcs_emulator, gcs_prefix  # noqa: F401  (pytest fixtures)
+
+OLD = ["rows-00000-of-00002-aaaaaaaaaaaa.array_record", "rows-00001-of-00002-bbbbbbbbbbbb.array_record"]
+NEW = ["rows-00000-of-00001-cccccccccccc.array_record"]
+
+
+class StillYours:
+    took_over = None
+
+    def check(self) -> None:
+        pass
+
+
+@pytest.fixture(params=["local", "gcs"])
+def output(request, tmp_path):
+    if request.param == "local":
+        return str(tmp_path / "out")
+    return f"{request.getfixturevalue('gcs_prefix')}/out"
+
+
+def manifest(names: list[str]) -> bytes:
+    return json.dumps({"shards": [{"path": n} for n in names], "dead_letter": None}).encode()
+
+
+def put(path: str, data: bytes) -> None:
+    if not path.startswith("gs://"):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    storage_for(path).write(path, data)
+
+
+@pytest.fixture
+def staged(output):
+    """OUTPUT/L64 holds the old set; the run has staged a new one and looked, holding its lock."""
+    folder = layout.length_dir(output, 64)
+    for n in OLD:
+        put(f"{folder}/{n}", n.encode())
+    put(f"{folder}/manifest.json", manifest(OLD))
+    staging = layout.staging_dir(output, 64, "run-b")
+    for n in NEW:
+        put(f"{staging}/{n}", n.encode())
+    place = output_commit.length_place(output, 64)
+    seen = output_commit.look(output, [place], StillYours())
+    staged_set = output_commit.StagedSet(place, staging, manifest(NEW), tuple(NEW))
+    commit = output_commit.Commit(output, "run-b", StillYours(), seen, overwrite=True)
+    commit.move_in([staged_set])
+    commit.switch(staged_set)
+    return folder, commit, staged_set
+
+
+def names_in(folder: str) -> set[str]:
+    return set(storage_for(folder).versions(folder))
+
+
+def test_deletes_exactly_what_the_replaced_manifest_named(staged):
+    folder, commit, s = staged
+    put(f"{folder}/rows-00000-of-00009-dddddddddddd.array_record", b"a killed run's leftover")
+    commit.delete_replaced(s)
+    assert names_in(folder) == {"manifest.json", *NEW, "rows-00000-of-00009-dddddddddddd.array_record"}
+
+
+def test_a_republished_name_is_not_deleted(staged):
+    """Another writer published a file under an old name (content-addressed names come back):
+    its version is not the one this run saw, so it stays. Shown to fail with delete_if's version
+    check removed (the file is deleted)."""
+    folder, commit, s = staged
+    time.sleep(0.01)
+    put(f"{folder}/{OLD[0]}", OLD[0].encode() + b" republished")
+    commit.delete_replaced(s)
+    assert names_in(folder) == {"manifest.json", *NEW, OLD[0]}
+
+
+def test_nothing_is_deleted_when_the_published_manifest_is_not_this_runs(staged):
+    """The manifest now published names an old file again: checked right before deleting, the run
+    deletes nothing. Shown to fail without the re-read (OLD[1], named by it, was deleted)."""
+    folder, commit, s = staged
+    storage_for(folder).write(f"{folder}/manifest.json", manifest(OLD))
+    with pytest.raises(SwitchRefused, match=r"L64/manifest.json changed after this run switched it; deleting nothing"):
+        commit.delete_replaced(s)
+    assert names_in(folder) >= set(OLD)

@@ -1,0 +1,234 @@
+"""A run that lost its lock can never touch what another run published.
+
+Each case drives a real `prepack pack` process to a named failpoint with
+PREPACK_FAILPOINTS=<point>=stop (SIGSTOP: every thread stops, the lease renewer included),
+lets the lock's expiry pass, starts a second run, then sends SIGCONT. After every case the
+sets readers see verify (open_shards(..., verify=True)) and are wholly one run's: every
+length, the tokenized set and published.json.
+
+* gs:// (the emulator): the paused run's lease expires, run B takes the output over and
+  publishes; when A resumes it stops at once with one line naming the owner, exit 1.
+  Shown to fail with the base commit's protocol (LeaseLock.check a no-op, each switch
+  conditioned on the version read at switch time, every file the run's manifest does not
+  name deleted): A then switched manifests over B's, wrote its run record beside B's
+  manifests, or deleted B's shards, and exited 0.
+* local disk: the paused run holds its OS lock however long it is paused, so B is refused
+  with one line naming A and how to free the output; A, continued, publishes its set whole.
+  Shown to fail with the flock taken out of LocalLock: B then took A's live output over.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import loaders
+from pipelines.output import lock as output_lock
+from pipelines.output.storage import storage_for
+from prepack import layout
+from prepack.run_record import RunRecord
+from testkit.gcs_emulator import gcs_emulator, gcs_prefix  # noqa: F401  (pytest fixtures)
+from testkit.pipeline import IN_PROCESS, alpaca_records, write_jsonl
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LENGTHS = (64, 256)
+EXPIRY_S = 2
+
+# Every step of the publishing order, as a failpoint (docs/manifest.md lists them).
+POINTS = ["before_publish", "shards_in_place", "after_manifest_switch:L64", "after_manifest_switch:L256",
+          "before_tokens_switch", "after_tokens_switch", "after_run_record", "before_delete"]
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("fencing-in")
+    return {name: write_jsonl(str(d / f"{name}.jsonl"), alpaca_records(20, seed=seed))
+            for name, seed in (("old", 0), ("a", 5), ("b", 9))}
+
+
+def pack_args(inp: str, out: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "pipelines.cli", "--input", inp, "--format", "alpaca", "--output", out,
+            "--max-length", *map(str, LENGTHS), "--no-progress", "--lock-expiry-s", str(EXPIRY_S), *IN_PROCESS, *extra]
+
+
+def start(inp: str, out: str, *extra: str, failpoints: str | None = None) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop("PREPACK_FAILPOINTS", None)
+    if failpoints:
+        env["PREPACK_FAILPOINTS"] = failpoints
+    return subprocess.Popen(pack_args(inp, out, *extra), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 120) -> tuple[int, str]:
+    _, err = proc.communicate(timeout=timeout)
+    return proc.returncode, err
+
+
+def wait_until_stopped(proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pid, status = os.waitpid(proc.pid, os.WUNTRACED | os.WNOHANG)
+        if pid and os.WIFSTOPPED(status):
+            return
+        if pid:
+            raise AssertionError(f"the run ended before its failpoint (status {status}): {proc.stderr.read()}")
+        time.sleep(0.05)
+    raise AssertionError("the run did not reach its failpoint")
+
+
+def read(path: str) -> bytes | None:
+    found = storage_for(path).read(path)
+    return None if found is None else found.data
+
+
+def assert_wholly_one_runs(out: str, source: str) -> RunRecord:
+    """Every length verifies and came from `source`, the tokenized set too, and published.json
+    names exactly these manifests (and the tokens manifest) by sha256."""
+    record = RunRecord.from_json(read(layout.run_record_path(out)).decode())
+    assert sorted(loaders.published_lengths(out)) == list(LENGTHS)
+    for L in LENGTHS:
+        with loaders.open_shards(layout.length_dir(out, L), expected_max_length=L, verify=True) as view:
+            assert len(view) == view.manifest.num_rows > 0
+            assert os.path.basename(view.manifest.inputs[0]["spec"]) == f"{source}.jsonl"
+    tokens = read(layout.tokens_manifest_path(out))
+    assert record.tokens_manifest_sha256 == __import__("hashlib").sha256(tokens).hexdigest()
+    tokens_manifest = json.loads(tokens)
+    assert os.path.basename(tokens_manifest["inputs"][0]["spec"]) == f"{source}.jsonl"
+    names = set(storage_for(out).versions(layout.tokens_dir(out)))
+    assert {s["path"] for s in tokens_manifest["shards"]} <= names  # every file it names is there
+    return record
+
+
+def lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("prepack pack: ")]
+
+
+@pytest.fixture
+def gcs_out(gcs_prefix, inputs):
+    out = f"{gcs_prefix}/out"
+    code, err = finish(start(inputs["old"], out))
+    assert code == 0, err
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", POINTS)
+def test_gcs_run_paused_past_its_lease_changes_nothing_when_it_resumes(gcs_out, inputs, point):
+    out = gcs_out
+    a = start(inputs["a"], out, "--overwrite", failpoints=f"{point}=stop")
+    try:
+        wait_until_stopped(a)
+        while (held := output_lock.read_lock(out)) is not None and held.expires >= time.time():
+            time.sleep(0.1)  # A is stopped, its renewer too: the lease runs out
+        code, err = finish(start(inputs["b"], out, "--overwrite"))
+        assert code == 0, err
+        b_record = assert_wholly_one_runs(out, "b")
+    finally:
+        os.kill(a.pid, signal.SIGCONT)
+    code, err = finish(a)
+    assert code == 1, err
+    (line,) = lines(err)
+    m = re.fullmatch(rf"prepack pack: this run \(run (\w+)\) lost the lock on {re.escape(out)} \(.*\); the output now belongs "
+                     rf"to run {b_record.run_id} \(.*\)\. This run stopped and changed nothing more", line)
+    assert m, line
+    assert m[1] != b_record.run_id
+    assert assert_wholly_one_runs(out, "b") == b_record
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", ["before_publish", "after_manifest_switch:L64", "after_run_record", "before_delete:L64"])
+def test_local_run_paused_holds_the_output_until_it_ends(inputs, tmp_path, point):
+    out = str(tmp_path / "out")
+    code, err = finish(start(inputs["old"], out))
+    assert code == 0, err
+    a = start(inputs["a"], out, "--overwrite", failpoints=f"{point}=stop")
+    try:
+        wait_until_stopped(a)
+        time.sleep(EXPIRY_S + 0.5)  # far past --lock-expiry-s: the OS lock does not expire
+        code, err = finish(start(inputs["b"], out, "--overwrite"))
+        assert code == 1
+        (line,) = lines(err)
+        assert re.fullmatch(
+            rf"prepack pack: {re.escape(out)} is being written by run \w+ \(pid {a.pid} on .*\), whose process holds the OS "
+            r"lock on .*/\.lock \(a paused run keeps it until it ends\)\. Wait for that run to end, end that process to "
+            r"free the output, or choose another --output", line), line
+    finally:
+        os.kill(a.pid, signal.SIGCONT)
+    code, err = finish(a)
+    assert code == 0, err
+    assert_wholly_one_runs(out, "a")
+    assert not os.path.exists(layout.lock_path(out))
+
+
+@pytest.mark.slow
+def test_local_run_ended_while_paused_frees_the_output(inputs, tmp_path):
+    """The operator's way out: end the paused process; the next run takes over at once."""
+    out = str(tmp_path / "out")
+    a = start(inputs["a"], out, failpoints="after_manifest_switch:L64=stop")
+    wait_until_stopped(a)
+    os.kill(a.pid, signal.SIGKILL)
+    finish(a)
+    code, err = finish(start(inputs["b"], out, "--overwrite", "--clean-stale"))
+    assert code == 0, err
+    assert_wholly_one_runs(out, "b")
+
+
+@pytest.mark.slow
+def test_a_live_local_lock_is_not_taken_over_from_another_pid_namespace(inputs, tmp_path):
+    """Run A is paused; run B starts in a new PID namespace (`unshare --pid --fork`), where A's
+    pid does not exist. The flock is the kernel's, shared across namespaces: B is refused, and
+    A, continued, publishes. Shown to fail with the flock taken out of LocalLock (B, seeing no
+    such pid, took the live output over); the gs:// lease's counterpart is in test_output_lock.py."""
+    if subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True).returncode != 0:
+        pytest.skip("unshare --pid needs root (CAP_SYS_ADMIN)")
+    out = str(tmp_path / "out")
+    a = start(inputs["a"], out, failpoints="before_publish=stop")
+    try:
+        wait_until_stopped(a)
+        env = dict(os.environ, PYTHONPATH=ROOT)
+        env.pop("PREPACK_FAILPOINTS", None)
+        check = f"import os, sys; sys.exit(0 if not os.path.exists('/proc/{a.pid}/status') else 3)"
+        b = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c",
+                            f"{sys.executable} -c \"{check}\" && exec {' '.join(pack_args(inputs['b'], out, '--overwrite'))}"],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert b.returncode == 1, b.stderr  # 3: A's pid was visible, the namespace did not isolate it
+        (line,) = lines(b.stderr)
+        assert f"is being written by run " in line and f"(pid {a.pid} on " in line and "holds the OS lock" in line
+    finally:
+        os.kill(a.pid, signal.SIGCONT)
+    code, err = finish(a)
+    assert code == 0, err
+    assert_wholly_one_runs(out, "a")
+
+
+@pytest.mark.slow
+def test_gcs_run_that_loses_its_lease_mid_pipeline_stops_at_once(gcs_out, inputs):
+    """Paused right after taking the lock, past its lease; run B publishes meanwhile. When A
+    resumes, its renewer finds the lease taken over and stops the run at once (its pipeline
+    included), with the one line: A never reaches before_publish (which would exit 9).
+    Shown to fail without LeaseLock.on_lost (A ran its whole pipeline and exited 9 there)."""
+    out = gcs_out
+    a = start(inputs["a"], out, "--overwrite", failpoints="after_lock=stop;before_publish=exit(9)")
+    try:
+        wait_until_stopped(a)
+        while (held := output_lock.read_lock(out)) is not None and held.expires >= time.time():
+            time.sleep(0.1)
+        code, err = finish(start(inputs["b"], out, "--overwrite"))
+        assert code == 0, err
+        b_record = assert_wholly_one_runs(out, "b")
+    finally:
+        os.kill(a.pid, signal.SIGCONT)
+    code, err = finish(a)
+    assert code == 1, err
+    (line,) = lines(err)
+    assert re.fullmatch(rf"prepack pack: this run \(run \w+\) lost the lock on {re.escape(out)} \(.*\); the output now "
+                        rf"belongs to run {b_record.run_id} \(.*\)\. This run stopped and changed nothing more", line), line
+    assert assert_wholly_one_runs(out, "b") == b_record
