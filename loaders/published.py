@@ -10,12 +10,12 @@ checks here that they belong together.
 from __future__ import annotations
 
 import hashlib
-import json
 
 from loaders import storage
 from loaders.shards import ShardSetError
+from prepack import rowformat, untrusted
 
-RUN_RECORD_NAME = "published.json"
+RUN_RECORD_NAME = untrusted.RUN_RECORD_NAME
 
 
 def published_lengths(output: str) -> dict[int, str]:
@@ -29,19 +29,16 @@ def published_lengths(output: str) -> dict[int, str]:
     text = storage.read_text(record_path)
     if text is None:
         raise ShardSetError(f"no {RUN_RECORD_NAME} in {output}: no run has published all its lengths here")
-    try:
-        record = json.loads(text)
-        lengths = {int(L): entry for L, entry in record["lengths"].items()}
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ShardSetError(f"{record_path}: not a valid run record ({e})") from e
+    # Checked before any path in it is used: each manifest path must be exactly L<L>/manifest.json.
+    record = untrusted.parse_run_record(text, record_path, ShardSetError, rowformat.MAX_MAX_LENGTH)
     out = {}
-    for L, entry in sorted(lengths.items()):
-        manifest_path = storage.join(output, entry["manifest"])
+    for L, sha256 in sorted(record["lengths"].items()):
+        manifest_path = storage.join(output, untrusted.length_manifest_path(L))
         manifest = storage.read_text(manifest_path)
         digest = None if manifest is None else hashlib.sha256(manifest.encode("utf-8")).hexdigest()
-        if digest != entry["sha256"]:
+        if digest != sha256:
             raise ShardSetError(
-                f"{manifest_path} is not the manifest {record_path} names (run {record.get('run_id')}): the lengths in "
+                f"{manifest_path} is not the manifest {record_path} names (run {record['run_id']}): the lengths in "
                 f"{output} are being published, or a publish was interrupted and they mix two runs; "
                 "wait for the run, or run `prepack pack --overwrite` again"
             )

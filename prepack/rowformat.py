@@ -22,6 +22,10 @@ STORAGE_DTYPE = np.dtype("<i4")
 FIELD_NAMES: tuple[str, ...] = ("input_ids", "loss_mask", "valid_mask", "positions", "segment_ids")
 FIELDS: dict[str, np.dtype] = {name: STORAGE_DTYPE for name in FIELD_NAMES}
 _BYTES_PER_TOKEN = STORAGE_DTYPE.itemsize * len(FIELD_NAMES)
+# The largest max length a set may have: a row is then 20 MiB, and the packer, the writers and
+# every reader hold whole rows (and batches of them) in memory. Beyond it `prepack pack` refuses
+# --max-length and readers refuse a manifest (docs/row_format.md).
+MAX_MAX_LENGTH = 1 << 20
 
 
 class RowFormatError(ValueError):

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from prepack import tokenwire
+from prepack import tokenwire, untrusted
 from prepack.manifest import MANIFEST_NAME, ShardInfo
 
 TOKENS_FORMAT_VERSION = 1
@@ -214,20 +214,17 @@ class TokenSetManifest:
             raise TokenSetError(f"{source}: not valid JSON ({e})") from e
         if not isinstance(data, dict) or data.get("kind") != TOKENS_KIND:
             raise TokenSetError(f"{source}: not a tokenized set's manifest (a shard set's? pass the OUTPUT/{TOKENS_DIR} folder)")
-        if data.get("format_version") != TOKENS_FORMAT_VERSION:
+        if type(data.get("format_version")) is not int or data["format_version"] != TOKENS_FORMAT_VERSION:
             raise TokenSetError(
                 f"{source}: tokenized-set format_version {data.get('format_version')!r} is not supported "
                 f"(this version reads {TOKENS_FORMAT_VERSION}); run a full `prepack pack` from the inputs again")
-        known = {f.name for f in dataclasses.fields(cls)}
         missing = [f.name for f in dataclasses.fields(cls)
                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and f.name not in data]
         if missing:
             raise TokenSetError(f"{source}: missing keys {missing}")
-        try:
-            shards = [ShardInfo(**s) for s in data["shards"]]
-        except TypeError as e:
-            raise TokenSetError(f"{source}: malformed shard entry ({e})") from e
-        manifest = cls(shards=shards, **{k: v for k, v in data.items() if k in known and k != "shards"})
+        kwargs = _checked_fields(data, source)
+        shards = [ShardInfo(**s) for s in untrusted.shard_entries(data["shards"], source, TokenSetError)]
+        manifest = cls(shards=shards, **kwargs)
         if sum(s.num_rows for s in shards) != manifest.num_examples:
             raise TokenSetError(f"{source}: shard record counts add up to {sum(s.num_rows for s in shards)}, "
                                 f"not num_examples {manifest.num_examples}")
@@ -249,6 +246,70 @@ class TokenSetManifest:
                         "chat_format": "--chat-format", "tokenizer": "--tokenizer"}[key]
                 return f"{flag} {_show(want)} differs from the tokenized set's {_show(have)}"
         return None
+
+
+def _checked_fields(data: dict[str, Any], source: str) -> dict[str, Any]:
+    """The fields other than `shards`, each of the type the job relies on (prepack.untrusted);
+    TokenSetError names the field."""
+    E = TokenSetError
+    u = untrusted
+
+    def job(v: Any, f: str) -> dict[str, Any]:
+        u.mapping(v, source, f, E)
+        for k, task in enumerate(u.sequence(v.get("tasks"), source, f"{f}.tasks", E)):
+            u.mapping(task, source, f"{f}.tasks[{k}]", E)
+            u.count(task.get("input_index"), source, f"{f}.tasks[{k}].input_index", E)
+            for key in ("input_spec", "path", "name"):
+                u.text(task.get(key), source, f"{f}.tasks[{k}].{key}", E)
+            if task.get("byte_start") is not None:
+                u.count(task["byte_start"], source, f"{f}.tasks[{k}].byte_start", E)
+            if set(task) - {"input_index", "input_spec", "path", "name", "byte_start"}:
+                raise E(f"{source}: {f}.tasks[{k}] has unknown keys {sorted(set(task))}; the manifest was edited or is damaged")
+        u.sequence(v.get("fingerprints"), source, f"{f}.fingerprints", E)
+        u.count(v.get("est_records"), source, f"{f}.est_records", E)
+        try:
+            from prepack.accounting import Tally
+
+            Tally.from_json(u.mapping(v.get("tally"), source, f"{f}.tally", E))
+        except E:
+            raise
+        except Exception as e:  # a missing count, a string for a number, an unknown drop reason
+            raise E(f"{source}: {f}.tally is damaged ({type(e).__name__}: {e}); run a full `prepack pack` again") from None
+        return v
+
+    def tokenizer(v: Any, f: str) -> dict[str, Any]:
+        u.mapping(v, source, f, E)
+        u.count(v.get("pad_id"), source, f"{f}.pad_id", E)
+        return v
+
+    def choices(v: Any, f: str) -> dict[str, Any]:
+        u.mapping(v, source, f, E)
+        for k, spec in enumerate(u.sequence(v.get("inputs"), source, f"{f}.inputs", E)):
+            u.text(spec, source, f"{f}.inputs[{k}]", E)
+        for key in ("format", "chat_format", "tokenizer"):
+            u.text(v.get(key), source, f"{f}.{key}", E)
+        u.mapping(v.get("template_options"), source, f"{f}.template_options", E)
+        u.text(v.get("tfds_data_dir"), source, f"{f}.tfds_data_dir", E, optional=True)
+        return v
+
+    checks = {
+        "num_examples": lambda v, f: u.count(v, source, f, E),
+        "tokens": lambda v, f: u.count(v, source, f, E),
+        "target_tokens": lambda v, f: u.count(v, source, f, E),
+        "choices": choices,
+        "tokenizer": tokenizer,
+        "template": lambda v, f: u.mapping(v, source, f, E),
+        "inputs": lambda v, f: u.sequence(v, source, f, E),
+        "stats": lambda v, f: u.mapping(v, source, f, E),
+        "job": job,
+        "dropped": lambda v, f: None if v is None else u.file_name(v, source, f, E),
+        "tool": lambda v, f: u.mapping(v, source, f, E),
+        "created_at": lambda v, f: u.text(v, source, f, E, optional=True),
+        "kind": lambda v, f: v,
+        "format_version": lambda v, f: v,
+        "array_record_options": lambda v, f: u.text(v, source, f, E),
+    }
+    return {k: checks[k](v, k) for k, v in data.items() if k in checks}
 
 
 def _show(value: Any) -> str:
