@@ -239,6 +239,10 @@ def iter_json(task: ReadTask, digest: FileDigest) -> Iterator[RawRecord]:
         yield 0, 0, RAW_ERROR, ("malformed_json", "expected a JSON array of records", snippet(data))
         return
     for index, record in enumerate(parsed):
+        problem = bad_text(record)
+        if problem is not None:
+            yield index, 0, RAW_ERROR, ("bad_text", problem, snippet(json.dumps(record)))  # ASCII: no surrogate in it
+            continue
         yield index, 0, RAW_OBJECT, record
 
 
@@ -376,11 +380,43 @@ def parse_text(payload: bytes) -> tuple[Any, tuple[str, str] | None]:
     except UnicodeDecodeError as e:
         return None, ("undecodable_bytes", f"not UTF-8 text ({e})")
     try:
-        return json.loads(text), None
+        record = json.loads(text)
     except json.JSONDecodeError as e:
         return None, ("malformed_json", f"not valid JSON ({e})")
     except RecursionError:
         return None, ("too_deeply_nested", "JSON nested too deeply to parse (over ~1,000 levels)")
     except Exception as e:  # whatever else the parser cannot handle is this record's problem, not the job's
         return None, ("unparseable", f"the JSON parser failed on this record ({type(e).__name__}: {e})")
+    # json (unlike orjson, which sent the text here) accepts escaped lone surrogates ("\ud800"):
+    # text no tokenizer can encode (sentencepiece raises, tiktoken silently replaces it).
+    problem = bad_text(record)
+    if problem is not None:
+        return None, ("bad_text", problem)
+    return record, None
+
+
+def bad_text(value: Any, path: str = "") -> str | None:
+    """Why a parsed record holds text that cannot be encoded (a lone surrogate), naming the
+    field; None when all its text is encodable. Only json-parsed values can hold such text."""
+    stack = [(value, path)]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    return (f"field '{where or '.'}': text that cannot be encoded as UTF-8 at character {e.start} "
+                            f"({item[e.start:e.end]!a}, a lone surrogate); fix the record or leave it out")
+        elif isinstance(item, dict):
+            for k, v in item.items():
+                if isinstance(k, str) and not k.isascii():
+                    try:
+                        k.encode("utf-8")
+                    except UnicodeEncodeError:
+                        return f"a field name under '{where or '.'}' cannot be encoded as UTF-8 (a lone surrogate)"
+                stack.append((v, f"{where}.{k}" if where else str(k)))
+        elif isinstance(item, list):
+            stack.extend((v, f"{where}[{i}]") for i, v in enumerate(item))
+    return None
 
