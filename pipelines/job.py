@@ -192,7 +192,7 @@ def build_pipeline(pipeline: Any, job: PreparedJob) -> None:
         pipeline
         | "ListInputs" >> beam.Create(job.tasks)
         | "SpreadTasks" >> beam.Reshuffle()
-        | "Read" >> beam.ParDo(ReadTaskFn(config.batch_size, config.progress)).with_outputs(TAG_FINGERPRINT, main="records")
+        | "Read" >> beam.ParDo(ReadTaskFn(config.batch_size, config.progress, config.limits)).with_outputs(TAG_FINGERPRINT, main="records")
     )
     # Records cross a shuffle only when some task is big and unsplittable (a large compressed or
     # non-JSONL file); byte ranges and dataset row ranges already spread the reading evenly.

@@ -11,6 +11,7 @@ from apache_beam.pvalue import TaggedOutput
 
 from pipelines import readers
 from pipelines.failures import InputFileError
+from pipelines.input_limits import InputLimits
 from pipelines.sources import ReadTask
 from pipelines.stage import NAMESPACE, TAG_FINGERPRINT, Progress, StageClock
 
@@ -24,9 +25,10 @@ class ReadTaskFn(beam.DoFn):
     that fails fails the job with the file named.
     """
 
-    def __init__(self, batch_size: int, progress: bool):
+    def __init__(self, batch_size: int, progress: bool, limits: InputLimits | None = None):
         self.batch_size = batch_size
         self.progress = progress
+        self.limits = limits or InputLimits()
 
     def setup(self) -> None:
         self.records = Metrics.counter(NAMESPACE, "records_read")
@@ -40,7 +42,7 @@ class ReadTaskFn(beam.DoFn):
         count = 0
         started = StageClock.now()
         try:
-            for record in readers.iter_task(task, digest, self.batch_size):
+            for record in readers.iter_task(task, digest, self.batch_size, self.limits):
                 batch.append(record)
                 if len(batch) >= self.batch_size:
                     count += len(batch)
