@@ -442,6 +442,12 @@ def run(config: PackConfig, beam_args: list[str], run_id: str | None = None) -> 
             manifests[L].created_at = created_at
             if job.tokens is not None:
                 manifests[L].lineage = tokens_source.lineage(job.tokens, config.from_tokens)
+        # The run record names OUTPUT/tokens/manifest.json as it is once this run is published.
+        if tokens_manifest is not None:
+            tokens_manifest.created_at = created_at
+            tokens_sha256 = hashlib.sha256(tokens_manifest.to_json().encode("utf-8")).hexdigest()
+        else:
+            tokens_sha256 = tokens_source.manifest_sha256(tokens_sink.tokens_dir(config.output))
         # Checked again at the last moment: the lock is still ours, and nothing appeared meanwhile.
         swap.fault_point("before_publish")
         try:
@@ -450,7 +456,8 @@ def run(config: PackConfig, beam_args: list[str], run_id: str | None = None) -> 
             raise publish.JobError(str(e)) from e
         publish.refuse_existing(config)
         try:
-            switched = swap.publish(config.output, job.run_id, manifests, seen, config.overwrite, progress=switched)
+            switched = swap.publish(config.output, job.run_id, manifests, seen, config.overwrite, progress=switched,
+                                    tokens_manifest_sha256=tokens_sha256)
         except outputs.SwitchRefused as e:
             raise publish.JobError(f"{e}; the sets now in {config.output} are another run's") from e
         except OSError as e:

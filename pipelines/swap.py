@@ -94,7 +94,7 @@ def _move(fs: Any, sources: list[str], targets: list[str]) -> None:
 
 def publish(
     output: str, run_id: str, manifests: dict[int, Manifest], seen: Seen, overwrite: bool,
-    progress: dict[int, str] | None = None,
+    progress: dict[int, str] | None = None, tokens_manifest_sha256: str | None = None,
 ) -> dict[int, str]:
     """Steps 1-4 above; returns max length -> manifest path. Raises SwitchRefused if another
     writer changed a manifest since the run started. `progress` receives each length as its
@@ -144,6 +144,8 @@ def publish(
             for L, m in sorted(manifests.items())
         },
     }
+    if tokens_manifest_sha256 is not None:  # OUTPUT/tokens/manifest.json's sha256: --from-tokens checks it
+        record["tokens_manifest_sha256"] = tokens_manifest_sha256
     record_path = f"{output}/{RUN_RECORD_NAME}"
     outputs.switch(record_path, json.dumps(record, indent=2, sort_keys=True).encode("utf-8"),
                    outputs.version(record_path), tmp=f"{run_staging_dir(output, run_id)}/{RUN_RECORD_NAME}")

@@ -117,25 +117,64 @@ class DecodedExamples:
 
 
 def decode_example(record: bytes) -> tuple[str, tuple[int, int, int, int], np.ndarray, np.ndarray]:
-    """(example id, loc, ids, mask) of one record; raises TokenSetError on a damaged record."""
+    """(example id, loc, ids, mask) of one record; raises TokenSetError on a damaged record.
+    Every length in the record is checked against its size before anything is decoded."""
     if len(record) < _HEAD.size or record[0] != _RECORD_VERSION:
         raise TokenSetError(f"not a tokenized-set record of version {_RECORD_VERSION}")
     _, n, task, rec, line, sub, id_len = _HEAD.unpack_from(record)
     at = _HEAD.size + id_len
-    eid = record[_HEAD.size : at].decode("utf-8")
-    ids_end = at + tokenwire.ids_wire_size(record[at : at + 1], n)
+    try:
+        eid = record[_HEAD.size : at].decode("utf-8")
+    except UnicodeDecodeError:
+        raise TokenSetError("record is damaged: its example id is not UTF-8") from None
+    ids_tag = record[at : at + 1]
+    ids_end = at + tokenwire.ids_wire_size(ids_tag, n)
+    mask_tag = record[ids_end : ids_end + 1]
+    mask_end = ids_end + tokenwire.mask_wire_size(mask_tag, n)
+    counted = int.from_bytes(record[ids_end + 1 : ids_end + 1 + tokenwire.MASK_COUNT_BYTES], "little")
+    if ids_tag not in (tokenwire.IDS_24, tokenwire.IDS_32) or mask_tag not in (tokenwire.MASK_BITS, tokenwire.MASK_BYTES) \
+            or mask_end != len(record) or (mask_tag == tokenwire.MASK_BITS and counted != n):
+        raise TokenSetError(f"record of {eid!r} is damaged: {n} tokens declared, but its {len(record)} bytes do not hold them")
     ids = tokenwire.ids_from_wire(record[at:ids_end])
-    mask_end = ids_end + tokenwire.mask_wire_size(record[ids_end : ids_end + 1], n)
     mask = tokenwire.mask_from_wire(record[ids_end:mask_end])
-    if len(ids) != n or len(mask) != n or mask_end != len(record):
-        raise TokenSetError(f"record of {eid!r} is damaged: {n} tokens declared, {len(ids)} ids and {len(mask)} mask values found")
     return eid, (task, rec, line, sub), ids, mask
+
+
+def check_examples(decoded: "DecodedExamples", vocab_size: int, num_tasks: int, where: str) -> None:
+    """Raises TokenSetError (naming `where` and the example) unless every example of a batch is
+    one the job could have written: ids within the vocabulary, a 0/1 mask, a source task that
+    exists. The records of a tokenized set are read from storage others can write."""
+    bad = None
+    if decoded.ids.size and (int(decoded.ids.min()) < 0 or int(decoded.ids.max()) >= vocab_size):
+        flat = np.flatnonzero((decoded.ids < 0) | (decoded.ids >= vocab_size))[0]
+        bad = (int(np.searchsorted(np.cumsum(decoded.lens), flat, side="right")),
+               f"token id {int(decoded.ids[flat])} is outside the vocabulary (vocab_size {vocab_size:,})")
+    elif decoded.mask.size and int(decoded.mask.max()) > 1:
+        flat = int(np.flatnonzero(decoded.mask > 1)[0])
+        bad = (int(np.searchsorted(np.cumsum(decoded.lens), flat, side="right")), "its loss mask is not 0/1")
+    else:
+        for k, loc in enumerate(decoded.locs):
+            if not 0 <= loc[0] < num_tasks or min(loc[1:]) < 0:
+                bad = (k, f"its source {tuple(loc)} names no task of the set's {num_tasks}")
+                break
+    if bad is not None:
+        k, why = bad
+        raise TokenSetError(f"{where}: example {decoded.example_ids[k]!r} is damaged: {why}")
 
 
 def decode_batch(records: Sequence[bytes]) -> DecodedExamples:
     """Many records at once: headers one by one, ids and masks with a few array operations
     when every record has 24-bit ids and a bit mask (what encode_batch writes), else
-    record by record."""
+    record by record. Raises TokenSetError for a damaged record, whatever its bytes."""
+    try:
+        return _decode_batch(records)
+    except TokenSetError:
+        raise
+    except (struct.error, UnicodeDecodeError, ValueError, IndexError) as e:  # lengths that do not fit the bytes
+        raise TokenSetError(f"a record is damaged ({type(e).__name__}: {e})") from None
+
+
+def _decode_batch(records: Sequence[bytes]) -> DecodedExamples:
     heads = [_HEAD.unpack_from(r) for r in records]
     if any(h[0] != _RECORD_VERSION for h in heads):
         raise TokenSetError(f"not a tokenized-set record of version {_RECORD_VERSION}")
