@@ -280,3 +280,61 @@ def test_a_whole_file_input_that_changes_mid_run_fails_the_job_in_one_line(tmp_p
     assert "\n" not in message and message.startswith(f"{src} changed while the job ran (size ")
     assert message.endswith("an input must not change while the job runs: run the job again on a copy")
     assert not os.path.exists(tmp_path / "out" / "L256")
+
+
+# ----------------------------------------------------------------------------- fuzz
+
+
+def _fuzz_lines(fmt: str, examples: int, tokenizer: str = "gemma3") -> None:
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from pipelines.prepare import Preparer
+    from prepack.accounting import Tally
+
+    preparer = Preparer.from_names((TaskMeta(0, "in", "f.jsonl", "f.jsonl"),), fmt, (), tokenizer, "auto")
+    text = st.text(max_size=30) | st.sampled_from(["lone \ud800", "\udfff", "\x00", "\u2028", "<start_of_turn>", ""])
+    value = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | text,
+                         lambda inner: st.lists(inner, max_size=3) | st.dictionaries(text, inner, max_size=3), max_leaves=6)
+    fields = {"alpaca": ["instruction", "input", "output"], "chat": ["messages"]}[fmt]
+    message = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "tool", "x"]) | text,
+                                     "content": text | value})
+    record = st.fixed_dictionaries({f: (st.lists(message, max_size=4) if f == "messages" else text) | value for f in fields},
+                                   optional={"extra": value})
+    as_line = record.map(lambda r: json.dumps(r).encode()) | record.map(lambda r: json.dumps(r, ensure_ascii=False)
+                                                                        .encode("utf-8", "surrogatepass"))
+    line = as_line | st.binary(max_size=80) | as_line.map(lambda b: b[: len(b) // 2])
+
+    @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(lines=st.lists(line, min_size=1, max_size=6))
+    def check(lines):
+        data = b"\n".join(lines)
+        split = list(readers._jsonl_lines([data[:7], data[7:]], limit=200))
+        items = list(readers._raw_lines(split, 200))
+        tally, bad = Tally(), []
+        batches = preparer.tokenize(preparer.template_records(0, items, tally, bad), tally, bad)
+        examples_out = sum(len(b) for b in batches)
+        # Every record read is examples or exactly one dead letter; nothing raised.
+        assert tally.records_read == len(items)
+        assert tally.examples - tally.bad_examples.total() == examples_out
+        assert len(bad) == tally.bad_records.total() + tally.bad_examples.total()
+        for _, entry in bad:
+            json.dumps(entry, ensure_ascii=False).encode("utf-8")  # as the dead-letter writers write it
+
+    check()
+
+
+@pytest.mark.parametrize("fmt", ["alpaca", "chat"])
+def test_fuzz_jsonl_lines_give_rows_or_dead_letters(fmt):
+    _fuzz_lines(fmt, 300)
+
+
+@pytest.mark.parametrize("fmt,tokenizer", [("alpaca", "qwen3"), ("chat", "qwen3")])
+def test_fuzz_jsonl_lines_qwen3(fmt, tokenizer):
+    _fuzz_lines(fmt, 150, tokenizer)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["alpaca", "chat"])
+def test_fuzz_jsonl_lines_10000(fmt):
+    _fuzz_lines(fmt, 10_000)
