@@ -304,3 +304,53 @@ def test_fuzz_manifests_give_a_set_or_a_manifest_error(tmp_path_factory):
 @pytest.mark.slow
 def test_fuzz_manifests_10000(tmp_path_factory):
     _fuzz_manifest(tmp_path_factory, 10_000)
+
+
+def _fuzz_tokens_manifest(examples: int) -> None:
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    good = _tokens_manifest()
+    paths = [("kind",), ("format_version",), ("num_examples",), ("tokens",), ("target_tokens",), ("shards",),
+             ("shards", 0, "path"), ("shards", 0, "sha256"), ("shards", 0, "num_rows"), ("choices",), ("choices", "inputs"),
+             ("choices", "template_options"), ("tokenizer",), ("tokenizer", "pad_id"), ("template",), ("inputs",),
+             ("stats",), ("job",), ("job", "tasks"), ("job", "tasks", 0), ("job", "tasks", 0, "byte_start"),
+             ("job", "tally"), ("job", "tally", "per_length"), ("job", "est_records"), ("dropped",), ("tool",),
+             ("created_at",), ("array_record_options",)]
+
+    @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(edits=st.lists(st.tuples(st.sampled_from(paths), _json_values()), min_size=1, max_size=3))
+    def check(edits):
+        data = json.loads(json.dumps(good))
+        for path, value in edits:
+            target = data
+            for key in path[:-1]:
+                if isinstance(target, dict) and key in target or isinstance(target, list) and isinstance(key, int) and key < len(target):
+                    target = target[key]
+                else:
+                    target = None
+                    break
+            if isinstance(target, dict) or (isinstance(target, list) and isinstance(path[-1], int) and path[-1] < len(target)):
+                target[path[-1]] = value
+        try:
+            manifest = TokenSetManifest.from_json(json.dumps(data), source="T/manifest.json")
+        except TokenSetError as e:
+            assert "\n" not in str(e)
+            return
+        from pipelines.tokens_source import tasks_of
+        from prepack.accounting import Tally
+
+        tasks_of(manifest)  # what the job then builds from it must not raise either
+        Tally.from_json(manifest.job["tally"])
+        int(manifest.tokenizer["pad_id"])
+
+    check()
+
+
+def test_fuzz_tokens_manifests_give_a_set_or_a_token_set_error():
+    _fuzz_tokens_manifest(300)
+
+
+@pytest.mark.slow
+def test_fuzz_tokens_manifests_10000():
+    _fuzz_tokens_manifest(10_000)
