@@ -96,6 +96,7 @@ def _file_blocks(task: ReadTask, limits: InputLimits) -> Iterator[bytes]:
     never a shorter file, as does a file over a limit (pipelines/input_limits.py) or one that is
     not the file planned (another size or mtime, or not a regular file any more)."""
     path = task.path
+    swap.fault_point("input_read:start")  # tests hold a worker here, mid-pipeline
     _check_unchanged(task)  # a local path that became a FIFO or a device is refused before open
     suffix = compressed.suffix_of(path)
     with _open_raw(path) as f:
