@@ -12,6 +12,7 @@ from pipelines import readers
 from pipelines.options import OptionsError, parse_args
 from pipelines.publish import JobError
 from pipelines.records import TaskMeta
+from testkit.gcs_emulator import gcs_emulator, gcs_prefix  # noqa: F401  (pytest fixtures)
 from testkit.pipeline import IN_PROCESS, alpaca_records, write_json, write_jsonl
 
 LONE = b'{"instruction": "lone \\ud800 here", "input": "", "output": "ok"}'
@@ -338,3 +339,25 @@ def test_fuzz_jsonl_lines_qwen3(fmt, tokenizer):
 @pytest.mark.parametrize("fmt", ["alpaca", "chat"])
 def test_fuzz_jsonl_lines_10000(fmt):
     _fuzz_lines(fmt, 10_000)
+
+
+def test_a_gs_input_that_is_replaced_mid_run_fails_the_job_in_one_line(gcs_emulator, gcs_prefix, tmp_path, monkeypatch):  # noqa: F811
+    import gzip
+
+    from pipelines import swap
+
+    local = tmp_path / "in.jsonl.gz"
+    local.write_bytes(gzip.compress(b"".join(json.dumps(r).encode() + b"\n" for r in alpaca_records(20))))
+    url = f"{gcs_prefix}/in/in.jsonl.gz"
+    gcs_emulator.upload_file(str(local), url)
+    bigger = tmp_path / "bigger.jsonl.gz"
+    bigger.write_bytes(gzip.compress(b"".join(json.dumps(r).encode() + b"\n" for r in alpaca_records(40))))
+
+    def replace_the_object(name: str) -> None:
+        if name == "input_read:whole_file":  # a new generation, after the worker read the old one
+            gcs_emulator.upload_file(str(bigger), url)
+
+    monkeypatch.setattr(swap, "fault_point", replace_the_object)
+    with pytest.raises(JobError) as e:
+        _pack_limited(url, f"{gcs_prefix}/out")
+    assert "\n" not in str(e.value) and str(e.value).startswith(f"{url} changed while the job ran (size ")
