@@ -21,6 +21,7 @@ import numpy as np
 
 from loaders import storage
 from loaders.shards import ShardView, open_shards, read_manifest
+from prepack import rowformat
 from prepack.manifest import Manifest, ManifestError
 from prepack.cli_help import DefaultsHelpFormatter
 
@@ -154,7 +155,10 @@ class _Renderer:
 
 
 def row_lines(view: ShardView, index: int, renderer: _Renderer) -> list[str]:
+    """Raises RowFormatError for a row that breaks the format (a record from a stranger:
+    its segment ids would otherwise drive the loop below)."""
     row = view[index]
+    rowformat.check_row(row, view.max_length)
     seg = row["segment_ids"]
     length = view.max_length
     n_valid = int(row["valid_mask"].sum())
@@ -287,13 +291,30 @@ def _show_rows(view: ShardView, manifest: Manifest, args: argparse.Namespace, ou
     decode = None if args.ids else _load_decoder(
         args.tokenizer or manifest.tokenizer.get("name", "gemma3"), manifest, err, args.allow_download
     )
-    specials = {int(i): str(t) for t, i in (manifest.tokenizer.get("special_ids") or {}).items() if isinstance(i, int)}
+    special_ids = manifest.tokenizer.get("special_ids")
+    specials = {i: str(t) for t, i in (special_ids if isinstance(special_ids, Mapping) else {}).items()
+                if isinstance(i, int) and not isinstance(i, bool)}
     renderer = _Renderer(decode, _use_color(args.color, out), specials)
     legend = "targets in green" if renderer.color else "targets between [[ ]]"
     print(f"\nrows {args.row_index}..{min(len(view), args.row_index + args.rows) - 1} ({legend})", file=out)
     for index in range(args.row_index, min(len(view), args.row_index + args.rows)):
-        print("\n".join(row_lines(view, index, renderer)), file=out)
+        try:
+            lines = row_lines(view, index, renderer)
+        except ManifestError as e:  # a record that fails its checksum (ShardSetError names the file)
+            print(f"prepack inspect: {e}", file=err)
+            return 1
+        except rowformat.RowFormatError as e:
+            print(f"prepack inspect: {path_of(view, index)}: row {index} does not follow the row format ({e}); "
+                  "the shard is corrupt or not written by prepack: republish the set", file=err)
+            return 1
+        print("\n".join(lines), file=out)
     return 0
+
+
+def path_of(view: ShardView, index: int) -> str:
+    """The shard file holding global row `index`."""
+    shards, _ = view._locate(np.asarray([index], dtype=np.int64))
+    return view.shard_paths[int(shards[0])]
 
 
 if __name__ == "__main__":

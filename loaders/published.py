@@ -31,7 +31,7 @@ def published_lengths(output: str) -> dict[int, str]:
     try:
         record = RunRecord.from_json(text, record_path)
     except RunRecordError as e:
-        raise ShardSetError(f"not a valid run record: {e}") from e
+        raise ShardSetError(str(e)) from e
     out = {}
     for L, entry in sorted(record.lengths.items()):
         manifest_path = storage.join(output, entry.manifest)

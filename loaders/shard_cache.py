@@ -5,10 +5,17 @@ open-ended range on a new connection), so a training host reading from GCS is
 bound by request latency. SFT shard sets are small next to a TPU host's disk,
 so the loader downloads each shard whole, once, and reads it locally.
 
-Files are named by their content (the manifest's sha256), which is checked
-while downloading: a cached file is exactly the shard the manifest names, so it
-can be shared by every set, process and run on the host, and is never stale.
-A lock file per shard lets one process download it while others wait.
+Files are named by their content (the manifest's sha256, checked to be 64 hex
+digits before it names anything: prepack.untrusted), which is checked while
+downloading: a cached file is exactly the shard the manifest names, so it can be
+shared by every set, process and run on the host, and is never stale. A lock file
+per shard lets one process download it while others wait.
+
+A cached copy can still rot on the host's disk (a flipped byte, a tool that wrote
+into the folder). The cache heals instead of trusting it forever: with verify=True
+a cached copy is hashed again, and one that fails its hash is dropped and
+downloaded once more; a reader that finds a corrupt record in a cached copy calls
+`drop` and fetches it again once (loaders/shards.py) before it reports the error.
 
 The folder: cache_dir, else $PREPACK_SHARD_CACHE, else
 $XDG_CACHE_HOME/prepack/shards (~/.cache/prepack/shards). Nothing is evicted:
@@ -23,6 +30,7 @@ import os
 import threading
 
 from loaders import storage
+from prepack import untrusted
 
 CACHE_ENV = "PREPACK_SHARD_CACHE"
 SUFFIX = ".array_record"
@@ -53,7 +61,24 @@ class ShardCache:
         return f"ShardCache({self.folder!r})"
 
     def path_for(self, sha256: str) -> str:
+        # The name comes from a manifest: only 64 hex digits may name a file in the folder.
+        untrusted.sha256_hex(sha256, "shard cache key", "sha256", ShardDigestError)
         return os.path.join(self.folder, sha256 + SUFFIX)
+
+    def drop(self, sha256: str) -> None:
+        """Removes a cached copy found corrupt, so that the next fetch downloads it again."""
+        try:
+            os.remove(self.path_for(sha256))
+        except FileNotFoundError:
+            pass
+
+    def _intact(self, path: str, sha256: str, num_bytes: int, verify: bool) -> bool:
+        if not self._complete(path, num_bytes):
+            return False
+        if verify and storage.sha256(path) != sha256:
+            os.remove(path)  # rotted on this disk: fetched again below
+            return False
+        return True
 
     def _complete(self, path: str, num_bytes: int) -> bool:
         try:
@@ -61,14 +86,15 @@ class ShardCache:
         except OSError:  # missing, or the folder is not one: fetch then says why
             return False
 
-    def fetch(self, url: str, sha256: str, num_bytes: int) -> str:
+    def fetch(self, url: str, sha256: str, num_bytes: int, verify: bool = False) -> str:
         """The local path of the shard at `url`, downloading it first unless it is cached.
 
+        verify: hash a cached copy again; one that differs is dropped and downloaded again.
         Raises ShardDigestError if the downloaded bytes differ from `sha256`,
         ShardCacheError if they cannot be written (the message says what to do).
         """
         final = self.path_for(sha256)
-        if self._complete(final, num_bytes):
+        if not verify and self._complete(final, num_bytes):
             return final
         try:
             os.makedirs(self.folder, exist_ok=True)
@@ -76,7 +102,7 @@ class ShardCache:
                 # One download per shard across threads and processes (flock locks
                 # belong to the open file, so threads exclude each other too).
                 fcntl.flock(lock, fcntl.LOCK_EX)
-                if self._complete(final, num_bytes):
+                if self._intact(final, sha256, num_bytes, verify):
                     return final
                 self._download(url, final, sha256, num_bytes)
         except OSError as e:

@@ -132,28 +132,48 @@ class ShardView:
         self.__dict__.update(state)
         self._init_locks()
 
-    def _open(self, shard: int):
+    def _open(self, shard: int, verify: bool = False):
         info = self.manifest.shards[shard]
         name = self.shard_paths[shard]
         if self.cache is None:
             return _check_shard(name, info, self.max_length, verify=False)
+        local = self._fetch(shard, verify)
+        # The sha256 matched when the copy was made: the checks below are cheap and local.
         try:
-            local = self.cache.fetch(name, info.sha256, info.num_bytes)
+            return _check_shard(local, info, self.max_length, verify=False, name=name)
+        except ShardSetError:
+            # The copy rotted on this disk since it was checked: drop it and fetch it once more.
+            self.cache.drop(info.sha256)
+            return _check_shard(self._fetch(shard, verify=False), info, self.max_length, verify=False, name=name)
+
+    def _fetch(self, shard: int, verify: bool) -> str:
+        info = self.manifest.shards[shard]
+        name = self.shard_paths[shard]
+        try:
+            return self.cache.fetch(name, info.sha256, info.num_bytes, verify=verify)
         except (ShardCacheError, ShardDigestError) as e:
             raise ShardSetError(str(e)) from e
         except Exception as e:  # the client's network errors: name the shard, keep the reason
             raise ShardSetError(f"{name}: download failed ({type(e).__name__}: {e}); check access to the bucket and retry") from e
-        # The sha256 matched: the copy is the published file; the checks below are cheap and local.
-        return _check_shard(local, info, self.max_length, verify=False, name=name)
 
-    def _reader(self, shard: int):
+    def _reader(self, shard: int, verify: bool = False):
         reader = self._readers[shard]
         if reader is None:
             with self._locks[shard]:
                 if self._readers[shard] is None:
-                    self._readers[shard] = self._open(shard)
+                    self._readers[shard] = self._open(shard, verify)
                 reader = self._readers[shard]
         return reader
+
+    def _refetch(self, shard: int, failed: Any) -> Any:
+        """A new reader of a fresh copy of a cached shard whose record failed its checksum."""
+        with self._locks[shard]:
+            if self._readers[shard] is failed:
+                _close_quietly(failed)
+                self._readers[shard] = None
+                self.cache.drop(self.manifest.shards[shard].sha256)
+                self._readers[shard] = self._open(shard)
+            return self._readers[shard]
 
     def prefetch(self, threads: int = 8) -> None:
         """Starts fetching every shard in the background (gs:// sets; a no-op for local ones).
@@ -221,7 +241,15 @@ class ShardView:
         for shard, position in zip(shards.tolist(), positions.tolist()):
             reader = self._readers[shard] or self._reader(shard)
             try:
-                out.append(reader.read([position])[0])
+                try:
+                    out.append(reader.read([position])[0])
+                except Exception:
+                    if self.cache is None:
+                        raise
+                    # A cached copy that rotted: fetched again once, then the error stands.
+                    out.append(self._refetch(shard, reader).read([position])[0])
+            except ShardSetError:
+                raise
             except Exception as e:  # riegeli checks each chunk's hash: a corrupt record fails here
                 raise ShardSetError(
                     f"{self.shard_paths[shard]}: record {position} (row {self._starts[shard] + position}) is unreadable, "
@@ -316,7 +344,8 @@ def open_shards(
     expected_max_length: the trainer's sequence length; a set packed for another one is refused.
     tokenizer: the trainer's tokenizer (or its identity dict); a set made with another is refused.
     verify: also hash every shard and compare with the manifest's sha256 (reads every byte).
-      On gs:// every download is hashed anyway; verify=True downloads all shards now.
+      On gs:// every download is hashed anyway; verify=True downloads all shards now and
+      hashes cached copies again (one that fails is dropped and downloaded once more).
     cache_dir: where gs:// shards are copied (see loaders.shard_cache; default
       $PREPACK_SHARD_CACHE or ~/.cache/prepack/shards). Unused for local sets.
     Raises ManifestError (ShardSetError for shard files) naming the offending path.
@@ -350,7 +379,8 @@ def open_shards(
     if storage.is_gcs(path):
         view = ShardView(path, manifest, cache=ShardCache(cache_dir))
         if verify:
-            _run_all([functools.partial(view._reader, k) for k in range(len(names))], close=lambda r: None)
+            # Cached copies are hashed again: one that rotted on this disk is fetched again.
+            _run_all([functools.partial(view._reader, k, True) for k in range(len(names))], close=lambda r: None)
         return view
     shard_paths = [storage.join(path, n) for n in names]
     readers = _run_all(

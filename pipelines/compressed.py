@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
 from pipelines.failures import InputFileError
+from pipelines.input_limits import InputLimits
 
 READ_BLOCK = 4 << 20
 
@@ -41,28 +42,71 @@ def suffix_of(path: str) -> str | None:
     return next((s for s in DECOMPRESSORS if lower.endswith(s)), None)
 
 
-def decompressed_blocks(raw: BinaryIO, path: str, suffix: str, read_block: int = READ_BLOCK) -> Iterator[bytes]:
-    """The file's decompressed bytes in blocks (each from at most `read_block` compressed bytes);
-    raises InputFileError on truncation or corruption."""
+# Decompressed bytes per block at most: what one step holds, whatever the file's ratio.
+OUT_BLOCK = 4 << 20
+# Compressed bytes per zstd call. zstandard's decompressobj has no output limit, and a zstd RLE
+# block turns 4 bytes into 128 KiB: 1 KiB in is then at most ~32 MiB out (costs <40% more calls'
+# time than 4 MiB in, measured on 30 MiB of zstd text: 0.12 s against 0.09 s).
+ZSTD_FEED = 1 << 10
+
+
+def _outputs(d: Any, data: bytes, suffix: str) -> Iterator[bytes]:
+    """Everything `d` makes of `data`, in blocks of at most OUT_BLOCK (zstd: one per call)."""
+    if suffix == ".zst":
+        out = d.decompress(data)
+        if out:
+            yield out
+        return
+    if suffix in (".gz", ".deflate"):
+        out = d.decompress(data, OUT_BLOCK)
+        while True:
+            if out:
+                yield out
+            if d.eof or not d.unconsumed_tail:
+                return
+            out = d.decompress(d.unconsumed_tail, OUT_BLOCK)
+    out = d.decompress(data, max_length=OUT_BLOCK)  # bz2, lzma: they keep unread input themselves
+    while True:
+        if out:
+            yield out
+        if d.eof or d.needs_input:
+            return
+        out = d.decompress(b"", max_length=OUT_BLOCK)
+
+
+def decompressed_blocks(raw: BinaryIO, path: str, suffix: str, read_block: int = READ_BLOCK,
+                        limits: InputLimits | None = None) -> Iterator[bytes]:
+    """The file's decompressed bytes in blocks of at most OUT_BLOCK; raises InputFileError on
+    truncation or corruption, and (with `limits`) once the output passes a size or ratio limit."""
     fresh = DECOMPRESSORS[suffix]
     d = fresh()
     consumed = 0
+    produced = 0
     pending = b""
+    feed = ZSTD_FEED if suffix == ".zst" else read_block
     try:
         while True:
             block = pending or raw.read(read_block)
             pending = b""
             if not block:
                 break
-            consumed += len(block)
             if d.eof:  # a new member/frame starts (concatenated gzip, multi-stream bz2, zstd frames)
                 d = fresh()
-            out = d.decompress(block)
-            if out:
-                yield out
-            if d.eof and d.unused_data:
-                pending = d.unused_data
-                consumed -= len(pending)
+            view = memoryview(block)
+            at = 0
+            while at < len(block):
+                piece = block if at == 0 and len(block) <= feed else bytes(view[at : at + feed])
+                at += len(piece)
+                consumed += len(piece)
+                for out in _outputs(d, piece, suffix):
+                    produced += len(out)
+                    if limits is not None:
+                        limits.check_output(path, produced, consumed)
+                    yield out
+                if d.eof:
+                    pending = d.unused_data + bytes(view[at:])
+                    consumed -= len(d.unused_data)
+                    break
     except (zlib.error, OSError, EOFError, lzma.LZMAError) as e:
         raise InputFileError(
             f"{path}: corrupt {suffix} file near compressed byte {consumed:,} ({e}); replace or re-download it, "

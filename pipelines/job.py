@@ -191,7 +191,7 @@ def build_pipeline(pipeline: Any, job: PreparedJob) -> None:
         prepared = pipeline | "ReadTokenSet" >> tokens_source.ReadTokenSet(job.tokens, config.from_tokens)
         fingerprints = prepared["fingerprints"]
     else:
-        read = pipeline | "Read" >> ReadInputs(job.tasks, config.batch_size, config.progress)
+        read = pipeline | "Read" >> ReadInputs(job.tasks, config.batch_size, config.progress, config.limits)
         prepared = read["records"] | "Prepare" >> PrepareExamples(ctx, job.table_level, job.group_key)
         fingerprints = read["fingerprints"]
     fitted = prepared["examples"] | "Fit" >> FitToLengths(ctx)

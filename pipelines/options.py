@@ -20,9 +20,12 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from pipelines.input_limits import (DEFAULT_MAX_COMPRESSION_RATIO, DEFAULT_MAX_DECOMPRESSED_BYTES, DEFAULT_MAX_RECORD_BYTES,
+                                    RATIO_CHECKED_AFTER, InputLimits)
 from pipelines.planning import MAX_SUB_BUCKETS
 from prepack.bad_records import DEFAULT_MAX_BAD_FRACTION
 from prepack.packer import OverlongPolicy, Planner
+from prepack.rowformat import MAX_MAX_LENGTH
 from prepack.cli_help import DefaultsHelpFormatter
 
 DEFAULT_MAX_LENGTHS = (2048,)
@@ -87,6 +90,7 @@ class PackConfig:
     # --from-tokens: the token choices (prepack.tokenset.TOKEN_CHOICES) the user gave, to be
     # checked against the tokenized set's; the fields above then come from the set.
     requested: tuple[tuple[str, Any], ...] = ()
+    limits: InputLimits = InputLimits()  # what one input may make a worker hold (pipelines/input_limits.py)
 
     @property
     def template_kwargs(self) -> dict[str, str]:
@@ -111,6 +115,7 @@ class PackConfig:
             "max_bad_fraction": self.max_bad_fraction,
             "sub_buckets": self.sub_buckets,
             "tfds_data_dir": self.tfds_data_dir,
+            "max_record_bytes": self.limits.max_record_bytes,  # a longer line is dropped: it shapes the rows
         }
 
 
@@ -149,9 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="do not publish the tokenized set OUTPUT/tokens (by default it is, for --from-tokens later)")
     pk = p.add_argument_group("packing")
     pk.add_argument(
-        "--max-length", action="extend", nargs="+", type=int, default=[], metavar="L",
+        "--max-length", action="extend", nargs="+", default=[], metavar="L",
         help="repeatable, several per flag: e.g. --max-length 512 1024 2048 tokenizes once and writes OUTPUT/L512, ... "
-        f"(default {' '.join(map(str, DEFAULT_MAX_LENGTHS))})",
+        f"(default {' '.join(map(str, DEFAULT_MAX_LENGTHS))}; at most {MAX_MAX_LENGTH:,})",
     )
     pk.add_argument("--no-pack", action="store_true", help="one example per row (baseline), same format and manifest")
     pk.add_argument("--overlong", choices=[p.value for p in OverlongPolicy], default=OverlongPolicy.DROP.value,
@@ -163,6 +168,16 @@ def build_parser() -> argparse.ArgumentParser:
     pk.add_argument("--max-segments-per-row", type=int, metavar="N",
                     help="at most N examples (segments) in a row, for attention kernels that cap them (default: no cap)")
     pk.add_argument("--sub-buckets", type=int, help="advanced: hash sub-buckets per length when assigning rows (default: from input size)")
+    lim = p.add_argument_group("limits", "what one input may make a worker hold (pipelines/README.md, \"Limits\")")
+    lim.add_argument("--max-record-bytes", type=int, default=DEFAULT_MAX_RECORD_BYTES, metavar="N",
+                     help=f"a JSONL line longer than this is skipped unread and dead-lettered as too_large "
+                     f"(default {DEFAULT_MAX_RECORD_BYTES:,} = 32 MiB)")
+    lim.add_argument("--max-decompressed-bytes", type=int, default=DEFAULT_MAX_DECOMPRESSED_BYTES, metavar="N",
+                     help=f"fail the job when one file decompresses (or, read whole: JSON arrays, Parquet, Arrow, is) to "
+                     f"more than this (default {DEFAULT_MAX_DECOMPRESSED_BYTES:,} = 64 GiB)")
+    lim.add_argument("--max-compression-ratio", type=float, default=DEFAULT_MAX_COMPRESSION_RATIO, metavar="X",
+                     help=f"fail the job when a compressed file expands more than X times, a decompression bomb "
+                     f"(default {DEFAULT_MAX_COMPRESSION_RATIO:g}; checked past {RATIO_CHECKED_AFTER >> 20} MiB of output)")
     out = p.add_argument_group("output")
     out.add_argument("--output", help="output folder, local or gs://; each max length gets OUTPUT/L<L>/")
     shards = out.add_mutually_exclusive_group()
@@ -218,9 +233,12 @@ def parse_args(argv: Sequence[str]) -> tuple[PackConfig, list[str]]:
         fmt = ns.format
     if not ns.output:
         raise OptionsError("--output is required (a local folder or gs://bucket/prefix)")
-    max_lengths = tuple(sorted(set(ns.max_length))) or DEFAULT_MAX_LENGTHS
-    if any(L < 2 for L in max_lengths):
-        raise OptionsError(f"--max-length must be at least 2, got {min(max_lengths)}")
+    max_lengths = _lengths(ns.max_length)
+    for flag, value in (("--max-record-bytes", ns.max_record_bytes), ("--max-decompressed-bytes", ns.max_decompressed_bytes)):
+        if value < 1:
+            raise OptionsError(f"{flag} must be at least 1, got {value}")
+    if not ns.max_compression_ratio >= 1:  # also refuses nan
+        raise OptionsError(f"--max-compression-ratio must be at least 1, got {ns.max_compression_ratio}")
     if len(max_lengths) > MAX_LENGTHS_PER_JOB:
         raise OptionsError(f"--max-length: at most {MAX_LENGTHS_PER_JOB} lengths in one job, got {len(max_lengths)}; "
                            "run the job again for the others")
@@ -281,6 +299,7 @@ def parse_args(argv: Sequence[str]) -> tuple[PackConfig, list[str]]:
         write_tokens=not ns.no_tokens and not ns.from_tokens,
         from_tokens=ns.from_tokens.rstrip("/") if ns.from_tokens else None,
         requested=tuple(sorted(requested.items())),
+        limits=InputLimits(ns.max_record_bytes, ns.max_decompressed_bytes, ns.max_compression_ratio),
     )
     beam_args = with_default_runner(beam_args)
     if flag_value(beam_args, "--direct_running_mode") == "multi_threading":
@@ -361,6 +380,23 @@ def check_beam_args(beam_args: Sequence[str], own_options: Sequence[str]) -> Non
     close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
     hint = f"; did you mean {close[0]}?" if close else "; see prepack pack --help"
     raise OptionsError(f"unknown option {name} (neither prepack pack nor Beam knows it){hint}")
+
+
+def _lengths(values: Sequence[str]) -> tuple[int, ...]:
+    """The --max-length values, sorted and unique; OptionsError (one line) unless each is a whole
+    number from 2 to MAX_MAX_LENGTH: 2^31, 2^63 or 1e20 would make workers grow without end."""
+    lengths = set()
+    for text in values:
+        try:
+            lengths.add(int(text, 10))
+        except ValueError:
+            raise OptionsError(f"--max-length must be a whole number from 2 to {MAX_MAX_LENGTH:,}, got {text!r}") from None
+    max_lengths = tuple(sorted(lengths)) or DEFAULT_MAX_LENGTHS
+    if any(L < 2 for L in max_lengths):
+        raise OptionsError(f"--max-length must be at least 2, got {min(max_lengths)}")
+    if any(L > MAX_MAX_LENGTH for L in max_lengths):
+        raise OptionsError(f"--max-length must be at most {MAX_MAX_LENGTH:,} (a row is then 20 MiB), got {max(max_lengths):,}")
+    return max_lengths
 
 
 def flag_value(args: Sequence[str], flag: str) -> str | None:

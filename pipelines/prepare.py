@@ -168,7 +168,7 @@ class Preparer:
 
     def tokenize(self, templated: Templated, tally: Tally, bad: list[DeadLetter]) -> list[TokenizedBatch]:
         if self.pairs:
-            return self._tokenize_pairs(templated.convs, templated.responses, templated.metas)
+            return self._tokenize_pairs(templated.convs, templated.responses, templated.metas, tally, bad)
         return self._tokenize(templated.convs, templated.metas, tally, bad)
 
     # ------------------------------------------------------------------ table-level formats (oasst1): see also key_table_records
@@ -216,6 +216,13 @@ class Preparer:
         while start < len(convs):
             try:
                 tokenized = tokenize_conversations_flat(convs[start:], self.tokenizer, self.format)
+            except TEXT_ERRORS as e:
+                bad_at = start + _first_unencodable(convs[start:], lambda c: tokenize_conversations_flat(c, self.tokenizer, self.format), e)
+                if bad_at > start:
+                    self._emit(tokenize_conversations_flat(convs[start:bad_at], self.tokenizer, self.format), metas[start:bad_at], out)
+                self._bad_text(metas[bad_at], e, tally, bad)
+                start = bad_at + 1
+                continue
             except ChatFormatError as e:
                 if e.index is None:
                     raise
@@ -232,14 +239,36 @@ class Preparer:
             break
         return out
 
-    def _tokenize_pairs(self, prompts: list[str], responses: list[str], metas: list[tuple[Loc, str]]) -> list[TokenizedBatch]:
-        """Examples for single-turn pairs; a fixed layout has no per-conversation errors."""
+    def _tokenize_pairs(self, prompts: list[str], responses: list[str], metas: list[tuple[Loc, str]], tally: Tally,
+                        bad: list[DeadLetter]) -> list[TokenizedBatch]:
+        """Examples for single-turn pairs; a fixed layout has no per-conversation errors, but the
+        tokenizer may refuse a text (bad_text)."""
         from prepack.chat_formats import tokenize_pairs_flat
 
         out: list[TokenizedBatch] = []
-        if prompts:
-            self._emit(tokenize_pairs_flat(prompts, responses, self.tokenizer, self.format), metas, out)
+        pairs = list(zip(prompts, responses))
+
+        def encode(items: list) -> tuple | None:
+            return tokenize_pairs_flat([p for p, _ in items], [r for _, r in items], self.tokenizer, self.format)
+
+        start = 0
+        while start < len(pairs):
+            try:
+                self._emit(encode(pairs[start:]), metas[start:], out)
+                break
+            except TEXT_ERRORS as e:
+                bad_at = start + _first_unencodable(pairs[start:], encode, e)
+                if bad_at > start:
+                    self._emit(encode(pairs[start:bad_at]), metas[start:bad_at], out)
+                self._bad_text(metas[bad_at], e, tally, bad)
+                start = bad_at + 1
         return out
+
+    def _bad_text(self, meta: tuple[Loc, str], error: Exception, tally: Tally, bad: list[DeadLetter]) -> None:
+        loc, eid = meta
+        tally.bad_examples["bad_text"] += 1
+        bad.append(dead_letter(self.tasks, loc, "bad_text", "", f"the tokenizer cannot encode this text "
+                               f"({type(error).__name__}: {error})", example_id=eid))
 
     def _emit(self, tokenized: tuple | None, metas: list[tuple[Loc, str]], out: list[TokenizedBatch]) -> None:
         """tokenized: (input_ids, loss_mask, ends) of a batch, from tokenize_conversations_flat
@@ -257,6 +286,22 @@ class Preparer:
         out.append(batch)
         if self.on_batch is not None:
             self.on_batch(batch)
+
+
+# What tokenizers raise on a text they cannot encode (sentencepiece: TypeError for a lone
+# surrogate). Caught around a batch only: the batch is then retried example by example.
+TEXT_ERRORS = (TypeError, UnicodeError)
+
+
+def _first_unencodable(items: list, encode: Callable[[list], Any], error: Exception) -> int:
+    """The index of the first item that fails to encode alone; re-raises `error` when each
+    encodes alone (the batch failed for another reason, not one record's text)."""
+    for i, item in enumerate(items):
+        try:
+            encode([item])
+        except TEXT_ERRORS:
+            return i
+    raise error
 
 
 class _Counting:

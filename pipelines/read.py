@@ -11,6 +11,7 @@ from apache_beam.pvalue import TaggedOutput
 
 from pipelines import readers
 from pipelines.failures import InputFileError
+from pipelines.input_limits import InputLimits
 from pipelines.sources import ReadTask
 from pipelines.stage import NAMESPACE, TAG_FINGERPRINT, Progress, StageClock
 
@@ -24,9 +25,10 @@ class ReadTaskFn(beam.DoFn):
     that fails fails the job with the file named.
     """
 
-    def __init__(self, batch_size: int, progress: bool):
+    def __init__(self, batch_size: int, progress: bool, limits: InputLimits | None = None):
         self.batch_size = batch_size
         self.progress = progress
+        self.limits = limits or InputLimits()
 
     def setup(self) -> None:
         self.records = Metrics.counter(NAMESPACE, "records_read")
@@ -40,7 +42,7 @@ class ReadTaskFn(beam.DoFn):
         count = 0
         started = StageClock.now()
         try:
-            for record in readers.iter_task(task, digest, self.batch_size):
+            for record in readers.iter_task(task, digest, self.batch_size, self.limits):
                 batch.append(record)
                 if len(batch) >= self.batch_size:
                     count += len(batch)
@@ -78,9 +80,9 @@ class ReadInputs(beam.PTransform):
     Records cross a shuffle only when some task is big and unsplittable (a large compressed or
     non-JSONL file); byte ranges and dataset row ranges already spread the reading evenly."""
 
-    def __init__(self, tasks: list[ReadTask], batch_size: int, progress: bool):
+    def __init__(self, tasks: list[ReadTask], batch_size: int, progress: bool, limits: InputLimits | None = None):
         super().__init__()
-        self.tasks, self.batch_size, self.progress = tasks, batch_size, progress
+        self.tasks, self.batch_size, self.progress, self.limits = tasks, batch_size, progress, limits
 
     def expand(self, pbegin: Any) -> dict[str, Any]:
         from pipelines.sources import SPREAD_TASK_BYTES
@@ -89,7 +91,7 @@ class ReadInputs(beam.PTransform):
             pbegin
             | "ListInputs" >> beam.Create(self.tasks)
             | "SpreadTasks" >> beam.Reshuffle()
-            | "Read" >> beam.ParDo(ReadTaskFn(self.batch_size, self.progress)).with_outputs(TAG_FINGERPRINT, main="records")
+            | "Read" >> beam.ParDo(ReadTaskFn(self.batch_size, self.progress, self.limits)).with_outputs(TAG_FINGERPRINT, main="records")
         )
         spread = any(t.may_exceed(SPREAD_TASK_BYTES) for t in self.tasks)
         records = read.records | "SpreadRecords" >> beam.Reshuffle() if spread else read.records

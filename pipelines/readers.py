@@ -23,11 +23,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any
 
-from pipelines import compressed
+from pipelines import compressed, sources
+from prepack import failpoints
 from pipelines.failures import InputFileError
+from pipelines.input_limits import InputLimits
 from pipelines.sources import ReadTask
 
 # orjson parses a record ~4x faster than json (~0.7 vs ~3 us on the sample records), and gives
@@ -89,54 +91,109 @@ def _open_raw(path: str):
     return FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED)
 
 
-def _file_blocks(path: str) -> Iterator[bytes]:
-    """The file's (decompressed) bytes; a truncated or corrupt compressed file raises
-    InputFileError naming it (pipelines/compressed.py), never a shorter file."""
+def _file_blocks(task: ReadTask, limits: InputLimits) -> Iterator[bytes]:
+    """The file's (decompressed) bytes, in blocks of at most READ_BLOCK (compressed.OUT_BLOCK);
+    a truncated or corrupt compressed file raises InputFileError naming it (pipelines/compressed.py),
+    never a shorter file, as does a file over a limit (pipelines/input_limits.py) or one that is
+    not the file planned (another size or mtime, or not a regular file any more)."""
+    path = task.path
+    failpoints.hit("input_read", "start")  # tests hold a worker here, mid-pipeline
+    _check_unchanged(task)  # a local path that became a FIFO or a device is refused before open
     suffix = compressed.suffix_of(path)
     with _open_raw(path) as f:
         if suffix is not None:
-            yield from compressed.decompressed_blocks(f, path, suffix)
-            return
-        while True:
-            block = f.read(READ_BLOCK)
-            if not block:
-                return
-            yield block
+            yield from compressed.decompressed_blocks(f, path, suffix, limits=limits)
+        else:
+            produced = 0
+            while True:
+                block = f.read(READ_BLOCK)
+                if not block:
+                    break
+                produced += len(block)
+                limits.check_output(path, produced, None)
+                yield block
+    failpoints.hit("input_read", "whole_file")  # tests change the file here, after it was read
+    _check_unchanged(task)
 
 
-def _read_all(path: str, digest: FileDigest) -> bytes:
+def _check_unchanged(task: ReadTask) -> None:
+    if task.stamp is None:  # a task made by hand (tests, preflight over a path): nothing planned to compare
+        return
+    now = sources.file_stamp(task.path)
+    if tuple(now) != tuple(task.stamp):
+        raise InputFileError(
+            f"{task.path} changed while the job ran (size {task.stamp[0]:,} and mtime {task.stamp[1]} when planned, "
+            f"now {now[0]:,} and {now[1]}); an input must not change while the job runs: run the job again on a copy")
+
+
+def _read_all(task: ReadTask, digest: FileDigest, limits: InputLimits) -> bytes:
     chunks = []
-    for block in _file_blocks(path):
+    for block in _file_blocks(task, limits):
         digest.update(block)
         chunks.append(block)
     return b"".join(chunks)
 
 
-def _jsonl_lines(data_blocks: Iterator[bytes]) -> Iterator[tuple[int, bytes]]:
-    """(1-based line number, line) for every non-blank line; handles lines across blocks."""
+def _jsonl_lines(data_blocks: Iterable[bytes], limit: int, skip_first: bool = False) -> Generator[tuple[int, bytes | None], None, int]:
+    """(1-based line number, line) for every non-blank line, (number, None) for a line longer
+    than `limit` bytes, whose bytes are dropped up to its newline instead of held; handles lines
+    across blocks. skip_first: the text before the first newline is the end of a line that
+    started earlier (a byte range): not counted. Returns the number of lines counted."""
     carry = b""
+    over = False  # the line being read is already over the limit: drop its bytes
     number = 0
     for block in data_blocks:
-        parts = (carry + block).split(b"\n")
-        carry = parts.pop()
-        for line in parts:
-            number += 1
-            if line.strip():
-                yield number, line
-    if carry.strip():
-        yield number + 1, carry
+        parts = block.split(b"\n")
+        tail = parts.pop()
+        if parts:
+            head = parts[0]
+            parts[0] = None if over or len(carry) + len(head) > limit else carry + head
+            carry, over = b"", False
+            for line in parts:
+                if skip_first:
+                    skip_first = False
+                    continue
+                number += 1
+                if line is None or len(line) > limit:
+                    yield number, None
+                elif line.strip():
+                    yield number, line
+        if not over:
+            if len(carry) + len(tail) > limit:
+                carry, over = b"", True
+            else:
+                carry += tail
+    if (carry or over) and not skip_first:  # the last line, without a newline
+        number += 1
+        if over:
+            yield number, None
+        elif carry.strip():
+            yield number, carry
+    return number
 
 
-def _blocks(path: str, digest: FileDigest) -> Iterator[bytes]:
-    for block in _file_blocks(path):
+def _blocks(task: ReadTask, digest: FileDigest, limits: InputLimits) -> Iterator[bytes]:
+    for block in _file_blocks(task, limits):
         digest.update(block)
         yield block
 
 
-def iter_jsonl(task: ReadTask, digest: FileDigest) -> Iterator[RawRecord]:
-    lines = _jsonl_lines(_blocks(task.path, digest)) if task.byte_range is None else _jsonl_range_lines(task, digest)
+def _raw_lines(lines: Iterable[tuple[int, bytes | None]], limit: int) -> Iterator[RawRecord]:
     for index, (number, line) in enumerate(lines):
-        yield index, number, RAW_TEXT, line
+        if line is None:
+            yield index, number, RAW_ERROR, ("too_large", f"the line is longer than {limit:,} bytes (--max-record-bytes); "
+                                             "it was skipped unread", "")
+        else:
+            yield index, number, RAW_TEXT, line
+
+
+def iter_jsonl(task: ReadTask, digest: FileDigest, limits: InputLimits = InputLimits()) -> Iterator[RawRecord]:
+    limit = limits.max_record_bytes
+    if task.byte_range is None:
+        lines = _jsonl_lines(_blocks(task, digest, limits), limit)
+    else:
+        lines = _jsonl_range_lines(task, digest, limit)
+    yield from _raw_lines(lines, limit)
 
 
 _GCS_RANGE_BUFFER = 1 << 20  # download granularity of a range read from gs:// (Beam's default is 16 MB)
@@ -165,6 +222,8 @@ def _range_blocks(task: ReadTask, digest: FileDigest) -> Iterator[bytes]:
     starting inside the range (or the end of the file); the digest gets exactly [start, end)."""
     start, end = task.byte_range
     pos = max(start - 1, 0)  # the byte before the range says whether a line starts at `start`
+    if not task.path.startswith("gs://"):
+        sources.regular_file_stamp(task.path, task.path)  # a FIFO would block the open
     with _open_for_range(task.path) as f:
         f.seek(0, os.SEEK_END)
         if f.tell() != task.size:
@@ -190,34 +249,18 @@ def _range_blocks(task: ReadTask, digest: FileDigest) -> Iterator[bytes]:
                 yield block[: cut + 1]
                 return
             yield block
-            size *= 2
+            size = min(size * 2, READ_BLOCK)  # a bounded buffer, however long the line
 
 
-def _jsonl_range_lines(task: ReadTask, digest: FileDigest) -> Iterator[tuple[int, bytes]]:
+def _jsonl_range_lines(task: ReadTask, digest: FileDigest, limit: int) -> Iterator[tuple[int, bytes | None]]:
     """(line number within the range, line) for every non-blank line that starts in the task's
     byte range [start, end); the last one may run past `end`. Streams the range in blocks."""
     skip_first = task.byte_range[0] > 0  # the line holding byte start - 1 began before the range
-    carry = b""
-    number = 0
-    for block in _range_blocks(task, digest):
-        parts = (carry + block).split(b"\n")
-        carry = parts.pop()
-        if skip_first and parts:
-            parts = parts[1:]
-            skip_first = False
-        for line in parts:
-            number += 1
-            if line.strip():
-                yield number, line
-    if carry and not skip_first:  # the file's last line, without a newline
-        number += 1
-        if carry.strip():
-            yield number, carry
-    digest.lines = number
+    digest.lines = yield from _jsonl_lines(_range_blocks(task, digest), limit, skip_first)
 
 
-def iter_json(task: ReadTask, digest: FileDigest) -> Iterator[RawRecord]:
-    data = _read_all(task.path, digest)
+def iter_json(task: ReadTask, digest: FileDigest, limits: InputLimits = InputLimits()) -> Iterator[RawRecord]:
+    data = _read_all(task, digest, limits)
     try:
         parsed = json.loads(data)
     except RecursionError:
@@ -228,8 +271,7 @@ def iter_json(task: ReadTask, digest: FileDigest) -> Iterator[RawRecord]:
         return
     except json.JSONDecodeError:
         # JSON Lines under a .json name (the same rule as `prepack preflight`).
-        for index, (number, line) in enumerate(_jsonl_lines(iter([data]))):
-            yield index, number, RAW_TEXT, line
+        yield from _raw_lines(_jsonl_lines([data], limits.max_record_bytes), limits.max_record_bytes)
         return
     if isinstance(parsed, dict) and isinstance(parsed.get("data"), list):
         parsed = parsed["data"]
@@ -239,14 +281,18 @@ def iter_json(task: ReadTask, digest: FileDigest) -> Iterator[RawRecord]:
         yield 0, 0, RAW_ERROR, ("malformed_json", "expected a JSON array of records", snippet(data))
         return
     for index, record in enumerate(parsed):
+        problem = bad_text(record)
+        if problem is not None:
+            yield index, 0, RAW_ERROR, ("bad_text", problem, snippet(json.dumps(record)))  # ASCII: no surrogate in it
+            continue
         yield index, 0, RAW_OBJECT, record
 
 
-def iter_parquet(task: ReadTask, digest: FileDigest, batch_size: int) -> Iterator[RawRecord]:
+def iter_parquet(task: ReadTask, digest: FileDigest, batch_size: int, limits: InputLimits = InputLimits()) -> Iterator[RawRecord]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    data = _read_all(task.path, digest)
+    data = _read_all(task, digest, limits)
     index = 0
     for batch in pq.ParquetFile(pa.BufferReader(data)).iter_batches(batch_size=batch_size):
         for record in batch.to_pylist():
@@ -254,11 +300,11 @@ def iter_parquet(task: ReadTask, digest: FileDigest, batch_size: int) -> Iterato
             index += 1
 
 
-def iter_arrow(task: ReadTask, digest: FileDigest) -> Iterator[RawRecord]:
+def iter_arrow(task: ReadTask, digest: FileDigest, limits: InputLimits = InputLimits()) -> Iterator[RawRecord]:
     import pyarrow as pa
     import pyarrow.ipc as ipc
 
-    data = _read_all(task.path, digest)
+    data = _read_all(task, digest, limits)
     try:
         reader = ipc.open_stream(pa.BufferReader(data))  # what datasets writes
         batches = iter(reader)
@@ -351,12 +397,13 @@ def iter_tfds(task: ReadTask, batch_size: int) -> Iterator[RawRecord]:
                 yield i, 0, RAW_ERROR, ("undecodable_bytes", str(e), snippet(repr(record)))
 
 
-def iter_task(task: ReadTask, digest: FileDigest, batch_size: int) -> Iterator[RawRecord]:
+def iter_task(task: ReadTask, digest: FileDigest, batch_size: int, limits: InputLimits | None = None) -> Iterator[RawRecord]:
+    limits = limits or InputLimits()
     readers: dict[str, Callable[[], Iterator[RawRecord]]] = {
-        "jsonl": lambda: iter_jsonl(task, digest),
-        "json": lambda: iter_json(task, digest),
-        "parquet": lambda: iter_parquet(task, digest, batch_size),
-        "arrow": lambda: iter_arrow(task, digest),
+        "jsonl": lambda: iter_jsonl(task, digest, limits),
+        "json": lambda: iter_json(task, digest, limits),
+        "parquet": lambda: iter_parquet(task, digest, batch_size, limits),
+        "arrow": lambda: iter_arrow(task, digest, limits),
         "hf_disk": lambda: iter_hf(task, batch_size),
         "hf_hub": lambda: iter_hf(task, batch_size),
         "tfds": lambda: iter_tfds(task, batch_size),
@@ -376,11 +423,43 @@ def parse_text(payload: bytes) -> tuple[Any, tuple[str, str] | None]:
     except UnicodeDecodeError as e:
         return None, ("undecodable_bytes", f"not UTF-8 text ({e})")
     try:
-        return json.loads(text), None
+        record = json.loads(text)
     except json.JSONDecodeError as e:
         return None, ("malformed_json", f"not valid JSON ({e})")
     except RecursionError:
         return None, ("too_deeply_nested", "JSON nested too deeply to parse (over ~1,000 levels)")
     except Exception as e:  # whatever else the parser cannot handle is this record's problem, not the job's
         return None, ("unparseable", f"the JSON parser failed on this record ({type(e).__name__}: {e})")
+    # json (unlike orjson, which sent the text here) accepts escaped lone surrogates ("\ud800"):
+    # text no tokenizer can encode (sentencepiece raises, tiktoken silently replaces it).
+    problem = bad_text(record)
+    if problem is not None:
+        return None, ("bad_text", problem)
+    return record, None
+
+
+def bad_text(value: Any, path: str = "") -> str | None:
+    """Why a parsed record holds text that cannot be encoded (a lone surrogate), naming the
+    field; None when all its text is encodable. Only json-parsed values can hold such text."""
+    stack = [(value, path)]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    return (f"field '{where or '.'}': text that cannot be encoded as UTF-8 at character {e.start} "
+                            f"({item[e.start:e.end]!a}, a lone surrogate); fix the record or leave it out")
+        elif isinstance(item, dict):
+            for k, v in item.items():
+                if isinstance(k, str) and not k.isascii():
+                    try:
+                        k.encode("utf-8")
+                    except UnicodeEncodeError:
+                        return f"a field name under '{where or '.'}' cannot be encoded as UTF-8 (a lone surrogate)"
+                stack.append((v, f"{where}.{k}" if where else str(k)))
+        elif isinstance(item, list):
+            stack.extend((v, f"{where}[{i}]") for i, v in enumerate(item))
+    return None
 

@@ -60,6 +60,9 @@ class ReadTask:
     name: str  # stable name inside the input (relative path, or split), used in example ids
     size: int = 0  # bytes, for files
     params: tuple[tuple[str, Any], ...] = ()  # split/config/data_dir/start/end for datasets
+    # For files: (size, mtime in ns) locally, (size, updated time) on gs:// (a new generation
+    # changes it), as planned; re-checked after a whole-file read (file_stamp).
+    stamp: tuple[int, float] | None = None
 
     def param(self, key: str, default: Any = None) -> Any:
         return dict(self.params).get(key, default)
@@ -93,12 +96,45 @@ def jsonl_range_bytes(size: int) -> int:
     return min(JSONL_RANGE_MAX_BYTES, max(JSONL_RANGE_MIN_BYTES, -(-size // JSONL_RANGES_PER_FILE)))
 
 
-def _file_tasks(first_task: int, index: int, kind: str, path: str, name: str, size: int) -> list[ReadTask]:
+def _file_tasks(first_task: int, index: int, kind: str, path: str, name: str, size: int,
+                stamp: tuple[int, float] | None = None) -> list[ReadTask]:
     step = jsonl_range_bytes(size)
     if kind != "jsonl" or path.lower().endswith(COMPRESSED_SUFFIXES) or size <= step:
-        return [ReadTask(first_task, index, kind, path, name, size)]
-    return [ReadTask(first_task + i, index, kind, path, name, size, (("end", min(size, start + step)), ("start", start)))
+        return [ReadTask(first_task, index, kind, path, name, size, stamp=stamp)]
+    return [ReadTask(first_task + i, index, kind, path, name, size, (("end", min(size, start + step)), ("start", start)), stamp)
             for i, start in enumerate(range(0, size, step))]
+
+
+def regular_file_stamp(path: str, shown: str) -> tuple[int, float]:
+    """(size, mtime ns) of a local input; raises InputFileError, before anything opens it,
+    unless it is a regular file (a symlink to one is fine): a FIFO or a device (/dev/zero)
+    would block or never end."""
+    import stat
+
+    from pipelines.failures import InputFileError
+
+    try:
+        st = os.stat(path)  # follows symlinks: what a read would open
+    except OSError as e:
+        raise InputFileError(f"{shown}: cannot read {path!r} ({e.strerror or e})") from e
+    if not stat.S_ISREG(st.st_mode):
+        what = ("a FIFO" if stat.S_ISFIFO(st.st_mode) else "a character device" if stat.S_ISCHR(st.st_mode)
+                else "a block device" if stat.S_ISBLK(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode)
+                else "not a file")
+        target = f" (a link to {os.path.realpath(path)!r})" if os.path.islink(path) else ""
+        raise InputFileError(f"{shown}: {path!r}{target} is {what}, not a regular file; only regular files and "
+                             "gs:// objects are inputs: copy the data into a file")
+    return st.st_size, st.st_mtime_ns
+
+
+def file_stamp(path: str) -> tuple[int, float]:
+    """The stamp a file has now (see ReadTask.stamp)."""
+    if path.startswith("gs://"):
+        from apache_beam.io.filesystems import FileSystems
+
+        found = [m for m in FileSystems.match([path])[0].metadata_list if m.path == path]
+        return (found[0].size_in_bytes, found[0].last_updated_in_seconds) if found else (-1, 0.0)
+    return regular_file_stamp(path, path)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,28 +221,36 @@ def _resolve_files(index: int, spec: str, first_task: int) -> tuple[ResolvedInpu
         matches = FileSystems.match([spec])[0].metadata_list
     except Exception as e:  # BeamIOError: bad bucket, no credentials, unreachable
         raise InputError(f"input {spec!r}: cannot list it ({type(e).__name__}: {e})") from e
-    files = sorted((m.path, m.size_in_bytes) for m in matches if not m.path.endswith("/"))
+    files = sorted((m.path, m.size_in_bytes, m.last_updated_in_seconds) for m in matches if not m.path.endswith("/"))
     if not files:
         what = "the pattern matches no file" if _is_glob(spec) else "no such file"
         raise InputError(f"input {spec!r}: {what}")
     base = _glob_base(spec) if _is_glob(spec) else os.path.dirname(spec)
     tasks = []
     total = 0
-    for path, size in files:
+    for path, size, updated in files:
         kind = file_kind(path)
         if kind is None:
             raise InputError(
                 f"input {spec!r}: cannot tell the file format of {path!r}; expected one of "
                 f"{', '.join(sorted(FILE_KINDS))} (optionally compressed: {', '.join(COMPRESSED_SUFFIXES)})"
             )
-        if not path.startswith("gs://"):
+        if path.startswith("gs://"):
+            stamp = (size, updated)
+        else:
+            from pipelines.failures import InputFileError
+
             try:
+                stamp = regular_file_stamp(path, f"input {spec!r}")  # before open: a FIFO would block it
+                size = stamp[0]
                 with open(path, "rb") as f:
                     f.read(1)
+            except InputFileError as e:
+                raise InputError(str(e)) from e
             except OSError as e:
                 raise InputError(f"input {spec!r}: cannot read {path!r} ({e.strerror or e})") from e
         name = path[len(base):] if base and path.startswith(base) else os.path.basename(path)
-        tasks += _file_tasks(first_task + len(tasks), index, kind, path, name.lstrip("/"), size)
+        tasks += _file_tasks(first_task + len(tasks), index, kind, path, name.lstrip("/"), size, stamp)
         total += size
     est = max(1, math.ceil(total / EST_BYTES_PER_RECORD))
     return ResolvedInput(index, spec, "files", est, None, (("files", len(files)), ("bytes", total))), tasks

@@ -31,8 +31,11 @@ from pipelines.planning import stable_hash
 from pipelines.records import TaskMeta
 from pipelines.stage import StageClock
 from prepack.accounting import Tally
+from pipelines.failures import InputFileError
+from prepack.layout import RUN_RECORD_NAME
 from prepack.manifest import MANIFEST_NAME
-from prepack.tokenset import TokenSetError, TokenSetManifest, decode_batch
+from prepack.run_record import RunRecord, RunRecordError
+from prepack.tokenset import TOKENS_DIR, TokenSetError, TokenSetManifest, check_examples, decode_batch
 
 NAMESPACE = "prepack"
 READ_BATCH = 4096  # records per TokenizedBatch
@@ -53,7 +56,17 @@ def open_token_set(folder: str) -> TokenSetManifest:
         raise TokenSetError(f"{path} not found: {folder} is not a tokenized set (a `prepack pack` run publishes one "
                             f"as OUTPUT/tokens unless --no-tokens), or its run did not finish")
     with fs.open(path) as f:
-        manifest = TokenSetManifest.from_json(f.read().decode("utf-8"), source=path)
+        raw = f.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise TokenSetError(f"{path}: not UTF-8 text, not a tokenized set's manifest; run a full `prepack pack` again") from None
+    manifest = TokenSetManifest.from_json(text, source=path)
+    _check_run_record(folder, path, hashlib.sha256(raw).hexdigest())
+    try:
+        tasks_of(manifest)
+    except TypeError as e:
+        raise TokenSetError(f"{path}: job.tasks is damaged ({e}); run a full `prepack pack` again") from None
     names = [s.path for s in manifest.shards] + ([manifest.dropped] if manifest.dropped else [])
     sizes = _sizes(folder, names)
     for info in manifest.shards:
@@ -67,6 +80,40 @@ def open_token_set(folder: str) -> TokenSetManifest:
     if manifest.dropped and sizes.get(manifest.dropped) is None:
         raise TokenSetError(f"{folder}/{manifest.dropped} is listed in {path} but missing; run a full `prepack pack` again")
     return manifest
+
+
+def _check_run_record(folder: str, path: str, digest: str) -> None:
+    """OUTPUT/tokens is the tokenized set OUTPUT/published.json names (its manifest's sha256),
+    when the record names one: an edit of the manifest (say, of its tokenizer identity) would
+    otherwise be carried into every shard set packed from it. A guard against accidents only:
+    whoever can write the bucket can rewrite both files."""
+    parent, _, name = folder.rstrip("/").rpartition("/")
+    if name != TOKENS_DIR or not parent:
+        return
+    record_path = f"{parent}/{RUN_RECORD_NAME}"
+    fs = _fs()
+    if not fs.exists(record_path):
+        return
+    with fs.open(record_path) as f:
+        raw = f.read()
+    try:
+        named = RunRecord.from_json(raw.decode("utf-8", errors="replace"), record_path).tokens_manifest_sha256
+    except RunRecordError as e:
+        raise TokenSetError(str(e)) from None
+    if named is not None and named != digest:
+        raise TokenSetError(
+            f"{path} is not the tokenized set {record_path} names (its sha256 is {digest[:12]}..., the record names "
+            f"{named[:12]}...): the manifest was edited or replaced after its run; restore it, or run a full `prepack pack` again")
+
+
+def manifest_sha256(folder: str) -> str | None:
+    """sha256 of the bytes of FOLDER/manifest.json, None when there is none."""
+    fs = _fs()
+    path = f"{folder}/{MANIFEST_NAME}"
+    if not fs.exists(path):
+        return None
+    with fs.open(path) as f:
+        return hashlib.sha256(f.read()).hexdigest()
 
 
 def _sizes(folder: str, names: list[str]) -> dict[str, int]:
@@ -108,18 +155,29 @@ class ReadTokenFileFn(beam.DoFn):
     A gs:// file is copied to a local temp file first (ArrayRecordReader opens local paths);
     the bytes are hashed on the way and the job fails if they are not the manifest's."""
 
-    def __init__(self, folder: str):
+    def __init__(self, folder: str, vocab_size: int = 1 << 31, num_tasks: int = 1 << 62):
         self.folder = folder
+        self.vocab_size = vocab_size
+        self.num_tasks = num_tasks
 
     def setup(self) -> None:
         self.m_examples = Metrics.counter(NAMESPACE, "tokens_set_examples_read")
         self.clock = StageClock("read_tokens")
 
     def process(self, element: tuple[str, int, int, str]) -> Iterator[TokenizedBatch]:
-        from array_record.python.array_record_module import ArrayRecordReader
-
         name, num_records, num_bytes, sha256 = element
         path = f"{self.folder}/{name}"
+        try:
+            yield from self._read(name, path, num_records, sha256)
+        except FileNotFoundError as e:
+            raise InputFileError(f"{path} vanished while the job ran ({e.strerror or e}): the tokenized set changed; "
+                                 "run a full `prepack pack` again") from e
+        except TokenSetError as e:
+            raise InputFileError(str(e)) from e
+
+    def _read(self, name: str, path: str, num_records: int, sha256: str) -> Iterator[TokenizedBatch]:
+        from array_record.python.array_record_module import ArrayRecordReader
+
         started = StageClock.now()
         tmp = None
         try:
@@ -139,12 +197,20 @@ class ReadTokenFileFn(beam.DoFn):
             if digest.hexdigest() != sha256:
                 raise TokenSetError(f"{path}: sha256 {digest.hexdigest()[:12]}... is not the manifest's {sha256[:12]}...: "
                                     f"the file changed after it was published; run a full `prepack pack` again")
-            reader = ArrayRecordReader(local, "readahead_buffer_size:0")
+            try:
+                reader = ArrayRecordReader(local, "readahead_buffer_size:0")
+            except Exception as e:  # a file with the right sha256 is one this job wrote; say so anyway
+                raise TokenSetError(f"{path}: not a readable ArrayRecord file ({e}); run a full `prepack pack` again") from e
             try:
                 if reader.num_records() != num_records:
                     raise TokenSetError(f"{path}: {reader.num_records()} records, but the manifest says {num_records}")
                 for lo in range(0, num_records, READ_BATCH):
-                    decoded = decode_batch(reader.read(list(range(lo, min(lo + READ_BATCH, num_records)))))
+                    where = f"{path} records {lo}..{min(lo + READ_BATCH, num_records) - 1}"
+                    try:
+                        decoded = decode_batch(reader.read(list(range(lo, min(lo + READ_BATCH, num_records)))))
+                    except TokenSetError as e:
+                        raise TokenSetError(f"{where}: {e}; run a full `prepack pack` again") from None
+                    check_examples(decoded, self.vocab_size, self.num_tasks, where)
                     hashes = np.fromiter(map(stable_hash, decoded.example_ids), dtype=np.uint64, count=len(decoded.example_ids))
                     batch = TokenizedBatch(hashes, decoded.example_ids, decoded.locs,
                                            Ragged(decoded.lens.astype(LENS), decoded.ids, decoded.mask))
@@ -160,12 +226,32 @@ class ReadTokenFileFn(beam.DoFn):
         self.clock.add(StageClock.now() - started)
 
 
+def _vocab_size(manifest: TokenSetManifest) -> int:
+    size = manifest.tokenizer.get("vocab_size")
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else 1 << 31
+
+
 def _read_dropped(path: str) -> Iterator[tuple[tuple, dict]]:
-    with _fs().open(path) as f:
-        for line in f.read().decode("utf-8").splitlines():
-            if line.strip():
-                key, entry = json.loads(line)
-                yield (tuple(key), entry)
+    """The dead letters of the examples dropped before fitting: ([task, record, line, sub, reason], entry)
+    per line, each checked (the file is read from storage others can write)."""
+    try:
+        with _fs().open(path) as f:
+            text = f.read().decode("utf-8")
+    except (FileNotFoundError, UnicodeDecodeError) as e:
+        raise InputFileError(f"{path} vanished or is damaged while the job ran ({e}); run a full `prepack pack` again") from e
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            key, entry = json.loads(line)
+            ok = isinstance(entry, dict) and isinstance(key, list) and len(key) == 5 and isinstance(key[4], str) and \
+                all(type(v) is int for v in key[:4])
+        except (ValueError, TypeError, RecursionError):
+            ok = False
+        if not ok:
+            raise InputFileError(f"{path} line {number}: not a dead-letter entry of a tokenized set; the set is damaged: "
+                                 "run a full `prepack pack` again")
+        yield (tuple(key), entry)
 
 
 def read_tokens(pipeline: Any, manifest: TokenSetManifest, folder: str) -> tuple[Any, list, list, Any]:
@@ -176,7 +262,7 @@ def read_tokens(pipeline: Any, manifest: TokenSetManifest, folder: str) -> tuple
         pipeline
         | "ListTokenFiles" >> beam.Create(files)
         | "SpreadTokenFiles" >> beam.Reshuffle()
-        | "ReadTokens" >> beam.ParDo(ReadTokenFileFn(folder))
+        | "ReadTokens" >> beam.ParDo(ReadTokenFileFn(folder, _vocab_size(manifest), len(manifest.job["tasks"])))
     )
     dropped_path = f"{folder}/{manifest.dropped}" if manifest.dropped else None
     dropped = (

@@ -13,7 +13,7 @@ import dataclasses
 import json
 from typing import Any
 
-from prepack import rowformat
+from prepack import rowformat, untrusted
 
 MANIFEST_NAME = "manifest.json"
 DEAD_LETTER_NAME = "dead_letter.jsonl"
@@ -79,27 +79,25 @@ class Manifest:
 
     @classmethod
     def from_json(cls, text: str, source: str = "manifest.json") -> "Manifest":
+        """The manifest, every field checked (prepack.untrusted): anything a stranger could
+        have written is refused with one ManifestError line naming `source` and the field."""
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ManifestError(f"{source}: not valid JSON ({e})") from e
+        except (ValueError, RecursionError) as e:
+            raise ManifestError(f"{source}: not valid JSON ({e})") from None
         if not isinstance(data, dict):
             raise ManifestError(f"{source}: expected a JSON object")
         version = data.get("format_version")
-        if version != rowformat.FORMAT_VERSION:
+        if type(version) is not int or version != rowformat.FORMAT_VERSION:
             raise ManifestError(
                 f"{source}: format_version {version!r} is not supported by this reader "
                 f"(supports {rowformat.FORMAT_VERSION}); regenerate the shards or upgrade tunix-prepack"
             )
-        known = {f.name for f in dataclasses.fields(cls)}
         missing = [k for k in ("max_length", "num_rows", "shards", "tokenizer", "stats") if k not in data]
         if missing:
             raise ManifestError(f"{source}: missing keys {missing}")
-        try:
-            shards = [ShardInfo(**s) for s in data["shards"]]
-        except TypeError as e:
-            raise ManifestError(f"{source}: malformed shard entry ({e})") from e
-        kwargs = {k: v for k, v in data.items() if k in known and k != "shards"}
+        kwargs = _checked_fields(data, source)
+        shards = [ShardInfo(**s) for s in untrusted.shard_entries(data["shards"], source, ManifestError)]
         manifest = cls(shards=shards, **kwargs)
         if sum(s.num_rows for s in shards) != manifest.num_rows:
             raise ManifestError(f"{source}: shard row counts add up to {sum(s.num_rows for s in shards)}, not num_rows {manifest.num_rows}")
@@ -128,6 +126,30 @@ class Manifest:
                         f"({self.tokenizer.get('name')!r}) but {tokenizer[key]!r} in the trainer's tokenizer "
                         f"({tokenizer.get('name')!r})"
                     )
+
+
+def _checked_fields(data: dict[str, Any], source: str) -> dict[str, Any]:
+    """The manifest's fields other than `shards`, each of the type the reader relies on."""
+    E = ManifestError
+    checks = {
+        "max_length": lambda v, f: untrusted.count(v, source, f, E, low=2, high=rowformat.MAX_MAX_LENGTH),
+        "num_rows": lambda v, f: untrusted.count(v, source, f, E),
+        "tokenizer": lambda v, f: untrusted.mapping(v, source, f, E),
+        "stats": lambda v, f: untrusted.mapping(v, source, f, E),
+        "packing": lambda v, f: untrusted.text(v, source, f, E),
+        "template": lambda v, f: untrusted.mapping(v, source, f, E),
+        "inputs": lambda v, f: untrusted.sequence(v, source, f, E),
+        "options": lambda v, f: untrusted.mapping(v, source, f, E),
+        "tool": lambda v, f: untrusted.mapping(v, source, f, E),
+        "dead_letter": lambda v, f: None if v is None else untrusted.file_name(v, source, f, E),
+        "created_at": lambda v, f: untrusted.text(v, source, f, E, optional=True),
+        "lineage": lambda v, f: untrusted.mapping(v, source, f, E, optional=True),
+        "format_version": lambda v, f: v,
+        "fields": lambda v, f: untrusted.mapping(v, source, f, E),
+        "field_order": lambda v, f: untrusted.sequence(v, source, f, E),
+        "array_record_options": lambda v, f: untrusted.text(v, source, f, E),
+    }
+    return {k: checks[k](v, k) for k, v in data.items() if k in checks}
 
 
 def without_volatile(text: str) -> dict[str, Any]:

@@ -23,6 +23,10 @@ STORAGE_DTYPE = np.dtype("<i4")
 FIELD_NAMES: tuple[str, ...] = ("input_ids", "loss_mask", "valid_mask", "positions", "segment_ids")
 FIELDS: dict[str, np.dtype] = {name: STORAGE_DTYPE for name in FIELD_NAMES}
 _BYTES_PER_TOKEN = STORAGE_DTYPE.itemsize * len(FIELD_NAMES)
+# The largest max length a set may have: a row is then 20 MiB, and the packer, the writers and
+# every reader hold whole rows (and batches of them) in memory. Beyond it `prepack pack` refuses
+# --max-length and readers refuse a manifest (docs/row_format.md).
+MAX_MAX_LENGTH = 1 << 20
 
 
 class RowFormatError(ValueError):
@@ -57,7 +61,8 @@ def _check_size(nbytes: int, max_length: int) -> None:
 
 def check_field_order(field_order: Sequence[str]) -> None:
     """Raises RowFormatError unless field_order names each field of this format exactly once."""
-    if not isinstance(field_order, (list, tuple)) or sorted(field_order) != sorted(FIELD_NAMES):
+    if (not isinstance(field_order, (list, tuple)) or not all(isinstance(name, str) for name in field_order)
+            or sorted(field_order) != sorted(FIELD_NAMES)):
         raise RowFormatError(f"field_order {field_order!r} must list the fields {list(FIELD_NAMES)} once each, in record order")
 
 

@@ -17,10 +17,8 @@ import json
 import re
 from typing import Any
 
-from prepack import layout
-
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
-
+from prepack import layout, untrusted
+from prepack.rowformat import MAX_MAX_LENGTH
 
 class RunRecordError(ValueError):
     """published.json is not a valid run record; the message says which field."""
@@ -47,8 +45,8 @@ class RunRecord:
     def of(cls, run_id: str, manifests: dict[int, bytes], tokens_manifest: bytes | None) -> "RunRecord":
         return cls(
             run_id=run_id,
-            lengths={L: PublishedManifest(f"L{L}/{layout.MANIFEST_NAME}", sha256_hex(b)) for L, b in sorted(manifests.items())},
-            tokens_manifest=f"{layout.TOKENS_DIR}/{layout.MANIFEST_NAME}" if tokens_manifest is not None else None,
+            lengths={L: PublishedManifest(length_manifest(L), sha256_hex(b)) for L, b in sorted(manifests.items())},
+            tokens_manifest=TOKENS_MANIFEST if tokens_manifest is not None else None,
             tokens_manifest_sha256=sha256_hex(tokens_manifest) if tokens_manifest is not None else None,
         )
 
@@ -63,33 +61,44 @@ class RunRecord:
 
     @classmethod
     def from_json(cls, text: str, source: str = layout.RUN_RECORD_NAME) -> "RunRecord":
+        """Checked field by field before any path in it is used (prepack.untrusted's rules):
+        each manifest path must be exactly L<L>/manifest.json, each digest a sha256."""
+        err = RunRecordError
         try:
             d = json.loads(text)
-        except ValueError as e:
-            raise RunRecordError(f"{source}: not JSON ({e})") from e
-        if not isinstance(d, dict):
-            raise RunRecordError(f"{source}: not a JSON object")
-        run_id = d.get("run_id")
-        if not isinstance(run_id, str) or not run_id:
-            raise RunRecordError(f"{source}: field run_id must be a non-empty string")
-        lengths = d.get("lengths")
-        if not isinstance(lengths, dict) or not lengths:
-            raise RunRecordError(f"{source}: field lengths must be an object of max length -> manifest")
+        except (ValueError, RecursionError) as e:
+            raise err(f"{source}: not a valid run record (not JSON: {e}); {_REDO}") from None
+        untrusted.mapping(d, source, "the record", err)
+        run_id = untrusted.text(d.get("run_id"), source, "run_id", err)
+        if not run_id:
+            raise err(f"{source}: run_id is empty; {_REDO}")
         out = {}
-        for key, entry in lengths.items():
-            if not (isinstance(key, str) and key.isdigit() and int(key) > 0):
-                raise RunRecordError(f"{source}: lengths key {key!r} is not a positive max length")
-            L = int(key)
-            if not isinstance(entry, dict) or entry.get("manifest") != f"L{L}/{layout.MANIFEST_NAME}":
-                raise RunRecordError(f"{source}: lengths.{key}.manifest must be L{L}/{layout.MANIFEST_NAME}")
-            if not isinstance(entry.get("sha256"), str) or not _HEX64.match(entry["sha256"]):
-                raise RunRecordError(f"{source}: lengths.{key}.sha256 must be 64 hex digits")
-            out[L] = PublishedManifest(entry["manifest"], entry["sha256"])
+        for key, entry in untrusted.mapping(d.get("lengths"), source, "lengths", err).items():
+            if not re.fullmatch(r"[1-9][0-9]{0,9}", key):
+                raise err(f"{source}: lengths key {key!r} is not a max length; {_REDO}")
+            L = untrusted.count(int(key), source, f"lengths[{key}]", err, low=2, high=MAX_MAX_LENGTH)
+            untrusted.mapping(entry, source, f"lengths[{key}]", err)
+            expected = length_manifest(L)
+            if entry.get("manifest") != expected:
+                raise err(f"{source}: lengths[{key}].manifest {entry.get('manifest')!r:.80} is not {expected!r}; the run "
+                          f"record was edited or is damaged: {_REDO}")
+            out[L] = PublishedManifest(expected, untrusted.sha256_hex(entry.get("sha256"), source, f"lengths[{key}].sha256", err))
+        if not out:
+            raise err(f"{source}: lengths is empty; {_REDO}")
         tokens, tokens_sha = d.get("tokens_manifest"), d.get("tokens_manifest_sha256")
-        if tokens is not None and tokens != f"{layout.TOKENS_DIR}/{layout.MANIFEST_NAME}":
-            raise RunRecordError(f"{source}: field tokens_manifest must be {layout.TOKENS_DIR}/{layout.MANIFEST_NAME} or null")
-        if (tokens is None) != (tokens_sha is None) or (tokens_sha is not None and not (
-                isinstance(tokens_sha, str) and _HEX64.match(tokens_sha))):
-            raise RunRecordError(f"{source}: field tokens_manifest_sha256 must be 64 hex digits when tokens_manifest is "
-                                 "set, else null")
+        if tokens is not None and tokens != TOKENS_MANIFEST:
+            raise err(f"{source}: tokens_manifest {tokens!r:.80} is not {TOKENS_MANIFEST!r} or null; {_REDO}")
+        if tokens_sha is not None:
+            untrusted.sha256_hex(tokens_sha, source, "tokens_manifest_sha256", err)
+        if (tokens is None) != (tokens_sha is None):
+            raise err(f"{source}: tokens_manifest and tokens_manifest_sha256 must both be set or both null; {_REDO}")
         return cls(run_id, out, tokens, tokens_sha)
+
+
+def length_manifest(max_length: int) -> str:
+    """What the run record names as a length's manifest, relative to the output."""
+    return f"L{max_length}/{layout.MANIFEST_NAME}"
+
+
+TOKENS_MANIFEST = f"{layout.TOKENS_DIR}/{layout.MANIFEST_NAME}"
+_REDO = "run `prepack pack --overwrite` again"

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from prepack import tokenwire
+from prepack import tokenwire, untrusted
 from prepack.layout import TOKENS_DIR  # noqa: F401  (defined once, in the layout; others import it from here)
 from prepack.manifest import MANIFEST_NAME, ShardInfo
 
@@ -117,25 +117,64 @@ class DecodedExamples:
 
 
 def decode_example(record: bytes) -> tuple[str, tuple[int, int, int, int], np.ndarray, np.ndarray]:
-    """(example id, loc, ids, mask) of one record; raises TokenSetError on a damaged record."""
+    """(example id, loc, ids, mask) of one record; raises TokenSetError on a damaged record.
+    Every length in the record is checked against its size before anything is decoded."""
     if len(record) < _HEAD.size or record[0] != _RECORD_VERSION:
         raise TokenSetError(f"not a tokenized-set record of version {_RECORD_VERSION}")
     _, n, task, rec, line, sub, id_len = _HEAD.unpack_from(record)
     at = _HEAD.size + id_len
-    eid = record[_HEAD.size : at].decode("utf-8")
-    ids_end = at + tokenwire.ids_wire_size(record[at : at + 1], n)
+    try:
+        eid = record[_HEAD.size : at].decode("utf-8")
+    except UnicodeDecodeError:
+        raise TokenSetError("record is damaged: its example id is not UTF-8") from None
+    ids_tag = record[at : at + 1]
+    ids_end = at + tokenwire.ids_wire_size(ids_tag, n)
+    mask_tag = record[ids_end : ids_end + 1]
+    mask_end = ids_end + tokenwire.mask_wire_size(mask_tag, n)
+    counted = int.from_bytes(record[ids_end + 1 : ids_end + 1 + tokenwire.MASK_COUNT_BYTES], "little")
+    if ids_tag not in (tokenwire.IDS_24, tokenwire.IDS_32) or mask_tag not in (tokenwire.MASK_BITS, tokenwire.MASK_BYTES) \
+            or mask_end != len(record) or (mask_tag == tokenwire.MASK_BITS and counted != n):
+        raise TokenSetError(f"record of {eid!r} is damaged: {n} tokens declared, but its {len(record)} bytes do not hold them")
     ids = tokenwire.ids_from_wire(record[at:ids_end])
-    mask_end = ids_end + tokenwire.mask_wire_size(record[ids_end : ids_end + 1], n)
     mask = tokenwire.mask_from_wire(record[ids_end:mask_end])
-    if len(ids) != n or len(mask) != n or mask_end != len(record):
-        raise TokenSetError(f"record of {eid!r} is damaged: {n} tokens declared, {len(ids)} ids and {len(mask)} mask values found")
     return eid, (task, rec, line, sub), ids, mask
+
+
+def check_examples(decoded: "DecodedExamples", vocab_size: int, num_tasks: int, where: str) -> None:
+    """Raises TokenSetError (naming `where` and the example) unless every example of a batch is
+    one the job could have written: ids within the vocabulary, a 0/1 mask, a source task that
+    exists. The records of a tokenized set are read from storage others can write."""
+    bad = None
+    if decoded.ids.size and (int(decoded.ids.min()) < 0 or int(decoded.ids.max()) >= vocab_size):
+        flat = np.flatnonzero((decoded.ids < 0) | (decoded.ids >= vocab_size))[0]
+        bad = (int(np.searchsorted(np.cumsum(decoded.lens), flat, side="right")),
+               f"token id {int(decoded.ids[flat])} is outside the vocabulary (vocab_size {vocab_size:,})")
+    elif decoded.mask.size and int(decoded.mask.max()) > 1:
+        flat = int(np.flatnonzero(decoded.mask > 1)[0])
+        bad = (int(np.searchsorted(np.cumsum(decoded.lens), flat, side="right")), "its loss mask is not 0/1")
+    else:
+        for k, loc in enumerate(decoded.locs):
+            if not 0 <= loc[0] < num_tasks or min(loc[1:]) < 0:
+                bad = (k, f"its source {tuple(loc)} names no task of the set's {num_tasks}")
+                break
+    if bad is not None:
+        k, why = bad
+        raise TokenSetError(f"{where}: example {decoded.example_ids[k]!r} is damaged: {why}")
 
 
 def decode_batch(records: Sequence[bytes]) -> DecodedExamples:
     """Many records at once: headers one by one, ids and masks with a few array operations
     when every record has 24-bit ids and a bit mask (what encode_batch writes), else
-    record by record."""
+    record by record. Raises TokenSetError for a damaged record, whatever its bytes."""
+    try:
+        return _decode_batch(records)
+    except TokenSetError:
+        raise
+    except (struct.error, UnicodeDecodeError, ValueError, IndexError) as e:  # lengths that do not fit the bytes
+        raise TokenSetError(f"a record is damaged ({type(e).__name__}: {e})") from None
+
+
+def _decode_batch(records: Sequence[bytes]) -> DecodedExamples:
     heads = [_HEAD.unpack_from(r) for r in records]
     if any(h[0] != _RECORD_VERSION for h in heads):
         raise TokenSetError(f"not a tokenized-set record of version {_RECORD_VERSION}")
@@ -214,20 +253,17 @@ class TokenSetManifest:
             raise TokenSetError(f"{source}: not valid JSON ({e})") from e
         if not isinstance(data, dict) or data.get("kind") != TOKENS_KIND:
             raise TokenSetError(f"{source}: not a tokenized set's manifest (a shard set's? pass the OUTPUT/{TOKENS_DIR} folder)")
-        if data.get("format_version") != TOKENS_FORMAT_VERSION:
+        if type(data.get("format_version")) is not int or data["format_version"] != TOKENS_FORMAT_VERSION:
             raise TokenSetError(
                 f"{source}: tokenized-set format_version {data.get('format_version')!r} is not supported "
                 f"(this version reads {TOKENS_FORMAT_VERSION}); run a full `prepack pack` from the inputs again")
-        known = {f.name for f in dataclasses.fields(cls)}
         missing = [f.name for f in dataclasses.fields(cls)
                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and f.name not in data]
         if missing:
             raise TokenSetError(f"{source}: missing keys {missing}")
-        try:
-            shards = [ShardInfo(**s) for s in data["shards"]]
-        except TypeError as e:
-            raise TokenSetError(f"{source}: malformed shard entry ({e})") from e
-        manifest = cls(shards=shards, **{k: v for k, v in data.items() if k in known and k != "shards"})
+        kwargs = _checked_fields(data, source)
+        shards = [ShardInfo(**s) for s in untrusted.shard_entries(data["shards"], source, TokenSetError)]
+        manifest = cls(shards=shards, **kwargs)
         if sum(s.num_rows for s in shards) != manifest.num_examples:
             raise TokenSetError(f"{source}: shard record counts add up to {sum(s.num_rows for s in shards)}, "
                                 f"not num_examples {manifest.num_examples}")
@@ -249,6 +285,70 @@ class TokenSetManifest:
                         "chat_format": "--chat-format", "tokenizer": "--tokenizer"}[key]
                 return f"{flag} {_show(want)} differs from the tokenized set's {_show(have)}"
         return None
+
+
+def _checked_fields(data: dict[str, Any], source: str) -> dict[str, Any]:
+    """The fields other than `shards`, each of the type the job relies on (prepack.untrusted);
+    TokenSetError names the field."""
+    E = TokenSetError
+    u = untrusted
+
+    def job(v: Any, f: str) -> dict[str, Any]:
+        u.mapping(v, source, f, E)
+        for k, task in enumerate(u.sequence(v.get("tasks"), source, f"{f}.tasks", E)):
+            u.mapping(task, source, f"{f}.tasks[{k}]", E)
+            u.count(task.get("input_index"), source, f"{f}.tasks[{k}].input_index", E)
+            for key in ("input_spec", "path", "name"):
+                u.text(task.get(key), source, f"{f}.tasks[{k}].{key}", E)
+            if task.get("byte_start") is not None:
+                u.count(task["byte_start"], source, f"{f}.tasks[{k}].byte_start", E)
+            if set(task) - {"input_index", "input_spec", "path", "name", "byte_start"}:
+                raise E(f"{source}: {f}.tasks[{k}] has unknown keys {sorted(set(task))}; the manifest was edited or is damaged")
+        u.sequence(v.get("fingerprints"), source, f"{f}.fingerprints", E)
+        u.count(v.get("est_records"), source, f"{f}.est_records", E)
+        try:
+            from prepack.accounting import Tally
+
+            Tally.from_json(u.mapping(v.get("tally"), source, f"{f}.tally", E))
+        except E:
+            raise
+        except Exception as e:  # a missing count, a string for a number, an unknown drop reason
+            raise E(f"{source}: {f}.tally is damaged ({type(e).__name__}: {e}); run a full `prepack pack` again") from None
+        return v
+
+    def tokenizer(v: Any, f: str) -> dict[str, Any]:
+        u.mapping(v, source, f, E)
+        u.count(v.get("pad_id"), source, f"{f}.pad_id", E)
+        return v
+
+    def choices(v: Any, f: str) -> dict[str, Any]:
+        u.mapping(v, source, f, E)
+        for k, spec in enumerate(u.sequence(v.get("inputs"), source, f"{f}.inputs", E)):
+            u.text(spec, source, f"{f}.inputs[{k}]", E)
+        for key in ("format", "chat_format", "tokenizer"):
+            u.text(v.get(key), source, f"{f}.{key}", E)
+        u.mapping(v.get("template_options"), source, f"{f}.template_options", E)
+        u.text(v.get("tfds_data_dir"), source, f"{f}.tfds_data_dir", E, optional=True)
+        return v
+
+    checks = {
+        "num_examples": lambda v, f: u.count(v, source, f, E),
+        "tokens": lambda v, f: u.count(v, source, f, E),
+        "target_tokens": lambda v, f: u.count(v, source, f, E),
+        "choices": choices,
+        "tokenizer": tokenizer,
+        "template": lambda v, f: u.mapping(v, source, f, E),
+        "inputs": lambda v, f: u.sequence(v, source, f, E),
+        "stats": lambda v, f: u.mapping(v, source, f, E),
+        "job": job,
+        "dropped": lambda v, f: None if v is None else u.file_name(v, source, f, E),
+        "tool": lambda v, f: u.mapping(v, source, f, E),
+        "created_at": lambda v, f: u.text(v, source, f, E, optional=True),
+        "kind": lambda v, f: v,
+        "format_version": lambda v, f: v,
+        "array_record_options": lambda v, f: u.text(v, source, f, E),
+    }
+    return {k: checks[k](v, k) for k, v in data.items() if k in checks}
 
 
 def _show(value: Any) -> str:

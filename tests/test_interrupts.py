@@ -7,6 +7,7 @@ worker that starts reading it blocks there, and the test signals once a worker h
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -39,28 +40,55 @@ def alive(pid: int) -> bool:
         return False
 
 
+# Installed into every process of the job (launcher and SDK workers) through PYTHONPATH: holds
+# a worker at the named fault point until the test opens the gate (a FIFO that is no input:
+# inputs must be regular files, so the job itself never reads one).
+HOLD_AT_FAULT_POINT = """
+import os
+if os.environ.get("PREPACK_TEST_HOLD_AT"):
+    import prepack.failpoints as failpoints
+    _real = failpoints.hit
+
+    def hit(point, detail=None):
+        if f"{point}:{detail}" == os.environ["PREPACK_TEST_HOLD_AT"]:
+            with open(os.environ["PREPACK_TEST_GATE"], "rb") as gate:
+                gate.read()
+        _real(point, detail)
+
+    failpoints.hit = hit
+"""
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_signal_to_the_main_process_ends_job_and_workers(tmp_path, signum):
     """Base commit: SIGINT hung for minutes; SIGTERM killed the main process (status -15) and
     left two workers running and the staging folder behind."""
-    fifo = tmp_path / "in.jsonl"
-    os.mkfifo(fifo)
+    from testkit.pipeline import alpaca_records, write_jsonl
+
+    source = write_jsonl(str(tmp_path / "in.jsonl"), alpaca_records(8))
+    gate = tmp_path / "gate"
+    os.mkfifo(gate)
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(HOLD_AT_FAULT_POINT)
     out = tmp_path / "out"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(hook), ROOT, os.environ.get("PYTHONPATH", "")]),
+               PREPACK_TEST_HOLD_AT="input_read:start", PREPACK_TEST_GATE=str(gate))
     job = subprocess.Popen(
-        [sys.executable, "-m", "pipelines.cli", "--input", str(fifo), "--format", "alpaca", "--output", str(out),
+        [sys.executable, "-m", "pipelines.cli", "--input", source, "--format", "alpaca", "--output", str(out),
          "--max-length", "64", "--no-progress", "--direct_running_mode=multi_processing", "--direct_num_workers=2"],
         env=env, stderr=subprocess.PIPE, text=True)
+    def worker_waits():  # the gate opens for writing once a worker holds it open to read
+        assert job.poll() is None, f"the job ended early: {job.stderr.read()}"
+        try:
+            return os.open(gate, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as e:
+            if e.errno != errno.ENXIO:
+                raise
+            return None
+
     try:
-        # The launcher's readability check opens the pipe and reads a byte: feed it until it closes.
-        with open(fifo, "wb", buffering=0) as check:
-            try:
-                while True:
-                    check.write(b"{")
-                    time.sleep(0.01)
-            except BrokenPipeError:
-                pass
-        with open(fifo, "wb"):  # opens once a worker opened the pipe: the job is mid-pipeline
+        with os.fdopen(wait_for(worker_waits, "a worker at the fault point"), "wb"):  # the job is mid-pipeline
             workers = interrupts.descendants(job.pid)
             assert workers, "the job has no worker processes"
             assert os.path.isdir(out) and os.path.exists(out / ".lock")

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from prepack import tokenset
+from prepack.accounting import Tally
 from prepack.manifest import ShardInfo
 
 
@@ -63,7 +64,8 @@ def _manifest(**choices) -> tokenset.TokenSetManifest:
         shards=[ShardInfo("tokens-a.array_record", 3, 100, "0" * 64)], num_examples=3, tokens=30, target_tokens=10,
         choices={"inputs": ["in.jsonl"], "format": "alpaca", "template_options": {}, "chat_format": "auto",
                  "tokenizer": "gemma3", **choices},
-        tokenizer={"name": "gemma3"}, template={}, inputs=[], stats={}, job={},
+        tokenizer={"name": "gemma3", "pad_id": 0}, template={}, inputs=[], stats={},
+        job={"tasks": [], "fingerprints": [], "tally": Tally().to_json(), "est_records": 3},
     )
 
 

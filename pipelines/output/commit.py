@@ -137,8 +137,11 @@ class Commit:
             failpoints.hit("before_tokens_switch")
             self.switch(tokens)
             failpoints.hit("after_tokens_switch")
+        # A run that publishes no tokenized set names the one already in the output (what
+        # --from-tokens OUTPUT/tokens then checks); this run's lock keeps it from changing meanwhile.
+        found = None if tokens else self.store.read(layout.tokens_manifest_path(self.output))
         self.write_record(RunRecord.of(self.run_id, {L: s.manifest for L, s in lengths.items()},
-                                       tokens.manifest if tokens else None))
+                                       tokens.manifest if tokens else (found.data if found else None)))
         for s in sets:
             self.delete_replaced(s)
         self.lock.check()

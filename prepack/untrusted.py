@@ -1,0 +1,107 @@
+"""Checks for values read from storage that others can write: manifests, run records
+(prepack/run_record.py), the tokenized set's manifest.
+
+A training host reads manifests from buckets other people can write, so nothing taken from
+one is used before it is checked here: a file name must be a plain name as the writer makes
+it (it can then only name a file inside the set's own folder, or the cache's), a sha256 must
+be 64 hex digits (it names the cache file), counts must be integers, objects must be
+objects. One implementation, used by the loaders, the pipelines and `prepack inspect`.
+
+Each check takes `where` (the manifest's path) and the field's name, and raises `error`
+(the caller's error class) with one line naming both.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+# What the writers make: rows-00000-of-00004-<hex>.array_record, tokens-<hex>.array_record,
+# dropped-<hex>.jsonl, dead_letter.jsonl. No separator, no "..", no scheme, no hidden name.
+_FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,254}$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+# Counts (rows, bytes, tokens) fit in int64: numpy, the packer and array_record use it.
+MAX_COUNT = (1 << 63) - 1
+
+
+def file_name(value: Any, where: str, field: str, error: type[Exception]) -> str:
+    """A plain file name in the manifest's folder; refuses paths, '..', schemes, hidden names."""
+    if not isinstance(value, str) or not _FILE_NAME.match(value) or ".." in value:
+        raise error(f"{where}: {field} {_show(value)} is not a plain file name in the set's folder "
+                    "(no '/', '\\', '..', scheme or leading '.'); the manifest was edited or is damaged: republish the set")
+    return value
+
+
+def sha256_hex(value: Any, where: str, field: str, error: type[Exception]) -> str:
+    if not isinstance(value, str) or not _SHA256.match(value):
+        raise error(f"{where}: {field} {_show(value)} is not a sha256 (64 lowercase hex digits); "
+                    "the manifest was edited or is damaged: republish the set")
+    return value
+
+
+def count(value: Any, where: str, field: str, error: type[Exception], low: int = 0, high: int = MAX_COUNT) -> int:
+    """An integer in [low, high] (a JSON number written as an integer; never a bool or a string)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise error(f"{where}: {field} {_show(value)} is not an integer from {low:,} to {high:,}; "
+                    "the manifest was edited or is damaged: republish the set")
+    return value
+
+
+def mapping(value: Any, where: str, field: str, error: type[Exception], optional: bool = False) -> dict[str, Any] | None:
+    if value is None and optional:
+        return None
+    if not isinstance(value, dict):
+        raise error(f"{where}: {field} is {_kind(value)}, not a JSON object; the manifest was edited or is damaged: "
+                    "republish the set")
+    return value
+
+
+def sequence(value: Any, where: str, field: str, error: type[Exception]) -> list[Any]:
+    if not isinstance(value, list):
+        raise error(f"{where}: {field} is {_kind(value)}, not a JSON array; the manifest was edited or is damaged: "
+                    "republish the set")
+    return value
+
+
+def text(value: Any, where: str, field: str, error: type[Exception], optional: bool = False) -> str | None:
+    if value is None and optional:
+        return None
+    if not isinstance(value, str):
+        raise error(f"{where}: {field} is {_kind(value)}, not a string; the manifest was edited or is damaged: "
+                    "republish the set")
+    return value
+
+
+def shard_entries(value: Any, where: str, error: type[Exception]) -> list[dict[str, Any]]:
+    """The `shards` list: each entry exactly {path, num_rows, num_bytes, sha256}, all checked;
+    no two entries name the same file."""
+    entries = []
+    seen: set[str] = set()
+    for k, entry in enumerate(sequence(value, where, "shards", error)):
+        field = f"shards[{k}]"
+        mapping(entry, where, field, error)
+        keys = set(entry)
+        if keys != {"path", "num_rows", "num_bytes", "sha256"}:
+            raise error(f"{where}: {field} has keys {sorted(keys)}, expected num_bytes, num_rows, path, sha256; "
+                        "the manifest was edited or is damaged: republish the set")
+        name = file_name(entry["path"], where, f"{field}.path", error)
+        if name in seen:
+            raise error(f"{where}: {field}.path {name!r} is listed twice; the manifest was edited or is damaged: republish the set")
+        seen.add(name)
+        entries.append({"path": name,
+                        "num_rows": count(entry["num_rows"], where, f"{field}.num_rows", error),
+                        "num_bytes": count(entry["num_bytes"], where, f"{field}.num_bytes", error),
+                        "sha256": sha256_hex(entry["sha256"], where, f"{field}.sha256", error)})
+    return entries
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "an array",
+            dict: "an object"}.get(type(value), type(value).__name__)
+
+
+def _show(value: Any) -> str:
+    shown = repr(value)
+    return shown if len(shown) <= 80 else shown[:77] + "..."
