@@ -31,7 +31,6 @@ ENV = "PREPACK_FAILPOINTS"
 # name -> when it is hit. A ":DETAIL" suffix (a length, `tokens`) narrows a point to one hit.
 POINTS: dict[str, str] = {
     "after_lock": "the output lock is held, before the pipeline runs",
-    "input_read": "a worker starts reading an input file (`:start`), and has read it whole, before its change check (`:whole_file`)",
     "before_publish": "the pipeline's result is checked, before anything is moved into the output",
     "shards_in_place": "every new file is beside the old ones, before the first manifest switch",
     "after_manifest_switch": "after each set's manifest switch (`:L<length>` or `:tokens` for one)",
@@ -40,6 +39,7 @@ POINTS: dict[str, str] = {
     "after_run_record": "published.json is written, before old files are deleted",
     "before_delete": "before the old files this run replaced are deleted (`:L<length>` or `:tokens`)",
     "after_publish": "everything is published and cleaned, before the lock is released",
+    "input_read": "a worker starts reading an input file (`:start`), and has read it whole, before its change check (`:whole_file`)",
 }
 
 _ACTION = re.compile(r"^(?P<kind>stop|error|sleep|exit)(?:\((?P<arg>[^()]*)\))?$")
