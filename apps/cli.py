@@ -8,7 +8,7 @@ import sys
 
 # subcommand -> (module, function taking argv, the extra it needs, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str, str, str]] = {
-    "pack": ("pipelines.cli", "main", "pipeline", "run the Beam packing job: inputs -> ArrayRecord shard sets, one per max length"),
+    "pack": ("pipelines.launch.cli", "main", "pipeline", "run the Beam packing job: inputs -> ArrayRecord shard sets, one per max length"),
     "inspect": ("apps.inspect_tokens", "main", "train",
                 "print a shard set's (or tokenized set's) manifest summary and decode rows (examples) segment by segment"),
     "preflight": ("apps.preflight", "main", "pipeline,report", "estimate packing gains from the tokenizer alone, with tables and plots"),

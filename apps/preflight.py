@@ -12,7 +12,7 @@ expected gain in useful-token (target-token) throughput is then packed target
 tokens per step over unpacked target tokens per step (stats.BatchFigures).
 
 Inputs take the same specs as `prepack pack` and go through the job's own read
-and prepare stages (pipelines.sources, pipelines.readers, pipelines.prepare.Preparer),
+and prepare stages (pipelines.stages.sources, pipelines.stages.readers, pipelines.stages.prepare.Preparer),
 run in this process: the same records, examples and bad-record reasons.
 
 Tokenizing runs in this process, which suits inputs up to a few million
@@ -267,13 +267,13 @@ def evaluate(examples: ExampleSet, config: PreflightConfig, tokenizer_name: str 
 
 
 # ----------------------------------------------------------------------------- reading inputs
-# The job's own read and prepare stages (pipelines.readers, pipelines.prepare.Preparer), run in
+# The job's own read and prepare stages (pipelines.stages.readers, pipelines.stages.prepare.Preparer), run in
 # this process: the same specs, the same records, examples and bad-record reasons as `prepack pack`.
 
 
 def _pipelines() -> Any:
     try:
-        from pipelines import prepare, readers, sources  # lazy: Beam's file systems, datasets, TFDS
+        from pipelines.stages import prepare, readers, sources
     except ImportError as e:
         raise PreflightError(f"reading inputs needs the pipeline extra ({e}); pip install 'tunix-prepack[pipeline]'") from e
     return prepare, readers, sources
@@ -501,7 +501,7 @@ def run_with_pipeline(config: PreflightConfig, pack_args: Sequence[str]) -> dict
     no length histogram, so the median/p95 columns and the histogram plot are left out.
     """
     try:
-        from pipelines import cli as pack_cli  # lazy: Beam only in this mode
+        from pipelines.launch import cli as pack_cli
     except ImportError as e:
         raise PreflightError(f"--pack-output needs the pipeline extra ({e}); pip install 'tunix-prepack[pipeline]'") from e
     unknown = sorted(set(config.template_options) - set(_PACK_TEMPLATE_FLAGS))

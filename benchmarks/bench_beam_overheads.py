@@ -34,7 +34,7 @@ def _runner_args(workers: int) -> list[str]:
 
 
 def fixed_job_cost(work: str, workers: int) -> dict:
-    from pipelines.job import run
+    from pipelines.launch.job import run
     from pipelines.options import parse_args
 
     out = os.path.join(work, "fixed")

@@ -35,7 +35,7 @@ def _cpu(usage: resource.struct_rusage) -> float:
 
 
 def timed_run(args: list[str], beam_args: list[str]) -> dict:
-    from pipelines.job import run
+    from pipelines.launch.job import run
     from pipelines.options import parse_args
 
     config, beam = parse_args(args + ["--no-progress", "--overwrite"] + beam_args)

@@ -10,7 +10,7 @@ multi_processing mode. For each size it runs the pipeline three ways:
   (FlatMap -> Map, no GroupByKey): the control;
 - `GroupByKey, 2 workers`: the fixed worker count (what `prepack pack` used before);
 - `GroupByKey, 1 worker per --share`: workers = elements / share, as `prepack pack` now
-  chooses them (pipelines/local_memory.py).
+  chooses them (pipelines/launch/local_memory.py).
 
 and reports the peak RSS (VmHWM) of the largest SDK worker, and that worker's RSS when the
 grouped step's first element reached the DoFn. If the runner streamed a bundle's input,

@@ -86,7 +86,7 @@ def _cpu(usage: resource.struct_rusage) -> float:
 
 def run_job(path: str, fmt: str, options: dict, out: str, max_lengths: list[int], beam_args: list[str],
             tokenizer: str = "gemma3") -> dict:
-    from pipelines.job import run
+    from pipelines.launch.job import run
     from pipelines.options import parse_args
 
     args = ["--input", path, "--format", fmt, "--output", out, "--overwrite", "--no-progress",

@@ -89,7 +89,7 @@ class Report:
 
 def offline_inputs(specs: Sequence[str]) -> tuple[list, list]:
     """(ResolvedInput, ReadTask) lists for the specs without reading anything: one task each."""
-    from pipelines.sources import ReadTask, ResolvedInput, file_kind
+    from pipelines.stages.sources import ReadTask, ResolvedInput, file_kind
 
     inputs, tasks = [], []
     for index, spec in enumerate(specs):
@@ -129,9 +129,9 @@ def build_dry_run(pack_argv: Sequence[str]) -> tuple[Any, Any, Any]:
     import apache_beam as beam
     from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
 
-    from pipelines import job as pack_job
+    from pipelines.launch import job as pack_job
     from pipelines.options import parse_args
-    from pipelines.publish import JobError
+    from pipelines.launch.publish import JobError
 
     config, beam_args = parse_args(list(pack_argv))
     options = PipelineOptions([*beam_args, "--dry_run=True", "--no_auth"])
@@ -212,7 +212,7 @@ def check_worker_code(proto: Any, options: Any) -> tuple[str, list[str], str, li
     else:
         with tarfile.open(sdist[0]) as tar:
             members = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
-        missing = {"setup.py", "pipelines/job.py", "pipelines/write.py", "prepack/tokenizer.py"} - members
+        missing = {"setup.py", "pipelines/launch/job.py", "pipelines/stages/write.py", "prepack/tokenizer.py"} - members
         if missing:
             problems.append(f"the staged sdist lacks {sorted(missing)}")
     reqs = [path for name, path in staged.items() if name == "requirements.txt"]

@@ -20,9 +20,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from pipelines.input_limits import (DEFAULT_MAX_COMPRESSION_RATIO, DEFAULT_MAX_DECOMPRESSED_BYTES, DEFAULT_MAX_RECORD_BYTES,
+from pipelines.stages.input_limits import (DEFAULT_MAX_COMPRESSION_RATIO, DEFAULT_MAX_DECOMPRESSED_BYTES, DEFAULT_MAX_RECORD_BYTES,
                                     RATIO_CHECKED_AFTER, InputLimits)
-from pipelines.planning import MAX_SUB_BUCKETS
+from pipelines.stages.planning import MAX_SUB_BUCKETS
 from prepack.bad_records import DEFAULT_MAX_BAD_FRACTION
 from prepack.packer import OverlongPolicy, Planner
 from prepack.rowformat import MAX_MAX_LENGTH
@@ -90,7 +90,7 @@ class PackConfig:
     # --from-tokens: the token choices (prepack.tokenset.TOKEN_CHOICES) the user gave, to be
     # checked against the tokenized set's; the fields above then come from the set.
     requested: tuple[tuple[str, Any], ...] = ()
-    limits: InputLimits = InputLimits()  # what one input may make a worker hold (pipelines/input_limits.py)
+    limits: InputLimits = InputLimits()  # what one input may make a worker hold (pipelines/stages/input_limits.py)
 
     @property
     def template_kwargs(self) -> dict[str, str]:

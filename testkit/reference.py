@@ -8,7 +8,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
-from pipelines.rows import encode_rows_flat
+from pipelines.stages.rows import encode_rows_flat
 from prepack import rowformat
 from prepack.rowformat import Segment
 
@@ -60,6 +60,6 @@ def split_segments(row: Mapping[str, np.ndarray]) -> list[Segment]:
 
 
 def sub_bucket(h: int, num_sub_buckets: int) -> int:
-    """pipelines.planning.sub_buckets_of for one hash. Monotone in h (multiply-shift), so
+    """pipelines.stages.planning.sub_buckets_of for one hash. Monotone in h (multiply-shift), so
     ordering by (b, h) is ordering by h."""
     return (h * num_sub_buckets) >> 64

@@ -48,7 +48,7 @@ def test_a_bad_value_is_one_line(value, message):
 
 def test_a_bad_value_stops_pack_before_any_work(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT, PREPACK_FAILPOINTS="before_publish=jump")
-    done = subprocess.run([sys.executable, "-m", "pipelines.cli", "--sample", "--output", str(tmp_path / "out")],
+    done = subprocess.run([sys.executable, "-m", "pipelines.launch.cli", "--sample", "--output", str(tmp_path / "out")],
                           cwd=ROOT, capture_output=True, text=True, env=env)
     assert done.returncode == 2
     assert done.stderr.strip() == ("prepack pack: PREPACK_FAILPOINTS: 'before_publish=jump': unknown action 'jump'; "

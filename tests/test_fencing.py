@@ -54,7 +54,7 @@ def inputs(tmp_path_factory):
 
 
 def pack_args(inp: str, out: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "pipelines.cli", "--input", inp, "--format", "alpaca", "--output", out,
+    return [sys.executable, "-m", "pipelines.launch.cli", "--input", inp, "--format", "alpaca", "--output", out,
             "--max-length", *map(str, LENGTHS), "--no-progress", "--lock-expiry-s", str(EXPIRY_S), *IN_PROCESS, *extra]
 
 

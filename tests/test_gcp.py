@@ -27,7 +27,7 @@ NUM_SHARDS = 3
 
 def pack(args: list[str]) -> int:
     """Runs `prepack pack` through its CLI entry point, as a user (or Dataflow launcher) would."""
-    from pipelines.cli import main
+    from pipelines.launch.cli import main
 
     return main(args + ["--no-progress", *IN_PROCESS])
 
@@ -191,7 +191,7 @@ def test_loader_reads_the_gcs_set_like_the_local_one(local_run, gcs_run):
 def _interrupt_upload_of_shard(monkeypatch, shard_index: int) -> None:
     """The copy of one shard from the worker's disk to GCS dies half way, as on a lost worker
     or a dropped connection; the other shards upload normally."""
-    from pipelines import write as writer
+    from pipelines.stages import write as writer
 
     original = writer.copy_local_to
     victim = f"rows-{shard_index:05d}-of-"
@@ -251,7 +251,7 @@ def test_crash_before_the_manifest_leaves_an_unpublished_folder(gcs_emulator, gc
 def test_jsonl_byte_ranges_read_from_gcs_like_local_ones(gcs_emulator, gcs_prefix, input_file, tmp_path, monkeypatch):
     """Byte-range reads seek inside a gs:// object (Beam's GcsIO); with ranges of a few hundred
     bytes the shards, manifest and dead letters equal a local run with the same ranges."""
-    from pipelines import sources
+    from pipelines.stages import sources
 
     monkeypatch.setattr(sources, "JSONL_RANGE_MIN_BYTES", 300)
     monkeypatch.setattr(sources, "JSONL_RANGES_PER_FILE", 10_000)

@@ -8,10 +8,10 @@ import os
 
 import pytest
 
-from pipelines import readers
+from pipelines.stages import readers
 from pipelines.options import OptionsError, parse_args
-from pipelines.publish import JobError
-from pipelines.records import TaskMeta
+from pipelines.launch.publish import JobError
+from pipelines.stages.records import TaskMeta
 from testkit.gcs_emulator import gcs_emulator, gcs_prefix  # noqa: F401  (pytest fixtures)
 from testkit.pipeline import IN_PROCESS, alpaca_records, write_json, write_jsonl
 
@@ -19,7 +19,7 @@ LONE = b'{"instruction": "lone \\ud800 here", "input": "", "output": "ok"}'
 
 
 def pack(args: list[str]):
-    from pipelines.job import run
+    from pipelines.launch.job import run
 
     config, beam_args = parse_args(args + ["--no-progress"] + IN_PROCESS)
     return run(config, beam_args)
@@ -65,7 +65,7 @@ def test_lone_surrogate_in_a_json_array_is_a_bad_text_dead_letter(tmp_path):
 def test_a_text_the_tokenizer_refuses_is_dead_lettered_not_a_crash(fmt, record):
     # A record that reached the tokenizer with unencodable text (whatever reader let it by):
     # sentencepiece raises TypeError for the batch; the batch is retried and only it is dropped.
-    from pipelines.prepare import Preparer
+    from pipelines.stages.prepare import Preparer
     from prepack.accounting import Tally
 
     good = {"alpaca": {"instruction": "say hi", "output": "hi"},
@@ -192,7 +192,7 @@ def test_decompressed_blocks_are_bounded(tmp_path):
 
     import zstandard
 
-    from pipelines import compressed
+    from pipelines.stages import compressed
 
     data = zstandard.ZstdCompressor(level=19).compress(b"\0" * (64 << 20))
     sizes = [len(b) for b in compressed.decompressed_blocks(io.BytesIO(data), "z.zst", ".zst")]
@@ -206,7 +206,7 @@ def test_decompressed_blocks_are_bounded(tmp_path):
 
 
 def test_a_fifo_is_refused_before_reading(tmp_path):
-    from pipelines import sources
+    from pipelines.stages import sources
 
     fifo = tmp_path / "in.jsonl"
     os.mkfifo(fifo)
@@ -217,7 +217,7 @@ def test_a_fifo_is_refused_before_reading(tmp_path):
 
 
 def test_a_link_to_dev_zero_is_refused_and_a_link_to_a_file_is_read(tmp_path):
-    from pipelines import sources
+    from pipelines.stages import sources
 
     zero = tmp_path / "zero.jsonl"
     os.symlink("/dev/zero", zero)
@@ -232,7 +232,7 @@ def test_a_link_to_dev_zero_is_refused_and_a_link_to_a_file_is_read(tmp_path):
 
 
 def test_a_file_replaced_by_a_fifo_after_planning_is_refused_by_the_reader(tmp_path):
-    from pipelines import sources
+    from pipelines.stages import sources
     from pipelines.failures import InputFileError
 
     path = write_jsonl(str(tmp_path / "in.jsonl"), alpaca_records(3))
@@ -290,7 +290,7 @@ def _fuzz_lines(fmt: str, examples: int, tokenizer: str = "gemma3") -> None:
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    from pipelines.prepare import Preparer
+    from pipelines.stages.prepare import Preparer
     from prepack.accounting import Tally
 
     preparer = Preparer.from_names((TaskMeta(0, "in", "f.jsonl", "f.jsonl"),), fmt, (), tokenizer, "auto")

@@ -337,7 +337,7 @@ def _fuzz_tokens_manifest(examples: int) -> None:
         except TokenSetError as e:
             assert "\n" not in str(e)
             return
-        from pipelines.tokens_source import tasks_of
+        from pipelines.stages.tokens_source import tasks_of
         from prepack.accounting import Tally
 
         tasks_of(manifest)  # what the job then builds from it must not raise either

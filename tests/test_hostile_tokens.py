@@ -12,9 +12,9 @@ import shutil
 import numpy as np
 import pytest
 
-from pipelines.job import run
+from pipelines.launch.job import run
 from pipelines.options import parse_args
-from pipelines.publish import JobError
+from pipelines.launch.publish import JobError
 from prepack import tokenset
 from prepack.manifest import MANIFEST_NAME
 from testkit.pipeline import IN_PROCESS, alpaca_records, write_jsonl
@@ -83,7 +83,7 @@ def test_a_tokens_file_that_changed_is_one_line(output, tmp_path):
 
 
 def test_a_tokens_file_that_vanishes_mid_run_is_one_line(output, tmp_path, monkeypatch):
-    from pipelines import tokens_source
+    from pipelines.stages import tokens_source
 
     real = tokens_source.open_token_set
 

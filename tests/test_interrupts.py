@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from pipelines import interrupts
+from pipelines.launch import interrupts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -75,7 +75,7 @@ def test_signal_to_the_main_process_ends_job_and_workers(tmp_path, signum):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(hook), ROOT, os.environ.get("PYTHONPATH", "")]),
                PREPACK_TEST_HOLD_AT="input_read:start", PREPACK_TEST_GATE=str(gate))
     job = subprocess.Popen(
-        [sys.executable, "-m", "pipelines.cli", "--input", source, "--format", "alpaca", "--output", str(out),
+        [sys.executable, "-m", "pipelines.launch.cli", "--input", source, "--format", "alpaca", "--output", str(out),
          "--max-length", "64", "--no-progress", "--direct_running_mode=multi_processing", "--direct_num_workers=2"],
         env=env, stderr=subprocess.PIPE, text=True)
     def worker_waits():  # the gate opens for writing once a worker holds it open to read
@@ -126,7 +126,7 @@ def test_interrupted_wait_cancels_the_submitted_dataflow_job(tmp_path, monkeypat
     import apache_beam as beam
 
     from testkit.pipeline import IN_PROCESS, alpaca_records, write_jsonl
-    from pipelines.job import Interrupted, run
+    from pipelines.launch.job import Interrupted, run
     from pipelines.options import parse_args
 
     submitted = FakeDataflowResult()
@@ -191,7 +191,7 @@ def test_sigkill_between_lengths_then_the_next_run_repairs(tmp_path):
     def pack_in_child(inp: str, kill_at: str | None, *extra: str) -> subprocess.CompletedProcess:
         code = (
             "import os, sys\n"
-            "from pipelines.cli import main\n"
+            "from pipelines.launch.cli import main\n"
             f"sys.exit(main({args(inp, *extra)!r}))\n"
         )
         env = dict(os.environ, PYTHONPATH=ROOT)
@@ -290,7 +290,7 @@ def test_ctrl_c_to_the_process_group_prints_only_the_last_line(tmp_path, verbose
     out = tmp_path / "out"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), ROOT, os.environ.get("PYTHONPATH", "")]))
     job = subprocess.Popen(
-        [sys.executable, "-m", "pipelines.cli", "--input", str(fifo), "--format", "alpaca", "--output", str(out),
+        [sys.executable, "-m", "pipelines.launch.cli", "--input", str(fifo), "--format", "alpaca", "--output", str(out),
          "--max-length", "64", "--no-progress", "--direct_num_workers=2", *(["--verbose"] if verbose else [])],
         env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -318,9 +318,9 @@ def test_ctrl_c_to_the_process_group_prints_only_the_last_line(tmp_path, verbose
 
 
 def test_in_process_pack_gives_the_callers_signal_handlers_back(tmp_path):
-    """A test or notebook calling pipelines.cli.main keeps its own SIGINT/SIGTERM handlers afterwards
+    """A test or notebook calling pipelines.launch.cli.main keeps its own SIGINT/SIGTERM handlers afterwards
     (they used to stay prepack's, and a later Ctrl-C in the test session raised inside pytest)."""
-    from pipelines.cli import main
+    from pipelines.launch.cli import main
     from testkit.pipeline import IN_PROCESS, alpaca_records, write_jsonl
 
     def mine(signum, frame):

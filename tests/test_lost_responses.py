@@ -18,7 +18,7 @@ import os
 import pytest
 
 import loaders
-from pipelines.cli import main
+from pipelines.launch.cli import main
 from pipelines.output import lock as output_lock
 from pipelines.output import storage as output_storage
 from prepack import gcs, layout

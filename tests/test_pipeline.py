@@ -36,10 +36,10 @@ from testkit.pipeline import (
     write_jsonl,
     write_parquet,
 )
-from pipelines.job import run
+from pipelines.launch.job import run
 from pipelines.options import parse_args
-from pipelines.planning import stable_hash
-from pipelines.publish import JobError
+from pipelines.stages.planning import stable_hash
+from pipelines.launch.publish import JobError
 from prepack import rowformat
 from prepack.manifest import STABLE_KEYS, without_volatile
 from prepack.packer import pack_best_fit_decreasing
@@ -167,7 +167,7 @@ def test_too_long_examples_are_dead_letters(mixed_run):
 def test_determinism_one_vs_several_workers(mixed_run, data_dir, tmp_path, monkeypatch, caplog):
     """The default local runner starts one SDK worker per share of the input (here 30 examples;
     the inputs are estimated at 73, so 3 workers on a 2-core machine); the sets equal the in-process run's."""
-    from pipelines import local_memory
+    from pipelines.launch import local_memory
 
     _, out1 = mixed_run
     out2 = tmp_path / "out2"
@@ -369,7 +369,7 @@ def test_bad_fraction_fails_with_a_clear_message(dirty_file, tmp_path):
 
 
 def test_translation_both_shapes_via_cli(tmp_path, capsys):
-    from pipelines.cli import main
+    from pipelines.launch.cli import main
 
     path = write_jsonl(str(tmp_path / "pairs.jsonl"), translation_records())
     out = tmp_path / "out"
@@ -509,7 +509,7 @@ def test_unpacked_with_overlong_examples(data_dir, tmp_path):
 @pytest.fixture
 def tiny_ranges(monkeypatch):
     """Splits every plain JSONL file into ranges of a few hundred bytes (lines cross them)."""
-    from pipelines import sources
+    from pipelines.stages import sources
 
     monkeypatch.setattr(sources, "JSONL_RANGE_MIN_BYTES", 300)
     monkeypatch.setattr(sources, "JSONL_RANGES_PER_FILE", 10_000)
@@ -517,7 +517,7 @@ def tiny_ranges(monkeypatch):
 
 def test_byte_ranges_keep_records_dead_letters_and_counts(dirty_file, tmp_path, tiny_ranges):
     path, good, long_prompt = dirty_file
-    from pipelines.sources import resolve_inputs
+    from pipelines.stages.sources import resolve_inputs
 
     assert len(resolve_inputs([path])[1]) > 5  # really split
     args = ["--input", path, "--format", "alpaca", "--max-length", "64", "--overlong", "truncate", "--max-bad-fraction", "0.5"]
@@ -569,7 +569,7 @@ def test_tiny_write_windows_write_the_same_bytes(tmp_path, monkeypatch):
     """Rows are written window by window (part files streamed into the shard): with windows of
     200 row slots (one row per window at L=512, a few at L=64) across two workers, the shards,
     manifests and dead letters are byte-identical to the default windows in one process."""
-    from pipelines.planning import WINDOW_TOKENS_ENV
+    from pipelines.stages.planning import WINDOW_TOKENS_ENV
 
     records = alpaca_records(50, seed=11)
     path = write_jsonl(str(tmp_path / "a.jsonl"), records)
@@ -590,8 +590,8 @@ def test_tiny_write_windows_write_the_same_bytes(tmp_path, monkeypatch):
 def test_lost_elements_end_the_job_with_one_line(tmp_path, monkeypatch):
     """A write window whose elements never arrive (fault hook: as a runner losing grouped
     elements would) is caught by the shard check: JobError with one line, nothing published."""
-    from pipelines.planning import WINDOW_TOKENS_ENV
-    from pipelines.write import FAULT_DROP_WINDOW_ENV
+    from pipelines.stages.planning import WINDOW_TOKENS_ENV
+    from pipelines.stages.write import FAULT_DROP_WINDOW_ENV
 
     path = write_jsonl(str(tmp_path / "a.jsonl"), alpaca_records(40, seed=3))
     monkeypatch.setenv(WINDOW_TOKENS_ENV, "512")  # L=128: 4 rows per window

@@ -24,11 +24,11 @@ from pipelines import output
 from pipelines.output import lock as output_lock
 from pipelines.output import storage as output_storage
 from prepack import failpoints, layout
-from pipelines import write as writer
-from pipelines.cli import main as cli_main
-from pipelines.job import run
+from pipelines.stages import write as writer
+from pipelines.launch.cli import main as cli_main
+from pipelines.launch.job import run
 from pipelines.options import parse_args
-from pipelines.publish import JobError
+from pipelines.launch.publish import JobError
 
 LENGTHS = (64, 256)
 
@@ -380,7 +380,7 @@ def test_a_failed_first_run_with_its_tokenized_set_leaves_no_folders(inputs, tmp
 
 def test_existing_set_is_refused_before_beam_is_imported(published, inputs):
     code = (
-        "import sys; from pipelines.cli import main; "
+        "import sys; from pipelines.launch.cli import main; "
         f"code = main({args_for(inputs['old'], str(published))!r}); "
         "print(code, 'apache_beam' in sys.modules)"
     )

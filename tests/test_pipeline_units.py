@@ -15,11 +15,11 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from pipelines.options import OptionsError, parse_args, with_default_runner
-from pipelines.columns import PayloadBatch, Ragged, TokenizedBatch
-from pipelines.planning import build_plan, choose_num_shards, stable_hash, sub_buckets_of
-from pipelines.report import density_table
-from pipelines.rows import RowLayoutError
-from pipelines.sources import InputError, parse_hf_spec, parse_tfds_spec, resolve_inputs
+from pipelines.stages.columns import PayloadBatch, Ragged, TokenizedBatch
+from pipelines.stages.planning import build_plan, choose_num_shards, stable_hash, sub_buckets_of
+from pipelines.launch.report import density_table
+from pipelines.stages.rows import RowLayoutError
+from pipelines.stages.sources import InputError, parse_hf_spec, parse_tfds_spec, resolve_inputs
 from prepack import rowformat
 from prepack.packer import pack_best_fit_decreasing
 from testkit.reference import encode_rows, sub_bucket
@@ -28,8 +28,8 @@ from testkit.reference import encode_rows, sub_bucket
 def _job_context(sub_buckets: int = 1, format: str = "alpaca", **config):
     """A worker context over one task, for calling a stage's DoFn directly."""
     from pipelines.options import PackConfig
-    from pipelines.records import TaskMeta
-    from pipelines.stage import JobContext
+    from pipelines.stages.records import TaskMeta
+    from pipelines.stages.stage import JobContext
 
     return JobContext(config=PackConfig(inputs=("in",), format=format, output="/tmp/unused", progress=False, **config),
                       tasks=(TaskMeta(0, "in", "f.jsonl", "f.jsonl"),), sub_buckets=sub_buckets, run_id="r", pad_id=0)
@@ -177,7 +177,7 @@ def _segments(rng: random.Random, max_length: int) -> list[tuple[np.ndarray, np.
 
 @pytest.mark.parametrize("max_length", [1, 7, 64, 300])
 def test_encode_rows_matches_build_row(max_length, monkeypatch):
-    import pipelines.rows as rows_module
+    import pipelines.stages.rows as rows_module
 
     monkeypatch.setattr(rows_module, "CHUNK_BYTES", rowformat.record_size(max_length) * 3)  # several chunks
     rng = random.Random(max_length)
@@ -384,7 +384,7 @@ def histograms_with_truncation(draw):
 def test_streamed_group_slices_equal_the_whole_expansion(case):
     """PlanFn's streamed slices: each group's slots as cut from every slot of the plan at
     once (the per-item scan of the BFD rows), and the same plan without slots."""
-    from pipelines.planning import LengthPlanner
+    from pipelines.stages.planning import LengthPlanner
 
     histogram, max_length = case
     whole = build_plan(histogram, max_length, pack=True)
@@ -405,7 +405,7 @@ def test_the_planner_hands_out_a_class_before_it_places_the_next(monkeypatch):
     """The planner never needs every slot at once: each class's slices come out after that
     class is placed and before the next (shorter) one is. Fails when LengthPlanner.classes
     collects the classes first (list(...) of the BFD's classes)."""
-    from pipelines.planning import LengthPlanner
+    from pipelines.stages.planning import LengthPlanner
     from prepack import packer
 
     events = []
@@ -473,7 +473,7 @@ def _fit_reference(examples, max_lengths, truncate, pack, buckets):
 @given(data=st.data(), max_lengths=st.lists(st.sampled_from([3, 4, 6, 8, 16]), min_size=1, max_size=3, unique=True),
        truncate=st.booleans(), pack=st.booleans(), buckets=st.sampled_from([1, 2, 7]), flush=st.sampled_from([3, 20_000]))
 def test_fit_and_key_matches_the_per_example_rule(data, max_lengths, truncate, pack, buckets, flush):
-    from pipelines import fit, stage
+    from pipelines.stages import fit, stage
     from prepack.packer import OverlongPolicy
 
     max_lengths = tuple(sorted(max_lengths))
@@ -536,7 +536,7 @@ def test_fit_and_key_matches_the_per_example_rule(data, max_lengths, truncate, p
 
 
 def _prepare_outputs(fn, records):
-    from pipelines import readers
+    from pipelines.stages import readers
 
     items = [(i, i + 1, readers.RAW_TEXT, r if isinstance(r, bytes) else __import__("json").dumps(r).encode())
              for i, r in enumerate(records)]
@@ -569,7 +569,7 @@ PREPARE_RECORDS = {
 def test_prepare_fast_path_equals_the_conversation_path(template, tokenizer_kind, tmp_path_factory):
     """PrepareFn's single-turn path (to_pair + tokenize_pairs_flat) against the general one
     (to_conversations + tokenize_conversations_flat): same examples, dead letters, tallies."""
-    from pipelines import prepare
+    from pipelines.stages import prepare
     from prepack.packer import OverlongPolicy
 
     if tokenizer_kind == "gemma3":
@@ -598,7 +598,7 @@ def test_prepare_fast_path_equals_the_conversation_path(template, tokenizer_kind
 
 
 def test_prepare_has_no_fast_path_for_the_jinja_format(tmp_path_factory):
-    from pipelines import prepare
+    from pipelines.stages import prepare
     from prepack.packer import OverlongPolicy
     from test_templates import CHATML_TEMPLATE, build_hf_dir
 
@@ -620,7 +620,7 @@ class _Bytes:
     """A FileDigest that keeps what it was given, to check the ranges cover the file once."""
 
     def __init__(self):
-        from pipelines.readers import FileDigest
+        from pipelines.stages.readers import FileDigest
 
         self.inner, self.data = FileDigest(), b""
 
@@ -648,7 +648,7 @@ def test_jsonl_byte_ranges_give_the_whole_file_records(tmp_path_factory, lines, 
     """Every record of the file comes from exactly one range, with the file's record index and
     line once the ranges before it are counted (records.range_offsets), and the ranges' bytes
     are the file's bytes; whatever the read block sizes (lines spread over many blocks)."""
-    from pipelines import readers
+    from pipelines.stages import readers
 
     saved = readers.READ_BLOCK, readers._TAIL_BLOCK
     readers.READ_BLOCK, readers._TAIL_BLOCK = read_block, tail_block
@@ -659,9 +659,9 @@ def test_jsonl_byte_ranges_give_the_whole_file_records(tmp_path_factory, lines, 
 
 
 def _check_ranges_against_whole_file(tmp_path_factory, lines, trailing_newline, step):
-    from pipelines import readers
-    from pipelines.records import TaskMeta, range_offsets
-    from pipelines.sources import ReadTask
+    from pipelines.stages import readers
+    from pipelines.stages.records import TaskMeta, range_offsets
+    from pipelines.stages.sources import ReadTask
 
     data = b"\n".join(lines) + (b"\n" if trailing_newline and lines else b"")
     path = str(tmp_path_factory.mktemp("ranges") / "f.jsonl")
@@ -686,7 +686,7 @@ def _check_ranges_against_whole_file(tmp_path_factory, lines, trailing_newline, 
 
 
 def test_jsonl_files_are_split_by_size_alone():
-    from pipelines import sources
+    from pipelines.stages import sources
 
     assert sources.jsonl_range_bytes(10) == sources.JSONL_RANGE_MIN_BYTES
     assert sources.jsonl_range_bytes(1 << 40) == sources.JSONL_RANGE_MAX_BYTES
@@ -706,8 +706,8 @@ def test_jsonl_files_are_split_by_size_alone():
 
 
 def test_a_jsonl_file_that_changes_under_a_range_read_fails(tmp_path):
-    from pipelines import readers
-    from pipelines.sources import ReadTask
+    from pipelines.stages import readers
+    from pipelines.stages.sources import ReadTask
 
     path = tmp_path / "f.jsonl"
     path.write_bytes(b'{"a": 1}\n{"a": 2}\n{"a": 3')
@@ -723,9 +723,9 @@ def test_a_jsonl_file_that_changes_under_a_range_read_fails(tmp_path):
 def test_router_ships_examples_cut_to_the_longest_max_length_they_serve():
     """Under --overlong truncate a 10,000-token example crosses the shard shuffle as its
     first 128 tokens (the longest L), not whole; every slot still gets its own cut."""
-    from pipelines import route
-    from pipelines.columns import ShardWork
-    from pipelines.planning import build_plans
+    from pipelines.stages import route
+    from pipelines.stages.columns import ShardWork
+    from pipelines.stages.planning import build_plans
     from prepack.packer import OverlongPolicy
 
     n, lengths = 10_000, (64, 128)
@@ -753,8 +753,8 @@ def test_router_ships_examples_cut_to_the_longest_max_length_they_serve():
 def test_local_runner_memory_estimate_and_warning(tmp_path):
     """Before a local run: examples estimated from the input (JSONL sampled for bytes per line),
     and one warning naming Dataflow and the split size when the launcher would not fit."""
-    from pipelines import local_memory as lm
-    from pipelines.sources import resolve_inputs
+    from pipelines.launch import local_memory as lm
+    from pipelines.stages.sources import resolve_inputs
 
     path = tmp_path / "a.jsonl"
     path.write_text("".join(json.dumps({"en": f"pair {i}", "fr": f"paire {i}"}) + "\n" for i in range(5000)))
@@ -785,7 +785,7 @@ def test_the_local_runner_starts_one_worker_per_share_of_the_input(monkeypatch):
     """Beam's FnApiRunner hands each SDK worker its whole share of a step before the bundle
     starts, so the job bounds the share: one worker per EXAMPLES_PER_LOCAL_WORKER examples,
     at least one per core; a worker count the user gives, in_memory and remote runners are kept."""
-    from pipelines import local_memory as lm
+    from pipelines.launch import local_memory as lm
 
     monkeypatch.delenv(lm.EXAMPLES_PER_LOCAL_WORKER_ENV, raising=False)
     local = ["--runner=FnApiRunner", "--direct_running_mode=multi_processing"]
@@ -808,7 +808,7 @@ def test_the_local_runner_starts_one_worker_per_share_of_the_input(monkeypatch):
 
 
 def test_local_workers_get_few_malloc_arenas_unless_the_user_chose(monkeypatch):
-    from pipelines import local_memory as lm
+    from pipelines.launch import local_memory as lm
 
     monkeypatch.setenv("MALLOC_ARENA_MAX", "")  # so that monkeypatch restores this process's value afterwards
     for args in (["--runner=FnApiRunner", "--direct_running_mode=in_memory"], ["--runner=DataflowRunner"]):
@@ -853,8 +853,8 @@ def _plan_side_inputs(plans: dict) -> tuple[dict, dict]:
 def _routed_slots(groups: dict, plans: dict, lengths: tuple[int, ...], seed: int | None) -> set:
     """(L, row, position, example) of every slot RouteToRowsFn fills, with each group's examples
     permuted and split into wires at random (as shuffles deliver them) when seed is given."""
-    from pipelines import route
-    from pipelines.columns import ShardWork
+    from pipelines.stages import route
+    from pipelines.stages.columns import ShardWork
     from prepack.packer import OverlongPolicy
 
     ctx = _job_context(tokenizer="unused", chat_format="gemma", max_lengths=lengths, overlong=OverlongPolicy.TRUNCATE, pack=True, sub_buckets=3, batch_size=8)
@@ -890,7 +890,7 @@ def _routed_slots(groups: dict, plans: dict, lengths: tuple[int, ...], seed: int
 def test_routing_gives_the_same_rows_whatever_the_arrival_order():
     """Workers deliver a group's examples in any order and split; the slots must not change.
     Fails when PayloadBatch.rank_order is replaced by arrival order (np.arange)."""
-    from pipelines.planning import build_plans
+    from pipelines.stages.planning import build_plans
 
     lengths, buckets = (8, 16), 3
     rng = np.random.default_rng(5)
@@ -919,7 +919,7 @@ def test_routing_gives_the_same_rows_whatever_the_arrival_order():
 def test_shards_are_contiguous_even_runs_of_rows_and_windows_tile_them(num_rows, num_shards, rows_per_window, data):
     """Every row is in exactly one shard and one window of it; shards are contiguous, none is
     empty, and their sizes differ by at most one row."""
-    from pipelines.planning import LengthPlan
+    from pipelines.stages.planning import LengthPlan
 
     num_shards = min(num_shards, num_rows)
     plan = LengthPlan(max_length=8, pack=True, num_rows=num_rows, num_shards=num_shards, num_examples=0, tokens=0,
@@ -939,8 +939,8 @@ def test_part_files_round_trip_and_a_damaged_part_fails_the_shard(tmp_path):
     """Write windows' part files are zstd frames of length-framed rows; a truncated part, or a
     part that reads back fewer rows than its window wrote, ends the job with a ShardCheckError."""
     from pipelines.failures import ShardCheckError
-    from pipelines.planning import LengthPlan
-    from pipelines.write import AssembleShardFn, _new_stats, read_part, write_part
+    from pipelines.stages.planning import LengthPlan
+    from pipelines.stages.write import AssembleShardFn, _new_stats, read_part, write_part
 
     records = [bytes([i % 251]) * (100 + i) for i in range(500)]
     path = str(tmp_path / "part")

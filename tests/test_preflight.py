@@ -282,7 +282,7 @@ def test_other_specs_go_through_the_pipeline_readers(tmp_path):
 def test_a_json_file_reads_as_the_job_reads_it(tmp_path, text, records):
     """preflight and `prepack pack` share one reader: a .json file holding one object used to be
     refused here ("expected a JSON array") while the job packed it."""
-    from pipelines import readers, sources
+    from pipelines.stages import readers, sources
 
     data = tmp_path / "one.json"
     data.write_text(text)
@@ -339,7 +339,7 @@ def test_forecast_rows_equal_the_published_rows(tmp_path, extra):
     """Preflight plans as the job does (same planner, cap and split): its packed_rows and
     bfd_rows are the rows a real `prepack pack` run publishes (stats.rows, stats.bfd_rows).
     Fails when preflight plans with plain BFD, without the cap, or drops what the job splits."""
-    from pipelines.job import run as pack_run
+    from pipelines.launch.job import run as pack_run
     from pipelines.options import parse_args
     from prepack.manifest import Manifest
 

@@ -11,9 +11,9 @@ import lzma
 import pytest
 import zstandard
 
-from pipelines import compressed, readers
+from pipelines.stages import compressed, readers
 from pipelines.failures import InputFileError
-from pipelines.sources import ReadTask
+from pipelines.stages.sources import ReadTask
 
 DATA = b"".join(b'{"instruction": "task %d", "output": "answer"}\n' % i for i in range(3000))
 COMPRESS = {

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from testkit.pipeline import IN_PROCESS, TWO_PROCESSES, alpaca_records, oasst1_messages, shard_bytes, write_jsonl
-from pipelines.job import run
+from pipelines.launch.job import run
 from pipelines.options import parse_args
-from pipelines.publish import JobError
+from pipelines.launch.publish import JobError
 from prepack.manifest import without_volatile
 from prepack.tokenset import TokenSetManifest
 
@@ -117,7 +117,7 @@ def test_from_tokens_equals_a_full_run_for_tables_and_byte_ranges(case, source, 
         path = write_jsonl(str(tmp_path / "oasst1.jsonl"), oasst1_messages())
         args = ["--input", path, "--format", "oasst1", "--max-bad-fraction", "0.5"]
     else:
-        from pipelines import sources
+        from pipelines.stages import sources
 
         monkeypatch.setattr(sources, "JSONL_RANGE_MIN_BYTES", 300)
         monkeypatch.setattr(sources, "JSONL_RANGES_PER_FILE", 10_000)
@@ -247,7 +247,7 @@ def test_existing_tokenized_set_is_refused_without_overwrite(first, source, tmp_
 
 
 def test_cli_refusal_is_one_line(first, tmp_path, capsys):
-    from pipelines.cli import main
+    from pipelines.launch.cli import main
 
     assert main(["--sample", "--output", str(tmp_path / "s"), "--max-length", "512", "--no-progress", *IN_PROCESS]) == 0
     assert f"tokens: {tmp_path / 's' / 'tokens' / 'manifest.json'} (for new max lengths" in capsys.readouterr().out

@@ -3,7 +3,7 @@ behind one interface (storage), one writer at a time (lock), and publishing any 
 with fencing (commit). Shard sets and the tokenized set publish through the same Commit.
 
 Stages write only under their staging folders (prepack.layout names them) and never
-import from here; the launcher (pipelines/job.py) takes the lock, looks, and commits.
+import from here; the launcher (pipelines/launch/job.py) takes the lock, looks, and commits.
 """
 
 from pipelines.output.commit import Commit, Seen, StagedSet, length_place, look, refuse_existing, tokens_place

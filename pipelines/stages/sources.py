@@ -25,7 +25,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from pipelines.records import TaskMeta
+from pipelines.stages.records import TaskMeta
 
 FILE_KINDS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 COMPRESSED_SUFFIXES = (".gz", ".bz2", ".zst", ".deflate", ".lzma")

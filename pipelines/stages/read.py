@@ -1,4 +1,4 @@
-"""Read stage: one ReadTask -> batches of raw records (pipelines/readers.py reads each kind)."""
+"""Read stage: one ReadTask -> batches of raw records (pipelines/stages/readers.py reads each kind)."""
 
 from __future__ import annotations
 
@@ -9,16 +9,16 @@ import apache_beam as beam
 from apache_beam.metrics.metric import Metrics
 from apache_beam.pvalue import TaggedOutput
 
-from pipelines import readers
+from pipelines.stages import readers
 from pipelines.failures import InputFileError
-from pipelines.input_limits import InputLimits
-from pipelines.sources import ReadTask
-from pipelines.stage import NAMESPACE, TAG_FINGERPRINT, Progress, StageClock
+from pipelines.stages.input_limits import InputLimits
+from pipelines.stages.sources import ReadTask
+from pipelines.stages.stage import NAMESPACE, TAG_FINGERPRINT, Progress, StageClock
 
 
 class ReadTaskFn(beam.DoFn):
     """ReadTask -> (task_index, [raw record, ...]) batches of at most batch_size (a raw record is
-    described in pipelines/readers.py); tagged TAG_FINGERPRINT: one (task_index, sha256 or None,
+    described in pipelines/stages/readers.py); tagged TAG_FINGERPRINT: one (task_index, sha256 or None,
     bytes read, records, lines) per task.
 
     Contract: every record of the task is emitted exactly once, in the task's order; a read
@@ -85,7 +85,7 @@ class ReadInputs(beam.PTransform):
         self.tasks, self.batch_size, self.progress, self.limits = tasks, batch_size, progress, limits
 
     def expand(self, pbegin: Any) -> dict[str, Any]:
-        from pipelines.sources import SPREAD_TASK_BYTES
+        from pipelines.stages.sources import SPREAD_TASK_BYTES
 
         read = (
             pbegin

@@ -26,11 +26,11 @@ import os
 from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any
 
-from pipelines import compressed, sources
+from pipelines.stages import compressed, sources
 from prepack import failpoints
 from pipelines.failures import InputFileError
-from pipelines.input_limits import InputLimits
-from pipelines.sources import ReadTask
+from pipelines.stages.input_limits import InputLimits
+from pipelines.stages.sources import ReadTask
 
 # orjson parses a record ~4x faster than json (~0.7 vs ~3 us on the sample records), and gives
 # the same objects for every text it accepts, except integers beyond 64 bits (it returns a
@@ -93,8 +93,8 @@ def _open_raw(path: str):
 
 def _file_blocks(task: ReadTask, limits: InputLimits) -> Iterator[bytes]:
     """The file's (decompressed) bytes, in blocks of at most READ_BLOCK (compressed.OUT_BLOCK);
-    a truncated or corrupt compressed file raises InputFileError naming it (pipelines/compressed.py),
-    never a shorter file, as does a file over a limit (pipelines/input_limits.py) or one that is
+    a truncated or corrupt compressed file raises InputFileError naming it (pipelines/stages/compressed.py),
+    never a shorter file, as does a file over a limit (pipelines/stages/input_limits.py) or one that is
     not the file planned (another size or mtime, or not a regular file any more)."""
     path = task.path
     failpoints.hit("input_read", "start")  # tests hold a worker here, mid-pipeline

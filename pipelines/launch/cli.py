@@ -8,7 +8,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from pipelines import interrupts
+from pipelines.launch import interrupts
 from pipelines.options import OptionsError, parse_args
 
 # Local runs: worker processes forward their logs to the runner, which re-logs
@@ -58,10 +58,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"prepack pack: {refusal}", file=sys.stderr)
         return 1
     _configure_logs(config.verbose)
-    from pipelines.job import Interrupted, run
-    from pipelines.publish import JobError
-    from pipelines.report import density_table
-    from pipelines.worker_stderr import QuietAfterSignal
+    from pipelines.launch.job import Interrupted, run
+    from pipelines.launch.publish import JobError
+    from pipelines.launch.report import density_table
+    from pipelines.launch.worker_stderr import QuietAfterSignal
 
     try:
         with _signal_handlers_restored():

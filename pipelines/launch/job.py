@@ -17,7 +17,7 @@ build_pipeline composes, in graph order:
     tokens   tokens_sink.WriteTokenSet (the tokenized set, beside the shard sets);
              --from-tokens: tokens_source.ReadTokenSet stands in for read and prepare
 
-pipelines/stage.py holds what the stages share (context, tags, clocks, the counter merge).
+pipelines/stages/stage.py holds what the stages share (context, tags, clocks, the counter merge).
 
 The launcher (`run`) owns everything outside the graph, in four steps: prepare (the
 fail-fast checks), run (the lock, then the pipeline), verify (the accounting identity
@@ -37,16 +37,18 @@ import time
 import uuid
 from typing import Any
 
-from pipelines import failures, interrupts, local_memory, output, publish, sources, tokens_sink, tokens_source
-from pipelines.fit import FitToLengths
-from pipelines.prepare import PrepareExamples
-from pipelines.read import ReadInputs
-from pipelines.route import PlanAndRoute
-from pipelines.stage import NAMESPACE, JobContext
-from pipelines.write import WriteShardSets
+from pipelines import failures, output
+from pipelines.launch import interrupts, local_memory, publish
+from pipelines.stages import sources, tokens_sink, tokens_source
+from pipelines.stages.fit import FitToLengths
+from pipelines.stages.prepare import PrepareExamples
+from pipelines.stages.read import ReadInputs
+from pipelines.stages.route import PlanAndRoute
+from pipelines.stages.stage import NAMESPACE, JobContext
+from pipelines.stages.write import WriteShardSets
 from pipelines.options import PackConfig
-from pipelines.planning import choose_sub_buckets
-from pipelines.sources import ReadTask, ResolvedInput
+from pipelines.stages.planning import choose_sub_buckets
+from pipelines.stages.sources import ReadTask, ResolvedInput
 from pipelines.summary import LengthStats, RunSummary
 from prepack import failpoints, layout
 from prepack.tokenset import TokenSetError, TokenSetManifest

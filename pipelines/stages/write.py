@@ -25,15 +25,15 @@ import apache_beam as beam
 import numpy as np
 from apache_beam.metrics.metric import Metrics
 
-from pipelines.planning import LengthPlan
-from pipelines.columns import FragmentBatch, ShardWork, concat_wire
-from pipelines.compressed import decompressed_blocks
+from pipelines.stages.planning import LengthPlan
+from pipelines.stages.columns import FragmentBatch, ShardWork, concat_wire
+from pipelines.stages.compressed import decompressed_blocks
 from pipelines.failures import InputFileError, ShardCheckError
-from pipelines.records import DeadLetter, TaskMeta, place_in_file, range_offsets
-from pipelines.stage import StageClock
+from pipelines.stages.records import DeadLetter, TaskMeta, place_in_file, range_offsets
+from pipelines.stages.stage import StageClock
 from pipelines.summary import LengthSummary, PlanSummary, RunSummary, ShardSummary
 from prepack.layout import run_staging_dir, staging_dir, summary_path
-from pipelines.rows import encode_rows_flat
+from pipelines.stages.rows import encode_rows_flat
 from prepack.accounting import Tally
 from prepack.manifest import DEAD_LETTER_NAME
 from prepack.shardfile import DEFAULT_WRITER_OPTIONS, shard_name, write_shard
@@ -321,7 +321,7 @@ class WriteShardSets(beam.PTransform):
     def expand(self, inputs: dict[str, Any]) -> Any:
         from apache_beam.pvalue import AsDict, AsList, AsSingleton
 
-        from pipelines.stage import MergeTallies
+        from pipelines.stages.stage import MergeTallies
 
         ctx, config = self.ctx, self.ctx.config
         plans = AsDict(inputs["plans"])

@@ -12,10 +12,10 @@ import numpy as np
 from apache_beam.metrics.metric import Metrics
 from apache_beam.pvalue import TaggedOutput
 
-from pipelines.columns import Ragged, TokenizedBatch
-from pipelines.planning import stable_hash, sub_buckets_of
-from pipelines.records import dead_letter
-from pipelines.stage import FLUSH_EXAMPLES, NAMESPACE, TAG_DEAD, TAG_HIST, TAG_TALLY, JobContext, StageClock, in_global_window
+from pipelines.stages.columns import Ragged, TokenizedBatch
+from pipelines.stages.planning import stable_hash, sub_buckets_of
+from pipelines.stages.records import dead_letter
+from pipelines.stages.stage import FLUSH_EXAMPLES, NAMESPACE, TAG_DEAD, TAG_HIST, TAG_TALLY, JobContext, StageClock, in_global_window
 from prepack.accounting import Tally
 from prepack.packer import DropReason, Fit, OverlongPolicy, fit_at_length, piece_id, split_pieces
 

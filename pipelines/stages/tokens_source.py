@@ -25,11 +25,11 @@ import apache_beam as beam
 import numpy as np
 from apache_beam.metrics.metric import Metrics
 
-from pipelines.columns import LENS, Ragged, TokenizedBatch
+from pipelines.stages.columns import LENS, Ragged, TokenizedBatch
 from pipelines.options import PackConfig
-from pipelines.planning import stable_hash
-from pipelines.records import TaskMeta
-from pipelines.stage import StageClock
+from pipelines.stages.planning import stable_hash
+from pipelines.stages.records import TaskMeta
+from pipelines.stages.stage import StageClock
 from prepack.accounting import Tally
 from pipelines.failures import InputFileError
 from prepack.layout import RUN_RECORD_NAME

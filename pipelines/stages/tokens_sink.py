@@ -28,11 +28,11 @@ import numpy as np
 from apache_beam.metrics.metric import Metrics
 from apache_beam.transforms.window import GlobalWindows
 
-from pipelines.columns import TokenizedBatch
-from pipelines.records import DeadLetter, TaskMeta
-from pipelines.stage import StageClock
+from pipelines.stages.columns import TokenizedBatch
+from pipelines.stages.records import DeadLetter, TaskMeta
+from pipelines.stages.stage import StageClock
 from pipelines.summary import RunSummary, TokenFile, TokenIndex
-from pipelines.write import copy_local_to, write_bytes
+from pipelines.stages.write import copy_local_to, write_bytes
 from prepack.accounting import Tally
 from prepack.layout import tokens_staging_dir
 from prepack.manifest import ShardInfo

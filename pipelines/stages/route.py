@@ -13,10 +13,10 @@ import numpy as np
 from apache_beam.metrics.metric import Metrics
 from apache_beam.pvalue import TaggedOutput
 
-from pipelines.columns import PayloadBatch, ShardWork, concat_wire
+from pipelines.stages.columns import PayloadBatch, ShardWork, concat_wire
 from pipelines.failures import ShardCheckError
-from pipelines.planning import LengthPlan
-from pipelines.stage import FLUSH_EXAMPLES, NAMESPACE, TAG_PLAN, JobContext, StageClock, in_global_window
+from pipelines.stages.planning import LengthPlan
+from pipelines.stages.stage import FLUSH_EXAMPLES, NAMESPACE, TAG_PLAN, JobContext, StageClock, in_global_window
 from prepack.packer import Planner
 
 
@@ -41,7 +41,7 @@ class PlanFn(beam.DoFn):
         self.max_segments = max_segments
 
     def process(self, histogram: dict) -> Iterator[Any]:
-        from pipelines.planning import LengthPlanner
+        from pipelines.stages.planning import LengthPlanner
 
         for L in self.max_lengths:
             # Streamed: each class's slices go out before the next class is placed, so the
@@ -160,7 +160,7 @@ class PlanAndRoute(beam.PTransform):
     def expand(self, fitted: dict[str, Any]) -> dict[str, Any]:
         from apache_beam.pvalue import AsDict, AsMultiMap
 
-        from pipelines.stage import MergeCounters
+        from pipelines.stages.stage import MergeCounters
 
         config = self.ctx.config
         planned = (

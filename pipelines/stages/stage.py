@@ -26,7 +26,7 @@ from apache_beam.metrics.metric import Metrics
 from apache_beam.transforms.window import GlobalWindows
 
 from pipelines.options import PackConfig
-from pipelines.records import TaskMeta
+from pipelines.stages.records import TaskMeta
 from prepack.accounting import Tally
 
 NAMESPACE = "prepack"
