@@ -230,7 +230,7 @@ def test_stuck_main_thread_still_exits_and_cleans_up(tmp_path, second_signal):
     cleaned, ready, first = tmp_path / "cleaned", tmp_path / "ready", tmp_path / "first"
     child = subprocess.Popen([sys.executable, "-c", (
         "import pathlib, time\n"
-        "from pipelines import interrupts\n"
+        "from pipelines.launch import interrupts\n"
         f"interrupts.GRACE_S = {3600 if second_signal else 1.0}\n"
         "interrupts.install()\n"
         f"interrupts.register(lambda: pathlib.Path({str(cleaned)!r}).write_text('yes'))\n"
@@ -282,26 +282,35 @@ def test_ctrl_c_to_the_process_group_prints_only_the_last_line(tmp_path, verbose
     """Ctrl-C signals the whole foreground process group, workers included. What workers write
     before it passes through; after it only the launcher's last line shows, unless --verbose.
     Base commit: the workers' words after the signal reached the terminal."""
+    from testkit.pipeline import alpaca_records, write_jsonl
+
     site = tmp_path / "site"
     site.mkdir()
-    (site / "sitecustomize.py").write_text(NOISY_WORKER)
-    fifo = tmp_path / "in.jsonl"
-    os.mkfifo(fifo)
+    # Workers hold at the input_read:start failpoint until the test opens the gate (a FIFO that
+    # is no input: inputs must be regular files), so the signal comes mid-pipeline.
+    (site / "sitecustomize.py").write_text(NOISY_WORKER + HOLD_AT_FAULT_POINT)
+    source = write_jsonl(str(tmp_path / "in.jsonl"), alpaca_records(8))
+    gate = tmp_path / "gate"
+    os.mkfifo(gate)
     out = tmp_path / "out"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), ROOT, os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), ROOT, os.environ.get("PYTHONPATH", "")]),
+               PREPACK_TEST_HOLD_AT="input_read:start", PREPACK_TEST_GATE=str(gate))
     job = subprocess.Popen(
-        [sys.executable, "-m", "pipelines.launch.cli", "--input", str(fifo), "--format", "alpaca", "--output", str(out),
+        [sys.executable, "-m", "pipelines.launch.cli", "--input", source, "--format", "alpaca", "--output", str(out),
          "--max-length", "64", "--no-progress", "--direct_num_workers=2", *(["--verbose"] if verbose else [])],
         env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+    def worker_waits():  # the gate opens for writing once a worker holds it open to read
+        assert job.poll() is None, f"the job ended early: {job.stderr.read()}"
+        try:
+            return os.open(gate, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as e:
+            if e.errno != errno.ENXIO:
+                raise
+            return None
+
     try:
-        with open(fifo, "wb", buffering=0) as check:  # the launcher's readability check, as above
-            try:
-                while True:
-                    check.write(b"{")
-                    time.sleep(0.01)
-            except BrokenPipeError:
-                pass
-        with open(fifo, "wb"):  # a worker opened the pipe: the job is mid-pipeline
+        with os.fdopen(wait_for(worker_waits, "a worker at the fault point"), "wb"):  # the job is mid-pipeline
             os.killpg(job.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
             code = job.wait(timeout=interrupts.GRACE_S + 10)
         stderr = job.stderr.read()
