@@ -50,10 +50,17 @@ class FitAndKeyFn(beam.DoFn):
         # end of the bundle (one Counter update per group instead of one per example and L).
         self.hist_fits_all: Counter = Counter()
         self.tally = Tally()
+        self.tallies: dict[int, Tally] = {}  # a mixture's: source -> what this bundle counted of it
+
+    def _source_tally(self, batch: TokenizedBatch) -> None:
+        """A mixture counts each source apart: a batch holds one read task's examples, so one source's."""
+        if self.ctx.source_of_input and len(batch):
+            self.tally = self.tallies.setdefault(self.ctx.source_of_task(batch.locs[0][0]), Tally())
 
     def process(self, batch: TokenizedBatch) -> Iterator[Any]:
         started = StageClock.now()
         ctx = self.ctx
+        self._source_tally(batch)
         buckets = ctx.sub_buckets
         lens = batch.examples.lens.astype(np.int64)
         has_targets = batch.targets_after_first() > 0
@@ -188,6 +195,10 @@ class FitAndKeyFn(beam.DoFn):
             for L in self.ctx.config.max_lengths:
                 self.hist[(L, key, b)] += count
         yield TaggedOutput(TAG_HIST, in_global_window(self.hist))
+        if self.tallies:
+            self.tally = Tally()
+            for source, tally in self.tallies.items():
+                self.tally.merge(tally.for_source(source))
         yield TaggedOutput(TAG_TALLY, in_global_window(self.tally))
 
 

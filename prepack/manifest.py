@@ -67,6 +67,8 @@ class Manifest:
     created_at: str | None = None
     # Where the examples came from when not from the inputs: {"from_tokens": the tokenized set, ...}.
     lineage: dict[str, Any] | None = None
+    # A mixture's sources and shares (prepack/mixture.py: mixture_manifest); absent without one.
+    mixture: dict[str, Any] | None = None
     format_version: int = rowformat.FORMAT_VERSION
     fields: dict[str, str] = dataclasses.field(default_factory=rowformat.field_spec)
     # The record's field names in order: what readers decode by (`fields` is key-sorted JSON).
@@ -75,6 +77,8 @@ class Manifest:
 
     def to_json(self) -> str:
         data = dataclasses.asdict(self)
+        if data["mixture"] is None:  # sets without a mixture keep their bytes
+            del data["mixture"]
         return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
     @classmethod

@@ -269,3 +269,92 @@ def realized_shares(written: Sequence[int]) -> list[float]:
 
 def rank_bucket(hash64: int) -> int:
     return hash64 >> (64 - RANK_BITS)
+
+
+# ----------------------------------------------------------------------------- what a set records
+
+
+def source_figures(mixture: Mixture, tally: Any, max_length: int) -> list[dict[str, Any]]:
+    """The manifest's `mixture.sources` at one max length, from the job's Tally
+    (prepack.accounting; its `sources` hold each source's own)."""
+    from prepack.accounting import Tally
+
+    requested = mixture.requested_shares()
+    per = [tally.sources.get(s.index, Tally()) for s in mixture.sources]
+    written = [t.mix.get((max_length, "written_weight"), 0) for t in per]
+    realized = realized_shares(written)
+    out = []
+    for source, t, want, got, w in zip(mixture.sources, per, requested, realized, written):
+        kept = t.mix.get((max_length, "kept_weight"), 0)
+        out.append({
+            "name": source.name,
+            "format": source.format,
+            "weight": weight_json(source.weight),
+            "requested_share": round(want, 6),
+            "realized_share": round(got, 6),
+            "examples_read": t.examples_read,
+            "examples_written": t.mix.get((max_length, "written"), 0),
+            "examples_unique": t.mix.get((max_length, "unique"), 0),
+            "examples_dropped": t.examples_dropped(max_length),
+            "examples_split": t.split.get(max_length, 0),
+            "split_pieces": t.split_pieces.get(max_length, 0),
+            "kept_weight": kept,
+            "written_weight": w,
+            "repeats": round(w / kept, 6) if kept else 0.0,
+            "tokens": t.mix.get((max_length, "tokens"), 0),
+            "target_tokens": t.mix.get((max_length, "target_tokens"), 0),
+        })
+    return out
+
+
+def mixture_manifest(mixture: Mixture, tally: Any, max_length: int) -> dict[str, Any]:
+    """The manifest's top-level `mixture` object at one max length."""
+    figures = source_figures(mixture, tally, max_length)
+    kept = [f["kept_weight"] for f in figures]
+    return {"sha256": mixture.sha256, "weight_of": mixture.weight_of, "max_repeats": mixture.max_repeats,
+            "limiting_source": mixture.sources[limiting_source(kept, mixture.weights)].name if all(kept) else None,
+            "sources": figures}
+
+
+def check_sources(mixture: Mixture, figures: list[dict[str, Any]], max_length: int, allow_short: bool,
+                  max_bad_fraction: float) -> tuple[list[str], list[str]]:
+    """(problems that fail the job, notes) for one max length: the per-source identity, the
+    per-source bad fraction, a source with no usable examples, and shares off by more than
+    SHARE_TOLERANCE (a problem unless allow_short)."""
+    from prepack.bad_records import too_many_bad_records
+
+    problems, notes = [], []
+    for f in figures:
+        dropped = sum(f["examples_dropped"].values())
+        arrived = f["examples_read"] - f["examples_split"] + f["split_pieces"]
+        if arrived != f["examples_unique"] + dropped:
+            problems.append(f"L={max_length}: mixture source {f['name']!r}: examples read {f['examples_read']} != "
+                            f"unique written {f['examples_unique']} + dropped {dropped}")
+        bad = sum(v for k, v in f["examples_dropped"].items() if not _length_reason(k))
+        line = too_many_bad_records(bad, f["examples_read"], f["examples_dropped"], max_bad_fraction)
+        if line is not None:
+            problems.append(f"mixture source {f['name']!r}: {line}")
+        if not f["kept_weight"]:
+            problems.append(f"mixture source {f['name']!r} has no usable examples at max length {max_length} "
+                            f"({f['examples_read']} read, dropped {f['examples_dropped']}); check its input and format")
+    if problems:
+        return problems, notes
+    kept = [f["kept_weight"] for f in figures]
+    limit = figures[limiting_source(kept, mixture.weights)]["name"]
+    off = [f for f in figures if abs(f["realized_share"] - f["requested_share"]) > SHARE_TOLERANCE]
+    if off:
+        said = ", ".join(f"{f['name']!r} reached {f['realized_share']:.2%} of {mixture.weight_of} (asked "
+                         f"{f['requested_share']:.2%})" for f in off)
+        line = (f"L={max_length}: the mix misses its shares by more than {SHARE_TOLERANCE:.1%}: {said}; source "
+                f"{limit!r} limits the mix (used {mixture.max_repeats}x, max_repeats)")
+        if allow_short:
+            notes.append(line + "; published anyway (--allow-short-mix)")
+        else:
+            problems.append(line + "; add examples or max_repeats, or pass --allow-short-mix")
+    return problems, notes
+
+
+def _length_reason(reason: str) -> bool:
+    from prepack.accounting import NOT_BAD_INPUT
+
+    return reason in NOT_BAD_INPUT
