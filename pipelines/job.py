@@ -466,6 +466,7 @@ def _staged_sets(job: PreparedJob, summary: RunSummary, stats: dict[int, LengthS
             from prepack.mixture import mixture_manifest
 
             manifest.mixture = mixture_manifest(config.mixture, Tally.from_json(summary.tally), L)
+            manifest.use_mixture_format()
         if job.tokens is not None:
             manifest.lineage = tokens_source.lineage(job.tokens, config.from_tokens)
         lengths[L] = output.StagedSet(

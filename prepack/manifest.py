@@ -75,6 +75,12 @@ class Manifest:
     field_order: list[str] = dataclasses.field(default_factory=lambda: list(rowformat.FIELD_NAMES))
     array_record_options: str = "group_size:1,zstd:3"
 
+    def use_mixture_format(self) -> None:
+        """Row format 2 (rowformat.MIXTURE_FORMAT_VERSION): the fields with `source_ids`."""
+        self.format_version = rowformat.MIXTURE_FORMAT_VERSION
+        self.fields = rowformat.field_spec(self.format_version)
+        self.field_order = list(rowformat.field_names(self.format_version))
+
     def to_json(self) -> str:
         data = dataclasses.asdict(self)
         if data["mixture"] is None:  # sets without a mixture keep their bytes
@@ -90,10 +96,10 @@ class Manifest:
         if not isinstance(data, dict):
             raise ManifestError(f"{source}: expected a JSON object")
         version = data.get("format_version")
-        if version != rowformat.FORMAT_VERSION:
+        if version not in rowformat.SUPPORTED_VERSIONS:
             raise ManifestError(
                 f"{source}: format_version {version!r} is not supported by this reader "
-                f"(supports {rowformat.FORMAT_VERSION}); regenerate the shards or upgrade tunix-prepack"
+                f"(supports {', '.join(map(str, rowformat.SUPPORTED_VERSIONS))}); regenerate the shards or upgrade tunix-prepack"
             )
         known = {f.name for f in dataclasses.fields(cls)}
         missing = [k for k in ("max_length", "num_rows", "shards", "tokenizer", "stats") if k not in data]
@@ -107,10 +113,14 @@ class Manifest:
         manifest = cls(shards=shards, **kwargs)
         if sum(s.num_rows for s in shards) != manifest.num_rows:
             raise ManifestError(f"{source}: shard row counts add up to {sum(s.num_rows for s in shards)}, not num_rows {manifest.num_rows}")
-        if manifest.fields != rowformat.field_spec():
-            raise ManifestError(f"{source}: fields {manifest.fields} differ from this reader's {rowformat.field_spec()}")
+        if manifest.fields != rowformat.field_spec(version):
+            raise ManifestError(f"{source}: fields {manifest.fields} differ from this reader's {rowformat.field_spec(version)} "
+                                f"for format_version {version}")
+        if (version == rowformat.MIXTURE_FORMAT_VERSION) != (manifest.mixture is not None):
+            raise ManifestError(f"{source}: format_version {version} {'needs' if version == 2 else 'excludes'} a "
+                                "`mixture` object (row format 2 is for mixture sets only)")
         try:  # a manifest written before field_order existed gets format 1's order, the default
-            rowformat.check_field_order(manifest.field_order)
+            rowformat.check_field_order(manifest.field_order, version)
         except rowformat.RowFormatError as e:
             raise ManifestError(f"{source}: {e}") from None
         return manifest
