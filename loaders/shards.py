@@ -136,7 +136,7 @@ class ShardView:
         info = self.manifest.shards[shard]
         name = self.shard_paths[shard]
         if self.cache is None:
-            return _check_shard(name, info, self.max_length, verify=False)
+            return _check_shard(name, info, self.max_length, verify=False, version=self.manifest.format_version)
         try:
             local = self.cache.fetch(name, info.sha256, info.num_bytes)
         except (ShardCacheError, ShardDigestError) as e:
@@ -144,7 +144,7 @@ class ShardView:
         except Exception as e:  # the client's network errors: name the shard, keep the reason
             raise ShardSetError(f"{name}: download failed ({type(e).__name__}: {e}); check access to the bucket and retry") from e
         # The sha256 matched: the copy is the published file; the checks below are cheap and local.
-        return _check_shard(local, info, self.max_length, verify=False, name=name)
+        return _check_shard(local, info, self.max_length, verify=False, name=name, version=self.manifest.format_version)
 
     def _reader(self, shard: int):
         reader = self._readers[shard]
@@ -267,7 +267,8 @@ def read_manifest(path: str) -> Manifest:
     return Manifest.from_json(text, source=manifest_path)
 
 
-def _check_shard(path: str, info: Any, max_length: int, verify: bool, name: str | None = None):
+def _check_shard(path: str, info: Any, max_length: int, verify: bool, name: str | None = None,
+                 version: int = rowformat.FORMAT_VERSION):
     """Opens one shard and checks it against its manifest entry; returns the open reader.
 
     name: what messages call the file (a gs:// URL for a cached copy at `path`).
@@ -290,10 +291,10 @@ def _check_shard(path: str, info: Any, max_length: int, verify: bool, name: str 
             raise ShardSetError(f"{shown}: not a readable ArrayRecord file, truncated or corrupt ({e})") from e
         if count != info.num_rows:
             raise ShardSetError(f"{shown}: holds {count} rows, but the manifest says {info.num_rows}; the file was replaced or is corrupt")
-        if first is not None and len(first) != rowformat.record_size(max_length):
+        if first is not None and len(first) != rowformat.record_size(max_length, version):
             raise ShardSetError(
                 f"{shown}: records are {len(first)} bytes, but max_length {max_length} needs "
-                f"{rowformat.record_size(max_length)}; the shards do not match their manifest"
+                f"{rowformat.record_size(max_length, version)}; the shards do not match their manifest"
             )
         if "group_size:1," not in options + ",":
             log.warning("%s: written with %r; random access wants group_size:1", shown, options)
@@ -354,7 +355,7 @@ def open_shards(
         return view
     shard_paths = [storage.join(path, n) for n in names]
     readers = _run_all(
-        [functools.partial(_check_shard, p, s, manifest.max_length, verify) for p, s in zip(shard_paths, manifest.shards)],
+        [functools.partial(_check_shard, p, s, manifest.max_length, verify, version=manifest.format_version) for p, s in zip(shard_paths, manifest.shards)],
         close=_close_quietly,
     )
     return ShardView(path, manifest, readers)
