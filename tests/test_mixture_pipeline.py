@@ -1,0 +1,172 @@
+"""`prepack pack --mixture`: three real formats mixed, checked per source against a reference
+count; provenance in every row; one-line refusals; 1 vs 2 workers byte-identical."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from fractions import Fraction
+
+import numpy as np
+import pytest
+
+from pipelines.job import run
+from pipelines.options import OptionsError, parse_args
+from pipelines.publish import JobError
+from prepack import rowformat
+from prepack.mixture import budgets
+from prepack.templates import get_template
+from testkit.pipeline import (IN_PROCESS, TWO_PROCESSES, alpaca_records, chat_records, read_shard_set, segment_key,
+                              shard_bytes, tokenized, translation_records, write_jsonl)
+
+LENGTHS = (64, 256)
+SOURCES = [  # name, file, format, options, weight, records
+    ("alpaca", "alpaca.jsonl", "alpaca", {}, 2, alpaca_records(60)),
+    ("chat", "chat.jsonl", "chat", {}, 1, chat_records(30)),
+    ("fr", "tr.jsonl", "translation", {"source_lang": "en", "target_lang": "de"}, 1, translation_records()),
+]
+
+
+def mixture_yaml(weights=(2, 1, 1), weight_of="examples", max_repeats=2) -> str:
+    lines = [f"weight_of: {weight_of}", f"max_repeats: {max_repeats}", "sources:"]
+    for (name, file, fmt, options, _, _), weight in zip(SOURCES, weights):
+        lines += [f"  - name: {name}", f"    input: data/{file}", f"    format: {fmt}", f"    weight: {weight}"]
+        lines += [f"    {k}: {v}" for k, v in options.items()]
+    return "\n".join(lines) + "\n"
+
+
+def make_inputs(folder) -> str:
+    os.makedirs(folder / "data", exist_ok=True)
+    for _, file, _, _, _, records in SOURCES:
+        write_jsonl(str(folder / "data" / file), records)
+    (folder / "mix.yaml").write_text(mixture_yaml())
+    return str(folder / "mix.yaml")
+
+
+def pack(args: list[str], runner=IN_PROCESS):
+    config, beam_args = parse_args(args + ["--no-progress"] + runner)
+    return run(config, beam_args)
+
+
+def reference(L: int, weight_of: str = "examples") -> dict[str, list]:
+    """Each source's examples kept at L (drop policy), tokenized without the job."""
+    out = {}
+    for name, _, fmt, options, _, records in SOURCES:
+        template = get_template(fmt, **options)
+        examples = tokenized([c for r in records for c in template.to_conversations(r)])
+        out[name] = [e for e in examples if len(e.input_ids) <= L and np.asarray(e.loss_mask)[1:].any()]
+    return out
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("mix")
+    path = make_inputs(folder)
+    out = str(folder / "out")
+    pack(["--mixture", path, "--max-length", *map(str, LENGTHS), "--output", out])
+    return folder, path, out
+
+
+@pytest.mark.parametrize("L", LENGTHS)
+def test_each_source_matches_a_reference_count(mixed, L):
+    _, _, out = mixed
+    manifest, rows = read_shard_set(f"{out}/L{L}")
+    assert manifest.format_version == rowformat.MIXTURE_FORMAT_VERSION
+    assert manifest.field_order == list(rowformat.MIXTURE_FIELD_NAMES)
+    mix = manifest.mixture
+    assert mix["weight_of"] == "examples" and mix["max_repeats"] == 2 and len(mix["sha256"]) == 64
+    ref = reference(L)
+    kept = [len(ref[name]) for name, *_ in SOURCES]
+    expected = budgets(kept, [Fraction(s[4]) for s in SOURCES], 2)
+    by_source = {f["name"]: f for f in mix["sources"]}
+    segments: dict[int, Counter] = {i: Counter() for i in (1, 2, 3)}
+    for row in rows:
+        rowformat.check_row(row, L)
+        for k in range(1, int(row["segment_ids"].max()) + 1):
+            at = row["segment_ids"] == k
+            segments[int(row["source_ids"][at][0])][segment_key(row["input_ids"][at], row["loss_mask"][at])] += 1
+    for index, ((name, *_, records), budget) in enumerate(zip(SOURCES, expected), start=1):
+        f = by_source[name]
+        assert f["kept_weight"] == len(ref[name])
+        # examples weighting: the budget is met exactly to within one example
+        written = budget.copies * budget.kept + int(budget.rest)
+        assert f["examples_written"] == written == sum(segments[index].values())
+        assert f["examples_unique"] == min(len(ref[name]), written) if budget.copies <= 1 else len(ref[name])
+        assert f["examples_read"] == len(records) == f["examples_unique"] + sum(f["examples_dropped"].values())
+        assert abs(f["realized_share"] - f["requested_share"]) <= 0.005
+        # every segment of the source is one of its examples, none more often than its copies
+        allowed = Counter(segment_key(np.asarray(e.input_ids), np.asarray(e.loss_mask)) for e in ref[name])
+        for key, count in segments[index].items():
+            assert key in allowed and count <= (budget.copies + 1) * allowed[key]
+    assert manifest.stats["examples_written"] == sum(f["examples_written"] for f in mix["sources"])
+    assert manifest.stats["examples_dropped"].get("not_sampled", 0) == sum(
+        f["examples_dropped"].get("not_sampled", 0) for f in mix["sources"])
+
+
+def test_loader_yields_source_ids(mixed):
+    from loaders.dataset import make_dataset
+
+    _, _, out = mixed
+    batch = next(iter(make_dataset(f"{out}/L64", batch_size=4, seed=0, num_epochs=1)))
+    assert batch["source_ids"].dtype == np.int32
+    assert ((batch["source_ids"] == 0) == (batch["segment_ids"] == 0)).all()
+    assert set(np.unique(batch["source_ids"]).tolist()) <= {0, 1, 2, 3}
+
+
+def test_target_token_weights_within_half_a_point(mixed, tmp_path):
+    folder, _, _ = mixed
+    path = folder / "mix_tokens.yaml"
+    path.write_text(mixture_yaml((3, 1, 1), "target_tokens", 4))
+    out = str(tmp_path / "out")
+    pack(["--mixture", str(path), "--max-length", "256", "--output", out])
+    manifest = json.loads(open(f"{out}/L256/manifest.json").read())
+    for f in manifest["mixture"]["sources"]:
+        assert abs(f["realized_share"] - f["requested_share"]) <= 0.005
+        assert f["written_weight"] == f["target_tokens"]
+    assert manifest["mixture"]["limiting_source"] == "fr"
+
+
+@pytest.mark.slow
+def test_one_and_two_workers_write_the_same_bytes(mixed, tmp_path):
+    _, path, out = mixed
+    other = str(tmp_path / "two")
+    pack(["--mixture", path, "--max-length", *map(str, LENGTHS), "--output", other], TWO_PROCESSES)
+    for L in LENGTHS:
+        assert shard_bytes(f"{out}/L{L}") == shard_bytes(f"{other}/L{L}")
+
+
+def test_mixture_with_input_or_format_is_refused(mixed):
+    _, path, _ = mixed
+    for extra, flag in ((["--input", "x.jsonl"], "--input"), (["--format", "alpaca"], "--format"), (["--sample"], "--sample")):
+        with pytest.raises(OptionsError, match=f"--mixture names each source's inputs and format; do not combine it with {flag}$"):
+            parse_args(["--mixture", path, "--output", "o", *extra])
+
+
+def test_a_source_whose_inputs_are_missing(tmp_path):
+    path = make_inputs(tmp_path)
+    os.remove(tmp_path / "data" / "chat.jsonl")
+    with pytest.raises(JobError) as e:
+        pack(["--mixture", path, "--max-length", "64", "--output", str(tmp_path / "out")])
+    assert str(e.value).startswith("mixture source 'chat': ") and "\n" not in str(e.value)
+
+
+def test_a_source_with_no_usable_examples(tmp_path):
+    path = make_inputs(tmp_path)
+    write_jsonl(str(tmp_path / "data" / "tr.jsonl"), [{"en": "word " * 200, "de": "Wort " * 200}] * 3)
+    with pytest.raises(JobError) as e:
+        pack(["--mixture", path, "--max-length", "64", "--output", str(tmp_path / "out")])
+    assert str(e.value).startswith("mixture source 'fr' has no usable examples at max length 64 (3 read, dropped "
+                                   "{'too_long': 3})") and "\n" not in str(e.value)
+    assert not os.path.exists(tmp_path / "out" / "L64" / "manifest.json")
+
+
+def test_a_short_mix_fails_unless_allowed(tmp_path):
+    path = make_inputs(tmp_path)
+    # fr (14 examples) at 30/32 leaves alpaca and chat less than one example each
+    (tmp_path / "mix.yaml").write_text(mixture_yaml((1, 1, 30), "examples", 1))
+    with pytest.raises(JobError, match=r"the mix misses its shares by more than 0.5%: 'alpaca' reached 0.00% of examples "
+                       r"\(asked 3.12%\), .* source 'fr' limits the mix"):
+        pack(["--mixture", path, "--max-length", "256", "--output", str(tmp_path / "out")])
+    pack(["--mixture", path, "--max-length", "256", "--output", str(tmp_path / "ok"), "--allow-short-mix"])
+    assert os.path.exists(tmp_path / "ok" / "L256" / "manifest.json")
