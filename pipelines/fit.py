@@ -52,15 +52,27 @@ class FitAndKeyFn(beam.DoFn):
         self.tally = Tally()
         self.tallies: dict[int, Tally] = {}  # a mixture's: source -> what this bundle counted of it
 
-    def _source_tally(self, batch: TokenizedBatch) -> None:
-        """A mixture counts each source apart: a batch holds one read task's examples, so one source's."""
-        if self.ctx.source_of_input and len(batch):
-            self.tally = self.tallies.setdefault(self.ctx.source_of_task(batch.locs[0][0]), Tally())
+    def _by_source(self, batch: TokenizedBatch) -> list[tuple[int, TokenizedBatch]]:
+        """A mixture counts each source apart: the batch split by source (one part when it holds
+        one read task's examples; a tokenized set's file mixes them)."""
+        if not self.ctx.source_of_input or not len(batch):
+            return [(0, batch)]
+        from pipelines.mix import sources_of
+
+        source = sources_of(batch.example_ids, self.ctx.source_of_input)
+        if (source == source[0]).all():
+            return [(int(source[0]), batch)]
+        return [(int(s), batch.take(np.flatnonzero(source == s))) for s in np.unique(source).tolist()]
 
     def process(self, batch: TokenizedBatch) -> Iterator[Any]:
+        for source, part in self._by_source(batch):
+            if source:
+                self.tally = self.tallies.setdefault(source, Tally())
+            yield from self._process(part)
+
+    def _process(self, batch: TokenizedBatch) -> Iterator[Any]:
         started = StageClock.now()
         ctx = self.ctx
-        self._source_tally(batch)
         buckets = ctx.sub_buckets
         lens = batch.examples.lens.astype(np.int64)
         has_targets = batch.targets_after_first() > 0

@@ -191,7 +191,8 @@ def _prepare_from_tokens(config: PackConfig, run_id: str) -> PreparedJob:
     publish.refuse_existing(config)
     sub_buckets = config.sub_buckets or choose_sub_buckets(tokens.job["est_records"], config.pack)
     ctx = JobContext(config=config, tasks=tokens_source.tasks_of(tokens), sub_buckets=sub_buckets, run_id=run_id,
-                     pad_id=int(tokens.tokenizer["pad_id"]))
+                     pad_id=int(tokens.tokenizer["pad_id"]),
+                     source_of_input=config.mixture.source_of_input() if config.mixture is not None else ())
     job_info = {"tokenizer": tokens.tokenizer, "template": tokens.template, "tool": _tool_info(),
                 "sub_buckets": sub_buckets, "inputs": tokens.inputs}
     return PreparedJob(ctx=ctx, tasks=[], inputs=[], job_info=job_info,
@@ -544,6 +545,8 @@ def _tokens_manifest(job: PreparedJob, summary: RunSummary) -> TokenSetManifest:
     config = job.config
     choices = {"inputs": list(config.inputs), "format": config.format, "template_options": config.template_kwargs,
                "chat_format": config.chat_format, "tokenizer": config.tokenizer, "tfds_data_dir": config.tfds_data_dir}
+    if config.mixture is not None:  # the sources each example's id names (by its input index)
+        choices["mixture"] = config.mixture.describe()
     index = tokens_sink.read_index(config.output, job.run_id)
     manifest = tokens_sink.compose_manifest(summary, index, job.ctx.tasks, choices, job.job_info, job.est_records)
     s = manifest.stats

@@ -105,6 +105,17 @@ class Mixture:
         return {"sha256": self.sha256, "weight_of": self.weight_of, "max_repeats": self.max_repeats,
                 "sources": [s.describe() for s in self.sources]}
 
+    @classmethod
+    def from_description(cls, d: dict[str, Any], path: str = "") -> "Mixture":
+        """The mixture a tokenized set recorded (`describe()`), to pack it again as it was."""
+        try:
+            sources = tuple(MixtureSource(i, s["name"], tuple(s["inputs"]), s["format"], Fraction(str(s["weight"])),
+                                          tuple(sorted((k, str(v)) for k, v in s["options"].items())))
+                            for i, s in enumerate(d["sources"], start=1))
+            return cls(path, str(d["sha256"]), str(d["weight_of"]), int(d["max_repeats"]), sources)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise MixtureError(f"the recorded mixture is malformed ({type(e).__name__}: {e})") from None
+
 
 def weight_json(weight: Fraction) -> int | float:
     return int(weight) if weight.denominator == 1 else float(weight)

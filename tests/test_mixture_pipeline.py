@@ -170,3 +170,36 @@ def test_a_short_mix_fails_unless_allowed(tmp_path):
         pack(["--mixture", path, "--max-length", "256", "--output", str(tmp_path / "out")])
     pack(["--mixture", path, "--max-length", "256", "--output", str(tmp_path / "ok"), "--allow-short-mix"])
     assert os.path.exists(tmp_path / "ok" / "L256" / "manifest.json")
+
+
+def test_remix_from_tokens_equals_a_full_run(mixed, tmp_path):
+    folder, _, out = mixed
+    new = folder / "remix.yaml"
+    new.write_text(mixture_yaml((1, 3, 1), "target_tokens", 3))
+    full, remixed = str(tmp_path / "full"), str(tmp_path / "remixed")
+    # so few examples cannot meet 1:3:1 by target tokens within 0.5 pp at L64: the point here is equality
+    pack(["--mixture", str(new), "--max-length", *map(str, LENGTHS), "--output", full, "--no-tokens", "--allow-short-mix"])
+    pack(["--from-tokens", f"{out}/tokens", "--mixture", str(new), "--max-length", *map(str, LENGTHS), "--output", remixed,
+          "--allow-short-mix"])
+    for L in LENGTHS:
+        assert shard_bytes(f"{full}/L{L}") == shard_bytes(f"{remixed}/L{L}")
+        a = json.loads(open(f"{full}/L{L}/manifest.json").read())
+        b = json.loads(open(f"{remixed}/L{L}/manifest.json").read())
+        assert a["mixture"] == b["mixture"] and a["stats"] == b["stats"]
+        assert b["lineage"]["from_tokens"] == f"{out}/tokens"
+
+
+def test_remix_with_other_sources_is_refused(mixed, tmp_path):
+    from prepack.tokenset import TokenSetError
+
+    folder, _, out = mixed
+    other = folder / "other.yaml"
+    other.write_text(mixture_yaml().replace("name: chat", "name: dialog"))
+    with pytest.raises(JobError) as e:
+        pack(["--from-tokens", f"{out}/tokens", "--mixture", str(other), "--output", str(tmp_path / "o")])
+    assert "sources ['alpaca', 'dialog', 'fr'] differ from the set's ['alpaca', 'chat', 'fr']" in str(e.value)
+    assert "\n" not in str(e.value) and TokenSetError
+    options = folder / "options.yaml"
+    options.write_text(mixture_yaml().replace("target_lang: de", "target_lang: fr"))
+    with pytest.raises(JobError, match=r"source 'fr': options .* differ from the set's"):
+        pack(["--from-tokens", f"{out}/tokens", "--mixture", str(options), "--output", str(tmp_path / "p")])
