@@ -43,6 +43,8 @@ NAME_PATTERN = re.compile(r"[a-z0-9_-]+")
 TABLE_FORMATS = frozenset({"oasst1"})
 # Realized shares must be within this of the requested ones (fractions of 1).
 SHARE_TOLERANCE = 0.005
+# At most this many sources: the trainer's per-source loss sums are fixed-size vectors.
+MAX_SOURCES = 64
 # Rank buckets of the job's boundary search: the top RANK_BITS bits of an example's hash.
 RANK_BITS = 12
 
@@ -157,6 +159,8 @@ def parse_mixture(data: bytes, path: str) -> Mixture:
     raw = doc.get("sources")
     if not isinstance(raw, list) or not raw:
         raise MixtureError(f"{where}: sources must be a non-empty list of sources")
+    if len(raw) > MAX_SOURCES:
+        raise MixtureError(f"{where}: {len(raw)} sources, at most {MAX_SOURCES}")
     base = os.path.dirname(os.path.abspath(path))
     sources: list[MixtureSource] = []
     seen: set[str] = set()
