@@ -373,3 +373,24 @@ def _length_reason(reason: str) -> bool:
     from prepack.accounting import NOT_BAD_INPUT
 
     return reason in NOT_BAD_INPUT
+
+
+def preview(mixture: Mixture, kept_examples: Sequence[int], kept_targets: Sequence[int], max_length: int
+            ) -> list[dict[str, Any]]:
+    """Preflight's per-source table at one L, before anything is packed: each source's kept
+    size, its budget by the share rule, and the share and repeats that budget gives (the job
+    meets each budget to within one example, by rank)."""
+    kept = list(kept_examples if mixture.weight_of == "examples" else kept_targets)
+    out = []
+    result = budgets(kept, mixture.weights, mixture.max_repeats)
+    total = sum(float(b.budget) for b in result)
+    limit = limiting_source(kept, mixture.weights) if all(kept) else None
+    for i, (source, b, want) in enumerate(zip(mixture.sources, result, mixture.requested_shares())):
+        out.append({"max_length": max_length, "source": source.name, "format": source.format,
+                    "weight": weight_json(source.weight), "kept_examples": int(kept_examples[i]),
+                    "kept_target_tokens": int(kept_targets[i]), "kept_weight": int(kept[i]),
+                    "budget": round(float(b.budget), 3), "requested_share": round(want, 6),
+                    "realized_share": round(float(b.budget) / total, 6) if total else 0.0,
+                    "repeats": round(float(b.budget) / kept[i], 6) if kept[i] else 0.0,
+                    "limiting": i == limit})
+    return out

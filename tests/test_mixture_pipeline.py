@@ -203,3 +203,29 @@ def test_remix_with_other_sources_is_refused(mixed, tmp_path):
     options.write_text(mixture_yaml().replace("target_lang: de", "target_lang: fr"))
     with pytest.raises(JobError, match=r"source 'fr': options .* differ from the set's"):
         pack(["--from-tokens", f"{out}/tokens", "--mixture", str(options), "--output", str(tmp_path / "p")])
+
+
+def test_preflight_shows_the_mix_the_job_writes(mixed, tmp_path, capsys):
+    from apps.preflight import main
+
+    _, path, out = mixed
+    assert main(["--mixture", path, "--max-length", *map(str, LENGTHS), "--batch-size", "8", "--output",
+                 str(tmp_path / "pf"), "--no-plots"]) == 0
+    assert "(limits the mix)" in capsys.readouterr().out
+    result = json.loads((tmp_path / "pf" / "preflight.json").read_text())
+    for L in LENGTHS:
+        written = {f["name"]: f for f in json.loads(open(f"{out}/L{L}/manifest.json").read())["mixture"]["sources"]}
+        for row in (r for r in result["mixture"]["rows"] if r["max_length"] == L):
+            f = written[row["source"]]
+            assert row["kept_weight"] == f["kept_weight"]
+            assert row["repeats"] == pytest.approx(f["repeats"], abs=1 / f["kept_weight"])
+            assert row["realized_share"] == pytest.approx(f["realized_share"], abs=0.005)
+
+
+def test_preflight_refuses_mixture_with_input(mixed, tmp_path, capsys):
+    from apps.preflight import main
+
+    _, path, _ = mixed
+    assert main(["--mixture", path, "--input", "x.jsonl", "--output", str(tmp_path / "pf")]) == 2
+    assert capsys.readouterr().err.strip() == ("prepack preflight: error: --mixture names each source's inputs and "
+                                               "format; do not combine it with --input or --format")
