@@ -393,3 +393,30 @@ def mixture_shares(rows: Sequence[dict[str, Any]], weight_of: str, path: str) ->
     right.set_title("Repeats (< 1: down-sampled)")
     fig.tight_layout()
     return _save(fig, path)
+
+
+def source_loss_curves(runs: Sequence[Any], path: str) -> str:
+    """Each mixture source's training loss against step, one colour per source, one line style
+    per run (report.Run.loss_by_source; steps without the source are skipped)."""
+    plt = _plt()
+    names = list(dict.fromkeys(n for run in runs for n in run.loss_by_source))
+    colors = _colors(names)
+    styles = ["-", "--", ":", "-."]
+    fig, ax = plt.subplots(figsize=(9, 4.4))
+    for k, run in enumerate(runs):
+        for name in names:
+            loss = run.loss_by_source.get(name)
+            if loss is None:
+                continue
+            ok = np.isfinite(loss)
+            if not ok.any():
+                continue
+            label = name if len(runs) == 1 else f"{name} ({run.label})"
+            ax.plot(run.steps[ok], _smooth(loss[ok]), styles[k % len(styles)], color=colors[name], lw=1.6, label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss of the source's target tokens")
+    ax.set_title("Loss by mixture source")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, frameon=False)
+    fig.tight_layout()
+    return _save(fig, path)

@@ -229,3 +229,20 @@ def test_preflight_refuses_mixture_with_input(mixed, tmp_path, capsys):
     assert main(["--mixture", path, "--input", "x.jsonl", "--output", str(tmp_path / "pf")]) == 2
     assert capsys.readouterr().err.strip() == ("prepack preflight: error: --mixture names each source's inputs and "
                                                "format; do not combine it with --input or --format")
+
+
+def test_report_shows_the_mix_and_loss_by_source(mixed, tmp_path):
+    from apps.report import main
+
+    _, _, out = mixed
+    metrics = tmp_path / "m.jsonl"
+    with open(metrics, "w") as f:
+        for step in range(1, 6):
+            f.write(json.dumps({"step": step, "loss": 3.0 - step / 10, "step_time_s": 0.5, "target_tokens": 100,
+                                "tokens": 200, "target_tokens_per_s": 200.0,
+                                "loss_by_source": {"alpaca": 3.1, "chat": 2.9, "fr": None if step == 2 else 3.3},
+                                "target_tokens_by_source": {"alpaca": 50, "chat": 25, "fr": 25}}) + "\n")
+    assert main(["--shards", out, "--metrics", str(metrics), "--output", str(tmp_path / "r.md")]) == 0
+    text = (tmp_path / "r.md").read_text()
+    assert "### Mixture" in text and "| 64 | fr | 25.0% | 25.0% |" in text and "### Loss by source" in text
+    assert (tmp_path / "r_figures" / "loss_by_source.png").exists() and (tmp_path / "r_figures" / "mixture.png").exists()
