@@ -120,3 +120,41 @@ def test_share_rule(sources, max_repeats):
     # budgets are proportional to the weights
     for b, w in zip(out, weights):
         assert b.budget / w == out[0].budget / weights[0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 3), st.one_of(st.integers(0, 2**64 - 1), st.integers(0, 2**40), st.just(7)),
+                          st.integers(1, 40)), min_size=3, max_size=300),
+       st.lists(st.integers(1, 5), min_size=3, max_size=3), st.integers(1, 3))
+def test_job_boundary_search_is_the_share_rule(examples, weights, max_repeats):
+    """pipelines/mix.py's bucket histogram + boundary threshold picks exactly the examples the
+    rule picks when every example of a source is ranked in one list."""
+    from pipelines.mix import ThresholdFn, decide
+    from prepack.mixture import rank_bucket
+
+    examples = [(s, h, f"{s}/x/{i}", w) for i, (s, h, w) in enumerate(examples)]
+    if {s for s, *_ in examples} != {1, 2, 3}:
+        return
+    L = 64
+    hist: dict = {}
+    for s, h, _, w in examples:
+        hist[(L, s, rank_bucket(h))] = hist.get((L, s, rank_bucket(h)), 0) + w
+    fractions = [Fraction(w) for w in weights]
+    decisions = decide(hist, (L,), fractions, max_repeats)
+    thresholds = {}
+    for s in (1, 2, 3):
+        boundary = decisions[(L, s)][1]
+        inside = [(h, i, w) for t, h, i, w in examples if t == s and rank_bucket(h) == boundary]
+        for key, cut in ThresholdFn().process(((L, s), inside), decisions):
+            thresholds[key] = cut
+    kept = [sum(w for t, *_, w in examples if t == s) for s in (1, 2, 3)]
+    for s, budget in zip((1, 2, 3), budgets(kept, fractions, max_repeats)):
+        ranked = sorted((h, i, w) for t, h, i, w in examples if t == s)
+        taken, _ = partial_count((w for *_, w in ranked), budget.rest)
+        want = {i for _, i, _ in ranked[:taken]}
+        copies, boundary, _ = decisions[(L, s)]
+        assert copies == budget.copies
+        cut = thresholds.get((L, s))
+        got = {i for h, i, _ in ranked
+               if rank_bucket(h) < boundary or (rank_bucket(h) == boundary and (cut is None or (h, i) < tuple(cut)))}
+        assert got == want
