@@ -127,7 +127,6 @@ def test_target_token_weights_within_half_a_point(mixed, tmp_path):
     assert manifest["mixture"]["limiting_source"] == "fr"
 
 
-@pytest.mark.slow
 def test_one_and_two_workers_write_the_same_bytes(mixed, tmp_path):
     _, path, out = mixed
     other = str(tmp_path / "two")
