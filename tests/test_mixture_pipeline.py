@@ -245,3 +245,22 @@ def test_report_shows_the_mix_and_loss_by_source(mixed, tmp_path):
     text = (tmp_path / "r.md").read_text()
     assert "### Mixture" in text and "| 64 | fr | 25.0% | 25.0% |" in text and "### Loss by source" in text
     assert (tmp_path / "r_figures" / "loss_by_source.png").exists() and (tmp_path / "r_figures" / "mixture.png").exists()
+
+
+@pytest.mark.slow  # trains a model: see pytest.ini
+def test_train_logs_loss_and_target_tokens_by_source(mixed, tmp_path):
+    from train.cli import main
+
+    _, _, out = mixed
+    metrics = tmp_path / "m.jsonl"
+    assert main(["--shards", f"{out}/L64", "--model", "tiny", "--batch-size", "2", "--steps", "3",
+                 "--metrics-out", str(metrics), "--log-every", "0"]) == 0
+    steps = [r for r in map(json.loads, metrics.read_text().splitlines()) if "step" in r and "loss" in r]
+    assert len(steps) == 3
+    for r in steps:
+        by = r["target_tokens_by_source"]
+        assert sorted(by) == ["alpaca", "chat", "fr"] and sum(by.values()) == r["target_tokens"]
+        # the per-source losses are the step loss split by target tokens
+        total = sum(r["loss_by_source"][n] * t for n, t in by.items() if t)
+        assert total / r["target_tokens"] == pytest.approx(r["loss"], rel=1e-4)
+        assert all((r["loss_by_source"][n] is None) == (t == 0) for n, t in by.items())
