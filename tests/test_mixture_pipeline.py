@@ -264,3 +264,34 @@ def test_train_logs_loss_and_target_tokens_by_source(mixed, tmp_path):
         total = sum(r["loss_by_source"][n] * t for n, t in by.items() if t)
         assert total / r["target_tokens"] == pytest.approx(r["loss"], rel=1e-4)
         assert all((r["loss_by_source"][n] is None) == (t == 0) for n, t in by.items())
+
+
+def test_max_bad_fraction_applies_to_each_source(tmp_path):
+    path = make_inputs(tmp_path)
+    with open(tmp_path / "data" / "tr.jsonl", "a") as f:
+        f.write("not json\n{\"en\": \"only one side\"}\n{oops\n")  # 3 of 17 bad: 17.6% of fr, 2.8% of the mix
+    with pytest.raises(JobError) as e:
+        pack(["--mixture", path, "--max-length", "256", "--output", str(tmp_path / "out"), "--max-bad-fraction", "0.1"])
+    assert str(e.value).startswith("mixture source 'fr': 3 of 17 examples read are bad records (17.65%, more than "
+                                   "--max-bad-fraction 0.1)") and "\n" not in str(e.value)
+    pack(["--mixture", path, "--max-length", "256", "--output", str(tmp_path / "ok"), "--max-bad-fraction", "0.2"])
+    fr = json.loads((tmp_path / "ok" / "L256" / "manifest.json").read_text())["mixture"]["sources"][2]
+    assert fr["examples_read"] == 17 == fr["examples_unique"] + sum(fr["examples_dropped"].values())
+
+
+@pytest.mark.parametrize("extra", [["--no-pack"], ["--overlong", "split"], ["--overlong", "truncate"]])
+def test_other_packing_options_keep_the_per_source_identity(tmp_path, extra):
+    path = make_inputs(tmp_path)
+    out = str(tmp_path / "out")
+    pack(["--mixture", path, "--max-length", "64", "--output", out, "--allow-short-mix", *extra])
+    manifest, rows = read_shard_set(f"{out}/L64")
+    for row in rows:
+        rowformat.check_row(row, 64)
+    per_source = Counter()
+    for row in rows:
+        for k in range(1, int(row["segment_ids"].max()) + 1):
+            per_source[int(row["source_ids"][row["segment_ids"] == k][0])] += 1
+    for index, f in enumerate(manifest.mixture["sources"], start=1):
+        assert f["examples_written"] == per_source[index]
+        assert (f["examples_read"] - f["examples_split"] + f["split_pieces"]
+                == f["examples_unique"] + sum(f["examples_dropped"].values()))
