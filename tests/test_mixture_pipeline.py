@@ -295,3 +295,21 @@ def test_other_packing_options_keep_the_per_source_identity(tmp_path, extra):
         assert f["examples_written"] == per_source[index]
         assert (f["examples_read"] - f["examples_split"] + f["split_pieces"]
                 == f["examples_unique"] + sum(f["examples_dropped"].values()))
+
+
+def test_remix_of_a_set_without_a_mixture_is_refused(mixed, tmp_path):
+    folder, path, _ = mixed
+    out = str(tmp_path / "plain")
+    pack(["--input", str(folder / "data" / "alpaca.jsonl"), "--format", "alpaca", "--max-length", "64", "--output", out])
+    with pytest.raises(JobError) as e:
+        pack(["--from-tokens", f"{out}/tokens", "--mixture", path, "--output", str(tmp_path / "o")])
+    assert str(e.value) == (f"--mixture {path}: the tokenized set {out}/tokens was not made from a mixture; "
+                            "run a full `prepack pack --mixture` instead")
+
+
+def test_from_tokens_without_mixture_packs_the_recorded_one(mixed, tmp_path):
+    _, _, out = mixed
+    again = str(tmp_path / "again")
+    pack(["--from-tokens", f"{out}/tokens", "--max-length", *map(str, LENGTHS), "--output", again])
+    for L in LENGTHS:
+        assert shard_bytes(f"{out}/L{L}") == shard_bytes(f"{again}/L{L}")
