@@ -15,7 +15,8 @@ from apache_beam.pvalue import TaggedOutput
 from pipelines.columns import Ragged, TokenizedBatch
 from pipelines.planning import stable_hash, sub_buckets_of
 from pipelines.records import dead_letter
-from pipelines.stage import FLUSH_EXAMPLES, NAMESPACE, TAG_DEAD, TAG_HIST, TAG_TALLY, JobContext, StageClock, in_global_window
+from pipelines.stage import (FLUSH_EXAMPLES, NAMESPACE, TAG_DEAD, TAG_HIST, TAG_TALLY, TAG_WEIGHTS, JobContext, StageClock,
+                             in_global_window)
 from prepack.accounting import Tally
 from prepack.packer import DropReason, Fit, OverlongPolicy, fit_at_length, piece_id, split_pieces
 
@@ -50,6 +51,7 @@ class FitAndKeyFn(beam.DoFn):
         # end of the bundle (one Counter update per group instead of one per example and L).
         self.hist_fits_all: Counter = Counter()
         self.tally = Tally()
+        self.weights: Counter = Counter()  # a mixture's (L, source, rank bucket) -> kept weight (pipelines/mix.py)
         self.tallies: dict[int, Tally] = {}  # a mixture's: source -> what this bundle counted of it
 
     def _by_source(self, batch: TokenizedBatch) -> list[tuple[int, TokenizedBatch]]:
@@ -197,6 +199,10 @@ class FitAndKeyFn(beam.DoFn):
             codes = np.concatenate([c for _, c, _ in self.pending])
             kept_at = np.concatenate([k for _, _, k in self.pending])
             for code, payloads in merged.grouped_payloads(codes, kept_at):
+                if self.ctx.source_of_input:
+                    from pipelines.mix import weigh_into
+
+                    weigh_into(self.weights, payloads, self.ctx)
                 yield wrap((divmod(code, self.ctx.sub_buckets), payloads.to_wire()))
         self.pending = []
         self.buffered = 0
@@ -212,6 +218,8 @@ class FitAndKeyFn(beam.DoFn):
             for source, tally in self.tallies.items():
                 self.tally.merge(tally.for_source(source))
         yield TaggedOutput(TAG_TALLY, in_global_window(self.tally))
+        if self.ctx.source_of_input:
+            yield TaggedOutput(TAG_WEIGHTS, in_global_window(self.weights))
 
 
 class FitToLengths(beam.PTransform):
@@ -224,5 +232,6 @@ class FitToLengths(beam.PTransform):
 
     def expand(self, examples: Any) -> dict[str, Any]:
         fitted = examples | "FitAndKey" >> beam.ParDo(FitAndKeyFn(self.ctx)).with_outputs(
-            TAG_HIST, TAG_TALLY, TAG_DEAD, main="keyed")
-        return {"keyed": fitted.keyed, "hist": fitted[TAG_HIST], "tally": fitted[TAG_TALLY], "dead": fitted[TAG_DEAD]}
+            TAG_HIST, TAG_TALLY, TAG_DEAD, TAG_WEIGHTS, main="keyed")
+        return {"keyed": fitted.keyed, "hist": fitted[TAG_HIST], "tally": fitted[TAG_TALLY], "dead": fitted[TAG_DEAD],
+                "weights": fitted[TAG_WEIGHTS]}

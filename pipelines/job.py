@@ -216,7 +216,7 @@ def build_pipeline(pipeline: Any, job: PreparedJob) -> None:
     fitted = prepared["examples"] | "Fit" >> FitToLengths(ctx)
     kept, tally_fit = {"keyed": fitted["keyed"], "hist": fitted["hist"]}, fitted["tally"]
     if config.mixture is not None:  # each source's share of every length, before the plan
-        kept = kept | "Mix" >> SampleMixture(ctx)
+        kept = {"keyed": fitted["keyed"], "weights": fitted["weights"]} | "Mix" >> SampleMixture(ctx)
         tally_fit = (tally_fit, kept["tally"]) | "FlattenMixTally" >> beam.Flatten()
     routed = {"keyed": kept["keyed"], "hist": kept["hist"]} | "Route" >> PlanAndRoute(ctx)
     _ = {"rows": routed["rows"], "plans": routed["plans"], "bad": prepared["bad"], "dead": fitted["dead"],

@@ -4,7 +4,7 @@ prepack/mixture.py, between the fit stage and the plan.
 The rule needs each source's kept weight at each L before anything is chosen, and then a
 rank threshold per (L, source) for the one partial copy. Exactly, with bounded memory:
 
-    keyed --WeighFn--> (L, source, rank bucket) -> weight --CombineGlobally--> DecideFn
+    fit stage (weigh_into) --> (L, source, rank bucket) -> weight --CombineGlobally--> DecideFn
           (each (L, source)'s whole copies, and the rank bucket where its partial copy ends
            with the weight left for that bucket)
     keyed --BoundaryFn (side input: the decisions)--> (L, source) -> (hash, id, weight) of the
@@ -64,27 +64,16 @@ def _buckets(hashes: np.ndarray) -> np.ndarray:
     return (np.asarray(hashes, np.uint64) >> np.uint64(64 - RANK_BITS)).astype(np.int64)
 
 
-class WeighFn(beam.DoFn):
-    """((length, b), PayloadBatch wire) -> per bundle: Counter (L, source, rank bucket) -> kept weight."""
-
-    def __init__(self, ctx: JobContext):
-        self.ctx = ctx
-
-    def start_bundle(self) -> None:
-        self.hist: Counter = Counter()
-
-    def process(self, element: tuple) -> None:
-        batch = PayloadBatch.from_wire(element[1])
-        source = sources_of(batch.example_ids, self.ctx.source_of_input)
-        bucket = _buckets(batch.hashes)
-        for bit, L in enumerate(self.ctx.config.max_lengths):
-            kept = batch.kept_at_length(bit)
-            w = _weights(batch, L, self.ctx.mixture.weight_of)
-            for s, b, weight in _group_sums(source[kept], bucket[kept], w[kept]):
-                self.hist[(L, s, b)] += weight
-
-    def finish_bundle(self) -> Iterator[Any]:
-        yield in_global_window(self.hist)
+def weigh_into(hist: Counter, batch: PayloadBatch, ctx: JobContext) -> None:
+    """Adds a batch's kept weight to the (L, source, rank bucket) histogram. Called by the fit
+    stage on the examples it keys (so the payloads are not decoded once more for it)."""
+    source = sources_of(batch.example_ids, ctx.source_of_input)
+    bucket = _buckets(batch.hashes)
+    for bit, L in enumerate(ctx.config.max_lengths):
+        kept = batch.kept_at_length(bit)
+        w = _weights(batch, L, ctx.mixture.weight_of)
+        for s, b, weight in _group_sums(source[kept], bucket[kept], w[kept]):
+            hist[(L, s, b)] += weight
 
 
 def _group_sums(source: np.ndarray, bucket: np.ndarray, weight: np.ndarray) -> Iterator[tuple[int, int, int]]:
@@ -242,7 +231,7 @@ class SampleFn(beam.DoFn):
 
 
 class SampleMixture(beam.PTransform):
-    """{"keyed", "hist"} (FitToLengths' outputs) -> {"keyed": the sampled copies, "hist": their
+    """{"keyed", "weights"} (FitToLengths' outputs) -> {"keyed": the sampled copies, "hist": their
     histogram, "tally": the sampling's tallies}."""
 
     def __init__(self, ctx: JobContext):
@@ -254,8 +243,7 @@ class SampleMixture(beam.PTransform):
 
         keyed = fitted["keyed"]
         decisions = AsSingleton(
-            keyed
-            | "Weigh" >> beam.ParDo(WeighFn(self.ctx))
+            fitted["weights"]
             | "Weights" >> beam.CombineGlobally(MergeCounters())
             | "Decide" >> beam.ParDo(DecideFn(self.ctx))
         )

@@ -36,6 +36,7 @@ TAG_HIST = "hist"
 TAG_DEAD = "dead"
 TAG_FINGERPRINT = "fingerprint"
 TAG_PLAN = "plan"
+TAG_WEIGHTS = "weights"  # a mixture's kept weight per (L, source, rank bucket), from the fit stage
 
 
 FLUSH_EXAMPLES = 20_000  # buffered examples per bundle before an early flush (memory bound)
