@@ -148,7 +148,7 @@ def prepare(
     else:
         inputs, tasks = resolved
     est = sum(i.est_records for i in inputs)
-    sub_buckets = config.sub_buckets or choose_sub_buckets(est, config.pack)
+    sub_buckets = config.sub_buckets or choose_sub_buckets(est * _copies_at_most(config), config.pack)
     ctx = JobContext(config=config, tasks=sources.task_metas(inputs, tasks), sub_buckets=sub_buckets, run_id=run_id,
                      pad_id=int(tokenizer.pad_id),
                      source_of_input=config.mixture.source_of_input() if config.mixture is not None else ())
@@ -172,6 +172,12 @@ def prepare(
     )
 
 
+def _copies_at_most(config: PackConfig) -> int:
+    """A mixture may write each example up to max_repeats times: the groups the sub-buckets
+    bound grow with it (the same figure for a full run and --from-tokens with one mixture file)."""
+    return config.mixture.max_repeats if config.mixture is not None else 1
+
+
 def _check_mixture_inputs(config: PackConfig) -> None:
     """Each mixture source's inputs resolve (one line naming the source when they do not)."""
     for source in config.mixture.sources:
@@ -189,7 +195,7 @@ def _prepare_from_tokens(config: PackConfig, run_id: str) -> PreparedJob:
     except TokenSetError as e:
         raise publish.JobError(str(e)) from e
     publish.refuse_existing(config)
-    sub_buckets = config.sub_buckets or choose_sub_buckets(tokens.job["est_records"], config.pack)
+    sub_buckets = config.sub_buckets or choose_sub_buckets(tokens.job["est_records"] * _copies_at_most(config), config.pack)
     ctx = JobContext(config=config, tasks=tokens_source.tasks_of(tokens), sub_buckets=sub_buckets, run_id=run_id,
                      pad_id=int(tokens.tokenizer["pad_id"]),
                      source_of_input=config.mixture.source_of_input() if config.mixture is not None else ())
