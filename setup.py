@@ -21,6 +21,7 @@ PIPELINE = [
     "tiktoken==0.14.0",  # runs those ranks: ~3x a tokenizers BPE rebuilt from them (docs/benchmarks.md)
     "pyarrow>=18",
     "tqdm>=4.66",
+    "pyyaml==6.0.4",  # --mixture files (a Beam dependency already)
     "orjson==3.13.0",  # the readers parse JSON lines ~2x faster with it (json is the fallback)
     "zstandard==0.25.0",  # .zst inputs, and the write windows' part files (also a Beam dependency)
 ]

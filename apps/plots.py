@@ -12,6 +12,8 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
+
 from apps.packing_table import drops_too_many
 
 DPI = 110
@@ -352,5 +354,69 @@ def budget_bars(table: Sequence[dict[str, Any]], path: str, budget: float | None
         title += f": {budget:,.0f} target tokens"
     ax.set_title(title, fontsize=10)
     ax.grid(True, axis="x", alpha=0.3)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def mixture_shares(rows: Sequence[dict[str, Any]], weight_of: str, path: str) -> str:
+    """A mixture's mix per max length: stacked shares of weight_of (asked beside realized), and
+    how many times each source's kept examples are used. rows: prepack.mixture.preview's (or
+    the manifest's mixture.sources with a max_length each)."""
+    plt = _plt()
+    lengths = sorted({int(r["max_length"]) for r in rows})
+    sources = list(dict.fromkeys(str(r.get("source", r.get("name"))) for r in rows))
+    colors = _colors(sources)
+    by = {(int(r["max_length"]), str(r.get("source", r.get("name")))): r for r in rows}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    x = np.arange(len(lengths))
+    for offset, key, label, alpha in ((-0.2, "requested_share", "asked", 0.45), (0.2, "realized_share", "mix", 1.0)):
+        bottom = np.zeros(len(lengths))
+        for s in sources:
+            values = np.array([by[(L, s)][key] * 100 for L in lengths])
+            left.bar(x + offset, values, 0.36, bottom=bottom, color=colors[s], alpha=alpha,
+                     label=s if key == "realized_share" else None, edgecolor="white")
+            bottom += values
+    left.set_xticks(x)
+    left.set_xticklabels([f"L{L}\nasked | mix" for L in lengths])
+    left.set_ylabel(f"share of {weight_of.replace('_', ' ')} (%)")
+    left.set_ylim(0, 100)
+    left.set_title("Shares per max length (faded: asked)")
+    left.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    width = 0.8 / max(1, len(sources))
+    for i, s in enumerate(sources):
+        right.bar(x + (i - (len(sources) - 1) / 2) * width, [by[(L, s)]["repeats"] for L in lengths], width,
+                  color=colors[s], label=s)
+    right.axhline(1.0, color="0.5", lw=0.8, ls="--")
+    right.set_xticks(x)
+    right.set_xticklabels([f"L{L}" for L in lengths])
+    right.set_ylabel("times each kept example is used")
+    right.set_title("Repeats (< 1: down-sampled)")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def source_loss_curves(runs: Sequence[Any], path: str) -> str:
+    """Each mixture source's training loss against step, one colour per source, one line style
+    per run (report.Run.loss_by_source; steps without the source are skipped)."""
+    plt = _plt()
+    names = list(dict.fromkeys(n for run in runs for n in run.loss_by_source))
+    colors = _colors(names)
+    styles = ["-", "--", ":", "-."]
+    fig, ax = plt.subplots(figsize=(9, 4.4))
+    for k, run in enumerate(runs):
+        for name in names:
+            loss = run.loss_by_source.get(name)
+            if loss is None:
+                continue
+            ok = np.isfinite(loss)
+            if not ok.any():
+                continue
+            label = name if len(runs) == 1 else f"{name} ({run.label})"
+            ax.plot(run.steps[ok], _smooth(loss[ok]), styles[k % len(styles)], color=colors[name], lw=1.6, label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss of the source's target tokens")
+    ax.set_title("Loss by mixture source")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, frameon=False)
     fig.tight_layout()
     return _save(fig, path)

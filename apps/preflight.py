@@ -64,6 +64,8 @@ class DatasetSpec:
     name: str
     path: str
     format: str  # a template name (prepack.templates)
+    options: tuple[tuple[str, str], ...] = ()  # a mixture source's own template options (over --template-option)
+    source: str = ""  # --mixture: the source this input belongs to
 
 
 
@@ -85,6 +87,7 @@ class PreflightConfig:
     seed: int = 0
     plots: bool = True
     pack_output: str | None = None  # set: run the Beam job per dataset into this folder and read its manifests
+    mixture: Any = None  # --mixture: prepack.mixture.Mixture; its sources' inputs are the datasets
 
 
 # ----------------------------------------------------------------------------- tokenized examples
@@ -393,7 +396,7 @@ def load_examples(spec: DatasetSpec, tokenizer: Any, chat_format: Any, config: P
     """Reads, templates and tokenizes one dataset (all of it, or a seeded sample of --max-examples)."""
     prepare, _, _ = _pipelines()
     metas, tasks = read_tasks(spec.path)
-    template = make_template(spec.format, config.template_options)
+    template = make_template(spec.format, {**config.template_options, **dict(spec.options)})
     preparer = prepare.Preparer(metas, template, tokenizer, chat_format)
     tally = Tally()
     progress = _Progress(spec.name)
@@ -447,8 +450,10 @@ def make_template(name: str, options: dict[str, str]) -> Any:
 def run(config: PreflightConfig, loader: Callable[[DatasetSpec], ExampleSet], tokenizer_name: str = "", chat_format_name: str = "") -> dict[str, Any]:
     """Loads every dataset with `loader` and evaluates it; returns what preflight.json holds."""
     datasets, rows = [], []
+    datasets_by_name: dict[str, tuple[DatasetSpec, ExampleSet]] = {}
     for spec in config.datasets:
         examples = loader(spec)
+        datasets_by_name[spec.name] = (spec, examples)
         rows.extend(evaluate(examples, config, tokenizer_name, chat_format_name))
         all_lengths = _quantiles(examples.lengths)
         datasets.append(
@@ -468,8 +473,10 @@ def run(config: PreflightConfig, loader: Callable[[DatasetSpec], ExampleSet], to
                 "length_histogram": {str(k): v for k, v in examples.length_histogram().items()},
             }
         )
+    mix = mixture_rows(config, datasets_by_name) if config.mixture is not None else []
     return {
         "tool": "prepack preflight",
+        **({"mixture": {**config.mixture.describe(), "rows": mix}} if config.mixture is not None else {}),
         "config": {
             "tokenizer": config.tokenizer,
             "chat_format": config.chat_format,
@@ -489,6 +496,39 @@ def run(config: PreflightConfig, loader: Callable[[DatasetSpec], ExampleSet], to
         "datasets": datasets,
         "rows": rows,
     }
+
+
+def mixture_rows(config: PreflightConfig, loaded: dict[str, tuple[DatasetSpec, ExampleSet]]) -> list[dict[str, Any]]:
+    """The per-source table at every L: kept sizes under the overlong rule, then the share rule's
+    budgets (prepack.mixture.preview); the realized mix before anything is packed."""
+    from prepack.mixture import preview
+
+    out = []
+    for L in config.max_lengths:
+        examples, targets = [], []
+        for source in config.mixture.sources:
+            n = t = 0
+            for spec, ex in loaded.values():
+                if spec.source == source.name:
+                    kept, kept_targets, *_ = fit_examples(ex, L, config.overlong)
+                    n, t = n + len(kept), t + int(kept_targets.sum())
+            examples.append(n)
+            targets.append(t)
+        if not all(examples):
+            empty = config.mixture.sources[examples.index(0)].name
+            raise PreflightError(f"mixture source {empty!r} has no usable examples at max length {L}; check its input and format")
+        out += preview(config.mixture, examples, targets, L)
+    return out
+
+
+def render_mixture_table(rows: Sequence[dict[str, Any]], weight_of: str) -> str:
+    head = f"{'L':>6}  {'source':<16} {'kept':>9} {'kept ' + weight_of:>22} {'asked':>7} {'mix':>7} {'repeats':>8}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['max_length']:>6}  {r['source']:<16} {r['kept_examples']:>9,} {r['kept_weight']:>22,} "
+                     f"{r['requested_share']:>7.1%} {r['realized_share']:>7.1%} {r['repeats']:>7.2f}x"
+                     + ("  (limits the mix)" if r["limiting"] else ""))
+    return "\n".join(lines)
 
 
 _PACK_TEMPLATE_FLAGS = {"source_lang": "--source-lang", "target_lang": "--target-lang", "prompt_format": "--prompt-format"}
@@ -566,6 +606,9 @@ def write_outputs(result: dict[str, Any], output: str, plots: bool = True) -> li
 
         histograms = {d["name"]: {int(k): v for k, v in d["length_histogram"].items()} for d in result["datasets"]}
         written += plotting.preflight_plots(result["rows"], histograms, result["config"]["max_lengths"], output)
+        if "mixture" in result:
+            written.append(plotting.mixture_shares(result["mixture"]["rows"], result["mixture"]["weight_of"],
+                                                   os.path.join(output, "mixture.png")))
     return written
 
 
@@ -585,9 +628,12 @@ def _parser() -> argparse.ArgumentParser:
         "densities, rows, steps and the expected target-token throughput gain. In-process; for very large inputs "
         "use --max-examples, or `prepack pack` then `prepack report --shards`.",
     )
-    p.add_argument("--input", action="extend", nargs="+", required=True, metavar="[NAME=]PATH",
+    p.add_argument("--mixture", metavar="FILE",
+                   help="a `prepack pack --mixture` file: its sources are the datasets, and the realized mix is shown "
+                        "per max length (instead of --input and --format)")
+    p.add_argument("--input", action="extend", nargs="+", metavar="[NAME=]PATH",
                    help="a dataset: JSONL, JSON or Parquet file, or a glob; repeatable, each is its own dataset")
-    p.add_argument("--format", "--template", dest="format", action="extend", nargs="+", required=True, metavar="FORMAT",
+    p.add_argument("--format", "--template", dest="format", action="extend", nargs="+", metavar="FORMAT",
                    help="source format (template) of the inputs: alpaca, translation, oasst1, chat, prompt_response; "
                    "one for all, or one per --input in order")
     p.add_argument("--tokenizer", default="gemma3", help="tokenizer spec: gemma3 (embedded, default), qwen3 (embedded), sp:FILE.model, hf:NAME")
@@ -624,14 +670,40 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _mixture_datasets(path: str) -> tuple[Any, list[DatasetSpec]]:
+    from prepack.mixture import MixtureError, load_mixture
+
+    try:
+        mixture = load_mixture(path)
+    except MixtureError as e:
+        raise PreflightError(str(e)) from None
+    datasets = []
+    for source in mixture.sources:
+        for k, spec in enumerate(source.inputs):
+            name = source.name if len(source.inputs) == 1 else f"{source.name}#{k + 1}"
+            datasets.append(DatasetSpec(name, spec, source.format, source.options, source.name))
+    return mixture, datasets
+
+
 def config_from_args(args: argparse.Namespace) -> PreflightConfig:
-    inputs, formats = list(args.input), list(args.format)
+    mixture = None
+    if args.mixture:
+        if args.input or args.format:
+            raise PreflightError("--mixture names each source's inputs and format; do not combine it with --input or --format")
+        if args.pack_output:
+            raise PreflightError("--mixture runs in-process; do not combine it with --pack-output")
+        mixture, datasets = _mixture_datasets(args.mixture)
+        inputs, formats = [d.path for d in datasets], [d.format for d in datasets]
+    elif not args.input or not args.format:
+        raise PreflightError("--input and --format are required (or --mixture FILE)")
+    else:
+        inputs, formats = list(args.input), list(args.format)
     if len(formats) not in (1, len(inputs)):
         raise PreflightError(f"got {len(inputs)} inputs and {len(formats)} formats; give one format for all or one per input")
     if len(formats) == 1:
         formats *= len(inputs)
-    datasets, names = [], Counter()
-    for raw, fmt in zip(inputs, formats):
+    datasets, names = ([], Counter()) if mixture is None else (datasets, Counter())
+    for raw, fmt in (zip(inputs, formats) if mixture is None else ()):
         name, path = _split_name(raw)
         names[name] += 1
         if names[name] > 1:  # two inputs called train.jsonl: keep both, tell them apart
@@ -674,6 +746,7 @@ def config_from_args(args: argparse.Namespace) -> PreflightConfig:
         max_bad_fraction=args.max_bad_fraction,
         plots=not args.no_plots,
         pack_output=args.pack_output,
+        mixture=mixture,
     )
 
 
@@ -710,7 +783,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise PreflightError(f"{matplotlib_missing()}, or pass --no-plots")
         # Fail on every bad input or format before the tokenizer loads or anything is read.
         for spec in config.datasets:
-            make_template(spec.format, config.template_options)
+            make_template(spec.format, {**config.template_options, **dict(spec.options)})
             if not config.pack_output:
                 check_input(spec.path)  # the job checks its own inputs up front
         if config.pack_output:
@@ -725,6 +798,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prepack preflight: error: {e}", file=sys.stderr)
         return 2
     print(render_text_table(result["rows"]))
+    if "mixture" in result:
+        print(f"\nmixture {args.mixture} (weight_of {result['mixture']['weight_of']}, max_repeats "
+              f"{result['mixture']['max_repeats']}): the mix each max length would get")
+        print(render_mixture_table(result["mixture"]["rows"], result["mixture"]["weight_of"]))
     for d in result["datasets"]:
         if d["sampled"]:
             print(f"note: {d['name']}: estimated from a sample of {d['examples']:,} of {d['examples_seen']:,} examples")

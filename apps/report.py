@@ -199,6 +199,8 @@ class Run:
     packing: str = ""
     warmup_steps: int = 0
     evals: list[tuple[float, float]] = dataclasses.field(default_factory=list)  # (step, eval loss)
+    # A mixture set's run: source name -> its loss per step (NaN where the batch had none of it).
+    loss_by_source: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
     @property
     def clock_s(self) -> np.ndarray:
@@ -290,8 +292,11 @@ def load_run(path: str, label: str | None = None, warmup_steps: int = 1) -> Run:
     name = label or os.path.splitext(os.path.basename(path))[0]
     packing = str(steps[-1].get("packing") or summary.get("packing") or _packing_from_name(name))
     loss = np.array([math.nan if r.get("loss") is None else float(r["loss"]) for r in steps], dtype=np.float64)
+    names = list(dict.fromkeys(k for r in steps for k in (r.get("loss_by_source") or {})))
+    by_source = {n: np.array([math.nan if (r.get("loss_by_source") or {}).get(n) is None else float(r["loss_by_source"][n])
+                              for r in steps], dtype=np.float64) for n in names}
     return Run(name, path, column("step"), loss, column("step_time_s"), target,
-               column("tokens"), summary, packing, warmup_steps, evals)
+               column("tokens"), summary, packing, warmup_steps, evals, by_source)
 
 
 def _per_step(values: np.ndarray, times: np.ndarray, rates: list[Any]) -> np.ndarray:
@@ -494,6 +499,7 @@ def build_page(config: ReportConfig, figures_dir: str) -> tuple[Page, list[str]]
         figure("shards_row_reduction.png", plots.row_reduction, drawn)
         if hists:
             figure("shards_length_histogram.png", plots.length_histogram, hists, sorted(lengths))
+        _mixture_section(page, figure, [m for path in config.shards for _, m in find_manifests(path)])
 
     if runs:
         budget, table = budget_rows(runs, config.budget)
@@ -510,6 +516,11 @@ def build_page(config: ReportConfig, figures_dir: str) -> tuple[Page, list[str]]
         page.add("table", [h for h, _, _ in BUDGET_COLUMNS],
                  [[_budget_cell(r[k], kind) for _, k, kind in BUDGET_COLUMNS] for r in table])
         figure("budget.png", plots.budget_bars, table, budget=budget)
+        if any(run.loss_by_source for run in runs):
+            page.add("h3", "Loss by source")
+            page.add("p", "Mixture sets: each source's training loss per step (its target tokens' mean NLL in the "
+                          "batch; a step without that source has no point), from loss_by_source in the metrics JSONL.")
+            figure("loss_by_source.png", plots.source_loss_curves, [r for r in runs if r.loss_by_source])
 
     # The page opens with the answer: measured training beats a shard-set estimate, which beats preflight's.
     answer = (training_verdict(table, budget) if config.metrics else None) \
@@ -523,6 +534,24 @@ def build_page(config: ReportConfig, figures_dir: str) -> tuple[Page, list[str]]
                   "example per row; row reduction = unpacked rows / packed rows.")
     page.add("p", "Throughput model: " + THROUGHPUT_MODEL)
     return page, pngs
+
+
+def _mixture_section(page: Page, figure: Any, manifests: Sequence[Manifest]) -> None:
+    """Mixture sets: the realized mix of each length, per source, and its plot."""
+    from apps import plots
+
+    mixed = [m for m in manifests if getattr(m, "mixture", None)]
+    if not mixed:
+        return
+    page.add("h3", "Mixture")
+    page.add("p", f"Shares of {mixed[0].mixture['weight_of']} asked and written per source (manifest `mixture`); "
+                  "repeats = written / kept weight (< 1: down-sampled).")
+    rows = [{**f, "max_length": m.max_length} for m in mixed for f in m.mixture["sources"]]
+    headers = ["L", "source", "asked", "mix", "written", "unique", "not sampled", "repeats"]
+    page.add("table", headers, [[str(r["max_length"]), r["name"], f"{r['requested_share']:.1%}", f"{r['realized_share']:.1%}",
+                                 f"{r['examples_written']:,}", f"{r['examples_unique']:,}",
+                                 f"{r['examples_dropped'].get('not_sampled', 0):,}", f"{r['repeats']:.2f}x"] for r in rows])
+    figure("mixture.png", plots.mixture_shares, rows, mixed[0].mixture["weight_of"])
 
 
 def _packing_section(page: Page, rows: Sequence[dict[str, Any]], with_packing: bool) -> None:

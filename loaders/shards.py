@@ -136,15 +136,15 @@ class ShardView:
         info = self.manifest.shards[shard]
         name = self.shard_paths[shard]
         if self.cache is None:
-            return _check_shard(name, info, self.max_length, verify=False)
+            return _check_shard(name, info, self.max_length, verify=False, version=self.manifest.format_version)
         local = self._fetch(shard, verify)
         # The sha256 matched when the copy was made: the checks below are cheap and local.
         try:
-            return _check_shard(local, info, self.max_length, verify=False, name=name)
+            return _check_shard(local, info, self.max_length, verify=False, name=name, version=self.manifest.format_version)
         except ShardSetError:
             # The copy rotted on this disk since it was checked: drop it and fetch it once more.
             self.cache.drop(info.sha256)
-            return _check_shard(self._fetch(shard, verify=False), info, self.max_length, verify=False, name=name)
+            return _check_shard(self._fetch(shard, verify=False), info, self.max_length, verify=False, name=name, version=self.manifest.format_version)
 
     def _fetch(self, shard: int, verify: bool) -> str:
         info = self.manifest.shards[shard]
@@ -295,7 +295,8 @@ def read_manifest(path: str) -> Manifest:
     return Manifest.from_json(text, source=manifest_path)
 
 
-def _check_shard(path: str, info: Any, max_length: int, verify: bool, name: str | None = None):
+def _check_shard(path: str, info: Any, max_length: int, verify: bool, name: str | None = None,
+                 version: int = rowformat.FORMAT_VERSION):
     """Opens one shard and checks it against its manifest entry; returns the open reader.
 
     name: what messages call the file (a gs:// URL for a cached copy at `path`).
@@ -318,10 +319,10 @@ def _check_shard(path: str, info: Any, max_length: int, verify: bool, name: str 
             raise ShardSetError(f"{shown}: not a readable ArrayRecord file, truncated or corrupt ({e})") from e
         if count != info.num_rows:
             raise ShardSetError(f"{shown}: holds {count} rows, but the manifest says {info.num_rows}; the file was replaced or is corrupt")
-        if first is not None and len(first) != rowformat.record_size(max_length):
+        if first is not None and len(first) != rowformat.record_size(max_length, version):
             raise ShardSetError(
                 f"{shown}: records are {len(first)} bytes, but max_length {max_length} needs "
-                f"{rowformat.record_size(max_length)}; the shards do not match their manifest"
+                f"{rowformat.record_size(max_length, version)}; the shards do not match their manifest"
             )
         if "group_size:1," not in options + ",":
             log.warning("%s: written with %r; random access wants group_size:1", shown, options)
@@ -384,7 +385,7 @@ def open_shards(
         return view
     shard_paths = [storage.join(path, n) for n in names]
     readers = _run_all(
-        [functools.partial(_check_shard, p, s, manifest.max_length, verify) for p, s in zip(shard_paths, manifest.shards)],
+        [functools.partial(_check_shard, p, s, manifest.max_length, verify, version=manifest.format_version) for p, s in zip(shard_paths, manifest.shards)],
         close=_close_quietly,
     )
     return ShardView(path, manifest, readers)

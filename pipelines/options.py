@@ -24,6 +24,7 @@ from pipelines.stages.input_limits import (DEFAULT_MAX_COMPRESSION_RATIO, DEFAUL
                                     RATIO_CHECKED_AFTER, InputLimits)
 from pipelines.stages.planning import MAX_SUB_BUCKETS
 from prepack.bad_records import DEFAULT_MAX_BAD_FRACTION
+from prepack.mixture import Mixture, MixtureError, load_mixture
 from prepack.packer import OverlongPolicy, Planner
 from prepack.rowformat import MAX_MAX_LENGTH
 from prepack.cli_help import DefaultsHelpFormatter
@@ -91,6 +92,10 @@ class PackConfig:
     # checked against the tokenized set's; the fields above then come from the set.
     requested: tuple[tuple[str, Any], ...] = ()
     limits: InputLimits = InputLimits()  # what one input may make a worker hold (pipelines/stages/input_limits.py)
+    # --mixture: the parsed mixture file; `inputs` are then its sources' inputs in file order
+    # and `format` is "mixture" (each source has its own, prepack/mixture.py).
+    mixture: Mixture | None = None
+    allow_short_mix: bool = False  # publish a mixture whose realized shares miss the requested ones
 
     @property
     def template_kwargs(self) -> dict[str, str]:
@@ -144,6 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--target-lang", help="translation: target language code (default fr)")
     src.add_argument("--prompt-format", help="translation: prompt with {source}, {target} and {text}")
     src.add_argument("--tfds-data-dir", help="data_dir for tfds: inputs (default: TFDS's own)")
+    src.add_argument("--mixture", metavar="FILE",
+                     help="mix several sources with weights (a YAML or JSON file: weight_of, max_repeats, sources); "
+                     "replaces --input, --format and --sample")
+    src.add_argument("--allow-short-mix", action="store_true",
+                     help="publish a mixture even where its realized shares miss the requested ones by more than 0.5 pp")
     src.add_argument("--from-tokens", metavar="DIR",
                      help="pack from a tokenized set (OUTPUT/tokens of an earlier run) instead of --input: "
                      "no reading of the inputs, no tokenizer; same shard sets as a full run")
@@ -215,10 +225,23 @@ def parse_args(argv: Sequence[str]) -> tuple[PackConfig, list[str]]:
               file=sys.stderr)
         if ns.batch_size == DEFAULT_TOKENIZE_BATCH_SIZE:
             ns.batch_size = ns.old_batch_size
+    mixture = None
+    if ns.mixture:
+        for flag, given in (("--input", ns.input), ("--format", ns.format), ("--sample", ns.sample),
+                            ("--source-lang", ns.source_lang), ("--target-lang", ns.target_lang),
+                            ("--prompt-format", ns.prompt_format)):
+            if given:
+                raise OptionsError(f"--mixture names each source's inputs and format; do not combine it with {flag}")
+        try:
+            mixture = load_mixture(ns.mixture)
+        except MixtureError as e:
+            raise OptionsError(str(e)) from None
     if ns.from_tokens:
         if ns.sample:
             raise OptionsError("--from-tokens packs a tokenized set; do not combine it with --sample")
         inputs, fmt = tuple(ns.input), ns.format or ""
+    elif mixture is not None:
+        inputs, fmt = mixture.inputs(), "mixture"
     elif ns.sample:
         if ns.input:
             raise OptionsError("--sample packs the embedded sample dataset; do not combine it with --input")
@@ -300,6 +323,8 @@ def parse_args(argv: Sequence[str]) -> tuple[PackConfig, list[str]]:
         from_tokens=ns.from_tokens.rstrip("/") if ns.from_tokens else None,
         requested=tuple(sorted(requested.items())),
         limits=InputLimits(ns.max_record_bytes, ns.max_decompressed_bytes, ns.max_compression_ratio),
+        mixture=mixture,
+        allow_short_mix=ns.allow_short_mix,
     )
     beam_args = with_default_runner(beam_args)
     if flag_value(beam_args, "--direct_running_mode") == "multi_threading":

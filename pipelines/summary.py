@@ -110,6 +110,9 @@ class LengthStats:
     planned_examples: int
     dead_letter_entries: int
     packing: dict[str, Any]  # prepack.stats.PackingStats.as_dict() less max_length and examples
+    # A mixture's copies written beyond each example's first (stats.examples_written counts
+    # copies); None, and not in the manifest, without a mixture.
+    examples_repeated: int | None = None
 
     @property
     def rows(self) -> int:
@@ -117,6 +120,8 @@ class LengthStats:
 
     def to_json(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "packing"}
+        if d["examples_repeated"] is None:
+            del d["examples_repeated"]
         return {**d, **self.packing}
 
 

@@ -39,6 +39,13 @@ class Tally:
     dropped: Counter = dataclasses.field(default_factory=Counter)  # (max length, DropReason) -> examples
     split: Counter = dataclasses.field(default_factory=Counter)  # max length -> examples cut into pieces
     split_pieces: Counter = dataclasses.field(default_factory=Counter)  # max length -> pieces they were cut into
+    # Mixtures (prepack/mixture.py): max length -> copies written beyond each example's first
+    # (so per L: examples_read - split + split_pieces + repeated == written + dropped), and the
+    # sampling's figures per L: kept weight before sampling, written weight, unique examples
+    # written, tokens and target tokens written.
+    repeated: Counter = dataclasses.field(default_factory=Counter)
+    mix: Counter = dataclasses.field(default_factory=Counter)  # (max length, figure) -> value
+    sources: dict = dataclasses.field(default_factory=dict)  # source index (1..N) -> its own Tally
 
     def merge(self, other: "Tally") -> "Tally":
         self.records_read += other.records_read
@@ -47,8 +54,18 @@ class Tally:
         for mine, theirs in ((self.bad_records, other.bad_records), (self.bad_examples, other.bad_examples),
                              (self.filtered, other.filtered), (self.truncated, other.truncated),
                              (self.dropped, other.dropped), (self.split, other.split),
-                             (self.split_pieces, other.split_pieces)):
+                             (self.split_pieces, other.split_pieces), (self.repeated, other.repeated),
+                             (self.mix, other.mix)):
             mine.update(theirs)
+        for index, theirs in other.sources.items():
+            self.sources.setdefault(index, Tally()).merge(theirs)
+        return self
+
+    def for_source(self, index: int) -> "Tally":
+        """This tally counted under one mixture source too: the set's figures are the sum of the sources'."""
+        inner = Tally().merge(self)
+        inner.sources = {}
+        self.sources = {index: inner}
         return self
 
     @property
@@ -73,8 +90,9 @@ class Tally:
         return dict(sorted(out.items()))
 
     def to_json(self) -> dict[str, Any]:
-        lengths = sorted({L for L in self.truncated} | {L for L, _ in self.dropped} | set(self.split))
-        return {
+        lengths = sorted({L for L in self.truncated} | {L for L, _ in self.dropped} | set(self.split)
+                         | set(self.repeated) | {L for L, _ in self.mix})
+        out = {
             "records_read": self.records_read,
             "examples": self.examples,
             "bad_records": dict(sorted(self.bad_records.items())),
@@ -83,9 +101,15 @@ class Tally:
             "no_targets": self.no_targets,
             "per_length": {str(L): {"truncated": self.truncated.get(L, 0),
                                     "split": self.split.get(L, 0), "split_pieces": self.split_pieces.get(L, 0),
-                                    "dropped": {DropReason(r).value: n for (m, r), n in sorted(self.dropped.items()) if m == L}}
+                                    "dropped": {DropReason(r).value: n for (m, r), n in sorted(self.dropped.items()) if m == L},
+                                    **({"repeated": self.repeated.get(L, 0),
+                                        "mix": {k: v for (m, k), v in sorted(self.mix.items()) if m == L}}
+                                       if self.repeated.get(L) or any(m == L for m, _ in self.mix) else {})}
                            for L in lengths},
         }
+        if self.sources:
+            out["sources"] = {str(i): t.to_json() for i, t in sorted(self.sources.items())}
+        return out
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "Tally":
@@ -100,4 +124,9 @@ class Tally:
                 tally.split_pieces[int(L)] = per["split_pieces"]
             for reason, n in per["dropped"].items():
                 tally.dropped[(int(L), DropReason(reason))] = n
+            if per.get("repeated"):
+                tally.repeated[int(L)] = per["repeated"]
+            for key, n in per.get("mix", {}).items():
+                tally.mix[(int(L), key)] = n
+        tally.sources = {int(i): cls.from_json(t) for i, t in data.get("sources", {}).items()}
         return tally

@@ -67,14 +67,24 @@ class Manifest:
     created_at: str | None = None
     # Where the examples came from when not from the inputs: {"from_tokens": the tokenized set, ...}.
     lineage: dict[str, Any] | None = None
+    # A mixture's sources and shares (prepack/mixture.py: mixture_manifest); absent without one.
+    mixture: dict[str, Any] | None = None
     format_version: int = rowformat.FORMAT_VERSION
     fields: dict[str, str] = dataclasses.field(default_factory=rowformat.field_spec)
     # The record's field names in order: what readers decode by (`fields` is key-sorted JSON).
     field_order: list[str] = dataclasses.field(default_factory=lambda: list(rowformat.FIELD_NAMES))
     array_record_options: str = "group_size:1,zstd:3"
 
+    def use_mixture_format(self) -> None:
+        """Row format 2 (rowformat.MIXTURE_FORMAT_VERSION): the fields with `source_ids`."""
+        self.format_version = rowformat.MIXTURE_FORMAT_VERSION
+        self.fields = rowformat.field_spec(self.format_version)
+        self.field_order = list(rowformat.field_names(self.format_version))
+
     def to_json(self) -> str:
         data = dataclasses.asdict(self)
+        if data["mixture"] is None:  # sets without a mixture keep their bytes
+            del data["mixture"]
         return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
     @classmethod
@@ -88,10 +98,10 @@ class Manifest:
         if not isinstance(data, dict):
             raise ManifestError(f"{source}: expected a JSON object")
         version = data.get("format_version")
-        if type(version) is not int or version != rowformat.FORMAT_VERSION:
+        if type(version) is not int or version not in rowformat.SUPPORTED_VERSIONS:
             raise ManifestError(
                 f"{source}: format_version {version!r} is not supported by this reader "
-                f"(supports {rowformat.FORMAT_VERSION}); regenerate the shards or upgrade tunix-prepack"
+                f"(supports {', '.join(map(str, rowformat.SUPPORTED_VERSIONS))}); regenerate the shards or upgrade tunix-prepack"
             )
         missing = [k for k in ("max_length", "num_rows", "shards", "tokenizer", "stats") if k not in data]
         if missing:
@@ -101,10 +111,14 @@ class Manifest:
         manifest = cls(shards=shards, **kwargs)
         if sum(s.num_rows for s in shards) != manifest.num_rows:
             raise ManifestError(f"{source}: shard row counts add up to {sum(s.num_rows for s in shards)}, not num_rows {manifest.num_rows}")
-        if manifest.fields != rowformat.field_spec():
-            raise ManifestError(f"{source}: fields {manifest.fields} differ from this reader's {rowformat.field_spec()}")
+        if manifest.fields != rowformat.field_spec(version):
+            raise ManifestError(f"{source}: fields {manifest.fields} differ from this reader's {rowformat.field_spec(version)} "
+                                f"for format_version {version}")
+        if (version == rowformat.MIXTURE_FORMAT_VERSION) != (manifest.mixture is not None):
+            raise ManifestError(f"{source}: format_version {version} {'needs' if version == 2 else 'excludes'} a "
+                                "`mixture` object (row format 2 is for mixture sets only)")
         try:  # a manifest written before field_order existed gets format 1's order, the default
-            rowformat.check_field_order(manifest.field_order)
+            rowformat.check_field_order(manifest.field_order, version)
         except rowformat.RowFormatError as e:
             raise ManifestError(f"{source}: {e}") from None
         return manifest
@@ -148,8 +162,20 @@ def _checked_fields(data: dict[str, Any], source: str) -> dict[str, Any]:
         "fields": lambda v, f: untrusted.mapping(v, source, f, E),
         "field_order": lambda v, f: untrusted.sequence(v, source, f, E),
         "array_record_options": lambda v, f: untrusted.text(v, source, f, E),
+        "mixture": lambda v, f: _checked_mixture(v, source),
     }
     return {k: checks[k](v, k) for k, v in data.items() if k in checks}
+
+
+def _checked_mixture(value: Any, source: str) -> dict[str, Any] | None:
+    """The `mixture` object, as far as readers use it: `sources` a list of objects, each named."""
+    E = ManifestError
+    mixture = untrusted.mapping(value, source, "mixture", E, optional=True)
+    if mixture is not None:
+        for k, entry in enumerate(untrusted.sequence(mixture.get("sources"), source, "mixture.sources", E)):
+            untrusted.mapping(entry, source, f"mixture.sources[{k}]", E)
+            untrusted.text(entry.get("name"), source, f"mixture.sources[{k}].name", E)
+    return mixture
 
 
 def without_volatile(text: str) -> dict[str, Any]:

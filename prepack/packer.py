@@ -48,6 +48,7 @@ class DropReason(str, enum.Enum):
     TOO_LONG = "too_long"
     NO_TARGETS_AFTER_TRUNCATION = "no_targets_after_truncation"
     NO_TARGETS_AFTER_SPLIT = "no_targets_after_split"  # counts pieces, not examples
+    NOT_SAMPLED = "not_sampled"  # a mixture's share rule left it out at this max length (prepack/mixture.py)
 
 
 class Fit(enum.IntEnum):

@@ -18,9 +18,15 @@ from typing import Mapping
 import numpy as np
 
 FORMAT_VERSION = 1
+# Mixture sets (prepack/mixture.py) add a sixth field, `source_ids`: each token's mixture source,
+# 1..N in the mixture file's order, 0 on padding. Only they are version 2; a set without a
+# mixture keeps version 1's bytes and readers read both (docs/row_format.md).
+MIXTURE_FORMAT_VERSION = 2
+SUPPORTED_VERSIONS = (FORMAT_VERSION, MIXTURE_FORMAT_VERSION)
 
 STORAGE_DTYPE = np.dtype("<i4")
 FIELD_NAMES: tuple[str, ...] = ("input_ids", "loss_mask", "valid_mask", "positions", "segment_ids")
+MIXTURE_FIELD_NAMES: tuple[str, ...] = FIELD_NAMES + ("source_ids",)
 FIELDS: dict[str, np.dtype] = {name: STORAGE_DTYPE for name in FIELD_NAMES}
 _BYTES_PER_TOKEN = STORAGE_DTYPE.itemsize * len(FIELD_NAMES)
 # The largest max length a set may have: a row is then 20 MiB, and the packer, the writers and
@@ -29,17 +35,24 @@ _BYTES_PER_TOKEN = STORAGE_DTYPE.itemsize * len(FIELD_NAMES)
 MAX_MAX_LENGTH = 1 << 20
 
 
+def field_names(version: int = FORMAT_VERSION) -> tuple[str, ...]:
+    """The record's fields, in order, of a row format version."""
+    if version not in SUPPORTED_VERSIONS:
+        raise RowFormatError(f"row format version {version!r} is not one of {list(SUPPORTED_VERSIONS)}")
+    return MIXTURE_FIELD_NAMES if version == MIXTURE_FORMAT_VERSION else FIELD_NAMES
+
+
 class RowFormatError(ValueError):
     """A record or row that does not follow the row format."""
 
 
-def record_size(max_length: int) -> int:
-    return _BYTES_PER_TOKEN * max_length
+def record_size(max_length: int, version: int = FORMAT_VERSION) -> int:
+    return STORAGE_DTYPE.itemsize * len(field_names(version)) * max_length
 
 
-def field_spec() -> dict[str, str]:
+def field_spec(version: int = FORMAT_VERSION) -> dict[str, str]:
     """Field name -> dtype string, as written into the manifest."""
-    return {name: dt.str for name, dt in FIELDS.items()}
+    return {name: STORAGE_DTYPE.str for name in field_names(version)}
 
 
 def encode_row(row: Mapping[str, np.ndarray], max_length: int) -> bytes:
@@ -52,33 +65,33 @@ def encode_row(row: Mapping[str, np.ndarray], max_length: int) -> bytes:
     return matrix.tobytes()
 
 
-def _check_size(nbytes: int, max_length: int) -> None:
-    if nbytes != _BYTES_PER_TOKEN * max_length:
-        raise RowFormatError(
-            f"record has {nbytes} bytes, expected {_BYTES_PER_TOKEN * max_length} for max_length {max_length}"
-        )
+def _check_size(nbytes: int, max_length: int, fields: int = len(FIELD_NAMES)) -> None:
+    expected = STORAGE_DTYPE.itemsize * fields * max_length
+    if nbytes != expected:
+        raise RowFormatError(f"record has {nbytes} bytes, expected {expected} for max_length {max_length}")
 
 
-def check_field_order(field_order: Sequence[str]) -> None:
+def check_field_order(field_order: Sequence[str], version: int = FORMAT_VERSION) -> None:
     """Raises RowFormatError unless field_order names each field of this format exactly once."""
+    names = field_names(version)
     if (not isinstance(field_order, (list, tuple)) or not all(isinstance(name, str) for name in field_order)
-            or sorted(field_order) != sorted(FIELD_NAMES)):
-        raise RowFormatError(f"field_order {field_order!r} must list the fields {list(FIELD_NAMES)} once each, in record order")
+            or sorted(field_order) != sorted(names)):
+        raise RowFormatError(f"field_order {field_order!r} must list the fields {list(names)} once each, in record order")
 
 
 def decode_row(record: bytes, max_length: int, field_order: Sequence[str] = FIELD_NAMES) -> dict[str, np.ndarray]:
     """Decodes one record into read-only int32 views of the record's buffer; field_order: the
     manifest's (the record's row order)."""
-    _check_size(len(record), max_length)
-    matrix = np.frombuffer(record, dtype=STORAGE_DTYPE).reshape(len(FIELD_NAMES), max_length)
+    _check_size(len(record), max_length, len(field_order))
+    matrix = np.frombuffer(record, dtype=STORAGE_DTYPE).reshape(len(field_order), max_length)
     return dict(zip(field_order, matrix))
 
 
 def decode_rows(records: Sequence[bytes], max_length: int, field_order: Sequence[str] = FIELD_NAMES) -> dict[str, np.ndarray]:
     """Decodes a batch of records into [B, L] int32 arrays (one join, one transpose copy)."""
     for record in records:
-        _check_size(len(record), max_length)
-    stacked = np.frombuffer(b"".join(records), dtype=STORAGE_DTYPE).reshape(len(records), len(FIELD_NAMES), max_length)
+        _check_size(len(record), max_length, len(field_order))
+    stacked = np.frombuffer(b"".join(records), dtype=STORAGE_DTYPE).reshape(len(records), len(field_order), max_length)
     return {name: np.ascontiguousarray(stacked[:, i]) for i, name in enumerate(field_order)}
 
 
@@ -164,3 +177,11 @@ def check_row(row: Mapping[str, np.ndarray], max_length: int) -> None:
         raise RowFormatError("loss_mask must be 0 on padding")
     if loss[starts].any():
         raise RowFormatError("loss_mask must be 0 on the first token of every segment")
+    if "source_ids" in row:  # a mixture set's (version 2)
+        src = np.asarray(row["source_ids"], dtype=np.int64)
+        if np.shape(src) != (max_length,):
+            raise RowFormatError(f"field 'source_ids' has shape {np.shape(src)}, expected ({max_length},)")
+        if src[n_valid:].any() or (src[:n_valid] < 1).any():
+            raise RowFormatError("source_ids must be 1..N on every real token and 0 on padding")
+        if (np.diff(src[:n_valid])[np.diff(real) == 0] != 0).any():
+            raise RowFormatError("source_ids must be the same on every token of a segment")

@@ -26,6 +26,9 @@ from flax import nnx
 
 # The default's epsilon, kept so that the two losses agree on every batch.
 NORM_EPS = 1e-8
+# Mixture sets: per-source sums come back as fixed-size [MAX_SOURCES + 1] vectors (index =
+# source, 0 = none), so the step compiles once whatever the mixture (prepack/mixture.py caps N).
+from prepack.mixture import MAX_SOURCES  # noqa: E402
 
 
 def shifted_targets(input_tokens: jax.Array, input_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -53,21 +56,37 @@ def token_mean_nll(logits: jax.Array, input_tokens: jax.Array, input_mask: jax.A
     return loss, {"loss": loss, "nll_sum": nll_sum, "target_tokens": target_tokens}
 
 
+def by_source(values: jax.Array, weights: jax.Array, source_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Weighted sums of per-position values [B, L] and of the weights, per source of the token
+    each position scores (column t scores token t+1): two [MAX_SOURCES + 1] vectors."""
+    scored = jnp.concatenate([source_ids[:, 1:], jnp.zeros_like(source_ids[:, :1])], axis=1).reshape(-1)
+    n = MAX_SOURCES + 1
+    return (jax.ops.segment_sum((values * weights).reshape(-1), scored, num_segments=n),
+            jax.ops.segment_sum(weights.reshape(-1), scored, num_segments=n))
+
+
 def masked_loss_fn_with_aux(
     model: nnx.Module,
     input_tokens: jax.Array,
     input_mask: jax.Array,
     positions: jax.Array,
     attention_mask: jax.Array,
+    source_ids: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """PeftTrainer loss (use with `with_loss_fn(..., has_aux=True)`).
 
     The aux dict carries the NLL sum and target-token count so that callers can
-    aggregate exactly over batches (token-weighted), e.g. for eval.
+    aggregate exactly over batches (token-weighted), e.g. for eval. A mixture set's
+    source_ids (never given to the model) add `nll_by_source` and `targets_by_source`.
     """
     # Positional call, as Tunix's default does: works for Gemma3 (last_tokens) and Qwen3 (input_tokens).
     logits, _ = model(input_tokens, positions, None, attention_mask)
-    return token_mean_nll(logits, input_tokens, input_mask)
+    if source_ids is None:
+        return token_mean_nll(logits, input_tokens, input_mask)
+    nll, weights = per_token_nll(logits, input_tokens, input_mask)
+    loss, aux = token_mean_nll(logits, input_tokens, input_mask)
+    aux["nll_by_source"], aux["targets_by_source"] = by_source(nll, weights, source_ids)
+    return loss, aux
 
 
 def masked_loss_fn(
@@ -90,7 +109,8 @@ def tunix_default_loss_fn() -> Any:
 
 def with_aux(loss_fn: Any) -> Any:
     """Wraps a scalar loss (Tunix's default) so that the trainer's aux-based metrics still work."""
-    def wrapped(model: Any, input_tokens: Any, input_mask: Any, positions: Any, attention_mask: Any) -> Any:
+    def wrapped(model: Any, input_tokens: Any, input_mask: Any, positions: Any, attention_mask: Any,
+                source_ids: Any = None) -> Any:  # a scalar loss has no per-source sums
         loss = loss_fn(model, input_tokens, input_mask, positions, attention_mask)
         targets = jnp.sum(input_mask[:, 1:]).astype(jnp.float32)
         return loss, {"loss": loss, "nll_sum": loss * targets, "target_tokens": targets}

@@ -35,6 +35,8 @@ def batch_counts(batch: Mapping[str, np.ndarray]) -> dict[str, int]:
         # What the loss counts: input_mask[:, 1:] (column 0 can never be predicted).
         "target_tokens": int(np.count_nonzero(loss_mask[:, 1:])),
         "examples": int(seg.max(axis=1).sum()),
+        **({"target_tokens_by_source": np.bincount(np.asarray(batch["source_ids"])[:, 1:][loss_mask[:, 1:] != 0],
+                                                   minlength=1).tolist()} if "source_ids" in batch else {}),
     }
 
 
@@ -67,6 +69,18 @@ def drop_records_after(path: str, step: int) -> int:
     return dropped
 
 
+def by_source_record(names: list[str], counts: Mapping[str, Any], aux: Mapping[str, Any]) -> dict[str, Any]:
+    """A step's loss_by_source (None for a source with no target in the batch, or when the loss
+    gives no per-source sums) and target_tokens_by_source, name -> value."""
+    host = list(counts.get("target_tokens_by_source", [])) + [0] * (len(names) + 1)
+    nll, targets = aux.get("nll_by_source"), aux.get("targets_by_source")
+    loss = {}
+    for i, name in enumerate(names, start=1):
+        t = float(targets[i]) if targets is not None else 0.0
+        loss[name] = divergence.finite_or_none(float(nll[i]) / t) if nll is not None and t > 0 else None
+    return {"loss_by_source": loss, "target_tokens_by_source": {name: int(host[i]) for i, name in enumerate(names, start=1)}}
+
+
 class MetricsRecorder:
     """Collects per-step numbers and writes the JSONL (flushed per line, so a crash keeps them)."""
 
@@ -86,6 +100,9 @@ class MetricsRecorder:
         are dropped first, so each step appears once)."""
         self.path = path
         self.static = dict(static or {})
+        # A mixture set's source names, 1..N in the mixture's order: each step then logs
+        # loss_by_source and target_tokens_by_source (name -> value).
+        self.source_names: list[str] = list(self.static.pop("source_names", None) or [])
         self.log_every = log_every
         self.last_step = last_step  # printed even when not a multiple of log_every
         self.nan_policy = nan_policy
@@ -153,6 +170,8 @@ class MetricsRecorder:
             record["nonfinite"] = reason
             # apply_if_finite rejects updates with non-finite gradients (train/optimizer.py).
             record["skipped"] = self.nan_policy == divergence.SKIP_STEP
+        if self.source_names:
+            record.update(by_source_record(self.source_names, pending, aux))
         record.update(self.static)
         self.steps.append(record)
         self._write(record)

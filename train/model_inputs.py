@@ -66,12 +66,15 @@ def make_gen_model_input_fn(mask_fn: MaskFn | None = None) -> Callable[[Mapping[
 
     def gen_model_input_fn(batch: Mapping[str, Any]) -> dict[str, jax.Array]:
         segment_ids = jnp.asarray(batch["segment_ids"])
-        return {
+        inputs = {
             "input_tokens": jnp.asarray(batch["input_ids"]),
             "input_mask": jnp.asarray(batch["loss_mask"]),
             "positions": jnp.asarray(batch["positions"]),
             "attention_mask": mask(segment_ids).astype(jnp.bool_),
         }
+        if "source_ids" in batch:  # a mixture set's: for the loss's per-source sums, never for the model
+            inputs["source_ids"] = jnp.asarray(batch["source_ids"])
+        return inputs
 
     return gen_model_input_fn
 
@@ -81,4 +84,4 @@ def device_fields(batch: Mapping[str, Any]) -> dict[str, Any]:
     missing = [k for k in DEVICE_FIELDS if k not in batch]
     if missing:
         raise KeyError(f"batch lacks fields {missing}; has {sorted(batch)}")
-    return {k: batch[k] for k in DEVICE_FIELDS}
+    return {k: batch[k] for k in DEVICE_FIELDS + (("source_ids",) if "source_ids" in batch else ())}

@@ -124,6 +124,9 @@ def setup(cfg: TrainConfig, out: TextIO | None = None) -> Setup:
         "batch_size": cfg.batch_size,
         "seq_len": manifest.max_length,
     }
+    mixture = getattr(manifest, "mixture", None)
+    if mixture:  # MetricsRecorder takes the names out of the static fields
+        static["source_names"] = [s["name"] for s in mixture["sources"]]
     optimizer = optimizer_lib.adamw(cfg.learning_rate, skip_nonfinite=cfg.nan_policy == divergence.SKIP_STEP)
     policy = checkpoints.EveryNStepsAndLast(cfg.checkpoint_every, cfg.steps) if ckpt is not None else None
     training_config = peft_trainer.TrainingConfig(

@@ -128,8 +128,8 @@ def prepare(
         return _prepare_from_tokens(config, run_id)
     if resolved is None:
         publish.refuse_existing(config)
-    try:
-        template = get_template(config.format, **config.template_kwargs)
+    try:  # a mixture's formats were checked when its file was read
+        template = get_template(config.format, **config.template_kwargs) if config.mixture is None else None
     except ValueError as e:
         raise publish.JobError(str(e)) from e
     try:
@@ -141,6 +141,8 @@ def prepare(
     except ChatFormatError as e:
         raise publish.JobError(f"chat format: {e.message}") from e
     if resolved is None:
+        if config.mixture is not None:
+            _check_mixture_inputs(config)
         try:
             inputs, tasks = sources.resolve_inputs(config.inputs, config.tfds_data_dir)
         except sources.InputError as e:
@@ -148,14 +150,17 @@ def prepare(
     else:
         inputs, tasks = resolved
     est = sum(i.est_records for i in inputs)
-    sub_buckets = config.sub_buckets or choose_sub_buckets(est, config.pack)
+    sub_buckets = config.sub_buckets or choose_sub_buckets(est * _copies_at_most(config), config.pack)
     ctx = JobContext(config=config, tasks=sources.task_metas(inputs, tasks), sub_buckets=sub_buckets, run_id=run_id,
-                     pad_id=int(tokenizer.pad_id))
+                     pad_id=int(tokenizer.pad_id),
+                     source_of_input=config.mixture.source_of_input() if config.mixture is not None else ())
     job_info = {
         "tokenizer": tokenizer.identity(),
         "template": {
             "name": config.format,
             "options": config.template_kwargs,
+            **({"sources": {s.name: {"name": s.format, "options": dict(s.options)} for s in config.mixture.sources}}
+               if config.mixture is not None else {}),
             "chat_format": config.chat_format,
             "chat_format_resolved": getattr(chat_format, "name", type(chat_format).__name__),
         },
@@ -169,6 +174,21 @@ def prepare(
     )
 
 
+def _copies_at_most(config: PackConfig) -> int:
+    """A mixture may write each example up to max_repeats times: the groups the sub-buckets
+    bound grow with it (the same figure for a full run and --from-tokens with one mixture file)."""
+    return config.mixture.max_repeats if config.mixture is not None else 1
+
+
+def _check_mixture_inputs(config: PackConfig) -> None:
+    """Each mixture source's inputs resolve (one line naming the source when they do not)."""
+    for source in config.mixture.sources:
+        try:
+            sources.resolve_inputs(source.inputs, config.tfds_data_dir)
+        except sources.InputError as e:
+            raise publish.JobError(f"mixture source {source.name!r}: {e}") from e
+
+
 def _prepare_from_tokens(config: PackConfig, run_id: str) -> PreparedJob:
     """--from-tokens: the token choices, tasks and tokenizer identity come from the set."""
     try:
@@ -177,9 +197,10 @@ def _prepare_from_tokens(config: PackConfig, run_id: str) -> PreparedJob:
     except TokenSetError as e:
         raise publish.JobError(str(e)) from e
     publish.refuse_existing(config)
-    sub_buckets = config.sub_buckets or choose_sub_buckets(tokens.job["est_records"], config.pack)
+    sub_buckets = config.sub_buckets or choose_sub_buckets(tokens.job["est_records"] * _copies_at_most(config), config.pack)
     ctx = JobContext(config=config, tasks=tokens_source.tasks_of(tokens), sub_buckets=sub_buckets, run_id=run_id,
-                     pad_id=int(tokens.tokenizer["pad_id"]))
+                     pad_id=int(tokens.tokenizer["pad_id"]),
+                     source_of_input=config.mixture.source_of_input() if config.mixture is not None else ())
     job_info = {"tokenizer": tokens.tokenizer, "template": tokens.template, "tool": _tool_info(),
                 "sub_buckets": sub_buckets, "inputs": tokens.inputs}
     return PreparedJob(ctx=ctx, tasks=[], inputs=[], job_info=job_info,
@@ -188,6 +209,10 @@ def _prepare_from_tokens(config: PackConfig, run_id: str) -> PreparedJob:
 
 def build_pipeline(pipeline: Any, job: PreparedJob) -> None:
     """The graph: one transform per stage (each stage module's PTransform), in order."""
+    import apache_beam as beam
+
+    from pipelines.stages.mix import SampleMixture
+
     ctx, config = job.ctx, job.config
     if job.tokens is not None:
         prepared = pipeline | "ReadTokenSet" >> tokens_source.ReadTokenSet(job.tokens, config.from_tokens)
@@ -197,9 +222,13 @@ def build_pipeline(pipeline: Any, job: PreparedJob) -> None:
         prepared = read["records"] | "Prepare" >> PrepareExamples(ctx, job.table_level, job.group_key)
         fingerprints = read["fingerprints"]
     fitted = prepared["examples"] | "Fit" >> FitToLengths(ctx)
-    routed = {"keyed": fitted["keyed"], "hist": fitted["hist"]} | "Route" >> PlanAndRoute(ctx)
+    kept, tally_fit = {"keyed": fitted["keyed"], "hist": fitted["hist"]}, fitted["tally"]
+    if config.mixture is not None:  # each source's share of every length, before the plan
+        kept = {"keyed": fitted["keyed"], "weights": fitted["weights"]} | "Mix" >> SampleMixture(ctx)
+        tally_fit = (tally_fit, kept["tally"]) | "FlattenMixTally" >> beam.Flatten()
+    routed = {"keyed": kept["keyed"], "hist": kept["hist"]} | "Route" >> PlanAndRoute(ctx)
     _ = {"rows": routed["rows"], "plans": routed["plans"], "bad": prepared["bad"], "dead": fitted["dead"],
-         "tally_read": prepared["tally"], "tally_fit": fitted["tally"], "fingerprints": fingerprints} | "Write" >> WriteShardSets(ctx)
+         "tally_read": prepared["tally"], "tally_fit": tally_fit, "fingerprints": fingerprints} | "Write" >> WriteShardSets(ctx)
     if config.write_tokens:
         _ = ({"examples": prepared["examples"], "bad": prepared["bad"], "dead": fitted["dead"]}
              | "WriteTokenSet" >> tokens_sink.WriteTokenSet(config.output, job.run_id, config.max_lengths[0]))
@@ -400,6 +429,8 @@ def verify(job: PreparedJob, summary: RunSummary, held: output.OutputLock) -> di
     if publish.bad_fraction_error(first, config, []) is not None:
         kept = output.keep_failed_dead_letters(config.output, config.max_lengths, job.run_id, held)
         raise publish.JobError(publish.bad_fraction_error(first, config, kept))
+    if config.mixture is not None:
+        _check_mixture(config, summary)
     no_rows = [L for L in config.max_lengths if stats[L].rows == 0]
     if no_rows:
         raise publish.JobError(
@@ -409,6 +440,22 @@ def verify(job: PreparedJob, summary: RunSummary, held: output.OutputLock) -> di
     for note in _shard_notes(config, summary):
         log.warning(note)
     return stats
+
+
+def _check_mixture(config: PackConfig, summary: RunSummary) -> None:
+    """Per source and length: the accounting identity, the bad fraction, usable examples, and
+    the realized shares (prepack.mixture.check_sources); raises JobError with one line."""
+    from prepack.accounting import Tally
+    from prepack.mixture import check_sources, source_figures
+
+    tally = Tally.from_json(summary.tally)
+    for L in config.max_lengths:
+        problems, notes = check_sources(config.mixture, source_figures(config.mixture, tally, L), L,
+                                        config.allow_short_mix, config.max_bad_fraction)
+        if problems:
+            raise publish.JobError(f"{problems[0]}; nothing was published")
+        for note in notes:
+            log.warning(note)
 
 
 def _staged_sets(job: PreparedJob, summary: RunSummary, stats: dict[int, LengthStats]
@@ -423,6 +470,12 @@ def _staged_sets(job: PreparedJob, summary: RunSummary, stats: dict[int, LengthS
         manifest = publish.compose_manifest(config, L, stats[L], summary.lengths[L].shards, job.job_info,
                                             summary.lengths[L].plan.method)
         manifest.created_at = created_at
+        if config.mixture is not None:
+            from prepack.accounting import Tally
+            from prepack.mixture import mixture_manifest
+
+            manifest.mixture = mixture_manifest(config.mixture, Tally.from_json(summary.tally), L)
+            manifest.use_mixture_format()
         if job.tokens is not None:
             manifest.lineage = tokens_source.lineage(job.tokens, config.from_tokens)
         lengths[L] = output.StagedSet(
@@ -500,6 +553,8 @@ def _tokens_manifest(job: PreparedJob, summary: RunSummary) -> TokenSetManifest:
     config = job.config
     choices = {"inputs": list(config.inputs), "format": config.format, "template_options": config.template_kwargs,
                "chat_format": config.chat_format, "tokenizer": config.tokenizer, "tfds_data_dir": config.tfds_data_dir}
+    if config.mixture is not None:  # the sources each example's id names (by its input index)
+        choices["mixture"] = config.mixture.describe()
     index = tokens_sink.read_index(config.output, job.run_id)
     manifest = tokens_sink.compose_manifest(summary, index, job.ctx.tasks, choices, job.job_info, job.est_records)
     s = manifest.stats

@@ -80,6 +80,7 @@ def length_stats(summary: RunSummary, max_length: int, pack: bool = True) -> Len
         planned_examples=plan.num_examples,
         dead_letter_entries=per.dead_letter_entries,
         packing=packing,
+        examples_repeated=tally.repeated.get(max_length, 0) if tally.sources else None,
     )
 
 
@@ -88,11 +89,13 @@ def check_stats(stats: LengthStats, max_length: int, plan: PlanSummary, cap: int
     (under --overlong split, each of its pieces), and no row holds more than `cap` segments."""
     problems = []
     dropped = sum(stats.examples_dropped.values())
-    arrived = stats.examples_read - stats.examples_split + stats.split_pieces
+    repeated = stats.examples_repeated or 0  # a mixture's extra copies
+    arrived = stats.examples_read - stats.examples_split + stats.split_pieces + repeated
     if arrived != stats.examples_written + dropped:
         problems.append(
             f"L={max_length}: examples read {stats.examples_read} (- split {stats.examples_split} + pieces "
-            f"{stats.split_pieces}) != written {stats.examples_written} + dropped {dropped}"
+            f"{stats.split_pieces}{f' + repeats {repeated}' if repeated else ''}) != written {stats.examples_written} "
+            f"+ dropped {dropped}"
         )
     if stats.examples_written != plan.num_examples:
         problems.append(f"L={max_length}: {stats.examples_written} examples in rows, but the plan placed {plan.num_examples}")

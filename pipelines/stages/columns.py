@@ -193,6 +193,7 @@ class FragmentBatch:
     rows: np.ndarray  # int64
     positions: np.ndarray  # int32
     examples: Ragged
+    sources: np.ndarray | None = None  # int32 per slot: a mixture's source (1..N); None without one
 
 
 @dataclasses.dataclass
@@ -202,18 +203,21 @@ class ShardWork:
     positions: np.ndarray  # int32
     example: np.ndarray  # int32: the slot's example, an index into `examples`
     examples: Ragged  # whole (not cut to any L)
+    sources: np.ndarray | None = None  # int32 per example: a mixture's source (1..N); None without one
 
     def to_wire(self) -> tuple[bytes, ...]:
         e = self.examples
-        return (self.lengths.astype("<i4").tobytes(), self.rows.astype("<i8").tobytes(),
+        wire = (self.lengths.astype("<i4").tobytes(), self.rows.astype("<i8").tobytes(),
                 self.positions.astype("<i4").tobytes(), self.example.astype("<i4").tobytes(), e.lens.tobytes(),
                 ids_to_wire(e.ids), mask_to_wire(e.mask))
+        return wire if self.sources is None else wire + (self.sources.astype("<i4").tobytes(),)
 
     @staticmethod
     def from_wire(wire: tuple[bytes, ...]) -> "ShardWork":
-        lengths, rows, positions, example, lens, ids, mask = wire
+        lengths, rows, positions, example, lens, ids, mask = wire[:7]
         return ShardWork(np.frombuffer(lengths, "<i4"), np.frombuffer(rows, "<i8"), np.frombuffer(positions, "<i4"),
-                         np.frombuffer(example, "<i4"), Ragged(np.frombuffer(lens, LENS), ids_from_wire(ids), mask_from_wire(mask)))
+                         np.frombuffer(example, "<i4"), Ragged(np.frombuffer(lens, LENS), ids_from_wire(ids), mask_from_wire(mask)),
+                         np.frombuffer(wire[7], "<i4") if len(wire) > 7 else None)
 
     @staticmethod
     def concat(parts: Sequence["ShardWork"]) -> "ShardWork":
@@ -227,6 +231,7 @@ class ShardWork:
             np.concatenate([p.positions for p in parts]),
             np.concatenate([p.example.astype(np.int64) + off for p, off in zip(parts, offsets.tolist())]).astype(np.int32),
             Ragged.concat([p.examples for p in parts]),
+            np.concatenate([p.sources for p in parts]) if parts[0].sources is not None else None,
         )
 
     def max_lengths(self) -> list[int]:
@@ -235,7 +240,8 @@ class ShardWork:
     def fragments(self, max_length: int) -> FragmentBatch:
         """The slots of one max length, each example cut to it (under --overlong truncate)."""
         sel = self.lengths == max_length
-        return FragmentBatch(self.rows[sel], self.positions[sel], self.examples.take(self.example[sel], cut_to=max_length))
+        return FragmentBatch(self.rows[sel], self.positions[sel], self.examples.take(self.example[sel], cut_to=max_length),
+                             None if self.sources is None else self.sources[self.example[sel]])
 
 
 def concat_wire(kind: type, wires: Iterable[tuple[bytes, ...]]):

@@ -15,7 +15,8 @@ from apache_beam.pvalue import TaggedOutput
 from pipelines.stages.columns import Ragged, TokenizedBatch
 from pipelines.stages.planning import stable_hash, sub_buckets_of
 from pipelines.stages.records import dead_letter
-from pipelines.stages.stage import FLUSH_EXAMPLES, NAMESPACE, TAG_DEAD, TAG_HIST, TAG_TALLY, JobContext, StageClock, in_global_window
+from pipelines.stages.stage import (FLUSH_EXAMPLES, NAMESPACE, TAG_DEAD, TAG_HIST, TAG_TALLY, TAG_WEIGHTS, JobContext, StageClock,
+                             in_global_window)
 from prepack.accounting import Tally
 from prepack.packer import DropReason, Fit, OverlongPolicy, fit_at_length, piece_id, split_pieces
 
@@ -50,8 +51,28 @@ class FitAndKeyFn(beam.DoFn):
         # end of the bundle (one Counter update per group instead of one per example and L).
         self.hist_fits_all: Counter = Counter()
         self.tally = Tally()
+        self.weights: Counter = Counter()  # a mixture's (L, source, rank bucket) -> kept weight (pipelines/stages/mix.py)
+        self.tallies: dict[int, Tally] = {}  # a mixture's: source -> what this bundle counted of it
+
+    def _by_source(self, batch: TokenizedBatch) -> list[tuple[int, TokenizedBatch]]:
+        """A mixture counts each source apart: the batch split by source (one part when it holds
+        one read task's examples; a tokenized set's file mixes them)."""
+        if not self.ctx.source_of_input or not len(batch):
+            return [(0, batch)]
+        from pipelines.stages.mix import sources_of
+
+        source = sources_of(batch.example_ids, self.ctx.source_of_input)
+        if (source == source[0]).all():
+            return [(int(source[0]), batch)]
+        return [(int(s), batch.take(np.flatnonzero(source == s))) for s in np.unique(source).tolist()]
 
     def process(self, batch: TokenizedBatch) -> Iterator[Any]:
+        for source, part in self._by_source(batch):
+            if source:
+                self.tally = self.tallies.setdefault(source, Tally())
+            yield from self._process(part)
+
+    def _process(self, batch: TokenizedBatch) -> Iterator[Any]:
         started = StageClock.now()
         ctx = self.ctx
         buckets = ctx.sub_buckets
@@ -178,6 +199,10 @@ class FitAndKeyFn(beam.DoFn):
             codes = np.concatenate([c for _, c, _ in self.pending])
             kept_at = np.concatenate([k for _, _, k in self.pending])
             for code, payloads in merged.grouped_payloads(codes, kept_at):
+                if self.ctx.source_of_input:
+                    from pipelines.stages.mix import weigh_into
+
+                    weigh_into(self.weights, payloads, self.ctx)
                 yield wrap((divmod(code, self.ctx.sub_buckets), payloads.to_wire()))
         self.pending = []
         self.buffered = 0
@@ -188,7 +213,13 @@ class FitAndKeyFn(beam.DoFn):
             for L in self.ctx.config.max_lengths:
                 self.hist[(L, key, b)] += count
         yield TaggedOutput(TAG_HIST, in_global_window(self.hist))
+        if self.tallies:
+            self.tally = Tally()
+            for source, tally in self.tallies.items():
+                self.tally.merge(tally.for_source(source))
         yield TaggedOutput(TAG_TALLY, in_global_window(self.tally))
+        if self.ctx.source_of_input:
+            yield TaggedOutput(TAG_WEIGHTS, in_global_window(self.weights))
 
 
 class FitToLengths(beam.PTransform):
@@ -201,5 +232,6 @@ class FitToLengths(beam.PTransform):
 
     def expand(self, examples: Any) -> dict[str, Any]:
         fitted = examples | "FitAndKey" >> beam.ParDo(FitAndKeyFn(self.ctx)).with_outputs(
-            TAG_HIST, TAG_TALLY, TAG_DEAD, main="keyed")
-        return {"keyed": fitted.keyed, "hist": fitted[TAG_HIST], "tally": fitted[TAG_TALLY], "dead": fitted[TAG_DEAD]}
+            TAG_HIST, TAG_TALLY, TAG_DEAD, TAG_WEIGHTS, main="keyed")
+        return {"keyed": fitted.keyed, "hist": fitted[TAG_HIST], "tally": fitted[TAG_TALLY], "dead": fitted[TAG_DEAD],
+                "weights": fitted[TAG_WEIGHTS]}

@@ -311,8 +311,21 @@ class _Counting:
 
     def _setup_preparer(self) -> None:
         ctx = self.ctx
-        self.preparer = Preparer.from_names(ctx.tasks, ctx.config.format, ctx.config.template_options, ctx.config.tokenizer,
-                                            ctx.config.chat_format, on_batch=self._count_batch)
+        mixture = ctx.config.mixture
+        if mixture is None:
+            self.preparer = Preparer.from_names(ctx.tasks, ctx.config.format, ctx.config.template_options,
+                                                ctx.config.tokenizer, ctx.config.chat_format, on_batch=self._count_batch)
+            self.preparers = {0: self.preparer}
+        else:  # one tokenizer and chat format, each source with its own template
+            from prepack.chat_formats import get_chat_format
+            from prepack.templates import get_template
+            from prepack.tokenizer import load_tokenizer
+
+            loaded = load_tokenizer(ctx.config.tokenizer)
+            chat_format = get_chat_format(ctx.config.chat_format, loaded)
+            self.preparers = {s.index: Preparer(ctx.tasks, get_template(s.format, **dict(s.options)), loaded, chat_format,
+                                                on_batch=self._count_batch) for s in mixture.sources}
+            self.preparer = self.preparers[1]
         self.m_examples = Metrics.counter(NAMESPACE, "examples_tokenized")
         self.m_tokens = Metrics.counter(NAMESPACE, "tokens_tokenized")
         self.m_lengths = Metrics.distribution(NAMESPACE, "example_tokens")
@@ -330,10 +343,11 @@ class _Counting:
         if self.ctx.config.progress:
             Progress.add("tokenized", "examples", len(lens))
 
-    def _tokenize(self, templated: Templated, tally: Tally, bad: list[DeadLetter]) -> list[TokenizedBatch]:
+    def _tokenize(self, templated: Templated, tally: Tally, bad: list[DeadLetter],
+                  preparer: "Preparer | None" = None) -> list[TokenizedBatch]:
         started = StageClock.now()
         before = len(bad)
-        out = self.preparer.tokenize(templated, tally, bad)
+        out = (preparer or self.preparer).tokenize(templated, tally, bad)
         self.m_bad.inc(len(bad) - before)
         self.clock_tokenize.add(StageClock.now() - started)
         return out
@@ -358,13 +372,15 @@ class PrepareFn(beam.DoFn, _Counting):
         task_index, items = element
         tally = Tally()
         bad: list[DeadLetter] = []
-        templated = self.preparer.template_records(task_index, items, tally, bad)
+        source = self.ctx.source_of_task(task_index)  # a mixture's source, 0 without one
+        preparer = self.preparers[source]
+        templated = preparer.template_records(task_index, items, tally, bad)
         self.m_bad.inc(len(bad))
         self.clock_template.add(StageClock.now() - started)
-        yield from self._tokenize(templated, tally, bad)
+        yield from self._tokenize(templated, tally, bad, preparer)
         for entry in bad:
             yield TaggedOutput(TAG_BAD, entry)
-        yield TaggedOutput(TAG_TALLY, tally)
+        yield TaggedOutput(TAG_TALLY, tally.for_source(source) if source else tally)
 
 
 class KeyTableRecordsFn(beam.DoFn):

@@ -97,6 +97,11 @@ class RouteToRowsFn(beam.DoFn):
         batch = concat_wire(PayloadBatch, wires)
         order = batch.rank_order()
         examples = batch.examples
+        sources = None
+        if self.ctx.source_of_input:  # a mixture: each segment's source goes into its row
+            from pipelines.stages.mix import sources_of
+
+            sources = sources_of(batch.example_ids, self.ctx.source_of_input)
         slots: dict[tuple[int, int], list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]] = defaultdict(list)
         for bit, L in enumerate(self.ctx.config.max_lengths):
             plan = plans[L]
@@ -130,6 +135,7 @@ class RouteToRowsFn(beam.DoFn):
                 np.concatenate([p[2] for p in parts]).astype(np.int32),
                 local.astype(np.int32),
                 examples.take(unique, cut_to=longest),
+                None if sources is None else sources[unique],
             ))
             self.buffered += len(taken)
             self.m_copies.inc(len(unique))

@@ -16,7 +16,7 @@ import numpy as np
 
 from prepack import rowformat
 
-_PLANE = {name: i for i, name in enumerate(rowformat.FIELD_NAMES)}
+_PLANE = {name: i for i, name in enumerate(rowformat.MIXTURE_FIELD_NAMES)}
 CHUNK_BYTES = 64 << 20  # one chunk's [rows, fields, L] matrix
 
 
@@ -25,10 +25,12 @@ class RowLayoutError(ValueError):
 
 
 def encode_rows_flat(
-    seg_counts: np.ndarray, lens: np.ndarray, ids: np.ndarray, mask: np.ndarray, max_length: int, pad_id: int = 0
+    seg_counts: np.ndarray, lens: np.ndarray, ids: np.ndarray, mask: np.ndarray, max_length: int, pad_id: int = 0,
+    sources: np.ndarray | None = None,
 ) -> Iterator[tuple[bytes, int, int]]:
     """The same from flat arrays: segments per row, tokens per segment, and all segments'
-    ids and masks concatenated in row order."""
+    ids and masks concatenated in row order. `sources`: each segment's mixture source, for
+    row format 2's `source_ids` (None: format 1, without the field)."""
     seg_counts = np.asarray(seg_counts, dtype=np.int64)
     lens = np.asarray(lens, dtype=np.int64)
     if len(ids) != len(mask) or int(lens.sum()) != len(ids) or int(seg_counts.sum()) != len(lens):
@@ -37,7 +39,8 @@ def encode_rows_flat(
         raise RowLayoutError("a row needs at least one segment")
     if len(lens) and lens.min() == 0:
         raise RowLayoutError("a segment is empty")
-    per_chunk = max(1, CHUNK_BYTES // rowformat.record_size(max_length))
+    version = rowformat.FORMAT_VERSION if sources is None else rowformat.MIXTURE_FORMAT_VERSION
+    per_chunk = max(1, CHUNK_BYTES // rowformat.record_size(max_length, version))
     seg_end = np.cumsum(seg_counts)
     tok_end = np.cumsum(lens)
     for lo in range(0, len(seg_counts), per_chunk):
@@ -46,11 +49,13 @@ def encode_rows_flat(
         s1 = int(seg_end[hi - 1])
         t0 = int(tok_end[s0 - 1]) if s0 else 0
         t1 = int(tok_end[s1 - 1]) if s1 else 0
-        yield from _encode_chunk(seg_counts[lo:hi], lens[s0:s1], ids[t0:t1], mask[t0:t1], max_length, pad_id)
+        yield from _encode_chunk(seg_counts[lo:hi], lens[s0:s1], ids[t0:t1], mask[t0:t1], max_length, pad_id,
+                                 None if sources is None else sources[s0:s1])
 
 
 def _encode_chunk(
-    seg_counts: np.ndarray, lens: np.ndarray, ids: np.ndarray, mask: np.ndarray, max_length: int, pad_id: int
+    seg_counts: np.ndarray, lens: np.ndarray, ids: np.ndarray, mask: np.ndarray, max_length: int, pad_id: int,
+    sources: np.ndarray | None = None,
 ) -> Iterator[tuple[bytes, int, int]]:
     n_rows = len(seg_counts)
     first_seg = np.cumsum(seg_counts) - seg_counts  # each row's first segment
@@ -66,7 +71,8 @@ def _encode_chunk(
     # Real tokens fill a prefix of each row, in row-major order: a boolean mask over
     # [rows, L] places the flat token arrays with one sequential copy per field.
     valid = np.arange(max_length)[None, :] < row_tokens[:, None]
-    out = np.zeros((n_rows, len(rowformat.FIELD_NAMES), max_length), dtype=rowformat.STORAGE_DTYPE)
+    fields = len(rowformat.FIELD_NAMES) if sources is None else len(rowformat.MIXTURE_FIELD_NAMES)
+    out = np.zeros((n_rows, fields, max_length), dtype=rowformat.STORAGE_DTYPE)
     plane = lambda name: out[:, _PLANE[name], :]  # noqa: E731 - a view; assignments write through
     plane("input_ids")[:] = pad_id
     plane("input_ids")[valid] = ids
@@ -75,6 +81,8 @@ def _encode_chunk(
     plane("valid_mask")[:] = valid
     plane("positions")[valid] = np.arange(len(ids)) - np.repeat(starts, lens)
     plane("segment_ids")[valid] = np.repeat(seg_pos + 1, lens)
+    if sources is not None:
+        plane("source_ids")[valid] = np.repeat(np.asarray(sources, dtype=np.int64), lens)
     targets = plane("loss_mask").sum(axis=1)
     for r in range(n_rows):
         yield out[r].tobytes(), int(row_tokens[r]), int(targets[r])

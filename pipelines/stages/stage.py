@@ -36,6 +36,7 @@ TAG_HIST = "hist"
 TAG_DEAD = "dead"
 TAG_FINGERPRINT = "fingerprint"
 TAG_PLAN = "plan"
+TAG_WEIGHTS = "weights"  # a mixture's kept weight per (L, source, rank bucket), from the fit stage
 
 
 FLUSH_EXAMPLES = 20_000  # buffered examples per bundle before an early flush (memory bound)
@@ -51,6 +52,16 @@ class JobContext:
     sub_buckets: int  # resolved: config.sub_buckets, or chosen from the input size
     run_id: str
     pad_id: int
+    # A mixture's source (1..N) of each input index (example ids start with the input index,
+    # so every example knows its source); empty without a mixture.
+    source_of_input: tuple[int, ...] = ()
+
+    @property
+    def mixture(self):
+        return self.config.mixture
+
+    def source_of_task(self, task_index: int) -> int:
+        return self.source_of_input[self.tasks[task_index].input_index] if self.source_of_input else 0
 
 
 def in_global_window(value: Any) -> Any:

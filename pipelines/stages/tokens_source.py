@@ -136,7 +136,31 @@ def reconcile(config: PackConfig, manifest: TokenSetManifest, folder: str) -> Pa
     return dataclasses.replace(
         config, inputs=tuple(c["inputs"]), format=c["format"], template_options=tuple(sorted(c["template_options"].items())),
         chat_format=c["chat_format"], tokenizer=c["tokenizer"], tfds_data_dir=c.get("tfds_data_dir"),
+        mixture=_remix(config, c.get("mixture"), folder),
     )
+
+
+def _remix(config: PackConfig, recorded: dict[str, Any] | None, folder: str):
+    """The mixture to pack the set with: --mixture's new weights over the set's own sources, or
+    the set's recorded mixture; raises TokenSetError (one line) for other sources."""
+    from prepack.mixture import Mixture, MixtureError
+
+    if recorded is None:
+        if config.mixture is not None:
+            raise TokenSetError(f"--mixture {config.mixture.path}: the tokenized set {folder} was not made from a mixture; "
+                                "run a full `prepack pack --mixture` instead")
+        return None
+    try:
+        made = Mixture.from_description(recorded)
+    except MixtureError as e:
+        raise TokenSetError(f"{folder}/{MANIFEST_NAME}: {e}") from None
+    if config.mixture is None:
+        return made
+    problem = made.same_sources(config.mixture)
+    if problem:
+        raise TokenSetError(f"--mixture {config.mixture.path}: {problem} ({folder}/{MANIFEST_NAME}); re-mixing changes "
+                            "weights, weight_of and max_repeats only: run a full `prepack pack --mixture` for other sources")
+    return config.mixture
 
 
 def tasks_of(manifest: TokenSetManifest) -> tuple[TaskMeta, ...]:

@@ -82,7 +82,9 @@ def _rows_from_fragments(
         stats["min_segments"] = min(stats["min_segments"], int(seg_counts.min()))
         stats["max_segments"] = max(stats["max_segments"], int(seg_counts.max()))
     examples = batch.examples.take(order)
-    for record, tokens, targets in encode_rows_flat(seg_counts, examples.lens, examples.ids, examples.mask, max_length, pad_id):
+    sources = None if batch.sources is None else batch.sources[order]
+    for record, tokens, targets in encode_rows_flat(seg_counts, examples.lens, examples.ids, examples.mask, max_length, pad_id,
+                                                    sources):
         stats["rows"] += 1
         stats["tokens"] += tokens
         stats["target_tokens"] += targets

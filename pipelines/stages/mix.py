@@ -1,0 +1,258 @@
+"""Mix stage (--mixture only): each source's share of every max length, by the share rule of
+prepack/mixture.py, between the fit stage and the plan.
+
+The rule needs each source's kept weight at each L before anything is chosen, and then a
+rank threshold per (L, source) for the one partial copy. Exactly, with bounded memory:
+
+    fit stage (weigh_into) --> (L, source, rank bucket) -> weight --CombineGlobally--> DecideFn
+          (each (L, source)'s whole copies, and the rank bucket where its partial copy ends
+           with the weight left for that bucket)
+    keyed --BoundaryFn (side input: the decisions)--> (L, source) -> (hash, id, weight) of the
+          examples in that boundary bucket only --GroupByKey--> ThresholdFn: the (hash, id) of
+          the first example the partial copy leaves out
+    keyed --SampleFn (side inputs: decisions, thresholds)--> each example's copies at each L,
+          re-keyed by (length, sub-bucket) for the router, with the (L, length, sub-bucket)
+          histogram the plan is made from and the tallies (not_sampled drops, repeats)
+
+Rank buckets are the top RANK_BITS bits of the example's stable hash, so bucket order is rank
+order and a boundary bucket holds about 1/4096 of a source's examples: what one worker sorts.
+Copy k >= 1 of an example is a distinct example, id `<id>@<k>` with its own hash (and so its
+own sub-bucket and rank among the examples of its length). Nothing here depends on bundling
+or worker count, so the rows do not either.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from fractions import Fraction
+from typing import Any
+
+import apache_beam as beam
+import numpy as np
+from apache_beam.pvalue import TaggedOutput
+
+from pipelines.stages.columns import PayloadBatch, Ragged
+from pipelines.stages.planning import stable_hash, sub_buckets_of
+from pipelines.stages.stage import TAG_HIST, TAG_TALLY, JobContext, MergeCounters, StageClock, in_global_window
+from prepack.accounting import Tally
+from prepack.mixture import RANK_BITS, budgets, partial_count
+from prepack.packer import DropReason
+
+TAG_BOUNDARY = "boundary"
+NO_BOUNDARY = -1
+
+
+def copy_id(example_id: str, copy: int) -> str:
+    """The id of an example's copy-th repeat (copy 0 is the example itself)."""
+    return example_id if copy == 0 else f"{example_id}@{copy}"
+
+
+def sources_of(example_ids: list[str], source_of_input: tuple[int, ...]) -> np.ndarray:
+    """Each example's mixture source (1..N): ids start with `<input index>/` (records.example_id)."""
+    return np.fromiter((source_of_input[int(e[:e.index("/")])] for e in example_ids), dtype=np.int32,
+                       count=len(example_ids))
+
+
+def _weights(batch: PayloadBatch, max_length: int, weight_of: str) -> np.ndarray:
+    if weight_of == "examples":
+        return np.ones(len(batch.example_ids), dtype=np.int64)
+    return batch.examples.targets_after_first(max_length).astype(np.int64)
+
+
+def _buckets(hashes: np.ndarray) -> np.ndarray:
+    return (np.asarray(hashes, np.uint64) >> np.uint64(64 - RANK_BITS)).astype(np.int64)
+
+
+def weigh_into(hist: Counter, batch: PayloadBatch, ctx: JobContext) -> None:
+    """Adds a batch's kept weight to the (L, source, rank bucket) histogram. Called by the fit
+    stage on the examples it keys (so the payloads are not decoded once more for it)."""
+    source = sources_of(batch.example_ids, ctx.source_of_input)
+    bucket = _buckets(batch.hashes)
+    for bit, L in enumerate(ctx.config.max_lengths):
+        kept = batch.kept_at_length(bit)
+        w = _weights(batch, L, ctx.mixture.weight_of)
+        for s, b, weight in _group_sums(source[kept], bucket[kept], w[kept]):
+            hist[(L, s, b)] += weight
+
+
+def _group_sums(source: np.ndarray, bucket: np.ndarray, weight: np.ndarray) -> Iterator[tuple[int, int, int]]:
+    code = source.astype(np.int64) << 32 | bucket
+    unique, inverse = np.unique(code, return_inverse=True)
+    sums = np.bincount(inverse, weights=weight, minlength=len(unique)) if len(unique) else np.zeros(0)
+    for c, total in zip(unique.tolist(), sums.tolist()):
+        yield c >> 32, c & 0xFFFFFFFF, int(round(total))
+
+
+def decide(hist: dict, max_lengths: tuple[int, ...], weights: list[Fraction], max_repeats: int) -> dict:
+    """(L, source) -> (whole copies, boundary bucket or NO_BOUNDARY, the weight the partial copy
+    may take from the boundary bucket), from the combined (L, source, bucket) -> weight."""
+    by: dict[tuple[int, int], dict[int, int]] = defaultdict(dict)
+    for (L, s, b), w in hist.items():
+        by[(L, s)][b] = w
+    out = {}
+    for L in max_lengths:
+        kept = [sum(by.get((L, s), {}).values()) for s in range(1, len(weights) + 1)]
+        for s, budget in enumerate(budgets(kept, weights, max_repeats), start=1):
+            boundary, left = NO_BOUNDARY, Fraction(0)
+            if budget.rest > 0:
+                before = 0
+                for b in sorted(by[(L, s)]):
+                    if before + by[(L, s)][b] > budget.rest:
+                        boundary, left = b, budget.rest - before
+                        break
+                    before += by[(L, s)][b]
+            out[(L, s)] = (budget.copies, boundary, left)
+    return out
+
+
+class DecideFn(beam.DoFn):
+    def __init__(self, ctx: JobContext):
+        self.ctx = ctx
+
+    def process(self, hist: dict) -> Iterator[dict]:
+        mixture = self.ctx.mixture
+        yield decide(hist, self.ctx.config.max_lengths, mixture.weights, mixture.max_repeats)
+
+
+class BoundaryFn(beam.DoFn):
+    """Examples in their (L, source)'s boundary bucket: ((L, source), (hash, id, weight))."""
+
+    def __init__(self, ctx: JobContext):
+        self.ctx = ctx
+
+    def process(self, element: tuple, decisions: dict) -> Iterator[Any]:
+        batch = PayloadBatch.from_wire(element[1])
+        source = sources_of(batch.example_ids, self.ctx.source_of_input)
+        bucket = _buckets(batch.hashes)
+        for bit, L in enumerate(self.ctx.config.max_lengths):
+            boundary = np.array([NO_BOUNDARY] + [decisions[(L, s)][1] for s in range(1, len(self.ctx.mixture.sources) + 1)])
+            at = np.flatnonzero(batch.kept_at_length(bit) & (bucket == boundary[source]))
+            if not len(at):
+                continue
+            w = _weights(batch, L, self.ctx.mixture.weight_of)
+            for i in at.tolist():
+                yield ((L, int(source[i])), (int(batch.hashes[i]), batch.example_ids[i], int(w[i])))
+
+
+class ThresholdFn(beam.DoFn):
+    """((L, source), boundary examples) -> ((L, source), (hash, id) of the first one left out)."""
+
+    def process(self, element: tuple, decisions: dict) -> Iterator[Any]:
+        key, examples = element
+        ranked = sorted(examples)
+        taken, _ = partial_count((w for _, _, w in ranked), decisions[key][2])
+        if taken < len(ranked):
+            yield key, ranked[taken][:2]
+
+
+class SampleFn(beam.DoFn):
+    """((length, b), PayloadBatch wire) -> the examples' copies at every L, keyed ((length, b'),
+    wire); tagged: the (L, length, b') histogram and the tallies, per bundle."""
+
+    def __init__(self, ctx: JobContext):
+        self.ctx = ctx
+
+    def setup(self) -> None:
+        self.clock = StageClock("mix")
+
+    def start_bundle(self) -> None:
+        self.hist: Counter = Counter()
+        self.tallies: dict[int, Tally] = {}
+
+    def process(self, element: tuple, decisions: dict, thresholds: dict) -> Iterator[Any]:
+        started = StageClock.now()
+        (key, _), wire = element
+        batch = PayloadBatch.from_wire(wire)
+        ctx = self.ctx
+        lengths = ctx.config.max_lengths
+        n_sources = len(ctx.mixture.sources)
+        source = sources_of(batch.example_ids, ctx.source_of_input)
+        bucket = _buckets(batch.hashes)
+        copies = np.zeros((len(lengths), len(batch.example_ids)), dtype=np.int64)
+        for bit, L in enumerate(lengths):
+            table = np.array([(0, NO_BOUNDARY)] + [decisions[(L, s)][:2] for s in range(1, n_sources + 1)], dtype=np.int64)
+            whole, boundary = table[source, 0], table[source, 1]
+            partial = (bucket < boundary).astype(np.int64)
+            for i in np.flatnonzero(bucket == boundary).tolist():
+                cut = thresholds.get((L, int(source[i])))
+                partial[i] = cut is None or (int(batch.hashes[i]), batch.example_ids[i]) < tuple(cut)
+            copies[bit] = np.where(batch.kept_at_length(bit), whole + partial, 0)
+            self._count(batch, source, copies[bit], bit, L)
+        yield from self._copies(key, batch, copies)
+        self.clock.add(StageClock.now() - started)
+
+    def _count(self, batch: PayloadBatch, source: np.ndarray, copies: np.ndarray, bit: int, L: int) -> None:
+        kept = batch.kept_at_length(bit)
+        w = _weights(batch, L, self.ctx.mixture.weight_of)
+        tokens = np.minimum(batch.examples.lens.astype(np.int64), L)
+        targets = batch.examples.targets_after_first(L).astype(np.int64)
+        for s in np.unique(source[kept]).tolist():
+            sel = kept & (source == s)
+            c = copies[sel]
+            tally = self.tallies.setdefault(s, Tally())
+            not_sampled = int(np.count_nonzero(c == 0))
+            if not_sampled:
+                tally.dropped[(L, DropReason.NOT_SAMPLED)] += not_sampled
+            tally.repeated[L] += int(np.maximum(c - 1, 0).sum())
+            for figure, value in (("kept_weight", int(w[sel].sum())), ("written_weight", int((c * w[sel]).sum())),
+                                  ("unique", int(np.count_nonzero(c))), ("written", int(c.sum())),
+                                  ("tokens", int((c * tokens[sel]).sum())), ("target_tokens", int((c * targets[sel]).sum()))):
+                tally.mix[(L, figure)] += value
+
+    def _copies(self, key: int, batch: PayloadBatch, copies: np.ndarray) -> Iterator[Any]:
+        lengths = self.ctx.config.max_lengths
+        bits = (np.uint64(1) << np.arange(len(lengths), dtype=np.uint64))[:, None]
+        for k in range(int(copies.max(initial=0))):
+            kept_at = np.bitwise_or.reduce(np.where(copies > k, bits, np.uint64(0)), axis=0).astype(np.uint64)
+            members = np.flatnonzero(kept_at)
+            if not len(members):
+                continue
+            ids = [copy_id(batch.example_ids[i], k) for i in members.tolist()]
+            hashes = (batch.hashes[members] if k == 0
+                      else np.fromiter((stable_hash(e) for e in ids), dtype=np.uint64, count=len(ids)))
+            examples: Ragged = batch.examples.take(members)
+            subs = sub_buckets_of(hashes, self.ctx.sub_buckets)
+            for bit, L in enumerate(lengths):
+                at = (kept_at[members] >> np.uint64(bit)) & np.uint64(1) == 1
+                for b, count in zip(*np.unique(subs[at], return_counts=True)):
+                    self.hist[(L, key, int(b))] += int(count)
+            for b in np.unique(subs).tolist():
+                sel = np.flatnonzero(subs == b)
+                part = PayloadBatch(hashes[sel], [ids[i] for i in sel.tolist()], examples.take(sel), kept_at[members][sel])
+                yield ((key, b), part.to_wire())
+
+    def finish_bundle(self) -> Iterator[Any]:
+        yield TaggedOutput(TAG_HIST, in_global_window(self.hist))
+        tally = Tally()
+        for source, part in self.tallies.items():
+            tally.merge(part.for_source(source))
+        yield TaggedOutput(TAG_TALLY, in_global_window(tally))
+
+
+class SampleMixture(beam.PTransform):
+    """{"keyed", "weights"} (FitToLengths' outputs) -> {"keyed": the sampled copies, "hist": their
+    histogram, "tally": the sampling's tallies}."""
+
+    def __init__(self, ctx: JobContext):
+        super().__init__()
+        self.ctx = ctx
+
+    def expand(self, fitted: dict[str, Any]) -> dict[str, Any]:
+        from apache_beam.pvalue import AsDict, AsSingleton
+
+        keyed = fitted["keyed"]
+        decisions = AsSingleton(
+            fitted["weights"]
+            | "Weights" >> beam.CombineGlobally(MergeCounters())
+            | "Decide" >> beam.ParDo(DecideFn(self.ctx))
+        )
+        thresholds = AsDict(
+            keyed
+            | "Boundary" >> beam.ParDo(BoundaryFn(self.ctx), decisions=decisions)
+            | "GroupBoundary" >> beam.GroupByKey()
+            | "Threshold" >> beam.ParDo(ThresholdFn(), decisions=decisions)
+        )
+        sampled = keyed | "Sample" >> beam.ParDo(SampleFn(self.ctx), decisions=decisions, thresholds=thresholds
+                                                 ).with_outputs(TAG_HIST, TAG_TALLY, main="keyed")
+        return {"keyed": sampled.keyed, "hist": sampled[TAG_HIST], "tally": sampled[TAG_TALLY]}

@@ -1,0 +1,160 @@
+"""The mixture file's validation (one line per bad input) and the share rule (property tests)."""
+
+from __future__ import annotations
+
+import json
+from fractions import Fraction
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from prepack.mixture import MixtureError, budgets, limiting_source, load_mixture, partial_count
+
+GOOD = """\
+weight_of: target_tokens
+max_repeats: 4
+sources:
+  - name: alpaca
+    input: data/alpaca.jsonl
+    format: alpaca
+    weight: 3
+  - name: fr
+    input: [data/en_fr.jsonl]
+    format: translation
+    source_lang: en
+    target_lang: fr
+    weight: 1.5
+"""
+
+
+def write(tmp_path, text, name="mix.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_good_file_resolves_inputs_relative_to_its_folder(tmp_path):
+    mix = load_mixture(write(tmp_path, GOOD))
+    assert [s.name for s in mix.sources] == ["alpaca", "fr"]
+    assert [s.index for s in mix.sources] == [1, 2]
+    assert mix.sources[0].inputs == (str(tmp_path / "data" / "alpaca.jsonl"),)
+    assert mix.sources[1].options == (("source_lang", "en"), ("target_lang", "fr"))
+    assert mix.weights == [Fraction(3), Fraction(3, 2)]
+    assert mix.source_of_input() == (1, 2)
+    assert len(mix.sha256) == 64
+
+
+def test_json_is_accepted(tmp_path):
+    doc = {"weight_of": "examples", "sources": [{"name": "a", "input": "/x.jsonl", "format": "alpaca", "weight": 1}]}
+    mix = load_mixture(write(tmp_path, json.dumps(doc), "mix.json"))
+    assert mix.max_repeats == 1 and mix.weight_of == "examples" and mix.sources[0].inputs == ("/x.jsonl",)
+
+
+def source(**over):
+    base = {"name": "a", "input": "/x.jsonl", "format": "alpaca", "weight": 1}
+    base.update(over)
+    return {k: v for k, v in base.items() if v is not None}
+
+
+@pytest.mark.parametrize("doc, message", [
+    ({"sources": [source()], "weights": 1}, "unknown key 'weights'"),
+    ({"sources": [source(lang="x")]}, "source 1: unknown key 'lang'"),
+    ({"sources": [source(), source()]}, "source 2: duplicate name 'a'"),
+    ({"sources": [source(name="Alpaca!")]}, "source 1: name 'Alpaca!' is malformed"),
+    ({"sources": [source(weight=0)]}, "source 'a': weight must be a positive number, got 0"),
+    ({"sources": [source(weight=-2)]}, "source 'a': weight must be a positive number, got -2"),
+    ({"sources": [source(weight="lots")]}, "source 'a': weight must be a positive number, got 'lots'"),
+    ({"sources": [source(input=None)]}, "source 'a': missing key 'input'"),
+    ({"sources": [source(input=[])]}, "source 'a': input must be a spec or a non-empty list of specs"),
+    ({"sources": [source(format="oasst1")]}, "format 'oasst1' templates whole tables"),
+    ({"sources": [source(format="nope")]}, "unknown source format 'nope'"),
+    ({"sources": []}, "sources must be a non-empty list"),
+    ({"weight_of": "tokens", "sources": [source()]}, "weight_of must be target_tokens or examples"),
+    ({"max_repeats": 0, "sources": [source()]}, "max_repeats must be a whole number of at least 1"),
+])
+def test_bad_file_is_one_line(tmp_path, doc, message):
+    path = write(tmp_path, json.dumps(doc))
+    with pytest.raises(MixtureError) as e:
+        load_mixture(path)
+    assert message in str(e.value) and str(e.value).startswith(f"mixture file {path}") and "\n" not in str(e.value)
+
+
+def test_not_yaml_is_one_line(tmp_path):
+    with pytest.raises(MixtureError, match=r"not valid YAML or JSON at line \d"):
+        load_mixture(write(tmp_path, "sources: [a, b\n"))
+
+
+def test_worked_example_of_the_issue():
+    # 3:1 by target tokens, alpaca 200k and chat 400k kept.
+    once = budgets([200_000, 400_000], [Fraction(3), Fraction(1)], 1)
+    assert [b.budget for b in once] == [200_000, Fraction(200_000, 3)]
+    assert [b.copies for b in once] == [1, 0]
+    four = budgets([200_000, 400_000], [Fraction(3), Fraction(1)], 4)
+    assert [b.budget for b in four] == [800_000, Fraction(800_000, 3)]
+    assert [b.copies for b in four] == [4, 0]
+    assert limiting_source([200_000, 400_000], [Fraction(3), Fraction(1)]) == 0
+
+
+weights_st = st.lists(st.tuples(st.lists(st.integers(1, 50), min_size=1, max_size=60), st.integers(1, 9)),
+                      min_size=1, max_size=4)
+
+
+@settings(max_examples=200, deadline=None)
+@given(weights_st, st.integers(1, 4))
+def test_share_rule(sources, max_repeats):
+    kept = [sum(ws) for ws, _ in sources]
+    weights = [Fraction(w) for _, w in sources]
+    out = budgets(kept, weights, max_repeats)
+    written = []
+    for (ws, _), b in zip(sources, out):
+        assert 0 <= b.copies <= max_repeats and 0 <= b.rest < b.kept or (b.copies == max_repeats and b.rest == 0)
+        taken, weight = partial_count(ws, b.rest)
+        assert weight <= b.rest and (taken == len(ws) or weight + ws[taken] > b.rest)  # within one example
+        total = b.written(weight)
+        assert b.budget - max(ws) < total <= b.budget
+        assert total <= max_repeats * b.kept  # never more than max_repeats copies
+        written.append(total)
+    # the scarcest source, relative to its weight, is used max_repeats times: the largest output
+    limit = limiting_source(kept, weights)
+    assert written[limit] == max_repeats * kept[limit]
+    # budgets are proportional to the weights
+    for b, w in zip(out, weights):
+        assert b.budget / w == out[0].budget / weights[0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 3), st.one_of(st.integers(0, 2**64 - 1), st.integers(0, 2**40), st.just(7)),
+                          st.integers(1, 40)), min_size=3, max_size=300),
+       st.lists(st.integers(1, 5), min_size=3, max_size=3), st.integers(1, 3))
+def test_job_boundary_search_is_the_share_rule(examples, weights, max_repeats):
+    """pipelines/stages/mix.py's bucket histogram + boundary threshold picks exactly the examples the
+    rule picks when every example of a source is ranked in one list."""
+    from pipelines.stages.mix import ThresholdFn, decide
+    from prepack.mixture import rank_bucket
+
+    examples = [(s, h, f"{s}/x/{i}", w) for i, (s, h, w) in enumerate(examples)]
+    if {s for s, *_ in examples} != {1, 2, 3}:
+        return
+    L = 64
+    hist: dict = {}
+    for s, h, _, w in examples:
+        hist[(L, s, rank_bucket(h))] = hist.get((L, s, rank_bucket(h)), 0) + w
+    fractions = [Fraction(w) for w in weights]
+    decisions = decide(hist, (L,), fractions, max_repeats)
+    thresholds = {}
+    for s in (1, 2, 3):
+        boundary = decisions[(L, s)][1]
+        inside = [(h, i, w) for t, h, i, w in examples if t == s and rank_bucket(h) == boundary]
+        for key, cut in ThresholdFn().process(((L, s), inside), decisions):
+            thresholds[key] = cut
+    kept = [sum(w for t, *_, w in examples if t == s) for s in (1, 2, 3)]
+    for s, budget in zip((1, 2, 3), budgets(kept, fractions, max_repeats)):
+        ranked = sorted((h, i, w) for t, h, i, w in examples if t == s)
+        taken, _ = partial_count((w for *_, w in ranked), budget.rest)
+        want = {i for _, i, _ in ranked[:taken]}
+        copies, boundary, _ = decisions[(L, s)]
+        assert copies == budget.copies
+        cut = thresholds.get((L, s))
+        got = {i for h, i, _ in ranked
+               if rank_bucket(h) < boundary or (rank_bucket(h) == boundary and (cut is None or (h, i) < tuple(cut)))}
+        assert got == want
