@@ -18,7 +18,7 @@ from loaders import storage
 from apps import inspect as inspect_shards
 from apps.inspect import _fmt_bytes, _fmt_int, _load_decoder, _Renderer, _use_color
 from loaders.shards import _close_quietly, _open_reader
-from prepack.manifest import MANIFEST_NAME
+from prepack.manifest import MANIFEST_NAME, ManifestError
 from prepack.tokenset import TokenSetError, TokenSetManifest, decode_example
 
 
@@ -76,7 +76,11 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
     argv = list(sys.argv[1:] if argv is None else argv)
     args = inspect_shards.build_parser().parse_args(argv)
     path = args.path.rstrip("/") or args.path
-    text = storage.read_text(storage.join(path, MANIFEST_NAME))
+    try:
+        text = storage.read_text(storage.join(path, MANIFEST_NAME))
+    except ManifestError as e:  # not UTF-8: a damaged or hostile manifest
+        print(f"prepack inspect: {e}", file=err or sys.stderr)
+        return 1
     if not is_token_set(text or ""):
         return inspect_shards.main(argv, out, err)
     return show(path, text or "", args, out or sys.stdout, err or sys.stderr)

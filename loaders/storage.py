@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from typing import BinaryIO
 
 from prepack.gcs import gcs_client, is_gcs, split_gcs  # noqa: F401  (also used through loaders.storage)
+from prepack.manifest import ManifestError
+
 
 def join(folder: str, name: str) -> str:
     if is_gcs(folder):
@@ -23,17 +25,29 @@ def join(folder: str, name: str) -> str:
 
 
 def read_text(path: str) -> str | None:
-    """The file's text, or None if it does not exist."""
+    """The file's text, or None if it does not exist; ManifestError (one line) if its bytes are
+    not UTF-8: the manifests and records read here are written by strangers."""
+    data = _read_bytes(path)
+    if data is None:
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ManifestError(f"{path}: not UTF-8 text (byte {e.start} is {data[e.start:e.start + 1]!r}); the file was "
+                            "edited or is damaged: republish the set") from None
+
+
+def _read_bytes(path: str) -> bytes | None:
     if is_gcs(path):
         from google.api_core import exceptions
 
         bucket, key = split_gcs(path)
         try:
-            return gcs_client().bucket(bucket).blob(key).download_as_bytes(raw_download=True).decode("utf-8")
+            return gcs_client().bucket(bucket).blob(key).download_as_bytes(raw_download=True)
         except exceptions.NotFound:
             return None
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, "rb") as f:
             return f.read()
     except FileNotFoundError:
         return None

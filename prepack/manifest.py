@@ -14,9 +14,7 @@ import json
 from typing import Any
 
 from prepack import rowformat, untrusted
-
-MANIFEST_NAME = "manifest.json"
-DEAD_LETTER_NAME = "dead_letter.jsonl"
+from prepack.layout import DEAD_LETTER_NAME, MANIFEST_NAME  # noqa: F401  (named once, in the layout; also imported from here)
 
 STABLE_KEYS = (
     "format_version",

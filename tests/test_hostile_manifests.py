@@ -242,6 +242,24 @@ def test_a_record_corrupt_in_the_bucket_too_still_fails_after_one_fetch(gcs_emul
     assert len(fetches) == 3  # the first open, the reopen after close, and one fetch again
 
 
+def test_a_manifest_or_run_record_that_is_not_utf8_is_one_line(tmp_path):
+    """Bytes that are not UTF-8 (a hostile or damaged file) used to raise UnicodeDecodeError in
+    open_shards, published_lengths and prepack inspect."""
+    out = tmp_path / "out"
+    build_shard_set(out / "L16", num_rows=4, num_shards=1, max_length=16)
+    (out / "L16" / MANIFEST_NAME).write_bytes(b'{"max_length": 16, "x": "\xff"}')
+    (out / "published.json").write_bytes(b'{"run_id": "\xfe"}')
+    expected = f"{out}/L16/{MANIFEST_NAME}: not UTF-8 text (byte 25 is b'\\xff'); the file was edited or is damaged: republish the set"
+    with pytest.raises(ManifestError) as e:
+        loaders.open_shards(str(out / "L16"))
+    assert str(e.value) == expected
+    with pytest.raises(ManifestError, match=r"published.json: not UTF-8 text \(byte 12 is "):
+        loaders.published_lengths(str(out))
+    out_text, err = io.StringIO(), io.StringIO()
+    assert inspect_cli.main([str(out / "L16")], out=out_text, err=err) == 1
+    assert err.getvalue() == f"prepack inspect: {expected}\n"
+
+
 # ----------------------------------------------------------------------------- fuzz
 
 
@@ -256,7 +274,7 @@ def _json_values():
 
 _FIELDS = ("max_length", "num_rows", "shards", "tokenizer", "stats", "packing", "template", "inputs", "options",
            "tool", "dead_letter", "created_at", "lineage", "format_version", "fields", "array_record_options",
-           "shard_path", "shard_num_rows", "shard_num_bytes", "shard_sha256", "shard_extra")
+           "field_order", "mixture", "shard_path", "shard_num_rows", "shard_num_bytes", "shard_sha256", "shard_extra")
 
 
 def _fuzz_manifest(tmp_path_factory, examples: int) -> None:

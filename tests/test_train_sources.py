@@ -50,6 +50,17 @@ def test_per_source_sums_add_up_to_the_loss():
     assert record["loss_by_source"]["a"] == pytest.approx(nll[1] / targets[1], rel=1e-5)
 
 
+def test_the_plain_loss_takes_a_mixture_sets_inputs():
+    """Tunix calls the loss with every model input; the README's trainer block uses
+    masked_loss_fn, which used to raise TypeError on a mixture set's source_ids."""
+    b, logits = batch()
+    model = lambda tokens, positions, cache, attention: (jnp.asarray(logits), None)  # noqa: E731
+    inputs = model_inputs.make_gen_model_input_fn()(b)
+    assert "source_ids" in inputs
+    value, _ = loss.masked_loss_fn_with_aux(model, **inputs)
+    assert float(loss.masked_loss_fn(model, **inputs)) == pytest.approx(float(value))
+
+
 def test_sets_without_sources_are_unchanged():
     b, logits = batch()
     del b["source_ids"]

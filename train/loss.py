@@ -95,8 +95,11 @@ def masked_loss_fn(
     input_mask: jax.Array,
     positions: jax.Array,
     attention_mask: jax.Array,
+    source_ids: jax.Array | None = None,
 ) -> jax.Array:
-    """Drop-in replacement for Tunix's default loss (same signature, scalar result)."""
+    """Drop-in replacement for Tunix's default loss (same signature, scalar result). A mixture
+    set's inputs also carry `source_ids` (Tunix passes every input to the loss): accepted and
+    not needed for the scalar loss; masked_loss_fn_with_aux splits it by source."""
     return masked_loss_fn_with_aux(model, input_tokens, input_mask, positions, attention_mask)[0]
 
 

@@ -283,13 +283,13 @@ def _acquire_lock(config: PackConfig, run_id: str) -> output.OutputLock:
         raise publish.JobError(f"output {config.output!r} is not writable ({type(e).__name__}: {e})") from e
 
 
-def _leftovers(config: PackConfig, run_id: str) -> list[str]:
+def _leftovers(config: PackConfig, run_id: str, held: output.OutputLock) -> list[str]:
     """Reports (or with --clean-stale removes) what earlier killed runs left in the output."""
     found = output.find_leftovers(config.output, run_id)
     if not found.paths:
         return []
     if config.clean_stale:
-        output.remove_leftovers(found)
+        output.remove_leftovers(found, held)
         return [f"removed {found.describe(config.output).split(' holds ', 1)[1]}"]
     return [f"{found.describe(config.output)}; pass --clean-stale to remove them"]
 
@@ -338,7 +338,7 @@ def run(config: PackConfig, beam_args: list[str], run_id: str | None = None) -> 
         places = [output.length_place(config.output, L) for L in config.max_lengths]
         places += [output.tokens_place(config.output)] if config.write_tokens else []
         seen = output.look(config.output, places, held)
-        notes = _leftovers(config, job.run_id)
+        notes = _leftovers(config, job.run_id, held)
         for note in notes:
             log.warning(note)
         summary, metrics = _run_pipeline(job, _local_beam_args(job, beam_args))
@@ -355,6 +355,10 @@ def run(config: PackConfig, beam_args: list[str], run_id: str | None = None) -> 
         if held.lost is not None:
             raise publish.JobError(str(held.lost)) from e
         raise Interrupted(_interrupted_message(config, _lengths_switched(commit))) from e
+    except output.LockLost as e:  # before the commit (a takeover's rewrite, clean-up, kept dead letters): one line
+        raise publish.JobError(str(e)) from e
+    except output.SwitchRefused as e:
+        raise publish.JobError(f"{e}; the sets now in {config.output} are another run's; this run published nothing") from e
     except OSError as e:
         if e.errno == errno.ENOSPC:
             if commit is not None and commit.switched:  # the previous sets are not all intact any more: say which are new

@@ -154,10 +154,14 @@ class Commit:
                              f"Make sure one run at a time writes {self.output}", error.current)
 
     def move_in(self, sets: list[StagedSet]) -> None:
-        """Step 2: files not already there under the same (content-addressed) name."""
+        """Step 2: the staged files beside the old ones. Locally a file already there under the
+        same (content-addressed) name is kept: the OS lock keeps every other run out. On gs://
+        it is written again, so it gets a new generation: a run that lost its lease and still
+        means to delete that name (at the generation it saw) then finds another one, and
+        deletes nothing this run published."""
         for s in sets:
             self.lock.check()
-            present = self.store.versions(s.place.folder)
+            present = self.store.versions(s.place.folder) if self.store.os_locks else {}
             names = [n for n in s.files if n not in present]
             self.store.move([layout.join(s.staged, n) for n in names], [layout.join(s.place.folder, n) for n in names])
         failpoints.hit("shards_in_place")

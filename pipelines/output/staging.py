@@ -18,7 +18,7 @@ import dataclasses
 import json
 
 from pipelines.output.lock import LockLost, OutputLock
-from pipelines.output.storage import storage_for
+from pipelines.output.storage import Version, storage_for
 from prepack import layout
 
 
@@ -74,6 +74,7 @@ def keep_failed_dead_letters(output: str, max_lengths: tuple[int, ...], run_id: 
 class Leftovers:
     paths: list[str]
     num_bytes: int
+    versions: dict[str, Version] = dataclasses.field(default_factory=dict)  # as found, under the lock
 
     def describe(self, output: str) -> str:
         staging = sorted({p.split("/.staging-")[0] + "/.staging-" + p.split("/.staging-")[1].split("/")[0]
@@ -124,14 +125,19 @@ def find_leftovers(output: str, run_id: str) -> Leftovers:
         if stale:
             found.append(path)
             sizes += store.size(path)
-    return Leftovers(sorted(found), sizes)
+    return Leftovers(sorted(found), sizes, {p: store.version(p) for p in found})
 
 
-def remove_leftovers(leftovers: Leftovers) -> None:
+def remove_leftovers(leftovers: Leftovers, lock: OutputLock) -> None:
+    """Deletes what find_leftovers found, each file at the version it had then, after checking
+    that this run still owns the output: a run that lost its lease meanwhile deletes nothing, and
+    a file published since under a leftover's (content-addressed) name has another version."""
     store = storage_for(leftovers.paths[0]) if leftovers.paths else None
     if store is None:
         return
-    store.delete(leftovers.paths)
+    lock.check()
+    for path in leftovers.paths:
+        store.delete_if(path, leftovers.versions[path])
     folders = {p.split("/.staging-")[0] + "/.staging-" + p.split("/.staging-")[1].split("/")[0]
                for p in leftovers.paths if "/.staging-" in p}
     for folder in sorted(folders):

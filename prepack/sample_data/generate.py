@@ -1,4 +1,6 @@
-"""Writes sample_sft.jsonl: the small alpaca-format dataset `prepack pack --sample` packs.
+"""Writes sample_sft.jsonl: the small alpaca-format dataset `prepack pack --sample` packs;
+and sample_chat.jsonl, a small chat-format set ({"messages": [...]}, 2 to 6 turns) that the
+README's mixture walkthrough mixes with it (sample_mix.yaml, sample_remix.yaml).
 
 Written by the project (no third-party text), deterministic, with the length
 spread of real SFT sets: many short answers, a long tail, and a few examples
@@ -14,6 +16,7 @@ import random
 from pathlib import Path
 
 OUT = Path(__file__).with_name("sample_sft.jsonl")
+CHAT_OUT = Path(__file__).with_name("sample_chat.jsonl")
 
 UNITS = [("kilometres", "miles", 0.621371), ("kilograms", "pounds", 2.20462), ("litres", "US gallons", 0.264172),
          ("metres", "feet", 3.28084), ("Celsius degrees of difference", "Fahrenheit degrees of difference", 1.8)]
@@ -84,6 +87,33 @@ def plan(rng: random.Random, paragraphs: int) -> dict:
             "input": f"The plan should have {paragraphs} parts.", "output": "\n\n".join(body)}
 
 
+FOLLOW_UPS = [
+    ("Can you say that in one sentence?", lambda text, rng: text.split(". ")[0].rstrip(".") + "."),
+    ("Give me one piece of advice for learning it.", lambda text, rng: rng.choice(ADVICE)),
+    ("What should I read about next?", lambda text, rng: f"Next, read about {rng.choice(sorted(TOPICS))}: "
+                                                          f"it builds on the same ideas."),
+]
+
+
+def conversation(rng: random.Random) -> dict:
+    """A user asks about a topic, then 0 to 2 follow-ups; the assistant answers each turn."""
+    topic, text = rng.choice(sorted(TOPICS.items()))
+    answer_text = " ".join([text, *rng.sample(ADVICE, rng.randint(0, 2))])
+    messages = [{"role": "user", "content": f"What is {topic}?"}, {"role": "assistant", "content": answer_text}]
+    for question, answer in rng.sample(FOLLOW_UPS, rng.randint(0, 2)):
+        messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer(text, rng)}]
+    return {"messages": messages}
+
+
+def write_chat() -> None:
+    rng = random.Random(20261201)  # its own stream: sample_sft.jsonl's bytes do not change
+    records = [conversation(rng) for _ in range(200)]
+    with CHAT_OUT.open("w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    print(f"wrote {len(records)} records to {CHAT_OUT}")
+
+
 def main() -> None:
     rng = random.Random(20261130)
     records = []
@@ -104,6 +134,7 @@ def main() -> None:
         for r in records:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
     print(f"wrote {len(records)} records to {OUT}")
+    write_chat()
 
 
 if __name__ == "__main__":
