@@ -48,7 +48,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 TRAINING_MODULES = ("jax", "jaxlib", "flax", "tunix", "grain", "orbax", "optax", "qwix")
 TRAINING_DISTS = ("jax", "jaxlib", "flax", "google-tunix", "grain", "orbax-checkpoint", "optax", "qwix")
 
-# The steps of pipelines/job.build_pipeline a Dataflow job must have (top-level names).
+# The steps of pipelines/launch/job.build_pipeline a Dataflow job must have (top-level names).
 EXPECTED_STEPS = ("Read", "Prepare", "Fit", "Route", "Write", "WriteTokenSet")
 # Steps whose DoFns the project wrote (their setup() runs in the child interpreter).
 PROJECT_MODULE_PREFIXES = ("pipelines.", "prepack.")
