@@ -33,3 +33,11 @@ def _client(emulator: str | None):  # keyed by the emulator so tests can switch 
 
 def gcs_client():
     return _client(os.environ.get("STORAGE_EMULATOR_HOST"))
+
+
+def object_stamp(path: str) -> tuple[int, int]:
+    """(size, generation) of a gs:// object, (-1, 0) when there is none: a new upload under the
+    same name always gets a new generation, whatever its size and however soon."""
+    bucket, key = split_gcs(path)
+    blob = gcs_client().bucket(bucket).get_blob(key)
+    return (-1, 0) if blob is None else (int(blob.size), int(blob.generation))

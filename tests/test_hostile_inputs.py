@@ -342,16 +342,20 @@ def test_fuzz_jsonl_lines_10000(fmt):
 
 
 def test_a_gs_input_that_is_replaced_mid_run_fails_the_job_in_one_line(gcs_emulator, gcs_prefix, tmp_path, monkeypatch):  # noqa: F811
-    import gzip
-
     from prepack import failpoints
 
-    local = tmp_path / "in.jsonl.gz"
-    local.write_bytes(gzip.compress(b"".join(json.dumps(r).encode() + b"\n" for r in alpaca_records(20))))
-    url = f"{gcs_prefix}/in/in.jsonl.gz"
+    # A JSON array (read whole), replaced by one of the same size: the size cannot tell, the
+    # object's generation does (a stamp of size and updated seconds misses a replacement made
+    # within the same second).
+    records = alpaca_records(20)
+    local = tmp_path / "in.json"
+    local.write_text(json.dumps(records))
+    url = f"{gcs_prefix}/in/in.json"
     gcs_emulator.upload_file(str(local), url)
-    bigger = tmp_path / "bigger.jsonl.gz"
-    bigger.write_bytes(gzip.compress(b"".join(json.dumps(r).encode() + b"\n" for r in alpaca_records(40))))
+    records[0] = dict(records[0], output=records[0]["output"].swapcase())
+    bigger = tmp_path / "same_size.json"
+    bigger.write_text(json.dumps(records))
+    assert bigger.stat().st_size == local.stat().st_size
 
     def replace_the_object(point: str, detail: str | None = None) -> None:
         if (point, detail) == ("input_read", "whole_file"):  # a new generation, after the worker read the old one
@@ -361,3 +365,4 @@ def test_a_gs_input_that_is_replaced_mid_run_fails_the_job_in_one_line(gcs_emula
     with pytest.raises(JobError) as e:
         _pack_limited(url, f"{gcs_prefix}/out")
     assert "\n" not in str(e.value) and str(e.value).startswith(f"{url} changed while the job ran (size ")
+    assert " and generation " in str(e.value)

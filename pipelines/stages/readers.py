@@ -122,7 +122,8 @@ def _check_unchanged(task: ReadTask) -> None:
     now = sources.file_stamp(task.path)
     if tuple(now) != tuple(task.stamp):
         raise InputFileError(
-            f"{task.path} changed while the job ran (size {task.stamp[0]:,} and mtime {task.stamp[1]} when planned, "
+            f"{task.path} changed while the job ran (size {task.stamp[0]:,} and "
+            f"{'generation' if task.path.startswith('gs://') else 'mtime'} {task.stamp[1]} when planned, "
             f"now {now[0]:,} and {now[1]}); an input must not change while the job runs: run the job again on a copy")
 
 

@@ -60,8 +60,8 @@ class ReadTask:
     name: str  # stable name inside the input (relative path, or split), used in example ids
     size: int = 0  # bytes, for files
     params: tuple[tuple[str, Any], ...] = ()  # split/config/data_dir/start/end for datasets
-    # For files: (size, mtime in ns) locally, (size, updated time) on gs:// (a new generation
-    # changes it), as planned; re-checked after a whole-file read (file_stamp).
+    # For files: (size, mtime in ns) locally, (size, generation) on gs://, as planned; re-checked
+    # after a whole-file read (file_stamp).
     stamp: tuple[int, float] | None = None
 
     def param(self, key: str, default: Any = None) -> Any:
@@ -130,10 +130,9 @@ def regular_file_stamp(path: str, shown: str) -> tuple[int, float]:
 def file_stamp(path: str) -> tuple[int, float]:
     """The stamp a file has now (see ReadTask.stamp)."""
     if path.startswith("gs://"):
-        from apache_beam.io.filesystems import FileSystems
+        from prepack.gcs import object_stamp
 
-        found = [m for m in FileSystems.match([path])[0].metadata_list if m.path == path]
-        return (found[0].size_in_bytes, found[0].last_updated_in_seconds) if found else (-1, 0.0)
+        return object_stamp(path)
     return regular_file_stamp(path, path)
 
 
@@ -228,7 +227,7 @@ def _resolve_files(index: int, spec: str, first_task: int) -> tuple[ResolvedInpu
     base = _glob_base(spec) if _is_glob(spec) else os.path.dirname(spec)
     tasks = []
     total = 0
-    for path, size, updated in files:
+    for path, size, _ in files:
         kind = file_kind(path)
         if kind is None:
             raise InputError(
@@ -236,7 +235,7 @@ def _resolve_files(index: int, spec: str, first_task: int) -> tuple[ResolvedInpu
                 f"{', '.join(sorted(FILE_KINDS))} (optionally compressed: {', '.join(COMPRESSED_SUFFIXES)})"
             )
         if path.startswith("gs://"):
-            stamp = (size, updated)
+            stamp = file_stamp(path)  # (size, generation): one metadata request per object, when planned
         else:
             from pipelines.failures import InputFileError
 
