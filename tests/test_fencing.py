@@ -119,6 +119,17 @@ def gcs_out(gcs_prefix, inputs):
     return out
 
 
+def b_takes_over_from_stopped(a: subprocess.Popen, out: str, inputs: dict) -> RunRecord:
+    """Once run A is stopped (its lease renewer too) and its gs:// lease has run out, run B
+    publishes over it with --overwrite; returns B's run record (its set is wholly B's)."""
+    wait_until_stopped(a)
+    while (held := output_lock.read_lock(out)) is not None and held.expires >= time.time():
+        time.sleep(0.1)
+    code, err = finish(start(inputs["b"], out, "--overwrite"))
+    assert code == 0, err
+    return assert_wholly_one_runs(out, "b")
+
+
 def _fast_one(points: list[str], fast: str) -> list:
     """Every point, all but `fast` in the slow tier (about 8 s each): the fast tier keeps one."""
     return [p if p == fast else pytest.param(p, marks=pytest.mark.slow) for p in points]
@@ -129,12 +140,7 @@ def test_gcs_run_paused_past_its_lease_changes_nothing_when_it_resumes(gcs_out, 
     out = gcs_out
     a = start(inputs["a"], out, "--overwrite", failpoints=f"{point}=stop")
     try:
-        wait_until_stopped(a)
-        while (held := output_lock.read_lock(out)) is not None and held.expires >= time.time():
-            time.sleep(0.1)  # A is stopped, its renewer too: the lease runs out
-        code, err = finish(start(inputs["b"], out, "--overwrite"))
-        assert code == 0, err
-        b_record = assert_wholly_one_runs(out, "b")
+        b_record = b_takes_over_from_stopped(a, out, inputs)
     finally:
         os.kill(a.pid, signal.SIGCONT)
     code, err = finish(a)
@@ -225,12 +231,7 @@ def test_gcs_run_that_loses_its_lease_mid_pipeline_stops_at_once(gcs_out, inputs
     out = gcs_out
     a = start(inputs["a"], out, "--overwrite", failpoints="after_lock=stop;before_publish=exit(9)")
     try:
-        wait_until_stopped(a)
-        while (held := output_lock.read_lock(out)) is not None and held.expires >= time.time():
-            time.sleep(0.1)
-        code, err = finish(start(inputs["b"], out, "--overwrite"))
-        assert code == 0, err
-        b_record = assert_wholly_one_runs(out, "b")
+        b_record = b_takes_over_from_stopped(a, out, inputs)
     finally:
         os.kill(a.pid, signal.SIGCONT)
     code, err = finish(a)

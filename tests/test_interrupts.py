@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 import pytest
 
@@ -59,6 +60,21 @@ if os.environ.get("PREPACK_TEST_HOLD_AT"):
 """
 
 
+def open_gate_when_a_worker_waits(job: subprocess.Popen, gate) -> Any:
+    """The gate FIFO opened for writing, once a worker holds it open to read (it is held at the
+    fault point): the job is then mid-pipeline. Closing the file lets the worker go on."""
+    def worker_waits():
+        assert job.poll() is None, f"the job ended early: {job.stderr.read()}"
+        try:
+            return os.open(gate, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as e:
+            if e.errno != errno.ENXIO:
+                raise
+            return None
+
+    return os.fdopen(wait_for(worker_waits, "a worker at the fault point"), "wb")
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_signal_to_the_main_process_ends_job_and_workers(tmp_path, signum):
     """Base commit: SIGINT hung for minutes; SIGTERM killed the main process (status -15) and
@@ -78,17 +94,8 @@ def test_signal_to_the_main_process_ends_job_and_workers(tmp_path, signum):
         [sys.executable, "-m", "pipelines.launch.cli", "--input", source, "--format", "alpaca", "--output", str(out),
          "--max-length", "64", "--no-progress", "--direct_running_mode=multi_processing", "--direct_num_workers=2"],
         env=env, stderr=subprocess.PIPE, text=True)
-    def worker_waits():  # the gate opens for writing once a worker holds it open to read
-        assert job.poll() is None, f"the job ended early: {job.stderr.read()}"
-        try:
-            return os.open(gate, os.O_WRONLY | os.O_NONBLOCK)
-        except OSError as e:
-            if e.errno != errno.ENXIO:
-                raise
-            return None
-
     try:
-        with os.fdopen(wait_for(worker_waits, "a worker at the fault point"), "wb"):  # the job is mid-pipeline
+        with open_gate_when_a_worker_waits(job, gate):  # the job is mid-pipeline
             workers = interrupts.descendants(job.pid)
             assert workers, "the job has no worker processes"
             assert os.path.isdir(out) and os.path.exists(out / ".lock")
@@ -300,17 +307,8 @@ def test_ctrl_c_to_the_process_group_prints_only_the_last_line(tmp_path, verbose
          "--max-length", "64", "--no-progress", "--direct_num_workers=2", *(["--verbose"] if verbose else [])],
         env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
-    def worker_waits():  # the gate opens for writing once a worker holds it open to read
-        assert job.poll() is None, f"the job ended early: {job.stderr.read()}"
-        try:
-            return os.open(gate, os.O_WRONLY | os.O_NONBLOCK)
-        except OSError as e:
-            if e.errno != errno.ENXIO:
-                raise
-            return None
-
     try:
-        with os.fdopen(wait_for(worker_waits, "a worker at the fault point"), "wb"):  # the job is mid-pipeline
+        with open_gate_when_a_worker_waits(job, gate):  # the job is mid-pipeline
             os.killpg(job.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
             code = job.wait(timeout=interrupts.GRACE_S + 10)
         stderr = job.stderr.read()
