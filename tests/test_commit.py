@@ -128,3 +128,28 @@ def test_a_stale_run_cannot_delete_a_name_the_new_owner_published_again(output):
         assert names_in(folder) == {"manifest.json", *b_files}  # B's republished shard survived
     else:  # locally no second run gets in while A lives (flock); the version check alone is no fence
         assert OLD[0] not in names_in(folder)
+
+
+def test_the_dead_letter_is_replaced_only_at_the_version_seen(output):
+    """The dead letter is switched like the manifest: conditioned on the version the run saw
+    under its lock. Another writer's dead letter since then refuses the switch (it used to be
+    deleted and replaced unconditioned on gs://). Shown to fail with the old delete + move."""
+    folder = layout.length_dir(output, 64)
+    for n in OLD:
+        put(f"{folder}/{n}", n.encode())
+    put(f"{folder}/manifest.json", manifest(OLD))
+    put(f"{folder}/{layout.DEAD_LETTER_NAME}", b'{"old": 1}\n')
+    staging = layout.staging_dir(output, 64, "run-b")
+    for n in NEW:
+        put(f"{staging}/{n}", n.encode())
+    put(f"{staging}/{layout.DEAD_LETTER_NAME}", b'{"new": 1}\n')
+    place = output_commit.length_place(output, 64)
+    seen = output_commit.look(output, [place], StillYours())
+    time.sleep(0.01)
+    put(f"{folder}/{layout.DEAD_LETTER_NAME}", b'{"another writer": 1}\n')
+    s = output_commit.StagedSet(place, staging, manifest(NEW), tuple(NEW), layout.DEAD_LETTER_NAME)
+    commit = output_commit.Commit(output, "run-b", StillYours(), seen, overwrite=True)
+    commit.move_in([s])
+    with pytest.raises(SwitchRefused, match=r"dead_letter.jsonl was changed by another run since this one started"):
+        commit.switch(s)
+    assert storage_for(folder).read(f"{folder}/{layout.DEAD_LETTER_NAME}").data == b'{"another writer": 1}\n'
