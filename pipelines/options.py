@@ -21,7 +21,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from pipelines.stages.input_limits import (DEFAULT_MAX_COMPRESSION_RATIO, DEFAULT_MAX_DECOMPRESSED_BYTES, DEFAULT_MAX_RECORD_BYTES,
-                                    RATIO_CHECKED_AFTER, InputLimits)
+                                           DEFAULT_MAX_WHOLE_FILE_BYTES,
+                                           RATIO_CHECKED_AFTER, InputLimits)
 from pipelines.stages.planning import MAX_SUB_BUCKETS
 from prepack.bad_records import DEFAULT_MAX_BAD_FRACTION
 from prepack.mixture import Mixture, MixtureError, load_mixture
@@ -185,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     lim.add_argument("--max-decompressed-bytes", type=int, default=DEFAULT_MAX_DECOMPRESSED_BYTES, metavar="N",
                      help=f"fail the job when one file decompresses (or, read whole: JSON arrays, Parquet, Arrow, is) to "
                      f"more than this (default {DEFAULT_MAX_DECOMPRESSED_BYTES:,} = 64 GiB)")
+    lim.add_argument("--max-whole-file-bytes", type=int, default=DEFAULT_MAX_WHOLE_FILE_BYTES, metavar="N",
+                     help=f"fail the job when a file read whole (a JSON array, Parquet or Arrow file: one worker holds it "
+                     f"and its records) holds more than this (default {DEFAULT_MAX_WHOLE_FILE_BYTES:,} = 1 GiB); JSONL streams")
     lim.add_argument("--max-compression-ratio", type=float, default=DEFAULT_MAX_COMPRESSION_RATIO, metavar="X",
                      help=f"fail the job when a compressed file expands more than X times, a decompression bomb "
                      f"(default {DEFAULT_MAX_COMPRESSION_RATIO:g}; checked past {RATIO_CHECKED_AFTER >> 20} MiB of output)")
@@ -257,7 +261,8 @@ def parse_args(argv: Sequence[str]) -> tuple[PackConfig, list[str]]:
     if not ns.output:
         raise OptionsError("--output is required (a local folder or gs://bucket/prefix)")
     max_lengths = _lengths(ns.max_length)
-    for flag, value in (("--max-record-bytes", ns.max_record_bytes), ("--max-decompressed-bytes", ns.max_decompressed_bytes)):
+    for flag, value in (("--max-record-bytes", ns.max_record_bytes), ("--max-decompressed-bytes", ns.max_decompressed_bytes),
+                        ("--max-whole-file-bytes", ns.max_whole_file_bytes)):
         if value < 1:
             raise OptionsError(f"{flag} must be at least 1, got {value}")
     if not ns.max_compression_ratio >= 1:  # also refuses nan
@@ -322,7 +327,7 @@ def parse_args(argv: Sequence[str]) -> tuple[PackConfig, list[str]]:
         write_tokens=not ns.no_tokens and not ns.from_tokens,
         from_tokens=ns.from_tokens.rstrip("/") if ns.from_tokens else None,
         requested=tuple(sorted(requested.items())),
-        limits=InputLimits(ns.max_record_bytes, ns.max_decompressed_bytes, ns.max_compression_ratio),
+        limits=InputLimits(ns.max_record_bytes, ns.max_decompressed_bytes, ns.max_compression_ratio, ns.max_whole_file_bytes),
         mixture=mixture,
         allow_short_mix=ns.allow_short_mix,
     )

@@ -99,7 +99,8 @@ def test_limit_options_show_in_pack_help(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--help"])
     text = capsys.readouterr().out
-    for flag in ("--max-record-bytes", "--max-decompressed-bytes", "--max-compression-ratio", "at most 1,048,576"):
+    for flag in ("--max-record-bytes", "--max-decompressed-bytes", "--max-compression-ratio", "--max-whole-file-bytes",
+                 "at most 1,048,576"):
         assert flag in text
 
 
@@ -185,6 +186,22 @@ def test_decompressed_size_limit_fails_the_job_in_one_line(tmp_path):
     # Raising the limits lets the same file through (its one long line is then a dead letter).
     result = _pack_limited(src, str(tmp_path / "out"), "--max-record-bytes", "1000", "--max-compression-ratio", "100000")
     assert result.stats[256]["examples_written"] == 1
+
+
+@pytest.mark.parametrize("kind", ["json", "parquet"])
+def test_a_file_read_whole_over_its_limit_fails_the_job_in_one_line(tmp_path, kind):
+    """JSON arrays and Parquet files are held whole by one worker: past --max-whole-file-bytes the
+    job stops in one line naming the file before it parses (shown to fail without the check: the
+    job read and published it)."""
+    src = _write_input(tmp_path, kind)
+    size = os.path.getsize(src)
+    with pytest.raises(JobError) as e:
+        _pack_limited(src, str(tmp_path / "out"), "--max-whole-file-bytes", str(size - 1))
+    assert str(e.value) == (
+        f"{src}: is read whole (JSON arrays, Parquet and Arrow files are) and holds more than {size - 1:,} bytes "
+        "(--max-whole-file-bytes); convert it to JSON Lines (read in byte ranges, streamed) or split it, or raise the "
+        "limit if a worker has the memory")
+    assert _pack_limited(src, str(tmp_path / "out"), "--max-whole-file-bytes", str(size)).stats[256]["rows"] > 0
 
 
 def test_decompressed_blocks_are_bounded(tmp_path):

@@ -4,6 +4,8 @@ file from exhausting a worker's memory (`prepack pack --max-record-bytes`,
 
 - A JSONL line longer than max_record_bytes is never held whole: its bytes are dropped up to
   its newline and it becomes a dead letter (reason too_large), like any bad record.
+- A file read whole (JSON arrays, Parquet, Arrow) that holds more than max_whole_file_bytes
+  fails the job in one line naming it: a worker holds it and its parsed records at once.
 - A file that decompresses (or, read whole: JSON arrays, Parquet, Arrow) to more than
   max_decompressed_bytes, or whose compressed bytes expand more than max_compression_ratio
   times (checked once RATIO_CHECKED_AFTER bytes are out, so small files never trip it), fails
@@ -19,6 +21,9 @@ from pipelines.failures import InputFileError
 DEFAULT_MAX_RECORD_BYTES = 32 << 20  # 32 MiB: ~8M tokens of text, far beyond the longest max length
 DEFAULT_MAX_DECOMPRESSED_BYTES = 64 << 30  # 64 GiB per file
 DEFAULT_MAX_COMPRESSION_RATIO = 1000.0  # gzip cannot pass ~1,032x; real JSONL compresses 3-20x
+# JSON arrays, Parquet and Arrow files are held whole by one worker, with their parsed records
+# (several times the bytes): 1 GiB keeps that within a worker's memory; JSONL streams instead.
+DEFAULT_MAX_WHOLE_FILE_BYTES = 1 << 30
 RATIO_CHECKED_AFTER = 16 << 20
 
 
@@ -27,6 +32,16 @@ class InputLimits:
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
     max_decompressed_bytes: int = DEFAULT_MAX_DECOMPRESSED_BYTES
     max_compression_ratio: float = DEFAULT_MAX_COMPRESSION_RATIO
+    max_whole_file_bytes: int = DEFAULT_MAX_WHOLE_FILE_BYTES
+
+    def check_whole_file(self, path: str, held: int) -> None:
+        """Raises InputFileError once a file read whole (JSON array, Parquet, Arrow) holds more
+        than max_whole_file_bytes."""
+        if held > self.max_whole_file_bytes:
+            raise InputFileError(
+                f"{path}: is read whole (JSON arrays, Parquet and Arrow files are) and holds more than "
+                f"{self.max_whole_file_bytes:,} bytes (--max-whole-file-bytes); convert it to JSON Lines (read in "
+                "byte ranges, streamed) or split it, or raise the limit if a worker has the memory")
 
     def check_output(self, path: str, produced: int, consumed: int | None) -> None:
         """Raises InputFileError once `produced` bytes (from `consumed` compressed bytes, None

@@ -129,8 +129,11 @@ def _check_unchanged(task: ReadTask) -> None:
 
 def _read_all(task: ReadTask, digest: FileDigest, limits: InputLimits) -> bytes:
     chunks = []
+    held = 0
     for block in _file_blocks(task, limits):
         digest.update(block)
+        held += len(block)
+        limits.check_whole_file(task.path, held)
         chunks.append(block)
     return b"".join(chunks)
 
