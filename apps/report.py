@@ -122,7 +122,9 @@ def manifest_rows(label: str, folder: str, manifest: Manifest, batch_sizes: Sequ
         if theirs is not None and not math.isclose(float(theirs), ours, rel_tol=1e-6, abs_tol=1e-9):
             warnings.append(f"{source}: stats.{key} is {theirs}, but its counts give {ours:.6g}")
     histogram = _histogram(manifest.stats.get("length_histogram"))
-    length_drops = sum(int(v) for k, v in dropped.items() if k in LENGTH_REASONS)
+    # A mixture's not_sampled examples tokenized fine and fit: sampling left them out, not L.
+    sampled_out = int(dropped.get("not_sampled", 0))
+    length_drops = sum(int(v) for k, v in dropped.items() if k in LENGTH_REASONS) - sampled_out
     meta = {
         "dataset": label,
         "input": given or folder,
@@ -137,8 +139,10 @@ def manifest_rows(label: str, folder: str, manifest: Manifest, batch_sizes: Sequ
         "bad_records": manifest.stats.get("bad_records",
                                           sum(int(v) for k, v in dropped.items() if k not in LENGTH_REASONS)),
         # As in preflight: examples are what tokenized fine; dropped are those the max length cost
-        # (under --overlong split, written and dropped count pieces: back to examples).
-        "examples": int(_stat(manifest, "examples_written", source)) + length_drops
+        # (under --overlong split, written and dropped count pieces, and in a mixture written counts
+        # repeated copies: back to examples).
+        "examples": int(_stat(manifest, "examples_written", source)) + length_drops + sampled_out
+        - int(manifest.stats.get("examples_repeated", 0))
         - int(manifest.stats.get("split_pieces", 0)) + int(manifest.stats.get("examples_split", 0)),
         "planner": (manifest.options or {}).get("planner", ""),
         "max_segments_per_row": (manifest.options or {}).get("max_segments_per_row"),

@@ -245,6 +245,14 @@ def test_report_shows_the_mix_and_loss_by_source(mixed, tmp_path):
     text = (tmp_path / "r.md").read_text()
     assert "### Mixture" in text and "| 64 | fr | 25.0% | 25.0% |" in text and "### Loss by source" in text
     assert (tmp_path / "r_figures" / "loss_by_source.png").exists() and (tmp_path / "r_figures" / "mixture.png").exists()
+    # The shard table counts examples, not copies, and sampling is no max-length loss.
+    from apps.report import find_manifests, manifest_rows
+
+    for folder, manifest in find_manifests(out):
+        (row,), _ = manifest_rows("mix", folder, manifest, [2])
+        assert row["examples"] == manifest.stats["examples_read"] - manifest.stats["bad_records"]
+        assert row["examples_dropped"] == sum(v for k, v in manifest.stats["examples_dropped"].items()
+                                              if k not in ("not_sampled", "bad_json", "missing_field", "no_targets"))
 
 
 @pytest.mark.slow  # trains a model: see pytest.ini
