@@ -178,14 +178,15 @@ class Commit:
             raise self._refused(e) from e
         self.switched[s.place.name] = s.place.manifest_path
         if s.dead_letter:  # replaced like the manifest: conditioned on the version this run saw
-            target = layout.join(s.place.folder, s.dead_letter)
-            staged = self.store.read(layout.join(s.staged, s.dead_letter))
+            target, staged_path = layout.join(s.place.folder, s.dead_letter), layout.join(s.staged, s.dead_letter)
+            staged = self.store.read(staged_path)
             self.lock.check()
             try:
                 self.store.write_if(target, staged.data if staged else b"", seen.files.get(s.dead_letter, self.store.absent),
                                     tmp=layout.join(layout.run_staging_dir(self.output, self.run_id), f"dead_letter.{s.place.name}"))
             except SwitchRefused as e:
                 raise self._refused(e) from e
+            self.store.delete([staged_path])  # this run's own staged copy: moved in, as the shards are
         failpoints.hit("after_manifest_switch", s.place.name)
 
     def write_record(self, record: RunRecord) -> None:
