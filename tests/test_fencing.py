@@ -130,6 +130,17 @@ def b_takes_over_from_stopped(a: subprocess.Popen, out: str, inputs: dict) -> Ru
     return assert_wholly_one_runs(out, "b")
 
 
+def b_takes_over_then_a_resumes(a: subprocess.Popen, out: str, inputs: dict) -> tuple[RunRecord, int, str]:
+    """Run B takes the stopped run A's output (b_takes_over_from_stopped); then A is continued and
+    runs to its end: B's run record, and A's exit code and stderr."""
+    try:
+        b_record = b_takes_over_from_stopped(a, out, inputs)
+    finally:
+        os.kill(a.pid, signal.SIGCONT)
+    code, err = finish(a)
+    return b_record, code, err
+
+
 def _fast_one(points: list[str], fast: str) -> list:
     """Every point, all but `fast` in the slow tier (about 8 s each): the fast tier keeps one."""
     return [p if p == fast else pytest.param(p, marks=pytest.mark.slow) for p in points]
@@ -139,11 +150,7 @@ def _fast_one(points: list[str], fast: str) -> list:
 def test_gcs_run_paused_past_its_lease_changes_nothing_when_it_resumes(gcs_out, inputs, point):
     out = gcs_out
     a = start(inputs["a"], out, "--overwrite", failpoints=f"{point}=stop")
-    try:
-        b_record = b_takes_over_from_stopped(a, out, inputs)
-    finally:
-        os.kill(a.pid, signal.SIGCONT)
-    code, err = finish(a)
+    b_record, code, err = b_takes_over_then_a_resumes(a, out, inputs)
     assert code == 1, err
     (line,) = lines(err)
     m = re.fullmatch(rf"prepack pack: this run \(run (\w+)\) lost the lock on {re.escape(out)} \(.*\); the output now belongs "
@@ -230,11 +237,7 @@ def test_gcs_run_that_loses_its_lease_mid_pipeline_stops_at_once(gcs_out, inputs
     Shown to fail without LeaseLock.on_lost (A ran its whole pipeline and exited 9 there)."""
     out = gcs_out
     a = start(inputs["a"], out, "--overwrite", failpoints="after_lock=stop;before_publish=exit(9)")
-    try:
-        b_record = b_takes_over_from_stopped(a, out, inputs)
-    finally:
-        os.kill(a.pid, signal.SIGCONT)
-    code, err = finish(a)
+    b_record, code, err = b_takes_over_then_a_resumes(a, out, inputs)
     assert code == 1, err
     (line,) = lines(err)
     assert re.fullmatch(rf"prepack pack: this run \(run \w+\) lost the lock on {re.escape(out)} \(.*\); the output now "
