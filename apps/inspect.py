@@ -4,7 +4,7 @@
 
 Targets (loss_mask 1) are shown in green on a terminal, or between [[ ]]
 otherwise (--no-color); prompts and template tokens are shown plain. Text
-comes from the tokenizer named in the manifest (prepack.tokenizer); if it
+comes from the tokenizer named in the manifest (prepack.text.tokenizer); if it
 cannot be loaded, token ids are shown instead.
 """
 
@@ -21,8 +21,8 @@ import numpy as np
 
 from loaders import storage
 from loaders.shards import ShardView, open_shards, read_manifest
-from prepack import rowformat
-from prepack.manifest import Manifest, ManifestError
+from prepack.format import rowformat
+from prepack.format.manifest import Manifest, ManifestError
 from prepack.cli_help import DefaultsHelpFormatter
 
 GREEN, RESET = "\033[32m", "\033[0m"
@@ -182,7 +182,7 @@ def row_lines(view: ShardView, index: int, renderer: _Renderer) -> list[str]:
 
 def _load_decoder(spec: str, manifest: Manifest, err: TextIO, allow_download: bool = False) -> Callable[[list[int]], str] | None:
     try:
-        from prepack.tokenizer import load_tokenizer
+        from prepack.text.tokenizer import load_tokenizer
 
         # Local files only by default: offline, a Hub lookup would retry for a minute before failing.
         tokenizer = load_tokenizer(spec, local_files_only=None if allow_download else True)

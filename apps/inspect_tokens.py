@@ -18,8 +18,8 @@ from loaders import storage
 from apps import inspect as inspect_shards
 from apps.inspect import _fmt_bytes, _fmt_int, _load_decoder, _Renderer, _use_color
 from loaders.shards import _close_quietly, _open_reader
-from prepack.manifest import MANIFEST_NAME, ManifestError
-from prepack.tokenset import TokenSetError, TokenSetManifest, decode_example
+from prepack.format.manifest import MANIFEST_NAME, ManifestError
+from prepack.format.tokenset import TokenSetError, TokenSetManifest, decode_example
 
 
 def is_token_set(manifest_text: str) -> bool:

@@ -1,5 +1,5 @@
 """The packing table that preflight and report share: its columns, one row from
-packing stats (densities only from prepack.stats), and its text rendering. Both
+packing stats (densities only from prepack.packing.stats), and its text rendering. Both
 applications import this module; neither imports the other for it."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from prepack.stats import BatchFigures, PackingStats
+from prepack.packing.stats import BatchFigures, PackingStats
 
 THROUGHPUT_MODEL = (
     "Fixed [B, L] batches: a step costs the same packed or unpacked. Rows fill ceil(rows / B) steps, the last "
@@ -31,7 +31,7 @@ CSV_COLUMNS = (
 
 
 def result_row(meta: dict[str, Any], stats: PackingStats, batch_size: int, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One table row (CSV_COLUMNS) from packing stats; densities come only from prepack.stats."""
+    """One table row (CSV_COLUMNS) from packing stats; densities come only from prepack.packing.stats."""
     batch = BatchFigures(stats, batch_size)
     row: dict[str, Any] = dict.fromkeys(CSV_COLUMNS)
     row.update(meta)

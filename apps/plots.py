@@ -360,7 +360,7 @@ def budget_bars(table: Sequence[dict[str, Any]], path: str, budget: float | None
 
 def mixture_shares(rows: Sequence[dict[str, Any]], weight_of: str, path: str) -> str:
     """A mixture's mix per max length: stacked shares of weight_of (asked beside realized), and
-    how many times each source's kept examples are used. rows: prepack.mixture.preview's (or
+    how many times each source's kept examples are used. rows: prepack.packing.mixture.preview's (or
     the manifest's mixture.sources with a max_length each)."""
     plt = _plt()
     lengths = sorted({int(r["max_length"]) for r in rows})

@@ -3,7 +3,7 @@
 Answers from the tokenizer alone, before any model loads: read each input,
 apply its template and chat format, tokenize, then for every max length L plan
 global BFD from the length histogram (the same planner the job uses) and for
-every batch size B work out rows, steps and densities with `prepack.stats`.
+every batch size B work out rows, steps and densities with `prepack.packing.stats`.
 
 Throughput model (also written into preflight.json): training runs fixed
 [B, L] batches, so a step costs the same whether its rows are packed or not;
@@ -41,12 +41,12 @@ import numpy as np
 
 from apps.packing_table import CSV_COLUMNS, THROUGHPUT_MODEL, render_text_table, result_row
 from apps.report import find_manifests, manifest_rows
-from prepack.accounting import LENGTH_REASONS, Tally
-from prepack.bad_records import DEFAULT_MAX_BAD_FRACTION, too_many_bad_records
+from prepack.packing.accounting import LENGTH_REASONS, Tally
+from prepack.packing.bad_records import DEFAULT_MAX_BAD_FRACTION, too_many_bad_records
 from prepack.cli_help import DefaultsHelpFormatter
-from prepack.packer import (DropReason, Fit, HistogramPlan, OverlongPolicy, Planner, fit_at_length, split_pieces,
+from prepack.packing.packer import (DropReason, Fit, HistogramPlan, OverlongPolicy, Planner, fit_at_length, split_pieces,
                             targets_after_first)
-from prepack.stats import PackingStats, stats_from_rows
+from prepack.packing.stats import PackingStats, stats_from_rows
 
 DEFAULT_MAX_LENGTHS = (256, 512, 1024, 2048)
 DEFAULT_BATCH_SIZES = (16,)
@@ -63,7 +63,7 @@ class PreflightError(Exception):
 class DatasetSpec:
     name: str
     path: str
-    format: str  # a template name (prepack.templates)
+    format: str  # a template name (prepack.text.templates)
     options: tuple[tuple[str, str], ...] = ()  # a mixture source's own template options (over --template-option)
     source: str = ""  # --mixture: the source this input belongs to
 
@@ -87,7 +87,7 @@ class PreflightConfig:
     seed: int = 0
     plots: bool = True
     pack_output: str | None = None  # set: run the Beam job per dataset into this folder and read its manifests
-    mixture: Any = None  # --mixture: prepack.mixture.Mixture; its sources' inputs are the datasets
+    mixture: Any = None  # --mixture: prepack.packing.mixture.Mixture; its sources' inputs are the datasets
 
 
 # ----------------------------------------------------------------------------- tokenized examples
@@ -175,7 +175,7 @@ class LengthResult:
 def fit_examples(examples: ExampleSet, max_length: int, overlong: OverlongPolicy
                  ) -> tuple[np.ndarray, np.ndarray, dict[str, int], int, int, int]:
     """(kept lengths, kept target counts, dropped by reason, truncated, split, pieces) under
-    the overlong rule the job applies (prepack.packer.fit_at_length, split_pieces): under
+    the overlong rule the job applies (prepack.packing.packer.fit_at_length, split_pieces): under
     --overlong split an example longer than L gives way to its pieces that keep a target."""
     lengths, targets = examples.lengths.copy(), examples.targets.copy()
     over = np.flatnonzero(lengths > max_length)
@@ -433,7 +433,7 @@ def load_examples(spec: DatasetSpec, tokenizer: Any, chat_format: Any, config: P
 def make_template(name: str, options: dict[str, str]) -> Any:
     """The template for a --format; --template-option values go only to templates that take them,
     so one `source_lang=de` can sit beside alpaca inputs."""
-    from prepack.templates import get_template, template_names
+    from prepack.text.templates import get_template, template_names
 
     if name not in template_names():
         raise PreflightError(f"unknown format {name!r}; expected one of {', '.join(template_names())}")
@@ -491,7 +491,7 @@ def run(config: PreflightConfig, loader: Callable[[DatasetSpec], ExampleSet], to
             "pack_output": config.pack_output,
         },
         "throughput_model": THROUGHPUT_MODEL,
-        "packing": f"the job's planner over the length histogram (prepack.packer.HistogramPlan, --planner "
+        "packing": f"the job's planner over the length histogram (prepack.packing.packer.HistogramPlan, --planner "
                    f"{config.planner.value})",
         "datasets": datasets,
         "rows": rows,
@@ -500,8 +500,8 @@ def run(config: PreflightConfig, loader: Callable[[DatasetSpec], ExampleSet], to
 
 def mixture_rows(config: PreflightConfig, loaded: dict[str, tuple[DatasetSpec, ExampleSet]]) -> list[dict[str, Any]]:
     """The per-source table at every L: kept sizes under the overlong rule, then the share rule's
-    budgets (prepack.mixture.preview); the realized mix before anything is packed."""
-    from prepack.mixture import preview
+    budgets (prepack.packing.mixture.preview); the realized mix before anything is packed."""
+    from prepack.packing.mixture import preview
 
     out = []
     for L in config.max_lengths:
@@ -671,7 +671,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _mixture_datasets(path: str) -> tuple[Any, list[DatasetSpec]]:
-    from prepack.mixture import MixtureError, load_mixture
+    from prepack.packing.mixture import MixtureError, load_mixture
 
     try:
         mixture = load_mixture(path)
@@ -811,8 +811,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _load_tokenizer(config: PreflightConfig) -> tuple[Any, Any]:
-    from prepack.chat_formats import ChatFormatError, get_chat_format
-    from prepack.tokenizer import TokenizerError, load_tokenizer
+    from prepack.text.chat_formats import ChatFormatError, get_chat_format
+    from prepack.text.tokenizer import TokenizerError, load_tokenizer
 
     try:
         tokenizer = load_tokenizer(config.tokenizer)

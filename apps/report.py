@@ -2,7 +2,7 @@
 
 - Shard sets (`--shards`, a shard set folder or an OUTPUT root holding L*/
   folders): the preflight table and plots, recomputed from each manifest's
-  counts with prepack.stats, so a manifest and a preflight estimate read alike.
+  counts with prepack.packing.stats, so a manifest and a preflight estimate read alike.
 - Training runs (`--metrics`, the JSONL `prepack train` writes): loss against
   target tokens and against time, and the useful-token budget view: how long
   each run takes to train on the same number of target tokens.
@@ -32,10 +32,10 @@ from typing import Any
 
 import numpy as np
 
-from prepack.manifest import MANIFEST_NAME, Manifest, ManifestError
-from prepack.accounting import LENGTH_REASONS
+from prepack.format.manifest import MANIFEST_NAME, Manifest, ManifestError
+from prepack.packing.accounting import LENGTH_REASONS
 from apps.packing_table import TABLE_COLUMNS, THROUGHPUT_MODEL, dataset_heading, drop_flags, format_cell, result_row
-from prepack.stats import PackingStats
+from prepack.packing.stats import PackingStats
 from prepack.cli_help import DefaultsHelpFormatter
 
 DEFAULT_BATCH_SIZES = (16,)
@@ -493,7 +493,7 @@ def build_page(config: ReportConfig, figures_dir: str) -> tuple[Page, list[str]]
                     hists.setdefault(label, hist)
         page.add("h2", "Shard sets")
         page.add("p", "Figures recomputed from each manifest's counts (examples_written, tokens, target_tokens, "
-                      "num_rows) with prepack.stats; median and p95 need a length histogram in the manifest.")
+                      "num_rows) with prepack.packing.stats; median and p95 need a length histogram in the manifest.")
         _packing_section(page, rows, with_packing=True)
         for w in warnings:
             page.add("p", "Warning: " + w)

@@ -20,7 +20,7 @@ A read thread may read ahead up to `prefetch` batches that are never consumed;
 with prefetch=16 and 200+ timed batches that bounds the overcount. The shard
 files sit in the page cache, so storage latency is not part of this; it is the
 host's CPU cost per row that the numbers compare.
-Without prepack.tokenizer/templates, synthetic rows and examples are used, and
+Without prepack.text.tokenizer/templates, synthetic rows and examples are used, and
 the online side then measures packing only.
 
     python -m benchmarks.bench_loader                 # both shapes, both tokenizers, markdown table
@@ -43,7 +43,8 @@ import numpy as np
 import grain
 
 import loaders
-from prepack import packer, rowformat
+from prepack.packing import packer
+from prepack.format import rowformat
 from testkit.shard_sets import build_shard_set
 
 from benchmarks.data import DATA_DIR
@@ -65,8 +66,8 @@ class RealExamples:
     """Records from the real samples (benchmarks/data.py) with their template, and a per-record tokenizing function."""
 
     def __init__(self, data_dir: str, tokenizer_spec: str = "gemma3"):
-        from prepack import chat_formats, templates
-        from prepack.tokenizer import load_tokenizer
+        from prepack.text import chat_formats, templates
+        from prepack.text.tokenizer import load_tokenizer
 
         self.tokenizer = load_tokenizer(tokenizer_spec)
         self.chat_format = chat_formats.get_chat_format(FAMILIES[tokenizer_spec], self.tokenizer)
@@ -92,7 +93,7 @@ class RealExamples:
 
     def tokenize(self, item: tuple[str, dict, int]) -> tuple[np.ndarray, np.ndarray]:
         """One example: template, chat format, tokenize (what an online pipeline does per example)."""
-        from prepack import chat_formats
+        from prepack.text import chat_formats
 
         name, record, k = item
         conv = self.templates[name].to_conversations(record)[k]

@@ -131,7 +131,8 @@ def build_set(bench_loader, tokenized, max_length: int, folder: str, identity: d
     """
     import numpy as np
 
-    from prepack import packer, rowformat
+    from prepack.packing import packer
+    from prepack.format import rowformat
     from shardset_builder import build_shard_set
 
     examples = [bench_loader.truncate(e, max_length) for e in tokenized]

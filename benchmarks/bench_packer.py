@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.data import DATA_DIR
-from prepack import packer
+from prepack.packing import packer
 
 DATASETS = {"alpaca": ("alpaca.jsonl", "alpaca"), "oasst1": ("oasst1.jsonl", "prompt_response"),
             "opus_en_fr": ("opus_en_fr.jsonl", "translation")}
@@ -31,9 +31,9 @@ FAMILIES = {"gemma3": "gemma", "qwen3": "qwen3"}
 
 
 def real_lengths(data_dir: Path, tokenizer_spec: str = "gemma3") -> dict[str, list[int]]:
-    from prepack.chat_formats import get_chat_format, tokenize_conversations
-    from prepack.templates import get_template
-    from prepack.tokenizer import load_tokenizer
+    from prepack.text.chat_formats import get_chat_format, tokenize_conversations
+    from prepack.text.templates import get_template
+    from prepack.text.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_spec)
     chat = get_chat_format(FAMILIES[tokenizer_spec], tokenizer)

@@ -38,9 +38,9 @@ SAMPLES = {"alpaca": ("alpaca.jsonl", "alpaca"), "oasst1": ("oasst1.jsonl", "pro
 
 
 def tokenized_lengths(records: list[dict], template_name: str) -> np.ndarray:
-    from prepack.chat_formats import get_chat_format, tokenize_conversations_flat
-    from prepack.templates import get_template
-    from prepack.tokenizer import load_tokenizer
+    from prepack.text.chat_formats import get_chat_format, tokenize_conversations_flat
+    from prepack.text.templates import get_template
+    from prepack.text.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer("gemma3")
     chat = get_chat_format("gemma", tokenizer)
@@ -96,7 +96,7 @@ def martello_toth_bound(histogram: dict[int, int], max_length: int) -> int:
 
 def plan_rows(histogram: dict[int, int], max_length: int, planner: str, cap: int | None) -> tuple[int, int, float]:
     """(rows, BFD's rows, CPU seconds) of one planner."""
-    from prepack.packer import HistogramPlan
+    from prepack.packing.packer import HistogramPlan
 
     started = time.process_time()
     plan = HistogramPlan(histogram, max_length, planner, cap)

@@ -15,8 +15,8 @@ import time
 import unicodedata
 from pathlib import Path
 
-from prepack import qwen3_bpe
-from prepack.tokenizer import load_tokenizer
+from prepack.text import qwen3_bpe
+from prepack.text.tokenizer import load_tokenizer
 
 
 def texts_of(data_dir: Path, limit: int) -> list[str]:

@@ -1,6 +1,6 @@
 """Chooses the row record encoding by measurement.
 
-Compares the int32 [5, L] layout of prepack.rowformat with a narrow layout
+Compares the int32 [5, L] layout of prepack.format.rowformat with a narrow layout
 (int32 ids, uint16 positions/segments, uint8 masks), on disk with and
 without zstd, and the decode time of one row.
 
@@ -17,7 +17,7 @@ import timeit
 import numpy as np
 from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
 
-from prepack import rowformat
+from prepack.format import rowformat
 
 
 def synthetic_rows(n: int, max_length: int, seed: int = 0) -> list[dict[str, np.ndarray]]:

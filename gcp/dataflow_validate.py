@@ -212,7 +212,7 @@ def check_worker_code(proto: Any, options: Any) -> tuple[str, list[str], str, li
     else:
         with tarfile.open(sdist[0]) as tar:
             members = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
-        missing = {"setup.py", "pipelines/launch/job.py", "pipelines/stages/write.py", "prepack/tokenizer.py"} - members
+        missing = {"setup.py", "pipelines/launch/job.py", "pipelines/stages/write.py", "prepack/text/tokenizer.py"} - members
         if missing:
             problems.append(f"the staged sdist lacks {sorted(missing)}")
     reqs = [path for name, path in staged.items() if name == "requirements.txt"]

@@ -19,7 +19,7 @@ from loaders.checkpoint import orbax_restore_args, orbax_save_args, restore_iter
 from loaders.mask import block_causal_mask, block_causal_mask_jax
 from loaders.shards import ShardSetError, ShardView, open_shards
 from loaders.published import published_lengths
-from prepack.manifest import ManifestError
+from prepack.format.manifest import ManifestError
 
 _LAZY = {
     "make_dataset": "loaders.dataset",

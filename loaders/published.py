@@ -13,8 +13,8 @@ import hashlib
 
 from loaders import storage
 from loaders.shards import ShardSetError
-from prepack.layout import RUN_RECORD_NAME
-from prepack.run_record import RunRecord, RunRecordError
+from prepack.format.layout import RUN_RECORD_NAME
+from prepack.format.run_record import RunRecord, RunRecordError
 
 
 def published_lengths(output: str) -> dict[int, str]:

@@ -8,7 +8,7 @@ with the size, row count and record size the manifest promises (plus, with
 verify=True, its sha256). A gs:// shard is checked when its local copy is made
 (its sha256, always) and opened, on first read (see loaders/shard_cache.py).
 
-Every error raised here is a `prepack.manifest.ManifestError` (ShardSetError is
+Every error raised here is a `prepack.format.manifest.ManifestError` (ShardSetError is
 one) and names the path it is about.
 """
 
@@ -26,8 +26,8 @@ import numpy as np
 
 from loaders import storage
 from loaders.shard_cache import ShardCache, ShardCacheError, ShardDigestError
-from prepack import rowformat
-from prepack.manifest import MANIFEST_NAME, Manifest, ManifestError
+from prepack.format import rowformat
+from prepack.format.manifest import MANIFEST_NAME, Manifest, ManifestError
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ import os
 from collections.abc import Iterator
 from typing import BinaryIO
 
-from prepack.gcs import gcs_client, is_gcs, split_gcs  # noqa: F401  (also used through loaders.storage)
-from prepack.manifest import ManifestError
+from prepack.storage.gcs import gcs_client, is_gcs, split_gcs  # noqa: F401  (also used through loaders.storage)
+from prepack.format.manifest import ManifestError
 
 
 def join(folder: str, name: str) -> str:

@@ -24,10 +24,10 @@ from pipelines.stages.input_limits import (DEFAULT_MAX_COMPRESSION_RATIO, DEFAUL
                                            DEFAULT_MAX_WHOLE_FILE_BYTES,
                                            RATIO_CHECKED_AFTER, InputLimits)
 from pipelines.stages.planning import MAX_SUB_BUCKETS
-from prepack.bad_records import DEFAULT_MAX_BAD_FRACTION
-from prepack.mixture import Mixture, MixtureError, load_mixture
-from prepack.packer import OverlongPolicy, Planner
-from prepack.rowformat import MAX_MAX_LENGTH
+from prepack.packing.bad_records import DEFAULT_MAX_BAD_FRACTION
+from prepack.packing.mixture import Mixture, MixtureError, load_mixture
+from prepack.packing.packer import OverlongPolicy, Planner
+from prepack.format.rowformat import MAX_MAX_LENGTH
 from prepack.cli_help import DefaultsHelpFormatter
 
 DEFAULT_MAX_LENGTHS = (2048,)
@@ -89,12 +89,12 @@ class PackConfig:
     verbose: bool = False  # Beam's and the workers' full logs, also after Ctrl-C (does not shape the rows)
     write_tokens: bool = True  # also publish OUTPUT/tokens (the tokenized set)
     from_tokens: str | None = None  # pack from this tokenized set instead of the inputs
-    # --from-tokens: the token choices (prepack.tokenset.TOKEN_CHOICES) the user gave, to be
+    # --from-tokens: the token choices (prepack.format.tokenset.TOKEN_CHOICES) the user gave, to be
     # checked against the tokenized set's; the fields above then come from the set.
     requested: tuple[tuple[str, Any], ...] = ()
     limits: InputLimits = InputLimits()  # what one input may make a worker hold (pipelines/stages/input_limits.py)
     # --mixture: the parsed mixture file; `inputs` are then its sources' inputs in file order
-    # and `format` is "mixture" (each source has its own, prepack/mixture.py).
+    # and `format` is "mixture" (each source has its own, prepack/packing/mixture.py).
     mixture: Mixture | None = None
     allow_short_mix: bool = False  # publish a mixture whose realized shares miss the requested ones
 
@@ -290,7 +290,7 @@ def parse_args(argv: Sequence[str]) -> tuple[PackConfig, list[str]]:
         if value is not None:
             template_options[key] = value
     if ns.tokenizer:
-        from prepack.tokenizer import TokenizerError, TokenizerSpec
+        from prepack.text.tokenizer import TokenizerError, TokenizerSpec
 
         try:  # a name that is no embedded tokenizer, file or folder is refused now, not after Hub retries
             TokenizerSpec.parse(ns.tokenizer)

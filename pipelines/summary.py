@@ -76,7 +76,7 @@ class LengthSummary:
 
 @dataclasses.dataclass(frozen=True)
 class RunSummary:
-    tally: dict[str, Any]  # prepack.accounting.Tally.to_json()
+    tally: dict[str, Any]  # prepack.packing.accounting.Tally.to_json()
     fingerprints: tuple[tuple, ...]  # (task index, sha256, size, records), by task index
     lengths: dict[int, LengthSummary]
 
@@ -109,7 +109,7 @@ class LengthStats:
     bfd_rows: int | None  # the rows BFD makes from the same plan input (packed); None: unpacked
     planned_examples: int
     dead_letter_entries: int
-    packing: dict[str, Any]  # prepack.stats.PackingStats.as_dict() less max_length and examples
+    packing: dict[str, Any]  # prepack.packing.stats.PackingStats.as_dict() less max_length and examples
     # A mixture's copies written beyond each example's first (stats.examples_written counts
     # copies); None, and not in the manifest, without a mixture.
     examples_repeated: int | None = None

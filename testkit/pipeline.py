@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from prepack import rowformat
-from prepack.manifest import Manifest
+from prepack.format import rowformat
+from prepack.format.manifest import Manifest
 from testkit.reference import split_segments
 
 # In-process Beam runner: no worker start-up cost, DoFns still pickled and bundled.
@@ -178,8 +178,8 @@ def segments_in(rows: Sequence[dict[str, np.ndarray]]) -> Counter:
 
 
 def tokenized(convs: Sequence[Any]) -> list[Any]:
-    from prepack.chat_formats import tokenize_conversations
-    from prepack.tokenizer import load_tokenizer
+    from prepack.text.chat_formats import tokenize_conversations
+    from prepack.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer("gemma3")
     return tokenize_conversations(list(convs), tok, "auto")

@@ -9,8 +9,8 @@ from collections.abc import Iterator, Mapping, Sequence
 import numpy as np
 
 from pipelines.stages.rows import encode_rows_flat
-from prepack import rowformat
-from prepack.rowformat import Segment
+from prepack.format import rowformat
+from prepack.format.rowformat import Segment
 
 
 @dataclasses.dataclass(frozen=True)

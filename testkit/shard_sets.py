@@ -3,7 +3,7 @@
 A shard set built here is what the job publishes: rows-XXXXX-of-XXXXX.array_record
 files, a manifest.json written last, and optionally a dead_letter.jsonl.
 
-Rows are synthetic but valid (prepack.rowformat.check_row passes) and
+Rows are synthetic but valid (prepack.format.rowformat.check_row passes) and
 identifiable: the first token of global row r is `r` (see `row_ids`), so tests
 can tell which rows a batch holds without decoding anything else.
 
@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from prepack import rowformat, shardfile
-from prepack.manifest import DEAD_LETTER_NAME, MANIFEST_NAME, Manifest
+from prepack.format import rowformat, shardfile
+from prepack.format.manifest import DEAD_LETTER_NAME, MANIFEST_NAME, Manifest
 
 # The tokenizer identity written into synthetic manifests (the shape of Tokenizer.identity()).
 TEST_TOKENIZER: dict[str, Any] = {

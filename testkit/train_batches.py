@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from prepack import rowformat
+from prepack.format import rowformat
 
 
 def make_examples(lengths: Sequence[int], vocab_size: int, seed: int = 0, prompt_fraction: float = 0.5) -> list[rowformat.Segment]:

@@ -13,7 +13,7 @@ import pytest
 
 from pipelines.output import commit as output_commit
 from pipelines.output.storage import SwitchRefused, storage_for
-from prepack import layout
+from prepack.format import layout
 from testkit.gcs_emulator import gcs_emulator, gcs_prefix  # noqa: F401  (pytest fixtures)
 
 OLD = ["rows-00000-of-00002-aaaaaaaaaaaa.array_record", "rows-00001-of-00002-bbbbbbbbbbbb.array_record"]

@@ -40,7 +40,7 @@ def job_args(input_spec: str, output: str) -> list[str]:
 def comparable_manifest(text: str) -> dict:
     """The manifest without what legitimately differs between the two runs:
     created_at, and where the (identical) input file was read from."""
-    from prepack.manifest import without_volatile
+    from prepack.format.manifest import without_volatile
 
     data = without_volatile(text)
     for item in data["inputs"]:
@@ -141,7 +141,7 @@ def test_job_on_gcs_matches_local_run_byte_for_byte(gcs_emulator, local_run, gcs
 def test_from_tokens_on_gcs_equals_a_full_run_on_gcs(gcs_emulator, gcs_prefix, gcs_run):
     """--from-tokens reads the tokenized set from gs:// (GcsIO, as on Dataflow) and writes
     gs://: the same shards, dead letter and manifest as a full run from the gs:// input."""
-    from prepack.manifest import without_volatile
+    from prepack.format.manifest import without_volatile
 
     base = gcs_run.rsplit("/", 2)[0]
     from_out, full_out = f"{gcs_prefix}/from", f"{gcs_prefix}/full"
@@ -233,7 +233,7 @@ def test_crash_before_the_manifest_leaves_an_unpublished_folder(gcs_emulator, gc
     """The launcher is interrupted after moving the shards into place but before switching
     manifest.json: the folder holds shards, and no reader accepts it."""
     import loaders
-    from prepack import failpoints
+    from pipelines import failpoints
 
     def die_before_the_manifest(name: str, detail: str | None = None) -> None:
         if name == "shards_in_place":
@@ -287,7 +287,7 @@ def test_gcs_overwrite_is_exclusive_and_replaces_the_set_whole(gcs_emulator, gcs
     second run while the first publishes is refused at start; the first replaces the old set,
     deletes its shards after the switch, and writes published.json."""
     import loaders
-    from prepack import failpoints
+    from pipelines import failpoints
 
     out = f"{gcs_prefix}/out"
     other = write_jsonl(str(tmp_path / "other.jsonl"), alpaca_records(30, seed=8))

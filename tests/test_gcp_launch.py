@@ -101,7 +101,7 @@ def test_beam_stages_our_package_and_the_pipeline_extra(tmp_path):
     assert {"requirements.txt", "workflow.tar.gz"} <= staged
     (sdist,) = tmp_path.glob("tunix-prepack-*.tar.gz")
     names = {n.split("/", 1)[1] for n in tarfile.open(sdist).getnames() if "/" in n}
-    assert {"pipelines/launch/job.py", "pipelines/stages/write.py", "prepack/tokenizer.py", "prepack/sample_data/sample_sft.jsonl"} <= names
+    assert {"pipelines/launch/job.py", "pipelines/stages/write.py", "prepack/text/tokenizer.py", "prepack/sample_data/sample_sft.jsonl"} <= names
 
 
 @pytest.mark.parametrize("examples, workers", [(1_000_000, 4), (10_000_000, 4), (10_000_001, 16), (100_000_000, 16),

@@ -33,7 +33,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 from tunix.models.gemma3 import model as gemma3_model  # noqa: E402
 
-from prepack import gemma3_gguf  # noqa: E402
+from prepack.text import gemma3_gguf  # noqa: E402
 from train import gguf_weights as gw  # noqa: E402
 
 PARIS_ID = 9079  # '▁Paris' in the Gemma 3 vocabulary (checked against the GGUF pieces below)
@@ -110,7 +110,7 @@ def encode(weights: gw.GGUFWeights) -> Callable[[str], list[int]]:
 
     Not a general tokenizer; it fails loudly (KeyError) on any word that is not a single
     piece, which is what makes it exact for the test texts. Cross-checked against the
-    published ids for "The capital of France is" below and against prepack.tokenizer when
+    published ids for "The capital of France is" below and against prepack.text.tokenizer when
     that is available.
     """
     index = {p: i for i, p in enumerate(weights.pieces)}
@@ -605,7 +605,7 @@ def test_real_weights_predict_english_far_better_than_random(
 @pytest.mark.slow  # trains or loads a real model: see pytest.ini
 def test_word_lookup_matches_project_tokenizer(encode: Callable[[str], list[int]]) -> None:
     """Our test-only tokenization equals prepack's real one, when that is available."""
-    from prepack.tokenizer import load_tokenizer
+    from prepack.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer("gemma3")
     for text in (PARAGRAPH, CITY_PROMPT):

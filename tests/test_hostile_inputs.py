@@ -66,7 +66,7 @@ def test_a_text_the_tokenizer_refuses_is_dead_lettered_not_a_crash(fmt, record):
     # A record that reached the tokenizer with unencodable text (whatever reader let it by):
     # sentencepiece raises TypeError for the batch; the batch is retried and only it is dropped.
     from pipelines.stages.prepare import Preparer
-    from prepack.accounting import Tally
+    from prepack.packing.accounting import Tally
 
     good = {"alpaca": {"instruction": "say hi", "output": "hi"},
             "chat": {"messages": [{"role": "user", "content": "say hi"}, {"role": "assistant", "content": "hi"}]}}[fmt]
@@ -282,7 +282,7 @@ def _write_input(tmp_path, kind: str) -> str:
 
 @pytest.mark.parametrize("kind", ["jsonl", "jsonl.gz", "json", "parquet"])
 def test_a_whole_file_input_that_changes_mid_run_fails_the_job_in_one_line(tmp_path, monkeypatch, kind):
-    from prepack import failpoints
+    from pipelines import failpoints
 
     src = _write_input(tmp_path, kind)
 
@@ -308,7 +308,7 @@ def _fuzz_lines(fmt: str, examples: int, tokenizer: str = "gemma3") -> None:
     from hypothesis import strategies as st
 
     from pipelines.stages.prepare import Preparer
-    from prepack.accounting import Tally
+    from prepack.packing.accounting import Tally
 
     preparer = Preparer.from_names((TaskMeta(0, "in", "f.jsonl", "f.jsonl"),), fmt, (), tokenizer, "auto")
     text = st.text(max_size=30) | st.sampled_from(["lone \ud800", "\udfff", "\x00", "\u2028", "<start_of_turn>", ""])
@@ -359,7 +359,7 @@ def test_fuzz_jsonl_lines_10000(fmt):
 
 
 def test_a_gs_input_that_is_replaced_mid_run_fails_the_job_in_one_line(gcs_emulator, gcs_prefix, tmp_path, monkeypatch):  # noqa: F811
-    from prepack import failpoints
+    from pipelines import failpoints
 
     # A JSON array (read whole), replaced by one of the same size: the size cannot tell, the
     # object's generation does (a stamp of size and updated seconds misses a replacement made

@@ -16,8 +16,8 @@ from testkit.shard_sets import TEST_TOKENIZER, build_shard_set, row_ids
 import loaders
 from apps import inspect as inspect_cli
 from loaders.shard_cache import ShardCache, ShardDigestError
-from prepack.manifest import MANIFEST_NAME, Manifest, ManifestError
-from prepack.tokenset import TokenSetError, TokenSetManifest
+from prepack.format.manifest import MANIFEST_NAME, Manifest, ManifestError
+from prepack.format.tokenset import TokenSetError, TokenSetManifest
 
 
 def _edit(folder, **changes) -> dict:
@@ -139,7 +139,7 @@ def test_run_record_paths_must_be_the_lengths_manifest(tmp_path):
 
 
 def _tokens_manifest() -> dict:
-    from prepack.accounting import Tally
+    from prepack.packing.accounting import Tally
 
     return {
         "kind": "tokens", "format_version": 1, "num_examples": 3, "tokens": 30, "target_tokens": 10,
@@ -356,7 +356,7 @@ def _fuzz_tokens_manifest(examples: int) -> None:
             assert "\n" not in str(e)
             return
         from pipelines.stages.tokens_source import tasks_of
-        from prepack.accounting import Tally
+        from prepack.packing.accounting import Tally
 
         tasks_of(manifest)  # what the job then builds from it must not raise either
         Tally.from_json(manifest.job["tally"])

@@ -21,7 +21,7 @@ from testkit.import_graph import LAYERS, ROOT, cycles, import_graph, upward_impo
 
 def test_no_import_points_up_or_sideways():
     graph = import_graph()
-    assert set(graph) >= {"apps.cli", "apps.preflight", "apps.report", "pipelines.launch.job", "loaders.shards", "prepack.packer"}
+    assert set(graph) >= {"apps.cli", "apps.preflight", "apps.report", "pipelines.launch.job", "loaders.shards", "prepack.packing.packer"}
     assert upward_imports(graph) == []
 
 
@@ -61,9 +61,9 @@ def test_every_package_has_a_layer():
 
 CASES = {
     "core": (
-        "import prepack.rowformat, prepack.packer, prepack.stats, prepack.manifest, prepack.shardfile, "
-        "prepack.templates, prepack.chat_formats, prepack.tokenizer, prepack.gemma3_gguf; "
-        "from prepack.tokenizer import load_tokenizer; load_tokenizer('gemma3').encode('hi')",
+        "import prepack.format.rowformat, prepack.packing.packer, prepack.packing.stats, prepack.format.manifest, prepack.format.shardfile, "
+        "prepack.text.templates, prepack.text.chat_formats, prepack.text.tokenizer, prepack.text.gemma3_gguf; "
+        "from prepack.text.tokenizer import load_tokenizer; load_tokenizer('gemma3').encode('hi')",
         ("apache_beam", "jax", "grain"),
     ),
     "pipeline": (
@@ -97,7 +97,7 @@ def test_the_check_can_fail():
 
 
 def test_stages_do_not_reach_into_the_output_layer():
-    """Stages write only under staging paths named by prepack.layout; publishing (and its storage,
+    """Stages write only under staging paths named by prepack.format.layout; publishing (and its storage,
     lock and fencing) is the launcher's, through pipelines.output. is_gcs is asked in one place of
     the output layer (its storage)."""
     graph = import_graph()

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from testkit.shard_sets import build_shard_set
 
-import prepack.tokenizer
+import prepack.text.tokenizer
 from apps import cli, inspect
-from prepack import rowformat
+from prepack.format import rowformat
 
 
 class FakeTokenizer:
@@ -43,7 +43,7 @@ def run(argv):
 
 
 def test_summary_and_text_with_targets(shard_set, monkeypatch):
-    monkeypatch.setattr(prepack.tokenizer, "load_tokenizer", lambda spec, **kw: FakeTokenizer())
+    monkeypatch.setattr(prepack.text.tokenizer, "load_tokenizer", lambda spec, **kw: FakeTokenizer())
     rc, out, err = run([shard_set, "--no-color"])
     assert rc == 0, err
     assert f"shard set   {shard_set}" in out
@@ -65,9 +65,9 @@ def test_summary_and_text_with_targets(shard_set, monkeypatch):
 
 def test_falls_back_to_ids_and_selects_rows(shard_set, monkeypatch):
     def fail(spec, **kw):
-        raise prepack.tokenizer.TokenizerError(f"tokenizer {spec!r}: not here")
+        raise prepack.text.tokenizer.TokenizerError(f"tokenizer {spec!r}: not here")
 
-    monkeypatch.setattr(prepack.tokenizer, "load_tokenizer", fail)
+    monkeypatch.setattr(prepack.text.tokenizer, "load_tokenizer", fail)
     rc, out, err = run([shard_set, "--rows", "1", "--row-index", "1", "--no-color"])
     assert rc == 0
     assert "note: tokenizer 'test-vocab' could not be loaded" in err and "showing token ids" in err
@@ -75,7 +75,7 @@ def test_falls_back_to_ids_and_selects_rows(shard_set, monkeypatch):
 
 
 def test_color_marks_targets(shard_set, monkeypatch):
-    monkeypatch.setattr(prepack.tokenizer, "load_tokenizer", lambda spec, **kw: FakeTokenizer())
+    monkeypatch.setattr(prepack.text.tokenizer, "load_tokenizer", lambda spec, **kw: FakeTokenizer())
     rc, out, _ = run([shard_set, "--rows", "1", "--color", "always"])
     assert rc == 0 and "targets in green" in out
     assert f"<bos><6>{inspect.GREEN}<7><8>{inspect.RESET}" in out

@@ -12,7 +12,7 @@ from testkit.shard_sets import build_shard_set, row_ids
 
 import loaders
 from loaders import HostPlan
-from prepack import rowformat
+from prepack.format import rowformat
 
 NUM_ROWS = 37  # prime: no batch size or host count divides it
 L = 16

@@ -12,8 +12,8 @@ import pytest
 from testkit.shard_sets import TEST_TOKENIZER, build_shard_set, row_ids
 
 import loaders
-from prepack import rowformat
-from prepack.manifest import MANIFEST_NAME, ManifestError
+from prepack.format import rowformat
+from prepack.format.manifest import MANIFEST_NAME, ManifestError
 
 
 @pytest.fixture(scope="module")

@@ -21,8 +21,9 @@ import loaders
 from pipelines.launch.cli import main
 from pipelines.output import lock as output_lock
 from pipelines.output import storage as output_storage
-from prepack import gcs, layout
-from prepack.run_record import RunRecord
+from prepack.storage import gcs
+from prepack.format import layout
+from prepack.format.run_record import RunRecord
 from testkit.gcs_emulator import gcs_emulator, gcs_prefix  # noqa: F401  (pytest fixtures)
 from testkit.http_delay_proxy import start_proxy
 from testkit.pipeline import IN_PROCESS, alpaca_records, write_jsonl

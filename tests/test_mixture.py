@@ -8,7 +8,7 @@ from fractions import Fraction
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from prepack.mixture import MixtureError, budgets, limiting_source, load_mixture, partial_count
+from prepack.packing.mixture import MixtureError, budgets, limiting_source, load_mixture, partial_count
 
 GOOD = """\
 weight_of: target_tokens
@@ -130,7 +130,7 @@ def test_job_boundary_search_is_the_share_rule(examples, weights, max_repeats):
     """pipelines/stages/mix.py's bucket histogram + boundary threshold picks exactly the examples the
     rule picks when every example of a source is ranked in one list."""
     from pipelines.stages.mix import ThresholdFn, decide
-    from prepack.mixture import rank_bucket
+    from prepack.packing.mixture import rank_bucket
 
     examples = [(s, h, f"{s}/x/{i}", w) for i, (s, h, w) in enumerate(examples)]
     if {s for s, *_ in examples} != {1, 2, 3}:

@@ -14,9 +14,9 @@ import pytest
 from pipelines.launch.job import run
 from pipelines.options import OptionsError, parse_args
 from pipelines.launch.publish import JobError
-from prepack import rowformat
-from prepack.mixture import budgets
-from prepack.templates import get_template
+from prepack.format import rowformat
+from prepack.packing.mixture import budgets
+from prepack.text.templates import get_template
 from testkit.pipeline import (IN_PROCESS, TWO_PROCESSES, alpaca_records, chat_records, read_shard_set, segment_key,
                               shard_bytes, tokenized, translation_records, write_jsonl)
 
@@ -189,7 +189,7 @@ def test_remix_from_tokens_equals_a_full_run(mixed, tmp_path):
 
 
 def test_remix_with_other_sources_is_refused(mixed, tmp_path):
-    from prepack.tokenset import TokenSetError
+    from prepack.format.tokenset import TokenSetError
 
     folder, _, out = mixed
     other = folder / "other.yaml"

@@ -16,7 +16,7 @@ import pytest
 
 from testkit.gcs_emulator import gcs_emulator, gcs_prefix  # noqa: F401  (pytest fixtures)
 from pipelines.output import lock, storage
-from prepack import layout
+from prepack.format import layout
 
 
 def dead_pid() -> int:

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from prepack import packer
-from prepack.packer import DropReason, Fit, OverlongPolicy
+from prepack.packing import packer
+from prepack.packing.packer import DropReason, Fit, OverlongPolicy
 from testkit.reference import pack_unpacked, slots_by_length
 
 lengths_and_limit = st.integers(1, 200).flatmap(

@@ -40,10 +40,10 @@ from pipelines.launch.job import run
 from pipelines.options import parse_args
 from pipelines.stages.planning import stable_hash
 from pipelines.launch.publish import JobError
-from prepack import rowformat
-from prepack.manifest import STABLE_KEYS, without_volatile
-from prepack.packer import pack_best_fit_decreasing
-from prepack.templates import get_template
+from prepack.format import rowformat
+from prepack.format.manifest import STABLE_KEYS, without_volatile
+from prepack.packing.packer import pack_best_fit_decreasing
+from prepack.text.templates import get_template
 from testkit.reference import split_segments
 
 LENGTHS = (64, 256)
@@ -271,7 +271,7 @@ def test_refuses_to_overwrite(mixed_run, data_dir):
 
 
 def test_interrupted_run_publishes_nothing(mixed_run, data_dir, tmp_path, monkeypatch):
-    from prepack import templates
+    from prepack.text import templates
 
     # The job takes single-turn templates through to_pair (the fast path); fail both ways in.
     originals = {name: getattr(templates.AlpacaTemplate, name) for name in ("to_pair", "to_conversations")}
@@ -382,7 +382,7 @@ def test_translation_both_shapes_via_cli(tmp_path, capsys):
     manifest, rows = check_shard_set(str(out / "L128"), expected, 128)
     assert manifest.stats["examples_written"] == 14
     assert manifest.template["options"] == {"source_lang": "en", "target_lang": "de"}
-    from prepack.tokenizer import load_tokenizer
+    from prepack.text.tokenizer import load_tokenizer
 
     text = load_tokenizer("gemma3").decode(rows[0]["input_ids"][rows[0]["valid_mask"] == 1])
     assert "from English to German" in text
@@ -401,7 +401,7 @@ def test_oasst1_message_table(tmp_path):
     entries = [json.loads(line) for line in (out / "L256" / "dead_letter.jsonl").read_text().splitlines()]
     assert [(e["reason"], e["source"]["line"], e["message_id"]) for e in entries] == [("bad_role", 9, "c2")]
     assert '"role": "robot"' in entries[0]["raw"]
-    from prepack.templates import oasst1_conversations
+    from prepack.text.templates import oasst1_conversations
 
     convs = [c for c, _ in oasst1_conversations(oasst1_messages())]
     check_shard_set(str(out / "L256"), tokenized(convs), 256)

@@ -21,9 +21,9 @@ from testkit.pipeline import (
     write_jsonl,
 )
 from testkit import reference
-from prepack.chat_formats import tokenize_conversations
-from prepack.templates import get_template, oasst1_conversations
-from prepack.tokenizer import load_tokenizer
+from prepack.text.chat_formats import tokenize_conversations
+from prepack.text.templates import get_template, oasst1_conversations
+from prepack.text.tokenizer import load_tokenizer
 from test_pipeline import check_shard_set, pack
 
 IM_START, IM_END, THINK, END_THINK = 151644, 151645, 151667, 151668

@@ -20,8 +20,8 @@ from pipelines.stages.planning import build_plan, choose_num_shards, stable_hash
 from pipelines.launch.report import density_table
 from pipelines.stages.rows import RowLayoutError
 from pipelines.stages.sources import InputError, parse_hf_spec, parse_tfds_spec, resolve_inputs
-from prepack import rowformat
-from prepack.packer import pack_best_fit_decreasing
+from prepack.format import rowformat
+from prepack.packing.packer import pack_best_fit_decreasing
 from testkit.reference import encode_rows, sub_bucket
 
 
@@ -325,7 +325,7 @@ def test_density_table_of_an_unpacked_set_has_no_packed_columns():
 def per_item_slots(histogram, max_length: int, planner: str = "bfd"):
     """build_plan's slots, segments and rows as the per-item scan of the planner's rows gives
     them: plan_from_histogram's (BFD), or the exact fill's patterns written out row by row."""
-    from prepack.packer import HistogramPlan, plan_from_histogram
+    from prepack.packing.packer import HistogramPlan, plan_from_histogram
 
     counts: Counter = Counter()
     for (L, k, _), c in histogram.items():
@@ -406,7 +406,7 @@ def test_the_planner_hands_out_a_class_before_it_places_the_next(monkeypatch):
     class is placed and before the next (shorter) one is. Fails when LengthPlanner.classes
     collects the classes first (list(...) of the BFD's classes)."""
     from pipelines.stages.planning import LengthPlanner
-    from prepack import packer
+    from prepack.packing import packer
 
     events = []
     place_run = packer._BestFit.place_run
@@ -443,8 +443,8 @@ def test_the_planner_hands_out_a_class_before_it_places_the_next(monkeypatch):
 
 def _fit_reference(examples, max_lengths, truncate, pack, buckets):
     """The per-example rule FitAndKeyFn applies, written out plainly."""
-    from prepack.accounting import Tally
-    from prepack.packer import DropReason
+    from prepack.packing.accounting import Tally
+    from prepack.packing.packer import DropReason
 
     payloads, hist, tally, dead = set(), Counter(), Tally(), []
     for eid, ids, mask in examples:
@@ -474,7 +474,7 @@ def _fit_reference(examples, max_lengths, truncate, pack, buckets):
        truncate=st.booleans(), pack=st.booleans(), buckets=st.sampled_from([1, 2, 7]), flush=st.sampled_from([3, 20_000]))
 def test_fit_and_key_matches_the_per_example_rule(data, max_lengths, truncate, pack, buckets, flush):
     from pipelines.stages import fit, stage
-    from prepack.packer import OverlongPolicy
+    from prepack.packing.packer import OverlongPolicy
 
     max_lengths = tuple(sorted(max_lengths))
     batches, k = [], 0
@@ -503,7 +503,7 @@ def test_fit_and_key_matches_the_per_example_rule(data, max_lengths, truncate, p
         out += list(fn.finish_bundle())
     finally:
         fit.FLUSH_EXAMPLES = old_flush
-    from prepack.accounting import Tally
+    from prepack.packing.accounting import Tally
 
     payloads, hist, tally, dead = set(), Counter(), Tally(), []
     for item in out:
@@ -570,7 +570,7 @@ def test_prepare_fast_path_equals_the_conversation_path(template, tokenizer_kind
     """PrepareFn's single-turn path (to_pair + tokenize_pairs_flat) against the general one
     (to_conversations + tokenize_conversations_flat): same examples, dead letters, tallies."""
     from pipelines.stages import prepare
-    from prepack.packer import OverlongPolicy
+    from prepack.packing.packer import OverlongPolicy
 
     if tokenizer_kind == "gemma3":
         tokenizer, chat_format = "gemma3", "gemma"
@@ -599,7 +599,7 @@ def test_prepare_fast_path_equals_the_conversation_path(template, tokenizer_kind
 
 def test_prepare_has_no_fast_path_for_the_jinja_format(tmp_path_factory):
     from pipelines.stages import prepare
-    from prepack.packer import OverlongPolicy
+    from prepack.packing.packer import OverlongPolicy
     from test_templates import CHATML_TEMPLATE, build_hf_dir
 
     folder = build_hf_dir(tmp_path_factory.mktemp("chatml_hf"), ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
@@ -726,7 +726,7 @@ def test_router_ships_examples_cut_to_the_longest_max_length_they_serve():
     from pipelines.stages import route
     from pipelines.stages.columns import ShardWork
     from pipelines.stages.planning import build_plans
-    from prepack.packer import OverlongPolicy
+    from prepack.packing.packer import OverlongPolicy
 
     n, lengths = 10_000, (64, 128)
     mask = np.ones(n, dtype=np.uint8)
@@ -855,7 +855,7 @@ def _routed_slots(groups: dict, plans: dict, lengths: tuple[int, ...], seed: int
     permuted and split into wires at random (as shuffles deliver them) when seed is given."""
     from pipelines.stages import route
     from pipelines.stages.columns import ShardWork
-    from prepack.packer import OverlongPolicy
+    from prepack.packing.packer import OverlongPolicy
 
     ctx = _job_context(tokenizer="unused", chat_format="gemma", max_lengths=lengths, overlong=OverlongPolicy.TRUNCATE, pack=True, sub_buckets=3, batch_size=8)
     fn = route.RouteToRowsFn(ctx)

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from prepack import exact_fill, packer
-from prepack.packer import HistogramPlan, Planner
+from prepack.packing import exact_fill, packer
+from prepack.packing.packer import HistogramPlan, Planner
 
 
 def check_rows(rows, histogram, max_length, cap):

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from apps import preflight
-from prepack.packer import OverlongPolicy
+from prepack.packing.packer import OverlongPolicy
 from apps.preflight import DatasetSpec, ExampleSet, PreflightConfig
 
 # Four examples, lengths [3, 5, 2, 6]; targets counted from token 1: [2, 3, 1, 3] -> 9.
@@ -341,7 +341,7 @@ def test_forecast_rows_equal_the_published_rows(tmp_path, extra):
     Fails when preflight plans with plain BFD, without the cap, or drops what the job splits."""
     from pipelines.launch.job import run as pack_run
     from pipelines.options import parse_args
-    from prepack.manifest import Manifest
+    from prepack.format.manifest import Manifest
 
     from testkit.pipeline import alpaca_records
 
@@ -380,7 +380,7 @@ def test_unknown_options_only_pass_through_in_pipeline_mode(tmp_path, capsys):
         (["--input", "{folder}/*.parquet", "--format", "alpaca"], "matches no file"),
         (["--input", "{folder}/notes.txt", "--format", "alpaca"], "cannot tell the file format"),
         (["--input", "{data}", "--format", "translation", "--template-option", "source_lang"], "expected KEY=VALUE"),
-        # The wrong --format: every record is bad, and it fails in `prepack pack`'s words (prepack.bad_records).
+        # The wrong --format: every record is bad, and it fails in `prepack pack`'s words (prepack.packing.bad_records).
         (["--input", "{data}", "--format", "oasst1"],
          "d: 1 of 1 examples read are bad records (100.00%, more than --max-bad-fraction 0): invalid 1. "
          "Fix the inputs (is --format oasst1 right?)"),
@@ -400,7 +400,7 @@ def test_bad_input_fails_with_a_clear_message(tmp_path, capsys, argv, message):
 
 
 def test_bad_records_fail_by_default_as_in_pack(tmp_path, capsys):
-    # Pack's default (any bad record fails) and pack's sentence (prepack.bad_records).
+    # Pack's default (any bad record fails) and pack's sentence (prepack.packing.bad_records).
     data = tmp_path / "d.jsonl"
     data.write_text("\n".join(ALPACA_LINES) + "\n")
     assert preflight.main(["--input", str(data), "--format", "alpaca", "--output", str(tmp_path / "out"), "--no-plots"]) == 2
@@ -450,9 +450,9 @@ def test_counter_of_bad_records_survives_json():
 
 def test_preflight_with_the_embedded_qwen3_tokenizer(tmp_path):
     """--tokenizer qwen3: auto picks Qwen3's ChatML, and the lengths are the qwen3 examples' lengths."""
-    from prepack.chat_formats import tokenize_conversations
-    from prepack.templates import get_template
-    from prepack.tokenizer import load_tokenizer
+    from prepack.text.chat_formats import tokenize_conversations
+    from prepack.text.templates import get_template
+    from prepack.text.tokenizer import load_tokenizer
 
     records = [{"instruction": f"Count to {i}.", "input": "", "output": " ".join(str(k) for k in range(i))} for i in range(1, 30)]
     data = tmp_path / "alpaca.jsonl"

@@ -18,9 +18,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prepack.chat_formats import ChatMLFormat, Qwen3Format, get_chat_format, tokenize_conversations, tokenize_conversations_flat, tokenize_pairs_flat
-from prepack.templates import Conversation, Turn
-from prepack.tokenizer import load_tokenizer
+from prepack.text.chat_formats import ChatMLFormat, Qwen3Format, get_chat_format, tokenize_conversations, tokenize_conversations_flat, tokenize_pairs_flat
+from prepack.text.templates import Conversation, Turn
+from prepack.text.tokenizer import load_tokenizer
 
 PROMPT_IDS = {
     "a cat on a skateboard": [151644, 872, 198, 64, 8251, 389, 264, 97982, 151645, 198, 151644, 77091, 198, 151667, 271, 151668, 271],

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from apps import report
-from prepack.manifest import Manifest, ShardInfo
+from prepack.format.manifest import Manifest, ShardInfo
 from apps.report import ReportError
 
 

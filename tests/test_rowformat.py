@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prepack import rowformat
-from prepack.rowformat import RowFormatError, Segment
+from prepack.format import rowformat
+from prepack.format.rowformat import RowFormatError, Segment
 from testkit.reference import split_segments
 
 
@@ -128,7 +128,7 @@ def test_readers_decode_by_the_manifests_field_order(tmp_path):
     import json
 
     import loaders
-    from prepack.manifest import Manifest, ManifestError
+    from prepack.format.manifest import Manifest, ManifestError
     from testkit.shard_sets import build_shard_set
 
     build_shard_set(tmp_path / "set", num_rows=4, num_shards=1, max_length=16)

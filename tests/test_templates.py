@@ -1,4 +1,4 @@
-"""Tests for prepack.templates (records -> conversations) and prepack.chat_formats
+"""Tests for prepack.text.templates (records -> conversations) and prepack.text.chat_formats
 (conversations -> input_ids + loss_mask).
 
 Fixtures are hand-written here. Three tokenizers are used:
@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prepack.chat_formats import (
+from prepack.text.chat_formats import (
     CHAT_FORMAT_ERROR_REASONS,
     ChatFormatError,
     ChatMLFormat,
@@ -32,7 +32,7 @@ from prepack.chat_formats import (
     tokenize_conversations_flat,
     tokenize_pairs_flat,
 )
-from prepack.templates import (
+from prepack.text.templates import (
     OASST1_DROP_REASONS,
     RECORD_ERROR_REASONS,
     Conversation,
@@ -45,7 +45,7 @@ from prepack.templates import (
     template_names,
 )
 
-from prepack.tokenizer import load_tokenizer
+from prepack.text.tokenizer import load_tokenizer
 
 
 # ======================================================================================

@@ -18,8 +18,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prepack import gemma3_gguf
-from prepack.tokenizer import (
+from prepack.text import gemma3_gguf
+from prepack.text.tokenizer import (
     HFTokenizer,
     SentencePieceTokenizer,
     Tokenizer,
@@ -30,7 +30,7 @@ from prepack.tokenizer import (
 
 REPO = Path(__file__).resolve().parents[1]
 
-# sha256 over the Gemma 3 vocabulary as defined by prepack.tokenizer.vocab_hash. Manifests
+# sha256 over the Gemma 3 vocabulary as defined by prepack.text.tokenizer.vocab_hash. Manifests
 # record it, so a change here invalidates every packed dataset: change it only on purpose.
 GEMMA3_VOCAB_HASH = "956ce6ae17ebe03ad27594308e5310f6363616b8b786f47156d524e8f3e0e2f3"
 
@@ -219,7 +219,7 @@ def test_cold_build_wrote_cache(cold_load: tuple[Tokenizer, float], cache_dir: P
 
 
 def test_identity_cache_matches_a_fresh_scan(tok: Tokenizer, gemma_cache: Path) -> None:
-    from prepack.tokenizer import _chars_before_space_mark, vocab_hash
+    from prepack.text.tokenizer import _chars_before_space_mark, vocab_hash
 
     again = load_tokenizer("gemma3")  # identity from the cache file
     pieces = again._pieces()
@@ -232,7 +232,7 @@ def test_cached_load_reads_neither_gguf_nor_vocabulary_again(tok: Tokenizer, gem
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """What makes a cached load cheap, checked without a clock: no GGUF read or model build,
     and the vocabulary facts come from the identity cache instead of a scan."""
-    from prepack import tokenizer as tokenizer_module
+    from prepack.text import tokenizer as tokenizer_module
 
     def fail(*args: object, **kwargs: object) -> None:
         raise AssertionError("a cached load must not do this")
@@ -247,7 +247,7 @@ def test_cached_load_reads_neither_gguf_nor_vocabulary_again(tok: Tokenizer, gem
 
 
 def test_vocab_hash_stable_across_processes(gemma_cache: Path) -> None:
-    code = "from prepack.tokenizer import load_tokenizer; print(load_tokenizer('gemma3').identity()['vocab_hash'])"
+    code = "from prepack.text.tokenizer import load_tokenizer; print(load_tokenizer('gemma3').identity()['vocab_hash'])"
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True, env=dict(os.environ)
     )
@@ -529,7 +529,7 @@ def test_hf_relative_path_survives_pickle(hf_dir: Path, monkeypatch: pytest.Monk
 
 
 def test_reload_refuses_a_different_vocabulary(hf_tok: Tokenizer) -> None:
-    from prepack import tokenizer as tokmod
+    from prepack.text import tokenizer as tokmod
 
     spec = TokenizerSpec.parse(hf_tok.name)
     with pytest.raises(TokenizerError, match="different vocabulary"):
@@ -566,7 +566,7 @@ def test_sp_spec_with_a_small_trained_model(tmp_path: Path) -> None:
 def test_a_cold_gemma3_build_prints_no_pytorch_notice(tmp_path: Path) -> None:
     """The cold build imports transformers (its protobuf copy), which announces "PyTorch was
     not found" at import. Nothing here needs torch, so no command should print it."""
-    code = ("import sys; from prepack.tokenizer import load_tokenizer; load_tokenizer('gemma3').encode('hi'); "
+    code = ("import sys; from prepack.text.tokenizer import load_tokenizer; load_tokenizer('gemma3').encode('hi'); "
             "print('transformers' in sys.modules)")
     env = {k: v for k, v in os.environ.items() if k != "TRANSFORMERS_NO_ADVISORY_WARNINGS"}
     env[gemma3_gguf.CACHE_ENV] = str(tmp_path)  # empty cache: the cold path

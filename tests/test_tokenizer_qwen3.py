@@ -16,8 +16,8 @@ import unicodedata
 
 import pytest
 
-from prepack import qwen3_bpe
-from prepack.tokenizer import TiktokenTokenizer, Tokenizer, TokenizerError, TokenizerSpec, load_tokenizer
+from prepack.text import qwen3_bpe
+from prepack.text.tokenizer import TiktokenTokenizer, Tokenizer, TokenizerError, TokenizerSpec, load_tokenizer
 
 # transformers tests/models/qwen2/test_tokenization_qwen2.py, test_tokenizer_integration.
 QWEN_INTEGRATION_EN = (
@@ -44,7 +44,7 @@ QWEN3_SPECIAL_IDS = {
 }
 
 # sha256 over the Qwen3 vocabulary (pieces in Hugging Face's byte-level spelling, id order) as
-# defined by prepack.tokenizer.vocab_hash. Manifests record it: change it only on purpose.
+# defined by prepack.text.tokenizer.vocab_hash. Manifests record it: change it only on purpose.
 QWEN3_VOCAB_HASH = "2b126ad4a1742c536099a31874320a4da38b49ec91d85e3e219374d897a44566"
 
 

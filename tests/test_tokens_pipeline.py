@@ -19,8 +19,8 @@ from testkit.pipeline import IN_PROCESS, TWO_PROCESSES, alpaca_records, oasst1_m
 from pipelines.launch.job import run
 from pipelines.options import parse_args
 from pipelines.launch.publish import JobError
-from prepack.manifest import without_volatile
-from prepack.tokenset import TokenSetManifest
+from prepack.format.manifest import without_volatile
+from prepack.format.tokenset import TokenSetManifest
 
 FIRST_LENGTHS = ("48", "64")
 BAD_LINES = [b'{"instruction": "broken", "output": ', json.dumps({"output": "no instruction"}).encode()]
@@ -56,7 +56,7 @@ def read_tokens_manifest(folder) -> TokenSetManifest:
 def test_full_run_publishes_the_tokenized_set(first):
     from array_record.python.array_record_module import ArrayRecordReader
 
-    from prepack.tokenset import decode_batch
+    from prepack.format.tokenset import decode_batch
 
     tokens = first / "tokens"
     manifest = read_tokens_manifest(tokens)
@@ -136,12 +136,12 @@ def test_from_tokens_equals_a_full_run_for_tables_and_byte_ranges(case, source, 
 
 
 def test_from_tokens_never_reads_the_inputs_or_loads_the_tokenizer(first, source, tmp_path, monkeypatch):
-    import prepack.tokenizer
+    import prepack.text.tokenizer
 
     def refuse(*args, **kwargs):
         raise AssertionError("the tokenizer was loaded")
 
-    monkeypatch.setattr(prepack.tokenizer, "load_tokenizer", refuse)
+    monkeypatch.setattr(prepack.text.tokenizer, "load_tokenizer", refuse)
     moved = tmp_path / "elsewhere.jsonl"
     shutil.move(source, moved)  # the inputs are gone
     try:

@@ -1,13 +1,13 @@
-"""The tokenized set's record format and manifest (prepack/tokenset.py): no Beam."""
+"""The tokenized set's record format and manifest (prepack/format/tokenset.py): no Beam."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from prepack import tokenset
-from prepack.accounting import Tally
-from prepack.manifest import ShardInfo
+from prepack.format import tokenset
+from prepack.packing.accounting import Tally
+from prepack.format.manifest import ShardInfo
 
 
 def _batch(seed: int, n: int = 60, vocab: int = 262_144, mask_values: int = 2):

@@ -67,10 +67,10 @@ REAL_PAIRS = (
 
 
 def _real_qwen3_examples(lengths: tuple[int, ...]) -> tuple[int, list]:
-    from prepack import rowformat
-    from prepack.chat_formats import tokenize_conversations
-    from prepack.templates import Conversation, Turn
-    from prepack.tokenizer import load_tokenizer
+    from prepack.format import rowformat
+    from prepack.text.chat_formats import tokenize_conversations
+    from prepack.text.templates import Conversation, Turn
+    from prepack.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer("qwen3")
     convs = [Conversation((Turn("user", p), Turn("assistant", r))) for p, r in REAL_PAIRS]
@@ -131,7 +131,7 @@ def run_packed(case: Case, inputs: dict) -> np.ndarray:
 def test_the_rows_are_what_they_claim(case: Case) -> None:
     for b in (case.packed, case.unpacked):
         for r in range(b["input_ids"].shape[0]):
-            from prepack import rowformat
+            from prepack.format import rowformat
 
             rowformat.check_row({k: v[r] for k, v in b.items()}, MAX_LENGTH)
     assert case.packed["segment_ids"].max(axis=1).tolist() == [3, 2]

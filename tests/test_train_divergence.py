@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import loaders
-from prepack import rowformat
+from prepack.format import rowformat
 from testkit.shard_sets import TEST_TOKENIZER, build_shard_set
 from testkit.train_batches import learnable_segments
 from train import checkpoints, cli, divergence, lora_file

@@ -28,7 +28,8 @@ import numpy as np
 import optax
 import pytest
 
-from prepack import packer, rowformat
+from prepack.packing import packer
+from prepack.format import rowformat
 from testkit.pipeline import tokenized
 from testkit.shard_sets import TEST_TOKENIZER, build_shard_set
 from testkit.train_batches import learnable_segments
@@ -42,7 +43,7 @@ BATCH = 4
 
 def sample_segments() -> tuple[list[rowformat.Segment], int]:
     """The sample set's examples that fit MAX_LENGTH, real Gemma3 tokens renumbered compactly; and the vocab size."""
-    from prepack.templates import get_template
+    from prepack.text.templates import get_template
 
     template = get_template("alpaca")
     with open(SAMPLE) as f:

@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from prepack import rowformat
+from prepack.format import rowformat
 from train import cli, data, mesh, metrics, vocab
 from train.config import TrainError
 

@@ -65,8 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
 def shards_refusal(flag: str, path: str) -> str | None:
     """Why a local --shards path is no shard set, in the user's terms; None when it looks like one
     (or is on gs://: the loader checks it then). A damaged shard set is the loader's to report."""
-    from prepack.manifest import MANIFEST_NAME
-    from prepack.tokenset import TOKENS_KIND
+    from prepack.format.manifest import MANIFEST_NAME
+    from prepack.format.tokenset import TOKENS_KIND
 
     path = path.rstrip("/") or path
     if path.startswith("gs://"):
@@ -106,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.cpu_devices}".strip()
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-    from prepack.manifest import ManifestError
+    from prepack.format.manifest import ManifestError
     from train import checkpoints, divergence, lora_file, models, trainer
 
     cfg = trainer.TrainConfig(

@@ -151,7 +151,7 @@ def read_gguf(gguf_path: str | os.PathLike[str] | None = None, dtype: Any = np.f
     dtype: numpy dtype of the arrays (np.float32 or ml_dtypes.bfloat16); dequantization
     itself runs in float32.
 
-    The file is read with prepack.gemma3_gguf.read_gguf_tensors (header parse + np.memmap,
+    The file is read with prepack.text.gemma3_gguf.read_gguf_tensors (header parse + np.memmap,
     ~0.2 s) rather than gguf.GGUFReader (~12 s, nearly all of it turning the 262k-entry
     vocabulary into numpy objects); its raw tensor views are shaped exactly like GGUFReader's,
     so gguf.quants.dequantize sees the same input. Dequantization runs in blocks of rows
@@ -160,7 +160,7 @@ def read_gguf(gguf_path: str | os.PathLike[str] | None = None, dtype: Any = np.f
     """
     import gguf
 
-    from prepack.gemma3_gguf import read_gguf_tensors
+    from prepack.text.gemma3_gguf import read_gguf_tensors
 
     contents = read_gguf_tensors(os.fspath(gguf_path or default_gguf_path()))
     hf_state: dict[str, np.ndarray] = {}

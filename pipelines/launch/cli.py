@@ -43,7 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OptionsError as e:
         print(f"prepack pack: {e}", file=sys.stderr)
         return 2
-    from prepack import failpoints
+    from pipelines import failpoints
 
     try:
         failpoints.check()

@@ -50,8 +50,9 @@ from pipelines.options import PackConfig
 from pipelines.stages.planning import choose_sub_buckets
 from pipelines.stages.sources import ReadTask, ResolvedInput
 from pipelines.summary import LengthStats, RunSummary
-from prepack import failpoints, layout
-from prepack.tokenset import TokenSetError, TokenSetManifest
+from pipelines import failpoints
+from prepack.format import layout
+from prepack.format.tokenset import TokenSetError, TokenSetManifest
 
 log = logging.getLogger("prepack.pack")
 
@@ -115,9 +116,9 @@ def prepare(
     `resolved`: the inputs and read tasks, given by a caller that must touch neither input
     nor output (the offline Dataflow graph check, gcp/dataflow_validate.py); then the
     existing-set, input and output-probe checks are skipped."""
-    from prepack.chat_formats import ChatFormatError, get_chat_format
-    from prepack.templates import get_template
-    from prepack.tokenizer import TokenizerError, load_tokenizer
+    from prepack.text.chat_formats import ChatFormatError, get_chat_format
+    from prepack.text.templates import get_template
+    from prepack.text.tokenizer import TokenizerError, load_tokenizer
 
     run_id = run_id or uuid.uuid4().hex[:12]
     try:
@@ -448,9 +449,9 @@ def verify(job: PreparedJob, summary: RunSummary, held: output.OutputLock) -> di
 
 def _check_mixture(config: PackConfig, summary: RunSummary) -> None:
     """Per source and length: the accounting identity, the bad fraction, usable examples, and
-    the realized shares (prepack.mixture.check_sources); raises JobError with one line."""
-    from prepack.accounting import Tally
-    from prepack.mixture import check_sources, source_figures
+    the realized shares (prepack.packing.mixture.check_sources); raises JobError with one line."""
+    from prepack.packing.accounting import Tally
+    from prepack.packing.mixture import check_sources, source_figures
 
     tally = Tally.from_json(summary.tally)
     for L in config.max_lengths:
@@ -475,8 +476,8 @@ def _staged_sets(job: PreparedJob, summary: RunSummary, stats: dict[int, LengthS
                                             summary.lengths[L].plan.method)
         manifest.created_at = created_at
         if config.mixture is not None:
-            from prepack.accounting import Tally
-            from prepack.mixture import mixture_manifest
+            from prepack.packing.accounting import Tally
+            from prepack.packing.mixture import mixture_manifest
 
             manifest.mixture = mixture_manifest(config.mixture, Tally.from_json(summary.tally), L)
             manifest.use_mixture_format()

@@ -11,11 +11,11 @@ from typing import Any
 
 from pipelines.options import PackConfig
 from pipelines.summary import LengthStats, PlanSummary, RunSummary, ShardSummary
-from prepack.layout import summary_path
-from prepack.accounting import Tally
-from prepack.bad_records import too_many_bad_records
-from prepack.manifest import DEAD_LETTER_NAME, Manifest, ShardInfo
-from prepack.stats import PackingStats
+from prepack.format.layout import summary_path
+from prepack.packing.accounting import Tally
+from prepack.packing.bad_records import too_many_bad_records
+from prepack.format.manifest import DEAD_LETTER_NAME, Manifest, ShardInfo
+from prepack.packing.stats import PackingStats
 
 
 class JobError(RuntimeError):

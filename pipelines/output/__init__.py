@@ -1,8 +1,8 @@
-"""The job's output layer: where everything goes (prepack/layout.py), local disks and gs://
+"""The job's output layer: where everything goes (prepack/format/layout.py), local disks and gs://
 behind one interface (storage), one writer at a time (lock), and publishing any staged set
 with fencing (commit). Shard sets and the tokenized set publish through the same Commit.
 
-Stages write only under their staging folders (prepack.layout names them) and never
+Stages write only under their staging folders (prepack.format.layout names them) and never
 import from here; the launcher (pipelines/launch/job.py) takes the lock, looks, and commits.
 """
 

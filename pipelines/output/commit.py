@@ -19,7 +19,7 @@ the folder's .staging-<run>/ and publishes them here, in this order (docs/manife
 
 Before every step the lock is checked (`OutputLock.check`, a conditional renewal on
 gs://); a run that lost it raises LockLost naming the owner and changes nothing more.
-Failpoints (prepack/failpoints.py) mark each step.
+Failpoints (pipelines/failpoints.py) mark each step.
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ from collections.abc import Callable
 
 from pipelines.output.lock import LockLost, OutputLock
 from pipelines.output.storage import SwitchRefused, Version, Versioned, storage_for
-from prepack import failpoints, layout
-from prepack.run_record import RunRecord
+from pipelines import failpoints
+from prepack.format import layout
+from prepack.format.run_record import RunRecord
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +80,7 @@ def length_place(output: str, max_length: int) -> SetPlace:
 
 
 def tokens_place(output: str) -> SetPlace:
-    from prepack.tokenset import is_set_file
+    from prepack.format.tokenset import is_set_file
 
     return SetPlace("tokens", layout.tokens_dir(output), is_set_file)
 

@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable
 
 from pipelines.output.storage import GcsStorage, SwitchRefused, storage_for
-from prepack import layout
+from prepack.format import layout
 
 DEFAULT_EXPIRY_S = 600.0  # a gs:// lease not renewed for this long is stale
 RENEW_EVERY_S = 60.0  # at most; a third of the expiry when that is shorter
@@ -81,7 +81,7 @@ def _owner_now(output: str, holder: LockInfo | None) -> str:
     """Who owns the output now: the lock's holder, else the run whose record is published there."""
     if holder is not None:
         return holder.describe()
-    from prepack.run_record import RunRecord
+    from prepack.format.run_record import RunRecord
 
     found = storage_for(output).read(layout.run_record_path(output))
     try:

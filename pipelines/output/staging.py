@@ -19,7 +19,7 @@ import json
 
 from pipelines.output.lock import LockLost, OutputLock
 from pipelines.output.storage import Version, storage_for
-from prepack import layout
+from prepack.format import layout
 
 
 def cleanup_run(output: str, max_lengths: tuple[int, ...], run_id: str) -> None:

@@ -21,7 +21,7 @@ import dataclasses
 import os
 from typing import Protocol
 
-from prepack.gcs import GCS_PREFIX, gcs_client, is_gcs, split_gcs
+from prepack.storage.gcs import GCS_PREFIX, gcs_client, is_gcs, split_gcs
 
 Version = str | int
 

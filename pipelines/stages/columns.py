@@ -25,8 +25,8 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
-from prepack.packer import targets_after_first
-from prepack.tokenwire import IDS, MASK, ids_from_wire, ids_to_wire, mask_from_wire, mask_to_wire
+from prepack.packing.packer import targets_after_first
+from prepack.format.tokenwire import IDS, MASK, ids_from_wire, ids_to_wire, mask_from_wire, mask_to_wire
 
 LENS = np.dtype("<i4")
 
@@ -51,7 +51,7 @@ class Ragged:
     mask: np.ndarray
 
     def targets_after_first(self, end: int | None = None) -> np.ndarray:
-        """prepack.packer.targets_after_first of these examples."""
+        """prepack.packing.packer.targets_after_first of these examples."""
         return targets_after_first(self.lens, self.mask, end)
 
     def take(self, index: np.ndarray, cut_to: int | None = None) -> "Ragged":
@@ -69,7 +69,7 @@ class Ragged:
         )
 
 
-# Token payloads on the wire: ids in 3 bytes, masks in bits (prepack.tokenwire); the local
+# Token payloads on the wire: ids in 3 bytes, masks in bits (prepack.format.tokenwire); the local
 # runner's data plane costs CPU per byte shuffled (~20 ms per MB), and ids + mask are most of the bytes.
 
 

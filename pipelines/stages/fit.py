@@ -17,14 +17,14 @@ from pipelines.stages.planning import stable_hash, sub_buckets_of
 from pipelines.stages.records import dead_letter
 from pipelines.stages.stage import (FLUSH_EXAMPLES, NAMESPACE, TAG_DEAD, TAG_HIST, TAG_TALLY, TAG_WEIGHTS, JobContext, StageClock,
                              in_global_window)
-from prepack.accounting import Tally
-from prepack.packer import DropReason, Fit, OverlongPolicy, fit_at_length, piece_id, split_pieces
+from prepack.packing.accounting import Tally
+from prepack.packing.packer import DropReason, Fit, OverlongPolicy, fit_at_length, piece_id, split_pieces
 
 
 class FitAndKeyFn(beam.DoFn):
     """TokenizedBatches -> ((length_key, b), PayloadBatch wire) for the routing GroupByKey.
 
-    Contract: applies the overlong rule (prepack.packer.fit_at_length) at every max length;
+    Contract: applies the overlong rule (prepack.packing.packer.fit_at_length) at every max length;
     every example either travels on, carrying in PayloadBatch.kept_at the max lengths it is kept
     at, or is dropped at a max length with a dead letter and a tally entry of its reason (an
     example with no target at all is counted once in Tally.no_targets and dropped at every L). Builds this

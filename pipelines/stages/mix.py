@@ -1,5 +1,5 @@
 """Mix stage (--mixture only): each source's share of every max length, by the share rule of
-prepack/mixture.py, between the fit stage and the plan.
+prepack/packing/mixture.py, between the fit stage and the plan.
 
 The rule needs each source's kept weight at each L before anything is chosen, and then a
 rank threshold per (L, source) for the one partial copy. Exactly, with bounded memory:
@@ -35,9 +35,9 @@ from apache_beam.pvalue import TaggedOutput
 from pipelines.stages.columns import PayloadBatch, Ragged
 from pipelines.stages.planning import stable_hash, sub_buckets_of
 from pipelines.stages.stage import TAG_HIST, TAG_TALLY, JobContext, MergeCounters, StageClock, in_global_window
-from prepack.accounting import Tally
-from prepack.mixture import RANK_BITS, budgets, partial_count
-from prepack.packer import DropReason
+from prepack.packing.accounting import Tally
+from prepack.packing.mixture import RANK_BITS, budgets, partial_count
+from prepack.packing.packer import DropReason
 
 TAG_BOUNDARY = "boundary"
 NO_BOUNDARY = -1

@@ -31,7 +31,7 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 
-from prepack.packer import ClassRuns, HistogramPlan, Planner
+from prepack.packing.packer import ClassRuns, HistogramPlan, Planner
 
 # Compressed bytes per token of a row under zstd:3, measured in docs/row_format.md
 # (2.4); used only to turn --target-shard-mb into a shard count.

@@ -23,7 +23,7 @@ from pipelines.stages import readers
 from pipelines.stages.columns import IDS, LENS, MASK, Ragged, TokenizedBatch
 from pipelines.stages.planning import stable_hash
 from pipelines.stages.records import DeadLetter, Loc, TaskMeta, dead_letter, example_id
-from prepack.accounting import Tally
+from prepack.packing.accounting import Tally
 from pipelines.stages.stage import NAMESPACE, TAG_BAD, TAG_TALLY, JobContext, Progress, StageClock, in_global_window
 
 # oasst1 messages dropped for these reasons are a property of the data set (other
@@ -110,9 +110,9 @@ class Preparer:
     @classmethod
     def from_names(cls, tasks: Sequence[TaskMeta], template: str, template_options: Iterable[tuple[str, str]],
                    tokenizer: str, chat_format: str, **kwargs: Any) -> "Preparer":
-        from prepack.chat_formats import get_chat_format
-        from prepack.templates import get_template
-        from prepack.tokenizer import load_tokenizer
+        from prepack.text.chat_formats import get_chat_format
+        from prepack.text.templates import get_template
+        from prepack.text.tokenizer import load_tokenizer
 
         loaded = load_tokenizer(tokenizer)
         return cls(tasks, get_template(template, **dict(template_options)), loaded,
@@ -122,7 +122,7 @@ class Preparer:
 
     def template_records(self, task_index: int, items: list, tally: Tally, bad: list[DeadLetter]) -> Templated:
         """Decodes, parses and templates a batch of raw records of one task."""
-        from prepack.templates import RecordError
+        from prepack.text.templates import RecordError
 
         meta = self.tasks[task_index]
         out = Templated()
@@ -209,7 +209,7 @@ class Preparer:
     def _tokenize(self, convs: list, metas: list[tuple[Loc, str]], tally: Tally, bad: list[DeadLetter]) -> list[TokenizedBatch]:
         """Examples for convs (metas[i] = (loc, example_id)); a conversation the chat format
         rejects becomes a dead letter and the rest of the batch goes on."""
-        from prepack.chat_formats import ChatFormatError, tokenize_conversations_flat
+        from prepack.text.chat_formats import ChatFormatError, tokenize_conversations_flat
 
         out: list[TokenizedBatch] = []
         start = 0
@@ -243,7 +243,7 @@ class Preparer:
                         bad: list[DeadLetter]) -> list[TokenizedBatch]:
         """Examples for single-turn pairs; a fixed layout has no per-conversation errors, but the
         tokenizer may refuse a text (bad_text)."""
-        from prepack.chat_formats import tokenize_pairs_flat
+        from prepack.text.chat_formats import tokenize_pairs_flat
 
         out: list[TokenizedBatch] = []
         pairs = list(zip(prompts, responses))
@@ -317,9 +317,9 @@ class _Counting:
                                                 ctx.config.tokenizer, ctx.config.chat_format, on_batch=self._count_batch)
             self.preparers = {0: self.preparer}
         else:  # one tokenizer and chat format, each source with its own template
-            from prepack.chat_formats import get_chat_format
-            from prepack.templates import get_template
-            from prepack.tokenizer import load_tokenizer
+            from prepack.text.chat_formats import get_chat_format
+            from prepack.text.templates import get_template
+            from prepack.text.tokenizer import load_tokenizer
 
             loaded = load_tokenizer(ctx.config.tokenizer)
             chat_format = get_chat_format(ctx.config.chat_format, loaded)

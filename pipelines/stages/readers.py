@@ -27,7 +27,7 @@ from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any
 
 from pipelines.stages import compressed, sources
-from prepack import failpoints
+from pipelines import failpoints
 from pipelines.failures import InputFileError
 from pipelines.stages.input_limits import InputLimits
 from pipelines.stages.sources import ReadTask

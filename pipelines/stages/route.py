@@ -17,7 +17,7 @@ from pipelines.stages.columns import PayloadBatch, ShardWork, concat_wire
 from pipelines.failures import ShardCheckError
 from pipelines.stages.planning import LengthPlan
 from pipelines.stages.stage import FLUSH_EXAMPLES, NAMESPACE, TAG_PLAN, JobContext, StageClock, in_global_window
-from prepack.packer import Planner
+from prepack.packing.packer import Planner
 
 
 class PlanFn(beam.DoFn):

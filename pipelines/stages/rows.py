@@ -1,6 +1,6 @@
 """Many rows at once: the writer's fast path to the same bytes as build_row + encode_row.
 
-`prepack.rowformat.build_row` lays out one row with a few numpy calls per
+`prepack.format.rowformat.build_row` lays out one row with a few numpy calls per
 segment; at ~20 segments per 2048-token row that is ~250 µs a row, the largest
 cost of writing a shard after compression. Here a chunk of rows is laid out
 with a handful of whole-array operations. The result is byte-identical to
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from prepack import rowformat
+from prepack.format import rowformat
 
 _PLANE = {name: i for i, name in enumerate(rowformat.MIXTURE_FIELD_NAMES)}
 CHUNK_BYTES = 64 << 20  # one chunk's [rows, fields, L] matrix

@@ -130,7 +130,7 @@ def regular_file_stamp(path: str, shown: str) -> tuple[int, float]:
 def file_stamp(path: str) -> tuple[int, float]:
     """The stamp a file has now (see ReadTask.stamp)."""
     if path.startswith("gs://"):
-        from prepack.gcs import object_stamp
+        from prepack.storage.gcs import object_stamp
 
         return object_stamp(path)
     return regular_file_stamp(path, path)

@@ -27,7 +27,7 @@ from apache_beam.transforms.window import GlobalWindows
 
 from pipelines.options import PackConfig
 from pipelines.stages.records import TaskMeta
-from prepack.accounting import Tally
+from prepack.packing.accounting import Tally
 
 NAMESPACE = "prepack"
 TAG_BAD = "bad"

@@ -33,10 +33,10 @@ from pipelines.stages.records import DeadLetter, TaskMeta
 from pipelines.stages.stage import StageClock
 from pipelines.summary import RunSummary, TokenFile, TokenIndex
 from pipelines.stages.write import copy_local_to, write_bytes
-from prepack.accounting import Tally
-from prepack.layout import tokens_staging_dir
-from prepack.manifest import ShardInfo
-from prepack.tokenset import (
+from prepack.packing.accounting import Tally
+from prepack.format.layout import tokens_staging_dir
+from prepack.format.manifest import ShardInfo
+from prepack.format.tokenset import (
     TOKENS_WRITER_OPTIONS,
     TokenSetManifest,
     dropped_name,
@@ -160,7 +160,7 @@ class WriteTokenSet(beam.PTransform):
     def expand(self, inputs: dict[str, Any]) -> Any:
         from apache_beam.pvalue import AsList
 
-        from prepack.accounting import NO_TARGETS
+        from prepack.packing.accounting import NO_TARGETS
 
         first = self.first_length
         no_targets = inputs["dead"] | "NoTargetsOnce" >> beam.FlatMap(

@@ -30,12 +30,12 @@ from pipelines.options import PackConfig
 from pipelines.stages.planning import stable_hash
 from pipelines.stages.records import TaskMeta
 from pipelines.stages.stage import StageClock
-from prepack.accounting import Tally
+from prepack.packing.accounting import Tally
 from pipelines.failures import InputFileError
-from prepack.layout import RUN_RECORD_NAME
-from prepack.manifest import MANIFEST_NAME
-from prepack.run_record import RunRecord, RunRecordError
-from prepack.tokenset import TOKENS_DIR, TokenSetError, TokenSetManifest, check_examples, decode_batch
+from prepack.format.layout import RUN_RECORD_NAME
+from prepack.format.manifest import MANIFEST_NAME
+from prepack.format.run_record import RunRecord, RunRecordError
+from prepack.format.tokenset import TOKENS_DIR, TokenSetError, TokenSetManifest, check_examples, decode_batch
 
 NAMESPACE = "prepack"
 READ_BATCH = 4096  # records per TokenizedBatch
@@ -143,7 +143,7 @@ def reconcile(config: PackConfig, manifest: TokenSetManifest, folder: str) -> Pa
 def _remix(config: PackConfig, recorded: dict[str, Any] | None, folder: str):
     """The mixture to pack the set with: --mixture's new weights over the set's own sources, or
     the set's recorded mixture; raises TokenSetError (one line) for other sources."""
-    from prepack.mixture import Mixture, MixtureError
+    from prepack.packing.mixture import Mixture, MixtureError
 
     if recorded is None:
         if config.mixture is not None:

@@ -32,11 +32,11 @@ from pipelines.failures import InputFileError, ShardCheckError
 from pipelines.stages.records import DeadLetter, TaskMeta, place_in_file, range_offsets
 from pipelines.stages.stage import StageClock
 from pipelines.summary import LengthSummary, PlanSummary, RunSummary, ShardSummary
-from prepack.layout import run_staging_dir, staging_dir, summary_path
+from prepack.format.layout import run_staging_dir, staging_dir, summary_path
 from pipelines.stages.rows import encode_rows_flat
-from prepack.accounting import Tally
-from prepack.manifest import DEAD_LETTER_NAME
-from prepack.shardfile import DEFAULT_WRITER_OPTIONS, shard_name, write_shard
+from prepack.packing.accounting import Tally
+from prepack.format.manifest import DEAD_LETTER_NAME
+from prepack.format.shardfile import DEFAULT_WRITER_OPTIONS, shard_name, write_shard
 
 NAMESPACE = "prepack"
 COPY_BLOCK = 8 << 20
@@ -314,7 +314,7 @@ class WriteShardSets(beam.PTransform):
     run's summary.json (a PCollection of its one path).
 
     Rows go to their shard's windows (part files), then each shard is assembled from its parts
-    in window order; everything is written under the run's staging folders (prepack.layout)."""
+    in window order; everything is written under the run's staging folders (prepack.format.layout)."""
 
     def __init__(self, ctx: Any):
         super().__init__()

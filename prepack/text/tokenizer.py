@@ -12,7 +12,7 @@ explicit `hf:` prefix reaches the Hugging Face Hub, so a typo never waits on Hub
 
 Every tokenizer encodes user text as plain text: no BOS/EOS are added and special-token
 strings such as "<start_of_turn>" are not turned into control ids, so data cannot inject
-control tokens. Chat formatting adds control ids explicitly (prepack/chat_formats.py).
+control tokens. Chat formatting adds control ids explicitly (prepack/text/chat_formats.py).
 
 Tokenizer objects pickle as (spec, vocab_hash) and reload on unpickling, refusing a
 different vocabulary; Beam DoFns should still call `load_tokenizer(spec)` in `setup()`.
@@ -366,7 +366,7 @@ def _none_if_negative(i: int) -> int | None:
 
 
 def _load_gemma3(spec: TokenizerSpec) -> SentencePieceTokenizer:
-    from prepack import gemma3_gguf
+    from prepack.text import gemma3_gguf
 
     def sane(tok: SentencePieceTokenizer) -> bool:
         return tok.vocab_size == _GEMMA3_VOCAB_SIZE and all(tok.token_to_id(p) == i for p, i in _GEMMA3_PINNED.items())
@@ -394,7 +394,7 @@ def _load_gemma3(spec: TokenizerSpec) -> SentencePieceTokenizer:
 def _with_cached_identity(tok: SentencePieceTokenizer, model_proto: bytes) -> SentencePieceTokenizer:
     """Fill the vocabulary scans (vocab_hash, special_ids, the no-cut characters) from the cache
     beside the model file, keyed by the model bytes' sha256; compute and cache them on a miss."""
-    from prepack import gemma3_gguf
+    from prepack.text import gemma3_gguf
 
     sha = hashlib.sha256(model_proto).hexdigest()
     cached = gemma3_gguf.load_cached_identity(sha)
@@ -500,7 +500,7 @@ class TiktokenTokenizer(_TokenizerBase):
         return self._piece_ids.get(token)
 
     def id_to_token(self, token_id: int) -> str:
-        from prepack.qwen3_bpe import byte_level_piece
+        from prepack.text.qwen3_bpe import byte_level_piece
 
         i = self._check_id(token_id)
         if i >= len(self._ranks):
@@ -508,7 +508,7 @@ class TiktokenTokenizer(_TokenizerBase):
         return byte_level_piece(self._enc.decode_single_token_bytes(i))
 
     def _pieces(self) -> list[str | None]:
-        from prepack.qwen3_bpe import byte_level_piece
+        from prepack.text.qwen3_bpe import byte_level_piece
 
         pieces: list[str | None] = [None] * self.vocab_size
         for token, rank in self._ranks.items():
@@ -522,7 +522,7 @@ class TiktokenTokenizer(_TokenizerBase):
 
 
 def _load_qwen3(spec: TokenizerSpec) -> TiktokenTokenizer:
-    from prepack import qwen3_bpe
+    from prepack.text import qwen3_bpe
 
     try:
         ranks = qwen3_bpe.load_ranks()
@@ -633,7 +633,7 @@ def _load_hf(spec: TokenizerSpec, local_files_only: bool | None) -> HFTokenizer:
         target = str(path.resolve())
         local_files_only = True
 
-    from prepack import transformers_quiet
+    from prepack.text import transformers_quiet
 
     transformers_quiet.quiet()
     from transformers import AutoTokenizer

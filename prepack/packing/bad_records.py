@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from prepack.accounting import NOT_BAD_INPUT
+from prepack.packing.accounting import NOT_BAD_INPUT
 
 # The default of --max-bad-fraction in `prepack pack` and `prepack preflight` alike: any bad
 # record fails, so an estimate never stands on input the job would refuse.

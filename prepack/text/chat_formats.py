@@ -1,6 +1,6 @@
 """Conversation + Tokenizer -> token ids and loss mask.
 
-A chat format lays out a `Conversation` (prepack.templates) as a list of *segments*: either
+A chat format lays out a `Conversation` (prepack.text.templates) as a list of *segments*: either
 a piece of plain text (encoded by the tokenizer) or literal token ids (special tokens such
 as <start_of_turn>, inserted by id so that user text can never forge them), each with a
 loss flag. `tokenize_conversations` collects the text pieces of a whole batch, encodes
@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence, Union
 
 import numpy as np
 
-from prepack.templates import Conversation
+from prepack.text.templates import Conversation
 
-if TYPE_CHECKING:  # the Tokenizer protocol lives in prepack.tokenizer (see docs/CONTRACTS.md)
-    from prepack.tokenizer import Tokenizer
+if TYPE_CHECKING:  # the Tokenizer protocol lives in prepack.text.tokenizer (see docs/CONTRACTS.md)
+    from prepack.text.tokenizer import Tokenizer
 
 __all__ = [
     "TokenizedExample",
@@ -472,7 +472,7 @@ class HFTemplateFormat(ChatFormat):
                     kw[key] = tok.id_to_token(int(tid))
             self._render_kwargs = kw
         try:
-            from prepack import transformers_quiet
+            from prepack.text import transformers_quiet
             transformers_quiet.quiet()
             from transformers.utils.chat_template_utils import render_jinja_template
         except ImportError as exc:  # pragma: no cover - transformers is in the pipeline extra

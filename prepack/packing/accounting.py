@@ -19,7 +19,7 @@ import dataclasses
 from collections import Counter
 from typing import Any
 
-from prepack.packer import DropReason
+from prepack.packing.packer import DropReason
 
 NO_TARGETS = "no_targets"
 # Drop reasons that depend on the max length, and those that are not bad input.
@@ -39,7 +39,7 @@ class Tally:
     dropped: Counter = dataclasses.field(default_factory=Counter)  # (max length, DropReason) -> examples
     split: Counter = dataclasses.field(default_factory=Counter)  # max length -> examples cut into pieces
     split_pieces: Counter = dataclasses.field(default_factory=Counter)  # max length -> pieces they were cut into
-    # Mixtures (prepack/mixture.py): max length -> copies written beyond each example's first
+    # Mixtures (prepack/packing/mixture.py): max length -> copies written beyond each example's first
     # (so per L: examples_read - split + split_pieces + repeated == written + dropped), and the
     # sampling's figures per L: kept weight before sampling, written weight, unique examples
     # written, tokens and target tokens written.

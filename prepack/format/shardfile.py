@@ -10,7 +10,7 @@ import hashlib
 import os
 from collections.abc import Iterable
 
-from prepack.manifest import ShardInfo
+from prepack.format.manifest import ShardInfo
 
 # group_size:1 keeps one record per chunk, so a random read decodes one row.
 # It is written explicitly: array_record <= 0.8.3 defaults to 65536.

@@ -18,7 +18,7 @@ from typing import Mapping
 import numpy as np
 
 FORMAT_VERSION = 1
-# Mixture sets (prepack/mixture.py) add a sixth field, `source_ids`: each token's mixture source,
+# Mixture sets (prepack/packing/mixture.py) add a sixth field, `source_ids`: each token's mixture source,
 # 1..N in the mixture file's order, 0 on padding. Only they are version 2; a set without a
 # mixture keeps version 1's bytes and readers read both (docs/row_format.md).
 MIXTURE_FORMAT_VERSION = 2

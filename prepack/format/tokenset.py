@@ -9,7 +9,7 @@ reads it through pipelines/stages/tokens_sink.py and tokens_source.py, `prepack 
 Record (little-endian), docs/row_format.md "Tokenized set":
 
     u8 version | u32 tokens n | i32 task | i64 record | i64 line | i32 sub | u16 id bytes
-    | example id (utf-8) | ids (prepack.tokenwire, 1 + 3n bytes) | mask (tokenwire, 9 + ceil(n/8))
+    | example id (utf-8) | ids (prepack.format.tokenwire, 1 + 3n bytes) | mask (tokenwire, 9 + ceil(n/8))
 
 (task, record, line, sub) is where the example came from, as the job numbers it
 (pipelines/records.Loc); the manifest's `job.tasks` names the files.
@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from prepack import tokenwire, untrusted
-from prepack.layout import TOKENS_DIR  # noqa: F401  (defined once, in the layout; others import it from here)
-from prepack.manifest import MANIFEST_NAME, ShardInfo
+from prepack.format import tokenwire, untrusted
+from prepack.format.layout import TOKENS_DIR  # noqa: F401  (defined once, in the layout; others import it from here)
+from prepack.format.manifest import MANIFEST_NAME, ShardInfo
 
 TOKENS_FORMAT_VERSION = 1
 TOKENS_KIND = "tokens"
@@ -288,7 +288,7 @@ class TokenSetManifest:
 
 
 def _checked_fields(data: dict[str, Any], source: str) -> dict[str, Any]:
-    """The fields other than `shards`, each of the type the job relies on (prepack.untrusted);
+    """The fields other than `shards`, each of the type the job relies on (prepack.format.untrusted);
     TokenSetError names the field."""
     E = TokenSetError
     u = untrusted
@@ -307,7 +307,7 @@ def _checked_fields(data: dict[str, Any], source: str) -> dict[str, Any]:
         u.sequence(v.get("fingerprints"), source, f"{f}.fingerprints", E)
         u.count(v.get("est_records"), source, f"{f}.est_records", E)
         try:
-            from prepack.accounting import Tally
+            from prepack.packing.accounting import Tally
 
             Tally.from_json(u.mapping(v.get("tally"), source, f"{f}.tally", E))
         except E:

@@ -13,8 +13,8 @@ import dataclasses
 import json
 from typing import Any
 
-from prepack import rowformat, untrusted
-from prepack.layout import DEAD_LETTER_NAME, MANIFEST_NAME  # noqa: F401  (named once, in the layout; also imported from here)
+from prepack.format import rowformat, untrusted
+from prepack.format.layout import DEAD_LETTER_NAME, MANIFEST_NAME  # noqa: F401  (named once, in the layout; also imported from here)
 
 STABLE_KEYS = (
     "format_version",
@@ -65,7 +65,7 @@ class Manifest:
     created_at: str | None = None
     # Where the examples came from when not from the inputs: {"from_tokens": the tokenized set, ...}.
     lineage: dict[str, Any] | None = None
-    # A mixture's sources and shares (prepack/mixture.py: mixture_manifest); absent without one.
+    # A mixture's sources and shares (prepack/packing/mixture.py: mixture_manifest); absent without one.
     mixture: dict[str, Any] | None = None
     format_version: int = rowformat.FORMAT_VERSION
     fields: dict[str, str] = dataclasses.field(default_factory=rowformat.field_spec)
@@ -87,7 +87,7 @@ class Manifest:
 
     @classmethod
     def from_json(cls, text: str, source: str = "manifest.json") -> "Manifest":
-        """The manifest, every field checked (prepack.untrusted): anything a stranger could
+        """The manifest, every field checked (prepack.format.untrusted): anything a stranger could
         have written is refused with one ManifestError line naming `source` and the field."""
         try:
             data = json.loads(text)

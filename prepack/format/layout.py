@@ -3,12 +3,12 @@
     OUTPUT/
       .lock                        the output lock (pipelines/output/lock.py)
       published.json               the run record: which manifests one run published together
-      L<L>/manifest.json           a shard set (prepack/manifest.py)
+      L<L>/manifest.json           a shard set (prepack/format/manifest.py)
       L<L>/rows-00000-of-00004-<12 hex>.array_record
       L<L>/dead_letter.jsonl       examples dropped at that length (named by the manifest)
       L<L>/dead_letter.failed.jsonl   a failed run's dead letter, kept beside the set
       L<L>/.staging-<run>/         a run's files before they are published
-      tokens/manifest.json         the tokenized set (prepack/tokenset.py), its files beside it
+      tokens/manifest.json         the tokenized set (prepack/format/tokenset.py), its files beside it
       tokens/.staging-<run>/
       .staging-<run>/              a run's summary, parts and temp files
 """

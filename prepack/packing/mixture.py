@@ -200,7 +200,7 @@ def _parse_source(entry: Any, index: int, base: str, where: str) -> MixtureSourc
     weight = _weight(entry["weight"], at)
     options = tuple(sorted((k, str(v)) for k, v in entry.items() if k in FORMAT_OPTIONS))
     try:
-        from prepack.templates import get_template
+        from prepack.text.templates import get_template
 
         get_template(fmt, **dict(options))
     except ValueError as e:
@@ -291,8 +291,8 @@ def rank_bucket(hash64: int) -> int:
 
 def source_figures(mixture: Mixture, tally: Any, max_length: int) -> list[dict[str, Any]]:
     """The manifest's `mixture.sources` at one max length, from the job's Tally
-    (prepack.accounting; its `sources` hold each source's own)."""
-    from prepack.accounting import Tally
+    (prepack.packing.accounting; its `sources` hold each source's own)."""
+    from prepack.packing.accounting import Tally
 
     requested = mixture.requested_shares()
     per = [tally.sources.get(s.index, Tally()) for s in mixture.sources]
@@ -336,7 +336,7 @@ def check_sources(mixture: Mixture, figures: list[dict[str, Any]], max_length: i
     """(problems that fail the job, notes) for one max length: the per-source identity, the
     per-source bad fraction, a source with no usable examples, and shares off by more than
     SHARE_TOLERANCE (a problem unless allow_short)."""
-    from prepack.bad_records import too_many_bad_records
+    from prepack.packing.bad_records import too_many_bad_records
 
     problems, notes = [], []
     for f in figures:
@@ -370,7 +370,7 @@ def check_sources(mixture: Mixture, figures: list[dict[str, Any]], max_length: i
 
 
 def _length_reason(reason: str) -> bool:
-    from prepack.accounting import NOT_BAD_INPUT
+    from prepack.packing.accounting import NOT_BAD_INPUT
 
     return reason in NOT_BAD_INPUT
 

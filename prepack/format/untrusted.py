@@ -1,5 +1,5 @@
 """Checks for values read from storage that others can write: manifests, run records
-(prepack/run_record.py), the tokenized set's manifest.
+(prepack/format/run_record.py), the tokenized set's manifest.
 
 A training host reads manifests from buckets other people can write, so nothing taken from
 one is used before it is checked here: a file name must be a plain name as the writer makes

@@ -16,7 +16,7 @@ read_gguf_tensors() continues past the metadata into the tensor infos and return
 tensor as a memory-mapped view shaped like GGUFReader's (train/gguf_weights.py uses it).
 
 Imports of numpy/gguf/transformers/sentencepiece are local to the functions that need them,
-so `import prepack.gemma3_gguf` stays cheap (prepack/ is imported by Beam launchers too).
+so `import prepack.text.gemma3_gguf` stays cheap (prepack/ is imported by Beam launchers too).
 """
 from __future__ import annotations
 
@@ -340,7 +340,7 @@ def build_sentencepiece_model(meta: GGUFTokenizerMetadata) -> bytes:
     """Serialized SentencePiece ModelProto equivalent to the Gemma 3 tokenizer."""
     # sentencepiece's bundled pb2 needs protobuf>=7; apache-beam pins 6.x, and transformers
     # ships a copy generated for older protobuf.
-    from prepack import transformers_quiet
+    from prepack.text import transformers_quiet
     transformers_quiet.quiet()
     from transformers.utils import sentencepiece_model_pb2_new as sp_pb2
 

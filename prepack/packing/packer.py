@@ -26,7 +26,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from prepack import exact_fill
+from prepack.packing import exact_fill
 
 
 class OverlongPolicy(str, enum.Enum):
@@ -39,7 +39,7 @@ class Planner(str, enum.Enum):
     """How a max length's rows are planned from its length histogram (`--planner`)."""
 
     BFD = "bfd"  # best-fit-decreasing
-    BEST = "best"  # the fewer rows of BFD and exact fills (prepack.exact_fill); BFD's on a tie
+    BEST = "best"  # the fewer rows of BFD and exact fills (prepack.packing.exact_fill); BFD's on a tie
 
 
 class DropReason(str, enum.Enum):
@@ -48,7 +48,7 @@ class DropReason(str, enum.Enum):
     TOO_LONG = "too_long"
     NO_TARGETS_AFTER_TRUNCATION = "no_targets_after_truncation"
     NO_TARGETS_AFTER_SPLIT = "no_targets_after_split"  # counts pieces, not examples
-    NOT_SAMPLED = "not_sampled"  # a mixture's share rule left it out at this max length (prepack/mixture.py)
+    NOT_SAMPLED = "not_sampled"  # a mixture's share rule left it out at this max length (prepack/packing/mixture.py)
 
 
 class Fit(enum.IntEnum):

@@ -2,7 +2,7 @@
 
 A *template* turns one source record (one JSON object of a dataset) into zero or more
 `Conversation`s; each conversation becomes exactly one training example later on
-(`prepack.chat_formats` turns it into token ids and a loss mask).
+(`prepack.text.chat_formats` turns it into token ids and a loss mask).
 
 Templates only look at the record's structure. They do not know about tokenizers or chat
 markup, so the same `alpaca` record can be rendered for Gemma, Qwen or any HF chat template.
