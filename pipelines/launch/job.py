@@ -360,6 +360,8 @@ def run(config: PackConfig, beam_args: list[str], run_id: str | None = None) -> 
         raise publish.JobError(str(e)) from e
     except output.SwitchRefused as e:
         raise publish.JobError(f"{e}; the sets now in {config.output} are another run's; this run published nothing") from e
+    except failpoints.InjectedFault as e:  # after_lock, before_publish: nothing switched yet (the commit's own are caught there)
+        raise publish.JobError(failures.injected(str(e))) from e
     except OSError as e:
         if e.errno == errno.ENOSPC:
             if commit is not None and commit.switched:  # the previous sets are not all intact any more: say which are new
