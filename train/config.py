@@ -40,7 +40,7 @@ class TrainConfig:
     nan_policy: str = "stop"  # on a non-finite loss or gradient norm: "stop" or "skip-step" (train/divergence.py)
     # The memory path (train/memory_path.py): chunked loss (0 = full [B, L, V] logits), attention
     # from segment ids (None = the backend's default), per-layer rematerialisation, planning.
-    loss_chunk_tokens: int = 1024
+    loss_chunk_tokens: int = 1024  # the chunk size by measurement: docs/benchmarks.md (memory path)
     attention: str | None = None  # dense | blocked | splash
     # none | layer | auto (plan the step, remat only if it would not fit). prepack train defaults to auto;
     # the library default is none, so a caller that plans itself does not pay a second compile.

@@ -24,10 +24,6 @@ from train.config import TrainConfig, TrainError
 
 REMAT_NONE, REMAT_LAYER, REMAT_AUTO = "none", "layer", "auto"
 REMATS = (REMAT_NONE, REMAT_LAYER, REMAT_AUTO)
-# Measured (docs/benchmarks.md, bench_memory_path.py --chunks): 1024 gives the smallest
-# planned temp of the sizes tried at Gemma3's 262k vocabulary; smaller chunks only add loop steps.
-DEFAULT_LOSS_CHUNK_TOKENS = 1024
-
 
 def attention_kind(cfg: TrainConfig) -> str:
     kind = cfg.attention or attention_lib.default_kind()
