@@ -11,6 +11,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str, str]] = {
     "pack": ("pipelines.launch.cli", "main", "pipeline", "run the Beam packing job: inputs -> ArrayRecord shard sets, one per max length"),
     "inspect": ("apps.inspect_tokens", "main", "train",
                 "print a shard set's (or tokenized set's) manifest summary and decode rows (examples) segment by segment"),
+    "verify": ("apps.verify", "main", "train",
+               "check every row of a shard set (or output) against the row format and its manifest's counts, without a model"),
     "preflight": ("apps.preflight", "main", "pipeline,report", "estimate packing gains from the tokenizer alone, with tables and plots"),
     "report": ("apps.report", "main", "report", "render manifests and training metrics into one page with plots"),
     "train": ("train.cli", "main", "train", "LoRA SFT with Tunix on a shard set, packed or unpacked"),

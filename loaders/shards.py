@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 # Random access: no readahead (each read wants one record), a small buffer.
 _READER_OPTIONS = "readahead_buffer_size:0"
 _READER_BUFFER = 32768
+# Reading a whole shard in order (ShardView.scan): readahead, one thread (measured 4x faster per row).
+_SCAN_OPTIONS = "readahead_buffer_size:16777216,max_parallelism:1"
 
 
 class ShardSetError(ManifestError):
@@ -256,6 +258,35 @@ class ShardView:
                     f"the file is corrupt ({e}); republish the set or check it with verify=True"
                 ) from e
         return out
+
+    def scan(self, shard: int, batch_rows: int = 256, verify: bool = True) -> Iterator[dict[str, np.ndarray]]:
+        """Shard `shard`'s rows in record order, as int32 [n, L] batches read by one sequential reader.
+
+        verify: its sha256 is checked first (a gs:// shard's when its local copy is made; a
+        cached copy is hashed again). Every error is a ShardSetError naming the shard."""
+        info, name = self.manifest.shards[shard], self.shard_paths[shard]
+        local = name if self.cache is None else self._fetch(shard, verify)
+        if verify and self.cache is None and (digest := storage.sha256(local)) != info.sha256:
+            raise ShardSetError(f"{name}: sha256 {digest} differs from the manifest's {info.sha256}; the file is corrupt")
+        from array_record.python.array_record_module import ArrayRecordReader
+
+        try:
+            reader = ArrayRecordReader(local, _SCAN_OPTIONS)
+        except Exception as e:
+            raise ShardSetError(f"{name}: not a readable ArrayRecord file, truncated or corrupt ({e})") from e
+        try:
+            count = reader.num_records()
+            if count != info.num_rows:
+                raise ShardSetError(f"{name}: holds {count} rows, but the manifest says {info.num_rows}; the file was replaced or is corrupt")
+            for start in range(0, count, batch_rows):
+                try:
+                    records = reader.read(start, min(count, start + batch_rows))
+                    batch = rowformat.decode_rows(records, self.max_length, self.manifest.field_order)
+                except Exception as e:  # riegeli's chunk hash, or a record of the wrong size
+                    raise ShardSetError(f"{name}: records {start}.. are unreadable, the file is corrupt ({e})") from e
+                yield batch
+        finally:
+            _close_quietly(reader)
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
         if not isinstance(index, (int, np.integer)):

@@ -144,44 +144,108 @@ def build_row(segments: Sequence[Segment], max_length: int, pad_id: int = 0) -> 
     }
 
 
+@dataclasses.dataclass(frozen=True)
+class RowFault:
+    """The first broken invariant of a batch of rows: where, and which rule."""
+
+    row: int  # index in the batch
+    token: int  # index in the row
+    segment: int  # the segment it lies in, counted 1.. from the row's start; 0 on padding
+    rule: str
+
+
+# The rules, in the order a row is judged (the first broken one is reported). One implementation
+# of the row format's invariants: check_row (one row) and `prepack verify` (batches) call row_fault.
+_RULES = (
+    "loss_mask and valid_mask must be 0/1",
+    "valid_mask must be 1 exactly where segment_ids != 0",
+    "padding must come after every real token",
+    "row holds no tokens",
+    "segment_ids must run 1..k in row order",
+    "positions must count from 0 at every segment start, up by one",
+    "positions must be 0 on padding",
+    "loss_mask must be 0 on padding",
+    "loss_mask must be 0 on the first token of every segment",
+    "source_ids must be 1..N on every real token and 0 on padding",
+    "source_ids must be the same on every token of a segment",
+)
+
+
+def _shifted(a: np.ndarray) -> np.ndarray:
+    """a[:, t - 1] at t, 0 at t = 0."""
+    out = np.zeros_like(a)
+    out[:, 1:] = a[:, :-1]
+    return out
+
+
+def _rule_masks(rows: Mapping[str, np.ndarray], num_sources: int | None) -> list[np.ndarray]:
+    """One [B, L] bool array per rule of _RULES: True where a token breaks it. int64, so that a
+    hostile record's extreme values cannot wrap around in the differences."""
+    seg = np.asarray(rows["segment_ids"], dtype=np.int64)
+    pos = np.asarray(rows["positions"], dtype=np.int64)
+    loss = np.asarray(rows["loss_mask"])
+    valid = np.asarray(rows["valid_mask"])
+    real = valid == 1
+    step = seg - _shifted(seg)
+    starts = real & (step == 1)
+    prev_real = _shifted(real)
+    no_tokens = np.zeros_like(real)
+    no_tokens[:, 0] = ~real.any(axis=1)
+    masks = [
+        ((loss != 0) & (loss != 1)) | ((valid != 0) & (valid != 1)),
+        real != (seg != 0),
+        real & ~prev_real & (np.arange(seg.shape[1]) > 0),
+        no_tokens,
+        real & (step != 0) & (step != 1),
+        (starts & (pos != 0)) | (real & ~starts & (pos != _shifted(pos) + 1)),
+        ~real & (pos != 0),
+        ~real & (loss != 0),
+        starts & (loss != 0),
+    ]
+    if "source_ids" in rows:  # a mixture set's (version 2)
+        src = np.asarray(rows["source_ids"], dtype=np.int64)
+        high = np.iinfo(np.int64).max if num_sources is None else num_sources
+        masks.append(np.where(real, (src < 1) | (src > high), src != 0))
+        masks.append(real & ~starts & (src != _shifted(src)))
+    return masks
+
+
+def row_fault(rows: Mapping[str, np.ndarray], num_sources: int | None = None) -> RowFault | None:
+    """The first broken invariant of a batch of [B, L] rows (the first row with one, its first rule
+    in _RULES order, that rule's first token), or None when every row holds. Vectorised over
+    the batch. num_sources: a mixture set's source count, the highest source id allowed."""
+    masks = _rule_masks(rows, num_sources)
+    broken = np.stack([m.any(axis=1) for m in masks])  # [rules, B]
+    bad_rows = np.flatnonzero(broken.any(axis=0))
+    if not bad_rows.size:
+        return None
+    row = int(bad_rows[0])
+    rule = int(np.flatnonzero(broken[:, row])[0])
+    token = int(np.flatnonzero(masks[rule][row])[0])
+    seg = np.asarray(rows["segment_ids"][row], dtype=np.int64)
+    real = np.asarray(rows["valid_mask"][row]) == 1
+    starts = real & (np.diff(seg, prepend=0) != 0)
+    segment = int(starts[: token + 1].sum()) if real[token] else 0
+    return RowFault(row, token, segment, _RULES[rule])
+
+
+def row_counts(rows: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Per row of a batch that passed row_fault: its segments, tokens and target tokens."""
+    return {
+        "segments": np.asarray(rows["segment_ids"]).max(axis=1),
+        "tokens": np.asarray(rows["valid_mask"]).sum(axis=1, dtype=np.int64),
+        "target_tokens": np.asarray(rows["loss_mask"]).sum(axis=1, dtype=np.int64),
+    }
+
+
 def check_row(row: Mapping[str, np.ndarray], max_length: int) -> None:
-    """Raises RowFormatError naming the first broken invariant."""
-    for name in FIELD_NAMES:
+    """Raises RowFormatError naming the first broken invariant (row_fault's rules)."""
+    names = FIELD_NAMES + (("source_ids",) if "source_ids" in row else ())
+    for name in names:
         if name not in row:
             raise RowFormatError(f"row lacks field {name!r}")
         if np.shape(row[name]) != (max_length,):
             raise RowFormatError(f"field {name!r} has shape {np.shape(row[name])}, expected ({max_length},)")
-    seg = np.asarray(row["segment_ids"], dtype=np.int64)
-    pos = np.asarray(row["positions"], dtype=np.int64)
-    loss = np.asarray(row["loss_mask"], dtype=np.int64)
-    valid = np.asarray(row["valid_mask"], dtype=np.int64)
-    if not np.isin(loss, (0, 1)).all() or not np.isin(valid, (0, 1)).all():
-        raise RowFormatError("loss_mask and valid_mask must be 0/1")
-    if not np.array_equal(valid, (seg != 0).astype(np.int64)):
-        raise RowFormatError("valid_mask must be 1 exactly where segment_ids != 0")
-    n_valid = int(valid.sum())
-    if not valid[:n_valid].all():
-        raise RowFormatError("padding must come after every real token")
-    if n_valid == 0:
-        raise RowFormatError("row holds no tokens")
-    real = seg[:n_valid]
-    starts = np.flatnonzero(np.diff(real, prepend=0) != 0)
-    if real[0] != 1 or np.any(np.diff(real) < 0) or np.any(np.diff(real) > 1):
-        raise RowFormatError("segment_ids must run 1..k in row order")
-    expected_pos = np.arange(n_valid) - np.repeat(starts, np.diff(np.append(starts, n_valid)))
-    if not np.array_equal(pos[:n_valid], expected_pos):
-        raise RowFormatError("positions must count from 0 at every segment start")
-    if pos[n_valid:].any():
-        raise RowFormatError("positions must be 0 on padding")
-    if loss[n_valid:].any():
-        raise RowFormatError("loss_mask must be 0 on padding")
-    if loss[starts].any():
-        raise RowFormatError("loss_mask must be 0 on the first token of every segment")
-    if "source_ids" in row:  # a mixture set's (version 2)
-        src = np.asarray(row["source_ids"], dtype=np.int64)
-        if np.shape(src) != (max_length,):
-            raise RowFormatError(f"field 'source_ids' has shape {np.shape(src)}, expected ({max_length},)")
-        if src[n_valid:].any() or (src[:n_valid] < 1).any():
-            raise RowFormatError("source_ids must be 1..N on every real token and 0 on padding")
-        if (np.diff(src[:n_valid])[np.diff(real) == 0] != 0).any():
-            raise RowFormatError("source_ids must be the same on every token of a segment")
+    fault = row_fault({name: np.asarray(row[name])[None] for name in names})
+    if fault is not None:
+        raise RowFormatError(f"{fault.rule} (token {fault.token}, segment {fault.segment})")

@@ -1,0 +1,228 @@
+"""`prepack verify SET`: every row of a shard set checked against the row format, without a model.
+
+    prepack verify OUT/L2048        # one shard set
+    prepack verify OUT              # every length its published.json names
+    prepack verify gs://bucket/OUT
+
+Streams each shard once (its sha256, then its records in batches decoded into numpy arrays)
+and checks each batch with the row format's rules (prepack.format.rowformat.row_fault, the one
+implementation): segment ids 1..k then 0 padding, positions from 0 in every segment, no target
+on a segment's first token or on padding, valid == (segment != 0), source ids within the
+mixture's sources. Then the manifest's counts must equal a recount from the rows.
+
+One line per length, then its first failure naming the shard, row and segment. Exit 0 when
+every length holds, 1 when any fails, 2 when SET cannot be read as a shard set or output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+import numpy as np
+
+from loaders import storage
+from loaders.published import published_lengths
+from loaders.shards import ShardSetError, ShardView, open_shards, read_manifest
+from prepack.cli_help import DefaultsHelpFormatter
+from prepack.format import rowformat
+from prepack.format.layout import MANIFEST_NAME, RUN_RECORD_NAME
+from prepack.format.manifest import Manifest, ManifestError
+from prepack.format.run_record import RunRecord, RunRecordError
+
+EXIT_OK, EXIT_FAILED, EXIT_REFUSED = 0, 1, 2
+BATCH_ROWS = 256
+
+
+class Refused(Exception):
+    """SET is not a readable shard set or output: one line, exit 2."""
+
+
+@dataclasses.dataclass
+class Recount:
+    """What the rows hold, counted as they stream by."""
+
+    num_sources: int = 0  # a mixture's; 0 without one
+    rows: int = 0
+    segments: int = 0
+    tokens: int = 0
+    target_tokens: int = 0
+    min_segments: int | None = None
+    max_segments: int = 0
+    # [source id, (segments, tokens, target tokens)]; row 0 is padding's, unused.
+    by_source: np.ndarray = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.by_source = np.zeros((self.num_sources + 1, 3), np.int64)
+
+    def add(self, batch: dict[str, np.ndarray]) -> None:
+        counts = rowformat.row_counts(batch)
+        self.rows += len(counts["segments"])
+        self.segments += int(counts["segments"].sum())
+        self.tokens += int(counts["tokens"].sum())
+        self.target_tokens += int(counts["target_tokens"].sum())
+        low = int(counts["segments"].min())  # a batch holds at least one row
+        self.min_segments = low if self.min_segments is None else min(self.min_segments, low)
+        self.max_segments = max(self.max_segments, int(counts["segments"].max()))
+        if self.num_sources:
+            src, seg = batch["source_ids"], batch["segment_ids"]
+            starts = (seg != 0) & (np.diff(seg, axis=1, prepend=0) != 0)
+            size = self.num_sources + 1
+            self.by_source[:, 0] += np.bincount(src[starts], minlength=size)
+            self.by_source[:, 1] += np.bincount(src.ravel(), minlength=size)
+            self.by_source[:, 2] += np.bincount(src.ravel(), weights=batch["loss_mask"].ravel(), minlength=size).astype(np.int64)
+
+
+@dataclasses.dataclass
+class LengthResult:
+    max_length: int
+    path: str
+    recount: Recount
+    shards: int
+    seconds: float
+    failure: str | None = None
+
+
+def num_sources(manifest: Manifest) -> int:
+    return len(manifest.mixture["sources"]) if manifest.format_version == rowformat.MIXTURE_FORMAT_VERSION else 0
+
+
+def scan_rows(view: ShardView, recount: Recount) -> str | None:
+    """Streams every shard (sha256 first) through the row rules; the first failure, or None."""
+    first_row = 0
+    for k, info in enumerate(view.manifest.shards):
+        done = 0
+        try:
+            for batch in view.scan(k, BATCH_ROWS, verify=True):
+                fault = rowformat.row_fault(batch, recount.num_sources or None)
+                if fault is not None:
+                    record = done + fault.row
+                    where = "padding" if fault.segment == 0 else f"segment {fault.segment}"
+                    return (f"{view.shard_paths[k]}: row {first_row + record} (record {record} of the shard), {where}, "
+                            f"token {fault.token}: {fault.rule}")
+                recount.add(batch)
+                done += len(batch["segment_ids"])
+        except ShardSetError as e:
+            return str(e)
+        first_row += info.num_rows
+    return None
+
+
+def _expected(manifest: Manifest, recount: Recount) -> list[tuple[str, Any, int]]:
+    """(the manifest's key, its value there, the recount) for each count the rows must reproduce."""
+    stats = manifest.stats
+    spread = stats.get("segments_per_row") if isinstance(stats.get("segments_per_row"), dict) else {}
+    pairs = [
+        ("num_rows", manifest.num_rows, recount.rows),
+        ("stats.rows", stats.get("rows"), recount.rows),
+        ("stats.examples_written", stats.get("examples_written"), recount.segments),
+        ("stats.tokens", stats.get("tokens"), recount.tokens),
+        ("stats.target_tokens", stats.get("target_tokens"), recount.target_tokens),
+        ("stats.segments_per_row.min", spread.get("min"), recount.min_segments or 0),
+        ("stats.segments_per_row.max", spread.get("max"), recount.max_segments),
+    ]
+    for i, source in enumerate(manifest.mixture["sources"] if recount.num_sources else (), start=1):
+        for column, key in enumerate(("examples_written", "tokens", "target_tokens")):
+            pairs.append((f"mixture.sources[{i - 1}].{key} ({source.get('name')})", source.get(key), int(recount.by_source[i, column])))
+    return pairs
+
+
+def count_mismatch(manifest: Manifest, recount: Recount, manifest_path: str) -> str | None:
+    for key, stated, counted in _expected(manifest, recount):
+        if type(stated) is not int or stated != counted:
+            return f"{manifest_path}: {key} is {stated!r}, but the rows hold {counted:,}; the manifest was edited or does not describe these shards"
+    return None
+
+
+def verify_length(path: str, max_length: int | None = None) -> LengthResult:
+    """One shard set: its manifest, then every row and the recount. max_length: the length an
+    output's run record names it by (its manifest unreadable is then a failure); None: SET
+    itself (Refused)."""
+    started = time.perf_counter()
+    try:
+        manifest = read_manifest(path)
+    except ManifestError as e:
+        if max_length is None:
+            raise Refused(str(e)) from None
+        return LengthResult(max_length, path, Recount(), 0, time.perf_counter() - started, str(e))
+    recount = Recount(num_sources(manifest))
+    result = LengthResult(max_length or manifest.max_length, path, recount, len(manifest.shards), 0.0)
+    if max_length is not None and manifest.max_length != max_length:
+        result.failure = f"{storage.join(path, MANIFEST_NAME)}: max_length {manifest.max_length}, but its folder is L{max_length}"
+    else:
+        try:
+            with open_shards(path) as view:
+                result.failure = scan_rows(view, recount)
+        except ShardSetError as e:  # a shard missing, or of another size than listed
+            result.failure = str(e)
+        result.failure = result.failure or count_mismatch(manifest, recount, storage.join(path, MANIFEST_NAME))
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def output_lengths(path: str) -> tuple[dict[int, str], str | None]:
+    """An output's lengths ({L: folder}, from its published.json) and a failure of the record's
+    digests (a manifest edited since the run published it), or Refused when SET is neither."""
+    text = storage.read_text(storage.join(path, RUN_RECORD_NAME))
+    if text is None:
+        raise Refused(f"{path}: neither a shard set (no {MANIFEST_NAME}) nor an output (no {RUN_RECORD_NAME}); "
+                      "name a length's folder (OUT/L2048) or the --output of `prepack pack`")
+    try:
+        record = RunRecord.from_json(text, storage.join(path, RUN_RECORD_NAME))
+    except RunRecordError as e:
+        raise Refused(str(e)) from None
+    lengths = {L: storage.join(path, entry.manifest.rsplit("/", 1)[0]) for L, entry in sorted(record.lengths.items())}
+    try:
+        published_lengths(path)
+    except ShardSetError as e:
+        return lengths, str(e)
+    return lengths, None
+
+
+def verify(path: str) -> tuple[list[LengthResult], str | None]:
+    """Every length of SET: (each length's result, the run record's failure)."""
+    path = path.rstrip("/") or path
+    if storage.read_text(storage.join(path, MANIFEST_NAME)) is not None:
+        return [verify_length(path)], None
+    lengths, record_failure = output_lengths(path)
+    return [verify_length(folder, L) for L, folder in lengths.items()], record_failure
+
+
+def result_line(r: LengthResult) -> str:
+    c = r.recount
+    rate = c.rows / r.seconds if r.seconds else 0.0
+    state = "ok" if r.failure is None else "FAILED"
+    return (f"L{r.max_length}  {state:<6}  {c.rows:,} rows, {c.segments:,} segments, {c.tokens:,} tokens, "
+            f"{c.target_tokens:,} targets in {r.shards} shards, sha256 checked  ({r.seconds:.2f} s, {rate:,.0f} rows/s)  {r.path}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="prepack verify", formatter_class=DefaultsHelpFormatter,
+                                     description="Check every row of a shard set (or every length of an output) "
+                                                 "against the row format and its manifest, without a model.")
+    parser.add_argument("set", metavar="SET", help="a shard set (OUT/L2048), an output (OUT: every length in its "
+                                                   "published.json) or a gs:// URL of either")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    out, err = out or sys.stdout, err or sys.stderr
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        results, record_failure = verify(args.set)
+    except Refused as e:
+        print(f"prepack verify: {e}", file=err)
+        return EXIT_REFUSED
+    for r in results:
+        print(result_line(r), file=out)
+        if r.failure:
+            print(f"  first failure: {r.failure}", file=out)
+    if record_failure:
+        print(f"run record FAILED: {record_failure}", file=out)
+    failed = record_failure is not None or any(r.failure for r in results)
+    print("verify: FAILED" if failed else f"verify: ok, {sum(r.recount.rows for r in results):,} rows", file=out)
+    return EXIT_FAILED if failed else EXIT_OK

@@ -1,0 +1,232 @@
+"""`prepack verify`: passes on the sets the README makes, and names the place of each corruption."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+from testkit.gcs_emulator import gcs_emulator, gcs_prefix  # noqa: F401  (pytest fixtures)
+
+from apps import cli, verify
+from loaders import storage
+from prepack.format import rowformat, shardfile
+from prepack.format.manifest import Manifest
+
+SAMPLE_MIX = os.path.join(os.path.dirname(rowformat.__file__), "..", "sample_data", "sample_mix.yaml")
+
+
+def pack(*args: str) -> None:
+    assert cli.main(["pack", *args, "--no-progress"]) == 0
+
+
+def run(path: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    rc = verify.main([str(path)], out=out, err=err)
+    return rc, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory) -> dict[str, str]:
+    """The README's sets, made once: a plain output with two lengths, --no-pack, a mixture, --overlong split."""
+    root = tmp_path_factory.mktemp("verify")
+    made = {name: str(root / name) for name in ("plain", "unpacked", "mix", "split")}
+    pack("--sample", "--max-length", "128", "512", "--output", made["plain"])
+    pack("--sample", "--max-length", "128", "--no-pack", "--output", made["unpacked"])
+    pack("--mixture", SAMPLE_MIX, "--max-length", "256", "--output", made["mix"])
+    pack("--sample", "--max-length", "64", "--overlong", "split", "--output", made["split"])
+    return made
+
+
+@pytest.fixture
+def copy_of(outputs, tmp_path):
+    def copy(name: str) -> str:
+        return shutil.copytree(outputs[name], str(tmp_path / name))
+    return copy
+
+
+@pytest.mark.parametrize("name, lengths", [("plain", (128, 512)), ("unpacked", (128,)), ("mix", (256,)), ("split", (64,))])
+def test_passes_on_the_readme_sets(outputs, name, lengths):
+    rc, out, err = run(outputs[name])
+    assert (rc, err) == (0, ""), out
+    for L in lengths:
+        manifest = Manifest.from_json(open(f"{outputs[name]}/L{L}/manifest.json").read())
+        assert (f"L{L}  ok      {manifest.num_rows:,} rows, {manifest.stats['examples_written']:,} segments, "
+                f"{manifest.stats['tokens']:,} tokens, {manifest.stats['target_tokens']:,} targets") in out
+    assert out.splitlines()[-1].startswith("verify: ok")
+    rc, out, _ = run(f"{outputs[name]}/L{lengths[0]}")  # one length's folder alone
+    assert rc == 0 and len(out.splitlines()) == 2
+
+
+def test_split_set_holds_pieces(outputs):
+    """The split set exercises what it should: some examples were cut into pieces."""
+    stats = json.load(open(f"{outputs['split']}/L64/manifest.json"))["stats"]
+    assert stats["examples_split"] > 0
+
+
+def _rewrite_shard(folder: str, change) -> tuple[str, int]:
+    """Applies change(rows) to the set's first shard and republishes its manifest entry (name,
+    size, sha256 and the run record's digest), so that only the rows themselves are wrong."""
+    manifest_path = os.path.join(folder, "manifest.json")
+    manifest = Manifest.from_json(open(manifest_path).read())
+    info = manifest.shards[0]
+    from array_record.python.array_record_module import ArrayRecordReader
+
+    reader = ArrayRecordReader(os.path.join(folder, info.path))
+    rows = rowformat.decode_rows(reader.read_all(), manifest.max_length, manifest.field_order)
+    reader.close()
+    rows = {k: v.copy() for k, v in rows.items()}
+    index = change(rows)
+    matrix = np.stack([rows[name] for name in manifest.field_order], axis=1)
+    os.remove(os.path.join(folder, info.path))
+    new = shardfile.write_shard(os.path.join(folder, info.path), [m.tobytes() for m in matrix])
+    manifest.shards[0] = new
+    _republish(folder, manifest.to_json())
+    return os.path.join(folder, info.path), index
+
+
+def _republish(folder: str, text: str) -> None:
+    """Writes the manifest, and its digest into the output's published.json as a run would."""
+    with open(os.path.join(folder, "manifest.json"), "w") as f:
+        f.write(text)
+    record_path = os.path.join(os.path.dirname(folder), "published.json")
+    record = json.load(open(record_path))
+    record["lengths"][os.path.basename(folder)[1:]]["sha256"] = hashlib.sha256(text.encode()).hexdigest()
+    with open(record_path, "w") as f:
+        json.dump(record, f)
+
+
+def _row_with_segments(rows, k: int) -> int:
+    return int(np.flatnonzero(rows["segment_ids"].max(axis=1) >= k)[0])
+
+
+def _second_segment_start(rows, r: int) -> int:
+    return int(np.flatnonzero(rows["segment_ids"][r] == 2)[0])
+
+
+def flip_first_token_target(rows):
+    r = _row_with_segments(rows, 2)
+    rows["loss_mask"][r, _second_segment_start(rows, r)] = 1
+    return r
+
+
+def jump_position(rows):
+    r = _row_with_segments(rows, 2)
+    rows["positions"][r, _second_segment_start(rows, r) + 1] += 1
+    return r
+
+
+def segment_gap(rows):
+    r = _row_with_segments(rows, 2)
+    seg = rows["segment_ids"][r]
+    seg[seg >= 2] += 1  # 1, 3, 4, ...: segment 2 missing
+    return r
+
+
+@pytest.mark.parametrize("change, segment, rule", [
+    (flip_first_token_target, "segment 2", "loss_mask must be 0 on the first token of every segment"),
+    (jump_position, "segment 2", "positions must count from 0 at every segment start, up by one"),
+    (segment_gap, "segment 2", "segment_ids must run 1..k in row order"),
+])
+def test_names_the_row_and_segment_of_a_broken_row(copy_of, change, segment, rule):
+    out_dir = copy_of("plain")
+    shard, row = _rewrite_shard(f"{out_dir}/L128", change)
+    rc, out, err = run(out_dir)
+    assert (rc, err) == (1, "")
+    assert "L128  FAILED" in out and "L512  ok" in out
+    assert f"  first failure: {shard}: row {row} (record {row} of the shard), {segment}, token " in out
+    assert f": {rule}\n" in out
+    assert out.splitlines()[-1] == "verify: FAILED"
+
+
+def test_source_id_outside_the_mixture(copy_of):
+    out_dir = copy_of("mix")
+
+    def beyond(rows):
+        rows["source_ids"][0][rows["segment_ids"][0] == 1] = 3  # the sample mixture has 2 sources
+        return 0
+
+    shard, _ = _rewrite_shard(f"{out_dir}/L256", beyond)
+    rc, out, _ = run(f"{out_dir}/L256")
+    assert rc == 1
+    assert (f"  first failure: {shard}: row 0 (record 0 of the shard), segment 1, token 0: "
+            "source_ids must be 1..N on every real token and 0 on padding") in out
+
+
+@pytest.mark.parametrize("key, path", [
+    ("stats.examples_written", ("stats", "examples_written")),
+    ("stats.tokens", ("stats", "tokens")),
+    ("stats.target_tokens", ("stats", "target_tokens")),
+])
+def test_an_edited_count_is_found_by_the_recount(copy_of, key, path):
+    """Whether or not the run record's digest is updated too: the digest catches a plain edit,
+    and the recount still catches one made to agree with it."""
+    out_dir = copy_of("plain")
+    manifest_path = f"{out_dir}/L128/manifest.json"
+    data = json.load(open(manifest_path))
+    stated = data[path[0]][path[1]]
+    data[path[0]][path[1]] = stated + 1
+    with open(manifest_path, "w") as f:
+        f.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    rc, out, _ = run(out_dir)
+    assert rc == 1
+    assert f"run record FAILED: {manifest_path} is not the manifest {out_dir}/published.json names" in out
+    assert f"  first failure: {manifest_path}: {key} is {stated + 1}, but the rows hold {stated:,}" in out
+
+    _republish(f"{out_dir}/L128", open(manifest_path).read())
+    rc, out, _ = run(out_dir)
+    assert rc == 1 and "run record FAILED" not in out
+    assert f"  first failure: {manifest_path}: {key} is {stated + 1}, but the rows hold {stated:,}" in out
+
+
+def test_an_edited_source_count(copy_of):
+    out_dir = copy_of("mix")
+    manifest_path = f"{out_dir}/L256/manifest.json"
+    data = json.load(open(manifest_path))
+    data["mixture"]["sources"][1]["tokens"] -= 5
+    _republish(f"{out_dir}/L256", json.dumps(data, indent=2, sort_keys=True) + "\n")
+    rc, out, _ = run(out_dir)
+    name = data["mixture"]["sources"][1]["name"]
+    assert rc == 1
+    assert f"{manifest_path}: mixture.sources[1].tokens ({name}) is {data['mixture']['sources'][1]['tokens']}, but the rows hold" in out
+
+
+def test_a_changed_shard_byte_fails_its_sha256(copy_of):
+    out_dir = copy_of("plain")
+    manifest = Manifest.from_json(open(f"{out_dir}/L512/manifest.json").read())
+    shard = f"{out_dir}/L512/{manifest.shards[0].path}"
+    data = bytearray(open(shard, "rb").read())
+    data[len(data) // 2] ^= 0x01
+    open(shard, "wb").write(bytes(data))
+    rc, out, _ = run(out_dir)
+    assert rc == 1 and "L128  ok" in out
+    assert f"  first failure: {shard}: sha256 {hashlib.sha256(data).hexdigest()} differs from the manifest's {manifest.shards[0].sha256}" in out
+
+
+def test_unreadable_input_is_refused_with_one_line(tmp_path, copy_of):
+    rc, out, err = run(tmp_path / "nothing")
+    assert (rc, out) == (2, "")
+    assert err == (f"prepack verify: {tmp_path}/nothing: neither a shard set (no manifest.json) nor an output (no "
+                   "published.json); name a length's folder (OUT/L2048) or the --output of `prepack pack`\n")
+    out_dir = copy_of("plain")
+    open(f"{out_dir}/L128/manifest.json", "w").write("{not json")
+    rc, out, err = run(f"{out_dir}/L128")
+    assert (rc, out) == (2, "")
+    assert err.startswith(f"prepack verify: {out_dir}/L128/manifest.json: not valid JSON")
+    assert len(err.splitlines()) == 1
+
+
+def test_gs_output_through_the_emulator(gcs_emulator, gcs_prefix, outputs):  # noqa: F811
+    url = f"{gcs_prefix}/plain"
+    for folder, _, files in os.walk(outputs["plain"]):
+        for name in files:
+            local = os.path.join(folder, name)
+            gcs_emulator.upload_file(local, f"{url}/{os.path.relpath(local, outputs['plain'])}")
+    rc, out, err = run(url)
+    assert (rc, err) == (0, ""), out
+    assert f"L128  ok" in out and f"{url}/L512" in out
+    assert storage.is_gcs(url)
