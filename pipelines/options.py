@@ -97,6 +97,7 @@ class PackConfig:
     # and `format` is "mixture" (each source has its own, prepack/packing/mixture.py).
     mixture: Mixture | None = None
     allow_short_mix: bool = False  # publish a mixture whose realized shares miss the requested ones
+    allow_untrained_eot: bool = False  # publish although some target turns do not train their end-of-turn token
 
     @property
     def template_kwargs(self) -> dict[str, str]:
@@ -161,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     tok = p.add_argument_group("tokenizing")
     tok.add_argument("--tokenizer", help="gemma3 (embedded, default), qwen3 (embedded), sp:FILE.model, hf:NAME_OR_PATH")
     tok.add_argument("--chat-format", help="gemma, chatml, qwen3, hf (the tokenizer's template) or auto (default)")
+    tok.add_argument("--allow-untrained-eot", action="store_true",
+                     help="publish even when some target assistant turns do not train their end-of-turn token (counted "
+                     "as stats.turns_without_trained_eot; by default such a run fails: the model would not learn to stop)")
     tok.add_argument("--no-tokens", action="store_true",
                      help="do not publish the tokenized set OUTPUT/tokens (by default it is, for --from-tokens later)")
     pk = p.add_argument_group("packing")
@@ -330,6 +334,7 @@ def parse_args(argv: Sequence[str]) -> tuple[PackConfig, list[str]]:
         limits=InputLimits(ns.max_record_bytes, ns.max_decompressed_bytes, ns.max_compression_ratio, ns.max_whole_file_bytes),
         mixture=mixture,
         allow_short_mix=ns.allow_short_mix,
+        allow_untrained_eot=ns.allow_untrained_eot,
     )
     beam_args = with_default_runner(beam_args)
     if flag_value(beam_args, "--direct_running_mode") == "multi_threading":

@@ -113,6 +113,9 @@ class LengthStats:
     # A mixture's copies written beyond each example's first (stats.examples_written counts
     # copies); None, and not in the manifest, without a mixture.
     examples_repeated: int | None = None
+    # The stop-token check (prepack/text/stop_check.py); None, and not in the manifest, when nothing was found.
+    turns_without_trained_eot: int | None = None
+    trained_empty_think: int | None = None
 
     @property
     def rows(self) -> int:
@@ -120,8 +123,9 @@ class LengthStats:
 
     def to_json(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "packing"}
-        if d["examples_repeated"] is None:
-            del d["examples_repeated"]
+        for optional in ("examples_repeated", "turns_without_trained_eot", "trained_empty_think"):
+            if d[optional] is None:
+                del d[optional]
         return {**d, **self.packing}
 
 

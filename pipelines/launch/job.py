@@ -436,6 +436,10 @@ def verify(job: PreparedJob, summary: RunSummary, held: output.OutputLock) -> di
         raise publish.JobError(publish.bad_fraction_error(first, config, kept))
     if config.mixture is not None:
         _check_mixture(config, summary)
+    if publish.untrained_eot_error(summary, config) is not None:
+        raise publish.JobError(publish.untrained_eot_error(summary, config))
+    if publish.empty_think_note(summary) is not None:
+        log.warning(publish.empty_think_note(summary))
     no_rows = [L for L in config.max_lengths if stats[L].rows == 0]
     if no_rows:
         raise publish.JobError(

@@ -81,6 +81,8 @@ def length_stats(summary: RunSummary, max_length: int, pack: bool = True) -> Len
         dead_letter_entries=per.dead_letter_entries,
         packing=packing,
         examples_repeated=tally.repeated.get(max_length, 0) if tally.sources else None,
+        turns_without_trained_eot=tally.turns_without_trained_eot or None,
+        trained_empty_think=tally.trained_empty_think or None,
     )
 
 
@@ -113,6 +115,25 @@ def bad_fraction_error(stats: LengthStats, config: PackConfig, failed_paths: lis
         return None
     where = f"; they are listed in {failed_paths[0]}" if failed_paths else ""
     return f"{line}. Nothing was published{where}. Fix the inputs, or raise --max-bad-fraction to skip them"
+
+
+def untrained_eot_error(summary: RunSummary, config: PackConfig) -> str | None:
+    """The stop-token check's verdict: one line when target turns do not train their end of turn."""
+    tally = Tally.from_json(summary.tally)
+    if not tally.turns_without_trained_eot or config.allow_untrained_eot:
+        return None
+    return (f"{tally.turns_without_trained_eot} target assistant turn(s) do not train their end-of-turn token "
+            f"(e.g. example {tally.untrained_eot_example}), so the model would not learn to stop: the chat template "
+            f"must end each assistant turn with its end-of-turn token inside the reply (use chat format gemma, chatml "
+            f"or qwen3, or fix the template); nothing was published. Pass --allow-untrained-eot to publish anyway")
+
+
+def empty_think_note(summary: RunSummary) -> str | None:
+    tally = Tally.from_json(summary.tally)
+    if not tally.trained_empty_think:
+        return None
+    return (f"{tally.trained_empty_think} trained empty think block(s) (e.g. example {tally.empty_think_example}): "
+            f"the model learns to skip its reasoning; counted as stats.trained_empty_think")
 
 
 # ----------------------------------------------------------------------------- publishing

@@ -106,6 +106,9 @@ class Preparer:
         # Single-turn templates under a format with a fixed layout skip the Conversation
         # objects: (prompt, response) texts go straight to tokenize_pairs_flat.
         self.pairs = hasattr(template, "to_pair") and chat_format.pair_layout() is not None
+        from prepack.text.stop_check import StopTokenCheck
+
+        self.stop_check = StopTokenCheck.for_format(chat_format)
 
     @classmethod
     def from_names(cls, tasks: Sequence[TaskMeta], template: str, template_options: Iterable[tuple[str, str]],
@@ -168,8 +171,13 @@ class Preparer:
 
     def tokenize(self, templated: Templated, tally: Tally, bad: list[DeadLetter]) -> list[TokenizedBatch]:
         if self.pairs:
-            return self._tokenize_pairs(templated.convs, templated.responses, templated.metas, tally, bad)
-        return self._tokenize(templated.convs, templated.metas, tally, bad)
+            out = self._tokenize_pairs(templated.convs, templated.responses, templated.metas, tally, bad)
+        else:
+            out = self._tokenize(templated.convs, templated.metas, tally, bad)
+        for batch in out:  # the stop-token check (prepack/text/stop_check.py), on every example made
+            found = self.stop_check.findings(batch.examples.lens, batch.examples.ids, batch.examples.mask)
+            tally.add_stop_findings(found.turns_without_trained_eot, found.trained_empty_think, batch.example_ids)
+        return out
 
     # ------------------------------------------------------------------ table-level formats (oasst1): see also key_table_records
 

@@ -19,6 +19,8 @@ import dataclasses
 from collections import Counter
 from typing import Any
 
+import numpy as np
+
 from prepack.packing.packer import DropReason
 
 NO_TARGETS = "no_targets"
@@ -46,6 +48,12 @@ class Tally:
     repeated: Counter = dataclasses.field(default_factory=Counter)
     mix: Counter = dataclasses.field(default_factory=Counter)  # (max length, figure) -> value
     sources: dict = dataclasses.field(default_factory=dict)  # source index (1..N) -> its own Tally
+    # The stop-token check (prepack/text/stop_check.py): target turns whose end-of-turn token is
+    # not trained, trained empty think blocks, and the smallest example id of each (for the message).
+    turns_without_trained_eot: int = 0
+    untrained_eot_example: str = ""
+    trained_empty_think: int = 0
+    empty_think_example: str = ""
 
     def merge(self, other: "Tally") -> "Tally":
         self.records_read += other.records_read
@@ -59,7 +67,20 @@ class Tally:
             mine.update(theirs)
         for index, theirs in other.sources.items():
             self.sources.setdefault(index, Tally()).merge(theirs)
+        self.turns_without_trained_eot += other.turns_without_trained_eot
+        self.trained_empty_think += other.trained_empty_think
+        self.untrained_eot_example = _first_id(self.untrained_eot_example, other.untrained_eot_example)
+        self.empty_think_example = _first_id(self.empty_think_example, other.empty_think_example)
         return self
+
+    def add_stop_findings(self, untrained_eot: Any, empty_think: Any, example_ids: list[str]) -> None:
+        """Counts one batch's stop-token findings (per-example counts, aligned with example_ids)."""
+        for i in np.flatnonzero(untrained_eot).tolist():
+            self.turns_without_trained_eot += int(untrained_eot[i])
+            self.untrained_eot_example = _first_id(self.untrained_eot_example, example_ids[i])
+        for i in np.flatnonzero(empty_think).tolist():
+            self.trained_empty_think += int(empty_think[i])
+            self.empty_think_example = _first_id(self.empty_think_example, example_ids[i])
 
     def for_source(self, index: int) -> "Tally":
         """This tally counted under one mixture source too: the set's figures are the sum of the sources'."""
@@ -109,6 +130,13 @@ class Tally:
         }
         if self.sources:
             out["sources"] = {str(i): t.to_json() for i, t in sorted(self.sources.items())}
+        # Only when found, so the record of a clean run stays as it was before the check existed.
+        if self.turns_without_trained_eot:
+            out["turns_without_trained_eot"] = self.turns_without_trained_eot
+            out["untrained_eot_example"] = self.untrained_eot_example
+        if self.trained_empty_think:
+            out["trained_empty_think"] = self.trained_empty_think
+            out["empty_think_example"] = self.empty_think_example
         return out
 
     @classmethod
@@ -129,4 +157,13 @@ class Tally:
             for key, n in per.get("mix", {}).items():
                 tally.mix[(int(L), key)] = n
         tally.sources = {int(i): cls.from_json(t) for i, t in data.get("sources", {}).items()}
+        tally.turns_without_trained_eot = int(data.get("turns_without_trained_eot", 0))
+        tally.untrained_eot_example = str(data.get("untrained_eot_example", ""))
+        tally.trained_empty_think = int(data.get("trained_empty_think", 0))
+        tally.empty_think_example = str(data.get("empty_think_example", ""))
         return tally
+
+
+def _first_id(mine: str, theirs: str) -> str:
+    """The smaller of two example ids, '' meaning none: the same one whatever the bundle order."""
+    return min(i for i in (mine, theirs) if i) if (mine or theirs) else ""

@@ -108,6 +108,9 @@ CHAT_FORMAT_ERROR_REASONS: tuple[str, ...] = (
 # Base class
 # --------------------------------------------------------------------------------------
 
+# End-of-turn tokens of common chat templates (Gemma, ChatML/Qwen, Llama 3, Phi-3).
+_END_OF_TURN_TOKENS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|end|>")
+
 
 class ChatFormat:
     """Lays out conversations for one tokenizer. Build once (via get_chat_format) and reuse:
@@ -131,6 +134,15 @@ class ChatFormat:
         """How segments() lays out one user turn followed by one target assistant turn, for
         tokenize_pairs_flat; None when the format has no fixed layout (the jinja format)."""
         return None
+
+    def end_of_turn_ids(self) -> frozenset[int]:
+        """Ids that may close a target assistant turn (the stop-token check, prepack.text.stop_check):
+        the tokenizer's eos and whichever well-known end-of-turn tokens it has."""
+        tok = self.tokenizer
+        found = {tok.token_to_id(t) for t in _END_OF_TURN_TOKENS}
+        if tok.eos_id is not None:
+            found.add(int(tok.eos_id))
+        return frozenset(i for i in found if i is not None)
 
     def tokenize(self, conv: Conversation) -> TokenizedExample:
         """One conversation; for throughput use tokenize_conversations on a batch."""
