@@ -278,7 +278,7 @@ class Interrupted(KeyboardInterrupt):
 def _acquire_lock(config: PackConfig, run_id: str) -> output.OutputLock:
     try:
         return output.OutputLock.acquire(config.output, run_id, config.lock_expiry_s)
-    except output.LockHeld as e:
+    except (output.LockHeld, output.LockLost) as e:  # LockLost: a lease too short for its round trip
         raise publish.JobError(str(e)) from e
     except Exception as e:  # a missing bucket, a read-only folder: say so before any work
         raise publish.JobError(f"output {config.output!r} is not writable ({type(e).__name__}: {e})") from e
