@@ -291,12 +291,33 @@ class ShardView:
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
         if not isinstance(index, (int, np.integer)):
             raise TypeError(f"rows are indexed by int, not {type(index).__name__}; use view.read(indices) for many")
-        (record,) = self.records([int(index)])
-        return rowformat.decode_row(record, self.max_length, self.manifest.field_order)
+        batch = self.read([int(index)])
+        return {name: values[0] for name, values in batch.items()}
 
     def read(self, indices: Sequence[int] | np.ndarray) -> dict[str, np.ndarray]:
-        """Rows as int32 [len(indices), L] arrays, in the given order."""
-        return rowformat.decode_rows(self.records(indices), self.max_length, self.manifest.field_order)
+        """Rows as int32 [len(indices), L] arrays, in the given order. A record that breaks the row
+        format (its size, or a source id the manifest's mixture does not name) is a ShardSetError
+        naming its shard file and this set."""
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        records = self.records(idx)
+        size = rowformat.record_size(self.max_length, self.manifest.format_version)
+        for k, record in enumerate(records):
+            if len(record) != size:
+                self._row_error(idx[k], f"record has {len(record)} bytes, expected {size} for max_length {self.max_length}")
+        batch = rowformat.decode_rows(records, self.max_length, self.manifest.field_order)
+        if "source_ids" in batch:
+            outside = (batch["source_ids"] < 0) | (batch["source_ids"] > len(self.manifest.mixture["sources"]))
+            if outside.any():
+                k = int(np.flatnonzero(outside.any(axis=1))[0])
+                self._row_error(idx[k], f"source id {int(batch['source_ids'][k][outside[k]][0])} is outside 0.."
+                                f"{len(self.manifest.mixture['sources'])}, the sources its manifest's mixture names")
+        return batch
+
+    def _row_error(self, index: int, problem: str) -> None:
+        shards, positions = self._locate(np.asarray([index], dtype=np.int64))
+        shard, position = int(shards[0]), int(positions[0])
+        raise ShardSetError(f"{self.shard_paths[shard]}: record {position} (row {self._starts[shard] + position} of "
+                            f"shard set {self.path}): {problem}; the shards do not match their manifest, republish the set")
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         for i in range(len(self)):
@@ -324,6 +345,23 @@ def read_manifest(path: str) -> Manifest:
             f"no {MANIFEST_NAME} in {path}: not a published shard set (an interrupted run leaves none)"
         )
     return Manifest.from_json(text, source=manifest_path)
+
+
+def _check_mixture_sources(manifest: Manifest, manifest_path: str) -> None:
+    """A mixture set's rows carry source ids 1..N, N the entries of its `mixture.sources`: the
+    entries' written examples and tokens must add up to the set's, or rows carry ids no entry
+    names (per-source metrics would then be mislabelled)."""
+    if manifest.format_version != rowformat.MIXTURE_FORMAT_VERSION:
+        return
+    sources = manifest.mixture["sources"]
+    for key in ("examples_written", "tokens"):
+        listed = [entry.get(key) for entry in sources]
+        total = manifest.stats.get(key)
+        if not all(type(v) is int for v in listed + [total]) or sum(listed) != total:
+            raise ShardSetError(
+                f"{manifest_path}: mixture.sources lists {len(sources)} sources whose {key} add up to "
+                f"{sum(v for v in listed if type(v) is int)}, but the set holds {total!r} (stats.{key}): its rows carry "
+                "source ids the list does not name; republish the set")
 
 
 def _check_shard(path: str, info: Any, max_length: int, verify: bool, name: str | None = None,
@@ -391,6 +429,7 @@ def open_shards(
     manifest = read_manifest(path)
     manifest_path = storage.join(path, MANIFEST_NAME)
     manifest.check_compatible(expected_max_length, tokenizer_identity(tokenizer), source=manifest_path)
+    _check_mixture_sources(manifest, manifest_path)
 
     names = [s.path for s in manifest.shards]
     sizes = storage.file_sizes(path, names)

@@ -86,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tokens: {result.tokens_manifest} (for new max lengths: prepack pack --from-tokens "
               f"{result.tokens_manifest.rsplit('/', 1)[0]} --max-length L --output ...)")
     print()
-    print(density_table(result.stats, packed=config.pack))
+    print(density_table(result.stats, packed=config.pack, segment_cap=config.max_segments_per_row))
     examples = next(iter(result.stats.values()))["examples_read"]
     print(f"\n{examples:,} examples in {result.seconds:,.1f} s ({examples / max(result.seconds, 1e-9):,.0f} examples/s)")
     return 0

@@ -48,12 +48,21 @@ def _cell(key: str, value: Any) -> str:
     return str(value)
 
 
-def density_table(stats_by_length: Mapping[int, Mapping[str, Any]], packed: bool = True) -> str:
-    """A plain-text table (packed: COLUMNS, else UNPACKED_COLUMNS); dropped examples are listed by reason under it."""
+def density_table(stats_by_length: Mapping[int, Mapping[str, Any]], packed: bool = True,
+                  segment_cap: int | None = None) -> str:
+    """A plain-text table (packed: COLUMNS, else UNPACKED_COLUMNS); dropped examples are listed by reason under it.
+
+    segment_cap: --max-segments-per-row. The lower bound and rows/bound are then the ones under
+    the cap (prepack.packing.stats: capped_lower_bound_rows), and a line under the table gives
+    both bounds, labelled: the manifest's stats.lower_bound_rows stays the tokens-only one."""
     columns = COLUMNS if packed else UNPACKED_COLUMNS
     rows, steps = [], {L: step_semantics(L, stats) for L, stats in stats_by_length.items()}
+    bounds = {L: _figures(L, stats, segment_cap) for L, stats in stats_by_length.items()}
     for L, stats in sorted(stats_by_length.items()):
         values = dict(stats, max_length=L, dropped=sum(stats["examples_dropped"].values()), **steps[L].as_dict())
+        if segment_cap:
+            values.update(lower_bound_rows=bounds[L].capped_lower_bound_rows,
+                          rows_over_lower_bound=bounds[L].rows_over_capped_lower_bound)
         rows.append([_cell(key, values[key]) for _, key in columns])
     headers = [h for h, _ in columns]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
@@ -67,6 +76,10 @@ def density_table(stats_by_length: Mapping[int, Mapping[str, Any]], packed: bool
         if stats.get("examples_split"):  # --overlong split: how many were cut, into how many pieces
             lines.append(f"L{L} split: {stats['examples_split']:,} examples longer than {L:,} tokens into "
                          f"{stats.get('split_pieces', 0):,} pieces (--overlong split)")
+    if packed and segment_cap:
+        lines += [f"L{L} lower bound: {b.capped_lower_bound_rows:,} rows at most {segment_cap} examples a row "
+                  f"(--max-segments-per-row {segment_cap}), {b.lower_bound_rows:,} from tokens alone "
+                  "(the manifest's stats.lower_bound_rows)" for L, b in sorted(bounds.items())]
     if packed:
         lines += [f"L{L} steps: an unpacked recipe of batch size {REFERENCE_BATCH_SIZE} sees as many examples per step packed "
                   f"with batch size {s.packed_batch_size:,}; steps per epoch {s.unpacked_steps_per_epoch:,} unpacked, "
@@ -78,8 +91,12 @@ def density_table(stats_by_length: Mapping[int, Mapping[str, Any]], packed: bool
     return "\n".join(lines)
 
 
+def _figures(max_length: int, stats: Mapping[str, Any], segment_cap: int | None = None) -> PackingStats:
+    """This length's packing figures (prepack.packing.stats) from the manifest's stats."""
+    return PackingStats(max_length=max_length, examples=stats["examples_written"], tokens=stats.get("tokens", 0),
+                        target_tokens=stats.get("target_tokens", 0), rows=stats["rows"], segment_cap=segment_cap)
+
+
 def step_semantics(max_length: int, stats: Mapping[str, Any]) -> StepSemantics:
     """What a step means at this length (prepack.packing.stats), from the manifest's stats."""
-    figures = PackingStats(max_length=max_length, examples=stats["examples_written"], tokens=stats.get("tokens", 0),
-                           target_tokens=stats.get("target_tokens", 0), rows=stats["rows"])
-    return StepSemantics(figures, REFERENCE_BATCH_SIZE)
+    return StepSemantics(_figures(max_length, stats), REFERENCE_BATCH_SIZE)

@@ -4,7 +4,9 @@ Definitions (docs/row_format.md):
 - packed_density = tokens / (rows * L): the share of row slots holding real tokens.
 - unpacked_density = tokens / (examples * L): the same with one example per row.
 - target_density = target_tokens / (rows * L): the share of slots that train something.
-- lower_bound_rows = ceil(tokens / L): no packing can use fewer rows.
+- lower_bound_rows = ceil(tokens / L): no packing can use fewer rows (the manifest's stats key).
+- capped_lower_bound_rows = max(ceil(tokens / L), ceil(examples / K)) under a cap of K segments
+  a row (--max-segments-per-row K): no packing under that cap can use fewer rows.
 - row_reduction = examples / rows: how many times fewer rows than unpacked.
 - per-step figures over fixed [B, L] batches: see BatchFigures.
 - what a step means packed, for a recipe written for unpacked rows: see StepSemantics.
@@ -25,11 +27,19 @@ class PackingStats:
     target_tokens: int
     rows: int
     min_segments_per_row: int = 0
-    max_segments_per_row: int = 0
+    max_segments_per_row: int = 0  # the most segments a row of the plan holds (not the cap)
+    segment_cap: int | None = None  # --max-segments-per-row; None without a cap
 
     @property
     def lower_bound_rows(self) -> int:
         return math.ceil(self.tokens / self.max_length)
+
+    @property
+    def capped_lower_bound_rows(self) -> int:
+        """The bound on rows under the segment cap: rows hold at most segment_cap examples each."""
+        if not self.segment_cap:
+            return self.lower_bound_rows
+        return max(self.lower_bound_rows, math.ceil(self.examples / self.segment_cap))
 
     @property
     def packed_density(self) -> float:
@@ -54,6 +64,10 @@ class PackingStats:
     @property
     def rows_over_lower_bound(self) -> float:
         return _ratio(self.rows, self.lower_bound_rows)
+
+    @property
+    def rows_over_capped_lower_bound(self) -> float:
+        return _ratio(self.rows, self.capped_lower_bound_rows)
 
     @property
     def mean_segments_per_row(self) -> float:
