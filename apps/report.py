@@ -63,7 +63,7 @@ class ReportConfig:
 def find_manifests(path: str) -> list[tuple[str, Manifest]]:
     """(folder, manifest) for a shard set folder, or for every L*/ shard set under an OUTPUT root."""
     if path.startswith("gs://"):
-        from loaders import storage  # lazy: google-cloud-storage only for gs:// inputs
+        from prepack import storage  # lazy: google-cloud-storage only for gs:// inputs
 
         text = storage.read_text(storage.join(path, MANIFEST_NAME))
         if text is None:

@@ -41,6 +41,7 @@ from typing import Any
 import grain
 import numpy as np
 
+from loaders import mounts
 from loaders.shards import ShardSetError, ShardView, TokenizerLike, open_shards, tokenizer_identity
 
 # Bumped when the meaning of a saved iterator state changes.
@@ -60,11 +61,9 @@ GCS_PREFETCH_DOWNLOADS = 8
 
 def default_read_threads(view: ShardView) -> int:
     """The read threads make_dataset uses when read_threads is None, chosen by the set's location."""
-    from loaders import storage
-
     if view.is_remote:
         return READ_THREADS_GCS
-    return READ_THREADS_NETWORK_MOUNT if storage.is_network_mount(view.path) else READ_THREADS_LOCAL
+    return READ_THREADS_NETWORK_MOUNT if mounts.is_network_mount(view.path) else READ_THREADS_LOCAL
 
 
 @dataclasses.dataclass(frozen=True)

@@ -96,16 +96,47 @@ def test_the_check_can_fail():
     assert out.stdout.strip().splitlines()[-1] == "['jax']"
 
 
+def _storage_breaks(root=ROOT) -> list[str]:
+    """prepack/storage/ is the one storage interface: nothing else imports google-cloud-storage,
+    neither the output layer nor the rest of the core asks is_gcs (they go through storage_for,
+    which answers it once), and Beam's FileSystems sits behind pipelines/files.py alone."""
+    breaks = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith(("prepack/storage/", "tests/", "testkit/", ".")) or "/." in rel:
+            continue
+        text = path.read_text()
+        if "google.cloud" in text.replace("google_cloud_options", "") or "google.api_core" in text:
+            breaks.append(f"{rel} uses the GCS client")
+        if rel.startswith(("pipelines/output/", "prepack/")) and "is_gcs(" in text:
+            breaks.append(f"{rel} asks is_gcs")
+        if rel != "pipelines/files.py" and ("apache_beam.io.filesystem" in text or "apache_beam.io.gcp" in text):
+            breaks.append(f"{rel} uses Beam's FileSystems")
+    return breaks
+
+
 def test_stages_do_not_reach_into_the_output_layer():
-    """Stages write only under staging paths named by prepack.format.layout; publishing (and its storage,
-    lock and fencing) is the launcher's, through pipelines.output. is_gcs is asked in one place of
-    the output layer (its storage)."""
+    """Stages write only under staging paths named by prepack.format.layout; publishing (and its lock
+    and fencing) is the launcher's, through pipelines.output."""
     graph = import_graph()
     stages = sorted(m for m in graph if m.startswith("pipelines.stages."))
     assert [f"{m} -> {d}" for m in stages for d in graph[m] if d.startswith("pipelines.output")] == []
-    output_modules = sorted((ROOT / "pipelines" / "output").glob("*.py"))
-    asking = [p.name for p in output_modules if "is_gcs(" in p.read_text()]
-    assert asking == ["storage.py"]
+
+
+def test_one_storage_interface(tmp_path):
+    assert (ROOT / "prepack" / "storage" / "gcs.py").read_text().count("from google.cloud import storage") == 1
+    assert _storage_breaks() == []
+    # The check can fail: the output layer asking is_gcs, a loader with its own GCS client, a stage
+    # opening files through FileSystems itself.
+    for name, text in {"pipelines/output/commit.py": "if is_gcs(path):\n    pass\n",
+                       "pipelines/stages/write.py": "from apache_beam.io.filesystems import FileSystems\n",
+                       "pipelines/files.py": "from apache_beam.io.filesystems import FileSystems\n",
+                       "loaders/shards.py": "from google.cloud import storage\n",
+                       "prepack/storage/gcs.py": "from google.cloud import storage\nis_gcs(p)\n"}.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert _storage_breaks(tmp_path) == ["loaders/shards.py uses the GCS client", "pipelines/output/commit.py asks is_gcs",
+                                            "pipelines/stages/write.py uses Beam's FileSystems"]
 
 
 def _inner_layer_breaks(graph: dict[str, set[str]]) -> list[str]:

@@ -15,7 +15,8 @@ import time
 import pytest
 
 from testkit.gcs_emulator import gcs_emulator, gcs_prefix  # noqa: F401  (pytest fixtures)
-from pipelines.output import lock, storage
+from pipelines.output import lock
+from prepack import storage
 from prepack.format import layout
 
 

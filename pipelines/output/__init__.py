@@ -10,7 +10,7 @@ from pipelines.output.commit import Commit, Seen, StagedSet, length_place, look,
 from pipelines.output.lock import LockHeld, LockLost, OutputLock, read_lock
 from pipelines.output.staging import (Leftovers, cleanup_run, find_leftovers, keep_failed_dead_letters, probe,
                                       remove_leftovers)
-from pipelines.output.storage import SwitchRefused, storage_for
+from prepack.storage import SwitchRefused, storage_for
 
 __all__ = [
     "Commit", "Leftovers", "LockHeld", "LockLost", "OutputLock", "Seen", "StagedSet", "SwitchRefused", "cleanup_run",
