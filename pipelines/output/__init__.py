@@ -1,5 +1,5 @@
 """The job's output layer: where everything goes (prepack/format/layout.py), local disks and gs://
-behind one interface (storage), one writer at a time (lock), and publishing any staged set
+behind the core's one storage interface (prepack/storage), one writer at a time (lock), and publishing any staged set
 with fencing (commit). Shard sets and the tokenized set publish through the same Commit.
 
 Stages write only under their staging folders (prepack.format.layout names them) and never
