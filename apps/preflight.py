@@ -46,10 +46,10 @@ from prepack.packing.bad_records import DEFAULT_MAX_BAD_FRACTION, too_many_bad_r
 from prepack.cli_help import DefaultsHelpFormatter
 from prepack.packing.packer import (DropReason, Fit, HistogramPlan, OverlongPolicy, Planner, fit_at_length, split_pieces,
                             targets_after_first)
-from prepack.packing.stats import PackingStats, stats_from_rows
+from prepack.packing.stats import REFERENCE_BATCH_SIZE, PackingStats, stats_from_rows
 
 DEFAULT_MAX_LENGTHS = (256, 512, 1024, 2048)
-DEFAULT_BATCH_SIZES = (16,)
+DEFAULT_BATCH_SIZES = (REFERENCE_BATCH_SIZE,)  # the batch size the pack summary plans for, too
 TOKENIZE_BATCH = 512  # conversations per encode_batch call: big enough to amortize, small enough to retry
 
 class PreflightError(Exception):

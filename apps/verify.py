@@ -156,6 +156,7 @@ def verify_length(path: str, max_length: int | None = None) -> LengthResult:
     else:
         try:
             with open_shards(path) as view:
+                view.prefetch()  # gs://: every shard downloads while the first ones are checked
                 result.failure = scan_rows(view, recount)
         except ShardSetError as e:  # a shard missing, or of another size than listed
             result.failure = str(e)

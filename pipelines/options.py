@@ -23,6 +23,7 @@ from typing import Any
 from pipelines.stages.input_limits import (DEFAULT_MAX_COMPRESSION_RATIO, DEFAULT_MAX_DECOMPRESSED_BYTES, DEFAULT_MAX_RECORD_BYTES,
                                            DEFAULT_MAX_WHOLE_FILE_BYTES,
                                            RATIO_CHECKED_AFTER, InputLimits)
+from pipelines.output.lock import MIN_EXPIRY_S
 from pipelines.stages.planning import MAX_SUB_BUCKETS
 from prepack.packing.bad_records import DEFAULT_MAX_BAD_FRACTION
 from prepack.packing.mixture import Mixture, MixtureError, load_mixture
@@ -215,7 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"run on a Beam runner other than {' and '.join(SUPPORTED_RUNNERS)} (untested; may lose or misroute rows)")
     out.add_argument("--lock-expiry-s", type=float, default=600.0,
                      help="a gs:// output lock its run has not renewed for this long is stale and may be taken over "
-                          "(default 600; the run renews it every min(60, expiry/3) s)")
+                          f"(default 600, at least {MIN_EXPIRY_S:g}; the run renews it every min(60, expiry/3) s and "
+                          "stops when a renewal takes over a third of it)")
     out.add_argument("--no-progress", action="store_true", help="no records/s lines from the workers")
     out.add_argument("--verbose", action="store_true",
                      help="Beam's and the workers' full logs (by default warnings only, and after Ctrl-C only the last line)")
@@ -284,8 +286,8 @@ def parse_args(argv: Sequence[str]) -> tuple[PackConfig, list[str]]:
         raise OptionsError(f"--sub-buckets must be between 1 and {MAX_SUB_BUCKETS}, got {ns.sub_buckets}")
     if ns.max_segments_per_row is not None and ns.max_segments_per_row < 1:
         raise OptionsError(f"--max-segments-per-row must be at least 1, got {ns.max_segments_per_row}")
-    if not 1.0 <= ns.lock_expiry_s <= 86400.0:
-        raise OptionsError(f"--lock-expiry-s must be between 1 and 86400 seconds, got {ns.lock_expiry_s:g}")
+    if not MIN_EXPIRY_S <= ns.lock_expiry_s <= 86400.0:
+        raise OptionsError(f"--lock-expiry-s must be between {MIN_EXPIRY_S:g} and 86400 seconds, got {ns.lock_expiry_s:g}")
     if ns.batch_size < 1:
         raise OptionsError(f"--tokenize-batch-size must be at least 1, got {ns.batch_size}")
     template_options = {}

@@ -39,7 +39,7 @@ from testkit.pipeline import IN_PROCESS, alpaca_records, write_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LENGTHS = (64, 256)
-EXPIRY_S = 2
+EXPIRY_S = 10  # the floor of --lock-expiry-s (pipelines/output/lock.py MIN_EXPIRY_S)
 
 # Every step of the publishing order, as a failpoint (docs/manifest.md lists them).
 POINTS = ["before_publish", "shards_in_place", "after_manifest_switch:L64", "after_manifest_switch:L256",

@@ -60,17 +60,17 @@ def source(**over):
     ({"sources": [source()], "weights": 1}, "unknown key 'weights'"),
     ({"sources": [source(lang="x")]}, "source 1: unknown key 'lang'"),
     ({"sources": [source(), source()]}, "source 2: duplicate name 'a'"),
-    ({"sources": [source(name="Alpaca!")]}, "source 1: name 'Alpaca!' is malformed"),
-    ({"sources": [source(weight=0)]}, "source 'a': weight must be a positive number, got 0"),
-    ({"sources": [source(weight=-2)]}, "source 'a': weight must be a positive number, got -2"),
-    ({"sources": [source(weight="lots")]}, "source 'a': weight must be a positive number, got 'lots'"),
+    ({"sources": [source(name="Alpaca!")]}, "source 1: name a string 'Alpaca!' is malformed"),
+    ({"sources": [source(weight=0)]}, "source 'a': weight must be a positive number from 1e-09 to 1e+12 (an int, a float or a decimal string), got a number 0"),
+    ({"sources": [source(weight=-2)]}, "source 'a': weight must be a positive number from 1e-09 to 1e+12 (an int, a float or a decimal string), got a number -2"),
+    ({"sources": [source(weight="lots")]}, "source 'a': weight must be a positive number from 1e-09 to 1e+12 (an int, a float or a decimal string), got a string 'lots'"),
     ({"sources": [source(input=None)]}, "source 'a': missing key 'input'"),
-    ({"sources": [source(input=[])]}, "source 'a': input must be a spec or a non-empty list of specs"),
+    ({"sources": [source(input=[])]}, "source 'a': input must be a spec or a list of 1 to 10,000 specs of at most 4,096 characters, got an array []"),
     ({"sources": [source(format="oasst1")]}, "format 'oasst1' templates whole tables"),
     ({"sources": [source(format="nope")]}, "unknown source format 'nope'"),
     ({"sources": []}, "sources must be a non-empty list"),
     ({"weight_of": "tokens", "sources": [source()]}, "weight_of must be target_tokens or examples"),
-    ({"max_repeats": 0, "sources": [source()]}, "max_repeats must be a whole number of at least 1"),
+    ({"max_repeats": 0, "sources": [source()]}, "max_repeats must be a whole number from 1 to 1,000, got a number 0"),
 ])
 def test_bad_file_is_one_line(tmp_path, doc, message):
     path = write(tmp_path, json.dumps(doc))
@@ -80,7 +80,7 @@ def test_bad_file_is_one_line(tmp_path, doc, message):
 
 
 def test_not_yaml_is_one_line(tmp_path):
-    with pytest.raises(MixtureError, match=r"not valid YAML or JSON at line \d"):
+    with pytest.raises(MixtureError, match=r"mix.yaml: line 2: not valid YAML or JSON \(expected ',' or ']'"):
         load_mixture(write(tmp_path, "sources: [a, b\n"))
 
 

@@ -59,6 +59,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="on a non-finite loss or gradient norm: stop (default; exit 3 naming the step, nothing saved for it) "
         "or skip-step (the update is not applied; skipped steps are counted in the metrics)",
     )
+    p.add_argument("--loss-chunk-tokens", type=int, default=1024,
+                   help="compute the loss's logits over chunks of N tokens, recomputed in the backward pass "
+                   "(no [B, L, V] array); 0: full logits (the reference)")
+    p.add_argument("--attention", default=None, choices=["dense", "blocked", "splash"],
+                   help="dense: [B, L, L] mask (the reference); blocked: tiles from segment ids, skipping tiles no "
+                   "segment spans; splash: JAX's splash kernel with segment ids (TPU). Default: splash on TPU, else blocked")
+    p.add_argument("--remat", default="auto", choices=["none", "layer", "auto"],
+                   help="recompute each layer's activations in the backward pass; auto: only if the planned step "
+                   "would not fit --memory-budget-gib")
+    p.add_argument("--memory-budget-gib", type=float, default=None,
+                   help="memory budget for --remat auto and --plan-memory (default: the device's memory where JAX "
+                   "reports it, else 16)")
+    p.add_argument("--plan-memory", action="store_true",
+                   help="compile the train step for the set's L and --batch-size without training; print XLA's "
+                   "planned memory and FLOPs (last line: JSON) and whether it fits the budget")
     return p
 
 
@@ -116,9 +131,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         weights=args.weights, dtype=args.dtype, metrics_out=args.metrics_out, loss=args.loss,
         read_threads=args.read_threads, log_every=args.log_every, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, checkpoint_keep=args.checkpoint_keep, save_lora=args.save_lora,
-        nan_policy=args.nan_policy,
+        nan_policy=args.nan_policy, loss_chunk_tokens=args.loss_chunk_tokens, attention=args.attention,
+        remat=args.remat, memory_budget_gib=args.memory_budget_gib,
     )
     try:
+        if args.plan_memory:
+            from train import memory_plan
+
+            memory_plan.run_plan(cfg, sys.stdout)
+            return 0
         summary = trainer.run(cfg)
     except divergence.Diverged as e:
         print(f"prepack train: {e}", file=sys.stderr)

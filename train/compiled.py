@@ -88,6 +88,14 @@ def train_step_memory(trainer: Any, batch: Mapping[str, Any]) -> CompiledMemory:
     return memory_of(compiled, time.perf_counter() - start)
 
 
+def flops_of(compiled: Any) -> float:
+    """XLA's FLOP estimate of a compiled program (0 where the backend gives none)."""
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else {}
+    return float((cost or {}).get("flops", 0.0))
+
+
 def fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":

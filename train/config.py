@@ -38,3 +38,11 @@ class TrainConfig:
     checkpoint_keep: int = 3  # Orbax max_to_keep
     save_lora: str | None = None  # safetensors export of the LoRA params at the end
     nan_policy: str = "stop"  # on a non-finite loss or gradient norm: "stop" or "skip-step" (train/divergence.py)
+    # The memory path (train/memory_path.py): chunked loss (0 = full [B, L, V] logits), attention
+    # from segment ids (None = the backend's default), per-layer rematerialisation, planning.
+    loss_chunk_tokens: int = 1024  # the chunk size by measurement: docs/benchmarks.md (memory path)
+    attention: str | None = None  # dense | blocked | splash
+    # none | layer | auto (plan the step, remat only if it would not fit). prepack train defaults to auto;
+    # the library default is none, so a caller that plans itself does not pay a second compile.
+    remat: str = "none"
+    memory_budget_gib: float | None = None  # None: the device's memory where JAX reports it, else 16

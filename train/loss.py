@@ -49,11 +49,18 @@ def per_token_nll(logits: jax.Array, input_tokens: jax.Array, input_mask: jax.Ar
 
 
 def token_mean_nll(logits: jax.Array, input_tokens: jax.Array, input_mask: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-    nll, weights = per_token_nll(logits, input_tokens, input_mask)
+    return mean_and_aux(*per_token_nll(logits, input_tokens, input_mask))
+
+
+def mean_and_aux(nll: jax.Array, weights: jax.Array, source_ids: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The token-mean loss and its aux from per-position NLLs [B, L] and weights (full or chunked logits)."""
     nll_sum = jnp.sum(nll * weights)
     target_tokens = jnp.sum(weights)
     loss = nll_sum / (target_tokens + NORM_EPS)
-    return loss, {"loss": loss, "nll_sum": nll_sum, "target_tokens": target_tokens}
+    aux = {"loss": loss, "nll_sum": nll_sum, "target_tokens": target_tokens}
+    if source_ids is not None:
+        aux["nll_by_source"], aux["targets_by_source"] = by_source(nll, weights, source_ids)
+    return loss, aux
 
 
 def by_source(values: jax.Array, weights: jax.Array, source_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -81,12 +88,7 @@ def masked_loss_fn_with_aux(
     """
     # Positional call, as Tunix's default does: works for Gemma3 (last_tokens) and Qwen3 (input_tokens).
     logits, _ = model(input_tokens, positions, None, attention_mask)
-    if source_ids is None:
-        return token_mean_nll(logits, input_tokens, input_mask)
-    nll, weights = per_token_nll(logits, input_tokens, input_mask)
-    loss, aux = token_mean_nll(logits, input_tokens, input_mask)
-    aux["nll_by_source"], aux["targets_by_source"] = by_source(nll, weights, source_ids)
-    return loss, aux
+    return mean_and_aux(*per_token_nll(logits, input_tokens, input_mask), source_ids)
 
 
 def masked_loss_fn(

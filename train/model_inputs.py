@@ -55,14 +55,24 @@ def default_mask_fn() -> MaskFn:
     return block_causal_mask_jax
 
 
-def make_gen_model_input_fn(mask_fn: MaskFn | None = None) -> Callable[[Mapping[str, Any]], dict[str, jax.Array]]:
+def segment_ids_as_mask(segment_ids: jax.Array) -> jax.Array:
+    """--attention blocked|splash: the model's attention_mask argument carries the [B, L] ids
+    themselves (train/attention.py's layers build each tile's mask from them)."""
+    return segment_ids
+
+
+def make_gen_model_input_fn(mask_fn: MaskFn | None = None, attention: str = "dense") -> Callable[[Mapping[str, Any]], dict[str, jax.Array]]:
     """Returns a jit-traceable gen_model_input_fn for PeftTrainer.with_gen_model_input_fn.
 
     mask_fn maps segment_ids [B, L] -> bool [B, L, L]; the default is
     loaders.block_causal_mask_jax. Tests pass other masks to show that the
-    correctness checks fail without it.
+    correctness checks fail without it. attention other than "dense" passes the
+    segment ids where the mask goes (no [B, L, L] array at all).
     """
-    mask = mask_fn if mask_fn is not None else default_mask_fn()
+    if attention != "dense":
+        mask = segment_ids_as_mask
+    else:
+        mask = mask_fn if mask_fn is not None else default_mask_fn()
 
     def gen_model_input_fn(batch: Mapping[str, Any]) -> dict[str, jax.Array]:
         segment_ids = jnp.asarray(batch["segment_ids"])
@@ -70,7 +80,7 @@ def make_gen_model_input_fn(mask_fn: MaskFn | None = None) -> Callable[[Mapping[
             "input_tokens": jnp.asarray(batch["input_ids"]),
             "input_mask": jnp.asarray(batch["loss_mask"]),
             "positions": jnp.asarray(batch["positions"]),
-            "attention_mask": mask(segment_ids).astype(jnp.bool_),
+            "attention_mask": mask(segment_ids) if attention != "dense" else mask(segment_ids).astype(jnp.bool_),
         }
         if "source_ids" in batch:  # a mixture set's: for the loss's per-source sums, never for the model
             inputs["source_ids"] = jnp.asarray(batch["source_ids"])

@@ -47,8 +47,8 @@ def setup(cfg: TrainConfig, out: TextIO | None = None) -> Setup:
     from tunix.sft import peft_trainer
 
     import loaders
-    from train import loss as loss_lib
-    from train import model_inputs, models, precision
+    from train import memory_path
+    from train import models, precision
     from train import optimizer as optimizer_lib
 
     if cfg.steps < 1:
@@ -70,6 +70,7 @@ def setup(cfg: TrainConfig, out: TextIO | None = None) -> Setup:
             f"--shards {cfg.shards} has {manifest.max_length}; pack both for the same length"
         )
 
+    memory_path.check_options(cfg, manifest.max_length)
     mesh = make_mesh(parse_mesh(cfg.mesh), cfg.batch_size)
     spec = models.get_spec(cfg.model)
     vocab = manifest.tokenizer.get("vocab_size")
@@ -108,13 +109,10 @@ def setup(cfg: TrainConfig, out: TextIO | None = None) -> Setup:
             ckpt.write_run(identity, base_weights, {"shards": cfg.shards, "weights": built.weights, "steps": cfg.steps})
     built.model = models.apply_lora(built.model, spec, rank=cfg.lora_rank, alpha=cfg.lora_alpha, seed=cfg.seed)
     models.shard_model(built.model, mesh)
+    memory_path.install_attention(built.model, cfg, manifest.max_length)
+    memory_path.set_remat(built.model, cfg.remat == memory_path.REMAT_LAYER)
 
-    if cfg.loss == "masked":
-        loss_fn = loss_lib.masked_loss_fn_with_aux
-    elif cfg.loss == "tunix-default":
-        loss_fn = loss_lib.with_aux(loss_lib.tunix_default_loss_fn())
-    else:
-        raise TrainError(f"unknown loss {cfg.loss!r}; choose masked or tunix-default")
+    loss_fn = memory_path.loss_fn(cfg)
     loss_fn = precision.in_compute_dtype(loss_fn, models.parse_dtype(cfg.dtype, spec.default_dtype))
 
     static = {
@@ -159,7 +157,7 @@ def setup(cfg: TrainConfig, out: TextIO | None = None) -> Setup:
     )
     trainer.recorder = recorder
     trainer.vocab_size = built.vocab_size
-    trainer.with_gen_model_input_fn(model_inputs.make_gen_model_input_fn())
+    trainer.with_gen_model_input_fn(memory_path.gen_model_input_fn(cfg))
     trainer.with_loss_fn(loss_fn, has_aux=True)
     extra = {
         "shards": cfg.shards,
@@ -177,6 +175,8 @@ def setup(cfg: TrainConfig, out: TextIO | None = None) -> Setup:
         "dtype": dtype_name,
         "lora_dtype": jnp.dtype(precision.LORA_DTYPE).name,
         "nan_policy": cfg.nan_policy,
+        "loss_chunk_tokens": cfg.loss_chunk_tokens,
+        "attention": memory_path.attention_kind(cfg),
     }
     if ckpt is not None:
         extra.update({"checkpoint_dir": cfg.checkpoint_dir, "resumed_from_step": resumed})

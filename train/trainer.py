@@ -27,7 +27,7 @@ import contextlib
 import sys
 from typing import Any, TextIO
 
-from train import checkpoints, data, lora_file, resume
+from train import checkpoints, data, lora_file, memory_path, memory_plan, resume
 from train.config import TrainConfig, TrainError
 from train.run_setup import Setup, setup
 
@@ -59,6 +59,9 @@ def execute(cfg: TrainConfig, out: TextIO | None = None) -> tuple[Setup, dict[st
     s = setup(cfg, out=out)
     context = s.mesh if s.mesh is not None else contextlib.nullcontext()
     try:
+        with context:  # --remat auto: plan the step (compile only) and switch remat on if it would not fit
+            memory_plan.choose_remat(s, out if out is not None else sys.stderr)
+        s.recorder.static_extra["remat"] = "layer" if memory_path.remat_is_on(s.built.model) else "none"
         if s.resumed_step >= cfg.steps:
             print(f"checkpoint step {s.resumed_step} >= --steps {cfg.steps}: nothing to train", file=out if out is not None else sys.stderr)
         else:

@@ -278,7 +278,7 @@ class Interrupted(KeyboardInterrupt):
 def _acquire_lock(config: PackConfig, run_id: str) -> output.OutputLock:
     try:
         return output.OutputLock.acquire(config.output, run_id, config.lock_expiry_s)
-    except output.LockHeld as e:
+    except (output.LockHeld, output.LockLost) as e:  # LockLost: a lease too short for its round trip
         raise publish.JobError(str(e)) from e
     except Exception as e:  # a missing bucket, a read-only folder: say so before any work
         raise publish.JobError(f"output {config.output!r} is not writable ({type(e).__name__}: {e})") from e
@@ -360,6 +360,8 @@ def run(config: PackConfig, beam_args: list[str], run_id: str | None = None) -> 
         raise publish.JobError(str(e)) from e
     except output.SwitchRefused as e:
         raise publish.JobError(f"{e}; the sets now in {config.output} are another run's; this run published nothing") from e
+    except failpoints.InjectedFault as e:  # after_lock, before_publish: nothing switched yet (the commit's own are caught there)
+        raise publish.JobError(failures.injected(str(e))) from e
     except OSError as e:
         if e.errno == errno.ENOSPC:
             if commit is not None and commit.switched:  # the previous sets are not all intact any more: say which are new

@@ -132,9 +132,9 @@ def _remix(config: PackConfig, recorded: dict[str, Any] | None, folder: str):
                                 "run a full `prepack pack --mixture` instead")
         return None
     try:
-        made = Mixture.from_description(recorded)
+        made = Mixture.from_description(recorded, "choices.mixture")
     except MixtureError as e:
-        raise TokenSetError(f"{folder}/{MANIFEST_NAME}: {e}") from None
+        raise TokenSetError(f"{folder}/{MANIFEST_NAME}: {e}; restore the manifest, or run a full `prepack pack --mixture`") from None
     if config.mixture is None:
         return made
     problem = made.same_sources(config.mixture)

@@ -14,6 +14,7 @@ Each check takes `where` (the manifest's path) and the field's name, and raises 
 from __future__ import annotations
 
 import re
+import reprlib
 from typing import Any
 
 # What the writers make: rows-00000-of-00004-<hex>.array_record, tokens-<hex>.array_record,
@@ -102,6 +103,34 @@ def _kind(value: Any) -> str:
             dict: "an object"}.get(type(value), type(value).__name__)
 
 
+class _BoundedRepr(reprlib.Repr):
+    """repr() that never builds the whole text of a huge value: a few items per level, a
+    few levels, and big integers by their size (repr of a 5,001-digit int raises)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel, self.maxdict, self.maxlist, self.maxtuple, self.maxset = 3, 4, 4, 4, 4
+        self.maxstring = self.maxother = self.maxlong = 80
+
+    def repr_int(self, x: int, level: int) -> str:
+        if x.bit_length() > 200:
+            return f"<an integer of about {int(x.bit_length() * 0.30103):,} digits>"
+        return super().repr_int(x, level)
+
+
+_BOUNDED = _BoundedRepr()
+
+
+def shown(value: Any, limit: int = 80) -> str:
+    """A length-capped form of an untrusted value for a one-line message (never its full repr)."""
+    text = " ".join(_BOUNDED.repr(value).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def shown_with_type(value: Any) -> str:
+    """'a string 'lots'', 'an object {'x': 1}': the value's JSON kind and its capped form."""
+    return f"{_kind(value)} {shown(value)}"
+
+
 def _show(value: Any) -> str:
-    shown = repr(value)
-    return shown if len(shown) <= 80 else shown[:77] + "..."
+    return shown(value)

@@ -10,7 +10,11 @@ The file (YAML, or JSON, which YAML reads too):
         format: alpaca              # plus the format's options: source_lang, target_lang, prompt_format
         weight: 3
 
-Relative local input paths are relative to the file's folder. Sources are numbered 1..N in
+Relative input paths are relative to the file's folder. The file is hostile input, checked
+before any work (one line naming the file, the source and the field): at most MAX_FILE_BYTES,
+no YAML anchors or aliases, no duplicate keys, at most 32 levels deep (prepack/format/strict_yaml.py);
+weights an int, a float or a decimal string from 1e-9 to 1e12; max_repeats 1 to 1,000; format
+options strings. A tokenized set's recorded mixture (`--from-tokens`) takes the same checks. Sources are numbered 1..N in
 file order; 0 is padding in a row's `source_ids`.
 
 The share rule (one implementation: `budgets`, then `partial_count`), per max length L:
@@ -45,6 +49,18 @@ TABLE_FORMATS = frozenset({"oasst1"})
 SHARE_TOLERANCE = 0.005
 # At most this many sources: the trainer's per-source loss sums are fixed-size vectors.
 MAX_SOURCES = 64
+# A source is used at most this many times (max_repeats): 10^6 of a 100-example source runs for minutes.
+MAX_REPEATS = 1000
+# Weights: a plain int or float, or a decimal string of this form, within these bounds.
+DECIMAL_WEIGHT = re.compile(r"[0-9]{1,18}(\.[0-9]{1,18})?([eE][+-]?[0-9]{1,2})?")
+MIN_WEIGHT, MAX_WEIGHT = Fraction(1, 10**9), Fraction(10**12)
+# A mixture file is read only up to this size (checked before parsing).
+MAX_FILE_BYTES = 1 << 20
+# Bounds of the text fields: names and format names, format options, input specs, specs per source.
+MAX_NAME_CHARS, MAX_OPTION_CHARS, MAX_SPEC_CHARS, MAX_SPECS = 64, 200, 4096, 10_000
+# What a tokenized set records of its mixture (`Mixture.describe()`).
+RECORD_KEYS = frozenset({"sha256", "weight_of", "max_repeats", "sources"})
+RECORD_SOURCE_KEYS = frozenset({"name", "inputs", "format", "options", "weight"})
 # Rank buckets of the job's boundary search: the top RANK_BITS bits of an example's hash.
 RANK_BITS = 12
 
@@ -108,15 +124,10 @@ class Mixture:
                 "sources": [s.describe() for s in self.sources]}
 
     @classmethod
-    def from_description(cls, d: dict[str, Any], path: str = "") -> "Mixture":
-        """The mixture a tokenized set recorded (`describe()`), to pack it again as it was."""
-        try:
-            sources = tuple(MixtureSource(i, s["name"], tuple(s["inputs"]), s["format"], Fraction(str(s["weight"])),
-                                          tuple(sorted((k, str(v)) for k, v in s["options"].items())))
-                            for i, s in enumerate(d["sources"], start=1))
-            return cls(path, str(d["sha256"]), str(d["weight_of"]), int(d["max_repeats"]), sources)
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise MixtureError(f"the recorded mixture is malformed ({type(e).__name__}: {e})") from None
+    def from_description(cls, d: Any, where: str = "the recorded mixture") -> "Mixture":
+        """The mixture a tokenized set recorded (`describe()`), to pack it again as it was; checked
+        as a file is (`validate_recorded`), since a copied set's manifest is anyone's to edit."""
+        return validate_recorded(d, where)
 
 
 def weight_json(weight: Fraction) -> int | float:
@@ -125,105 +136,196 @@ def weight_json(weight: Fraction) -> int | float:
 
 def load_mixture(path: str) -> Mixture:
     """Reads and validates a mixture file; raises MixtureError with one line."""
+    where = f"mixture file {path}"
     try:
         with open(path, "rb") as f:
-            data = f.read()
+            data = f.read(MAX_FILE_BYTES + 1)
     except OSError as e:
-        raise MixtureError(f"mixture file {path}: cannot be read ({e.strerror or e})") from None
+        raise MixtureError(f"{where}: cannot be read ({e.strerror or e})") from None
     return parse_mixture(data, path)
 
 
 def parse_mixture(data: bytes, path: str) -> Mixture:
-    import yaml
+    """The mixture in a file's bytes, validated (the checks of `_source`, shared with
+    `validate_recorded`); raises MixtureError with one line naming the file, source and field."""
+    from prepack.format import strict_yaml
 
     where = f"mixture file {path}"
+    if len(data) > MAX_FILE_BYTES:
+        raise MixtureError(f"{where}: larger than {MAX_FILE_BYTES:,} bytes; a mixture file names its sources' "
+                           "inputs, it does not hold data")
     try:
-        doc = yaml.safe_load(data.decode("utf-8"))
+        doc = strict_yaml.load(data.decode("utf-8"))
     except UnicodeDecodeError:
         raise MixtureError(f"{where}: not UTF-8 text") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" at line {mark.line + 1}" if mark is not None else ""
-        raise MixtureError(f"{where}: not valid YAML or JSON{at} ({getattr(e, 'problem', None) or e})") from None
+    except strict_yaml.StrictYamlError as e:
+        raise MixtureError(f"{where}: {e}") from None
     if not isinstance(doc, dict):
-        raise MixtureError(f"{where}: must be a mapping with keys {', '.join(sorted(TOP_KEYS))}")
-    unknown = sorted(str(k) for k in doc if k not in TOP_KEYS)
-    if unknown:
-        raise MixtureError(f"{where}: unknown key {unknown[0]!r}; expected {', '.join(sorted(TOP_KEYS))}")
-    weight_of = doc.get("weight_of", "target_tokens")
-    if weight_of not in WEIGHT_OF:
-        raise MixtureError(f"{where}: weight_of must be target_tokens or examples, got {weight_of!r}")
-    max_repeats = doc.get("max_repeats", 1)
-    if isinstance(max_repeats, bool) or not isinstance(max_repeats, int) or max_repeats < 1:
-        raise MixtureError(f"{where}: max_repeats must be a whole number of at least 1, got {max_repeats!r}")
-    raw = doc.get("sources")
-    if not isinstance(raw, list) or not raw:
-        raise MixtureError(f"{where}: sources must be a non-empty list of sources")
-    if len(raw) > MAX_SOURCES:
-        raise MixtureError(f"{where}: {len(raw)} sources, at most {MAX_SOURCES}")
-    base = os.path.dirname(os.path.abspath(path))
+        raise MixtureError(f"{where}: must be a mapping with keys {', '.join(sorted(TOP_KEYS))}, got {_got(doc)}")
+    _known_keys(doc, TOP_KEYS, where)
+    weight_of = _weight_of(doc.get("weight_of", "target_tokens"), where)
+    max_repeats = _max_repeats(doc.get("max_repeats", 1), where)
+    base = _folder_of(path)
     sources: list[MixtureSource] = []
-    seen: set[str] = set()
-    for i, entry in enumerate(raw, start=1):
-        source = _parse_source(entry, i, base, where)
-        if source.name in seen:
-            raise MixtureError(f"{where}: source {i}: duplicate name {source.name!r}; names must be unique")
-        seen.add(source.name)
-        sources.append(source)
-    return Mixture(os.path.abspath(path), hashlib.sha256(data).hexdigest(), weight_of, max_repeats, tuple(sources))
+    for i, entry in enumerate(_source_list(doc.get("sources"), where), start=1):
+        at = f"{where}: source {i}"
+        if not isinstance(entry, dict):
+            raise MixtureError(f"{at}: must be a mapping with name, input, format and weight, got {_got(entry)}")
+        _known_keys(entry, SOURCE_KEYS | FORMAT_OPTIONS, at)
+        name = _name(entry.get("name"), at, sources)
+        at = f"{where}: source {name!r}"
+        for key in ("input", "format", "weight"):
+            if key not in entry:
+                raise MixtureError(f"{at}: missing key {key!r}")
+        specs = [entry["input"]] if isinstance(entry["input"], str) else entry["input"]
+        options = {k: v for k, v in entry.items() if k in FORMAT_OPTIONS}
+        sources.append(_source(i, name, _specs(specs, at, "input"), entry["format"], entry["weight"], options, at, base))
+    return Mixture(_absolute(path), hashlib.sha256(data).hexdigest(), weight_of, max_repeats, tuple(sources))
 
 
-def _parse_source(entry: Any, index: int, base: str, where: str) -> MixtureSource:
-    at = f"{where}: source {index}"
-    if not isinstance(entry, dict):
-        raise MixtureError(f"{at}: must be a mapping with name, input, format and weight")
-    allowed = SOURCE_KEYS | FORMAT_OPTIONS
-    unknown = sorted(str(k) for k in entry if k not in allowed)
+def validate_recorded(d: Any, where: str) -> Mixture:
+    """The mixture a tokenized set records (`Mixture.describe()`), checked field by field with
+    the file's checks: weights, max_repeats, names, formats and options as a file must have them."""
+    if not isinstance(d, dict):
+        raise MixtureError(f"{where}: must be an object with keys {', '.join(sorted(RECORD_KEYS))}, got {_got(d)}")
+    _known_keys(d, RECORD_KEYS, where)
+    for key in sorted(RECORD_KEYS):
+        if key not in d:
+            raise MixtureError(f"{where}: missing key {key!r}")
+    if not isinstance(d["sha256"], str) or not re.fullmatch(r"[0-9a-f]{64}", d["sha256"]):
+        raise MixtureError(f"{where}: sha256 must be 64 lowercase hex digits, got {_got(d['sha256'])}")
+    weight_of, max_repeats = _weight_of(d["weight_of"], where), _max_repeats(d["max_repeats"], where)
+    sources: list[MixtureSource] = []
+    for i, entry in enumerate(_source_list(d["sources"], where), start=1):
+        at = f"{where}: source {i}"
+        if not isinstance(entry, dict):
+            raise MixtureError(f"{at}: must be an object with keys {', '.join(sorted(RECORD_SOURCE_KEYS))}, "
+                               f"got {_got(entry)}")
+        _known_keys(entry, RECORD_SOURCE_KEYS, at)
+        name = _name(entry.get("name"), at, sources)
+        at = f"{where}: source {name!r}"
+        for key in sorted(RECORD_SOURCE_KEYS):
+            if key not in entry:
+                raise MixtureError(f"{at}: missing key {key!r}")
+        if not isinstance(entry["inputs"], list):
+            raise MixtureError(f"{at}: inputs must be a list of specs, got {_got(entry['inputs'])}")
+        if not isinstance(entry["options"], dict):
+            raise MixtureError(f"{at}: options must be an object, got {_got(entry['options'])}")
+        _known_keys(entry["options"], FORMAT_OPTIONS, f"{at}: options")
+        sources.append(_source(i, name, _specs(entry["inputs"], at, "inputs"), entry["format"], entry["weight"],
+                               entry["options"], at, None))
+    return Mixture("", d["sha256"], weight_of, max_repeats, tuple(sources))
+
+
+def _got(value: Any) -> str:
+    """A value in a message: its kind and a length-capped form, never its whole repr."""
+    from prepack.format.strict_yaml import LongNumber
+    from prepack.format.untrusted import shown_with_type
+
+    return repr(value) if isinstance(value, LongNumber) else shown_with_type(value)
+
+
+def _known_keys(mapping: dict[Any, Any], allowed: frozenset[str], at: str) -> None:
+    from prepack.format.untrusted import shown
+
+    unknown = sorted((k for k in mapping if k not in allowed), key=lambda k: shown(k))
     if unknown:
-        raise MixtureError(f"{at}: unknown key {unknown[0]!r}; expected {', '.join(sorted(allowed))}")
-    name = entry.get("name")
-    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
-        raise MixtureError(f"{at}: name {name!r} is malformed; use lowercase letters, digits, '_' and '-'")
-    at = f"{where}: source {name!r}"
-    for key in ("input", "format", "weight"):
-        if key not in entry:
-            raise MixtureError(f"{at}: missing key {key!r}")
-    specs = entry["input"] if isinstance(entry["input"], list) else [entry["input"]]
-    if not specs or not all(isinstance(s, str) and s for s in specs):
-        raise MixtureError(f"{at}: input must be a spec or a non-empty list of specs, got {entry['input']!r}")
-    fmt = entry["format"]
-    if not isinstance(fmt, str) or not fmt:
-        raise MixtureError(f"{at}: format must be a format name, got {fmt!r}")
+        raise MixtureError(f"{at}: unknown key {shown(unknown[0], 40)}; expected {', '.join(sorted(allowed))}")
+
+
+def _weight_of(value: Any, where: str) -> str:
+    if not isinstance(value, str) or value not in WEIGHT_OF:
+        raise MixtureError(f"{where}: weight_of must be target_tokens or examples, got {_got(value)}")
+    return value
+
+
+def _max_repeats(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_REPEATS:
+        raise MixtureError(f"{where}: max_repeats must be a whole number from 1 to {MAX_REPEATS:,}, got {_got(value)}")
+    return value
+
+
+def _source_list(value: Any, where: str) -> list[Any]:
+    if not isinstance(value, list) or not value:
+        raise MixtureError(f"{where}: sources must be a non-empty list of sources, got {_got(value)}")
+    if len(value) > MAX_SOURCES:
+        raise MixtureError(f"{where}: {len(value)} sources, at most {MAX_SOURCES}")
+    return value
+
+
+def _name(value: Any, at: str, earlier: Sequence[MixtureSource]) -> str:
+    if not isinstance(value, str) or len(value) > MAX_NAME_CHARS or not NAME_PATTERN.fullmatch(value):
+        raise MixtureError(f"{at}: name {_got(value)} is malformed; use up to {MAX_NAME_CHARS} lowercase letters, "
+                           "digits, '_' and '-'")
+    if any(s.name == value for s in earlier):
+        raise MixtureError(f"{at}: duplicate name {value!r}; names must be unique")
+    return value
+
+
+def _specs(value: Any, at: str, field: str) -> list[str]:
+    if (not isinstance(value, list) or not value or len(value) > MAX_SPECS
+            or not all(isinstance(s, str) and 0 < len(s) <= MAX_SPEC_CHARS for s in value)):
+        raise MixtureError(f"{at}: {field} must be a spec or a list of 1 to {MAX_SPECS:,} specs of at most "
+                           f"{MAX_SPEC_CHARS:,} characters, got {_got(value)}")
+    return value
+
+
+def _source(index: int, name: str, specs: list[str], fmt: Any, weight: Any, options: dict[Any, Any], at: str,
+            base: str | None) -> MixtureSource:
+    """One source's checks, for a file's source and a recorded one alike (`base` None: the
+    recorded inputs were resolved when the file was read)."""
+    if not isinstance(fmt, str) or not 0 < len(fmt) <= MAX_NAME_CHARS:
+        raise MixtureError(f"{at}: format must be a format name, got {_got(fmt)}")
     if fmt in TABLE_FORMATS:
         raise MixtureError(f"{at}: format {fmt!r} templates whole tables and cannot be mixed; "
                            "use its per-record export (format chat)")
-    weight = _weight(entry["weight"], at)
-    options = tuple(sorted((k, str(v)) for k, v in entry.items() if k in FORMAT_OPTIONS))
+    for key, value in options.items():
+        if not isinstance(value, str) or not 0 < len(value) <= MAX_OPTION_CHARS:
+            raise MixtureError(f"{at}: {key} must be a string of 1 to {MAX_OPTION_CHARS} characters (quote it), "
+                               f"got {_got(value)}")
     try:
         from prepack.text.templates import get_template
 
-        get_template(fmt, **dict(options))
-    except ValueError as e:
+        get_template(fmt, **options)
+    except (ValueError, TypeError) as e:
         raise MixtureError(f"{at}: {e}") from None
-    return MixtureSource(index, name, tuple(_resolve(s, base) for s in specs), fmt, weight, options)
+    inputs = tuple(specs) if base is None else tuple(_resolve(s, base) for s in specs)
+    return MixtureSource(index, name, inputs, fmt, _weight(weight, at), tuple(sorted(options.items())))
 
 
 def _weight(value: Any, at: str) -> Fraction:
+    """A positive, finite weight from MIN_WEIGHT to MAX_WEIGHT: an int, a float or a decimal
+    string (DECIMAL_WEIGHT; never an exponent that builds a 10^100,000,000 numerator)."""
+    rule = (f"weight must be a positive number from {float(MIN_WEIGHT):g} to {float(MAX_WEIGHT):g} "
+            "(an int, a float or a decimal string)")
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise MixtureError(f"{at}: weight must be a positive number, got {value!r}")
-    try:
-        weight = Fraction(str(value))
-    except (ValueError, ZeroDivisionError):
-        raise MixtureError(f"{at}: weight must be a positive number, got {value!r}") from None
-    if isinstance(value, float) and not math.isfinite(value) or weight <= 0:
-        raise MixtureError(f"{at}: weight must be a positive number, got {value!r}")
+        raise MixtureError(f"{at}: {rule}, got {_got(value)}")
+    if isinstance(value, str) and not DECIMAL_WEIGHT.fullmatch(value):
+        raise MixtureError(f"{at}: {rule}, got {_got(value)}")
+    if isinstance(value, float) and not math.isfinite(value) or isinstance(value, int) and value.bit_length() > 64:
+        raise MixtureError(f"{at}: {rule}, got {_got(value)}")
+    weight = Fraction(str(value))
+    if not MIN_WEIGHT <= weight <= MAX_WEIGHT:
+        raise MixtureError(f"{at}: {rule}, got {_got(value)}")
     return weight
+
+
+def _absolute(path: str) -> str:
+    return path if _is_url(path) else os.path.abspath(path)
+
+
+def _folder_of(path: str) -> str:
+    return path.rsplit("/", 1)[0] if _is_url(path) else os.path.dirname(os.path.abspath(path))
+
+
+def _is_url(spec: str) -> bool:
+    return re.match(r"^[a-z][a-z0-9+]*:", spec) is not None
 
 
 def _resolve(spec: str, base: str) -> str:
     """A relative local path joined to the mixture file's folder; URLs, hf:, tfds: and
     absolute paths as they are."""
-    if re.match(r"^[a-z][a-z0-9+]*:", spec) or os.path.isabs(spec):
+    if _is_url(spec) or os.path.isabs(spec):
         return spec
     return os.path.normpath(os.path.join(base, spec))
 

@@ -1,0 +1,106 @@
+"""`prepack train --plan-memory`, `--remat none|layer|auto` and the planned memory of the memory path.
+
+Tiny configs only (the real-model plans are benchmarks/bench_memory_path.py's): the plan's last
+line is the JSON the issue names, the budget decides "fits", auto switches remat on exactly when
+the step without it does not fit, remat changes neither loss nor gradients, and the chunked loss
+and blocked attention plan less than full logits and the dense mask.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from testkit import train_batches as testing
+from testkit.shard_sets import TEST_TOKENIZER, build_shard_set
+from train import cli, compiled, memory_path, memory_plan, model_inputs, models
+from train.config import TrainConfig
+from train.run_setup import setup
+
+VOCAB = 4096
+MAX_LENGTH = 256
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("plan") / "L256")
+    build_shard_set(path, num_rows=8, max_length=MAX_LENGTH, tokenizer={**TEST_TOKENIZER, "name": "tiny-test", "vocab_size": VOCAB})
+    return path
+
+
+def plan_json(capsys, *args) -> tuple[dict, str]:
+    assert cli.main(["--model", "tiny-qwen3", "--lora-rank", "4", "--plan-memory", *args]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    return json.loads(out[-1]), "\n".join(out)
+
+
+def test_plan_memory_prints_the_plan_and_ends_with_its_json(shards, capsys) -> None:
+    result, text = plan_json(capsys, "--shards", shards, "--batch-size", "2", "--memory-budget-gib", "64")
+    assert {"argument_bytes", "temp_bytes", "peak_bytes", "flops"} <= set(result)
+    assert result["argument_bytes"] > 0 and result["temp_bytes"] > 0 and result["flops"] > 0
+    assert result["peak_bytes"] >= result["temp_bytes"]
+    assert result["fits"] is True and "fits" in text and "B=2 L=256" in text
+    small, text = plan_json(capsys, "--shards", shards, "--batch-size", "2", "--memory-budget-gib", "0.001", "--remat", "none")
+    assert small["fits"] is False and "does NOT fit" in text
+
+
+def test_bad_budget_is_refused_with_one_line(shards, capsys) -> None:
+    assert cli.main(["--shards", shards, "--model", "tiny-qwen3", "--plan-memory", "--memory-budget-gib", "0"]) == 2
+    assert capsys.readouterr().err == "prepack train: --memory-budget-gib must be positive, got 0.0\n"
+
+
+def test_remat_auto_rematerialises_only_when_the_step_does_not_fit(shards) -> None:
+    out = open("/dev/null", "w")
+    base = dict(shards=shards, model="tiny-qwen3", lora_rank=4, batch_size=2, steps=1, remat="auto")
+    roomy = setup(TrainConfig(**base, memory_budget_gib=64.0), out=out)
+    assert memory_plan.choose_remat(roomy, out) is not None and not memory_path.remat_is_on(roomy.built.model)
+    tight = setup(TrainConfig(**base, memory_budget_gib=0.001), out=out)
+    memory_plan.choose_remat(tight, out)
+    assert memory_path.remat_is_on(tight.built.model)
+
+
+def _loss_grads_barriers(model, batch, kind="dense"):
+    from train import loss as loss_lib
+
+    inputs = model_inputs.make_gen_model_input_fn(attention=kind)(batch)
+    fn = nnx.jit(nnx.value_and_grad(loss_lib.masked_loss_fn_with_aux, argnums=nnx.DiffState(0, nnx.LoRAParam), has_aux=True))
+    barriers = fn.lower(model, **inputs).as_text().count("optimization_barrier")
+    (loss, _), grads = fn(model, **inputs)
+    return float(loss), [np.asarray(g) for g in jax.tree.leaves(grads)], barriers
+
+
+def test_layer_remat_keeps_loss_and_gradients_and_recomputes_every_layer() -> None:
+    """Remat is in the lowered program (one rematerialised region per layer and pass). XLA's CPU
+    plan does not show the saving (its pipeline merges the recomputation back: measured, the
+    temp bytes are equal), so the memory claim is an accelerator's; see docs/benchmarks.md."""
+    built = models.build_model("tiny-gemma3", vocab_size=256, seed=1, config_overrides={"num_layers": 6})
+    model = models.apply_lora(built.model, built.spec, rank=4)
+    rng = np.random.default_rng(0)
+    nnx.update(model, jax.tree.map(lambda x: x + 0.1 * rng.normal(size=x.shape).astype(x.dtype), nnx.state(model, nnx.LoRAParam)))
+    batch = testing.packed_batch(testing.make_examples([100, 60, 90], 256, seed=1), ((0, 1), (2,)), 192)
+    loss, grads, barriers = _loss_grads_barriers(model, batch)
+    assert barriers == 0 and not memory_path.remat_is_on(model)
+    memory_path.set_remat(model, True)
+    assert memory_path.remat_is_on(model)
+    r_loss, r_grads, r_barriers = _loss_grads_barriers(model, batch)
+    assert r_barriers >= 6
+    assert r_loss == pytest.approx(loss, rel=1e-6)
+    for a, b in zip(r_grads, grads):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_chunked_loss_and_blocked_attention_plan_less_than_full_logits_and_the_dense_mask(shards) -> None:
+    out = open("/dev/null", "w")
+    base = dict(shards=shards, model="tiny-gemma3", lora_rank=4, batch_size=4, steps=1)
+    reference = setup(TrainConfig(**base, loss_chunk_tokens=0, attention="dense"), out=out)
+    path = setup(TrainConfig(**base, loss_chunk_tokens=256, attention="blocked"), out=out)
+    ref_plan = memory_plan.plan_step(reference.trainer, 4, MAX_LENGTH)
+    new_plan = memory_plan.plan_step(path.trainer, 4, MAX_LENGTH)
+    logits_bytes = 4 * MAX_LENGTH * VOCAB * 4
+    print(f"\ntemp: full logits + dense {compiled.fmt_bytes(ref_plan.temp_bytes)}, "
+          f"chunked + blocked {compiled.fmt_bytes(new_plan.temp_bytes)}")
+    assert ref_plan.temp_bytes - new_plan.temp_bytes >= logits_bytes

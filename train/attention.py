@@ -1,0 +1,138 @@
+"""`--attention dense|blocked|splash`: the models' attention from [B, L] segment ids.
+
+dense   Tunix's own attention with the [B, L, L] block-causal mask (train/model_inputs.py).
+blocked train/blocked_attention.py: tiles, online softmax, skips tiles no segment spans.
+splash  JAX's splash kernel (jax.experimental.pallas.ops.tpu.splash_attention) with
+        SegmentIds; on a backend other than TPU it runs in Pallas interpret mode (tests).
+
+For blocked and splash the model's `attention_mask` argument carries the [B, L] segment ids
+instead of a mask: Gemma3 and Qwen3 (Tunix 0.1.7) hand `attention_mask` unchanged to every
+layer's Attention, so each layer's Attention is switched to a subclass (`install`) whose
+`block` reads the ids there. Its projections, norms and RoPE are the parent module's own
+submodules and functions (so qwix's LoRA on q/k/v/o applies; install after apply_lora); only
+the softmax(q k^T) v step is replaced. Gemma3's local layers pass their sliding window.
+
+Tunix's Qwen3 flash path (`use_flash_attention`) is not used: in 0.1.7 it calls
+`make_splash_mha` without `interpret` (so it cannot run off TPU), needs a mesh with `fsdp`
+and `tp` axes, and the positional model call used by the losses cannot pass `segment_ids`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from train.blocked_attention import blocked_attention
+
+DENSE, BLOCKED, SPLASH = "dense", "blocked", "splash"
+KINDS = (DENSE, BLOCKED, SPLASH)
+DEFAULT_TILE = 512
+SPLASH_LANES = 128  # the splash kernel's key blocks are multiples of the TPU lane count
+
+
+def default_kind(backend: str | None = None) -> str:
+    """Per backend, by measurement (docs/benchmarks.md): splash on TPU, blocked elsewhere."""
+    backend = backend or jax.default_backend()
+    return SPLASH if backend == "tpu" else BLOCKED
+
+
+def splash_attention(query: jax.Array, key: jax.Array, value: jax.Array, segment_ids: jax.Array, *,
+                     window: int | None = None, block: int = DEFAULT_TILE) -> jax.Array:
+    """[B, L, N, H] scaled queries, [B, L, K, H] keys/values -> [B, L, N, H], through splash."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
+
+    b, length, n, _ = query.shape
+    block = min(block, length)
+    if length % SPLASH_LANES or block % SPLASH_LANES:
+        raise ValueError(f"--attention splash needs a sequence length and block that are multiples of {SPLASH_LANES}, "
+                         f"got {length} and {block}; use --attention blocked")
+    shape = (length, length)
+    one = mask_lib.CausalMask(shape) if window is None else mask_lib.LocalMask(shape, window_size=(window - 1, 0), offset=0)
+    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+                              block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+    kernel = splash.make_splash_mha(mask_lib.MultiHeadMask([one] * n), block_sizes=sizes, head_shards=1,
+                                    q_seq_shards=1, interpret=jax.default_backend() != "tpu")
+    q, k, v = (x.transpose(0, 2, 1, 3) for x in (query, key, value))
+    seg = segment_ids.astype(jnp.int32)
+    out = jax.vmap(lambda q1, k1, v1, s1: kernel(q1, k1, v1, segment_ids=splash.SegmentIds(q=s1, kv=s1)))(q, k, v, seg)
+    return out.transpose(0, 2, 1, 3).astype(value.dtype)
+
+
+def attend(kind: str, query: jax.Array, key: jax.Array, value: jax.Array, segment_ids: jax.Array,
+           window: int | None, tile: int) -> jax.Array:
+    if kind == BLOCKED:
+        return blocked_attention(query, key, value, segment_ids, tile=tile, window=window)
+    if kind == SPLASH:
+        return splash_attention(query, key, value, segment_ids, window=window, block=tile)
+    raise ValueError(f"unknown attention {kind!r}; choose one of {KINDS}")
+
+
+def _check(segment_ids: jax.Array, cache: Any) -> None:
+    if cache is not None:
+        raise ValueError("blocked/splash attention is for training: a KV cache needs --attention dense")
+    if segment_ids.ndim != 2:
+        raise ValueError(f"blocked/splash attention reads [B, L] segment ids as attention_mask, got shape {segment_ids.shape}")
+
+
+@functools.cache
+def _gemma3_class() -> type:
+    from tunix.models.gemma3 import model as g3
+
+    class SegmentIdsAttention(g3.Attention):
+        """Gemma3 Attention whose attn_mask argument is [B, L] segment ids (training only)."""
+
+        def block(self, x, segment_pos, cache, attn_mask):
+            _check(attn_mask, cache)
+            if self.use_qkv_einsum:
+                query, key, value = self.qkv_einsum(x)
+            else:
+                query = self.q_einsum(x)
+                key, value = self.kv_einsum(x)
+            rope = dict(head_dim=self.head_dim, base_frequency=self.rope_base_frequency, scale_factor=self.rope_scale_factor)
+            query = g3.apply_rope(self._query_norm(query), segment_pos, **rope) * self.query_pre_attn_scalar
+            key = g3.apply_rope(self._key_norm(key), segment_pos, **rope)
+            window = self.sliding_window_size if self.attn_type == g3.AttentionType.LOCAL_SLIDING else None
+            encoded = attend(self.attention_kind, query, key, value, attn_mask, window, self.attention_tile)
+            return None, self.attn_vec_einsum(encoded)
+
+    return SegmentIdsAttention
+
+
+@functools.cache
+def _qwen3_class() -> type:
+    from tunix.models.qwen3 import model as q3
+
+    class SegmentIdsAttention(q3.Attention):
+        """Qwen3 Attention whose attn_mask argument is [B, L] segment ids (training only)."""
+
+        def block(self, x, segment_pos, cache, attn_mask, segment_ids=None):
+            _check(attn_mask, cache)
+            query = q3.apply_rope(self.q_norm(self.q_proj(x)), segment_pos, head_dim=self.head_dim)
+            key = q3.apply_rope(self.k_norm(self.k_proj(x)), segment_pos, head_dim=self.head_dim)
+            value = self.v_proj(x)
+            encoded = attend(self.attention_kind, query * self.scale, key, value, attn_mask, None, self.attention_tile)
+            return None, self.o_proj(encoded)
+
+    return SegmentIdsAttention
+
+
+def install(model: nnx.Module, kind: str, tile: int = DEFAULT_TILE) -> nnx.Module:
+    """Switches every layer's Attention to read segment ids (kind blocked or splash); dense: unchanged."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown attention {kind!r}; choose one of {KINDS}")
+    if kind == DENSE:
+        return model
+    cls = _gemma3_class() if hasattr(model.config, "num_embed") else _qwen3_class()
+    for layer in model.layers:
+        attn = layer.attn
+        if not isinstance(attn, cls.__mro__[1]):
+            raise ValueError(f"unexpected attention module {type(attn).__name__}")
+        attn.__class__ = cls  # same fields, LoRA and all; only block() differs
+        attn.attention_kind = kind
+        attn.attention_tile = tile
+    return model

@@ -1,0 +1,87 @@
+"""The memory-path options of `prepack train`: --loss-chunk-tokens, --attention, --remat.
+
+Each maps a TrainConfig field onto Tunix's own pieces, without forking them:
+- loss_fn(cfg): the full-logits masked loss (chunk 0, the reference), the chunked one
+  (train/chunked_loss.py), or Tunix's default (for comparisons; never chunked);
+- gen_model_input_fn(cfg, L): the [B, L, L] mask for dense attention, the [B, L] segment ids
+  themselves otherwise (train/attention.py installs layers that read them);
+- set_remat(model, on): Tunix's own `RematConfig.DECODER` (nnx.remat around each decoder
+  layer) on every layer of an already-built model, so `auto` can switch it after planning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+from flax import nnx
+
+from train import attention as attention_lib
+from train import loss as loss_lib
+from train.config import TrainConfig, TrainError
+
+REMAT_NONE, REMAT_LAYER, REMAT_AUTO = "none", "layer", "auto"
+REMATS = (REMAT_NONE, REMAT_LAYER, REMAT_AUTO)
+
+def attention_kind(cfg: TrainConfig) -> str:
+    kind = cfg.attention or attention_lib.default_kind()
+    if kind not in attention_lib.KINDS:
+        raise TrainError(f"unknown --attention {kind!r}; choose one of {', '.join(attention_lib.KINDS)}")
+    return kind
+
+
+def attention_tile(max_length: int) -> int:
+    """The largest tile <= 512 that divides L (tiles must cut rows evenly)."""
+    return math.gcd(max_length, attention_lib.DEFAULT_TILE)
+
+
+def check_options(cfg: TrainConfig, max_length: int) -> None:
+    """Refuses memory-path options that cannot work, before any weights load."""
+    attention_kind(cfg)
+    if cfg.remat not in REMATS:
+        raise TrainError(f"unknown --remat {cfg.remat!r}; choose one of {', '.join(REMATS)}")
+    if cfg.loss_chunk_tokens < 0:
+        raise TrainError(f"--loss-chunk-tokens must be 0 (full logits) or positive, got {cfg.loss_chunk_tokens}")
+    if cfg.memory_budget_gib is not None and not cfg.memory_budget_gib > 0:
+        raise TrainError(f"--memory-budget-gib must be positive, got {cfg.memory_budget_gib}")
+    if attention_kind(cfg) == attention_lib.SPLASH and max_length % attention_lib.SPLASH_LANES:
+        raise TrainError(f"--attention splash needs a max_length that is a multiple of {attention_lib.SPLASH_LANES}; "
+                         f"the shards' is {max_length}: use --attention blocked")
+
+
+def loss_fn(cfg: TrainConfig) -> Callable[..., Any]:
+    if cfg.loss == "tunix-default":
+        return loss_lib.with_aux(loss_lib.tunix_default_loss_fn())
+    if cfg.loss != "masked":
+        raise TrainError(f"unknown loss {cfg.loss!r}; choose masked or tunix-default")
+    if cfg.loss_chunk_tokens == 0:
+        return loss_lib.masked_loss_fn_with_aux
+    from train.chunked_loss import make_chunked_loss_fn
+
+    return make_chunked_loss_fn(cfg.loss_chunk_tokens)
+
+
+def gen_model_input_fn(cfg: TrainConfig) -> Callable[..., Any]:
+    from train import model_inputs
+
+    return model_inputs.make_gen_model_input_fn(attention=attention_kind(cfg))
+
+
+def install_attention(model: nnx.Module, cfg: TrainConfig, max_length: int) -> None:
+    """After apply_lora: the layers read segment ids (blocked, splash) or stay Tunix's (dense)."""
+    attention_lib.install(model, attention_kind(cfg), attention_tile(max_length))
+
+
+def set_remat(model: nnx.Module, on: bool) -> None:
+    from tunix.models.gemma3 import model as g3
+    from tunix.models.qwen3 import model as q3
+
+    for layer in model.layers:
+        kind = g3.RematConfig if hasattr(model.config, "num_embed") else q3.RematConfig
+        layer.config = dataclasses.replace(layer.config, remat_config=kind.DECODER if on else kind.NONE)
+
+
+def remat_is_on(model: nnx.Module) -> bool:
+    return all(getattr(layer.config.remat_config, "name", "") == "DECODER" for layer in model.layers)

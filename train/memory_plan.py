@@ -1,0 +1,128 @@
+"""`prepack train --plan-memory` and `--remat auto`: XLA's plan of the train step, before training.
+
+The step is Tunix's own jitted train step (train/compiled.py), compiled for the shard set's L
+and the run's batch size, model, dtype, attention and loss options, and never run. What XLA
+plans (arguments, temporaries, a peak estimate) and its FLOP estimate are printed; the FLOP
+estimate counts every tile a loop could visit, so it cannot see tiles blocked attention skips
+at run time (benchmarks/bench_attention.py counts those from the rows' segment ids).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, TextIO
+
+import numpy as np
+
+GIB = 1024**3
+# When JAX reports no device memory (CPU): the size of common accelerators' memory (v5e: 16 GiB).
+FALLBACK_BUDGET_GIB = 16.0
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    argument_bytes: int
+    temp_bytes: int
+    peak_bytes: int
+    flops: float
+    compile_s: float
+
+    def fits(self, budget_bytes: int) -> bool:
+        return self.peak_bytes <= budget_bytes
+
+    def as_json(self) -> dict[str, Any]:
+        return {"argument_bytes": self.argument_bytes, "temp_bytes": self.temp_bytes,
+                "peak_bytes": self.peak_bytes, "flops": self.flops}
+
+
+def budget_bytes(memory_budget_gib: float | None) -> tuple[int, str]:
+    """(bytes, where the figure comes from): the flag, else the device's memory, else 16 GiB."""
+    import jax
+
+    if memory_budget_gib is not None:
+        return int(memory_budget_gib * GIB), "--memory-budget-gib"
+    try:
+        stats = jax.devices()[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001  (backends without memory_stats raise various errors)
+        stats = {}
+    limit = stats.get("bytes_limit")
+    if limit:
+        return int(limit), f"{jax.devices()[0].device_kind} memory"
+    return int(FALLBACK_BUDGET_GIB * GIB), "default (JAX reports no device memory)"
+
+
+def placeholder_batch(batch_size: int, max_length: int, mixture: bool) -> dict[str, np.ndarray]:
+    """Shapes are all a compile needs: one full segment per row."""
+    shape = (batch_size, max_length)
+    batch = {"input_ids": np.zeros(shape, np.int32), "loss_mask": np.ones(shape, np.int32),
+             "positions": np.broadcast_to(np.arange(max_length, dtype=np.int32), shape).copy(),
+             "segment_ids": np.ones(shape, np.int32)}
+    if mixture:
+        batch["source_ids"] = np.ones(shape, np.int32)
+    return batch
+
+
+def plan_step(trainer: Any, batch_size: int, max_length: int, mixture: bool = False) -> StepPlan:
+    import time
+
+    from train import compiled
+
+    started = time.perf_counter()
+    program = compiled.compile_train_step(trainer, placeholder_batch(batch_size, max_length, mixture))
+    memory = compiled.memory_of(program, time.perf_counter() - started)
+    return StepPlan(memory.argument_bytes, memory.temp_bytes, memory.peak_estimate_bytes,
+                    compiled.flops_of(program), memory.compile_s)
+
+
+def choose_remat(setup: Any, out: TextIO) -> StepPlan | None:
+    """--remat auto: plan without remat; rematerialise each layer only if that does not fit."""
+    from train import memory_path
+
+    cfg = setup.config
+    if cfg.remat != memory_path.REMAT_AUTO:
+        return None
+    budget, source = budget_bytes(cfg.memory_budget_gib)
+    plan = plan_step(setup.trainer, cfg.batch_size, setup.view.manifest.max_length, bool(getattr(setup.view.manifest, "mixture", None)))
+    on = not plan.fits(budget)
+    memory_path.set_remat(setup.built.model, on)
+    print(f"--remat auto: the step plans {plan.peak_bytes / GIB:.2f} GiB without remat, budget {budget / GIB:.2f} GiB "
+          f"({source}): {'rematerialising each layer' if on else 'no remat'}", file=out, flush=True)
+    return plan
+
+
+def print_plan(plan: StepPlan, budget: int, source: str, describe: str, out: TextIO) -> None:
+    fits = plan.fits(budget)
+    print(f"planned train step: {describe}", file=out)
+    print(f"  arguments    {plan.argument_bytes / GIB:8.2f} GiB", file=out)
+    print(f"  temporaries  {plan.temp_bytes / GIB:8.2f} GiB", file=out)
+    print(f"  peak         {plan.peak_bytes / GIB:8.2f} GiB (estimate)", file=out)
+    print(f"  FLOPs        {plan.flops:.3e} (XLA's estimate; blocked attention skips tiles at run time it cannot see)", file=out)
+    print(f"  budget       {budget / GIB:8.2f} GiB ({source}): {'fits' if fits else 'does NOT fit'}", file=out)
+    print(json.dumps({**plan.as_json(), "budget_bytes": budget, "fits": fits}), file=out, flush=True)
+
+
+def run_plan(cfg: Any, out: TextIO) -> dict[str, Any]:
+    """--plan-memory: set up as for training (no checkpoint folder touched), plan, print, return the JSON."""
+    import dataclasses as dc
+    import sys
+
+    from train import memory_path
+    from train.run_setup import setup
+
+    cfg = dc.replace(cfg, checkpoint_dir=None, metrics_out=None, save_lora=None)
+    s = setup(cfg, out=sys.stderr)
+    auto = choose_remat(s, sys.stderr)
+    manifest = s.view.manifest
+    remat_on = memory_path.remat_is_on(s.built.model)
+    if auto is None or remat_on:
+        plan = plan_step(s.trainer, cfg.batch_size, manifest.max_length, bool(getattr(manifest, "mixture", None)))
+    else:
+        plan = auto
+    budget, source = budget_bytes(cfg.memory_budget_gib)
+    describe = (f"{cfg.model} {s.static.get('dtype')} LoRA rank {cfg.lora_rank}, B={cfg.batch_size} L={manifest.max_length} "
+                f"({cfg.batch_size * manifest.max_length:,} tokens), attention {memory_path.attention_kind(cfg)}, "
+                f"loss chunk {cfg.loss_chunk_tokens or 'off (full logits)'}, remat {'layer' if remat_on else 'none'}"
+                f"{' (auto)' if cfg.remat == memory_path.REMAT_AUTO else ''}")
+    print_plan(plan, budget, source, describe, out)
+    return {**plan.as_json(), "budget_bytes": budget, "fits": plan.fits(budget)}
