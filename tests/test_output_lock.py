@@ -224,7 +224,7 @@ def slow_storage(gcs_emulator, monkeypatch):
             client = gcs._client(proxy.endpoint)
         finally:
             os.environ["STORAGE_EMULATOR_HOST"] = saved
-        monkeypatch.setattr(storage, "gcs_client", lambda: client)
+        monkeypatch.setattr(gcs, "gcs_client", lambda: client)
         yield proxy
 
 
