@@ -99,6 +99,7 @@ class PackConfig:
     mixture: Mixture | None = None
     allow_short_mix: bool = False  # publish a mixture whose realized shares miss the requested ones
     allow_untrained_eot: bool = False  # publish although some target turns do not train their end-of-turn token
+    train_reasoning: bool = True  # --train-reasoning: a reasoning trace's think block is a target (qwen3)
 
     @property
     def template_kwargs(self) -> dict[str, str]:
@@ -124,6 +125,8 @@ class PackConfig:
             "sub_buckets": self.sub_buckets,
             "tfds_data_dir": self.tfds_data_dir,
             "max_record_bytes": self.limits.max_record_bytes,  # a longer line is dropped: it shapes the rows
+            # Only when off, so manifests of runs without reasoning traces stay as they were.
+            **({} if self.train_reasoning else {"train_reasoning": "no"}),
         }
 
 
@@ -163,6 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
     tok = p.add_argument_group("tokenizing")
     tok.add_argument("--tokenizer", help="gemma3 (embedded, default), qwen3 (embedded), sp:FILE.model, hf:NAME_OR_PATH")
     tok.add_argument("--chat-format", help="gemma, chatml, qwen3, hf (the tokenizer's template) or auto (default)")
+    tok.add_argument("--train-reasoning", choices=("yes", "no"),
+                     help="qwen3: whether the think block of a reply's reasoning_content (<think>, the trace, </think>) is "
+                     "a target (default yes); the block is shown on the replies after the last user turn only, as Qwen3's "
+                     "template does")
     tok.add_argument("--allow-untrained-eot", action="store_true",
                      help="publish even when some target assistant turns do not train their end-of-turn token (counted "
                      "as stats.turns_without_trained_eot; by default such a run fails: the model would not learn to stop)")
@@ -305,6 +312,7 @@ def parse_args(argv: Sequence[str]) -> tuple[PackConfig, list[str]]:
     requested: dict[str, Any] = {}
     if ns.from_tokens:
         given = {"inputs": inputs, "format": ns.format, "chat_format": ns.chat_format, "tokenizer": ns.tokenizer,
+                 "train_reasoning": ns.train_reasoning,
                  "template_options": tuple(sorted(template_options.items())) if template_options else None}
         requested = {k: v for k, v in given.items() if v}
     config = PackConfig(
@@ -337,6 +345,7 @@ def parse_args(argv: Sequence[str]) -> tuple[PackConfig, list[str]]:
         mixture=mixture,
         allow_short_mix=ns.allow_short_mix,
         allow_untrained_eot=ns.allow_untrained_eot,
+        train_reasoning=(ns.train_reasoning or "yes") == "yes",
     )
     beam_args = with_default_runner(beam_args)
     if flag_value(beam_args, "--direct_running_mode") == "multi_threading":

@@ -138,7 +138,7 @@ def prepare(
     except TokenizerError as e:
         raise publish.JobError(f"unknown or unusable tokenizer: {e}") from e
     try:
-        chat_format = get_chat_format(config.chat_format, tokenizer)
+        chat_format = get_chat_format(config.chat_format, tokenizer, config.train_reasoning)
     except ChatFormatError as e:
         raise publish.JobError(f"chat format: {e.message}") from e
     if resolved is None:
@@ -564,6 +564,8 @@ def _tokens_manifest(job: PreparedJob, summary: RunSummary) -> TokenSetManifest:
     config = job.config
     choices = {"inputs": list(config.inputs), "format": config.format, "template_options": config.template_kwargs,
                "chat_format": config.chat_format, "tokenizer": config.tokenizer, "tfds_data_dir": config.tfds_data_dir}
+    if not config.train_reasoning:  # recorded only when off, so sets made before the option read as "yes"
+        choices["train_reasoning"] = "no"
     if config.mixture is not None:  # the sources each example's id names (by its input index)
         choices["mixture"] = config.mixture.describe()
     index = tokens_sink.read_index(config.output, job.run_id)

@@ -64,6 +64,9 @@ def density_table(stats_by_length: Mapping[int, Mapping[str, Any]], packed: bool
         if stats["examples_dropped"]:
             reasons = ", ".join(f"{k} {v:,}" for k, v in sorted(stats["examples_dropped"].items()))
             lines.append(f"L{L} dropped: {reasons}")
+        if stats.get("examples_split"):  # --overlong split: how many were cut, into how many pieces
+            lines.append(f"L{L} split: {stats['examples_split']:,} examples longer than {L:,} tokens into "
+                         f"{stats.get('split_pieces', 0):,} pieces (--overlong split)")
     if packed:
         lines += [f"L{L} steps: an unpacked recipe of batch size {REFERENCE_BATCH_SIZE} sees as many examples per step packed "
                   f"with batch size {s.packed_batch_size:,}; steps per epoch {s.unpacked_steps_per_epoch:,} unpacked, "

@@ -60,6 +60,9 @@ class Turn:
 
     role: Role
     content: str
+    # An assistant turn's reasoning trace (a `chat` record's `reasoning_content`), None when it
+    # has none. Only chat formats with think tokens (qwen3) can lay it out; the others refuse it.
+    reasoning: str | None = None
 
     def __post_init__(self) -> None:
         # Programming errors, not data errors: templates validate data before building Turns.
@@ -67,6 +70,8 @@ class Turn:
             raise ValueError(f"Turn.role must be one of {sorted(_ROLES)}, got {self.role!r}")
         if not isinstance(self.content, str):
             raise TypeError(f"Turn.content must be str, got {type(self.content).__name__}")
+        if self.reasoning is not None and (self.role != "assistant" or not isinstance(self.reasoning, str)):
+            raise ValueError("Turn.reasoning must be a str, and only on an assistant turn")
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,8 +109,10 @@ class Conversation:
 
     @property
     def messages(self) -> list[dict[str, str]]:
-        """The turns as HF-style [{role, content}] dicts (for jinja chat templates)."""
-        return [{"role": t.role, "content": t.content} for t in self.turns]
+        """The turns as HF-style [{role, content}] dicts (for jinja chat templates), with
+        `reasoning_content` on a turn that has a reasoning trace (the key Qwen3's template reads)."""
+        return [{"role": t.role, "content": t.content} if t.reasoning is None else
+                {"role": t.role, "content": t.content, "reasoning_content": t.reasoning} for t in self.turns]
 
 
 # Every reason code a template can raise. Kept in one place so the pipeline's counters and
@@ -241,6 +248,7 @@ def _trusted_turn(role: Role, content: str) -> Turn:
     turn = object.__new__(Turn)
     _set_attr(turn, "role", role)
     _set_attr(turn, "content", content)
+    _set_attr(turn, "reasoning", None)
     return turn
 
 
@@ -387,7 +395,9 @@ _CHAT_ROLE_ALIASES: dict[str, Role] = {"system": "system", "user": "user", "assi
 
 @dataclass(frozen=True)
 class ChatTemplate:
-    """{messages: [{role, content}, ...]}: loss on every assistant turn.
+    """{messages: [{role, content}, ...]}: loss on every assistant turn. An assistant message
+    may carry `reasoning_content` (a string or null; blank counts as none): its reasoning trace,
+    laid out by the chat format (qwen3: in the think block, see docs/qwen3.md).
 
     Rules (each violation is a RecordError): roles are system/user/assistant/model; a system
     message may only come first; the first non-system message must be from the user; user
@@ -442,6 +452,11 @@ class ChatTemplate:
                         f"field '{path}.role': expected the first non-system message to be from the user, got an assistant message",
                     )
                 _require_nonblank(content, "empty_response", path + ".content", "assistant message text")
+                reasoning = _get_optional_str(msg, "reasoning_content", path + ".reasoning_content", "the reply's reasoning trace")
+                if reasoning.strip():
+                    turns.append(Turn(role, content, reasoning))
+                    seen_non_system = True
+                    continue
             seen_non_system = seen_non_system or role != "system"
             turns.append(Turn(role, content))
         last = max((i for i, t in enumerate(turns) if t.role == "assistant"), default=-1)
