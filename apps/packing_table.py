@@ -7,13 +7,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from prepack.packing.stats import BatchFigures, PackingStats
+from prepack.packing.stats import BatchFigures, PackingStats, StepSemantics
 
 THROUGHPUT_MODEL = (
     "Fixed [B, L] batches: a step costs the same packed or unpacked. Rows fill ceil(rows / B) steps, the last "
     "padded with empty rows. step densities = tokens (or target tokens) / (steps * B * L). "
     "throughput_gain = packed_step_target_density / unpacked_step_target_density = unpacked_steps / packed_steps. "
-    "Target tokens count as they land in a row: the loss mask minus each example's first token."
+    "Target tokens count as they land in a row: the loss mask minus each example's first token. "
+    "B pk = round(B / ex/row): the packed batch size that sees as many examples per step as unpacked batch size B; "
+    "its steps per epoch: steps B pk = ceil(rows / B pk), against steps unp = ceil(examples / B)."
 )
 
 # preflight.csv columns, in order; report.py fills the same keys from manifests.
@@ -27,6 +29,7 @@ CSV_COLUMNS = (
     "unpacked_density", "packed_density", "unpacked_target_density", "packed_target_density",
     "unpacked_steps", "packed_steps", "unpacked_step_density", "packed_step_density",
     "unpacked_step_target_density", "packed_step_target_density", "throughput_gain",
+    "examples_per_row", "target_tokens_per_row", "packed_batch_size", "unpacked_steps_per_epoch", "packed_steps_per_epoch",
 )
 
 
@@ -52,6 +55,7 @@ def result_row(meta: dict[str, Any], stats: PackingStats, batch_size: int, extra
         packed_target_density=stats.target_density,
     )
     row.update({k: v for k, v in batch.as_dict().items() if k != "batch_size"})
+    row.update({k: v for k, v in StepSemantics(stats, batch_size).as_dict().items() if k != "unpacked_batch_size"})
     return row
 
 
@@ -75,6 +79,10 @@ TABLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("steps unp", "unpacked_steps", "int"),
     ("steps pk", "packed_steps", "int"),
     ("gain", "throughput_gain", "times"),
+    ("ex/row", "examples_per_row", "float1"),
+    ("tgt/row", "target_tokens_per_row", "float1"),
+    ("B pk", "packed_batch_size", "int"),
+    ("steps B pk", "packed_steps_per_epoch", "int"),  # beside "steps unp", the same as unpacked_steps_per_epoch
 )
 
 

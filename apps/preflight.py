@@ -46,10 +46,10 @@ from prepack.packing.bad_records import DEFAULT_MAX_BAD_FRACTION, too_many_bad_r
 from prepack.cli_help import DefaultsHelpFormatter
 from prepack.packing.packer import (DropReason, Fit, HistogramPlan, OverlongPolicy, Planner, fit_at_length, split_pieces,
                             targets_after_first)
-from prepack.packing.stats import PackingStats, stats_from_rows
+from prepack.packing.stats import REFERENCE_BATCH_SIZE, PackingStats, stats_from_rows
 
 DEFAULT_MAX_LENGTHS = (256, 512, 1024, 2048)
-DEFAULT_BATCH_SIZES = (16,)
+DEFAULT_BATCH_SIZES = (REFERENCE_BATCH_SIZE,)  # the batch size the pack summary plans for, too
 TOKENIZE_BATCH = 512  # conversations per encode_batch call: big enough to amortize, small enough to retry
 
 class PreflightError(Exception):
@@ -88,6 +88,7 @@ class PreflightConfig:
     plots: bool = True
     pack_output: str | None = None  # set: run the Beam job per dataset into this folder and read its manifests
     mixture: Any = None  # --mixture: prepack.packing.mixture.Mixture; its sources' inputs are the datasets
+    train_reasoning: bool = True  # as `prepack pack --train-reasoning`
 
 
 # ----------------------------------------------------------------------------- tokenized examples
@@ -556,6 +557,8 @@ def run_with_pipeline(config: PreflightConfig, pack_args: Sequence[str]) -> dict
                 "--max-bad-fraction", str(config.max_bad_fraction)]
         if config.max_segments_per_row is not None:
             argv += ["--max-segments-per-row", str(config.max_segments_per_row)]
+        if not config.train_reasoning:
+            argv += ["--train-reasoning", "no"]
         for key, value in sorted(config.template_options.items()):
             argv += [_PACK_TEMPLATE_FLAGS[key], value]
         started = time.perf_counter()
@@ -638,6 +641,8 @@ def _parser() -> argparse.ArgumentParser:
                    "one for all, or one per --input in order")
     p.add_argument("--tokenizer", default="gemma3", help="tokenizer spec: gemma3 (embedded, default), qwen3 (embedded), sp:FILE.model, hf:NAME")
     p.add_argument("--chat-format", default="auto", help="gemma, chatml, qwen3, hf or auto (default)")
+    p.add_argument("--train-reasoning", choices=("yes", "no"), default="yes",
+                   help="as `prepack pack --train-reasoning`: whether a reasoning trace's think block is a target (qwen3)")
     p.add_argument("--max-length", action="extend", nargs="+", type=int, metavar="L",
                    help=f"max lengths (default: {' '.join(map(str, DEFAULT_MAX_LENGTHS))})")
     p.add_argument("--batch-size", action="extend", nargs="+", type=int, metavar="B",
@@ -735,6 +740,7 @@ def config_from_args(args: argparse.Namespace) -> PreflightConfig:
         output=args.output,
         tokenizer=args.tokenizer,
         chat_format=args.chat_format,
+        train_reasoning=args.train_reasoning == "yes",
         max_lengths=tuple(sorted(set(max_lengths))),
         batch_sizes=tuple(sorted(set(batch_sizes))),
         overlong=OverlongPolicy(args.overlong),
@@ -819,6 +825,6 @@ def _load_tokenizer(config: PreflightConfig) -> tuple[Any, Any]:
     except TokenizerError as e:
         raise PreflightError(str(e)) from e
     try:
-        return tokenizer, get_chat_format(config.chat_format, tokenizer)
+        return tokenizer, get_chat_format(config.chat_format, tokenizer, config.train_reasoning)
     except ChatFormatError as e:
         raise PreflightError(str(e)) from e

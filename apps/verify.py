@@ -25,7 +25,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from loaders import storage
+from prepack import storage
 from loaders.published import published_lengths
 from loaders.shards import ShardSetError, ShardView, open_shards, read_manifest
 from prepack.cli_help import DefaultsHelpFormatter
@@ -156,6 +156,7 @@ def verify_length(path: str, max_length: int | None = None) -> LengthResult:
     else:
         try:
             with open_shards(path) as view:
+                view.prefetch()  # gs://: every shard downloads while the first ones are checked
                 result.failure = scan_rows(view, recount)
         except ShardSetError as e:  # a shard missing, or of another size than listed
             result.failure = str(e)

@@ -14,8 +14,9 @@ or `after_manifest_switch` (every hit). Actions:
     exit(CODE)       the process ends at once with CODE (os._exit: no clean-up runs)
     error            raises InjectedFault, as a storage or program error would
 
-The points are listed in POINTS (and in docs/manifest.md); a name not listed there, or
-an action not above, is refused with one line before any work (`check`).
+The points are listed in POINTS (and in docs/manifest.md), the details each takes in DETAILS;
+a name not listed there, a detail its point does not take, or an action not above, is refused
+with one line before any work (`check`). An injected error is the job's one-line failure.
 """
 
 from __future__ import annotations
@@ -40,6 +41,14 @@ POINTS: dict[str, str] = {
     "before_delete": "before the old files this run replaced are deleted (`:L<length>` or `:tokens`)",
     "after_publish": "everything is published and cleaned, before the lock is released",
     "input_read": "a worker starts reading an input file (`:start`), and has read it whole, before its change check (`:whole_file`)",
+}
+
+# The details a point takes (a ":DETAIL" suffix): a spec with any other detail is refused,
+# since it would never fire. Points not listed here take none.
+DETAILS: dict[str, tuple[str, re.Pattern[str]]] = {
+    "after_manifest_switch": ("L<length> or tokens", re.compile(r"L[1-9][0-9]{0,8}|tokens")),
+    "before_delete": ("L<length> or tokens", re.compile(r"L[1-9][0-9]{0,8}|tokens")),
+    "input_read": ("start or whole_file", re.compile(r"start|whole_file")),
 }
 
 _ACTION = re.compile(r"^(?P<kind>stop|error|sleep|exit)(?:\((?P<arg>[^()]*)\))?$")
@@ -107,13 +116,23 @@ def parse(text: str) -> dict[str, Action]:
         name = name.strip()
         if not eq or not name:
             raise _bad(spec, "expected NAME=ACTION (for example before_publish=stop)")
-        base = name.split(":", 1)[0]
+        base, colon, detail = name.partition(":")
         if base not in POINTS:
             raise _bad(spec, f"unknown failpoint {base!r}; known: {', '.join(POINTS)}")
+        if colon:
+            _check_detail(spec, base, detail)
         if name in out:
             raise _bad(spec, f"{name} is set twice")
         out[name] = _action(spec, action)
     return out
+
+
+def _check_detail(spec: str, point: str, detail: str) -> None:
+    if point not in DETAILS:
+        raise _bad(spec, f"{point} takes no detail (it is hit once per run); use {point}=ACTION")
+    takes, pattern = DETAILS[point]
+    if not pattern.fullmatch(detail):
+        raise _bad(spec, f"{point} takes the detail {takes}, not {detail[:40]!r}")
 
 
 _cache: tuple[str, dict[str, Action]] = ("", {})

@@ -22,6 +22,7 @@ class InputFileError(RuntimeError):
     the message names the file and what to do."""
 
 
+_INJECTED_FAULT = re.compile(r"InjectedFault: (?P<line>failpoint [^\n]+)")
 _INPUT_FILE_ERROR = re.compile(r"InputFileError: (?P<line>[^\n]+)")
 _SHARD_CHECK_ERROR = re.compile(r"ShardCheckError: (?P<line>[^\n]+)")
 _RUNNER_SUFFIX = re.compile(r"\s*\[while running '[^\n]*'\]\s*$")  # Beam's note of the step
@@ -43,18 +44,29 @@ def one_line(exc: BaseException, output: str) -> str | None:
             return _RUNNER_SUFFIX.sub("", str(e).splitlines()[0]).strip()
         if isinstance(e, OSError) and e.errno == errno.ENOSPC:
             return no_space(output, getattr(e, "filename", None))
+        if type(e).__name__ == "InjectedFault":  # pipelines.failpoints, in a worker
+            return injected(str(e).splitlines()[0])
         if type(e).__name__ == "ShardCheckError":
             return lost_rows(_RUNNER_SUFFIX.sub("", str(e).splitlines()[0]).strip())
     text = str(exc)
     m = _INPUT_FILE_ERROR.search(text)
     if m:
         return _RUNNER_SUFFIX.sub("", m.group("line")).strip()
+    m = _INJECTED_FAULT.search(text)
+    if m:
+        return injected(m.group("line"))
     m = _SHARD_CHECK_ERROR.search(text)
     if m:
         return lost_rows(_RUNNER_SUFFIX.sub("", m.group("line")).strip())
     if _NO_SPACE.search(text):
         return no_space(output, None)
     return None
+
+
+def injected(line: str) -> str:
+    """A failpoint's `error` (PREPACK_FAILPOINTS) before anything was published."""
+    return (f"{_RUNNER_SUFFIX.sub('', line).strip()} (PREPACK_FAILPOINTS); nothing new was published, the previous "
+            "shard sets are intact")
 
 
 def no_space(output: str, where: str | None) -> str:

@@ -23,6 +23,7 @@ from typing import Any
 from pipelines.stages.input_limits import (DEFAULT_MAX_COMPRESSION_RATIO, DEFAULT_MAX_DECOMPRESSED_BYTES, DEFAULT_MAX_RECORD_BYTES,
                                            DEFAULT_MAX_WHOLE_FILE_BYTES,
                                            RATIO_CHECKED_AFTER, InputLimits)
+from pipelines.output.lock import MIN_EXPIRY_S
 from pipelines.stages.planning import MAX_SUB_BUCKETS
 from prepack.packing.bad_records import DEFAULT_MAX_BAD_FRACTION
 from prepack.packing.mixture import Mixture, MixtureError, load_mixture
@@ -98,6 +99,7 @@ class PackConfig:
     mixture: Mixture | None = None
     allow_short_mix: bool = False  # publish a mixture whose realized shares miss the requested ones
     allow_untrained_eot: bool = False  # publish although some target turns do not train their end-of-turn token
+    train_reasoning: bool = True  # --train-reasoning: a reasoning trace's think block is a target (qwen3)
 
     @property
     def template_kwargs(self) -> dict[str, str]:
@@ -123,6 +125,8 @@ class PackConfig:
             "sub_buckets": self.sub_buckets,
             "tfds_data_dir": self.tfds_data_dir,
             "max_record_bytes": self.limits.max_record_bytes,  # a longer line is dropped: it shapes the rows
+            # Only when off, so manifests of runs without reasoning traces stay as they were.
+            **({} if self.train_reasoning else {"train_reasoning": "no"}),
         }
 
 
@@ -162,6 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
     tok = p.add_argument_group("tokenizing")
     tok.add_argument("--tokenizer", help="gemma3 (embedded, default), qwen3 (embedded), sp:FILE.model, hf:NAME_OR_PATH")
     tok.add_argument("--chat-format", help="gemma, chatml, qwen3, hf (the tokenizer's template) or auto (default)")
+    tok.add_argument("--train-reasoning", choices=("yes", "no"),
+                     help="qwen3: whether the think block of a reply's reasoning_content (<think>, the trace, </think>) is "
+                     "a target (default yes); the block is shown on the replies after the last user turn only, as Qwen3's "
+                     "template does")
     tok.add_argument("--allow-untrained-eot", action="store_true",
                      help="publish even when some target assistant turns do not train their end-of-turn token (counted "
                      "as stats.turns_without_trained_eot; by default such a run fails: the model would not learn to stop)")
@@ -215,7 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"run on a Beam runner other than {' and '.join(SUPPORTED_RUNNERS)} (untested; may lose or misroute rows)")
     out.add_argument("--lock-expiry-s", type=float, default=600.0,
                      help="a gs:// output lock its run has not renewed for this long is stale and may be taken over "
-                          "(default 600; the run renews it every min(60, expiry/3) s)")
+                          f"(default 600, at least {MIN_EXPIRY_S:g}; the run renews it every min(60, expiry/3) s and "
+                          "stops when a renewal takes over a third of it)")
     out.add_argument("--no-progress", action="store_true", help="no records/s lines from the workers")
     out.add_argument("--verbose", action="store_true",
                      help="Beam's and the workers' full logs (by default warnings only, and after Ctrl-C only the last line)")
@@ -284,8 +293,8 @@ def parse_args(argv: Sequence[str]) -> tuple[PackConfig, list[str]]:
         raise OptionsError(f"--sub-buckets must be between 1 and {MAX_SUB_BUCKETS}, got {ns.sub_buckets}")
     if ns.max_segments_per_row is not None and ns.max_segments_per_row < 1:
         raise OptionsError(f"--max-segments-per-row must be at least 1, got {ns.max_segments_per_row}")
-    if not 1.0 <= ns.lock_expiry_s <= 86400.0:
-        raise OptionsError(f"--lock-expiry-s must be between 1 and 86400 seconds, got {ns.lock_expiry_s:g}")
+    if not MIN_EXPIRY_S <= ns.lock_expiry_s <= 86400.0:
+        raise OptionsError(f"--lock-expiry-s must be between {MIN_EXPIRY_S:g} and 86400 seconds, got {ns.lock_expiry_s:g}")
     if ns.batch_size < 1:
         raise OptionsError(f"--tokenize-batch-size must be at least 1, got {ns.batch_size}")
     template_options = {}
@@ -303,6 +312,7 @@ def parse_args(argv: Sequence[str]) -> tuple[PackConfig, list[str]]:
     requested: dict[str, Any] = {}
     if ns.from_tokens:
         given = {"inputs": inputs, "format": ns.format, "chat_format": ns.chat_format, "tokenizer": ns.tokenizer,
+                 "train_reasoning": ns.train_reasoning,
                  "template_options": tuple(sorted(template_options.items())) if template_options else None}
         requested = {k: v for k, v in given.items() if v}
     config = PackConfig(
@@ -335,6 +345,7 @@ def parse_args(argv: Sequence[str]) -> tuple[PackConfig, list[str]]:
         mixture=mixture,
         allow_short_mix=ns.allow_short_mix,
         allow_untrained_eot=ns.allow_untrained_eot,
+        train_reasoning=(ns.train_reasoning or "yes") == "yes",
     )
     beam_args = with_default_runner(beam_args)
     if flag_value(beam_args, "--direct_running_mode") == "multi_threading":

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from pipelines.output import commit as output_commit
-from pipelines.output.storage import SwitchRefused, storage_for
+from prepack.storage import SwitchRefused, storage_for
 from prepack.format import layout
 from testkit.gcs_emulator import gcs_emulator, gcs_prefix  # noqa: F401  (pytest fixtures)
 
@@ -153,3 +153,28 @@ def test_the_dead_letter_is_replaced_only_at_the_version_seen(output):
     with pytest.raises(SwitchRefused, match=r"dead_letter.jsonl was changed by another run since this one started"):
         commit.switch(s)
     assert storage_for(folder).read(f"{folder}/{layout.DEAD_LETTER_NAME}").data == b'{"another writer": 1}\n'
+
+
+def test_the_switch_is_conditioned_on_the_version_seen_under_the_lock(output):
+    """Another writer (one ignoring the lock) replaced the manifest after this run looked: the
+    switch is refused and that writer's manifest stays. Shown to fail, local and gs://, with the
+    switch conditioned on the version read at the switch (store.version(manifest_path)) instead
+    of the one `look` saw: the other writer's manifest was replaced."""
+    folder = layout.length_dir(output, 64)
+    for n in OLD:
+        put(f"{folder}/{n}", n.encode())
+    put(f"{folder}/manifest.json", manifest(OLD))
+    staging = layout.staging_dir(output, 64, "run-b")
+    for n in NEW:
+        put(f"{staging}/{n}", n.encode())
+    place = output_commit.length_place(output, 64)
+    seen = output_commit.look(output, [place], StillYours())
+    time.sleep(0.01)
+    storage_for(folder).write(f"{folder}/manifest.json", manifest(OLD[:1]))  # behind the lock
+    staged_set = output_commit.StagedSet(place, staging, manifest(NEW), tuple(NEW))
+    commit = output_commit.Commit(output, "run-b", StillYours(), seen, overwrite=True)
+    commit.move_in([staged_set])
+    with pytest.raises(SwitchRefused, match=r"L64/manifest.json was changed by another run since this one started"):
+        commit.switch(staged_set)
+    assert storage_for(folder).read(f"{folder}/manifest.json").data == manifest(OLD[:1])
+    assert commit.switched == {}

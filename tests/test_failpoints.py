@@ -38,6 +38,12 @@ def test_parse_reads_every_action():
     ("before_publish=exit(x)", "'before_publish=exit(x)': exit needs an exit status 0-255, got 'x'"),
     ("before_publish=stop(1)", "'before_publish=stop(1)': stop takes no argument"),
     ("before_publish=stop;before_publish=error", "'before_publish=error': before_publish is set twice"),
+    ("after_lock:L9999=error", "'after_lock:L9999=error': after_lock takes no detail (it is hit once per run); "
+                               "use after_lock=ACTION"),
+    ("after_manifest_switch:64=error", "'after_manifest_switch:64=error': after_manifest_switch takes the detail "
+                                       "L<length> or tokens, not '64'"),
+    ("before_delete:L0=error", "'before_delete:L0=error': before_delete takes the detail L<length> or tokens, not 'L0'"),
+    ("input_read:end=stop", "'input_read:end=stop': input_read takes the detail start or whole_file, not 'end'"),
 ])
 def test_a_bad_value_is_one_line(value, message):
     with pytest.raises(failpoints.FailpointError) as e:
@@ -54,6 +60,28 @@ def test_a_bad_value_stops_pack_before_any_work(tmp_path):
     assert done.stderr.strip() == ("prepack pack: PREPACK_FAILPOINTS: 'before_publish=jump': unknown action 'jump'; "
                                    "use stop, sleep(SECONDS), exit(CODE) or error")
     assert not (tmp_path / "out").exists()
+
+
+def test_every_documented_detail_is_accepted():
+    got = failpoints.parse("after_manifest_switch:L512=stop;after_manifest_switch:tokens=stop;before_delete:L64=stop;"
+                           "before_delete:tokens=stop;input_read:start=stop;input_read:whole_file=stop")
+    assert len(got) == 6
+
+
+@pytest.mark.parametrize("point", ["after_lock", "before_publish", "input_read:start"])
+def test_an_injected_error_is_the_jobs_one_line_failure(tmp_path, point):
+    env = dict(os.environ, PYTHONPATH=ROOT, PREPACK_FAILPOINTS=f"{point}=error")
+    done = subprocess.run([sys.executable, "-m", "pipelines.launch.cli", "--sample", "--max-length", "128", "--output",
+                           str(tmp_path / "out"), "--no-progress"],
+                          cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"prepack pack: failpoint {point}: injected error (PREPACK_FAILPOINTS); nothing new was published, the "
+        "previous shard sets are intact")
+    # A worker's failure is also logged by Beam's local job service (with the worker's traceback),
+    # as for any failed worker; the launcher's own report is the one line.
+    launcher_part = done.stderr if point != "input_read:start" else done.stderr.split("prepack pack:")[-1]
+    assert "Traceback" not in launcher_part and not (tmp_path / "out").exists()
 
 
 def test_detail_narrows_a_point_to_one_hit(monkeypatch):

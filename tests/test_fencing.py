@@ -31,7 +31,7 @@ import pytest
 
 import loaders
 from pipelines.output import lock as output_lock
-from pipelines.output.storage import storage_for
+from prepack.storage import storage_for
 from prepack.format import layout
 from prepack.format.run_record import RunRecord
 from testkit.gcs_emulator import gcs_emulator, gcs_prefix  # noqa: F401  (pytest fixtures)
@@ -39,7 +39,7 @@ from testkit.pipeline import IN_PROCESS, alpaca_records, write_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LENGTHS = (64, 256)
-EXPIRY_S = 2
+EXPIRY_S = 10  # the floor of --lock-expiry-s (pipelines/output/lock.py MIN_EXPIRY_S)
 
 # Every step of the publishing order, as a failpoint (docs/manifest.md lists them).
 POINTS = ["before_publish", "shards_in_place", "after_manifest_switch:L64", "after_manifest_switch:L256",

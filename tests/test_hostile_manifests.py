@@ -18,6 +18,7 @@ from apps import inspect as inspect_cli
 from loaders.shard_cache import ShardCache, ShardDigestError
 from prepack.format.manifest import MANIFEST_NAME, Manifest, ManifestError
 from prepack.format.tokenset import TokenSetError, TokenSetManifest
+from prepack import storage as prepack_storage
 
 
 def _edit(folder, **changes) -> dict:
@@ -234,7 +235,7 @@ def test_a_record_corrupt_in_the_bucket_too_still_fails_after_one_fetch(gcs_emul
         out.write(bytes(data))
         return len(data), sha
 
-    monkeypatch.setattr(loaders.storage, "download", corrupt_download)
+    monkeypatch.setattr(prepack_storage, "download", corrupt_download)
     _flip(os.path.join(cache, f"{sha}.array_record"), 4000)
     view.close()
     with pytest.raises(loaders.ShardSetError, match=r"record \d+ \(row \d+\) is unreadable, the file is corrupt"):
@@ -372,3 +373,23 @@ def test_fuzz_tokens_manifests_give_a_set_or_a_token_set_error():
 @pytest.mark.slow
 def test_fuzz_tokens_manifests_10000():
     _fuzz_tokens_manifest(10_000)
+
+
+def test_a_shard_listed_twice_is_refused(tmp_path):
+    """The same file named twice would be read twice: its rows trained on twice and counted
+    twice. Shown to fail with the `listed twice` check removed from untrusted.shard_entries
+    (the set opened with 2x its rows)."""
+    folder = str(tmp_path / "set")
+    build_shard_set(folder, num_rows=6, num_shards=2, max_length=16)
+    path = os.path.join(folder, MANIFEST_NAME)
+    with open(path) as f:
+        data = json.load(f)
+    data["shards"][1] = dict(data["shards"][0])
+    data["num_rows"] = sum(s["num_rows"] for s in data["shards"])  # the totals agree: only the repeat is wrong
+    with open(path, "w") as f:
+        json.dump(data, f)
+    name = data["shards"][0]["path"]
+    with pytest.raises(ManifestError) as e:
+        loaders.open_shards(folder, expected_max_length=16, tokenizer=TEST_TOKENIZER)
+    assert str(e.value) == (f"{path}: shards[1].path {name!r} is listed twice; the manifest was edited or is damaged: "
+                            "republish the set")

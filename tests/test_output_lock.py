@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -15,7 +16,8 @@ import time
 import pytest
 
 from testkit.gcs_emulator import gcs_emulator, gcs_prefix  # noqa: F401  (pytest fixtures)
-from pipelines.output import lock, storage
+from pipelines.output import lock
+from prepack import storage
 from prepack.format import layout
 
 
@@ -188,22 +190,72 @@ def test_delete_if_deletes_only_the_version_seen(output):
     assert store.read(path) is None
 
 
-@pytest.mark.parametrize("value", ["0", "-5", "nan", "100000"])
+@pytest.mark.parametrize("value", ["0", "-5", "nan", "100000", "1", "9.9"])
 def test_lock_expiry_out_of_range_is_one_line(value):
     from pipelines.options import OptionsError, parse_args
 
     with pytest.raises(OptionsError) as e:
         parse_args(["--sample", "--output", "out", "--lock-expiry-s", value])
-    assert str(e.value) == f"--lock-expiry-s must be between 1 and 86400 seconds, got {float(value):g}"
+    assert str(e.value) == f"--lock-expiry-s must be between 10 and 86400 seconds, got {float(value):g}"
 
 
 def test_lock_expiry_is_the_lease_length(gcs_prefix):
     from pipelines.options import parse_args
 
-    config, _ = parse_args(["--sample", "--output", "out", "--lock-expiry-s", "5"])
-    assert config.lock_expiry_s == 5.0 and parse_args(["--sample", "--output", "o"])[0].lock_expiry_s == 600.0
+    config, _ = parse_args(["--sample", "--output", "out", "--lock-expiry-s", "10"])
+    assert config.lock_expiry_s == 10.0 and parse_args(["--sample", "--output", "o"])[0].lock_expiry_s == 600.0
     out = f"{gcs_prefix}/out"
     held = lock.OutputLock.acquire(out, "run-a", expiry_s=config.lock_expiry_s, renew=False)
     info = lock.read_lock(out)
-    assert 4.5 <= info.expires - info.created <= 5.5
+    assert 9.5 <= info.expires - info.created <= 10.5
+    held.release()
+
+
+@pytest.fixture
+def slow_storage(gcs_emulator, monkeypatch):
+    """The output layer's GCS client behind a 400 ms round trip (testkit/http_delay_proxy.py)."""
+    from prepack.storage import gcs
+    from testkit.http_delay_proxy import start_proxy
+
+    with start_proxy(os.environ["STORAGE_EMULATOR_HOST"], delay_ms=400) as proxy:
+        saved = os.environ["STORAGE_EMULATOR_HOST"]
+        os.environ["STORAGE_EMULATOR_HOST"] = proxy.endpoint
+        try:
+            client = gcs._client(proxy.endpoint)
+        finally:
+            os.environ["STORAGE_EMULATOR_HOST"] = saved
+        monkeypatch.setattr(gcs, "gcs_client", lambda: client)
+        yield proxy
+
+
+def test_a_lease_shorter_than_3_round_trips_is_refused_before_any_work(slow_storage, gcs_prefix):
+    """Behind a 400 ms round trip a 1 s lease would look expired while its run is healthy.
+    Shown to fail without lock._judge_trip (the lock was taken and the run went on)."""
+    out = f"{gcs_prefix}/out"
+    with pytest.raises(lock.LeaseTooShort) as e:
+        lock.OutputLock.acquire(out, "run-a", expiry_s=1.0, renew=False)
+    assert re.fullmatch(rf"the lease on {re.escape(out)} cannot be kept: a renewal round trip took 0\.\d\d s and "
+                        r"--lock-expiry-s 1 is under 3x that, so other runs could take over this healthy one; pass "
+                        r"--lock-expiry-s 10 or more", str(e.value)), str(e.value)
+    assert lock.read_lock(out) is None  # the refused run leaves no lock behind
+    held = lock.OutputLock.acquire(out, "run-b", expiry_s=10.0, renew=False)  # 3 x 0.4 s fits in 10 s
+    held.check()
+    held.release()
+
+
+def test_a_renewal_slower_than_a_third_of_the_lease_stops_the_run(gcs_prefix, monkeypatch):
+    out = f"{gcs_prefix}/out"
+    held = lock.OutputLock.acquire(out, "run-a", expiry_s=0.6, renew=False)
+    original = storage.GcsStorage.write_if
+
+    def slow_write_if(self, *args, **kw):
+        time.sleep(0.25)
+        return original(self, *args, **kw)
+
+    monkeypatch.setattr(storage.GcsStorage, "write_if", slow_write_if)
+    with pytest.raises(lock.LeaseTooShort, match=r"round trip took 0\.2\d s and --lock-expiry-s 0\.6 is under 3x"):
+        held.check()
+    assert isinstance(held.lost, lock.LeaseTooShort)
+    with pytest.raises(lock.LeaseTooShort):  # every later step is refused too
+        held.check()
     held.release()

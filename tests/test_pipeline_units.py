@@ -309,6 +309,14 @@ def test_density_table_lists_drops():
     assert "packed dens." in text and "90.0%" in text and "2.67x" in text and "L512 dropped: too_long 2" in text
 
 
+def test_density_table_says_what_overlong_split_split():
+    stats = {"examples_read": 10, "examples_written": 13, "examples_dropped": {}, "examples_truncated": 0,
+             "examples_split": 2, "split_pieces": 5, "rows": 3, "lower_bound_rows": 3, "rows_over_lower_bound": 1.0,
+             "packed_density": 0.9, "unpacked_density": 0.3, "target_density": 0.5, "row_reduction": 13 / 3}
+    assert "L512 split: 2 examples longer than 512 tokens into 5 pieces (--overlong split)" in density_table({512: stats})
+    assert " split: " not in density_table({512: dict(stats, examples_split=0, split_pieces=0)})
+
+
 def test_density_table_of_an_unpacked_set_has_no_packed_columns():
     # --no-pack: one example per row, so rows == examples and the density is the unpacked one.
     stats = {"examples_read": 10, "examples_written": 8, "examples_dropped": {"too_long": 2}, "examples_truncated": 0,

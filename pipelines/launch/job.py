@@ -138,7 +138,7 @@ def prepare(
     except TokenizerError as e:
         raise publish.JobError(f"unknown or unusable tokenizer: {e}") from e
     try:
-        chat_format = get_chat_format(config.chat_format, tokenizer)
+        chat_format = get_chat_format(config.chat_format, tokenizer, config.train_reasoning)
     except ChatFormatError as e:
         raise publish.JobError(f"chat format: {e.message}") from e
     if resolved is None:
@@ -278,7 +278,7 @@ class Interrupted(KeyboardInterrupt):
 def _acquire_lock(config: PackConfig, run_id: str) -> output.OutputLock:
     try:
         return output.OutputLock.acquire(config.output, run_id, config.lock_expiry_s)
-    except output.LockHeld as e:
+    except (output.LockHeld, output.LockLost) as e:  # LockLost: a lease too short for its round trip
         raise publish.JobError(str(e)) from e
     except Exception as e:  # a missing bucket, a read-only folder: say so before any work
         raise publish.JobError(f"output {config.output!r} is not writable ({type(e).__name__}: {e})") from e
@@ -360,6 +360,8 @@ def run(config: PackConfig, beam_args: list[str], run_id: str | None = None) -> 
         raise publish.JobError(str(e)) from e
     except output.SwitchRefused as e:
         raise publish.JobError(f"{e}; the sets now in {config.output} are another run's; this run published nothing") from e
+    except failpoints.InjectedFault as e:  # after_lock, before_publish: nothing switched yet (the commit's own are caught there)
+        raise publish.JobError(failures.injected(str(e))) from e
     except OSError as e:
         if e.errno == errno.ENOSPC:
             if commit is not None and commit.switched:  # the previous sets are not all intact any more: say which are new
@@ -562,6 +564,8 @@ def _tokens_manifest(job: PreparedJob, summary: RunSummary) -> TokenSetManifest:
     config = job.config
     choices = {"inputs": list(config.inputs), "format": config.format, "template_options": config.template_kwargs,
                "chat_format": config.chat_format, "tokenizer": config.tokenizer, "tfds_data_dir": config.tfds_data_dir}
+    if not config.train_reasoning:  # recorded only when off, so sets made before the option read as "yes"
+        choices["train_reasoning"] = "no"
     if config.mixture is not None:  # the sources each example's id names (by its input index)
         choices["mixture"] = config.mixture.describe()
     index = tokens_sink.read_index(config.output, job.run_id)

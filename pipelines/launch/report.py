@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from prepack.packing.stats import REFERENCE_BATCH_SIZE, PackingStats, StepSemantics
+
 # What every set reports: examples in and out, and the rows they fill.
 _COUNT_COLUMNS = (
     ("L", "max_length"),
@@ -21,6 +23,8 @@ COLUMNS = _COUNT_COLUMNS + (
     ("unpacked dens.", "unpacked_density"),
     ("target dens.", "target_density"),
     ("row reduction", "row_reduction"),
+    ("ex/row", "examples_per_row"),
+    ("tgt/row", "target_tokens_per_row"),
 )
 # `--no-pack` sets hold one example per row: rows equal examples, and the packed-only
 # figures (lower bound, rows/bound, packed density, row reduction) say nothing about them.
@@ -33,6 +37,8 @@ UNPACKED_COLUMNS = _COUNT_COLUMNS + (
 def _cell(key: str, value: Any) -> str:
     if key in ("packed_density", "unpacked_density", "target_density"):
         return f"{value:.1%}"
+    if key in ("examples_per_row", "target_tokens_per_row"):
+        return f"{value:,.1f}"
     if key in ("row_reduction",):
         return f"{value:.2f}x"
     if key == "rows_over_lower_bound":
@@ -45,9 +51,9 @@ def _cell(key: str, value: Any) -> str:
 def density_table(stats_by_length: Mapping[int, Mapping[str, Any]], packed: bool = True) -> str:
     """A plain-text table (packed: COLUMNS, else UNPACKED_COLUMNS); dropped examples are listed by reason under it."""
     columns = COLUMNS if packed else UNPACKED_COLUMNS
-    rows = []
+    rows, steps = [], {L: step_semantics(L, stats) for L, stats in stats_by_length.items()}
     for L, stats in sorted(stats_by_length.items()):
-        values = dict(stats, max_length=L, dropped=sum(stats["examples_dropped"].values()))
+        values = dict(stats, max_length=L, dropped=sum(stats["examples_dropped"].values()), **steps[L].as_dict())
         rows.append([_cell(key, values[key]) for _, key in columns])
     headers = [h for h, _ in columns]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
@@ -58,8 +64,22 @@ def density_table(stats_by_length: Mapping[int, Mapping[str, Any]], packed: bool
         if stats["examples_dropped"]:
             reasons = ", ".join(f"{k} {v:,}" for k, v in sorted(stats["examples_dropped"].items()))
             lines.append(f"L{L} dropped: {reasons}")
+        if stats.get("examples_split"):  # --overlong split: how many were cut, into how many pieces
+            lines.append(f"L{L} split: {stats['examples_split']:,} examples longer than {L:,} tokens into "
+                         f"{stats.get('split_pieces', 0):,} pieces (--overlong split)")
+    if packed:
+        lines += [f"L{L} steps: an unpacked recipe of batch size {REFERENCE_BATCH_SIZE} sees as many examples per step packed "
+                  f"with batch size {s.packed_batch_size:,}; steps per epoch {s.unpacked_steps_per_epoch:,} unpacked, "
+                  f"{s.packed_steps_per_epoch:,} packed" for L, s in sorted(steps.items())]
     first = next(iter(stats_by_length.values()), None)
     if first is not None and first.get("records_filtered"):
         filtered = ", ".join(f"{k} {v:,}" for k, v in first["records_filtered"].items())
         lines.append(f"records filtered by the template (not examples): {filtered}")
     return "\n".join(lines)
+
+
+def step_semantics(max_length: int, stats: Mapping[str, Any]) -> StepSemantics:
+    """What a step means at this length (prepack.packing.stats), from the manifest's stats."""
+    figures = PackingStats(max_length=max_length, examples=stats["examples_written"], tokens=stats.get("tokens", 0),
+                           target_tokens=stats.get("target_tokens", 0), rows=stats["rows"])
+    return StepSemantics(figures, REFERENCE_BATCH_SIZE)

@@ -25,6 +25,8 @@ whether a pid exists here:
   paused past its expiry learns, the moment it resumes, that another run owns the output;
   every publishing write is also conditioned on generations it read under its lock
   (pipelines/output/commit.py), so a write in flight when the lease ran out fails too.
+  Each create and renewal is timed: a round trip over a third of the expiry stops the run
+  in one line (LeaseTooShort), since such a lease would look expired while its run is healthy.
 """
 
 from __future__ import annotations
@@ -38,11 +40,13 @@ import threading
 import time
 from collections.abc import Callable
 
-from pipelines.output.storage import GcsStorage, SwitchRefused, storage_for
+from prepack.storage import GcsStorage, SwitchRefused, storage_for
 from prepack.format import layout
 
 DEFAULT_EXPIRY_S = 600.0  # a gs:// lease not renewed for this long is stale
 RENEW_EVERY_S = 60.0  # at most; a third of the expiry when that is shorter
+MIN_EXPIRY_S = 10.0  # --lock-expiry-s below this is refused: a healthy run's lease would look expired
+TRIPS_PER_EXPIRY = 3  # a lease must outlast this many renewal round trips, else the run stops
 
 
 class LockHeld(RuntimeError):
@@ -51,6 +55,20 @@ class LockHeld(RuntimeError):
 
 class LockLost(RuntimeError):
     """This run's lock was taken over or removed while it ran; the message names the owner now."""
+
+
+class LeaseTooShort(LockLost):
+    """A renewal round trip took more than a third of the lease: other runs would take over a
+    healthy run; the message says which --lock-expiry-s to pass."""
+
+
+def _judge_trip(output: str, trip_s: float, expiry_s: float) -> None:
+    if TRIPS_PER_EXPIRY * trip_s > expiry_s:
+        need = max(MIN_EXPIRY_S, float(int(TRIPS_PER_EXPIRY * trip_s * 2) + 1))
+        raise LeaseTooShort(
+            f"the lease on {output} cannot be kept: a renewal round trip took {trip_s:.2f} s and --lock-expiry-s "
+            f"{expiry_s:g} is under {TRIPS_PER_EXPIRY}x that, so other runs could take over this healthy one; pass "
+            f"--lock-expiry-s {need:g} or more")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,9 +227,15 @@ class LeaseLock(OutputLock):
         for _ in range(5):
             now = time.time()
             info = LockInfo(run_id, socket.gethostname(), os.getpid(), now, now + expiry_s)
+            started = time.monotonic()
             generation = store.create(path, info.to_bytes())  # idempotent: a retried create finds its own bytes
             if generation is not None:
                 lock = cls(output, info, int(generation), expiry_s, took_over)
+                try:
+                    _judge_trip(output, time.monotonic() - started, expiry_s)  # before any work
+                except LeaseTooShort:
+                    lock.release()
+                    raise
                 if renew:
                     lock._thread.start()
                 return lock
@@ -258,6 +282,7 @@ class LeaseLock(OutputLock):
                     self._stop.set()
                 raise self.lost
             info = dataclasses.replace(self.info, expires=time.time() + self._expiry_s)
+            started = time.monotonic()
             try:
                 self._generation = int(self._store.write_if(self.path, info.to_bytes(), self._generation, tmp=""))
                 self.info = info
@@ -265,6 +290,11 @@ class LeaseLock(OutputLock):
                 why = "its lease expired and was taken over" if e.current is not None else f"{self.path} was removed"
                 self.lost = _lost(self.output, self.run_id, LockInfo.from_bytes(e.current), why)
                 raise self.lost from None
+            try:
+                _judge_trip(self.output, time.monotonic() - started, self._expiry_s)
+            except LeaseTooShort as e:
+                self.lost = e
+                raise
 
     def release(self) -> None:
         self._stop.set()

@@ -112,14 +112,14 @@ class Preparer:
 
     @classmethod
     def from_names(cls, tasks: Sequence[TaskMeta], template: str, template_options: Iterable[tuple[str, str]],
-                   tokenizer: str, chat_format: str, **kwargs: Any) -> "Preparer":
+                   tokenizer: str, chat_format: str, train_reasoning: bool = True, **kwargs: Any) -> "Preparer":
         from prepack.text.chat_formats import get_chat_format
         from prepack.text.templates import get_template
         from prepack.text.tokenizer import load_tokenizer
 
         loaded = load_tokenizer(tokenizer)
         return cls(tasks, get_template(template, **dict(template_options)), loaded,
-                   get_chat_format(chat_format, loaded), **kwargs)
+                   get_chat_format(chat_format, loaded, train_reasoning), **kwargs)
 
     # ------------------------------------------------------------------ per-record formats
 
@@ -322,7 +322,8 @@ class _Counting:
         mixture = ctx.config.mixture
         if mixture is None:
             self.preparer = Preparer.from_names(ctx.tasks, ctx.config.format, ctx.config.template_options,
-                                                ctx.config.tokenizer, ctx.config.chat_format, on_batch=self._count_batch)
+                                                ctx.config.tokenizer, ctx.config.chat_format, ctx.config.train_reasoning,
+                                                on_batch=self._count_batch)
             self.preparers = {0: self.preparer}
         else:  # one tokenizer and chat format, each source with its own template
             from prepack.text.chat_formats import get_chat_format
@@ -330,7 +331,7 @@ class _Counting:
             from prepack.text.tokenizer import load_tokenizer
 
             loaded = load_tokenizer(ctx.config.tokenizer)
-            chat_format = get_chat_format(ctx.config.chat_format, loaded)
+            chat_format = get_chat_format(ctx.config.chat_format, loaded, ctx.config.train_reasoning)
             self.preparers = {s.index: Preparer(ctx.tasks, get_template(s.format, **dict(s.options)), loaded, chat_format,
                                                 on_batch=self._count_batch) for s in mixture.sources}
             self.preparer = self.preparers[1]

@@ -11,6 +11,7 @@ from apache_beam.pvalue import TaggedOutput
 
 from pipelines.stages import readers
 from pipelines.failures import InputFileError
+from pipelines.failpoints import InjectedFault
 from pipelines.stages.input_limits import InputLimits
 from pipelines.stages.sources import ReadTask
 from pipelines.stages.stage import NAMESPACE, TAG_FINGERPRINT, Progress, StageClock
@@ -54,7 +55,7 @@ class ReadTaskFn(beam.DoFn):
                     yield (task.task_index, batch)
                     started = StageClock.now()
                     batch = []
-        except InputFileError:
+        except (InputFileError, InjectedFault):  # an injected error is not the file's fault
             raise
         except Exception as e:
             # Name the file: a corrupt Parquet footer deep in pyarrow says nothing about which input it was.

@@ -37,7 +37,7 @@ TOKENS_WRITER_OPTIONS = "group_size:256,zstd:3"
 _RECORD_VERSION = 1
 _HEAD = struct.Struct("<BIiqqiH")
 # What decides the tokens: a run that changes any of these must tokenize again.
-TOKEN_CHOICES = ("inputs", "format", "template_options", "chat_format", "tokenizer")
+TOKEN_CHOICES = ("inputs", "format", "template_options", "chat_format", "tokenizer", "train_reasoning")
 
 
 class TokenSetError(ValueError):
@@ -275,14 +275,15 @@ class TokenSetManifest:
         for key in TOKEN_CHOICES:
             if key not in requested:
                 continue
-            want, have = requested[key], self.choices.get(key)
+            want, have = requested[key], self.choices.get(key, "yes" if key == "train_reasoning" else None)
             if key == "inputs":
                 want, have = list(want), list(have or [])
             if key == "template_options":
                 want, have = dict(want), dict(have or {})
             if want != have:
                 flag = {"inputs": "--input", "format": "--format", "template_options": "template options",
-                        "chat_format": "--chat-format", "tokenizer": "--tokenizer"}[key]
+                        "chat_format": "--chat-format", "tokenizer": "--tokenizer",
+                        "train_reasoning": "--train-reasoning"}[key]
                 return f"{flag} {_show(want)} differs from the tokenized set's {_show(have)}"
         return None
 
@@ -329,6 +330,9 @@ def _checked_fields(data: dict[str, Any], source: str) -> dict[str, Any]:
             u.text(v.get(key), source, f"{f}.{key}", E)
         u.mapping(v.get("template_options"), source, f"{f}.template_options", E)
         u.text(v.get("tfds_data_dir"), source, f"{f}.tfds_data_dir", E, optional=True)
+        if v.get("train_reasoning", "yes") not in ("yes", "no"):
+            raise E(f"{source}: {f}.train_reasoning must be 'yes' or 'no', got {str(v.get('train_reasoning'))[:40]!r}; "
+                    f"the manifest was edited or is damaged")
         return v
 
     checks = {

@@ -7,6 +7,7 @@ Definitions (docs/row_format.md):
 - lower_bound_rows = ceil(tokens / L): no packing can use fewer rows.
 - row_reduction = examples / rows: how many times fewer rows than unpacked.
 - per-step figures over fixed [B, L] batches: see BatchFigures.
+- what a step means packed, for a recipe written for unpacked rows: see StepSemantics.
 """
 
 from __future__ import annotations
@@ -142,6 +143,62 @@ class BatchFigures:
             "packed_step_target_density": self.packed_step_target_density,
             "unpacked_step_target_density": self.unpacked_step_target_density,
             "throughput_gain": self.throughput_gain,
+        }
+
+
+# The unpacked batch size `prepack pack`'s summary plans for (preflight takes --batch-size).
+REFERENCE_BATCH_SIZE = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSemantics:
+    """A step packed against a step of an unpacked recipe of batch size B (one example per row).
+
+    A packed row holds examples_per_row examples on average, so B packed rows see that many
+    times more examples per step than B unpacked rows. The packed batch size that sees the same
+    examples per step is round(B / examples_per_row), at least 1; steps per epoch are
+    ceil(examples / B) unpacked and ceil(rows / that batch size) packed.
+    """
+
+    stats: PackingStats
+    unpacked_batch_size: int
+
+    def __post_init__(self) -> None:
+        if self.unpacked_batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {self.unpacked_batch_size}")
+
+    @property
+    def examples_per_row(self) -> float:
+        return _ratio(self.stats.examples, self.stats.rows)
+
+    @property
+    def target_tokens_per_row(self) -> float:
+        return _ratio(self.stats.target_tokens, self.stats.rows)
+
+    @property
+    def packed_batch_size(self) -> int:
+        """The packed rows per step that hold about unpacked_batch_size examples."""
+        if not self.stats.rows:
+            return self.unpacked_batch_size
+        # Rounded half up in integers: the same answer on every platform.
+        return max(1, (2 * self.unpacked_batch_size * self.stats.rows + self.stats.examples) // (2 * self.stats.examples))
+
+    @property
+    def unpacked_steps_per_epoch(self) -> int:
+        return math.ceil(self.stats.examples / self.unpacked_batch_size)
+
+    @property
+    def packed_steps_per_epoch(self) -> int:
+        return math.ceil(self.stats.rows / self.packed_batch_size)
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {
+            "examples_per_row": self.examples_per_row,
+            "target_tokens_per_row": self.target_tokens_per_row,
+            "unpacked_batch_size": self.unpacked_batch_size,
+            "packed_batch_size": self.packed_batch_size,
+            "unpacked_steps_per_epoch": self.unpacked_steps_per_epoch,
+            "packed_steps_per_epoch": self.packed_steps_per_epoch,
         }
 
 

@@ -101,6 +101,7 @@ CHAT_FORMAT_ERROR_REASONS: tuple[str, ...] = (
     "template_not_prefix_stable",  # hf: rendering a shorter conversation is not a prefix of the longer one
     "empty_target",                # hf: the template rendered nothing for a target assistant turn
     "special_token_in_text",       # hf: message text spells a special token (it would be parsed as one)
+    "reasoning_not_supported",     # gemma, chatml: a turn carries reasoning_content, and the format has no think block
 )
 
 
@@ -172,6 +173,16 @@ class ChatFormat:
     def _token_str(self, token_id: int) -> str:
         return self.tokenizer.id_to_token(token_id)
 
+    def _refuse_reasoning(self, conv: Conversation) -> None:
+        """Formats without think tokens cannot lay out a reasoning trace; dropping it silently
+        would train the reply without what it was reasoned from."""
+        for i, turn in enumerate(conv.turns):
+            if turn.reasoning is not None:
+                raise ChatFormatError(
+                    "reasoning_not_supported",
+                    f"turn {i} (assistant) carries field 'reasoning_content', but chat format {self.name!r} has no think "
+                    f"block to put it in; use --chat-format qwen3 (with --tokenizer qwen3) or remove the field")
+
 
 # --------------------------------------------------------------------------------------
 # Gemma
@@ -212,6 +223,7 @@ class GemmaFormat(ChatFormat):
                           self._close["target"], strip=True)
 
     def segments(self, conv: Conversation) -> list[Segment]:
+        self._refuse_reasoning(conv)
         turns = conv.turns
         loss = conv.loss_turns
         segs: list[Segment] = []
@@ -249,6 +261,7 @@ class GemmaFormat(ChatFormat):
         return segs
 
     def render(self, conv: Conversation) -> str:
+        self._refuse_reasoning(conv)
         sot, eot = self._token_str(self.sot), self._token_str(self.eot)
         out = [self._token_str(self.bos)]
         prefix = ""
@@ -304,7 +317,9 @@ class ChatMLFormat(ChatFormat):
         for i, turn in enumerate(conv.turns):
             if turn.role == "assistant":
                 content = turn.content
-                if i == think_at:
+                if turn.reasoning is not None:
+                    content = self._reasoning_segments(conv, i, state, i in loss, segs)
+                elif i == think_at:
                     append((self._open_think[state], 0))
                     content = content.lstrip("\n")
                 else:
@@ -327,11 +342,27 @@ class ChatMLFormat(ChatFormat):
         think_at = self._think_turn(conv.turns)
         out = []
         for i, t in enumerate(conv.turns):
-            content = self._think_str + t.content.lstrip("\n") if i == think_at else t.content
+            if t.reasoning is not None:
+                content = self._reasoning_text(conv, i) + t.content.lstrip("\n") if self._shows_reasoning(conv, i) else t.content
+            else:
+                content = self._think_str + t.content.lstrip("\n") if i == think_at else t.content
             out.append(f"{ims}{t.role}\n{content}{ime}\n")
         return "".join(out)
 
     _think_str = ""
+
+    def _shows_reasoning(self, conv: Conversation, i: int) -> bool:
+        self._refuse_reasoning(conv)
+        return False
+
+    def _reasoning_text(self, conv: Conversation, i: int) -> str:
+        raise NotImplementedError
+
+    def _reasoning_segments(self, conv: Conversation, i: int, state: str, target: bool, segs: list[Segment]) -> str:
+        """Appends the opener of assistant turn i, which carries a reasoning trace, to `segs`
+        and returns the content that follows it (plain ChatML refuses the trace)."""
+        self._refuse_reasoning(conv)
+        raise AssertionError("unreachable")
 
 
 class Qwen3Format(ChatMLFormat):
@@ -350,10 +381,12 @@ class Qwen3Format(ChatMLFormat):
 
     name = "qwen3"
 
-    def __init__(self, tokenizer: "Tokenizer") -> None:
+    def __init__(self, tokenizer: "Tokenizer", train_reasoning: bool = True) -> None:
         super().__init__(tokenizer)
         think, end_think = self._special("<think>"), self._special("</think>")
+        self.think, self.end_think, self.train_reasoning = think, end_think, train_reasoning
         nl2 = self._const("\n\n")
+        self._nl2 = nl2
         block = (think, *nl2, end_think, *nl2)
         self._open_think = {k: v + block for k, v in self._open_asst.items()}
         self._think_str = f"{self._token_str(think)}\n\n{self._token_str(end_think)}\n\n"
@@ -370,6 +403,35 @@ class Qwen3Format(ChatMLFormat):
     def pair_layout(self) -> "PairLayout":
         return PairLayout(self._open["start"], "user\n", self._open_think["closed"], self._ime_only,
                           self._close["target"], strip=False, response_lstrip="\n")
+
+    # -- reasoning traces: as Qwen3's template writes an assistant message with reasoning_content:
+    # after the last user message, '<think>\n' + reasoning.strip('\n') + '\n</think>\n\n' +
+    # content.lstrip('\n'); before it (history), the content alone: the trace is dropped.
+
+    def _shows_reasoning(self, conv: Conversation, i: int) -> bool:
+        return not any(t.role == "user" for t in conv.turns[i + 1:])
+
+    def _reasoning_text(self, conv: Conversation, i: int) -> str:
+        trace = conv.turns[i].reasoning.strip("\n")  # type: ignore[union-attr]
+        return f"{self._token_str(self.think)}\n{trace}\n{self._token_str(self.end_think)}\n\n"
+
+    def _reasoning_segments(self, conv: Conversation, i: int, state: str, target: bool, segs: list[Segment]) -> str:
+        turn = conv.turns[i]
+        if not self._shows_reasoning(conv, i):
+            segs.append((self._open_asst[state], 0))
+            return turn.content
+        trained = int(target and self.train_reasoning)
+        segs.append((self._open_asst[state], 0))
+        segs.append(((self.think,), trained))
+        segs.append(("\n" + turn.reasoning.strip("\n") + "\n", trained))  # type: ignore[union-attr]
+        segs.append(((self.end_think,), trained))
+        content = turn.content.lstrip("\n")
+        if trained:
+            # The model writes the block and the reply in one go: "\n\n" + reply is one text, as
+            # the tokenizer sees the rendered string. Returned as the target piece.
+            return "\n\n" + content
+        segs.append((self._nl2, 0))
+        return content
 
 
 # --------------------------------------------------------------------------------------
@@ -520,6 +582,8 @@ class HFTemplateFormat(ChatFormat):
             # data can never inject control tokens; gemma/chatml encode such text as plain.
             for i, turn in enumerate(conv.turns):
                 found = self._split_re.search(turn.content)
+                if found is None and turn.reasoning is not None:
+                    found = self._split_re.search(turn.reasoning)
                 if found is not None:
                     raise ChatFormatError(
                         "special_token_in_text",
@@ -582,7 +646,7 @@ def chat_format_names() -> tuple[str, ...]:
     return (*_FORMATS, "auto")
 
 
-def get_chat_format(name: str, tokenizer: "Tokenizer") -> ChatFormat:
+def get_chat_format(name: str, tokenizer: "Tokenizer", train_reasoning: bool = True) -> ChatFormat:
     """Build chat format `name` for `tokenizer`.
 
     auto: 'hf' if the tokenizer has a chat template, else 'gemma' if it has
@@ -596,7 +660,7 @@ def get_chat_format(name: str, tokenizer: "Tokenizer") -> ChatFormat:
             return GemmaFormat(tokenizer)
         if tokenizer.token_to_id("<|im_start|>") is not None:
             if all(tokenizer.token_to_id(t) is not None for t in ("<think>", "</think>")):
-                return Qwen3Format(tokenizer)
+                return Qwen3Format(tokenizer, train_reasoning)
             return ChatMLFormat(tokenizer)
         raise ChatFormatError(
             "no_format_detected",
@@ -606,7 +670,7 @@ def get_chat_format(name: str, tokenizer: "Tokenizer") -> ChatFormat:
     factory = _FORMATS.get(name)
     if factory is None:
         raise ChatFormatError("unknown_chat_format", f"unknown chat format {name!r}; expected one of {', '.join(chat_format_names())}")
-    return factory(tokenizer)
+    return Qwen3Format(tokenizer, train_reasoning) if factory is Qwen3Format else factory(tokenizer)
 
 
 # Formats built from a name inside tokenize_conversations, so that passing a name per batch

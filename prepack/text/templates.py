@@ -60,6 +60,9 @@ class Turn:
 
     role: Role
     content: str
+    # An assistant turn's reasoning trace (a `chat` record's `reasoning_content`), None when it
+    # has none. Only chat formats with think tokens (qwen3) can lay it out; the others refuse it.
+    reasoning: str | None = None
 
     def __post_init__(self) -> None:
         # Programming errors, not data errors: templates validate data before building Turns.
@@ -67,6 +70,8 @@ class Turn:
             raise ValueError(f"Turn.role must be one of {sorted(_ROLES)}, got {self.role!r}")
         if not isinstance(self.content, str):
             raise TypeError(f"Turn.content must be str, got {type(self.content).__name__}")
+        if self.reasoning is not None and (self.role != "assistant" or not isinstance(self.reasoning, str)):
+            raise ValueError("Turn.reasoning must be a str, and only on an assistant turn")
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,8 +109,10 @@ class Conversation:
 
     @property
     def messages(self) -> list[dict[str, str]]:
-        """The turns as HF-style [{role, content}] dicts (for jinja chat templates)."""
-        return [{"role": t.role, "content": t.content} for t in self.turns]
+        """The turns as HF-style [{role, content}] dicts (for jinja chat templates), with
+        `reasoning_content` on a turn that has a reasoning trace (the key Qwen3's template reads)."""
+        return [{"role": t.role, "content": t.content} if t.reasoning is None else
+                {"role": t.role, "content": t.content, "reasoning_content": t.reasoning} for t in self.turns]
 
 
 # Every reason code a template can raise. Kept in one place so the pipeline's counters and
@@ -241,6 +248,7 @@ def _trusted_turn(role: Role, content: str) -> Turn:
     turn = object.__new__(Turn)
     _set_attr(turn, "role", role)
     _set_attr(turn, "content", content)
+    _set_attr(turn, "reasoning", None)
     return turn
 
 
@@ -387,7 +395,9 @@ _CHAT_ROLE_ALIASES: dict[str, Role] = {"system": "system", "user": "user", "assi
 
 @dataclass(frozen=True)
 class ChatTemplate:
-    """{messages: [{role, content}, ...]}: loss on every assistant turn.
+    """{messages: [{role, content}, ...]}: loss on every assistant turn. An assistant message
+    may carry `reasoning_content` (a string or null; blank counts as none): its reasoning trace,
+    laid out by the chat format (qwen3: in the think block, see docs/qwen3.md).
 
     Rules (each violation is a RecordError): roles are system/user/assistant/model; a system
     message may only come first; the first non-system message must be from the user; user
@@ -442,6 +452,11 @@ class ChatTemplate:
                         f"field '{path}.role': expected the first non-system message to be from the user, got an assistant message",
                     )
                 _require_nonblank(content, "empty_response", path + ".content", "assistant message text")
+                reasoning = _get_optional_str(msg, "reasoning_content", path + ".reasoning_content", "the reply's reasoning trace")
+                if reasoning.strip():
+                    turns.append(Turn(role, content, reasoning))
+                    seen_non_system = True
+                    continue
             seen_non_system = seen_non_system or role != "system"
             turns.append(Turn(role, content))
         last = max((i for i, t in enumerate(turns) if t.role == "assistant"), default=-1)
@@ -520,9 +535,32 @@ def oasst1_build(messages: Iterable[Mapping[str, Any]]) -> Oasst1Result:
     Output order is sorted by (message_tree_id, message_id), independent of input order.
     """
     dropped: list[DroppedMessage] = []
+    by_id, own_drop = _oasst1_index(messages, dropped)
+    resolved = _oasst1_resolve(by_id, own_drop)
+    examples_keyed: list[tuple[tuple[str, str], Conversation, str]] = []
+    for mid, msg in by_id.items():
+        value = resolved[mid]
+        tree = msg.get("message_tree_id")
+        tree_key = tree if isinstance(tree, str) else ""
+        if _is_drop(value):
+            reason, detail = value  # type: ignore[misc]
+            dropped.append(DroppedMessage(mid, tree if isinstance(tree, str) else None, reason, detail))
+        elif msg["role"] == "assistant":
+            turns = value  # type: ignore[assignment]
+            conv = Conversation(turns, (len(turns) - 1,))  # type: ignore[arg-type]
+            examples_keyed.append(((tree_key, mid), conv, mid))
+
+    examples_keyed.sort(key=lambda item: item[0])
+    dropped.sort(key=lambda d: (d.message_tree_id or "", d.message_id or "", d.reason))
+    return Oasst1Result([(conv, eid) for _, conv, eid in examples_keyed], dropped)
+
+
+def _oasst1_index(messages: Iterable[Mapping[str, Any]], dropped: list[DroppedMessage]
+                  ) -> tuple[dict[str, Mapping[str, Any]], dict[str, tuple[str, str]]]:
+    """The messages by id, and each one's own drop reason (its fields, not its ancestors');
+    messages without a usable id go straight to `dropped`."""
     by_id: dict[str, Mapping[str, Any]] = {}
     own_drop: dict[str, tuple[str, str]] = {}
-
     for msg in messages:
         if not isinstance(msg, Mapping):
             dropped.append(DroppedMessage(None, None, "invalid", f"expected a message object, got {_describe(msg)}"))
@@ -544,15 +582,19 @@ def oasst1_build(messages: Iterable[Mapping[str, Any]]) -> Oasst1Result:
             if problem is not None:
                 own_drop[mid] = problem
         by_id[mid] = msg
+    return by_id, own_drop
 
-    # Resolve every message to its turn prefix (root..message) or a drop reason. Iterative
-    # walk up the parent chain with memoisation: deep threads cannot hit the recursion
-    # limit, and each message is resolved once.
+
+def _is_drop(value: tuple[Any, ...]) -> bool:
+    return bool(value) and isinstance(value[0], str)
+
+
+def _oasst1_resolve(by_id: dict[str, Mapping[str, Any]], own_drop: dict[str, tuple[str, str]]
+                    ) -> dict[str, tuple[Turn, ...] | tuple[str, str]]:
+    """Every message's turn prefix (root..message) or drop reason. An iterative walk up the parent
+    chain with memoisation: deep threads cannot hit the recursion limit, and each message is
+    resolved once."""
     resolved: dict[str, tuple[Turn, ...] | tuple[str, str]] = {}  # id -> turns | (reason, detail)
-
-    def is_drop(value: tuple[Any, ...]) -> bool:
-        return bool(value) and isinstance(value[0], str)
-
     for start in by_id:
         chain: list[str] = []
         on_chain: set[str] = set()
@@ -576,7 +618,7 @@ def oasst1_build(messages: Iterable[Mapping[str, Any]]) -> Oasst1Result:
                 acc = own
             elif depth == 0 and missing_parent:
                 acc = ("missing_parent", f"parent message {cur} is not in the table")
-            elif is_drop(acc):
+            elif _is_drop(acc):
                 parent_id = by_id[mid].get("parent_id")
                 acc = ("orphaned", f"parent message {parent_id} was dropped ({acc[0]})")
             else:
@@ -587,23 +629,7 @@ def oasst1_build(messages: Iterable[Mapping[str, Any]]) -> Oasst1Result:
                 else:
                     acc = acc + (Turn(role, msg["text"]),)  # type: ignore[operator]
             resolved[mid] = acc
-
-    examples_keyed: list[tuple[tuple[str, str], Conversation, str]] = []
-    for mid, msg in by_id.items():
-        value = resolved[mid]
-        tree = msg.get("message_tree_id")
-        tree_key = tree if isinstance(tree, str) else ""
-        if is_drop(value):
-            reason, detail = value  # type: ignore[misc]
-            dropped.append(DroppedMessage(mid, tree if isinstance(tree, str) else None, reason, detail))
-        elif msg["role"] == "assistant":
-            turns = value  # type: ignore[assignment]
-            conv = Conversation(turns, (len(turns) - 1,))  # type: ignore[arg-type]
-            examples_keyed.append(((tree_key, mid), conv, mid))
-
-    examples_keyed.sort(key=lambda item: item[0])
-    dropped.sort(key=lambda d: (d.message_tree_id or "", d.message_id or "", d.reason))
-    return Oasst1Result([(conv, eid) for _, conv, eid in examples_keyed], dropped)
+    return resolved
 
 
 def oasst1_conversations(
