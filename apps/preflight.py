@@ -779,7 +779,7 @@ def main(argv: list[str] | None = None) -> int:
             from prepack.overwrite import refusal
 
             exists = refusal([os.path.join(config.output, name) for name in ("preflight.csv", "preflight.json")],
-                             "an earlier preflight")
+                             "replace an earlier preflight")
             if exists:
                 raise PreflightError(exists)
         if config.plots:
