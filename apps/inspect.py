@@ -19,7 +19,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from loaders import storage
+from prepack import storage
 from loaders.shards import ShardView, open_shards, read_manifest
 from prepack.format import rowformat
 from prepack.format.manifest import Manifest, ManifestError

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from loaders import storage
+from prepack import storage
 from apps import inspect as inspect_shards
 from apps.inspect import _fmt_bytes, _fmt_int, _load_decoder, _Renderer, _use_color
 from loaders.shards import _close_quietly, _open_reader

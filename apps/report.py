@@ -63,7 +63,7 @@ class ReportConfig:
 def find_manifests(path: str) -> list[tuple[str, Manifest]]:
     """(folder, manifest) for a shard set folder, or for every L*/ shard set under an OUTPUT root."""
     if path.startswith("gs://"):
-        from loaders import storage  # lazy: google-cloud-storage only for gs:// inputs
+        from prepack import storage  # lazy: google-cloud-storage only for gs:// inputs
 
         text = storage.read_text(storage.join(path, MANIFEST_NAME))
         if text is None:
@@ -450,8 +450,6 @@ def table_batch_sizes(given: Sequence[int], runs: Sequence[Run]) -> tuple[int, .
 
 def build_page(config: ReportConfig, figures_dir: str) -> tuple[Page, list[str]]:
     """Reads every input, draws the figures into figures_dir, lays out the page; returns it and its PNGs."""
-    from apps import plots  # lazy: matplotlib only here
-
     page, pngs = Page(), []
     page.add("h1", config.title)
     page.add("p", f"Generated {datetime.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')} by `prepack report`.")
@@ -467,64 +465,9 @@ def build_page(config: ReportConfig, figures_dir: str) -> tuple[Page, list[str]]
         pngs.append(path)
         page.add("img", name, path)
 
-    for source in config.preflight:
-        data = _read_preflight(source)
-        page.add("h2", f"Preflight estimate: {source}")
-        _packing_section(page, data["rows"], with_packing=False)
-        hists = {d["name"]: _histogram(d.get("length_histogram")) for d in data.get("datasets", [])}
-        prefix = f"preflight{config.preflight.index(source) + 1}_"
-        figure(prefix + "density_vs_max_length.png", plots.density_vs_max_length, data["rows"])
-        figure(prefix + "row_reduction.png", plots.row_reduction, data["rows"])
-        if any(hists.values()):
-            figure(prefix + "length_histogram.png", plots.length_histogram, hists, data["config"]["max_lengths"])
-
-    if config.shards:
-        batch_sizes = table_batch_sizes(config.batch_sizes, runs)
-        rows, warnings, hists, lengths = [], [], {}, set()
-        for path in config.shards:
-            label = _shard_label(path)
-            for folder, manifest in find_manifests(path):
-                more, warn = manifest_rows(label, folder, manifest, batch_sizes, given=path)
-                rows += more
-                warnings += warn
-                lengths.add(manifest.max_length)
-                hist = _histogram(manifest.stats.get("length_histogram"))
-                if hist:
-                    hists.setdefault(label, hist)
-        page.add("h2", "Shard sets")
-        page.add("p", "Figures recomputed from each manifest's counts (examples_written, tokens, target_tokens, "
-                      "num_rows) with prepack.packing.stats; median and p95 need a length histogram in the manifest.")
-        _packing_section(page, rows, with_packing=True)
-        for w in warnings:
-            page.add("p", "Warning: " + w)
-        # An unpacked shard set is already the dashed "unpacked" line of its packed sibling.
-        drawn = [r for r in rows if r.get("packing") != "unpacked"] or rows
-        figure("shards_density_vs_max_length.png", plots.density_vs_max_length, drawn)
-        figure("shards_row_reduction.png", plots.row_reduction, drawn)
-        if hists:
-            figure("shards_length_histogram.png", plots.length_histogram, hists, sorted(lengths))
-        _mixture_section(page, figure, [m for path in config.shards for _, m in find_manifests(path)])
-
-    if runs:
-        budget, table = budget_rows(runs, config.budget)
-        page.add("h2", "Training runs")
-        warm = (f" The first {config.warmup_steps} step(s) of each run carry compilation, so they are timed as the "
-                f"run's median step." if config.warmup_steps else "")
-        page.add("p", "Time is the sum of logged step_time_s; target tokens are the loss-mask tokens each step trained "
-                      "on; final loss is the mean training loss over the last 10% of steps." + warm)
-        figure("loss_curves.png", plots.loss_curves, runs, budget=budget)
-        page.add("h3", f"Useful-token budget: {budget:,.0f} target tokens")
-        page.add("p", "Time each run needs to train on the same number of target tokens (by default the most that "
-                      "every run reached), interpolated within the step that crosses it. Speed-up is against "
-                      f"{table[0]['reference']}.")
-        page.add("table", [h for h, _, _ in BUDGET_COLUMNS],
-                 [[_budget_cell(r[k], kind) for _, k, kind in BUDGET_COLUMNS] for r in table])
-        figure("budget.png", plots.budget_bars, table, budget=budget)
-        if any(run.loss_by_source for run in runs):
-            page.add("h3", "Loss by source")
-            page.add("p", "Mixture sets: each source's training loss per step (its target tokens' mean NLL in the "
-                          "batch; a step without that source has no point), from loss_by_source in the metrics JSONL.")
-            figure("loss_by_source.png", plots.source_loss_curves, [r for r in runs if r.loss_by_source])
+    _preflight_sections(page, figure, config)
+    rows = _shards_section(page, figure, config, runs) if config.shards else []
+    budget, table = _training_section(page, figure, config, runs) if runs else (0.0, [])
 
     # The page opens with the answer: measured training beats a shard-set estimate, which beats preflight's.
     answer = (training_verdict(table, budget) if config.metrics else None) \
@@ -538,6 +481,79 @@ def build_page(config: ReportConfig, figures_dir: str) -> tuple[Page, list[str]]
                   "example per row; row reduction = unpacked rows / packed rows.")
     page.add("p", "Throughput model: " + THROUGHPUT_MODEL)
     return page, pngs
+
+
+def _preflight_sections(page: Page, figure: Any, config: ReportConfig) -> None:
+    from apps import plots  # lazy: matplotlib only here
+
+    for source in config.preflight:
+        data = _read_preflight(source)
+        page.add("h2", f"Preflight estimate: {source}")
+        _packing_section(page, data["rows"], with_packing=False)
+        hists = {d["name"]: _histogram(d.get("length_histogram")) for d in data.get("datasets", [])}
+        prefix = f"preflight{config.preflight.index(source) + 1}_"
+        figure(prefix + "density_vs_max_length.png", plots.density_vs_max_length, data["rows"])
+        figure(prefix + "row_reduction.png", plots.row_reduction, data["rows"])
+        if any(hists.values()):
+            figure(prefix + "length_histogram.png", plots.length_histogram, hists, data["config"]["max_lengths"])
+
+
+def _shards_section(page: Page, figure: Any, config: ReportConfig, runs: list[Run]) -> list[dict[str, Any]]:
+    """The shard sets' table, warnings and figures; returns the table's rows."""
+    from apps import plots  # lazy: matplotlib only here
+
+    batch_sizes = table_batch_sizes(config.batch_sizes, runs)
+    rows, warnings, hists, lengths = [], [], {}, set()
+    for path in config.shards:
+        label = _shard_label(path)
+        for folder, manifest in find_manifests(path):
+            more, warn = manifest_rows(label, folder, manifest, batch_sizes, given=path)
+            rows += more
+            warnings += warn
+            lengths.add(manifest.max_length)
+            hist = _histogram(manifest.stats.get("length_histogram"))
+            if hist:
+                hists.setdefault(label, hist)
+    page.add("h2", "Shard sets")
+    page.add("p", "Figures recomputed from each manifest's counts (examples_written, tokens, target_tokens, "
+                  "num_rows) with prepack.packing.stats; median and p95 need a length histogram in the manifest.")
+    _packing_section(page, rows, with_packing=True)
+    for w in warnings:
+        page.add("p", "Warning: " + w)
+    # An unpacked shard set is already the dashed "unpacked" line of its packed sibling.
+    drawn = [r for r in rows if r.get("packing") != "unpacked"] or rows
+    figure("shards_density_vs_max_length.png", plots.density_vs_max_length, drawn)
+    figure("shards_row_reduction.png", plots.row_reduction, drawn)
+    if hists:
+        figure("shards_length_histogram.png", plots.length_histogram, hists, sorted(lengths))
+    _mixture_section(page, figure, [m for path in config.shards for _, m in find_manifests(path)])
+    return rows
+
+
+def _training_section(page: Page, figure: Any, config: ReportConfig, runs: list[Run]) -> tuple[float, list[dict[str, Any]]]:
+    """The training runs' curves and useful-token budget table; returns (budget, table)."""
+    from apps import plots  # lazy: matplotlib only here
+
+    budget, table = budget_rows(runs, config.budget)
+    page.add("h2", "Training runs")
+    warm = (f" The first {config.warmup_steps} step(s) of each run carry compilation, so they are timed as the "
+            f"run's median step." if config.warmup_steps else "")
+    page.add("p", "Time is the sum of logged step_time_s; target tokens are the loss-mask tokens each step trained "
+                  "on; final loss is the mean training loss over the last 10% of steps." + warm)
+    figure("loss_curves.png", plots.loss_curves, runs, budget=budget)
+    page.add("h3", f"Useful-token budget: {budget:,.0f} target tokens")
+    page.add("p", "Time each run needs to train on the same number of target tokens (by default the most that "
+                  "every run reached), interpolated within the step that crosses it. Speed-up is against "
+                  f"{table[0]['reference']}.")
+    page.add("table", [h for h, _, _ in BUDGET_COLUMNS],
+             [[_budget_cell(r[k], kind) for _, k, kind in BUDGET_COLUMNS] for r in table])
+    figure("budget.png", plots.budget_bars, table, budget=budget)
+    if any(run.loss_by_source for run in runs):
+        page.add("h3", "Loss by source")
+        page.add("p", "Mixture sets: each source's training loss per step (its target tokens' mean NLL in the "
+                      "batch; a step without that source has no point), from loss_by_source in the metrics JSONL.")
+        figure("loss_by_source.png", plots.source_loss_curves, [r for r in runs if r.loss_by_source])
+    return budget, table
 
 
 def _mixture_section(page: Page, figure: Any, manifests: Sequence[Manifest]) -> None:

@@ -25,7 +25,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from loaders import storage
+from prepack import storage
 from loaders.published import published_lengths
 from loaders.shards import ShardSetError, ShardView, open_shards, read_manifest
 from prepack.cli_help import DefaultsHelpFormatter

@@ -63,7 +63,7 @@ def raw_read(folder: str) -> int:
     """sha256 and every record of every shard, in order, undecoded; returns the rows read."""
     from array_record.python.array_record_module import ArrayRecordReader
 
-    from loaders import storage
+    from prepack import storage
     from loaders.shards import _SCAN_OPTIONS, read_manifest
 
     rows = 0

@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 from typing import Any, Protocol
 
-from loaders import storage
+from prepack import storage
 
 
 class StatefulIterator(Protocol):

@@ -41,6 +41,7 @@ from typing import Any
 import grain
 import numpy as np
 
+from loaders import mounts
 from loaders.shards import ShardSetError, ShardView, TokenizerLike, open_shards, tokenizer_identity
 
 # Bumped when the meaning of a saved iterator state changes.
@@ -60,11 +61,9 @@ GCS_PREFETCH_DOWNLOADS = 8
 
 def default_read_threads(view: ShardView) -> int:
     """The read threads make_dataset uses when read_threads is None, chosen by the set's location."""
-    from loaders import storage
-
     if view.is_remote:
         return READ_THREADS_GCS
-    return READ_THREADS_NETWORK_MOUNT if storage.is_network_mount(view.path) else READ_THREADS_LOCAL
+    return READ_THREADS_NETWORK_MOUNT if mounts.is_network_mount(view.path) else READ_THREADS_LOCAL
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,25 +228,12 @@ def make_dataset(
       each buffering worker_buffer_size batches.
     The iterator's get_state()/set_state() resume at the exact next batch.
     """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be positive, got {batch_size}")
-    if num_epochs is not None and num_epochs < 1:
-        raise ValueError(f"num_epochs must be positive or None, got {num_epochs}")
-    if worker_count < 0:
-        raise ValueError(f"worker_count must be >= 0, got {worker_count}")
+    _check_counts(batch_size, num_epochs, worker_count)
     view = path if isinstance(path, ShardView) else open_shards(path, expected_max_length, tokenizer, verify=verify, cache_dir=cache_dir)
     if isinstance(path, ShardView) and (expected_max_length is not None or tokenizer is not None):
         view.manifest.check_compatible(expected_max_length, tokenizer_identity(tokenizer), source=view.path)
-    if len(view) == 0:
-        raise ShardSetError(f"{view.path}: the shard set has no rows")
     shard_index, shard_count = resolve_host(shard_index, shard_count)
-    plan = HostPlan(len(view), batch_size, shard_count, num_epochs, drop_remainder)
-    if plan.batches_per_host == 0:
-        raise ValueError(
-            f"{view.path}: {len(view)} rows x {num_epochs} epochs do not fill one batch of {batch_size} "
-            f"on each of {shard_count} hosts; lower batch_size or raise num_epochs"
-        )
-
+    plan = _host_plan(view, batch_size, shard_count, num_epochs, drop_remainder)
     if read_threads is None:
         read_threads = default_read_threads(view)
     if read_threads < 0:
@@ -281,3 +267,25 @@ def make_dataset(
         "worker_count": worker_count,
     }
     return _StateCheckedIterDataset(it_ds, settings)
+
+
+def _check_counts(batch_size: int, num_epochs: int | None, worker_count: int) -> None:
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    if num_epochs is not None and num_epochs < 1:
+        raise ValueError(f"num_epochs must be positive or None, got {num_epochs}")
+    if worker_count < 0:
+        raise ValueError(f"worker_count must be >= 0, got {worker_count}")
+
+
+def _host_plan(view: ShardView, batch_size: int, shard_count: int, num_epochs: int | None, drop_remainder: bool) -> HostPlan:
+    """The host's plan; refuses a set with no rows, or too few to fill one batch on every host."""
+    if len(view) == 0:
+        raise ShardSetError(f"{view.path}: the shard set has no rows")
+    plan = HostPlan(len(view), batch_size, shard_count, num_epochs, drop_remainder)
+    if plan.batches_per_host == 0:
+        raise ValueError(
+            f"{view.path}: {len(view)} rows x {num_epochs} epochs do not fill one batch of {batch_size} "
+            f"on each of {shard_count} hosts; lower batch_size or raise num_epochs"
+        )
+    return plan

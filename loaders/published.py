@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 
-from loaders import storage
+from prepack import storage
 from loaders.shards import ShardSetError
 from prepack.format.layout import RUN_RECORD_NAME
 from prepack.format.run_record import RunRecord, RunRecordError

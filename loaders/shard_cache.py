@@ -29,7 +29,7 @@ import fcntl
 import os
 import threading
 
-from loaders import storage
+from prepack import storage
 from prepack.format import untrusted
 
 CACHE_ENV = "PREPACK_SHARD_CACHE"

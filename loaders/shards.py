@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from loaders import storage
+from prepack import storage
 from loaders.shard_cache import ShardCache, ShardCacheError, ShardDigestError
 from prepack.format import rowformat
 from prepack.format.manifest import MANIFEST_NAME, Manifest, ManifestError

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from pipelines.output import commit as output_commit
-from pipelines.output.storage import SwitchRefused, storage_for
+from prepack.storage import SwitchRefused, storage_for
 from prepack.format import layout
 from testkit.gcs_emulator import gcs_emulator, gcs_prefix  # noqa: F401  (pytest fixtures)
 

@@ -31,7 +31,7 @@ import pytest
 
 import loaders
 from pipelines.output import lock as output_lock
-from pipelines.output.storage import storage_for
+from prepack.storage import storage_for
 from prepack.format import layout
 from prepack.format.run_record import RunRecord
 from testkit.gcs_emulator import gcs_emulator, gcs_prefix  # noqa: F401  (pytest fixtures)

@@ -191,6 +191,7 @@ def test_loader_reads_the_gcs_set_like_the_local_one(local_run, gcs_run):
 def _interrupt_upload_of_shard(monkeypatch, shard_index: int) -> None:
     """The copy of one shard from the worker's disk to GCS dies half way, as on a lost worker
     or a dropped connection; the other shards upload normally."""
+    from pipelines import files
     from pipelines.stages import write as writer
 
     original = writer.copy_local_to
@@ -200,7 +201,7 @@ def _interrupt_upload_of_shard(monkeypatch, shard_index: int) -> None:
         if victim not in dest:
             return original(local_path, dest)
         data = open(local_path, "rb").read()
-        with writer.create_file(dest) as f:
+        with files.create(dest) as f:
             f.write(data[: len(data) // 2])
             raise ConnectionResetError(f"injected: upload of {dest} interrupted")
 

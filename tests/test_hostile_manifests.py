@@ -18,6 +18,7 @@ from apps import inspect as inspect_cli
 from loaders.shard_cache import ShardCache, ShardDigestError
 from prepack.format.manifest import MANIFEST_NAME, Manifest, ManifestError
 from prepack.format.tokenset import TokenSetError, TokenSetManifest
+from prepack import storage as prepack_storage
 
 
 def _edit(folder, **changes) -> dict:
@@ -234,7 +235,7 @@ def test_a_record_corrupt_in_the_bucket_too_still_fails_after_one_fetch(gcs_emul
         out.write(bytes(data))
         return len(data), sha
 
-    monkeypatch.setattr(loaders.storage, "download", corrupt_download)
+    monkeypatch.setattr(prepack_storage, "download", corrupt_download)
     _flip(os.path.join(cache, f"{sha}.array_record"), 4000)
     view.close()
     with pytest.raises(loaders.ShardSetError, match=r"record \d+ \(row \d+\) is unreadable, the file is corrupt"):

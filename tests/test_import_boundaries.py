@@ -96,16 +96,47 @@ def test_the_check_can_fail():
     assert out.stdout.strip().splitlines()[-1] == "['jax']"
 
 
+def _storage_breaks(root=ROOT) -> list[str]:
+    """prepack/storage/ is the one storage interface: nothing else imports google-cloud-storage,
+    neither the output layer nor the rest of the core asks is_gcs (they go through storage_for,
+    which answers it once), and Beam's FileSystems sits behind pipelines/files.py alone."""
+    breaks = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith(("prepack/storage/", "tests/", "testkit/", ".")) or "/." in rel:
+            continue
+        text = path.read_text()
+        if "google.cloud" in text.replace("google_cloud_options", "") or "google.api_core" in text:
+            breaks.append(f"{rel} uses the GCS client")
+        if rel.startswith(("pipelines/output/", "prepack/")) and "is_gcs(" in text:
+            breaks.append(f"{rel} asks is_gcs")
+        if rel != "pipelines/files.py" and ("apache_beam.io.filesystem" in text or "apache_beam.io.gcp" in text):
+            breaks.append(f"{rel} uses Beam's FileSystems")
+    return breaks
+
+
 def test_stages_do_not_reach_into_the_output_layer():
-    """Stages write only under staging paths named by prepack.format.layout; publishing (and its storage,
-    lock and fencing) is the launcher's, through pipelines.output. is_gcs is asked in one place of
-    the output layer (its storage)."""
+    """Stages write only under staging paths named by prepack.format.layout; publishing (and its lock
+    and fencing) is the launcher's, through pipelines.output."""
     graph = import_graph()
     stages = sorted(m for m in graph if m.startswith("pipelines.stages."))
     assert [f"{m} -> {d}" for m in stages for d in graph[m] if d.startswith("pipelines.output")] == []
-    output_modules = sorted((ROOT / "pipelines" / "output").glob("*.py"))
-    asking = [p.name for p in output_modules if "is_gcs(" in p.read_text()]
-    assert asking == ["storage.py"]
+
+
+def test_one_storage_interface(tmp_path):
+    assert (ROOT / "prepack" / "storage" / "gcs.py").read_text().count("from google.cloud import storage") == 1
+    assert _storage_breaks() == []
+    # The check can fail: the output layer asking is_gcs, a loader with its own GCS client, a stage
+    # opening files through FileSystems itself.
+    for name, text in {"pipelines/output/commit.py": "if is_gcs(path):\n    pass\n",
+                       "pipelines/stages/write.py": "from apache_beam.io.filesystems import FileSystems\n",
+                       "pipelines/files.py": "from apache_beam.io.filesystems import FileSystems\n",
+                       "loaders/shards.py": "from google.cloud import storage\n",
+                       "prepack/storage/gcs.py": "from google.cloud import storage\nis_gcs(p)\n"}.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert _storage_breaks(tmp_path) == ["loaders/shards.py uses the GCS client", "pipelines/output/commit.py asks is_gcs",
+                                            "pipelines/stages/write.py uses Beam's FileSystems"]
 
 
 def _inner_layer_breaks(graph: dict[str, set[str]]) -> list[str]:
@@ -130,3 +161,56 @@ def test_pipelines_folders_import_downward_only(tmp_path):
     })
     assert _inner_layer_breaks(graph) == ["pipelines.output.commit -> pipelines.stages.fit",
                                           "pipelines.stages.fit -> pipelines.launch.job"]
+
+
+# The core's rooms, bottom first: text (what an example says); then packing (how examples fill rows)
+# and format (how rows and their accounting go to disk) side by side, because each leans on the other
+# in one place (a mixture file is parsed with format's hostile-input parsers, strict_yaml and
+# untrusted; the tokenized set's manifest validates packing's Tally): between them only module
+# cycles are refused (test_no_import_cycle); storage (where files live: it joins paths by the
+# layout and reports a damaged file as the format's ManifestError) on top. A room imports only its
+# own rank or below; prepack's top-level modules (cli_help, overwrite) sit above every room.
+CORE_ROOMS = {"text": 0, "packing": 1, "format": 1, "storage": 2}
+
+
+def _room_rank(module: str) -> int | None:
+    parts = module.split(".")
+    if parts[0] != "prepack" or len(parts) < 2 or parts[1] == "sample_data":
+        return None
+    return CORE_ROOMS.get(parts[1], max(CORE_ROOMS.values()) + 1)
+
+
+def _room_breaks(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{m} -> {d}" for m in graph for d in graph[m]
+                  if _room_rank(m) is not None and _room_rank(d) is not None and _room_rank(d) > _room_rank(m))
+
+
+def test_core_rooms_import_downward_only(tmp_path):
+    graph = import_graph()
+    assert {m.split(".")[1] for m in graph if m.startswith("prepack.") and m.count(".") >= 2} >= set(CORE_ROOMS)
+    assert _room_breaks(graph) == []
+    # The check can fail: text reaching up into packing, format into storage, a room into a top-level
+    # module (packing and format importing each other is allowed).
+    graph = _tree(tmp_path, {
+        "prepack/__init__.py": "", "prepack/overwrite.py": "",
+        "prepack/text/__init__.py": "", "prepack/text/templates.py": "from prepack.packing import packer\n",
+        "prepack/packing/__init__.py": "", "prepack/packing/packer.py": "from prepack.text import templates\nfrom prepack.format import untrusted\n",
+        "prepack/format/__init__.py": "", "prepack/format/manifest.py": "import prepack.storage.gcs\nfrom prepack import overwrite\n",
+        "prepack/storage/__init__.py": "", "prepack/storage/gcs.py": "from prepack.format import manifest\n",
+        "pipelines/__init__.py": "", "loaders/__init__.py": "", "apps/__init__.py": "", "gcp/__init__.py": "", "train/__init__.py": "",
+    })
+    assert _room_breaks(graph) == ["prepack.format.manifest -> prepack.overwrite", "prepack.format.manifest -> prepack.storage.gcs",
+                                   "prepack.text.templates -> prepack.packing.packer"]
+
+
+def test_contracts_lists_every_module():
+    """docs/CONTRACTS.md names every module of the project with its purpose."""
+    listed = (ROOT / "docs" / "CONTRACTS.md").read_text()
+    missing = sorted(p.relative_to(ROOT).as_posix() for p in import_graph_paths() if f"`{p.relative_to(ROOT).as_posix()}`:" not in listed)
+    assert missing == []
+
+
+def import_graph_paths():
+    from testkit.import_graph import project_modules
+
+    return sorted(project_modules().values())

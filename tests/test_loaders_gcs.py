@@ -17,7 +17,8 @@ from testkit.shard_sets import build_shard_set, row_ids
 
 import loaders
 from loaders import shards as shards_module
-from loaders import storage
+from loaders import mounts
+from prepack import storage
 from loaders.dataset import READ_THREADS_GCS, READ_THREADS_LOCAL, READ_THREADS_NETWORK_MOUNT, default_read_threads
 
 
@@ -213,10 +214,10 @@ def test_read_threads_follow_the_location(tmp_path, monkeypatch):
     build_shard_set(tmp_path / "set", num_rows=4, num_shards=1, max_length=16)
     view = loaders.open_shards(str(tmp_path / "set"))
     assert default_read_threads(view) == READ_THREADS_LOCAL == 1
-    monkeypatch.setattr(storage, "_mount_points", lambda: [("/", "ext4"), (str(tmp_path), "fuse.gcsfuse")])
-    assert storage.is_network_mount(str(tmp_path / "set")) and default_read_threads(view) == READ_THREADS_NETWORK_MOUNT
-    monkeypatch.setattr(storage, "_mount_points", lambda: [("/", "ext4"), (str(tmp_path) + "-other", "fuse.gcsfuse")])
-    assert not storage.is_network_mount(str(tmp_path / "set"))
+    monkeypatch.setattr(mounts, "_mount_points", lambda: [("/", "ext4"), (str(tmp_path), "fuse.gcsfuse")])
+    assert mounts.is_network_mount(str(tmp_path / "set")) and default_read_threads(view) == READ_THREADS_NETWORK_MOUNT
+    monkeypatch.setattr(mounts, "_mount_points", lambda: [("/", "ext4"), (str(tmp_path) + "-other", "fuse.gcsfuse")])
+    assert not mounts.is_network_mount(str(tmp_path / "set"))
     remote = loaders.ShardView("gs://bucket/set", view.manifest)
     assert remote.is_remote and default_read_threads(remote) == READ_THREADS_GCS
 

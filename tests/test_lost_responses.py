@@ -20,7 +20,7 @@ import pytest
 import loaders
 from pipelines.launch.cli import main
 from pipelines.output import lock as output_lock
-from pipelines.output import storage as output_storage
+from prepack.storage import storage_for
 from prepack.storage import gcs
 from prepack.format import layout
 from prepack.format.run_record import RunRecord
@@ -41,7 +41,7 @@ def lossy(gcs_emulator, monkeypatch):
             client = gcs._client(proxy.endpoint)
         finally:
             os.environ["STORAGE_EMULATOR_HOST"] = saved
-        monkeypatch.setattr(output_storage, "gcs_client", lambda: client)
+        monkeypatch.setattr(gcs, "gcs_client", lambda: client)
         yield proxy
 
 
@@ -79,7 +79,7 @@ def test_lost_response_on_each_switch(lossy, gcs_prefix, tmp_path, target):
     for L in LENGTHS:
         with loaders.open_shards(layout.length_dir(out, L), expected_max_length=L, verify=True) as view:
             assert os.path.basename(view.manifest.inputs[0]["spec"]) == "new.jsonl"
-    store = output_storage.storage_for(out)
+    store = storage_for(out)
     record = RunRecord.from_json(store.read(layout.run_record_path(out)).data.decode())
     tokens = store.read(layout.tokens_manifest_path(out)).data
     assert record.tokens_manifest_sha256 == __import__("hashlib").sha256(tokens).hexdigest()

@@ -16,7 +16,8 @@ import time
 import pytest
 
 from testkit.gcs_emulator import gcs_emulator, gcs_prefix  # noqa: F401  (pytest fixtures)
-from pipelines.output import lock, storage
+from pipelines.output import lock
+from prepack import storage
 from prepack.format import layout
 
 
@@ -223,7 +224,7 @@ def slow_storage(gcs_emulator, monkeypatch):
             client = gcs._client(proxy.endpoint)
         finally:
             os.environ["STORAGE_EMULATOR_HOST"] = saved
-        monkeypatch.setattr(storage, "gcs_client", lambda: client)
+        monkeypatch.setattr(gcs, "gcs_client", lambda: client)
         yield proxy
 
 

@@ -22,7 +22,7 @@ import loaders
 from testkit.pipeline import IN_PROCESS, alpaca_records, write_jsonl
 from pipelines import output
 from pipelines.output import lock as output_lock
-from pipelines.output import storage as output_storage
+from prepack.storage import local as local_storage
 from pipelines import failpoints
 from prepack.format import layout
 from pipelines.stages import write as writer
@@ -264,7 +264,7 @@ def test_disk_full_during_the_manifest_switch(old_output, inputs, monkeypatch):
             raise OSError(errno.ENOSPC, "No space left on device")
         real_fsync(fd)
 
-    monkeypatch.setattr(output_storage.os, "fsync", fsync)
+    monkeypatch.setattr(local_storage.os, "fsync", fsync)
     at_failpoint(monkeypatch, "shards_in_place", lambda: full.append(True))
     with pytest.raises(JobError) as e:
         pack(args_for(inputs["new"], str(out), "--overwrite"))

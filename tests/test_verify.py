@@ -13,7 +13,7 @@ import pytest
 from testkit.gcs_emulator import gcs_emulator, gcs_prefix  # noqa: F401  (pytest fixtures)
 
 from apps import cli, verify
-from loaders import storage
+from prepack import storage
 from prepack.format import rowformat, shardfile
 from prepack.format.manifest import Manifest
 

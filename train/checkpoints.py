@@ -33,7 +33,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from loaders import storage
+from prepack import storage
 
 log = logging.getLogger(__name__)
 

@@ -10,12 +10,11 @@ shapes and refuses another rank, other module paths or other base weights.
 from __future__ import annotations
 
 import json
-import os
 import struct
 from collections.abc import Mapping
 from typing import Any
 
-from loaders import storage
+from prepack import storage
 from train.fingerprint import base_fingerprint
 
 LORA_FORMAT = "prepack-lora"
@@ -52,29 +51,15 @@ def _lora_rank(tensors: Mapping[str, Any]) -> int | None:
 
 
 def _write_bytes(path: str, data: bytes) -> None:
-    if storage.is_gcs(path):
-        bucket, key = storage.split_gcs(path)
-        storage.gcs_client().bucket(bucket).blob(key).upload_from_string(data, content_type="application/octet-stream")
-        return
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)  # a crash leaves the old file, never half a new one
+    # locally through a temp name: a crash leaves the old file, never half a new one
+    storage.storage_for(path).replace(path, data, content_type="application/octet-stream")
 
 
 def _read_bytes(path: str) -> bytes:
-    if storage.is_gcs(path):
-        bucket, key = storage.split_gcs(path)
-        blob = storage.gcs_client().bucket(bucket).blob(key)
-        if not blob.exists():
-            raise LoraFileError(f"no LoRA file at {path}")
-        return blob.download_as_bytes()
-    if not os.path.isfile(path):
+    data = storage.storage_for(path).read_bytes(path)
+    if data is None:
         raise LoraFileError(f"no LoRA file at {path}")
-    with open(path, "rb") as f:
-        return f.read()
+    return data
 
 
 def save_lora(model: Any, path: str, metadata: Mapping[str, Any]) -> dict[str, str]:

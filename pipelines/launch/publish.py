@@ -11,6 +11,7 @@ from typing import Any
 
 from pipelines.options import PackConfig
 from pipelines.summary import LengthStats, PlanSummary, RunSummary, ShardSummary
+from prepack import storage
 from prepack.format.layout import summary_path
 from prepack.packing.accounting import Tally
 from prepack.packing.bad_records import too_many_bad_records
@@ -20,12 +21,6 @@ from prepack.packing.stats import PackingStats
 
 class JobError(RuntimeError):
     """The job cannot run or its result cannot be published; the message says why and what to do."""
-
-
-def _fs():
-    from apache_beam.io.filesystems import FileSystems
-
-    return FileSystems
 
 
 def refuse_existing(config: PackConfig) -> None:
@@ -38,8 +33,11 @@ def refuse_existing(config: PackConfig) -> None:
 
 
 def read_summary(output: str, run_id: str) -> RunSummary:
-    with _fs().open(summary_path(output, run_id)) as f:
-        return RunSummary.from_json(f.read().decode("utf-8"))
+    path = summary_path(output, run_id)
+    data = storage.read_bytes(path)
+    if data is None:
+        raise FileNotFoundError(path)
+    return RunSummary.from_json(data.decode("utf-8"))
 
 
 # ----------------------------------------------------------------------------- figures

@@ -1,5 +1,5 @@
 """The job's output layer: where everything goes (prepack/format/layout.py), local disks and gs://
-behind one interface (storage), one writer at a time (lock), and publishing any staged set
+behind the core's one storage interface (prepack/storage), one writer at a time (lock), and publishing any staged set
 with fencing (commit). Shard sets and the tokenized set publish through the same Commit.
 
 Stages write only under their staging folders (prepack.format.layout names them) and never
@@ -10,7 +10,7 @@ from pipelines.output.commit import Commit, Seen, StagedSet, length_place, look,
 from pipelines.output.lock import LockHeld, LockLost, OutputLock, read_lock
 from pipelines.output.staging import (Leftovers, cleanup_run, find_leftovers, keep_failed_dead_letters, probe,
                                       remove_leftovers)
-from pipelines.output.storage import SwitchRefused, storage_for
+from prepack.storage import SwitchRefused, storage_for
 
 __all__ = [
     "Commit", "Leftovers", "LockHeld", "LockLost", "OutputLock", "Seen", "StagedSet", "SwitchRefused", "cleanup_run",

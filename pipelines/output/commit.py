@@ -29,7 +29,7 @@ import json
 from collections.abc import Callable
 
 from pipelines.output.lock import LockLost, OutputLock
-from pipelines.output.storage import SwitchRefused, Version, Versioned, storage_for
+from prepack.storage import SwitchRefused, Version, Versioned, storage_for
 from pipelines import failpoints
 from prepack.format import layout
 from prepack.format.run_record import RunRecord

@@ -40,7 +40,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from pipelines.output.storage import GcsStorage, SwitchRefused, storage_for
+from prepack.storage import GcsStorage, SwitchRefused, storage_for
 from prepack.format import layout
 
 DEFAULT_EXPIRY_S = 600.0  # a gs:// lease not renewed for this long is stale

@@ -18,7 +18,7 @@ import dataclasses
 import json
 
 from pipelines.output.lock import LockLost, OutputLock
-from pipelines.output.storage import Version, storage_for
+from prepack.storage import Version, storage_for
 from prepack.format import layout
 
 

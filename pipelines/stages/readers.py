@@ -27,7 +27,7 @@ from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any
 
 from pipelines.stages import compressed, sources
-from pipelines import failpoints
+from pipelines import failpoints, files
 from pipelines.failures import InputFileError
 from pipelines.stages.input_limits import InputLimits
 from pipelines.stages.sources import ReadTask
@@ -84,13 +84,6 @@ def snippet(raw: Any) -> str:
     return text if len(text) <= RAW_SNIPPET_CHARS else text[:RAW_SNIPPET_CHARS] + "…"
 
 
-def _open_raw(path: str):
-    from apache_beam.io.filesystem import CompressionTypes
-    from apache_beam.io.filesystems import FileSystems
-
-    return FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED)
-
-
 def _file_blocks(task: ReadTask, limits: InputLimits) -> Iterator[bytes]:
     """The file's (decompressed) bytes, in blocks of at most READ_BLOCK (compressed.OUT_BLOCK);
     a truncated or corrupt compressed file raises InputFileError naming it (pipelines/stages/compressed.py),
@@ -100,7 +93,7 @@ def _file_blocks(task: ReadTask, limits: InputLimits) -> Iterator[bytes]:
     failpoints.hit("input_read", "start")  # tests hold a worker here, mid-pipeline
     _check_unchanged(task)  # a local path that became a FIFO or a device is refused before open
     suffix = compressed.suffix_of(path)
-    with _open_raw(path) as f:
+    with files.open_read(path) as f:
         if suffix is not None:
             yield from compressed.decompressed_blocks(f, path, suffix, limits=limits)
         else:
@@ -200,25 +193,7 @@ def iter_jsonl(task: ReadTask, digest: FileDigest, limits: InputLimits = InputLi
     yield from _raw_lines(lines, limit)
 
 
-_GCS_RANGE_BUFFER = 1 << 20  # download granularity of a range read from gs:// (Beam's default is 16 MB)
 _TAIL_BLOCK = 64 << 10  # first read past a range's end, for the rest of its last line (doubles)
-_gcsio: Any = None
-
-
-def _open_for_range(path: str):
-    """The file, seekable, without decompression. On gs:// with a small download buffer: Beam's
-    FileSystems would fetch 16 MB per read, several times a small range."""
-    global _gcsio
-    if path.startswith("gs://"):
-        if _gcsio is None:
-            from apache_beam.io.gcp.gcsio import GcsIO
-
-            _gcsio = GcsIO()
-        return _gcsio.open(path, "rb", read_buffer_size=_GCS_RANGE_BUFFER)
-    from apache_beam.io.filesystem import CompressionTypes
-    from apache_beam.io.filesystems import FileSystems
-
-    return FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED)
 
 
 def _range_blocks(task: ReadTask, digest: FileDigest) -> Iterator[bytes]:
@@ -228,7 +203,7 @@ def _range_blocks(task: ReadTask, digest: FileDigest) -> Iterator[bytes]:
     pos = max(start - 1, 0)  # the byte before the range says whether a line starts at `start`
     if not task.path.startswith("gs://"):
         sources.regular_file_stamp(task.path, task.path)  # a FIFO would block the open
-    with _open_for_range(task.path) as f:
+    with files.open_for_range(task.path) as f:
         f.seek(0, os.SEEK_END)
         if f.tell() != task.size:
             raise InputFileError(f"{task.path} has {f.tell()} bytes, but had {task.size} when the job was planned; "

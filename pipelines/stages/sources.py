@@ -25,6 +25,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from pipelines import files as files_lib
 from pipelines.stages.records import TaskMeta
 
 FILE_KINDS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
@@ -130,7 +131,7 @@ def regular_file_stamp(path: str, shown: str) -> tuple[int, float]:
 def file_stamp(path: str) -> tuple[int, float]:
     """The stamp a file has now (see ReadTask.stamp)."""
     if path.startswith("gs://"):
-        from prepack.storage.gcs import object_stamp
+        from prepack.storage import object_stamp
 
         return object_stamp(path)
     return regular_file_stamp(path, path)
@@ -209,18 +210,16 @@ def task_metas(inputs: Sequence[ResolvedInput], tasks: Sequence[ReadTask]) -> tu
 
 
 def _resolve_files(index: int, spec: str, first_task: int) -> tuple[ResolvedInput, list[ReadTask]]:
-    from apache_beam.io.filesystems import FileSystems
-
     if not spec.startswith("gs://") and os.path.isdir(spec):
         raise InputError(
             f"input {spec!r} is a folder but not a save_to_disk dataset (no state.json or dataset_dict.json); "
             f"give a file or a glob such as '{os.path.join(spec, '*.jsonl')}'"
         )
     try:
-        matches = FileSystems.match([spec])[0].metadata_list
+        matches = files_lib.match(spec)
     except Exception as e:  # BeamIOError: bad bucket, no credentials, unreachable
         raise InputError(f"input {spec!r}: cannot list it ({type(e).__name__}: {e})") from e
-    files = sorted((m.path, m.size_in_bytes, m.last_updated_in_seconds) for m in matches if not m.path.endswith("/"))
+    files = sorted(m for m in matches if not m[0].endswith("/"))
     if not files:
         what = "the pattern matches no file" if _is_glob(spec) else "no such file"
         raise InputError(f"input {spec!r}: {what}")

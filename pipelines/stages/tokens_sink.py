@@ -34,6 +34,7 @@ from pipelines.stages.stage import StageClock
 from pipelines.summary import RunSummary, TokenFile, TokenIndex
 from pipelines.stages.write import copy_local_to, write_bytes
 from prepack.packing.accounting import Tally
+from prepack import storage
 from prepack.format.layout import tokens_staging_dir
 from prepack.format.manifest import ShardInfo
 from prepack.format.tokenset import (
@@ -47,12 +48,6 @@ from prepack.format.tokenset import (
 NAMESPACE = "prepack"
 INDEX_NAME = "index.json"
 TARGET_FILE_BYTES = 256 << 20  # encoded bytes per file before it is split (compressed: ~half)
-
-
-def _fs():
-    from apache_beam.io.filesystems import FileSystems
-
-    return FileSystems
 
 
 class WriteTokensFn(beam.DoFn):
@@ -224,5 +219,8 @@ def compose_manifest(summary: RunSummary, index: TokenIndex, tasks: Iterable[Tas
 
 
 def read_index(output: str, run_id: str) -> TokenIndex:
-    with _fs().open(f"{tokens_staging_dir(output, run_id)}/{INDEX_NAME}") as f:
-        return TokenIndex.from_json(f.read().decode("utf-8"))
+    path = f"{tokens_staging_dir(output, run_id)}/{INDEX_NAME}"
+    data = storage.read_bytes(path)
+    if data is None:
+        raise FileNotFoundError(path)
+    return TokenIndex.from_json(data.decode("utf-8"))

@@ -32,6 +32,7 @@ from pipelines.stages.records import TaskMeta
 from pipelines.stages.stage import StageClock
 from prepack.packing.accounting import Tally
 from pipelines.failures import InputFileError
+from prepack import storage
 from prepack.format.layout import RUN_RECORD_NAME
 from prepack.format.manifest import MANIFEST_NAME
 from prepack.format.run_record import RunRecord, RunRecordError
@@ -39,24 +40,15 @@ from prepack.format.tokenset import TOKENS_DIR, TokenSetError, TokenSetManifest,
 
 NAMESPACE = "prepack"
 READ_BATCH = 4096  # records per TokenizedBatch
-COPY_BLOCK = 8 << 20
-
-
-def _fs():
-    from apache_beam.io.filesystems import FileSystems
-
-    return FileSystems
 
 
 def open_token_set(folder: str) -> TokenSetManifest:
     """The set's manifest, after checking that every file it lists is there with its size."""
-    fs = _fs()
     path = f"{folder}/{MANIFEST_NAME}"
-    if not fs.exists(path):
+    raw = storage.read_bytes(path)
+    if raw is None:
         raise TokenSetError(f"{path} not found: {folder} is not a tokenized set (a `prepack pack` run publishes one "
                             f"as OUTPUT/tokens unless --no-tokens), or its run did not finish")
-    with fs.open(path) as f:
-        raw = f.read()
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -91,11 +83,9 @@ def _check_run_record(folder: str, path: str, digest: str) -> None:
     if name != TOKENS_DIR or not parent:
         return
     record_path = f"{parent}/{RUN_RECORD_NAME}"
-    fs = _fs()
-    if not fs.exists(record_path):
+    raw = storage.read_bytes(record_path)
+    if raw is None:
         return
-    with fs.open(record_path) as f:
-        raw = f.read()
     try:
         named = RunRecord.from_json(raw.decode("utf-8", errors="replace"), record_path).tokens_manifest_sha256
     except RunRecordError as e:
@@ -108,21 +98,12 @@ def _check_run_record(folder: str, path: str, digest: str) -> None:
 
 def manifest_sha256(folder: str) -> str | None:
     """sha256 of the bytes of FOLDER/manifest.json, None when there is none."""
-    fs = _fs()
-    path = f"{folder}/{MANIFEST_NAME}"
-    if not fs.exists(path):
-        return None
-    with fs.open(path) as f:
-        return hashlib.sha256(f.read()).hexdigest()
+    raw = storage.read_bytes(f"{folder}/{MANIFEST_NAME}")
+    return None if raw is None else hashlib.sha256(raw).hexdigest()
 
 
 def _sizes(folder: str, names: list[str]) -> dict[str, int]:
-    try:
-        found = _fs().match([f"{folder}/*"])[0].metadata_list
-    except Exception:
-        found = []
-    by_name = {m.path.rsplit("/", 1)[-1]: m.size_in_bytes for m in found}
-    return {n: by_name[n] for n in names if n in by_name}
+    return {n: size for n, size in storage.file_sizes(folder, names).items() if size is not None}
 
 
 def reconcile(config: PackConfig, manifest: TokenSetManifest, folder: str) -> PackConfig:
@@ -206,21 +187,16 @@ class ReadTokenFileFn(beam.DoFn):
         started = StageClock.now()
         tmp = None
         try:
-            digest = hashlib.sha256()
-            if "://" in path:
+            if storage.is_gcs(path):
                 tmp = tempfile.mkdtemp(prefix="prepack-tokens-")
                 local = os.path.join(tmp, name)
-                with _fs().open(path) as src, open(local, "wb") as dst:
-                    for block in iter(lambda: src.read(COPY_BLOCK), b""):
-                        digest.update(block)
-                        dst.write(block)
+                with open(local, "wb") as dst:
+                    _, digest = storage.download(path, dst)
             else:
                 local = path
-                with open(local, "rb") as f:
-                    for block in iter(lambda: f.read(COPY_BLOCK), b""):
-                        digest.update(block)
-            if digest.hexdigest() != sha256:
-                raise TokenSetError(f"{path}: sha256 {digest.hexdigest()[:12]}... is not the manifest's {sha256[:12]}...: "
+                digest = storage.sha256(local)
+            if digest != sha256:
+                raise TokenSetError(f"{path}: sha256 {digest[:12]}... is not the manifest's {sha256[:12]}...: "
                                     f"the file changed after it was published; run a full `prepack pack` again")
             try:
                 reader = ArrayRecordReader(local, "readahead_buffer_size:0")
@@ -260,8 +236,10 @@ def _read_dropped(path: str) -> Iterator[tuple[tuple, dict]]:
     """The dead letters of the examples dropped before fitting: ([task, record, line, sub, reason], entry)
     per line, each checked (the file is read from storage others can write)."""
     try:
-        with _fs().open(path) as f:
-            text = f.read().decode("utf-8")
+        raw = storage.read_bytes(path)
+        if raw is None:
+            raise FileNotFoundError(f"no such file: {path}")
+        text = raw.decode("utf-8")
     except (FileNotFoundError, UnicodeDecodeError) as e:
         raise InputFileError(f"{path} vanished or is damaged while the job ran ({e}); run a full `prepack pack` again") from e
     for number, line in enumerate(text.splitlines(), 1):

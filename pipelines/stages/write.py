@@ -8,7 +8,7 @@ name carries its sha256, so it never overwrites another set's file.
 
 ArrayRecordWriter can only open local paths, so a shard is written to a local
 temp file (with group_size:1 spelled out) and then streamed to its staging
-path through Beam's FileSystems, which also handles gs://.
+path through pipelines/files.py (Beam's FileSystems, which also handles gs://).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import apache_beam as beam
 import numpy as np
 from apache_beam.metrics.metric import Metrics
 
+from pipelines import files
 from pipelines.stages.planning import LengthPlan
 from pipelines.stages.columns import FragmentBatch, ShardWork, concat_wire
 from pipelines.stages.compressed import decompressed_blocks
@@ -42,20 +43,13 @@ NAMESPACE = "prepack"
 COPY_BLOCK = 8 << 20
 
 
-def create_file(path: str):
-    from apache_beam.io.filesystem import CompressionTypes
-    from apache_beam.io.filesystems import FileSystems
-
-    return FileSystems.create(path, mime_type="application/octet-stream", compression_type=CompressionTypes.UNCOMPRESSED)
-
-
 def write_bytes(path: str, data: bytes) -> None:
-    with create_file(path) as f:
+    with files.create(path) as f:
         f.write(data)
 
 
 def copy_local_to(local_path: str, dest: str) -> None:
-    with open(local_path, "rb") as src, create_file(dest) as dst:
+    with open(local_path, "rb") as src, files.create(dest) as dst:
         shutil.copyfileobj(src, dst, COPY_BLOCK)
 
 
@@ -122,7 +116,7 @@ def write_part(path: str, records: Iterable[bytes]) -> None:
     more CPU than compressing them (docs/benchmarks.md, "Packing-job CPU after the window writer")."""
     import zstandard
 
-    with create_file(path) as f, zstandard.ZstdCompressor(level=PART_ZSTD_LEVEL).stream_writer(f, closefd=False) as z:
+    with files.create(path) as f, zstandard.ZstdCompressor(level=PART_ZSTD_LEVEL).stream_writer(f, closefd=False) as z:
         block: list[bytes] = []
         size = 0
         for record in records:
@@ -137,10 +131,8 @@ def write_part(path: str, records: Iterable[bytes]) -> None:
 
 def read_part(path: str) -> Iterator[bytes]:
     """The records of a part file, one at a time; ShardCheckError if it is damaged or truncated."""
-    from apache_beam.io.filesystems import FileSystems
-
     buf = bytearray()
-    with FileSystems.open(path, compression_type="uncompressed") as raw:
+    with files.open_read(path) as raw:
         try:
             for block in decompressed_blocks(raw, path, ".zst", read_block=PART_READ_BLOCK):
                 buf += block

@@ -29,7 +29,10 @@ SHARD_FILE = re.compile(r"^rows-\d{5}-of-\d{5}(-[0-9a-f]{12})?\.array_record$")
 
 
 def join(folder: str, name: str) -> str:
-    return f"{str(folder).rstrip('/')}/{name}"
+    """The one join, for local paths and gs:// alike: `name` always lands inside `folder` (even one
+    that starts with '/'), and a folder's trailing slashes are not doubled."""
+    folder = str(folder)
+    return f"{folder.rstrip('/')}/{name}" if folder else name
 
 
 def lock_path(output: str) -> str:

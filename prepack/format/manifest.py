@@ -3,8 +3,8 @@
 The job writes it last, after every shard is in place, so a reader that finds
 a manifest finds complete shards. Keys listed in STABLE_KEYS are a public
 contract for users' tooling (docs/manifest.md); others may grow.
-I/O is left to callers (Beam FileSystems on the job side, local/gs:// readers
-on the training side), so this module only turns manifests to and from text.
+I/O is left to callers (through prepack/storage, the one storage interface),
+so this module only turns manifests to and from text.
 """
 
 from __future__ import annotations

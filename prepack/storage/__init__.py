@@ -1,0 +1,87 @@
+"""The one storage interface of the project: local paths and gs:// behind it.
+
+`storage_for(path)` is the only place that tells gs:// from a local path (tests/test_import_boundaries.py);
+the output lock and commit use its versioned conditional operations, the loaders, apps and the
+pipeline's launcher its plain reads and writes. Paths are joined by prepack.format.layout.join alone.
+No Beam here: the pipeline's worker-side streams are pipelines/files.py, an adapter of this interface.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import BinaryIO
+
+from prepack.format.layout import join
+from prepack.format.manifest import ManifestError
+from prepack.storage.gcs import GcsStorage, gcs_client, is_gcs, object_stamp, split_gcs
+from prepack.storage.interface import Storage, SwitchRefused, Version, Versioned
+from prepack.storage.local import LocalStorage
+
+__all__ = [
+    "GcsStorage", "LocalStorage", "Storage", "SwitchRefused", "Version", "Versioned", "download", "file_sizes",
+    "gcs_client", "is_gcs", "join", "object_stamp", "read_bytes", "read_text", "sha256", "split_gcs", "storage_for", "write_text",
+]
+
+_LOCAL, _GCS = LocalStorage(), GcsStorage()
+SHA_BLOCK = 1 << 22
+
+
+def storage_for(path: str) -> Storage:
+    """The storage holding `path`: the one place that tells gs:// from a local path."""
+    return _GCS if is_gcs(path) else _LOCAL
+
+
+def read_bytes(path: str) -> bytes | None:
+    """The whole file, or None if it does not exist."""
+    return storage_for(path).read_bytes(path)
+
+
+def read_text(path: str) -> str | None:
+    """The file's text, or None if it does not exist; ManifestError (one line) if its bytes are
+    not UTF-8: the manifests and records read here are written by strangers."""
+    data = storage_for(path).read_bytes(path)
+    if data is None:
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ManifestError(f"{path}: not UTF-8 text (byte {e.start} is {data[e.start:e.start + 1]!r}); the file was "
+                            "edited or is damaged: republish the set") from None
+
+
+def write_text(path: str, text: str) -> None:
+    """Writes a small text file whole; locally through a temp name, so a crash leaves the old file."""
+    storage_for(path).replace(path, text.encode("utf-8"))
+
+
+def file_sizes(folder: str, names: list[str]) -> dict[str, int | None]:
+    """Size in bytes of each named file in `folder`, None where it is missing (one listing on gs://)."""
+    return storage_for(folder).sizes(folder, names)
+
+
+class _HashingWriter:
+    """A write-only file object that hashes what passes through it on its way to `out`."""
+
+    def __init__(self, out: BinaryIO):
+        self._out = out
+        self.digest = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: bytes) -> int:
+        self.digest.update(data)
+        self.size += len(data)
+        return self._out.write(data)
+
+
+def download(path: str, out: BinaryIO) -> tuple[int, str]:
+    """Copies a whole file into `out`; returns (bytes, sha256 hex) of what was copied."""
+    writer = _HashingWriter(out)
+    storage_for(path).download(path, writer)  # type: ignore[arg-type]
+    return writer.size, writer.digest.hexdigest()
+
+
+def sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    for chunk in storage_for(path).chunks(path, SHA_BLOCK):
+        digest.update(chunk)
+    return digest.hexdigest()

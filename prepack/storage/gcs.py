@@ -1,4 +1,4 @@
-"""gs:// paths and the one google-cloud-storage client, shared by the job's publishing and the loader.
+"""gs:// behind the storage interface, through the one google-cloud-storage client.
 
 google-cloud-storage is imported on first use only, so the core stays light; the client
 honors STORAGE_EMULATOR_HOST, which the tests' local GCS emulator sets.
@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Iterator
+from typing import BinaryIO
+
+from prepack.storage.interface import Version, Versioned, refused, SwitchRefused
 
 GCS_PREFIX = "gs://"
 
@@ -41,3 +45,147 @@ def object_stamp(path: str) -> tuple[int, int]:
     bucket, key = split_gcs(path)
     blob = gcs_client().bucket(bucket).get_blob(key)
     return (-1, 0) if blob is None else (int(blob.size), int(blob.generation))
+
+
+
+
+class GcsStorage:
+    absent: Version = 0
+    os_locks = False
+
+    @staticmethod
+    def _blob(path: str, generation: int | None = None):
+        bucket, key = split_gcs(path)
+        return gcs_client().bucket(bucket).blob(key, generation=generation)
+
+    def read(self, path: str) -> Versioned | None:
+        from google.api_core import exceptions
+
+        for _ in range(5):
+            blob = self._blob(path)
+            try:
+                blob.reload()
+            except exceptions.NotFound:
+                return None
+            generation = int(blob.generation)  # read first: a download may reset the blob's properties
+            try:
+                return Versioned(blob.download_as_bytes(if_generation_match=generation), generation)
+            except (exceptions.NotFound, exceptions.PreconditionFailed):
+                continue  # replaced between the two requests: read the new one
+        raise RuntimeError(f"{path} keeps changing while it is read")
+
+    def version(self, path: str) -> Version:
+        from google.api_core import exceptions
+
+        blob = self._blob(path)
+        try:
+            blob.reload()
+        except exceptions.NotFound:
+            return self.absent
+        return int(blob.generation)
+
+    def exists(self, path: str) -> bool:
+        return self._blob(path).exists()
+
+    def write(self, path: str, data: bytes) -> None:
+        self._blob(path).upload_from_string(data)
+
+    def _upload_if(self, path: str, data: bytes, expected: int) -> Version:
+        from google.api_core import exceptions
+
+        blob = self._blob(path)
+        try:
+            blob.upload_from_string(data, content_type="application/json", if_generation_match=int(expected))
+            return int(blob.generation)
+        except exceptions.PreconditionFailed as e:
+            # A retry after a lost response meets its own first attempt: read it back.
+            now = self.read(path)
+            if now is not None and now.data == data:
+                return now.version
+            raise refused(path, None if now is None else now.data) from e
+
+    def create(self, path: str, data: bytes) -> Version | None:
+        try:
+            return self._upload_if(path, data, 0)
+        except SwitchRefused:
+            return None
+
+    def write_if(self, path: str, data: bytes, expected: Version, tmp: str) -> Version:
+        return self._upload_if(path, data, int(expected))
+
+    def delete_if(self, path: str, version: Version) -> bool:
+        from google.api_core import exceptions
+
+        try:
+            self._blob(path).delete(if_generation_match=int(version))
+        except exceptions.PreconditionFailed:
+            return False  # a later generation under the same name: not the file this run replaced
+        except exceptions.NotFound:
+            return False  # gone already (a retried delete whose first attempt landed)
+        return True
+
+    def versions(self, folder: str) -> dict[str, Version]:
+        bucket, key = split_gcs(folder)
+        prefix = key.rstrip("/") + "/" if key else ""
+        out = {}
+        for blob in gcs_client().list_blobs(bucket, prefix=prefix, delimiter="/"):
+            out[blob.name[len(prefix):]] = int(blob.generation)
+        return out
+
+    def list_files(self, folder: str) -> list[str]:
+        bucket, key = split_gcs(folder)
+        prefix = key.rstrip("/") + "/" if key else ""
+        return [f"{GCS_PREFIX}{bucket}/{b.name}" for b in gcs_client().list_blobs(bucket, prefix=prefix)]
+
+    def size(self, path: str) -> int:
+        return 0  # not summed on gs:// (a request per file)
+
+    def delete(self, paths: list[str]) -> None:
+        from google.api_core import exceptions
+
+        for path in paths:
+            try:
+                self._blob(path).delete()
+            except exceptions.NotFound:
+                pass
+
+    def move(self, sources: list[str], targets: list[str]) -> None:
+        """Copy, then delete: gs:// has no rename (what Beam's FileSystems.rename does too)."""
+        client = gcs_client()
+        for source, target in zip(sources, targets):
+            (src_bucket, src_key), (dst_bucket, dst_key) = split_gcs(source), split_gcs(target)
+            blob = client.bucket(src_bucket).blob(src_key)
+            client.bucket(src_bucket).copy_blob(blob, client.bucket(dst_bucket), dst_key)
+        self.delete(sources)
+
+    def delete_tree(self, folder: str) -> None:
+        self.delete(self.list_files(folder))
+
+    def remove_if_empty(self, folder: str) -> None:
+        pass  # gs:// has no folders
+
+    def read_bytes(self, path: str) -> bytes | None:
+        from google.api_core import exceptions
+
+        try:
+            return self._blob(path).download_as_bytes(raw_download=True)
+        except exceptions.NotFound:
+            return None
+
+    def replace(self, path: str, data: bytes, content_type: str = "application/json") -> None:
+        self._blob(path).upload_from_string(data, content_type=content_type)
+
+    def sizes(self, folder: str, names: list[str]) -> dict[str, int | None]:
+        """One listing of the folder answers all names, instead of a request per shard."""
+        bucket, key = split_gcs(folder)
+        prefix = key.rstrip("/") + "/" if key else ""
+        listed = {b.name[len(prefix):]: b.size for b in gcs_client().bucket(bucket).list_blobs(prefix=prefix)}
+        return {n: listed.get(n) for n in names}
+
+    def chunks(self, path: str, block: int) -> Iterator[bytes]:
+        with self._blob(path).open("rb", chunk_size=block) as f:
+            yield from iter(lambda: f.read(block), b"")
+
+    def download(self, path: str, out: BinaryIO) -> None:
+        """The whole object with one GET; GCS's own checksum is skipped (callers compare a sha256)."""
+        self._blob(path).download_to_file(out, raw_download=True, checksum=None)

@@ -547,9 +547,32 @@ def oasst1_build(messages: Iterable[Mapping[str, Any]]) -> Oasst1Result:
     Output order is sorted by (message_tree_id, message_id), independent of input order.
     """
     dropped: list[DroppedMessage] = []
+    by_id, own_drop = _oasst1_index(messages, dropped)
+    resolved = _oasst1_resolve(by_id, own_drop)
+    examples_keyed: list[tuple[tuple[str, str], Conversation, str]] = []
+    for mid, msg in by_id.items():
+        value = resolved[mid]
+        tree = msg.get("message_tree_id")
+        tree_key = tree if isinstance(tree, str) else ""
+        if _is_drop(value):
+            reason, detail = value  # type: ignore[misc]
+            dropped.append(DroppedMessage(mid, tree if isinstance(tree, str) else None, reason, detail))
+        elif msg["role"] == "assistant":
+            turns = value  # type: ignore[assignment]
+            conv = Conversation(turns, (len(turns) - 1,))  # type: ignore[arg-type]
+            examples_keyed.append(((tree_key, mid), conv, mid))
+
+    examples_keyed.sort(key=lambda item: item[0])
+    dropped.sort(key=lambda d: (d.message_tree_id or "", d.message_id or "", d.reason))
+    return Oasst1Result([(conv, eid) for _, conv, eid in examples_keyed], dropped)
+
+
+def _oasst1_index(messages: Iterable[Mapping[str, Any]], dropped: list[DroppedMessage]
+                  ) -> tuple[dict[str, Mapping[str, Any]], dict[str, tuple[str, str]]]:
+    """The messages by id, and each one's own drop reason (its fields, not its ancestors');
+    messages without a usable id go straight to `dropped`."""
     by_id: dict[str, Mapping[str, Any]] = {}
     own_drop: dict[str, tuple[str, str]] = {}
-
     for msg in messages:
         if not isinstance(msg, Mapping):
             dropped.append(DroppedMessage(None, None, "invalid", f"expected a message object, got {_describe(msg)}"))
@@ -571,15 +594,19 @@ def oasst1_build(messages: Iterable[Mapping[str, Any]]) -> Oasst1Result:
             if problem is not None:
                 own_drop[mid] = problem
         by_id[mid] = msg
+    return by_id, own_drop
 
-    # Resolve every message to its turn prefix (root..message) or a drop reason. Iterative
-    # walk up the parent chain with memoisation: deep threads cannot hit the recursion
-    # limit, and each message is resolved once.
+
+def _is_drop(value: tuple[Any, ...]) -> bool:
+    return bool(value) and isinstance(value[0], str)
+
+
+def _oasst1_resolve(by_id: dict[str, Mapping[str, Any]], own_drop: dict[str, tuple[str, str]]
+                    ) -> dict[str, tuple[Turn, ...] | tuple[str, str]]:
+    """Every message's turn prefix (root..message) or drop reason. An iterative walk up the parent
+    chain with memoisation: deep threads cannot hit the recursion limit, and each message is
+    resolved once."""
     resolved: dict[str, tuple[Turn, ...] | tuple[str, str]] = {}  # id -> turns | (reason, detail)
-
-    def is_drop(value: tuple[Any, ...]) -> bool:
-        return bool(value) and isinstance(value[0], str)
-
     for start in by_id:
         chain: list[str] = []
         on_chain: set[str] = set()
@@ -603,7 +630,7 @@ def oasst1_build(messages: Iterable[Mapping[str, Any]]) -> Oasst1Result:
                 acc = own
             elif depth == 0 and missing_parent:
                 acc = ("missing_parent", f"parent message {cur} is not in the table")
-            elif is_drop(acc):
+            elif _is_drop(acc):
                 parent_id = by_id[mid].get("parent_id")
                 acc = ("orphaned", f"parent message {parent_id} was dropped ({acc[0]})")
             else:
@@ -614,23 +641,7 @@ def oasst1_build(messages: Iterable[Mapping[str, Any]]) -> Oasst1Result:
                 else:
                     acc = acc + (Turn(role, msg["text"]),)  # type: ignore[operator]
             resolved[mid] = acc
-
-    examples_keyed: list[tuple[tuple[str, str], Conversation, str]] = []
-    for mid, msg in by_id.items():
-        value = resolved[mid]
-        tree = msg.get("message_tree_id")
-        tree_key = tree if isinstance(tree, str) else ""
-        if is_drop(value):
-            reason, detail = value  # type: ignore[misc]
-            dropped.append(DroppedMessage(mid, tree if isinstance(tree, str) else None, reason, detail))
-        elif msg["role"] == "assistant":
-            turns = value  # type: ignore[assignment]
-            conv = Conversation(turns, (len(turns) - 1,))  # type: ignore[arg-type]
-            examples_keyed.append(((tree_key, mid), conv, mid))
-
-    examples_keyed.sort(key=lambda item: item[0])
-    dropped.sort(key=lambda d: (d.message_tree_id or "", d.message_id or "", d.reason))
-    return Oasst1Result([(conv, eid) for _, conv, eid in examples_keyed], dropped)
+    return resolved
 
 
 def oasst1_conversations(

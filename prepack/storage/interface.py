@@ -1,0 +1,74 @@
+"""The one storage interface: local disks and gs:// behind it (prepack/storage/local.py, gcs.py).
+
+Light on purpose (no Beam at import): `prepack pack` refuses an existing set before
+it imports Beam, and the lock and the commit need what Beam's FileSystems does not
+expose: exclusive creation, replace-if-unchanged and delete-if-unchanged.
+
+A version says what a file is now, for a later conditional write or delete: on gs://
+the object's generation (ABSENT_GCS = 0: no object), locally its inode, size and
+mtime ('' : no file). Versions come only from this module.
+
+Conditional writes on gs:// are idempotent: the client retries a request whose
+response was lost, and the retry then meets the precondition its own first attempt
+changed (412). So after a 412 the object is read back; if it holds exactly the bytes
+this call wrote, the write is this run's and goes on; otherwise the real writer's
+bytes are reported (SwitchRefused.current).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterator
+from typing import BinaryIO, Protocol
+
+
+Version = str | int
+
+
+class SwitchRefused(RuntimeError):
+    """The file changed since this run read it (another writer); it was not replaced.
+    `current` holds what is there now (None: nothing), so the caller can name the writer."""
+
+    def __init__(self, message: str, current: bytes | None = None):
+        super().__init__(message)
+        self.current = current
+
+
+@dataclasses.dataclass(frozen=True)
+class Versioned:
+    data: bytes
+    version: Version
+
+
+class Storage(Protocol):
+    absent: Version
+    os_locks: bool  # the output lock can be an OS lock (flock) here; else a renewed lease
+
+    def read(self, path: str) -> Versioned | None: ...
+    def version(self, path: str) -> Version: ...
+    def exists(self, path: str) -> bool: ...
+    def write(self, path: str, data: bytes) -> None: ...
+    def create(self, path: str, data: bytes) -> Version | None: ...
+    def write_if(self, path: str, data: bytes, expected: Version, tmp: str) -> Version: ...
+    def delete_if(self, path: str, version: Version) -> bool: ...
+    def versions(self, folder: str) -> dict[str, Version]: ...
+    def list_files(self, folder: str) -> list[str]: ...
+    def size(self, path: str) -> int: ...
+    def delete(self, paths: list[str]) -> None: ...
+    def move(self, sources: list[str], targets: list[str]) -> None: ...
+    def delete_tree(self, folder: str) -> None: ...
+    def remove_if_empty(self, folder: str) -> None: ...
+    # plain reads and writes of small files and whole shards
+    def read_bytes(self, path: str) -> bytes | None: ...
+    def replace(self, path: str, data: bytes, content_type: str = "application/json") -> None: ...
+    def sizes(self, folder: str, names: list[str]) -> dict[str, int | None]: ...
+    def chunks(self, path: str, block: int) -> Iterator[bytes]: ...
+    def download(self, path: str, out: BinaryIO) -> None: ...
+
+
+def refused(path: str, current: bytes | None) -> SwitchRefused:
+    what = "removed" if current is None else "changed"
+    return SwitchRefused(f"{path} was {what} by another run since this one started", current)
+
+
