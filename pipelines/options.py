@@ -98,6 +98,7 @@ class PackConfig:
     allow_short_mix: bool = False  # publish a mixture whose realized shares miss the requested ones
     allow_untrained_eot: bool = False  # publish although some target turns do not train their end-of-turn token
     train_reasoning: bool = True  # --train-reasoning: a reasoning trace's think block is a target (qwen3)
+    expand_turns: bool = False  # --expand-turns: one example per target assistant turn
 
     @property
     def template_kwargs(self) -> dict[str, str]:
@@ -125,6 +126,7 @@ class PackConfig:
             "max_record_bytes": self.limits.max_record_bytes,  # a longer line is dropped: it shapes the rows
             # Only when off, so manifests of runs without reasoning traces stay as they were.
             **({} if self.train_reasoning else {"train_reasoning": "no"}),
+            **({"expand_turns": True} if self.expand_turns else {}),
         }
 
 
@@ -178,6 +180,9 @@ def _add_tokenizing_options(tok: argparse._ArgumentGroup) -> None:
                      help="qwen3: whether the think block of a reply's reasoning_content (<think>, the trace, </think>) is "
                      "a target (default yes); the block is shown on the replies after the last user turn only, as Qwen3's "
                      "template does")
+    tok.add_argument("--expand-turns", action="store_true",
+                     help="a conversation with k target assistant turns becomes k examples: example i is the conversation "
+                     "up to and including reply i, as the chat format renders it there, training reply i alone (ids <id>#<i>)")
     tok.add_argument("--allow-untrained-eot", action="store_true",
                      help="publish even when some target assistant turns do not train their end-of-turn token (counted "
                      "as stats.turns_without_trained_eot; by default such a run fails: the model would not learn to stop)")
@@ -364,7 +369,7 @@ def _requested(ns: argparse.Namespace, inputs: tuple[str, ...], template_options
     if not ns.from_tokens:
         return {}
     given = {"inputs": inputs, "format": ns.format, "chat_format": ns.chat_format, "tokenizer": ns.tokenizer,
-             "train_reasoning": ns.train_reasoning,
+             "train_reasoning": ns.train_reasoning, "expand_turns": ns.expand_turns,
              "template_options": tuple(sorted(template_options.items())) if template_options else None}
     return {k: v for k, v in given.items() if v}
 
@@ -402,6 +407,7 @@ def _config(ns: argparse.Namespace, inputs: tuple[str, ...], fmt: str, mixture: 
         allow_short_mix=ns.allow_short_mix,
         allow_untrained_eot=ns.allow_untrained_eot,
         train_reasoning=(ns.train_reasoning or "yes") == "yes",
+        expand_turns=ns.expand_turns,
     )
 
 

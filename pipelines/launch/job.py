@@ -571,6 +571,8 @@ def _tokens_manifest(job: PreparedJob, summary: RunSummary) -> TokenSetManifest:
                "chat_format": config.chat_format, "tokenizer": config.tokenizer, "tfds_data_dir": config.tfds_data_dir}
     if not config.train_reasoning:  # recorded only when off, so sets made before the option read as "yes"
         choices["train_reasoning"] = "no"
+    if config.expand_turns:
+        choices["expand_turns"] = True
     if config.mixture is not None:  # the sources each example's id names (by its input index)
         choices["mixture"] = config.mixture.describe()
     index = tokens_sink.read_index(config.output, job.run_id)
