@@ -89,6 +89,7 @@ class PreflightConfig:
     pack_output: str | None = None  # set: run the Beam job per dataset into this folder and read its manifests
     mixture: Any = None  # --mixture: prepack.packing.mixture.Mixture; its sources' inputs are the datasets
     train_reasoning: bool = True  # as `prepack pack --train-reasoning`
+    expand_turns: bool = False  # as `prepack pack --expand-turns`
 
 
 # ----------------------------------------------------------------------------- tokenized examples
@@ -398,7 +399,7 @@ def load_examples(spec: DatasetSpec, tokenizer: Any, chat_format: Any, config: P
     prepare, _, _ = _pipelines()
     metas, tasks = read_tasks(spec.path)
     template = make_template(spec.format, {**config.template_options, **dict(spec.options)})
-    preparer = prepare.Preparer(metas, template, tokenizer, chat_format)
+    preparer = prepare.Preparer(metas, template, tokenizer, chat_format, expand_turns=config.expand_turns)
     tally = Tally()
     progress = _Progress(spec.name)
     # Reading runs ahead of tokenizing when sampling, or for a table-level format (oasst1): report it too.
@@ -559,6 +560,8 @@ def run_with_pipeline(config: PreflightConfig, pack_args: Sequence[str]) -> dict
             argv += ["--max-segments-per-row", str(config.max_segments_per_row)]
         if not config.train_reasoning:
             argv += ["--train-reasoning", "no"]
+        if config.expand_turns:
+            argv += ["--expand-turns"]
         for key, value in sorted(config.template_options.items()):
             argv += [_PACK_TEMPLATE_FLAGS[key], value]
         started = time.perf_counter()
@@ -641,6 +644,7 @@ def _parser() -> argparse.ArgumentParser:
                    "one for all, or one per --input in order")
     p.add_argument("--tokenizer", default="gemma3", help="tokenizer spec: gemma3 (embedded, default), qwen3 (embedded), sp:FILE.model, hf:NAME")
     p.add_argument("--chat-format", default="auto", help="gemma, chatml, qwen3, hf or auto (default)")
+    p.add_argument("--expand-turns", action="store_true", help="as `prepack pack --expand-turns`: one example per target reply")
     p.add_argument("--train-reasoning", choices=("yes", "no"), default="yes",
                    help="as `prepack pack --train-reasoning`: whether a reasoning trace's think block is a target (qwen3)")
     p.add_argument("--max-length", action="extend", nargs="+", type=int, metavar="L",
@@ -741,6 +745,7 @@ def config_from_args(args: argparse.Namespace) -> PreflightConfig:
         tokenizer=args.tokenizer,
         chat_format=args.chat_format,
         train_reasoning=args.train_reasoning == "yes",
+        expand_turns=args.expand_turns,
         max_lengths=tuple(sorted(set(max_lengths))),
         batch_sizes=tuple(sorted(set(batch_sizes))),
         overlong=OverlongPolicy(args.overlong),
@@ -779,7 +784,7 @@ def main(argv: list[str] | None = None) -> int:
             from prepack.overwrite import refusal
 
             exists = refusal([os.path.join(config.output, name) for name in ("preflight.csv", "preflight.json")],
-                             "an earlier preflight")
+                             "replace an earlier preflight")
             if exists:
                 raise PreflightError(exists)
         if config.plots:

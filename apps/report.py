@@ -734,7 +734,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.overwrite:
             from prepack.overwrite import refusal
 
-            exists = refusal([args.output], "an existing report")
+            exists = refusal([args.output], "replace an existing report")
             if exists:
                 raise ReportError(exists)
         config = ReportConfig(output=args.output, shards=tuple(args.shards), metrics=tuple(args.metrics),

@@ -20,11 +20,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from pipelines.stages.input_limits import (DEFAULT_MAX_COMPRESSION_RATIO, DEFAULT_MAX_DECOMPRESSED_BYTES, DEFAULT_MAX_RECORD_BYTES,
-                                           DEFAULT_MAX_WHOLE_FILE_BYTES,
-                                           RATIO_CHECKED_AFTER, InputLimits)
+from pipelines.limits import (DEFAULT_MAX_COMPRESSION_RATIO, DEFAULT_MAX_DECOMPRESSED_BYTES, DEFAULT_MAX_RECORD_BYTES,
+                              DEFAULT_MAX_WHOLE_FILE_BYTES, MAX_SUB_BUCKETS, RATIO_CHECKED_AFTER, InputLimits)
 from pipelines.output.lock import MIN_EXPIRY_S
-from pipelines.stages.planning import MAX_SUB_BUCKETS
 from prepack.packing.bad_records import DEFAULT_MAX_BAD_FRACTION
 from prepack.packing.mixture import Mixture, MixtureError, load_mixture
 from prepack.packing.packer import OverlongPolicy, Planner
@@ -93,13 +91,14 @@ class PackConfig:
     # --from-tokens: the token choices (prepack.format.tokenset.TOKEN_CHOICES) the user gave, to be
     # checked against the tokenized set's; the fields above then come from the set.
     requested: tuple[tuple[str, Any], ...] = ()
-    limits: InputLimits = InputLimits()  # what one input may make a worker hold (pipelines/stages/input_limits.py)
+    limits: InputLimits = InputLimits()  # what one input may make a worker hold (pipelines/limits.py)
     # --mixture: the parsed mixture file; `inputs` are then its sources' inputs in file order
     # and `format` is "mixture" (each source has its own, prepack/packing/mixture.py).
     mixture: Mixture | None = None
     allow_short_mix: bool = False  # publish a mixture whose realized shares miss the requested ones
     allow_untrained_eot: bool = False  # publish although some target turns do not train their end-of-turn token
     train_reasoning: bool = True  # --train-reasoning: a reasoning trace's think block is a target (qwen3)
+    expand_turns: bool = False  # --expand-turns: one example per target assistant turn
 
     @property
     def template_kwargs(self) -> dict[str, str]:
@@ -127,6 +126,7 @@ class PackConfig:
             "max_record_bytes": self.limits.max_record_bytes,  # a longer line is dropped: it shapes the rows
             # Only when off, so manifests of runs without reasoning traces stay as they were.
             **({} if self.train_reasoning else {"train_reasoning": "no"}),
+            **({"expand_turns": True} if self.expand_turns else {}),
         }
 
 
@@ -143,7 +143,15 @@ def build_parser() -> argparse.ArgumentParser:
             "(e.g. --runner=DataflowRunner --project=... --region=... --temp_location=gs://...)."
         ),
     )
-    src = p.add_argument_group("inputs")
+    _add_input_options(p.add_argument_group("inputs"))
+    _add_tokenizing_options(p.add_argument_group("tokenizing"))
+    _add_packing_options(p.add_argument_group("packing"))
+    _add_limit_options(p.add_argument_group("limits", "what one input may make a worker hold (pipelines/README.md, \"Limits\")"))
+    _add_output_options(p.add_argument_group("output"))
+    return p
+
+
+def _add_input_options(src: argparse._ArgumentGroup) -> None:
     src.add_argument(
         "--input", action="append", default=[], metavar="SPEC",
         help="repeatable. A JSONL/JSON/Parquet/Arrow file or glob (local or gs://), a save_to_disk folder "
@@ -163,19 +171,26 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--from-tokens", metavar="DIR",
                      help="pack from a tokenized set (OUTPUT/tokens of an earlier run) instead of --input: "
                      "no reading of the inputs, no tokenizer; same shard sets as a full run")
-    tok = p.add_argument_group("tokenizing")
+
+
+def _add_tokenizing_options(tok: argparse._ArgumentGroup) -> None:
     tok.add_argument("--tokenizer", help="gemma3 (embedded, default), qwen3 (embedded), sp:FILE.model, hf:NAME_OR_PATH")
     tok.add_argument("--chat-format", help="gemma, chatml, qwen3, hf (the tokenizer's template) or auto (default)")
     tok.add_argument("--train-reasoning", choices=("yes", "no"),
                      help="qwen3: whether the think block of a reply's reasoning_content (<think>, the trace, </think>) is "
                      "a target (default yes); the block is shown on the replies after the last user turn only, as Qwen3's "
                      "template does")
+    tok.add_argument("--expand-turns", action="store_true",
+                     help="a conversation with k target assistant turns becomes k examples: example i is the conversation "
+                     "up to and including reply i, as the chat format renders it there, training reply i alone (ids <id>#<i>)")
     tok.add_argument("--allow-untrained-eot", action="store_true",
                      help="publish even when some target assistant turns do not train their end-of-turn token (counted "
                      "as stats.turns_without_trained_eot; by default such a run fails: the model would not learn to stop)")
     tok.add_argument("--no-tokens", action="store_true",
                      help="do not publish the tokenized set OUTPUT/tokens (by default it is, for --from-tokens later)")
-    pk = p.add_argument_group("packing")
+
+
+def _add_packing_options(pk: argparse._ArgumentGroup) -> None:
     pk.add_argument(
         "--max-length", action="extend", nargs="+", default=[], metavar="L",
         help="repeatable, several per flag: e.g. --max-length 512 1024 2048 tokenizes once and writes OUTPUT/L512, ... "
@@ -191,7 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     pk.add_argument("--max-segments-per-row", type=int, metavar="N",
                     help="at most N examples (segments) in a row, for attention kernels that cap them (default: no cap)")
     pk.add_argument("--sub-buckets", type=int, help="advanced: hash sub-buckets per length when assigning rows (default: from input size)")
-    lim = p.add_argument_group("limits", "what one input may make a worker hold (pipelines/README.md, \"Limits\")")
+
+
+def _add_limit_options(lim: argparse._ArgumentGroup) -> None:
     lim.add_argument("--max-record-bytes", type=int, default=DEFAULT_MAX_RECORD_BYTES, metavar="N",
                      help=f"a JSONL line longer than this is skipped unread and dead-lettered as too_large "
                      f"(default {DEFAULT_MAX_RECORD_BYTES:,} = 32 MiB)")
@@ -204,7 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     lim.add_argument("--max-compression-ratio", type=float, default=DEFAULT_MAX_COMPRESSION_RATIO, metavar="X",
                      help=f"fail the job when a compressed file expands more than X times, a decompression bomb "
                      f"(default {DEFAULT_MAX_COMPRESSION_RATIO:g}; checked past {RATIO_CHECKED_AFTER >> 20} MiB of output)")
-    out = p.add_argument_group("output")
+
+
+def _add_output_options(out: argparse._ArgumentGroup) -> None:
     out.add_argument("--output", help="output folder, local or gs://; each max length gets OUTPUT/L<L>/")
     shards = out.add_mutually_exclusive_group()
     shards.add_argument("--num-shards", type=int, help="shards per max length (default: from --target-shard-mb)")
@@ -228,7 +247,6 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--no-progress", action="store_true", help="no records/s lines from the workers")
     out.add_argument("--verbose", action="store_true",
                      help="Beam's and the workers' full logs (by default warnings only, and after Ctrl-C only the last line)")
-    return p
 
 
 def parse_args(argv: Sequence[str]) -> tuple[PackConfig, list[str]]:
@@ -237,49 +255,77 @@ def parse_args(argv: Sequence[str]) -> tuple[PackConfig, list[str]]:
     ns, beam_args = parser.parse_known_args(list(argv))
     check_runner(beam_args, allow_untested=ns.allow_untested_runner)
     check_beam_args(beam_args, own_options=_long_options(parser))
+    _take_old_batch_size(ns)
+    inputs, fmt, mixture = _inputs(ns)
+    if not ns.output:
+        raise OptionsError("--output is required (a local folder or gs://bucket/prefix)")
+    max_lengths = _lengths(ns.max_length)
+    _check_limits(ns)
+    _check_row_shape(ns, max_lengths)
+    _check_run_behaviour(ns)
+    template_options = _template_options(ns)
+    if ns.tokenizer:
+        _check_tokenizer(ns.tokenizer)
+    config = _config(ns, inputs, fmt, mixture, max_lengths, template_options)
+    beam_args = with_default_runner(beam_args)
+    _refuse_multi_threading(beam_args)
+    return config, beam_args
+
+
+def _take_old_batch_size(ns: argparse.Namespace) -> None:
     if ns.old_batch_size is not None:
         print("prepack pack: warning: --batch-size is now --tokenize-batch-size (the old name will be removed)",
               file=sys.stderr)
         if ns.batch_size == DEFAULT_TOKENIZE_BATCH_SIZE:
             ns.batch_size = ns.old_batch_size
-    mixture = None
-    if ns.mixture:
-        for flag, given in (("--input", ns.input), ("--format", ns.format), ("--sample", ns.sample),
-                            ("--source-lang", ns.source_lang), ("--target-lang", ns.target_lang),
-                            ("--prompt-format", ns.prompt_format)):
-            if given:
-                raise OptionsError(f"--mixture names each source's inputs and format; do not combine it with {flag}")
-        try:
-            mixture = load_mixture(ns.mixture)
-        except MixtureError as e:
-            raise OptionsError(str(e)) from None
+
+
+def _mixture(ns: argparse.Namespace) -> Mixture | None:
+    """The --mixture file, parsed; refused beside the flags it replaces."""
+    if not ns.mixture:
+        return None
+    for flag, given in (("--input", ns.input), ("--format", ns.format), ("--sample", ns.sample),
+                        ("--source-lang", ns.source_lang), ("--target-lang", ns.target_lang),
+                        ("--prompt-format", ns.prompt_format)):
+        if given:
+            raise OptionsError(f"--mixture names each source's inputs and format; do not combine it with {flag}")
+    try:
+        return load_mixture(ns.mixture)
+    except MixtureError as e:
+        raise OptionsError(str(e)) from None
+
+
+def _inputs(ns: argparse.Namespace) -> tuple[tuple[str, ...], str, Mixture | None]:
+    """(inputs, format, mixture) from --input/--format, --sample, --mixture or --from-tokens."""
+    mixture = _mixture(ns)
     if ns.from_tokens:
         if ns.sample:
             raise OptionsError("--from-tokens packs a tokenized set; do not combine it with --sample")
-        inputs, fmt = tuple(ns.input), ns.format or ""
-    elif mixture is not None:
-        inputs, fmt = mixture.inputs(), "mixture"
-    elif ns.sample:
+        return tuple(ns.input), ns.format or "", mixture
+    if mixture is not None:
+        return mixture.inputs(), "mixture", mixture
+    if ns.sample:
         if ns.input:
             raise OptionsError("--sample packs the embedded sample dataset; do not combine it with --input")
-        inputs = (sample_path(),)
-        fmt = ns.format or SAMPLE_FORMAT
-    else:
-        if not ns.input:
-            raise OptionsError("no input: pass --input SPEC (repeatable) or --sample")
-        inputs = tuple(ns.input)
-        if not ns.format:
-            raise OptionsError("--format is required: alpaca, translation, oasst1, chat or prompt_response")
-        fmt = ns.format
-    if not ns.output:
-        raise OptionsError("--output is required (a local folder or gs://bucket/prefix)")
-    max_lengths = _lengths(ns.max_length)
+        return (sample_path(),), ns.format or SAMPLE_FORMAT, None
+    if not ns.input:
+        raise OptionsError("no input: pass --input SPEC (repeatable) or --sample")
+    if not ns.format:
+        raise OptionsError("--format is required: alpaca, translation, oasst1, chat or prompt_response")
+    return tuple(ns.input), ns.format, None
+
+
+def _check_limits(ns: argparse.Namespace) -> None:
     for flag, value in (("--max-record-bytes", ns.max_record_bytes), ("--max-decompressed-bytes", ns.max_decompressed_bytes),
                         ("--max-whole-file-bytes", ns.max_whole_file_bytes)):
         if value < 1:
             raise OptionsError(f"{flag} must be at least 1, got {value}")
     if not ns.max_compression_ratio >= 1:  # also refuses nan
         raise OptionsError(f"--max-compression-ratio must be at least 1, got {ns.max_compression_ratio}")
+
+
+def _check_row_shape(ns: argparse.Namespace, max_lengths: tuple[int, ...]) -> None:
+    """The options that shape the rows and shards."""
     if len(max_lengths) > MAX_LENGTHS_PER_JOB:
         raise OptionsError(f"--max-length: at most {MAX_LENGTHS_PER_JOB} lengths in one job, got {len(max_lengths)}; "
                            "run the job again for the others")
@@ -293,29 +339,44 @@ def parse_args(argv: Sequence[str]) -> tuple[PackConfig, list[str]]:
         raise OptionsError(f"--sub-buckets must be between 1 and {MAX_SUB_BUCKETS}, got {ns.sub_buckets}")
     if ns.max_segments_per_row is not None and ns.max_segments_per_row < 1:
         raise OptionsError(f"--max-segments-per-row must be at least 1, got {ns.max_segments_per_row}")
+
+
+def _check_run_behaviour(ns: argparse.Namespace) -> None:
+    """The options that say how this run behaves, not what it writes."""
     if not MIN_EXPIRY_S <= ns.lock_expiry_s <= 86400.0:
         raise OptionsError(f"--lock-expiry-s must be between {MIN_EXPIRY_S:g} and 86400 seconds, got {ns.lock_expiry_s:g}")
     if ns.batch_size < 1:
         raise OptionsError(f"--tokenize-batch-size must be at least 1, got {ns.batch_size}")
-    template_options = {}
-    for flag, key in (("source_lang", "source_lang"), ("target_lang", "target_lang"), ("prompt_format", "prompt_format")):
-        value = getattr(ns, flag)
-        if value is not None:
-            template_options[key] = value
-    if ns.tokenizer:
-        from prepack.text.tokenizer import TokenizerError, TokenizerSpec
 
-        try:  # a name that is no embedded tokenizer, file or folder is refused now, not after Hub retries
-            TokenizerSpec.parse(ns.tokenizer)
-        except TokenizerError as e:
-            raise OptionsError(f"--tokenizer: {e}") from None
-    requested: dict[str, Any] = {}
-    if ns.from_tokens:
-        given = {"inputs": inputs, "format": ns.format, "chat_format": ns.chat_format, "tokenizer": ns.tokenizer,
-                 "train_reasoning": ns.train_reasoning,
-                 "template_options": tuple(sorted(template_options.items())) if template_options else None}
-        requested = {k: v for k, v in given.items() if v}
-    config = PackConfig(
+
+def _template_options(ns: argparse.Namespace) -> dict[str, str]:
+    names = ("source_lang", "target_lang", "prompt_format")
+    return {name: getattr(ns, name) for name in names if getattr(ns, name) is not None}
+
+
+def _check_tokenizer(name: str) -> None:
+    """A name that is no embedded tokenizer, file or folder is refused now, not after Hub retries."""
+    from prepack.text.tokenizer import TokenizerError, TokenizerSpec
+
+    try:
+        TokenizerSpec.parse(name)
+    except TokenizerError as e:
+        raise OptionsError(f"--tokenizer: {e}") from None
+
+
+def _requested(ns: argparse.Namespace, inputs: tuple[str, ...], template_options: dict[str, str]) -> dict[str, Any]:
+    """--from-tokens: the token choices given on the command line, to check against the set's."""
+    if not ns.from_tokens:
+        return {}
+    given = {"inputs": inputs, "format": ns.format, "chat_format": ns.chat_format, "tokenizer": ns.tokenizer,
+             "train_reasoning": ns.train_reasoning, "expand_turns": ns.expand_turns,
+             "template_options": tuple(sorted(template_options.items())) if template_options else None}
+    return {k: v for k, v in given.items() if v}
+
+
+def _config(ns: argparse.Namespace, inputs: tuple[str, ...], fmt: str, mixture: Mixture | None,
+            max_lengths: tuple[int, ...], template_options: dict[str, str]) -> PackConfig:
+    return PackConfig(
         inputs=inputs,
         format=fmt,
         output=ns.output.rstrip("/") if ns.output not in ("/",) else ns.output,
@@ -340,14 +401,17 @@ def parse_args(argv: Sequence[str]) -> tuple[PackConfig, list[str]]:
         verbose=ns.verbose,
         write_tokens=not ns.no_tokens and not ns.from_tokens,
         from_tokens=ns.from_tokens.rstrip("/") if ns.from_tokens else None,
-        requested=tuple(sorted(requested.items())),
+        requested=tuple(sorted(_requested(ns, inputs, template_options).items())),
         limits=InputLimits(ns.max_record_bytes, ns.max_decompressed_bytes, ns.max_compression_ratio, ns.max_whole_file_bytes),
         mixture=mixture,
         allow_short_mix=ns.allow_short_mix,
         allow_untrained_eot=ns.allow_untrained_eot,
         train_reasoning=(ns.train_reasoning or "yes") == "yes",
+        expand_turns=ns.expand_turns,
     )
-    beam_args = with_default_runner(beam_args)
+
+
+def _refuse_multi_threading(beam_args: Sequence[str]) -> None:
     if flag_value(beam_args, "--direct_running_mode") == "multi_threading":
         raise OptionsError(
             "--direct_running_mode=multi_threading is not supported: Beam's embedded SDK worker loses elements under "
@@ -355,7 +419,6 @@ def parse_args(argv: Sequence[str]) -> tuple[PackConfig, list[str]]:
             "while the bundle thread writes without _flush_lock; an upstream bug, see pipelines/README.md). "
             "Use multi_processing (the default) or in_memory"
         )
-    return config, beam_args
 
 
 def _long_options(parser: argparse.ArgumentParser) -> list[str]:

@@ -289,3 +289,26 @@ def test_killed_run_leaves_the_old_tokenized_set_and_its_staging_is_cleaned_next
     assert result.notes[0].startswith("removed ")
     manifest = read_tokens_manifest(out / "tokens")
     assert sorted(os.listdir(out / "tokens")) == sorted(["manifest.json", manifest.dropped] + [s.path for s in manifest.shards])
+
+
+def test_pack_applies_the_overwrite_rule_once(tmp_path, monkeypatch, capsys):
+    # `prepack pack` refuses existing sets before Beam is imported, and the job does not ask again.
+    from pipelines.launch.cli import main
+    from prepack import overwrite
+
+    calls = []
+    real = overwrite.refuse_existing_sets
+
+    def counted(*args):
+        calls.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(overwrite, "refuse_existing_sets", counted)
+    out = tmp_path / "once"
+    argv = ["--sample", "--output", str(out), "--max-length", "512", "--no-progress", *IN_PROCESS]
+    assert main(argv) == 0
+    assert calls == [(str(out), (512,), True)]
+    capsys.readouterr()
+    assert main(argv) == 1 and len(calls) == 2
+    assert capsys.readouterr().err == (f"prepack pack: {out / 'L512' / 'manifest.json'} already exists: refusing to write "
+                                       "into an existing shard set. Pass --overwrite to replace it, or choose another --output\n")

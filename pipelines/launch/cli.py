@@ -51,9 +51,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"prepack pack: {e}", file=sys.stderr)
         return 2
     # An existing set without --overwrite is refused first, before Beam is even imported.
-    from pipelines.output import refuse_existing
+    from prepack.overwrite import refuse_existing_sets
 
-    refusal = None if config.overwrite else refuse_existing(config.output, config.max_lengths, config.write_tokens)
+    refusal = None if config.overwrite else refuse_existing_sets(config.output, config.max_lengths, config.write_tokens)
     if refusal:
         print(f"prepack pack: {refusal}", file=sys.stderr)
         return 1
@@ -67,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with _signal_handlers_restored():
             interrupts.install()
             with contextlib.nullcontext() if config.verbose else QuietAfterSignal():
-                result = run(config, beam_args)
+                result = run(config, beam_args, existing_refused=True)
     except JobError as e:
         print(f"prepack pack: {e}", file=sys.stderr)
         interrupts.exit_if_signalled(1)  # stopped by a signal (a lost lock): Beam's threads would hold the exit

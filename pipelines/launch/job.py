@@ -109,13 +109,15 @@ def _tool_info() -> dict[str, Any]:
 
 
 def prepare(
-    config: PackConfig, run_id: str | None = None, resolved: tuple[list[ResolvedInput], list[ReadTask]] | None = None
+    config: PackConfig, run_id: str | None = None, resolved: tuple[list[ResolvedInput], list[ReadTask]] | None = None,
+    existing_refused: bool = False,
 ) -> PreparedJob:
     """Every check that can run before the pipeline: raises JobError with one clear line.
 
     `resolved`: the inputs and read tasks, given by a caller that must touch neither input
     nor output (the offline Dataflow graph check, gcp/dataflow_validate.py); then the
-    existing-set, input and output-probe checks are skipped."""
+    existing-set, input and output-probe checks are skipped. `existing_refused`: the caller
+    has already applied the overwrite rule (prepack/overwrite.py), so it is not applied again."""
     from prepack.text.chat_formats import ChatFormatError, get_chat_format
     from prepack.text.templates import get_template
     from prepack.text.tokenizer import TokenizerError, load_tokenizer
@@ -126,8 +128,8 @@ def prepare(
     except failpoints.FailpointError as e:
         raise publish.JobError(str(e)) from e
     if config.from_tokens:
-        return _prepare_from_tokens(config, run_id)
-    if resolved is None:
+        return _prepare_from_tokens(config, run_id, existing_refused)
+    if resolved is None and not existing_refused:
         publish.refuse_existing(config)
     try:  # a mixture's formats were checked when its file was read
         template = get_template(config.format, **config.template_kwargs) if config.mixture is None else None
@@ -190,14 +192,15 @@ def _check_mixture_inputs(config: PackConfig) -> None:
             raise publish.JobError(f"mixture source {source.name!r}: {e}") from e
 
 
-def _prepare_from_tokens(config: PackConfig, run_id: str) -> PreparedJob:
+def _prepare_from_tokens(config: PackConfig, run_id: str, existing_refused: bool) -> PreparedJob:
     """--from-tokens: the token choices, tasks and tokenizer identity come from the set."""
     try:
         tokens = tokens_source.open_token_set(config.from_tokens)
         config = tokens_source.reconcile(config, tokens, config.from_tokens)
     except TokenSetError as e:
         raise publish.JobError(str(e)) from e
-    publish.refuse_existing(config)
+    if not existing_refused:
+        publish.refuse_existing(config)
     sub_buckets = config.sub_buckets or choose_sub_buckets(tokens.job["est_records"] * _copies_at_most(config), config.pack)
     ctx = JobContext(config=config, tasks=tokens_source.tasks_of(tokens), sub_buckets=sub_buckets, run_id=run_id,
                      pad_id=int(tokens.tokenizer["pad_id"]),
@@ -319,10 +322,12 @@ def _shard_notes(config: PackConfig, summary: RunSummary) -> list[str]:
     return notes
 
 
-def run(config: PackConfig, beam_args: list[str], run_id: str | None = None) -> JobResult:
-    """Prepare, run, verify, commit; raises JobError (the previous sets intact) on failure."""
+def run(config: PackConfig, beam_args: list[str], run_id: str | None = None, existing_refused: bool = False) -> JobResult:
+    """Prepare, run, verify, commit; raises JobError (the previous sets intact) on failure.
+    `existing_refused`: the caller has already applied the overwrite rule (prepack/overwrite.py)
+    to this config, as `prepack pack` does before Beam is imported; it is not applied again."""
     started = time.monotonic()
-    job = prepare(config, run_id)
+    job = prepare(config, run_id, existing_refused=existing_refused)
     config = job.config  # --from-tokens: with the token choices of the set
     held = _acquire_lock(config, job.run_id)
     held.on_lost = interrupts.stop_main  # a lease found lost mid-pipeline stops the run at once
@@ -566,6 +571,8 @@ def _tokens_manifest(job: PreparedJob, summary: RunSummary) -> TokenSetManifest:
                "chat_format": config.chat_format, "tokenizer": config.tokenizer, "tfds_data_dir": config.tfds_data_dir}
     if not config.train_reasoning:  # recorded only when off, so sets made before the option read as "yes"
         choices["train_reasoning"] = "no"
+    if config.expand_turns:
+        choices["expand_turns"] = True
     if config.mixture is not None:  # the sources each example's id names (by its input index)
         choices["mixture"] = config.mixture.describe()
     index = tokens_sink.read_index(config.output, job.run_id)

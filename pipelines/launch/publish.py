@@ -25,9 +25,9 @@ class JobError(RuntimeError):
 
 def refuse_existing(config: PackConfig) -> None:
     """Fails when a set this run would write already exists and --overwrite was not given."""
-    from pipelines.output import refuse_existing as refusal
+    from prepack.overwrite import refuse_existing_sets
 
-    message = None if config.overwrite else refusal(config.output, config.max_lengths, config.write_tokens)
+    message = None if config.overwrite else refuse_existing_sets(config.output, config.max_lengths, config.write_tokens)
     if message:
         raise JobError(message)
 

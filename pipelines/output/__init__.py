@@ -6,7 +6,7 @@ Stages write only under their staging folders (prepack.format.layout names them)
 import from here; the launcher (pipelines/launch/job.py) takes the lock, looks, and commits.
 """
 
-from pipelines.output.commit import Commit, Seen, StagedSet, length_place, look, refuse_existing, tokens_place
+from pipelines.output.commit import Commit, Seen, StagedSet, length_place, look, tokens_place
 from pipelines.output.lock import LockHeld, LockLost, OutputLock, read_lock
 from pipelines.output.staging import (Leftovers, cleanup_run, find_leftovers, keep_failed_dead_letters, probe,
                                       remove_leftovers)
@@ -14,6 +14,6 @@ from prepack.storage import SwitchRefused, storage_for
 
 __all__ = [
     "Commit", "Leftovers", "LockHeld", "LockLost", "OutputLock", "Seen", "StagedSet", "SwitchRefused", "cleanup_run",
-    "find_leftovers", "keep_failed_dead_letters", "length_place", "probe", "look", "read_lock", "refuse_existing", "remove_leftovers", "storage_for",
+    "find_leftovers", "keep_failed_dead_letters", "length_place", "probe", "look", "read_lock", "remove_leftovers", "storage_for",
     "tokens_place",
 ]

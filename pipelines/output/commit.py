@@ -220,16 +220,3 @@ class Commit:
         for name in sorted(old - keep):
             if s.place.is_set_file(name) and name in seen.files:
                 self.store.delete_if(layout.join(s.place.folder, name), seen.files[name])
-
-
-def refuse_existing(output: str, max_lengths: tuple[int, ...], tokens: bool) -> str | None:
-    """The one line refusing to write over existing sets without --overwrite, or None."""
-    store = storage_for(output)
-    existing = [layout.manifest_path(output, L) for L in max_lengths if store.exists(layout.manifest_path(output, L))]
-    if existing:
-        return (f"{', '.join(existing)} already exist{'s' if len(existing) == 1 else ''}: refusing to write into an "
-                "existing shard set. Pass --overwrite to replace it, or choose another --output")
-    if tokens and store.exists(layout.tokens_manifest_path(output)):
-        return (f"{layout.tokens_manifest_path(output)} already exists: refusing to write over an existing tokenized "
-                "set. Pass --overwrite to replace it, --no-tokens to leave it, or choose another --output")
-    return None

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
 from pipelines.failures import InputFileError
-from pipelines.stages.input_limits import InputLimits
+from pipelines.limits import InputLimits
 
 READ_BLOCK = 4 << 20
 

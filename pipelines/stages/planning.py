@@ -31,6 +31,7 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 
+from pipelines.limits import MAX_SUB_BUCKETS
 from prepack.packing.packer import ClassRuns, HistogramPlan, Planner
 
 # Compressed bytes per token of a row under zstd:3, measured in docs/row_format.md
@@ -39,7 +40,6 @@ EST_COMPRESSED_BYTES_PER_TOKEN = 2.5
 # Examples per (length, sub-bucket) group that one worker sorts in memory.
 PACKED_EXAMPLES_PER_SUB_BUCKET = 2_000_000
 UNPACKED_EXAMPLES_PER_SUB_BUCKET = 100_000
-MAX_SUB_BUCKETS = 4096
 # Row slots (max length x rows) per write window: the unit one writer holds in memory. A shard's
 # rows are written by window, each window to a part file, and the parts are streamed into the
 # shard in row order, so a writer's memory does not grow with the shard or the input

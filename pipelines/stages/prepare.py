@@ -97,12 +97,14 @@ class Preparer:
     """
 
     def __init__(self, tasks: Sequence[TaskMeta], template: Any, tokenizer: Any, chat_format: Any,
-                 on_batch: Callable[[TokenizedBatch], None] | None = None):
+                 on_batch: Callable[[TokenizedBatch], None] | None = None, expand_turns: bool = False):
         self.tasks = tasks
         self.template = template
         self.tokenizer = tokenizer
         self.format = chat_format
         self.on_batch = on_batch
+        # --expand-turns: one example per target reply, ids <id>#<i> (prepack.text.templates.expand_turns)
+        self.expand_turns = expand_turns
         # Single-turn templates under a format with a fixed layout skip the Conversation
         # objects: (prompt, response) texts go straight to tokenize_pairs_flat.
         self.pairs = hasattr(template, "to_pair") and chat_format.pair_layout() is not None
@@ -112,14 +114,15 @@ class Preparer:
 
     @classmethod
     def from_names(cls, tasks: Sequence[TaskMeta], template: str, template_options: Iterable[tuple[str, str]],
-                   tokenizer: str, chat_format: str, train_reasoning: bool = True, **kwargs: Any) -> "Preparer":
+                   tokenizer: str, chat_format: str, train_reasoning: bool = True, expand_turns: bool = False,
+                   **kwargs: Any) -> "Preparer":
         from prepack.text.chat_formats import get_chat_format
         from prepack.text.templates import get_template
         from prepack.text.tokenizer import load_tokenizer
 
         loaded = load_tokenizer(tokenizer)
         return cls(tasks, get_template(template, **dict(template_options)), loaded,
-                   get_chat_format(chat_format, loaded, train_reasoning), **kwargs)
+                   get_chat_format(chat_format, loaded, train_reasoning), expand_turns=expand_turns, **kwargs)
 
     # ------------------------------------------------------------------ per-record formats
 
@@ -160,9 +163,12 @@ class Preparer:
             if pairs:
                 out.convs.append(conversations[0])
                 out.responses.append(conversations[1])
-                out.metas.append((loc, example_id(meta, record_index)))
+                out.metas.append((loc, example_id(meta, record_index) + ("#0" if self.expand_turns else "")))
                 continue
             for sub, conv in enumerate(conversations):
+                if self.expand_turns:
+                    self._add_expanded(out, conv, (task_index, record_index, line, sub), example_id(meta, record_index, sub))
+                    continue
                 out.convs.append(conv)
                 out.metas.append(((task_index, record_index, line, sub), example_id(meta, record_index, sub)))
         tally.records_read += len(items)
@@ -207,10 +213,21 @@ class Preparer:
         for conv, mid in result.examples:
             loc = locs_by_id[mid][0]
             meta = self.tasks[loc[0]]
+            if self.expand_turns:
+                self._add_expanded(out, conv, loc, f"{meta.input_index}/oasst1/{mid}")
+                continue
             out.convs.append(conv)
             out.metas.append((loc, f"{meta.input_index}/oasst1/{mid}"))
-        tally.examples += len(result.examples)
+        tally.examples += len(out)
         return out
+
+    @staticmethod
+    def _add_expanded(out: Templated, conv: Any, loc: Loc, eid: str) -> None:
+        from prepack.text.templates import expand_turns
+
+        for i, part in enumerate(expand_turns(conv)):
+            out.convs.append(part)
+            out.metas.append((loc, f"{eid}#{i}"))
 
     # ------------------------------------------------------------------ tokenizing
 
@@ -323,7 +340,7 @@ class _Counting:
         if mixture is None:
             self.preparer = Preparer.from_names(ctx.tasks, ctx.config.format, ctx.config.template_options,
                                                 ctx.config.tokenizer, ctx.config.chat_format, ctx.config.train_reasoning,
-                                                on_batch=self._count_batch)
+                                                ctx.config.expand_turns, on_batch=self._count_batch)
             self.preparers = {0: self.preparer}
         else:  # one tokenizer and chat format, each source with its own template
             from prepack.text.chat_formats import get_chat_format
@@ -333,7 +350,8 @@ class _Counting:
             loaded = load_tokenizer(ctx.config.tokenizer)
             chat_format = get_chat_format(ctx.config.chat_format, loaded, ctx.config.train_reasoning)
             self.preparers = {s.index: Preparer(ctx.tasks, get_template(s.format, **dict(s.options)), loaded, chat_format,
-                                                on_batch=self._count_batch) for s in mixture.sources}
+                                                on_batch=self._count_batch, expand_turns=ctx.config.expand_turns)
+                              for s in mixture.sources}
             self.preparer = self.preparers[1]
         self.m_examples = Metrics.counter(NAMESPACE, "examples_tokenized")
         self.m_tokens = Metrics.counter(NAMESPACE, "tokens_tokenized")

@@ -12,7 +12,7 @@ from apache_beam.pvalue import TaggedOutput
 from pipelines.stages import readers
 from pipelines.failures import InputFileError
 from pipelines.failpoints import InjectedFault
-from pipelines.stages.input_limits import InputLimits
+from pipelines.limits import InputLimits
 from pipelines.stages.sources import ReadTask
 from pipelines.stages.stage import NAMESPACE, TAG_FINGERPRINT, Progress, StageClock
 

@@ -29,7 +29,7 @@ from typing import Any
 from pipelines.stages import compressed, sources
 from pipelines import failpoints, files
 from pipelines.failures import InputFileError
-from pipelines.stages.input_limits import InputLimits
+from pipelines.limits import InputLimits
 from pipelines.stages.sources import ReadTask
 
 # orjson parses a record ~4x faster than json (~0.7 vs ~3 us on the sample records), and gives
@@ -87,7 +87,7 @@ def snippet(raw: Any) -> str:
 def _file_blocks(task: ReadTask, limits: InputLimits) -> Iterator[bytes]:
     """The file's (decompressed) bytes, in blocks of at most READ_BLOCK (compressed.OUT_BLOCK);
     a truncated or corrupt compressed file raises InputFileError naming it (pipelines/stages/compressed.py),
-    never a shorter file, as does a file over a limit (pipelines/stages/input_limits.py) or one that is
+    never a shorter file, as does a file over a limit (pipelines/limits.py) or one that is
     not the file planned (another size or mtime, or not a regular file any more)."""
     path = task.path
     failpoints.hit("input_read", "start")  # tests hold a worker here, mid-pipeline

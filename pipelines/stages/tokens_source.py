@@ -117,7 +117,7 @@ def reconcile(config: PackConfig, manifest: TokenSetManifest, folder: str) -> Pa
     return dataclasses.replace(
         config, inputs=tuple(c["inputs"]), format=c["format"], template_options=tuple(sorted(c["template_options"].items())),
         chat_format=c["chat_format"], tokenizer=c["tokenizer"], tfds_data_dir=c.get("tfds_data_dir"),
-        train_reasoning=c.get("train_reasoning", "yes") == "yes",
+        train_reasoning=c.get("train_reasoning", "yes") == "yes", expand_turns=c.get("expand_turns", False) is True,
         mixture=_remix(config, c.get("mixture"), folder),
     )
 

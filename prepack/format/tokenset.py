@@ -37,7 +37,11 @@ TOKENS_WRITER_OPTIONS = "group_size:256,zstd:3"
 _RECORD_VERSION = 1
 _HEAD = struct.Struct("<BIiqqiH")
 # What decides the tokens: a run that changes any of these must tokenize again.
-TOKEN_CHOICES = ("inputs", "format", "template_options", "chat_format", "tokenizer", "train_reasoning")
+TOKEN_CHOICES = ("inputs", "format", "template_options", "chat_format", "tokenizer", "train_reasoning", "expand_turns")
+
+
+# Choices recorded only when not the default, so sets made before them read as the default.
+_CHOICE_DEFAULTS = {"train_reasoning": "yes", "expand_turns": False}
 
 
 class TokenSetError(ValueError):
@@ -275,7 +279,7 @@ class TokenSetManifest:
         for key in TOKEN_CHOICES:
             if key not in requested:
                 continue
-            want, have = requested[key], self.choices.get(key, "yes" if key == "train_reasoning" else None)
+            want, have = requested[key], self.choices.get(key, _CHOICE_DEFAULTS.get(key))
             if key == "inputs":
                 want, have = list(want), list(have or [])
             if key == "template_options":
@@ -283,7 +287,7 @@ class TokenSetManifest:
             if want != have:
                 flag = {"inputs": "--input", "format": "--format", "template_options": "template options",
                         "chat_format": "--chat-format", "tokenizer": "--tokenizer",
-                        "train_reasoning": "--train-reasoning"}[key]
+                        "train_reasoning": "--train-reasoning", "expand_turns": "--expand-turns"}[key]
                 return f"{flag} {_show(want)} differs from the tokenized set's {_show(have)}"
         return None
 
@@ -333,6 +337,8 @@ def _checked_fields(data: dict[str, Any], source: str) -> dict[str, Any]:
         if v.get("train_reasoning", "yes") not in ("yes", "no"):
             raise E(f"{source}: {f}.train_reasoning must be 'yes' or 'no', got {str(v.get('train_reasoning'))[:40]!r}; "
                     f"the manifest was edited or is damaged")
+        if not isinstance(v.get("expand_turns", False), bool):
+            raise E(f"{source}: {f}.expand_turns must be true or false; the manifest was edited or is damaged")
         return v
 
     checks = {

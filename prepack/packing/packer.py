@@ -91,7 +91,8 @@ def split_pieces(length: int, max_length: int) -> list[tuple[int, int]]:
 
 def piece_id(example_id: str, start: int, end: int) -> str:
     """A piece's identity: its example and token range, the same at every max length that cuts
-    it there (one piece then serves all of them), distinct from every example id (no '#')."""
+    it there (one piece then serves all of them), distinct from every example id (none ends in
+    '#<start>:<end>'; --expand-turns ids end in '#<i>')."""
     return f"{example_id}#{start}:{end}"
 
 

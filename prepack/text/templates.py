@@ -42,6 +42,7 @@ __all__ = [
     "template_names",
     "oasst1_build",
     "oasst1_conversations",
+    "expand_turns",
 ]
 
 Role = Literal["system", "user", "assistant"]
@@ -463,6 +464,17 @@ class ChatTemplate:
         if last < 0:
             raise RecordError("no_assistant_turn", "messages", f"field 'messages': expected at least one assistant message, got roles {[t.role for t in turns]}")
         return [Conversation(tuple(turns[: last + 1]))]
+
+
+def expand_turns(conv: Conversation) -> list[Conversation]:
+    """--expand-turns: one conversation per target assistant turn i, holding the turns up to
+    and including it and training it alone. A chat format then renders each as it would at that
+    point of the dialogue (qwen3: the reasoning of reply i in its think block, earlier replies
+    without theirs), which is what the model sees at inference (fw-ai/cookbook #386)."""
+    loss = conv.loss_turns
+    if len(loss) == 1 and loss[0] == len(conv.turns) - 1:
+        return [conv]
+    return [Conversation(conv.turns[: i + 1], (i,)) for i in loss]  # type: ignore[union-attr]
 
 
 # --------------------------------------------------------------------------------------

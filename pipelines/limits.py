@@ -1,4 +1,4 @@
-"""How much one input may make a worker hold: the limits that keep a hostile or broken
+"""The bounds the job holds to. Most are how much one input may make a worker hold: the limits that keep a hostile or broken
 file from exhausting a worker's memory (`prepack pack --max-record-bytes`,
 `--max-decompressed-bytes`, `--max-compression-ratio`; pipelines/README.md, "Limits").
 
@@ -25,6 +25,9 @@ DEFAULT_MAX_COMPRESSION_RATIO = 1000.0  # gzip cannot pass ~1,032x; real JSONL c
 # (several times the bytes): 1 GiB keeps that within a worker's memory; JSONL streams instead.
 DEFAULT_MAX_WHOLE_FILE_BYTES = 1 << 30
 RATIO_CHECKED_AFTER = 16 << 20
+# Hash sub-buckets per max length (--sub-buckets): B <= MAX_SUB_BUCKETS < 2**32 keeps the
+# routing arithmetic of pipelines/stages/planning.py within 64 bits.
+MAX_SUB_BUCKETS = 4096
 
 
 @dataclasses.dataclass(frozen=True)
