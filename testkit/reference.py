@@ -8,7 +8,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
-from pipelines.stages.rows import encode_rows_flat
+from prepack.format.rowformat import encode_rows_flat
 from prepack.format import rowformat
 from prepack.format.rowformat import Segment
 

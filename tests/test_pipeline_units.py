@@ -18,7 +18,7 @@ from pipelines.options import OptionsError, parse_args, with_default_runner
 from pipelines.stages.columns import PayloadBatch, Ragged, TokenizedBatch
 from pipelines.stages.planning import build_plan, choose_num_shards, stable_hash, sub_buckets_of
 from pipelines.launch.report import density_table
-from pipelines.stages.rows import RowLayoutError
+from prepack.format.rowformat import RowLayoutError
 from pipelines.stages.sources import InputError, parse_hf_spec, parse_tfds_spec, resolve_inputs
 from prepack.format import rowformat
 from prepack.packing.packer import pack_best_fit_decreasing
@@ -177,7 +177,7 @@ def _segments(rng: random.Random, max_length: int) -> list[tuple[np.ndarray, np.
 
 @pytest.mark.parametrize("max_length", [1, 7, 64, 300])
 def test_encode_rows_matches_build_row(max_length, monkeypatch):
-    import pipelines.stages.rows as rows_module
+    import prepack.format.rowformat as rows_module
 
     monkeypatch.setattr(rows_module, "CHUNK_BYTES", rowformat.record_size(max_length) * 3)  # several chunks
     rng = random.Random(max_length)

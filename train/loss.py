@@ -27,8 +27,8 @@ from flax import nnx
 # The default's epsilon, kept so that the two losses agree on every batch.
 NORM_EPS = 1e-8
 # Mixture sets: per-source sums come back as fixed-size [MAX_SOURCES + 1] vectors (index =
-# source, 0 = none), so the step compiles once whatever the mixture (prepack/packing/mixture.py caps N).
-from prepack.packing.mixture import MAX_SOURCES  # noqa: E402
+# source, 0 = none), so the step compiles once whatever the mixture (the row format caps N).
+from prepack.format.rowformat import MAX_SOURCES  # noqa: E402
 
 
 def shifted_targets(input_tokens: jax.Array, input_mask: jax.Array) -> tuple[jax.Array, jax.Array]:

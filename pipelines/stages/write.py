@@ -34,7 +34,7 @@ from pipelines.stages.records import DeadLetter, TaskMeta, place_in_file, range_
 from pipelines.stages.stage import StageClock
 from pipelines.summary import LengthSummary, PlanSummary, RunSummary, ShardSummary
 from prepack.format.layout import run_staging_dir, staging_dir, summary_path
-from pipelines.stages.rows import encode_rows_flat
+from prepack.format.rowformat import encode_rows_flat
 from prepack.packing.accounting import Tally
 from prepack.format.manifest import DEAD_LETTER_NAME
 from prepack.format.shardfile import DEFAULT_WRITER_OPTIONS, shard_name, write_shard

@@ -37,6 +37,8 @@ from collections.abc import Iterable, Sequence
 from fractions import Fraction
 from typing import Any
 
+from prepack.format.rowformat import MAX_SOURCES
+
 WEIGHT_OF = ("target_tokens", "examples")
 TOP_KEYS = frozenset({"weight_of", "max_repeats", "sources"})
 SOURCE_KEYS = frozenset({"name", "input", "format", "weight"})
@@ -47,8 +49,6 @@ NAME_PATTERN = re.compile(r"[a-z0-9_-]+")
 TABLE_FORMATS = frozenset({"oasst1"})
 # Realized shares must be within this of the requested ones (fractions of 1).
 SHARE_TOLERANCE = 0.005
-# At most this many sources: the trainer's per-source loss sums are fixed-size vectors.
-MAX_SOURCES = 64
 # A source is used at most this many times (max_repeats): 10^6 of a 100-example source runs for minutes.
 MAX_REPEATS = 1000
 # Weights: a plain int or float, or a decimal string of this form, within these bounds.
