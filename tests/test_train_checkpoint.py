@@ -236,25 +236,27 @@ def test_resume_refuses_other_base_weights_and_foreign_folders(straight, tmp_pat
 # ----------------------------------------------------------------------------- LoRA export
 
 
-_FORWARD: list[Any] = []
+_FORWARD: dict[str, Any] = {}
 
 
-def _logits(model: Any, batch: dict[str, np.ndarray]) -> np.ndarray:
-    """Logits of a [B, L] batch with the trainer's inputs (block-causal mask, stored positions)."""
+def _logits(model: Any, batch: dict[str, np.ndarray], cfg: Any = None) -> np.ndarray:
+    """Logits of a [B, L] batch with the trainer's inputs (stored positions, and the mask or segment ids
+    the attention installed by `cfg`'s run reads: a freshly built model keeps Tunix's dense attention)."""
     from flax import nnx
 
-    from train import model_inputs
+    from train import memory_path, model_inputs
 
-    if not _FORWARD:
-        gen = model_inputs.make_gen_model_input_fn()
+    kind = "dense" if cfg is None else memory_path.attention_kind(cfg)
+    if kind not in _FORWARD:
+        gen = model_inputs.make_gen_model_input_fn(attention=kind)
 
-        @nnx.jit  # compiled once for both models (same structure), not an eager dispatch per op
+        @nnx.jit  # compiled once per attention kind, not an eager dispatch per op
         def forward(m: Any, fields: dict[str, Any]) -> Any:
             x = gen(fields)
             return m(x["input_tokens"], x["positions"], None, x["attention_mask"])[0]
 
-        _FORWARD.append(forward)
-    return np.asarray(_FORWARD[0](model, model_inputs.device_fields(batch)))
+        _FORWARD[kind] = forward
+    return np.asarray(_FORWARD[kind](model, model_inputs.device_fields(batch)))
 
 
 def _rewrite(src: str, dst: str, *, rank: int | None = None, **meta: str) -> str:
@@ -303,7 +305,7 @@ def test_save_lora_round_trip_and_refusals(straight, shard_sets, tmp_path) -> No
     assert fingerprint.base_fingerprint(other_seed) != meta["base_fingerprint"] == fingerprint.base_fingerprint(model)
 
     batch = next(iter(loaders.make_dataset(shard_sets["main"], 4, seed=3, shard_index=0, shard_count=1)))
-    trained = _logits(straight["setup"].built.model, batch)
+    trained = _logits(straight["setup"].built.model, batch, straight["cfg"])
     before = _logits(model, batch)
     assert float(np.max(np.abs(before - trained))) > 1e-2  # the adapters change the outputs
     assert lora_file.load_lora(model, path, expected={"model": MODEL, "lora_alpha": 2.0 * RANK})["step"] == str(STEPS)

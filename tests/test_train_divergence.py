@@ -82,7 +82,7 @@ def _read(path: str) -> list[dict]:
 def _args(shards: str, tmp_path, steps: int, *extra: str) -> list[str]:
     return ["--shards", shards, "--model", "tiny", "--lora-rank", "4", "--batch-size", str(BATCH), "--steps", str(steps),
             "--learning-rate", "1e-2", "--metrics-out", str(tmp_path / "m.jsonl"), "--save-lora", str(tmp_path / "lora.safetensors"),
-            "--read-threads", "1", *extra]
+            "--read-threads", "1", "--loss-chunk-tokens", "0", *extra]  # the poison wraps the full-logits loss
 
 
 @pytest.mark.slow  # trains or loads a real model: see pytest.ini

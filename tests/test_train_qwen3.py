@@ -12,6 +12,7 @@ import pytest
 from testkit.pipeline import alpaca_records, write_jsonl
 from test_pipeline import pack
 from train import cli
+from train.vocab import FAMILY_VOCAB_HASH
 
 from testkit.shard_sets import TEST_TOKENIZER, build_shard_set
 
@@ -58,17 +59,19 @@ def test_gemma_models_refuse_qwen3_shards(qwen3_shards, model, capsys) -> None:
     rc = cli.main(["--shards", qwen3_shards, "--model", model, "--steps", "1"])
     assert rc == 2
     err = capsys.readouterr().err
-    assert "tokenized with 'qwen3', a qwen tokenizer" in err and f"{model} is a gemma3 model" in err
+    assert "tokenized with 'qwen3', whose vocabulary (vocab_hash" in err and "is the qwen3 tokenizer's" in err
+    assert f"{model} is a gemma3 model" in err
 
 
 @pytest.mark.parametrize("model", ["qwen3-0.6b", "tiny-qwen3"])
 def test_qwen3_models_refuse_gemma3_shards(tmp_path, model, capsys) -> None:
     path = str(tmp_path / "gemma3")
-    # Gemma3's identity; tiny-qwen3 takes its embedding size from it, so only the family rule can refuse.
-    build_shard_set(path, num_rows=4, max_length=32, tokenizer={**TEST_TOKENIZER, "name": "gemma3", "vocab_size": 262_144})
+    # Gemma3's identity (its vocab_hash); tiny-qwen3 takes its embedding size from it, so only the family rule can refuse.
+    build_shard_set(path, num_rows=4, max_length=32, tokenizer={**TEST_TOKENIZER, "name": "gemma3", "vocab_size": 262_144,
+                                                                  "vocab_hash": FAMILY_VOCAB_HASH["gemma3"]})
     rc = cli.main(["--shards", path, "--model", model, "--weights", "random", "--steps", "1"])
     assert rc == 2
     err = capsys.readouterr().err
-    assert "'gemma3'" in err and ("a gemma tokenizer" in err or "151,936 embedding rows" in err)
+    assert "'gemma3'" in err and ("is the gemma3 tokenizer's" in err or "151,936 embedding rows" in err)
     if model == "tiny-qwen3":
-        assert "a gemma tokenizer" in err and "tiny-qwen3 is a qwen3 model" in err
+        assert "is the gemma3 tokenizer's" in err and "tiny-qwen3 is a qwen3 model" in err
