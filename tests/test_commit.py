@@ -44,9 +44,9 @@ def put(path: str, data: bytes) -> None:
     storage_for(path).write(path, data)
 
 
-@pytest.fixture
-def staged(output):
-    """OUTPUT/L64 holds the old set; the run has staged a new one and looked, holding its lock."""
+def stage_and_look(output):
+    """OUTPUT/L64 holds the old set, run-b has staged a new one and looked, holding its lock:
+    (the set's folder, its place, the staging folder, what look saw)."""
     folder = layout.length_dir(output, 64)
     for n in OLD:
         put(f"{folder}/{n}", n.encode())
@@ -55,7 +55,13 @@ def staged(output):
     for n in NEW:
         put(f"{staging}/{n}", n.encode())
     place = output_commit.length_place(output, 64)
-    seen = output_commit.look(output, [place], StillYours())
+    return folder, place, staging, output_commit.look(output, [place], StillYours())
+
+
+@pytest.fixture
+def staged(output):
+    """OUTPUT/L64 holds the old set; the run has staged a new one and looked, holding its lock."""
+    folder, place, staging, seen = stage_and_look(output)
     staged_set = output_commit.StagedSet(place, staging, manifest(NEW), tuple(NEW))
     commit = output_commit.Commit(output, "run-b", StillYours(), seen, overwrite=True)
     commit.move_in([staged_set])
@@ -160,15 +166,7 @@ def test_the_switch_is_conditioned_on_the_version_seen_under_the_lock(output):
     switch is refused and that writer's manifest stays. Shown to fail, local and gs://, with the
     switch conditioned on the version read at the switch (store.version(manifest_path)) instead
     of the one `look` saw: the other writer's manifest was replaced."""
-    folder = layout.length_dir(output, 64)
-    for n in OLD:
-        put(f"{folder}/{n}", n.encode())
-    put(f"{folder}/manifest.json", manifest(OLD))
-    staging = layout.staging_dir(output, 64, "run-b")
-    for n in NEW:
-        put(f"{staging}/{n}", n.encode())
-    place = output_commit.length_place(output, 64)
-    seen = output_commit.look(output, [place], StillYours())
+    folder, place, staging, seen = stage_and_look(output)
     time.sleep(0.01)
     storage_for(folder).write(f"{folder}/manifest.json", manifest(OLD[:1]))  # behind the lock
     staged_set = output_commit.StagedSet(place, staging, manifest(NEW), tuple(NEW))
