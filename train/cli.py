@@ -74,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan-memory", action="store_true",
                    help="compile the train step for the set's L and --batch-size without training; print XLA's "
                    "planned memory and FLOPs (last line: JSON) and whether it fits the budget")
+    p.add_argument("--verify-first", action="store_true",
+                   help="before step 1, run the first batch packed and each of its segments alone through the model "
+                   "(as `prepack verify --model`) and stop (exit 1) if any target token's log-probability differs "
+                   "beyond the dtype's tolerance")
     return p
 
 
@@ -122,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
     from prepack.format.manifest import ManifestError
-    from train import checkpoints, divergence, lora_file, models, trainer
+    from train import checkpoints, divergence, lora_file, models, parity, trainer
 
     cfg = trainer.TrainConfig(
         shards=args.shards, model=args.model, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
@@ -132,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         read_threads=args.read_threads, log_every=args.log_every, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, checkpoint_keep=args.checkpoint_keep, save_lora=args.save_lora,
         nan_policy=args.nan_policy, loss_chunk_tokens=args.loss_chunk_tokens, attention=args.attention,
-        remat=args.remat, memory_budget_gib=args.memory_budget_gib,
+        remat=args.remat, memory_budget_gib=args.memory_budget_gib, verify_first=args.verify_first,
     )
     try:
         if args.plan_memory:
@@ -141,6 +145,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             memory_plan.run_plan(cfg, sys.stdout)
             return 0
         summary = trainer.run(cfg)
+    except parity.ParityFailed as e:
+        print(f"prepack train: {e}", file=sys.stderr)
+        return 1
     except divergence.Diverged as e:
         print(f"prepack train: {e}", file=sys.stderr)
         return divergence.EXIT_DIVERGED

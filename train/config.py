@@ -46,3 +46,6 @@ class TrainConfig:
     # the library default is none, so a caller that plans itself does not pay a second compile.
     remat: str = "none"
     memory_budget_gib: float | None = None  # None: the device's memory where JAX reports it, else 16
+    # Before step 1, run the first batch packed and each of its segments alone through the
+    # run's model (train/parity.py) and stop if any target's log-probability differs.
+    verify_first: bool = False

@@ -27,7 +27,7 @@ import contextlib
 import sys
 from typing import Any, TextIO
 
-from train import checkpoints, data, lora_file, memory_path, memory_plan, resume
+from train import checkpoints, data, lora_file, memory_path, memory_plan, parity, resume
 from train.config import TrainConfig, TrainError
 from train.run_setup import Setup, setup
 
@@ -54,6 +54,17 @@ def export_lora(s: Setup, path: str) -> dict[str, str]:
     })
 
 
+def verify_first(s: Setup, batch: dict[str, Any], out: TextIO, packed_layout: parity.LayoutFn = parity.stored_layout) -> None:
+    """--verify-first: the parity check (train/parity.py) on the first batch; ParityFailed stops the run.
+    packed_layout: tests only, to show a layout bug stops the run."""
+    result = parity.check_first_batch(s, batch, packed_layout)
+    print(f"verify-first: {result.summary()}", file=out, flush=True)
+    s.recorder.static_extra["verify_first"] = {"ok": result.ok, "dtype": result.dtype, "max_abs_diff": result.max_abs_diff,
+                                               "tolerance": result.tolerance, "segments": len(result.segments)}
+    if not result.ok:
+        raise parity.ParityFailed(f"--verify-first: parity FAILED before step 1: {result.failure_lines(1)[0]}")
+
+
 def execute(cfg: TrainConfig, out: TextIO | None = None) -> tuple[Setup, dict[str, Any]]:
     """Trains as configured; returns the Setup (its model is the trained one) and the summary."""
     s = setup(cfg, out=out)
@@ -66,6 +77,9 @@ def execute(cfg: TrainConfig, out: TextIO | None = None) -> tuple[Setup, dict[st
             print(f"checkpoint step {s.resumed_step} >= --steps {cfg.steps}: nothing to train", file=out if out is not None else sys.stderr)
         else:
             train_ds, eval_ds = data.datasets(cfg, s.view, s.eval_view)
+            if cfg.verify_first:
+                with context:
+                    verify_first(s, next(iter(train_ds)), out if out is not None else sys.stderr)
             if s.checkpoint is not None and s.policy is not None:
                 train_ds = resume.checkpointed_stream(
                     s.trainer, s.checkpoint, s.policy, s.resumed_step, cfg.checkpoint_keep, train_ds

@@ -1,0 +1,312 @@
+"""Packed-row parity on the model: every target token's log-probability, packed against alone.
+
+A packed row holds several examples; training is only right if each of them is computed
+exactly as it would be alone. For each sampled row this runs the row as stored (packed) and
+each of its segments as the only example of a row (positions 0..n-1, then padding: what
+`prepack pack --no-pack` writes, the padding after it invisible under the causal mask),
+through the model and attention `prepack train` uses: the same ModelConfig and weights,
+`--attention` installed by train/memory_path.py, the inputs from train/model_inputs.py, the
+final hidden states and output projection of train/chunked_loss.py (the default loss path)
+and, for bfloat16, LoRA params cast to the compute dtype as train/precision.py does. The
+log-probabilities log p(token t | its segment's tokens before t) of every target token are
+compared; a segment fails when any of its targets differs by more than the dtype's tolerance.
+
+Only the target positions are projected onto the vocabulary (the projection is per token, so
+it cannot mix examples): a [B, L, V] logits array for Gemma3's 262,144 ids would not fit.
+
+`packed_layout` is the seam through which tests present the packed rows to the model wrongly
+(a plain causal mask, positions counting on across segments, a boundary one token off) and
+watch each fail; training never passes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from prepack.format import rowformat
+
+# Measured (docs/benchmarks.md, "Parity"): the largest |packed - alone| log-probability of a
+# correct layout, times a margin. float32: 2.4e-6 on Gemma3 270M's real weights, 1.9e-6 on the
+# tiny models; bfloat16: 0.125 on Gemma3 270M (the bf16 noise: the same tokens in two layouts).
+TOLERANCES: dict[str, float] = {"float32": 1e-4, "bfloat16": 0.5}
+DEFAULT_ROWS = 8
+SAMPLE_SEED = 0  # the fixed seed of the row sample, so two runs check the same rows
+PROJECT_CHUNK = 256  # target tokens projected onto the vocabulary at a time
+
+Rows = dict[str, np.ndarray]
+LayoutFn = Callable[[Rows], Rows]
+
+
+def stored_layout(rows: Rows) -> Rows:
+    """The packed rows exactly as the shards store them: what training feeds the model."""
+    return rows
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentParity:
+    label: str  # where the row is: "row 12 (SHARD, record 3)" or "first batch row 2"
+    segment: int
+    targets: int
+    max_abs_diff: float  # inf when a log-probability is not finite
+    worst_token: int  # the row column of the worst target
+    # The first column whose position, as the model was given it, is not the one it has alone
+    # (0..n-1 from the segment's start); None when all are.
+    position_fault: tuple[int, int, int] | None = None  # (column, fed, alone)
+
+
+@dataclasses.dataclass
+class ParityResult:
+    dtype: str
+    tolerance: float
+    attention: str
+    rows: int
+    segments: list[SegmentParity]
+    seconds: float = 0.0
+
+    @property
+    def targets(self) -> int:
+        return sum(s.targets for s in self.segments)
+
+    @property
+    def max_abs_diff(self) -> float:
+        return max((s.max_abs_diff for s in self.segments), default=0.0)
+
+    @property
+    def failures(self) -> list[SegmentParity]:
+        return [s for s in self.segments if not s.max_abs_diff <= self.tolerance or s.position_fault is not None]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def summary(self) -> str:
+        state = "ok" if self.ok else "FAILED"
+        return (f"parity {state:<6}  {self.dtype}  max |packed - alone| log p {self.max_abs_diff:.2e} "
+                f"(tolerance {self.tolerance:.0e}) over {self.targets:,} targets in {len(self.segments):,} segments "
+                f"of {self.rows} rows, attention {self.attention}  ({self.seconds:.1f} s)")
+
+    def failure_lines(self, limit: int = 3) -> list[str]:
+        lines = []
+        for s in sorted(self.failures, key=lambda s: -s.max_abs_diff)[:limit]:
+            if not s.max_abs_diff <= self.tolerance:
+                lines.append(f"{s.label}, segment {s.segment}: |packed - alone| log p {s.max_abs_diff:.2e} > "
+                             f"{self.tolerance:.0e} at token {s.worst_token} ({s.targets} targets); the packed segment "
+                             "does not compute as it does alone")
+            if s.position_fault is not None:
+                column, fed, alone = s.position_fault
+                lines.append(f"{s.label}, segment {s.segment}: the model was given position {fed} at token {column}, "
+                             f"alone it is {alone}; positions must restart at 0 in every segment")
+        return lines
+
+
+def sample_rows(num_rows: int, n: int, seed: int = SAMPLE_SEED) -> np.ndarray:
+    """n distinct global row indices (all rows when there are fewer), sorted, by a fixed seed."""
+    if n >= num_rows:
+        return np.arange(num_rows)
+    return np.sort(np.random.default_rng(seed).choice(num_rows, size=n, replace=False))
+
+
+def segments_of(rows: Mapping[str, np.ndarray]) -> list[tuple[int, int, slice]]:
+    """(row, segment id, its columns) for every segment of every row (contiguous, ids 1..k)."""
+    out = []
+    for r, seg in enumerate(np.asarray(rows["segment_ids"])):
+        for s in range(1, int(seg.max()) + 1):
+            cols = np.flatnonzero(seg == s)
+            out.append((r, s, slice(int(cols[0]), int(cols[-1]) + 1)))
+    return out
+
+
+def alone_rows(rows: Mapping[str, np.ndarray], segments: Sequence[tuple[int, int, slice]], batch: int) -> list[Rows]:
+    """Each segment as the only example of a row of the same length, in batches of `batch` rows
+    (the last one filled with rows of padding, so every call has one shape: one compile)."""
+    length = rows["input_ids"].shape[1]
+    built = [rowformat.build_row([rowformat.Segment(rows["input_ids"][r, cols], rows["loss_mask"][r, cols])], length)
+             for r, _, cols in segments]
+    pad = {k: np.zeros(length, np.int32) for k in rowformat.FIELD_NAMES}
+    out = []
+    for start in range(0, len(built), batch):
+        chunk = built[start:start + batch]
+        chunk += [pad] * (batch - len(chunk))
+        out.append({k: np.stack([row[k] for row in chunk]) for k in rowformat.FIELD_NAMES})
+    return out
+
+
+class Scorer:
+    """Target log-probabilities [B, L] (NaN off target) of rows, through the train path's pieces."""
+
+    def __init__(self, model: Any, attention: str, compute_dtype: Any):
+        from flax import nnx
+
+        from train import chunked_loss, model_inputs, precision
+
+        self.model = model
+        self.inputs = model_inputs.make_gen_model_input_fn(attention=attention)
+
+        def hidden(m: Any, tokens: Any, positions: Any, mask: Any) -> Any:
+            return chunked_loss.final_hidden_states(m, tokens, positions, mask)
+
+        def target_nll(m: Any, h: Any, targets: Any) -> Any:
+            return chunked_loss.chunked_token_nll(h[None], chunked_loss.output_projection(m), targets[None], PROJECT_CHUNK)[0]
+
+        self._hidden = nnx.jit(precision.in_compute_dtype(hidden, compute_dtype))
+        self._nll = nnx.jit(precision.in_compute_dtype(target_nll, compute_dtype))
+
+    def logprobs(self, batches: Sequence[Mapping[str, np.ndarray]]) -> list[np.ndarray]:
+        """Per batch, log p of each target token at its column (NaN elsewhere). The states of all
+        batches' targets are projected in one call (one compile: packed and alone hold the same targets).
+        Afterwards `fed_positions` holds the positions each batch's model call was given."""
+        import jax.numpy as jnp
+
+        states, targets, places = [], [], []
+        self.fed_positions = []
+        for rows in batches:
+            inputs = self.inputs({k: rows[k] for k in ("input_ids", "loss_mask", "positions", "segment_ids")})
+            self.fed_positions.append(np.asarray(inputs["positions"]))
+            h = self._hidden(self.model, inputs["input_tokens"], inputs["positions"], inputs["attention_mask"])
+            h = np.asarray(h.astype(jnp.float32))
+            ids, mask = np.asarray(rows["input_ids"]), np.asarray(rows["loss_mask"])
+            b, t = np.nonzero(mask[:, 1:])  # column t's state predicts token t+1
+            states.append(h[b, t])
+            targets.append(ids[b, t + 1])
+            places.append((b, t + 1))
+        total = sum(len(t) for t in targets)
+        outs = [np.full(np.shape(rows["loss_mask"]), np.nan, np.float32) for rows in batches]
+        if not total:
+            return outs
+        k = -(-total // PROJECT_CHUNK) * PROJECT_CHUNK  # a multiple of the chunk: few shapes, few compiles
+        flat_h = np.zeros((k, states[0].shape[-1]), np.float32)
+        flat_h[:total] = np.concatenate(states)
+        flat_t = np.zeros(k, np.int32)
+        flat_t[:total] = np.concatenate(targets)
+        dtype = self._projection_dtype()
+        nll = np.asarray(self._nll(self.model, jnp.asarray(flat_h, dtype), jnp.asarray(flat_t)))
+        done = 0
+        for out, (b, t) in zip(outs, places):
+            out[b, t] = -nll[done:done + len(b)]
+            done += len(b)
+        return outs
+
+    def _projection_dtype(self) -> Any:
+        from train import chunked_loss
+
+        return chunked_loss.output_projection(self.model).dtype
+
+
+def _position_fault(fed: np.ndarray, cols: slice) -> tuple[int, int, int] | None:
+    """RoPE sees only position differences, so an offset moves log p by rounding alone (measured,
+    docs/benchmarks.md): the positions the model was given are compared exactly instead."""
+    want = np.arange(cols.stop - cols.start)
+    wrong = np.flatnonzero(fed[cols] != want)
+    if not wrong.size:
+        return None
+    k = int(wrong[0])
+    return cols.start + k, int(fed[cols][k]), k
+
+
+def check_rows(scorer: Scorer, rows: Mapping[str, np.ndarray], labels: Sequence[str], *, dtype: str,
+               attention: str, tolerance: float | None = None, packed_layout: LayoutFn = stored_layout) -> ParityResult:
+    """Runs `rows` packed (as `packed_layout` presents them) and each segment alone; compares every
+    target's log p, and the positions the model was given."""
+    started = time.perf_counter()
+    rows = {k: np.asarray(v, np.int32) for k, v in rows.items() if k in rowformat.FIELD_NAMES}
+    segments = segments_of(rows)
+    batch = rows["input_ids"].shape[0]
+    packed, *alone = scorer.logprobs([packed_layout(dict(rows)), *alone_rows(rows, segments, batch)])
+    fed = scorer.fed_positions[0]
+    alone = np.concatenate(alone) if alone else None
+    results = []
+    for i, (r, s, cols) in enumerate(segments):
+        n = cols.stop - cols.start
+        targets = rows["loss_mask"][r, cols].astype(bool)
+        targets[0] = False  # a segment's first token is never a target (the row format's rule)
+        diff = np.abs(packed[r, cols][targets] - alone[i, :n][targets])
+        value, worst = 0.0, cols.start
+        if diff.size:
+            bad = ~np.isfinite(diff)
+            k = int(np.argmax(bad)) if bad.any() else int(np.argmax(diff))
+            value = float("inf") if bad.any() else float(diff[k])
+            worst = cols.start + int(np.flatnonzero(targets)[k])
+        results.append(SegmentParity(labels[r], s, int(diff.size), value, worst, _position_fault(fed[r], cols)))
+    return ParityResult(dtype, TOLERANCES[dtype] if tolerance is None else tolerance, attention, batch, results,
+                        time.perf_counter() - started)
+
+
+class ParityFailed(Exception):
+    """`prepack train --verify-first`: the first batch's packed segments do not compute as alone."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ParityConfig:
+    model: str
+    weights: str | None = None  # as `prepack train --weights`; None: the model's offline default
+    rows: int = DEFAULT_ROWS
+    dtype: str | None = None  # None: the model's default, as `prepack train`
+    attention: str | None = None  # None: the backend's default, as `prepack train`
+    seed: int = 0  # random weights' seed, as `prepack train --seed`
+
+
+def dtype_name(cfg: ParityConfig) -> str:
+    import jax.numpy as jnp
+
+    from train import models
+
+    spec = models.get_spec(cfg.model)
+    return jnp.dtype(models.parse_dtype(cfg.dtype, spec.default_dtype)).name
+
+
+def build_model(cfg: ParityConfig, tokenizer: Mapping[str, Any], source: str) -> Any:
+    """The base model `prepack train` would load for these shards (vocabulary checked first)."""
+    from train import models
+    from train.vocab import check_vocab
+
+    spec = models.get_spec(cfg.model)
+    vocab = int(tokenizer["vocab_size"]) if tokenizer.get("vocab_size") else None
+    config = models.resolve_config(cfg.model, vocab_size=vocab, dtype=cfg.dtype)
+    check_vocab(tokenizer, cfg.model, spec.family, models.config_vocab_size(config), source)
+    return models.build_model(cfg.model, weights=cfg.weights, vocab_size=vocab, dtype=cfg.dtype, seed=cfg.seed)
+
+
+def train_config(cfg: ParityConfig, shards: str) -> Any:
+    from train.config import TrainConfig
+
+    return TrainConfig(shards=shards, model=cfg.model, attention=cfg.attention, dtype=cfg.dtype)
+
+
+def check_view(model: Any, cfg: ParityConfig, view: Any, packed_layout: LayoutFn = stored_layout) -> ParityResult:
+    """`prepack verify SET --model`: cfg.rows rows of a shard set, sampled by the fixed seed."""
+    from train import memory_path, models
+
+    tcfg = train_config(cfg, view.path)
+    memory_path.check_options(tcfg, view.max_length)
+    memory_path.install_attention(model, tcfg, view.max_length)
+    kind = memory_path.attention_kind(tcfg)
+    dtype = dtype_name(cfg)
+    indices = sample_rows(len(view), cfg.rows)
+    starts = np.cumsum([0] + [s.num_rows for s in view.manifest.shards])
+    labels = []
+    for g in indices.tolist():
+        k = int(np.searchsorted(starts, g, side="right") - 1)
+        labels.append(f"row {g} ({view.shard_paths[k]}, record {g - int(starts[k])})")
+    scorer = Scorer(model, kind, models.parse_dtype(cfg.dtype, models.get_spec(cfg.model).default_dtype))
+    return check_rows(scorer, view.read(indices), labels, dtype=dtype, attention=kind, packed_layout=packed_layout)
+
+
+def check_first_batch(setup: Any, batch: Mapping[str, np.ndarray], packed_layout: LayoutFn = stored_layout) -> ParityResult:
+    """`prepack train --verify-first`: the run's own model (LoRA applied, attention installed) on its first batch."""
+    import jax.numpy as jnp
+
+    from train import memory_path, models
+
+    cfg = setup.config
+    spec = models.get_spec(cfg.model)
+    compute = models.parse_dtype(cfg.dtype, spec.default_dtype)
+    kind = memory_path.attention_kind(cfg)
+    rows = {k: np.asarray(v) for k, v in batch.items() if k in rowformat.FIELD_NAMES}
+    labels = [f"first batch row {i}" for i in range(len(rows["input_ids"]))]
+    return check_rows(Scorer(setup.built.model, kind, compute), rows, labels, dtype=jnp.dtype(compute).name,
+                      attention=kind, packed_layout=packed_layout)
