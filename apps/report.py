@@ -205,6 +205,9 @@ class Run:
     evals: list[tuple[float, float]] = dataclasses.field(default_factory=list)  # (step, eval loss)
     # A mixture set's run: source name -> its loss per step (NaN where the batch had none of it).
     loss_by_source: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    # What its loss is (`prepack train --loss-mean`): "token" or "example"; a JSONL written
+    # before the option existed logged the token mean.
+    loss_mean: str = "token"
 
     @property
     def clock_s(self) -> np.ndarray:
@@ -299,8 +302,9 @@ def load_run(path: str, label: str | None = None, warmup_steps: int = 1) -> Run:
     names = list(dict.fromkeys(k for r in steps for k in (r.get("loss_by_source") or {})))
     by_source = {n: np.array([math.nan if (r.get("loss_by_source") or {}).get(n) is None else float(r["loss_by_source"][n])
                               for r in steps], dtype=np.float64) for n in names}
+    loss_mean = str(steps[-1].get("loss_mean") or summary.get("loss_mean") or "token")
     return Run(name, path, column("step"), loss, column("step_time_s"), target,
-               column("tokens"), summary, packing, warmup_steps, evals, by_source)
+               column("tokens"), summary, packing, warmup_steps, evals, by_source, loss_mean)
 
 
 def _per_step(values: np.ndarray, times: np.ndarray, rates: list[Any]) -> np.ndarray:
@@ -356,6 +360,7 @@ def budget_rows(runs: Sequence[Run], budget: float | None = None) -> tuple[float
             "speedup": (times[ref] / t) if ref is not None and t and not math.isnan(t) else math.nan,
             "reference": runs[ref].label if ref is not None else "-",
             "final_loss": float(np.mean(run.loss[-max(1, len(run.loss) // 10):])),
+            "loss_mean": run.loss_mean,
             "status": f"diverged: {run.diverged}" if run.diverged else "ok",
             "eval_loss": run.eval_loss,
         })
@@ -388,7 +393,7 @@ BUDGET_COLUMNS = (
     ("target tok/s", "target_tokens_per_s", "int"), ("s/step", "mean_step_time_s", "seconds"),
     ("steps to budget", "steps_to_budget", "int"), ("time to budget", "time_to_budget_s", "seconds"),
     ("speed-up", "speedup", "times"), ("final loss", "final_loss", "float3"), ("eval loss", "eval_loss", "float3"),
-    ("status", "status", "str"),
+    ("loss mean", "loss_mean", "str"), ("status", "status", "str"),
 )
 
 
@@ -539,7 +544,12 @@ def _training_section(page: Page, figure: Any, config: ReportConfig, runs: list[
     warm = (f" The first {config.warmup_steps} step(s) of each run carry compilation, so they are timed as the "
             f"run's median step." if config.warmup_steps else "")
     page.add("p", "Time is the sum of logged step_time_s; target tokens are the loss-mask tokens each step trained "
-                  "on; final loss is the mean training loss over the last 10% of steps." + warm)
+                  "on; final loss is the mean training loss over the last 10% of steps. Loss mean is each run's "
+                  "`--loss-mean`: token (the mean over a batch's target tokens) or example (the mean of its "
+                  "examples' token means)." + warm)
+    if len({run.loss_mean for run in runs}) > 1:
+        page.add("p", "Warning: these runs use different loss means (" + ", ".join(
+            f"{run.label}: {run.loss_mean}" for run in runs) + "); their loss values measure different things.")
     figure("loss_curves.png", plots.loss_curves, runs, budget=budget)
     page.add("h3", f"Useful-token budget: {budget:,.0f} target tokens")
     page.add("p", "Time each run needs to train on the same number of target tokens (by default the most that "

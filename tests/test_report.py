@@ -372,3 +372,20 @@ def test_shard_tables_use_the_runs_own_batch_size():
     assert table_batch_sizes((), [run({"batch_size": 2}), run({"batch_size": 8})]) == (2, 8)
     assert table_batch_sizes((16,), [run({"batch_size": 2})]) == (16,)
     assert table_batch_sizes((), [run({})]) == table_batch_sizes((), []) == DEFAULT_BATCH_SIZES == (16,)
+
+
+def test_the_budget_table_says_which_loss_mean_each_run_used(tmp_path):
+    # A JSONL from before --loss-mean logged the token mean; a run with --loss-mean example names it.
+    old = report.load_run(str(write_metrics(tmp_path / "old.jsonl", [100] * 3, [1.0] * 3)))
+    lines = [json.dumps({"step": i + 1, "loss": 2.0, "step_time_s": 1.0, "tokens": 200, "target_tokens": 100,
+                         "target_tokens_per_s": 100.0, "density": 0.5, "loss_mean": "example"}) for i in range(3)]
+    (tmp_path / "ex.jsonl").write_text("\n".join(lines) + "\n")
+    new = report.load_run(str(tmp_path / "ex.jsonl"))
+    _, (a, b) = report.budget_rows([old, new])
+    assert (a["loss_mean"], b["loss_mean"]) == ("token", "example")
+    page = report.Page()
+    report._training_section(page, lambda *args, **kwargs: None, report.ReportConfig(output="unused"), [old, new])
+    tables = [b for b in page.blocks if b[0] == "table"]
+    assert tables[0][1][-2] == "loss mean" and [row[-2] for row in tables[0][2]] == ["token", "example"]
+    assert ("p", "Warning: these runs use different loss means (old: token, ex: example); their loss values "
+                 "measure different things.") in page.blocks

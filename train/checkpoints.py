@@ -58,7 +58,11 @@ IDENTITY_LABELS: dict[str, str] = {
     "loss": "loss",
     "lora_dtype": "LoRA dtype",
     "nan_policy": "--nan-policy",
+    "loss_mean": "--loss-mean",
 }
+# What a checkpoint written before a field existed ran with: it stays resumable by a run that
+# keeps that default, and refuses one that does not.
+IDENTITY_DEFAULTS: dict[str, Any] = {"loss_mean": "token"}
 
 
 class CheckpointError(ValueError):
@@ -77,8 +81,9 @@ def identity_differences(saved: Mapping[str, Any], now: Mapping[str, Any]) -> li
     """'label: checkpoint X, now Y' for every identity field that differs."""
     out = []
     for key, label in IDENTITY_LABELS.items():
-        if key in now and saved.get(key) != now.get(key):
-            out.append(f"{label}: checkpoint {_describe(saved.get(key))}, now {_describe(now.get(key))}")
+        was = saved.get(key, IDENTITY_DEFAULTS.get(key))
+        if key in now and was != now.get(key):
+            out.append(f"{label}: checkpoint {_describe(was)}, now {_describe(now.get(key))}")
     return out
 
 

@@ -14,8 +14,8 @@ the projection is redone here from the model's own weights, exactly as its decod
 The B*L positions are cut into chunks of N tokens and `lax.map` runs one checkpointed
 function per chunk (logits, float32 logsumexp, target logit -> per-token NLL), so only one
 chunk's [N, V] logits exist at a time, in the forward and, recomputed, in the backward pass.
-Per-token NLLs, the token mean, the aux and the per-source sums are then the ones
-train/loss.py computes from full logits.
+Per-token NLLs, the token or example mean (--loss-mean), the aux and the per-source sums
+are then the ones train/loss.py computes from full logits.
 """
 
 from __future__ import annotations
@@ -98,10 +98,12 @@ def chunked_token_nll(h: jax.Array, projection: Projection, targets: jax.Array, 
     return nll.reshape(-1)[:n].reshape(b, length)
 
 
-def make_chunked_loss_fn(chunk_tokens: int) -> Callable[..., tuple[jax.Array, dict[str, jax.Array]]]:
-    """A PeftTrainer loss (has_aux) with the signature and results of loss.masked_loss_fn_with_aux."""
+def make_chunked_loss_fn(chunk_tokens: int, loss_mean: str = loss_lib.TOKEN_MEAN) -> Callable[..., tuple[jax.Array, dict[str, jax.Array]]]:
+    """A PeftTrainer loss (has_aux) with the signature and results of loss.make_masked_loss_fn(loss_mean)."""
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+    if loss_mean not in loss_lib.LOSS_MEANS:
+        raise ValueError(f"unknown loss mean {loss_mean!r}; choose one of {', '.join(loss_lib.LOSS_MEANS)}")
 
     def chunked_loss_fn_with_aux(
         model: nnx.Module,
@@ -110,10 +112,12 @@ def make_chunked_loss_fn(chunk_tokens: int) -> Callable[..., tuple[jax.Array, di
         positions: jax.Array,
         attention_mask: jax.Array,
         source_ids: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        example_targets: jax.Array | None = None,
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         h = final_hidden_states(model, input_tokens, positions, attention_mask)
         targets, weights = loss_lib.shifted_targets(input_tokens, input_mask)
         nll = chunked_token_nll(h, output_projection(model), targets, chunk_tokens)
-        return loss_lib.mean_and_aux(nll, weights, source_ids)
+        return loss_lib.mean_and_aux(nll, weights, source_ids, loss_mean, segment_ids, example_targets)
 
     return chunked_loss_fn_with_aux

@@ -43,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="parameter dtype (default: bf16 real, f32 tiny)")
     p.add_argument("--metrics-out", default=None, help="write per-step metrics JSONL here")
     p.add_argument("--loss", default="masked", choices=["masked", "tunix-default"], help="masked: no one-hot (default)")
+    p.add_argument("--loss-mean", default="token", choices=["token", "example"],
+                   help="token: mean NLL over every target token of the batch (default); example: each example's "
+                   "token mean, averaged over the batch's examples (the pieces of an --overlong split example count "
+                   "as one); needs --loss masked")
     p.add_argument("--read-threads", type=int, default=None, help="loader read threads (default: chosen by where the shards are: 1 on local disk, 16 on a gcsfuse/NFS mount, 4 for gs://)")
     p.add_argument("--log-every", type=int, default=10, help="print a progress line every N steps (0: never)")
     p.add_argument("--cpu-devices", type=int, default=None, help="fake N CPU devices (to try --mesh on a CPU)")
@@ -133,6 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         batch_size=args.batch_size, steps=args.steps, learning_rate=args.learning_rate, seed=args.seed,
         mesh=args.mesh, eval_shards=args.eval_shards, eval_every=args.eval_every, eval_batches=args.eval_batches,
         weights=args.weights, dtype=args.dtype, metrics_out=args.metrics_out, loss=args.loss,
+        loss_mean=args.loss_mean,
         read_threads=args.read_threads, log_every=args.log_every, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, checkpoint_keep=args.checkpoint_keep, save_lora=args.save_lora,
         nan_policy=args.nan_policy, loss_chunk_tokens=args.loss_chunk_tokens, attention=args.attention,

@@ -28,6 +28,9 @@ class TrainConfig:
     dtype: str | None = None  # parameter dtype; default per model (bf16 real, f32 tiny)
     metrics_out: str | None = None
     loss: str = "masked"  # "masked" (train/loss.py) or "tunix-default" (for comparisons)
+    # "token": the mean over every target token of the batch; "example": the mean over the batch's
+    # examples of each one's token mean (train/loss.py; pieces of a split example count as one).
+    loss_mean: str = "token"
     read_threads: int | None = None  # None: the loader chooses by where the shards are (local disk, mount, gs://)
     config_overrides: dict[str, Any] | None = None  # e.g. {"sliding_window_size": 4} for tests
     log_every: int = 10  # console progress line every N steps (0: none)

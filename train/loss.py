@@ -14,6 +14,13 @@ Semantics are the same as the default (measured in tests/test_train_correctness.
 Instead of slicing logits[:, :-1] (a copy of a [B, L-1, V] array), the targets and
 the mask are shifted left by one on the cheap [B, L] side and the last column gets
 weight 0.
+
+`--loss-mean example` (loss_mean="example") averages each example's token-mean NLL, then
+the examples of the batch: the same per-token NLLs, each target weighted 1 / (its example's
+target tokens), normalised by the sum of those weights (the batch's example count). The
+example of a target comes from segment_ids on the device; a set cut by `--overlong split`
+stores in `example_targets` the whole example's target count on every piece, so the pieces
+of one example weigh as one example (docs/row_format.md).
 """
 
 from __future__ import annotations
@@ -26,6 +33,10 @@ from flax import nnx
 
 # The default's epsilon, kept so that the two losses agree on every batch.
 NORM_EPS = 1e-8
+# --loss-mean: the token mean over every target of the batch (Tunix's default), or the mean of
+# per-example token means.
+TOKEN_MEAN, EXAMPLE_MEAN = "token", "example"
+LOSS_MEANS = (TOKEN_MEAN, EXAMPLE_MEAN)
 # Mixture sets: per-source sums come back as fixed-size [MAX_SOURCES + 1] vectors (index =
 # source, 0 = none), so the step compiles once whatever the mixture (the row format caps N).
 from prepack.format.rowformat import MAX_SOURCES  # noqa: E402
@@ -52,15 +63,53 @@ def token_mean_nll(logits: jax.Array, input_tokens: jax.Array, input_mask: jax.A
     return mean_and_aux(*per_token_nll(logits, input_tokens, input_mask))
 
 
-def mean_and_aux(nll: jax.Array, weights: jax.Array, source_ids: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The token-mean loss and its aux from per-position NLLs [B, L] and weights (full or chunked logits)."""
+def mean_and_aux(nll: jax.Array, weights: jax.Array, source_ids: jax.Array | None = None,
+                 loss_mean: str = TOKEN_MEAN, segment_ids: jax.Array | None = None,
+                 example_targets: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The loss and its aux from per-position NLLs [B, L] and weights (full or chunked logits).
+
+    The aux always carries the token sums (nll_sum, target_tokens: eval aggregates them and the
+    metrics cross-check the count); the example mean adds its own sums, example_nll_sum and
+    examples, whose ratio is its loss, so batches (eval, or micro-batches) combine exactly."""
     nll_sum = jnp.sum(nll * weights)
     target_tokens = jnp.sum(weights)
-    loss = nll_sum / (target_tokens + NORM_EPS)
-    aux = {"loss": loss, "nll_sum": nll_sum, "target_tokens": target_tokens}
+    aux = {"nll_sum": nll_sum, "target_tokens": target_tokens}
+    if loss_mean == TOKEN_MEAN:
+        loss = nll_sum / (target_tokens + NORM_EPS)
+    elif loss_mean == EXAMPLE_MEAN:
+        if segment_ids is None:
+            raise ValueError("the example mean needs the batch's segment_ids")
+        per_example = weights * inverse_example_targets(weights, segment_ids, example_targets)
+        aux["example_nll_sum"] = jnp.sum(nll * per_example)
+        aux["examples"] = jnp.sum(per_example)
+        loss = aux["example_nll_sum"] / (aux["examples"] + NORM_EPS)
+    else:
+        raise ValueError(f"unknown loss mean {loss_mean!r}; choose one of {', '.join(LOSS_MEANS)}")
+    aux["loss"] = loss
     if source_ids is not None:
         aux["nll_by_source"], aux["targets_by_source"] = by_source(nll, weights, source_ids)
     return loss, aux
+
+
+def inverse_example_targets(weights: jax.Array, segment_ids: jax.Array,
+                            example_targets: jax.Array | None = None) -> jax.Array:
+    """[B, L]: 1 / (target tokens of the example each position scores), 0 where it has none.
+
+    Column t scores token t+1, so it belongs to token t+1's segment. A segment's example has
+    the segment's own target count, unless `example_targets` (a split set's field: the whole
+    example's count on each of its pieces, 0 on a segment that is a whole example) says more."""
+    b, length = segment_ids.shape
+    scored = jnp.concatenate([segment_ids[:, 1:], jnp.zeros_like(segment_ids[:, :1])], axis=1)
+    # One id per (row, segment) for the whole batch: segment ids restart at 1 in every row.
+    keys = (scored + jnp.arange(b, dtype=scored.dtype)[:, None] * (length + 1)).reshape(-1)
+    n = b * (length + 1)
+    per_segment = jax.ops.segment_sum(weights.reshape(-1), keys, num_segments=n)
+    if example_targets is not None:
+        shifted = jnp.concatenate([example_targets[:, 1:], jnp.zeros_like(example_targets[:, :1])], axis=1)
+        stored = jax.ops.segment_max(shifted.reshape(-1).astype(jnp.float32), keys, num_segments=n)
+        per_segment = jnp.where(stored > 0, stored, per_segment)
+    inverse = jnp.where(per_segment > 0, 1.0 / jnp.maximum(per_segment, 1.0), 0.0)
+    return inverse[keys].reshape(b, length)
 
 
 def by_source(values: jax.Array, weights: jax.Array, source_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -79,16 +128,37 @@ def masked_loss_fn_with_aux(
     positions: jax.Array,
     attention_mask: jax.Array,
     source_ids: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    example_targets: jax.Array | None = None,
+    loss_mean: str = TOKEN_MEAN,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """PeftTrainer loss (use with `with_loss_fn(..., has_aux=True)`).
 
     The aux dict carries the NLL sum and target-token count so that callers can
     aggregate exactly over batches (token-weighted), e.g. for eval. A mixture set's
     source_ids (never given to the model) add `nll_by_source` and `targets_by_source`.
+    segment_ids and example_targets are the example mean's (make_masked_loss_fn).
     """
     # Positional call, as Tunix's default does: works for Gemma3 (last_tokens) and Qwen3 (input_tokens).
     logits, _ = model(input_tokens, positions, None, attention_mask)
-    return mean_and_aux(*per_token_nll(logits, input_tokens, input_mask), source_ids)
+    return mean_and_aux(*per_token_nll(logits, input_tokens, input_mask), source_ids, loss_mean, segment_ids, example_targets)
+
+
+def make_masked_loss_fn(loss_mean: str = TOKEN_MEAN) -> Any:
+    """masked_loss_fn_with_aux for one --loss-mean, with the signature Tunix calls it by."""
+    if loss_mean not in LOSS_MEANS:
+        raise ValueError(f"unknown loss mean {loss_mean!r}; choose one of {', '.join(LOSS_MEANS)}")
+    if loss_mean == TOKEN_MEAN:
+        return masked_loss_fn_with_aux
+
+    def example_mean_loss_fn_with_aux(model: nnx.Module, input_tokens: jax.Array, input_mask: jax.Array,
+                                      positions: jax.Array, attention_mask: jax.Array,
+                                      source_ids: jax.Array | None = None, segment_ids: jax.Array | None = None,
+                                      example_targets: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+        return masked_loss_fn_with_aux(model, input_tokens, input_mask, positions, attention_mask, source_ids,
+                                       segment_ids, example_targets, loss_mean=EXAMPLE_MEAN)
+
+    return example_mean_loss_fn_with_aux
 
 
 def masked_loss_fn(

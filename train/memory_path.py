@@ -40,6 +40,7 @@ def attention_tile(max_length: int) -> int:
 def check_options(cfg: TrainConfig, max_length: int) -> None:
     """Refuses memory-path options that cannot work, before any weights load."""
     attention_kind(cfg)
+    check_loss_mean(cfg)
     if cfg.remat not in REMATS:
         raise TrainError(f"unknown --remat {cfg.remat!r}; choose one of {', '.join(REMATS)}")
     if cfg.loss_chunk_tokens < 0:
@@ -51,22 +52,31 @@ def check_options(cfg: TrainConfig, max_length: int) -> None:
                          f"the shards' is {max_length}: use --attention blocked")
 
 
+def check_loss_mean(cfg: TrainConfig) -> None:
+    if cfg.loss_mean not in loss_lib.LOSS_MEANS:
+        raise TrainError(f"unknown --loss-mean {cfg.loss_mean!r}; choose one of {', '.join(loss_lib.LOSS_MEANS)}")
+    if cfg.loss_mean != loss_lib.TOKEN_MEAN and cfg.loss == "tunix-default":
+        # Tunix's default is a token mean with no segment ids: it cannot weigh examples.
+        raise TrainError(f"--loss-mean {cfg.loss_mean} needs --loss masked (tunix-default is a token mean only)")
+
+
 def loss_fn(cfg: TrainConfig) -> Callable[..., Any]:
+    check_loss_mean(cfg)
     if cfg.loss == "tunix-default":
         return loss_lib.with_aux(loss_lib.tunix_default_loss_fn())
     if cfg.loss != "masked":
         raise TrainError(f"unknown loss {cfg.loss!r}; choose masked or tunix-default")
     if cfg.loss_chunk_tokens == 0:
-        return loss_lib.masked_loss_fn_with_aux
+        return loss_lib.make_masked_loss_fn(cfg.loss_mean)
     from train.chunked_loss import make_chunked_loss_fn
 
-    return make_chunked_loss_fn(cfg.loss_chunk_tokens)
+    return make_chunked_loss_fn(cfg.loss_chunk_tokens, cfg.loss_mean)
 
 
 def gen_model_input_fn(cfg: TrainConfig) -> Callable[..., Any]:
     from train import model_inputs
 
-    return model_inputs.make_gen_model_input_fn(attention=attention_kind(cfg))
+    return model_inputs.make_gen_model_input_fn(attention=attention_kind(cfg), loss_mean=cfg.loss_mean)
 
 
 def install_attention(model: nnx.Module, cfg: TrainConfig, max_length: int) -> None:

@@ -1,8 +1,12 @@
 """The metrics JSONL of `prepack train` and its console progress lines.
 
 One JSON line per optimizer step, then eval lines and one summary line:
-  {"step", "loss", "grad_norm", "step_time_s", "tokens", "target_tokens", "target_tokens_per_s", "density", ...}
-  {"eval": {"step", "loss", "target_tokens", "batches", "time_s"}}
+  {"step", "loss", "loss_mean", "grad_norm", "step_time_s", "tokens", "target_tokens", "target_tokens_per_s", "density", ...}
+  {"eval": {"step", "loss", "loss_mean", "target_tokens", "batches", "time_s"}}
+`loss_mean` names what `loss` is: "token" (the mean over the batch's target tokens) or
+"example" (the mean of its examples' token means; those records add `token_loss`, the token
+mean of the same batch, and `device_examples`, the examples the loss counted: fractional when
+a split example's pieces fall in different batches).
   {"summary": {...}}
 Every step is synchronized (the loss's aux is awaited) so that step_time_s is the
 wall time from the previous step's end to this one's, input wait included; step 1
@@ -123,7 +127,7 @@ class MetricsRecorder:
         self.evals: list[dict[str, Any]] = []
         self._clock: float | None = None
         self._pending: dict[str, Any] | None = None
-        self._eval_acc: list[tuple[float, float, float]] = []
+        self._eval_acc: list[tuple[float, float, float, float]] = []
         self.started = time.perf_counter()
 
     def _write(self, record: Mapping[str, Any]) -> None:
@@ -165,6 +169,10 @@ class MetricsRecorder:
             # Cross-check: the target count the loss saw on the device equals the host's count.
             "device_target_tokens": int(round(float(aux["target_tokens"]))),
         }
+        if "examples" in aux:  # --loss-mean example: the token mean of the same batch, to compare
+            target_sum = float(aux["target_tokens"])
+            record["token_loss"] = divergence.finite_or_none(float(aux["nll_sum"]) / target_sum) if target_sum > 0 else None
+            record["device_examples"] = float(aux["examples"])
         reason = divergence.nonfinite_reason({"loss": aux["loss"], "grad_norm": aux.get("grad_norm")})
         if reason:
             record["nonfinite"] = reason
@@ -178,8 +186,9 @@ class MetricsRecorder:
         step = record["step"]
         if reason or (self.log_every and (step % self.log_every == 0 or step in (self.first_step, self.last_step))):
             loss = f"{record['loss']:.4f}" if record["loss"] is not None else f"non-finite ({reason})"
+            kind = " (example mean)" if self.static.get("loss_mean") == "example" else ""
             print(
-                f"step {step}: loss {loss}  {step_time:.3f}s  "
+                f"step {step}: loss {loss}{kind}  {step_time:.3f}s  "
                 f"{record['target_tokens_per_s']:.0f} target tok/s  density {record['density']:.3f}"
                 + ("  (update skipped: --nan-policy skip-step)" if record.get("skipped") else ""),
                 file=self.out,
@@ -191,16 +200,23 @@ class MetricsRecorder:
         self.stopped = {"step": step, "reason": reason, "nan_policy": self.nan_policy}
 
     def eval_batch_done(self, aux: Mapping[str, Any]) -> None:
-        self._eval_acc.append((float(aux["nll_sum"]), float(aux["target_tokens"]), float(aux["loss"])))
+        # The sums the loss's mean divides, so the eval loss is that mean over the whole set.
+        if "examples" in aux:
+            weighted, weights = float(aux["example_nll_sum"]), float(aux["examples"])
+        else:
+            weighted, weights = float(aux["nll_sum"]), float(aux["target_tokens"])
+        self._eval_acc.append((weighted, weights, float(aux["target_tokens"]), float(aux["loss"])))
 
     def eval_done(self, elapsed: float) -> None:
         if not self._eval_acc:
             return
-        nll, targets, losses = (np.array(v) for v in zip(*self._eval_acc))
+        nll, weights, targets, losses = (np.array(v) for v in zip(*self._eval_acc))
         record = {
             "step": self.first_step - 1 + len(self.steps),
-            # Token-weighted over the whole eval set (Tunix's own eval loss is a mean of batch means).
-            "loss": divergence.finite_or_none(nll.sum() / max(targets.sum(), 1e-8)),
+            # Over the whole eval set, by the run's --loss-mean: token-weighted, or example-weighted
+            # (Tunix's own eval loss is a mean of batch means).
+            "loss": divergence.finite_or_none(nll.sum() / max(weights.sum(), 1e-8)),
+            **({"loss_mean": self.static["loss_mean"]} if "loss_mean" in self.static else {}),
             "mean_batch_loss": float(losses.mean()),
             "target_tokens": int(targets.sum()),
             "batches": len(losses),

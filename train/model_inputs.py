@@ -42,6 +42,9 @@ import jax.numpy as jnp
 # segment_ids != 0, so sending it would only cost transfer.
 DEVICE_FIELDS: tuple[str, ...] = ("input_ids", "loss_mask", "positions", "segment_ids")
 
+# Fields only some sets have: a mixture's source_ids, a split set's example_targets.
+OPTIONAL_DEVICE_FIELDS: tuple[str, ...] = ("source_ids", "example_targets")
+
 # Exactly the keyword arguments of Tunix's default loss (and of train.loss.*).
 MODEL_INPUT_KEYS: tuple[str, ...] = ("input_tokens", "input_mask", "positions", "attention_mask")
 
@@ -61,13 +64,15 @@ def segment_ids_as_mask(segment_ids: jax.Array) -> jax.Array:
     return segment_ids
 
 
-def make_gen_model_input_fn(mask_fn: MaskFn | None = None, attention: str = "dense") -> Callable[[Mapping[str, Any]], dict[str, jax.Array]]:
+def make_gen_model_input_fn(mask_fn: MaskFn | None = None, attention: str = "dense",
+                            loss_mean: str = "token") -> Callable[[Mapping[str, Any]], dict[str, jax.Array]]:
     """Returns a jit-traceable gen_model_input_fn for PeftTrainer.with_gen_model_input_fn.
 
     mask_fn maps segment_ids [B, L] -> bool [B, L, L]; the default is
     loaders.block_causal_mask_jax. Tests pass other masks to show that the
     correctness checks fail without it. attention other than "dense" passes the
-    segment ids where the mask goes (no [B, L, L] array at all).
+    segment ids where the mask goes (no [B, L, L] array at all). loss_mean "example" also hands
+    the loss the segment ids and, on a split set, example_targets (train/loss.py).
     """
     if attention != "dense":
         mask = segment_ids_as_mask
@@ -84,6 +89,10 @@ def make_gen_model_input_fn(mask_fn: MaskFn | None = None, attention: str = "den
         }
         if "source_ids" in batch:  # a mixture set's: for the loss's per-source sums, never for the model
             inputs["source_ids"] = jnp.asarray(batch["source_ids"])
+        if loss_mean == "example":  # the loss finds each target's example from them
+            inputs["segment_ids"] = segment_ids
+            if "example_targets" in batch:  # a split set's: pieces of one example weigh as one
+                inputs["example_targets"] = jnp.asarray(batch["example_targets"])
         return inputs
 
     return gen_model_input_fn
@@ -94,4 +103,4 @@ def device_fields(batch: Mapping[str, Any]) -> dict[str, Any]:
     missing = [k for k in DEVICE_FIELDS if k not in batch]
     if missing:
         raise KeyError(f"batch lacks fields {missing}; has {sorted(batch)}")
-    return {k: batch[k] for k in DEVICE_FIELDS + (("source_ids",) if "source_ids" in batch else ())}
+    return {k: batch[k] for k in DEVICE_FIELDS + tuple(k for k in OPTIONAL_DEVICE_FIELDS if k in batch)}

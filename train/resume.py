@@ -108,6 +108,7 @@ def run_identity(cfg: TrainConfig, spec: Any, config: Any, view: Any) -> dict[st
         # silently bring back the old one; the loss changes what the gradients mean.
         "learning_rate": cfg.learning_rate,
         "loss": cfg.loss,
+        "loss_mean": cfg.loss_mean,
         # float32 adapters since mixed precision (train/precision.py); skip-step adds
         # apply_if_finite's counters to the optimizer state, so its layout differs.
         "lora_dtype": jnp.dtype(precision.LORA_DTYPE).name,

@@ -121,6 +121,8 @@ def setup(cfg: TrainConfig, out: TextIO | None = None) -> Setup:
         "packing": packing_kind(manifest),
         "batch_size": cfg.batch_size,
         "seq_len": manifest.max_length,
+        # On every step record: which mean `loss` is (train/loss.py), token or example.
+        "loss_mean": cfg.loss_mean,
     }
     mixture = getattr(manifest, "mixture", None)
     if mixture:  # MetricsRecorder takes the names out of the static fields
