@@ -33,6 +33,7 @@ class OverlongPolicy(str, enum.Enum):
     DROP = "drop"
     TRUNCATE = "truncate"
     SPLIT = "split"  # cut into pieces of at most L tokens, each its own segment (split_pieces)
+    WINDOW = "window"  # pieces as split, each after the first led by its reply's prompt as context (window_pieces)
 
 
 class Planner(str, enum.Enum):
@@ -48,6 +49,7 @@ class DropReason(str, enum.Enum):
     TOO_LONG = "too_long"
     NO_TARGETS_AFTER_TRUNCATION = "no_targets_after_truncation"
     NO_TARGETS_AFTER_SPLIT = "no_targets_after_split"  # counts pieces, not examples
+    WINDOW_CONTEXT_TOO_LONG = "window_context_too_long"  # counts pieces: context left no room for a target
     NOT_SAMPLED = "not_sampled"  # a mixture's share rule left it out at this max length (prepack/packing/mixture.py)
 
 
@@ -60,6 +62,7 @@ class Fit(enum.IntEnum):
     TOO_LONG = 2  # dropped: longer than the max length under --overlong drop
     NO_TARGETS_AFTER_TRUNCATION = 3  # dropped: cut to the max length, no target survives
     SPLIT = 4  # cut into pieces under --overlong split (split_pieces decides which are kept)
+    WINDOW = 5  # cut into pieces under --overlong window (window_pieces decides them)
 
     @property
     def drop_reason(self) -> DropReason | None:
@@ -89,17 +92,120 @@ def split_pieces(length: int, max_length: int) -> list[tuple[int, int]]:
     return [(start, min(start + max_length, length)) for start in range(0, length, max_length)]
 
 
-def piece_id(example_id: str, start: int, end: int) -> str:
-    """A piece's identity: its example and token range, the same at every max length that cuts
+def window_context_tokens(max_length: int, given: int | None = None) -> int:
+    """N of --overlong window at one max length: --window-context-tokens when given, else L // 4
+    (at least 1: a piece must start on a token that is no target)."""
+    return given if given is not None else max(1, max_length // 4)
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowPiece:
+    """One piece of --overlong window, in the example's token positions: the context
+    [context_start, context_end), loss 0 in the piece, then the body [start, end) with the
+    example's own loss mask. `kept` False: the context leaves no room for a target at this
+    max length; [start, end) is then the rest of the reply, which no piece trains."""
+
+    context_start: int
+    context_end: int
+    start: int
+    end: int
+    kept: bool = True
+
+    @property
+    def context_tokens(self) -> int:
+        return self.context_end - self.context_start
+
+    @property
+    def length(self) -> int:
+        return self.context_tokens + self.end - self.start
+
+    def positions(self) -> np.ndarray:
+        """The example's token positions the piece holds, in order (int64)."""
+        return np.concatenate([np.arange(self.context_start, self.context_end, dtype=np.int64),
+                               np.arange(self.start, self.end, dtype=np.int64)])
+
+    def loss_mask(self, mask: np.ndarray) -> np.ndarray:
+        """The piece's loss mask from the example's: 0 over the context, the example's over the body."""
+        return np.concatenate([np.zeros(self.context_tokens, dtype=mask.dtype), mask[self.start:self.end]])
+
+
+def window_pieces(mask: np.ndarray, max_length: int, context_tokens: int) -> list[WindowPiece]:
+    """The rule of --overlong window for one example longer than `max_length` (L), from its loss
+    mask (the fit stage knows tokens and mask only, no turns). A reply is a maximal run of
+    targets; its prompt is the maximal loss-0 run just before it: for the first reply the
+    system and user turns, under --expand-turns the whole conversation before the reply, for a
+    later reply of a multi-turn example only the turn it answers (the user turn and the
+    template's markers). Its context is the prompt, or the prompt's last `context_tokens` (N)
+    tokens when it is longer. Pieces, in order:
+    - the first is [0, L), as under split, when a target lies in [1, L);
+    - then, from p, the first target no piece trains yet: the context of p's reply, then the
+      example's tokens from p on, as many as fill L (fewer at the example's end). When p's
+      reply starts the example (no prompt) the context is the one token before p.
+    Every target after the example's first token is a target in exactly one kept piece, and no
+    piece's first token is one (the row builder zeroes a segment's first target): the context
+    comes first, and it is loss 0. A piece whose context leaves no room for a target (only when
+    N >= L) is not kept (DropReason.WINDOW_CONTEXT_TOO_LONG); its reply's remaining targets are
+    not trained, and the pieces go on at the next reply. Loss-0 tokens after the last target
+    need no piece of their own. Positions restart at 0 in each piece, as for any segment."""
+    if max_length < 2 or context_tokens < 1:
+        raise ValueError(f"window_pieces: max_length must be at least 2 and context_tokens at least 1, "
+                         f"got {max_length} and {context_tokens}")
+    target = np.asarray(mask) != 0
+    n = len(target)
+    targets = np.flatnonzero(target)
+    targets = targets[targets >= 1]
+    zeros = np.flatnonzero(~target)
+
+    def first_target_from(at: int) -> int | None:
+        k = int(np.searchsorted(targets, at))
+        return int(targets[k]) if k < len(targets) else None
+
+    pieces: list[WindowPiece] = []
+    p = first_target_from(1)
+    if p is not None and p < max_length:
+        pieces.append(WindowPiece(0, 0, 0, min(max_length, n)))
+        p = first_target_from(max_length)
+    while p is not None:
+        k = int(np.searchsorted(zeros, p))  # zeros[k - 1]: the last loss-0 token before p
+        reply = int(zeros[k - 1]) + 1 if k else 0
+        if reply == 0:
+            context = (p - 1, p)
+        else:
+            before = int(np.searchsorted(targets, reply))  # targets[before - 1]: the last target before the prompt
+            prompt = int(targets[before - 1]) + 1 if before else 0
+            context = (max(prompt, reply - context_tokens), reply)
+        room = max_length - (context[1] - context[0])
+        if room < 1:
+            reply_end = int(zeros[k]) if k < len(zeros) else n
+            pieces.append(WindowPiece(*context, p, reply_end, kept=False))
+            p = first_target_from(reply_end)
+            continue
+        end = min(p + room, n)
+        pieces.append(WindowPiece(*context, p, end))
+        p = first_target_from(end)
+    return pieces
+
+
+def piece_id(example_id: str, start: int, end: int, context: tuple[int, int] | None = None) -> str:
+    """A piece's identity: its example and token ranges, the same at every max length that cuts
     it there (one piece then serves all of them), distinct from every example id (none ends in
-    '#<start>:<end>'; --expand-turns ids end in '#<i>')."""
-    return f"{example_id}#{start}:{end}"
+    '#<start>:<end>'; --expand-turns ids end in '#<i>'). A window piece's context, when it does not
+    run straight into the body, comes first: '#<context_start>:<context_end>+<start>:<end>'; when
+    it does, the piece is the range '#<context_start>:<end>' (its tokens and targets are that
+    range's: the context is loss 0 there, or is the piece's first token, whose target the row
+    builder zeroes)."""
+    if context is None or context[0] == context[1]:
+        return f"{example_id}#{start}:{end}"
+    if context[1] == start:
+        return f"{example_id}#{context[0]}:{end}"
+    return f"{example_id}#{context[0]}:{context[1]}+{start}:{end}"
 
 
 def fit_at_length(lengths: np.ndarray, max_length: int, policy: OverlongPolicy,
                   targets_within: np.ndarray | None = None) -> np.ndarray:
     """The overlong rule: each example's Fit (int8) at `max_length`. An example that fits is
-    WHOLE; a longer one is TOO_LONG under --overlong drop, and under truncate TRUNCATED when a
+    WHOLE; a longer one is TOO_LONG under --overlong drop, SPLIT or WINDOW under split or window
+    (split_pieces, window_pieces cut it), and under truncate TRUNCATED when a
     target survives after its first token within `max_length` tokens, else
     NO_TARGETS_AFTER_TRUNCATION. `targets_within[i]`: targets_after_first(..., max_length) of
     example i; needed only under truncate when some example is longer."""
@@ -113,6 +219,9 @@ def fit_at_length(lengths: np.ndarray, max_length: int, policy: OverlongPolicy,
         return out
     if policy is OverlongPolicy.SPLIT:
         out[over] = Fit.SPLIT
+        return out
+    if policy is OverlongPolicy.WINDOW:
+        out[over] = Fit.WINDOW
         return out
     if targets_within is None:
         raise ValueError("fit_at_length: truncating needs each example's targets within the max length")
