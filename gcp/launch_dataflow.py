@@ -12,7 +12,8 @@ Regenerating the shards for another max length is the same command with another
 
 Options this launcher does not know go to `prepack pack` unchanged, after ours,
 so they can also override a Beam option it sets (e.g. --num-shards 64,
---tokenizer hf:Qwen/Qwen3-0.6B, --overlong truncate, --max_num_workers 32).
+--tokenizer hf:Qwen/Qwen3-0.6B, --overlong truncate, --overlong window --window-context-tokens 256,
+--max_num_workers 32).
 
 The launcher process stays up until the Dataflow job ends: `prepack pack` waits
 for the job, then publishes (moves the shards into place, switches manifest.json

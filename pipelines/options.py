@@ -73,6 +73,7 @@ class PackConfig:
     max_lengths: tuple[int, ...] = DEFAULT_MAX_LENGTHS
     pack: bool = True
     overlong: OverlongPolicy = OverlongPolicy.DROP
+    window_context_tokens: int | None = None  # --overlong window: N; None: L // 4 at each max length
     planner: Planner = Planner.BEST
     max_segments_per_row: int | None = None  # None: no cap
     num_shards: int | None = None
@@ -116,6 +117,8 @@ class PackConfig:
             "max_lengths": list(self.max_lengths),
             "packing": "bfd" if self.pack else "unpacked",
             "overlong": self.overlong.value,
+            # Only under window, so manifests of the other policies stay as they were; null: L // 4.
+            **({"window_context_tokens": self.window_context_tokens} if self.overlong is OverlongPolicy.WINDOW else {}),
             "planner": self.planner.value,
             "max_segments_per_row": self.max_segments_per_row,
             "num_shards": self.num_shards,
@@ -198,8 +201,15 @@ def _add_packing_options(pk: argparse._ArgumentGroup) -> None:
     )
     pk.add_argument("--no-pack", action="store_true", help="one example per row (baseline), same format and manifest")
     pk.add_argument("--overlong", choices=[p.value for p in OverlongPolicy], default=OverlongPolicy.DROP.value,
-                    help="examples longer than L: drop (default), truncate (cut to L), or split (cut into pieces of at most L "
-                    "tokens, each its own segment; a piece sees no earlier context)")
+                    help="examples longer than L: drop (default), truncate (cut to L), split (cut into pieces of at most L "
+                    "tokens, each its own segment; a piece sees no earlier context), or window (pieces as split, but each "
+                    "after the first starts with its reply's prompt as loss-0 context, then the reply's next tokens; each "
+                    "target is trained in exactly one piece)")
+    pk.add_argument("--window-context-tokens", metavar="N",
+                    help="--overlong window: replay at most the last N tokens of a reply's prompt (the loss-0 run before "
+                    "the reply: system and user turn for the first reply, the turn it answers for a later one) "
+                    "(default: L // 4 at each max length, at least 1); a piece whose context leaves no room for a target "
+                    "is dropped as window_context_too_long")
     pk.add_argument("--planner", choices=[p.value for p in Planner], default=Planner.BEST.value,
                     help="how rows are planned from the length histogram: best (default: the fewer rows of "
                     "best-fit-decreasing and exact fills) or bfd (best-fit-decreasing only)")
@@ -339,6 +349,24 @@ def _check_row_shape(ns: argparse.Namespace, max_lengths: tuple[int, ...]) -> No
         raise OptionsError(f"--sub-buckets must be between 1 and {MAX_SUB_BUCKETS}, got {ns.sub_buckets}")
     if ns.max_segments_per_row is not None and ns.max_segments_per_row < 1:
         raise OptionsError(f"--max-segments-per-row must be at least 1, got {ns.max_segments_per_row}")
+    ns.window_context_tokens = window_context_option(ns.window_context_tokens, ns.overlong)
+
+
+def window_context_option(text: str | None, overlong: str) -> int | None:
+    """--window-context-tokens N: a whole number of at least 1, and only with --overlong window
+    (`prepack pack` and `prepack preflight` share it). OptionsError (one line) otherwise."""
+    if text is None:
+        return None
+    if overlong != OverlongPolicy.WINDOW.value:
+        raise OptionsError(f"--window-context-tokens applies to --overlong window only (got --overlong {overlong}); "
+                           "add --overlong window or leave it out")
+    try:
+        value = int(text, 10)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise OptionsError(f"--window-context-tokens must be a whole number of at least 1, got {text!r}")
+    return value
 
 
 def _check_run_behaviour(ns: argparse.Namespace) -> None:
@@ -386,6 +414,7 @@ def _config(ns: argparse.Namespace, inputs: tuple[str, ...], fmt: str, mixture: 
         max_lengths=max_lengths,
         pack=not ns.no_pack,
         overlong=OverlongPolicy(ns.overlong),
+        window_context_tokens=ns.window_context_tokens,
         planner=Planner(ns.planner),
         max_segments_per_row=ns.max_segments_per_row,
         num_shards=ns.num_shards,

@@ -116,6 +116,11 @@ class LengthStats:
     # The stop-token check (prepack/text/stop_check.py); None, and not in the manifest, when nothing was found.
     turns_without_trained_eot: int | None = None
     trained_empty_think: int | None = None
+    # --overlong window: examples cut into pieces, the pieces (kept or dropped), and the context
+    # tokens the written pieces start with; None, and not in the manifest, under the other policies.
+    examples_windowed: int | None = None
+    window_pieces: int | None = None
+    context_tokens_replayed: int | None = None
 
     @property
     def rows(self) -> int:
@@ -123,7 +128,8 @@ class LengthStats:
 
     def to_json(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "packing"}
-        for optional in ("examples_repeated", "turns_without_trained_eot", "trained_empty_think"):
+        for optional in ("examples_repeated", "turns_without_trained_eot", "trained_empty_think", "examples_windowed",
+                         "window_pieces", "context_tokens_replayed"):
             if d[optional] is None:
                 del d[optional]
         return {**d, **self.packing}

@@ -87,6 +87,16 @@ def test_command_means_the_same_to_prepack_pack_and_beam():
     assert (setup.setup_file, setup.requirements_cache) == (str(REPO / "setup.py"), "skip")
 
 
+def test_overlong_window_reaches_prepack_pack_through_the_launcher():
+    """--overlong window and --window-context-tokens are forwarded to `prepack pack`, which reads them."""
+    from pipelines.options import parse_args
+    from prepack.packing.packer import OverlongPolicy
+
+    cmd = ld.build_command(BASE + ["--overlong", "window", "--window-context-tokens", "96"]).cmd
+    config, _ = parse_args(cmd[4:])
+    assert config.overlong is OverlongPolicy.WINDOW and config.window_context_tokens == 96
+
+
 def test_beam_stages_our_package_and_the_pipeline_extra(tmp_path):
     """What Dataflow submission does on the launcher, run offline: the sdist of this repo
     (with the embedded sample data) and the requirements file are staged."""

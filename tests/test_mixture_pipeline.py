@@ -287,7 +287,8 @@ def test_max_bad_fraction_applies_to_each_source(tmp_path):
     assert fr["examples_read"] == 17 == fr["examples_unique"] + sum(fr["examples_dropped"].values())
 
 
-@pytest.mark.parametrize("extra", [["--no-pack"], ["--overlong", "split"], ["--overlong", "truncate"]])
+@pytest.mark.parametrize("extra", [["--no-pack"], ["--overlong", "split"], ["--overlong", "truncate"],
+                                   ["--overlong", "window"]])
 def test_other_packing_options_keep_the_per_source_identity(tmp_path, extra):
     path = make_inputs(tmp_path)
     out = str(tmp_path / "out")
@@ -302,7 +303,10 @@ def test_other_packing_options_keep_the_per_source_identity(tmp_path, extra):
     for index, f in enumerate(manifest.mixture["sources"], start=1):
         assert f["examples_written"] == per_source[index]
         assert (f["examples_read"] - f["examples_split"] + f["split_pieces"]
+                - f.get("examples_windowed", 0) + f.get("window_pieces", 0)
                 == f["examples_unique"] + sum(f["examples_dropped"].values()))
+    if "window" in extra:  # some example is longer than 64: the sources count their windowed examples
+        assert manifest.stats["examples_windowed"] == sum(f["examples_windowed"] for f in manifest.mixture["sources"]) > 0
 
 
 def test_remix_of_a_set_without_a_mixture_is_refused(mixed, tmp_path):

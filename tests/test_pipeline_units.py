@@ -317,6 +317,16 @@ def test_density_table_says_what_overlong_split_split():
     assert " split: " not in density_table({512: dict(stats, examples_split=0, split_pieces=0)})
 
 
+def test_density_table_says_what_overlong_window_windowed():
+    stats = {"examples_read": 10, "examples_written": 13, "examples_dropped": {}, "examples_truncated": 0,
+             "examples_split": 0, "split_pieces": 0, "examples_windowed": 2, "window_pieces": 5,
+             "context_tokens_replayed": 1234, "rows": 3, "lower_bound_rows": 3, "rows_over_lower_bound": 1.0,
+             "packed_density": 0.9, "unpacked_density": 0.3, "target_density": 0.5, "row_reduction": 13 / 3}
+    assert ("L512 window: 2 examples longer than 512 tokens into 5 pieces, 1,234 prompt tokens replayed as context "
+            "(--overlong window)") in density_table({512: stats})
+    assert " window: " not in density_table({512: dict(stats, examples_windowed=0, window_pieces=0)})
+
+
 def test_density_table_of_an_unpacked_set_has_no_packed_columns():
     # --no-pack: one example per row, so rows == examples and the density is the unpacked one.
     stats = {"examples_read": 10, "examples_written": 8, "examples_dropped": {"too_long": 2}, "examples_truncated": 0,

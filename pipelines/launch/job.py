@@ -53,6 +53,7 @@ from pipelines.summary import LengthStats, RunSummary
 from pipelines import failpoints
 from prepack.format import layout
 from prepack.format.tokenset import TokenSetError, TokenSetManifest
+from prepack.packing.packer import OverlongPolicy
 
 log = logging.getLogger("prepack.pack")
 
@@ -430,7 +431,7 @@ def verify(job: PreparedJob, summary: RunSummary, held: output.OutputLock) -> di
     stats: dict[int, LengthStats] = {}
     problems: list[str] = []
     for L in config.max_lengths:
-        stats[L] = publish.length_stats(summary, L, config.pack)
+        stats[L] = publish.length_stats(summary, L, config.pack, config.overlong is OverlongPolicy.WINDOW)
         problems += publish.check_stats(stats[L], L, summary.lengths[L].plan, config.max_segments_per_row)
     if problems:
         raise publish.JobError("accounting check failed, nothing was published: " + "; ".join(problems))

@@ -43,8 +43,9 @@ def read_summary(output: str, run_id: str) -> RunSummary:
 # ----------------------------------------------------------------------------- figures
 
 
-def length_stats(summary: RunSummary, max_length: int, pack: bool = True) -> LengthStats:
-    """The manifest's `stats` for one max length, from the run summary."""
+def length_stats(summary: RunSummary, max_length: int, pack: bool = True, windowed: bool = False) -> LengthStats:
+    """The manifest's `stats` for one max length, from the run summary; `windowed`: the run is
+    --overlong window (its three figures are then recorded, 0 where nothing was longer)."""
     tally = Tally.from_json(summary.tally)
     per = summary.lengths[max_length]
     shards = per.shards
@@ -81,20 +82,25 @@ def length_stats(summary: RunSummary, max_length: int, pack: bool = True) -> Len
         examples_repeated=tally.repeated.get(max_length, 0) if tally.sources else None,
         turns_without_trained_eot=tally.turns_without_trained_eot or None,
         trained_empty_think=tally.trained_empty_think or None,
+        examples_windowed=tally.windowed.get(max_length, 0) if windowed else None,
+        window_pieces=tally.window_pieces.get(max_length, 0) if windowed else None,
+        context_tokens_replayed=tally.context_replayed.get(max_length, 0) if windowed else None,
     )
 
 
 def check_stats(stats: LengthStats, max_length: int, plan: PlanSummary, cap: int | None = None) -> list[str]:
     """Accounting problems (empty when all is well): every example read is written or dropped
-    (under --overlong split, each of its pieces), and no row holds more than `cap` segments."""
+    (under --overlong split or window, each of its pieces), and no row holds more than `cap` segments."""
     problems = []
     dropped = sum(stats.examples_dropped.values())
     repeated = stats.examples_repeated or 0  # a mixture's extra copies
-    arrived = stats.examples_read - stats.examples_split + stats.split_pieces + repeated
+    windowed, window_pieces = stats.examples_windowed or 0, stats.window_pieces or 0
+    arrived = stats.examples_read - stats.examples_split + stats.split_pieces - windowed + window_pieces + repeated
     if arrived != stats.examples_written + dropped:
         problems.append(
             f"L={max_length}: examples read {stats.examples_read} (- split {stats.examples_split} + pieces "
-            f"{stats.split_pieces}{f' + repeats {repeated}' if repeated else ''}) != written {stats.examples_written} "
+            f"{stats.split_pieces}{f' - windowed {windowed} + window pieces {window_pieces}' if windowed else ''}"
+            f"{f' + repeats {repeated}' if repeated else ''}) != written {stats.examples_written} "
             f"+ dropped {dropped}"
         )
     if stats.examples_written != plan.num_examples:

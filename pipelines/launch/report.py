@@ -76,6 +76,10 @@ def density_table(stats_by_length: Mapping[int, Mapping[str, Any]], packed: bool
         if stats.get("examples_split"):  # --overlong split: how many were cut, into how many pieces
             lines.append(f"L{L} split: {stats['examples_split']:,} examples longer than {L:,} tokens into "
                          f"{stats.get('split_pieces', 0):,} pieces (--overlong split)")
+        if stats.get("examples_windowed"):  # --overlong window: the same, and the context the pieces replay
+            lines.append(f"L{L} window: {stats['examples_windowed']:,} examples longer than {L:,} tokens into "
+                         f"{stats.get('window_pieces', 0):,} pieces, {stats.get('context_tokens_replayed', 0):,} prompt "
+                         "tokens replayed as context (--overlong window)")
     if packed and segment_cap:
         lines += [f"L{L} lower bound: {b.capped_lower_bound_rows:,} rows at most {segment_cap} examples a row "
                   f"(--max-segments-per-row {segment_cap}), {b.lower_bound_rows:,} from tokens alone "

@@ -18,7 +18,8 @@ from pipelines.stages.records import dead_letter
 from pipelines.stages.stage import (FLUSH_EXAMPLES, NAMESPACE, TAG_DEAD, TAG_HIST, TAG_TALLY, TAG_WEIGHTS, JobContext, StageClock,
                              in_global_window)
 from prepack.packing.accounting import Tally
-from prepack.packing.packer import DropReason, Fit, OverlongPolicy, fit_at_length, piece_id, split_pieces
+from prepack.packing.packer import (DropReason, Fit, OverlongPolicy, WindowPiece, fit_at_length, piece_id, split_pieces,
+                                    window_context_tokens, window_pieces)
 
 
 class FitAndKeyFn(beam.DoFn):
@@ -122,7 +123,7 @@ class FitAndKeyFn(beam.DoFn):
         for bit, L in enumerate(ctx.config.max_lengths):
             within = batch.targets_after_first(L)[index] if truncate and (n > L).any() else None
             fit = fit_at_length(n, L, ctx.config.overlong, within)
-            for j in np.flatnonzero(fit == Fit.SPLIT).tolist():
+            for j in np.flatnonzero(fit >= Fit.SPLIT).tolist():  # SPLIT or WINDOW
                 split_at.setdefault(int(index[j]), []).append(bit)
             kept = fit <= Fit.TRUNCATED
             kept_at[index[kept]] |= np.uint64(1 << bit)
@@ -132,7 +133,7 @@ class FitAndKeyFn(beam.DoFn):
             if truncated:
                 tally.truncated[L] += truncated
                 self.m_truncated[L].inc(truncated)
-            for j in np.flatnonzero(~kept & (fit != Fit.SPLIT)).tolist():
+            for j in np.flatnonzero(~kept & (fit < Fit.SPLIT)).tolist():
                 i, reason = int(index[j]), Fit(int(fit[j])).drop_reason
                 tally.dropped[(L, reason)] += 1
                 self.m_dropped[L].inc()
@@ -143,53 +144,90 @@ class FitAndKeyFn(beam.DoFn):
         if split_at:
             yield from self._split(batch, split_at)
 
+    def _cut(self, mask: np.ndarray, max_length: int) -> list[tuple[WindowPiece, DropReason | None]]:
+        """The pieces of one example at one max length under the overlong rule (split_pieces or
+        window_pieces), each with the reason it is dropped, None when it is kept."""
+        if self.ctx.config.overlong is OverlongPolicy.SPLIT:
+            return [(WindowPiece(a, a, a, b), None if mask[a + 1:b].any() else DropReason.NO_TARGETS_AFTER_SPLIT)
+                    for a, b in split_pieces(len(mask), max_length)]
+        n_context = window_context_tokens(max_length, self.ctx.config.window_context_tokens)
+        return [(p, None if p.kept else DropReason.WINDOW_CONTEXT_TOO_LONG)
+                for p in window_pieces(mask, max_length, n_context)]
+
+    def _count_cut(self, max_length: int, cut: list[tuple[WindowPiece, DropReason | None]]) -> None:
+        tally = self.tally
+        if self.ctx.config.overlong is OverlongPolicy.SPLIT:
+            tally.split[max_length] += 1
+            tally.split_pieces[max_length] += len(cut)
+            return
+        tally.windowed[max_length] += 1
+        tally.window_pieces[max_length] += len(cut)
+        tally.context_replayed[max_length] += sum(p.context_tokens for p, reason in cut if reason is None)
+
+    @staticmethod
+    def _drop_message(piece: WindowPiece, reason: DropReason, n: int, max_length: int) -> str:
+        if reason is DropReason.NO_TARGETS_AFTER_SPLIT:
+            return (f"no target token after the first in tokens {piece.start}..{piece.end - 1} of {n}, a piece of the "
+                    f"example cut at max_length {max_length}")
+        return (f"the reply's context, prompt tokens {piece.context_start}..{piece.context_end - 1} of {n} "
+                f"({piece.context_tokens} tokens), leaves no room for a target at max_length {max_length}: reply tokens "
+                f"{piece.start}..{piece.end - 1} are not trained; give --window-context-tokens below {max_length}")
+
     def _split(self, batch: TokenizedBatch, split_at: dict[int, list[int]]) -> Iterator[Any]:
-        """Examples cut into pieces (--overlong split) at some max lengths: each piece travels
-        on as an example of its own (id piece_id(...), its own hash and sub-bucket), kept at
-        every max length that cuts the example there (the last pieces of two max lengths are
-        often the same range); a piece with no target after its first token is dropped there."""
+        """Examples cut into pieces (--overlong split or window) at some max lengths: each piece
+        travels on as an example of its own (id piece_id(...), its own hash and sub-bucket), kept
+        at every max length that cuts the example there (the last pieces of two max lengths are
+        often the same range); a piece the rule does not keep is dropped there with its reason."""
         ctx = self.ctx
         lengths = ctx.config.max_lengths
         starts = np.cumsum(batch.examples.lens, dtype=np.int64) - batch.examples.lens
-        pieces: dict[tuple[int, int, int], int] = {}  # (example, start, end) -> kept_at bits
+        # (example, context start, context end, start, end) -> kept_at bits; split pieces have no context.
+        pieces: dict[tuple[int, int, int, int, int], int] = {}
         for i, bits in split_at.items():
             n, first = int(batch.examples.lens[i]), int(starts[i])
             mask = batch.examples.mask[first:first + n]
             for bit in bits:
                 L = lengths[bit]
-                cut = split_pieces(n, L)
-                self.tally.split[L] += 1
-                self.tally.split_pieces[L] += len(cut)
-                for a, b in cut:
-                    if mask[a + 1:b].any():
-                        pieces[(i, a, b)] = pieces.get((i, a, b), 0) | 1 << bit
+                cut = self._cut(mask, L)
+                self._count_cut(L, cut)
+                for piece, reason in cut:
+                    if reason is None:
+                        key = (i, piece.context_start, piece.context_end, piece.start, piece.end)
+                        pieces[key] = pieces.get(key, 0) | 1 << bit
                         continue
-                    reason = DropReason.NO_TARGETS_AFTER_SPLIT
                     self.tally.dropped[(L, reason)] += 1
                     self.m_dropped[L].inc()
-                    key, entry = dead_letter(
-                        ctx.tasks, batch.locs[i], reason.value, "", f"no target token after the first in tokens "
-                        f"{a}..{b - 1} of {n}, a piece of the example cut at max_length {L}", None,
-                        example_id=batch.example_ids[i], tokens=b - a)
+                    key, entry = dead_letter(ctx.tasks, batch.locs[i], reason.value, "",
+                                             self._drop_message(piece, reason, n, L), None,
+                                             example_id=batch.example_ids[i], tokens=piece.length)
                     # The piece's start in the sort key: two pieces of one example sort the same way in every run.
-                    yield TaggedOutput(TAG_DEAD, (L, (key + (a,), entry)))
-        if not pieces:
-            return
+                    yield TaggedOutput(TAG_DEAD, (L, (key + (piece.start,), entry)))
+        if pieces:
+            self._add_pieces(batch, starts, pieces)
+
+    def _add_pieces(self, batch: TokenizedBatch, starts: np.ndarray,
+                    pieces: dict[tuple[int, int, int, int, int], int]) -> None:
+        """The one place pieces become examples: a TokenizedBatch of them, waiting for the flush
+        like kept examples, counted into the histogram at each max length that keeps them."""
+        ctx = self.ctx
         keys = sorted(pieces)
-        ids = [piece_id(batch.example_ids[i], a, b) for i, a, b in keys]
+        cut = [WindowPiece(*k[1:]) for k in keys]
+        ids = [piece_id(batch.example_ids[k[0]], p.start, p.end, (p.context_start, p.context_end))
+               for k, p in zip(keys, cut)]
         hashes = np.array([stable_hash(e) for e in ids], dtype=np.uint64)
-        flat = np.concatenate([np.arange(starts[i] + a, starts[i] + b) for i, a, b in keys])
-        piece_lens = np.array([b - a for _, a, b in keys], dtype=batch.examples.lens.dtype)
-        cut = TokenizedBatch(hashes, ids, [batch.locs[i] for i, _, _ in keys],
-                             Ragged(piece_lens, batch.examples.ids[flat], batch.examples.mask[flat]))
+        flat = np.concatenate([starts[k[0]] + p.positions() for k, p in zip(keys, cut)])
+        mask = np.concatenate([p.loss_mask(batch.examples.mask[starts[k[0]]:]) for k, p in zip(keys, cut)])
+        piece_lens = np.array([p.length for p in cut], dtype=batch.examples.lens.dtype)
+        made = TokenizedBatch(hashes, ids, [batch.locs[k[0]] for k in keys],
+                              Ragged(piece_lens, batch.examples.ids[flat], mask))
         kept_at = np.array([pieces[k] for k in keys], dtype=np.uint64)
         length_keys = piece_lens.astype(np.int64) if ctx.config.pack else np.zeros(len(keys), np.int64)
         b = sub_buckets_of(hashes, ctx.sub_buckets)
-        for bit, L in enumerate(lengths):
+        for bit, L in enumerate(ctx.config.max_lengths):
             at = (kept_at >> np.uint64(bit)) & np.uint64(1) == 1
             for key, sub in zip(length_keys[at].tolist(), b[at].tolist()):
                 self.hist[(L, key, sub)] += 1
-        self.pending.append((cut, length_keys * ctx.sub_buckets + b, kept_at))
+        self.pending.append((made, length_keys * ctx.sub_buckets + b, kept_at))
         self.buffered += len(keys)
 
     def _flush(self, windowed: bool) -> Iterator[Any]:

@@ -11,6 +11,9 @@ is written at a max length L, or dropped there for exactly one reason:
 Under --overlong split an example longer than L is cut into pieces at L (`split` counts the
 examples, `split_pieces` the pieces); each piece is written or dropped as
 no_targets_after_split, so per L: examples_read - split + split_pieces == written + dropped.
+Under --overlong window likewise (`windowed` the examples, `window_pieces` the pieces, each
+written or dropped as window_context_too_long; `context_replayed` the context tokens the
+written pieces start with): examples_read - windowed + window_pieces == written + dropped.
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ class Tally:
     dropped: Counter = dataclasses.field(default_factory=Counter)  # (max length, DropReason) -> examples
     split: Counter = dataclasses.field(default_factory=Counter)  # max length -> examples cut into pieces
     split_pieces: Counter = dataclasses.field(default_factory=Counter)  # max length -> pieces they were cut into
+    windowed: Counter = dataclasses.field(default_factory=Counter)  # max length -> examples cut under --overlong window
+    window_pieces: Counter = dataclasses.field(default_factory=Counter)  # max length -> their pieces, kept or dropped
+    context_replayed: Counter = dataclasses.field(default_factory=Counter)  # max length -> context tokens of kept pieces
     # Mixtures (prepack/packing/mixture.py): max length -> copies written beyond each example's first
     # (so per L: examples_read - split + split_pieces + repeated == written + dropped), and the
     # sampling's figures per L: kept weight before sampling, written weight, unique examples
@@ -62,8 +68,9 @@ class Tally:
         for mine, theirs in ((self.bad_records, other.bad_records), (self.bad_examples, other.bad_examples),
                              (self.filtered, other.filtered), (self.truncated, other.truncated),
                              (self.dropped, other.dropped), (self.split, other.split),
-                             (self.split_pieces, other.split_pieces), (self.repeated, other.repeated),
-                             (self.mix, other.mix)):
+                             (self.split_pieces, other.split_pieces), (self.windowed, other.windowed),
+                             (self.window_pieces, other.window_pieces), (self.context_replayed, other.context_replayed),
+                             (self.repeated, other.repeated), (self.mix, other.mix)):
             mine.update(theirs)
         for index, theirs in other.sources.items():
             self.sources.setdefault(index, Tally()).merge(theirs)
@@ -112,7 +119,7 @@ class Tally:
 
     def to_json(self) -> dict[str, Any]:
         lengths = sorted({L for L in self.truncated} | {L for L, _ in self.dropped} | set(self.split)
-                         | set(self.repeated) | {L for L, _ in self.mix})
+                         | set(self.windowed) | set(self.repeated) | {L for L, _ in self.mix})
         out = {
             "records_read": self.records_read,
             "examples": self.examples,
@@ -123,6 +130,10 @@ class Tally:
             "per_length": {str(L): {"truncated": self.truncated.get(L, 0),
                                     "split": self.split.get(L, 0), "split_pieces": self.split_pieces.get(L, 0),
                                     "dropped": {DropReason(r).value: n for (m, r), n in sorted(self.dropped.items()) if m == L},
+                                    # Only under --overlong window, so other runs' records stay as they were.
+                                    **({"windowed": self.windowed[L], "window_pieces": self.window_pieces.get(L, 0),
+                                        "context_replayed": self.context_replayed.get(L, 0)}
+                                       if self.windowed.get(L) else {}),
                                     **({"repeated": self.repeated.get(L, 0),
                                         "mix": {k: v for (m, k), v in sorted(self.mix.items()) if m == L}}
                                        if self.repeated.get(L) or any(m == L for m, _ in self.mix) else {})}
@@ -150,6 +161,10 @@ class Tally:
             if per.get("split"):
                 tally.split[int(L)] = per["split"]
                 tally.split_pieces[int(L)] = per["split_pieces"]
+            if per.get("windowed"):
+                tally.windowed[int(L)] = per["windowed"]
+                tally.window_pieces[int(L)] = per["window_pieces"]
+                tally.context_replayed[int(L)] = per["context_replayed"]
             for reason, n in per["dropped"].items():
                 tally.dropped[(int(L), DropReason(reason))] = n
             if per.get("repeated"):

@@ -415,6 +415,9 @@ def source_figures(mixture: Mixture, tally: Any, max_length: int) -> list[dict[s
             "examples_dropped": t.examples_dropped(max_length),
             "examples_split": t.split.get(max_length, 0),
             "split_pieces": t.split_pieces.get(max_length, 0),
+            # Only when the set windowed an example at this L (--overlong window), so other mixtures' manifests stay as they were.
+            **({"examples_windowed": t.windowed.get(max_length, 0), "window_pieces": t.window_pieces.get(max_length, 0)}
+               if tally.windowed.get(max_length) else {}),
             "kept_weight": kept,
             "written_weight": w,
             "repeats": round(w / kept, 6) if kept else 0.0,
@@ -443,7 +446,8 @@ def check_sources(mixture: Mixture, figures: list[dict[str, Any]], max_length: i
     problems, notes = [], []
     for f in figures:
         dropped = sum(f["examples_dropped"].values())
-        arrived = f["examples_read"] - f["examples_split"] + f["split_pieces"]
+        arrived = (f["examples_read"] - f["examples_split"] + f["split_pieces"]
+                   - f.get("examples_windowed", 0) + f.get("window_pieces", 0))
         if arrived != f["examples_unique"] + dropped:
             problems.append(f"L={max_length}: mixture source {f['name']!r}: examples read {f['examples_read']} != "
                             f"unique written {f['examples_unique']} + dropped {dropped}")

@@ -152,8 +152,8 @@ def window_pieces(mask: np.ndarray, max_length: int, context_tokens: int) -> lis
                          f"got {max_length} and {context_tokens}")
     target = np.asarray(mask) != 0
     n = len(target)
-    targets = np.flatnonzero(target)
-    targets = targets[targets >= 1]
+    every = np.flatnonzero(target)
+    targets = every[every >= 1]  # a target on the first token is never trained
     zeros = np.flatnonzero(~target)
 
     def first_target_from(at: int) -> int | None:
@@ -171,8 +171,8 @@ def window_pieces(mask: np.ndarray, max_length: int, context_tokens: int) -> lis
         if reply == 0:
             context = (p - 1, p)
         else:
-            before = int(np.searchsorted(targets, reply))  # targets[before - 1]: the last target before the prompt
-            prompt = int(targets[before - 1]) + 1 if before else 0
+            before = int(np.searchsorted(every, reply))  # every[before - 1]: the last target before the prompt
+            prompt = int(every[before - 1]) + 1 if before else 0
             context = (max(prompt, reply - context_tokens), reply)
         room = max_length - (context[1] - context[0])
         if room < 1:
