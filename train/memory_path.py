@@ -5,13 +5,15 @@ Each maps a TrainConfig field onto Tunix's own pieces, without forking them:
   (train/chunked_loss.py), or Tunix's default (for comparisons; never chunked);
 - gen_model_input_fn(cfg, L): the [B, L, L] mask for dense attention, the [B, L] segment ids
   themselves otherwise (train/attention.py installs layers that read them);
-- set_remat(model, on): Tunix's own `RematConfig.DECODER` (nnx.remat around each decoder
-  layer) on every layer of an already-built model, so `auto` can switch it after planning.
+- set_remat(model, on): the decoder layers under one lax.scan whose body is checkpointed
+  (train/layer_scan.py: each layer recomputed from its input in the backward pass), on an
+  already-built model, so `auto` can switch it after planning. Not Tunix's
+  `RematConfig.DECODER`: XLA merges that per-layer recomputation back into the forward pass
+  on CPU (layer_scan.py says how), so it saved nothing in the CPU plan.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -85,13 +87,12 @@ def install_attention(model: nnx.Module, cfg: TrainConfig, max_length: int) -> N
 
 
 def set_remat(model: nnx.Module, on: bool) -> None:
-    from tunix.models.gemma3 import model as g3
-    from tunix.models.qwen3 import model as q3
+    from train import layer_scan
 
-    for layer in model.layers:
-        kind = g3.RematConfig if hasattr(model.config, "num_embed") else q3.RematConfig
-        layer.config = dataclasses.replace(layer.config, remat_config=kind.DECODER if on else kind.NONE)
+    layer_scan.set_scan(model, on)
 
 
 def remat_is_on(model: nnx.Module) -> bool:
-    return all(getattr(layer.config.remat_config, "name", "") == "DECODER" for layer in model.layers)
+    from train import layer_scan
+
+    return layer_scan.scan_is_on(model)

@@ -288,6 +288,12 @@ def apply_lora(model: nnx.Module, spec: ModelSpec, *, rank: int, alpha: float | 
     # input) and creates the adapters as it goes. Under nnx.jit that run is one compiled
     # program instead of hundreds of eagerly dispatched ops; the adapters' values are
     # qwix's own initializers either way (A he_uniform, B zeros).
+    # Before qwix wraps the model's __call__: --remat layer's layer scan (train/layer_scan.py)
+    # must run inside qwix's interception so that the scanned layers' einsums stay LoRA's.
+    from train import layer_scan
+
+    layer_scan.scannable(model)
+
     @nnx.jit
     def add_adapters(base: nnx.Module) -> nnx.Module:
         return qwix.apply_lora_to_model(base, provider, rngs=nnx.Rngs(params=seed), **base.get_model_input())
