@@ -49,6 +49,7 @@ class PlanSummary:
     max_segments: int
     bfd_rows: int | None  # BFD's own rows (packed), beside num_rows; None unpacked
     method: str  # what made the rows: "bfd", "exact_fill" or "unpacked" (the manifest's `packing`)
+    planner_fallback: str | None = None  # "budget": the exact fill ran past its work budget, BFD made the rows
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -121,6 +122,9 @@ class LengthStats:
     examples_windowed: int | None = None
     window_pieces: int | None = None
     context_tokens_replayed: int | None = None
+    # "budget" when --planner best's exact fill ran past its work budget and BFD made the rows;
+    # None, and not in the manifest, otherwise.
+    planner_fallback: str | None = None
 
     @property
     def rows(self) -> int:
@@ -129,7 +133,7 @@ class LengthStats:
     def to_json(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "packing"}
         for optional in ("examples_repeated", "turns_without_trained_eot", "trained_empty_think", "examples_windowed",
-                         "window_pieces", "context_tokens_replayed"):
+                         "window_pieces", "context_tokens_replayed", "planner_fallback"):
             if d[optional] is None:
                 del d[optional]
         return {**d, **self.packing}

@@ -204,6 +204,22 @@ def test_segment_cap_and_planner_one_vs_two_workers(data_dir, tmp_path, mixed_ex
     assert manifest.stats["segments_per_row"]["max"] == 3  # at L 256 the cap binds (uncapped rows hold more)
 
 
+def test_a_plan_past_the_fill_budget_is_bfds_and_says_so(data_dir, tmp_path, mixed_expected, monkeypatch):
+    """When --planner best's exact fill runs past its work budget, BFD makes the rows and the
+    manifest says why (stats.planner_fallback "budget"); a run within the budget has no such key."""
+    from prepack.packing import exact_fill
+
+    pack(mixed_args(data_dir, tmp_path / "fed"))
+    monkeypatch.setattr(exact_fill, "DEFAULT_BUDGET_CELLS", 1)
+    pack(mixed_args(data_dir, tmp_path / "starved"))
+    for L in LENGTHS:
+        fed, _ = check_shard_set(str(tmp_path / "fed" / f"L{L}"), mixed_expected, L)
+        starved, _ = check_shard_set(str(tmp_path / "starved" / f"L{L}"), mixed_expected, L)
+        assert "planner_fallback" not in fed.stats
+        assert starved.stats["planner_fallback"] == "budget" and starved.packing == "bfd"
+        assert starved.num_rows == starved.stats["bfd_rows"] == fed.stats["bfd_rows"]
+
+
 def expected_split_segments(expected: list, max_length: int) -> tuple[Counter, dict]:
     """--overlong split as the issue states it, written out independently of split_pieces: an
     example longer than L is cut at L, 2L, ...; a piece keeps its own ids and loss mask; a piece

@@ -182,8 +182,24 @@ def test_the_budget_is_work_and_past_it_the_result_is_bfds():
     starved = HistogramPlan(histogram, 512, Planner.BEST, budget=10)
     bfd = packer.plan_from_histogram(dict(histogram), 512)
     assert starved.method == "bfd" and starved.fill_rows is None and starved.rows() == bfd
+    assert starved.budget_exhausted
     fed = HistogramPlan(histogram, 512, Planner.BEST, budget=first.work)
-    assert fed.fill_rows == first.num_rows
+    assert fed.fill_rows == first.num_rows and not fed.budget_exhausted
+
+
+def test_the_budget_charges_each_fills_fixed_costs():
+    """Cells alone undercount many distinct lengths: tiny tables, but a fill and a pass over the
+    lengths left per pattern, which took most of the CPU when the budget counted only cells
+    (20,000 lengths at L 32768: 29-32 CPU-s within a budget meant as ~9 s). By hand: four 100s at
+    L 512 are one row whose fill needs no table (the longest three fit the room), once per fill
+    order: FILL_CELLS plus LENGTH_CELLS for the one length, twice."""
+    assert exact_fill.plan_exact_fill({100: 4}, 512).work == 2 * (exact_fill.FILL_CELLS + exact_fill.LENGTH_CELLS)
+    rnd = random.Random(7)
+    histogram = {n: rnd.randint(1, 3) for n in rnd.sample(range(1, 4097), 2000)}
+    plan = exact_fill.plan_exact_fill(histogram, 4096)
+    assert plan.work >= (exact_fill.FILL_CELLS + exact_fill.CHUNK_CELLS) * len(plan.patterns)
+    with pytest.raises(exact_fill.BudgetExhausted):
+        exact_fill.plan_exact_fill(histogram, 4096, budget=plan.work // 2)
 
 
 def test_patterns_stay_few_when_counts_grow():

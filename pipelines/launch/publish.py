@@ -85,6 +85,7 @@ def length_stats(summary: RunSummary, max_length: int, pack: bool = True, window
         examples_windowed=tally.windowed.get(max_length, 0) if windowed else None,
         window_pieces=tally.window_pieces.get(max_length, 0) if windowed else None,
         context_tokens_replayed=tally.context_replayed.get(max_length, 0) if windowed else None,
+        planner_fallback=plan.planner_fallback,
     )
 
 

@@ -114,6 +114,7 @@ class LengthPlan:
     window_tokens: int = WINDOW_TOKENS
     bfd_rows: int | None = None  # BFD's own rows (packed), beside num_rows; None unpacked
     method: str = "bfd"  # what made the rows: "bfd", "exact_fill", or "unpacked"
+    planner_fallback: str | None = None  # "budget": --planner best's exact fill ran past its work budget
 
     def route(self, length_key: int, b: int, count: int) -> tuple[np.ndarray, np.ndarray]:
         """Rows and positions (int64 arrays) of a group's `count` survivors, in rank order."""
@@ -228,8 +229,9 @@ class LengthPlanner:
             tokens = sum(cls * count for cls, count in self.class_counts.items())
             min_seg, max_seg = self._bfd.segment_range()
             bfd_rows, method = self._bfd.bfd_rows, self._bfd.method
+            fallback = "budget" if self._bfd.budget_exhausted else None
         else:
-            bfd_rows, method = None, "unpacked"
+            bfd_rows, method, fallback = None, "unpacked", None
             num_rows = num_examples
             tokens = 0
             min_seg = max_seg = 1 if num_rows else 0
@@ -248,6 +250,7 @@ class LengthPlanner:
             window_tokens=window_tokens(),
             bfd_rows=bfd_rows,
             method=method,
+            planner_fallback=fallback,
         )
 
 

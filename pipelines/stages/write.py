@@ -287,7 +287,8 @@ class WriteSummaryFn(beam.DoFn):
             max_length: LengthSummary(
                 plan=PlanSummary(num_rows=plan.num_rows, num_shards=plan.num_shards, num_examples=plan.num_examples,
                                  tokens=plan.tokens, min_segments=plan.min_segments, max_segments=plan.max_segments,
-                                 bfd_rows=plan.bfd_rows, method=plan.method),
+                                 bfd_rows=plan.bfd_rows, method=plan.method,
+                                 planner_fallback=plan.planner_fallback),
                 shards=tuple(sorted((s for s in shards if s.max_length == max_length), key=lambda s: s.index)),
                 dead_letter_entries=dead_counts.get(max_length, 0),
             )

@@ -10,8 +10,11 @@ allow. Rows are therefore described by patterns (a few per distinct length, not 
 row), so planning costs the same at 1B examples as at 1M and the state is O(patterns).
 
 The work is counted in subset-sum cells (one cell: one sum, at one item count under a
-segment cap, updated by one chunk of one length), never in seconds, so the result is the
-same on any machine: past `budget` cells the fill gives up and the caller keeps BFD's plan.
+segment cap, updated by one chunk of one length), plus the cells' worth of each chunk's,
+each length's and each fill's fixed costs (CHUNK_CELLS, LENGTH_CELLS, FILL_CELLS), never in
+seconds, so the result is the same on any machine: past `budget` cells the fill gives up and
+the caller keeps BFD's plan (HistogramPlan.budget_exhausted, the manifest's
+stats.planner_fallback).
 """
 
 from __future__ import annotations
@@ -21,10 +24,9 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 
-# Cells of subset-sum work one plan may spend (~9 s on a shared 2-core machine). Measured
-# (docs/benchmarks.md, "Planner beyond BFD"): the samples and 1M EN-FR pairs at L 512-4096 spend
-# at most 3% of it uncapped, 12% under caps of 4-16; a synthetic 2,048-length histogram at L 4096 22%.
-DEFAULT_BUDGET_CELLS = 4_000_000_000
+# Cells of work one plan may spend: at most ~9 CPU-s on a shared 2-core machine, on any
+# histogram (the fitted cost is 2.9 ns a cell there; docs/benchmarks.md, "The planner's budget").
+DEFAULT_BUDGET_CELLS = 3_000_000_000
 
 
 class BudgetExhausted(Exception):
@@ -99,26 +101,45 @@ def _chunks(lengths: np.ndarray, limits: np.ndarray) -> tuple[np.ndarray, np.nda
     """Binary splitting of bounded multiplicities: up to `limits[i]` copies of lengths[i] as
     chunks of 1, 2, 4, ..., and the rest, so any count 0..limit is a subset of its chunks.
     Returns (index into lengths, copies) per chunk, lengths in the given order."""
-    index, copies = [], []
-    for i, limit in enumerate(limits.tolist()):
-        t = 1
-        while limit > 0:
-            take = min(t, limit)
-            index.append(i)
-            copies.append(take)
-            limit -= take
-            t *= 2
-    return np.asarray(index, dtype=np.int64), np.asarray(copies, dtype=np.int64)
+    limits = np.asarray(limits, dtype=np.int64)
+    # limit = (2**k - 1) + rest with 0 <= rest <= 2**k: the powers 1..2**(k-1), then rest when > 0.
+    k = np.floor(np.log2(limits + 1)).astype(np.int64)
+    k -= (1 << k) - 1 > limits  # guard float rounding at exact powers of two
+    k += (1 << (k + 1)) - 1 <= limits
+    rest = limits - ((1 << k) - 1)
+    per = k + (rest > 0)
+    index = np.repeat(np.arange(len(limits), dtype=np.int64), per)
+    # Position of each chunk within its length: 0..per-1; chunk j < k holds 2**j, chunk k the rest.
+    within = np.arange(len(index), dtype=np.int64) - np.repeat(np.cumsum(per) - per, per)
+    copies = np.where(within < k[index], 1 << within, rest[index])
+    return index, copies.astype(np.int64)
+
+
+# What a fill costs besides its cells, in cells of the same CPU: each chunk's pass over the table
+# (a few array calls), each length a fill looks at (its limit and chunks), and each fill's setup.
+# Fitted by least squares to process time on 8 histograms (up to 20,000 distinct lengths at L
+# 65536, where chunks and lengths, not cells, take two thirds of the time; docs/benchmarks.md).
+CHUNK_CELLS = 4096
+LENGTH_CELLS = 8
+FILL_CELLS = 32768
 
 
 class _Work:
     def __init__(self, budget: int):
         self.budget, self.spent = budget, 0
 
-    def spend(self, cells: int) -> None:
+    def _add(self, cells: int) -> None:
         self.spent += cells
         if self.spent > self.budget:
             raise BudgetExhausted
+
+    def fill(self, lengths: int) -> None:
+        """One best_fill over `lengths` distinct lengths."""
+        self._add(FILL_CELLS + LENGTH_CELLS * lengths)
+
+    def chunk(self, cells: int) -> None:
+        """One chunk's update of `cells` table cells."""
+        self._add(CHUNK_CELLS + cells)
 
 
 def best_fill(lengths: np.ndarray, counts: np.ndarray, room: int, max_items: int, work: _Work,
@@ -133,6 +154,7 @@ def best_fill(lengths: np.ndarray, counts: np.ndarray, room: int, max_items: int
     table has one row per item count, and the fill takes the fewest items that reach the best
     sum, or the most with `most_items`."""
     take = np.zeros(len(lengths), dtype=np.int64)
+    work.fill(len(lengths))
     if room <= 0 or max_items <= 0 or not len(lengths):
         return take, 0
     fits = (lengths <= room) & (counts > 0)
@@ -159,7 +181,7 @@ def best_fill(lengths: np.ndarray, counts: np.ndarray, room: int, max_items: int
             continue
         dt = t if capped else 0
         src = reach[:depth - dt, :room + 1 - w]
-        work.spend(src.size)
+        work.chunk(src.size)
         new = src & ~reach[dt:, w:]
         hit_c, hit_s = np.nonzero(new)
         if len(hit_s):

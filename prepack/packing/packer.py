@@ -559,21 +559,24 @@ class HistogramPlan:
     lengths), however many rows they cover."""
 
     def __init__(self, histogram: Mapping[int, int], max_length: int, planner: Planner = Planner.BEST,
-                 max_segments: int | None = None, budget: int = exact_fill.DEFAULT_BUDGET_CELLS):
+                 max_segments: int | None = None, budget: int | None = None):
         check_max_segments(max_segments)
         self.histogram = {int(n): int(c) for n, c in histogram.items() if c > 0}
         self.max_length, self.planner, self.max_segments = max_length, Planner(planner), max_segments
         self.fill: exact_fill.PatternPlan | None = None
         self.fill_rows: int | None = None  # the fill's rows, also when BFD's were kept
         self.bfd_rows: int | None = None
+        self.budget_exhausted = False  # the fill ran past its work budget, so BFD made the rows
         self._bfd: HistogramBestFit | None = None
         if self.planner is Planner.BEST:
             self.bfd_rows = _bfd_row_count(self.histogram, max_length, max_segments)
         if self.planner is Planner.BEST and self.histogram:
             try:
-                fill = exact_fill.plan_exact_fill(self.histogram, max_length, max_segments, budget)
+                fill = exact_fill.plan_exact_fill(self.histogram, max_length, max_segments,
+                                                  exact_fill.DEFAULT_BUDGET_CELLS if budget is None else budget)
             except exact_fill.BudgetExhausted:
                 fill = None
+                self.budget_exhausted = True
             self.fill_rows = fill.num_rows if fill is not None else None
             if fill is not None and fill.num_rows < self.bfd_rows:
                 self.fill = fill
