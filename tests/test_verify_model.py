@@ -244,7 +244,8 @@ def test_gemma3_270m_real_weights_pass_and_catch_every_bug(tmp_path_factory, dty
     correct, plain, cumsum, shifted = check_model_catches_every_bug(parity.ParityConfig("gemma3-270m", rows=4, dtype=dtype), path)
     # Measured (docs/benchmarks.md): correct rows inside a fifth of the tolerance, the attention
     # bugs at least 8x beyond it (by log p), cumsum positions by the positions the model was given.
-    assert correct.max_abs_diff <= correct.tolerance / 5
+    # float32 far inside; bfloat16's noise measured up to 0.2 on other samples (docs/benchmarks.md)
+    assert correct.max_abs_diff <= correct.tolerance / (5 if dtype == "float32" else 2)
     for bug in (plain, shifted):
         assert min(s.max_abs_diff for s in bug.failures) > 8 * bug.tolerance
     assert all(s.position_fault is not None for s in cumsum.failures)
