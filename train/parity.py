@@ -33,10 +33,11 @@ from prepack.format import rowformat
 # Measured (docs/benchmarks.md, "Parity"): the largest |packed - alone| log p of correct rows,
 # times a margin. float32: 3.1e-5 on Gemma3 270M's real weights (8 rows at L512; 1.5e-5 at L128),
 # <= 3.8e-6 on the tiny models, 9.5e-7 on a random Qwen3 0.6B: 3e-4 is 10x the largest.
-# bfloat16: up to 0.198 on Gemma3 270M (the bf16 noise: the same tokens in two layouts, packed
-# and alone; 0.098 on 8 rows, 0.198 on 4): 0.5 is about 2.5x that, while a segment that sees its
-# neighbour misses by >= 4.3.
-TOLERANCES: dict[str, float] = {"float32": 3e-4, "bfloat16": 0.5}
+# bfloat16: up to 0.465 on Gemma3 270M (the bf16 noise: the same tokens in two layouts, packed
+# and alone; 0.098 and 0.198 here on 8 and 4 rows, 0.465 on 4 rows on the CI machine, whose CPU
+# rounds differently): 1.0 is about 2x the largest, while a segment that sees its neighbour
+# misses by >= 4.2 (4.2x the tolerance).
+TOLERANCES: dict[str, float] = {"float32": 3e-4, "bfloat16": 1.0}
 DEFAULT_ROWS = 8
 SAMPLE_SEED = 0  # the fixed seed of the row sample, so two runs check the same rows
 PROJECT_CHUNK = 256  # target tokens projected onto the vocabulary at a time
