@@ -1,7 +1,7 @@
 """`prepack verify SET`: every row of a shard set checked against the row format, without a model.
 
     prepack verify OUT/L2048        # one shard set
-    prepack verify OUT              # every length its published.json names
+    prepack verify OUT              # every length it holds (every L*/manifest.json)
     prepack verify gs://bucket/OUT
 
 Streams each shard once (its sha256, then its records in batches decoded into numpy arrays)
@@ -10,7 +10,9 @@ implementation): segment ids 1..k then 0 padding, positions from 0 in every segm
 on a segment's first token or on padding, valid == (segment != 0), source ids within the
 mixture's sources. Then the manifest's counts must equal a recount from the rows.
 
-One line per length, then its first failure naming the shard, row and segment. Exit 0 when
+An output's lengths are every L<n> folder with a manifest, published or not: a length its
+published.json does not name (an older run's L4096 beside a new run's L512) is checked too, and
+one line names those lengths. One line per length, then its first failure naming the shard, row and segment. Exit 0 when
 every length holds, 1 when any fails, 2 when SET cannot be read as a shard set or output.
 
     prepack verify OUT/L2048 --model gemma3-270m [--weights DIR] [--rows 8] [--dtype float32]
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -172,9 +175,37 @@ def verify_length(path: str, max_length: int | None = None) -> LengthResult:
     return result
 
 
-def output_lengths(path: str) -> tuple[dict[int, str], str | None]:
-    """An output's lengths ({L: folder}, from its published.json) and a failure of the record's
-    digests (a manifest edited since the run published it), or Refused when SET is neither."""
+LENGTH_MANIFEST = re.compile(r"^L([1-9][0-9]*)/" + re.escape(MANIFEST_NAME) + "$")
+
+
+def held_lengths(path: str) -> dict[int, str]:
+    """{L: folder} for every L<n> folder of the output that holds a manifest (one listing)."""
+    prefix = path.rstrip("/") + "/"
+    held = {}
+    for name in storage.storage_for(path).list_files(path):
+        match = LENGTH_MANIFEST.match(name[len(prefix):]) if name.startswith(prefix) else None
+        if match:
+            held[int(match.group(1))] = storage.join(path, f"L{match.group(1)}")
+    return held
+
+
+@dataclasses.dataclass
+class OutputLengths:
+    """An output's lengths: every set it holds, which of them its run record names, and the
+    record's failure (a manifest edited since the run published it)."""
+
+    folders: dict[int, str]
+    published: set[int]
+    record_failure: str | None
+
+    @property
+    def unpublished(self) -> list[int]:
+        return sorted(set(self.folders) - self.published)
+
+
+def output_lengths(path: str) -> OutputLengths:
+    """Every length of the output (its published.json's and every L*/manifest.json), or Refused
+    when SET is neither a shard set nor an output."""
     text = storage.read_text(storage.join(path, RUN_RECORD_NAME))
     if text is None:
         raise Refused(f"{path}: neither a shard set (no {MANIFEST_NAME}) nor an output (no {RUN_RECORD_NAME}); "
@@ -183,21 +214,39 @@ def output_lengths(path: str) -> tuple[dict[int, str], str | None]:
         record = RunRecord.from_json(text, storage.join(path, RUN_RECORD_NAME))
     except RunRecordError as e:
         raise Refused(str(e)) from None
-    lengths = {L: storage.join(path, entry.manifest.rsplit("/", 1)[0]) for L, entry in sorted(record.lengths.items())}
+    named = {L: storage.join(path, entry.manifest.rsplit("/", 1)[0]) for L, entry in record.lengths.items()}
+    folders = dict(sorted({**held_lengths(path), **named}.items()))
     try:
         published_lengths(path)
     except ShardSetError as e:
-        return lengths, str(e)
-    return lengths, None
+        return OutputLengths(folders, set(named), str(e))
+    return OutputLengths(folders, set(named), None)
 
 
-def verify(path: str) -> tuple[list[LengthResult], str | None]:
-    """Every length of SET: (each length's result, the run record's failure)."""
+@dataclasses.dataclass
+class Verified:
+    """Every length of SET checked."""
+
+    results: list[LengthResult]
+    record_failure: str | None = None  # the run record's
+    unpublished: list[int] = dataclasses.field(default_factory=list)  # lengths held but not in published.json
+
+
+def verify(path: str) -> Verified:
+    """Every length of SET: one shard set, or every set an output holds."""
     path = path.rstrip("/") or path
     if storage.read_text(storage.join(path, MANIFEST_NAME)) is not None:
-        return [verify_length(path)], None
-    lengths, record_failure = output_lengths(path)
-    return [verify_length(folder, L) for L, folder in lengths.items()], record_failure
+        return Verified([verify_length(path)])
+    lengths = output_lengths(path)
+    return Verified([verify_length(folder, L) for L, folder in lengths.folders.items()],
+                    lengths.record_failure, lengths.unpublished)
+
+
+def unpublished_line(path: str, lengths: list[int]) -> str:
+    names = ", ".join(f"L{L}" for L in lengths)
+    return (f"not published: {names} ({'is a set' if len(lengths) == 1 else 'are sets'} in {path} that its "
+            f"{RUN_RECORD_NAME} does not name: an older run's, checked above; a trainer reading through "
+            f"{RUN_RECORD_NAME} does not see {'it' if len(lengths) == 1 else 'them'})")
 
 
 def result_line(r: LengthResult) -> str:
@@ -212,8 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="prepack verify", formatter_class=DefaultsHelpFormatter,
                                      description="Check every row of a shard set (or every length of an output) "
                                                  "against the row format and its manifest, without a model.")
-    parser.add_argument("set", metavar="SET", help="a shard set (OUT/L2048), an output (OUT: every length in its "
-                                                   "published.json) or a gs:// URL of either")
+    parser.add_argument("set", metavar="SET", help="a shard set (OUT/L2048), an output (OUT: every length it holds, "
+                                                   "published or not) or a gs:// URL of either")
     model = parser.add_argument_group("parity on the model (needs the 'train' extra)")
     model.add_argument("--model", default=None,
                        help="also run sampled rows packed and each segment alone through this model (as `prepack train "
@@ -267,14 +316,17 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
         print(f"prepack verify: --rows must be positive, got {args.rows}", file=err)
         return EXIT_REFUSED
     try:
-        results, record_failure = verify(args.set)
+        verified = verify(args.set)
     except Refused as e:
         print(f"prepack verify: {e}", file=err)
         return EXIT_REFUSED
+    results, record_failure = verified.results, verified.record_failure
     for r in results:
         print(result_line(r), file=out)
         if r.failure:
             print(f"  first failure: {r.failure}", file=out)
+    if verified.unpublished:
+        print(unpublished_line(args.set.rstrip("/") or args.set, verified.unpublished), file=out)
     if record_failure:
         print(f"run record FAILED: {record_failure}", file=out)
     failed = record_failure is not None or any(r.failure for r in results)

@@ -210,6 +210,31 @@ def test_sources_that_do_not_add_up_are_refused_before_the_rows(copy_of):
             f"but the set holds {data['stats']['tokens']} (stats.tokens)") in out
 
 
+def test_a_length_the_run_record_does_not_name_is_checked_and_named(copy_of, outputs):
+    """An older run's set beside this run's (its L64 copied in): checked like the published ones,
+    and one line says it is not published; a fault in it fails the output."""
+    out_dir = copy_of("plain")
+    shutil.copytree(f"{outputs['split']}/L64", f"{out_dir}/L64")
+    os.makedirs(f"{out_dir}/L256/.staging-run")  # a folder without a manifest is no set
+    rc, out, err = run(out_dir)
+    assert (rc, err) == (0, ""), out
+    manifest = Manifest.from_json(open(f"{out_dir}/L64/manifest.json").read())
+    assert f"L64  ok      {manifest.num_rows:,} rows" in out
+    assert "L128  ok" in out and "L512  ok" in out and "L256" not in out
+    unpublished = [line for line in out.splitlines() if line.startswith("not published")]
+    assert unpublished == [f"not published: L64 (is a set in {out_dir} that its published.json does not name: an older "
+                           "run's, checked above; a trainer reading through published.json does not see it)"]
+    broken = copy_of("split")
+    rc, out, _ = run(broken)
+    assert rc == 0 and "not published" not in out
+
+    _rewrite_shard(f"{broken}/L64", jump_position)
+    shutil.rmtree(f"{out_dir}/L64")
+    shutil.copytree(f"{broken}/L64", f"{out_dir}/L64")
+    rc, out, _ = run(out_dir)
+    assert rc == 1 and "L64  FAILED" in out and "position" in out
+
+
 def test_a_changed_shard_byte_fails_its_sha256(copy_of):
     out_dir = copy_of("plain")
     manifest = Manifest.from_json(open(f"{out_dir}/L512/manifest.json").read())
