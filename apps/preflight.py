@@ -41,11 +41,12 @@ import numpy as np
 
 from apps.packing_table import CSV_COLUMNS, THROUGHPUT_MODEL, render_text_table, result_row
 from apps.report import find_manifests, manifest_rows
+from pipelines.options import OptionsError, add_overlong_options, window_context_option
 from prepack.packing.accounting import LENGTH_REASONS, Tally
 from prepack.packing.bad_records import DEFAULT_MAX_BAD_FRACTION, too_many_bad_records
 from prepack.cli_help import DefaultsHelpFormatter
-from prepack.packing.packer import (DropReason, Fit, HistogramPlan, OverlongPolicy, Planner, fit_at_length, split_pieces,
-                            targets_after_first)
+from prepack.packing.packer import (DropReason, Fit, HistogramPlan, OverlongPolicy, Planner, context_replayed, cut_pieces,
+                                    fit_at_length, targets_after_first)
 from prepack.packing.stats import REFERENCE_BATCH_SIZE, PackingStats, stats_from_rows
 
 DEFAULT_MAX_LENGTHS = (256, 512, 1024, 2048)
@@ -79,6 +80,7 @@ class PreflightConfig:
     max_lengths: tuple[int, ...] = DEFAULT_MAX_LENGTHS
     batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
     overlong: OverlongPolicy = OverlongPolicy.DROP
+    window_context_tokens: int | None = None  # as `prepack pack --window-context-tokens`; None: L // 4
     planner: Planner = Planner.BEST  # as `prepack pack --planner`
     max_segments_per_row: int | None = None  # as `prepack pack --max-segments-per-row`
     template_options: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -161,24 +163,41 @@ class _Collector:
 
 
 @dataclasses.dataclass(frozen=True)
-class LengthResult:
-    """One dataset at one max length: what survives the overlong policy, and the BFD plan's stats."""
+class Fitted:
+    """One dataset at one max length after the overlong rule: what the job's fit stage keeps and
+    counts (stats.examples_split, split_pieces, examples_windowed, window_pieces,
+    context_tokens_replayed, examples_dropped by reason)."""
 
-    max_length: int
-    kept_lengths: np.ndarray
-    dropped: dict[str, int]  # DropReason value -> count
-    truncated: int
-    stats: PackingStats
-    bfd_rows: int = 0
+    kept_lengths: np.ndarray  # int64, the examples and pieces that reach a row
+    kept_targets: np.ndarray  # int64, their target counts as they land in a row
+    dropped: dict[str, int]  # DropReason value -> count (pieces, for the piece reasons)
+    truncated: int = 0
     split: int = 0  # examples cut into pieces (--overlong split)
     pieces: int = 0  # the pieces they were cut into, kept or not
+    windowed: int = 0  # examples cut into pieces (--overlong window)
+    window_pieces: int = 0  # their pieces, kept or not
+    context_replayed: int = 0  # the context tokens the kept window pieces start with
 
 
-def fit_examples(examples: ExampleSet, max_length: int, overlong: OverlongPolicy
-                 ) -> tuple[np.ndarray, np.ndarray, dict[str, int], int, int, int]:
-    """(kept lengths, kept target counts, dropped by reason, truncated, split, pieces) under
-    the overlong rule the job applies (prepack.packing.packer.fit_at_length, split_pieces): under
-    --overlong split an example longer than L gives way to its pieces that keep a target."""
+@dataclasses.dataclass(frozen=True)
+class LengthResult:
+    """One dataset at one max length: what survives the overlong policy, and the plan's stats."""
+
+    max_length: int
+    fitted: Fitted
+    stats: PackingStats
+    bfd_rows: int = 0
+
+    @property
+    def kept_lengths(self) -> np.ndarray:
+        return self.fitted.kept_lengths
+
+
+def fit_examples(examples: ExampleSet, max_length: int, overlong: OverlongPolicy,
+                 window_context: int | None = None) -> Fitted:
+    """The overlong rule the job applies (prepack.packing.packer.fit_at_length), and under
+    --overlong split or window the job's cut (cut_pieces): an example longer than L gives way to
+    its kept pieces. window_context: --window-context-tokens (None: L // 4)."""
     lengths, targets = examples.lengths.copy(), examples.targets.copy()
     over = np.flatnonzero(lengths > max_length)
     missing = [int(i) for i in over if int(i) not in examples.overlong_masks]
@@ -192,32 +211,37 @@ def fit_examples(examples: ExampleSet, max_length: int, overlong: OverlongPolicy
     targets[over[truncated]] = within[truncated]
     keep = np.ones(len(lengths), dtype=bool)
     keep[over[fit > Fit.TRUNCATED]] = False
-    dropped = Counter(Fit(int(f)).drop_reason.value for f in fit[(fit > Fit.TRUNCATED) & (fit != Fit.SPLIT)])
-    piece_lengths, piece_targets, pieces = [], [], 0
-    for j in np.flatnonzero(fit == Fit.SPLIT).tolist():
-        mask = masks[j]
-        for a, b in split_pieces(len(mask), max_length):
-            pieces += 1
-            kept_targets = int(np.count_nonzero(mask[a + 1:b]))
-            if kept_targets:
-                piece_lengths.append(b - a)
-                piece_targets.append(kept_targets)
-            else:
-                dropped[DropReason.NO_TARGETS_AFTER_SPLIT.value] += 1
+    dropped = Counter(Fit(int(f)).drop_reason.value for f in fit[(fit > Fit.TRUNCATED) & (fit < Fit.SPLIT)])
+    cut_examples = np.flatnonzero(fit >= Fit.SPLIT).tolist()  # SPLIT or WINDOW
+    piece_lengths, piece_targets, pieces, replayed = [], [], 0, 0
+    for j in cut_examples:
+        cut = cut_pieces(masks[j], max_length, overlong, window_context)
+        pieces += len(cut)
+        replayed += context_replayed(cut)
+        for piece, reason in cut:
+            if reason is not None:
+                dropped[reason.value] += 1
+                continue
+            piece_lengths.append(piece.length)
+            piece_targets.append(int(np.count_nonzero(piece.loss_mask(masks[j])[1:])))
     kept_lengths = np.concatenate([lengths[keep], np.asarray(piece_lengths, dtype=np.int64)])
     kept_targets = np.concatenate([targets[keep], np.asarray(piece_targets, dtype=np.int64)])
-    return (kept_lengths, kept_targets, dict(dropped), int(np.count_nonzero(truncated)),
-            int(np.count_nonzero(fit == Fit.SPLIT)), pieces)
+    windowed = overlong is OverlongPolicy.WINDOW
+    return Fitted(kept_lengths, kept_targets, dict(dropped), int(np.count_nonzero(truncated)),
+                  split=0 if windowed else len(cut_examples), pieces=0 if windowed else pieces,
+                  windowed=len(cut_examples) if windowed else 0, window_pieces=pieces if windowed else 0,
+                  context_replayed=replayed)
 
 
 def evaluate_length(examples: ExampleSet, max_length: int, overlong: OverlongPolicy,
-                    planner: Planner = Planner.BEST, max_segments: int | None = None) -> LengthResult:
+                    planner: Planner = Planner.BEST, max_segments: int | None = None,
+                    window_context: int | None = None) -> LengthResult:
     """One max length planned as the job plans it: the same overlong rule, planner and cap."""
-    kept, targets, dropped, truncated, split, pieces = fit_examples(examples, max_length, overlong)
-    values, counts = np.unique(kept, return_counts=True)
+    fitted = fit_examples(examples, max_length, overlong, window_context)
+    values, counts = np.unique(fitted.kept_lengths, return_counts=True)
     plan = HistogramPlan({int(v): int(c) for v, c in zip(values, counts)}, max_length, planner, max_segments)
-    stats = stats_from_rows(plan.rows(), max_length, int(targets.sum()))
-    return LengthResult(max_length, kept, dropped, truncated, stats, plan.bfd_rows, split, pieces)
+    stats = stats_from_rows(plan.rows(), max_length, int(fitted.kept_targets.sum()))
+    return LengthResult(max_length, fitted, stats, plan.bfd_rows)
 
 
 def _quantiles(lengths: np.ndarray) -> dict[str, float]:
@@ -236,13 +260,16 @@ def evaluate(examples: ExampleSet, config: PreflightConfig, tokenizer_name: str 
     """Rows for one dataset: one per max length x batch size, in that order."""
     rows = []
     for max_length in config.max_lengths:
-        result = evaluate_length(examples, max_length, config.overlong, config.planner, config.max_segments_per_row)
-        dropped = sum(result.dropped.values())
+        result = evaluate_length(examples, max_length, config.overlong, config.planner, config.max_segments_per_row,
+                                 config.window_context_tokens)
+        fitted = result.fitted
+        dropped = sum(fitted.dropped.values())
         # What --overlong truncate would keep of the examples dropped as too long: only those with
         # a target within the first max_length tokens (the others have nothing left to train on).
         truncate_keeps = None
-        if config.overlong is OverlongPolicy.DROP and result.dropped.get(DropReason.TOO_LONG.value, 0):
-            truncate_keeps = len(fit_examples(examples, max_length, OverlongPolicy.TRUNCATE)[0]) - len(result.kept_lengths)
+        if config.overlong is OverlongPolicy.DROP and fitted.dropped.get(DropReason.TOO_LONG.value, 0):
+            truncate_keeps = (len(fit_examples(examples, max_length, OverlongPolicy.TRUNCATE).kept_lengths)
+                              - len(fitted.kept_lengths))
         meta = {
             "dataset": examples.name,
             "input": examples.input,
@@ -253,16 +280,20 @@ def evaluate(examples: ExampleSet, config: PreflightConfig, tokenizer_name: str 
             "planner": config.planner.value,
             "max_segments_per_row": config.max_segments_per_row,
             "bfd_rows": result.bfd_rows,
-            "examples_split": result.split,
-            "split_pieces": result.pieces,
-            "dropped_no_targets_after_split": result.dropped.get(DropReason.NO_TARGETS_AFTER_SPLIT.value, 0),
+            "examples_split": fitted.split,
+            "split_pieces": fitted.pieces,
+            "dropped_no_targets_after_split": fitted.dropped.get(DropReason.NO_TARGETS_AFTER_SPLIT.value, 0),
+            "examples_windowed": fitted.windowed,
+            "window_pieces": fitted.window_pieces,
+            "context_tokens_replayed": fitted.context_replayed,
+            "dropped_window_context_too_long": fitted.dropped.get(DropReason.WINDOW_CONTEXT_TOO_LONG.value, 0),
             "records_read": examples.records_read,
             "bad_records": sum(examples.bad_records.values()),
             "examples": len(examples.lengths),
             "examples_dropped": dropped,
-            "dropped_too_long": result.dropped.get(DropReason.TOO_LONG.value, 0),
-            "dropped_no_targets_after_truncation": result.dropped.get(DropReason.NO_TARGETS_AFTER_TRUNCATION.value, 0),
-            "examples_truncated": result.truncated,
+            "dropped_too_long": fitted.dropped.get(DropReason.TOO_LONG.value, 0),
+            "dropped_no_targets_after_truncation": fitted.dropped.get(DropReason.NO_TARGETS_AFTER_TRUNCATION.value, 0),
+            "examples_truncated": fitted.truncated,
             "truncate_would_keep": truncate_keeps,
             **_quantiles(result.kept_lengths),
         }
@@ -485,6 +516,7 @@ def run(config: PreflightConfig, loader: Callable[[DatasetSpec], ExampleSet], to
             "max_lengths": list(config.max_lengths),
             "batch_sizes": list(config.batch_sizes),
             "overlong": config.overlong.value,
+            "window_context_tokens": config.window_context_tokens,
             "planner": config.planner.value,
             "max_segments_per_row": config.max_segments_per_row,
             "template_options": dict(config.template_options),
@@ -512,8 +544,8 @@ def mixture_rows(config: PreflightConfig, loaded: dict[str, tuple[DatasetSpec, E
             n = t = 0
             for spec, ex in loaded.values():
                 if spec.source == source.name:
-                    kept, kept_targets, *_ = fit_examples(ex, L, config.overlong)
-                    n, t = n + len(kept), t + int(kept_targets.sum())
+                    fitted = fit_examples(ex, L, config.overlong, config.window_context_tokens)
+                    n, t = n + len(fitted.kept_lengths), t + int(fitted.kept_targets.sum())
             examples.append(n)
             targets.append(t)
         if not all(examples):
@@ -558,6 +590,8 @@ def run_with_pipeline(config: PreflightConfig, pack_args: Sequence[str]) -> dict
                 "--max-bad-fraction", str(config.max_bad_fraction)]
         if config.max_segments_per_row is not None:
             argv += ["--max-segments-per-row", str(config.max_segments_per_row)]
+        if config.window_context_tokens is not None:
+            argv += ["--window-context-tokens", str(config.window_context_tokens)]
         if not config.train_reasoning:
             argv += ["--train-reasoning", "no"]
         if config.expand_turns:
@@ -651,8 +685,7 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"max lengths (default: {' '.join(map(str, DEFAULT_MAX_LENGTHS))})")
     p.add_argument("--batch-size", action="extend", nargs="+", type=int, metavar="B",
                    help=f"batch sizes (default: {' '.join(map(str, DEFAULT_BATCH_SIZES))})")
-    p.add_argument("--overlong", choices=[p.value for p in OverlongPolicy], default=OverlongPolicy.DROP.value,
-                   help="examples longer than L: drop (default), truncate or split, as `prepack pack`")
+    add_overlong_options(p)  # as `prepack pack`: one definition
     p.add_argument("--planner", choices=[p.value for p in Planner], default=Planner.BEST.value,
                    help="row planner, as `prepack pack --planner` (default best)")
     p.add_argument("--max-segments-per-row", type=int, metavar="N",
@@ -739,6 +772,10 @@ def config_from_args(args: argparse.Namespace) -> PreflightConfig:
         raise PreflightError(f"--max-bad-fraction must be within 0..1, got {args.max_bad_fraction}")
     if args.max_segments_per_row is not None and args.max_segments_per_row < 1:
         raise PreflightError(f"--max-segments-per-row must be at least 1, got {args.max_segments_per_row}")
+    try:
+        window_context = window_context_option(args.window_context_tokens, args.overlong)
+    except OptionsError as e:
+        raise PreflightError(str(e)) from None
     return PreflightConfig(
         datasets=tuple(datasets),
         output=args.output,
@@ -749,6 +786,7 @@ def config_from_args(args: argparse.Namespace) -> PreflightConfig:
         max_lengths=tuple(sorted(set(max_lengths))),
         batch_sizes=tuple(sorted(set(batch_sizes))),
         overlong=OverlongPolicy(args.overlong),
+        window_context_tokens=window_context,
         planner=Planner(args.planner),
         max_segments_per_row=args.max_segments_per_row,
         template_options=options,

@@ -139,17 +139,22 @@ def manifest_rows(label: str, folder: str, manifest: Manifest, batch_sizes: Sequ
         "bad_records": manifest.stats.get("bad_records",
                                           sum(int(v) for k, v in dropped.items() if k not in LENGTH_REASONS)),
         # As in preflight: examples are what tokenized fine; dropped are those the max length cost
-        # (under --overlong split, written and dropped count pieces, and in a mixture written counts
-        # repeated copies: back to examples).
+        # (under --overlong split or window, written and dropped count pieces, and in a mixture written
+        # counts repeated copies: back to examples).
         "examples": int(_stat(manifest, "examples_written", source)) + length_drops + sampled_out
         - int(manifest.stats.get("examples_repeated", 0))
-        - int(manifest.stats.get("split_pieces", 0)) + int(manifest.stats.get("examples_split", 0)),
+        - int(manifest.stats.get("split_pieces", 0)) + int(manifest.stats.get("examples_split", 0))
+        - int(manifest.stats.get("window_pieces") or 0) + int(manifest.stats.get("examples_windowed") or 0),
         "planner": (manifest.options or {}).get("planner", ""),
         "max_segments_per_row": (manifest.options or {}).get("max_segments_per_row"),
         "bfd_rows": manifest.stats.get("bfd_rows"),
         "examples_split": manifest.stats.get("examples_split", 0),
         "split_pieces": manifest.stats.get("split_pieces", 0),
         "dropped_no_targets_after_split": dropped.get("no_targets_after_split", 0),
+        "examples_windowed": manifest.stats.get("examples_windowed") or 0,
+        "window_pieces": manifest.stats.get("window_pieces") or 0,
+        "context_tokens_replayed": manifest.stats.get("context_tokens_replayed") or 0,
+        "dropped_window_context_too_long": dropped.get("window_context_too_long", 0),
         "examples_dropped": length_drops,
         "dropped_by_reason": dict(sorted(dropped.items())),
         "dropped_too_long": dropped.get("too_long", 0),

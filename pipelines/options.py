@@ -200,22 +200,28 @@ def _add_packing_options(pk: argparse._ArgumentGroup) -> None:
         f"(default {' '.join(map(str, DEFAULT_MAX_LENGTHS))}; at most {MAX_MAX_LENGTH:,})",
     )
     pk.add_argument("--no-pack", action="store_true", help="one example per row (baseline), same format and manifest")
-    pk.add_argument("--overlong", choices=[p.value for p in OverlongPolicy], default=OverlongPolicy.DROP.value,
-                    help="examples longer than L: drop (default), truncate (cut to L), split (cut into pieces of at most L "
-                    "tokens, each its own segment; a piece sees no earlier context), or window (pieces as split, but each "
-                    "after the first starts with its reply's prompt as loss-0 context, then the reply's next tokens; each "
-                    "target is trained in exactly one piece)")
-    pk.add_argument("--window-context-tokens", metavar="N",
-                    help="--overlong window: replay at most the last N tokens of a reply's prompt (the loss-0 run before "
-                    "the reply: system and user turn for the first reply, the turn it answers for a later one) "
-                    "(default: L // 4 at each max length, at least 1); a piece whose context leaves no room for a target "
-                    "is dropped as window_context_too_long")
+    add_overlong_options(pk)
     pk.add_argument("--planner", choices=[p.value for p in Planner], default=Planner.BEST.value,
                     help="how rows are planned from the length histogram: best (default: the fewer rows of "
                     "best-fit-decreasing and exact fills) or bfd (best-fit-decreasing only)")
     pk.add_argument("--max-segments-per-row", type=int, metavar="N",
                     help="at most N examples (segments) in a row, for attention kernels that cap them (default: no cap)")
     pk.add_argument("--sub-buckets", type=int, help="advanced: hash sub-buckets per length when assigning rows (default: from input size)")
+
+
+def add_overlong_options(group: argparse._ActionsContainer) -> None:
+    """--overlong and --window-context-tokens, as `prepack pack` and `prepack preflight` both take
+    them (one definition; window_context_option checks the value for both)."""
+    group.add_argument("--overlong", choices=[p.value for p in OverlongPolicy], default=OverlongPolicy.DROP.value,
+                       help="examples longer than L: drop (default), truncate (cut to L), split (cut into pieces of at most L "
+                       "tokens, each its own segment; a piece sees no earlier context), or window (pieces as split, but each "
+                       "after the first starts with its reply's prompt as loss-0 context, then the reply's next tokens; each "
+                       "target is trained in exactly one piece)")
+    group.add_argument("--window-context-tokens", metavar="N",
+                       help="--overlong window: replay at most the last N tokens of a reply's prompt (the loss-0 run before "
+                       "the reply: system and user turn for the first reply, the turn it answers for a later one) "
+                       "(default: L // 4 at each max length, at least 1); a piece whose context leaves no room for a target "
+                       "is dropped as window_context_too_long")
 
 
 def _add_limit_options(lim: argparse._ArgumentGroup) -> None:

@@ -246,6 +246,7 @@ def test_split_fit_and_its_counts_in_preflight():
 
     mask = [0, 1, 1, 1, 1, 0, 0, 0, 0, 1]  # pieces [0,4): 3 targets, [4,8): 0 after its first, [8,10): 1
     examples = ExampleSet.from_masks("hand", [mask, [0, 1]], keep_over=2)
-    kept, targets, dropped, truncated, split, pieces = fit_examples(examples, 4, packer.OverlongPolicy.SPLIT)
-    assert sorted(zip(kept.tolist(), targets.tolist())) == [(2, 1), (2, 1), (4, 3)]
-    assert dropped == {"no_targets_after_split": 1} and (truncated, split, pieces) == (0, 1, 3)
+    fitted = fit_examples(examples, 4, packer.OverlongPolicy.SPLIT)
+    assert sorted(zip(fitted.kept_lengths.tolist(), fitted.kept_targets.tolist())) == [(2, 1), (2, 1), (4, 3)]
+    assert fitted.dropped == {"no_targets_after_split": 1} and (fitted.truncated, fitted.split, fitted.pieces) == (0, 1, 3)
+    assert (fitted.windowed, fitted.window_pieces, fitted.context_replayed) == (0, 0, 0)

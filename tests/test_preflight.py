@@ -364,6 +364,86 @@ def test_forecast_rows_equal_the_published_rows(tmp_path, extra):
         assert r["split_pieces"] == manifest.stats["split_pieces"]
 
 
+def _long_prompt_chat(tmp_path) -> str:
+    """Chat records whose prompt (60 words) is longer than L 48: at --window-context-tokens 48
+    their later pieces have no room for a target (window_context_too_long)."""
+    long_prompt = " ".join(f"word{i}" for i in range(60))
+    records = [{"messages": [{"role": "user", "content": long_prompt}, {"role": "assistant", "content": "Yes. " * 20}]},
+               {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there. " * 9}]},
+               {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there."}]}]
+    path = tmp_path / "long_prompt.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+@pytest.mark.parametrize("data, extra", [
+    ("sample", ["--max-length", "64", "128"]),
+    ("sample", ["--max-length", "64", "128", "--window-context-tokens", "8"]),
+    ("long_prompt", ["--max-length", "48", "--window-context-tokens", "48"]),
+])
+def test_window_forecast_equals_the_published_stats(tmp_path, data, extra):
+    """--overlong window: preflight's rows, pieces, replayed context and drops by reason are the
+    stats a real `prepack pack --overlong window` run publishes, on the shipped chat sample (158
+    of its 200 examples are longer than 64) and on prompts too long for their context (pieces
+    dropped as window_context_too_long). `prepack report` reads the same figures back from the
+    manifests. Fails when preflight cuts by another rule, drops what the job windows (it raised
+    before window was forecast), or counts context the job does not."""
+    import os
+
+    import prepack
+    from apps.report import manifest_rows
+    from pipelines.launch.job import run as pack_run
+    from pipelines.options import parse_args
+    from prepack.format.manifest import Manifest
+
+    path = (os.path.join(os.path.dirname(prepack.__file__), "sample_data", "sample_chat.jsonl") if data == "sample"
+            else _long_prompt_chat(tmp_path))
+    common = ["--input", path, "--format", "chat", "--overlong", "window", *extra]
+    assert preflight.main(common + ["--no-plots", "--output", str(tmp_path / "pre")]) == 0
+    config, beam = parse_args(common + ["--output", str(tmp_path / "out"), "--no-progress", "--no-tokens",
+                                        "--direct_running_mode=in_memory"])
+    pack_run(config, beam)
+    rows = json.loads((tmp_path / "pre" / "preflight.json").read_text())["rows"]
+    assert rows and all(r["overlong"] == "window" for r in rows)
+    for r in rows:
+        folder = tmp_path / "out" / f"L{r['max_length']}"
+        manifest = Manifest.from_json((folder / "manifest.json").read_text())
+        stats = manifest.stats
+        assert r["packed_rows"] == stats["rows"] == manifest.num_rows
+        assert r["bfd_rows"] == stats["bfd_rows"]
+        assert r["examples_kept"] == stats["examples_written"]
+        assert (r["tokens"], r["target_tokens"]) == (stats["tokens"], stats["target_tokens"])
+        assert (r["examples_windowed"], r["window_pieces"], r["context_tokens_replayed"]) == (
+            stats["examples_windowed"], stats["window_pieces"], stats["context_tokens_replayed"])
+        assert r["dropped_window_context_too_long"] == stats["examples_dropped"].get("window_context_too_long", 0)
+        assert r["examples_dropped"] == sum(stats["examples_dropped"].values())
+        assert r["examples_windowed"] > 0
+        (published,) = manifest_rows("x", str(folder), manifest, [r["batch_size"]])[0]
+        for key in ("examples", "examples_kept", "examples_dropped", "examples_windowed", "window_pieces",
+                    "context_tokens_replayed", "dropped_window_context_too_long", "packed_rows", "target_tokens"):
+            assert published[key] == r[key], key
+    if data == "long_prompt":
+        assert rows[0]["dropped_window_context_too_long"] == 1 and rows[0]["examples"] == 3
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--overlong", "window", "--window-context-tokens", "0"],
+     "--window-context-tokens must be a whole number of at least 1, got '0'"),
+    (["--overlong", "window", "--window-context-tokens", "a quarter"],
+     "--window-context-tokens must be a whole number of at least 1, got 'a quarter'"),
+    (["--overlong", "split", "--window-context-tokens", "8"],
+     "--window-context-tokens applies to --overlong window only (got --overlong split); add --overlong window or leave it out"),
+])
+def test_a_bad_window_context_is_refused_in_one_line(tmp_path, capsys, argv, message):
+    """The same check and the same words as `prepack pack` (pipelines.options.window_context_option),
+    before anything is read."""
+    data = tmp_path / "d.jsonl"
+    data.write_text(ALPACA_LINES[0] + "\n")
+    assert preflight.main(["--input", str(data), "--format", "alpaca", "--output", str(tmp_path / "out"), *argv]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"prepack preflight: error: {message}"]
+    assert not (tmp_path / "out").exists()
+
+
 def test_unknown_options_only_pass_through_in_pipeline_mode(tmp_path, capsys):
     with pytest.raises(SystemExit):
         preflight.main(["--input", "a.jsonl", "--format", "alpaca", "--output", str(tmp_path), "--runner=DataflowRunner"])

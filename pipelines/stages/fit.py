@@ -18,8 +18,8 @@ from pipelines.stages.records import dead_letter
 from pipelines.stages.stage import (FLUSH_EXAMPLES, NAMESPACE, TAG_DEAD, TAG_HIST, TAG_TALLY, TAG_WEIGHTS, JobContext, StageClock,
                              in_global_window)
 from prepack.packing.accounting import Tally
-from prepack.packing.packer import (DropReason, Fit, OverlongPolicy, WindowPiece, fit_at_length, piece_id, split_pieces,
-                                    window_context_tokens, window_pieces)
+from prepack.packing.packer import (DropReason, Fit, OverlongPolicy, WindowPiece, context_replayed, cut_pieces,
+                                    fit_at_length, piece_id)
 
 
 class FitAndKeyFn(beam.DoFn):
@@ -145,14 +145,8 @@ class FitAndKeyFn(beam.DoFn):
             yield from self._split(batch, split_at)
 
     def _cut(self, mask: np.ndarray, max_length: int) -> list[tuple[WindowPiece, DropReason | None]]:
-        """The pieces of one example at one max length under the overlong rule (split_pieces or
-        window_pieces), each with the reason it is dropped, None when it is kept."""
-        if self.ctx.config.overlong is OverlongPolicy.SPLIT:
-            return [(WindowPiece(a, a, a, b), None if mask[a + 1:b].any() else DropReason.NO_TARGETS_AFTER_SPLIT)
-                    for a, b in split_pieces(len(mask), max_length)]
-        n_context = window_context_tokens(max_length, self.ctx.config.window_context_tokens)
-        return [(p, None if p.kept else DropReason.WINDOW_CONTEXT_TOO_LONG)
-                for p in window_pieces(mask, max_length, n_context)]
+        """The pieces of one example at one max length under the overlong rule (cut_pieces)."""
+        return cut_pieces(mask, max_length, self.ctx.config.overlong, self.ctx.config.window_context_tokens)
 
     def _count_cut(self, max_length: int, cut: list[tuple[WindowPiece, DropReason | None]]) -> None:
         tally = self.tally
@@ -162,7 +156,7 @@ class FitAndKeyFn(beam.DoFn):
             return
         tally.windowed[max_length] += 1
         tally.window_pieces[max_length] += len(cut)
-        tally.context_replayed[max_length] += sum(p.context_tokens for p, reason in cut if reason is None)
+        tally.context_replayed[max_length] += context_replayed(cut)
 
     @staticmethod
     def _drop_message(piece: WindowPiece, reason: DropReason, n: int, max_length: int) -> str:

@@ -201,6 +201,27 @@ def piece_id(example_id: str, start: int, end: int, context: tuple[int, int] | N
     return f"{example_id}#{context[0]}:{context[1]}+{start}:{end}"
 
 
+def cut_pieces(mask: np.ndarray, max_length: int, policy: OverlongPolicy,
+               window_context: int | None = None) -> list[tuple[WindowPiece, DropReason | None]]:
+    """The pieces of one example longer than `max_length` under --overlong split or window
+    (split_pieces, window_pieces), each with the reason it is dropped, None when it is kept: the
+    one cut the job's fit stage writes and preflight forecasts. A split piece has no context;
+    window replays window_context_tokens(max_length, window_context) prompt tokens at most."""
+    if policy is OverlongPolicy.SPLIT:
+        return [(WindowPiece(a, a, a, b), None if mask[a + 1:b].any() else DropReason.NO_TARGETS_AFTER_SPLIT)
+                for a, b in split_pieces(len(mask), max_length)]
+    if policy is not OverlongPolicy.WINDOW:
+        raise ValueError(f"cut_pieces: --overlong {policy.value} cuts no example into pieces")
+    n_context = window_context_tokens(max_length, window_context)
+    return [(p, None if p.kept else DropReason.WINDOW_CONTEXT_TOO_LONG)
+            for p in window_pieces(mask, max_length, n_context)]
+
+
+def context_replayed(cut: Sequence[tuple[WindowPiece, DropReason | None]]) -> int:
+    """stats.context_tokens_replayed of one cut example: the context tokens its kept pieces start with."""
+    return sum(p.context_tokens for p, reason in cut if reason is None)
+
+
 def fit_at_length(lengths: np.ndarray, max_length: int, policy: OverlongPolicy,
                   targets_within: np.ndarray | None = None) -> np.ndarray:
     """The overlong rule: each example's Fit (int8) at `max_length`. An example that fits is
