@@ -85,3 +85,32 @@ def test_the_prepare_stage_names_each_expanded_example():
                                           tally, [])
     assert [eid for _, eid in templated.metas] == ["0/c.jsonl/0#0", "0/c.jsonl/0#1", "0/c.jsonl/0#2", "0/c.jsonl/1#0"]
     assert (tally.records_read, tally.examples) == (2, 4)
+
+
+@pytest.mark.parametrize("train_reasoning", ["yes", "no"])
+def test_pack_writes_one_example_per_reply_each_training_its_reply(tmp_path, train_reasoning):
+    """Done when of issue 33, through the job: a 3-reply Qwen3 conversation under --expand-turns
+    is written as 3 segments, segment i the conversation up to reply i as Qwen3's template renders
+    it there (reasoning only on that reply), training reply i alone (its block under
+    --train-reasoning yes); packed into one row, each stays its own segment with positions from 0."""
+    from testkit.pipeline import read_shard_set
+    from testkit.reference import split_segments
+
+    tok = load_tokenizer("qwen3")
+    data = write_jsonl(str(tmp_path / "c.jsonl"), [THREE_REPLIES])
+    _pack(["--input", data, "--format", "chat", "--tokenizer", "qwen3", "--max-length", "512", "--expand-turns",
+           "--train-reasoning", train_reasoning, "--no-tokens", "--output", str(tmp_path / "o")])
+    manifest, rows = read_shard_set(str(tmp_path / "o" / "L512"))
+    messages = THREE_REPLIES["messages"]
+    want = []
+    for i in range(3):
+        upto = messages[: 3 + 2 * i]
+        block = f"<think>\n{upto[-1]['reasoning_content']}\n</think>\n\n" if train_reasoning == "yes" else ""
+        want.append((qwen3_reference(upto), block + upto[-1]["content"] + "<|im_end|>"))
+    got = [(tok.decode(s.input_ids.tolist()), tok.decode([int(t) for t, m in zip(s.input_ids, s.loss_mask) if m]))
+           for row in rows for s in split_segments(row)]
+    assert sorted(got) == sorted(want)
+    assert len(rows) == 1 and manifest.stats["examples_written"] == 3
+    (row,) = rows
+    for k in (1, 2, 3):
+        assert row["positions"][row["segment_ids"] == k].tolist() == list(range(int((row["segment_ids"] == k).sum())))

@@ -167,3 +167,28 @@ def test_the_hf_format_refuses_a_trace_that_spells_a_special_token():
     with pytest.raises(ChatFormatError) as info:
         HFTemplateFormat(tok).segments(get_template("chat").to_conversations(forged)[0])
     assert info.value.reason == "special_token_in_text"
+
+
+def test_pack_trains_the_think_block_on_the_final_reply_only(tmp_path, tok):
+    """Done when of issue 33, through the job: a Qwen3 record whose two replies both carry
+    reasoning_content is written as Qwen3's template renders it (the first trace dropped from
+    history), and the row's targets are the first reply, then the final reply with its think
+    block: one <think> in the row, after the last user turn, trained under --train-reasoning yes
+    and loss 0 under no."""
+    from testkit.pipeline import read_shard_set
+    from testkit.reference import split_segments
+
+    data = write_jsonl(str(tmp_path / "r.jsonl"), [RECORD])
+    think = tok.token_to_id("<think>")
+    block = "<think>\nThree plus three is six.\n</think>\n\n"
+    for choice in ("yes", "no"):
+        _pack(["--input", data, "--format", "chat", "--tokenizer", "qwen3", "--max-length", "256", "--no-tokens",
+               "--train-reasoning", choice, "--output", str(tmp_path / choice)])
+        manifest, rows = read_shard_set(str(tmp_path / choice / "L256"))
+        (seg,) = [s for row in rows for s in split_segments(row)]
+        ids, mask = seg.input_ids.tolist(), seg.loss_mask.tolist()
+        assert tok.decode(ids) == qwen3_reference(RECORD["messages"])
+        assert tok.decode([i for i, m in zip(ids, mask) if m]) == "4.<|im_end|>" + (block if choice == "yes" else "") + "6.<|im_end|>"
+        assert ids.count(think) == 1 and "And 3 + 3?" in tok.decode(ids[:ids.index(think)])
+        assert mask[ids.index(think)] == (choice == "yes")
+        assert "trained_empty_think" not in manifest.stats and "turns_without_trained_eot" not in manifest.stats

@@ -142,3 +142,54 @@ def test_pack_with_a_sound_template_records_no_finding(tmp_path, hf_dirs):
            "--chat-format", "hf", "--max-length", "256", "--output", str(tmp_path / "o")])
     stats = json.loads((tmp_path / "o" / "L256" / "manifest.json").read_text())["stats"]
     assert "turns_without_trained_eot" not in stats and stats["examples_written"] == 2
+
+
+@pytest.mark.parametrize("tokenizer,chat_format,eot", [("gemma3", "gemma", "<end_of_turn>"), ("qwen3", "chatml", "<|im_end|>"),
+                                                       ("qwen3", "qwen3", "<|im_end|>")])
+def test_pack_passes_the_check_on_every_builtin_format(tmp_path, tokenizer, chat_format, eot):
+    """Done when of issue 33, through the job: the shipped chat sample (200 conversations, 131 of
+    them multi-turn) packs under every built-in chat format without --allow-untrained-eot, no
+    finding is recorded, and the rows train exactly one end-of-turn token per assistant reply."""
+    import os
+
+    import prepack
+    from testkit.pipeline import read_shard_set
+
+    path = os.path.join(os.path.dirname(prepack.__file__), "sample_data", "sample_chat.jsonl")
+    replies = sum(m["role"] == "assistant" for line in open(path, encoding="utf-8") for m in json.loads(line)["messages"])
+    _pack(["--input", path, "--format", "chat", "--tokenizer", tokenizer, "--chat-format", chat_format,
+           "--max-length", "512", "--no-tokens", "--output", str(tmp_path / "o")])
+    manifest, rows = read_shard_set(str(tmp_path / "o" / "L512"))
+    assert manifest.stats["examples_written"] == 200
+    assert "turns_without_trained_eot" not in manifest.stats and "trained_empty_think" not in manifest.stats
+    eot_id = load_tokenizer(tokenizer).token_to_id(eot)
+    assert sum(int(((row["input_ids"] == eot_id) & (row["loss_mask"] == 1)).sum()) for row in rows) == replies > 200
+
+
+# A ChatML template that writes an empty think block into every reply (inside the generation,
+# so it is a target): what fw-ai/cookbook #386 trained on.
+EMPTY_THINK_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'assistant' -%}"
+    "{{ '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{%- else -%}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+
+
+def test_pack_counts_a_template_that_trains_an_empty_think_block(tmp_path, caplog):
+    """A jinja template whose replies train `<think>\\n\\n</think>`: the job publishes (it trains
+    the end of turn) and records stats.trained_empty_think, one per reply, with a warning naming
+    an example."""
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+    tok_dir = build_hf_dir(tmp_path / "tok", specials, EMPTY_THINK_TEMPLATE, eos_token="<|im_end|>",
+                           pad_token="<|endoftext|>", additional_special_tokens=["<|im_start|>", "<think>", "</think>"])
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        _pack(["--input", _chat_input(tmp_path), "--format", "chat", "--tokenizer", f"hf:{tok_dir}", "--chat-format", "hf",
+               "--max-length", "256", "--no-tokens", "--output", str(tmp_path / "o")])
+    stats = json.loads((tmp_path / "o" / "L256" / "manifest.json").read_text())["stats"]
+    assert stats["trained_empty_think"] == 4 and "turns_without_trained_eot" not in stats
+    assert "4 trained empty think block(s) (e.g. example 0/chat.jsonl/0)" in caplog.text
