@@ -149,7 +149,7 @@ def test_pack_with_a_sound_template_records_no_finding(tmp_path, hf_dirs):
 def test_pack_passes_the_check_on_every_builtin_format(tmp_path, tokenizer, chat_format, eot):
     """Done when of issue 33, through the job: the shipped chat sample (200 conversations, 131 of
     them multi-turn) packs under every built-in chat format without --allow-untrained-eot, no
-    finding is recorded, and the rows train exactly one end-of-turn token per assistant reply."""
+    finding is recorded, and the rows train exactly one end-of-turn token per assistant reply (404)."""
     import os
 
     import prepack
@@ -163,7 +163,7 @@ def test_pack_passes_the_check_on_every_builtin_format(tmp_path, tokenizer, chat
     assert manifest.stats["examples_written"] == 200
     assert "turns_without_trained_eot" not in manifest.stats and "trained_empty_think" not in manifest.stats
     eot_id = load_tokenizer(tokenizer).token_to_id(eot)
-    assert sum(int(((row["input_ids"] == eot_id) & (row["loss_mask"] == 1)).sum()) for row in rows) == replies > 200
+    assert sum(int(((row["input_ids"] == eot_id) & (row["loss_mask"] == 1)).sum()) for row in rows) == replies == 404
 
 
 # A ChatML template that writes an empty think block into every reply (inside the generation,
