@@ -41,16 +41,50 @@ class Setup:
 
 def setup(cfg: TrainConfig, out: TextIO | None = None) -> Setup:
     """Builds the model, LoRA and trainer; with cfg.checkpoint_dir, Tunix restores the latest checkpoint here."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-    from tunix.sft import peft_trainer
-
-    import loaders
+    check_flags(cfg)
+    say = out if out is not None else sys.stderr
+    view, eval_view = open_views(cfg)
+    max_length = view.manifest.max_length
     from train import memory_path
-    from train import models, precision
-    from train import optimizer as optimizer_lib
 
+    memory_path.check_options(cfg, max_length)
+    mesh = make_mesh(parse_mesh(cfg.mesh), cfg.batch_size)
+    model = check_model_for_shards(cfg, view, eval_view)
+    ckpt, identity = open_checkpoint(cfg, model, view)
+    built, base_params = load_base_weights(cfg, model, mesh, say)
+    base_weights = record_base_weights(cfg, built, ckpt, identity)
+    prepare_model(cfg, model, built, mesh, max_length)
+    loss_fn = step_loss_fn(cfg, model)
+    static = run_static(cfg, view.manifest, built)
+    trainer, policy = make_trainer(cfg, built, ckpt)
+    resumed = int(trainer.train_steps)
+    if mesh is None:
+        commit_to_device(built, trainer)
+    if resumed:
+        print(f"resuming from step {resumed} of {ckpt.path}", file=say)
+    recorder = MetricsRecorder(
+        cfg.metrics_out, static=static, log_every=cfg.log_every, out=out,
+        resume_from=resumed or None, resume_note={"checkpoint_dir": cfg.checkpoint_dir},
+        last_step=cfg.steps, nan_policy=cfg.nan_policy,
+    )
+    attach_step_functions(cfg, loss_fn, trainer, recorder, built)
+    extra = run_details(cfg, model, view.manifest, built, base_params)
+    if ckpt is not None:
+        extra.update({"checkpoint_dir": cfg.checkpoint_dir, "resumed_from_step": resumed})
+    return Setup(cfg, view, eval_view, built, mesh, trainer, recorder, {**static, **extra},
+                 checkpoint=ckpt, policy=policy, resumed_step=resumed, base_weights=base_weights)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelChoice:
+    """The model the flags name, resolved against the shards' vocabulary (no weights yet)."""
+
+    spec: Any  # train.models.ModelSpec
+    config: Any  # the model's Tunix config
+    vocab_size: int | None  # the shards' vocabulary size, where the manifest records it
+
+
+def check_flags(cfg: TrainConfig) -> None:
     if cfg.steps < 1:
         raise TrainError(f"--steps must be positive, got {cfg.steps}")
     if cfg.batch_size < 1:
@@ -60,61 +94,98 @@ def setup(cfg: TrainConfig, out: TextIO | None = None) -> Setup:
     if cfg.checkpoint_keep < 1:
         raise TrainError(f"--checkpoint-keep must be positive, got {cfg.checkpoint_keep}")
     divergence.check_policy(cfg.nan_policy)
-    say = out if out is not None else sys.stderr
+
+
+def open_views(cfg: TrainConfig) -> tuple[Any, Any]:
+    import loaders
+
     view = loaders.open_shards(cfg.shards)
     eval_view = loaders.open_shards(cfg.eval_shards) if cfg.eval_shards else None
-    manifest = view.manifest
-    if eval_view is not None and eval_view.manifest.max_length != manifest.max_length:
+    if eval_view is not None and eval_view.manifest.max_length != view.manifest.max_length:
         raise TrainError(
             f"--eval-shards {cfg.eval_shards} has max_length {eval_view.manifest.max_length}, "
-            f"--shards {cfg.shards} has {manifest.max_length}; pack both for the same length"
+            f"--shards {cfg.shards} has {view.manifest.max_length}; pack both for the same length"
         )
+    return view, eval_view
 
-    memory_path.check_options(cfg, manifest.max_length)
-    mesh = make_mesh(parse_mesh(cfg.mesh), cfg.batch_size)
+
+def check_model_for_shards(cfg: TrainConfig, view: Any, eval_view: Any) -> ModelChoice:
+    """The vocabularies, checked on the config before any weights are loaded or drawn."""
+    from train import models
+
     spec = models.get_spec(cfg.model)
-    vocab = manifest.tokenizer.get("vocab_size")
+    vocab = view.manifest.tokenizer.get("vocab_size")
     vocab = int(vocab) if vocab else None
-    # Check the vocabularies on the config, before loading or drawing any weights.
     model_config = models.resolve_config(cfg.model, vocab_size=vocab, dtype=cfg.dtype, config_overrides=cfg.config_overrides)
     model_vocab = models.config_vocab_size(model_config)
     for v, path in ((view, cfg.shards), (eval_view, cfg.eval_shards)):
         if v is not None:
             check_vocab(v.manifest.tokenizer, cfg.model, spec.family, model_vocab, path)
+    return ModelChoice(spec, model_config, vocab)
 
-    ckpt = identity = None
-    if cfg.checkpoint_dir:
-        ckpt = checkpoints.CheckpointDir(cfg.checkpoint_dir, jax.process_index(), jax.process_count())
-        ckpt.require_backend()
-        identity = resume.run_identity(cfg, spec, model_config, view)
-        # Refuse another run's checkpoint now, before minutes of weight loading.
-        ckpt.check_resumable(identity, info={"shards": cfg.shards})
 
-    dtype_name = jnp.dtype(models.parse_dtype(cfg.dtype, spec.default_dtype)).name
-    print(f"loading {cfg.model} weights ({models.describe_weights(spec, cfg.weights)}) as {dtype_name} ...", file=say, flush=True)
+def open_checkpoint(cfg: TrainConfig, model: ModelChoice, view: Any) -> tuple[checkpoints.CheckpointDir | None, Any]:
+    if not cfg.checkpoint_dir:
+        return None, None
+    import jax
+
+    ckpt = checkpoints.CheckpointDir(cfg.checkpoint_dir, jax.process_index(), jax.process_count())
+    ckpt.require_backend()
+    identity = resume.run_identity(cfg, model.spec, model.config, view)
+    # Refuse another run's checkpoint now, before minutes of weight loading.
+    ckpt.check_resumable(identity, info={"shards": cfg.shards})
+    return ckpt, identity
+
+
+def dtype_name(cfg: TrainConfig, model: ModelChoice) -> str:
+    import jax.numpy as jnp
+
+    from train import models
+
+    return jnp.dtype(models.parse_dtype(cfg.dtype, model.spec.default_dtype)).name
+
+
+def load_base_weights(cfg: TrainConfig, model: ModelChoice, mesh: Any, say: TextIO) -> tuple[Any, int]:
+    import jax.numpy as jnp
+
+    from train import models
+
+    name = dtype_name(cfg, model)
+    print(f"loading {cfg.model} weights ({models.describe_weights(model.spec, cfg.weights)}) as {name} ...", file=say, flush=True)
     started = time.perf_counter()
     built = models.build_model(
-        cfg.model, weights=cfg.weights, vocab_size=vocab, dtype=cfg.dtype,
+        cfg.model, weights=cfg.weights, vocab_size=model.vocab_size, dtype=cfg.dtype,
         seed=cfg.seed, mesh=mesh, config_overrides=cfg.config_overrides,
     )
     base_params = models.count_params(built.model)
-    print(f"loaded {base_params:,} parameters ({base_params * jnp.dtype(dtype_name).itemsize / 1e6:,.0f} MB) "
+    print(f"loaded {base_params:,} parameters ({base_params * jnp.dtype(name).itemsize / 1e6:,.0f} MB) "
           f"in {time.perf_counter() - started:.1f} s", file=say, flush=True)
-    base_weights = None
-    if ckpt is not None or cfg.save_lora:
-        base_weights = {"source": built.weights, "fingerprint": base_fingerprint(built.model)}
-    if ckpt is not None:
-        # Same base weights as the checkpoint's LoRA was trained on (a random seed, a GGUF, an HF folder).
-        if ckpt.check_resumable(identity, base_weights, info={"shards": cfg.shards}) is None:
-            ckpt.write_run(identity, base_weights, {"shards": cfg.shards, "weights": built.weights, "steps": cfg.steps})
-    built.model = models.apply_lora(built.model, spec, rank=cfg.lora_rank, alpha=cfg.lora_alpha, seed=cfg.seed)
+    return built, base_params
+
+
+def record_base_weights(cfg: TrainConfig, built: Any, ckpt: checkpoints.CheckpointDir | None, identity: Any) -> dict[str, Any] | None:
+    """The base weights' identity, for a checkpoint or an exported LoRA; a resumed checkpoint must
+    have been trained on the same ones (a random seed, a GGUF, an HF folder)."""
+    if ckpt is None and not cfg.save_lora:
+        return None
+    base_weights = {"source": built.weights, "fingerprint": base_fingerprint(built.model)}
+    if ckpt is not None and ckpt.check_resumable(identity, base_weights, info={"shards": cfg.shards}) is None:
+        ckpt.write_run(identity, base_weights, {"shards": cfg.shards, "weights": built.weights, "steps": cfg.steps})
+    return base_weights
+
+
+def prepare_model(cfg: TrainConfig, model: ModelChoice, built: Any, mesh: Any, max_length: int) -> None:
+    """LoRA, sharding, the attention path and remat, in place on the base model."""
+    from train import memory_path, models
+
+    built.model = models.apply_lora(built.model, model.spec, rank=cfg.lora_rank, alpha=cfg.lora_alpha, seed=cfg.seed)
     models.shard_model(built.model, mesh)
-    memory_path.install_attention(built.model, cfg, manifest.max_length)
+    memory_path.install_attention(built.model, cfg, max_length)
     memory_path.set_remat(built.model, cfg.remat == memory_path.REMAT_LAYER)
 
-    loss_fn = memory_path.loss_fn(cfg)
-    loss_fn = precision.in_compute_dtype(loss_fn, models.parse_dtype(cfg.dtype, spec.default_dtype))
 
+def run_static(cfg: TrainConfig, manifest: Any, built: Any) -> dict[str, Any]:
+    """The fields every step record carries."""
     static = {
         "model": cfg.model,
         "weights": built.weights,
@@ -127,6 +198,14 @@ def setup(cfg: TrainConfig, out: TextIO | None = None) -> Setup:
     mixture = getattr(manifest, "mixture", None)
     if mixture:  # MetricsRecorder takes the names out of the static fields
         static["source_names"] = [s["name"] for s in mixture["sources"]]
+    return static
+
+
+def make_trainer(cfg: TrainConfig, built: Any, ckpt: checkpoints.CheckpointDir | None) -> tuple[Any, checkpoints.EveryNStepsAndLast | None]:
+    from tunix.sft import peft_trainer
+
+    from train import optimizer as optimizer_lib
+
     optimizer = optimizer_lib.adamw(cfg.learning_rate, skip_nonfinite=cfg.nan_policy == divergence.SKIP_STEP)
     policy = checkpoints.EveryNStepsAndLast(cfg.checkpoint_every, cfg.steps) if ckpt is not None else None
     training_config = peft_trainer.TrainingConfig(
@@ -139,29 +218,48 @@ def setup(cfg: TrainConfig, out: TextIO | None = None) -> Setup:
         metrics_logging_options=None,  # in memory only; our JSONL is the record
         pbar_description=None,
     )
-    trainer = make_trainer_class()(built.model, optimizer, training_config)
-    resumed = int(trainer.train_steps)
-    if mesh is None:
-        # Commit model and optimizer state to the device. jit keys its lowering on which inputs
-        # are committed: all-uncommitted (a fresh run) compiles as all-committed (every later
-        # step), but Orbax restores LoRA params and optimizer state committed beside uncommitted
-        # base weights, and that mix compiled the step a second time at the next step
-        # (measured: +3.8 s on the tiny CPU model, minutes for a real model on a TPU).
-        device = jax.devices()[0]
-        nnx.update(built.model, jax.device_put(nnx.state(built.model), device))
-        nnx.update(trainer.optimizer, jax.device_put(nnx.state(trainer.optimizer), device))
-    if resumed:
-        print(f"resuming from step {resumed} of {ckpt.path}", file=say)
-    recorder = MetricsRecorder(
-        cfg.metrics_out, static=static, log_every=cfg.log_every, out=out,
-        resume_from=resumed or None, resume_note={"checkpoint_dir": cfg.checkpoint_dir},
-        last_step=cfg.steps, nan_policy=cfg.nan_policy,
-    )
+    return make_trainer_class()(built.model, optimizer, training_config), policy
+
+
+def commit_to_device(built: Any, trainer: Any) -> None:
+    """Commits model and optimizer state to the one device. jit keys its lowering on which inputs
+    are committed: all-uncommitted (a fresh run) compiles as all-committed (every later step), but
+    Orbax restores LoRA params and optimizer state committed beside uncommitted base weights, and
+    that mix compiled the step a second time at the next step (measured: +3.8 s on the tiny CPU
+    model, minutes for a real model on a TPU)."""
+    import jax
+    from flax import nnx
+
+    device = jax.devices()[0]
+    nnx.update(built.model, jax.device_put(nnx.state(built.model), device))
+    nnx.update(trainer.optimizer, jax.device_put(nnx.state(trainer.optimizer), device))
+
+
+def step_loss_fn(cfg: TrainConfig, model: ModelChoice) -> Any:
+    """The loss the options choose, computed in the run's compute dtype."""
+    from train import memory_path, models, precision
+
+    return precision.in_compute_dtype(memory_path.loss_fn(cfg), models.parse_dtype(cfg.dtype, model.spec.default_dtype))
+
+
+def attach_step_functions(cfg: TrainConfig, loss_fn: Any, trainer: Any, recorder: MetricsRecorder, built: Any) -> None:
+    from train import memory_path
+
     trainer.recorder = recorder
     trainer.vocab_size = built.vocab_size
     trainer.with_gen_model_input_fn(memory_path.gen_model_input_fn(cfg))
     trainer.with_loss_fn(loss_fn, has_aux=True)
-    extra = {
+
+
+def run_details(cfg: TrainConfig, model: ModelChoice, manifest: Any, built: Any, base_params: int) -> dict[str, Any]:
+    """The run's summary fields beside the static ones: sizes, devices, dtypes, options."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from train import memory_path, models, precision
+
+    return {
         "shards": cfg.shards,
         "manifest_packing": getattr(manifest, "packing", None),
         "lora_rank": cfg.lora_rank,
@@ -174,13 +272,9 @@ def setup(cfg: TrainConfig, out: TextIO | None = None) -> Setup:
         "platform": jax.default_backend(),
         "device_kind": jax.devices()[0].device_kind,
         "loss_fn": cfg.loss,
-        "dtype": dtype_name,
+        "dtype": dtype_name(cfg, model),
         "lora_dtype": jnp.dtype(precision.LORA_DTYPE).name,
         "nan_policy": cfg.nan_policy,
         "loss_chunk_tokens": cfg.loss_chunk_tokens,
         "attention": memory_path.attention_kind(cfg),
     }
-    if ckpt is not None:
-        extra.update({"checkpoint_dir": cfg.checkpoint_dir, "resumed_from_step": resumed})
-    return Setup(cfg, view, eval_view, built, mesh, trainer, recorder, {**static, **extra},
-                 checkpoint=ckpt, policy=policy, resumed_step=resumed, base_weights=base_weights)
