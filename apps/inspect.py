@@ -11,6 +11,7 @@ cannot be loaded, token ids are shown instead.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -108,6 +109,10 @@ def summary_lines(manifest: Manifest, path: str) -> list[str]:
         text = storage.read_text(storage.join(path, manifest.dead_letter))
         count = "missing" if text is None else f"{sum(1 for line in text.splitlines() if line.strip()):,} examples"
         lines.append(f"  dead letter {manifest.dead_letter}: {count}")
+    if manifest.mixture:  # a mixture set: what each source asked for and got (prepack.packing.mix_table)
+        from prepack.packing.mix_table import mix_table_lines
+
+        lines += mix_table_lines(manifest.mixture, manifest.max_length)
     return lines
 
 
@@ -154,11 +159,58 @@ class _Renderer:
         return ("" if self.decode else " ").join(runs)
 
 
-def row_lines(view: ShardView, index: int, renderer: _Renderer) -> list[str]:
+@dataclasses.dataclass
+class MixtureLabels:
+    """What labels a mixture set's segments: each source id's name and repeats (the manifest's
+    `mixture.sources`, source i at position i - 1), and where each segment shown sits, so that
+    the copies of one example (the same tokens, the same source) point at each other."""
+
+    names: dict[int, str]
+    repeats: dict[int, float]
+    places: dict[tuple[int, bytes, bytes], list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def of(cls, manifest: Manifest) -> "MixtureLabels | None":
+        if not manifest.mixture:
+            return None
+        sources = list(manifest.mixture.get("sources", []))
+        return cls({i: str(s["name"]) for i, s in enumerate(sources, start=1)},
+                   {i: float(s.get("repeats", 0.0)) for i, s in enumerate(sources, start=1)})
+
+    def note(self, row: Mapping[str, np.ndarray], index: int) -> None:
+        for k, key in _segment_keys(row):
+            self.places.setdefault(key, []).append((index, k))
+
+    def label(self, row: Mapping[str, np.ndarray], index: int, k: int, key: tuple[int, bytes, bytes]) -> str:
+        source = key[0]
+        text = f" [source {self.names.get(source, f'#{source}')}]"
+        others = [p for p in self.places.get(key, []) if p != (index, k)]
+        if others:
+            where = ", ".join(f"row {r} segment {s}" for r, s in others[:3]) + (" ..." if len(others) > 3 else "")
+            kind = ("a repeated copy: the source is used " f"{self.repeats.get(source, 0):.2f}x"
+                    if self.repeats.get(source, 0) > 1 else "a duplicate in the source's input")
+            text += f" (same tokens as {where}: {kind})"
+        return text
+
+
+def _segment_keys(row: Mapping[str, np.ndarray]) -> list[tuple[int, tuple[int, bytes, bytes]]]:
+    """(segment number, (source id, token bytes, loss-mask bytes)) of a mixture row's segments."""
+    seg = row["segment_ids"]
+    out = []
+    for k in range(1, int(seg.max(initial=0)) + 1):
+        where = np.flatnonzero(seg == k)
+        out.append((k, (int(row["source_ids"][where[0]]), row["input_ids"][where].tobytes(),
+                        row["loss_mask"][where].tobytes())))
+    return out
+
+
+def row_lines(view: ShardView, index: int, renderer: _Renderer, labels: MixtureLabels | None = None) -> list[str]:
     """Raises RowFormatError for a row that breaks the format (a record from a stranger:
-    its segment ids would otherwise drive the loop below)."""
+    its segment ids would otherwise drive the loop below). `labels`: a mixture set's, to name
+    each segment's source and mark the copies of one example."""
     row = view[index]
     rowformat.check_row(row, view.max_length)
+    keys = dict(_segment_keys(row)) if labels is not None else {}
     seg = row["segment_ids"]
     length = view.max_length
     n_valid = int(row["valid_mask"].sum())
@@ -172,7 +224,7 @@ def row_lines(view: ShardView, index: int, renderer: _Renderer) -> list[str]:
         ids, loss, pos = row["input_ids"][where], row["loss_mask"][where], row["positions"][where]
         lines.append(
             f"  segment {k}: tokens {where[0]}..{where[-1]} ({len(where)}), positions {pos[0]}..{pos[-1]}, "
-            f"{int(loss.sum())} targets"
+            f"{int(loss.sum())} targets{labels.label(row, index, k, keys[k]) if labels is not None else ''}"
         )
         lines.append("    " + renderer.segment(ids, loss.astype(bool)).replace("\n", "\n    "))
     if n_valid < length:
@@ -297,9 +349,18 @@ def _show_rows(view: ShardView, manifest: Manifest, args: argparse.Namespace, ou
     renderer = _Renderer(decode, _use_color(args.color, out), specials)
     legend = "targets in green" if renderer.color else "targets between [[ ]]"
     print(f"\nrows {args.row_index}..{min(len(view), args.row_index + args.rows) - 1} ({legend})", file=out)
-    for index in range(args.row_index, min(len(view), args.row_index + args.rows)):
+    shown = range(args.row_index, min(len(view), args.row_index + args.rows))
+    labels = MixtureLabels.of(manifest)
+    for index in shown if labels is not None else ():  # first where every shown segment sits, so copies point both ways
         try:
-            lines = row_lines(view, index, renderer)
+            row = view[index]
+            rowformat.check_row(row, view.max_length)
+        except (ManifestError, rowformat.RowFormatError):
+            break  # the loop below reports it in one line
+        labels.note(row, index)
+    for index in shown:
+        try:
+            lines = row_lines(view, index, renderer, labels)
         except ManifestError as e:  # a record that fails its checksum (ShardSetError names the file)
             print(f"prepack inspect: {e}", file=err)
             return 1

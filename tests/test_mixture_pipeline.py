@@ -280,7 +280,7 @@ def test_max_bad_fraction_applies_to_each_source(tmp_path):
         f.write("not json\n{\"en\": \"only one side\"}\n{oops\n")  # 3 of 17 bad: 17.6% of fr, 2.8% of the mix
     with pytest.raises(JobError) as e:
         pack(["--mixture", path, "--max-length", "256", "--output", str(tmp_path / "out"), "--max-bad-fraction", "0.1"])
-    assert str(e.value).startswith("mixture source 'fr': 3 of 17 examples read are bad records (17.65%, more than "
+    assert str(e.value).startswith("mixture source 'fr' (format translation): 3 of 17 examples read are bad records (17.65%, more than "
                                    "--max-bad-fraction 0.1)") and "\n" not in str(e.value)
     pack(["--mixture", path, "--max-length", "256", "--output", str(tmp_path / "ok"), "--max-bad-fraction", "0.2"])
     fr = json.loads((tmp_path / "ok" / "L256" / "manifest.json").read_text())["mixture"]["sources"][2]

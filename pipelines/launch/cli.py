@@ -87,6 +87,12 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{result.tokens_manifest.rsplit('/', 1)[0]} --max-length L --output ...)")
     print()
     print(density_table(result.stats, packed=config.pack, segment_cap=config.max_segments_per_row))
+    if result.mixtures:  # --mixture: what each source asked for and got, per length
+        from prepack.packing.mix_table import mix_table_lines
+
+        for L, mixture in sorted(result.mixtures.items()):
+            print()
+            print("\n".join(mix_table_lines(mixture, L)))
     examples = next(iter(result.stats.values()))["examples_read"]
     print(f"\n{examples:,} examples in {result.seconds:,.1f} s ({examples / max(result.seconds, 1e-9):,.0f} examples/s)")
     return 0

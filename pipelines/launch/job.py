@@ -67,6 +67,7 @@ class JobResult:
     metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
     notes: list[str] = dataclasses.field(default_factory=list)  # said to the user: leftovers, shard counts
     tokens_manifest: str | None = None  # the tokenized set published with the shard sets
+    mixtures: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)  # --mixture: each length's manifest `mixture`
 
 
 @dataclasses.dataclass
@@ -357,7 +358,8 @@ def run(config: PackConfig, beam_args: list[str], run_id: str | None = None, exi
         _commit(commit, config, lengths, tokens)
         tokens_path = layout.tokens_manifest_path(config.output) if tokens else None
         figures = {L: s.to_json() for L, s in stats.items()}
-        return JobResult(_lengths_switched(commit), figures, time.monotonic() - started, job.run_id, metrics, notes, tokens_path)
+        return JobResult(_lengths_switched(commit), figures, time.monotonic() - started, job.run_id, metrics, notes, tokens_path,
+                         mixture_objects(config, summary))
     except KeyboardInterrupt as e:
         if held.lost is not None:
             raise publish.JobError(str(held.lost)) from e
@@ -439,6 +441,10 @@ def verify(job: PreparedJob, summary: RunSummary, held: output.OutputLock) -> di
     if _empty_or_all_bad(first, config, []) is not None:
         kept = output.keep_failed_dead_letters(config.output, config.max_lengths, job.run_id, held) if first.bad_records else []
         raise publish.JobError(_empty_or_all_bad(first, config, kept))
+    if config.mixture is not None and _source_bad_records(config, summary) is not None:  # named per source, before the mix's
+        kept = output.keep_failed_dead_letters(config.output, config.max_lengths, job.run_id, held)
+        where = f"; they are listed in {kept[0]}" if kept else ""
+        raise publish.JobError(f"{_source_bad_records(config, summary)}; nothing was published{where}")
     if publish.bad_fraction_error(first, config, []) is not None:
         kept = output.keep_failed_dead_letters(config.output, config.max_lengths, job.run_id, held)
         raise publish.JobError(publish.bad_fraction_error(first, config, kept))
@@ -459,6 +465,16 @@ def verify(job: PreparedJob, summary: RunSummary, held: output.OutputLock) -> di
     return stats
 
 
+def _source_bad_records(config: PackConfig, summary: RunSummary) -> str | None:
+    """The first source whose own bad-record fraction is over --max-bad-fraction, in one line
+    (prepack.packing.mixture.source_bad_records); bad records do not depend on L."""
+    from prepack.packing.accounting import Tally
+    from prepack.packing.mixture import source_bad_records, source_figures
+
+    figures = source_figures(config.mixture, Tally.from_json(summary.tally), config.max_lengths[0])
+    return next((line for f in figures if (line := source_bad_records(f, config.max_bad_fraction)) is not None), None)
+
+
 def _check_mixture(config: PackConfig, summary: RunSummary) -> None:
     """Per source and length: the accounting identity, the bad fraction, usable examples, and
     the realized shares (prepack.packing.mixture.check_sources); raises JobError with one line."""
@@ -475,6 +491,17 @@ def _check_mixture(config: PackConfig, summary: RunSummary) -> None:
             log.warning(note)
 
 
+def mixture_objects(config: PackConfig, summary: RunSummary) -> dict[int, dict[str, Any]]:
+    """Each length's manifest `mixture` object (prepack.packing.mixture.mixture_manifest); {} without --mixture."""
+    if config.mixture is None:
+        return {}
+    from prepack.packing.accounting import Tally
+    from prepack.packing.mixture import mixture_manifest
+
+    tally = Tally.from_json(summary.tally)
+    return {L: mixture_manifest(config.mixture, tally, L) for L in config.max_lengths}
+
+
 def _staged_sets(job: PreparedJob, summary: RunSummary, stats: dict[int, LengthStats]
                  ) -> tuple[dict[int, output.StagedSet], output.StagedSet | None]:
     """The run's staged shard sets and tokenized set, with the manifests that publish them."""
@@ -488,10 +515,7 @@ def _staged_sets(job: PreparedJob, summary: RunSummary, stats: dict[int, LengthS
                                             summary.lengths[L].plan.method)
         manifest.created_at = created_at
         if config.mixture is not None:
-            from prepack.packing.accounting import Tally
-            from prepack.packing.mixture import mixture_manifest
-
-            manifest.mixture = mixture_manifest(config.mixture, Tally.from_json(summary.tally), L)
+            manifest.mixture = mixture_objects(config, summary)[L]
             manifest.use_mixture_format()
         if job.tokens is not None:
             manifest.lineage = tokens_source.lineage(job.tokens, config.from_tokens)

@@ -441,8 +441,6 @@ def check_sources(mixture: Mixture, figures: list[dict[str, Any]], max_length: i
     """(problems that fail the job, notes) for one max length: the per-source identity, the
     per-source bad fraction, a source with no usable examples, and shares off by more than
     SHARE_TOLERANCE (a problem unless allow_short)."""
-    from prepack.packing.bad_records import too_many_bad_records
-
     problems, notes = [], []
     for f in figures:
         dropped = sum(f["examples_dropped"].values())
@@ -451,10 +449,9 @@ def check_sources(mixture: Mixture, figures: list[dict[str, Any]], max_length: i
         if arrived != f["examples_unique"] + dropped:
             problems.append(f"L={max_length}: mixture source {f['name']!r}: examples read {f['examples_read']} != "
                             f"unique written {f['examples_unique']} + dropped {dropped}")
-        bad = sum(v for k, v in f["examples_dropped"].items() if not _length_reason(k))
-        line = too_many_bad_records(bad, f["examples_read"], f["examples_dropped"], max_bad_fraction)
+        line = source_bad_records(f, max_bad_fraction)
         if line is not None:
-            problems.append(f"mixture source {f['name']!r}: {line}")
+            problems.append(line)
         if not f["kept_weight"]:
             problems.append(f"mixture source {f['name']!r} has no usable examples at max length {max_length} "
                             f"({f['examples_read']} read, dropped {f['examples_dropped']}); check its input and format")
@@ -473,6 +470,22 @@ def check_sources(mixture: Mixture, figures: list[dict[str, Any]], max_length: i
         else:
             problems.append(line + "; add examples or max_repeats, or pass --allow-short-mix")
     return problems, notes
+
+
+def source_bad_records(figures: dict[str, Any], max_bad_fraction: float) -> str | None:
+    """One source's bad-record fraction judged by itself (`--max-bad-fraction` applies to each
+    source, so a source in the wrong format is named, not averaged into the mix): the one line
+    saying so, or None. A source whose every record is bad is most likely in another format."""
+    from prepack.packing.bad_records import too_many_bad_records
+
+    bad = sum(v for k, v in figures["examples_dropped"].items() if not _length_reason(k))
+    line = too_many_bad_records(bad, figures["examples_read"], figures["examples_dropped"], max_bad_fraction)
+    if line is None:
+        return None
+    name, fmt = figures["name"], figures["format"]
+    advice = (f"every record of {name!r} is bad: check that its input is in format {fmt!r}" if bad == figures["examples_read"]
+              else f"fix the records of {name!r}, or raise --max-bad-fraction to skip them")
+    return f"mixture source {name!r} (format {fmt}): {line}; {advice}"
 
 
 def _length_reason(reason: str) -> bool:
