@@ -8,7 +8,9 @@ Streams each shard once (its sha256, then its records in batches decoded into nu
 and checks each batch with the row format's rules (prepack.format.rowformat.row_fault, the one
 implementation): segment ids 1..k then 0 padding, positions from 0 in every segment, no target
 on a segment's first token or on padding, valid == (segment != 0), source ids within the
-mixture's sources. Then the manifest's counts must equal a recount from the rows.
+mixture's sources, and (sets cut by --overlong split or window) example_targets constant across
+a segment, at least its own target tokens, 0 on padding. Then the manifest's counts must equal
+a recount from the rows.
 
 An output's lengths are every L<n> folder with a manifest, published or not: a length its
 published.json does not name (an older run's L4096 beside a new run's L512) is checked too, and
@@ -98,7 +100,7 @@ class LengthResult:
 
 
 def num_sources(manifest: Manifest) -> int:
-    return len(manifest.mixture["sources"]) if manifest.format_version == rowformat.MIXTURE_FORMAT_VERSION else 0
+    return len(manifest.mixture["sources"]) if rowformat.has_sources(manifest.format_version) else 0
 
 
 def scan_rows(view: ShardView, recount: Recount) -> str | None:

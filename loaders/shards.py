@@ -351,7 +351,7 @@ def _check_mixture_sources(manifest: Manifest, manifest_path: str) -> None:
     """A mixture set's rows carry source ids 1..N, N the entries of its `mixture.sources`: the
     entries' written examples and tokens must add up to the set's, or rows carry ids no entry
     names (per-source metrics would then be mislabelled)."""
-    if manifest.format_version != rowformat.MIXTURE_FORMAT_VERSION:
+    if not rowformat.has_sources(manifest.format_version):
         return
     sources = manifest.mixture["sources"]
     for key in ("examples_written", "tokens"):

@@ -105,6 +105,12 @@ class PackConfig:
     def template_kwargs(self) -> dict[str, str]:
         return dict(self.template_options)
 
+    @property
+    def cuts_pieces(self) -> bool:
+        """--overlong split or window: an example may become several pieces, so rows carry
+        `example_targets` (row format 3, or 4 with a mixture; docs/row_format.md)."""
+        return self.overlong in (OverlongPolicy.SPLIT, OverlongPolicy.WINDOW)
+
     def manifest_options(self) -> dict[str, Any]:
         """The options recorded in each manifest: only those that shape the rows.
         The output path, run id and Beam options are left out on purpose, so the

@@ -157,3 +157,78 @@ def test_readers_decode_by_the_manifests_field_order(tmp_path):
                               "'loss_mask', 'valid_mask', 'positions', 'segment_ids'] once each, in record order")
     del data["field_order"]  # written before field_order existed: format 1's order
     assert Manifest.from_json(json.dumps(data)).field_order == list(rowformat.FIELD_NAMES)
+
+
+# ----------------------------------------------------------------------------- formats 3 and 4: example_targets
+
+
+def test_formats_3_and_4_add_example_targets_last():
+    assert rowformat.field_names(3) == rowformat.FIELD_NAMES + ("example_targets",)
+    assert rowformat.field_names(4) == rowformat.FIELD_NAMES + ("source_ids", "example_targets")
+    assert [rowformat.row_format_version(s, e) for s in (False, True) for e in (False, True)] == [1, 3, 2, 4]
+    assert rowformat.record_size(10, 3) == 24 * 10 and rowformat.record_size(10, 4) == 28 * 10
+
+
+def _flat(segments):
+    return (np.array([len(s) for s in segments]), np.concatenate([s.input_ids for s in segments]),
+            np.concatenate([s.loss_mask for s in segments]))
+
+
+@settings(max_examples=100, deadline=None)
+@given(segments_and_length(), st.booleans())
+def test_the_encoder_writes_each_segments_example_targets(case, with_sources):
+    """Format 3 (4 with sources) is format 1's (2's) bytes plus the field: a given count on a
+    piece's tokens, the segment's own target count where 0 is given (a whole example)."""
+    segments, max_length = case
+    lens, ids, mask = _flat(segments)
+    rng = np.random.default_rng(len(segments))
+    sources = rng.integers(1, 4, len(segments)) if with_sources else None
+    own = np.array([int(s.loss_mask[1:].sum()) for s in segments])
+    given_totals = np.where(rng.random(len(segments)) < 0.5, 0, own + rng.integers(0, 5, len(segments)))
+    [(record, _, targets)] = rowformat.encode_rows_flat([len(segments)], lens, ids, mask, max_length, 0, sources, given_totals)
+    [(plain, _, _)] = rowformat.encode_rows_flat([len(segments)], lens, ids, mask, max_length, 0, sources)
+    version = rowformat.row_format_version(with_sources, True)
+    row = rowformat.decode_row(record, max_length, rowformat.field_names(version))
+    before = rowformat.decode_row(plain, max_length, rowformat.field_names(rowformat.row_format_version(with_sources, False)))
+    for name, values in before.items():
+        np.testing.assert_array_equal(row[name], values)
+    want = np.zeros(max_length, np.int64)
+    want[: lens.sum()] = np.repeat(np.where(given_totals > 0, given_totals, own), lens)
+    np.testing.assert_array_equal(row["example_targets"], want)
+    assert targets == int(own.sum())
+    if own.min() > 0:  # a segment with no target is no example (the job drops it)
+        rowformat.check_row(row, max_length)
+
+
+def _split_row():
+    lens, ids, mask = _flat([Segment(np.array([2, 5, 6, 7]), np.array([0, 0, 1, 1])),
+                             Segment(np.array([2, 9, 9]), np.array([0, 1, 1]))])
+    [(record, _, _)] = rowformat.encode_rows_flat([2], lens, ids, mask, 10, 0, None, np.array([5, 0]))
+    return {k: v.copy() for k, v in rowformat.decode_row(record, 10, rowformat.field_names(3)).items()}
+
+
+@pytest.mark.parametrize("breakage, message", [
+    (lambda r: r["example_targets"].__setitem__(3, 6), "example_targets must be the same on every token of a segment"),
+    (lambda r: r["example_targets"].__setitem__(slice(4, 7), 1), "example_targets must be at least the segment's own target tokens"),
+    (lambda r: r["example_targets"].__setitem__(slice(0, 4), 0), "example_targets must be at least the segment's own target tokens"),
+    (lambda r: r["example_targets"].__setitem__(8, 2), "example_targets must be at least .* 0 on padding"),
+])
+def test_check_row_names_a_broken_example_targets(breakage, message):
+    row = _split_row()
+    assert row["example_targets"].tolist() == [5, 5, 5, 5, 2, 2, 2, 0, 0, 0]
+    rowformat.check_row(row, 10)
+    breakage(row)
+    with pytest.raises(RowFormatError, match=message):
+        rowformat.check_row(row, 10)
+
+
+def test_manifests_of_format_3_and_4():
+    from prepack.format.manifest import Manifest, ManifestError
+
+    manifest = Manifest(max_length=8, num_rows=0, shards=[], tokenizer={}, stats={})
+    manifest.use_row_format(sources=False, example_targets=True)
+    assert (manifest.format_version, manifest.field_order) == (3, list(rowformat.field_names(3)))
+    assert Manifest.from_json(manifest.to_json()).field_order[-1] == "example_targets"
+    manifest.use_row_format(sources=True, example_targets=True)  # format 4 without its mixture
+    with pytest.raises(ManifestError, match="format_version 4 needs a `mixture` object"):
+        Manifest.from_json(manifest.to_json())

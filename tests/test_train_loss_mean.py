@@ -1,4 +1,5 @@
-"""--loss-mean token|example (train/loss.py, train/chunked_loss.py).
+"""--loss-mean token|example (train/loss.py, train/chunked_loss.py), and the row field that makes
+the pieces of a split example count as one (row format 3's example_targets, written by the job).
 
 The reference owes nothing to the code under test: every example (or piece of a split example)
 runs alone in its own row with Tunix's own causal mask and positions, and the per-example mean
@@ -42,9 +43,10 @@ def model() -> nnx.Module:
     return lora_model()
 
 
-def alone_nll(model: nnx.Module, segments: list[rowformat.Segment]) -> list[tuple[np.ndarray, np.ndarray]]:
+def alone_nll(model: nnx.Module, segments: list[rowformat.Segment],
+              max_length: int = MAX_LENGTH) -> list[tuple[np.ndarray, np.ndarray]]:
     """(NLL, weight) of each segment's scored positions, the segment alone in a row (Tunix's inputs)."""
-    batch = testing.unpacked_batch(segments, MAX_LENGTH)
+    batch = testing.unpacked_batch(segments, max_length)
     inputs = testing.plain_causal_inputs(batch)
     logits = model(inputs["input_tokens"], inputs["positions"], None, inputs["attention_mask"])[0]
     nll, w = (np.asarray(x, np.float64) for x in loss_lib.per_token_nll(logits, inputs["input_tokens"], inputs["input_mask"]))
@@ -196,6 +198,92 @@ def test_example_mean_gradients_equal_the_unpacked_reference(model) -> None:
         assert len(got) == len(want) > 0 and scale > 0
         for g, r in zip(got, want):
             np.testing.assert_allclose(g, r, atol=1e-5 * scale, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------- the real pipeline and loader
+
+PIPE_L = 64  # the packed set's max length: the long examples below are cut into pieces at it
+WHOLE_L = 1024  # the reference set's: every example whole, alone in its row
+
+
+@pytest.fixture(scope="module")
+def packed_and_whole(tmp_path_factory) -> tuple[str, str]:
+    """One alpaca file packed twice by `prepack pack`: with --overlong split at PIPE_L (pieces of
+    the long examples beside whole ones, in rows and batches of their own), and unpacked at
+    WHOLE_L (each example whole in its row: the reference's source)."""
+    from apps import cli
+    from testkit.pipeline import alpaca_records, words, write_jsonl
+
+    root = tmp_path_factory.mktemp("loss-mean-split")
+    long = [{"instruction": f"Long {k}: " + words(12 + k, k), "input": "", "output": words(70 + 25 * k, k + 5)} for k in range(4)]
+    source = write_jsonl(str(root / "in.jsonl"), alpaca_records(14, seed=3) + long)
+    packed, whole = str(root / "packed"), str(root / "whole")
+    assert cli.main(["pack", "--input", source, "--format", "alpaca", "--max-length", str(PIPE_L), "--overlong", "split",
+                     "--output", packed, "--no-progress"]) == 0
+    assert cli.main(["pack", "--input", source, "--format", "alpaca", "--max-length", str(WHOLE_L), "--no-pack",
+                     "--output", whole, "--no-progress"]) == 0
+    return f"{packed}/L{PIPE_L}", f"{whole}/L{WHOLE_L}"
+
+
+def loader_batches(path: str, batch_size: int) -> list[dict]:
+    """One epoch of the real loader's batches, ids folded into the tiny model's vocabulary (the
+    model is the same function of them packed and alone, which is all the comparison needs)."""
+    from loaders import make_dataset
+
+    batches = list(make_dataset(path, batch_size, seed=0, shard_index=0, shard_count=1, num_epochs=1,
+                                drop_remainder=False, read_threads=0, prefetch=0))
+    for batch in batches:
+        batch["input_ids"] = batch["input_ids"] % VOCAB
+    return batches
+
+
+def whole_examples_cut_as_split_cuts_them(path: str) -> list[list[rowformat.Segment]]:
+    """Each example of the unpacked set, whole, then cut by --overlong split's rule at PIPE_L
+    (prepack.packing.packer.split_pieces); a piece with no target after its first token is the
+    one the job drops. An example longer than PIPE_L is several pieces, each run alone."""
+    [batch] = loader_batches(path, 4096)
+    out = []
+    for r in range(len(batch["segment_ids"])):
+        n = int(batch["valid_mask"][r].sum())
+        ids, mask = batch["input_ids"][r][:n], batch["loss_mask"][r][:n]
+        pieces = [rowformat.Segment(ids[a:b], np.concatenate([[0], mask[a + 1:b]])) for a, b in split_pieces(n, PIPE_L)]
+        out.append([p for p in pieces if p.loss_mask[1:].any()])
+    return [pieces for pieces in out if pieces]
+
+
+def test_example_mean_on_a_split_set_from_the_job_equals_the_unpacked_per_example_mean(model, packed_and_whole) -> None:
+    """`prepack pack --overlong split` writes example_targets; through the real loader,
+    --loss-mean example on its packed batches (pieces of one example in different rows and
+    batches) equals the mean over examples of each one's token-mean NLL, its pieces run alone
+    and taken together; --loss-mean token equals today's loss."""
+    packed, whole = packed_and_whole
+    reference = whole_examples_cut_as_split_cuts_them(whole)
+    assert sum(len(p) > 1 for p in reference) >= 3  # several examples are split
+    alone = alone_nll(model, [piece for pieces in reference for piece in pieces], PIPE_L)
+    per_example, k = [], 0
+    for pieces in reference:
+        per_example.append(alone[k:k + len(pieces)])
+        k += len(pieces)
+    token_ref, example_ref = reference_means(per_example)
+    _, per_piece_ref = reference_means([[x] for x in alone])
+    assert abs(example_ref - per_piece_ref) > 1e-3  # counting each piece as an example would be caught
+
+    [one] = loader_batches(packed, 4096)  # every row in one batch
+    assert "example_targets" in one and len(one["segment_ids"]) > 4
+    for name, (loss, aux) in losses(model, one, "example").items():
+        assert loss == pytest.approx(example_ref, rel=1e-5), name
+        assert float(aux["examples"]) == pytest.approx(len(reference), rel=1e-5), name  # float32 sums of shares
+    for name, (loss, _) in losses(model, one, "token").items():
+        inputs = model_inputs.make_gen_model_input_fn()(one)
+        assert loss == pytest.approx(float(loss_lib.masked_loss_fn(model, **inputs)), rel=1e-6), name
+        assert loss == pytest.approx(token_ref, rel=1e-5), name
+
+    # Batches of 3 rows: pieces of one example land in different batches; the sums combine exactly.
+    auxes = [losses(model, b, "example")["full"][1] for b in loader_batches(packed, 3)]
+    combined = sum(float(a["example_nll_sum"]) for a in auxes) / sum(float(a["examples"]) for a in auxes)
+    assert combined == pytest.approx(example_ref, rel=1e-5)
+    assert sum(float(a["examples"]) for a in auxes) == pytest.approx(len(reference), rel=1e-5)
+    assert any(float(a["examples"]) != round(float(a["examples"])) for a in auxes)  # some batch holds part of an example
 
 
 # ----------------------------------------------------------------------------- options and metrics

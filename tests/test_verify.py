@@ -157,6 +157,26 @@ def test_source_id_outside_the_mixture(copy_of):
             "source_ids must be 1..N on every real token and 0 on padding") in out
 
 
+def test_split_set_carries_example_targets_and_a_broken_one_is_named(outputs, copy_of):
+    """The split set is row format 3: every piece carries its example's target tokens over all its
+    pieces. Lowered below a piece's own count on one segment, the row fails with its place."""
+    manifest = Manifest.from_json(open(f"{outputs['split']}/L64/manifest.json").read())
+    assert manifest.format_version == 3 and manifest.field_order[-1] == "example_targets"
+    out_dir = copy_of("split")
+
+    def below_own(rows):
+        r = _row_with_segments(rows, 2)
+        seg = rows["segment_ids"][r]
+        rows["example_targets"][r][seg == 2] = int(rows["loss_mask"][r][seg == 2].sum()) - 1
+        return r
+
+    shard, row = _rewrite_shard(f"{out_dir}/L64", below_own)
+    rc, out, _ = run(out_dir)
+    assert rc == 1
+    assert (f"  first failure: {shard}: row {row} (record {row} of the shard), segment 2, token ") in out
+    assert "example_targets must be at least the segment's own target tokens (and 1) on every real token, 0 on padding" in out
+
+
 @pytest.mark.parametrize("key, path", [
     ("stats.examples_written", ("stats", "examples_written")),
     ("stats.tokens", ("stats", "tokens")),

@@ -18,9 +18,9 @@ weight 0.
 `--loss-mean example` (loss_mean="example") averages each example's token-mean NLL, then
 the examples of the batch: the same per-token NLLs, each target weighted 1 / (its example's
 target tokens), normalised by the sum of those weights (the batch's example count). The
-example of a target comes from segment_ids on the device; a set cut by `--overlong split`
-stores in `example_targets` the whole example's target count on every piece, so the pieces
-of one example weigh as one example (docs/row_format.md).
+example of a target comes from segment_ids on the device; a set cut by `--overlong split` or
+`window` (row format 3 or 4) stores in `example_targets` the whole example's target count on
+every piece, so the pieces of one example weigh as one example (docs/row_format.md).
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def inverse_example_targets(weights: jax.Array, segment_ids: jax.Array,
 
     Column t scores token t+1, so it belongs to token t+1's segment. A segment's example has
     the segment's own target count, unless `example_targets` (a split set's field: the whole
-    example's count on each of its pieces, 0 on a segment that is a whole example) says more."""
+    example's count on each of its pieces, a whole example's own count; 0 is read as the own count too) says more."""
     b, length = segment_ids.shape
     scored = jnp.concatenate([segment_ids[:, 1:], jnp.zeros_like(segment_ids[:, :1])], axis=1)
     # One id per (row, segment) for the whole batch: segment ids restart at 1 in every row.

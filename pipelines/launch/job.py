@@ -516,7 +516,8 @@ def _staged_sets(job: PreparedJob, summary: RunSummary, stats: dict[int, LengthS
         manifest.created_at = created_at
         if config.mixture is not None:
             manifest.mixture = mixture_objects(config, summary)[L]
-            manifest.use_mixture_format()
+        if config.mixture is not None or config.cuts_pieces:
+            manifest.use_row_format(sources=config.mixture is not None, example_targets=config.cuts_pieces)
         if job.tokens is not None:
             manifest.lineage = tokens_source.lineage(job.tokens, config.from_tokens)
         lengths[L] = output.StagedSet(

@@ -8,7 +8,8 @@ does almost no work, and routing and writing become array operations.
 
 - TokenizedBatch: (hash, example_id, source, ids, mask) per example, from the tokenizer to
   FitAndKeyFn (same stage, never encoded).
-- PayloadBatch: (hash, example_id, ids, mask) per example; GroupByKey((length, sub-bucket)).
+- PayloadBatch: (hash, example_id, ids, mask) per example, and under --overlong split or window
+  its example's target tokens at each max length; GroupByKey((length, sub-bucket)).
 - ShardWork: each example's tokens once (cut to the longest L it serves there), plus
   (L, row, position) for every slot it takes in a shard with that index, for any L;
   GroupByKey(shard index). An example whose rows fall in shards of the same index at several
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -113,13 +115,15 @@ class TokenizedBatch:
             Ragged.concat([p.examples for p in parts]),
         )
 
-    def grouped_payloads(self, keys: np.ndarray, kept_at: np.ndarray) -> Iterator[tuple[int, "PayloadBatch"]]:
+    def grouped_payloads(self, keys: np.ndarray, kept_at: np.ndarray,
+                         example_targets: np.ndarray | None = None) -> Iterator[tuple[int, "PayloadBatch"]]:
         """(key, payloads of the examples with that key) for each distinct key, in key order;
-        keys[i] and kept_at[i] (see PayloadBatch) are example i's. One gather for the whole
-        batch, then slices."""
+        keys[i], kept_at[i] and example_targets[i] (see PayloadBatch) are example i's. One
+        gather for the whole batch, then slices."""
         order = np.argsort(keys, kind="stable")
         keys = keys[order]
         kept_at = np.asarray(kept_at, dtype=np.uint64)[order]
+        totals = None if example_targets is None else example_targets[order]
         examples = self.examples.take(order)
         hashes = self.hashes[order]
         eids = self.example_ids
@@ -134,7 +138,7 @@ class TokenizedBatch:
             t0, t1 = int(tokens[a]), int(tokens[b])
             yield int(keys[a]), PayloadBatch(hashes[a:b], example_ids[a:b],
                                              Ragged(examples.lens[a:b], examples.ids[t0:t1], examples.mask[t0:t1]),
-                                             kept_at[a:b])
+                                             kept_at[a:b], None if totals is None else totals[a:b])
 
     def targets_after_first(self, end: int | None = None) -> np.ndarray:
         return self.examples.targets_after_first(end)
@@ -150,19 +154,27 @@ class PayloadBatch:
     example_ids: list[str]
     examples: Ragged
     kept_at: np.ndarray  # uint64 bit set, one bit per max length in order (at most 64)
+    # --overlong split or window: int32 [examples, max lengths], a piece's example's target tokens
+    # summed over its pieces at each max length (row format 3's example_targets), 0 for a whole
+    # example (the writer then writes its own count); None under the other policies.
+    example_targets: np.ndarray | None = None
 
     def to_wire(self) -> tuple[bytes, ...]:
         id_lens, id_data = _strings_to_bytes(self.example_ids)
         e = self.examples
-        return (self.hashes.astype("<u8").tobytes(), id_lens, id_data, e.lens.tobytes(), ids_to_wire(e.ids),
+        wire = (self.hashes.astype("<u8").tobytes(), id_lens, id_data, e.lens.tobytes(), ids_to_wire(e.ids),
                 mask_to_wire(e.mask), self.kept_at.astype("<u8").tobytes())
+        if self.example_targets is None:
+            return wire
+        return wire + (self.example_targets.shape[1], self.example_targets.astype("<i4").tobytes())
 
     @staticmethod
     def from_wire(wire: tuple[bytes, ...]) -> "PayloadBatch":
-        hashes, id_lens, id_data, lens, ids, mask, kept_at = wire
+        hashes, id_lens, id_data, lens, ids, mask, kept_at = wire[:7]
+        totals = None if len(wire) == 7 else np.frombuffer(wire[8], "<i4").reshape(-1, wire[7])
         return PayloadBatch(np.frombuffer(hashes, "<u8"), _bytes_to_strings(id_lens, id_data),
                             Ragged(np.frombuffer(lens, LENS), ids_from_wire(ids), mask_from_wire(mask)),
-                            np.frombuffer(kept_at, "<u8"))
+                            np.frombuffer(kept_at, "<u8"), totals)
 
     @staticmethod
     def concat(parts: Sequence["PayloadBatch"]) -> "PayloadBatch":
@@ -171,7 +183,17 @@ class PayloadBatch:
             [eid for p in parts for eid in p.example_ids],
             Ragged.concat([p.examples for p in parts]),
             np.concatenate([p.kept_at for p in parts]) if parts else np.zeros(0, np.uint64),
+            np.concatenate([p.example_targets for p in parts]) if parts and parts[0].example_targets is not None else None,
         )
+
+    def take(self, index: np.ndarray, example_ids: list[str] | None = None, hashes: np.ndarray | None = None,
+             kept_at: np.ndarray | None = None) -> "PayloadBatch":
+        """Examples `index`, under other ids, hashes and kept_at when given (a mixture's copies)."""
+        index = np.asarray(index, dtype=np.int64)
+        return PayloadBatch(self.hashes[index] if hashes is None else hashes,
+                            [self.example_ids[i] for i in index.tolist()] if example_ids is None else example_ids,
+                            self.examples.take(index), self.kept_at[index] if kept_at is None else kept_at,
+                            None if self.example_targets is None else self.example_targets[index])
 
     def kept_at_length(self, index: int) -> np.ndarray:
         """Per example: kept at the index-th max length."""
@@ -194,6 +216,7 @@ class FragmentBatch:
     positions: np.ndarray  # int32
     examples: Ragged
     sources: np.ndarray | None = None  # int32 per slot: a mixture's source (1..N); None without one
+    example_targets: np.ndarray | None = None  # int32 per slot (PayloadBatch's at this L); None: not split/window
 
 
 @dataclasses.dataclass
@@ -204,20 +227,26 @@ class ShardWork:
     example: np.ndarray  # int32: the slot's example, an index into `examples`
     examples: Ragged  # whole (not cut to any L)
     sources: np.ndarray | None = None  # int32 per example: a mixture's source (1..N); None without one
+    example_targets: np.ndarray | None = None  # int32 per slot: its example's target tokens at the slot's L
 
-    def to_wire(self) -> tuple[bytes, ...]:
+    def to_wire(self) -> tuple[Any, ...]:
         e = self.examples
         wire = (self.lengths.astype("<i4").tobytes(), self.rows.astype("<i8").tobytes(),
                 self.positions.astype("<i4").tobytes(), self.example.astype("<i4").tobytes(), e.lens.tobytes(),
                 ids_to_wire(e.ids), mask_to_wire(e.mask))
-        return wire if self.sources is None else wire + (self.sources.astype("<i4").tobytes(),)
+        sources = None if self.sources is None else self.sources.astype("<i4").tobytes()
+        if self.example_targets is None:  # the wire of every set without the field, as before
+            return wire if sources is None else wire + (sources,)
+        return wire + (sources, self.example_targets.astype("<i4").tobytes())
 
     @staticmethod
-    def from_wire(wire: tuple[bytes, ...]) -> "ShardWork":
+    def from_wire(wire: tuple[Any, ...]) -> "ShardWork":
         lengths, rows, positions, example, lens, ids, mask = wire[:7]
+        sources = wire[7] if len(wire) > 7 else None
         return ShardWork(np.frombuffer(lengths, "<i4"), np.frombuffer(rows, "<i8"), np.frombuffer(positions, "<i4"),
                          np.frombuffer(example, "<i4"), Ragged(np.frombuffer(lens, LENS), ids_from_wire(ids), mask_from_wire(mask)),
-                         np.frombuffer(wire[7], "<i4") if len(wire) > 7 else None)
+                         None if sources is None else np.frombuffer(sources, "<i4"),
+                         np.frombuffer(wire[8], "<i4") if len(wire) > 8 else None)
 
     @staticmethod
     def concat(parts: Sequence["ShardWork"]) -> "ShardWork":
@@ -232,6 +261,7 @@ class ShardWork:
             np.concatenate([p.example.astype(np.int64) + off for p, off in zip(parts, offsets.tolist())]).astype(np.int32),
             Ragged.concat([p.examples for p in parts]),
             np.concatenate([p.sources for p in parts]) if parts[0].sources is not None else None,
+            np.concatenate([p.example_targets for p in parts]) if parts[0].example_targets is not None else None,
         )
 
     def max_lengths(self) -> list[int]:
@@ -241,7 +271,8 @@ class ShardWork:
         """The slots of one max length, each example cut to it (under --overlong truncate)."""
         sel = self.lengths == max_length
         return FragmentBatch(self.rows[sel], self.positions[sel], self.examples.take(self.example[sel], cut_to=max_length),
-                             None if self.sources is None else self.sources[self.example[sel]])
+                             None if self.sources is None else self.sources[self.example[sel]],
+                             None if self.example_targets is None else self.example_targets[sel])
 
 
 def concat_wire(kind: type, wires: Iterable[tuple[bytes, ...]]):

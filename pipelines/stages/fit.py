@@ -44,8 +44,9 @@ class FitAndKeyFn(beam.DoFn):
         self.kept_everywhere = np.uint64((1 << len(self.ctx.config.max_lengths)) - 1)
 
     def start_bundle(self) -> None:
-        # Kept examples wait here until a flush: (batch of kept examples, group code, kept_at of each).
-        self.pending: list[tuple[TokenizedBatch, np.ndarray, np.ndarray]] = []
+        # Kept examples wait here until a flush: (batch of kept examples, group code, kept_at of each,
+        # and under --overlong split or window each one's example_targets at each max length).
+        self.pending: list[tuple[TokenizedBatch, np.ndarray, np.ndarray, np.ndarray | None]] = []
         self.buffered = 0
         self.hist: Counter = Counter()
         # (length_key, b) of examples that fit every max length: expanded into hist at the
@@ -95,7 +96,9 @@ class FitAndKeyFn(beam.DoFn):
             # Only kept examples wait for the flush, so FLUSH_EXAMPLES bounds what a bundle holds.
             if len(index) < len(batch):
                 batch = batch.take(index)
-            self.pending.append((batch, codes[index], kept_at[index]))
+            # A whole example: 0, the writer writes its own target count (--overlong split or window only).
+            totals = np.zeros((len(index), len(ctx.config.max_lengths)), np.int32) if ctx.config.cuts_pieces else None
+            self.pending.append((batch, codes[index], kept_at[index], totals))
             self.buffered += len(index)
         self.clock.add(StageClock.now() - started)
         if self.buffered >= FLUSH_EXAMPLES:
@@ -215,22 +218,36 @@ class FitAndKeyFn(beam.DoFn):
         made = TokenizedBatch(hashes, ids, [batch.locs[k[0]] for k in keys],
                               Ragged(piece_lens, batch.examples.ids[flat], mask))
         kept_at = np.array([pieces[k] for k in keys], dtype=np.uint64)
+        totals = self._example_targets(np.array([k[0] for k in keys], np.int64), made.targets_after_first(), kept_at)
         length_keys = piece_lens.astype(np.int64) if ctx.config.pack else np.zeros(len(keys), np.int64)
         b = sub_buckets_of(hashes, ctx.sub_buckets)
         for bit, L in enumerate(ctx.config.max_lengths):
             at = (kept_at >> np.uint64(bit)) & np.uint64(1) == 1
             for key, sub in zip(length_keys[at].tolist(), b[at].tolist()):
                 self.hist[(L, key, sub)] += 1
-        self.pending.append((made, length_keys * ctx.sub_buckets + b, kept_at))
+        self.pending.append((made, length_keys * ctx.sub_buckets + b, kept_at, totals))
         self.buffered += len(keys)
+
+    def _example_targets(self, example: np.ndarray, targets: np.ndarray, kept_at: np.ndarray) -> np.ndarray:
+        """[pieces, max lengths]: each piece's example's target tokens summed over the pieces kept
+        at that max length (row format 3's example_targets), 0 where the piece is not kept. The
+        row builder zeroes each piece's first target, as targets_after_first leaves it out, so a
+        piece's share targets / example_targets adds up to 1 over its example's pieces."""
+        bits = np.arange(len(self.ctx.config.max_lengths), dtype=np.uint64)
+        kept = ((kept_at[:, None] >> bits[None, :]) & np.uint64(1)) == 1  # [pieces, L]
+        first, owner = np.unique(example, return_inverse=True)
+        sums = np.zeros((len(first), len(bits)), np.int64)
+        np.add.at(sums, owner, np.where(kept, targets[:, None], 0))
+        return np.where(kept, sums[owner], 0).astype(np.int32)
 
     def _flush(self, windowed: bool) -> Iterator[Any]:
         wrap = in_global_window if windowed else (lambda v: v)
         if self.pending:
-            merged = TokenizedBatch.concat([batch for batch, _, _ in self.pending])
-            codes = np.concatenate([c for _, c, _ in self.pending])
-            kept_at = np.concatenate([k for _, _, k in self.pending])
-            for code, payloads in merged.grouped_payloads(codes, kept_at):
+            merged = TokenizedBatch.concat([batch for batch, _, _, _ in self.pending])
+            codes = np.concatenate([c for _, c, _, _ in self.pending])
+            kept_at = np.concatenate([k for _, _, k, _ in self.pending])
+            totals = np.concatenate([t for _, _, _, t in self.pending]) if self.ctx.config.cuts_pieces else None
+            for code, payloads in merged.grouped_payloads(codes, kept_at, totals):
                 if self.ctx.source_of_input:
                     from pipelines.stages.mix import weigh_into
 

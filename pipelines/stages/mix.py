@@ -32,7 +32,7 @@ import apache_beam as beam
 import numpy as np
 from apache_beam.pvalue import TaggedOutput
 
-from pipelines.stages.columns import PayloadBatch, Ragged
+from pipelines.stages.columns import PayloadBatch
 from pipelines.stages.planning import stable_hash, sub_buckets_of
 from pipelines.stages.stage import TAG_HIST, TAG_TALLY, JobContext, MergeCounters, StageClock, in_global_window
 from prepack.packing.accounting import Tally
@@ -211,7 +211,6 @@ class SampleFn(beam.DoFn):
             ids = [copy_id(batch.example_ids[i], k) for i in members.tolist()]
             hashes = (batch.hashes[members] if k == 0
                       else np.fromiter((stable_hash(e) for e in ids), dtype=np.uint64, count=len(ids)))
-            examples: Ragged = batch.examples.take(members)
             subs = sub_buckets_of(hashes, self.ctx.sub_buckets)
             for bit, L in enumerate(lengths):
                 at = (kept_at[members] >> np.uint64(bit)) & np.uint64(1) == 1
@@ -219,7 +218,7 @@ class SampleFn(beam.DoFn):
                     self.hist[(L, key, int(b))] += int(count)
             for b in np.unique(subs).tolist():
                 sel = np.flatnonzero(subs == b)
-                part = PayloadBatch(hashes[sel], [ids[i] for i in sel.tolist()], examples.take(sel), kept_at[members][sel])
+                part = batch.take(members[sel], [ids[i] for i in sel.tolist()], hashes[sel], kept_at[members][sel])
                 yield ((key, b), part.to_wire())
 
     def finish_bundle(self) -> Iterator[Any]:

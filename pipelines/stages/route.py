@@ -102,7 +102,8 @@ class RouteToRowsFn(beam.DoFn):
             from pipelines.stages.mix import sources_of
 
             sources = sources_of(batch.example_ids, self.ctx.source_of_input)
-        slots: dict[tuple[int, int], list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]] = defaultdict(list)
+        # (shard, window) -> (L, rows, positions, examples, their example_targets at L or None) per part.
+        slots: dict[tuple[int, int], list[tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]]] = defaultdict(list)
         for bit, L in enumerate(self.ctx.config.max_lengths):
             plan = plans[L]
             survivors = order[batch.kept_at_length(bit)[order]]  # the fit stage's decision
@@ -120,7 +121,8 @@ class RouteToRowsFn(beam.DoFn):
             by_code = np.argsort(codes, kind="stable")
             unique, starts = np.unique(codes[by_code], return_index=True)
             for code, sel in zip(unique.tolist(), np.split(by_code, starts[1:])):
-                slots[(code >> 32, code & 0xFFFFFFFF)].append((L, rows[sel], positions[sel], survivors[sel]))
+                totals = None if batch.example_targets is None else batch.example_targets[survivors[sel], bit]
+                slots[(code >> 32, code & 0xFFFFFFFF)].append((L, rows[sel], positions[sel], survivors[sel], totals))
         for target, parts in slots.items():
             taken = np.concatenate([p[3] for p in parts])
             lengths = np.concatenate([np.full(len(p[1]), p[0], dtype=np.int32) for p in parts])
@@ -136,6 +138,7 @@ class RouteToRowsFn(beam.DoFn):
                 local.astype(np.int32),
                 examples.take(unique, cut_to=longest),
                 None if sources is None else sources[unique],
+                None if batch.example_targets is None else np.concatenate([p[4] for p in parts]),
             ))
             self.buffered += len(taken)
             self.m_copies.inc(len(unique))

@@ -77,8 +77,9 @@ def _rows_from_fragments(
         stats["max_segments"] = max(stats["max_segments"], int(seg_counts.max()))
     examples = batch.examples.take(order)
     sources = None if batch.sources is None else batch.sources[order]
+    totals = None if batch.example_targets is None else batch.example_targets[order]
     for record, tokens, targets in encode_rows_flat(seg_counts, examples.lens, examples.ids, examples.mask, max_length, pad_id,
-                                                    sources):
+                                                    sources, totals):
         stats["rows"] += 1
         stats["tokens"] += tokens
         stats["target_tokens"] += targets

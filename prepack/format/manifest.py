@@ -73,9 +73,10 @@ class Manifest:
     field_order: list[str] = dataclasses.field(default_factory=lambda: list(rowformat.FIELD_NAMES))
     array_record_options: str = "group_size:1,zstd:3"
 
-    def use_mixture_format(self) -> None:
-        """Row format 2 (rowformat.MIXTURE_FORMAT_VERSION): the fields with `source_ids`."""
-        self.format_version = rowformat.MIXTURE_FORMAT_VERSION
+    def use_row_format(self, sources: bool, example_targets: bool) -> None:
+        """The row format of rows with `source_ids` (a mixture's: 2) and/or `example_targets`
+        (--overlong split or window: 3, or 4 with both); format 1 has neither."""
+        self.format_version = rowformat.row_format_version(sources, example_targets)
         self.fields = rowformat.field_spec(self.format_version)
         self.field_order = list(rowformat.field_names(self.format_version))
 
@@ -112,9 +113,9 @@ class Manifest:
         if manifest.fields != rowformat.field_spec(version):
             raise ManifestError(f"{source}: fields {manifest.fields} differ from this reader's {rowformat.field_spec(version)} "
                                 f"for format_version {version}")
-        if (version == rowformat.MIXTURE_FORMAT_VERSION) != (manifest.mixture is not None):
-            raise ManifestError(f"{source}: format_version {version} {'needs' if version == 2 else 'excludes'} a "
-                                "`mixture` object (row format 2 is for mixture sets only)")
+        if rowformat.has_sources(version) != (manifest.mixture is not None):
+            raise ManifestError(f"{source}: format_version {version} {'needs' if rowformat.has_sources(version) else 'excludes'} "
+                                "a `mixture` object (row formats 2 and 4 are for mixture sets only)")
         try:  # a manifest written before field_order existed gets format 1's order, the default
             rowformat.check_field_order(manifest.field_order, version)
         except rowformat.RowFormatError as e:

@@ -22,7 +22,14 @@ FORMAT_VERSION = 1
 # 1..N in the mixture file's order, 0 on padding. Only they are version 2; a set without a
 # mixture keeps version 1's bytes and readers read both (docs/row_format.md).
 MIXTURE_FORMAT_VERSION = 2
-SUPPORTED_VERSIONS = (FORMAT_VERSION, MIXTURE_FORMAT_VERSION)
+# Sets cut by --overlong split or window add `example_targets` to format 1 (3) or 2 (4): on every
+# token of a segment, the target tokens of the example it belongs to, summed over all the
+# example's pieces at this max length (a whole example's own count), 0 on padding; the example
+# mean weighs each piece by it, so the pieces of one example count as one example wherever they
+# land. Only such sets carry it: every other set keeps format 1's or 2's bytes.
+SPLIT_FORMAT_VERSION = 3
+SPLIT_MIXTURE_FORMAT_VERSION = 4
+SUPPORTED_VERSIONS = (FORMAT_VERSION, MIXTURE_FORMAT_VERSION, SPLIT_FORMAT_VERSION, SPLIT_MIXTURE_FORMAT_VERSION)
 # At most this many sources in a set (source_ids 1..MAX_SOURCES): the trainer's per-source loss
 # sums are fixed-size vectors of this length + 1.
 MAX_SOURCES = 64
@@ -30,6 +37,7 @@ MAX_SOURCES = 64
 STORAGE_DTYPE = np.dtype("<i4")
 FIELD_NAMES: tuple[str, ...] = ("input_ids", "loss_mask", "valid_mask", "positions", "segment_ids")
 MIXTURE_FIELD_NAMES: tuple[str, ...] = FIELD_NAMES + ("source_ids",)
+EXAMPLE_TARGETS = "example_targets"
 FIELDS: dict[str, np.dtype] = {name: STORAGE_DTYPE for name in FIELD_NAMES}
 _BYTES_PER_TOKEN = STORAGE_DTYPE.itemsize * len(FIELD_NAMES)
 # The largest max length a set may have: a row is then 20 MiB, and the packer, the writers and
@@ -38,11 +46,28 @@ _BYTES_PER_TOKEN = STORAGE_DTYPE.itemsize * len(FIELD_NAMES)
 MAX_MAX_LENGTH = 1 << 20
 
 
+def has_sources(version: int) -> bool:
+    """Whether rows of this format carry `source_ids` (a mixture set's: formats 2 and 4)."""
+    return version in (MIXTURE_FORMAT_VERSION, SPLIT_MIXTURE_FORMAT_VERSION)
+
+
+def has_example_targets(version: int) -> bool:
+    """Whether rows of this format carry `example_targets` (a split or windowed set's: 3 and 4)."""
+    return version in (SPLIT_FORMAT_VERSION, SPLIT_MIXTURE_FORMAT_VERSION)
+
+
+def row_format_version(sources: bool, example_targets: bool) -> int:
+    """The format of rows with (or without) `source_ids` and `example_targets`."""
+    if example_targets:
+        return SPLIT_MIXTURE_FORMAT_VERSION if sources else SPLIT_FORMAT_VERSION
+    return MIXTURE_FORMAT_VERSION if sources else FORMAT_VERSION
+
+
 def field_names(version: int = FORMAT_VERSION) -> tuple[str, ...]:
     """The record's fields, in order, of a row format version."""
     if version not in SUPPORTED_VERSIONS:
         raise RowFormatError(f"row format version {version!r} is not one of {list(SUPPORTED_VERSIONS)}")
-    return MIXTURE_FIELD_NAMES if version == MIXTURE_FORMAT_VERSION else FIELD_NAMES
+    return (MIXTURE_FIELD_NAMES if has_sources(version) else FIELD_NAMES) + ((EXAMPLE_TARGETS,) if has_example_targets(version) else ())
 
 
 class RowFormatError(ValueError):
@@ -171,6 +196,8 @@ _RULES = (
     "loss_mask must be 0 on the first token of every segment",
     "source_ids must be 1..N on every real token and 0 on padding",
     "source_ids must be the same on every token of a segment",
+    "example_targets must be the same on every token of a segment",
+    "example_targets must be at least the segment's own target tokens (and 1) on every real token, 0 on padding",
 )
 
 
@@ -210,7 +237,23 @@ def _rule_masks(rows: Mapping[str, np.ndarray], num_sources: int | None) -> list
         high = np.iinfo(np.int64).max if num_sources is None else num_sources
         masks.append(np.where(real, (src < 1) | (src > high), src != 0))
         masks.append(real & ~starts & (src != _shifted(src)))
+    elif EXAMPLE_TARGETS in rows:  # the source rules hold vacuously: masks[i] stays _RULES[i]'s
+        masks += [np.zeros_like(real), np.zeros_like(real)]
+    if EXAMPLE_TARGETS in rows:  # a split or windowed set's (versions 3 and 4)
+        total = np.asarray(rows[EXAMPLE_TARGETS], dtype=np.int64)
+        masks.append(real & ~starts & (total != _shifted(total)))
+        own = _segment_totals(seg, loss)
+        masks.append(np.where(real, (total < own) | (total < 1), total != 0))
     return masks
+
+
+def _segment_totals(seg: np.ndarray, loss: np.ndarray) -> np.ndarray:
+    """[B, L]: the loss_mask sum of the segment each token lies in (a row's ids clipped to
+    0..L, so a hostile one cannot index out of range; the segment rules judge those)."""
+    b, length = seg.shape
+    keys = (np.clip(seg, 0, length) + np.arange(b, dtype=np.int64)[:, None] * (length + 1)).ravel()
+    sums = np.bincount(keys, weights=np.asarray(loss, dtype=np.float64).ravel(), minlength=b * (length + 1))
+    return sums[keys].reshape(b, length).astype(np.int64)
 
 
 def row_fault(rows: Mapping[str, np.ndarray], num_sources: int | None = None) -> RowFault | None:
@@ -243,7 +286,7 @@ def row_counts(rows: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 def check_row(row: Mapping[str, np.ndarray], max_length: int) -> None:
     """Raises RowFormatError naming the first broken invariant (row_fault's rules)."""
-    names = FIELD_NAMES + (("source_ids",) if "source_ids" in row else ())
+    names = FIELD_NAMES + tuple(name for name in ("source_ids", EXAMPLE_TARGETS) if name in row)
     for name in names:
         if name not in row:
             raise RowFormatError(f"row lacks field {name!r}")
@@ -259,10 +302,10 @@ def check_row(row: Mapping[str, np.ndarray], max_length: int) -> None:
 # row with a few numpy calls per segment; at ~20 segments per 2048-token row that is ~250 µs a
 # row, the largest cost of writing a shard after compression. Here a chunk of rows is laid out
 # with a handful of whole-array operations, byte-identical to encode_row(build_row(...)) for
-# every row (tests/test_pipeline_units.py). One encoder for both versions: format 1 for a set
-# of one source, format 2 (`source_ids`) when the segments carry their mixture source.
+# every row (tests/test_pipeline_units.py). One encoder for every version: format 1 for a set
+# of one source, 2 (`source_ids`) when the segments carry their mixture source, 3 and 4 when
+# they also carry their example's target tokens (`example_targets`, --overlong split or window).
 
-_PLANE = {name: i for i, name in enumerate(MIXTURE_FIELD_NAMES)}
 CHUNK_BYTES = 64 << 20  # one chunk's [rows, fields, L] matrix
 
 
@@ -272,11 +315,13 @@ class RowLayoutError(ValueError):
 
 def encode_rows_flat(
     seg_counts: np.ndarray, lens: np.ndarray, ids: np.ndarray, mask: np.ndarray, max_length: int, pad_id: int = 0,
-    sources: np.ndarray | None = None,
+    sources: np.ndarray | None = None, example_targets: np.ndarray | None = None,
 ) -> Iterator[tuple[bytes, int, int]]:
     """The same from flat arrays: segments per row, tokens per segment, and all segments'
     ids and masks concatenated in row order. `sources`: each segment's mixture source, for
-    row format 2's `source_ids` (None: format 1, without the field)."""
+    row format 2's `source_ids` (None: without the field). `example_targets`: each segment's
+    example's target tokens over all its pieces, 0 for a whole example (its own count is
+    written), for formats 3 and 4 (None: without the field)."""
     seg_counts = np.asarray(seg_counts, dtype=np.int64)
     lens = np.asarray(lens, dtype=np.int64)
     if len(ids) != len(mask) or int(lens.sum()) != len(ids) or int(seg_counts.sum()) != len(lens):
@@ -285,7 +330,7 @@ def encode_rows_flat(
         raise RowLayoutError("a row needs at least one segment")
     if len(lens) and lens.min() == 0:
         raise RowLayoutError("a segment is empty")
-    version = FORMAT_VERSION if sources is None else MIXTURE_FORMAT_VERSION
+    version = row_format_version(sources is not None, example_targets is not None)
     per_chunk = max(1, CHUNK_BYTES // record_size(max_length, version))
     seg_end = np.cumsum(seg_counts)
     tok_end = np.cumsum(lens)
@@ -296,12 +341,13 @@ def encode_rows_flat(
         t0 = int(tok_end[s0 - 1]) if s0 else 0
         t1 = int(tok_end[s1 - 1]) if s1 else 0
         yield from _encode_chunk(seg_counts[lo:hi], lens[s0:s1], ids[t0:t1], mask[t0:t1], max_length, pad_id,
-                                 None if sources is None else sources[s0:s1])
+                                 None if sources is None else sources[s0:s1],
+                                 None if example_targets is None else example_targets[s0:s1])
 
 
 def _encode_chunk(
     seg_counts: np.ndarray, lens: np.ndarray, ids: np.ndarray, mask: np.ndarray, max_length: int, pad_id: int,
-    sources: np.ndarray | None = None,
+    sources: np.ndarray | None = None, example_targets: np.ndarray | None = None,
 ) -> Iterator[tuple[bytes, int, int]]:
     n_rows = len(seg_counts)
     first_seg = np.cumsum(seg_counts) - seg_counts  # each row's first segment
@@ -317,18 +363,23 @@ def _encode_chunk(
     # Real tokens fill a prefix of each row, in row-major order: a boolean mask over
     # [rows, L] places the flat token arrays with one sequential copy per field.
     valid = np.arange(max_length)[None, :] < row_tokens[:, None]
-    fields = len(FIELD_NAMES) if sources is None else len(MIXTURE_FIELD_NAMES)
-    out = np.zeros((n_rows, fields, max_length), dtype=STORAGE_DTYPE)
-    plane = lambda name: out[:, _PLANE[name], :]  # noqa: E731 - a view; assignments write through
+    names = field_names(row_format_version(sources is not None, example_targets is not None))
+    planes = {name: i for i, name in enumerate(names)}
+    out = np.zeros((n_rows, len(names), max_length), dtype=STORAGE_DTYPE)
+    plane = lambda name: out[:, planes[name], :]  # noqa: E731 - a view; assignments write through
     plane("input_ids")[:] = pad_id
     plane("input_ids")[valid] = ids
     plane("loss_mask")[valid] = mask
-    out[seg_row, _PLANE["loss_mask"], seg_col] = 0  # build_row's rule: no target on a segment's first token
+    out[seg_row, planes["loss_mask"], seg_col] = 0  # build_row's rule: no target on a segment's first token
     plane("valid_mask")[:] = valid
     plane("positions")[valid] = np.arange(len(ids)) - np.repeat(starts, lens)
     plane("segment_ids")[valid] = np.repeat(seg_pos + 1, lens)
     if sources is not None:
         plane("source_ids")[valid] = np.repeat(np.asarray(sources, dtype=np.int64), lens)
+    if example_targets is not None:
+        given = np.asarray(example_targets, dtype=np.int64)
+        own = np.add.reduceat(plane("loss_mask")[valid], starts) if len(lens) else np.zeros(0, np.int64)  # as the row holds them
+        plane(EXAMPLE_TARGETS)[valid] = np.repeat(np.where(given > 0, given, own), lens)
     targets = plane("loss_mask").sum(axis=1)
     for r in range(n_rows):
         yield out[r].tobytes(), int(row_tokens[r]), int(targets[r])
