@@ -109,6 +109,22 @@ def test_from_tokens_equals_a_full_run(first, source, tmp_path, options, runner)
     assert stats["examples_read"] == stats["examples_written"] + sum(stats["examples_dropped"].values())
 
 
+def test_from_tokens_of_a_split_run_equals_a_full_run(source, tmp_path):
+    """A tokenized set made by an --overlong split run packs again at its own max length into the
+    full run's shards (row format 3, example_targets included): the split counts its tally
+    stored were counted again, not twice."""
+    split_out, from_out, full_out = tmp_path / "split", tmp_path / "from", tmp_path / "full"
+    options = ["--max-length", "48", "--overlong", "split"]
+    pack(source_args(source) + ["--output", str(split_out)] + options)
+    stored = read_tokens_manifest(split_out / "tokens").job["tally"]
+    assert all(not per.get("split") for per in stored.get("per_length", {}).values())
+    result = pack(["--from-tokens", str(split_out / "tokens"), "--max-bad-fraction", "0.5", "--output", str(from_out)] + options)
+    pack(source_args(source) + ["--output", str(full_out), "--no-tokens"] + options)
+    assert_same_as_full(from_out, full_out, 48, split_out / "tokens")
+    assert json.loads((from_out / "L48" / "manifest.json").read_text())["format_version"] == 3
+    assert result.stats[48]["examples_split"] > 0
+
+
 @pytest.mark.parametrize("case", ["oasst1-table", "jsonl-byte-ranges"])
 def test_from_tokens_equals_a_full_run_for_tables_and_byte_ranges(case, source, tmp_path, monkeypatch):
     """oasst1: examples made per message tree, messages filtered by design and a bad role; byte

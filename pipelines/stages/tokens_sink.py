@@ -175,13 +175,7 @@ class WriteTokenSet(beam.PTransform):
 
 def stored_tally(tally_json: dict[str, Any]) -> Tally:
     """The run's counts that do not depend on the max length (what a later run starts from)."""
-    tally = Tally.from_json(tally_json)
-    for t in (tally, *tally.sources.values()):  # a mixture's sources too; their sampling is redone
-        t.truncated.clear()
-        t.dropped.clear()
-        t.repeated.clear()
-        t.mix.clear()
-    return tally
+    return Tally.from_json(tally_json).clear_per_length()  # a mixture's sources too; their sampling is redone
 
 
 def compose_manifest(summary: RunSummary, index: TokenIndex, tasks: Iterable[TaskMeta],

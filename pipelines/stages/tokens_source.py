@@ -273,7 +273,8 @@ def read_tokens(pipeline: Any, manifest: TokenSetManifest, folder: str) -> tuple
         | "ListDropped" >> beam.Create([dropped_path] if dropped_path else [])
         | "ReadDropped" >> beam.FlatMap(_read_dropped)
     )
-    tally = Tally.from_json(manifest.job["tally"])
+    # A set stored before its split and window counts were cleared still holds them: cleared here too.
+    tally = Tally.from_json(manifest.job["tally"]).clear_per_length()
     tallies = pipeline | "StoredTally" >> beam.Create([tally])
     fingerprints = pipeline | "StoredFingerprints" >> beam.Create([tuple(f) for f in manifest.job["fingerprints"]])
     return examples, [dropped], [tallies], fingerprints

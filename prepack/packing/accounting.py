@@ -80,6 +80,17 @@ class Tally:
         self.empty_think_example = _first_id(self.empty_think_example, other.empty_think_example)
         return self
 
+    def clear_per_length(self) -> "Tally":
+        """Only the counts that do not depend on the max length are left (here and in each
+        source's): what a tokenized set stores, and what packing it again starts from; the fit
+        and mix stages count the rest again at each max length (--overlong split's and window's
+        pieces included)."""
+        for t in (self, *self.sources.values()):
+            for per_length in (t.truncated, t.dropped, t.split, t.split_pieces, t.windowed, t.window_pieces,
+                               t.context_replayed, t.repeated, t.mix):
+                per_length.clear()
+        return self
+
     def add_stop_findings(self, untrained_eot: Any, empty_think: Any, example_ids: list[str]) -> None:
         """Counts one batch's stop-token findings (per-example counts, aligned with example_ids)."""
         for i in np.flatnonzero(untrained_eot).tolist():
