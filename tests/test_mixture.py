@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 from fractions import Fraction
 
+import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from prepack.packing.mixture import MixtureError, budgets, limiting_source, load_mixture, partial_count
+from prepack.packing.mixture import MixtureError, budgets, limiting_source, load_mixture, partial_pick
 
 GOOD = """\
 weight_of: target_tokens
@@ -108,10 +109,12 @@ def test_share_rule(sources, max_repeats):
     written = []
     for (ws, _), b in zip(sources, out):
         assert 0 <= b.copies <= max_repeats and 0 <= b.rest < b.kept or (b.copies == max_repeats and b.rest == 0)
-        taken, weight = partial_count(ws, b.rest)
-        assert weight <= b.rest and (taken == len(ws) or weight + ws[taken] > b.rest)  # within one example
+        taken, weight = partial_pick(ws, b.rest)
+        assert weight == sum(ws[i] for i in taken) <= b.rest
+        left_out = [w for i, w in enumerate(ws) if i not in taken]
+        assert all(weight + w > b.rest for w in left_out)  # nothing left out still fits
         total = b.written(weight)
-        assert b.budget - max(ws) < total <= b.budget
+        assert b.budget - min(left_out, default=max(ws)) < total <= b.budget
         assert total <= max_repeats * b.kept  # never more than max_repeats copies
         written.append(total)
     # the scarcest source, relative to its weight, is used max_repeats times: the largest output
@@ -125,36 +128,76 @@ def test_share_rule(sources, max_repeats):
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 3), st.one_of(st.integers(0, 2**64 - 1), st.integers(0, 2**40), st.just(7)),
                           st.integers(1, 40)), min_size=3, max_size=300),
-       st.lists(st.integers(1, 5), min_size=3, max_size=3), st.integers(1, 3))
-def test_job_boundary_search_is_the_share_rule(examples, weights, max_repeats):
-    """pipelines/stages/mix.py's bucket histogram + boundary threshold picks exactly the examples the
-    rule picks when every example of a source is ranked in one list."""
-    from pipelines.stages.mix import ThresholdFn, decide
-    from prepack.packing.mixture import rank_bucket
+       st.lists(st.integers(1, 5), min_size=3, max_size=3), st.integers(1, 3), st.sampled_from(["target_tokens", "examples"]))
+def test_job_boundary_search_is_the_share_rule(examples, weights, max_repeats, weight_of):
+    """pipelines/stages/mix.py's bucket histogram, candidates (combined in random bundles) and
+    threshold pick exactly the examples the rule picks when every example of a source is ranked
+    in one list: the rank cut and the partial pick after it."""
+    import random
 
-    examples = [(s, h, f"{s}/x/{i}", w) for i, (s, h, w) in enumerate(examples)]
+    from pipelines.stages.mix import BOUNDARY, LATER, FillCandidates, ThresholdFn, decide
+    from prepack.packing.mixture import fill_bound, rank_bucket
+
+    L = 64
+    examples = [(s, h, f"{s}/x/{i}", w if weight_of == "target_tokens" else 1) for i, (s, h, w) in enumerate(examples)]
     if {s for s, *_ in examples} != {1, 2, 3}:
         return
-    L = 64
     hist: dict = {}
     for s, h, _, w in examples:
         hist[(L, s, rank_bucket(h))] = hist.get((L, s, rank_bucket(h)), 0) + w
     fractions = [Fraction(w) for w in weights]
     decisions = decide(hist, (L,), fractions, max_repeats)
     thresholds = {}
+    combine, rng = FillCandidates(), random.Random(len(examples))
     for s in (1, 2, 3):
-        boundary = decisions[(L, s)][1]
-        inside = [(h, i, w) for t, h, i, w in examples if t == s and rank_bucket(h) == boundary]
-        for key, cut in ThresholdFn().process(((L, s), inside), decisions):
-            thresholds[key] = cut
+        boundary, left = decisions[(L, s)][1:]
+        bound = fill_bound(left, weight_of, L)
+        elements = [(BOUNDARY if rank_bucket(h) == boundary else LATER, bound, h, i, w) for t, h, i, w in examples
+                    if t == s and boundary != -1 and (rank_bucket(h) == boundary or (rank_bucket(h) > boundary and w <= bound))]
+        rng.shuffle(elements)
+        cuts = sorted(rng.sample(range(len(elements) + 1), min(2, len(elements) + 1)))
+        accs = []
+        for part in (elements[:cuts[0]], elements[cuts[0]:cuts[-1]], elements[cuts[-1]:]):
+            acc = combine.create_accumulator()
+            for e in part:
+                acc = combine.add_input(acc, e)
+            accs.append(acc)
+        for key, found in ThresholdFn().process(((L, s), combine.extract_output(combine.merge_accumulators(accs))),
+                                                decisions):
+            thresholds[key] = found
     kept = [sum(w for t, *_, w in examples if t == s) for s in (1, 2, 3)]
     for s, budget in zip((1, 2, 3), budgets(kept, fractions, max_repeats)):
         ranked = sorted((h, i, w) for t, h, i, w in examples if t == s)
-        taken, _ = partial_count((w for *_, w in ranked), budget.rest)
-        want = {i for _, i, _ in ranked[:taken]}
+        taken, _ = partial_pick((w for *_, w in ranked), budget.rest)
+        want = {ranked[at][1] for at in taken}
         copies, boundary, _ = decisions[(L, s)]
         assert copies == budget.copies
-        cut = thresholds.get((L, s))
+        cut, picks = thresholds.get((L, s), (None, frozenset()))
         got = {i for h, i, _ in ranked
-               if rank_bucket(h) < boundary or (rank_bucket(h) == boundary and (cut is None or (h, i) < tuple(cut)))}
+               if rank_bucket(h) < boundary or (rank_bucket(h) == boundary and (cut is None or (h, i) < tuple(cut)))
+               or (boundary != -1 and (h, i) in picks)}
         assert got == want
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([0, 1]), st.integers(0, 2**64 - 1), st.integers(1, 12)), max_size=200),
+       st.integers(0, 30), st.lists(st.integers(0, 200), max_size=4))
+def test_fill_candidates_keep_what_the_partial_pick_could_take(elements, bound, cuts):
+    """However the candidates are bundled, FillCandidates keeps every boundary-bucket example and,
+    of the later ones, the first bound // w of each weight w by rank (the pick takes no more)."""
+    from pipelines.stages.mix import BOUNDARY, FillCandidates
+
+    items = [(kind, bound, h, f"0/x/{i}", w) for i, (kind, h, w) in enumerate(elements)]
+    combine = FillCandidates()
+    accs = []
+    for part in np.split(np.arange(len(items)), sorted(min(c, len(items)) for c in cuts)):
+        acc = combine.create_accumulator()
+        for at in part.tolist():
+            acc = combine.add_input(acc, items[at])
+        accs.append(acc)
+    got = combine.extract_output(combine.merge_accumulators(accs))
+    want = [(h, i, w) for kind, _, h, i, w in items if kind == BOUNDARY]
+    for weight in {w for *_, w in items}:
+        later = sorted((h, i, w) for kind, _, h, i, w in items if kind != BOUNDARY and w == weight)
+        want += later[:bound // weight]
+    assert got == sorted(want)

@@ -2,20 +2,25 @@
 prepack/packing/mixture.py, between the fit stage and the plan.
 
 The rule needs each source's kept weight at each L before anything is chosen, and then a
-rank threshold per (L, source) for the one partial copy. Exactly, with bounded memory:
+rank threshold per (L, source) for the one partial copy, and the few examples past it that
+still fit (the partial pick). Exactly, with bounded memory:
 
     fit stage (weigh_into) --> (L, source, rank bucket) -> weight --CombineGlobally--> DecideFn
           (each (L, source)'s whole copies, and the rank bucket where its partial copy ends
            with the weight left for that bucket)
-    keyed --BoundaryFn (side input: the decisions)--> (L, source) -> (hash, id, weight) of the
-          examples in that boundary bucket only --GroupByKey--> ThresholdFn: the (hash, id) of
-          the first example the partial copy leaves out
+    keyed --CandidatesFn (side input: the decisions)--> (L, source) -> the examples in that
+          boundary bucket, and those of later buckets light enough to be picked
+          --CombinePerKey(FillCandidates)--> ThresholdFn: the (hash, id) of the first example
+          the partial copy leaves out, and the (hash, id) of those it picks after it
     keyed --SampleFn (side inputs: decisions, thresholds)--> each example's copies at each L,
           re-keyed by (length, sub-bucket) for the router, with the (L, length, sub-bucket)
           histogram the plan is made from and the tallies (not_sampled drops, repeats)
 
 Rank buckets are the top RANK_BITS bits of the example's stable hash, so bucket order is rank
 order and a boundary bucket holds about 1/4096 of a source's examples: what one worker sorts.
+Past the boundary, an example of weight w can be picked only if w <= the fill bound
+(prepack.packing.mixture.fill_bound, < L) and only among the first bound // w of its weight
+(what is left only shrinks), so FillCandidates keeps at most bound * (1 + ln bound) of them.
 Copy k >= 1 of an example is a distinct example, id `<id>@<k>` with its own hash (and so its
 own sub-bucket and rank among the examples of its length). Nothing here depends on bundling
 or worker count, so the rows do not either.
@@ -36,7 +41,7 @@ from pipelines.stages.columns import PayloadBatch
 from pipelines.stages.planning import stable_hash, sub_buckets_of
 from pipelines.stages.stage import TAG_HIST, TAG_TALLY, JobContext, MergeCounters, StageClock, in_global_window
 from prepack.packing.accounting import Tally
-from prepack.packing.mixture import RANK_BITS, budgets, partial_count
+from prepack.packing.mixture import RANK_BITS, budgets, fill_bound, partial_pick
 from prepack.packing.packer import DropReason
 
 TAG_BOUNDARY = "boundary"
@@ -115,35 +120,78 @@ class DecideFn(beam.DoFn):
         yield decide(hist, self.ctx.config.max_lengths, mixture.weights, mixture.max_repeats)
 
 
-class BoundaryFn(beam.DoFn):
-    """Examples in their (L, source)'s boundary bucket: ((L, source), (hash, id, weight))."""
+BOUNDARY, LATER = 0, 1  # a candidate's kind: in its boundary bucket, or in a later one
+
+
+class CandidatesFn(beam.DoFn):
+    """((L, source), (kind, bound, hash, id, weight)): every example of its (L, source)'s
+    boundary bucket, and each example of a later bucket whose weight is within the fill bound."""
 
     def __init__(self, ctx: JobContext):
         self.ctx = ctx
 
     def process(self, element: tuple, decisions: dict) -> Iterator[Any]:
         batch = PayloadBatch.from_wire(element[1])
+        mixture = self.ctx.mixture
         source = sources_of(batch.example_ids, self.ctx.source_of_input)
         bucket = _buckets(batch.hashes)
         for bit, L in enumerate(self.ctx.config.max_lengths):
-            boundary = np.array([NO_BOUNDARY] + [decisions[(L, s)][1] for s in range(1, len(self.ctx.mixture.sources) + 1)])
-            at = np.flatnonzero(batch.kept_at_length(bit) & (bucket == boundary[source]))
-            if not len(at):
-                continue
-            w = _weights(batch, L, self.ctx.mixture.weight_of)
-            for i in at.tolist():
-                yield ((L, int(source[i])), (int(batch.hashes[i]), batch.example_ids[i], int(w[i])))
+            table = [(NO_BOUNDARY, -1)] + [(decisions[(L, s)][1], fill_bound(decisions[(L, s)][2], mixture.weight_of, L))
+                                           for s in range(1, len(mixture.sources) + 1)]
+            boundary, bound = np.array([b for b, _ in table]), np.array([c for _, c in table])
+            w = _weights(batch, L, mixture.weight_of)
+            at_boundary = bucket == boundary[source]
+            later = (boundary[source] != NO_BOUNDARY) & (bucket > boundary[source]) & (w <= bound[source])
+            for i in np.flatnonzero(batch.kept_at_length(bit) & (at_boundary | later)).tolist():
+                s = int(source[i])
+                yield ((L, s), (BOUNDARY if at_boundary[i] else LATER, int(bound[s]), int(batch.hashes[i]),
+                                batch.example_ids[i], int(w[i])))
+
+
+class FillCandidates(beam.CombineFn):
+    """Keeps every boundary-bucket example, and of the later ones only the first bound // w of
+    each weight w by rank (the only ones the partial pick could take): a set function, so the
+    result depends on no bundling or worker count."""
+
+    def create_accumulator(self) -> tuple[list, dict, int]:
+        return [], {}, 0
+
+    def add_input(self, acc: tuple[list, dict, int], element: tuple) -> tuple[list, dict, int]:
+        kind, bound, h, example_id, w = element
+        boundary, later, _ = acc
+        if kind == BOUNDARY:
+            boundary.append((h, example_id, w))
+        else:
+            later.setdefault(w, []).append((h, example_id))
+            if len(later[w]) > 2 * max(1, bound // max(w, 1)):
+                later[w] = sorted(later[w])[:bound // max(w, 1) if w else None]
+        return boundary, later, max(acc[2], bound)
+
+    def merge_accumulators(self, accs: Iterator[tuple[list, dict, int]]) -> tuple[list, dict, int]:
+        boundary, later, bound = [], {}, 0
+        for b, l, c in accs:
+            boundary += b
+            bound = max(bound, c)
+            for w, items in l.items():
+                later.setdefault(w, []).extend(items)
+        return boundary, {w: sorted(items)[:bound // w if w else None] for w, items in later.items()}, bound
+
+    def extract_output(self, acc: tuple[list, dict, int]) -> list[tuple[int, str, int]]:
+        boundary, later, bound = self.merge_accumulators([acc])
+        return sorted(boundary + [(h, i, w) for w, items in later.items() for h, i in items])
 
 
 class ThresholdFn(beam.DoFn):
-    """((L, source), boundary examples) -> ((L, source), (hash, id) of the first one left out)."""
+    """((L, source), its candidates) -> ((L, source), ((hash, id) of the first example the
+    partial copy leaves out, sorted (hash, id) of the examples it picks after that one))."""
 
     def process(self, element: tuple, decisions: dict) -> Iterator[Any]:
-        key, examples = element
-        ranked = sorted(examples)
-        taken, _ = partial_count((w for _, _, w in ranked), decisions[key][2])
-        if taken < len(ranked):
-            yield key, ranked[taken][:2]
+        key, candidates = element
+        ranked = sorted(candidates)
+        taken, _ = partial_pick((w for _, _, w in ranked), decisions[key][2])
+        cut = next((at for at, want in enumerate(taken) if at != want), len(taken))
+        if cut < len(ranked):
+            yield key, (ranked[cut][:2], frozenset(ranked[at][:2] for at in taken[cut:]))
 
 
 class SampleFn(beam.DoFn):
@@ -175,12 +223,29 @@ class SampleFn(beam.DoFn):
             whole, boundary = table[source, 0], table[source, 1]
             partial = (bucket < boundary).astype(np.int64)
             for i in np.flatnonzero(bucket == boundary).tolist():
-                cut = thresholds.get((L, int(source[i])))
-                partial[i] = cut is None or (int(batch.hashes[i]), batch.example_ids[i]) < tuple(cut)
+                cut, picks = thresholds.get((L, int(source[i])), (None, frozenset()))
+                here = (int(batch.hashes[i]), batch.example_ids[i])
+                partial[i] = cut is None or here < tuple(cut) or here in picks
+            self._picked_later(batch, source, bucket, boundary, thresholds, L, partial)
             copies[bit] = np.where(batch.kept_at_length(bit), whole + partial, 0)
             self._count(batch, source, copies[bit], bit, L)
         yield from self._copies(key, batch, copies)
         self.clock.add(StageClock.now() - started)
+
+    @staticmethod
+    def _picked_later(batch: PayloadBatch, source: np.ndarray, bucket: np.ndarray, boundary: np.ndarray,
+                      thresholds: dict, L: int, partial: np.ndarray) -> None:
+        """Marks the examples past their boundary bucket that the partial pick took (few: their
+        hashes are looked up at once, then their ids)."""
+        later = (boundary != NO_BOUNDARY) & (bucket > boundary)
+        for s in np.unique(source[later]).tolist():
+            picks = thresholds.get((L, s), (None, frozenset()))[1]
+            if not picks:
+                continue
+            at = np.flatnonzero(later & (source == s))
+            hit = at[np.isin(batch.hashes[at], np.array([h for h, _ in picks], dtype=np.uint64))]
+            for i in hit.tolist():
+                partial[i] = (int(batch.hashes[i]), batch.example_ids[i]) in picks
 
     def _count(self, batch: PayloadBatch, source: np.ndarray, copies: np.ndarray, bit: int, L: int) -> None:
         kept = batch.kept_at_length(bit)
@@ -248,8 +313,8 @@ class SampleMixture(beam.PTransform):
         )
         thresholds = AsDict(
             keyed
-            | "Boundary" >> beam.ParDo(BoundaryFn(self.ctx), decisions=decisions)
-            | "GroupBoundary" >> beam.GroupByKey()
+            | "Candidates" >> beam.ParDo(CandidatesFn(self.ctx), decisions=decisions)
+            | "FillCandidates" >> beam.CombinePerKey(FillCandidates())
             | "Threshold" >> beam.ParDo(ThresholdFn(), decisions=decisions)
         )
         sampled = keyed | "Sample" >> beam.ParDo(SampleFn(self.ctx), decisions=decisions, thresholds=thresholds

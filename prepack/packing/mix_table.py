@@ -88,5 +88,6 @@ def mix_table_lines(mixture: Mapping[str, Any], max_length: int) -> list[str]:
     out += ["  " + line(c) for c in cells]
     if mixture.get("shares_met") is False:
         grains = ", ".join(f"{r.name!r} {r.granularity:.2%}" for r in rows if r.granularity is not None)
-        out.append(f"  shares not met within {100 * SHARE_TOLERANCE:g} pp: whole examples cannot come closer (one example's share: {grains})")
+        out.append(f"  shares not met within {100 * SHARE_TOLERANCE:g} pp: every example left out is heavier than what is "
+                   f"left of its source's budget (one example's share of the mix, on average: {grains})")
     return out

@@ -17,13 +17,16 @@ weights an int, a float or a decimal string from 1e-9 to 1e12; max_repeats 1 to 
 options strings. A tokenized set's recorded mixture (`--from-tokens`) takes the same checks. Sources are numbered 1..N in
 file order; 0 is padding in a row's `source_ids`.
 
-The share rule (one implementation: `budgets`, then `partial_count`), per max length L:
+The share rule (one implementation: `budgets`, then `partial_pick`), per max length L:
 source i keeps K_i (examples, or target tokens, at L) and asks for share s_i = w_i / sum(w).
 The output total is T = min_i(max_repeats * K_i / s_i): the scarcest source relative to its
 weight sets it, and none is used more than max_repeats times. Source i's budget B_i = T * s_i
 (exact rationals) is met by c_i = floor(B_i / K_i) whole copies of the source, then by one more
-copy of the lowest-ranked examples (rank: stable hash, ties by example id) whose running weight
-stays within the rest r_i = B_i - c_i * K_i. So the written weight is within one example of B_i.
+copy of examples in rank order (rank: stable hash, ties by example id), each taken when it still
+fits in what is left of the rest r_i = B_i - c_i * K_i: the rank cut (the longest prefix that
+fits), then the next-ranked examples that still fit (the partial pick). When whole examples
+cannot bring every share within SHARE_TOLERANCE, the closest mix is published and the manifest
+says so (`shares_met: false`, each source's `granularity`); only scarcity fails the job.
 """
 
 from __future__ import annotations
@@ -363,15 +366,25 @@ def budgets(kept: Sequence[int], weights: Sequence[Fraction], max_repeats: int) 
     return out
 
 
-def partial_count(weights_in_rank_order: Iterable[int], rest: Fraction) -> tuple[int, int]:
-    """(examples, their weight) of the longest prefix whose running weight stays within rest."""
-    taken = weight = 0
-    for w in weights_in_rank_order:
-        if weight + w > rest:
-            break
-        taken += 1
-        weight += w
+def partial_pick(weights_in_rank_order: Iterable[int], rest: Fraction) -> tuple[list[int], int]:
+    """(positions taken, their weight): in rank order, each example that still fits in what is
+    left of rest. The first one left out is the rank cut; those taken after it fill what the
+    cut leaves (one chat example can be 1.7% of a small mix: a cut alone misses by that)."""
+    taken: list[int] = []
+    weight = 0
+    for at, w in enumerate(weights_in_rank_order):
+        if weight + w <= rest:
+            taken.append(at)
+            weight += w
     return taken, weight
+
+
+def fill_bound(left: Fraction, weight_of: str, max_length: int) -> int:
+    """The largest weight an example past a source's rank-cut bucket can have and still be
+    picked: at most what is left there, and under the first example the cut leaves out, which
+    weighs at most one example's most (1, or the L - 1 targets after a row's first token)."""
+    heaviest = 1 if weight_of == "examples" else max_length - 1
+    return max(0, min(math.floor(left), heaviest - 1))
 
 
 def limiting_source(kept: Sequence[int], weights: Sequence[Fraction]) -> int:
@@ -431,9 +444,30 @@ def mixture_manifest(mixture: Mixture, tally: Any, max_length: int) -> dict[str,
     """The manifest's top-level `mixture` object at one max length."""
     figures = source_figures(mixture, tally, max_length)
     kept = [f["kept_weight"] for f in figures]
-    return {"sha256": mixture.sha256, "weight_of": mixture.weight_of, "max_repeats": mixture.max_repeats,
-            "limiting_source": mixture.sources[limiting_source(kept, mixture.weights)].name if all(kept) else None,
-            "sources": figures}
+    out = {"sha256": mixture.sha256, "weight_of": mixture.weight_of, "max_repeats": mixture.max_repeats,
+           "limiting_source": mixture.sources[limiting_source(kept, mixture.weights)].name if all(kept) else None,
+           "sources": figures}
+    # Only when missed, so the manifests of mixes that meet their shares stay as they were.
+    if shares_off(figures):
+        out["shares_met"] = False
+        total = sum(f["written_weight"] for f in figures)
+        for f in figures:
+            f["granularity"] = granularity(f, total)
+    return out
+
+
+def shares_off(figures: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The sources whose realized share misses the requested one by more than SHARE_TOLERANCE."""
+    return [f for f in figures if abs(f["realized_share"] - f["requested_share"]) > SHARE_TOLERANCE]
+
+
+def granularity(figures: dict[str, Any], total_written: int) -> float:
+    """The share of the mix one of the source's examples weighs, on average (its kept weight
+    per kept example, over the mix's written weight): how finely whole examples can tune it."""
+    kept_examples = figures["examples_unique"] + figures["examples_dropped"].get("not_sampled", 0)
+    if not kept_examples or not total_written:
+        return 0.0
+    return round(figures["kept_weight"] / kept_examples / total_written, 6)
 
 
 def check_sources(mixture: Mixture, figures: list[dict[str, Any]], max_length: int, allow_short: bool,
@@ -457,18 +491,30 @@ def check_sources(mixture: Mixture, figures: list[dict[str, Any]], max_length: i
                             f"({f['examples_read']} read, dropped {f['examples_dropped']}); check its input and format")
     if problems:
         return problems, notes
-    kept = [f["kept_weight"] for f in figures]
-    limit = figures[limiting_source(kept, mixture.weights)]["name"]
-    off = [f for f in figures if abs(f["realized_share"] - f["requested_share"]) > SHARE_TOLERANCE]
-    if off:
-        said = ", ".join(f"{f['name']!r} reached {f['realized_share']:.2%} of {mixture.weight_of} (asked "
-                         f"{f['requested_share']:.2%})" for f in off)
-        line = (f"L={max_length}: the mix misses its shares by more than {SHARE_TOLERANCE:.1%}: {said}; source "
-                f"{limit!r} limits the mix (used {mixture.max_repeats}x, max_repeats)")
+    off = shares_off(figures)
+    if not off:
+        return problems, notes
+    said = ", ".join(f"{f['name']!r} reached {f['realized_share']:.2%} of {mixture.weight_of} (asked "
+                     f"{f['requested_share']:.2%})" for f in off)
+    line = f"L={max_length}: the mix misses its shares by more than {SHARE_TOLERANCE:.1%}: {said}"
+    # Scarcity: a source short of its share has given all it may (max_repeats copies of everything
+    # kept), or the source that limits the mix is so small that another gets no example at all.
+    scarce = [f for f in off if f["realized_share"] < f["requested_share"]
+              and f["written_weight"] >= mixture.max_repeats * f["kept_weight"]]
+    starved = [f for f in figures if not f["written_weight"]]
+    if scarce or starved:
+        name = scarce[0]["name"] if scarce else figures[limiting_source([f["kept_weight"] for f in figures], mixture.weights)]["name"]
+        line += (f"; source {name!r} limits the mix (used {mixture.max_repeats}x, max_repeats, "
+                 + ("and has nothing more to give)" if scarce else f"too few for {starved[0]['name']!r} to get one example)"))
         if allow_short:
             notes.append(line + "; published anyway (--allow-short-mix)")
         else:
-            problems.append(line + "; add examples or max_repeats, or pass --allow-short-mix")
+            problems.append(line + f"; add examples to {name!r} or raise max_repeats, or pass --allow-short-mix")
+        return problems, notes
+    total = sum(f["written_weight"] for f in figures)
+    grains = ", ".join(f"{f['name']!r} {granularity(f, total):.2%}" for f in figures)
+    notes.append(f"{line}; every example left out is heavier than what is left of its source's budget (one example's "
+                 f"share of the mix, on average: {grains}); published the closest mix (manifest mixture.shares_met false)")
     return problems, notes
 
 
