@@ -130,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
     from prepack.format.manifest import ManifestError
-    from train import checkpoints, divergence, lora_file, models, parity, trainer
+    from train import checkpoints, divergence, lora_file, models, out_of_memory, parity, trainer
 
     cfg = trainer.TrainConfig(
         shards=args.shards, model=args.model, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
@@ -157,7 +157,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"prepack train: {e}", file=sys.stderr)
         return divergence.EXIT_DIVERGED
     except (trainer.TrainError, models.ModelError, ManifestError, checkpoints.CheckpointError, lora_file.LoraFileError) as e:
+        # A train step too large for memory arrives here as out_of_memory.OutOfMemory (a TrainError).
         print(f"prepack train: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001  (re-raised unless it is XLA's allocation failure)
+        # Out of memory outside the steps (loading the weights, --plan-memory): no step shape to blame.
+        if not out_of_memory.is_out_of_memory(e):
+            raise
+        print(f"prepack train: out of memory setting up --model {args.model} for --batch-size {args.batch_size} "
+              f"({str(e).splitlines()[0][:200]}); try a smaller --model or --batch-size", file=sys.stderr)
         return 2
     print(json.dumps({"summary": {k: v for k, v in summary.items() if k != "evals"}}, indent=None))
     return 0

@@ -27,7 +27,7 @@ import contextlib
 import sys
 from typing import Any, TextIO
 
-from train import checkpoints, data, lora_file, memory_path, memory_plan, parity, resume
+from train import checkpoints, data, lora_file, memory_path, memory_plan, out_of_memory, parity, resume
 from train.config import TrainConfig, TrainError
 from train.run_setup import Setup, setup
 
@@ -65,27 +65,35 @@ def verify_first(s: Setup, batch: dict[str, Any], out: TextIO, packed_layout: pa
         raise parity.ParityFailed(f"--verify-first: parity FAILED before step 1: {result.failure_lines(1)[0]}")
 
 
+def train_steps(s: Setup, context: Any, say: TextIO) -> None:
+    """--remat auto's plan, --verify-first, then Tunix's loop (resumed where a checkpoint says)."""
+    cfg = s.config
+    with context:  # --remat auto: plan the step (compile only) and switch remat on if it would not fit
+        memory_plan.choose_remat(s, say)
+    s.recorder.static_extra["remat"] = "layer" if memory_path.remat_is_on(s.built.model) else "none"
+    if s.resumed_step >= cfg.steps:
+        print(f"checkpoint step {s.resumed_step} >= --steps {cfg.steps}: nothing to train", file=say)
+        return
+    train_ds, eval_ds = data.datasets(cfg, s.view, s.eval_view)
+    if cfg.verify_first:
+        with context:
+            verify_first(s, next(iter(train_ds)), say)
+    if s.checkpoint is not None and s.policy is not None:
+        train_ds = resume.checkpointed_stream(
+            s.trainer, s.checkpoint, s.policy, s.resumed_step, cfg.checkpoint_keep, train_ds
+        )
+    with context:
+        s.trainer.train(train_ds, eval_ds)
+
+
 def execute(cfg: TrainConfig, out: TextIO | None = None) -> tuple[Setup, dict[str, Any]]:
     """Trains as configured; returns the Setup (its model is the trained one) and the summary."""
     s = setup(cfg, out=out)
     context = s.mesh if s.mesh is not None else contextlib.nullcontext()
     try:
-        with context:  # --remat auto: plan the step (compile only) and switch remat on if it would not fit
-            memory_plan.choose_remat(s, out if out is not None else sys.stderr)
-        s.recorder.static_extra["remat"] = "layer" if memory_path.remat_is_on(s.built.model) else "none"
-        if s.resumed_step >= cfg.steps:
-            print(f"checkpoint step {s.resumed_step} >= --steps {cfg.steps}: nothing to train", file=out if out is not None else sys.stderr)
-        else:
-            train_ds, eval_ds = data.datasets(cfg, s.view, s.eval_view)
-            if cfg.verify_first:
-                with context:
-                    verify_first(s, next(iter(train_ds)), out if out is not None else sys.stderr)
-            if s.checkpoint is not None and s.policy is not None:
-                train_ds = resume.checkpointed_stream(
-                    s.trainer, s.checkpoint, s.policy, s.resumed_step, cfg.checkpoint_keep, train_ds
-                )
-            with context:
-                s.trainer.train(train_ds, eval_ds)
+        # A batch too large for the device fails in the compile or a step: one line, not XLA's traceback.
+        with out_of_memory.refused_as_train_error(s):
+            train_steps(s, context, out if out is not None else sys.stderr)
         if cfg.save_lora:
             meta = export_lora(s, cfg.save_lora)
             s.recorder.static_extra["lora_export"] = {"path": cfg.save_lora, "step": int(meta["step"]), "rank": int(meta["lora_rank"])}
