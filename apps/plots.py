@@ -358,46 +358,72 @@ def budget_bars(table: Sequence[dict[str, Any]], path: str, budget: float | None
     return _save(fig, path)
 
 
+def _mix_columns(rows: Sequence[dict[str, Any]]) -> list[tuple[int, str]]:
+    """One column per shard set: (L, packing), packing "" where the rows do not say (preflight's preview)."""
+    return sorted({(int(r["max_length"]), str(r.get("packing", ""))) for r in rows})
+
+
+def _mix_label(column: tuple[int, str]) -> str:
+    L, packing = column
+    return f"L{L} {packing}" if packing else f"L{L}"
+
+
 def mixture_shares(rows: Sequence[dict[str, Any]], weight_of: str, path: str) -> str:
-    """A mixture's mix per max length: stacked shares of weight_of (asked beside realized), and
-    how many times each source's kept examples are used. rows: prepack.packing.mixture.preview's (or
-    the manifest's mixture.sources with a max_length each)."""
+    """A mixture's mix per shard set (max length, and packed or unpacked where rows say): stacked shares
+    of weight_of (asked beside realized), and how many times each source's kept examples are used.
+    rows: prepack.packing.mixture.preview's (or the manifest's mixture.sources with a max_length and
+    packing each)."""
     plt = _plt()
-    lengths = sorted({int(r["max_length"]) for r in rows})
+    columns = _mix_columns(rows)
     sources = list(dict.fromkeys(str(r.get("source", r.get("name"))) for r in rows))
     colors = _colors(sources)
-    by = {(int(r["max_length"]), str(r.get("source", r.get("name")))): r for r in rows}
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    x = np.arange(len(lengths))
+    by = {(int(r["max_length"]), str(r.get("packing", "")), str(r.get("source", r.get("name")))): r for r in rows}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11 + max(0, len(columns) - 3), 4.2))
+    x = np.arange(len(columns))
     for offset, key, label, alpha in ((-0.2, "requested_share", "asked", 0.45), (0.2, "realized_share", "mix", 1.0)):
-        bottom = np.zeros(len(lengths))
+        bottom = np.zeros(len(columns))
         for s in sources:
-            values = np.array([by[(L, s)][key] * 100 for L in lengths])
+            values = np.array([by[(*c, s)][key] * 100 if (*c, s) in by else 0.0 for c in columns])
             left.bar(x + offset, values, 0.36, bottom=bottom, color=colors[s], alpha=alpha,
                      label=s if key == "realized_share" else None, edgecolor="white")
             bottom += values
     left.set_xticks(x)
-    left.set_xticklabels([f"L{L}\nasked | mix" for L in lengths])
+    left.set_xticklabels([f"{_mix_label(c)}\nasked | mix" for c in columns])
     left.set_ylabel(f"share of {weight_of.replace('_', ' ')} (%)")
     left.set_ylim(0, 100)
-    left.set_title("Shares per max length (faded: asked)")
+    left.set_title("Shares per shard set (faded: asked)")
     left.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
     width = 0.8 / max(1, len(sources))
     for i, s in enumerate(sources):
-        right.bar(x + (i - (len(sources) - 1) / 2) * width, [by[(L, s)]["repeats"] for L in lengths], width,
-                  color=colors[s], label=s)
+        right.bar(x + (i - (len(sources) - 1) / 2) * width, [by[(*c, s)]["repeats"] if (*c, s) in by else 0.0 for c in columns],
+                  width, color=colors[s], label=s)
     right.axhline(1.0, color="0.5", lw=0.8, ls="--")
     right.set_xticks(x)
-    right.set_xticklabels([f"L{L}" for L in lengths])
+    right.set_xticklabels([_mix_label(c).replace(" ", "\n") for c in columns])
     right.set_ylabel("times each kept example is used")
     right.set_title("Repeats (< 1: down-sampled)")
     fig.tight_layout()
     return _save(fig, path)
 
 
+def series_with_gaps(loss: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+    """A source's loss per step, smoothed over the steps that have it and NaN at the steps that do
+    not (so the line breaks there instead of joining across), and which steps stand alone (a
+    present step whose neighbours are both absent: no line segment shows it, a marker must)."""
+    v = np.asarray(loss, dtype=np.float64)
+    present = np.isfinite(v)
+    smoothed = np.full(v.shape, np.nan)
+    if present.any():
+        smoothed[present] = _smooth(v[present])
+    before = np.concatenate([[False], present[:-1]])
+    after = np.concatenate([present[1:], [False]])
+    return smoothed, present & ~before & ~after
+
+
 def source_loss_curves(runs: Sequence[Any], path: str) -> str:
     """Each mixture source's training loss against step, one colour per source, one line style
-    per run (report.Run.loss_by_source; steps without the source are skipped)."""
+    per run (report.Run.loss_by_source). A step without the source breaks its line; a step with
+    the source between two without it is a marker."""
     plt = _plt()
     names = list(dict.fromkeys(n for run in runs for n in run.loss_by_source))
     colors = _colors(names)
@@ -408,11 +434,15 @@ def source_loss_curves(runs: Sequence[Any], path: str) -> str:
             loss = run.loss_by_source.get(name)
             if loss is None:
                 continue
-            ok = np.isfinite(loss)
-            if not ok.any():
+            ys, alone = series_with_gaps(loss)
+            if not np.isfinite(ys).any():
                 continue
             label = name if len(runs) == 1 else f"{name} ({run.label})"
-            ax.plot(run.steps[ok], _smooth(loss[ok]), styles[k % len(styles)], color=colors[name], lw=1.6, label=label)
+            joined = bool((np.isfinite(ys) & ~alone).any())  # some step has a present neighbour: a line shows
+            ax.plot(run.steps, ys, styles[k % len(styles)], color=colors[name], lw=1.6, label=label if joined else None)
+            if alone.any():
+                ax.plot(run.steps[alone], ys[alone], "o", color=colors[name], markersize=4,
+                        label=None if joined else label)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss of the source's target tokens")
     ax.set_title("Loss by mixture source")

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from prepack.format.manifest import MANIFEST_NAME, Manifest, ManifestError
+from prepack.format.manifest import MANIFEST_NAME, Manifest, ManifestError, packing_kind
 from prepack.packing.accounting import LENGTH_REASONS
 from apps.packing_table import TABLE_COLUMNS, THROUGHPUT_MODEL, dataset_heading, drop_flags, format_cell, result_row
 from prepack.packing.stats import PackingStats
@@ -581,9 +581,11 @@ def _mixture_section(page: Page, figure: Any, manifests: Sequence[Manifest]) -> 
     page.add("h3", "Mixture")
     page.add("p", f"Shares of {mixed[0].mixture['weight_of']} asked and written per source (manifest `mixture`); "
                   "repeats = written / kept weight (< 1: down-sampled).")
-    rows = [{**f, "max_length": m.max_length} for m in mixed for f in m.mixture["sources"]]
-    headers = ["L", "source", "asked", "mix", "written", "unique", "not sampled", "repeats"]
-    page.add("table", headers, [[str(r["max_length"]), r["name"], f"{r['requested_share']:.1%}", f"{r['realized_share']:.1%}",
+    # A packed and a --no-pack set of one L are two mixes: each row says which set it is.
+    rows = sorted(({**f, "max_length": m.max_length, "packing": packing_kind(m)} for m in mixed for f in m.mixture["sources"]),
+                  key=lambda r: (r["max_length"], r["packing"]))
+    headers = ["L", "packing", "source", "asked", "mix", "written", "unique", "not sampled", "repeats"]
+    page.add("table", headers, [[str(r["max_length"]), r["packing"], r["name"], f"{r['requested_share']:.1%}", f"{r['realized_share']:.1%}",
                                  f"{r['examples_written']:,}", f"{r['examples_unique']:,}",
                                  f"{r['examples_dropped'].get('not_sampled', 0):,}", f"{r['repeats']:.2f}x"] for r in rows])
     figure("mixture.png", plots.mixture_shares, rows, mixed[0].mixture["weight_of"])

@@ -243,7 +243,7 @@ def test_report_shows_the_mix_and_loss_by_source(mixed, tmp_path):
                                 "target_tokens_by_source": {"alpaca": 50, "chat": 25, "fr": 25}}) + "\n")
     assert main(["--shards", out, "--metrics", str(metrics), "--output", str(tmp_path / "r.md")]) == 0
     text = (tmp_path / "r.md").read_text()
-    assert "### Mixture" in text and "| 64 | fr | 25.0% | 25.0% |" in text and "### Loss by source" in text
+    assert "### Mixture" in text and "| 64 | packed | fr | 25.0% | 25.0% |" in text and "### Loss by source" in text
     assert (tmp_path / "r_figures" / "loss_by_source.png").exists() and (tmp_path / "r_figures" / "mixture.png").exists()
     # The shard table counts examples, not copies, and sampling is no max-length loss.
     from apps.report import find_manifests, manifest_rows
@@ -325,3 +325,27 @@ def test_from_tokens_without_mixture_packs_the_recorded_one(mixed, tmp_path):
     pack(["--from-tokens", f"{out}/tokens", "--max-length", *map(str, LENGTHS), "--output", again])
     for L in LENGTHS:
         assert shard_bytes(f"{out}/L{L}") == shard_bytes(f"{again}/L{L}")
+
+
+def test_report_labels_packed_and_unpacked_mixes_of_one_length(mixed, tmp_path):
+    from apps.report import main
+
+    folder, path, out = mixed
+    unpacked = str(tmp_path / "unpacked")
+    pack(["--mixture", path, "--max-length", "64", "--no-pack", "--output", unpacked])
+    metrics = tmp_path / "m.jsonl"
+    with open(metrics, "w") as f:
+        for step in range(1, 8):  # chat only at step 4 (one point), fr absent at steps 3 and 4 (a gap)
+            f.write(json.dumps({"step": step, "loss": 3.0 - step / 10, "step_time_s": 0.5, "target_tokens": 100,
+                                "tokens": 200, "target_tokens_per_s": 200.0,
+                                "loss_by_source": {"alpaca": 3.1 - step / 20, "chat": 2.9 if step == 4 else None,
+                                                   "fr": None if step in (3, 4) else 3.3 - step / 30}}) + "\n")
+    assert main(["--shards", out, "--shards", unpacked, "--metrics", str(metrics), "--output", str(tmp_path / "r.md")]) == 0
+    lines = (tmp_path / "r.md").read_text().splitlines()
+    table = [line for line in lines if line.startswith("| 64 |")]
+    packed = [line for line in table if line.startswith("| 64 | packed |")]
+    one_per_row = [line for line in table if line.startswith("| 64 | unpacked |")]
+    # Each set's three sources once, each row saying which set it belongs to.
+    assert len(packed) == len(one_per_row) == 3 and len(table) == 6
+    assert {line.split(" | ")[2] for line in packed} == {line.split(" | ")[2] for line in one_per_row} == {"alpaca", "chat", "fr"}
+    assert (tmp_path / "r_figures" / "mixture.png").exists() and (tmp_path / "r_figures" / "loss_by_source.png").exists()

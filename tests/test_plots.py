@@ -49,3 +49,58 @@ def test_histogram_labels_are_whole_and_flag_big_drops(tmp_path, monkeypatch):
     assert by_text[" L=512\n 0 over\n 0.0%"].get_color() == "black"
     heights = [t.get_position()[1] for t in drawn["texts"]]
     assert heights[0] != heights[1] and heights[1] != heights[2]  # neighbours sit at different heights
+
+
+def _lines(drawn):
+    def capture(fig, path):
+        drawn["lines"] = [(line.get_xdata(), line.get_ydata(), line.get_marker(), line.get_label()) for ax in fig.axes for line in ax.lines]
+        drawn["legend"] = [t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()]
+        drawn["ticks"] = [[t.get_text() for t in ax.get_xticklabels()] for ax in fig.axes]
+        return path
+    return capture
+
+
+def test_source_loss_breaks_at_absent_steps_and_marks_a_lone_point(tmp_path, monkeypatch):
+    import math
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    nan = math.nan
+    run = SimpleNamespace(label="r", steps=np.arange(1, 8), loss_by_source={
+        "alpaca": np.array([3.0, 2.9, 2.8, 2.7, 2.6, 2.5, 2.4]),
+        "fr": np.array([3.3, 3.2, nan, nan, 3.1, 3.0, 2.9]),  # absent at steps 3 and 4
+        "chat": np.array([nan, nan, nan, 2.5, nan, nan, nan]),  # one point
+    })
+    drawn = {}
+    monkeypatch.setattr(plots, "_save", _lines(drawn))
+    plots.source_loss_curves([run], str(tmp_path / "s.png"))
+    by_label = {label: (x, y, marker) for x, y, marker, label in drawn["lines"] if not label.startswith("_")}
+    assert set(by_label) == set(drawn["legend"]) == {"alpaca", "fr", "chat"}
+    x, y, marker = by_label["fr"]
+    assert list(x) == [1, 2, 3, 4, 5, 6, 7] and np.isnan(y[2:4]).all() and np.isfinite(np.delete(y, [2, 3])).all()
+    assert marker in ("None", "", None)  # fr has neighbours everywhere it is present: a line, broken at 3-4
+    x, y, marker = by_label["chat"]
+    assert list(x) == [4] and list(y) == [2.5] and marker == "o"  # drawn, not only in the legend
+
+
+def test_series_with_gaps_smooths_present_steps_only():
+    import math
+
+    import numpy as np
+
+    ys, alone = plots.series_with_gaps([1.0, math.nan, 2.0, 3.0, math.nan, 5.0])
+    assert np.isnan(ys[[1, 4]]).all() and list(alone) == [True, False, False, False, False, True]
+
+
+def test_mixture_shares_has_one_column_per_shard_set(tmp_path, monkeypatch):
+    rows = [{"max_length": L, "packing": p, "name": s, "requested_share": 0.5, "realized_share": 0.5, "repeats": r}
+            for L, p, r in ((512, "packed", 1.4), (512, "unpacked", 1.4), (1024, "packed", 0.8)) for s in ("a", "b")]
+    drawn = {}
+    monkeypatch.setattr(plots, "_save", _lines(drawn))
+    plots.mixture_shares(rows, "target_tokens", str(tmp_path / "m.png"))
+    assert drawn["ticks"][0] == ["L512 packed\nasked | mix", "L512 unpacked\nasked | mix", "L1024 packed\nasked | mix"]
+    # preflight's preview rows carry no packing: columns are lengths alone.
+    plots.mixture_shares([{k: v for k, v in r.items() if k != "packing"} for r in rows if r["packing"] == "packed"],
+                         "target_tokens", str(tmp_path / "m.png"))
+    assert drawn["ticks"][0] == ["L512\nasked | mix", "L1024\nasked | mix"]

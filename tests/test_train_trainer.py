@@ -14,8 +14,8 @@ import sys
 import numpy as np
 import pytest
 
-from prepack.format import rowformat
-from train import cli, data, mesh, metrics, vocab
+from prepack.format import manifest as manifest_lib, rowformat
+from train import cli, mesh, metrics, vocab
 from train.config import TrainError
 
 from testkit.shard_sets import TEST_TOKENIZER, build_shard_set
@@ -292,5 +292,5 @@ def test_batch_counts() -> None:
 def test_packing_kind_from_manifest(shard_sets) -> None:
     import loaders
 
-    assert data.packing_kind(loaders.open_shards(shard_sets["packed"]).manifest) == "packed"
-    assert data.packing_kind(loaders.open_shards(shard_sets["unpacked"]).manifest) == "unpacked"
+    assert manifest_lib.packing_kind(loaders.open_shards(shard_sets["packed"]).manifest) == "packed"
+    assert manifest_lib.packing_kind(loaders.open_shards(shard_sets["unpacked"]).manifest) == "unpacked"

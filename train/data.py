@@ -9,17 +9,6 @@ from typing import Any
 from train.config import TrainConfig, TrainError
 
 
-def packing_kind(manifest: Any) -> str:
-    """'packed' or 'unpacked' (one example per row), for the metrics and the report."""
-    mode = str(getattr(manifest, "packing", "") or "").lower()
-    if mode in ("none", "unpacked", "no-pack", "nopack", "one-per-row", "one_per_row"):
-        return "unpacked"
-    stats = getattr(manifest, "stats", {}) or {}
-    if stats.get("examples_written") is not None and stats.get("examples_written") == manifest.num_rows:
-        return "unpacked"
-    return "packed"
-
-
 class FirstN:
     """Re-iterable first-n view of a re-iterable dataset (Tunix re-iterates eval_ds at every eval)."""
 

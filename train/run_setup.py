@@ -13,7 +13,7 @@ from typing import Any, TextIO
 
 from train import checkpoints, divergence, resume
 from train.config import TrainConfig, TrainError
-from train.data import packing_kind
+from prepack.format.manifest import packing_kind
 from train.fingerprint import base_fingerprint
 from train.mesh import make_mesh, parse_mesh
 from train.metrics import MetricsRecorder

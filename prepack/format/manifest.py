@@ -183,3 +183,18 @@ def without_volatile(text: str) -> dict[str, Any]:
     for key in VOLATILE_KEYS:
         data.pop(key, None)
     return data
+
+
+UNPACKED_MODES = ("none", "unpacked", "no-pack", "nopack", "one-per-row", "one_per_row")
+
+
+def packing_kind(manifest: Any) -> str:
+    """'packed' or 'unpacked' (one example per row): the metrics', the trainer's and the report's one reading."""
+    mode = str(getattr(manifest, "packing", "") or "").lower()
+    if mode in UNPACKED_MODES:
+        return "unpacked"
+    # Older sets recorded no packing mode for --no-pack; one example per row tells them apart.
+    stats = getattr(manifest, "stats", {}) or {}
+    if stats.get("examples_written") is not None and stats.get("examples_written") == manifest.num_rows:
+        return "unpacked"
+    return "packed"
