@@ -713,7 +713,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _mixture_datasets(path: str) -> tuple[Any, list[DatasetSpec]]:
-    from prepack.packing.mixture import MixtureError, load_mixture
+    from prepack.mixture_file import load_mixture
+    from prepack.packing.mixture import MixtureError
 
     try:
         mixture = load_mixture(path)

@@ -24,7 +24,8 @@ from pipelines.limits import (DEFAULT_MAX_COMPRESSION_RATIO, DEFAULT_MAX_DECOMPR
                               DEFAULT_MAX_WHOLE_FILE_BYTES, MAX_SUB_BUCKETS, RATIO_CHECKED_AFTER, InputLimits)
 from pipelines.output.lock import MIN_EXPIRY_S
 from prepack.packing.bad_records import DEFAULT_MAX_BAD_FRACTION
-from prepack.packing.mixture import Mixture, MixtureError, load_mixture
+from prepack.mixture_file import load_mixture
+from prepack.packing.mixture import Mixture, MixtureError
 from prepack.packing.packer import OverlongPolicy, Planner
 from prepack.format.rowformat import MAX_MAX_LENGTH
 from prepack.cli_help import DefaultsHelpFormatter

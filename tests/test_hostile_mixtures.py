@@ -16,7 +16,8 @@ from pipelines.launch.publish import JobError
 from pipelines.options import parse_args
 from prepack.format.manifest import MANIFEST_NAME
 from prepack.packing import mixture as mixture_module
-from prepack.packing.mixture import MixtureError, load_mixture, validate_recorded
+from prepack.mixture_file import load_mixture
+from prepack.packing.mixture import MixtureError, validate_recorded
 from testkit.pipeline import IN_PROCESS, alpaca_records, chat_records, write_jsonl
 
 SECONDS = 5  # every refusal here comes back well within this on a loaded 2-core machine

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from prepack.packing.mixture import MixtureError, budgets, limiting_source, load_mixture, partial_pick
+from prepack.mixture_file import load_mixture
+from prepack.packing.mixture import MixtureError, budgets, limiting_source, partial_pick
 
 GOOD = """\
 weight_of: target_tokens

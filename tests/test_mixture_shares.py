@@ -12,7 +12,8 @@ import pytest
 
 from pipelines.launch.job import run
 from pipelines.options import parse_args
-from prepack.packing.mixture import SHARE_TOLERANCE, check_sources, load_mixture
+from prepack.mixture_file import load_mixture
+from prepack.packing.mixture import SHARE_TOLERANCE, check_sources
 from testkit.pipeline import IN_PROCESS, TWO_PROCESSES, shard_bytes, write_jsonl
 
 SAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "prepack", "sample_data")

@@ -10,7 +10,8 @@ The file (YAML, or JSON, which YAML reads too):
         format: alpaca              # plus the format's options: source_lang, target_lang, prompt_format
         weight: 3
 
-Relative input paths are relative to the file's folder. The file is hostile input, checked
+Relative input paths are relative to the file's folder, local or gs:// (`_resolve`; the file is
+read through the storage interface by prepack/mixture_file.py). The file is hostile input, checked
 before any work (one line naming the file, the source and the field): at most MAX_FILE_BYTES,
 no YAML anchors or aliases, no duplicate keys, at most 32 levels deep (prepack/format/strict_yaml.py);
 weights an int, a float or a decimal string from 1e-9 to 1e12; max_repeats 1 to 1,000; format
@@ -35,6 +36,7 @@ import dataclasses
 import hashlib
 import math
 import os
+import posixpath
 import re
 from collections.abc import Iterable, Sequence
 from fractions import Fraction
@@ -135,17 +137,6 @@ class Mixture:
 
 def weight_json(weight: Fraction) -> int | float:
     return int(weight) if weight.denominator == 1 else float(weight)
-
-
-def load_mixture(path: str) -> Mixture:
-    """Reads and validates a mixture file; raises MixtureError with one line."""
-    where = f"mixture file {path}"
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_FILE_BYTES + 1)
-    except OSError as e:
-        raise MixtureError(f"{where}: cannot be read ({e.strerror or e})") from None
-    return parse_mixture(data, path)
 
 
 def parse_mixture(data: bytes, path: str) -> Mixture:
@@ -326,11 +317,23 @@ def _is_url(spec: str) -> bool:
 
 
 def _resolve(spec: str, base: str) -> str:
-    """A relative local path joined to the mixture file's folder; URLs, hf:, tfds: and
-    absolute paths as they are."""
+    """A relative path joined to the mixture file's folder (an absolute local one, or a URL's
+    such as gs://BUCKET/dir) and normalised ('.' and '..' taken out, never above the folder's
+    root: / or the bucket); URLs, hf:, tfds: and absolute paths as they are."""
     if _is_url(spec) or os.path.isabs(spec):
         return spec
-    return os.path.normpath(os.path.join(base, spec))
+    root, folder = _root_and_folder(base)
+    return root + posixpath.normpath(posixpath.join(folder, spec))
+
+
+def _root_and_folder(base: str) -> tuple[str, str]:
+    """('gs://BUCKET', '/dir') of a URL folder, ('', '/abs/dir') of a local one: the rest of
+    the join is one rule for both."""
+    if not _is_url(base):
+        return "", base
+    scheme, _, rest = base.partition("://")
+    host, _, folder = rest.partition("/")
+    return f"{scheme}://{host}", "/" + folder
 
 
 # ----------------------------------------------------------------------------- the share rule

@@ -172,6 +172,22 @@ class GcsStorage:
         except exceptions.NotFound:
             return None
 
+    def read_head(self, path: str, limit: int) -> bytes | None:
+        """One ranged GET; the client's errors (no access, no credentials) become one-line OSErrors."""
+        from google.api_core import exceptions
+        from google.auth.exceptions import GoogleAuthError
+
+        try:
+            return self._blob(path).download_as_bytes(start=0, end=limit - 1, raw_download=True)
+        except exceptions.NotFound:
+            return None
+        except exceptions.RequestRangeNotSatisfiable:
+            return b""  # an empty object has no byte 0
+        except exceptions.GoogleAPICallError as e:
+            raise OSError(f"{e.code} {' '.join(str(e.message).split())[:200]}") from None
+        except GoogleAuthError as e:
+            raise OSError(f"no Google Cloud credentials ({' '.join(str(e).split())[:200]})") from None
+
     def replace(self, path: str, data: bytes, content_type: str = "application/json") -> None:
         self._blob(path).upload_from_string(data, content_type=content_type)
 

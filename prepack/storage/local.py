@@ -146,6 +146,13 @@ class LocalStorage:
         except (FileNotFoundError, IsADirectoryError):
             return None
 
+    def read_head(self, path: str, limit: int) -> bytes | None:
+        try:
+            with open(path, "rb") as f:
+                return f.read(limit)
+        except FileNotFoundError:
+            return None
+
     def replace(self, path: str, data: bytes, content_type: str = "application/json") -> None:
         """Writes through a temp name, so a crash leaves the old file."""
         folder = os.path.dirname(path)
