@@ -1,6 +1,7 @@
-"""A mixture file on gs://, read through the storage interface against the local GCS emulator:
-the same validation as a local file, relative inputs against the file's own gs:// folder, and a
-real `prepack pack --mixture gs://...` and `prepack preflight --mixture gs://...` run."""
+"""A mixture file on gs:// (the local GCS emulator, never the network): `prepack pack` and
+`prepack preflight` read it through the storage interface, with the size cap and the strict
+validator applied to its bytes, and its relative inputs resolve against its own gs:// folder
+by the same rule as a local file's."""
 
 from __future__ import annotations
 
@@ -11,131 +12,131 @@ import pytest
 
 from prepack.mixture_file import load_mixture
 from prepack.packing.mixture import MAX_FILE_BYTES, MixtureError
+from prepack.storage import storage_for
 from testkit.gcs_emulator import gcs_emulator, gcs_prefix  # noqa: F401  (pytest fixtures)
-from testkit.pipeline import IN_PROCESS, alpaca_records, chat_records, shard_bytes, write_jsonl
+from testkit.pipeline import IN_PROCESS, shard_bytes
 
-MIX = """\
-weight_of: examples
-max_repeats: 2
+SAMPLES = os.path.join(os.path.dirname(__file__), "..", "prepack", "sample_data")
+RELATIVE = """\
 sources:
-  - name: alpaca
-    input: data/alpaca.jsonl
+  - name: a
+    input: [data/a.jsonl, ./data/../data/b.jsonl]
     format: alpaca
-    weight: 2
-  - name: chat
-    input: [../shared/chat.jsonl]
+    weight: 1
+  - name: b
+    input: ../shared/chat.jsonl
     format: chat
+    weight: 2
+  - name: c
+    input: [gs://other/x.jsonl, hf:tatsu-lab/alpaca:train, /abs/c.jsonl]
+    format: alpaca
     weight: 1
 """
 
 
-def upload_text(emulator, url: str, text: str | bytes, tmp_path, name: str = "upload") -> str:
-    local = tmp_path / name
-    local.write_bytes(text.encode() if isinstance(text, str) else text)
-    emulator.upload_file(str(local), url)
-    return url
+def upload(gcs_emulator, url: str, data: bytes) -> None:
+    bucket, key = gcs_emulator.split(url)
+    gcs_emulator.client().bucket(bucket).blob(key).upload_from_string(data)
 
 
-def test_gcs_file_resolves_relative_inputs_against_its_gcs_folder(gcs_emulator, gcs_prefix, tmp_path):  # noqa: F811
-    url = upload_text(gcs_emulator, f"{gcs_prefix}/mixes/mix.yaml", MIX, tmp_path)
+def refusal(path: str) -> str:
+    with pytest.raises(MixtureError) as e:
+        load_mixture(path)
+    message = str(e.value)
+    assert "\n" not in message
+    return message
+
+
+def test_relative_inputs_resolve_against_the_files_own_folder_local_and_gcs(gcs_emulator, gcs_prefix, tmp_path):
+    url = f"{gcs_prefix}/mixes/mix.yaml"
+    upload(gcs_emulator, url, RELATIVE.encode())
     (tmp_path / "mixes").mkdir()
-    local = tmp_path / "mixes" / "mix.yaml"
-    local.write_text(MIX)
-    remote, here = load_mixture(url), load_mixture(str(local))
-    assert [s.inputs for s in remote.sources] == [(f"{gcs_prefix}/mixes/data/alpaca.jsonl",),
-                                                  (f"{gcs_prefix}/shared/chat.jsonl",)]
-    # One resolution rule: the same relative specs land in the same places under each folder.
-    assert [s.inputs for s in here.sources] == [(str(tmp_path / "mixes" / "data" / "alpaca.jsonl"),),
-                                                (str(tmp_path / "shared" / "chat.jsonl"),)]
-    assert remote.path == url and remote.sha256 == here.sha256
-    assert [s.describe() | {"inputs": None} for s in remote.sources] == [s.describe() | {"inputs": None} for s in here.sources]
+    (tmp_path / "mixes" / "mix.yaml").write_text(RELATIVE)
+    remote, local = load_mixture(url), load_mixture(str(tmp_path / "mixes" / "mix.yaml"))
+    assert remote.path == url and remote.sha256 == local.sha256
+    assert [s.inputs for s in remote.sources] == [
+        (f"{gcs_prefix}/mixes/data/a.jsonl", f"{gcs_prefix}/mixes/data/b.jsonl"),
+        (f"{gcs_prefix}/shared/chat.jsonl",),
+        ("gs://other/x.jsonl", "hf:tatsu-lab/alpaca:train", "/abs/c.jsonl"),
+    ]
+    # One rule for both: the local file's inputs are the same paths under its own folder.
+    assert [s.inputs for s in local.sources] == [
+        tuple(spec.replace(gcs_prefix, str(tmp_path)) for spec in s.inputs) for s in remote.sources]
 
 
-def test_gcs_file_at_the_bucket_root_and_absolute_specs(gcs_emulator, tmp_path):  # noqa: F811
-    doc = {"sources": [{"name": "a", "input": ["x/a.jsonl", "gs://other/b.jsonl", "hf:org/ds", "/abs/c.jsonl"],
-                        "format": "alpaca", "weight": 1}]}
-    url = upload_text(gcs_emulator, gcs_emulator.url("root-mix.json"), json.dumps(doc), tmp_path)
-    assert load_mixture(url).sources[0].inputs == (gcs_emulator.url("x/a.jsonl"), "gs://other/b.jsonl", "hf:org/ds",
-                                                   "/abs/c.jsonl")
+def test_a_file_at_the_bucket_root_and_dot_dot_stay_in_the_bucket(gcs_emulator):
+    url = gcs_emulator.url("mix-at-root.yaml")
+    upload(gcs_emulator, url, RELATIVE.encode())
+    inputs = [s.inputs for s in load_mixture(url).sources]
+    bucket = f"gs://{gcs_emulator.bucket}"
+    assert inputs[0] == (f"{bucket}/data/a.jsonl", f"{bucket}/data/b.jsonl") and inputs[1] == (f"{bucket}/shared/chat.jsonl",)
 
 
-def test_a_relative_input_may_not_climb_out_of_the_bucket(gcs_emulator, gcs_prefix, tmp_path):  # noqa: F811
-    url = upload_text(gcs_emulator, f"{gcs_prefix}/mix.yaml",
-                      "sources:\n  - {name: a, input: ../../../x.jsonl, format: alpaca, weight: 1}\n", tmp_path)
-    with pytest.raises(MixtureError) as e:
-        load_mixture(url)
-    bucket = gcs_emulator.bucket
-    assert str(e.value) == (f"mixture file {url}: source 'a': input '../../../x.jsonl' climbs out of gs://{bucket}/; "
-                            "name a path inside the bucket or a full gs:// URL")
-
-
-def test_a_missing_gcs_file_is_one_line(gcs_emulator, gcs_prefix):  # noqa: F811
-    url = f"{gcs_prefix}/nowhere/mix.yaml"
-    with pytest.raises(MixtureError) as e:
-        load_mixture(url)
-    assert str(e.value) == f"mixture file {url}: cannot be read (no such file or object); check the path"
-
-
-def test_an_oversized_gcs_file_is_refused_from_its_first_bytes(gcs_emulator, gcs_prefix, tmp_path, monkeypatch):  # noqa: F811
-    from prepack.storage import gcs
-
-    url = upload_text(gcs_emulator, f"{gcs_prefix}/big.yaml", b"#" * (3 * MAX_FILE_BYTES), tmp_path)
-    got = []
-    real = gcs.GcsStorage.read_head
-    monkeypatch.setattr(gcs.GcsStorage, "read_head", lambda self, p, n: got.append(real(self, p, n)) or got[-1])
-    with pytest.raises(MixtureError) as e:
-        load_mixture(url)
-    assert str(e.value) == (f"mixture file {url}: larger than {MAX_FILE_BYTES:,} bytes; a mixture file names its "
+def test_gcs_refusals_are_one_line(gcs_emulator, gcs_prefix):
+    missing = f"{gcs_prefix}/nope.yaml"
+    assert refusal(missing) == f"mixture file {missing}: cannot be read (no such file); check the path"
+    big = f"{gcs_prefix}/big.yaml"
+    upload(gcs_emulator, big, b"# " + b"x" * (3 * MAX_FILE_BYTES) + b"\n")
+    # A ranged read: one byte past the cap comes back, not the object.
+    assert len(storage_for(big).read_head(big, MAX_FILE_BYTES + 1)) == MAX_FILE_BYTES + 1
+    assert refusal(big) == (f"mixture file {big}: larger than {MAX_FILE_BYTES:,} bytes; a mixture file names its "
                             "sources' inputs, it does not hold data")
-    assert [len(b) for b in got] == [MAX_FILE_BYTES + 1]  # a ranged read, not the 3 MiB object
+    alias = f"{gcs_prefix}/alias.yaml"
+    upload(gcs_emulator, alias, RELATIVE.replace("name: a\n", "name: &n a\n").replace("name: b\n", "name: *n\n").encode())
+    assert refusal(alias) == (f"mixture file {alias}: line 2: anchors and aliases (&name, *name) are not allowed; "
+                              "write each value out")
+    dup = f"{gcs_prefix}/dup.json"
+    upload(gcs_emulator, dup, b'{"sources": [], "sources": []}')
+    assert refusal(dup) == f"mixture file {dup}: line 1: duplicate key 'sources'; each key may appear once"
+    empty = f"{gcs_prefix}/empty.yaml"
+    upload(gcs_emulator, empty, b"")
+    assert refusal(empty).startswith(f"mixture file {empty}: must be a mapping with keys max_repeats, sources, weight_of")
+    assert refusal("gs://") == "mixture file gs://: cannot be read (gs://: a gs:// path needs a bucket name)"
 
 
-def test_a_gcs_file_gets_the_strict_validator(gcs_emulator, gcs_prefix, tmp_path):  # noqa: F811
-    url = upload_text(gcs_emulator, f"{gcs_prefix}/dup.yaml",
-                      "sources:\n  - {name: a, name: b, input: x.jsonl, format: alpaca, weight: 1}\n", tmp_path)
-    with pytest.raises(MixtureError) as e:
-        load_mixture(url)
-    assert str(e.value).startswith(f"mixture file {url}: ") and "duplicate key 'name'" in str(e.value)
-    empty = upload_text(gcs_emulator, f"{gcs_prefix}/empty.yaml", b"", tmp_path)
-    with pytest.raises(MixtureError, match=r"^mixture file .*/empty.yaml: must be a mapping with keys"):
-        load_mixture(empty)
+def test_a_local_file_that_cannot_be_read_is_one_line(tmp_path):
+    assert refusal(str(tmp_path / "nope.yaml")) == f"mixture file {tmp_path}/nope.yaml: cannot be read (no such file); check the path"
+    assert refusal(str(tmp_path)) == f"mixture file {tmp_path}: cannot be read (Is a directory)"
 
 
-def write_sources(folder) -> None:
-    os.makedirs(folder / "mixes" / "data", exist_ok=True)
-    os.makedirs(folder / "shared", exist_ok=True)
-    write_jsonl(str(folder / "mixes" / "data" / "alpaca.jsonl"), alpaca_records(40, seed=5))
-    write_jsonl(str(folder / "shared" / "chat.jsonl"), chat_records(12))
-    (folder / "mixes" / "mix.yaml").write_text(MIX)
+@pytest.fixture
+def sample_mix_on_gcs(gcs_emulator, gcs_prefix) -> str:
+    """The shipped sample mixture and its two inputs, uploaded side by side (its inputs are relative)."""
+    for name in ("sample_mix.yaml", "sample_sft.jsonl", "sample_chat.jsonl"):
+        gcs_emulator.upload_file(os.path.join(SAMPLES, name), f"{gcs_prefix}/mix/{name}")
+    return f"{gcs_prefix}/mix/sample_mix.yaml"
 
 
-def test_pack_with_a_gcs_mixture_equals_the_local_run(gcs_emulator, gcs_prefix, tmp_path):  # noqa: F811
-    """`prepack pack --mixture gs://.../mix.yaml` with its sources beside it on gs:// writes the
-    same shards as the same files on local disk."""
+def test_pack_mixture_from_gcs_writes_the_rows_of_the_local_file(sample_mix_on_gcs, tmp_path):
     from pipelines.launch.cli import main
 
-    write_sources(tmp_path)
-    for rel in ("mixes/mix.yaml", "mixes/data/alpaca.jsonl", "shared/chat.jsonl"):
-        gcs_emulator.upload_file(str(tmp_path / rel), f"{gcs_prefix}/{rel}")
-    common = ["--max-length", "128", "--num-shards", "2", "--no-progress", *IN_PROCESS]
-    assert main(["--mixture", str(tmp_path / "mixes" / "mix.yaml"), "--output", str(tmp_path / "local"), *common]) == 0
-    assert main(["--mixture", f"{gcs_prefix}/mixes/mix.yaml", "--output", str(tmp_path / "remote"), *common]) == 0
-    local, remote = shard_bytes(str(tmp_path / "local" / "L128")), shard_bytes(str(tmp_path / "remote" / "L128"))
-    assert local and local == remote
-    manifest = json.loads((tmp_path / "remote" / "L128" / "manifest.json").read_text())
-    assert [i["spec"] for i in manifest["inputs"]] == [f"{gcs_prefix}/mixes/data/alpaca.jsonl", f"{gcs_prefix}/shared/chat.jsonl"]
-    assert [s["name"] for s in manifest["mixture"]["sources"]] == ["alpaca", "chat"]
+    outs = {}
+    for where, mix in (("gcs", sample_mix_on_gcs), ("local", os.path.join(SAMPLES, "sample_mix.yaml"))):
+        outs[where] = str(tmp_path / where)
+        assert main(["--mixture", mix, "--max-length", "512", "--output", outs[where], "--no-progress", *IN_PROCESS]) == 0
+    manifests = {w: json.loads(open(f"{o}/L512/manifest.json").read()) for w, o in outs.items()}
+    assert manifests["gcs"]["mixture"] == manifests["local"]["mixture"]
+    assert [i["spec"] for i in manifests["gcs"]["inputs"]] == [
+        f"{sample_mix_on_gcs.rsplit('/', 1)[0]}/{n}" for n in ("sample_sft.jsonl", "sample_chat.jsonl")]
+    rows = {w: {n: b for n, b in shard_bytes(f"{o}/L512").items() if n.endswith(".array_record")} for w, o in outs.items()}
+    assert rows["gcs"] == rows["local"] and rows["gcs"]  # the dead letters differ only in where the inputs were
 
 
-def test_preflight_reads_a_gcs_mixture(gcs_emulator, gcs_prefix, tmp_path, capsys):  # noqa: F811
+def test_preflight_mixture_from_gcs_forecasts_what_the_local_file_does(sample_mix_on_gcs, tmp_path, capsys):
     from apps.preflight import main
 
-    write_sources(tmp_path)
-    for rel in ("mixes/mix.yaml", "mixes/data/alpaca.jsonl", "shared/chat.jsonl"):
-        gcs_emulator.upload_file(str(tmp_path / rel), f"{gcs_prefix}/{rel}")
-    assert main(["--mixture", f"{gcs_prefix}/mixes/mix.yaml", "--output", str(tmp_path / "pf"),
-                 "--max-length", "128", "--no-plots"]) == 0
-    assert main(["--mixture", f"{gcs_prefix}/mixes/gone.yaml", "--output", str(tmp_path / "pf2"),
-                 "--max-length", "128", "--no-plots"]) == 2
-    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
-        f"mixture file {gcs_prefix}/mixes/gone.yaml: cannot be read (no such file or object); check the path")
+    results = {}
+    for where, mix in (("gcs", sample_mix_on_gcs), ("local", os.path.join(SAMPLES, "sample_mix.yaml"))):
+        assert main(["--mixture", mix, "--max-length", "512", "--output", str(tmp_path / where), "--no-plots"]) == 0
+        results[where] = json.loads((tmp_path / where / "preflight.json").read_text())
+    assert f"mixture {sample_mix_on_gcs} (weight_of target_tokens" in capsys.readouterr().out
+    assert results["gcs"]["mixture"]["rows"] == results["local"]["mixture"]["rows"] and results["gcs"]["mixture"]["rows"]
+
+
+def test_pack_refuses_an_unreadable_gcs_mixture_in_one_line(gcs_prefix, capsys):
+    from pipelines.launch.cli import main
+
+    assert main(["--mixture", f"{gcs_prefix}/none.yaml", "--output", f"{gcs_prefix}/out", "--no-progress", *IN_PROCESS]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith(f"mixture file {gcs_prefix}/none.yaml: cannot be read (no such file); check the path")
+    assert len(err.splitlines()) == 1

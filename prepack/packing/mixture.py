@@ -10,8 +10,8 @@ The file (YAML, or JSON, which YAML reads too):
         format: alpaca              # plus the format's options: source_lang, target_lang, prompt_format
         weight: 3
 
-Relative input paths are relative to the file's folder, a local one or gs:// (the file is read
-through the storage interface by prepack/mixture_file.py, under MAX_FILE_BYTES). The file is hostile input, checked
+Relative input paths are relative to the file's folder, local or gs:// (`_resolve`; the file is
+read through the storage interface by prepack/mixture_file.py). The file is hostile input, checked
 before any work (one line naming the file, the source and the field): at most MAX_FILE_BYTES,
 no YAML anchors or aliases, no duplicate keys, at most 32 levels deep (prepack/format/strict_yaml.py);
 weights an int, a float or a decimal string from 1e-9 to 1e12; max_repeats 1 to 1,000; format
@@ -140,7 +140,7 @@ def weight_json(weight: Fraction) -> int | float:
 
 
 def parse_mixture(data: bytes, path: str) -> Mixture:
-    """The mixture in a file's bytes (read by prepack.mixture_file.load_mixture, local or gs://), validated (the checks of `_source`, shared with
+    """The mixture in a file's bytes, validated (the checks of `_source`, shared with
     `validate_recorded`); raises MixtureError with one line naming the file, source and field."""
     from prepack.format import strict_yaml
 
@@ -283,7 +283,7 @@ def _source(index: int, name: str, specs: list[str], fmt: Any, weight: Any, opti
         get_template(fmt, **options)
     except (ValueError, TypeError) as e:
         raise MixtureError(f"{at}: {e}") from None
-    inputs = tuple(specs) if base is None else tuple(_resolve(s, base, at) for s in specs)
+    inputs = tuple(specs) if base is None else tuple(_resolve(s, base) for s in specs)
     return MixtureSource(index, name, inputs, fmt, _weight(weight, at), tuple(sorted(options.items())))
 
 
@@ -316,23 +316,24 @@ def _is_url(spec: str) -> bool:
     return re.match(r"^[a-z][a-z0-9+]*:", spec) is not None
 
 
-def _resolve(spec: str, base: str, at: str) -> str:
-    """A relative path joined to the mixture file's folder, local or a URL's (gs://BUCKET/DIR:
-    the same join and normalisation, on the object name); URLs, hf:, tfds: and absolute paths
-    as they are. A relative path may not climb out of a URL's bucket."""
+def _resolve(spec: str, base: str) -> str:
+    """A relative path joined to the mixture file's folder (an absolute local one, or a URL's
+    such as gs://BUCKET/dir) and normalised ('.' and '..' taken out, never above the folder's
+    root: / or the bucket); URLs, hf:, tfds: and absolute paths as they are."""
     if _is_url(spec) or os.path.isabs(spec):
         return spec
-    if not _is_url(base):
-        return os.path.normpath(os.path.join(base, spec))
-    scheme, _, rest = base.partition("://")
-    bucket, _, folder = rest.partition("/")
-    key = posixpath.normpath(posixpath.join(folder, spec))
-    if key == ".." or key.startswith("../"):
-        from prepack.format.untrusted import shown
+    root, folder = _root_and_folder(base)
+    return root + posixpath.normpath(posixpath.join(folder, spec))
 
-        raise MixtureError(f"{at}: input {shown(spec, 80)} climbs out of {scheme}://{bucket}/; name a path inside "
-                           "the bucket or a full gs:// URL")
-    return f"{scheme}://{bucket}/{key}"
+
+def _root_and_folder(base: str) -> tuple[str, str]:
+    """('gs://BUCKET', '/dir') of a URL folder, ('', '/abs/dir') of a local one: the rest of
+    the join is one rule for both."""
+    if not _is_url(base):
+        return "", base
+    scheme, _, rest = base.partition("://")
+    host, _, folder = rest.partition("/")
+    return f"{scheme}://{host}", "/" + folder
 
 
 # ----------------------------------------------------------------------------- the share rule

@@ -19,7 +19,7 @@ from prepack.storage.local import LocalStorage
 
 __all__ = [
     "GcsStorage", "LocalStorage", "Storage", "SwitchRefused", "Version", "Versioned", "download", "file_sizes",
-    "gcs_client", "is_gcs", "join", "object_stamp", "read_bytes", "read_head", "read_text", "sha256", "split_gcs", "storage_for", "write_text",
+    "gcs_client", "is_gcs", "join", "object_stamp", "read_bytes", "read_text", "sha256", "split_gcs", "storage_for", "write_text",
 ]
 
 _LOCAL, _GCS = LocalStorage(), GcsStorage()
@@ -34,12 +34,6 @@ def storage_for(path: str) -> Storage:
 def read_bytes(path: str) -> bytes | None:
     """The whole file, or None if it does not exist."""
     return storage_for(path).read_bytes(path)
-
-
-def read_head(path: str, limit: int) -> bytes | None:
-    """At most `limit` bytes from the file's start (a file read under a size cap), or None if it
-    does not exist; OSError (one-line message) when it exists but cannot be read."""
-    return storage_for(path).read_head(path, limit)
 
 
 def read_text(path: str) -> str | None:

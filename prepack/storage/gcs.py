@@ -173,26 +173,20 @@ class GcsStorage:
             return None
 
     def read_head(self, path: str, limit: int) -> bytes | None:
-        """At most `limit` bytes from the start of the object (a ranged GET, so a huge object is
-        not downloaded to be refused); None when it does not exist. Any other failure (access
-        denied, no credentials) is an OSError whose message is one line."""
+        """One ranged GET; the client's errors (no access, no credentials) become one-line OSErrors."""
         from google.api_core import exceptions
         from google.auth.exceptions import GoogleAuthError
 
-        blob = self._blob(path)
         try:
-            blob.reload()
-            if not blob.size:
-                return b""
-            end = min(int(blob.size), limit) - 1
-            return blob.download_as_bytes(start=0, end=end, raw_download=True, if_generation_match=int(blob.generation))
+            return self._blob(path).download_as_bytes(start=0, end=limit - 1, raw_download=True)
         except exceptions.NotFound:
             return None
+        except exceptions.RequestRangeNotSatisfiable:
+            return b""  # an empty object has no byte 0
         except exceptions.GoogleAPICallError as e:
-            raise OSError(f"{e.code} {getattr(e, 'message', '') or type(e).__name__}".strip()) from None
+            raise OSError(f"{e.code} {' '.join(str(e.message).split())[:200]}") from None
         except GoogleAuthError as e:
-            raise OSError(f"no usable Google Cloud credentials ({type(e).__name__}); run `gcloud auth "
-                          "application-default login`") from None
+            raise OSError(f"no Google Cloud credentials ({' '.join(str(e).split())[:200]})") from None
 
     def replace(self, path: str, data: bytes, content_type: str = "application/json") -> None:
         self._blob(path).upload_from_string(data, content_type=content_type)
