@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from prepack.packing.stats import BatchFigures, PackingStats, StepSemantics
+from prepack.packing.stats import BatchFigures, PackingStats, StepSemantics, lower_bounds_line
 
 THROUGHPUT_MODEL = (
     "Fixed [B, L] batches: a step costs the same packed or unpacked. Rows fill ceil(rows / B) steps, the last "
@@ -26,7 +26,7 @@ CSV_COLUMNS = (
     "examples_split", "split_pieces", "dropped_no_targets_after_split",
     "examples_windowed", "window_pieces", "context_tokens_replayed", "dropped_window_context_too_long", "bfd_rows",
     "mean_tokens", "median_tokens", "p95_tokens", "max_tokens", "tokens", "target_tokens",
-    "unpacked_rows", "packed_rows", "lower_bound_rows", "row_reduction",
+    "unpacked_rows", "packed_rows", "lower_bound_rows", "capped_lower_bound_rows", "row_reduction",
     "unpacked_density", "packed_density", "unpacked_target_density", "packed_target_density",
     "unpacked_steps", "packed_steps", "unpacked_step_density", "packed_step_density",
     "unpacked_step_target_density", "packed_step_target_density", "throughput_gain",
@@ -49,6 +49,8 @@ def result_row(meta: dict[str, Any], stats: PackingStats, batch_size: int, extra
         unpacked_rows=stats.examples,
         packed_rows=stats.rows,
         lower_bound_rows=stats.lower_bound_rows,
+        # Under --max-segments-per-row K no plan beats ceil(examples / K) rows either (= lower_bound_rows without K).
+        capped_lower_bound_rows=stats.capped_lower_bound_rows,
         row_reduction=stats.row_reduction,
         unpacked_density=stats.unpacked_density,
         packed_density=stats.packed_density,
@@ -75,7 +77,7 @@ TABLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("tgt pk", "packed_target_density", "pct"),
     ("rows unp", "unpacked_rows", "int"),
     ("rows pk", "packed_rows", "int"),
-    ("bound", "lower_bound_rows", "int"),
+    ("bound", "capped_lower_bound_rows", "int"),  # with --max-segments-per-row, both bounds are on a line below
     ("row reduction", "row_reduction", "times"),
     ("steps unp", "unpacked_steps", "int"),
     ("steps pk", "packed_steps", "int"),
@@ -93,6 +95,19 @@ DROP_FLAG_FRACTION = 0.05
 
 def drops_too_many(dropped: int, total: int) -> bool:
     return bool(total) and dropped / total > DROP_FLAG_FRACTION
+
+
+def bound_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Under --max-segments-per-row, each max length's two lower bounds, worded as `prepack pack` words them."""
+    lines: list[str] = []
+    for r in rows:
+        stats = PackingStats(max_length=int(r["max_length"]), examples=int(r.get("examples_kept") or 0),
+                             tokens=int(r.get("tokens") or 0), target_tokens=int(r.get("target_tokens") or 0),
+                             rows=int(r.get("packed_rows") or 0), segment_cap=r.get("max_segments_per_row"))
+        line = lower_bounds_line(stats)
+        if line and line not in lines:  # one per max length, not per batch size
+            lines.append(line)
+    return lines
 
 
 def drop_flags(rows: Sequence[dict[str, Any]]) -> list[str]:
@@ -161,6 +176,7 @@ def render_text_table(rows: Sequence[dict[str, Any]]) -> str:
         out.append("  ".join(h.rjust(w) for h, w in zip(headers, widths)))
         out.extend("  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in cells)
         out.extend(drop_flags(group))
+        out.extend(bound_lines(group))
         out.append("")
     return "\n".join(out)
 

@@ -240,7 +240,7 @@ def evaluate_length(examples: ExampleSet, max_length: int, overlong: OverlongPol
     fitted = fit_examples(examples, max_length, overlong, window_context)
     values, counts = np.unique(fitted.kept_lengths, return_counts=True)
     plan = HistogramPlan({int(v): int(c) for v, c in zip(values, counts)}, max_length, planner, max_segments)
-    stats = stats_from_rows(plan.rows(), max_length, int(fitted.kept_targets.sum()))
+    stats = stats_from_rows(plan.rows(), max_length, int(fitted.kept_targets.sum()), max_segments)
     return LengthResult(max_length, fitted, stats, plan.bfd_rows)
 
 

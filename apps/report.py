@@ -34,7 +34,7 @@ import numpy as np
 
 from prepack.format.manifest import MANIFEST_NAME, Manifest, ManifestError, packing_kind
 from prepack.packing.accounting import LENGTH_REASONS
-from apps.packing_table import TABLE_COLUMNS, THROUGHPUT_MODEL, dataset_heading, drop_flags, format_cell, result_row
+from apps.packing_table import TABLE_COLUMNS, THROUGHPUT_MODEL, bound_lines, dataset_heading, drop_flags, format_cell, result_row
 from prepack.packing.stats import PackingStats
 from prepack.cli_help import DefaultsHelpFormatter
 
@@ -114,6 +114,7 @@ def manifest_rows(label: str, folder: str, manifest: Manifest, batch_sizes: Sequ
         tokens=int(_stat(manifest, "tokens", source)),
         target_tokens=int(_stat(manifest, "target_tokens", source)),
         rows=manifest.num_rows,
+        segment_cap=(manifest.options or {}).get("max_segments_per_row"),
     )
     warnings = []
     for key, ours in (("packed_density", stats.packed_density), ("unpacked_density", stats.unpacked_density),
@@ -605,7 +606,7 @@ def _packing_section(page: Page, rows: Sequence[dict[str, Any]], with_packing: b
                 f"L{L} " + ", ".join(f"{k} {int(v):,}" for k, v in d) for L, d in seen))
         headers, cells = _table_block(group, with_packing)
         page.add("table", headers, cells)
-        for line in drop_flags(group):
+        for line in drop_flags(group) + bound_lines(group):
             page.add("p", line)
 
 

@@ -41,3 +41,29 @@ def test_the_sample_under_a_binding_cap_is_near_its_bound(tmp_path, capsys):
     cells = dict(zip(re.split(r"\s{2,}", lines[at].strip()), lines[at + 2].split()))
     assert float(cells["rows/bound"]) <= 1.05
     assert any(line.startswith("L1024 lower bound: ") and "(--max-segments-per-row 4)" in line for line in lines)
+
+
+def test_preflight_gives_the_bounds_pack_gives_under_a_cap(tmp_path, capsys):
+    # One implementation (PackingStats.capped_lower_bound_rows, lower_bounds_line) behind both commands:
+    # preflight's forecast of a capped run states the bounds the run's density table states.
+    import json
+
+    from apps import preflight
+    from pipelines.options import sample_path
+
+    cap = ["--max-length", "512", "1024", "--max-segments-per-row", "4"]
+    assert cli.main(["pack", "--sample", *cap, "--output", str(tmp_path / "out"), "--no-progress"]) == 0
+    packed = capsys.readouterr().out.splitlines()
+    assert preflight.main(["--input", sample_path(), "--format", "alpaca", *cap, "--batch-size", "8", "--no-plots",
+                           "--output", str(tmp_path / "pre")]) == 0
+    forecast = capsys.readouterr().out.splitlines()
+    pack_lines = [line for line in packed if " lower bound: " in line]
+    assert len(pack_lines) == 2 and pack_lines == [line for line in forecast if " lower bound: " in line]
+    at = next(i for i, line in enumerate(packed) if line.lstrip().startswith("L ") and "rows/bound" in line)
+    pack_bound = {int(cells["L"].replace(",", "")): int(cells["lower bound"].replace(",", "")) for cells in
+                  (dict(zip(re.split(r"\s{2,}", packed[at].strip()), line.split())) for line in packed[at + 2:at + 4])}
+    rows = json.loads((tmp_path / "pre" / "preflight.json").read_text())["rows"]
+    assert {r["max_length"]: r["capped_lower_bound_rows"] for r in rows} == pack_bound
+    for r in rows:
+        manifest = json.loads((tmp_path / "out" / f"L{r['max_length']}" / "manifest.json").read_text())
+        assert r["lower_bound_rows"] == manifest["stats"]["lower_bound_rows"] < r["capped_lower_bound_rows"]

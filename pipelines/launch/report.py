@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from prepack.packing.stats import REFERENCE_BATCH_SIZE, PackingStats, StepSemantics
+from prepack.packing.stats import REFERENCE_BATCH_SIZE, PackingStats, StepSemantics, lower_bounds_line
 
 # What every set reports: examples in and out, and the rows they fill.
 _COUNT_COLUMNS = (
@@ -81,9 +81,7 @@ def density_table(stats_by_length: Mapping[int, Mapping[str, Any]], packed: bool
                          f"{stats.get('window_pieces', 0):,} pieces, {stats.get('context_tokens_replayed', 0):,} prompt "
                          "tokens replayed as context (--overlong window)")
     if packed and segment_cap:
-        lines += [f"L{L} lower bound: {b.capped_lower_bound_rows:,} rows at most {segment_cap} examples a row "
-                  f"(--max-segments-per-row {segment_cap}), {b.lower_bound_rows:,} from tokens alone "
-                  "(the manifest's stats.lower_bound_rows)" for L, b in sorted(bounds.items())]
+        lines += [lower_bounds_line(b) or "" for _, b in sorted(bounds.items())]
     if packed:
         lines += [f"L{L} steps: an unpacked recipe of batch size {REFERENCE_BATCH_SIZE} sees as many examples per step packed "
                   f"with batch size {s.packed_batch_size:,}; steps per epoch {s.unpacked_steps_per_epoch:,} unpacked, "

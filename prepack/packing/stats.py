@@ -216,8 +216,19 @@ class StepSemantics:
         }
 
 
-def stats_from_rows(rows: Sequence[Sequence[int]], max_length: int, target_tokens: int) -> PackingStats:
-    """Stats for a plan given as rows of lengths."""
+def lower_bounds_line(stats: PackingStats) -> str | None:
+    """Both lower bounds under --max-segments-per-row, labelled, in the one wording `prepack pack`'s
+    density table and preflight's table print; None without a cap (then there is one bound)."""
+    if not stats.segment_cap:
+        return None
+    return (f"L{stats.max_length} lower bound: {stats.capped_lower_bound_rows:,} rows at most {stats.segment_cap} "
+            f"examples a row (--max-segments-per-row {stats.segment_cap}), {stats.lower_bound_rows:,} from tokens alone "
+            "(the manifest's stats.lower_bound_rows)")
+
+
+def stats_from_rows(rows: Sequence[Sequence[int]], max_length: int, target_tokens: int,
+                    segment_cap: int | None = None) -> PackingStats:
+    """Stats for a plan given as rows of lengths (segment_cap: the --max-segments-per-row it was planned under)."""
     counts = [len(r) for r in rows]
     return PackingStats(
         max_length=max_length,
@@ -227,6 +238,7 @@ def stats_from_rows(rows: Sequence[Sequence[int]], max_length: int, target_token
         rows=len(rows),
         min_segments_per_row=min(counts, default=0),
         max_segments_per_row=max(counts, default=0),
+        segment_cap=segment_cap,
     )
 
 
