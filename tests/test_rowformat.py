@@ -232,3 +232,20 @@ def test_manifests_of_format_3_and_4():
     manifest.use_row_format(sources=True, example_targets=True)  # format 4 without its mixture
     with pytest.raises(ManifestError, match="format_version 4 needs a `mixture` object"):
         Manifest.from_json(manifest.to_json())
+
+
+def test_row_format_doc_names_files_as_the_job_names_them():
+    """docs/row_format.md's example file names are the names the writers give (layout.SHARD_FILE with its
+    hash suffix; tokenset.shard_name), so a reader that follows the doc finds the files."""
+    import os
+    import re
+
+    from prepack.format import layout, tokenset
+
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "row_format.md"), encoding="utf-8").read()
+    rows = re.findall(r"`(rows-\d{5}-of-\d{5}-[0-9a-f]+\.array_record)`", doc)
+    tokens = re.findall(r"`(tokens-[0-9a-f]+\.array_record)`", doc)
+    assert rows and tokens
+    assert all(layout.SHARD_FILE.match(name) and layout.SHARD_FILE.match(name).group(1) for name in rows)  # hash suffix
+    assert tokens == [tokenset.shard_name(name[len("tokens-"):-len(".array_record")] + "0" * 48) for name in tokens]
+    assert "Take the file list from the manifest's `shards`" in doc
