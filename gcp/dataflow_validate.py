@@ -25,8 +25,9 @@ orbax, optax and qwix unimportable (a meta path finder ahead of all others raise
 ModuleNotFoundError for them, as if they were not installed), records every
 attempt, and fails the check if any code even tried to import one of them.
 
-No input is read and no output written: each --input becomes one read task
-named after its spec, and the plan-side steps are built as for any input size.
+No input is read and no output written: each --input (or each input of a --mixture
+source) becomes one read task named after its spec, and the plan-side steps, the mix
+step of a mixture job included, are built as for any input size.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ TRAINING_DISTS = ("jax", "jaxlib", "flax", "google-tunix", "grain", "orbax-check
 
 # The steps of pipelines/launch/job.build_pipeline a Dataflow job must have (top-level names).
 EXPECTED_STEPS = ("Read", "Prepare", "Fit", "Route", "Write", "WriteTokenSet")
+# ... and a mixture job's (--mixture): each source's share of every length, between Fit and the plan.
+MIXTURE_STEPS = ("Mix",)
 # Steps whose DoFns the project wrote (their setup() runs in the child interpreter).
 PROJECT_MODULE_PREFIXES = ("pipelines.", "prepack.")
 
@@ -75,6 +78,7 @@ class Report:
     def lines(self) -> list[str]:
         out = [
             f"built by DataflowRunner (dry run): {len(self.steps)} top-level steps, {self.environments} environment(s)",
+            "steps: " + ", ".join(self.steps),
             f"worker code: {self.packaging}: " + (", ".join(self.staged) if self.staged else f"image {self.image}"),
             f"worker pool: {self.machine_type}, {self.disk_size_gb} GB disk, "
             f"{self.harness_threads or 'default'} harness threads, up to {self.max_workers} workers",
@@ -274,11 +278,12 @@ def validate(pack_argv: Sequence[str]) -> Report:
     job that does not build, returns a Report whose `problems` list what would go wrong."""
     from apache_beam.options.pipeline_options import DebugOptions, SetupOptions
 
-    job, options, _ = build_dry_run(pack_argv)
+    job, options, config = build_dry_run(pack_argv)
     proto = job.proto_pipeline
     problems: list[str] = []
     steps = top_level_steps(proto)
-    missing = [s for s in EXPECTED_STEPS if s not in steps]
+    expected = EXPECTED_STEPS + (MIXTURE_STEPS if config.mixture is not None else ())
+    missing = [s for s in expected if s not in steps]
     if missing:
         problems.append(f"the Dataflow pipeline lacks the steps {missing}")
     packaging, staged, image, code_problems = check_worker_code(proto, options)

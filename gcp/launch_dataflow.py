@@ -5,6 +5,13 @@
         --input 'gs://B/raw/*.jsonl' --format alpaca --output gs://B/sets/alpaca \\
         --max-length 2048 [--dry-run]
 
+A mixture (prepack/packing/mixture.py's file, local or gs://; relative inputs resolve against
+its folder, so a file uploaded beside its data needs no edits) is read here by the launcher,
+each source checked to be one a worker can read, and the job is the mixture job:
+
+    python gcp/launch_dataflow.py --project P --mixture gs://B/raw/mix.yaml \\
+        --output gs://B/sets/mix --max-length 2048 [--validate]
+
 Regenerating the shards for another max length is the same command with another
 --max-length (each length gets its own OUTPUT/L<L>/ folder, so existing sets stay):
 
@@ -23,6 +30,7 @@ it dies mid-job, nothing is published; run it again.
 
 Standard library only, so --dry-run works anywhere, Beam installed or not (a real
 launch first checks credentials with google.auth, which the pipeline extra brings);
+--mixture reads its file with the project's core (PyYAML; google-cloud-storage for gs://);
 --validate (gcp/dataflow_validate.py) builds the job with the real DataflowRunner offline
 and needs the pipeline extra.
 """
@@ -137,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", action="append", default=[], metavar="SPEC",
                    help="repeatable: gs:// file or glob, hf:NAME..., or tfds:NAME (workers cannot read the launcher's disk)")
     p.add_argument("--format", help="source format (alpaca, translation, oasst1, chat, prompt_response)")
+    p.add_argument("--mixture", metavar="FILE",
+                   help="instead of --input/--format: a mixture file (local or gs://) read here; every source's inputs "
+                        "must be gs://, hf: or tfds: (relative ones resolve against the file's folder)")
     p.add_argument("--from-tokens", metavar="GS_DIR",
                    help="instead of --input/--format: pack a tokenized set (gs://.../tokens of an earlier run) for new max lengths")
     p.add_argument("--output", help="gs://BUCKET/PREFIX; each max length is published to OUTPUT/L<L>/")
@@ -182,13 +193,19 @@ def check(args: argparse.Namespace, passthrough: Sequence[str]) -> list[str]:
     if args.from_tokens and not args.from_tokens.startswith("gs://"):
         raise LaunchError(f"--from-tokens {args.from_tokens!r} is on the launcher's disk, which Dataflow workers cannot read; "
                           "pass the gs:// tokenized set an earlier run published (OUTPUT/tokens)")
-    if not args.input and not args.from_tokens:
+    args.mixture_sources = []
+    if args.mixture:
+        for flag, given in (("--input", args.input), ("--format", args.format)):
+            if given:
+                raise LaunchError(f"--mixture names each source's inputs and format; do not combine it with {flag}")
+        args.mixture_sources = mixture_sources(args.mixture, check_inputs=not args.from_tokens)
+    if not args.input and not args.from_tokens and not args.mixture:
         raise LaunchError("no input: pass --input gs://... (or hf:/tfds:) at least once, or --from-tokens gs://.../tokens")
     for spec in args.input:
         if not (spec.startswith("gs://") or spec.startswith("hf:") or spec.startswith("tfds:")):
             raise LaunchError(f"--input {spec!r} is on the launcher's disk, which Dataflow workers cannot read; "
                               f"copy it to GCS first: gcloud storage cp {shlex.quote(spec)} gs://BUCKET/raw/")
-    if not args.format and not args.from_tokens:
+    if not args.format and not args.from_tokens and not args.mixture:
         raise LaunchError("--format is required: alpaca, translation, oasst1, chat or prompt_response")
     if args.bucket and not args.bucket.startswith("gs://"):
         raise LaunchError(f"--bucket must look like gs://NAME, got {args.bucket!r}")
@@ -206,9 +223,38 @@ def check(args: argparse.Namespace, passthrough: Sequence[str]) -> list[str]:
         warnings.append(f"launching from Python {sys.version_info.major}.{sys.version_info.minor} but the worker image "
                         f"runs {CONTAINER_PYTHON[0]}.{CONTAINER_PYTHON[1]}: Beam pickles with the launcher's Python, "
                         "so launch from a 3.11 environment")
-    if any(spec.startswith("hf:") for spec in args.input):
+    if any(spec.startswith("hf:") for spec in [*args.input, *(i for _, inputs in args.mixture_sources for i in inputs)]):
         warnings.append("hf: inputs are downloaded by the workers from the Hugging Face Hub: they need internet access")
     return warnings
+
+
+WORKER_READABLE = ("gs://", "hf:", "tfds:")
+
+
+def mixture_sources(path: str, check_inputs: bool = True) -> list[tuple[str, tuple[str, ...]]]:
+    """(name, resolved inputs) of each source of the mixture file, read and validated here as
+    `prepack pack` reads it (prepack.mixture_file); with `check_inputs`, a source a Dataflow worker
+    cannot read (on the launcher's disk) is refused, naming the source and the copy to make."""
+    if str(REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT))
+    try:
+        from prepack.mixture_file import load_mixture
+        from prepack.packing.mixture import MixtureError
+    except ImportError as e:
+        raise LaunchError(f"--mixture reads its file with the project's core: pip install -e . ({e})") from None
+    try:
+        mixture = load_mixture(path)
+    except MixtureError as e:
+        raise LaunchError(str(e)) from None
+    for source in mixture.sources if check_inputs else ():
+        for spec in source.inputs:
+            if not spec.startswith(WORKER_READABLE):
+                raise LaunchError(
+                    f"mixture file {path}: source {source.name!r} input {spec!r} is on the launcher's disk, which "
+                    f"Dataflow workers cannot read; copy it to GCS first: gcloud storage cp {shlex.quote(spec)} "
+                    "gs://BUCKET/raw/ and name it in the file (or upload the file beside its data: relative inputs "
+                    "resolve against the file's folder)")
+    return [(s.name, s.inputs) for s in mixture.sources]
 
 
 def dataflow_choices(args: argparse.Namespace) -> list[Choice]:
@@ -269,6 +315,10 @@ def dataflow_choices(args: argparse.Namespace) -> list[Choice]:
 
 def pack_choices(args: argparse.Namespace) -> list[Choice]:
     out = [Choice("--input", spec, "read by the workers") for spec in args.input]
+    if args.mixture:
+        names = ", ".join(name for name, _ in args.mixture_sources)
+        out.append(Choice("--mixture", args.mixture, f"read by the launcher; its sources ({names}) by the workers"
+                          + (" from the tokenized set" if args.from_tokens else "")))
     if args.from_tokens:
         out.append(Choice("--from-tokens", args.from_tokens, "tokenized set read by the workers: no inputs, no tokenizer"))
     if args.format:
