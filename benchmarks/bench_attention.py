@@ -6,7 +6,9 @@
    FLOPs that implies for Gemma3 270M (4 heads of 256; 15 local layers with window 512, 3 global).
 2. CPU time of the attention alone (forward + backward, Gemma3 270M's head shapes, one row,
    bf16) and of a whole train step of tiny Gemma3 (one row), blocked against dense,
-   at L 4096 and 8192, on the sample's first packed row at each L.
+   at L 4096 and 8192, on a typical packed row of the sample at each L: the row whose blocked
+   tile work is the median (the first row is the atypical one: BFD opens rows with the longest
+   examples, so it holds the fewest segments).
 
     python -m benchmarks.bench_attention [--lengths 2048,4096,8192] [--time-lengths 4096,8192] [--repeats 3]
 """
@@ -58,6 +60,14 @@ def work_table(segs: dict[int, np.ndarray]) -> None:
         print(f"| {length} | {rows} | {segments:.1f} | {g.pairs_computed / rows:.1f} / {loc.pairs_computed / rows:.1f} per row "
               f"| {nq * nq} per row | {blocked / dense:.3f} | {blocked * flops_per_pair / rows / 1e9:.1f} / "
               f"{dense * flops_per_pair / rows / 1e9:.1f} |", flush=True)
+
+
+def typical_row(seg: np.ndarray) -> np.ndarray:
+    """The row whose global-layer tile work is the median over the rows."""
+    from train.blocked_attention import tile_work
+
+    work = [tile_work(r[None], TILE).pairs_computed for r in seg]
+    return seg[int(np.argsort(work, kind="stable")[len(work) // 2])]
 
 
 def timed(fn, *args, repeats: int) -> float:
@@ -139,7 +149,7 @@ def main() -> None:
     print("\n| L | segments in the row | attention fwd+bwd dense / blocked (s) | ratio | tiny-Gemma3 step dense / blocked (s) | ratio |")
     print("|---|---|---|---|---|---|")
     for length in (int(x) for x in args.time_lengths.split(",")):
-        row = segs[length][0]
+        row = typical_row(segs[length])
         dense_s, blocked_s = attention_alone(row, args.repeats)
         step = "" if args.skip_step else whole_step(row, args.repeats)
         step_txt = f"{step[0]:.2f} / {step[1]:.2f} | {step[1] / step[0]:.2f}" if step else "- | -"
