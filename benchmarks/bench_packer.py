@@ -76,7 +76,7 @@ def quality_table(name: str, lengths: list[int], max_lengths: list[int], pool_ro
 def job_histogram(num_examples: int, max_lengths: list[int], seed: int = 0) -> dict[tuple[int, int, int], int]:
     """The (L, length_key, b) histogram the packing job plans from: SFT-like lognormal
     lengths (median ~80 tokens, clipped to 1..2048), --overlong drop, hash sub-buckets."""
-    from pipelines.stages.planning import choose_sub_buckets
+    from pipelines.planning import choose_sub_buckets
 
     rng = np.random.default_rng(seed)
     lengths = np.clip(rng.lognormal(math.log(80), 1.0, num_examples).astype(np.int64), 1, 2048)
@@ -91,7 +91,7 @@ def job_histogram(num_examples: int, max_lengths: list[int], seed: int = 0) -> d
 
 def plan_timing(num_examples: int, max_lengths: list[int], repeats: int = 3) -> str:
     """Wall time of build_plans (the job's single-process planning step), best of `repeats`."""
-    from pipelines.stages.planning import build_plans
+    from pipelines.planning import build_plans
 
     hist = job_histogram(num_examples, max_lengths)
     best = math.inf

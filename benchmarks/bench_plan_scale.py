@@ -69,9 +69,9 @@ def plan_and_slice(hist: dict, max_length: int):
     """PlanFn's work: (the plan without slots, every group's slice in turn). Streamed where the
     code has LengthPlanner; the code before it (a --baseline-dir checkout) built the whole plan."""
     try:
-        from pipelines.stages.planning import LengthPlanner
+        from pipelines.planning import LengthPlanner
     except ImportError:
-        from pipelines.stages.planning import build_plan
+        from pipelines.planning import build_plan
 
         plan = build_plan(hist, max_length, True)
         return "whole", plan.without_slots(), plan.group_slices()
@@ -80,7 +80,7 @@ def plan_and_slice(hist: dict, max_length: int):
 
 
 def one_size(num_examples: int, max_length: int) -> dict:
-    from pipelines.stages.planning import WINDOW_TOKENS, choose_sub_buckets
+    from pipelines.planning import WINDOW_TOKENS, choose_sub_buckets
 
     sub_buckets = choose_sub_buckets(num_examples, True)
     started = time.process_time()

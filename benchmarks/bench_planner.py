@@ -131,7 +131,7 @@ def _status_mb(field: str) -> float:
 
 def scale_child(num_examples: int, max_length: int, planner: str) -> dict:
     from benchmarks.bench_plan_scale import synthetic_histogram
-    from pipelines.stages.planning import LengthPlanner, choose_sub_buckets
+    from pipelines.planning import LengthPlanner, choose_sub_buckets
 
     hist = synthetic_histogram(num_examples, max_length, choose_sub_buckets(num_examples, True))
     # Building the histogram peaks higher than planning: reset the peak (VmHWM) to what is held now.

@@ -135,7 +135,7 @@ def build_dry_run(pack_argv: Sequence[str]) -> tuple[Any, Any, Any]:
 
     from pipelines.launch import job as pack_job
     from pipelines.options import parse_args
-    from pipelines.launch.publish import JobError
+    from pipelines.launch.errors import JobError
 
     config, beam_args = parse_args(list(pack_argv))
     options = PipelineOptions([*beam_args, "--dry_run=True", "--no_auth"])

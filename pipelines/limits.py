@@ -26,7 +26,7 @@ DEFAULT_MAX_COMPRESSION_RATIO = 1000.0  # gzip cannot pass ~1,032x; real JSONL c
 DEFAULT_MAX_WHOLE_FILE_BYTES = 1 << 30
 RATIO_CHECKED_AFTER = 16 << 20
 # Hash sub-buckets per max length (--sub-buckets): B <= MAX_SUB_BUCKETS < 2**32 keeps the
-# routing arithmetic of pipelines/stages/planning.py within 64 bits.
+# routing arithmetic of pipelines/planning.py within 64 bits.
 MAX_SUB_BUCKETS = 4096
 
 

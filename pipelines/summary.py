@@ -1,7 +1,7 @@
 """The workers' report to the launcher: the run, length and shard summaries (summary.json).
 
 Written once per run by write.WriteSummaryFn into the run's staging folder, read by the
-launcher (job.verify, publish.length_stats, the manifests). Frozen dataclasses with
+launcher (job.verify, job_stats.length_stats, the manifests). Frozen dataclasses with
 to_json/from_json, as Manifest has, so a key misspelled on one side fails at once.
 """
 
@@ -94,7 +94,7 @@ class RunSummary:
 
 @dataclasses.dataclass(frozen=True)
 class LengthStats:
-    """One length's figures, from the run summary (publish.length_stats): what the launcher
+    """One length's figures, from the run summary (job_stats.length_stats): what the launcher
     checks and what the manifest records as `stats` (to_json)."""
 
     records_read: int

@@ -60,6 +60,6 @@ def split_segments(row: Mapping[str, np.ndarray]) -> list[Segment]:
 
 
 def sub_bucket(h: int, num_sub_buckets: int) -> int:
-    """pipelines.stages.planning.sub_buckets_of for one hash. Monotone in h (multiply-shift), so
+    """pipelines.planning.sub_buckets_of for one hash. Monotone in h (multiply-shift), so
     ordering by (b, h) is ordering by h."""
     return (h * num_sub_buckets) >> 64

@@ -10,7 +10,7 @@ import pytest
 
 from pipelines.stages import readers
 from pipelines.options import OptionsError, parse_args
-from pipelines.launch.publish import JobError
+from pipelines.launch.errors import JobError
 from pipelines.stages.records import TaskMeta
 from testkit.gcs_emulator import gcs_emulator, gcs_prefix  # noqa: F401  (pytest fixtures)
 from testkit.pipeline import IN_PROCESS, alpaca_records, write_json, write_jsonl

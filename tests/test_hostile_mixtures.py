@@ -12,7 +12,7 @@ import pytest
 
 from apps import cli
 from pipelines.launch.job import run
-from pipelines.launch.publish import JobError
+from pipelines.launch.errors import JobError
 from pipelines.options import parse_args
 from prepack.format.manifest import MANIFEST_NAME
 from prepack.packing import mixture as mixture_module

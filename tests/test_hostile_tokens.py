@@ -14,7 +14,7 @@ import pytest
 
 from pipelines.launch.job import run
 from pipelines.options import parse_args
-from pipelines.launch.publish import JobError
+from pipelines.launch.errors import JobError
 from prepack.format import tokenset
 from prepack.format.manifest import MANIFEST_NAME
 from testkit.pipeline import IN_PROCESS, alpaca_records, write_jsonl

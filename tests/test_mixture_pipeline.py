@@ -13,7 +13,7 @@ import pytest
 
 from pipelines.launch.job import run
 from pipelines.options import OptionsError, parse_args
-from pipelines.launch.publish import JobError
+from pipelines.launch.errors import JobError
 from prepack.format import rowformat
 from prepack.packing.mixture import budgets
 from prepack.text.templates import get_template

@@ -38,8 +38,8 @@ from testkit.pipeline import (
 )
 from pipelines.launch.job import run
 from pipelines.options import parse_args
-from pipelines.stages.planning import stable_hash
-from pipelines.launch.publish import JobError
+from pipelines.planning import stable_hash
+from pipelines.launch.errors import JobError
 from prepack.format import rowformat
 from prepack.format.manifest import STABLE_KEYS, without_volatile
 from prepack.packing.packer import pack_best_fit_decreasing
@@ -585,7 +585,7 @@ def test_tiny_write_windows_write_the_same_bytes(tmp_path, monkeypatch):
     """Rows are written window by window (part files streamed into the shard): with windows of
     200 row slots (one row per window at L=512, a few at L=64) across two workers, the shards,
     manifests and dead letters are byte-identical to the default windows in one process."""
-    from pipelines.stages.planning import WINDOW_TOKENS_ENV
+    from pipelines.planning import WINDOW_TOKENS_ENV
 
     records = alpaca_records(50, seed=11)
     path = write_jsonl(str(tmp_path / "a.jsonl"), records)
@@ -606,7 +606,7 @@ def test_tiny_write_windows_write_the_same_bytes(tmp_path, monkeypatch):
 def test_lost_elements_end_the_job_with_one_line(tmp_path, monkeypatch):
     """A write window whose elements never arrive (fault hook: as a runner losing grouped
     elements would) is caught by the shard check: JobError with one line, nothing published."""
-    from pipelines.stages.planning import WINDOW_TOKENS_ENV
+    from pipelines.planning import WINDOW_TOKENS_ENV
     from pipelines.stages.write import FAULT_DROP_WINDOW_ENV
 
     path = write_jsonl(str(tmp_path / "a.jsonl"), alpaca_records(40, seed=3))

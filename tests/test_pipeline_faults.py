@@ -29,7 +29,7 @@ from pipelines.stages import write as writer
 from pipelines.launch.cli import main as cli_main
 from pipelines.launch.job import run
 from pipelines.options import parse_args
-from pipelines.launch.publish import JobError
+from pipelines.launch.errors import JobError
 
 LENGTHS = (64, 256)
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from pipelines.options import OptionsError, parse_args, with_default_runner
 from pipelines.stages.columns import PayloadBatch, Ragged, TokenizedBatch
-from pipelines.stages.planning import build_plan, choose_num_shards, stable_hash, sub_buckets_of
+from pipelines.planning import build_plan, choose_num_shards, stable_hash, sub_buckets_of
 from pipelines.launch.report import density_table
 from prepack.format.rowformat import RowLayoutError
 from pipelines.stages.sources import InputError, parse_hf_spec, parse_tfds_spec, resolve_inputs
@@ -402,7 +402,7 @@ def histograms_with_truncation(draw):
 def test_streamed_group_slices_equal_the_whole_expansion(case):
     """PlanFn's streamed slices: each group's slots as cut from every slot of the plan at
     once (the per-item scan of the BFD rows), and the same plan without slots."""
-    from pipelines.stages.planning import LengthPlanner
+    from pipelines.planning import LengthPlanner
 
     histogram, max_length = case
     whole = build_plan(histogram, max_length, pack=True)
@@ -423,7 +423,7 @@ def test_the_planner_hands_out_a_class_before_it_places_the_next(monkeypatch):
     """The planner never needs every slot at once: each class's slices come out after that
     class is placed and before the next (shorter) one is. Fails when LengthPlanner.classes
     collects the classes first (list(...) of the BFD's classes)."""
-    from pipelines.stages.planning import LengthPlanner
+    from pipelines.planning import LengthPlanner
     from prepack.packing import packer
 
     events = []
@@ -743,7 +743,7 @@ def test_router_ships_examples_cut_to_the_longest_max_length_they_serve():
     first 128 tokens (the longest L), not whole; every slot still gets its own cut."""
     from pipelines.stages import route
     from pipelines.stages.columns import ShardWork
-    from pipelines.stages.planning import build_plans
+    from pipelines.planning import build_plans
     from prepack.packing.packer import OverlongPolicy
 
     n, lengths = 10_000, (64, 128)
@@ -908,7 +908,7 @@ def _routed_slots(groups: dict, plans: dict, lengths: tuple[int, ...], seed: int
 def test_routing_gives_the_same_rows_whatever_the_arrival_order():
     """Workers deliver a group's examples in any order and split; the slots must not change.
     Fails when PayloadBatch.rank_order is replaced by arrival order (np.arange)."""
-    from pipelines.stages.planning import build_plans
+    from pipelines.planning import build_plans
 
     lengths, buckets = (8, 16), 3
     rng = np.random.default_rng(5)
@@ -937,7 +937,7 @@ def test_routing_gives_the_same_rows_whatever_the_arrival_order():
 def test_shards_are_contiguous_even_runs_of_rows_and_windows_tile_them(num_rows, num_shards, rows_per_window, data):
     """Every row is in exactly one shard and one window of it; shards are contiguous, none is
     empty, and their sizes differ by at most one row."""
-    from pipelines.stages.planning import LengthPlan
+    from pipelines.planning import LengthPlan
 
     num_shards = min(num_shards, num_rows)
     plan = LengthPlan(max_length=8, pack=True, num_rows=num_rows, num_shards=num_shards, num_examples=0, tokens=0,
@@ -957,7 +957,7 @@ def test_part_files_round_trip_and_a_damaged_part_fails_the_shard(tmp_path):
     """Write windows' part files are zstd frames of length-framed rows; a truncated part, or a
     part that reads back fewer rows than its window wrote, ends the job with a ShardCheckError."""
     from pipelines.failures import ShardCheckError
-    from pipelines.stages.planning import LengthPlan
+    from pipelines.planning import LengthPlan
     from pipelines.stages.write import AssembleShardFn, _new_stats, read_part, write_part
 
     records = [bytes([i % 251]) * (100 + i) for i in range(500)]

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from pipelines.launch.job import run
-from pipelines.launch.publish import JobError
+from pipelines.launch.errors import JobError
 from pipelines.options import parse_args
 from prepack.text.chat_formats import ChatFormatError, get_chat_format, tokenize_conversations
 from prepack.text.templates import RecordError, get_template

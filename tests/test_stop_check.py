@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pipelines.launch.job import run
-from pipelines.launch.publish import JobError
+from pipelines.launch.errors import JobError
 from pipelines.options import parse_args
 from prepack.packing.accounting import Tally
 from prepack.text.chat_formats import (HFTemplateFormat, get_chat_format, tokenize_conversations_flat,

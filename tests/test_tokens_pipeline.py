@@ -18,7 +18,7 @@ import pytest
 from testkit.pipeline import IN_PROCESS, TWO_PROCESSES, alpaca_records, oasst1_messages, shard_bytes, write_jsonl
 from pipelines.launch.job import run
 from pipelines.options import parse_args
-from pipelines.launch.publish import JobError
+from pipelines.launch.errors import JobError
 from prepack.format.manifest import without_volatile
 from prepack.format.tokenset import TokenSetManifest
 

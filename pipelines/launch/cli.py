@@ -51,15 +51,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"prepack pack: {e}", file=sys.stderr)
         return 2
     # An existing set without --overwrite is refused first, before Beam is even imported.
-    from prepack.overwrite import refuse_existing_sets
+    from pipelines.launch.checks import existing_sets_refusal
 
-    refusal = None if config.overwrite else refuse_existing_sets(config.output, config.max_lengths, config.write_tokens)
+    refusal = existing_sets_refusal(config)
     if refusal:
         print(f"prepack pack: {refusal}", file=sys.stderr)
         return 1
     _configure_logs(config.verbose)
     from pipelines.launch.job import Interrupted, run
-    from pipelines.launch.publish import JobError
+    from pipelines.launch.errors import JobError
     from pipelines.launch.report import density_table
     from pipelines.launch.worker_stderr import QuietAfterSignal
 

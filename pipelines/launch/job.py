@@ -38,7 +38,9 @@ import uuid
 from typing import Any
 
 from pipelines import failures, output
-from pipelines.launch import interrupts, local_memory, publish
+from pipelines.launch import checks, interrupts, job_stats, local_memory
+from pipelines.launch.errors import JobError
+from pipelines.launch.manifest_compose import compose_manifest
 from pipelines.stages import sources, tokens_sink, tokens_source
 from pipelines.stages.fit import FitToLengths
 from pipelines.stages.prepare import PrepareExamples
@@ -47,7 +49,7 @@ from pipelines.stages.route import PlanAndRoute
 from pipelines.stages.stage import NAMESPACE, JobContext
 from pipelines.stages.write import WriteShardSets
 from pipelines.options import PackConfig
-from pipelines.stages.planning import choose_sub_buckets
+from pipelines.planning import choose_sub_buckets
 from pipelines.stages.sources import ReadTask, ResolvedInput
 from pipelines.summary import LengthStats, RunSummary
 from pipelines import failpoints
@@ -128,30 +130,30 @@ def prepare(
     try:
         failpoints.check()
     except failpoints.FailpointError as e:
-        raise publish.JobError(str(e)) from e
+        raise JobError(str(e)) from e
     if config.from_tokens:
         return _prepare_from_tokens(config, run_id, existing_refused)
     if resolved is None and not existing_refused:
-        publish.refuse_existing(config)
+        checks.refuse_existing(config)
     try:  # a mixture's formats were checked when its file was read
         template = get_template(config.format, **config.template_kwargs) if config.mixture is None else None
     except ValueError as e:
-        raise publish.JobError(str(e)) from e
+        raise JobError(str(e)) from e
     try:
         tokenizer = load_tokenizer(config.tokenizer)
     except TokenizerError as e:
-        raise publish.JobError(f"unknown or unusable tokenizer: {e}") from e
+        raise JobError(f"unknown or unusable tokenizer: {e}") from e
     try:
         chat_format = get_chat_format(config.chat_format, tokenizer, config.train_reasoning)
     except ChatFormatError as e:
-        raise publish.JobError(f"chat format: {e.message}") from e
+        raise JobError(f"chat format: {e.message}") from e
     if resolved is None:
         if config.mixture is not None:
             _check_mixture_inputs(config)
         try:
             inputs, tasks = sources.resolve_inputs(config.inputs, config.tfds_data_dir)
         except sources.InputError as e:
-            raise publish.JobError(str(e)) from e
+            raise JobError(str(e)) from e
     else:
         inputs, tasks = resolved
     est = sum(i.est_records for i in inputs)
@@ -191,7 +193,7 @@ def _check_mixture_inputs(config: PackConfig) -> None:
         try:
             sources.resolve_inputs(source.inputs, config.tfds_data_dir)
         except sources.InputError as e:
-            raise publish.JobError(f"mixture source {source.name!r}: {e}") from e
+            raise JobError(f"mixture source {source.name!r}: {e}") from e
 
 
 def _prepare_from_tokens(config: PackConfig, run_id: str, existing_refused: bool) -> PreparedJob:
@@ -200,9 +202,9 @@ def _prepare_from_tokens(config: PackConfig, run_id: str, existing_refused: bool
         tokens = tokens_source.open_token_set(config.from_tokens)
         config = tokens_source.reconcile(config, tokens, config.from_tokens)
     except TokenSetError as e:
-        raise publish.JobError(str(e)) from e
+        raise JobError(str(e)) from e
     if not existing_refused:
-        publish.refuse_existing(config)
+        checks.refuse_existing(config)
     sub_buckets = config.sub_buckets or choose_sub_buckets(tokens.job["est_records"] * _copies_at_most(config), config.pack)
     ctx = JobContext(config=config, tasks=tokens_source.tasks_of(tokens), sub_buckets=sub_buckets, run_id=run_id,
                      pad_id=int(tokens.tokenizer["pad_id"]),
@@ -284,9 +286,9 @@ def _acquire_lock(config: PackConfig, run_id: str) -> output.OutputLock:
     try:
         return output.OutputLock.acquire(config.output, run_id, config.lock_expiry_s)
     except (output.LockHeld, output.LockLost) as e:  # LockLost: a lease too short for its round trip
-        raise publish.JobError(str(e)) from e
+        raise JobError(str(e)) from e
     except Exception as e:  # a missing bucket, a read-only folder: say so before any work
-        raise publish.JobError(f"output {config.output!r} is not writable ({type(e).__name__}: {e})") from e
+        raise JobError(f"output {config.output!r} is not writable ({type(e).__name__}: {e})") from e
 
 
 def _leftovers(config: PackConfig, run_id: str, held: output.OutputLock) -> list[str]:
@@ -362,19 +364,19 @@ def run(config: PackConfig, beam_args: list[str], run_id: str | None = None, exi
                          mixture_objects(config, summary))
     except KeyboardInterrupt as e:
         if held.lost is not None:
-            raise publish.JobError(str(held.lost)) from e
+            raise JobError(str(held.lost)) from e
         raise Interrupted(_interrupted_message(config, _lengths_switched(commit))) from e
     except output.LockLost as e:  # before the commit (a takeover's rewrite, clean-up, kept dead letters): one line
-        raise publish.JobError(str(e)) from e
+        raise JobError(str(e)) from e
     except output.SwitchRefused as e:
-        raise publish.JobError(f"{e}; the sets now in {config.output} are another run's; this run published nothing") from e
+        raise JobError(f"{e}; the sets now in {config.output} are another run's; this run published nothing") from e
     except failpoints.InjectedFault as e:  # after_lock, before_publish: nothing switched yet (the commit's own are caught there)
-        raise publish.JobError(failures.injected(str(e))) from e
+        raise JobError(failures.injected(str(e))) from e
     except OSError as e:
         if e.errno == errno.ENOSPC:
             if commit is not None and commit.switched:  # the previous sets are not all intact any more: say which are new
-                raise publish.JobError(_publish_failed(config, _lengths_switched(commit), e)) from e
-            raise publish.JobError(failures.no_space(config.output, getattr(e, "filename", None))) from e
+                raise JobError(_publish_failed(config, _lengths_switched(commit), e)) from e
+            raise JobError(failures.no_space(config.output, getattr(e, "filename", None))) from e
         raise
     finally:
         clean_up()
@@ -407,7 +409,7 @@ def _run_pipeline(job: PreparedJob, beam_args: list[str]) -> tuple[RunSummary, d
     try:
         output.probe(config.output, job.run_id)
     except Exception as e:
-        raise publish.JobError(f"output {config.output!r} is not writable ({type(e).__name__}: {e})") from e
+        raise JobError(f"output {config.output!r} is not writable ({type(e).__name__}: {e})") from e
     pipeline = beam.Pipeline(options=PipelineOptions(beam_args))
     build_pipeline(pipeline, job)
     result = None
@@ -421,10 +423,10 @@ def _run_pipeline(job: PreparedJob, beam_args: list[str]) -> tuple[RunSummary, d
         line = failures.one_line(e, config.output)
         if line is None:
             raise
-        raise publish.JobError(line) from e
+        raise JobError(line) from e
     if str(state).split(".")[-1] not in ("DONE", "None"):
-        raise publish.JobError(f"the pipeline ended in state {state}; nothing was published")
-    return publish.read_summary(config.output, job.run_id), _metrics(result)
+        raise JobError(f"the pipeline ended in state {state}; nothing was published")
+    return job_stats.read_summary(config.output, job.run_id), _metrics(result)
 
 
 def verify(job: PreparedJob, summary: RunSummary, held: output.OutputLock) -> dict[int, LengthStats]:
@@ -433,30 +435,30 @@ def verify(job: PreparedJob, summary: RunSummary, held: output.OutputLock) -> di
     stats: dict[int, LengthStats] = {}
     problems: list[str] = []
     for L in config.max_lengths:
-        stats[L] = publish.length_stats(summary, L, config.pack, config.overlong is OverlongPolicy.WINDOW)
-        problems += publish.check_stats(stats[L], L, summary.lengths[L].plan, config.max_segments_per_row)
+        stats[L] = job_stats.length_stats(summary, L, config.pack, config.overlong is OverlongPolicy.WINDOW)
+        problems += checks.check_stats(stats[L], L, summary.lengths[L].plan, config.max_segments_per_row)
     if problems:
-        raise publish.JobError("accounting check failed, nothing was published: " + "; ".join(problems))
+        raise JobError("accounting check failed, nothing was published: " + "; ".join(problems))
     first = stats[config.max_lengths[0]]
     if _empty_or_all_bad(first, config, []) is not None:
         kept = output.keep_failed_dead_letters(config.output, config.max_lengths, job.run_id, held) if first.bad_records else []
-        raise publish.JobError(_empty_or_all_bad(first, config, kept))
+        raise JobError(_empty_or_all_bad(first, config, kept))
     if config.mixture is not None and _source_bad_records(config, summary) is not None:  # named per source, before the mix's
         kept = output.keep_failed_dead_letters(config.output, config.max_lengths, job.run_id, held)
         where = f"; they are listed in {kept[0]}" if kept else ""
-        raise publish.JobError(f"{_source_bad_records(config, summary)}; nothing was published{where}")
-    if publish.bad_fraction_error(first, config, []) is not None:
+        raise JobError(f"{_source_bad_records(config, summary)}; nothing was published{where}")
+    if checks.bad_fraction_error(first, config, []) is not None:
         kept = output.keep_failed_dead_letters(config.output, config.max_lengths, job.run_id, held)
-        raise publish.JobError(publish.bad_fraction_error(first, config, kept))
+        raise JobError(checks.bad_fraction_error(first, config, kept))
     if config.mixture is not None:
         _check_mixture(config, summary)
-    if publish.untrained_eot_error(summary, config) is not None:
-        raise publish.JobError(publish.untrained_eot_error(summary, config))
-    if publish.empty_think_note(summary) is not None:
-        log.warning(publish.empty_think_note(summary))
+    if checks.untrained_eot_error(summary, config) is not None:
+        raise JobError(checks.untrained_eot_error(summary, config))
+    if checks.empty_think_note(summary) is not None:
+        log.warning(checks.empty_think_note(summary))
     no_rows = [L for L in config.max_lengths if stats[L].rows == 0]
     if no_rows:
-        raise publish.JobError(
+        raise JobError(
             f"no example fits max length {', '.join(map(str, no_rows))} (examples dropped: "
             f"{stats[no_rows[0]].examples_dropped}); nothing was published"
         )
@@ -486,7 +488,7 @@ def _check_mixture(config: PackConfig, summary: RunSummary) -> None:
         problems, notes = check_sources(config.mixture, source_figures(config.mixture, tally, L), L,
                                         config.allow_short_mix, config.max_bad_fraction)
         if problems:
-            raise publish.JobError(f"{problems[0]}; nothing was published")
+            raise JobError(f"{problems[0]}; nothing was published")
         for note in notes:
             log.warning(note)
 
@@ -511,7 +513,7 @@ def _staged_sets(job: PreparedJob, summary: RunSummary, stats: dict[int, LengthS
     created_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     lengths = {}
     for L in config.max_lengths:
-        manifest = publish.compose_manifest(config, L, stats[L], summary.lengths[L].shards, job.job_info,
+        manifest = compose_manifest(config, L, stats[L], summary.lengths[L].shards, job.job_info,
                                             summary.lengths[L].plan.method)
         manifest.created_at = created_at
         if config.mixture is not None:
@@ -543,15 +545,15 @@ def _commit(commit: output.Commit, config: PackConfig, lengths: dict[int, output
     try:
         commit.publish(lengths, tokens)
     except output.LockLost as e:
-        raise publish.JobError(str(e)) from e
+        raise JobError(str(e)) from e
     except output.SwitchRefused as e:
-        raise publish.JobError(f"{e}; the sets now in {config.output} are another run's") from e
+        raise JobError(f"{e}; the sets now in {config.output} are another run's") from e
     except OSError as e:
         if e.errno == errno.ENOSPC:
             raise
-        raise publish.JobError(_publish_failed(config, _lengths_switched(commit), e)) from e
+        raise JobError(_publish_failed(config, _lengths_switched(commit), e)) from e
     except Exception as e:  # storage errors while publishing (gs:// 5xx, permissions): say what is published
-        raise publish.JobError(_publish_failed(config, _lengths_switched(commit), e)) from e
+        raise JobError(_publish_failed(config, _lengths_switched(commit), e)) from e
 
 
 def _cancel(result: Any) -> None:
@@ -605,6 +607,6 @@ def _tokens_manifest(job: PreparedJob, summary: RunSummary) -> TokenSetManifest:
     manifest = tokens_sink.compose_manifest(summary, index, job.ctx.tasks, choices, job.job_info, job.est_records)
     s = manifest.stats
     if s["examples_read"] != s["examples_kept"] + sum(s["examples_dropped"].values()):
-        raise publish.JobError(f"accounting check failed for the tokenized set, nothing was published: examples read "
+        raise JobError(f"accounting check failed for the tokenized set, nothing was published: examples read "
                                f"{s['examples_read']} != kept {s['examples_kept']} + dropped {sum(s['examples_dropped'].values())}")
     return manifest

@@ -13,7 +13,7 @@ from apache_beam.metrics.metric import Metrics
 from apache_beam.pvalue import TaggedOutput
 
 from pipelines.stages.columns import Ragged, TokenizedBatch
-from pipelines.stages.planning import stable_hash, sub_buckets_of
+from pipelines.planning import stable_hash, sub_buckets_of
 from pipelines.stages.records import dead_letter
 from pipelines.stages.stage import (FLUSH_EXAMPLES, NAMESPACE, TAG_DEAD, TAG_HIST, TAG_TALLY, TAG_WEIGHTS, JobContext, StageClock,
                              in_global_window)

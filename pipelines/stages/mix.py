@@ -38,7 +38,7 @@ import numpy as np
 from apache_beam.pvalue import TaggedOutput
 
 from pipelines.stages.columns import PayloadBatch
-from pipelines.stages.planning import stable_hash, sub_buckets_of
+from pipelines.planning import stable_hash, sub_buckets_of
 from pipelines.stages.stage import TAG_HIST, TAG_TALLY, JobContext, MergeCounters, StageClock, in_global_window
 from prepack.packing.accounting import Tally
 from prepack.packing.mixture import RANK_BITS, budgets, fill_bound, partial_pick

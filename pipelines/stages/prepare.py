@@ -21,7 +21,7 @@ from apache_beam.pvalue import TaggedOutput
 
 from pipelines.stages import readers
 from pipelines.stages.columns import IDS, LENS, MASK, Ragged, TokenizedBatch
-from pipelines.stages.planning import stable_hash
+from pipelines.planning import stable_hash
 from pipelines.stages.records import DeadLetter, Loc, TaskMeta, dead_letter, example_id
 from prepack.packing.accounting import Tally
 from pipelines.stages.stage import NAMESPACE, TAG_BAD, TAG_TALLY, JobContext, Progress, StageClock, in_global_window

@@ -15,7 +15,7 @@ from apache_beam.pvalue import TaggedOutput
 
 from pipelines.stages.columns import PayloadBatch, ShardWork, concat_wire
 from pipelines.failures import ShardCheckError
-from pipelines.stages.planning import LengthPlan
+from pipelines.planning import LengthPlan
 from pipelines.stages.stage import FLUSH_EXAMPLES, NAMESPACE, TAG_PLAN, JobContext, StageClock, in_global_window
 from prepack.packing.packer import Planner
 
@@ -41,7 +41,7 @@ class PlanFn(beam.DoFn):
         self.max_segments = max_segments
 
     def process(self, histogram: dict) -> Iterator[Any]:
-        from pipelines.stages.planning import LengthPlanner
+        from pipelines.planning import LengthPlanner
 
         for L in self.max_lengths:
             # Streamed: each class's slices go out before the next class is placed, so the

@@ -27,7 +27,7 @@ from apache_beam.metrics.metric import Metrics
 
 from pipelines.stages.columns import LENS, Ragged, TokenizedBatch
 from pipelines.options import PackConfig
-from pipelines.stages.planning import stable_hash
+from pipelines.planning import stable_hash
 from pipelines.stages.records import TaskMeta
 from pipelines.stages.stage import StageClock
 from prepack.packing.accounting import Tally

@@ -26,7 +26,7 @@ import numpy as np
 from apache_beam.metrics.metric import Metrics
 
 from pipelines import files
-from pipelines.stages.planning import LengthPlan
+from pipelines.planning import LengthPlan
 from pipelines.stages.columns import FragmentBatch, ShardWork, concat_wire
 from pipelines.stages.compressed import decompressed_blocks
 from pipelines.failures import InputFileError, ShardCheckError
