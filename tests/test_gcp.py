@@ -252,7 +252,7 @@ def test_crash_before_the_manifest_leaves_an_unpublished_folder(gcs_emulator, gc
 def test_jsonl_byte_ranges_read_from_gcs_like_local_ones(gcs_emulator, gcs_prefix, input_file, tmp_path, monkeypatch):
     """Byte-range reads seek inside a gs:// object (Beam's GcsIO); with ranges of a few hundred
     bytes the shards, manifest and dead letters equal a local run with the same ranges."""
-    from pipelines.stages import sources
+    from pipelines import sources
 
     monkeypatch.setattr(sources, "JSONL_RANGE_MIN_BYTES", 300)
     monkeypatch.setattr(sources, "JSONL_RANGES_PER_FILE", 10_000)

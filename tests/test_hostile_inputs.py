@@ -223,7 +223,7 @@ def test_decompressed_blocks_are_bounded(tmp_path):
 
 
 def test_a_fifo_is_refused_before_reading(tmp_path):
-    from pipelines.stages import sources
+    from pipelines import sources
 
     fifo = tmp_path / "in.jsonl"
     os.mkfifo(fifo)
@@ -234,7 +234,7 @@ def test_a_fifo_is_refused_before_reading(tmp_path):
 
 
 def test_a_link_to_dev_zero_is_refused_and_a_link_to_a_file_is_read(tmp_path):
-    from pipelines.stages import sources
+    from pipelines import sources
 
     zero = tmp_path / "zero.jsonl"
     os.symlink("/dev/zero", zero)
@@ -249,7 +249,7 @@ def test_a_link_to_dev_zero_is_refused_and_a_link_to_a_file_is_read(tmp_path):
 
 
 def test_a_file_replaced_by_a_fifo_after_planning_is_refused_by_the_reader(tmp_path):
-    from pipelines.stages import sources
+    from pipelines import sources
     from pipelines.failures import InputFileError
 
     path = write_jsonl(str(tmp_path / "in.jsonl"), alpaca_records(3))

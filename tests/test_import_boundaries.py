@@ -69,7 +69,7 @@ CASES = {
     "pipeline": (
         "import pipelines.launch.cli, pipelines.launch.job, pipelines.stages.read, pipelines.stages.prepare, pipelines.stages.fit, pipelines.stages.route, "
         "pipelines.stages.write, pipelines.launch.errors, pipelines.launch.job_stats, pipelines.launch.checks, pipelines.launch.manifest_compose, "
-        "pipelines.stages.sources, pipelines.stages.readers, pipelines.planning",
+        "pipelines.sources, pipelines.stages.readers, pipelines.planning",
         ("jax", "flax", "tunix", "grain"),
     ),
     "loader": (

@@ -19,7 +19,7 @@ from pipelines.stages.columns import PayloadBatch, Ragged, TokenizedBatch
 from pipelines.planning import build_plan, choose_num_shards, stable_hash, sub_buckets_of
 from pipelines.launch.report import density_table
 from prepack.format.rowformat import RowLayoutError
-from pipelines.stages.sources import InputError, parse_hf_spec, parse_tfds_spec, resolve_inputs
+from pipelines.sources import InputError, parse_hf_spec, parse_tfds_spec, resolve_inputs
 from prepack.format import rowformat
 from prepack.packing.packer import pack_best_fit_decreasing
 from testkit.reference import encode_rows, sub_bucket
@@ -679,7 +679,7 @@ def test_jsonl_byte_ranges_give_the_whole_file_records(tmp_path_factory, lines, 
 def _check_ranges_against_whole_file(tmp_path_factory, lines, trailing_newline, step):
     from pipelines.stages import readers
     from pipelines.stages.records import TaskMeta, range_offsets
-    from pipelines.stages.sources import ReadTask
+    from pipelines.sources import ReadTask
 
     data = b"\n".join(lines) + (b"\n" if trailing_newline and lines else b"")
     path = str(tmp_path_factory.mktemp("ranges") / "f.jsonl")
@@ -704,7 +704,7 @@ def _check_ranges_against_whole_file(tmp_path_factory, lines, trailing_newline, 
 
 
 def test_jsonl_files_are_split_by_size_alone():
-    from pipelines.stages import sources
+    from pipelines import sources
 
     assert sources.jsonl_range_bytes(10) == sources.JSONL_RANGE_MIN_BYTES
     assert sources.jsonl_range_bytes(1 << 40) == sources.JSONL_RANGE_MAX_BYTES
@@ -725,7 +725,7 @@ def test_jsonl_files_are_split_by_size_alone():
 
 def test_a_jsonl_file_that_changes_under_a_range_read_fails(tmp_path):
     from pipelines.stages import readers
-    from pipelines.stages.sources import ReadTask
+    from pipelines.sources import ReadTask
 
     path = tmp_path / "f.jsonl"
     path.write_bytes(b'{"a": 1}\n{"a": 2}\n{"a": 3')
@@ -772,7 +772,7 @@ def test_local_runner_memory_estimate_and_warning(tmp_path):
     """Before a local run: examples estimated from the input (JSONL sampled for bytes per line),
     and one warning naming Dataflow and the split size when the launcher would not fit."""
     from pipelines.launch import local_memory as lm
-    from pipelines.stages.sources import resolve_inputs
+    from pipelines.sources import resolve_inputs
 
     path = tmp_path / "a.jsonl"
     path.write_text("".join(json.dumps({"en": f"pair {i}", "fr": f"paire {i}"}) + "\n" for i in range(5000)))

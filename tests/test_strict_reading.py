@@ -13,7 +13,7 @@ import zstandard
 
 from pipelines.stages import compressed, readers
 from pipelines.failures import InputFileError
-from pipelines.stages.sources import ReadTask
+from pipelines.sources import ReadTask
 
 DATA = b"".join(b'{"instruction": "task %d", "output": "answer"}\n' % i for i in range(3000))
 COMPRESS = {

@@ -41,7 +41,8 @@ from pipelines import failures, output
 from pipelines.launch import checks, interrupts, job_stats, local_memory
 from pipelines.launch.errors import JobError
 from pipelines.launch.manifest_compose import compose_manifest
-from pipelines.stages import sources, tokens_sink, tokens_source
+from pipelines import sources
+from pipelines.stages import tokens_sink, tokens_source
 from pipelines.stages.fit import FitToLengths
 from pipelines.stages.prepare import PrepareExamples
 from pipelines.stages.read import ReadInputs
@@ -50,7 +51,7 @@ from pipelines.stages.stage import NAMESPACE, JobContext
 from pipelines.stages.write import WriteShardSets
 from pipelines.options import PackConfig
 from pipelines.planning import choose_sub_buckets
-from pipelines.stages.sources import ReadTask, ResolvedInput
+from pipelines.sources import ReadTask, ResolvedInput
 from pipelines.summary import LengthStats, RunSummary
 from pipelines import failpoints
 from prepack.format import layout

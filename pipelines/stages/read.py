@@ -13,7 +13,7 @@ from pipelines.stages import readers
 from pipelines.failures import InputFileError
 from pipelines.failpoints import InjectedFault
 from pipelines.limits import InputLimits
-from pipelines.stages.sources import ReadTask
+from pipelines.sources import ReadTask
 from pipelines.stages.stage import NAMESPACE, TAG_FINGERPRINT, Progress, StageClock
 
 
@@ -86,7 +86,7 @@ class ReadInputs(beam.PTransform):
         self.tasks, self.batch_size, self.progress, self.limits = tasks, batch_size, progress, limits
 
     def expand(self, pbegin: Any) -> dict[str, Any]:
-        from pipelines.stages.sources import SPREAD_TASK_BYTES
+        from pipelines.sources import SPREAD_TASK_BYTES
 
         read = (
             pbegin

@@ -26,11 +26,12 @@ import os
 from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any
 
-from pipelines.stages import compressed, sources
+from pipelines import sources
+from pipelines.stages import compressed
 from pipelines import failpoints, files
 from pipelines.failures import InputFileError
 from pipelines.limits import InputLimits
-from pipelines.stages.sources import ReadTask
+from pipelines.sources import ReadTask
 
 # orjson parses a record ~4x faster than json (~0.7 vs ~3 us on the sample records), and gives
 # the same objects for every text it accepts, except integers beyond 64 bits (it returns a
