@@ -230,11 +230,13 @@ def test_a_live_local_lock_is_not_taken_over_from_another_pid_namespace(inputs, 
 
 
 @pytest.mark.slow
-def test_gcs_run_that_loses_its_lease_mid_pipeline_stops_at_once(gcs_out, inputs):
+def test_gcs_run_that_loses_its_lease_while_paused_stops_at_once(gcs_out, inputs):
     """Paused right after taking the lock, past its lease; run B publishes meanwhile. When A
-    resumes, its renewer finds the lease taken over and stops the run at once (its pipeline
-    included), with the one line: A never reaches before_publish (which would exit 9).
-    Shown to fail without LeaseLock.on_lost (A ran its whole pipeline and exited 9 there)."""
+    resumes, its first step proves it still holds the lease, finds it taken over and stops with
+    the one line: A never reaches before_publish (which would exit 9). Shown to fail without the
+    held.check() after after_lock in job.run (A ran its whole pipeline and exited 9 there). The
+    renewer's own stop (LeaseLock.on_lost, mid-pipeline) is timed by its thread, so its test is
+    test_output_lock.py's, which waits for it rather than racing the pipeline."""
     out = gcs_out
     a = start(inputs["a"], out, "--overwrite", failpoints="after_lock=stop;before_publish=exit(9)")
     b_record, code, err = b_takes_over_then_a_resumes(a, out, inputs)

@@ -346,6 +346,7 @@ def run(config: PackConfig, beam_args: list[str], run_id: str | None = None, exi
     cleanup_key = interrupts.register(clean_up)  # run by the signal watchdog if this thread is stuck
     try:
         failpoints.hit("after_lock")
+        held.check()  # a run paused past its lease (a stopped VM, a debugger) learns so before it reads anything
         places = [output.length_place(config.output, L) for L in config.max_lengths]
         places += [output.tokens_place(config.output)] if config.write_tokens else []
         seen = output.look(config.output, places, held)
