@@ -115,15 +115,16 @@ class TokenizedBatch:
             Ragged.concat([p.examples for p in parts]),
         )
 
-    def grouped_payloads(self, keys: np.ndarray, kept_at: np.ndarray,
-                         example_targets: np.ndarray | None = None) -> Iterator[tuple[int, "PayloadBatch"]]:
+    def grouped_payloads(self, keys: np.ndarray, kept_at: np.ndarray, example_targets: np.ndarray | None = None,
+                         leads_at: np.ndarray | None = None) -> Iterator[tuple[int, "PayloadBatch"]]:
         """(key, payloads of the examples with that key) for each distinct key, in key order;
-        keys[i], kept_at[i] and example_targets[i] (see PayloadBatch) are example i's. One
-        gather for the whole batch, then slices."""
+        keys[i], kept_at[i], example_targets[i] and leads_at[i] (see PayloadBatch) are example
+        i's. One gather for the whole batch, then slices."""
         order = np.argsort(keys, kind="stable")
         keys = keys[order]
         kept_at = np.asarray(kept_at, dtype=np.uint64)[order]
         totals = None if example_targets is None else example_targets[order]
+        leads = None if leads_at is None else np.asarray(leads_at, dtype=np.uint64)[order]
         examples = self.examples.take(order)
         hashes = self.hashes[order]
         eids = self.example_ids
@@ -138,7 +139,8 @@ class TokenizedBatch:
             t0, t1 = int(tokens[a]), int(tokens[b])
             yield int(keys[a]), PayloadBatch(hashes[a:b], example_ids[a:b],
                                              Ragged(examples.lens[a:b], examples.ids[t0:t1], examples.mask[t0:t1]),
-                                             kept_at[a:b], None if totals is None else totals[a:b])
+                                             kept_at[a:b], None if totals is None else totals[a:b],
+                                             None if leads is None else leads[a:b])
 
     def targets_after_first(self, end: int | None = None) -> np.ndarray:
         return self.examples.targets_after_first(end)
@@ -158,6 +160,11 @@ class PayloadBatch:
     # summed over its pieces at each max length (row format 3's example_targets), 0 for a whole
     # example (the writer then writes its own count); None under the other policies.
     example_targets: np.ndarray | None = None
+    # A mixture's sets with example_targets, from the fit stage to the mix stage only: uint64 bit
+    # set like kept_at, bit i set on the one entry that stands for its example at the i-th max
+    # length (a whole example: its kept_at; of an example's pieces there, the first), so the mix
+    # stage counts an example cut into pieces once (pipelines/stages/mix.py).
+    leads_at: np.ndarray | None = None
 
     def to_wire(self) -> tuple[bytes, ...]:
         id_lens, id_data = _strings_to_bytes(self.example_ids)
@@ -166,15 +173,17 @@ class PayloadBatch:
                 mask_to_wire(e.mask), self.kept_at.astype("<u8").tobytes())
         if self.example_targets is None:
             return wire
-        return wire + (self.example_targets.shape[1], self.example_targets.astype("<i4").tobytes())
+        wire += (self.example_targets.shape[1], self.example_targets.astype("<i4").tobytes())
+        return wire if self.leads_at is None else wire + (self.leads_at.astype("<u8").tobytes(),)
 
     @staticmethod
     def from_wire(wire: tuple[bytes, ...]) -> "PayloadBatch":
         hashes, id_lens, id_data, lens, ids, mask, kept_at = wire[:7]
         totals = None if len(wire) == 7 else np.frombuffer(wire[8], "<i4").reshape(-1, wire[7])
+        leads = np.frombuffer(wire[9], "<u8") if len(wire) == 10 else None
         return PayloadBatch(np.frombuffer(hashes, "<u8"), _bytes_to_strings(id_lens, id_data),
                             Ragged(np.frombuffer(lens, LENS), ids_from_wire(ids), mask_from_wire(mask)),
-                            np.frombuffer(kept_at, "<u8"), totals)
+                            np.frombuffer(kept_at, "<u8"), totals, leads)
 
     @staticmethod
     def concat(parts: Sequence["PayloadBatch"]) -> "PayloadBatch":
@@ -184,11 +193,13 @@ class PayloadBatch:
             Ragged.concat([p.examples for p in parts]),
             np.concatenate([p.kept_at for p in parts]) if parts else np.zeros(0, np.uint64),
             np.concatenate([p.example_targets for p in parts]) if parts and parts[0].example_targets is not None else None,
+            np.concatenate([p.leads_at for p in parts]) if parts and parts[0].leads_at is not None else None,
         )
 
     def take(self, index: np.ndarray, example_ids: list[str] | None = None, hashes: np.ndarray | None = None,
              kept_at: np.ndarray | None = None) -> "PayloadBatch":
-        """Examples `index`, under other ids, hashes and kept_at when given (a mixture's copies)."""
+        """Examples `index`, under other ids, hashes and kept_at when given (a mixture's copies),
+        without leads_at: the mix stage's copies are past its use."""
         index = np.asarray(index, dtype=np.int64)
         return PayloadBatch(self.hashes[index] if hashes is None else hashes,
                             [self.example_ids[i] for i in index.tolist()] if example_ids is None else example_ids,

@@ -46,7 +46,7 @@ class FitAndKeyFn(beam.DoFn):
     def start_bundle(self) -> None:
         # Kept examples wait here until a flush: (batch of kept examples, group code, kept_at of each,
         # and under --overlong split or window each one's example_targets at each max length).
-        self.pending: list[tuple[TokenizedBatch, np.ndarray, np.ndarray, np.ndarray | None]] = []
+        self.pending: list[tuple[TokenizedBatch, np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]] = []
         self.buffered = 0
         self.hist: Counter = Counter()
         # (length_key, b) of examples that fit every max length: expanded into hist at the
@@ -98,7 +98,7 @@ class FitAndKeyFn(beam.DoFn):
                 batch = batch.take(index)
             # A whole example: 0, the writer writes its own target count (--overlong split or window only).
             totals = np.zeros((len(index), len(ctx.config.max_lengths)), np.int32) if ctx.config.cuts_pieces else None
-            self.pending.append((batch, codes[index], kept_at[index], totals))
+            self.pending.append((batch, codes[index], kept_at[index], totals, kept_at[index]))  # a whole example leads itself
             self.buffered += len(index)
         self.clock.add(StageClock.now() - started)
         if self.buffered >= FLUSH_EXAMPLES:
@@ -219,14 +219,28 @@ class FitAndKeyFn(beam.DoFn):
                               Ragged(piece_lens, batch.examples.ids[flat], mask))
         kept_at = np.array([pieces[k] for k in keys], dtype=np.uint64)
         totals = self._example_targets(np.array([k[0] for k in keys], np.int64), made.targets_after_first(), kept_at)
+        leads_at = self._leads(keys, kept_at)
         length_keys = piece_lens.astype(np.int64) if ctx.config.pack else np.zeros(len(keys), np.int64)
         b = sub_buckets_of(hashes, ctx.sub_buckets)
         for bit, L in enumerate(ctx.config.max_lengths):
             at = (kept_at >> np.uint64(bit)) & np.uint64(1) == 1
             for key, sub in zip(length_keys[at].tolist(), b[at].tolist()):
                 self.hist[(L, key, sub)] += 1
-        self.pending.append((made, length_keys * ctx.sub_buckets + b, kept_at, totals))
+        self.pending.append((made, length_keys * ctx.sub_buckets + b, kept_at, totals, leads_at))
         self.buffered += len(keys)
+
+    @staticmethod
+    def _leads(keys: list[tuple[int, int, int, int, int]], kept_at: np.ndarray) -> np.ndarray:
+        """Per piece (keys sorted, so an example's pieces are adjacent): the max lengths at which
+        it is the first of its example's pieces kept there (PayloadBatch.leads_at)."""
+        leads = np.zeros(len(keys), np.uint64)
+        example, led = -1, 0
+        for j, (k, bits) in enumerate(zip(keys, kept_at.tolist())):
+            if k[0] != example:
+                example, led = k[0], 0
+            leads[j] = bits & ~led
+            led |= bits
+        return leads
 
     def _example_targets(self, example: np.ndarray, targets: np.ndarray, kept_at: np.ndarray) -> np.ndarray:
         """[pieces, max lengths]: each piece's example's target tokens summed over the pieces kept
@@ -243,11 +257,14 @@ class FitAndKeyFn(beam.DoFn):
     def _flush(self, windowed: bool) -> Iterator[Any]:
         wrap = in_global_window if windowed else (lambda v: v)
         if self.pending:
-            merged = TokenizedBatch.concat([batch for batch, _, _, _ in self.pending])
-            codes = np.concatenate([c for _, c, _, _ in self.pending])
-            kept_at = np.concatenate([k for _, _, k, _ in self.pending])
-            totals = np.concatenate([t for _, _, _, t in self.pending]) if self.ctx.config.cuts_pieces else None
-            for code, payloads in merged.grouped_payloads(codes, kept_at, totals):
+            merged = TokenizedBatch.concat([batch for batch, _, _, _, _ in self.pending])
+            codes = np.concatenate([c for _, c, _, _, _ in self.pending])
+            kept_at = np.concatenate([k for _, _, k, _, _ in self.pending])
+            totals = np.concatenate([t for _, _, _, t, _ in self.pending]) if self.ctx.config.cuts_pieces else None
+            # Only a mixture's mix stage reads leads_at; without one the payloads stay as they were.
+            leads = (np.concatenate([d for _, _, _, _, d in self.pending])
+                     if totals is not None and self.ctx.source_of_input else None)
+            for code, payloads in merged.grouped_payloads(codes, kept_at, totals, leads):
                 if self.ctx.source_of_input:
                     from pipelines.stages.mix import weigh_into
 

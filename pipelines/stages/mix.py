@@ -22,12 +22,17 @@ Past the boundary, an example of weight w can be picked only if w <= the fill bo
 (prepack.packing.mixture.fill_bound, < L) and only among the first bound // w of its weight
 (what is left only shrinks), so FillCandidates keeps at most bound * (1 + ln bound) of them.
 Copy k >= 1 of an example is a distinct example, id `<id>@<k>` with its own hash (and so its
-own sub-bucket and rank among the examples of its length). Nothing here depends on bundling
+own sub-bucket and rank among the examples of its length).
+
+The unit sampled is the example: the pieces an example is cut into at L (--overlong split or
+window) rank by their example's hash and id, weigh as their example does (its example_targets,
+or 1), and are kept, repeated or left out together, so no example is trained in part (Units). Nothing here depends on bundling
 or worker count, so the rows do not either.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from fractions import Fraction
@@ -42,7 +47,7 @@ from pipelines.planning import stable_hash, sub_buckets_of
 from pipelines.stages.stage import TAG_HIST, TAG_TALLY, JobContext, MergeCounters, StageClock, in_global_window
 from prepack.packing.accounting import Tally
 from prepack.packing.mixture import RANK_BITS, budgets, fill_bound, partial_pick
-from prepack.packing.packer import DropReason
+from prepack.packing.packer import DropReason, piece_example_id
 
 TAG_BOUNDARY = "boundary"
 NO_BOUNDARY = -1
@@ -59,10 +64,36 @@ def sources_of(example_ids: list[str], source_of_input: tuple[int, ...]) -> np.n
                        count=len(example_ids))
 
 
-def _weights(batch: PayloadBatch, max_length: int, weight_of: str) -> np.ndarray:
-    if weight_of == "examples":
-        return np.ones(len(batch.example_ids), dtype=np.int64)
-    return batch.examples.targets_after_first(max_length).astype(np.int64)
+@dataclasses.dataclass
+class Units:
+    """What the share rule samples at one max length, per entry of a PayloadBatch: a whole
+    example is its own unit; the pieces of an example cut there share their example's.
+    `hashes`, `ids`, `weights`: the unit's rank (its example's stable hash, ties by its id) and
+    weight. `shares`: this entry's part of its unit's weight, summing to it over the unit's
+    entries (a piece's own target tokens, or 1 on the unit's lead piece), so sums over entries
+    in any bundling count each unit once."""
+
+    hashes: np.ndarray
+    ids: list[str]
+    weights: np.ndarray
+    shares: np.ndarray
+
+    @staticmethod
+    def of(batch: PayloadBatch, bit: int, max_length: int, weight_of: str) -> "Units":
+        own = (np.ones(len(batch.example_ids), dtype=np.int64) if weight_of == "examples"
+               else batch.examples.targets_after_first(max_length).astype(np.int64))
+        if batch.example_targets is None:
+            return Units(batch.hashes, batch.example_ids, own, own)
+        pieces = np.flatnonzero(batch.example_targets[:, bit] > 0)  # a whole example's is 0
+        hashes, ids, weights, shares = batch.hashes.copy(), list(batch.example_ids), own.copy(), own
+        for i in pieces.tolist():
+            ids[i] = piece_example_id(ids[i])
+            hashes[i] = stable_hash(ids[i])
+        if weight_of == "examples":
+            shares = ((batch.leads_at >> np.uint64(bit)) & np.uint64(1)).astype(np.int64)
+        else:
+            weights[pieces] = batch.example_targets[pieces, bit]
+        return Units(hashes, ids, weights, shares)
 
 
 def _buckets(hashes: np.ndarray) -> np.ndarray:
@@ -73,11 +104,10 @@ def weigh_into(hist: Counter, batch: PayloadBatch, ctx: JobContext) -> None:
     """Adds a batch's kept weight to the (L, source, rank bucket) histogram. Called by the fit
     stage on the examples it keys (so the payloads are not decoded once more for it)."""
     source = sources_of(batch.example_ids, ctx.source_of_input)
-    bucket = _buckets(batch.hashes)
     for bit, L in enumerate(ctx.config.max_lengths):
         kept = batch.kept_at_length(bit)
-        w = _weights(batch, L, ctx.mixture.weight_of)
-        for s, b, weight in _group_sums(source[kept], bucket[kept], w[kept]):
+        units = Units.of(batch, bit, L, ctx.mixture.weight_of)
+        for s, b, weight in _group_sums(source[kept], _buckets(units.hashes)[kept], units.shares[kept]):
             hist[(L, s, b)] += weight
 
 
@@ -134,51 +164,52 @@ class CandidatesFn(beam.DoFn):
         batch = PayloadBatch.from_wire(element[1])
         mixture = self.ctx.mixture
         source = sources_of(batch.example_ids, self.ctx.source_of_input)
-        bucket = _buckets(batch.hashes)
         for bit, L in enumerate(self.ctx.config.max_lengths):
             table = [(NO_BOUNDARY, -1)] + [(decisions[(L, s)][1], fill_bound(decisions[(L, s)][2], mixture.weight_of, L))
                                            for s in range(1, len(mixture.sources) + 1)]
             boundary, bound = np.array([b for b, _ in table]), np.array([c for _, c in table])
-            w = _weights(batch, L, mixture.weight_of)
+            units = Units.of(batch, bit, L, mixture.weight_of)
+            bucket, w = _buckets(units.hashes), units.weights
             at_boundary = bucket == boundary[source]
             later = (boundary[source] != NO_BOUNDARY) & (bucket > boundary[source]) & (w <= bound[source])
             for i in np.flatnonzero(batch.kept_at_length(bit) & (at_boundary | later)).tolist():
                 s = int(source[i])
-                yield ((L, s), (BOUNDARY if at_boundary[i] else LATER, int(bound[s]), int(batch.hashes[i]),
-                                batch.example_ids[i], int(w[i])))
+                yield ((L, s), (BOUNDARY if at_boundary[i] else LATER, int(bound[s]), int(units.hashes[i]),
+                                units.ids[i], int(w[i])))
 
 
 class FillCandidates(beam.CombineFn):
     """Keeps every boundary-bucket example, and of the later ones only the first bound // w of
     each weight w by rank (the only ones the partial pick could take): a set function, so the
-    result depends on no bundling or worker count."""
+    result depends on no bundling or worker count. The pieces of one example come in as the same
+    candidate, once each: sets, so it counts once."""
 
-    def create_accumulator(self) -> tuple[list, dict, int]:
-        return [], {}, 0
+    def create_accumulator(self) -> tuple[set, dict, int]:
+        return set(), {}, 0
 
-    def add_input(self, acc: tuple[list, dict, int], element: tuple) -> tuple[list, dict, int]:
+    def add_input(self, acc: tuple[set, dict, int], element: tuple) -> tuple[set, dict, int]:
         kind, bound, h, example_id, w = element
         boundary, later, _ = acc
         if kind == BOUNDARY:
-            boundary.append((h, example_id, w))
+            boundary.add((h, example_id, w))
         else:
-            later.setdefault(w, []).append((h, example_id))
+            later.setdefault(w, set()).add((h, example_id))
             if len(later[w]) > 2 * max(1, bound // max(w, 1)):
-                later[w] = sorted(later[w])[:bound // max(w, 1) if w else None]
+                later[w] = set(sorted(later[w])[:bound // max(w, 1) if w else None])
         return boundary, later, max(acc[2], bound)
 
-    def merge_accumulators(self, accs: Iterator[tuple[list, dict, int]]) -> tuple[list, dict, int]:
-        boundary, later, bound = [], {}, 0
+    def merge_accumulators(self, accs: Iterator[tuple[set, dict, int]]) -> tuple[set, dict, int]:
+        boundary, later, bound = set(), {}, 0
         for b, l, c in accs:
-            boundary += b
+            boundary |= b
             bound = max(bound, c)
             for w, items in l.items():
-                later.setdefault(w, []).extend(items)
-        return boundary, {w: sorted(items)[:bound // w if w else None] for w, items in later.items()}, bound
+                later.setdefault(w, set()).update(items)
+        return boundary, {w: set(sorted(items)[:bound // w if w else None]) for w, items in later.items()}, bound
 
-    def extract_output(self, acc: tuple[list, dict, int]) -> list[tuple[int, str, int]]:
+    def extract_output(self, acc: tuple[set, dict, int]) -> list[tuple[int, str, int]]:
         boundary, later, bound = self.merge_accumulators([acc])
-        return sorted(boundary + [(h, i, w) for w, items in later.items() for h, i in items])
+        return sorted(boundary | {(h, i, w) for w, items in later.items() for h, i in items})
 
 
 class ThresholdFn(beam.DoFn):
@@ -216,24 +247,25 @@ class SampleFn(beam.DoFn):
         lengths = ctx.config.max_lengths
         n_sources = len(ctx.mixture.sources)
         source = sources_of(batch.example_ids, ctx.source_of_input)
-        bucket = _buckets(batch.hashes)
         copies = np.zeros((len(lengths), len(batch.example_ids)), dtype=np.int64)
         for bit, L in enumerate(lengths):
+            units = Units.of(batch, bit, L, ctx.mixture.weight_of)
+            bucket = _buckets(units.hashes)
             table = np.array([(0, NO_BOUNDARY)] + [decisions[(L, s)][:2] for s in range(1, n_sources + 1)], dtype=np.int64)
             whole, boundary = table[source, 0], table[source, 1]
             partial = (bucket < boundary).astype(np.int64)
             for i in np.flatnonzero(bucket == boundary).tolist():
                 cut, picks = thresholds.get((L, int(source[i])), (None, frozenset()))
-                here = (int(batch.hashes[i]), batch.example_ids[i])
+                here = (int(units.hashes[i]), units.ids[i])
                 partial[i] = cut is None or here < tuple(cut) or here in picks
-            self._picked_later(batch, source, bucket, boundary, thresholds, L, partial)
+            self._picked_later(units, source, bucket, boundary, thresholds, L, partial)
             copies[bit] = np.where(batch.kept_at_length(bit), whole + partial, 0)
-            self._count(batch, source, copies[bit], bit, L)
+            self._count(batch, units, source, copies[bit], bit, L)
         yield from self._copies(key, batch, copies)
         self.clock.add(StageClock.now() - started)
 
     @staticmethod
-    def _picked_later(batch: PayloadBatch, source: np.ndarray, bucket: np.ndarray, boundary: np.ndarray,
+    def _picked_later(units: Units, source: np.ndarray, bucket: np.ndarray, boundary: np.ndarray,
                       thresholds: dict, L: int, partial: np.ndarray) -> None:
         """Marks the examples past their boundary bucket that the partial pick took (few: their
         hashes are looked up at once, then their ids)."""
@@ -243,13 +275,13 @@ class SampleFn(beam.DoFn):
             if not picks:
                 continue
             at = np.flatnonzero(later & (source == s))
-            hit = at[np.isin(batch.hashes[at], np.array([h for h, _ in picks], dtype=np.uint64))]
+            hit = at[np.isin(units.hashes[at], np.array([h for h, _ in picks], dtype=np.uint64))]
             for i in hit.tolist():
-                partial[i] = (int(batch.hashes[i]), batch.example_ids[i]) in picks
+                partial[i] = (int(units.hashes[i]), units.ids[i]) in picks
 
-    def _count(self, batch: PayloadBatch, source: np.ndarray, copies: np.ndarray, bit: int, L: int) -> None:
+    def _count(self, batch: PayloadBatch, units: Units, source: np.ndarray, copies: np.ndarray, bit: int, L: int) -> None:
         kept = batch.kept_at_length(bit)
-        w = _weights(batch, L, self.ctx.mixture.weight_of)
+        w = units.shares
         tokens = np.minimum(batch.examples.lens.astype(np.int64), L)
         targets = batch.examples.targets_after_first(L).astype(np.int64)
         for s in np.unique(source[kept]).tolist():

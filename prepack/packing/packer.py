@@ -201,6 +201,11 @@ def piece_id(example_id: str, start: int, end: int, context: tuple[int, int] | N
     return f"{example_id}#{context[0]}:{context[1]}+{start}:{end}"
 
 
+def piece_example_id(piece: str) -> str:
+    """The id of the example a piece_id was cut from."""
+    return piece[:piece.rindex("#")]
+
+
 def cut_pieces(mask: np.ndarray, max_length: int, policy: OverlongPolicy,
                window_context: int | None = None) -> list[tuple[WindowPiece, DropReason | None]]:
     """The pieces of one example longer than `max_length` under --overlong split or window
