@@ -157,7 +157,7 @@ def in_process_section(args: argparse.Namespace, shards: dict[str, str]) -> dict
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", default=os.path.join(DATA_DIR, "alpaca.jsonl"))
     p.add_argument("--format", default="alpaca")
@@ -177,11 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interleaved-steps", type=int, default=24, help="timed steps of the in-process interleaved A/B (0: skip)")
     p.add_argument("--skip-memory", action="store_true", help="skip the compiled-memory section")
     p.add_argument("--reuse-metrics", action="store_true", help="read the separate runs' metrics from --work-dir instead of rerunning")
-    args = p.parse_args(argv)
-    os.makedirs(os.path.join(args.work_dir, "metrics"), exist_ok=True)
-    started = time.time()
+    return p
 
-    shards = {layout: pack(args, layout) for layout in ("packed", "unpacked")}
+
+def separate_runs(args: argparse.Namespace, shards: dict[str, str]) -> tuple[dict[str, list], dict[str, list[str]]]:
+    """Each layout trained in its own process, `--repeats` rounds, the order flipped each round
+    so neither layout always runs on a warmer machine."""
     runs: dict[str, list] = {"packed": [], "unpacked": []}
     commands = {}
     for r in range(args.repeats):
@@ -195,24 +196,11 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 sh(cmd, log=os.path.join(args.work_dir, f"train-{layout}-{r}.log"))
             runs[layout].append(read_run(metrics))
+    return runs, commands
 
-    agg = {layout: aggregate(rs) for layout, rs in runs.items()}
+
+def print_separate(args: argparse.Namespace, first: dict, agg: dict[str, dict], ratios: dict[str, float]) -> None:
     pk, up = agg["packed"], agg["unpacked"]
-    ratios = {
-        "target_tokens_per_s": pk["target_tokens_per_s"] / up["target_tokens_per_s"],
-        "target_density": pk["target_density"] / up["target_density"],
-        "tokens_per_s": pk["tokens_per_s"] / up["tokens_per_s"],
-        "density": pk["density"] / up["density"],
-        "step_time": pk["step_time_mean_s"] / up["step_time_mean_s"],
-    }
-    in_process = in_process_section(args, shards) if args.interleaved_steps >= 2 else {}
-    memory = in_process if "packed_batch" in in_process else None
-    results = {"args": vars(args), "packed": pk, "unpacked": up, "ratios": ratios, "in_process": in_process,
-               "wall_s": time.time() - started}
-    with open(os.path.join(args.work_dir, "results.json"), "w") as f:
-        json.dump(results, f, indent=2)
-
-    first = runs["packed"][0][1]
     print(f"\n## Packed vs unpacked, {args.model} ({first['params']:,} params, LoRA rank {args.lora_rank}, "
           f"vocab {first['vocab_size']:,}), [B={args.batch_size}, L={args.max_length}], "
           f"{first['platform']} ({first['device_kind']}), {args.repeats} x {args.steps - 1} timed steps per layout\n")
@@ -225,29 +213,61 @@ def main(argv: list[str] | None = None) -> int:
           f"{ratios['step_time']:.2f}x | {ratios['tokens_per_s']:.2f}x | **{ratios['target_tokens_per_s']:.2f}x** |")
     print(f"\nper-run mean step time: packed {[round(x, 3) for x in pk['run_mean_step_times_s']]}, "
           f"unpacked {[round(x, 3) for x in up['run_mean_step_times_s']]}")
-    inter = in_process.get("interleaved")
-    if inter:
-        ip, iu = inter["packed"], inter["unpacked"]
-        print(f"\nInterleaved in one process (same compiled step, batches alternating P,U,P,U...; {ip['steps']}+{iu['steps']} timed steps):\n")
-        print("| layout | target density | step time mean / median (p10-p90) | target tokens/s |")
-        print("|---|---|---|---|")
-        for layout, a in inter.items():
-            print(f"| {layout} | {a['target_density']:.3f} | {a['step_time_mean_s']:.3f} / {a['step_time_median_s']:.3f} s "
-                  f"({a['step_time_p10_s']:.3f}-{a['step_time_p90_s']:.3f}) | {a['target_tokens_per_s']:,.0f} |")
-        print(f"| **packed / unpacked** | **{ip['target_density'] / iu['target_density']:.2f}x** | "
-              f"{ip['step_time_mean_s'] / iu['step_time_mean_s']:.2f}x / {ip['step_time_median_s'] / iu['step_time_median_s']:.2f}x | "
-              f"**{ip['target_tokens_per_s'] / iu['target_tokens_per_s']:.2f}x** |")
-    if memory:
-        from train.compiled import fmt_bytes
 
-        mp, mu, md = memory["packed_batch"], memory["unpacked_batch"], memory["tunix_default_loss"]
-        print("\n| compiled train step | program | arguments | outputs | temp | peak estimate |")
-        print("|---|---|---|---|---|---|")
-        for name, m in (("packed batch, masked loss", mp), ("unpacked batch, masked loss", mu), ("packed batch, Tunix default loss", md)):
-            print(f"| {name} | {m['hlo_fingerprint']} | {fmt_bytes(m['argument_bytes'])} | {fmt_bytes(m['output_bytes'])} | "
-                  f"{fmt_bytes(m['temp_bytes'])} | {fmt_bytes(m['peak_estimate_bytes'])} |")
-        same = mp["hlo_fingerprint"] == mu["hlo_fingerprint"] and mp["temp_bytes"] == mu["temp_bytes"]
-        print(f"\npacked and unpacked: {'the same program and planned memory' if same else 'DIFFERENT programs'}")
+
+def print_interleaved(inter: dict[str, dict]) -> None:
+    ip, iu = inter["packed"], inter["unpacked"]
+    print(f"\nInterleaved in one process (same compiled step, batches alternating P,U,P,U...; {ip['steps']}+{iu['steps']} timed steps):\n")
+    print("| layout | target density | step time mean / median (p10-p90) | target tokens/s |")
+    print("|---|---|---|---|")
+    for layout, a in inter.items():
+        print(f"| {layout} | {a['target_density']:.3f} | {a['step_time_mean_s']:.3f} / {a['step_time_median_s']:.3f} s "
+              f"({a['step_time_p10_s']:.3f}-{a['step_time_p90_s']:.3f}) | {a['target_tokens_per_s']:,.0f} |")
+    print(f"| **packed / unpacked** | **{ip['target_density'] / iu['target_density']:.2f}x** | "
+          f"{ip['step_time_mean_s'] / iu['step_time_mean_s']:.2f}x / {ip['step_time_median_s'] / iu['step_time_median_s']:.2f}x | "
+          f"**{ip['target_tokens_per_s'] / iu['target_tokens_per_s']:.2f}x** |")
+
+
+def print_memory(memory: dict[str, dict]) -> None:
+    from train.compiled import fmt_bytes
+
+    mp, mu, md = memory["packed_batch"], memory["unpacked_batch"], memory["tunix_default_loss"]
+    print("\n| compiled train step | program | arguments | outputs | temp | peak estimate |")
+    print("|---|---|---|---|---|---|")
+    for name, m in (("packed batch, masked loss", mp), ("unpacked batch, masked loss", mu), ("packed batch, Tunix default loss", md)):
+        print(f"| {name} | {m['hlo_fingerprint']} | {fmt_bytes(m['argument_bytes'])} | {fmt_bytes(m['output_bytes'])} | "
+              f"{fmt_bytes(m['temp_bytes'])} | {fmt_bytes(m['peak_estimate_bytes'])} |")
+    same = mp["hlo_fingerprint"] == mu["hlo_fingerprint"] and mp["temp_bytes"] == mu["temp_bytes"]
+    print(f"\npacked and unpacked: {'the same program and planned memory' if same else 'DIFFERENT programs'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    os.makedirs(os.path.join(args.work_dir, "metrics"), exist_ok=True)
+    started = time.time()
+
+    shards = {layout: pack(args, layout) for layout in ("packed", "unpacked")}
+    runs, commands = separate_runs(args, shards)
+    agg = {layout: aggregate(rs) for layout, rs in runs.items()}
+    pk, up = agg["packed"], agg["unpacked"]
+    ratios = {
+        "target_tokens_per_s": pk["target_tokens_per_s"] / up["target_tokens_per_s"],
+        "target_density": pk["target_density"] / up["target_density"],
+        "tokens_per_s": pk["tokens_per_s"] / up["tokens_per_s"],
+        "density": pk["density"] / up["density"],
+        "step_time": pk["step_time_mean_s"] / up["step_time_mean_s"],
+    }
+    in_process = in_process_section(args, shards) if args.interleaved_steps >= 2 else {}
+    results = {"args": vars(args), "packed": pk, "unpacked": up, "ratios": ratios, "in_process": in_process,
+               "wall_s": time.time() - started}
+    with open(os.path.join(args.work_dir, "results.json"), "w") as f:
+        json.dump(results, f, indent=2)
+
+    print_separate(args, runs["packed"][0][1], agg, ratios)
+    if in_process.get("interleaved"):
+        print_interleaved(in_process["interleaved"])
+    if "packed_batch" in in_process:
+        print_memory(in_process)
     print("\ncommands:")
     print("  " + shlex.join([sys.executable, *sys.argv]))
     for layout, cmd in commands.items():

@@ -84,6 +84,36 @@ _SUFFIX_RANGE = re.compile(r"^\s*bytes=-(?P<n>\d+)\s*$")
 # ----------------------------------------------------------------------------- the server (child process)
 
 
+def _send_json(handler: Any, code: int, payload: dict[str, Any]) -> None:
+    body = json.dumps(payload).encode()
+    handler.send_response(code)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
+def _conditioned_object(handler: Any) -> tuple[str, str, int] | None:
+    """(bucket, object, wanted generation) of an upload or delete with ifGenerationMatch, None
+    without one. A multipart upload names its object in the metadata part: the body is read
+    and put back for the stock handler."""
+    path, _, query = handler.path.partition("?")
+    wanted = parse_qs(query).get("ifGenerationMatch")
+    if not wanted:
+        return None
+    m = re.match(r"^(?:/upload)?/storage/v1/b/(?P<bucket>[^/]+)/o(?:/(?P<object>.+))?$", path)
+    if not m:
+        return None
+    name = unquote(m["object"]) if m["object"] else (parse_qs(query).get("name") or [None])[0]
+    if name is None:
+        length = int(handler.headers.get("Content-Length") or 0)
+        body = handler.rfile.read(length)
+        handler.rfile = io.BytesIO(body)
+        found = re.search(rb'"name"\s*:\s*"((?:[^"\\]|\\.)*)"', body)
+        name = json.loads(b'"' + found.group(1) + b'"') if found else None
+    return None if name is None else (m["bucket"], name, int(wanted[0]))
+
+
 def _make_handler_class():
     """The emulator's request handler plus the three additions above (imported lazily:
     only the child process needs gcp_storage_emulator)."""
@@ -119,14 +149,8 @@ def _make_handler_class():
             super().do_GET()
 
         def _token(self) -> None:
-            length = int(self.headers.get("Content-Length") or 0)
-            self.rfile.read(length)
-            body = json.dumps({"access_token": "emulator-token", "expires_in": 3600, "token_type": "Bearer"}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            _send_json(self, 200, {"access_token": "emulator-token", "expires_in": 3600, "token_type": "Bearer"})
 
         def _generation_now(self, bucket: str, name: str) -> int:
             try:
@@ -137,31 +161,13 @@ def _make_handler_class():
         def _precondition_failed(self) -> bool:
             """ifGenerationMatch on uploads and deletes (0: the object must not exist). Checked
             under the mutation lock, so check and write are one step as on GCS."""
-            path, _, query = self.path.partition("?")
-            wanted = parse_qs(query).get("ifGenerationMatch")
-            if not wanted:
-                return False
-            m = re.match(r"^(?:/upload)?/storage/v1/b/(?P<bucket>[^/]+)/o(?:/(?P<object>.+))?$", path)
-            if not m:
-                return False
-            name = unquote(m["object"]) if m["object"] else (parse_qs(query).get("name") or [None])[0]
-            if name is None:  # a multipart upload names the object in its metadata part
-                length = int(self.headers.get("Content-Length") or 0)
-                body = self.rfile.read(length)
-                self.rfile = io.BytesIO(body)
-                found = re.search(rb'"name"\s*:\s*"((?:[^"\\]|\\.)*)"', body)
-                name = json.loads(b'"' + found.group(1) + b'"') if found else None
-            if name is None or self._generation_now(m["bucket"], name) == int(wanted[0]):
+            target = _conditioned_object(self)
+            if target is None or self._generation_now(target[0], target[1]) == target[2]:
                 return False
             length = int(self.headers.get("Content-Length") or 0)
             if self.rfile is not None and not isinstance(self.rfile, io.BytesIO) and length:
                 self.rfile.read(length)
-            body = json.dumps({"error": {"code": 412, "message": "conditionNotMet"}}).encode()
-            self.send_response(412)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            _send_json(self, 412, {"error": {"code": 412, "message": "conditionNotMet"}})
             return True
 
         def do_POST(self) -> None:

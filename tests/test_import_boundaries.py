@@ -214,3 +214,38 @@ def import_graph_paths():
     from testkit.import_graph import project_modules
 
     return sorted(project_modules().values())
+
+
+MAX_FUNCTION_LINES = 80
+
+
+def long_functions(root) -> list[str]:
+    """Functions (methods and nested ones included) over MAX_FUNCTION_LINES lines, outside tests/."""
+    import ast
+
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if rel.parts[0] in {".venv", "tests", "build"} or any(p.startswith(".") for p in rel.parts):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    found.append(f"{rel}:{node.lineno} {node.name} ({lines} lines)")
+    return found
+
+
+def test_no_function_over_80_lines_outside_tests():
+    import pathlib
+
+    assert long_functions(pathlib.Path(ROOT)) == []
+
+
+def test_the_length_check_can_fail(tmp_path):
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "long.py").write_text(f"def f():\n{body}\n")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_long.py").write_text(f"def g():\n{body}\n")  # tests may be long
+    assert long_functions(tmp_path) == [f"pkg/long.py:1 f ({MAX_FUNCTION_LINES + 1} lines)"]
