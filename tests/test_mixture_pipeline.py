@@ -391,3 +391,14 @@ def test_the_pieces_of_an_example_are_sampled_together(tmp_path, overlong, weigh
                 cut_counts.setdefault(index, set()).update(counts)
     # The case exercised: a source whose partial copy writes some cut examples more often than others.
     assert any(len(c) > 1 for c in cut_counts.values()), cut_counts
+
+
+def test_a_split_mixture_writes_the_same_bytes_on_one_and_two_workers(tmp_path):
+    """The pieces' units (lead pieces, deduplicated candidates) depend on no bundling."""
+    path = make_inputs(tmp_path)
+    (tmp_path / "mix.yaml").write_text(mixture_yaml(weights=(1, 3, 1)))
+    args = ["--mixture", path, "--max-length", "64", "128", "--allow-short-mix", "--overlong", "split"]
+    pack(args + ["--output", str(tmp_path / "one")])
+    pack(args + ["--output", str(tmp_path / "two")], TWO_PROCESSES)
+    for L in (64, 128):
+        assert shard_bytes(str(tmp_path / "one" / f"L{L}")) == shard_bytes(str(tmp_path / "two" / f"L{L}"))
