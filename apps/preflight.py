@@ -12,7 +12,7 @@ expected gain in useful-token (target-token) throughput is then packed target
 tokens per step over unpacked target tokens per step (stats.BatchFigures).
 
 Inputs take the same specs as `prepack pack` and go through the job's own read
-and prepare stages (pipelines.sources, pipelines.stages.readers, pipelines.stages.prepare.Preparer),
+and prepare stages (pipelines.sources, pipelines.inputs.readers, pipelines.stages.prepare.Preparer),
 run in this process: the same records, examples and bad-record reasons.
 
 Tokenizing runs in this process, which suits inputs up to a few million
@@ -303,14 +303,15 @@ def evaluate(examples: ExampleSet, config: PreflightConfig, tokenizer_name: str 
 
 
 # ----------------------------------------------------------------------------- reading inputs
-# The job's own read and prepare stages (pipelines.stages.readers, pipelines.stages.prepare.Preparer), run in
+# The job's own read and prepare stages (pipelines.inputs.readers, pipelines.stages.prepare.Preparer), run in
 # this process: the same specs, the same records, examples and bad-record reasons as `prepack pack`.
 
 
 def _pipelines() -> Any:
     try:
         from pipelines import sources
-        from pipelines.stages import prepare, readers
+        from pipelines.inputs import readers
+        from pipelines.stages import prepare
     except ImportError as e:
         raise PreflightError(f"reading inputs needs the pipeline extra ({e}); pip install 'tunix-prepack[pipeline]'") from e
     return prepare, readers, sources

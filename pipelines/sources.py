@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pipelines import files as files_lib
-from pipelines.stages.records import TaskMeta
+from pipelines.wire.records import TaskMeta
 
 FILE_KINDS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 COMPRESSED_SUFFIXES = (".gz", ".bz2", ".zst", ".deflate", ".lzma")

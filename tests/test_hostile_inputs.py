@@ -8,10 +8,10 @@ import os
 
 import pytest
 
-from pipelines.stages import readers
+from pipelines.inputs import readers
 from pipelines.options import OptionsError, parse_args
 from pipelines.launch.errors import JobError
-from pipelines.stages.records import TaskMeta
+from pipelines.wire.records import TaskMeta
 from testkit.gcs_emulator import gcs_emulator, gcs_prefix  # noqa: F401  (pytest fixtures)
 from testkit.pipeline import IN_PROCESS, alpaca_records, write_json, write_jsonl
 
@@ -209,7 +209,7 @@ def test_decompressed_blocks_are_bounded(tmp_path):
 
     import zstandard
 
-    from pipelines.stages import compressed
+    from pipelines.inputs import compressed
 
     data = zstandard.ZstdCompressor(level=19).compress(b"\0" * (64 << 20))
     sizes = [len(b) for b in compressed.decompressed_blocks(io.BytesIO(data), "z.zst", ".zst")]

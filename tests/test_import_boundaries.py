@@ -69,7 +69,7 @@ CASES = {
     "pipeline": (
         "import pipelines.launch.cli, pipelines.launch.job, pipelines.stages.read, pipelines.stages.prepare, pipelines.stages.fit, pipelines.stages.route, "
         "pipelines.stages.write, pipelines.launch.errors, pipelines.launch.job_stats, pipelines.launch.checks, pipelines.launch.manifest_compose, "
-        "pipelines.sources, pipelines.stages.readers, pipelines.planning",
+        "pipelines.sources, pipelines.inputs.readers, pipelines.planning",
         ("jax", "flax", "tunix", "grain"),
     ),
     "loader": (
@@ -142,8 +142,11 @@ def test_one_storage_interface(tmp_path):
 def _inner_layer_breaks(graph: dict[str, set[str]]) -> list[str]:
     """Inside pipelines/: launch/ (the command and the launcher) on top of stages/ (the Beam
     graph's stages, run on workers) and output/ (publishing); neither of those imports launch/,
-    and output/ imports no stage."""
-    forbidden = {"pipelines.stages.": ("pipelines.launch",), "pipelines.output": ("pipelines.launch", "pipelines.stages")}
+    and output/ imports no stage. Below the stages, inputs/ (reading files) and wire/ (what
+    travels between steps) import none of the three."""
+    below = ("pipelines.launch", "pipelines.stages", "pipelines.output")
+    forbidden = {"pipelines.stages.": ("pipelines.launch",), "pipelines.output": ("pipelines.launch", "pipelines.stages"),
+                 "pipelines.inputs": below, "pipelines.wire": below}
     return sorted(f"{m} -> {d}" for m in graph for prefix, banned in forbidden.items() if m.startswith(prefix)
                   for d in graph[m] if d.startswith(banned))
 
@@ -157,10 +160,14 @@ def test_pipelines_folders_import_downward_only(tmp_path):
         "pipelines/stages/fit.py": "from pipelines.launch import job\n",
         "pipelines/launch/job.py": "from pipelines.stages import fit\n",
         "pipelines/output/commit.py": "import pipelines.stages.fit\n",
+        "pipelines/wire/__init__.py": "", "pipelines/wire/columns.py": "from pipelines.output import commit\n",
+        "pipelines/inputs/__init__.py": "", "pipelines/inputs/readers.py": "from pipelines.stages import fit\n",
         "prepack/__init__.py": "", "loaders/__init__.py": "", "apps/__init__.py": "", "gcp/__init__.py": "", "train/__init__.py": "",
     })
-    assert _inner_layer_breaks(graph) == ["pipelines.output.commit -> pipelines.stages.fit",
-                                          "pipelines.stages.fit -> pipelines.launch.job"]
+    assert _inner_layer_breaks(graph) == ["pipelines.inputs.readers -> pipelines.stages.fit",
+                                          "pipelines.output.commit -> pipelines.stages.fit",
+                                          "pipelines.stages.fit -> pipelines.launch.job",
+                                          "pipelines.wire.columns -> pipelines.output.commit"]
 
 
 # The core's rooms, bottom first: text (what an example says); then packing (how examples fill rows)

@@ -15,7 +15,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from pipelines.options import OptionsError, parse_args, with_default_runner
-from pipelines.stages.columns import PayloadBatch, Ragged, TokenizedBatch
+from pipelines.wire.columns import PayloadBatch, Ragged, TokenizedBatch
 from pipelines.planning import build_plan, choose_num_shards, stable_hash, sub_buckets_of
 from pipelines.launch.report import density_table
 from prepack.format.rowformat import RowLayoutError
@@ -28,8 +28,8 @@ from testkit.reference import encode_rows, sub_bucket
 def _job_context(sub_buckets: int = 1, format: str = "alpaca", **config):
     """A worker context over one task, for calling a stage's DoFn directly."""
     from pipelines.options import PackConfig
-    from pipelines.stages.records import TaskMeta
-    from pipelines.stages.stage import JobContext
+    from pipelines.wire.records import TaskMeta
+    from pipelines.stage_shared import JobContext
 
     return JobContext(config=PackConfig(inputs=("in",), format=format, output="/tmp/unused", progress=False, **config),
                       tasks=(TaskMeta(0, "in", "f.jsonl", "f.jsonl"),), sub_buckets=sub_buckets, run_id="r", pad_id=0)
@@ -491,7 +491,8 @@ def _fit_reference(examples, max_lengths, truncate, pack, buckets):
 @given(data=st.data(), max_lengths=st.lists(st.sampled_from([3, 4, 6, 8, 16]), min_size=1, max_size=3, unique=True),
        truncate=st.booleans(), pack=st.booleans(), buckets=st.sampled_from([1, 2, 7]), flush=st.sampled_from([3, 20_000]))
 def test_fit_and_key_matches_the_per_example_rule(data, max_lengths, truncate, pack, buckets, flush):
-    from pipelines.stages import fit, stage
+    from pipelines import stage_shared as stage
+    from pipelines.stages import fit
     from prepack.packing.packer import OverlongPolicy
 
     max_lengths = tuple(sorted(max_lengths))
@@ -554,7 +555,7 @@ def test_fit_and_key_matches_the_per_example_rule(data, max_lengths, truncate, p
 
 
 def _prepare_outputs(fn, records):
-    from pipelines.stages import readers
+    from pipelines.inputs import readers
 
     items = [(i, i + 1, readers.RAW_TEXT, r if isinstance(r, bytes) else __import__("json").dumps(r).encode())
              for i, r in enumerate(records)]
@@ -638,7 +639,7 @@ class _Bytes:
     """A FileDigest that keeps what it was given, to check the ranges cover the file once."""
 
     def __init__(self):
-        from pipelines.stages.readers import FileDigest
+        from pipelines.inputs.readers import FileDigest
 
         self.inner, self.data = FileDigest(), b""
 
@@ -666,7 +667,7 @@ def test_jsonl_byte_ranges_give_the_whole_file_records(tmp_path_factory, lines, 
     """Every record of the file comes from exactly one range, with the file's record index and
     line once the ranges before it are counted (records.range_offsets), and the ranges' bytes
     are the file's bytes; whatever the read block sizes (lines spread over many blocks)."""
-    from pipelines.stages import readers
+    from pipelines.inputs import readers
 
     saved = readers.READ_BLOCK, readers._TAIL_BLOCK
     readers.READ_BLOCK, readers._TAIL_BLOCK = read_block, tail_block
@@ -677,8 +678,8 @@ def test_jsonl_byte_ranges_give_the_whole_file_records(tmp_path_factory, lines, 
 
 
 def _check_ranges_against_whole_file(tmp_path_factory, lines, trailing_newline, step):
-    from pipelines.stages import readers
-    from pipelines.stages.records import TaskMeta, range_offsets
+    from pipelines.inputs import readers
+    from pipelines.wire.records import TaskMeta, range_offsets
     from pipelines.sources import ReadTask
 
     data = b"\n".join(lines) + (b"\n" if trailing_newline and lines else b"")
@@ -724,7 +725,7 @@ def test_jsonl_files_are_split_by_size_alone():
 
 
 def test_a_jsonl_file_that_changes_under_a_range_read_fails(tmp_path):
-    from pipelines.stages import readers
+    from pipelines.inputs import readers
     from pipelines.sources import ReadTask
 
     path = tmp_path / "f.jsonl"
@@ -742,7 +743,7 @@ def test_router_ships_examples_cut_to_the_longest_max_length_they_serve():
     """Under --overlong truncate a 10,000-token example crosses the shard shuffle as its
     first 128 tokens (the longest L), not whole; every slot still gets its own cut."""
     from pipelines.stages import route
-    from pipelines.stages.columns import ShardWork
+    from pipelines.wire.columns import ShardWork
     from pipelines.planning import build_plans
     from prepack.packing.packer import OverlongPolicy
 
@@ -872,7 +873,7 @@ def _routed_slots(groups: dict, plans: dict, lengths: tuple[int, ...], seed: int
     """(L, row, position, example) of every slot RouteToRowsFn fills, with each group's examples
     permuted and split into wires at random (as shuffles deliver them) when seed is given."""
     from pipelines.stages import route
-    from pipelines.stages.columns import ShardWork
+    from pipelines.wire.columns import ShardWork
     from prepack.packing.packer import OverlongPolicy
 
     ctx = _job_context(tokenizer="unused", chat_format="gemma", max_lengths=lengths, overlong=OverlongPolicy.TRUNCATE, pack=True, sub_buckets=3, batch_size=8)

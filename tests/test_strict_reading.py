@@ -11,7 +11,7 @@ import lzma
 import pytest
 import zstandard
 
-from pipelines.stages import compressed, readers
+from pipelines.inputs import compressed, readers
 from pipelines.failures import InputFileError
 from pipelines.sources import ReadTask
 

@@ -17,7 +17,7 @@ build_pipeline composes, in graph order:
     tokens   tokens_sink.WriteTokenSet (the tokenized set, beside the shard sets);
              --from-tokens: tokens_source.ReadTokenSet stands in for read and prepare
 
-pipelines/stages/stage.py holds what the stages share (context, tags, clocks, the counter merge).
+pipelines/stage_shared.py holds what the stages share (context, tags, clocks, the counter merge).
 
 The launcher (`run`) owns everything outside the graph, in four steps: prepare (the
 fail-fast checks), run (the lock, then the pipeline), verify (the accounting identity
@@ -47,7 +47,7 @@ from pipelines.stages.fit import FitToLengths
 from pipelines.stages.prepare import PrepareExamples
 from pipelines.stages.read import ReadInputs
 from pipelines.stages.route import PlanAndRoute
-from pipelines.stages.stage import NAMESPACE, JobContext
+from pipelines.stage_shared import NAMESPACE, JobContext
 from pipelines.stages.write import WriteShardSets
 from pipelines.options import PackConfig
 from pipelines.planning import choose_sub_buckets

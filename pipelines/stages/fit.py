@@ -12,10 +12,10 @@ import numpy as np
 from apache_beam.metrics.metric import Metrics
 from apache_beam.pvalue import TaggedOutput
 
-from pipelines.stages.columns import Ragged, TokenizedBatch
+from pipelines.wire.columns import Ragged, TokenizedBatch
 from pipelines.planning import stable_hash, sub_buckets_of
-from pipelines.stages.records import dead_letter
-from pipelines.stages.stage import (FLUSH_EXAMPLES, NAMESPACE, TAG_DEAD, TAG_HIST, TAG_TALLY, TAG_WEIGHTS, JobContext, StageClock,
+from pipelines.wire.records import dead_letter
+from pipelines.stage_shared import (FLUSH_EXAMPLES, NAMESPACE, TAG_DEAD, TAG_HIST, TAG_TALLY, TAG_WEIGHTS, JobContext, StageClock,
                              in_global_window)
 from prepack.packing.accounting import Tally
 from prepack.packing.packer import (DropReason, Fit, OverlongPolicy, WindowPiece, context_replayed, cut_pieces,

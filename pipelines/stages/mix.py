@@ -42,9 +42,9 @@ import apache_beam as beam
 import numpy as np
 from apache_beam.pvalue import TaggedOutput
 
-from pipelines.stages.columns import PayloadBatch
+from pipelines.wire.columns import PayloadBatch
 from pipelines.planning import stable_hash, sub_buckets_of
-from pipelines.stages.stage import TAG_HIST, TAG_TALLY, JobContext, MergeCounters, StageClock, in_global_window
+from pipelines.stage_shared import TAG_HIST, TAG_TALLY, JobContext, MergeCounters, StageClock, in_global_window
 from prepack.packing.accounting import Tally
 from prepack.packing.mixture import RANK_BITS, budgets, fill_bound, partial_pick
 from prepack.packing.packer import DropReason, piece_example_id

@@ -19,12 +19,12 @@ import numpy as np
 from apache_beam.metrics.metric import Metrics
 from apache_beam.pvalue import TaggedOutput
 
-from pipelines.stages import readers
-from pipelines.stages.columns import IDS, LENS, MASK, Ragged, TokenizedBatch
+from pipelines.inputs import readers
+from pipelines.wire.columns import IDS, LENS, MASK, Ragged, TokenizedBatch
 from pipelines.planning import stable_hash
-from pipelines.stages.records import DeadLetter, Loc, TaskMeta, dead_letter, example_id
+from pipelines.wire.records import DeadLetter, Loc, TaskMeta, dead_letter, example_id
 from prepack.packing.accounting import Tally
-from pipelines.stages.stage import NAMESPACE, TAG_BAD, TAG_TALLY, JobContext, Progress, StageClock, in_global_window
+from pipelines.stage_shared import NAMESPACE, TAG_BAD, TAG_TALLY, JobContext, Progress, StageClock, in_global_window
 
 # oasst1 messages dropped for these reasons are a property of the data set (other
 # languages, failed review, deleted threads), not bad input: counted, not failed on.

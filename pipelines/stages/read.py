@@ -1,4 +1,4 @@
-"""Read stage: one ReadTask -> batches of raw records (pipelines/stages/readers.py reads each kind)."""
+"""Read stage: one ReadTask -> batches of raw records (pipelines/inputs/readers.py reads each kind)."""
 
 from __future__ import annotations
 
@@ -9,17 +9,17 @@ import apache_beam as beam
 from apache_beam.metrics.metric import Metrics
 from apache_beam.pvalue import TaggedOutput
 
-from pipelines.stages import readers
+from pipelines.inputs import readers
 from pipelines.failures import InputFileError
 from pipelines.failpoints import InjectedFault
 from pipelines.limits import InputLimits
 from pipelines.sources import ReadTask
-from pipelines.stages.stage import NAMESPACE, TAG_FINGERPRINT, Progress, StageClock
+from pipelines.stage_shared import NAMESPACE, TAG_FINGERPRINT, Progress, StageClock
 
 
 class ReadTaskFn(beam.DoFn):
     """ReadTask -> (task_index, [raw record, ...]) batches of at most batch_size (a raw record is
-    described in pipelines/stages/readers.py); tagged TAG_FINGERPRINT: one (task_index, sha256 or None,
+    described in pipelines/inputs/readers.py); tagged TAG_FINGERPRINT: one (task_index, sha256 or None,
     bytes read, records, lines) per task.
 
     Contract: every record of the task is emitted exactly once, in the task's order; a read

@@ -13,10 +13,10 @@ import numpy as np
 from apache_beam.metrics.metric import Metrics
 from apache_beam.pvalue import TaggedOutput
 
-from pipelines.stages.columns import PayloadBatch, ShardWork, concat_wire
+from pipelines.wire.columns import PayloadBatch, ShardWork, concat_wire
 from pipelines.failures import ShardCheckError
 from pipelines.planning import LengthPlan
-from pipelines.stages.stage import FLUSH_EXAMPLES, NAMESPACE, TAG_PLAN, JobContext, StageClock, in_global_window
+from pipelines.stage_shared import FLUSH_EXAMPLES, NAMESPACE, TAG_PLAN, JobContext, StageClock, in_global_window
 from prepack.packing.packer import Planner
 
 
@@ -169,7 +169,7 @@ class PlanAndRoute(beam.PTransform):
     def expand(self, fitted: dict[str, Any]) -> dict[str, Any]:
         from apache_beam.pvalue import AsDict, AsMultiMap
 
-        from pipelines.stages.stage import MergeCounters
+        from pipelines.stage_shared import MergeCounters
 
         config = self.ctx.config
         planned = (

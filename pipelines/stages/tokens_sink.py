@@ -28,9 +28,9 @@ import numpy as np
 from apache_beam.metrics.metric import Metrics
 from apache_beam.transforms.window import GlobalWindows
 
-from pipelines.stages.columns import TokenizedBatch
-from pipelines.stages.records import DeadLetter, TaskMeta
-from pipelines.stages.stage import StageClock
+from pipelines.wire.columns import TokenizedBatch
+from pipelines.wire.records import DeadLetter, TaskMeta
+from pipelines.stage_shared import StageClock
 from pipelines.summary import RunSummary, TokenFile, TokenIndex
 from pipelines.stages.write import copy_local_to, write_bytes
 from prepack.packing.accounting import Tally

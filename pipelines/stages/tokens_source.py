@@ -25,11 +25,11 @@ import apache_beam as beam
 import numpy as np
 from apache_beam.metrics.metric import Metrics
 
-from pipelines.stages.columns import LENS, Ragged, TokenizedBatch
+from pipelines.wire.columns import LENS, Ragged, TokenizedBatch
 from pipelines.options import PackConfig
 from pipelines.planning import stable_hash
-from pipelines.stages.records import TaskMeta
-from pipelines.stages.stage import StageClock
+from pipelines.wire.records import TaskMeta
+from pipelines.stage_shared import StageClock
 from prepack.packing.accounting import Tally
 from pipelines.failures import InputFileError
 from prepack import storage

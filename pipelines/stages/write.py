@@ -27,11 +27,11 @@ from apache_beam.metrics.metric import Metrics
 
 from pipelines import files
 from pipelines.planning import LengthPlan
-from pipelines.stages.columns import FragmentBatch, ShardWork, concat_wire
-from pipelines.stages.compressed import decompressed_blocks
+from pipelines.wire.columns import FragmentBatch, ShardWork, concat_wire
+from pipelines.inputs.compressed import decompressed_blocks
 from pipelines.failures import InputFileError, ShardCheckError
-from pipelines.stages.records import DeadLetter, TaskMeta, place_in_file, range_offsets
-from pipelines.stages.stage import StageClock
+from pipelines.wire.records import DeadLetter, TaskMeta, place_in_file, range_offsets
+from pipelines.stage_shared import StageClock
 from pipelines.summary import LengthSummary, PlanSummary, RunSummary, ShardSummary
 from prepack.format.layout import run_staging_dir, staging_dir, summary_path
 from prepack.format.rowformat import encode_rows_flat
@@ -317,7 +317,7 @@ class WriteShardSets(beam.PTransform):
     def expand(self, inputs: dict[str, Any]) -> Any:
         from apache_beam.pvalue import AsDict, AsList, AsSingleton
 
-        from pipelines.stages.stage import MergeTallies
+        from pipelines.stage_shared import MergeTallies
 
         ctx, config = self.ctx, self.ctx.config
         plans = AsDict(inputs["plans"])

@@ -1,5 +1,5 @@
 """Compact bytes for token ids and loss masks: the one encoding behind the job's token
-shuffles (pipelines/stages/columns.py) and the tokenized set's records (prepack/format/tokenset.py).
+shuffles (pipelines/wire/columns.py) and the tokenized set's records (prepack/format/tokenset.py).
 
 Ids whose values all fit in 24 bits (any vocabulary up to 16.7M pieces, Gemma 3's 262k
 included) take 3 bytes, a 0/1 mask takes bits; anything else is stored plain. The first

@@ -27,7 +27,7 @@ from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any
 
 from pipelines import sources
-from pipelines.stages import compressed
+from pipelines.inputs import compressed
 from pipelines import failpoints, files
 from pipelines.failures import InputFileError
 from pipelines.limits import InputLimits
@@ -87,7 +87,7 @@ def snippet(raw: Any) -> str:
 
 def _file_blocks(task: ReadTask, limits: InputLimits) -> Iterator[bytes]:
     """The file's (decompressed) bytes, in blocks of at most READ_BLOCK (compressed.OUT_BLOCK);
-    a truncated or corrupt compressed file raises InputFileError naming it (pipelines/stages/compressed.py),
+    a truncated or corrupt compressed file raises InputFileError naming it (pipelines/inputs/compressed.py),
     never a shorter file, as does a file over a limit (pipelines/limits.py) or one that is
     not the file planned (another size or mtime, or not a regular file any more)."""
     path = task.path

@@ -2,7 +2,7 @@
 
 Plain tuples of ints, strs and bytes go through Beam's fast primitive coder;
 dataclasses or numpy arrays would be pickled, several times slower per element.
-Token payloads travel in columnar batches (pipelines/stages/columns.py).
+Token payloads travel in columnar batches (pipelines/wire/columns.py).
 
 - Loc = (task_index, record_index, line, sub_index): where an example came from.
   sub_index numbers the examples one record yields (0 for the first).

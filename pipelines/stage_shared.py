@@ -26,7 +26,7 @@ from apache_beam.metrics.metric import Metrics
 from apache_beam.transforms.window import GlobalWindows
 
 from pipelines.options import PackConfig
-from pipelines.stages.records import TaskMeta
+from pipelines.wire.records import TaskMeta
 from prepack.packing.accounting import Tally
 
 NAMESPACE = "prepack"
