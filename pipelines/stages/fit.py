@@ -46,7 +46,7 @@ class FitAndKeyFn(beam.DoFn):
     def start_bundle(self) -> None:
         # Kept examples wait here until a flush: (batch of kept examples, group code, kept_at of each,
         # and under --overlong split or window each one's example_targets at each max length).
-        self.pending: list[tuple[TokenizedBatch, np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]] = []
+        self.pending: list[tuple[TokenizedBatch, np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]] = []
         self.buffered = 0
         self.hist: Counter = Counter()
         # (length_key, b) of examples that fit every max length: expanded into hist at the
@@ -219,7 +219,7 @@ class FitAndKeyFn(beam.DoFn):
                               Ragged(piece_lens, batch.examples.ids[flat], mask))
         kept_at = np.array([pieces[k] for k in keys], dtype=np.uint64)
         totals = self._example_targets(np.array([k[0] for k in keys], np.int64), made.targets_after_first(), kept_at)
-        leads_at = self._leads(keys, kept_at)
+        leads_at = self._leads(keys, kept_at) if ctx.source_of_input else None  # only a mixture reads them
         length_keys = piece_lens.astype(np.int64) if ctx.config.pack else np.zeros(len(keys), np.int64)
         b = sub_buckets_of(hashes, ctx.sub_buckets)
         for bit, L in enumerate(ctx.config.max_lengths):

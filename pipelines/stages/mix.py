@@ -66,34 +66,47 @@ def sources_of(example_ids: list[str], source_of_input: tuple[int, ...]) -> np.n
 
 @dataclasses.dataclass
 class Units:
-    """What the share rule samples at one max length, per entry of a PayloadBatch: a whole
-    example is its own unit; the pieces of an example cut there share their example's.
-    `hashes`, `ids`, `weights`: the unit's rank (its example's stable hash, ties by its id) and
-    weight. `shares`: this entry's part of its unit's weight, summing to it over the unit's
-    entries (a piece's own target tokens, or 1 on the unit's lead piece), so sums over entries
-    in any bundling count each unit once."""
+    """What the share rule samples, per entry of a PayloadBatch: a whole example is its own
+    unit; the pieces of an example (--overlong split or window) share their example's.
+    `hashes`, `ids`: the unit's rank (its example's stable hash, ties by its id), the same at
+    every max length. `weights(bit, L)`: the unit's weight there; `shares(bit, L)`: this entry's
+    part of it, summing to it over the unit's entries (a piece's own target tokens, or 1 on the
+    unit's lead piece), so sums over entries in any bundling count each unit once."""
 
+    batch: PayloadBatch
+    weight_of: str
     hashes: np.ndarray
     ids: list[str]
-    weights: np.ndarray
-    shares: np.ndarray
+    pieces: np.ndarray  # bool per entry; a whole example's example_targets are 0 at every L
 
     @staticmethod
-    def of(batch: PayloadBatch, bit: int, max_length: int, weight_of: str) -> "Units":
-        own = (np.ones(len(batch.example_ids), dtype=np.int64) if weight_of == "examples"
-               else batch.examples.targets_after_first(max_length).astype(np.int64))
+    def of(batch: PayloadBatch, weight_of: str) -> "Units":
         if batch.example_targets is None:
-            return Units(batch.hashes, batch.example_ids, own, own)
-        pieces = np.flatnonzero(batch.example_targets[:, bit] > 0)  # a whole example's is 0
-        hashes, ids, weights, shares = batch.hashes.copy(), list(batch.example_ids), own.copy(), own
-        for i in pieces.tolist():
+            return Units(batch, weight_of, batch.hashes, batch.example_ids, np.zeros(len(batch.example_ids), bool))
+        pieces = (batch.example_targets > 0).any(axis=1)
+        hashes, ids = batch.hashes.copy(), list(batch.example_ids)
+        for i in np.flatnonzero(pieces).tolist():
             ids[i] = piece_example_id(ids[i])
             hashes[i] = stable_hash(ids[i])
-        if weight_of == "examples":
-            shares = ((batch.leads_at >> np.uint64(bit)) & np.uint64(1)).astype(np.int64)
-        else:
-            weights[pieces] = batch.example_targets[pieces, bit]
-        return Units(hashes, ids, weights, shares)
+        return Units(batch, weight_of, hashes, ids, pieces)
+
+    def _own(self, max_length: int) -> np.ndarray:
+        if self.weight_of == "examples":
+            return np.ones(len(self.ids), dtype=np.int64)
+        return self.batch.examples.targets_after_first(max_length).astype(np.int64)
+
+    def weights(self, bit: int, max_length: int) -> np.ndarray:
+        own = self._own(max_length)
+        if self.weight_of == "examples" or not self.pieces.any():
+            return own
+        return np.where(self.pieces, self.batch.example_targets[:, bit], own)
+
+    def shares(self, bit: int, max_length: int) -> np.ndarray:
+        own = self._own(max_length)
+        if self.weight_of != "examples" or not self.pieces.any():
+            return own
+        leads = ((self.batch.leads_at >> np.uint64(bit)) & np.uint64(1)).astype(np.int64)
+        return np.where(self.pieces, leads, own)
 
 
 def _buckets(hashes: np.ndarray) -> np.ndarray:
@@ -104,10 +117,11 @@ def weigh_into(hist: Counter, batch: PayloadBatch, ctx: JobContext) -> None:
     """Adds a batch's kept weight to the (L, source, rank bucket) histogram. Called by the fit
     stage on the examples it keys (so the payloads are not decoded once more for it)."""
     source = sources_of(batch.example_ids, ctx.source_of_input)
+    units = Units.of(batch, ctx.mixture.weight_of)
+    bucket = _buckets(units.hashes)
     for bit, L in enumerate(ctx.config.max_lengths):
         kept = batch.kept_at_length(bit)
-        units = Units.of(batch, bit, L, ctx.mixture.weight_of)
-        for s, b, weight in _group_sums(source[kept], _buckets(units.hashes)[kept], units.shares[kept]):
+        for s, b, weight in _group_sums(source[kept], bucket[kept], units.shares(bit, L)[kept]):
             hist[(L, s, b)] += weight
 
 
@@ -164,12 +178,13 @@ class CandidatesFn(beam.DoFn):
         batch = PayloadBatch.from_wire(element[1])
         mixture = self.ctx.mixture
         source = sources_of(batch.example_ids, self.ctx.source_of_input)
+        units = Units.of(batch, mixture.weight_of)
+        bucket = _buckets(units.hashes)
         for bit, L in enumerate(self.ctx.config.max_lengths):
             table = [(NO_BOUNDARY, -1)] + [(decisions[(L, s)][1], fill_bound(decisions[(L, s)][2], mixture.weight_of, L))
                                            for s in range(1, len(mixture.sources) + 1)]
             boundary, bound = np.array([b for b, _ in table]), np.array([c for _, c in table])
-            units = Units.of(batch, bit, L, mixture.weight_of)
-            bucket, w = _buckets(units.hashes), units.weights
+            w = units.weights(bit, L)
             at_boundary = bucket == boundary[source]
             later = (boundary[source] != NO_BOUNDARY) & (bucket > boundary[source]) & (w <= bound[source])
             for i in np.flatnonzero(batch.kept_at_length(bit) & (at_boundary | later)).tolist():
@@ -248,9 +263,9 @@ class SampleFn(beam.DoFn):
         n_sources = len(ctx.mixture.sources)
         source = sources_of(batch.example_ids, ctx.source_of_input)
         copies = np.zeros((len(lengths), len(batch.example_ids)), dtype=np.int64)
+        units = Units.of(batch, ctx.mixture.weight_of)
+        bucket = _buckets(units.hashes)
         for bit, L in enumerate(lengths):
-            units = Units.of(batch, bit, L, ctx.mixture.weight_of)
-            bucket = _buckets(units.hashes)
             table = np.array([(0, NO_BOUNDARY)] + [decisions[(L, s)][:2] for s in range(1, n_sources + 1)], dtype=np.int64)
             whole, boundary = table[source, 0], table[source, 1]
             partial = (bucket < boundary).astype(np.int64)
@@ -281,7 +296,7 @@ class SampleFn(beam.DoFn):
 
     def _count(self, batch: PayloadBatch, units: Units, source: np.ndarray, copies: np.ndarray, bit: int, L: int) -> None:
         kept = batch.kept_at_length(bit)
-        w = units.shares
+        w = units.shares(bit, L)
         tokens = np.minimum(batch.examples.lens.astype(np.int64), L)
         targets = batch.examples.targets_after_first(L).astype(np.int64)
         for s in np.unique(source[kept]).tolist():
