@@ -40,6 +40,7 @@ POINTS: dict[str, str] = {
     "after_run_record": "published.json is written, before old files are deleted",
     "before_delete": "before the old files this run replaced are deleted (`:L<length>` or `:tokens`)",
     "after_publish": "everything is published and cleaned, before the lock is released",
+    "lock_renew": "the gs:// lease renewer wakes, before it renews (`error`: a storage error it retries at its next tick)",
     "input_read": "a worker starts reading an input file (`:start`), and has read it whole, before its change check (`:whole_file`)",
 }
 

@@ -233,12 +233,13 @@ def test_a_live_local_lock_is_not_taken_over_from_another_pid_namespace(inputs, 
 def test_gcs_run_that_loses_its_lease_while_paused_stops_at_once(gcs_out, inputs):
     """Paused right after taking the lock, past its lease; run B publishes meanwhile. When A
     resumes, its first step proves it still holds the lease, finds it taken over and stops with
-    the one line: A never reaches before_publish (which would exit 9). Shown to fail without the
-    held.check() after after_lock in job.run (A ran its whole pipeline and exited 9 there). The
-    renewer's own stop (LeaseLock.on_lost, mid-pipeline) is timed by its thread, so its test is
-    test_output_lock.py's, which waits for it rather than racing the pipeline."""
+    the one line: A never reaches before_publish (which would exit 9). A's renewer meets a storage
+    error at every tick (lock_renew=error), so only that first step can stop it. Shown to fail
+    without the held.check() after after_lock in job.run (A ran its whole pipeline and exited 9
+    there). The renewer's own stop (LeaseLock.on_lost, mid-pipeline) is timed by its thread, so
+    its test is test_output_lock.py's, which waits for it rather than racing the pipeline."""
     out = gcs_out
-    a = start(inputs["a"], out, "--overwrite", failpoints="after_lock=stop;before_publish=exit(9)")
+    a = start(inputs["a"], out, "--overwrite", failpoints="after_lock=stop;lock_renew=error;before_publish=exit(9)")
     b_record, code, err = b_takes_over_then_a_resumes(a, out, inputs)
     assert code == 1, err
     (line,) = lines(err)

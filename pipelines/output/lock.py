@@ -40,6 +40,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from pipelines import failpoints
 from prepack.storage import GcsStorage, SwitchRefused, storage_for
 from prepack.format import layout
 
@@ -264,6 +265,7 @@ class LeaseLock(OutputLock):
         every = min(RENEW_EVERY_S, self._expiry_s / 3)
         while not self._stop.wait(every):
             try:
+                failpoints.hit("lock_renew")
                 self.check()
             except LockLost:
                 if self.on_lost is not None and not self._stop.is_set():
