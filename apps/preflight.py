@@ -34,6 +34,7 @@ import random
 import sys
 import time
 from collections import Counter
+from fractions import Fraction
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -89,9 +90,18 @@ class PreflightConfig:
     seed: int = 0
     plots: bool = True
     pack_output: str | None = None  # set: run the Beam job per dataset into this folder and read its manifests
-    mixture: Any = None  # --mixture: prepack.packing.mixture.Mixture; its sources' inputs are the datasets
+    # prepack.packing.mixture.Mixture, whose sources' inputs are the datasets. --mixture: the file's;
+    # left out: each dataset is a source of its own, which no set records (shown side by side, not mixed).
+    mixture: Any = None
     train_reasoning: bool = True  # as `prepack pack --train-reasoning`
     expand_turns: bool = False  # as `prepack pack --expand-turns`
+
+    def __post_init__(self) -> None:
+        from prepack.packing.mixture import Mixture, MixtureSource
+
+        side_by_side = Mixture("", "", "examples", 1, tuple(MixtureSource(i, d.name, (d.path,), d.format, Fraction(1), d.options)
+                                                           for i, d in enumerate(self.datasets, start=1)))
+        object.__setattr__(self, "mixture", self.mixture or side_by_side)
 
 
 # ----------------------------------------------------------------------------- tokenized examples
@@ -508,10 +518,10 @@ def run(config: PreflightConfig, loader: Callable[[DatasetSpec], ExampleSet], to
                 "length_histogram": {str(k): v for k, v in examples.length_histogram().items()},
             }
         )
-    mix = mixture_rows(config, datasets_by_name) if config.mixture is not None else []
+    mix = mixture_rows(config, datasets_by_name)
     return {
         "tool": "prepack preflight",
-        **({"mixture": {**config.mixture.describe(), "rows": mix}} if config.mixture is not None else {}),
+        **({"mixture": {**config.mixture.describe(), "rows": mix}} if config.mixture.recorded else {}),
         "config": {
             "tokenizer": config.tokenizer,
             "chat_format": config.chat_format,
@@ -536,9 +546,12 @@ def run(config: PreflightConfig, loader: Callable[[DatasetSpec], ExampleSet], to
 
 def mixture_rows(config: PreflightConfig, loaded: dict[str, tuple[DatasetSpec, ExampleSet]]) -> list[dict[str, Any]]:
     """The per-source table at every L: kept sizes under the overlong rule, then the share rule's
-    budgets (prepack.packing.mixture.preview); the realized mix before anything is packed."""
+    budgets (prepack.packing.mixture.preview); the realized mix before anything is packed. None
+    for datasets shown side by side (no mixture file): nothing is mixed."""
     from prepack.packing.mixture import preview
 
+    if not config.mixture.recorded:
+        return []
     out = []
     for L in config.max_lengths:
         examples, targets = [], []
@@ -730,6 +743,18 @@ def _mixture_datasets(path: str) -> tuple[Any, list[DatasetSpec]]:
     return mixture, datasets
 
 
+def _named_datasets(inputs: Sequence[str], formats: Sequence[str]) -> list[DatasetSpec]:
+    """Each --input a dataset of its own, named by NAME=PATH or its file name."""
+    datasets, names = [], Counter()
+    for raw, fmt in zip(inputs, formats):
+        name, path = _split_name(raw)
+        names[name] += 1
+        if names[name] > 1:  # two inputs called train.jsonl: keep both, tell them apart
+            name = f"{name}#{names[name]}"
+        datasets.append(DatasetSpec(name, path, fmt, source=name))
+    return datasets
+
+
 def config_from_args(args: argparse.Namespace) -> PreflightConfig:
     mixture = None
     if args.mixture:
@@ -747,13 +772,8 @@ def config_from_args(args: argparse.Namespace) -> PreflightConfig:
         raise PreflightError(f"got {len(inputs)} inputs and {len(formats)} formats; give one format for all or one per input")
     if len(formats) == 1:
         formats *= len(inputs)
-    datasets, names = ([], Counter()) if mixture is None else (datasets, Counter())
-    for raw, fmt in (zip(inputs, formats) if mixture is None else ()):
-        name, path = _split_name(raw)
-        names[name] += 1
-        if names[name] > 1:  # two inputs called train.jsonl: keep both, tell them apart
-            name = f"{name}#{names[name]}"
-        datasets.append(DatasetSpec(name, path, fmt))
+    if not args.mixture:
+        datasets = _named_datasets(inputs, formats)
     max_lengths = tuple(args.max_length or DEFAULT_MAX_LENGTHS)
     batch_sizes = tuple(args.batch_size or DEFAULT_BATCH_SIZES)
     for flag, values in (("--max-length", max_lengths), ("--batch-size", batch_sizes)):

@@ -50,9 +50,9 @@ TRAINING_MODULES = ("jax", "jaxlib", "flax", "tunix", "grain", "orbax", "optax",
 TRAINING_DISTS = ("jax", "jaxlib", "flax", "google-tunix", "grain", "orbax-checkpoint", "optax", "qwix")
 
 # The steps of pipelines/launch/job.build_pipeline a Dataflow job must have (top-level names).
-EXPECTED_STEPS = ("Read", "Prepare", "Fit", "Route", "Write", "WriteTokenSet")
-# ... and a mixture job's (--mixture): each source's share of every length, between Fit and the plan.
-MIXTURE_STEPS = ("Mix",)
+# Every job's (Mix: each source's share of every length, between Fit and the plan; a plain run
+# is one source, passed through).
+EXPECTED_STEPS = ("Read", "Prepare", "Fit", "Mix", "Route", "Write", "WriteTokenSet")
 # Steps whose DoFns the project wrote (their setup() runs in the child interpreter).
 PROJECT_MODULE_PREFIXES = ("pipelines.", "prepack.")
 
@@ -282,8 +282,7 @@ def validate(pack_argv: Sequence[str]) -> Report:
     proto = job.proto_pipeline
     problems: list[str] = []
     steps = top_level_steps(proto)
-    expected = EXPECTED_STEPS + (MIXTURE_STEPS if config.mixture is not None else ())
-    missing = [s for s in expected if s not in steps]
+    missing = [s for s in EXPECTED_STEPS if s not in steps]
     if missing:
         problems.append(f"the Dataflow pipeline lacks the steps {missing}")
     packaging, staged, image, code_problems = check_worker_code(proto, options)

@@ -94,13 +94,18 @@ class PackConfig:
     # checked against the tokenized set's; the fields above then come from the set.
     requested: tuple[tuple[str, Any], ...] = ()
     limits: InputLimits = InputLimits()  # what one input may make a worker hold (pipelines/limits.py)
-    # --mixture: the parsed mixture file; `inputs` are then its sources' inputs in file order
-    # and `format` is "mixture" (each source has its own, prepack/packing/mixture.py).
-    mixture: Mixture | None = None
+    # Every run is a mixture. --mixture: the parsed mixture file; `inputs` are then its sources'
+    # inputs in file order and `format` is "mixture" (each source has its own,
+    # prepack/packing/mixture.py). A plain run: left out, it is the one source of `inputs` and
+    # `format` (Mixture.single), which no set records.
+    mixture: Mixture = None  # type: ignore[assignment]  # set by __post_init__ when left out
     allow_short_mix: bool = False  # publish a mixture whose realized shares miss the requested ones
     allow_untrained_eot: bool = False  # publish although some target turns do not train their end-of-turn token
     train_reasoning: bool = True  # --train-reasoning: a reasoning trace's think block is a target (qwen3)
     expand_turns: bool = False  # --expand-turns: one example per target assistant turn
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mixture", self.mixture or Mixture.single(self.inputs, self.format, self.template_options))
 
     @property
     def template_kwargs(self) -> dict[str, str]:
@@ -319,13 +324,14 @@ def _mixture(ns: argparse.Namespace) -> Mixture | None:
 
 
 def _inputs(ns: argparse.Namespace) -> tuple[tuple[str, ...], str, Mixture | None]:
-    """(inputs, format, mixture) from --input/--format, --sample, --mixture or --from-tokens."""
+    """(inputs, format, mixture file) from --input/--format, --sample, --mixture or --from-tokens;
+    None: no mixture file, the run's one source is its inputs (PackConfig.mixture)."""
     mixture = _mixture(ns)
     if ns.from_tokens:
         if ns.sample:
             raise OptionsError("--from-tokens packs a tokenized set; do not combine it with --sample")
         return tuple(ns.input), ns.format or "", mixture
-    if mixture is not None:
+    if ns.mixture:
         return mixture.inputs(), "mixture", mixture
     if ns.sample:
         if ns.input:

@@ -49,6 +49,8 @@ EST_BYTES_PER_RECORD = 256  # only to size hash sub-buckets; a deterministic fun
 class InputError(ValueError):
     """An input that cannot be read; raised before any pipeline work."""
 
+    input_index: int | None = None  # which of the specs (resolve_inputs sets it)
+
 
 @dataclasses.dataclass(frozen=True)
 class ReadTask:
@@ -180,24 +182,28 @@ def resolve_inputs(specs: Sequence[str], tfds_data_dir: str | None = None) -> tu
     resolved: list[ResolvedInput] = []
     tasks: list[ReadTask] = []
     for index, spec in enumerate(specs):
-        if spec.startswith("hf:"):
-            target = spec[3:]
-            local = _split_local_dataset(target)
-            if local is not None:
-                r, t = _resolve_hf_disk(index, spec, *local, first_task=len(tasks))
-            else:
-                r, t = _resolve_hf_hub(index, spec, target, first_task=len(tasks))
-        elif spec.startswith("tfds:"):
-            r, t = _resolve_tfds(index, spec, spec[5:], tfds_data_dir, first_task=len(tasks))
-        else:
-            local = None if spec.startswith("gs://") else _split_local_dataset(spec)
-            if local is not None:
-                r, t = _resolve_hf_disk(index, spec, *local, first_task=len(tasks))
-            else:
-                r, t = _resolve_files(index, spec, first_task=len(tasks))
+        try:
+            r, t = _resolve_one(index, spec, tfds_data_dir, len(tasks))
+        except InputError as e:
+            e.input_index = index
+            raise
         resolved.append(r)
         tasks.extend(t)
     return resolved, tasks
+
+
+def _resolve_one(index: int, spec: str, tfds_data_dir: str | None, first: int) -> tuple[ResolvedInput, list[ReadTask]]:
+    if spec.startswith("hf:"):
+        local = _split_local_dataset(spec[3:])
+        if local is not None:
+            return _resolve_hf_disk(index, spec, *local, first_task=first)
+        return _resolve_hf_hub(index, spec, spec[3:], first_task=first)
+    if spec.startswith("tfds:"):
+        return _resolve_tfds(index, spec, spec[5:], tfds_data_dir, first_task=first)
+    local = None if spec.startswith("gs://") else _split_local_dataset(spec)
+    if local is not None:
+        return _resolve_hf_disk(index, spec, *local, first_task=first)
+    return _resolve_files(index, spec, first_task=first)
 
 
 def task_metas(inputs: Sequence[ResolvedInput], tasks: Sequence[ReadTask]) -> tuple[TaskMeta, ...]:

@@ -52,8 +52,8 @@ class JobContext:
     sub_buckets: int  # resolved: config.sub_buckets, or chosen from the input size
     run_id: str
     pad_id: int
-    # A mixture's source (1..N) of each input index (example ids start with the input index,
-    # so every example knows its source); empty without a mixture.
+    # The source (1..N) of each input index (example ids start with the input index, so every
+    # example knows its source): Mixture.source_of_input(); empty: each input is source 1's.
     source_of_input: tuple[int, ...] = ()
 
     @property
@@ -61,7 +61,7 @@ class JobContext:
         return self.config.mixture
 
     def source_of_task(self, task_index: int) -> int:
-        return self.source_of_input[self.tasks[task_index].input_index] if self.source_of_input else 0
+        return self.source_of_input[self.tasks[task_index].input_index] if self.source_of_input else 1
 
 
 def in_global_window(value: Any) -> Any:

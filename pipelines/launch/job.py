@@ -56,6 +56,7 @@ from pipelines.summary import LengthStats, RunSummary
 from pipelines import failpoints
 from prepack.format import layout
 from prepack.format.tokenset import TokenSetError, TokenSetManifest
+from prepack.packing.mixture import recorded_choices, recorded_templates
 from prepack.packing.packer import OverlongPolicy
 
 log = logging.getLogger("prepack.pack")
@@ -136,8 +137,8 @@ def prepare(
         return _prepare_from_tokens(config, run_id, existing_refused)
     if resolved is None and not existing_refused:
         checks.refuse_existing(config)
-    try:  # a mixture's formats were checked when its file was read
-        template = get_template(config.format, **config.template_kwargs) if config.mixture is None else None
+    try:  # a mixture file's formats were checked when it was read; a plain run's one source is checked here
+        templates = [get_template(s.format, **dict(s.options)) for s in config.mixture.sources]
     except ValueError as e:
         raise JobError(str(e)) from e
     try:
@@ -148,27 +149,17 @@ def prepare(
         chat_format = get_chat_format(config.chat_format, tokenizer, config.train_reasoning)
     except ChatFormatError as e:
         raise JobError(f"chat format: {e.message}") from e
-    if resolved is None:
-        if config.mixture is not None:
-            _check_mixture_inputs(config)
-        try:
-            inputs, tasks = sources.resolve_inputs(config.inputs, config.tfds_data_dir)
-        except sources.InputError as e:
-            raise JobError(str(e)) from e
-    else:
-        inputs, tasks = resolved
+    inputs, tasks = _resolve(config) if resolved is None else resolved
     est = sum(i.est_records for i in inputs)
     sub_buckets = config.sub_buckets or choose_sub_buckets(est * _copies_at_most(config), config.pack)
     ctx = JobContext(config=config, tasks=sources.task_metas(inputs, tasks), sub_buckets=sub_buckets, run_id=run_id,
-                     pad_id=int(tokenizer.pad_id),
-                     source_of_input=config.mixture.source_of_input() if config.mixture is not None else ())
+                     pad_id=int(tokenizer.pad_id), source_of_input=config.mixture.source_of_input())
     job_info = {
         "tokenizer": tokenizer.identity(),
         "template": {
             "name": config.format,
             "options": config.template_kwargs,
-            **({"sources": {s.name: {"name": s.format, "options": dict(s.options)} for s in config.mixture.sources}}
-               if config.mixture is not None else {}),
+            **recorded_templates(config.mixture),
             "chat_format": config.chat_format,
             "chat_format_resolved": getattr(chat_format, "name", type(chat_format).__name__),
         },
@@ -177,7 +168,8 @@ def prepare(
     }
     return PreparedJob(
         ctx=ctx, tasks=tasks, inputs=inputs, job_info=job_info,
-        table_level=bool(getattr(template, "table_level", False)), group_key=getattr(template, "group_key", None),
+        table_level=any(getattr(t, "table_level", False) for t in templates),
+        group_key=next((t.group_key for t in templates if getattr(t, "group_key", None)), None),
         est_records=est,
     )
 
@@ -185,16 +177,16 @@ def prepare(
 def _copies_at_most(config: PackConfig) -> int:
     """A mixture may write each example up to max_repeats times: the groups the sub-buckets
     bound grow with it (the same figure for a full run and --from-tokens with one mixture file)."""
-    return config.mixture.max_repeats if config.mixture is not None else 1
+    return config.mixture.max_repeats
 
 
-def _check_mixture_inputs(config: PackConfig) -> None:
-    """Each mixture source's inputs resolve (one line naming the source when they do not)."""
-    for source in config.mixture.sources:
-        try:
-            sources.resolve_inputs(source.inputs, config.tfds_data_dir)
-        except sources.InputError as e:
-            raise JobError(f"mixture source {source.name!r}: {e}") from e
+def _resolve(config: PackConfig) -> tuple[list[ResolvedInput], list[ReadTask]]:
+    """Every source's inputs, in order; an input that does not resolve is one line naming its source."""
+    try:
+        return sources.resolve_inputs(config.inputs, config.tfds_data_dir)
+    except sources.InputError as e:
+        source = config.mixture.source_of_input()[e.input_index] if e.input_index is not None else 1
+        raise JobError(f"{config.mixture.naming(source)}{e}") from e
 
 
 def _prepare_from_tokens(config: PackConfig, run_id: str, existing_refused: bool) -> PreparedJob:
@@ -208,8 +200,7 @@ def _prepare_from_tokens(config: PackConfig, run_id: str, existing_refused: bool
         checks.refuse_existing(config)
     sub_buckets = config.sub_buckets or choose_sub_buckets(tokens.job["est_records"] * _copies_at_most(config), config.pack)
     ctx = JobContext(config=config, tasks=tokens_source.tasks_of(tokens), sub_buckets=sub_buckets, run_id=run_id,
-                     pad_id=int(tokens.tokenizer["pad_id"]),
-                     source_of_input=config.mixture.source_of_input() if config.mixture is not None else ())
+                     pad_id=int(tokens.tokenizer["pad_id"]), source_of_input=config.mixture.source_of_input())
     job_info = {"tokenizer": tokens.tokenizer, "template": tokens.template, "tool": _tool_info(),
                 "sub_buckets": sub_buckets, "inputs": tokens.inputs}
     return PreparedJob(ctx=ctx, tasks=[], inputs=[], job_info=job_info,
@@ -218,8 +209,6 @@ def _prepare_from_tokens(config: PackConfig, run_id: str, existing_refused: bool
 
 def build_pipeline(pipeline: Any, job: PreparedJob) -> None:
     """The graph: one transform per stage (each stage module's PTransform), in order."""
-    import apache_beam as beam
-
     from pipelines.stages.mix import SampleMixture
 
     ctx, config = job.ctx, job.config
@@ -231,13 +220,11 @@ def build_pipeline(pipeline: Any, job: PreparedJob) -> None:
         prepared = read["records"] | "Prepare" >> PrepareExamples(ctx, job.table_level, job.group_key)
         fingerprints = read["fingerprints"]
     fitted = prepared["examples"] | "Fit" >> FitToLengths(ctx)
-    kept, tally_fit = {"keyed": fitted["keyed"], "hist": fitted["hist"]}, fitted["tally"]
-    if config.mixture is not None:  # each source's share of every length, before the plan
-        kept = {"keyed": fitted["keyed"], "weights": fitted["weights"]} | "Mix" >> SampleMixture(ctx)
-        tally_fit = (tally_fit, kept["tally"]) | "FlattenMixTally" >> beam.Flatten()
+    # Each source's share of every length, before the plan.
+    kept = {k: fitted[k] for k in ("keyed", "hist", "tally", "weights")} | "Mix" >> SampleMixture(ctx)
     routed = {"keyed": kept["keyed"], "hist": kept["hist"]} | "Route" >> PlanAndRoute(ctx)
     _ = {"rows": routed["rows"], "plans": routed["plans"], "bad": prepared["bad"], "dead": fitted["dead"],
-         "tally_read": prepared["tally"], "tally_fit": tally_fit, "fingerprints": fingerprints} | "Write" >> WriteShardSets(ctx)
+         "tally_read": prepared["tally"], "tally_fit": kept["tally"], "fingerprints": fingerprints} | "Write" >> WriteShardSets(ctx)
     if config.write_tokens:
         _ = ({"examples": prepared["examples"], "bad": prepared["bad"], "dead": fitted["dead"]}
              | "WriteTokenSet" >> tokens_sink.WriteTokenSet(config.output, job.run_id, config.max_lengths[0]))
@@ -445,15 +432,14 @@ def verify(job: PreparedJob, summary: RunSummary, held: output.OutputLock) -> di
     if _empty_or_all_bad(first, config, []) is not None:
         kept = output.keep_failed_dead_letters(config.output, config.max_lengths, job.run_id, held) if first.bad_records else []
         raise JobError(_empty_or_all_bad(first, config, kept))
-    if config.mixture is not None and _source_bad_records(config, summary) is not None:  # named per source, before the mix's
+    if _source_bad_records(config, summary) is not None:  # named per source, before the mix's
         kept = output.keep_failed_dead_letters(config.output, config.max_lengths, job.run_id, held)
         where = f"; they are listed in {kept[0]}" if kept else ""
         raise JobError(f"{_source_bad_records(config, summary)}; nothing was published{where}")
     if checks.bad_fraction_error(first, config, []) is not None:
         kept = output.keep_failed_dead_letters(config.output, config.max_lengths, job.run_id, held)
         raise JobError(checks.bad_fraction_error(first, config, kept))
-    if config.mixture is not None:
-        _check_mixture(config, summary)
+    _check_mixture(config, summary)
     if checks.untrained_eot_error(summary, config) is not None:
         raise JobError(checks.untrained_eot_error(summary, config))
     if checks.empty_think_note(summary) is not None:
@@ -471,24 +457,22 @@ def verify(job: PreparedJob, summary: RunSummary, held: output.OutputLock) -> di
 
 def _source_bad_records(config: PackConfig, summary: RunSummary) -> str | None:
     """The first source whose own bad-record fraction is over --max-bad-fraction, in one line
-    (prepack.packing.mixture.source_bad_records); bad records do not depend on L."""
+    (prepack.packing.mixture.first_bad_source); bad records do not depend on L."""
     from prepack.packing.accounting import Tally
-    from prepack.packing.mixture import source_bad_records, source_figures
+    from prepack.packing.mixture import first_bad_source
 
-    figures = source_figures(config.mixture, Tally.from_json(summary.tally), config.max_lengths[0])
-    return next((line for f in figures if (line := source_bad_records(f, config.max_bad_fraction)) is not None), None)
+    return first_bad_source(config.mixture, Tally.from_json(summary.tally), config.max_lengths[0], config.max_bad_fraction)
 
 
 def _check_mixture(config: PackConfig, summary: RunSummary) -> None:
     """Per source and length: the accounting identity, the bad fraction, usable examples, and
     the realized shares (prepack.packing.mixture.check_sources); raises JobError with one line."""
     from prepack.packing.accounting import Tally
-    from prepack.packing.mixture import check_sources, source_figures
+    from prepack.packing.mixture import source_problems
 
     tally = Tally.from_json(summary.tally)
     for L in config.max_lengths:
-        problems, notes = check_sources(config.mixture, source_figures(config.mixture, tally, L), L,
-                                        config.allow_short_mix, config.max_bad_fraction)
+        problems, notes = source_problems(config.mixture, tally, L, config.allow_short_mix, config.max_bad_fraction)
         if problems:
             raise JobError(f"{problems[0]}; nothing was published")
         for note in notes:
@@ -496,14 +480,13 @@ def _check_mixture(config: PackConfig, summary: RunSummary) -> None:
 
 
 def mixture_objects(config: PackConfig, summary: RunSummary) -> dict[int, dict[str, Any]]:
-    """Each length's manifest `mixture` object (prepack.packing.mixture.mixture_manifest); {} without --mixture."""
-    if config.mixture is None:
-        return {}
+    """Each length's manifest `mixture` object (prepack.packing.mixture.mixture_manifest); {} for a plain run."""
     from prepack.packing.accounting import Tally
     from prepack.packing.mixture import mixture_manifest
 
     tally = Tally.from_json(summary.tally)
-    return {L: mixture_manifest(config.mixture, tally, L) for L in config.max_lengths}
+    objects = {L: mixture_manifest(config.mixture, tally, L) for L in config.max_lengths}
+    return {L: o for L, o in objects.items() if o is not None}
 
 
 def _staged_sets(job: PreparedJob, summary: RunSummary, stats: dict[int, LengthStats]
@@ -514,14 +497,13 @@ def _staged_sets(job: PreparedJob, summary: RunSummary, stats: dict[int, LengthS
         job.job_info["inputs"] = input_descriptions(job, summary.fingerprints)
     created_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     lengths = {}
+    mixtures = mixture_objects(config, summary)
     for L in config.max_lengths:
         manifest = compose_manifest(config, L, stats[L], summary.lengths[L].shards, job.job_info,
                                             summary.lengths[L].plan.method)
         manifest.created_at = created_at
-        if config.mixture is not None:
-            manifest.mixture = mixture_objects(config, summary)[L]
-        if config.mixture is not None or config.cuts_pieces:
-            manifest.use_row_format(sources=config.mixture is not None, example_targets=config.cuts_pieces)
+        manifest.mixture = mixtures.get(L)
+        manifest.use_row_format(sources=config.mixture.recorded, example_targets=config.cuts_pieces)
         if job.tokens is not None:
             manifest.lineage = tokens_source.lineage(job.tokens, config.from_tokens)
         lengths[L] = output.StagedSet(
@@ -603,8 +585,7 @@ def _tokens_manifest(job: PreparedJob, summary: RunSummary) -> TokenSetManifest:
         choices["train_reasoning"] = "no"
     if config.expand_turns:
         choices["expand_turns"] = True
-    if config.mixture is not None:  # the sources each example's id names (by its input index)
-        choices["mixture"] = config.mixture.describe()
+    choices.update(recorded_choices(config.mixture))  # the sources each example's id names (by its input index)
     index = tokens_sink.read_index(config.output, job.run_id)
     manifest = tokens_sink.compose_manifest(summary, index, job.ctx.tasks, choices, job.job_info, job.est_records)
     s = manifest.stats

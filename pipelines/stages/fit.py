@@ -59,7 +59,7 @@ class FitAndKeyFn(beam.DoFn):
     def _by_source(self, batch: TokenizedBatch) -> list[tuple[int, TokenizedBatch]]:
         """A mixture counts each source apart: the batch split by source (one part when it holds
         one read task's examples; a tokenized set's file mixes them)."""
-        if not self.ctx.source_of_input or not len(batch):
+        if not self.ctx.mixture.recorded or not len(batch):
             return [(0, batch)]
         from pipelines.stages.mix import sources_of
 
@@ -219,7 +219,7 @@ class FitAndKeyFn(beam.DoFn):
                               Ragged(piece_lens, batch.examples.ids[flat], mask))
         kept_at = np.array([pieces[k] for k in keys], dtype=np.uint64)
         totals = self._example_targets(np.array([k[0] for k in keys], np.int64), made.targets_after_first(), kept_at)
-        leads_at = self._leads(keys, kept_at) if ctx.source_of_input else None  # only a mixture reads them
+        leads_at = self._leads(keys, kept_at) if ctx.mixture.recorded else None  # only the mix stage's sampling reads them
         length_keys = piece_lens.astype(np.int64) if ctx.config.pack else np.zeros(len(keys), np.int64)
         b = sub_buckets_of(hashes, ctx.sub_buckets)
         for bit, L in enumerate(ctx.config.max_lengths):
@@ -263,9 +263,9 @@ class FitAndKeyFn(beam.DoFn):
             totals = np.concatenate([t for _, _, _, t, _ in self.pending]) if self.ctx.config.cuts_pieces else None
             # Only a mixture's mix stage reads leads_at; without one the payloads stay as they were.
             leads = (np.concatenate([d for _, _, _, _, d in self.pending])
-                     if totals is not None and self.ctx.source_of_input else None)
+                     if totals is not None and self.ctx.mixture.recorded else None)
             for code, payloads in merged.grouped_payloads(codes, kept_at, totals, leads):
-                if self.ctx.source_of_input:
+                if self.ctx.mixture.recorded:
                     from pipelines.stages.mix import weigh_into
 
                     weigh_into(self.weights, payloads, self.ctx)
@@ -284,7 +284,7 @@ class FitAndKeyFn(beam.DoFn):
             for source, tally in self.tallies.items():
                 self.tally.merge(tally.for_source(source))
         yield TaggedOutput(TAG_TALLY, in_global_window(self.tally))
-        if self.ctx.source_of_input:
+        if self.ctx.mixture.recorded:
             yield TaggedOutput(TAG_WEIGHTS, in_global_window(self.weights))
 
 

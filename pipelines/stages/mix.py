@@ -1,5 +1,6 @@
-"""Mix stage (--mixture only): each source's share of every max length, by the share rule of
-prepack/packing/mixture.py, between the fit stage and the plan.
+"""Mix stage: each source's share of every max length, by the share rule of
+prepack/packing/mixture.py, between the fit stage and the plan. Every run goes through it; a
+plain run is one source that no set records (Mixture.recorded), written whole and passed through.
 
 The rule needs each source's kept weight at each L before anything is chosen, and then a
 rank threshold per (L, source) for the one partial copy, and the few examples past it that
@@ -342,14 +343,22 @@ class SampleFn(beam.DoFn):
 
 
 class SampleMixture(beam.PTransform):
-    """{"keyed", "weights"} (FitToLengths' outputs) -> {"keyed": the sampled copies, "hist": their
-    histogram, "tally": the sampling's tallies}."""
+    """FitToLengths' outputs -> {"keyed": the sampled copies, "hist": their histogram, "tally":
+    the fit's tallies and the sampling's}. A plain run's one source is written whole, once: its
+    examples, histogram and tallies pass through as they are (no sampling work, the same rows)."""
 
     def __init__(self, ctx: JobContext):
         super().__init__()
         self.ctx = ctx
 
     def expand(self, fitted: dict[str, Any]) -> dict[str, Any]:
+        if not self.ctx.mixture.recorded:
+            return {name: (fitted[name],) | f"Pass{name.title()}" >> beam.Flatten() for name in ("keyed", "hist", "tally")}
+        sampled = self._sample(fitted)
+        return {"keyed": sampled["keyed"], "hist": sampled["hist"],
+                "tally": (fitted["tally"], sampled["tally"]) | "FlattenTally" >> beam.Flatten()}
+
+    def _sample(self, fitted: dict[str, Any]) -> dict[str, Any]:
         from apache_beam.pvalue import AsDict, AsSingleton
 
         keyed = fitted["keyed"]

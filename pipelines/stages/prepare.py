@@ -335,24 +335,18 @@ class _Counting:
     ctx: JobContext
 
     def _setup_preparer(self) -> None:
-        ctx = self.ctx
-        mixture = ctx.config.mixture
-        if mixture is None:
-            self.preparer = Preparer.from_names(ctx.tasks, ctx.config.format, ctx.config.template_options,
-                                                ctx.config.tokenizer, ctx.config.chat_format, ctx.config.train_reasoning,
-                                                ctx.config.expand_turns, on_batch=self._count_batch)
-            self.preparers = {0: self.preparer}
-        else:  # one tokenizer and chat format, each source with its own template
-            from prepack.text.chat_formats import get_chat_format
-            from prepack.text.templates import get_template
-            from prepack.text.tokenizer import load_tokenizer
+        from prepack.text.chat_formats import get_chat_format
+        from prepack.text.templates import get_template
+        from prepack.text.tokenizer import load_tokenizer
 
-            loaded = load_tokenizer(ctx.config.tokenizer)
-            chat_format = get_chat_format(ctx.config.chat_format, loaded, ctx.config.train_reasoning)
-            self.preparers = {s.index: Preparer(ctx.tasks, get_template(s.format, **dict(s.options)), loaded, chat_format,
-                                                on_batch=self._count_batch, expand_turns=ctx.config.expand_turns)
-                              for s in mixture.sources}
-            self.preparer = self.preparers[1]
+        ctx = self.ctx
+        loaded = load_tokenizer(ctx.config.tokenizer)
+        chat_format = get_chat_format(ctx.config.chat_format, loaded, ctx.config.train_reasoning)
+        # One tokenizer and chat format; each source with its own template (a plain run has one).
+        self.preparers = {s.index: Preparer(ctx.tasks, get_template(s.format, **dict(s.options)), loaded, chat_format,
+                                            on_batch=self._count_batch, expand_turns=ctx.config.expand_turns)
+                          for s in ctx.mixture.sources}
+        self.preparer = self.preparers[1]
         self.m_examples = Metrics.counter(NAMESPACE, "examples_tokenized")
         self.m_tokens = Metrics.counter(NAMESPACE, "tokens_tokenized")
         self.m_lengths = Metrics.distribution(NAMESPACE, "example_tokens")
@@ -399,7 +393,7 @@ class PrepareFn(beam.DoFn, _Counting):
         task_index, items = element
         tally = Tally()
         bad: list[DeadLetter] = []
-        source = self.ctx.source_of_task(task_index)  # a mixture's source, 0 without one
+        source = self.ctx.source_of_task(task_index)
         preparer = self.preparers[source]
         templated = preparer.template_records(task_index, items, tally, bad)
         self.m_bad.inc(len(bad))
@@ -407,7 +401,7 @@ class PrepareFn(beam.DoFn, _Counting):
         yield from self._tokenize(templated, tally, bad, preparer)
         for entry in bad:
             yield TaggedOutput(TAG_BAD, entry)
-        yield TaggedOutput(TAG_TALLY, tally.for_source(source) if source else tally)
+        yield TaggedOutput(TAG_TALLY, tally.for_source(source) if self.ctx.mixture.recorded else tally)
 
 
 class KeyTableRecordsFn(beam.DoFn):

@@ -98,7 +98,7 @@ class RouteToRowsFn(beam.DoFn):
         order = batch.rank_order()
         examples = batch.examples
         sources = None
-        if self.ctx.source_of_input:  # a mixture: each segment's source goes into its row
+        if self.ctx.mixture.recorded:  # each segment's source goes into its row (row formats 2 and 4)
             from pipelines.stages.mix import sources_of
 
             sources = sources_of(batch.example_ids, self.ctx.source_of_input)

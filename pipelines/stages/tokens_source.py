@@ -128,7 +128,7 @@ def _remix(config: PackConfig, recorded: dict[str, Any] | None, folder: str):
     from prepack.packing.mixture import Mixture, MixtureError
 
     if recorded is None:
-        if config.mixture is not None:
+        if config.mixture.recorded:
             raise TokenSetError(f"--mixture {config.mixture.path}: the tokenized set {folder} was not made from a mixture; "
                                 "run a full `prepack pack --mixture` instead")
         return None
@@ -136,7 +136,7 @@ def _remix(config: PackConfig, recorded: dict[str, Any] | None, folder: str):
         made = Mixture.from_description(recorded, "choices.mixture")
     except MixtureError as e:
         raise TokenSetError(f"{folder}/{MANIFEST_NAME}: {e}; restore the manifest, or run a full `prepack pack --mixture`") from None
-    if config.mixture is None:
+    if not config.mixture.recorded:  # no --mixture given: the set's own
         return made
     problem = made.same_sources(config.mixture)
     if problem:

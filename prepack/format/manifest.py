@@ -113,7 +113,7 @@ class Manifest:
         if manifest.fields != rowformat.field_spec(version):
             raise ManifestError(f"{source}: fields {manifest.fields} differ from this reader's {rowformat.field_spec(version)} "
                                 f"for format_version {version}")
-        if rowformat.has_sources(version) != (manifest.mixture is not None):
+        if rowformat.has_sources(version) != (data.get("mixture") is not None):
             raise ManifestError(f"{source}: format_version {version} {'needs' if rowformat.has_sources(version) else 'excludes'} "
                                 "a `mixture` object (row formats 2 and 4 are for mixture sets only)")
         try:  # a manifest written before field_order existed gets format 1's order, the default
@@ -169,12 +169,11 @@ def _checked_fields(data: dict[str, Any], source: str) -> dict[str, Any]:
 def _checked_mixture(value: Any, source: str) -> dict[str, Any] | None:
     """The `mixture` object, as far as readers use it: `sources` a list of objects, each named."""
     E = ManifestError
-    mixture = untrusted.mapping(value, source, "mixture", E, optional=True)
-    if mixture is not None:
-        for k, entry in enumerate(untrusted.sequence(mixture.get("sources"), source, "mixture.sources", E)):
-            untrusted.mapping(entry, source, f"mixture.sources[{k}]", E)
-            untrusted.text(entry.get("name"), source, f"mixture.sources[{k}].name", E)
-    return mixture
+    checked = untrusted.mapping(value, source, "mixture", E, optional=True)
+    for k, entry in enumerate(untrusted.sequence(checked.get("sources"), source, "mixture.sources", E) if checked else ()):
+        untrusted.mapping(entry, source, f"mixture.sources[{k}]", E)
+        untrusted.text(entry.get("name"), source, f"mixture.sources[{k}].name", E)
+    return checked
 
 
 def without_volatile(text: str) -> dict[str, Any]:

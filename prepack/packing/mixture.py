@@ -96,6 +96,25 @@ class Mixture:
     max_repeats: int
     sources: tuple[MixtureSource, ...]
 
+    @classmethod
+    def single(cls, inputs: Sequence[str], fmt: str, options: Iterable[tuple[str, str]] = ()) -> "Mixture":
+        """A plain `--input/--format` run: one source of weight 1, each example written once."""
+        return cls("", "", "examples", 1, (MixtureSource(1, fmt or "input", tuple(inputs), fmt, Fraction(1),
+                                                         tuple(sorted(options))),))
+
+    @property
+    def recorded(self) -> bool:
+        """Whether the sets record this mixture: a mixture file's, or a tokenized set's record of
+        one. Their rows carry each token's source (row formats 2 and 4) and their manifests the
+        `mixture` object; a plain run's one source is not recorded, so its sets keep the plain
+        formats and their bytes. The one rule every "is this a mixture set" question reads."""
+        return bool(self.sha256)
+
+    def naming(self, source: int) -> str:
+        """How a message names source `source` (1..N) before what is wrong with it: a recorded
+        mixture's by name; a plain run's one source is the run's --input, named by the message."""
+        return f"mixture source {self.sources[source - 1].name!r}: " if self.recorded else ""
+
     @property
     def weights(self) -> list[Fraction]:
         return [s.weight for s in self.sources]
@@ -443,8 +462,22 @@ def source_figures(mixture: Mixture, tally: Any, max_length: int) -> list[dict[s
     return out
 
 
-def mixture_manifest(mixture: Mixture, tally: Any, max_length: int) -> dict[str, Any]:
-    """The manifest's top-level `mixture` object at one max length."""
+def recorded_choices(mixture: Mixture) -> dict[str, Any]:
+    """What a tokenized set's choices record of the mixture (its description); nothing for a plain run."""
+    return {"mixture": mixture.describe()} if mixture.recorded else {}
+
+
+def recorded_templates(mixture: Mixture) -> dict[str, Any]:
+    """What a shard set's `template` records of the mixture (each source's); nothing for a plain run."""
+    if not mixture.recorded:
+        return {}
+    return {"sources": {s.name: {"name": s.format, "options": dict(s.options)} for s in mixture.sources}}
+
+
+def mixture_manifest(mixture: Mixture, tally: Any, max_length: int) -> dict[str, Any] | None:
+    """The manifest's top-level `mixture` object at one max length; None for a plain run's."""
+    if not mixture.recorded:
+        return None
     figures = source_figures(mixture, tally, max_length)
     kept = [f["kept_weight"] for f in figures]
     out = {"sha256": mixture.sha256, "weight_of": mixture.weight_of, "max_repeats": mixture.max_repeats,
@@ -519,6 +552,24 @@ def check_sources(mixture: Mixture, figures: list[dict[str, Any]], max_length: i
     notes.append(f"{line}; every example left out is heavier than what is left of its source's budget (one example's "
                  f"share of the mix, on average: {grains}); published the closest mix (manifest mixture.shares_met false)")
     return problems, notes
+
+
+def source_problems(mixture: Mixture, tally: Any, max_length: int, allow_short: bool, max_bad_fraction: float
+                    ) -> tuple[list[str], list[str]]:
+    """`check_sources` on the job's tally at one max length. A plain run's one source is the
+    run itself, which the run's own checks judge: nothing is said of it here."""
+    if not mixture.recorded:
+        return [], []
+    return check_sources(mixture, source_figures(mixture, tally, max_length), max_length, allow_short, max_bad_fraction)
+
+
+def first_bad_source(mixture: Mixture, tally: Any, max_length: int, max_bad_fraction: float) -> str | None:
+    """The first recorded source whose own bad-record fraction is over max_bad_fraction, in one
+    line (`source_bad_records`); None for a plain run (the run's own fraction is its source's)."""
+    if not mixture.recorded:
+        return None
+    figures = source_figures(mixture, tally, max_length)
+    return next((line for f in figures if (line := source_bad_records(f, max_bad_fraction)) is not None), None)
 
 
 def source_bad_records(figures: dict[str, Any], max_bad_fraction: float) -> str | None:
