@@ -277,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                        help="parameter and compute dtype (default: as `prepack train`, bf16 real, f32 tiny)")
     model.add_argument("--attention", default=None, choices=["dense", "blocked", "splash"],
-                       help="the attention path, as `prepack train --attention` (default: splash on TPU, else blocked)")
+                       help="the attention path, as `prepack train --attention` (default: splash on TPU, dense on GPU, blocked on CPU)")
     model.add_argument("--seed", type=int, default=0, help="random weights' seed, as `prepack train --seed`")
     return parser
 

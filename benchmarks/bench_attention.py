@@ -11,6 +11,25 @@
    examples, so it holds the fewest segments).
 
     python -m benchmarks.bench_attention [--lengths 2048,4096,8192] [--time-lengths 4096,8192] [--repeats 3]
+
+3. On an accelerator (docs/benchmarks.md, "The attention default per backend"): the attention
+   alone, forward + backward, Gemma3 270M's heads, bf16, one row, for global layers and for
+   local layers (window 512), blocked against dense (and, with --cudnn, cuDNN's flash attention),
+   in milliseconds with XLA's temp memory per compiled call. The rows are packed here and saved,
+   so the device machine needs only jax and numpy (it packs nothing, imports no loaders/tunix/flax):
+
+    python -m benchmarks.bench_attention --time-lengths 4096,8192,16384 --save-rows .bench_rows/rows.npz
+    python -m benchmarks.bench_attention --rows .bench_rows/rows.npz --repeats 20 [--cudnn]
+
+   dense there is Tunix 0.1.7's Gemma3 `Attention.block` step, written inline: logits of the
+   scaled queries, `where(mask, logits, K_MASK)` with the block-causal mask of
+   loaders/mask.py (and, on local layers, Tunix's sliding band |q - k| < window), softmax,
+   probabilities cast to the values' dtype, times v. The mask is built inside the jitted call,
+   as in the train step. --cudnn adds `jax.nn.dot_product_attention(implementation="cudnn")`
+   given the same mask (as an additive bias, is_causal, and local_window_size on local layers)
+   and cuDNN's packed layout (jax._src.cudnn.fused_attention_stablehlo.dot_product_attention
+   with per-segment q_offsets / q_seqlen, padding in no segment): each variant's forward output
+   is checked against dense at every real position before it is timed.
 """
 
 from __future__ import annotations
@@ -82,12 +101,43 @@ def timed(fn, *args, repeats: int) -> float:
     return statistics.median(times)
 
 
+def block_causal_mask(seg, window: int | None = None):
+    """[B, L, L] bool: loaders/mask.py's block-causal mask (pad queries see themselves), and on a
+    local layer Tunix's sliding band triu(-w + 1) * tril(w - 1); jax.numpy only."""
+    import jax.numpy as jnp
+
+    length = seg.shape[-1]
+    q, k = seg[:, :, None], seg[:, None, :]
+    causal = jnp.tril(jnp.ones((length, length), bool))
+    eye = jnp.eye(length, dtype=bool)
+    mask = ((q == k) & causal & (q != 0)) | (eye & (q == 0))
+    if window is not None:
+        ones = jnp.ones((length, length), bool)
+        mask &= (jnp.triu(ones, -window + 1) & jnp.tril(ones, window - 1))[None]
+    return mask
+
+
+def dense_attention(q, k, v, seg, mask):
+    """Tunix 0.1.7 Gemma3 Attention.block's softmax(q k^T) v with GQA, for [B, L, N, H] scaled q."""
+    import jax
+    import jax.numpy as jnp
+
+    from train.blocked_attention import NEG_INF  # Tunix's K_MASK
+
+    b, length, n, h = q.shape
+    kv = k.shape[2]
+    s = jnp.einsum("BTKGH,BSKH->BTKGS", q.reshape(b, length, kv, n // kv, h), k).reshape(b, length, n, length)
+    s = jnp.where(mask[:, :, None, :], s, NEG_INF)
+    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+    return jnp.einsum("BTKGS,BSKH->BTKGH", p.reshape(b, length, kv, n // kv, length), v).reshape(b, length, n, h)
+
+
 def attention_alone(seg_row: np.ndarray, repeats: int) -> tuple[float, float]:
     import jax
     import jax.numpy as jnp
 
     from loaders import block_causal_mask_jax
-    from train.blocked_attention import NEG_INF, blocked_attention
+    from train.blocked_attention import blocked_attention
 
     length = seg_row.shape[-1]
     rng = np.random.default_rng(0)
@@ -97,10 +147,7 @@ def attention_alone(seg_row: np.ndarray, repeats: int) -> tuple[float, float]:
     seg = jnp.asarray(seg_row[None])
 
     def dense(q, k, v, seg):  # Tunix's Gemma3 global attention, as its Attention.block computes it
-        s = jnp.einsum("BTKGH,BSKH->BTKGS", q.reshape(1, length, KV_HEADS, HEADS, HEAD_DIM), k).reshape(1, length, HEADS, length)
-        s = jnp.where(block_causal_mask_jax(seg)[:, :, None, :], s, NEG_INF)
-        p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
-        return jnp.einsum("BTKGS,BSKH->BTKGH", p.reshape(1, length, KV_HEADS, HEADS, length), v)
+        return dense_attention(q, k, v, seg, block_causal_mask_jax(seg))
 
     def blocked(q, k, v, seg):
         return blocked_attention(q, k, v, seg, tile=TILE)
@@ -135,13 +182,154 @@ def whole_step(seg_row: np.ndarray, repeats: int) -> tuple[float, float]:
     return times[0], times[1]
 
 
+def save_rows(lengths: list[int], path: str) -> None:
+    """Packs the sample at each L and saves each L's typical row (int32 [L]) as key L<n> of an .npz."""
+    with tempfile.TemporaryDirectory() as out:
+        segs = packed_sample(lengths, out)
+    rows = {f"L{length}": typical_row(segs[length]).astype(np.int32) for length in lengths}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    np.savez(path, **rows)
+    for key, row in rows.items():
+        print(f"{key}: {len(set(row[row > 0].tolist()))} segments, {int((row == 0).sum())} padding -> {path}")
+
+
+def cudnn_packed_args(seg_row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[1, M] lengths and [1, M + 1] offsets of the row's real segments, for cuDNN's packed layout."""
+    ids = seg_row.tolist()
+    starts = [i for i in range(len(ids)) if ids[i] != 0 and (i == 0 or ids[i - 1] != ids[i])]
+    ends = [i + 1 for i in range(len(ids)) if ids[i] != 0 and (i == len(ids) - 1 or ids[i + 1] != ids[i])]
+    lengths = np.asarray([e - b for b, e in zip(starts, ends)], np.int32)
+    offsets = np.asarray(starts + [-1], np.int32)
+    return lengths[None], offsets[None]
+
+
+def _attention_fns(length: int, window: int | None, seg_row: np.ndarray, cudnn: bool) -> dict:
+    """name -> f(q, k, v, seg) for one row; dense, blocked and (cudnn) the two cuDNN variants."""
+    import jax
+    import jax.numpy as jnp
+
+    from train.blocked_attention import blocked_attention
+
+    fns = {
+        "dense": lambda q, k, v, seg: dense_attention(q, k, v, seg, block_causal_mask(seg, window)),
+        "blocked": lambda q, k, v, seg: blocked_attention(q, k, v, seg, tile=TILE, window=window),
+    }
+    if cudnn:
+        local = None if window is None else (window - 1, 0)
+
+        def cudnn_mask(q, k, v, seg):
+            mask = block_causal_mask(seg, window)[:, None]  # [B, 1, T, S]: broadcast over heads
+            return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=1.0, is_causal=True,
+                                                local_window_size=local, implementation="cudnn")
+
+        lens, offs = (jnp.asarray(x) for x in cudnn_packed_args(seg_row))
+
+        def cudnn_packed(q, k, v, seg):
+            from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention as dpa
+
+            return dpa(q, k, v, q_seqlen=lens, kv_seqlen=lens, q_offsets=offs, kv_offsets=offs, scale=1.0,
+                       mask_type=MaskType.PADDING_CAUSAL, sliding_window_length=window)
+
+        fns["cudnn (mask)"] = cudnn_mask
+        fns["cudnn (packed)"] = cudnn_packed
+    return fns
+
+
+def _fwd_bwd(f):
+    import jax
+    import jax.numpy as jnp
+
+    return jax.jit(jax.grad(lambda q, k, v, seg: jnp.sum(f(q, k, v, seg).astype(jnp.float32)), argnums=(0, 1, 2)))
+
+
+def _temp_gib(compiled) -> float | None:
+    try:
+        return compiled.memory_analysis().temp_size_in_bytes / 2**30
+    except Exception:  # noqa: BLE001 - not every backend reports it
+        return None
+
+
+def device_table(rows: dict[int, np.ndarray], repeats: int, cudnn: bool, sets: int = 3) -> None:
+    """The attention alone on the default device: ms per fwd+bwd call (median, inputs rotated
+    over `sets` random draws), blocked / dense, XLA temp memory per call, forward error vs dense."""
+    import jax
+    import jax.numpy as jnp
+
+    dev = jax.devices()[0]
+    print(f"jax {jax.__version__}, backend {jax.default_backend()}, device {dev.device_kind}", flush=True)
+    results = []
+    for length, seg_row in sorted(rows.items()):
+        real = jnp.asarray(seg_row[None] > 0)[..., None, None]
+        rng = np.random.default_rng(length)
+        draws = [tuple(jnp.asarray(rng.normal(size=(1, length, n, HEAD_DIM)) * scale, jnp.bfloat16)
+                       for n, scale in ((HEADS, HEAD_DIM ** -0.5), (KV_HEADS, 1.0), (KV_HEADS, 1.0))) for _ in range(sets)]
+        seg = jnp.asarray(seg_row[None].astype(np.int32))
+        segments = len(set(seg_row[seg_row > 0].tolist()))
+        for layer, window in (("global", None), ("local", WINDOW)):
+            row = {"L": length, "layer": layer, "segments": segments}
+            ref = None
+            for name, f in _attention_fns(length, window, seg_row, cudnn).items():
+                try:
+                    out = jax.jit(f)(*draws[0], seg).astype(jnp.float32)
+                    if ref is None:
+                        ref = out  # dense comes first
+                    err = float(jnp.linalg.norm(jnp.where(real, out - ref, 0)) / jnp.linalg.norm(jnp.where(real, ref, 0)))
+                    fn = _fwd_bwd(f).lower(*draws[0], seg).compile()  # compiled once: timed and measured
+                    temp = _temp_gib(fn)
+                    for i in range(sets):  # warm every input set
+                        jax.block_until_ready(fn(*draws[i], seg))
+                    times = []
+                    for r in range(repeats):
+                        q, k, v = draws[r % sets]
+                        start = time.perf_counter()
+                        jax.block_until_ready(fn(q, k, v, seg))
+                        times.append(time.perf_counter() - start)
+                    row[name] = (statistics.median(times) * 1e3, temp, err)
+                except Exception as e:  # noqa: BLE001 - report and go on (OOM, unsupported cuDNN config)
+                    row[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                print(f"L{length} {layer} {name}: {row[name]}", flush=True)
+            results.append(row)
+    try:
+        stats = dev.memory_stats() or {}
+        print(f"process peak device memory: {stats.get('peak_bytes_in_use', 0) / 2**30:.1f} GiB", flush=True)
+    except Exception:  # noqa: BLE001
+        pass
+    names = [n for n in ("dense", "blocked", "cudnn (mask)", "cudnn (packed)") if n in results[0]]
+
+    def cell(v):
+        if isinstance(v, str):
+            return v
+        ms, temp, err = v
+        return f"{ms:.2f} ms" + (f" ({temp:.2f} GiB)" if temp is not None else "") + (f", err {err:.1e}" if err else "")
+
+    print("\n| L | layer | segments | " + " | ".join(names) + " | blocked / dense |")
+    print("|---|---|---|" + "---|" * len(names) + "---|")
+    for row in results:
+        d, b = row["dense"], row["blocked"]
+        ratio = f"{b[0] / d[0]:.2f}" if not isinstance(d, str) and not isinstance(b, str) else "-"
+        print(f"| {row['L']} | {row['layer']} | {row['segments']} | " + " | ".join(cell(row[n]) for n in names) + f" | {ratio} |")
+    print("\nms: median fwd+bwd call; (GiB): XLA temp memory of the compiled fwd+bwd; err: forward output's "
+          "relative L2 difference from dense at real positions.", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", default="2048,4096,8192")
     p.add_argument("--time-lengths", default="4096,8192")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--skip-step", action="store_true", help="time the attention alone only")
+    p.add_argument("--save-rows", metavar="NPZ", help="pack the sample at --time-lengths, save each L's typical row, exit")
+    p.add_argument("--rows", metavar="NPZ", help="time the attention alone (global and local layers, ms) on these saved "
+                   "rows; packs nothing (for a device machine with jax and numpy only)")
+    p.add_argument("--cudnn", action="store_true", help="with --rows: also cuDNN flash attention (GPU only)")
     args = p.parse_args()
+    if args.save_rows:
+        save_rows(sorted({int(x) for x in args.time_lengths.split(",")}), args.save_rows)
+        return
+    if args.rows:
+        with np.load(args.rows) as data:
+            device_table({int(k[1:]): data[k] for k in data.files}, args.repeats, args.cudnn)
+        return
     lengths = sorted({int(x) for x in args.lengths.split(",")} | {int(x) for x in args.time_lengths.split(",")})
     with tempfile.TemporaryDirectory() as out:
         segs = packed_sample(lengths, out)

@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(no [B, L, V] array); 0: full logits (the reference)")
     p.add_argument("--attention", default=None, choices=["dense", "blocked", "splash"],
                    help="dense: [B, L, L] mask (the reference); blocked: tiles from segment ids, skipping tiles no "
-                   "segment spans; splash: JAX's splash kernel with segment ids (TPU). Default: splash on TPU, else blocked")
+                   "segment spans; splash: JAX's splash kernel with segment ids (TPU). Default: splash on TPU, dense on GPU, blocked on CPU (measured, docs/benchmarks.md)")
     p.add_argument("--remat", default="auto", choices=["none", "layer", "auto"],
                    help="recompute each layer's activations in the backward pass; auto: only if the planned step "
                    "would not fit --memory-budget-gib")
