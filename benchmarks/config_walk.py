@@ -79,7 +79,7 @@ def _context_holds(value, config_type) -> bool:
 
 def trace_config(run, config, *args, **kwargs) -> Walk:
     """Calls run(config, *args, **kwargs) under the tracer and returns the config's walk."""
-    from pipelines.options import PackConfig
+    from pipelines.configs import PackConfig
 
     stops: list[str] = []
     root = _root()

@@ -143,7 +143,7 @@ def build_dry_run(pack_argv: Sequence[str]) -> tuple[Any, Any, Any]:
         raise ValidationError(f"--runner must be DataflowRunner to validate a Dataflow job, got {options.view_as(StandardOptions).runner!r}")
     _check_locations(options)
     try:
-        prepared = pack_job.prepare(config, run_id="validate", resolved=offline_inputs(config.inputs))
+        prepared = pack_job.prepare(config, run_id="validate", resolved=offline_inputs(config.rows.inputs))
     except JobError as e:
         raise ValidationError(str(e)) from e
     pipeline = beam.Pipeline(options=options)

@@ -1,4 +1,5 @@
-"""`prepack pack` options: one frozen config for the job, everything else goes to Beam.
+"""`prepack pack` options: the parser, built from small pieces, makes the job's RowSpec and RunOptions
+(pipelines/configs.py); everything else goes to Beam.
 
 Our own flags are parsed with argparse; whatever argparse does not know is
 handed to Beam's PipelineOptions untouched, so every Beam option (runner,
@@ -12,7 +13,6 @@ runner first, apache/beam#34612; FnApiRunner runs in process).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import difflib
 import importlib
 import os
@@ -22,7 +22,9 @@ from typing import Any
 
 from pipelines.limits import (DEFAULT_MAX_COMPRESSION_RATIO, DEFAULT_MAX_DECOMPRESSED_BYTES, DEFAULT_MAX_RECORD_BYTES,
                               DEFAULT_MAX_WHOLE_FILE_BYTES, MAX_SUB_BUCKETS, RATIO_CHECKED_AFTER, InputLimits)
-from pipelines.output.lock import MIN_EXPIRY_S
+from pipelines.configs import (DEFAULT_MAX_LENGTHS, DEFAULT_TARGET_SHARD_MB, DEFAULT_TOKENIZE_BATCH_SIZE, PackConfig, RowSpec,
+                               RunOptions)
+from pipelines.output.lock import DEFAULT_EXPIRY_S, MIN_EXPIRY_S
 from prepack.packing.bad_records import DEFAULT_MAX_BAD_FRACTION
 from prepack.mixture_file import load_mixture
 from prepack.packing.mixture import Mixture, MixtureError
@@ -30,11 +32,8 @@ from prepack.packing.packer import OverlongPolicy, Planner
 from prepack.format.rowformat import MAX_MAX_LENGTH
 from prepack.cli_help import DefaultsHelpFormatter
 
-DEFAULT_MAX_LENGTHS = (2048,)
 MAX_LENGTHS_PER_JOB = 64  # each example carries one bit per max length (PayloadBatch.kept_at)
-DEFAULT_TARGET_SHARD_MB = 256.0
 SAMPLE_FORMAT = "alpaca"
-DEFAULT_TOKENIZE_BATCH_SIZE = 512
 
 # The runners this job is built and tested on, by Beam's dotted class paths (a runner's
 # name resolves to one the way Beam's create_runner does it). Others break it in ways that
@@ -58,91 +57,6 @@ def sample_path() -> str:
     import prepack
 
     return os.path.join(os.path.dirname(os.path.abspath(prepack.__file__)), "sample_data", "sample_sft.jsonl")
-
-
-@dataclasses.dataclass(frozen=True)
-class PackConfig:
-    """Everything that decides the job's output. Two runs with equal configs over equal
-    inputs write byte-identical shards (the output path and Beam options do not count)."""
-
-    inputs: tuple[str, ...]
-    format: str
-    output: str
-    template_options: tuple[tuple[str, str], ...] = ()
-    chat_format: str = "auto"
-    tokenizer: str = "gemma3"
-    max_lengths: tuple[int, ...] = DEFAULT_MAX_LENGTHS
-    pack: bool = True
-    overlong: OverlongPolicy = OverlongPolicy.DROP
-    window_context_tokens: int | None = None  # --overlong window: N; None: L // 4 at each max length
-    planner: Planner = Planner.BEST
-    max_segments_per_row: int | None = None  # None: no cap
-    num_shards: int | None = None
-    target_shard_mb: float = DEFAULT_TARGET_SHARD_MB
-    max_bad_fraction: float = DEFAULT_MAX_BAD_FRACTION
-    overwrite: bool = False
-    clean_stale: bool = False  # remove leftovers of earlier killed runs (does not shape the rows)
-    lock_expiry_s: float = 600.0  # a gs:// output lock not renewed for this long is stale (does not shape the rows)
-    sub_buckets: int | None = None  # None: derived from the input size (planning.choose_sub_buckets)
-    tfds_data_dir: str | None = None
-    batch_size: int = 512  # records per element after reading; also the encode_batch size
-    progress: bool = True
-    verbose: bool = False  # Beam's and the workers' full logs, also after Ctrl-C (does not shape the rows)
-    write_tokens: bool = True  # also publish OUTPUT/tokens (the tokenized set)
-    from_tokens: str | None = None  # pack from this tokenized set instead of the inputs
-    # --from-tokens: the token choices (prepack.format.tokenset.TOKEN_CHOICES) the user gave, to be
-    # checked against the tokenized set's; the fields above then come from the set.
-    requested: tuple[tuple[str, Any], ...] = ()
-    limits: InputLimits = InputLimits()  # what one input may make a worker hold (pipelines/limits.py)
-    # Every run is a mixture. --mixture: the parsed mixture file; `inputs` are then its sources'
-    # inputs in file order and `format` is "mixture" (each source has its own,
-    # prepack/packing/mixture.py). A plain run: left out, it is the one source of `inputs` and
-    # `format` (Mixture.single), which no set records.
-    mixture: Mixture = None  # type: ignore[assignment]  # set by __post_init__ when left out
-    allow_short_mix: bool = False  # publish a mixture whose realized shares miss the requested ones
-    allow_untrained_eot: bool = False  # publish although some target turns do not train their end-of-turn token
-    train_reasoning: bool = True  # --train-reasoning: a reasoning trace's think block is a target (qwen3)
-    expand_turns: bool = False  # --expand-turns: one example per target assistant turn
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "mixture", self.mixture or Mixture.single(self.inputs, self.format, self.template_options))
-
-    @property
-    def template_kwargs(self) -> dict[str, str]:
-        return dict(self.template_options)
-
-    @property
-    def cuts_pieces(self) -> bool:
-        """--overlong split or window: an example may become several pieces, so rows carry
-        `example_targets` (row format 3, or 4 with a mixture; docs/row_format.md)."""
-        return self.overlong in (OverlongPolicy.SPLIT, OverlongPolicy.WINDOW)
-
-    def manifest_options(self) -> dict[str, Any]:
-        """The options recorded in each manifest: only those that shape the rows.
-        The output path, run id and Beam options are left out on purpose, so the
-        manifest stays byte-identical across worker counts and output folders."""
-        return {
-            "format": self.format,
-            "template_options": self.template_kwargs,
-            "chat_format": self.chat_format,
-            "tokenizer": self.tokenizer,
-            "max_lengths": list(self.max_lengths),
-            "packing": "bfd" if self.pack else "unpacked",
-            "overlong": self.overlong.value,
-            # Only under window, so manifests of the other policies stay as they were; null: L // 4.
-            **({"window_context_tokens": self.window_context_tokens} if self.overlong is OverlongPolicy.WINDOW else {}),
-            "planner": self.planner.value,
-            "max_segments_per_row": self.max_segments_per_row,
-            "num_shards": self.num_shards,
-            "target_shard_mb": self.target_shard_mb,
-            "max_bad_fraction": self.max_bad_fraction,
-            "sub_buckets": self.sub_buckets,
-            "tfds_data_dir": self.tfds_data_dir,
-            "max_record_bytes": self.limits.max_record_bytes,  # a longer line is dropped: it shapes the rows
-            # Only when off, so manifests of runs without reasoning traces stay as they were.
-            **({} if self.train_reasoning else {"train_reasoning": "no"}),
-            **({"expand_turns": True} if self.expand_turns else {}),
-        }
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -268,7 +182,7 @@ def _add_output_options(out: argparse._ArgumentGroup) -> None:
     out.add_argument("--batch-size", dest="old_batch_size", type=int, help=argparse.SUPPRESS)
     out.add_argument("--allow-untested-runner", action="store_true",
                      help=f"run on a Beam runner other than {' and '.join(SUPPORTED_RUNNERS)} (untested; may lose or misroute rows)")
-    out.add_argument("--lock-expiry-s", type=float, default=600.0,
+    out.add_argument("--lock-expiry-s", type=float, default=DEFAULT_EXPIRY_S,
                      help="a gs:// output lock its run has not renewed for this long is stale and may be taken over "
                           f"(default 600, at least {MIN_EXPIRY_S:g}; the run renews it every min(60, expiry/3) s and "
                           "stops when a renewal takes over a third of it)")
@@ -423,10 +337,15 @@ def _requested(ns: argparse.Namespace, inputs: tuple[str, ...], template_options
 
 def _config(ns: argparse.Namespace, inputs: tuple[str, ...], fmt: str, mixture: Mixture | None,
             max_lengths: tuple[int, ...], template_options: dict[str, str]) -> PackConfig:
-    return PackConfig(
+    return PackConfig(_row_spec(ns, inputs, fmt, mixture, max_lengths, template_options),
+                      _run_options(ns, inputs, template_options))
+
+
+def _row_spec(ns: argparse.Namespace, inputs: tuple[str, ...], fmt: str, mixture: Mixture | None,
+              max_lengths: tuple[int, ...], template_options: dict[str, str]) -> RowSpec:
+    return RowSpec(
         inputs=inputs,
         format=fmt,
-        output=ns.output.rstrip("/") if ns.output not in ("/",) else ns.output,
         template_options=tuple(sorted(template_options.items())),
         chat_format=ns.chat_format or "auto",
         tokenizer=ns.tokenizer or "gemma3",
@@ -439,23 +358,29 @@ def _config(ns: argparse.Namespace, inputs: tuple[str, ...], fmt: str, mixture: 
         num_shards=ns.num_shards,
         target_shard_mb=ns.target_shard_mb,
         max_bad_fraction=ns.max_bad_fraction,
+        sub_buckets=ns.sub_buckets,
+        tfds_data_dir=ns.tfds_data_dir,
+        limits=InputLimits(ns.max_record_bytes, ns.max_decompressed_bytes, ns.max_compression_ratio, ns.max_whole_file_bytes),
+        mixture=mixture,
+        train_reasoning=(ns.train_reasoning or "yes") == "yes",
+        expand_turns=ns.expand_turns,
+    )
+
+
+def _run_options(ns: argparse.Namespace, inputs: tuple[str, ...], template_options: dict[str, str]) -> RunOptions:
+    return RunOptions(
+        output=ns.output.rstrip("/") if ns.output not in ("/",) else ns.output,
         overwrite=ns.overwrite,
         clean_stale=ns.clean_stale,
         lock_expiry_s=ns.lock_expiry_s,
-        sub_buckets=ns.sub_buckets,
-        tfds_data_dir=ns.tfds_data_dir,
         batch_size=ns.batch_size,
         progress=not ns.no_progress,
         verbose=ns.verbose,
         write_tokens=not ns.no_tokens and not ns.from_tokens,
         from_tokens=ns.from_tokens.rstrip("/") if ns.from_tokens else None,
         requested=tuple(sorted(_requested(ns, inputs, template_options).items())),
-        limits=InputLimits(ns.max_record_bytes, ns.max_decompressed_bytes, ns.max_compression_ratio, ns.max_whole_file_bytes),
-        mixture=mixture,
         allow_short_mix=ns.allow_short_mix,
         allow_untrained_eot=ns.allow_untrained_eot,
-        train_reasoning=(ns.train_reasoning or "yes") == "yes",
-        expand_turns=ns.expand_turns,
     )
 
 

@@ -25,7 +25,7 @@ import apache_beam as beam
 from apache_beam.metrics.metric import Metrics
 from apache_beam.transforms.window import GlobalWindows
 
-from pipelines.options import PackConfig
+from pipelines.configs import PackConfig, RowSpec
 from pipelines.wire.records import TaskMeta
 from prepack.packing.accounting import Tally
 
@@ -49,7 +49,7 @@ class JobContext:
 
     config: PackConfig
     tasks: tuple[TaskMeta, ...]
-    sub_buckets: int  # resolved: config.sub_buckets, or chosen from the input size
+    sub_buckets: int  # resolved: config.rows.sub_buckets, or chosen from the input size
     run_id: str
     pad_id: int
     # The source (1..N) of each input index (example ids start with the input index, so every
@@ -57,8 +57,12 @@ class JobContext:
     source_of_input: tuple[int, ...] = ()
 
     @property
+    def rows(self) -> RowSpec:
+        return self.config.rows
+
+    @property
     def mixture(self):
-        return self.config.mixture
+        return self.config.rows.mixture
 
     def source_of_task(self, task_index: int) -> int:
         return self.source_of_input[self.tasks[task_index].input_index] if self.source_of_input else 1

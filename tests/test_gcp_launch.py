@@ -72,7 +72,7 @@ def test_command_means_the_same_to_prepack_pack_and_beam():
 
     launch = ld.build_command(BASE + ["--max-length", "2048", "4096", "--num-shards", "64", "--max_num_workers", "32"])
     config, beam_args = parse_args(launch.cmd[4:])
-    assert config.output == "gs://b/sets/alpaca" and config.max_lengths == (2048, 4096) and config.num_shards == 64
+    assert config.run.output == "gs://b/sets/alpaca" and config.rows.max_lengths == (2048, 4096) and config.rows.num_shards == 64
     options = PipelineOptions(beam_args)
     assert options.view_as(StandardOptions).runner == "DataflowRunner"
     gcloud = options.view_as(GoogleCloudOptions)
@@ -94,7 +94,7 @@ def test_overlong_window_reaches_prepack_pack_through_the_launcher():
 
     cmd = ld.build_command(BASE + ["--overlong", "window", "--window-context-tokens", "96"]).cmd
     config, _ = parse_args(cmd[4:])
-    assert config.overlong is OverlongPolicy.WINDOW and config.window_context_tokens == 96
+    assert config.rows.overlong is OverlongPolicy.WINDOW and config.rows.window_context_tokens == 96
 
 
 def test_beam_stages_our_package_and_the_pipeline_extra(tmp_path):

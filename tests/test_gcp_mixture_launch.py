@@ -62,10 +62,10 @@ def test_options_given_to_the_launcher_arrive_in_the_mixture_jobs_config(tmp_pat
     launch = ld.build_command(BASE + ["--mixture", path, *options])
     job, _, config = dv.build_dry_run(launch.cmd[4:])
     local, _ = parse_args(["--mixture", path, "--output", str(tmp_path / "out"), "--max-length", "512", *options])
-    assert (config.planner, config.max_segments_per_row, config.overlong) == (Planner.BFD, 4, OverlongPolicy.SPLIT)
+    assert (config.rows.planner, config.rows.max_segments_per_row, config.rows.overlong) == (Planner.BFD, 4, OverlongPolicy.SPLIT)
     for field in ("planner", "max_segments_per_row", "overlong", "max_lengths", "mixture", "inputs", "format"):
-        assert getattr(config, field) == getattr(local, field), field
-    assert config.inputs == ("gs://my-bucket/raw/alpaca.jsonl", "gs://my-bucket/raw/chat-*.jsonl", "hf:someone/chat:train")
+        assert getattr(config.rows, field) == getattr(local.rows, field), field
+    assert config.rows.inputs == ("gs://my-bucket/raw/alpaca.jsonl", "gs://my-bucket/raw/chat-*.jsonl", "hf:someone/chat:train")
     assert "Mix" in dv.top_level_steps(job.proto_pipeline)
 
 

@@ -92,7 +92,7 @@ def test_max_length_has_an_upper_bound(value, words):
     with pytest.raises(OptionsError) as e:
         parse_args(["--sample", "--output", "/tmp/unused", "--max-length", value])
     assert str(e.value) == words or str(e.value).startswith(words)
-    assert parse_args(["--sample", "--output", "/tmp/unused", "--max-length", "1048576"])[0].max_lengths == (1 << 20,)
+    assert parse_args(["--sample", "--output", "/tmp/unused", "--max-length", "1048576"])[0].rows.max_lengths == (1 << 20,)
 
 
 def test_limit_options_show_in_pack_help(capsys):

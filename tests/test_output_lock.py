@@ -223,9 +223,9 @@ def test_lock_expiry_is_the_lease_length(gcs_prefix):
     from pipelines.options import parse_args
 
     config, _ = parse_args(["--sample", "--output", "out", "--lock-expiry-s", "10"])
-    assert config.lock_expiry_s == 10.0 and parse_args(["--sample", "--output", "o"])[0].lock_expiry_s == 600.0
+    assert config.run.lock_expiry_s == 10.0 and parse_args(["--sample", "--output", "o"])[0].run.lock_expiry_s == 600.0
     out = f"{gcs_prefix}/out"
-    held = lock.OutputLock.acquire(out, "run-a", expiry_s=config.lock_expiry_s, renew=False)
+    held = lock.OutputLock.acquire(out, "run-a", expiry_s=config.run.lock_expiry_s, renew=False)
     info = lock.read_lock(out)
     assert 9.5 <= info.expires - info.created <= 10.5
     held.release()

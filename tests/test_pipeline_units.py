@@ -27,11 +27,16 @@ from testkit.reference import encode_rows, sub_bucket
 
 def _job_context(sub_buckets: int = 1, format: str = "alpaca", **config):
     """A worker context over one task, for calling a stage's DoFn directly."""
-    from pipelines.options import PackConfig
+    import dataclasses
+
+    from pipelines.configs import PackConfig, RowSpec, RunOptions
     from pipelines.wire.records import TaskMeta
     from pipelines.stage_shared import JobContext
 
-    return JobContext(config=PackConfig(inputs=("in",), format=format, output="/tmp/unused", progress=False, **config),
+    run_fields = {f.name for f in dataclasses.fields(RunOptions)}
+    rows = RowSpec(inputs=("in",), format=format, **{k: v for k, v in config.items() if k not in run_fields})
+    run = RunOptions(output="/tmp/unused", progress=False, **{k: v for k, v in config.items() if k in run_fields})
+    return JobContext(config=PackConfig(rows, run),
                       tasks=(TaskMeta(0, "in", "f.jsonl", "f.jsonl"),), sub_buckets=sub_buckets, run_id="r", pad_id=0)
 
 
@@ -205,18 +210,18 @@ def test_encode_rows_rejects_bad_rows():
 def test_parse_args_defaults_and_pass_through(tmp_path):
     config, beam = parse_args(["--input", "a.jsonl", "--input", "b.parquet", "--format", "alpaca", "--output", "out/",
                                "--max-length", "1024", "512", "--max-length", "2048", "--project=p", "--region", "r"])
-    assert config.inputs == ("a.jsonl", "b.parquet") and config.output == "out"
-    assert config.max_lengths == (512, 1024, 2048) and config.pack and config.max_bad_fraction == 0
+    assert config.rows.inputs == ("a.jsonl", "b.parquet") and config.run.output == "out"
+    assert config.rows.max_lengths == (512, 1024, 2048) and config.rows.pack and config.rows.max_bad_fraction == 0
     assert beam == ["--runner=FnApiRunner", "--direct_running_mode=multi_processing", "--project=p", "--region", "r"]
     assert with_default_runner(["--runner=DataflowRunner"]) == ["--runner=DataflowRunner"]
     assert with_default_runner(["--direct_num_workers=1"]) == [
         "--runner=FnApiRunner", "--direct_running_mode=multi_processing", "--direct_num_workers=1"]
     assert with_default_runner(["--direct_running_mode=in_memory"]) == ["--runner=FnApiRunner", "--direct_running_mode=in_memory"]
     config, _ = parse_args(["--sample", "--output", "o"])
-    assert config.format == "alpaca" and config.inputs[0].endswith("sample_sft.jsonl")
-    assert config.manifest_options()["planner"] == "best" and config.manifest_options()["max_segments_per_row"] is None
+    assert config.rows.format == "alpaca" and config.rows.inputs[0].endswith("sample_sft.jsonl")
+    assert config.rows.manifest_options()["planner"] == "best" and config.rows.manifest_options()["max_segments_per_row"] is None
     config, _ = parse_args(["--sample", "--output", "o", "--planner", "bfd", "--max-segments-per-row", "8"])
-    assert config.manifest_options()["planner"] == "bfd" and config.manifest_options()["max_segments_per_row"] == 8
+    assert config.rows.manifest_options()["planner"] == "bfd" and config.rows.manifest_options()["max_segments_per_row"] == 8
 
 
 @pytest.mark.parametrize("args, message", [
@@ -270,10 +275,10 @@ def test_untested_runner_and_real_beam_options_pass_when_asked():
 
 def test_old_batch_size_name_warns_and_still_works(capsys):
     config, _ = parse_args(["--sample", "--output", "o", "--batch-size", "64"])
-    assert config.batch_size == 64
+    assert config.run.batch_size == 64
     assert capsys.readouterr().err == (
         "prepack pack: warning: --batch-size is now --tokenize-batch-size (the old name will be removed)\n")
-    assert parse_args(["--sample", "--output", "o", "--tokenize-batch-size", "32"])[0].batch_size == 32
+    assert parse_args(["--sample", "--output", "o", "--tokenize-batch-size", "32"])[0].run.batch_size == 32
 
 
 def test_hf_and_tfds_specs():

@@ -4,7 +4,7 @@ bad-record and stop-token checks that decide whether anything is published."""
 from __future__ import annotations
 
 from pipelines.launch.errors import JobError
-from pipelines.options import PackConfig
+from pipelines.configs import PackConfig
 from pipelines.summary import LengthStats, PlanSummary, RunSummary
 from prepack import overwrite
 from prepack.packing.accounting import Tally
@@ -15,8 +15,8 @@ def existing_sets_refusal(config: PackConfig) -> str | None:
     """The overwrite rule (prepack/overwrite.py) for this run's config: the one-line refusal when
     a set it would write already exists and --overwrite was not given, else None. `prepack pack`
     asks it before Beam is imported; the job asks only when no caller has."""
-    return None if config.overwrite else overwrite.refuse_existing_sets(config.output, config.max_lengths,
-                                                                        config.write_tokens)
+    return None if config.run.overwrite else overwrite.refuse_existing_sets(config.run.output, config.rows.max_lengths,
+                                                                        config.run.write_tokens)
 
 
 def refuse_existing(config: PackConfig) -> None:
@@ -52,7 +52,7 @@ def check_stats(stats: LengthStats, max_length: int, plan: PlanSummary, cap: int
 
 
 def bad_fraction_error(stats: LengthStats, config: PackConfig, failed_paths: list[str]) -> str | None:
-    line = too_many_bad_records(stats.bad_records, stats.examples_read, stats.examples_dropped, config.max_bad_fraction)
+    line = too_many_bad_records(stats.bad_records, stats.examples_read, stats.examples_dropped, config.rows.max_bad_fraction)
     if line is None:
         return None
     where = f"; they are listed in {failed_paths[0]}" if failed_paths else ""
@@ -62,7 +62,7 @@ def bad_fraction_error(stats: LengthStats, config: PackConfig, failed_paths: lis
 def untrained_eot_error(summary: RunSummary, config: PackConfig) -> str | None:
     """The stop-token check's verdict: one line when target turns do not train their end of turn."""
     tally = Tally.from_json(summary.tally)
-    if not tally.turns_without_trained_eot or config.allow_untrained_eot:
+    if not tally.turns_without_trained_eot or config.run.allow_untrained_eot:
         return None
     return (f"{tally.turns_without_trained_eot} target assistant turn(s) do not train their end-of-turn token "
             f"(e.g. example {tally.untrained_eot_example}), so the model would not learn to stop: the chat template "

@@ -57,7 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if refusal:
         print(f"prepack pack: {refusal}", file=sys.stderr)
         return 1
-    _configure_logs(config.verbose)
+    _configure_logs(config.run.verbose)
     from pipelines.launch.job import Interrupted, run
     from pipelines.launch.errors import JobError
     from pipelines.launch.report import density_table
@@ -66,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with _signal_handlers_restored():
             interrupts.install()
-            with contextlib.nullcontext() if config.verbose else QuietAfterSignal():
+            with contextlib.nullcontext() if config.run.verbose else QuietAfterSignal():
                 result = run(config, beam_args, existing_refused=True)
     except JobError as e:
         print(f"prepack pack: {e}", file=sys.stderr)
@@ -86,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tokens: {result.tokens_manifest} (for new max lengths: prepack pack --from-tokens "
               f"{result.tokens_manifest.rsplit('/', 1)[0]} --max-length L --output ...)")
     print()
-    print(density_table(result.stats, packed=config.pack, segment_cap=config.max_segments_per_row))
+    print(density_table(result.stats, packed=config.rows.pack, segment_cap=config.rows.max_segments_per_row))
     if result.mixtures:  # --mixture: what each source asked for and got, per length
         from prepack.packing.mix_table import mix_table_lines
 

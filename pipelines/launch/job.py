@@ -49,7 +49,7 @@ from pipelines.stages.read import ReadInputs
 from pipelines.stages.route import PlanAndRoute
 from pipelines.stage_shared import NAMESPACE, JobContext
 from pipelines.stages.write import WriteShardSets
-from pipelines.options import PackConfig
+from pipelines.configs import PackConfig
 from pipelines.planning import choose_sub_buckets
 from pipelines.sources import ReadTask, ResolvedInput
 from pipelines.summary import LengthStats, RunSummary
@@ -133,34 +133,34 @@ def prepare(
         failpoints.check()
     except failpoints.FailpointError as e:
         raise JobError(str(e)) from e
-    if config.from_tokens:
+    if config.run.from_tokens:
         return _prepare_from_tokens(config, run_id, existing_refused)
     if resolved is None and not existing_refused:
         checks.refuse_existing(config)
     try:  # a mixture file's formats were checked when it was read; a plain run's one source is checked here
-        templates = [get_template(s.format, **dict(s.options)) for s in config.mixture.sources]
+        templates = [get_template(s.format, **dict(s.options)) for s in config.rows.mixture.sources]
     except ValueError as e:
         raise JobError(str(e)) from e
     try:
-        tokenizer = load_tokenizer(config.tokenizer)
+        tokenizer = load_tokenizer(config.rows.tokenizer)
     except TokenizerError as e:
         raise JobError(f"unknown or unusable tokenizer: {e}") from e
     try:
-        chat_format = get_chat_format(config.chat_format, tokenizer, config.train_reasoning)
+        chat_format = get_chat_format(config.rows.chat_format, tokenizer, config.rows.train_reasoning)
     except ChatFormatError as e:
         raise JobError(f"chat format: {e.message}") from e
     inputs, tasks = _resolve(config) if resolved is None else resolved
     est = sum(i.est_records for i in inputs)
-    sub_buckets = config.sub_buckets or choose_sub_buckets(est * _copies_at_most(config), config.pack)
+    sub_buckets = config.rows.sub_buckets or choose_sub_buckets(est * _copies_at_most(config), config.rows.pack)
     ctx = JobContext(config=config, tasks=sources.task_metas(inputs, tasks), sub_buckets=sub_buckets, run_id=run_id,
-                     pad_id=int(tokenizer.pad_id), source_of_input=config.mixture.source_of_input())
+                     pad_id=int(tokenizer.pad_id), source_of_input=config.rows.mixture.source_of_input())
     job_info = {
         "tokenizer": tokenizer.identity(),
         "template": {
-            "name": config.format,
-            "options": config.template_kwargs,
-            **recorded_templates(config.mixture),
-            "chat_format": config.chat_format,
+            "name": config.rows.format,
+            "options": config.rows.template_kwargs,
+            **recorded_templates(config.rows.mixture),
+            "chat_format": config.rows.chat_format,
             "chat_format_resolved": getattr(chat_format, "name", type(chat_format).__name__),
         },
         "tool": _tool_info(),
@@ -177,30 +177,30 @@ def prepare(
 def _copies_at_most(config: PackConfig) -> int:
     """A mixture may write each example up to max_repeats times: the groups the sub-buckets
     bound grow with it (the same figure for a full run and --from-tokens with one mixture file)."""
-    return config.mixture.max_repeats
+    return config.rows.mixture.max_repeats
 
 
 def _resolve(config: PackConfig) -> tuple[list[ResolvedInput], list[ReadTask]]:
     """Every source's inputs, in order; an input that does not resolve is one line naming its source."""
     try:
-        return sources.resolve_inputs(config.inputs, config.tfds_data_dir)
+        return sources.resolve_inputs(config.rows.inputs, config.rows.tfds_data_dir)
     except sources.InputError as e:
-        source = config.mixture.source_of_input()[e.input_index] if e.input_index is not None else 1
-        raise JobError(f"{config.mixture.naming(source)}{e}") from e
+        source = config.rows.mixture.source_of_input()[e.input_index] if e.input_index is not None else 1
+        raise JobError(f"{config.rows.mixture.naming(source)}{e}") from e
 
 
 def _prepare_from_tokens(config: PackConfig, run_id: str, existing_refused: bool) -> PreparedJob:
     """--from-tokens: the token choices, tasks and tokenizer identity come from the set."""
     try:
-        tokens = tokens_source.open_token_set(config.from_tokens)
-        config = tokens_source.reconcile(config, tokens, config.from_tokens)
+        tokens = tokens_source.open_token_set(config.run.from_tokens)
+        config = tokens_source.reconcile(config, tokens, config.run.from_tokens)
     except TokenSetError as e:
         raise JobError(str(e)) from e
     if not existing_refused:
         checks.refuse_existing(config)
-    sub_buckets = config.sub_buckets or choose_sub_buckets(tokens.job["est_records"] * _copies_at_most(config), config.pack)
+    sub_buckets = config.rows.sub_buckets or choose_sub_buckets(tokens.job["est_records"] * _copies_at_most(config), config.rows.pack)
     ctx = JobContext(config=config, tasks=tokens_source.tasks_of(tokens), sub_buckets=sub_buckets, run_id=run_id,
-                     pad_id=int(tokens.tokenizer["pad_id"]), source_of_input=config.mixture.source_of_input())
+                     pad_id=int(tokens.tokenizer["pad_id"]), source_of_input=config.rows.mixture.source_of_input())
     job_info = {"tokenizer": tokens.tokenizer, "template": tokens.template, "tool": _tool_info(),
                 "sub_buckets": sub_buckets, "inputs": tokens.inputs}
     return PreparedJob(ctx=ctx, tasks=[], inputs=[], job_info=job_info,
@@ -213,10 +213,10 @@ def build_pipeline(pipeline: Any, job: PreparedJob) -> None:
 
     ctx, config = job.ctx, job.config
     if job.tokens is not None:
-        prepared = pipeline | "ReadTokenSet" >> tokens_source.ReadTokenSet(job.tokens, config.from_tokens)
+        prepared = pipeline | "ReadTokenSet" >> tokens_source.ReadTokenSet(job.tokens, config.run.from_tokens)
         fingerprints = prepared["fingerprints"]
     else:
-        read = pipeline | "Read" >> ReadInputs(job.tasks, config.batch_size, config.progress, config.limits)
+        read = pipeline | "Read" >> ReadInputs(job.tasks, config.run.batch_size, config.run.progress, config.rows.limits)
         prepared = read["records"] | "Prepare" >> PrepareExamples(ctx, job.table_level, job.group_key)
         fingerprints = read["fingerprints"]
     fitted = prepared["examples"] | "Fit" >> FitToLengths(ctx)
@@ -225,9 +225,9 @@ def build_pipeline(pipeline: Any, job: PreparedJob) -> None:
     routed = {"keyed": kept["keyed"], "hist": kept["hist"]} | "Route" >> PlanAndRoute(ctx)
     _ = {"rows": routed["rows"], "plans": routed["plans"], "bad": prepared["bad"], "dead": fitted["dead"],
          "tally_read": prepared["tally"], "tally_fit": kept["tally"], "fingerprints": fingerprints} | "Write" >> WriteShardSets(ctx)
-    if config.write_tokens:
+    if config.run.write_tokens:
         _ = ({"examples": prepared["examples"], "bad": prepared["bad"], "dead": fitted["dead"]}
-             | "WriteTokenSet" >> tokens_sink.WriteTokenSet(config.output, job.run_id, config.max_lengths[0]))
+             | "WriteTokenSet" >> tokens_sink.WriteTokenSet(config.run.output, job.run_id, config.rows.max_lengths[0]))
 
 
 def input_descriptions(job: PreparedJob, fingerprints: tuple[tuple, ...]) -> list[dict[str, Any]]:
@@ -272,27 +272,27 @@ class Interrupted(KeyboardInterrupt):
 
 def _acquire_lock(config: PackConfig, run_id: str) -> output.OutputLock:
     try:
-        return output.OutputLock.acquire(config.output, run_id, config.lock_expiry_s)
+        return output.OutputLock.acquire(config.run.output, run_id, config.run.lock_expiry_s)
     except (output.LockHeld, output.LockLost) as e:  # LockLost: a lease too short for its round trip
         raise JobError(str(e)) from e
     except Exception as e:  # a missing bucket, a read-only folder: say so before any work
-        raise JobError(f"output {config.output!r} is not writable ({type(e).__name__}: {e})") from e
+        raise JobError(f"output {config.run.output!r} is not writable ({type(e).__name__}: {e})") from e
 
 
 def _leftovers(config: PackConfig, run_id: str, held: output.OutputLock) -> list[str]:
     """Reports (or with --clean-stale removes) what earlier killed runs left in the output."""
-    found = output.find_leftovers(config.output, run_id)
+    found = output.find_leftovers(config.run.output, run_id)
     if not found.paths:
         return []
-    if config.clean_stale:
+    if config.run.clean_stale:
         output.remove_leftovers(found, held)
-        return [f"removed {found.describe(config.output).split(' holds ', 1)[1]}"]
-    return [f"{found.describe(config.output)}; pass --clean-stale to remove them"]
+        return [f"removed {found.describe(config.run.output).split(' holds ', 1)[1]}"]
+    return [f"{found.describe(config.run.output)}; pass --clean-stale to remove them"]
 
 
 def _empty_or_all_bad(stats: LengthStats, config: PackConfig, kept: list[str]) -> str | None:
     if stats.records_read == 0:
-        return (f"the inputs hold no records ({', '.join(config.inputs)} {'is' if len(config.inputs) == 1 else 'are'} "
+        return (f"the inputs hold no records ({', '.join(config.rows.inputs)} {'is' if len(config.rows.inputs) == 1 else 'are'} "
                 "empty); nothing was published. Check --input")
     if stats.examples_read and stats.bad_records == stats.examples_read:
         where = f"; they are listed in {kept[0]}" if kept else ""
@@ -306,11 +306,11 @@ def _empty_or_all_bad(stats: LengthStats, config: PackConfig, kept: list[str]) -
 
 def _shard_notes(config: PackConfig, summary: RunSummary) -> list[str]:
     notes = []
-    for L in config.max_lengths:
+    for L in config.rows.max_lengths:
         written = summary.lengths[L].plan.num_shards
-        if config.num_shards is not None and written < config.num_shards:
+        if config.rows.num_shards is not None and written < config.rows.num_shards:
             rows = summary.lengths[L].plan.num_rows
-            notes.append(f"L{L}: --num-shards {config.num_shards} asked, {written} written ({rows} rows; a shard holds at least one row)")
+            notes.append(f"L{L}: --num-shards {config.rows.num_shards} asked, {written} written ({rows} rows; a shard holds at least one row)")
     return notes
 
 
@@ -326,17 +326,17 @@ def run(config: PackConfig, beam_args: list[str], run_id: str | None = None, exi
     commit: output.Commit | None = None
 
     def clean_up() -> None:
-        output.cleanup_run(config.output, config.max_lengths, job.run_id)
+        output.cleanup_run(config.run.output, config.rows.max_lengths, job.run_id)
         held.release()
-        output.storage_for(config.output).remove_if_empty(config.output)  # a failed first run leaves no folder
+        output.storage_for(config.run.output).remove_if_empty(config.run.output)  # a failed first run leaves no folder
 
     cleanup_key = interrupts.register(clean_up)  # run by the signal watchdog if this thread is stuck
     try:
         failpoints.hit("after_lock")
         held.check()  # a run paused past its lease (a stopped VM, a debugger) learns so before it reads anything
-        places = [output.length_place(config.output, L) for L in config.max_lengths]
-        places += [output.tokens_place(config.output)] if config.write_tokens else []
-        seen = output.look(config.output, places, held)
+        places = [output.length_place(config.run.output, L) for L in config.rows.max_lengths]
+        places += [output.tokens_place(config.run.output)] if config.run.write_tokens else []
+        seen = output.look(config.run.output, places, held)
         notes = _leftovers(config, job.run_id, held)
         for note in notes:
             log.warning(note)
@@ -345,9 +345,9 @@ def run(config: PackConfig, beam_args: list[str], run_id: str | None = None, exi
         notes += _shard_notes(config, summary)
         lengths, tokens = _staged_sets(job, summary, stats)
         failpoints.hit("before_publish")
-        commit = output.Commit(config.output, job.run_id, held, seen, config.overwrite)
+        commit = output.Commit(config.run.output, job.run_id, held, seen, config.run.overwrite)
         _commit(commit, config, lengths, tokens)
-        tokens_path = layout.tokens_manifest_path(config.output) if tokens else None
+        tokens_path = layout.tokens_manifest_path(config.run.output) if tokens else None
         figures = {L: s.to_json() for L, s in stats.items()}
         return JobResult(_lengths_switched(commit), figures, time.monotonic() - started, job.run_id, metrics, notes, tokens_path,
                          mixture_objects(config, summary))
@@ -358,14 +358,14 @@ def run(config: PackConfig, beam_args: list[str], run_id: str | None = None, exi
     except output.LockLost as e:  # before the commit (a takeover's rewrite, clean-up, kept dead letters): one line
         raise JobError(str(e)) from e
     except output.SwitchRefused as e:
-        raise JobError(f"{e}; the sets now in {config.output} are another run's; this run published nothing") from e
+        raise JobError(f"{e}; the sets now in {config.run.output} are another run's; this run published nothing") from e
     except failpoints.InjectedFault as e:  # after_lock, before_publish: nothing switched yet (the commit's own are caught there)
         raise JobError(failures.injected(str(e))) from e
     except OSError as e:
         if e.errno == errno.ENOSPC:
             if commit is not None and commit.switched:  # the previous sets are not all intact any more: say which are new
                 raise JobError(_publish_failed(config, _lengths_switched(commit), e)) from e
-            raise JobError(failures.no_space(config.output, getattr(e, "filename", None))) from e
+            raise JobError(failures.no_space(config.run.output, getattr(e, "filename", None))) from e
         raise
     finally:
         clean_up()
@@ -396,9 +396,9 @@ def _run_pipeline(job: PreparedJob, beam_args: list[str]) -> tuple[RunSummary, d
 
     config = job.config
     try:
-        output.probe(config.output, job.run_id)
+        output.probe(config.run.output, job.run_id)
     except Exception as e:
-        raise JobError(f"output {config.output!r} is not writable ({type(e).__name__}: {e})") from e
+        raise JobError(f"output {config.run.output!r} is not writable ({type(e).__name__}: {e})") from e
     pipeline = beam.Pipeline(options=PipelineOptions(beam_args))
     build_pipeline(pipeline, job)
     result = None
@@ -409,13 +409,13 @@ def _run_pipeline(job: PreparedJob, beam_args: list[str]) -> tuple[RunSummary, d
         _cancel(result)
         raise
     except Exception as e:
-        line = failures.one_line(e, config.output)
+        line = failures.one_line(e, config.run.output)
         if line is None:
             raise
         raise JobError(line) from e
     if str(state).split(".")[-1] not in ("DONE", "None"):
         raise JobError(f"the pipeline ended in state {state}; nothing was published")
-    return job_stats.read_summary(config.output, job.run_id), _metrics(result)
+    return job_stats.read_summary(config.run.output, job.run_id), _metrics(result)
 
 
 def verify(job: PreparedJob, summary: RunSummary, held: output.OutputLock) -> dict[int, LengthStats]:
@@ -423,28 +423,28 @@ def verify(job: PreparedJob, summary: RunSummary, held: output.OutputLock) -> di
     config = job.config
     stats: dict[int, LengthStats] = {}
     problems: list[str] = []
-    for L in config.max_lengths:
-        stats[L] = job_stats.length_stats(summary, L, config.pack, config.overlong is OverlongPolicy.WINDOW)
-        problems += checks.check_stats(stats[L], L, summary.lengths[L].plan, config.max_segments_per_row)
+    for L in config.rows.max_lengths:
+        stats[L] = job_stats.length_stats(summary, L, config.rows.pack, config.rows.overlong is OverlongPolicy.WINDOW)
+        problems += checks.check_stats(stats[L], L, summary.lengths[L].plan, config.rows.max_segments_per_row)
     if problems:
         raise JobError("accounting check failed, nothing was published: " + "; ".join(problems))
-    first = stats[config.max_lengths[0]]
+    first = stats[config.rows.max_lengths[0]]
     if _empty_or_all_bad(first, config, []) is not None:
-        kept = output.keep_failed_dead_letters(config.output, config.max_lengths, job.run_id, held) if first.bad_records else []
+        kept = output.keep_failed_dead_letters(config.run.output, config.rows.max_lengths, job.run_id, held) if first.bad_records else []
         raise JobError(_empty_or_all_bad(first, config, kept))
     if _source_bad_records(config, summary) is not None:  # named per source, before the mix's
-        kept = output.keep_failed_dead_letters(config.output, config.max_lengths, job.run_id, held)
+        kept = output.keep_failed_dead_letters(config.run.output, config.rows.max_lengths, job.run_id, held)
         where = f"; they are listed in {kept[0]}" if kept else ""
         raise JobError(f"{_source_bad_records(config, summary)}; nothing was published{where}")
     if checks.bad_fraction_error(first, config, []) is not None:
-        kept = output.keep_failed_dead_letters(config.output, config.max_lengths, job.run_id, held)
+        kept = output.keep_failed_dead_letters(config.run.output, config.rows.max_lengths, job.run_id, held)
         raise JobError(checks.bad_fraction_error(first, config, kept))
     _check_mixture(config, summary)
     if checks.untrained_eot_error(summary, config) is not None:
         raise JobError(checks.untrained_eot_error(summary, config))
     if checks.empty_think_note(summary) is not None:
         log.warning(checks.empty_think_note(summary))
-    no_rows = [L for L in config.max_lengths if stats[L].rows == 0]
+    no_rows = [L for L in config.rows.max_lengths if stats[L].rows == 0]
     if no_rows:
         raise JobError(
             f"no example fits max length {', '.join(map(str, no_rows))} (examples dropped: "
@@ -461,7 +461,7 @@ def _source_bad_records(config: PackConfig, summary: RunSummary) -> str | None:
     from prepack.packing.accounting import Tally
     from prepack.packing.mixture import first_bad_source
 
-    return first_bad_source(config.mixture, Tally.from_json(summary.tally), config.max_lengths[0], config.max_bad_fraction)
+    return first_bad_source(config.rows.mixture, Tally.from_json(summary.tally), config.rows.max_lengths[0], config.rows.max_bad_fraction)
 
 
 def _check_mixture(config: PackConfig, summary: RunSummary) -> None:
@@ -471,8 +471,8 @@ def _check_mixture(config: PackConfig, summary: RunSummary) -> None:
     from prepack.packing.mixture import source_problems
 
     tally = Tally.from_json(summary.tally)
-    for L in config.max_lengths:
-        problems, notes = source_problems(config.mixture, tally, L, config.allow_short_mix, config.max_bad_fraction)
+    for L in config.rows.max_lengths:
+        problems, notes = source_problems(config.rows.mixture, tally, L, config.run.allow_short_mix, config.rows.max_bad_fraction)
         if problems:
             raise JobError(f"{problems[0]}; nothing was published")
         for note in notes:
@@ -485,7 +485,7 @@ def mixture_objects(config: PackConfig, summary: RunSummary) -> dict[int, dict[s
     from prepack.packing.mixture import mixture_manifest
 
     tally = Tally.from_json(summary.tally)
-    objects = {L: mixture_manifest(config.mixture, tally, L) for L in config.max_lengths}
+    objects = {L: mixture_manifest(config.rows.mixture, tally, L) for L in config.rows.max_lengths}
     return {L: o for L, o in objects.items() if o is not None}
 
 
@@ -498,23 +498,23 @@ def _staged_sets(job: PreparedJob, summary: RunSummary, stats: dict[int, LengthS
     created_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     lengths = {}
     mixtures = mixture_objects(config, summary)
-    for L in config.max_lengths:
+    for L in config.rows.max_lengths:
         manifest = compose_manifest(config, L, stats[L], summary.lengths[L].shards, job.job_info,
                                             summary.lengths[L].plan.method)
         manifest.created_at = created_at
         manifest.mixture = mixtures.get(L)
-        manifest.use_row_format(sources=config.mixture.recorded, example_targets=config.cuts_pieces)
+        manifest.use_row_format(sources=config.rows.mixture.recorded, example_targets=config.rows.cuts_pieces)
         if job.tokens is not None:
-            manifest.lineage = tokens_source.lineage(job.tokens, config.from_tokens)
+            manifest.lineage = tokens_source.lineage(job.tokens, config.run.from_tokens)
         lengths[L] = output.StagedSet(
-            output.length_place(config.output, L), layout.staging_dir(config.output, L, job.run_id),
+            output.length_place(config.run.output, L), layout.staging_dir(config.run.output, L, job.run_id),
             manifest.to_json().encode("utf-8"), tuple(s.path for s in manifest.shards), manifest.dead_letter)
-    if not config.write_tokens:
+    if not config.run.write_tokens:
         return lengths, None
     tokens = _tokens_manifest(job, summary)
     tokens.created_at = created_at
     files = tuple(s.path for s in tokens.shards) + ((tokens.dropped,) if tokens.dropped else ())
-    return lengths, output.StagedSet(output.tokens_place(config.output), layout.tokens_staging_dir(config.output, job.run_id),
+    return lengths, output.StagedSet(output.tokens_place(config.run.output), layout.tokens_staging_dir(config.run.output, job.run_id),
                                      tokens.to_json().encode("utf-8"), files)
 
 
@@ -531,7 +531,7 @@ def _commit(commit: output.Commit, config: PackConfig, lengths: dict[int, output
     except output.LockLost as e:
         raise JobError(str(e)) from e
     except output.SwitchRefused as e:
-        raise JobError(f"{e}; the sets now in {config.output} are another run's") from e
+        raise JobError(f"{e}; the sets now in {config.run.output} are another run's") from e
     except OSError as e:
         if e.errno == errno.ENOSPC:
             raise
@@ -553,16 +553,16 @@ def _cancel(result: Any) -> None:
 
 
 def _partial(config: PackConfig, switched: dict[int, str]) -> str:
-    if not switched or len(switched) == len(config.max_lengths):
+    if not switched or len(switched) == len(config.rows.max_lengths):
         return ""
-    rest = [L for L in config.max_lengths if L not in switched]
+    rest = [L for L in config.rows.max_lengths if L not in switched]
     return (f" (L{', L'.join(map(str, switched))} already hold{'s' if len(switched) == 1 else ''} this run's set, "
-            f"L{', L'.join(map(str, rest))} {'does' if len(rest) == 1 else 'do'} not: {layout.run_record_path(config.output)} "
+            f"L{', L'.join(map(str, rest))} {'does' if len(rest) == 1 else 'do'} not: {layout.run_record_path(config.run.output)} "
             "does not match them; run again with --overwrite)")
 
 
 def _publish_failed(config: PackConfig, switched: dict[int, str], error: Exception) -> str:
-    head = f"publishing into {config.output} failed ({type(error).__name__}: {error})"
+    head = f"publishing into {config.run.output} failed ({type(error).__name__}: {error})"
     if switched:
         return head + (_partial(config, switched) or "; every length was switched: run again with --overwrite to clean up")
     return head + "; nothing new was published, the previous shard sets are intact. Run again"
@@ -571,7 +571,7 @@ def _publish_failed(config: PackConfig, switched: dict[int, str], error: Excepti
 def _interrupted_message(config: PackConfig, switched: dict[int, str]) -> str:
     if not switched:
         return "interrupted; nothing new was published, the previous shard sets are intact"
-    if len(switched) == len(config.max_lengths):
+    if len(switched) == len(config.rows.max_lengths):
         return "interrupted after every length was switched to the new sets; run again with --overwrite to finish cleaning up"
     return "interrupted while publishing" + _partial(config, switched)
 
@@ -579,14 +579,14 @@ def _interrupted_message(config: PackConfig, switched: dict[int, str]) -> str:
 def _tokens_manifest(job: PreparedJob, summary: RunSummary) -> TokenSetManifest:
     """The tokenized set's manifest; raises JobError if its counts do not add up."""
     config = job.config
-    choices = {"inputs": list(config.inputs), "format": config.format, "template_options": config.template_kwargs,
-               "chat_format": config.chat_format, "tokenizer": config.tokenizer, "tfds_data_dir": config.tfds_data_dir}
-    if not config.train_reasoning:  # recorded only when off, so sets made before the option read as "yes"
+    choices = {"inputs": list(config.rows.inputs), "format": config.rows.format, "template_options": config.rows.template_kwargs,
+               "chat_format": config.rows.chat_format, "tokenizer": config.rows.tokenizer, "tfds_data_dir": config.rows.tfds_data_dir}
+    if not config.rows.train_reasoning:  # recorded only when off, so sets made before the option read as "yes"
         choices["train_reasoning"] = "no"
-    if config.expand_turns:
+    if config.rows.expand_turns:
         choices["expand_turns"] = True
-    choices.update(recorded_choices(config.mixture))  # the sources each example's id names (by its input index)
-    index = tokens_sink.read_index(config.output, job.run_id)
+    choices.update(recorded_choices(config.rows.mixture))  # the sources each example's id names (by its input index)
+    index = tokens_sink.read_index(config.run.output, job.run_id)
     manifest = tokens_sink.compose_manifest(summary, index, job.ctx.tasks, choices, job.job_info, job.est_records)
     s = manifest.stats
     if s["examples_read"] != s["examples_kept"] + sum(s["examples_dropped"].values()):

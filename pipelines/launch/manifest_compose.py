@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipelines.options import PackConfig
+from pipelines.configs import PackConfig
 from pipelines.summary import LengthStats, ShardSummary
 from prepack.format.manifest import DEAD_LETTER_NAME, Manifest, ShardInfo
 
@@ -24,10 +24,10 @@ def compose_manifest(
         shards=infos,
         tokenizer=job_info["tokenizer"],
         stats=stats.to_json(),
-        packing=method or ("bfd" if config.pack else "unpacked"),
+        packing=method or ("bfd" if config.rows.pack else "unpacked"),
         template=job_info["template"],
         inputs=job_info["inputs"],
-        options={**config.manifest_options(), "sub_buckets": job_info["sub_buckets"]},
+        options={**config.rows.manifest_options(), "sub_buckets": job_info["sub_buckets"]},
         tool=job_info["tool"],
         dead_letter=DEAD_LETTER_NAME if stats.dead_letter_entries else None,
     )

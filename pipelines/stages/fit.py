@@ -38,10 +38,10 @@ class FitAndKeyFn(beam.DoFn):
         self.ctx = ctx
 
     def setup(self) -> None:
-        self.m_dropped = {L: Metrics.counter(NAMESPACE, f"L{L}_dropped") for L in self.ctx.config.max_lengths}
-        self.m_truncated = {L: Metrics.counter(NAMESPACE, f"L{L}_truncated") for L in self.ctx.config.max_lengths}
+        self.m_dropped = {L: Metrics.counter(NAMESPACE, f"L{L}_dropped") for L in self.ctx.rows.max_lengths}
+        self.m_truncated = {L: Metrics.counter(NAMESPACE, f"L{L}_truncated") for L in self.ctx.rows.max_lengths}
         self.clock = StageClock("fit")
-        self.kept_everywhere = np.uint64((1 << len(self.ctx.config.max_lengths)) - 1)
+        self.kept_everywhere = np.uint64((1 << len(self.ctx.rows.max_lengths)) - 1)
 
     def start_bundle(self) -> None:
         # Kept examples wait here until a flush: (batch of kept examples, group code, kept_at of each,
@@ -80,8 +80,8 @@ class FitAndKeyFn(beam.DoFn):
         buckets = ctx.sub_buckets
         lens = batch.examples.lens.astype(np.int64)
         has_targets = batch.targets_after_first() > 0
-        fits_all = has_targets & (lens <= min(ctx.config.max_lengths))
-        length_keys = lens if ctx.config.pack else np.zeros_like(lens)
+        fits_all = has_targets & (lens <= min(ctx.rows.max_lengths))
+        length_keys = lens if ctx.rows.pack else np.zeros_like(lens)
         # One int per (length_key, b) group: code = length_key * B + b.
         codes = length_keys * buckets + sub_buckets_of(batch.hashes, buckets)
         groups, counts = np.unique(codes[fits_all], return_counts=True)
@@ -97,7 +97,7 @@ class FitAndKeyFn(beam.DoFn):
             if len(index) < len(batch):
                 batch = batch.take(index)
             # A whole example: 0, the writer writes its own target count (--overlong split or window only).
-            totals = np.zeros((len(index), len(ctx.config.max_lengths)), np.int32) if ctx.config.cuts_pieces else None
+            totals = np.zeros((len(index), len(ctx.rows.max_lengths)), np.int32) if ctx.rows.cuts_pieces else None
             self.pending.append((batch, codes[index], kept_at[index], totals, kept_at[index]))  # a whole example leads itself
             self.buffered += len(index)
         self.clock.add(StageClock.now() - started)
@@ -114,18 +114,18 @@ class FitAndKeyFn(beam.DoFn):
             tally.no_targets += 1
             entry = dead_letter(ctx.tasks, batch.locs[i], "no_targets", "", "no target token after the first, so the "
                                 "example trains nothing", None, example_id=batch.example_ids[i], tokens=int(lens[i]))
-            for L in ctx.config.max_lengths:
+            for L in ctx.rows.max_lengths:
                 yield TaggedOutput(TAG_DEAD, (L, entry))
         index = others[has_targets[others]]
         if not len(index):
             return
         n = lens[index]
         keys, bs = np.divmod(codes[index], ctx.sub_buckets)
-        truncate = ctx.config.overlong is OverlongPolicy.TRUNCATE
+        truncate = ctx.rows.overlong is OverlongPolicy.TRUNCATE
         split_at: dict[int, list[int]] = {}  # example -> the max lengths it is cut into pieces at
-        for bit, L in enumerate(ctx.config.max_lengths):
+        for bit, L in enumerate(ctx.rows.max_lengths):
             within = batch.targets_after_first(L)[index] if truncate and (n > L).any() else None
-            fit = fit_at_length(n, L, ctx.config.overlong, within)
+            fit = fit_at_length(n, L, ctx.rows.overlong, within)
             for j in np.flatnonzero(fit >= Fit.SPLIT).tolist():  # SPLIT or WINDOW
                 split_at.setdefault(int(index[j]), []).append(bit)
             kept = fit <= Fit.TRUNCATED
@@ -149,11 +149,11 @@ class FitAndKeyFn(beam.DoFn):
 
     def _cut(self, mask: np.ndarray, max_length: int) -> list[tuple[WindowPiece, DropReason | None]]:
         """The pieces of one example at one max length under the overlong rule (cut_pieces)."""
-        return cut_pieces(mask, max_length, self.ctx.config.overlong, self.ctx.config.window_context_tokens)
+        return cut_pieces(mask, max_length, self.ctx.rows.overlong, self.ctx.rows.window_context_tokens)
 
     def _count_cut(self, max_length: int, cut: list[tuple[WindowPiece, DropReason | None]]) -> None:
         tally = self.tally
-        if self.ctx.config.overlong is OverlongPolicy.SPLIT:
+        if self.ctx.rows.overlong is OverlongPolicy.SPLIT:
             tally.split[max_length] += 1
             tally.split_pieces[max_length] += len(cut)
             return
@@ -176,7 +176,7 @@ class FitAndKeyFn(beam.DoFn):
         at every max length that cuts the example there (the last pieces of two max lengths are
         often the same range); a piece the rule does not keep is dropped there with its reason."""
         ctx = self.ctx
-        lengths = ctx.config.max_lengths
+        lengths = ctx.rows.max_lengths
         starts = np.cumsum(batch.examples.lens, dtype=np.int64) - batch.examples.lens
         # (example, context start, context end, start, end) -> kept_at bits; split pieces have no context.
         pieces: dict[tuple[int, int, int, int, int], int] = {}
@@ -220,9 +220,9 @@ class FitAndKeyFn(beam.DoFn):
         kept_at = np.array([pieces[k] for k in keys], dtype=np.uint64)
         totals = self._example_targets(np.array([k[0] for k in keys], np.int64), made.targets_after_first(), kept_at)
         leads_at = self._leads(keys, kept_at) if ctx.mixture.recorded else None  # only the mix stage's sampling reads them
-        length_keys = piece_lens.astype(np.int64) if ctx.config.pack else np.zeros(len(keys), np.int64)
+        length_keys = piece_lens.astype(np.int64) if ctx.rows.pack else np.zeros(len(keys), np.int64)
         b = sub_buckets_of(hashes, ctx.sub_buckets)
-        for bit, L in enumerate(ctx.config.max_lengths):
+        for bit, L in enumerate(ctx.rows.max_lengths):
             at = (kept_at >> np.uint64(bit)) & np.uint64(1) == 1
             for key, sub in zip(length_keys[at].tolist(), b[at].tolist()):
                 self.hist[(L, key, sub)] += 1
@@ -247,7 +247,7 @@ class FitAndKeyFn(beam.DoFn):
         at that max length (row format 3's example_targets), 0 where the piece is not kept. The
         row builder zeroes each piece's first target, as targets_after_first leaves it out, so a
         piece's share targets / example_targets adds up to 1 over its example's pieces."""
-        bits = np.arange(len(self.ctx.config.max_lengths), dtype=np.uint64)
+        bits = np.arange(len(self.ctx.rows.max_lengths), dtype=np.uint64)
         kept = ((kept_at[:, None] >> bits[None, :]) & np.uint64(1)) == 1  # [pieces, L]
         first, owner = np.unique(example, return_inverse=True)
         sums = np.zeros((len(first), len(bits)), np.int64)
@@ -260,7 +260,7 @@ class FitAndKeyFn(beam.DoFn):
             merged = TokenizedBatch.concat([batch for batch, _, _, _, _ in self.pending])
             codes = np.concatenate([c for _, c, _, _, _ in self.pending])
             kept_at = np.concatenate([k for _, _, k, _, _ in self.pending])
-            totals = np.concatenate([t for _, _, _, t, _ in self.pending]) if self.ctx.config.cuts_pieces else None
+            totals = np.concatenate([t for _, _, _, t, _ in self.pending]) if self.ctx.rows.cuts_pieces else None
             # Only a mixture's mix stage reads leads_at; without one the payloads stay as they were.
             leads = (np.concatenate([d for _, _, _, _, d in self.pending])
                      if totals is not None and self.ctx.mixture.recorded else None)
@@ -276,7 +276,7 @@ class FitAndKeyFn(beam.DoFn):
     def finish_bundle(self) -> Iterator[Any]:
         yield from self._flush(windowed=True)
         for (key, b), count in self.hist_fits_all.items():
-            for L in self.ctx.config.max_lengths:
+            for L in self.ctx.rows.max_lengths:
                 self.hist[(L, key, b)] += count
         yield TaggedOutput(TAG_HIST, in_global_window(self.hist))
         if self.tallies:

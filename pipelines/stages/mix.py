@@ -120,7 +120,7 @@ def weigh_into(hist: Counter, batch: PayloadBatch, ctx: JobContext) -> None:
     source = sources_of(batch.example_ids, ctx.source_of_input)
     units = Units.of(batch, ctx.mixture.weight_of)
     bucket = _buckets(units.hashes)
-    for bit, L in enumerate(ctx.config.max_lengths):
+    for bit, L in enumerate(ctx.rows.max_lengths):
         kept = batch.kept_at_length(bit)
         for s, b, weight in _group_sums(source[kept], bucket[kept], units.shares(bit, L)[kept]):
             hist[(L, s, b)] += weight
@@ -162,7 +162,7 @@ class DecideFn(beam.DoFn):
 
     def process(self, hist: dict) -> Iterator[dict]:
         mixture = self.ctx.mixture
-        yield decide(hist, self.ctx.config.max_lengths, mixture.weights, mixture.max_repeats)
+        yield decide(hist, self.ctx.rows.max_lengths, mixture.weights, mixture.max_repeats)
 
 
 BOUNDARY, LATER = 0, 1  # a candidate's kind: in its boundary bucket, or in a later one
@@ -181,7 +181,7 @@ class CandidatesFn(beam.DoFn):
         source = sources_of(batch.example_ids, self.ctx.source_of_input)
         units = Units.of(batch, mixture.weight_of)
         bucket = _buckets(units.hashes)
-        for bit, L in enumerate(self.ctx.config.max_lengths):
+        for bit, L in enumerate(self.ctx.rows.max_lengths):
             table = [(NO_BOUNDARY, -1)] + [(decisions[(L, s)][1], fill_bound(decisions[(L, s)][2], mixture.weight_of, L))
                                            for s in range(1, len(mixture.sources) + 1)]
             boundary, bound = np.array([b for b, _ in table]), np.array([c for _, c in table])
@@ -260,7 +260,7 @@ class SampleFn(beam.DoFn):
         (key, _), wire = element
         batch = PayloadBatch.from_wire(wire)
         ctx = self.ctx
-        lengths = ctx.config.max_lengths
+        lengths = ctx.rows.max_lengths
         n_sources = len(ctx.mixture.sources)
         source = sources_of(batch.example_ids, ctx.source_of_input)
         copies = np.zeros((len(lengths), len(batch.example_ids)), dtype=np.int64)
@@ -314,7 +314,7 @@ class SampleFn(beam.DoFn):
                 tally.mix[(L, figure)] += value
 
     def _copies(self, key: int, batch: PayloadBatch, copies: np.ndarray) -> Iterator[Any]:
-        lengths = self.ctx.config.max_lengths
+        lengths = self.ctx.rows.max_lengths
         bits = (np.uint64(1) << np.arange(len(lengths), dtype=np.uint64))[:, None]
         for k in range(int(copies.max(initial=0))):
             kept_at = np.bitwise_or.reduce(np.where(copies > k, bits, np.uint64(0)), axis=0).astype(np.uint64)

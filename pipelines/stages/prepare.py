@@ -340,11 +340,11 @@ class _Counting:
         from prepack.text.tokenizer import load_tokenizer
 
         ctx = self.ctx
-        loaded = load_tokenizer(ctx.config.tokenizer)
-        chat_format = get_chat_format(ctx.config.chat_format, loaded, ctx.config.train_reasoning)
+        loaded = load_tokenizer(ctx.rows.tokenizer)
+        chat_format = get_chat_format(ctx.rows.chat_format, loaded, ctx.rows.train_reasoning)
         # One tokenizer and chat format; each source with its own template (a plain run has one).
         self.preparers = {s.index: Preparer(ctx.tasks, get_template(s.format, **dict(s.options)), loaded, chat_format,
-                                            on_batch=self._count_batch, expand_turns=ctx.config.expand_turns)
+                                            on_batch=self._count_batch, expand_turns=ctx.rows.expand_turns)
                           for s in ctx.mixture.sources}
         self.preparer = self.preparers[1]
         self.m_examples = Metrics.counter(NAMESPACE, "examples_tokenized")
@@ -361,7 +361,7 @@ class _Counting:
             update_length(n)
         self.m_examples.inc(len(lens))
         self.m_tokens.inc(int(lens.sum()))
-        if self.ctx.config.progress:
+        if self.ctx.config.run.progress:
             Progress.add("tokenized", "examples", len(lens))
 
     def _tokenize(self, templated: Templated, tally: Tally, bad: list[DeadLetter],
@@ -449,7 +449,7 @@ class TableToExamplesFn(beam.DoFn, _Counting):
         self.pending.convs += templated.convs
         self.pending.metas += templated.metas
         self.clock_template.add(StageClock.now() - started)
-        if len(self.pending) >= self.ctx.config.batch_size:
+        if len(self.pending) >= self.ctx.config.run.batch_size:
             yield from self._flush(windowed=False)
 
     def _flush(self, windowed: bool) -> Iterator[Any]:

@@ -104,7 +104,7 @@ class RouteToRowsFn(beam.DoFn):
             sources = sources_of(batch.example_ids, self.ctx.source_of_input)
         # (shard, window) -> (L, rows, positions, examples, their example_targets at L or None) per part.
         slots: dict[tuple[int, int], list[tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]]] = defaultdict(list)
-        for bit, L in enumerate(self.ctx.config.max_lengths):
+        for bit, L in enumerate(self.ctx.rows.max_lengths):
             plan = plans[L]
             survivors = order[batch.kept_at_length(bit)[order]]  # the fit stage's decision
             if not len(survivors):
@@ -175,8 +175,8 @@ class PlanAndRoute(beam.PTransform):
         planned = (
             fitted["hist"]
             | "Histogram" >> beam.CombineGlobally(MergeCounters())
-            | "Plan" >> beam.ParDo(PlanFn(config.max_lengths, config.pack, config.num_shards, config.target_shard_mb,
-                                          config.planner, config.max_segments_per_row))
+            | "Plan" >> beam.ParDo(PlanFn(config.rows.max_lengths, config.rows.pack, config.rows.num_shards, config.rows.target_shard_mb,
+                                          config.rows.planner, config.rows.max_segments_per_row))
             .with_outputs(TAG_PLAN, main="slices")
         )
         rows = (

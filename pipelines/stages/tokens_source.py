@@ -26,7 +26,7 @@ import numpy as np
 from apache_beam.metrics.metric import Metrics
 
 from pipelines.wire.columns import LENS, Ragged, TokenizedBatch
-from pipelines.options import PackConfig
+from pipelines.configs import PackConfig
 from pipelines.planning import stable_hash
 from pipelines.wire.records import TaskMeta
 from pipelines.stage_shared import StageClock
@@ -109,17 +109,18 @@ def _sizes(folder: str, names: list[str]) -> dict[str, int]:
 def reconcile(config: PackConfig, manifest: TokenSetManifest, folder: str) -> PackConfig:
     """The run's config with the token choices of the set; raises TokenSetError (one line)
     when the user asked for other ones."""
-    problem = manifest.mismatch(dict(config.requested))
+    problem = manifest.mismatch(dict(config.run.requested))
     if problem:
         raise TokenSetError(f"{problem} ({folder}/{MANIFEST_NAME}): packing it would need other tokens. Drop the "
                             f"option to pack the tokenized set as it is, or run a full `prepack pack` with --input")
     c = manifest.choices
-    return dataclasses.replace(
-        config, inputs=tuple(c["inputs"]), format=c["format"], template_options=tuple(sorted(c["template_options"].items())),
+    rows = dataclasses.replace(
+        config.rows, inputs=tuple(c["inputs"]), format=c["format"], template_options=tuple(sorted(c["template_options"].items())),
         chat_format=c["chat_format"], tokenizer=c["tokenizer"], tfds_data_dir=c.get("tfds_data_dir"),
         train_reasoning=c.get("train_reasoning", "yes") == "yes", expand_turns=c.get("expand_turns", False) is True,
         mixture=_remix(config, c.get("mixture"), folder),
     )
+    return dataclasses.replace(config, rows=rows)
 
 
 def _remix(config: PackConfig, recorded: dict[str, Any] | None, folder: str):
@@ -128,21 +129,21 @@ def _remix(config: PackConfig, recorded: dict[str, Any] | None, folder: str):
     from prepack.packing.mixture import Mixture, MixtureError
 
     if recorded is None:
-        if config.mixture.recorded:
-            raise TokenSetError(f"--mixture {config.mixture.path}: the tokenized set {folder} was not made from a mixture; "
+        if config.rows.mixture.recorded:
+            raise TokenSetError(f"--mixture {config.rows.mixture.path}: the tokenized set {folder} was not made from a mixture; "
                                 "run a full `prepack pack --mixture` instead")
         return None
     try:
         made = Mixture.from_description(recorded, "choices.mixture")
     except MixtureError as e:
         raise TokenSetError(f"{folder}/{MANIFEST_NAME}: {e}; restore the manifest, or run a full `prepack pack --mixture`") from None
-    if not config.mixture.recorded:  # no --mixture given: the set's own
+    if not config.rows.mixture.recorded:  # no --mixture given: the set's own
         return made
-    problem = made.same_sources(config.mixture)
+    problem = made.same_sources(config.rows.mixture)
     if problem:
-        raise TokenSetError(f"--mixture {config.mixture.path}: {problem} ({folder}/{MANIFEST_NAME}); re-mixing changes "
+        raise TokenSetError(f"--mixture {config.rows.mixture.path}: {problem} ({folder}/{MANIFEST_NAME}); re-mixing changes "
                             "weights, weight_of and max_repeats only: run a full `prepack pack --mixture` for other sources")
-    return config.mixture
+    return config.rows.mixture
 
 
 def tasks_of(manifest: TokenSetManifest) -> tuple[TaskMeta, ...]:

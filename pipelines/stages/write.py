@@ -324,17 +324,17 @@ class WriteShardSets(beam.PTransform):
         shards = (
             inputs["rows"]
             | "GroupByWindow" >> beam.GroupByKey()
-            | "WriteWindows" >> beam.ParDo(WriteWindowFn(config.output, ctx.run_id, ctx.pad_id), plans=plans)
+            | "WriteWindows" >> beam.ParDo(WriteWindowFn(config.run.output, ctx.run_id, ctx.pad_id), plans=plans)
             | "GroupByShard" >> beam.GroupByKey()
-            | "WriteShards" >> beam.ParDo(AssembleShardFn(config.output, ctx.run_id), plans=plans)
+            | "WriteShards" >> beam.ParDo(AssembleShardFn(config.run.output, ctx.run_id), plans=plans)
         )
-        lengths = config.max_lengths
+        lengths = config.rows.max_lengths
         bad_per_length = inputs["bad"] | "BadToEveryLength" >> beam.FlatMap(lambda entry: [(L, entry) for L in lengths])
         fingerprints = AsList(inputs["fingerprints"])
         dead = (
             (bad_per_length, inputs["dead"]) | "FlattenDead" >> beam.Flatten()
             | "GroupDead" >> beam.GroupByKey()
-            | "WriteDeadLetters" >> beam.ParDo(WriteDeadLetterFn(config.output, ctx.run_id, ctx.tasks),
+            | "WriteDeadLetters" >> beam.ParDo(WriteDeadLetterFn(config.run.output, ctx.run_id, ctx.tasks),
                                                fingerprints=fingerprints)
         )
         tally = (
@@ -344,6 +344,6 @@ class WriteShardSets(beam.PTransform):
         return (
             inputs["rows"].pipeline
             | "Once" >> beam.Create([None])
-            | "WriteSummary" >> beam.ParDo(WriteSummaryFn(config.output, ctx.run_id), tally=AsSingleton(tally), plans=plans,
+            | "WriteSummary" >> beam.ParDo(WriteSummaryFn(config.run.output, ctx.run_id), tally=AsSingleton(tally), plans=plans,
                                            shards=AsList(shards), dead=AsList(dead), fingerprints=fingerprints)
         )
