@@ -42,6 +42,7 @@ import numpy as np
 
 from apps.packing_table import CSV_COLUMNS, THROUGHPUT_MODEL, render_text_table, result_row
 from apps.report import find_manifests, manifest_rows
+from pipelines.configs import RowSpec
 from pipelines.options import OptionsError, add_overlong_options, window_context_option
 from prepack.packing.accounting import LENGTH_REASONS, Tally
 from prepack.packing.bad_records import DEFAULT_MAX_BAD_FRACTION, too_many_bad_records
@@ -76,32 +77,26 @@ class DatasetSpec:
 class PreflightConfig:
     datasets: tuple[DatasetSpec, ...]
     output: str
-    tokenizer: str = "gemma3"
-    chat_format: str = "auto"
-    max_lengths: tuple[int, ...] = DEFAULT_MAX_LENGTHS
+    # What makes the rows, as `prepack pack` takes it (pipelines.configs.RowSpec): the tokenizer,
+    # chat format, lengths, overlong rule, planner, cap, template options, bad fraction. Its
+    # inputs and mixture are the datasets': --mixture's file, or each dataset a source of its own,
+    # which no set records (shown side by side, not mixed).
+    rows: RowSpec = RowSpec(inputs=(), format="", max_lengths=DEFAULT_MAX_LENGTHS)
     batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
-    overlong: OverlongPolicy = OverlongPolicy.DROP
-    window_context_tokens: int | None = None  # as `prepack pack --window-context-tokens`; None: L // 4
-    planner: Planner = Planner.BEST  # as `prepack pack --planner`
-    max_segments_per_row: int | None = None  # as `prepack pack --max-segments-per-row`
-    template_options: dict[str, str] = dataclasses.field(default_factory=dict)
     max_examples: int | None = None  # None: every example
-    max_bad_fraction: float = DEFAULT_MAX_BAD_FRACTION
     seed: int = 0
     plots: bool = True
     pack_output: str | None = None  # set: run the Beam job per dataset into this folder and read its manifests
-    # prepack.packing.mixture.Mixture, whose sources' inputs are the datasets. --mixture: the file's;
-    # left out: each dataset is a source of its own, which no set records (shown side by side, not mixed).
-    mixture: Any = None
-    train_reasoning: bool = True  # as `prepack pack --train-reasoning`
-    expand_turns: bool = False  # as `prepack pack --expand-turns`
 
     def __post_init__(self) -> None:
         from prepack.packing.mixture import Mixture, MixtureSource
 
+        if self.rows.mixture.recorded:
+            return
         side_by_side = Mixture("", "", "examples", 1, tuple(MixtureSource(i, d.name, (d.path,), d.format, Fraction(1), d.options)
                                                            for i, d in enumerate(self.datasets, start=1)))
-        object.__setattr__(self, "mixture", self.mixture or side_by_side)
+        object.__setattr__(self, "rows", dataclasses.replace(self.rows, inputs=tuple(d.path for d in self.datasets),
+                                                             mixture=side_by_side))
 
 
 # ----------------------------------------------------------------------------- tokenized examples
@@ -269,15 +264,15 @@ def _quantiles(lengths: np.ndarray) -> dict[str, float]:
 def evaluate(examples: ExampleSet, config: PreflightConfig, tokenizer_name: str = "", chat_format_name: str = "") -> list[dict[str, Any]]:
     """Rows for one dataset: one per max length x batch size, in that order."""
     rows = []
-    for max_length in config.max_lengths:
-        result = evaluate_length(examples, max_length, config.overlong, config.planner, config.max_segments_per_row,
-                                 config.window_context_tokens)
+    for max_length in config.rows.max_lengths:
+        result = evaluate_length(examples, max_length, config.rows.overlong, config.rows.planner, config.rows.max_segments_per_row,
+                                 config.rows.window_context_tokens)
         fitted = result.fitted
         dropped = sum(fitted.dropped.values())
         # What --overlong truncate would keep of the examples dropped as too long: only those with
         # a target within the first max_length tokens (the others have nothing left to train on).
         truncate_keeps = None
-        if config.overlong is OverlongPolicy.DROP and fitted.dropped.get(DropReason.TOO_LONG.value, 0):
+        if config.rows.overlong is OverlongPolicy.DROP and fitted.dropped.get(DropReason.TOO_LONG.value, 0):
             truncate_keeps = (len(fit_examples(examples, max_length, OverlongPolicy.TRUNCATE).kept_lengths)
                               - len(fitted.kept_lengths))
         meta = {
@@ -286,9 +281,9 @@ def evaluate(examples: ExampleSet, config: PreflightConfig, tokenizer_name: str 
             "format": examples.format,
             "tokenizer": tokenizer_name,
             "chat_format": chat_format_name,
-            "overlong": config.overlong.value,
-            "planner": config.planner.value,
-            "max_segments_per_row": config.max_segments_per_row,
+            "overlong": config.rows.overlong.value,
+            "planner": config.rows.planner.value,
+            "max_segments_per_row": config.rows.max_segments_per_row,
             "bfd_rows": result.bfd_rows,
             "examples_split": fitted.split,
             "split_pieces": fitted.pieces,
@@ -441,8 +436,8 @@ def load_examples(spec: DatasetSpec, tokenizer: Any, chat_format: Any, config: P
     """Reads, templates and tokenizes one dataset (all of it, or a seeded sample of --max-examples)."""
     prepare, _, _ = _pipelines()
     metas, tasks = read_tasks(spec.path)
-    template = make_template(spec.format, {**config.template_options, **dict(spec.options)})
-    preparer = prepare.Preparer(metas, template, tokenizer, chat_format, expand_turns=config.expand_turns)
+    template = make_template(spec.format, {**config.rows.template_kwargs, **dict(spec.options)})
+    preparer = prepare.Preparer(metas, template, tokenizer, chat_format, expand_turns=config.rows.expand_turns)
     tally = Tally()
     progress = _Progress(spec.name)
     # Reading runs ahead of tokenizing when sampling, or for a table-level format (oasst1): report it too.
@@ -454,13 +449,13 @@ def load_examples(spec: DatasetSpec, tokenizer: Any, chat_format: Any, config: P
         for item in items:
             reservoir.add(item)
         items, seen = reservoir.items(), reservoir.seen
-    collector = _Collector(keep_over=min(config.max_lengths))
+    collector = _Collector(keep_over=min(config.rows.max_lengths))
     for chunk in _batches(items, TOKENIZE_BATCH):
         collector.add(_loss_masks(preparer.tokenize(prepare.Templated.of(chunk), tally, [])))
         progress(lambda s: f"{len(collector):,} examples tokenized, {len(collector) / s:,.0f}/s")
     bad_records = tally.bad_records + tally.bad_examples
     problem = too_many_bad_records(sum(bad_records.values()), (seen if seen is not None else len(collector))
-                                   + sum(bad_records.values()), bad_records, config.max_bad_fraction)
+                                   + sum(bad_records.values()), bad_records, config.rows.max_bad_fraction)
     if problem:
         raise PreflightError(f"{spec.name}: {problem}. Fix the inputs (is --format {spec.format} right?), "
                              "or raise --max-bad-fraction to skip them")
@@ -521,24 +516,24 @@ def run(config: PreflightConfig, loader: Callable[[DatasetSpec], ExampleSet], to
     mix = mixture_rows(config, datasets_by_name)
     return {
         "tool": "prepack preflight",
-        **({"mixture": {**config.mixture.describe(), "rows": mix}} if config.mixture.recorded else {}),
+        **({"mixture": {**config.rows.mixture.describe(), "rows": mix}} if config.rows.mixture.recorded else {}),
         "config": {
-            "tokenizer": config.tokenizer,
-            "chat_format": config.chat_format,
-            "max_lengths": list(config.max_lengths),
+            "tokenizer": config.rows.tokenizer,
+            "chat_format": config.rows.chat_format,
+            "max_lengths": list(config.rows.max_lengths),
             "batch_sizes": list(config.batch_sizes),
-            "overlong": config.overlong.value,
-            "window_context_tokens": config.window_context_tokens,
-            "planner": config.planner.value,
-            "max_segments_per_row": config.max_segments_per_row,
-            "template_options": dict(config.template_options),
+            "overlong": config.rows.overlong.value,
+            "window_context_tokens": config.rows.window_context_tokens,
+            "planner": config.rows.planner.value,
+            "max_segments_per_row": config.rows.max_segments_per_row,
+            "template_options": dict(config.rows.template_kwargs),
             "max_examples": config.max_examples,
             "seed": config.seed,
             "pack_output": config.pack_output,
         },
         "throughput_model": THROUGHPUT_MODEL,
         "packing": f"the job's planner over the length histogram (prepack.packing.packer.HistogramPlan, --planner "
-                   f"{config.planner.value})",
+                   f"{config.rows.planner.value})",
         "datasets": datasets,
         "rows": rows,
     }
@@ -550,23 +545,23 @@ def mixture_rows(config: PreflightConfig, loaded: dict[str, tuple[DatasetSpec, E
     for datasets shown side by side (no mixture file): nothing is mixed."""
     from prepack.packing.mixture import preview
 
-    if not config.mixture.recorded:
+    if not config.rows.mixture.recorded:
         return []
     out = []
-    for L in config.max_lengths:
+    for L in config.rows.max_lengths:
         examples, targets = [], []
-        for source in config.mixture.sources:
+        for source in config.rows.mixture.sources:
             n = t = 0
             for spec, ex in loaded.values():
                 if spec.source == source.name:
-                    fitted = fit_examples(ex, L, config.overlong, config.window_context_tokens)
+                    fitted = fit_examples(ex, L, config.rows.overlong, config.rows.window_context_tokens)
                     n, t = n + len(fitted.kept_lengths), t + int(fitted.kept_targets.sum())
             examples.append(n)
             targets.append(t)
         if not all(examples):
-            empty = config.mixture.sources[examples.index(0)].name
+            empty = config.rows.mixture.sources[examples.index(0)].name
             raise PreflightError(f"mixture source {empty!r} has no usable examples at max length {L}; check its input and format")
-        out += preview(config.mixture, examples, targets, L)
+        out += preview(config.rows.mixture, examples, targets, L)
     return out
 
 
@@ -593,25 +588,25 @@ def run_with_pipeline(config: PreflightConfig, pack_args: Sequence[str]) -> dict
         from pipelines.launch import cli as pack_cli
     except ImportError as e:
         raise PreflightError(f"--pack-output needs the pipeline extra ({e}); pip install 'tunix-prepack[pipeline]'") from e
-    unknown = sorted(set(config.template_options) - set(_PACK_TEMPLATE_FLAGS))
+    unknown = sorted(set(config.rows.template_kwargs) - set(_PACK_TEMPLATE_FLAGS))
     if unknown:
         raise PreflightError(f"--pack-output: `prepack pack` takes no template option {', '.join(unknown)}")
     rows, datasets = [], []
     for spec in config.datasets:
         out = os.path.join(config.pack_output, spec.name)
-        argv = ["--input", spec.path, "--format", spec.format, "--tokenizer", config.tokenizer,
-                "--chat-format", config.chat_format, "--max-length", *map(str, config.max_lengths),
-                "--overlong", config.overlong.value, "--output", out, "--planner", config.planner.value,
-                "--max-bad-fraction", str(config.max_bad_fraction)]
-        if config.max_segments_per_row is not None:
-            argv += ["--max-segments-per-row", str(config.max_segments_per_row)]
-        if config.window_context_tokens is not None:
-            argv += ["--window-context-tokens", str(config.window_context_tokens)]
-        if not config.train_reasoning:
+        argv = ["--input", spec.path, "--format", spec.format, "--tokenizer", config.rows.tokenizer,
+                "--chat-format", config.rows.chat_format, "--max-length", *map(str, config.rows.max_lengths),
+                "--overlong", config.rows.overlong.value, "--output", out, "--planner", config.rows.planner.value,
+                "--max-bad-fraction", str(config.rows.max_bad_fraction)]
+        if config.rows.max_segments_per_row is not None:
+            argv += ["--max-segments-per-row", str(config.rows.max_segments_per_row)]
+        if config.rows.window_context_tokens is not None:
+            argv += ["--window-context-tokens", str(config.rows.window_context_tokens)]
+        if not config.rows.train_reasoning:
             argv += ["--train-reasoning", "no"]
-        if config.expand_turns:
+        if config.rows.expand_turns:
             argv += ["--expand-turns"]
-        for key, value in sorted(config.template_options.items()):
+        for key, value in sorted(config.rows.template_kwargs.items()):
             argv += [_PACK_TEMPLATE_FLAGS[key], value]
         started = time.perf_counter()
         code = pack_cli.main(argv + list(pack_args))
@@ -623,9 +618,9 @@ def run_with_pipeline(config: PreflightConfig, pack_args: Sequence[str]) -> dict
             for row in more:
                 row.pop("dropped_by_reason", None)
                 row.pop("packing", None)
-                row["overlong"] = config.overlong.value
-                row["planner"] = config.planner.value
-                row["max_segments_per_row"] = config.max_segments_per_row
+                row["overlong"] = config.rows.overlong.value
+                row["planner"] = config.rows.planner.value
+                row["max_segments_per_row"] = config.rows.max_segments_per_row
             rows += more
             for w in warnings:
                 print("warning: " + w, file=sys.stderr)
@@ -799,27 +794,14 @@ def config_from_args(args: argparse.Namespace) -> PreflightConfig:
         window_context = window_context_option(args.window_context_tokens, args.overlong)
     except OptionsError as e:
         raise PreflightError(str(e)) from None
-    return PreflightConfig(
-        datasets=tuple(datasets),
-        output=args.output,
-        tokenizer=args.tokenizer,
-        chat_format=args.chat_format,
-        train_reasoning=args.train_reasoning == "yes",
-        expand_turns=args.expand_turns,
-        max_lengths=tuple(sorted(set(max_lengths))),
-        batch_sizes=tuple(sorted(set(batch_sizes))),
-        overlong=OverlongPolicy(args.overlong),
-        window_context_tokens=window_context,
-        planner=Planner(args.planner),
-        max_segments_per_row=args.max_segments_per_row,
-        template_options=options,
-        max_examples=args.max_examples,
-        seed=args.seed,
-        max_bad_fraction=args.max_bad_fraction,
-        plots=not args.no_plots,
-        pack_output=args.pack_output,
-        mixture=mixture,
-    )
+    rows = RowSpec(inputs=tuple(d.path for d in datasets), format="", tokenizer=args.tokenizer,
+                   chat_format=args.chat_format, train_reasoning=args.train_reasoning == "yes",
+                   expand_turns=args.expand_turns, max_lengths=tuple(sorted(set(max_lengths))),
+                   overlong=OverlongPolicy(args.overlong), window_context_tokens=window_context, planner=Planner(args.planner),
+                   max_segments_per_row=args.max_segments_per_row, template_options=tuple(sorted(options.items())),
+                   max_bad_fraction=args.max_bad_fraction, mixture=mixture)
+    return PreflightConfig(datasets=tuple(datasets), output=args.output, rows=rows, batch_sizes=tuple(sorted(set(batch_sizes))),
+                           max_examples=args.max_examples, seed=args.seed, plots=not args.no_plots, pack_output=args.pack_output)
 
 
 def _split_name(raw: str) -> tuple[str, str]:
@@ -855,7 +837,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise PreflightError(f"{matplotlib_missing()}, or pass --no-plots")
         # Fail on every bad input or format before the tokenizer loads or anything is read.
         for spec in config.datasets:
-            make_template(spec.format, {**config.template_options, **dict(spec.options)})
+            make_template(spec.format, {**config.rows.template_kwargs, **dict(spec.options)})
             if not config.pack_output:
                 check_input(spec.path)  # the job checks its own inputs up front
         if config.pack_output:
@@ -864,7 +846,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             tokenizer, chat_format = _load_tokenizer(config)
             fmt_name = getattr(chat_format, "name", type(chat_format).__name__)
-            result = run(config, lambda spec: load_examples(spec, tokenizer, chat_format, config), config.tokenizer, fmt_name)
+            result = run(config, lambda spec: load_examples(spec, tokenizer, chat_format, config), config.rows.tokenizer, fmt_name)
         written = write_outputs(result, config.output, plots=config.plots)
     except PreflightError as e:
         print(f"prepack preflight: error: {e}", file=sys.stderr)
@@ -887,10 +869,10 @@ def _load_tokenizer(config: PreflightConfig) -> tuple[Any, Any]:
     from prepack.text.tokenizer import TokenizerError, load_tokenizer
 
     try:
-        tokenizer = load_tokenizer(config.tokenizer)
+        tokenizer = load_tokenizer(config.rows.tokenizer)
     except TokenizerError as e:
         raise PreflightError(str(e)) from e
     try:
-        return tokenizer, get_chat_format(config.chat_format, tokenizer, config.train_reasoning)
+        return tokenizer, get_chat_format(config.rows.chat_format, tokenizer, config.rows.train_reasoning)
     except ChatFormatError as e:
         raise PreflightError(str(e)) from e

@@ -18,6 +18,7 @@ import pytest
 from apps import preflight
 from prepack.packing.packer import OverlongPolicy
 from apps.preflight import DatasetSpec, ExampleSet, PreflightConfig
+from pipelines.configs import RowSpec
 
 # Four examples, lengths [3, 5, 2, 6]; targets counted from token 1: [2, 3, 1, 3] -> 9.
 MASKS = [
@@ -33,8 +34,8 @@ def example_set(masks=MASKS, name="hand") -> ExampleSet:
 
 
 def config(max_lengths, batch_sizes, overlong=OverlongPolicy.DROP, output="unused") -> PreflightConfig:
-    return PreflightConfig(datasets=(), output=output, max_lengths=tuple(max_lengths), batch_sizes=tuple(batch_sizes),
-                           overlong=overlong)
+    return PreflightConfig(datasets=(), output=output, rows=RowSpec(inputs=(), format="", max_lengths=tuple(max_lengths),
+                                                                    overlong=overlong), batch_sizes=tuple(batch_sizes))
 
 
 def rows_by_b(rows):
@@ -256,9 +257,9 @@ def test_pack_spellings_are_accepted():
                                            "--output", "o"])
     cfg = preflight.config_from_args(args)
     assert [(d.name, d.format) for d in cfg.datasets] == [("a", "translation"), ("b", "alpaca")]
-    assert cfg.template_options == {"source_lang": "de", "target_lang": "en"}
-    assert preflight.make_template("translation", cfg.template_options).source_lang == "de"
-    assert preflight.make_template("alpaca", cfg.template_options).name == "alpaca"  # options it does not take are left out
+    assert cfg.rows.template_kwargs == {"source_lang": "de", "target_lang": "en"}
+    assert preflight.make_template("translation", cfg.rows.template_kwargs).source_lang == "de"
+    assert preflight.make_template("alpaca", cfg.rows.template_kwargs).name == "alpaca"  # options it does not take are left out
 
 
 def test_other_specs_go_through_the_pipeline_readers(tmp_path):
@@ -523,7 +524,8 @@ def test_counter_of_bad_records_survives_json():
     # bad_records is a Counter internally; the JSON holds a plain sorted dict.
     ex = example_set()
     ex.bad_records = Counter({"wrong_type": 2, "empty_response": 1})
-    cfg = PreflightConfig(datasets=(DatasetSpec("hand", "x", "alpaca"),), output="x", max_lengths=(8,), batch_sizes=(1,))
+    cfg = PreflightConfig(datasets=(DatasetSpec("hand", "x", "alpaca"),), output="x",
+                          rows=RowSpec(inputs=(), format="", max_lengths=(8,)), batch_sizes=(1,))
     result = preflight.run(cfg, lambda spec: ex)
     assert result["datasets"][0]["bad_records"] == {"empty_response": 1, "wrong_type": 2}
     assert result["rows"][0]["bad_records"] == 3

@@ -234,7 +234,8 @@ def test_preflight_json_on_the_page(tmp_path):
 
     masks = [np.array(m, dtype=np.uint8) for m in ([0, 1, 1], [0, 0, 1, 1, 1], [0, 1], [0, 0, 0, 1, 1, 1])]
     cfg = preflight.PreflightConfig(datasets=(preflight.DatasetSpec("hand", "hand.jsonl", "alpaca"),),
-                                    output=str(tmp_path / "pf"), max_lengths=(8,), batch_sizes=(2,))
+                                    output=str(tmp_path / "pf"), batch_sizes=(2,),
+                                    rows=preflight.RowSpec(inputs=(), format="", max_lengths=(8,)))
     result = preflight.run(cfg, lambda spec: preflight.ExampleSet.from_masks("hand", masks, input="hand.jsonl"))
     preflight.write_outputs(result, str(tmp_path / "pf"), plots=False)
     out = tmp_path / "page.md"
