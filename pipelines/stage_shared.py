@@ -28,6 +28,7 @@ from apache_beam.transforms.window import GlobalWindows
 from pipelines.configs import PackConfig, RowSpec
 from pipelines.wire.records import TaskMeta
 from prepack.packing.accounting import Tally
+from prepack.packing.mixture import Mixture
 
 NAMESPACE = "prepack"
 TAG_BAD = "bad"
@@ -56,13 +57,13 @@ class JobContext:
     # example knows its source): Mixture.source_of_input(); empty: each input is source 1's.
     source_of_input: tuple[int, ...] = ()
 
-    @property
-    def rows(self) -> RowSpec:
-        return self.config.rows
+    # The config's RowSpec and mixture, read per batch by the stages: plain attributes, not lookups.
+    rows: RowSpec = dataclasses.field(init=False, repr=False, compare=False)
+    mixture: Mixture = dataclasses.field(init=False, repr=False, compare=False)
 
-    @property
-    def mixture(self):
-        return self.config.rows.mixture
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rows", self.config.rows)
+        object.__setattr__(self, "mixture", self.config.rows.mixture)
 
     def source_of_task(self, task_index: int) -> int:
         return self.source_of_input[self.tasks[task_index].input_index] if self.source_of_input else 1
