@@ -1,9 +1,14 @@
 """`prepack preflight`: will packing pay off for this dataset, max length and batch size?
 
 Answers from the tokenizer alone, before any model loads: read each input,
-apply its template and chat format, tokenize, then for every max length L plan
-global BFD from the length histogram (the same planner the job uses) and for
-every batch size B work out rows, steps and densities with `prepack.packing.stats`.
+apply its template and chat format, tokenize, then for every max length L fit
+the examples by the overlong rule and plan the rows from the length histogram,
+and for every batch size B work out rows, steps and densities with
+`prepack.packing.stats`. Each step is the job's own function, run in this process
+without Beam: read (pipelines.sources, pipelines.inputs.readers), prepare
+(pipelines.stages.prepare.Preparer), fit (prepack.packing.fitting.fit_length, as
+the fit stage runs it), plan (prepack.packing.packer.HistogramPlan, as PlanFn runs
+it), all under the RowSpec `prepack pack` takes.
 
 Throughput model (also written into preflight.json): training runs fixed
 [B, L] batches, so a step costs the same whether its rows are packed or not;
@@ -47,8 +52,8 @@ from pipelines.options import OptionsError, add_overlong_options, window_context
 from prepack.packing.accounting import LENGTH_REASONS, Tally
 from prepack.packing.bad_records import DEFAULT_MAX_BAD_FRACTION, too_many_bad_records
 from prepack.cli_help import DefaultsHelpFormatter
-from prepack.packing.packer import (DropReason, Fit, HistogramPlan, OverlongPolicy, Planner, context_replayed, cut_pieces,
-                                    fit_at_length, targets_after_first)
+from prepack.packing.fitting import fit_length
+from prepack.packing.packer import DropReason, Fit, HistogramPlan, OverlongPolicy, Planner
 from prepack.packing.stats import REFERENCE_BATCH_SIZE, PackingStats, stats_from_rows
 
 DEFAULT_MAX_LENGTHS = (256, 512, 1024, 2048)
@@ -200,42 +205,26 @@ class LengthResult:
 
 def fit_examples(examples: ExampleSet, max_length: int, overlong: OverlongPolicy,
                  window_context: int | None = None) -> Fitted:
-    """The overlong rule the job applies (prepack.packing.packer.fit_at_length), and under
-    --overlong split or window the job's cut (cut_pieces): an example longer than L gives way to
+    """The overlong rule as the job's fit stage applies it (prepack.packing.fitting.fit_length: the
+    rule and, under --overlong split or window, the cut): an example longer than L gives way to
     its kept pieces. window_context: --window-context-tokens (None: L // 4)."""
     lengths, targets = examples.lengths.copy(), examples.targets.copy()
-    over = np.flatnonzero(lengths > max_length)
-    missing = [int(i) for i in over if int(i) not in examples.overlong_masks]
+    missing = [int(i) for i in np.flatnonzero(lengths > max_length) if int(i) not in examples.overlong_masks]
     if missing:
         raise ValueError(f"{examples.name}: example {missing[0]} is longer than {max_length} but its loss mask was not kept")
-    masks = [examples.overlong_masks[int(i)] for i in over]
-    within = targets_after_first(lengths[over], np.concatenate(masks) if masks else np.zeros(0, np.uint8), max_length)
-    fit = fit_at_length(lengths[over], max_length, overlong, within)
-    truncated = fit == Fit.TRUNCATED
-    lengths[over[truncated]] = max_length
-    targets[over[truncated]] = within[truncated]
-    keep = np.ones(len(lengths), dtype=bool)
-    keep[over[fit > Fit.TRUNCATED]] = False
-    dropped = Counter(Fit(int(f)).drop_reason.value for f in fit[(fit > Fit.TRUNCATED) & (fit < Fit.SPLIT)])
-    cut_examples = np.flatnonzero(fit >= Fit.SPLIT).tolist()  # SPLIT or WINDOW
-    piece_lengths, piece_targets, pieces, replayed = [], [], 0, 0
-    for j in cut_examples:
-        cut = cut_pieces(masks[j], max_length, overlong, window_context)
-        pieces += len(cut)
-        replayed += context_replayed(cut)
-        for piece, reason in cut:
-            if reason is not None:
-                dropped[reason.value] += 1
-                continue
-            piece_lengths.append(piece.length)
-            piece_targets.append(int(np.count_nonzero(piece.loss_mask(masks[j])[1:])))
-    kept_lengths = np.concatenate([lengths[keep], np.asarray(piece_lengths, dtype=np.int64)])
-    kept_targets = np.concatenate([targets[keep], np.asarray(piece_targets, dtype=np.int64)])
-    windowed = overlong is OverlongPolicy.WINDOW
-    return Fitted(kept_lengths, kept_targets, dict(dropped), int(np.count_nonzero(truncated)),
-                  split=0 if windowed else len(cut_examples), pieces=0 if windowed else pieces,
-                  windowed=len(cut_examples) if windowed else 0, window_pieces=pieces if windowed else 0,
-                  context_replayed=replayed)
+    mask_of = examples.overlong_masks.__getitem__
+    result = fit_length(lengths, mask_of, max_length, overlong, window_context)
+    truncated = np.flatnonzero(result.fit == Fit.TRUNCATED)
+    lengths[truncated] = max_length
+    if len(truncated):
+        targets[truncated] = result.targets_within[truncated]
+    pieces = [(j, p) for j, cut in sorted(result.cuts.items()) for p, reason in cut if reason is None]
+    piece_lengths = np.asarray([p.length for _, p in pieces], dtype=np.int64)
+    piece_targets = np.asarray([np.count_nonzero(p.loss_mask(mask_of(j))[1:]) for j, p in pieces], dtype=np.int64)
+    counts = result.counts()
+    return Fitted(np.concatenate([lengths[result.kept], piece_lengths]), np.concatenate([targets[result.kept], piece_targets]),
+                  counts.dropped, counts.truncated, split=counts.split, pieces=counts.split_pieces,
+                  windowed=counts.windowed, window_pieces=counts.window_pieces, context_replayed=counts.context_replayed)
 
 
 def evaluate_length(examples: ExampleSet, max_length: int, overlong: OverlongPolicy,

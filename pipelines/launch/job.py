@@ -57,7 +57,6 @@ from pipelines import failpoints
 from prepack.format import layout
 from prepack.format.tokenset import TokenSetError, TokenSetManifest
 from prepack.packing.mixture import recorded_choices, recorded_templates
-from prepack.packing.packer import OverlongPolicy
 
 log = logging.getLogger("prepack.pack")
 
@@ -290,30 +289,6 @@ def _leftovers(config: PackConfig, run_id: str, held: output.OutputLock) -> list
     return [f"{found.describe(config.run.output)}; pass --clean-stale to remove them"]
 
 
-def _empty_or_all_bad(stats: LengthStats, config: PackConfig, kept: list[str]) -> str | None:
-    if stats.records_read == 0:
-        return (f"the inputs hold no records ({', '.join(config.rows.inputs)} {'is' if len(config.rows.inputs) == 1 else 'are'} "
-                "empty); nothing was published. Check --input")
-    if stats.examples_read and stats.bad_records == stats.examples_read:
-        where = f"; they are listed in {kept[0]}" if kept else ""
-        return (f"all {stats.examples_read} examples read are bad records ({', '.join(f'{k} {v}' for k, v in sorted(stats.examples_dropped.items()))})"
-                f"; nothing was published{where}. Check --format and the inputs")
-    if stats.examples_read == 0:
-        return (f"no examples in the inputs ({stats.records_read} records read, "
-                f"{sum(stats.records_filtered.values())} left out by design); nothing was published")
-    return None
-
-
-def _shard_notes(config: PackConfig, summary: RunSummary) -> list[str]:
-    notes = []
-    for L in config.rows.max_lengths:
-        written = summary.lengths[L].plan.num_shards
-        if config.rows.num_shards is not None and written < config.rows.num_shards:
-            rows = summary.lengths[L].plan.num_rows
-            notes.append(f"L{L}: --num-shards {config.rows.num_shards} asked, {written} written ({rows} rows; a shard holds at least one row)")
-    return notes
-
-
 def run(config: PackConfig, beam_args: list[str], run_id: str | None = None, existing_refused: bool = False) -> JobResult:
     """Prepare, run, verify, commit; raises JobError (the previous sets intact) on failure.
     `existing_refused`: the caller has already applied the overwrite rule (prepack/overwrite.py)
@@ -341,8 +316,8 @@ def run(config: PackConfig, beam_args: list[str], run_id: str | None = None, exi
         for note in notes:
             log.warning(note)
         summary, metrics = _run_pipeline(job, _local_beam_args(job, beam_args))
-        stats = verify(job, summary, held)
-        notes += _shard_notes(config, summary)
+        stats = checks.verify(config, job.run_id, summary, held)
+        notes += checks.shard_notes(config, summary)
         lengths, tokens = _staged_sets(job, summary, stats)
         failpoints.hit("before_publish")
         commit = output.Commit(config.run.output, job.run_id, held, seen, config.run.overwrite)
@@ -416,67 +391,6 @@ def _run_pipeline(job: PreparedJob, beam_args: list[str]) -> tuple[RunSummary, d
     if str(state).split(".")[-1] not in ("DONE", "None"):
         raise JobError(f"the pipeline ended in state {state}; nothing was published")
     return job_stats.read_summary(config.run.output, job.run_id), _metrics(result)
-
-
-def verify(job: PreparedJob, summary: RunSummary, held: output.OutputLock) -> dict[int, LengthStats]:
-    """Each length's figures, once they add up; raises JobError (nothing published) when not."""
-    config = job.config
-    stats: dict[int, LengthStats] = {}
-    problems: list[str] = []
-    for L in config.rows.max_lengths:
-        stats[L] = job_stats.length_stats(summary, L, config.rows.pack, config.rows.overlong is OverlongPolicy.WINDOW)
-        problems += checks.check_stats(stats[L], L, summary.lengths[L].plan, config.rows.max_segments_per_row)
-    if problems:
-        raise JobError("accounting check failed, nothing was published: " + "; ".join(problems))
-    first = stats[config.rows.max_lengths[0]]
-    if _empty_or_all_bad(first, config, []) is not None:
-        kept = output.keep_failed_dead_letters(config.run.output, config.rows.max_lengths, job.run_id, held) if first.bad_records else []
-        raise JobError(_empty_or_all_bad(first, config, kept))
-    if _source_bad_records(config, summary) is not None:  # named per source, before the mix's
-        kept = output.keep_failed_dead_letters(config.run.output, config.rows.max_lengths, job.run_id, held)
-        where = f"; they are listed in {kept[0]}" if kept else ""
-        raise JobError(f"{_source_bad_records(config, summary)}; nothing was published{where}")
-    if checks.bad_fraction_error(first, config, []) is not None:
-        kept = output.keep_failed_dead_letters(config.run.output, config.rows.max_lengths, job.run_id, held)
-        raise JobError(checks.bad_fraction_error(first, config, kept))
-    _check_mixture(config, summary)
-    if checks.untrained_eot_error(summary, config) is not None:
-        raise JobError(checks.untrained_eot_error(summary, config))
-    if checks.empty_think_note(summary) is not None:
-        log.warning(checks.empty_think_note(summary))
-    no_rows = [L for L in config.rows.max_lengths if stats[L].rows == 0]
-    if no_rows:
-        raise JobError(
-            f"no example fits max length {', '.join(map(str, no_rows))} (examples dropped: "
-            f"{stats[no_rows[0]].examples_dropped}); nothing was published"
-        )
-    for note in _shard_notes(config, summary):
-        log.warning(note)
-    return stats
-
-
-def _source_bad_records(config: PackConfig, summary: RunSummary) -> str | None:
-    """The first source whose own bad-record fraction is over --max-bad-fraction, in one line
-    (prepack.packing.mixture.first_bad_source); bad records do not depend on L."""
-    from prepack.packing.accounting import Tally
-    from prepack.packing.mixture import first_bad_source
-
-    return first_bad_source(config.rows.mixture, Tally.from_json(summary.tally), config.rows.max_lengths[0], config.rows.max_bad_fraction)
-
-
-def _check_mixture(config: PackConfig, summary: RunSummary) -> None:
-    """Per source and length: the accounting identity, the bad fraction, usable examples, and
-    the realized shares (prepack.packing.mixture.check_sources); raises JobError with one line."""
-    from prepack.packing.accounting import Tally
-    from prepack.packing.mixture import source_problems
-
-    tally = Tally.from_json(summary.tally)
-    for L in config.rows.max_lengths:
-        problems, notes = source_problems(config.rows.mixture, tally, L, config.run.allow_short_mix, config.rows.max_bad_fraction)
-        if problems:
-            raise JobError(f"{problems[0]}; nothing was published")
-        for note in notes:
-            log.warning(note)
 
 
 def mixture_objects(config: PackConfig, summary: RunSummary) -> dict[int, dict[str, Any]]:

@@ -18,20 +18,20 @@ from pipelines.wire.records import dead_letter
 from pipelines.stage_shared import (FLUSH_EXAMPLES, NAMESPACE, TAG_DEAD, TAG_HIST, TAG_TALLY, TAG_WEIGHTS, JobContext, StageClock,
                              in_global_window)
 from prepack.packing.accounting import Tally
-from prepack.packing.packer import (DropReason, Fit, OverlongPolicy, WindowPiece, context_replayed, cut_pieces,
-                                    fit_at_length, piece_id)
+from prepack.packing.fitting import Cut, FitCounts, fit_length
+from prepack.packing.packer import DropReason, OverlongPolicy, WindowPiece, piece_id
 
 
 class FitAndKeyFn(beam.DoFn):
     """TokenizedBatches -> ((length_key, b), PayloadBatch wire) for the routing GroupByKey.
 
-    Contract: applies the overlong rule (prepack.packing.packer.fit_at_length) at every max length;
+    Contract: applies the overlong rule (prepack.packing.fitting.fit_length, the one preflight runs too) at every max length;
     every example either travels on, carrying in PayloadBatch.kept_at the max lengths it is kept
     at, or is dropped at a max length with a dead letter and a tally entry of its reason (an
     example with no target at all is counted once in Tally.no_targets and dropped at every L). Builds this
     bundle's share of the (L, length_key, b) histogram the plan is made from, counting exactly
     the examples kept at each L. The common case, an example with a target that fits every max
-    length, is decided for the whole batch at once; the others go through fit_at_length per L.
+    length, is decided for the whole batch at once; the others go through fit_length per L.
     """
 
     def __init__(self, ctx: JobContext):
@@ -122,44 +122,49 @@ class FitAndKeyFn(beam.DoFn):
         n = lens[index]
         keys, bs = np.divmod(codes[index], ctx.sub_buckets)
         truncate = ctx.rows.overlong is OverlongPolicy.TRUNCATE
-        split_at: dict[int, list[int]] = {}  # example -> the max lengths it is cut into pieces at
+        starts = np.cumsum(batch.examples.lens, dtype=np.int64) - batch.examples.lens
+        mask = batch.examples.mask
+
+        def mask_of(j: int) -> np.ndarray:
+            first = int(starts[index[j]])
+            return mask[first:first + int(n[j])]
+
+        cut_at: dict[int, list[tuple[int, Cut]]] = {}  # example -> (max length's bit, its pieces there)
         for bit, L in enumerate(ctx.rows.max_lengths):
             within = batch.targets_after_first(L)[index] if truncate and (n > L).any() else None
-            fit = fit_at_length(n, L, ctx.rows.overlong, within)
-            for j in np.flatnonzero(fit >= Fit.SPLIT).tolist():  # SPLIT or WINDOW
-                split_at.setdefault(int(index[j]), []).append(bit)
-            kept = fit <= Fit.TRUNCATED
+            result = fit_length(n, mask_of, L, ctx.rows.overlong, ctx.rows.window_context_tokens, within)
+            for j, cut in result.cuts.items():
+                cut_at.setdefault(int(index[j]), []).append((bit, cut))
+            kept = result.kept
             kept_at[index[kept]] |= np.uint64(1 << bit)
             for key, b in zip(keys[kept].tolist(), bs[kept].tolist()):
                 hist[(L, key, b)] += 1
-            truncated = int(np.count_nonzero(fit == Fit.TRUNCATED))
-            if truncated:
-                tally.truncated[L] += truncated
-                self.m_truncated[L].inc(truncated)
-            for j in np.flatnonzero(~kept & (fit < Fit.SPLIT)).tolist():
-                i, reason = int(index[j]), Fit(int(fit[j])).drop_reason
-                tally.dropped[(L, reason)] += 1
-                self.m_dropped[L].inc()
+            self._count(L, result.counts())
+            for j, reason in result.dropped_whole():
+                i = int(index[j])
                 message = (f"no target token left after truncating {n[j]} tokens to {L}" if truncate
                            else f"{n[j]} tokens, more than max_length {L}")
                 yield TaggedOutput(TAG_DEAD, (L, dead_letter(ctx.tasks, batch.locs[i], reason.value, "", message, None,
                                                              example_id=batch.example_ids[i], tokens=int(n[j]))))
-        if split_at:
-            yield from self._split(batch, split_at)
+        if cut_at:
+            yield from self._split(batch, starts, cut_at)
 
-    def _cut(self, mask: np.ndarray, max_length: int) -> list[tuple[WindowPiece, DropReason | None]]:
-        """The pieces of one example at one max length under the overlong rule (cut_pieces)."""
-        return cut_pieces(mask, max_length, self.ctx.rows.overlong, self.ctx.rows.window_context_tokens)
-
-    def _count_cut(self, max_length: int, cut: list[tuple[WindowPiece, DropReason | None]]) -> None:
+    def _count(self, max_length: int, counts: FitCounts) -> None:
+        """One max length's fit in the tally (and Beam metrics), as the manifest's stats read it."""
         tally = self.tally
-        if self.ctx.rows.overlong is OverlongPolicy.SPLIT:
-            tally.split[max_length] += 1
-            tally.split_pieces[max_length] += len(cut)
-            return
-        tally.windowed[max_length] += 1
-        tally.window_pieces[max_length] += len(cut)
-        tally.context_replayed[max_length] += context_replayed(cut)
+        if counts.truncated:
+            tally.truncated[max_length] += counts.truncated
+            self.m_truncated[max_length].inc(counts.truncated)
+        for reason, count in counts.dropped.items():
+            tally.dropped[(max_length, DropReason(reason))] += count
+            self.m_dropped[max_length].inc(count)
+        if counts.split:
+            tally.split[max_length] += counts.split
+            tally.split_pieces[max_length] += counts.split_pieces
+        if counts.windowed:
+            tally.windowed[max_length] += counts.windowed
+            tally.window_pieces[max_length] += counts.window_pieces
+            tally.context_replayed[max_length] += counts.context_replayed
 
     @staticmethod
     def _drop_message(piece: WindowPiece, reason: DropReason, n: int, max_length: int) -> str:
@@ -170,30 +175,25 @@ class FitAndKeyFn(beam.DoFn):
                 f"({piece.context_tokens} tokens), leaves no room for a target at max_length {max_length}: reply tokens "
                 f"{piece.start}..{piece.end - 1} are not trained; give --window-context-tokens below {max_length}")
 
-    def _split(self, batch: TokenizedBatch, split_at: dict[int, list[int]]) -> Iterator[Any]:
+    def _split(self, batch: TokenizedBatch, starts: np.ndarray, cut_at: dict[int, list[tuple[int, Cut]]]) -> Iterator[Any]:
         """Examples cut into pieces (--overlong split or window) at some max lengths: each piece
         travels on as an example of its own (id piece_id(...), its own hash and sub-bucket), kept
         at every max length that cuts the example there (the last pieces of two max lengths are
-        often the same range); a piece the rule does not keep is dropped there with its reason."""
+        often the same range); a piece the rule does not keep is dropped there with its reason
+        (counted with the fit: FitCounts)."""
         ctx = self.ctx
         lengths = ctx.rows.max_lengths
-        starts = np.cumsum(batch.examples.lens, dtype=np.int64) - batch.examples.lens
         # (example, context start, context end, start, end) -> kept_at bits; split pieces have no context.
         pieces: dict[tuple[int, int, int, int, int], int] = {}
-        for i, bits in split_at.items():
-            n, first = int(batch.examples.lens[i]), int(starts[i])
-            mask = batch.examples.mask[first:first + n]
-            for bit in bits:
+        for i, cuts in cut_at.items():
+            n = int(batch.examples.lens[i])
+            for bit, cut in cuts:
                 L = lengths[bit]
-                cut = self._cut(mask, L)
-                self._count_cut(L, cut)
                 for piece, reason in cut:
                     if reason is None:
                         key = (i, piece.context_start, piece.context_end, piece.start, piece.end)
                         pieces[key] = pieces.get(key, 0) | 1 << bit
                         continue
-                    self.tally.dropped[(L, reason)] += 1
-                    self.m_dropped[L].inc()
                     key, entry = dead_letter(ctx.tasks, batch.locs[i], reason.value, "",
                                              self._drop_message(piece, reason, n, L), None,
                                              example_id=batch.example_ids[i], tokens=piece.length)
