@@ -6,7 +6,7 @@ the examples by the overlong rule and plan the rows from the length histogram,
 and for every batch size B work out rows, steps and densities with
 `prepack.packing.stats`. Each step is the job's own function, run in this process
 without Beam: read (pipelines.sources, pipelines.inputs.readers), prepare
-(pipelines.stages.prepare.Preparer), fit (prepack.packing.fitting.fit_length, as
+(pipelines.preparer.Preparer), fit (prepack.packing.fitting.fit_length, as
 the fit stage runs it), plan (prepack.packing.packer.HistogramPlan, as PlanFn runs
 it), all under the RowSpec `prepack pack` takes.
 
@@ -17,7 +17,7 @@ expected gain in useful-token (target-token) throughput is then packed target
 tokens per step over unpacked target tokens per step (stats.BatchFigures).
 
 Inputs take the same specs as `prepack pack` and go through the job's own read
-and prepare stages (pipelines.sources, pipelines.inputs.readers, pipelines.stages.prepare.Preparer),
+and prepare stages (pipelines.sources, pipelines.inputs.readers, pipelines.preparer.Preparer),
 run in this process: the same records, examples and bad-record reasons.
 
 Tokenizing runs in this process, which suits inputs up to a few million
@@ -297,7 +297,7 @@ def evaluate(examples: ExampleSet, config: PreflightConfig, tokenizer_name: str 
 
 
 # ----------------------------------------------------------------------------- reading inputs
-# The job's own read and prepare stages (pipelines.inputs.readers, pipelines.stages.prepare.Preparer), run in
+# The job's own read and prepare stages (pipelines.inputs.readers, pipelines.preparer.Preparer), run in
 # this process: the same specs, the same records, examples and bad-record reasons as `prepack pack`.
 
 
@@ -305,7 +305,7 @@ def _pipelines() -> Any:
     try:
         from pipelines import sources
         from pipelines.inputs import readers
-        from pipelines.stages import prepare
+        from pipelines import preparer as prepare
     except ImportError as e:
         raise PreflightError(f"reading inputs needs the pipeline extra ({e}); pip install 'tunix-prepack[pipeline]'") from e
     return prepare, readers, sources

@@ -73,7 +73,7 @@ def test_pack_expands_and_counts_records_and_examples(tmp_path):
 
 
 def test_the_prepare_stage_names_each_expanded_example():
-    from pipelines.stages.prepare import Preparer
+    from pipelines.preparer import Preparer
     from pipelines.wire.records import TaskMeta
     from prepack.packing.accounting import Tally
 

@@ -65,7 +65,7 @@ def test_lone_surrogate_in_a_json_array_is_a_bad_text_dead_letter(tmp_path):
 def test_a_text_the_tokenizer_refuses_is_dead_lettered_not_a_crash(fmt, record):
     # A record that reached the tokenizer with unencodable text (whatever reader let it by):
     # sentencepiece raises TypeError for the batch; the batch is retried and only it is dropped.
-    from pipelines.stages.prepare import Preparer
+    from pipelines.preparer import Preparer
     from prepack.packing.accounting import Tally
 
     good = {"alpaca": {"instruction": "say hi", "output": "hi"},
@@ -307,7 +307,7 @@ def _fuzz_lines(fmt: str, examples: int, tokenizer: str = "gemma3") -> None:
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    from pipelines.stages.prepare import Preparer
+    from pipelines.preparer import Preparer
     from prepack.packing.accounting import Tally
 
     preparer = Preparer.from_names((TaskMeta(0, "in", "f.jsonl", "f.jsonl"),), fmt, (), tokenizer, "auto")
