@@ -49,7 +49,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 TRAINING_MODULES = ("jax", "jaxlib", "flax", "tunix", "grain", "orbax", "optax", "qwix")
 TRAINING_DISTS = ("jax", "jaxlib", "flax", "google-tunix", "grain", "orbax-checkpoint", "optax", "qwix")
 
-# The steps of pipelines/launch/job.build_pipeline a Dataflow job must have (top-level names).
+# The steps of pipelines/launch/graph.build_pipeline a Dataflow job must have (top-level names).
 # Every job's (Mix: each source's share of every length, between Fit and the plan; a plain run
 # is one source, passed through).
 EXPECTED_STEPS = ("Read", "Prepare", "Fit", "Mix", "Route", "Write", "WriteTokenSet")
@@ -133,7 +133,8 @@ def build_dry_run(pack_argv: Sequence[str]) -> tuple[Any, Any, Any]:
     import apache_beam as beam
     from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
 
-    from pipelines.launch import job as pack_job
+    from pipelines.launch.graph import build_pipeline
+    from pipelines.launch.prepare_job import prepare
     from pipelines.options import parse_args
     from pipelines.launch.errors import JobError
 
@@ -143,11 +144,11 @@ def build_dry_run(pack_argv: Sequence[str]) -> tuple[Any, Any, Any]:
         raise ValidationError(f"--runner must be DataflowRunner to validate a Dataflow job, got {options.view_as(StandardOptions).runner!r}")
     _check_locations(options)
     try:
-        prepared = pack_job.prepare(config, run_id="validate", resolved=offline_inputs(config.rows.inputs))
+        prepared = prepare(config, run_id="validate", resolved=offline_inputs(config.rows.inputs))
     except JobError as e:
         raise ValidationError(str(e)) from e
     pipeline = beam.Pipeline(options=options)
-    pack_job.build_pipeline(pipeline, prepared)
+    build_pipeline(pipeline, prepared)
     result = pipeline.run()
     return result.job, options, config
 

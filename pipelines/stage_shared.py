@@ -57,16 +57,17 @@ class JobContext:
     # example knows its source): Mixture.source_of_input(); empty: each input is source 1's.
     source_of_input: tuple[int, ...] = ()
 
-    # The config's RowSpec and mixture, read per batch by the stages: plain attributes, not lookups.
+    # What the stages read per batch, derived once here: plain attributes, not lookups, so the
+    # config's walk enters this module once (when the launcher builds the context).
     rows: RowSpec = dataclasses.field(init=False, repr=False, compare=False)
     mixture: Mixture = dataclasses.field(init=False, repr=False, compare=False)
+    task_sources: tuple[int, ...] = dataclasses.field(init=False, repr=False, compare=False)  # each task's source
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rows", self.config.rows)
         object.__setattr__(self, "mixture", self.config.rows.mixture)
-
-    def source_of_task(self, task_index: int) -> int:
-        return self.source_of_input[self.tasks[task_index].input_index] if self.source_of_input else 1
+        object.__setattr__(self, "task_sources", tuple(
+            self.source_of_input[t.input_index] if self.source_of_input else 1 for t in self.tasks))
 
 
 def in_global_window(value: Any) -> Any:

@@ -68,7 +68,7 @@ CASES = {
     ),
     "pipeline": (
         "import pipelines.launch.cli, pipelines.launch.job, pipelines.stages.read, pipelines.stages.prepare, pipelines.stages.fit, pipelines.stages.route, "
-        "pipelines.stages.write, pipelines.launch.errors, pipelines.launch.job_stats, pipelines.launch.checks, pipelines.launch.manifest_compose, "
+        "pipelines.stages.write, pipelines.launch.errors, pipelines.launch.job_stats, pipelines.launch.existing_sets, pipelines.launch.prepare_job, pipelines.launch.graph, pipelines.launch.verify, pipelines.launch.manifest_compose, "
         "pipelines.sources, pipelines.inputs.readers, pipelines.planning",
         ("jax", "flax", "tunix", "grain"),
     ),

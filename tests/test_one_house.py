@@ -94,3 +94,48 @@ def test_run_options_do_not_change_a_byte_of_the_rows(tmp_path):
         a, b = tmp_path / "a" / f"L{L}", tmp_path / "b" / f"L{L}"
         assert shard_bytes(str(a)) == shard_bytes(str(b))
         assert without_volatile((a / "manifest.json").read_text()) == without_volatile((b / "manifest.json").read_text())
+
+
+# The job's steps and stages in the order the data flows: what the config's walk must enter, each
+# from one place (testkit/config_walk.py says how a walk is traced).
+LAUNCH_STEPS = ("pipelines/launch/job.py", "pipelines/launch/prepare_job.py", "pipelines/launch/graph.py",
+                "pipelines/launch/verify.py", "pipelines/launch/manifest_compose.py")
+STAGES = ("pipelines/stages/prepare.py", "pipelines/stages/fit.py", "pipelines/stages/mix.py",
+          "pipelines/stages/route.py", "pipelines/stages/write.py")
+
+
+def _assert_walked_once_in_order(walk) -> None:
+    assert walk.entered_more_than_once == {}
+    order = walk.order
+    assert [m for m in order if m in LAUNCH_STEPS] == list(LAUNCH_STEPS)
+    assert [m for m in order if m in STAGES] == [s for s in STAGES if s in order]
+    # The stages are entered from the graph step alone, between the checks and the verdicts.
+    assert {walk.entrants(s) for s in STAGES if s in order} == {("pipelines/launch/graph.py",)}
+    assert order.index("pipelines/launch/graph.py") < min(order.index(s) for s in STAGES if s in order)
+    assert max(order.index(s) for s in STAGES if s in order) < order.index("pipelines/launch/verify.py")
+
+
+@pytest.mark.slow
+def test_the_config_walk_enters_each_module_once_in_the_order_the_data_flows():
+    from testkit.config_walk import walk_pack
+
+    walk = walk_pack(["--sample", "--max-length", "512"])
+    _assert_walked_once_in_order(walk)
+    assert set(STAGES) <= set(walk.order)
+
+
+@pytest.mark.slow
+def test_a_cut_mixture_walks_each_module_once_too(tmp_path):
+    """A mixture file under --overlong split reaches the modules a plain run does not (the fit
+    stage's per-source weights, the pieces' units) and still enters each from one place."""
+    from testkit.config_walk import walk_pack
+
+    os.makedirs(tmp_path / "data", exist_ok=True)
+    write_jsonl(str(tmp_path / "data" / "a.jsonl"), alpaca_records(30))
+    write_jsonl(str(tmp_path / "data" / "b.jsonl"), alpaca_records(30, seed=1))
+    (tmp_path / "mix.yaml").write_text(
+        "sources:\n  - name: a\n    input: data/a.jsonl\n    format: alpaca\n    weight: 2\n"
+        "  - name: b\n    input: data/b.jsonl\n    format: alpaca\n    weight: 1\n")
+    walk = walk_pack(["--mixture", str(tmp_path / "mix.yaml"), "--max-length", "64", "--overlong", "split"])
+    _assert_walked_once_in_order(walk)
+    assert "pipelines/mix_weights.py" in walk.order

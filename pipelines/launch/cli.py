@@ -51,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"prepack pack: {e}", file=sys.stderr)
         return 2
     # An existing set without --overwrite is refused first, before Beam is even imported.
-    from pipelines.launch.checks import existing_sets_refusal
+    from pipelines.launch.existing_sets import existing_sets_refusal
 
     refusal = existing_sets_refusal(config)
     if refusal:

@@ -53,7 +53,7 @@ class FitAndKeyFn(beam.DoFn):
         # end of the bundle (one Counter update per group instead of one per example and L).
         self.hist_fits_all: Counter = Counter()
         self.tally = Tally()
-        self.weights: Counter = Counter()  # a mixture's (L, source, rank bucket) -> kept weight (pipelines/stages/mix.py)
+        self.weights: Counter = Counter()  # a mixture's (L, source, rank bucket) -> kept weight (pipelines/mix_weights.py)
         self.tallies: dict[int, Tally] = {}  # a mixture's: source -> what this bundle counted of it
 
     def _by_source(self, batch: TokenizedBatch) -> list[tuple[int, TokenizedBatch]]:
@@ -61,7 +61,7 @@ class FitAndKeyFn(beam.DoFn):
         one read task's examples; a tokenized set's file mixes them)."""
         if not self.ctx.mixture.recorded or not len(batch):
             return [(0, batch)]
-        from pipelines.stages.mix import sources_of
+        from pipelines.mix_weights import sources_of
 
         source = sources_of(batch.example_ids, self.ctx.source_of_input)
         if (source == source[0]).all():
@@ -266,7 +266,7 @@ class FitAndKeyFn(beam.DoFn):
                      if totals is not None and self.ctx.mixture.recorded else None)
             for code, payloads in merged.grouped_payloads(codes, kept_at, totals, leads):
                 if self.ctx.mixture.recorded:
-                    from pipelines.stages.mix import weigh_into
+                    from pipelines.mix_weights import weigh_into
 
                     weigh_into(self.weights, payloads, self.ctx)
                 yield wrap((divmod(code, self.ctx.sub_buckets), payloads.to_wire()))

@@ -6,7 +6,7 @@ The rule needs each source's kept weight at each L before anything is chosen, an
 rank threshold per (L, source) for the one partial copy, and the few examples past it that
 still fit (the partial pick). Exactly, with bounded memory:
 
-    fit stage (weigh_into) --> (L, source, rank bucket) -> weight --CombineGlobally--> DecideFn
+    fit stage (pipelines/mix_weights.weigh_into) --> (L, source, rank bucket) -> weight --CombineGlobally--> DecideFn
           (each (L, source)'s whole copies, and the rank bucket where its partial copy ends
            with the weight left for that bucket)
     keyed --CandidatesFn (side input: the decisions)--> (L, source) -> the examples in that
@@ -27,13 +27,13 @@ own sub-bucket and rank among the examples of its length).
 
 The unit sampled is the example: the pieces an example is cut into at L (--overlong split or
 window) rank by their example's hash and id, weigh as their example does (its example_targets,
-or 1), and are kept, repeated or left out together, so no example is trained in part (Units). Nothing here depends on bundling
+or 1), and are kept, repeated or left out together, so no example is trained in part
+(pipelines/mix_weights.Units). Nothing here depends on bundling
 or worker count, so the rows do not either.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from fractions import Fraction
@@ -43,12 +43,13 @@ import apache_beam as beam
 import numpy as np
 from apache_beam.pvalue import TaggedOutput
 
+from pipelines.mix_weights import Units, rank_buckets, sources_of
 from pipelines.wire.columns import PayloadBatch
 from pipelines.planning import stable_hash, sub_buckets_of
 from pipelines.stage_shared import TAG_HIST, TAG_TALLY, JobContext, MergeCounters, StageClock, in_global_window
 from prepack.packing.accounting import Tally
-from prepack.packing.mixture import RANK_BITS, budgets, fill_bound, partial_pick
-from prepack.packing.packer import DropReason, piece_example_id
+from prepack.packing.mixture import budgets, fill_bound, partial_pick
+from prepack.packing.packer import DropReason
 
 TAG_BOUNDARY = "boundary"
 NO_BOUNDARY = -1
@@ -57,81 +58,6 @@ NO_BOUNDARY = -1
 def copy_id(example_id: str, copy: int) -> str:
     """The id of an example's copy-th repeat (copy 0 is the example itself)."""
     return example_id if copy == 0 else f"{example_id}@{copy}"
-
-
-def sources_of(example_ids: list[str], source_of_input: tuple[int, ...]) -> np.ndarray:
-    """Each example's mixture source (1..N): ids start with `<input index>/` (records.example_id)."""
-    return np.fromiter((source_of_input[int(e[:e.index("/")])] for e in example_ids), dtype=np.int32,
-                       count=len(example_ids))
-
-
-@dataclasses.dataclass
-class Units:
-    """What the share rule samples, per entry of a PayloadBatch: a whole example is its own
-    unit; the pieces of an example (--overlong split or window) share their example's.
-    `hashes`, `ids`: the unit's rank (its example's stable hash, ties by its id), the same at
-    every max length. `weights(bit, L)`: the unit's weight there; `shares(bit, L)`: this entry's
-    part of it, summing to it over the unit's entries (a piece's own target tokens, or 1 on the
-    unit's lead piece), so sums over entries in any bundling count each unit once."""
-
-    batch: PayloadBatch
-    weight_of: str
-    hashes: np.ndarray
-    ids: list[str]
-    pieces: np.ndarray  # bool per entry; a whole example's example_targets are 0 at every L
-
-    @staticmethod
-    def of(batch: PayloadBatch, weight_of: str) -> "Units":
-        if batch.example_targets is None:
-            return Units(batch, weight_of, batch.hashes, batch.example_ids, np.zeros(len(batch.example_ids), bool))
-        pieces = (batch.example_targets > 0).any(axis=1)
-        hashes, ids = batch.hashes.copy(), list(batch.example_ids)
-        for i in np.flatnonzero(pieces).tolist():
-            ids[i] = piece_example_id(ids[i])
-            hashes[i] = stable_hash(ids[i])
-        return Units(batch, weight_of, hashes, ids, pieces)
-
-    def _own(self, max_length: int) -> np.ndarray:
-        if self.weight_of == "examples":
-            return np.ones(len(self.ids), dtype=np.int64)
-        return self.batch.examples.targets_after_first(max_length).astype(np.int64)
-
-    def weights(self, bit: int, max_length: int) -> np.ndarray:
-        own = self._own(max_length)
-        if self.weight_of == "examples" or not self.pieces.any():
-            return own
-        return np.where(self.pieces, self.batch.example_targets[:, bit], own)
-
-    def shares(self, bit: int, max_length: int) -> np.ndarray:
-        own = self._own(max_length)
-        if self.weight_of != "examples" or not self.pieces.any():
-            return own
-        leads = ((self.batch.leads_at >> np.uint64(bit)) & np.uint64(1)).astype(np.int64)
-        return np.where(self.pieces, leads, own)
-
-
-def _buckets(hashes: np.ndarray) -> np.ndarray:
-    return (np.asarray(hashes, np.uint64) >> np.uint64(64 - RANK_BITS)).astype(np.int64)
-
-
-def weigh_into(hist: Counter, batch: PayloadBatch, ctx: JobContext) -> None:
-    """Adds a batch's kept weight to the (L, source, rank bucket) histogram. Called by the fit
-    stage on the examples it keys (so the payloads are not decoded once more for it)."""
-    source = sources_of(batch.example_ids, ctx.source_of_input)
-    units = Units.of(batch, ctx.mixture.weight_of)
-    bucket = _buckets(units.hashes)
-    for bit, L in enumerate(ctx.rows.max_lengths):
-        kept = batch.kept_at_length(bit)
-        for s, b, weight in _group_sums(source[kept], bucket[kept], units.shares(bit, L)[kept]):
-            hist[(L, s, b)] += weight
-
-
-def _group_sums(source: np.ndarray, bucket: np.ndarray, weight: np.ndarray) -> Iterator[tuple[int, int, int]]:
-    code = source.astype(np.int64) << 32 | bucket
-    unique, inverse = np.unique(code, return_inverse=True)
-    sums = np.bincount(inverse, weights=weight, minlength=len(unique)) if len(unique) else np.zeros(0)
-    for c, total in zip(unique.tolist(), sums.tolist()):
-        yield c >> 32, c & 0xFFFFFFFF, int(round(total))
 
 
 def decide(hist: dict, max_lengths: tuple[int, ...], weights: list[Fraction], max_repeats: int) -> dict:
@@ -180,7 +106,7 @@ class CandidatesFn(beam.DoFn):
         mixture = self.ctx.mixture
         source = sources_of(batch.example_ids, self.ctx.source_of_input)
         units = Units.of(batch, mixture.weight_of)
-        bucket = _buckets(units.hashes)
+        bucket = rank_buckets(units.hashes)
         for bit, L in enumerate(self.ctx.rows.max_lengths):
             table = [(NO_BOUNDARY, -1)] + [(decisions[(L, s)][1], fill_bound(decisions[(L, s)][2], mixture.weight_of, L))
                                            for s in range(1, len(mixture.sources) + 1)]
@@ -265,7 +191,7 @@ class SampleFn(beam.DoFn):
         source = sources_of(batch.example_ids, ctx.source_of_input)
         copies = np.zeros((len(lengths), len(batch.example_ids)), dtype=np.int64)
         units = Units.of(batch, ctx.mixture.weight_of)
-        bucket = _buckets(units.hashes)
+        bucket = rank_buckets(units.hashes)
         for bit, L in enumerate(lengths):
             table = np.array([(0, NO_BOUNDARY)] + [decisions[(L, s)][:2] for s in range(1, n_sources + 1)], dtype=np.int64)
             whole, boundary = table[source, 0], table[source, 1]

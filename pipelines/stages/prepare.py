@@ -85,7 +85,7 @@ class PrepareFn(beam.DoFn, _Counting):
         task_index, items = element
         tally = Tally()
         bad: list[DeadLetter] = []
-        source = self.ctx.source_of_task(task_index)
+        source = self.ctx.task_sources[task_index]
         preparer = self.preparers[source]
         templated = preparer.template_records(task_index, items, tally, bad)
         self.m_bad.inc(len(bad))

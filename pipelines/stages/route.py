@@ -99,7 +99,7 @@ class RouteToRowsFn(beam.DoFn):
         examples = batch.examples
         sources = None
         if self.ctx.mixture.recorded:  # each segment's source goes into its row (row formats 2 and 4)
-            from pipelines.stages.mix import sources_of
+            from pipelines.mix_weights import sources_of
 
             sources = sources_of(batch.example_ids, self.ctx.source_of_input)
         # (shard, window) -> (L, rows, positions, examples, their example_targets at L or None) per part.

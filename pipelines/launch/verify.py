@@ -1,5 +1,5 @@
-"""The launcher's verdicts: the overwrite rule before the run, and after it (`verify`) the accounting,
-bad-record and stop-token checks that decide whether anything is published."""
+"""The job's third step, after the pipeline: the accounting, bad-record, mixture and stop-token
+checks that decide whether anything is published."""
 
 from __future__ import annotations
 
@@ -10,27 +10,11 @@ from pipelines.configs import PackConfig
 from pipelines.launch import job_stats
 from pipelines.launch.errors import JobError
 from pipelines.summary import LengthStats, PlanSummary, RunSummary
-from prepack import overwrite
 from prepack.packing.accounting import Tally
 from prepack.packing.bad_records import too_many_bad_records
 from prepack.packing.packer import OverlongPolicy
 
 log = logging.getLogger("prepack.pack")
-
-
-def existing_sets_refusal(config: PackConfig) -> str | None:
-    """The overwrite rule (prepack/overwrite.py) for this run's config: the one-line refusal when
-    a set it would write already exists and --overwrite was not given, else None. `prepack pack`
-    asks it before Beam is imported; the job asks only when no caller has."""
-    return None if config.run.overwrite else overwrite.refuse_existing_sets(config.run.output, config.rows.max_lengths,
-                                                                        config.run.write_tokens)
-
-
-def refuse_existing(config: PackConfig) -> None:
-    """Fails with JobError when existing_sets_refusal refuses."""
-    message = existing_sets_refusal(config)
-    if message:
-        raise JobError(message)
 
 
 def check_stats(stats: LengthStats, max_length: int, plan: PlanSummary, cap: int | None = None) -> list[str]:

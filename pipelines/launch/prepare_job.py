@@ -1,0 +1,151 @@
+"""The job's first step: every check that can run before the pipeline, and what the launcher
+derives from the config and the inputs for the workers (the PreparedJob)."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from typing import Any
+
+from pipelines import failpoints, sources
+from pipelines.configs import PackConfig
+from pipelines.launch.errors import JobError
+from pipelines.launch.existing_sets import refuse_existing
+from pipelines.planning import choose_sub_buckets
+from pipelines.sources import ReadTask, ResolvedInput
+from pipelines.stage_shared import JobContext
+from pipelines.stages import tokens_source
+from prepack.format.tokenset import TokenSetError, TokenSetManifest
+from prepack.packing.mixture import recorded_templates
+
+
+@dataclasses.dataclass
+class PreparedJob:
+    """The job after its checks: the workers' context (which holds the config and run id), the
+    read tasks and resolved inputs, and the facts the manifest records."""
+
+    ctx: JobContext
+    tasks: list[ReadTask]
+    inputs: list[ResolvedInput]
+    job_info: dict[str, Any]
+    table_level: bool
+    group_key: str | None
+    tokens: TokenSetManifest | None = None  # --from-tokens: the set packed from
+    est_records: int = 0
+    # The context's config and run id, copied once: plain attributes, so the later steps that read
+    # them do not call back into this module.
+    config: PackConfig = dataclasses.field(init=False, repr=False, compare=False)
+    run_id: str = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.config, self.run_id = self.ctx.config, self.ctx.run_id
+
+
+def _tool_info() -> dict[str, Any]:
+    from importlib import metadata
+
+    def version(dist: str) -> str | None:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {
+        "name": "tunix-prepack",
+        "version": version("tunix-prepack"),
+        "apache_beam": version("apache-beam"),
+        "array_record": version("array-record"),
+    }
+
+
+def prepare(
+    config: PackConfig, run_id: str | None = None, resolved: tuple[list[ResolvedInput], list[ReadTask]] | None = None,
+    existing_refused: bool = False,
+) -> PreparedJob:
+    """Every check that can run before the pipeline: raises JobError with one clear line.
+
+    `resolved`: the inputs and read tasks, given by a caller that must touch neither input
+    nor output (the offline Dataflow graph check, gcp/dataflow_validate.py); then the
+    existing-set, input and output-probe checks are skipped. `existing_refused`: the caller
+    has already applied the overwrite rule (prepack/overwrite.py), so it is not applied again."""
+    from prepack.text.chat_formats import ChatFormatError, get_chat_format
+    from prepack.text.templates import get_template
+    from prepack.text.tokenizer import TokenizerError, load_tokenizer
+
+    run_id = run_id or uuid.uuid4().hex[:12]
+    try:
+        failpoints.check()
+    except failpoints.FailpointError as e:
+        raise JobError(str(e)) from e
+    if config.run.from_tokens:
+        return _prepare_from_tokens(config, run_id, existing_refused)
+    if resolved is None and not existing_refused:
+        refuse_existing(config)
+    try:  # a mixture file's formats were checked when it was read; a plain run's one source is checked here
+        templates = [get_template(s.format, **dict(s.options)) for s in config.rows.mixture.sources]
+    except ValueError as e:
+        raise JobError(str(e)) from e
+    try:
+        tokenizer = load_tokenizer(config.rows.tokenizer)
+    except TokenizerError as e:
+        raise JobError(f"unknown or unusable tokenizer: {e}") from e
+    try:
+        chat_format = get_chat_format(config.rows.chat_format, tokenizer, config.rows.train_reasoning)
+    except ChatFormatError as e:
+        raise JobError(f"chat format: {e.message}") from e
+    inputs, tasks = _resolve(config) if resolved is None else resolved
+    est = sum(i.est_records for i in inputs)
+    sub_buckets = config.rows.sub_buckets or choose_sub_buckets(est * _copies_at_most(config), config.rows.pack)
+    ctx = JobContext(config=config, tasks=sources.task_metas(inputs, tasks), sub_buckets=sub_buckets, run_id=run_id,
+                     pad_id=int(tokenizer.pad_id), source_of_input=config.rows.mixture.source_of_input())
+    job_info = {
+        "tokenizer": tokenizer.identity(),
+        "template": {
+            "name": config.rows.format,
+            "options": config.rows.template_kwargs,
+            **recorded_templates(config.rows.mixture),
+            "chat_format": config.rows.chat_format,
+            "chat_format_resolved": getattr(chat_format, "name", type(chat_format).__name__),
+        },
+        "tool": _tool_info(),
+        "sub_buckets": sub_buckets,
+    }
+    return PreparedJob(
+        ctx=ctx, tasks=tasks, inputs=inputs, job_info=job_info,
+        table_level=any(getattr(t, "table_level", False) for t in templates),
+        group_key=next((t.group_key for t in templates if getattr(t, "group_key", None)), None),
+        est_records=est,
+    )
+
+
+def _copies_at_most(config: PackConfig) -> int:
+    """A mixture may write each example up to max_repeats times: the groups the sub-buckets
+    bound grow with it (the same figure for a full run and --from-tokens with one mixture file)."""
+    return config.rows.mixture.max_repeats
+
+
+def _resolve(config: PackConfig) -> tuple[list[ResolvedInput], list[ReadTask]]:
+    """Every source's inputs, in order; an input that does not resolve is one line naming its source."""
+    try:
+        return sources.resolve_inputs(config.rows.inputs, config.rows.tfds_data_dir)
+    except sources.InputError as e:
+        source = config.rows.mixture.source_of_input()[e.input_index] if e.input_index is not None else 1
+        raise JobError(f"{config.rows.mixture.naming(source)}{e}") from e
+
+
+def _prepare_from_tokens(config: PackConfig, run_id: str, existing_refused: bool) -> PreparedJob:
+    """--from-tokens: the token choices, tasks and tokenizer identity come from the set."""
+    try:
+        tokens = tokens_source.open_token_set(config.run.from_tokens)
+        config = tokens_source.reconcile(config, tokens, config.run.from_tokens)
+    except TokenSetError as e:
+        raise JobError(str(e)) from e
+    if not existing_refused:
+        refuse_existing(config)
+    sub_buckets = config.rows.sub_buckets or choose_sub_buckets(tokens.job["est_records"] * _copies_at_most(config), config.rows.pack)
+    ctx = JobContext(config=config, tasks=tokens_source.tasks_of(tokens), sub_buckets=sub_buckets, run_id=run_id,
+                     pad_id=int(tokens.tokenizer["pad_id"]), source_of_input=config.rows.mixture.source_of_input())
+    job_info = {"tokenizer": tokens.tokenizer, "template": tokens.template, "tool": _tool_info(),
+                "sub_buckets": sub_buckets, "inputs": tokens.inputs}
+    return PreparedJob(ctx=ctx, tasks=[], inputs=[], job_info=job_info,
+                       table_level=False, group_key=None, tokens=tokens, est_records=tokens.job["est_records"])
