@@ -356,7 +356,7 @@ def _fuzz_tokens_manifest(examples: int) -> None:
         except TokenSetError as e:
             assert "\n" not in str(e)
             return
-        from pipelines.stages.tokens_source import tasks_of
+        from pipelines.launch.token_set import tasks_of
         from prepack.packing.accounting import Tally
 
         tasks_of(manifest)  # what the job then builds from it must not raise either

@@ -83,16 +83,16 @@ def test_a_tokens_file_that_changed_is_one_line(output, tmp_path):
 
 
 def test_a_tokens_file_that_vanishes_mid_run_is_one_line(output, tmp_path, monkeypatch):
-    from pipelines.stages import tokens_source
+    from pipelines.launch import token_set
 
-    real = tokens_source.open_token_set
+    real = token_set.open_token_set
 
     def open_then_delete(folder):  # the launcher saw the file; it is gone when the worker reads it
         manifest = real(folder)
         os.remove(os.path.join(folder, manifest.shards[0].path))
         return manifest
 
-    monkeypatch.setattr(tokens_source, "open_token_set", open_then_delete)
+    monkeypatch.setattr(token_set, "open_token_set", open_then_delete)
     message = refused(output, tmp_path)
     assert " vanished while the job ran (" in message and message.endswith("run a full `prepack pack` again")
 

@@ -16,7 +16,7 @@ from pipelines import output
 from pipelines.configs import PackConfig
 from pipelines.launch.errors import JobError
 from pipelines.launch.prepare_job import PreparedJob
-from pipelines.stages import tokens_sink, tokens_source
+from pipelines.launch import token_set
 from pipelines.summary import LengthStats, RunSummary, ShardSummary
 from prepack.format import layout
 from prepack.format.manifest import DEAD_LETTER_NAME, Manifest, ShardInfo
@@ -72,7 +72,7 @@ def staged_sets(job: PreparedJob, summary: RunSummary, stats: dict[int, LengthSt
         manifest.mixture = mixtures.get(L)
         manifest.use_row_format(sources=config.rows.mixture.recorded, example_targets=config.rows.cuts_pieces)
         if job.tokens is not None:
-            manifest.lineage = tokens_source.lineage(job.tokens, config.run.from_tokens)
+            manifest.lineage = token_set.lineage(job.tokens, config.run.from_tokens)
         lengths[L] = output.StagedSet(
             output.length_place(config.run.output, L), layout.staging_dir(config.run.output, L, job.run_id),
             manifest.to_json().encode("utf-8"), tuple(s.path for s in manifest.shards), manifest.dead_letter)
@@ -126,8 +126,8 @@ def _tokens_manifest(job: PreparedJob, summary: RunSummary) -> TokenSetManifest:
     if config.rows.expand_turns:
         choices["expand_turns"] = True
     choices.update(recorded_choices(config.rows.mixture))  # the sources each example's id names (by its input index)
-    index = tokens_sink.read_index(config.run.output, job.run_id)
-    manifest = tokens_sink.compose_manifest(summary, index, job.ctx.tasks, choices, job.job_info, job.est_records)
+    index = token_set.read_index(config.run.output, job.run_id)
+    manifest = token_set.compose_manifest(summary, index, job.ctx.tasks, choices, job.job_info, job.est_records)
     s = manifest.stats
     if s["examples_read"] != s["examples_kept"] + sum(s["examples_dropped"].values()):
         raise JobError(f"accounting check failed for the tokenized set, nothing was published: examples read "

@@ -10,11 +10,11 @@ from typing import Any
 from pipelines import failpoints, sources
 from pipelines.configs import PackConfig
 from pipelines.launch.errors import JobError
+from pipelines.launch import token_set
 from pipelines.launch.existing_sets import refuse_existing
 from pipelines.planning import choose_sub_buckets
 from pipelines.sources import ReadTask, ResolvedInput
 from pipelines.stage_shared import JobContext
-from pipelines.stages import tokens_source
 from prepack.format.tokenset import TokenSetError, TokenSetManifest
 from prepack.packing.mixture import recorded_templates
 
@@ -136,14 +136,14 @@ def _resolve(config: PackConfig) -> tuple[list[ResolvedInput], list[ReadTask]]:
 def _prepare_from_tokens(config: PackConfig, run_id: str, existing_refused: bool) -> PreparedJob:
     """--from-tokens: the token choices, tasks and tokenizer identity come from the set."""
     try:
-        tokens = tokens_source.open_token_set(config.run.from_tokens)
-        config = tokens_source.reconcile(config, tokens, config.run.from_tokens)
+        tokens = token_set.open_token_set(config.run.from_tokens)
+        config = token_set.reconcile(config, tokens, config.run.from_tokens)
     except TokenSetError as e:
         raise JobError(str(e)) from e
     if not existing_refused:
         refuse_existing(config)
     sub_buckets = config.rows.sub_buckets or choose_sub_buckets(tokens.job["est_records"] * _copies_at_most(config), config.rows.pack)
-    ctx = JobContext(config=config, tasks=tokens_source.tasks_of(tokens), sub_buckets=sub_buckets, run_id=run_id,
+    ctx = JobContext(config=config, tasks=token_set.tasks_of(tokens), sub_buckets=sub_buckets, run_id=run_id,
                      pad_id=int(tokens.tokenizer["pad_id"]), source_of_input=config.rows.mixture.source_of_input())
     job_info = {"tokenizer": tokens.tokenizer, "template": tokens.template, "tool": _tool_info(),
                 "sub_buckets": sub_buckets, "inputs": tokens.inputs}

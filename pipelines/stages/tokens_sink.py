@@ -20,7 +20,7 @@ import os
 import shutil
 import tempfile
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import apache_beam as beam
@@ -29,17 +29,13 @@ from apache_beam.metrics.metric import Metrics
 from apache_beam.transforms.window import GlobalWindows
 
 from pipelines.wire.columns import TokenizedBatch
-from pipelines.wire.records import DeadLetter, TaskMeta
+from pipelines.wire.records import DeadLetter
 from pipelines.stage_shared import StageClock
-from pipelines.summary import RunSummary, TokenFile, TokenIndex
+from pipelines.summary import TokenFile, TokenIndex
 from pipelines.stages.write import copy_local_to, write_bytes
-from prepack.packing.accounting import Tally
-from prepack import storage
 from prepack.format.layout import tokens_staging_dir
-from prepack.format.manifest import ShardInfo
 from prepack.format.tokenset import (
     TOKENS_WRITER_OPTIONS,
-    TokenSetManifest,
     dropped_name,
     encode_batch,
     shard_name,
@@ -168,53 +164,3 @@ class WriteTokenSet(beam.PTransform):
             | "WriteTokenIndex" >> beam.ParDo(WriteTokenIndexFn(self.output, self.run_id), files=AsList(files),
                                               dropped=AsList(dropped))
         )
-
-
-# ----------------------------------------------------------------------------- launcher side
-
-
-def stored_tally(tally_json: dict[str, Any]) -> Tally:
-    """The run's counts that do not depend on the max length (what a later run starts from)."""
-    return Tally.from_json(tally_json).clear_per_length()  # a mixture's sources too; their sampling is redone
-
-
-def compose_manifest(summary: RunSummary, index: TokenIndex, tasks: Iterable[TaskMeta],
-                     choices: dict[str, Any], job_info: dict[str, Any], est_records: int) -> TokenSetManifest:
-    tally = stored_tally(summary.tally)
-    files = index.files
-    num_examples = sum(f.num_rows for f in files)
-    tokens = sum(f.tokens for f in files)
-    num_bytes = sum(f.num_bytes for f in files)
-    stats = {
-        "records_read": tally.records_read,
-        "records_filtered": dict(sorted(tally.filtered.items())),
-        "examples_read": tally.examples_read,
-        "examples_kept": num_examples,
-        "examples_dropped": tally.examples_dropped(0),  # no per-length reasons are left in it
-        "tokens": tokens,
-        "bytes": num_bytes,
-        "bytes_per_token": num_bytes / tokens if tokens else 0.0,
-    }
-    return TokenSetManifest(
-        shards=[ShardInfo(path=f.path, num_rows=f.num_rows, num_bytes=f.num_bytes, sha256=f.sha256) for f in files],
-        num_examples=num_examples,
-        tokens=tokens,
-        target_tokens=sum(f.target_tokens for f in files),
-        choices=choices,
-        tokenizer=job_info["tokenizer"],
-        template=job_info["template"],
-        inputs=job_info["inputs"],
-        stats=stats,
-        job={"tasks": [dict(vars(t)) for t in tasks], "fingerprints": [list(f) for f in summary.fingerprints], "tally": tally.to_json(),
-             "est_records": est_records},
-        dropped=index.dropped_name if index.dropped_entries else None,
-        tool=job_info["tool"],
-    )
-
-
-def read_index(output: str, run_id: str) -> TokenIndex:
-    path = f"{tokens_staging_dir(output, run_id)}/{INDEX_NAME}"
-    data = storage.read_bytes(path)
-    if data is None:
-        raise FileNotFoundError(path)
-    return TokenIndex.from_json(data.decode("utf-8"))

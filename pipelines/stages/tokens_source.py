@@ -1,8 +1,6 @@
 """`prepack pack --from-tokens DIR`: a tokenized set as the job's source.
 
-The launcher opens the set and refuses it before any work when its manifest is missing or
-of another version, when a file it lists is missing or has another size, or when the run
-asks for other token choices (inputs, format, template options, chat format, tokenizer).
+The launcher opens the set and refuses it before any work (pipelines/launch/token_set.py).
 The graph then starts from the set's files instead of reading and tokenizing: each file is
 one task (Create + Reshuffle, so any runner spreads them), read in batches into the same
 TokenizedBatches the tokenizer makes; the tallies, dead letters and input fingerprints of
@@ -12,8 +10,6 @@ graph, so the shard sets are the full run's, byte for byte.
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
 import os
 import shutil
@@ -26,134 +22,15 @@ import numpy as np
 from apache_beam.metrics.metric import Metrics
 
 from pipelines.wire.columns import LENS, Ragged, TokenizedBatch
-from pipelines.configs import PackConfig
 from pipelines.planning import stable_hash
-from pipelines.wire.records import TaskMeta
 from pipelines.stage_shared import StageClock
 from prepack.packing.accounting import Tally
 from pipelines.failures import InputFileError
 from prepack import storage
-from prepack.format.layout import RUN_RECORD_NAME
-from prepack.format.manifest import MANIFEST_NAME
-from prepack.format.run_record import RunRecord, RunRecordError
-from prepack.format.tokenset import TOKENS_DIR, TokenSetError, TokenSetManifest, check_examples, decode_batch
+from prepack.format.tokenset import TokenSetError, TokenSetManifest, check_examples, decode_batch
 
 NAMESPACE = "prepack"
 READ_BATCH = 4096  # records per TokenizedBatch
-
-
-def open_token_set(folder: str) -> TokenSetManifest:
-    """The set's manifest, after checking that every file it lists is there with its size."""
-    path = f"{folder}/{MANIFEST_NAME}"
-    raw = storage.read_bytes(path)
-    if raw is None:
-        raise TokenSetError(f"{path} not found: {folder} is not a tokenized set (a `prepack pack` run publishes one "
-                            f"as OUTPUT/tokens unless --no-tokens), or its run did not finish")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise TokenSetError(f"{path}: not UTF-8 text, not a tokenized set's manifest; run a full `prepack pack` again") from None
-    manifest = TokenSetManifest.from_json(text, source=path)
-    _check_run_record(folder, path, hashlib.sha256(raw).hexdigest())
-    try:
-        tasks_of(manifest)
-    except TypeError as e:
-        raise TokenSetError(f"{path}: job.tasks is damaged ({e}); run a full `prepack pack` again") from None
-    names = [s.path for s in manifest.shards] + ([manifest.dropped] if manifest.dropped else [])
-    sizes = _sizes(folder, names)
-    for info in manifest.shards:
-        size = sizes.get(info.path)
-        if size is None:
-            raise TokenSetError(f"{folder}/{info.path} is listed in {path} but missing: the tokenized set is incomplete; "
-                                f"run a full `prepack pack` again")
-        if size != info.num_bytes:
-            raise TokenSetError(f"{folder}/{info.path} has {size} bytes, but {path} says {info.num_bytes}: the file does "
-                                f"not belong to this tokenized set; run a full `prepack pack` again")
-    if manifest.dropped and sizes.get(manifest.dropped) is None:
-        raise TokenSetError(f"{folder}/{manifest.dropped} is listed in {path} but missing; run a full `prepack pack` again")
-    return manifest
-
-
-def _check_run_record(folder: str, path: str, digest: str) -> None:
-    """OUTPUT/tokens is the tokenized set OUTPUT/published.json names (its manifest's sha256),
-    when the record names one: an edit of the manifest (say, of its tokenizer identity) would
-    otherwise be carried into every shard set packed from it. A guard against accidents only:
-    whoever can write the bucket can rewrite both files."""
-    parent, _, name = folder.rstrip("/").rpartition("/")
-    if name != TOKENS_DIR or not parent:
-        return
-    record_path = f"{parent}/{RUN_RECORD_NAME}"
-    raw = storage.read_bytes(record_path)
-    if raw is None:
-        return
-    try:
-        named = RunRecord.from_json(raw.decode("utf-8", errors="replace"), record_path).tokens_manifest_sha256
-    except RunRecordError as e:
-        raise TokenSetError(str(e)) from None
-    if named is not None and named != digest:
-        raise TokenSetError(
-            f"{path} is not the tokenized set {record_path} names (its sha256 is {digest[:12]}..., the record names "
-            f"{named[:12]}...): the manifest was edited or replaced after its run; restore it, or run a full `prepack pack` again")
-
-
-def manifest_sha256(folder: str) -> str | None:
-    """sha256 of the bytes of FOLDER/manifest.json, None when there is none."""
-    raw = storage.read_bytes(f"{folder}/{MANIFEST_NAME}")
-    return None if raw is None else hashlib.sha256(raw).hexdigest()
-
-
-def _sizes(folder: str, names: list[str]) -> dict[str, int]:
-    return {n: size for n, size in storage.file_sizes(folder, names).items() if size is not None}
-
-
-def reconcile(config: PackConfig, manifest: TokenSetManifest, folder: str) -> PackConfig:
-    """The run's config with the token choices of the set; raises TokenSetError (one line)
-    when the user asked for other ones."""
-    problem = manifest.mismatch(dict(config.run.requested))
-    if problem:
-        raise TokenSetError(f"{problem} ({folder}/{MANIFEST_NAME}): packing it would need other tokens. Drop the "
-                            f"option to pack the tokenized set as it is, or run a full `prepack pack` with --input")
-    c = manifest.choices
-    rows = dataclasses.replace(
-        config.rows, inputs=tuple(c["inputs"]), format=c["format"], template_options=tuple(sorted(c["template_options"].items())),
-        chat_format=c["chat_format"], tokenizer=c["tokenizer"], tfds_data_dir=c.get("tfds_data_dir"),
-        train_reasoning=c.get("train_reasoning", "yes") == "yes", expand_turns=c.get("expand_turns", False) is True,
-        mixture=_remix(config, c.get("mixture"), folder),
-    )
-    return dataclasses.replace(config, rows=rows)
-
-
-def _remix(config: PackConfig, recorded: dict[str, Any] | None, folder: str):
-    """The mixture to pack the set with: --mixture's new weights over the set's own sources, or
-    the set's recorded mixture; raises TokenSetError (one line) for other sources."""
-    from prepack.packing.mixture import Mixture, MixtureError
-
-    if recorded is None:
-        if config.rows.mixture.recorded:
-            raise TokenSetError(f"--mixture {config.rows.mixture.path}: the tokenized set {folder} was not made from a mixture; "
-                                "run a full `prepack pack --mixture` instead")
-        return None
-    try:
-        made = Mixture.from_description(recorded, "choices.mixture")
-    except MixtureError as e:
-        raise TokenSetError(f"{folder}/{MANIFEST_NAME}: {e}; restore the manifest, or run a full `prepack pack --mixture`") from None
-    if not config.rows.mixture.recorded:  # no --mixture given: the set's own
-        return made
-    problem = made.same_sources(config.rows.mixture)
-    if problem:
-        raise TokenSetError(f"--mixture {config.rows.mixture.path}: {problem} ({folder}/{MANIFEST_NAME}); re-mixing changes "
-                            "weights, weight_of and max_repeats only: run a full `prepack pack --mixture` for other sources")
-    return config.rows.mixture
-
-
-def tasks_of(manifest: TokenSetManifest) -> tuple[TaskMeta, ...]:
-    return tuple(TaskMeta(**t) for t in manifest.job["tasks"])
-
-
-def lineage(manifest: TokenSetManifest, folder: str) -> dict[str, Any]:
-    """What a shard set made from the set records about it."""
-    return {"from_tokens": folder, "tokens_created_at": manifest.created_at,
-            "tokens_manifest_sha256": hashlib.sha256(manifest.to_json().encode("utf-8")).hexdigest()}
 
 
 class ReadTokenFileFn(beam.DoFn):
@@ -293,4 +170,4 @@ class ReadTokenSet(beam.PTransform):
         return {"examples": examples, "bad": dropped, "tally": tally, "fingerprints": fingerprints}
 
 
-__all__ = ["ReadTokenSet", "TokenSetError", "lineage", "open_token_set", "read_tokens", "reconcile", "tasks_of"]
+__all__ = ["ReadTokenSet", "read_tokens"]

@@ -4,7 +4,7 @@ lengths can be packed later without the inputs or the tokenizer (`--from-tokens`
 A tokenized set is a folder (OUTPUT/tokens/) with ArrayRecord files of one record per
 kept example, `dropped-<sha>.jsonl` (the examples dropped before fitting, for the dead letters
 of later runs) and `manifest.json`, written last. No Beam, no JAX: the job writes and
-reads it through pipelines/stages/tokens_sink.py and tokens_source.py, `prepack inspect` reads it.
+reads it through pipelines/stages/tokens_sink.py and tokens_source.py (the launcher's side: pipelines/launch/token_set.py), `prepack inspect` reads it.
 
 Record (little-endian), docs/row_format.md "Tokenized set":
 
