@@ -139,3 +139,16 @@ def test_a_cut_mixture_walks_each_module_once_too(tmp_path):
     walk = walk_pack(["--mixture", str(tmp_path / "mix.yaml"), "--max-length", "64", "--overlong", "split"])
     _assert_walked_once_in_order(walk)
     assert "pipelines/mix_weights.py" in walk.order
+
+
+@pytest.mark.slow
+def test_a_from_tokens_run_walks_each_module_once_too(tmp_path):
+    """--from-tokens: the launcher opens and reconciles the set (launch/token_set.py) from its
+    first step, and no stage module is entered before the graph."""
+    from testkit.config_walk import walk_pack
+
+    pack(["--sample", "--max-length", "256", "--output", str(tmp_path / "first")])
+    walk = walk_pack(["--from-tokens", str(tmp_path / "first" / "tokens"), "--max-length", "512"])
+    _assert_walked_once_in_order(walk)
+    assert walk.entrants("pipelines/launch/token_set.py") == ("pipelines/launch/prepare_job.py",)
+    assert "pipelines/stages/prepare.py" not in walk.order
