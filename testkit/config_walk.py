@@ -101,7 +101,8 @@ def trace_config(run, config, *args, **kwargs) -> Walk:
     entries: list[tuple[str | None, str]] = []
     last_entered: dict[str | None, str] = {}  # entrant -> the module it entered last
     root = _root()
-    generators: dict[int, object] = {}  # generator frames seen (kept alive so their ids stay theirs)
+    # Generator frames seen, kept alive so their ids stay theirs (a walk is of a small run).
+    generators: dict[int, object] = {}
 
     def holds(frame) -> bool:
         return any(_holds_config(v, PackConfig) for v in frame.f_locals.values())
@@ -129,7 +130,7 @@ def trace_config(run, config, *args, **kwargs) -> Walk:
             came_from, direct = entrant(frame)
             # Entered again: a first entry from here, or a call back into a module its entrant had
             # left for another. The runner handing a stage its next bundle is not a new entry.
-            if came_from != module and ((came_from, module) not in entries or direct and last_entered[came_from] != module):
+            if came_from != module and ((came_from, module) not in entries or direct and last_entered.get(came_from) != module):
                 entries.append((came_from, module))
             if came_from != module and direct:
                 last_entered[came_from] = module

@@ -131,7 +131,7 @@ def test_share_rule(sources, max_repeats):
                           st.integers(1, 40)), min_size=3, max_size=300),
        st.lists(st.integers(1, 5), min_size=3, max_size=3), st.integers(1, 3), st.sampled_from(["target_tokens", "examples"]))
 def test_job_boundary_search_is_the_share_rule(examples, weights, max_repeats, weight_of):
-    """pipelines/stages/mix.py's bucket histogram, candidates (combined in random bundles) and
+    """The mix stage's bucket histogram (pipelines/mix_weights.py), candidates (combined in random bundles) and
     threshold pick exactly the examples the rule picks when every example of a source is ranked
     in one list: the rank cut and the partial pick after it."""
     import random

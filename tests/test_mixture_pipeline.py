@@ -358,7 +358,7 @@ def test_the_pieces_of_an_example_are_sampled_together(tmp_path, overlong, weigh
     its pieces the same number of times (0, 1 or 2), in the source whose partial copy takes some
     of its split examples and not others; and the share of its example each piece carries
     (own targets / example_targets) sums to a whole number of examples. Shown to fail with the
-    pieces ranked by their own hashes (pipelines/stages/mix.py Units.of): some examples' pieces
+    pieces ranked by their own hashes (pipelines/mix_weights.py Units.of): some examples' pieces
     were written 1 and 2 times, and the share sum was fractional."""
     from prepack.packing.packer import OverlongPolicy, cut_pieces
 

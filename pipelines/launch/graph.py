@@ -69,11 +69,12 @@ def run_pipeline(job: PreparedJob, beam_args: list[str]) -> tuple[RunSummary, di
     from apache_beam.options.pipeline_options import PipelineOptions
 
     config = job.config
+    beam_args = _local_beam_args(job, beam_args)
     try:
         output.probe(config.run.output, job.run_id)
     except Exception as e:
         raise JobError(f"output {config.run.output!r} is not writable ({type(e).__name__}: {e})") from e
-    pipeline = beam.Pipeline(options=PipelineOptions(_local_beam_args(job, beam_args)))
+    pipeline = beam.Pipeline(options=PipelineOptions(beam_args))
     build_pipeline(pipeline, job)
     result = None
     try:

@@ -11,7 +11,7 @@ on the first signal:
    SIGKILLs the descendants, runs the registered clean-ups itself and exits with
    128 + the signal number.
 A second signal goes straight to step 3. On Dataflow, the job's KeyboardInterrupt
-handler cancels the submitted job (pipelines/launch/job.py).
+handler cancels the submitted job (pipelines/launch/graph.py).
 """
 
 from __future__ import annotations
