@@ -4,6 +4,7 @@ so `prepack pack` never imports JAX and `prepack train` never imports Beam."""
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 # subcommand -> (module, function taking argv, the extra it needs, one-line help)
@@ -80,6 +81,16 @@ def main(argv: list[str] | None = None) -> int:
             raise  # not a missing extra: a bug, shown whole
         print(install_hint(name, e, extra), file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `prepack inspect ... | head`: the reader has what it wanted
+        _silence_stdout()
+        return 0
+
+
+def _silence_stdout() -> None:
+    """Points stdout at /dev/null, so the flush at exit does not hit the closed pipe again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 if __name__ == "__main__":

@@ -328,12 +328,8 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
     if args.rows <= 0:
         view.close()
         return 0
-    try:
-        with view:
-            return _show_rows(view, manifest, args, out, err)
-    except BrokenPipeError:  # `prepack inspect ... | head`
-        sys.stdout = open(os.devnull, "w")
-        return 0
+    with view:  # a reader that goes away (`| head`) ends the command quietly (apps/cli.py)
+        return _show_rows(view, manifest, args, out, err)
 
 
 def _show_rows(view: ShardView, manifest: Manifest, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:

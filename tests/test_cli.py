@@ -1,4 +1,4 @@
-"""The `prepack` console script: missing extras, --version, unknown commands."""
+"""The `prepack` console script: missing extras, --version, unknown commands, a reader that goes away."""
 
 from __future__ import annotations
 
@@ -62,3 +62,22 @@ def test_pack_refuses_an_untested_runner_and_an_unknown_tokenizer(tmp_path, caps
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "not an embedded name (gemma3, qwen3)" in err and "hf:gemma4" in err
     assert not out.exists()
+
+
+def test_a_reader_that_goes_away_ends_a_command_quietly(tmp_path):
+    """`prepack inspect ... | head`: the pipe closes mid-output; the command exits 0 with nothing
+    on stderr (no traceback, no 'Exception ignored' at exit), for shard sets and tokenized sets."""
+    from pipelines.launch.job import run
+    from pipelines.options import parse_args
+    from testkit.pipeline import IN_PROCESS
+
+    config, beam_args = parse_args(["--sample", "--max-length", "256", "--output", str(tmp_path), "--no-progress"] + IN_PROCESS)
+    run(config, beam_args)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for folder in ("L256", "tokens"):
+        code = f"import sys; from apps.cli import main; sys.exit(main(['inspect', {str(tmp_path / folder)!r}, '--rows', '400']))"
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=REPO)
+        assert proc.stdout.readline()  # what `head -1` reads, then it exits
+        proc.stdout.close()
+        _, stderr = proc.communicate(timeout=120)
+        assert (folder, proc.returncode, stderr.decode()) == (folder, 0, "")
