@@ -82,8 +82,22 @@ def main(argv: list[str] | None = None) -> int:
         print(install_hint(name, e, extra), file=sys.stderr)
         return 2
     except BrokenPipeError:  # `prepack inspect ... | head`: the reader has what it wanted
+        if not _stdout_reader_gone():
+            raise  # a pipe of the command's own broke (a socket, a child process): a failure, shown whole
         _silence_stdout()
         return 0
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reader has closed it (poll reports an error on its end)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError):  # stdout is no file (captured, closed): not a reader that went away
+        return False
 
 
 def _silence_stdout() -> None:

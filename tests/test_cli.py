@@ -81,3 +81,13 @@ def test_a_reader_that_goes_away_ends_a_command_quietly(tmp_path):
         proc.stdout.close()
         _, stderr = proc.communicate(timeout=120)
         assert (folder, proc.returncode, stderr.decode()) == (folder, 0, "")
+
+
+def test_a_broken_pipe_of_the_command_itself_is_not_taken_for_the_reader_leaving():
+    """Only a closed stdout ends a command quietly: a BrokenPipeError from the command's own pipe
+    (stdout still open) fails, shown whole, not exit 0 with nothing said."""
+    boom = "def main(argv):\n    raise BrokenPipeError(32, 'Broken pipe')\n"
+    done = _run(f"import sys, types; m = types.ModuleType('boom'); exec({boom!r}, m.__dict__); sys.modules['boom'] = m; "
+                "from apps import cli; cli.SUBCOMMANDS['inspect'] = ('boom', 'main', 'pipeline', ''); "
+                "sys.exit(cli.main(['inspect']))")
+    assert done.returncode == 1 and done.stderr.rstrip().endswith("BrokenPipeError: [Errno 32] Broken pipe"), done.stderr
