@@ -25,8 +25,9 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from pipelines import files as files_lib
 from pipelines.wire.records import TaskMeta
+from prepack.storage import match
+from prepack.storage.patterns import has_wildcard, literal_head
 
 FILE_KINDS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 COMPRESSED_SUFFIXES = (".gz", ".bz2", ".zst", ".deflate", ".lzma")
@@ -152,19 +153,9 @@ class ResolvedInput:
         return {"spec": self.spec, "kind": self.kind, **dict(self.info)}
 
 
-def _is_glob(path: str) -> bool:
-    return any(ch in path for ch in "*?[")
-
-
 def _glob_base(pattern: str) -> str:
     """The folder part of a pattern before its first wildcard: names are made relative to it."""
-    head = pattern
-    for i, ch in enumerate(pattern):
-        if ch in "*?[":
-            head = pattern[:i]
-            break
-    else:
-        return os.path.dirname(pattern)
+    head = literal_head(pattern)
     return head[: head.rfind("/") + 1] if "/" in head else ""
 
 
@@ -222,17 +213,17 @@ def _resolve_files(index: int, spec: str, first_task: int) -> tuple[ResolvedInpu
             f"give a file or a glob such as '{os.path.join(spec, '*.jsonl')}'"
         )
     try:
-        matches = files_lib.match(spec)
-    except Exception as e:  # BeamIOError: bad bucket, no credentials, unreachable
+        matches = match(spec)
+    except Exception as e:  # the storage's own: no such bucket, no access or credentials, unreachable
         raise InputError(f"input {spec!r}: cannot list it ({type(e).__name__}: {e})") from e
     files = sorted(m for m in matches if not m[0].endswith("/"))
     if not files:
-        what = "the pattern matches no file" if _is_glob(spec) else "no such file"
+        what = "the pattern matches no file" if has_wildcard(spec) else "no such file"
         raise InputError(f"input {spec!r}: {what}")
-    base = _glob_base(spec) if _is_glob(spec) else os.path.dirname(spec)
+    base = _glob_base(spec) if has_wildcard(spec) else os.path.dirname(spec)
     tasks = []
     total = 0
-    for path, size, _ in files:
+    for path, size in files:
         kind = file_kind(path)
         if kind is None:
             raise InputError(

@@ -80,9 +80,9 @@ def gcs_run(gcs_emulator, input_file) -> str:
 
 def test_emulator_serves_beam_and_array_record(gcs_emulator, gcs_prefix, tmp_path):
     """What the job and the loader rely on, each checked directly: a multi-chunk resumable
-    upload, Beam's batched rename, and array_record's C++ reader on a file over 1 MiB
-    (its footer is fetched with a suffix range, which the stock emulator ignores)."""
-    from apache_beam.io.filesystems import FileSystems
+    upload, the storage interface's move (copy, then delete), and array_record's C++ reader on a
+    file over 1 MiB (its footer is fetched with a suffix range, which the stock emulator ignores)."""
+    from prepack.storage import storage_for
     from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
 
     rng = np.random.default_rng(0)
@@ -98,7 +98,7 @@ def test_emulator_serves_beam_and_array_record(gcs_emulator, gcs_prefix, tmp_pat
     blob = gcs_emulator.client().bucket(gcs_emulator.bucket).blob(gcs_emulator.split(staged)[1])
     blob.chunk_size = 256 * 1024  # several resumable chunks
     blob.upload_from_filename(local)
-    FileSystems.rename([staged], [final])
+    storage_for(staged).move([staged], [final])
     assert gcs_objects(gcs_emulator, gcs_prefix) == ["final/big.array_record"]
     assert gcs_emulator.read_bytes(final) == open(local, "rb").read()
 
@@ -191,8 +191,8 @@ def test_loader_reads_the_gcs_set_like_the_local_one(local_run, gcs_run):
 def _interrupt_upload_of_shard(monkeypatch, shard_index: int) -> None:
     """The copy of one shard from the worker's disk to GCS dies half way, as on a lost worker
     or a dropped connection; the other shards upload normally."""
-    from pipelines import files
     from pipelines.stages import write as writer
+    from prepack.storage import create_stream
 
     original = writer.copy_local_to
     victim = f"rows-{shard_index:05d}-of-"
@@ -201,7 +201,7 @@ def _interrupt_upload_of_shard(monkeypatch, shard_index: int) -> None:
         if victim not in dest:
             return original(local_path, dest)
         data = open(local_path, "rb").read()
-        with files.create(dest) as f:
+        with create_stream(dest) as f:
             f.write(data[: len(data) // 2])
             raise ConnectionResetError(f"injected: upload of {dest} interrupted")
 

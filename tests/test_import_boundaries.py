@@ -99,7 +99,8 @@ def test_the_check_can_fail():
 def _storage_breaks(root=ROOT) -> list[str]:
     """prepack/storage/ is the one storage interface: nothing else imports google-cloud-storage,
     neither the output layer nor the rest of the core asks is_gcs (they go through storage_for,
-    which answers it once), and Beam's FileSystems sits behind pipelines/files.py alone."""
+    which answers it once), and nothing opens a file through Beam's FileSystems or GcsIO: the job's
+    streamed files go through the interface too."""
     breaks = []
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root).as_posix()
@@ -110,7 +111,7 @@ def _storage_breaks(root=ROOT) -> list[str]:
             breaks.append(f"{rel} uses the GCS client")
         if rel.startswith(("pipelines/output/", "prepack/")) and "is_gcs(" in text:
             breaks.append(f"{rel} asks is_gcs")
-        if rel != "pipelines/files.py" and ("apache_beam.io.filesystem" in text or "apache_beam.io.gcp" in text):
+        if "apache_beam.io.filesystem" in text or "apache_beam.io.gcp" in text:
             breaks.append(f"{rel} uses Beam's FileSystems")
     return breaks
 
@@ -127,7 +128,7 @@ def test_one_storage_interface(tmp_path):
     assert (ROOT / "prepack" / "storage" / "gcs.py").read_text().count("from google.cloud import storage") == 1
     assert _storage_breaks() == []
     # The check can fail: the output layer asking is_gcs, a loader with its own GCS client, a stage
-    # opening files through FileSystems itself.
+    # or a pipeline module of its own opening files through FileSystems.
     for name, text in {"pipelines/output/commit.py": "if is_gcs(path):\n    pass\n",
                        "pipelines/stages/write.py": "from apache_beam.io.filesystems import FileSystems\n",
                        "pipelines/files.py": "from apache_beam.io.filesystems import FileSystems\n",
@@ -135,8 +136,8 @@ def test_one_storage_interface(tmp_path):
                        "prepack/storage/gcs.py": "from google.cloud import storage\nis_gcs(p)\n"}.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
-    assert _storage_breaks(tmp_path) == ["loaders/shards.py uses the GCS client", "pipelines/output/commit.py asks is_gcs",
-                                            "pipelines/stages/write.py uses Beam's FileSystems"]
+    assert _storage_breaks(tmp_path) == ["loaders/shards.py uses the GCS client", "pipelines/files.py uses Beam's FileSystems",
+                                         "pipelines/output/commit.py asks is_gcs", "pipelines/stages/write.py uses Beam's FileSystems"]
 
 
 def _inner_layer_breaks(graph: dict[str, set[str]]) -> list[str]:

@@ -8,7 +8,7 @@ name carries its sha256, so it never overwrites another set's file.
 
 ArrayRecordWriter can only open local paths, so a shard is written to a local
 temp file (with group_size:1 spelled out) and then streamed to its staging
-path through pipelines/files.py (Beam's FileSystems, which also handles gs://).
+path through the storage interface (prepack/storage: local or gs://).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import apache_beam as beam
 import numpy as np
 from apache_beam.metrics.metric import Metrics
 
-from pipelines import files
 from pipelines.planning import LengthPlan
 from pipelines.wire.columns import FragmentBatch, ShardWork, concat_wire
 from pipelines.inputs.compressed import decompressed_blocks
@@ -38,18 +37,19 @@ from prepack.format.rowformat import encode_rows_flat
 from prepack.packing.accounting import Tally
 from prepack.format.manifest import DEAD_LETTER_NAME
 from prepack.format.shardfile import DEFAULT_WRITER_OPTIONS, shard_name, write_shard
+from prepack.storage import create_stream, open_stream
 
 NAMESPACE = "prepack"
 COPY_BLOCK = 8 << 20
 
 
 def write_bytes(path: str, data: bytes) -> None:
-    with files.create(path) as f:
+    with create_stream(path) as f:
         f.write(data)
 
 
 def copy_local_to(local_path: str, dest: str) -> None:
-    with open(local_path, "rb") as src, files.create(dest) as dst:
+    with open(local_path, "rb") as src, create_stream(dest) as dst:
         shutil.copyfileobj(src, dst, COPY_BLOCK)
 
 
@@ -117,7 +117,7 @@ def write_part(path: str, records: Iterable[bytes]) -> None:
     more CPU than compressing them (docs/benchmarks.md, "Packing-job CPU after the window writer")."""
     import zstandard
 
-    with files.create(path) as f, zstandard.ZstdCompressor(level=PART_ZSTD_LEVEL).stream_writer(f, closefd=False) as z:
+    with create_stream(path) as f, zstandard.ZstdCompressor(level=PART_ZSTD_LEVEL).stream_writer(f, closefd=False) as z:
         block: list[bytes] = []
         size = 0
         for record in records:
@@ -133,7 +133,7 @@ def write_part(path: str, records: Iterable[bytes]) -> None:
 def read_part(path: str) -> Iterator[bytes]:
     """The records of a part file, one at a time; ShardCheckError if it is damaged or truncated."""
     buf = bytearray()
-    with files.open_read(path) as raw:
+    with open_stream(path) as raw:
         try:
             for block in decompressed_blocks(raw, path, ".zst", read_block=PART_READ_BLOCK):
                 buf += block

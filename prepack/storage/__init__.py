@@ -3,7 +3,8 @@
 `storage_for(path)` is the only place that tells gs:// from a local path (tests/test_import_boundaries.py);
 the output lock and commit use its versioned conditional operations, the loaders, apps and the
 pipeline's launcher its plain reads and writes. Paths are joined by prepack.format.layout.join alone.
-No Beam here: the pipeline's worker-side streams are pipelines/files.py, an adapter of this interface.
+The pipeline's streamed files (inputs on the workers, part files, shards) use its streams and
+`match`; no Beam here, and nothing in the project opens a file through Beam's FileSystems.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ from typing import BinaryIO
 from prepack.format.layout import join
 from prepack.format.manifest import ManifestError
 from prepack.storage.gcs import GcsStorage, gcs_client, is_gcs, object_stamp, split_gcs
-from prepack.storage.interface import Storage, SwitchRefused, Version, Versioned
+from prepack.storage.interface import STREAM_BUFFER_BYTES, Storage, SwitchRefused, Version, Versioned
 from prepack.storage.local import LocalStorage
 
 __all__ = [
-    "GcsStorage", "LocalStorage", "Storage", "SwitchRefused", "Version", "Versioned", "download", "file_sizes",
-    "gcs_client", "is_gcs", "join", "object_stamp", "read_bytes", "read_text", "sha256", "split_gcs", "storage_for", "write_text",
+    "GcsStorage", "LocalStorage", "STREAM_BUFFER_BYTES", "Storage", "SwitchRefused", "Version", "Versioned", "create_stream",
+    "download", "file_sizes", "gcs_client", "is_gcs", "join", "match", "object_stamp", "open_stream", "read_bytes", "read_text",
+    "sha256", "split_gcs", "storage_for", "write_text",
 ]
 
 _LOCAL, _GCS = LocalStorage(), GcsStorage()
@@ -52,6 +54,22 @@ def read_text(path: str) -> str | None:
 def write_text(path: str, text: str) -> None:
     """Writes a small text file whole; locally through a temp name, so a crash leaves the old file."""
     storage_for(path).replace(path, text.encode("utf-8"))
+
+
+def open_stream(path: str, buffer_bytes: int = STREAM_BUFFER_BYTES) -> BinaryIO:
+    """The file's stored bytes (never decompressed), streamed and seekable."""
+    return storage_for(path).open_stream(path, buffer_bytes)
+
+
+def create_stream(path: str) -> BinaryIO:
+    """A new file written as a stream (created with its folders; replaced if it exists)."""
+    return storage_for(path).create_stream(path)
+
+
+def match(pattern: str) -> list[tuple[str, int]]:
+    """(path, size) of each file a path or glob matches (prepack/storage/patterns.py), sorted;
+    the storage's own error when it cannot list."""
+    return storage_for(pattern).match(pattern)
 
 
 def file_sizes(folder: str, names: list[str]) -> dict[str, int | None]:

@@ -11,7 +11,8 @@ import os
 from collections.abc import Iterator
 from typing import BinaryIO
 
-from prepack.storage.interface import Version, Versioned, refused, SwitchRefused
+from prepack.storage.interface import STREAM_BUFFER_BYTES, Version, Versioned, refused, SwitchRefused
+from prepack.storage.patterns import folder_pattern, has_wildcard, literal_head, pattern_regex
 
 GCS_PREFIX = "gs://"
 
@@ -205,3 +206,33 @@ class GcsStorage:
     def download(self, path: str, out: BinaryIO) -> None:
         """The whole object with one GET; GCS's own checksum is skipped (callers compare a sha256)."""
         self._blob(path).download_to_file(out, raw_download=True, checksum=None)
+
+    def open_stream(self, path: str, buffer_bytes: int = STREAM_BUFFER_BYTES) -> BinaryIO:
+        """The object's stored bytes (raw: a gzip-encoded object is not decoded), seekable;
+        FileNotFoundError when there is none."""
+        from google.cloud.storage.fileio import BlobReader
+
+        bucket, key = split_gcs(path)
+        blob = gcs_client().bucket(bucket).get_blob(key)  # its size and encoding, for seeks from the end
+        if blob is None:
+            raise FileNotFoundError(f"{path}: no such object")
+        return BlobReader(blob, chunk_size=buffer_bytes, raw_download=True)
+
+    def create_stream(self, path: str) -> BinaryIO:
+        """A resumable upload in STREAM_BUFFER_BYTES chunks; the object appears when it closes."""
+        from google.cloud.storage.fileio import BlobWriter
+
+        return BlobWriter(self._blob(path), content_type="application/octet-stream", chunk_size=STREAM_BUFFER_BYTES,
+                          ignore_flush=True)
+
+    def match(self, pattern: str) -> list[tuple[str, int]]:
+        """One metadata request for a plain path; one listing from the pattern's literal head for a glob."""
+        pattern = folder_pattern(pattern)
+        bucket, key = split_gcs(pattern)
+        client = gcs_client()
+        if not has_wildcard(key):
+            blob = client.bucket(bucket).get_blob(key)
+            return [] if blob is None else [(pattern, int(blob.size))]
+        regex = pattern_regex(pattern)
+        listed = ((f"{GCS_PREFIX}{bucket}/{b.name}", int(b.size)) for b in client.list_blobs(bucket, prefix=literal_head(key)))
+        return sorted(item for item in listed if regex.match(item[0]))

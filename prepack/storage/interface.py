@@ -2,7 +2,9 @@
 
 Light on purpose (no Beam at import): `prepack pack` refuses an existing set before
 it imports Beam, and the lock and the commit need what Beam's FileSystems does not
-expose: exclusive creation, replace-if-unchanged and delete-if-unchanged.
+expose: exclusive creation, replace-if-unchanged and delete-if-unchanged. The job's
+streamed files (inputs read on the workers, part files, shards) go through it too, so
+nothing in the project opens a file through Beam's FileSystems.
 
 A version says what a file is now, for a later conditional write or delete: on gs://
 the object's generation (ABSENT_GCS = 0: no object), locally its inode, size and
@@ -24,6 +26,7 @@ from typing import BinaryIO, Protocol
 
 
 Version = str | int
+STREAM_BUFFER_BYTES = 16 << 20  # a streamed gs:// read or upload moves this much per request
 
 
 class SwitchRefused(RuntimeError):
@@ -68,6 +71,13 @@ class Storage(Protocol):
     def sizes(self, folder: str, names: list[str]) -> dict[str, int | None]: ...
     def chunks(self, path: str, block: int) -> Iterator[bytes]: ...
     def download(self, path: str, out: BinaryIO) -> None: ...
+    # streamed files of any size (the job's inputs, part files and shards), as stored: never
+    # decompressed. open_stream is seekable; on gs:// each request fetches `buffer_bytes`.
+    def open_stream(self, path: str, buffer_bytes: int = STREAM_BUFFER_BYTES) -> BinaryIO: ...
+    # a new file written as a stream (its folders created; an existing file is replaced when it closes)
+    def create_stream(self, path: str) -> BinaryIO: ...
+    # (path, size) of each file a path or pattern matches (prepack/storage/patterns.py), sorted
+    def match(self, pattern: str) -> list[tuple[str, int]]: ...
 
 
 def refused(path: str, current: bytes | None) -> SwitchRefused:

@@ -7,7 +7,8 @@ import shutil
 from collections.abc import Iterator
 from typing import BinaryIO
 
-from prepack.storage.interface import Version, Versioned, refused
+from prepack.storage.interface import STREAM_BUFFER_BYTES, Version, Versioned, refused
+from prepack.storage.patterns import folder_pattern, has_wildcard, literal_head, pattern_regex
 
 
 
@@ -179,3 +180,26 @@ class LocalStorage:
     def download(self, path: str, out: BinaryIO) -> None:
         with open(path, "rb") as f:
             shutil.copyfileobj(f, out)
+
+    def open_stream(self, path: str, buffer_bytes: int = STREAM_BUFFER_BYTES) -> BinaryIO:
+        return open(path, "rb")
+
+    def create_stream(self, path: str) -> BinaryIO:
+        folder = os.path.dirname(path)
+        if folder:
+            os.makedirs(folder, exist_ok=True)
+        return open(path, "wb")
+
+    def match(self, pattern: str) -> list[tuple[str, int]]:
+        pattern = folder_pattern(pattern)
+        if not has_wildcard(pattern):
+            return [(pattern, os.path.getsize(pattern))] if os.path.exists(pattern) else []
+        regex = pattern_regex(pattern)
+        found = []
+        for path in self.list_files(os.path.dirname(literal_head(pattern))):
+            if regex.match(path):
+                try:
+                    found.append((path, os.path.getsize(path)))
+                except OSError:
+                    pass  # removed while listed
+        return sorted(found)

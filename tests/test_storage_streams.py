@@ -1,0 +1,112 @@
+"""The storage interface's streams and pattern match (prepack/storage), what the job's workers read
+inputs and part files through and write shards through: local and gs:// (the local GCS emulator).
+A glob matches the files Beam's FileSystems.match matched before the job stopped using it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from testkit.gcs_emulator import gcs_emulator, gcs_prefix  # noqa: F401  (pytest fixtures)
+
+from prepack import storage
+from prepack.storage.patterns import pattern_regex
+
+TREE = ["a.jsonl", "ab.json", "b.jsonl.gz", ".hidden.jsonl", "x[1].jsonl", "sub/c.jsonl", "sub/ab.jsonl",
+        "sub/deeper/d.jsonl", "sub/deeper/a.json", "subway/e.jsonl"]
+PATTERNS = ["*", "**", "*.jsonl", "**.jsonl", "**/*.jsonl", "sub/*", "sub/**", "sub/", "sub*", "sub*/*.jsonl", "?.jsonl",
+            "a?.json", "[ab].jsonl", "[!a]*.jsonl", "[a-b]*", "x[1].jsonl", "x[[]1].jsonl", "x[", "a.jsonl", "sub",
+            "nothing*", "no/such/file.jsonl", "sub/deeper/?.json*"]
+
+
+def make_tree(root: str) -> str:
+    for i, name in enumerate(TREE):
+        path = os.path.join(root, name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(b"x" * (i + 1))  # each file its own size, so a size mix-up shows
+    return root
+
+
+def beam_match(pattern: str) -> list[tuple[str, int]]:
+    from apache_beam.io.filesystems import FileSystems
+
+    return sorted((m.path, m.size_in_bytes) for m in FileSystems.match([pattern])[0].metadata_list)
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory) -> str:
+    return make_tree(str(tmp_path_factory.mktemp("tree")))
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_local_match_is_beams(tree, pattern):
+    assert storage.match(f"{tree}/{pattern}") == beam_match(f"{tree}/{pattern}")
+
+
+TOKENS = st.sampled_from(["*", "**", "?", "/", "a", "b", "sub", ".json", "l", "[ab]", "[!a]", "[", "]", "x", "-", "!"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(TOKENS, min_size=1, max_size=6))
+def test_local_match_is_beams_on_any_pattern(tree, tokens):
+    pattern = f"{tree}/{''.join(tokens)}"
+    assert storage.match(pattern) == beam_match(pattern)
+
+
+def test_match_rules():
+    """The rules themselves, so that a change to them shows here and not only as a difference from Beam."""
+    assert pattern_regex("d/*.jsonl").match("d/a.jsonl") and not pattern_regex("d/*.jsonl").match("d/s/a.jsonl")
+    assert pattern_regex("d/**.jsonl").match("d/s/t/a.jsonl")
+    assert pattern_regex("d/[!a].json").match("d/b.json") and not pattern_regex("d/[!a].json").match("d/a.json")
+    assert pattern_regex("d/x[").match("d/x[")  # an unclosed class is a literal '['
+    assert not pattern_regex("d/a.json").match("d/a.jsonl")  # the whole path, not a prefix
+
+
+def test_gs_match_equals_local(tree, gcs_emulator, gcs_prefix):  # noqa: F811
+    for name in TREE:
+        gcs_emulator.upload_file(os.path.join(tree, name), f"{gcs_prefix}/{name}")
+    for pattern in PATTERNS:
+        # a folder matches locally by its name (the job refuses one as an input first); gs:// has none
+        local = [(path[len(tree):], size) for path, size in storage.match(f"{tree}/{pattern}") if os.path.isfile(path)]
+        remote = [(path[len(gcs_prefix):], size) for path, size in storage.match(f"{gcs_prefix}/{pattern}")]
+        assert remote == local, pattern
+
+
+@pytest.fixture(params=["local", "gs"])
+def folder(request, tmp_path):
+    if request.param == "local":
+        return str(tmp_path / "streams")
+    return request.getfixturevalue("gcs_prefix")
+
+
+def test_stream_round_trip(folder):
+    """Over two upload chunks on gs:// (a resumable upload's second request), read back whole,
+    from the end and from the middle in small requests."""
+    data = os.urandom(storage.STREAM_BUFFER_BYTES + 100_003)
+    path = f"{folder}/deep/er/file.bin"
+    with storage.create_stream(path) as f:
+        for i in range(0, len(data), 1 << 20):
+            f.write(data[i:i + (1 << 20)])
+            f.flush()  # a zstd stream writer flushes; it must not end a gs:// upload early
+    assert storage.match(path) == [(path, len(data))]
+    with storage.open_stream(path) as f:
+        assert f.read() == data
+    with storage.open_stream(path, buffer_bytes=256 << 10) as f:
+        f.seek(0, os.SEEK_END)
+        assert f.tell() == len(data)
+        f.seek(len(data) // 2 - 5)
+        assert f.read(1000) == data[len(data) // 2 - 5:len(data) // 2 + 995]
+
+
+def test_stream_replaces_and_misses(folder):
+    path = f"{folder}/one.bin"
+    for content in (b"first version, longer", b"second"):
+        with storage.create_stream(path) as f:
+            f.write(content)
+    assert storage.read_bytes(path) == b"second"
+    with pytest.raises(FileNotFoundError):
+        storage.open_stream(f"{folder}/missing.bin")
+    assert storage.match(f"{folder}/missing.bin") == []
