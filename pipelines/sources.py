@@ -183,6 +183,9 @@ def resolve_inputs(specs: Sequence[str], tfds_data_dir: str | None = None) -> tu
     return resolved, tasks
 
 
+_URL_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
 def _resolve_one(index: int, spec: str, tfds_data_dir: str | None, first: int) -> tuple[ResolvedInput, list[ReadTask]]:
     if spec.startswith("hf:"):
         local = _split_local_dataset(spec[3:])
@@ -191,6 +194,9 @@ def _resolve_one(index: int, spec: str, tfds_data_dir: str | None, first: int) -
         return _resolve_hf_hub(index, spec, spec[3:], first_task=first)
     if spec.startswith("tfds:"):
         return _resolve_tfds(index, spec, spec[5:], tfds_data_dir, first_task=first)
+    if _URL_SCHEME.match(spec) and not spec.startswith("gs://"):
+        raise InputError(f"input {spec!r}: only local paths and gs:// are read, not {spec.split('://')[0]}://; "
+                         "copy the files to gs:// or a local disk")
     local = None if spec.startswith("gs://") else _split_local_dataset(spec)
     if local is not None:
         return _resolve_hf_disk(index, spec, *local, first_task=first)

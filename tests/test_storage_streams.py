@@ -15,10 +15,10 @@ from prepack import storage
 from prepack.storage.patterns import pattern_regex
 
 TREE = ["a.jsonl", "ab.json", "b.jsonl.gz", ".hidden.jsonl", "x[1].jsonl", "sub/c.jsonl", "sub/ab.jsonl",
-        "sub/deeper/d.jsonl", "sub/deeper/a.json", "subway/e.jsonl"]
+        "sub/deeper/d.jsonl", "sub/deeper/a.json", "subway/e.jsonl", "d\\x.jsonl"]
 PATTERNS = ["*", "**", "*.jsonl", "**.jsonl", "**/*.jsonl", "sub/*", "sub/**", "sub/", "sub*", "sub*/*.jsonl", "?.jsonl",
             "a?.json", "[ab].jsonl", "[!a]*.jsonl", "[a-b]*", "x[1].jsonl", "x[[]1].jsonl", "x[", "a.jsonl", "sub",
-            "nothing*", "no/such/file.jsonl", "sub/deeper/?.json*"]
+            "nothing*", "no/such/file.jsonl", "sub/deeper/?.json*", "d\\"]
 
 
 def make_tree(root: str) -> str:
@@ -110,3 +110,29 @@ def test_stream_replaces_and_misses(folder):
     with pytest.raises(FileNotFoundError):
         storage.open_stream(f"{folder}/missing.bin")
     assert storage.match(f"{folder}/missing.bin") == []
+
+
+def test_doubly_compressed_object_is_refused(gcs_emulator, gcs_prefix):  # noqa: F811
+    """A gzip file stored with Content-Encoding: gzip is refused in one line naming it, not read
+    as still-compressed bytes (or, on real GCS, a download that can loop)."""
+    import gzip
+
+    path = f"{gcs_prefix}/twice.jsonl.gz"
+    blob = gcs_emulator.client().bucket(gcs_emulator.bucket).blob(gcs_emulator.split(path)[1])
+    blob.content_encoding = "gzip"
+    blob.upload_from_string(gzip.compress(gzip.compress(b'{"a": 1}\n')), content_type="application/gzip")
+    with pytest.raises(OSError) as e:
+        storage.open_stream(path)
+    assert str(e.value) == (f"{path}: a gzip file stored with Content-Encoding: gzip (compressed twice) cannot be read; "
+                            "upload it again without that Content-Encoding")
+
+
+@pytest.mark.parametrize("spec", ["s3://bucket/data/*.jsonl", "HDFS://host/x.jsonl"])
+def test_input_of_another_scheme_is_refused(spec):
+    from pipelines.sources import InputError, resolve_inputs
+
+    with pytest.raises(InputError) as e:
+        resolve_inputs([spec])
+    scheme = spec.split("://")[0]
+    assert str(e.value) == (f"input {spec!r}: only local paths and gs:// are read, not {scheme}://; "
+                            "copy the files to gs:// or a local disk")

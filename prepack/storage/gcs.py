@@ -15,6 +15,7 @@ from prepack.storage.interface import STREAM_BUFFER_BYTES, Version, Versioned, r
 from prepack.storage.patterns import folder_pattern, has_wildcard, literal_head, pattern_regex
 
 GCS_PREFIX = "gs://"
+DOUBLY_COMPRESSED_TYPES = ("application/gzip", "application/x-gzip")
 
 
 def is_gcs(path: str) -> bool:
@@ -216,6 +217,10 @@ class GcsStorage:
         blob = gcs_client().bucket(bucket).get_blob(key)  # its size and encoding, for seeks from the end
         if blob is None:
             raise FileNotFoundError(f"{path}: no such object")
+        if blob.content_encoding == "gzip" and blob.content_type in DOUBLY_COMPRESSED_TYPES:
+            # GCS serves such an object badly (a download can loop); Beam's reader refused it too.
+            raise OSError(f"{path}: a gzip file stored with Content-Encoding: gzip (compressed twice) cannot be read; "
+                          "upload it again without that Content-Encoding")
         return BlobReader(blob, chunk_size=buffer_bytes, raw_download=True)
 
     def create_stream(self, path: str) -> BinaryIO:

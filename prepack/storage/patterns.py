@@ -2,7 +2,7 @@
 
 `*` matches within one folder (never a `/` or a backslash), `**` across folders, `?` any one character,
 `[...]` a character class (`[!...]` its complement); everything else is literal, and a
-pattern ending in `/` means every file under that folder. These are the rules Beam's
+pattern ending in `/` (or a backslash) means the files directly in that folder. These are the rules Beam's
 FileSystems.match applied to `--input` before this module, kept so that a glob matches
 the same files as before.
 """
@@ -69,5 +69,5 @@ def pattern_regex(pattern: str) -> re.Pattern[str]:
 
 
 def folder_pattern(pattern: str) -> str:
-    """`DIR/` means `DIR/*`: the files directly in that folder."""
-    return pattern + "*" if pattern.endswith("/") else pattern
+    """`DIR/` (or `DIR\\`) means `DIR/*`: the files directly in that folder."""
+    return pattern + "*" if pattern.endswith(("/", "\\")) else pattern
