@@ -1,10 +1,10 @@
 """What an input pattern matches, one rule for local paths and gs://.
 
-`*` matches within one folder (never a `/` or a backslash), `**` across folders, `?` any one character,
-`[...]` a character class (`[!...]` its complement); everything else is literal, and a
-pattern ending in `/` (or a backslash) means the files directly in that folder. These are the rules Beam's
-FileSystems.match applied to `--input` before this module, kept so that a glob matches
-the same files as before.
+`*` matches within one folder (never a `/` or a backslash), `**` across folders, `?` any
+one character, `[...]` a character class (`[!...]` its complement); everything else is
+literal, and a pattern ending in `/` (or a backslash) means the files directly in that
+folder. These are the rules Beam's FileSystems.match applied to `--input` before this
+module, kept so that a glob matches the same files as before.
 """
 
 from __future__ import annotations
