@@ -48,10 +48,11 @@ import numpy as np
 from apps.packing_table import CSV_COLUMNS, THROUGHPUT_MODEL, render_text_table, result_row
 from apps.report import find_manifests, manifest_rows
 from pipelines.configs import RowSpec
-from pipelines.options import OptionsError, add_overlong_options, window_context_option
+from pipelines.options import OptionsError, add_overlong_options, mapping_options, window_context_option
 from prepack.packing.accounting import LENGTH_REASONS, Tally
 from prepack.packing.bad_records import DEFAULT_MAX_BAD_FRACTION, too_many_bad_records
 from prepack.cli_help import DefaultsHelpFormatter
+from prepack.text.formats import template_names
 from prepack.packing.fitting import fit_length
 from prepack.packing.packer import DropReason, Fit, HistogramPlan, OverlongPolicy, Planner
 from prepack.packing.stats import REFERENCE_BATCH_SIZE, PackingStats, stats_from_rows
@@ -71,7 +72,7 @@ class PreflightError(Exception):
 class DatasetSpec:
     name: str
     path: str
-    format: str  # a template name (prepack.text.templates)
+    format: str  # a template name (prepack.text.formats)
     options: tuple[tuple[str, str], ...] = ()  # a mixture source's own template options (over --template-option)
     source: str = ""  # --mixture: the source this input belongs to
 
@@ -459,13 +460,35 @@ def load_examples(spec: DatasetSpec, tokenizer: Any, chat_format: Any, config: P
     )
 
 
+def checked_format(spec: DatasetSpec, config: PreflightConfig) -> DatasetSpec:
+    """The dataset's format looked at on its first records, as `prepack pack` does
+    (pipelines/launch/format_check.py): auto resolved and said, a format the records do not fit
+    refused in one line."""
+    from pipelines.launch.format_check import FormatCheckError, check_source
+
+    _, tasks = read_tasks(spec.path)
+    if not tasks:
+        return spec
+    options = {**config.rows.template_kwargs, **dict(spec.options)}
+    if spec.format != "auto":
+        accepted = {f.name for f in dataclasses.fields(make_template(spec.format, {}))}
+        options = {k: v for k, v in options.items() if k in accepted}
+    try:
+        fmt, note = check_source(spec.format, options, tasks[0], config.rows.limits, f"{spec.name}: ")
+    except FormatCheckError as e:
+        raise PreflightError(str(e)) from None
+    if note:
+        print(f"prepack preflight: {note}", file=sys.stderr)
+    return dataclasses.replace(spec, format=fmt)
+
+
 def make_template(name: str, options: dict[str, str]) -> Any:
     """The template for a --format; --template-option values go only to templates that take them,
     so one `source_lang=de` can sit beside alpaca inputs."""
-    from prepack.text.templates import get_template, template_names
+    from prepack.text.formats import get_template
 
     if name not in template_names():
-        raise PreflightError(f"unknown format {name!r}; expected one of {', '.join(template_names())}")
+        raise PreflightError(f"unknown format {name!r}; expected one of {', '.join(template_names())}, or auto")
     accepted = {f.name for f in dataclasses.fields(get_template(name))}
     try:
         return get_template(name, **{k: v for k, v in options.items() if k in accepted})
@@ -673,8 +696,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--input", action="extend", nargs="+", metavar="[NAME=]PATH",
                    help="a dataset: JSONL, JSON or Parquet file, or a glob; repeatable, each is its own dataset")
     p.add_argument("--format", "--template", dest="format", action="extend", nargs="+", metavar="FORMAT",
-                   help="source format (template) of the inputs: alpaca, translation, oasst1, chat, prompt_response; "
-                   "one for all, or one per --input in order")
+                   help=f"source format (template) of the inputs: {', '.join(template_names())}, or auto (chosen from "
+                   "the first records' keys, as `prepack pack --format auto`); one for all, or one per --input in order")
+    p.add_argument("--columns", metavar="NAME=COLUMN,...",
+                   help="as `prepack pack --columns`: read other column and message-key names (e.g. messages=dialog,role=speaker)")
+    p.add_argument("--roles", metavar="ROLE=VALUE,...",
+                   help="as `prepack pack --roles`: read other role values (e.g. user=human,assistant=bot)")
     p.add_argument("--tokenizer", default="gemma3", help="tokenizer spec: gemma3 (embedded, default), qwen3 (embedded), sp:FILE.model, hf:NAME")
     p.add_argument("--chat-format", default="auto", help="gemma, chatml, qwen3, hf or auto (default)")
     p.add_argument("--expand-turns", action="store_true", help="as `prepack pack --expand-turns`: one example per target reply")
@@ -775,6 +802,10 @@ def config_from_args(args: argparse.Namespace) -> PreflightConfig:
     for key in ("source_lang", "target_lang", "prompt_format"):
         if getattr(args, key) is not None:
             options[key] = getattr(args, key)
+    try:
+        options.update(mapping_options("", args.columns, args.roles))  # each format's own names: make_template
+    except ValueError as e:
+        raise PreflightError(str(e)) from None
     if not 0.0 <= args.max_bad_fraction <= 1.0:
         raise PreflightError(f"--max-bad-fraction must be within 0..1, got {args.max_bad_fraction}")
     if args.max_segments_per_row is not None and args.max_segments_per_row < 1:
@@ -826,9 +857,11 @@ def main(argv: list[str] | None = None) -> int:
                 raise PreflightError(f"{matplotlib_missing()}, or pass --no-plots")
         # Fail on every bad input or format before the tokenizer loads or anything is read.
         for spec in config.datasets:
-            make_template(spec.format, {**config.rows.template_kwargs, **dict(spec.options)})
+            if spec.format != "auto":
+                make_template(spec.format, {**config.rows.template_kwargs, **dict(spec.options)})
             if not config.pack_output:
                 check_input(spec.path)  # the job checks its own inputs up front
+        config = dataclasses.replace(config, datasets=tuple(checked_format(spec, config) for spec in config.datasets))
         if config.pack_output:
             # One --overwrite for the whole command: the job's shard sets as well as preflight's files.
             result = run_with_pipeline(config, extra + (["--overwrite"] if args.overwrite else []))
@@ -854,7 +887,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _load_tokenizer(config: PreflightConfig) -> tuple[Any, Any]:
-    from prepack.text.chat_formats import ChatFormatError, get_chat_format
+    from prepack.text.chat import ChatFormatError, get_chat_format
     from prepack.text.tokenizer import TokenizerError, load_tokenizer
 
     try:

@@ -66,18 +66,18 @@ class RealExamples:
     """Records from the real samples (benchmarks/data.py) with their template, and a per-record tokenizing function."""
 
     def __init__(self, data_dir: str, tokenizer_spec: str = "gemma3"):
-        from prepack.text import chat_formats, templates
+        from prepack.text import chat, formats
         from prepack.text.tokenizer import load_tokenizer
 
         self.tokenizer = load_tokenizer(tokenizer_spec)
-        self.chat_format = chat_formats.get_chat_format(FAMILIES[tokenizer_spec], self.tokenizer)
+        self.chat_format = chat.get_chat_format(FAMILIES[tokenizer_spec], self.tokenizer)
         self.records: list[tuple[str, dict]] = []
         self.templates = {}
         for name, (template, options) in SOURCES.items():
             path = os.path.join(data_dir, name)
             if not os.path.exists(path):
                 continue
-            self.templates[name] = templates.get_template(template, **options)
+            self.templates[name] = formats.get_template(template, **options)
             with open(path, encoding="utf-8") as f:
                 for line in f:
                     if not line.strip():
@@ -93,11 +93,11 @@ class RealExamples:
 
     def tokenize(self, item: tuple[str, dict, int]) -> tuple[np.ndarray, np.ndarray]:
         """One example: template, chat format, tokenize (what an online pipeline does per example)."""
-        from prepack.text import chat_formats
+        from prepack.text import chat
 
         name, record, k = item
         conv = self.templates[name].to_conversations(record)[k]
-        (example,) = chat_formats.tokenize_conversations([conv], self.tokenizer, self.chat_format)
+        (example,) = chat.tokenize_conversations([conv], self.tokenizer, self.chat_format)
         return example.input_ids, example.loss_mask
 
     def identity(self) -> dict:

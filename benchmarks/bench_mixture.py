@@ -59,7 +59,7 @@ def timed(args: list[str], beam_args: list[str]) -> dict:
 
 def as_chat(path: str, fmt: str, options: dict, out) -> int:
     """Each record's conversations as `chat` records (the same turns, so the same tokens)."""
-    from prepack.text.templates import get_template
+    from prepack.text.formats import get_template
 
     template = get_template(fmt, **options)
     n = 0

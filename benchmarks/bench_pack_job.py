@@ -56,8 +56,8 @@ def repeat_to(src: str, dst: str, n: int) -> int:
 
 def raw_tokenizer(path: str, fmt: str, options: dict, batch: int = 512, tokenizer: str = "gemma3") -> dict:
     """encode_batch over the job's own text pieces: one core, no Beam."""
-    from prepack.text.chat_formats import get_chat_format
-    from prepack.text.templates import get_template
+    from prepack.text.chat import get_chat_format
+    from prepack.text.formats import get_template
     from prepack.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tokenizer)

@@ -31,8 +31,8 @@ FAMILIES = {"gemma3": "gemma", "qwen3": "qwen3"}
 
 
 def real_lengths(data_dir: Path, tokenizer_spec: str = "gemma3") -> dict[str, list[int]]:
-    from prepack.text.chat_formats import get_chat_format, tokenize_conversations
-    from prepack.text.templates import get_template
+    from prepack.text.chat import get_chat_format, tokenize_conversations
+    from prepack.text.formats import get_template
     from prepack.text.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_spec)

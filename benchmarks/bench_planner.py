@@ -38,8 +38,8 @@ SAMPLES = {"alpaca": ("alpaca.jsonl", "alpaca"), "oasst1": ("oasst1.jsonl", "pro
 
 
 def tokenized_lengths(records: list[dict], template_name: str) -> np.ndarray:
-    from prepack.text.chat_formats import get_chat_format, tokenize_conversations_flat
-    from prepack.text.templates import get_template
+    from prepack.text.chat import get_chat_format, tokenize_conversations_flat
+    from prepack.text.formats import get_template
     from prepack.text.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer("gemma3")

@@ -59,6 +59,9 @@ WORKER_REQUIREMENTS = Path(__file__).resolve().parent / "worker_requirements.txt
 CONTAINER_PYTHON = (3, 11)
 
 DEFAULT_REGION = "us-central1"
+# `prepack pack --format` names (prepack/text/formats/; written out here: this launcher imports no
+# project code, and tests/test_gcp_launch.py checks the list against the registry).
+FORMATS = ("alpaca", "chat", "oasst1", "prompt_completion", "prompt_response", "sharegpt", "text", "translation")
 # Sizing from measurement (docs/gcp.md, "Sizing"): ~1.9 us of CPU per token measured end to end,
 # x1.5 for Dataflow's remote shuffle, at 512 tokens per example ~1.49 ms per example; at most
 # 1.5 GB per concurrent bundle (pipelines/README.md, "Bounded worker memory").
@@ -144,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--region", default=DEFAULT_REGION, help=f"Dataflow region; keep it the bucket's (default {DEFAULT_REGION})")
     p.add_argument("--input", action="append", default=[], metavar="SPEC",
                    help="repeatable: gs:// file or glob, hf:NAME..., or tfds:NAME (workers cannot read the launcher's disk)")
-    p.add_argument("--format", help="source format (alpaca, translation, oasst1, chat, prompt_response)")
+    p.add_argument("--format", help=f"source format ({', '.join(FORMATS)}, or auto); --columns/--roles pass on to the job")
     p.add_argument("--mixture", metavar="FILE",
                    help="instead of --input/--format: a mixture file (local or gs://) read here; every source's inputs "
                         "must be gs://, hf: or tfds: (relative ones resolve against the file's folder)")
@@ -206,7 +209,7 @@ def check(args: argparse.Namespace, passthrough: Sequence[str]) -> list[str]:
             raise LaunchError(f"--input {spec!r} is on the launcher's disk, which Dataflow workers cannot read; "
                               f"copy it to GCS first: gcloud storage cp {shlex.quote(spec)} gs://BUCKET/raw/")
     if not args.format and not args.from_tokens and not args.mixture:
-        raise LaunchError("--format is required: alpaca, translation, oasst1, chat or prompt_response")
+        raise LaunchError(f"--format is required: {', '.join(FORMATS)}, or auto")
     if args.bucket and not args.bucket.startswith("gs://"):
         raise LaunchError(f"--bucket must look like gs://NAME, got {args.bucket!r}")
     if args.max_workers is None:

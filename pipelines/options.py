@@ -31,8 +31,11 @@ from prepack.packing.mixture import Mixture, MixtureError
 from prepack.packing.packer import OverlongPolicy, Planner
 from prepack.format.rowformat import MAX_MAX_LENGTH
 from prepack.cli_help import DefaultsHelpFormatter
+from prepack.text.formats import template_names
 
 MAX_LENGTHS_PER_JOB = 64  # each example carries one bit per max length (PayloadBatch.kept_at)
+# The source formats (prepack/text/formats/), for help texts and messages.
+FORMAT_NAMES = template_names()
 SAMPLE_FORMAT = "alpaca"
 
 # The runners this job is built and tested on, by Beam's dotted class paths (a runner's
@@ -87,7 +90,16 @@ def _add_input_options(src: argparse._ArgumentGroup) -> None:
         "(DIR or DIR:SPLIT), hf:NAME[:CONFIG][:SPLIT] (needs the network), or tfds:NAME[:SPLIT]",
     )
     src.add_argument("--sample", action="store_true", help="pack the embedded sample dataset (alpaca format) instead of --input")
-    src.add_argument("--format", "--template", dest="format", help="source format: alpaca, translation, oasst1, chat, prompt_response")
+    src.add_argument("--format", "--template", dest="format",
+                     help=f"source format: {', '.join(FORMAT_NAMES)}, or auto (chosen from the first records' keys, "
+                     "and said); docs/formats.md shows a record of each")
+    src.add_argument("--columns", metavar="NAME=COLUMN,...",
+                     help="read other column and message-key names: e.g. messages=dialog,role=speaker,content=text,"
+                     "tools=functions,system=sys (canonical names: messages, role, content, tools, system, text, prompt, "
+                     "completion, and each format's own, e.g. instruction, output)")
+    src.add_argument("--roles", metavar="ROLE=VALUE,...",
+                     help="read other role values: e.g. user=human,assistant=bot,tool=observation (roles: system, user, "
+                     "assistant, tool, tool_call); the default spellings still map")
     src.add_argument("--source-lang", help="translation: source language code (default en)")
     src.add_argument("--target-lang", help="translation: target language code (default fr)")
     src.add_argument("--prompt-format", help="translation: prompt with {source}, {target} and {text}")
@@ -205,7 +217,7 @@ def parse_args(argv: Sequence[str]) -> tuple[PackConfig, list[str]]:
     _check_limits(ns)
     _check_row_shape(ns, max_lengths)
     _check_run_behaviour(ns)
-    template_options = _template_options(ns)
+    template_options = _template_options(ns, fmt)
     if ns.tokenizer:
         _check_tokenizer(ns.tokenizer)
     config = _config(ns, inputs, fmt, mixture, max_lengths, template_options)
@@ -228,7 +240,7 @@ def _mixture(ns: argparse.Namespace) -> Mixture | None:
         return None
     for flag, given in (("--input", ns.input), ("--format", ns.format), ("--sample", ns.sample),
                         ("--source-lang", ns.source_lang), ("--target-lang", ns.target_lang),
-                        ("--prompt-format", ns.prompt_format)):
+                        ("--prompt-format", ns.prompt_format), ("--columns", ns.columns), ("--roles", ns.roles)):
         if given:
             raise OptionsError(f"--mixture names each source's inputs and format; do not combine it with {flag}")
     try:
@@ -254,7 +266,9 @@ def _inputs(ns: argparse.Namespace) -> tuple[tuple[str, ...], str, Mixture | Non
     if not ns.input:
         raise OptionsError("no input: pass --input SPEC (repeatable) or --sample")
     if not ns.format:
-        raise OptionsError("--format is required: alpaca, translation, oasst1, chat or prompt_response")
+        raise OptionsError(f"--format is required: {', '.join(FORMAT_NAMES)}, or auto")
+    if ns.format != "auto" and ns.format not in FORMAT_NAMES:
+        raise OptionsError(f"--format: unknown source format {ns.format!r}; expected one of {', '.join(FORMAT_NAMES)}, or auto")
     return tuple(ns.input), ns.format, None
 
 
@@ -310,9 +324,14 @@ def _check_run_behaviour(ns: argparse.Namespace) -> None:
         raise OptionsError(f"--tokenize-batch-size must be at least 1, got {ns.batch_size}")
 
 
-def _template_options(ns: argparse.Namespace) -> dict[str, str]:
+def _template_options(ns: argparse.Namespace, fmt: str) -> dict[str, str]:
     names = ("source_lang", "target_lang", "prompt_format")
-    return {name: getattr(ns, name) for name in names if getattr(ns, name) is not None}
+    options = {name: getattr(ns, name) for name in names if getattr(ns, name) is not None}
+    try:
+        options.update(mapping_options(fmt, ns.columns, ns.roles))
+    except ValueError as e:
+        raise OptionsError(str(e)) from None
+    return options
 
 
 def _check_tokenizer(name: str) -> None:
@@ -503,3 +522,23 @@ def with_default_runner(beam_args: Sequence[str]) -> list[str]:
     if "--direct_running_mode" not in given:
         extra.append("--direct_running_mode=multi_processing")
     return extra + args
+
+
+def mapping_options(fmt: str, columns: str | None, roles: str | None) -> dict[str, str]:
+    """--columns and --roles as a format's options, in their canonical text (sorted pairs, as
+    manifests record them), checked against the format (all formats' names for auto). ValueError
+    (one line) for a malformed or unknown name."""
+    from prepack.text.formats import get_template, template_class
+    from prepack.text.formats.fields import RoleMap, mapping_text, parse_mapping
+
+    options: dict[str, str] = {}
+    if columns is not None:
+        canonical = sorted({c for name in FORMAT_NAMES for c in getattr(template_class(name), "COLUMNS", {})})
+        options["columns"] = mapping_text(parse_mapping(columns, "--columns", canonical))
+    if roles is not None:
+        options["roles"] = mapping_text(parse_mapping(roles, "--roles", ("system", "user", "assistant", "tool_call", "tool"),
+                                                      repeatable=True))
+        RoleMap(options["roles"])
+    if fmt and fmt not in ("auto", "mixture") and options:
+        get_template(fmt, **options)  # this format's own names (and whether it takes roles)
+    return options

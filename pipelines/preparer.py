@@ -97,7 +97,7 @@ class Preparer:
         self.tokenizer = tokenizer
         self.format = chat_format
         self.on_batch = on_batch
-        # --expand-turns: one example per target reply, ids <id>#<i> (prepack.text.templates.expand_turns)
+        # --expand-turns: one example per target reply, ids <id>#<i> (prepack.text.conversation.expand_turns)
         self.expand_turns = expand_turns
         # Single-turn templates under a format with a fixed layout skip the Conversation
         # objects: (prompt, response) texts go straight to tokenize_pairs_flat.
@@ -110,8 +110,8 @@ class Preparer:
     def from_names(cls, tasks: Sequence[TaskMeta], template: str, template_options: Iterable[tuple[str, str]],
                    tokenizer: str, chat_format: str, train_reasoning: bool = True, expand_turns: bool = False,
                    **kwargs: Any) -> "Preparer":
-        from prepack.text.chat_formats import get_chat_format
-        from prepack.text.templates import get_template
+        from prepack.text.chat import get_chat_format
+        from prepack.text.formats import get_template
         from prepack.text.tokenizer import load_tokenizer
 
         loaded = load_tokenizer(tokenizer)
@@ -122,7 +122,7 @@ class Preparer:
 
     def template_records(self, task_index: int, items: list, tally: Tally, bad: list[DeadLetter]) -> Templated:
         """Decodes, parses and templates a batch of raw records of one task."""
-        from prepack.text.templates import RecordError
+        from prepack.text.conversation import RecordError
 
         meta = self.tasks[task_index]
         out = Templated()
@@ -217,7 +217,7 @@ class Preparer:
 
     @staticmethod
     def _add_expanded(out: Templated, conv: Any, loc: Loc, eid: str) -> None:
-        from prepack.text.templates import expand_turns
+        from prepack.text.conversation import expand_turns
 
         for i, part in enumerate(expand_turns(conv)):
             out.convs.append(part)
@@ -228,7 +228,7 @@ class Preparer:
     def _tokenize(self, convs: list, metas: list[tuple[Loc, str]], tally: Tally, bad: list[DeadLetter]) -> list[TokenizedBatch]:
         """Examples for convs (metas[i] = (loc, example_id)); a conversation the chat format
         rejects becomes a dead letter and the rest of the batch goes on."""
-        from prepack.text.chat_formats import ChatFormatError, tokenize_conversations_flat
+        from prepack.text.chat import ChatFormatError, tokenize_conversations_flat
 
         out: list[TokenizedBatch] = []
         start = 0
@@ -262,7 +262,7 @@ class Preparer:
                         bad: list[DeadLetter]) -> list[TokenizedBatch]:
         """Examples for single-turn pairs; a fixed layout has no per-conversation errors, but the
         tokenizer may refuse a text (bad_text)."""
-        from prepack.text.chat_formats import tokenize_pairs_flat
+        from prepack.text.chat import tokenize_pairs_flat
 
         out: list[TokenizedBatch] = []
         pairs = list(zip(prompts, responses))

@@ -178,7 +178,7 @@ def segments_in(rows: Sequence[dict[str, np.ndarray]]) -> Counter:
 
 
 def tokenized(convs: Sequence[Any]) -> list[Any]:
-    from prepack.text.chat_formats import tokenize_conversations
+    from prepack.text.chat import tokenize_conversations
     from prepack.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer("gemma3")

@@ -9,8 +9,9 @@ import pytest
 
 from pipelines.launch.job import run
 from pipelines.options import parse_args
-from prepack.text.chat_formats import get_chat_format, tokenize_conversations
-from prepack.text.templates import expand_turns, get_template
+from prepack.text.chat import get_chat_format, tokenize_conversations
+from prepack.text.conversation import expand_turns
+from prepack.text.formats import get_template
 from prepack.text.tokenizer import load_tokenizer
 from test_reasoning import qwen3_reference
 from testkit.pipeline import IN_PROCESS, write_jsonl

@@ -396,3 +396,9 @@ def test_tpu_creates_a_missing_vm_and_starts_a_stopped_one(fake_gcloud):
         if second == "create":
             assert calls[1][4:] == ["prepack-tpu", "--zone", "us-central1-a", "--project", "my-proj", "--accelerator-type",
                                     "v5litepod-8", "--version", "v2-alpha-tpuv5-lite", "--spot"]
+
+
+def test_the_launchers_format_list_is_the_registrys():
+    from prepack.text.formats import template_names
+
+    assert ld.FORMATS == template_names()

@@ -62,7 +62,7 @@ def test_every_package_has_a_layer():
 CASES = {
     "core": (
         "import prepack.format.rowformat, prepack.packing.packer, prepack.packing.stats, prepack.format.manifest, prepack.format.shardfile, "
-        "prepack.text.templates, prepack.text.chat_formats, prepack.text.tokenizer, prepack.text.gemma3_gguf; "
+        "prepack.text.formats, prepack.text.chat, prepack.text.tokenizer, prepack.text.gemma3_gguf; "
         "from prepack.text.tokenizer import load_tokenizer; load_tokenizer('gemma3').encode('hi')",
         ("apache_beam", "jax", "grain"),
     ),

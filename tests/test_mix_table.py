@@ -117,18 +117,33 @@ def test_inspect_shows_the_mix_labels_sources_and_marks_copies(tmp_path, capsys)
 
 def test_a_source_over_its_bad_fraction_is_named(tmp_path, capsys):
     mix = tmp_path / "mix.yaml"
-    # the chat sample declared as alpaca: every record of that source is bad, a third of the mix's
+    # alpaca's fields, every output empty: every record of that source is bad, a third of the mix's
+    dialogs = tmp_path / "dialogs.jsonl"
+    dialogs.write_text("".join(json.dumps({"instruction": f"question {i}", "output": ""}) + "\n" for i in range(200)))
     mix.write_text("sources:\n"
                    f"  - {{name: alpaca, input: {SAMPLES}/sample_sft.jsonl, format: alpaca, weight: 1}}\n"
-                   f"  - {{name: dialogs, input: {SAMPLES}/sample_chat.jsonl, format: alpaca, weight: 1}}\n")
+                   f"  - {{name: dialogs, input: {dialogs}, format: alpaca, weight: 1}}\n")
     out = tmp_path / "out"
     assert pack(["--mixture", str(mix), "--max-length", "256", "--output", str(out), "--max-bad-fraction", "0.5"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"prepack pack: mixture source 'dialogs' (format alpaca): 200 of 200 examples read are bad records "
-                   f"(100.00%, more than --max-bad-fraction 0.5): missing_field 200; every record of 'dialogs' is bad: "
+                   f"(100.00%, more than --max-bad-fraction 0.5): empty_response 200; every record of 'dialogs' is bad: "
                    f"check that its input is in format 'alpaca'; nothing was published; they are listed in "
                    f"{out}/L256/dead_letter.failed.jsonl"]
     assert not os.path.exists(out / "L256" / "manifest.json")
+
+
+def test_a_source_in_another_format_is_refused_before_any_work(tmp_path, capsys):
+    mix = tmp_path / "mix.yaml"
+    # the chat sample declared as alpaca: refused from its first records, naming the source
+    mix.write_text("sources:\n"
+                   f"  - {{name: alpaca, input: {SAMPLES}/sample_sft.jsonl, format: alpaca, weight: 1}}\n"
+                   f"  - {{name: dialogs, input: {SAMPLES}/sample_chat.jsonl, format: alpaca, weight: 1}}\n")
+    out = tmp_path / "out"
+    assert pack(["--mixture", str(mix), "--max-length", "256", "--output", str(out)]) == 1
+    assert capsys.readouterr().err == (f"prepack pack: mixture source 'dialogs': {SAMPLES}/sample_chat.jsonl: records have "
+                                       "keys messages, not the instruction, output of format 'alpaca': try --format chat\n")
+    assert not os.path.exists(out)
 
 
 def test_a_few_bad_records_name_their_source(tmp_path, capsys):

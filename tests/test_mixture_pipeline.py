@@ -16,7 +16,7 @@ from pipelines.options import OptionsError, parse_args
 from pipelines.launch.errors import JobError
 from prepack.format import rowformat
 from prepack.packing.mixture import budgets
-from prepack.text.templates import get_template
+from prepack.text.formats import get_template
 from testkit.pipeline import (IN_PROCESS, TWO_PROCESSES, alpaca_records, chat_records, read_shard_set, segment_key,
                               shard_bytes, tokenized, translation_records, write_jsonl)
 

@@ -179,7 +179,7 @@ def expected_window_pieces(ids: list[int], mask: list[int], max_length: int, n_c
 def chat_runs(tmp_path_factory):
     """The shipped chat sample at L 64 and 256 under --overlong window (one and two workers), and
     at L 8192 with nothing overlong."""
-    from prepack.text.templates import get_template
+    from prepack.text.formats import get_template
     from testkit.pipeline import IN_PROCESS, TWO_PROCESSES, tokenized
     from tests.test_pipeline import pack
     import json

@@ -43,7 +43,7 @@ from pipelines.launch.errors import JobError
 from prepack.format import rowformat
 from prepack.format.manifest import STABLE_KEYS, without_volatile
 from prepack.packing.packer import pack_best_fit_decreasing
-from prepack.text.templates import get_template
+from prepack.text.formats import get_template
 from testkit.reference import split_segments
 
 LENGTHS = (64, 256)
@@ -287,7 +287,7 @@ def test_refuses_to_overwrite(mixed_run, data_dir):
 
 
 def test_interrupted_run_publishes_nothing(mixed_run, data_dir, tmp_path, monkeypatch):
-    from prepack.text import templates
+    from prepack.text.formats import alpaca as templates
 
     # The job takes single-turn templates through to_pair (the fast path); fail both ways in.
     originals = {name: getattr(templates.AlpacaTemplate, name) for name in ("to_pair", "to_conversations")}
@@ -417,7 +417,7 @@ def test_oasst1_message_table(tmp_path):
     entries = [json.loads(line) for line in (out / "L256" / "dead_letter.jsonl").read_text().splitlines()]
     assert [(e["reason"], e["source"]["line"], e["message_id"]) for e in entries] == [("bad_role", 9, "c2")]
     assert '"role": "robot"' in entries[0]["raw"]
-    from prepack.text.templates import oasst1_conversations
+    from prepack.text.formats.oasst1 import oasst1_conversations
 
     convs = [c for c, _ in oasst1_conversations(oasst1_messages())]
     check_shard_set(str(out / "L256"), tokenized(convs), 256)
@@ -485,12 +485,15 @@ def test_fail_fast_before_any_work(tmp_path, data_dir):
         (["--input", str(tmp_path / "missing.jsonl"), "--format", "alpaca"], r"missing\.jsonl.*no such file"),
         (["--input", str(tmp_path / "*.jsonl"), "--format", "alpaca"], r"matches no file"),
         (["--input", good, "--format", "alpaca", "--tokenizer", "sp:/nonexistent/tok.model"], r"tokenizer.*nonexistent"),
-        (["--input", good, "--format", "alpacca"], r"unknown source format 'alpacca'"),
         (["--input", "tfds:no_such_dataset_xyz", "--tfds-data-dir", str(tmp_path), "--format", "alpaca"], r"no_such_dataset_xyz"),
     ]
     for args, pattern in cases:
         with pytest.raises(JobError, match=pattern):
             pack(args + ["--output", out])
+    from pipelines.options import OptionsError
+
+    with pytest.raises(OptionsError, match=r"^--format: unknown source format 'alpacca'; expected one of alpaca, .*, or auto$"):
+        pack(["--input", good, "--format", "alpacca", "--output", out])
     assert not os.path.exists(out) or not [f for _, _, fs in os.walk(out) for f in fs]
 
 

@@ -346,8 +346,9 @@ def test_empty_and_all_bad_inputs_say_so(tmp_path):
     empty.write_bytes(b"")
     with pytest.raises(JobError, match=rf"^the inputs hold no records \({empty} is empty\); nothing was published. Check --input$"):
         pack(args_for(str(empty), str(tmp_path / "o1")))
-    bad = write_jsonl(str(tmp_path / "bad.jsonl"), [{"question": "no alpaca fields"}] * 3, [b"{broken"])
-    with pytest.raises(JobError, match=r"^all 4 examples read are bad records \(malformed_json 1, missing_field 3\); "
+    # Records with alpaca's fields, every one bad (an empty output), and a line that is no JSON.
+    bad = write_jsonl(str(tmp_path / "bad.jsonl"), [{"instruction": "x", "output": " "}] * 3, [b"{broken"])
+    with pytest.raises(JobError, match=r"^all 4 examples read are bad records \(empty_response 3, malformed_json 1\); "
                                        r"nothing was published; they are listed in .*L64/dead_letter.failed.jsonl. "
                                        r"Check --format and the inputs$"):
         pack(args_for(bad, str(tmp_path / "o2"), "--max-bad-fraction", "1"))

@@ -21,8 +21,9 @@ from testkit.pipeline import (
     write_jsonl,
 )
 from testkit import reference
-from prepack.text.chat_formats import tokenize_conversations
-from prepack.text.templates import get_template, oasst1_conversations
+from prepack.text.chat import tokenize_conversations
+from prepack.text.formats import get_template
+from prepack.text.formats.oasst1 import oasst1_conversations
 from prepack.text.tokenizer import load_tokenizer
 from test_pipeline import check_shard_set, pack
 

@@ -599,7 +599,8 @@ def test_prepare_fast_path_equals_the_conversation_path(template, tokenizer_kind
     if tokenizer_kind == "gemma3":
         tokenizer, chat_format = "gemma3", "gemma"
     else:
-        from test_templates import CHATML_TEMPLATE, build_hf_dir
+        from test_templates import CHATML_TEMPLATE
+        from testkit.hf_tokenizers import build_hf_dir
 
         chatml_kw = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "additional_special_tokens": ["<|im_start|>"]}
         folder = build_hf_dir(tmp_path_factory.mktemp("chatml"), ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
@@ -624,7 +625,8 @@ def test_prepare_fast_path_equals_the_conversation_path(template, tokenizer_kind
 def test_prepare_has_no_fast_path_for_the_jinja_format(tmp_path_factory):
     from pipelines.stages import prepare
     from prepack.packing.packer import OverlongPolicy
-    from test_templates import CHATML_TEMPLATE, build_hf_dir
+    from test_templates import CHATML_TEMPLATE
+    from testkit.hf_tokenizers import build_hf_dir
 
     folder = build_hf_dir(tmp_path_factory.mktemp("chatml_hf"), ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
                           CHATML_TEMPLATE, eos_token="<|im_end|>", pad_token="<|endoftext|>",

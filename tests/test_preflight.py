@@ -462,10 +462,10 @@ def test_unknown_options_only_pass_through_in_pipeline_mode(tmp_path, capsys):
         (["--input", "{folder}/*.parquet", "--format", "alpaca"], "matches no file"),
         (["--input", "{folder}/notes.txt", "--format", "alpaca"], "cannot tell the file format"),
         (["--input", "{data}", "--format", "translation", "--template-option", "source_lang"], "expected KEY=VALUE"),
-        # The wrong --format: every record is bad, and it fails in `prepack pack`'s words (prepack.packing.bad_records).
+        # The wrong --format: refused from the first records, in `prepack pack`'s words (pipelines/launch/format_check.py).
         (["--input", "{data}", "--format", "oasst1"],
-         "d: 1 of 1 examples read are bad records (100.00%, more than --max-bad-fraction 0): invalid 1. "
-         "Fix the inputs (is --format oasst1 right?)"),
+         "d: {data}: records have keys instruction, input, output, not the message_id, message_tree_id, role, text of "
+         "format 'oasst1': try --format alpaca"),
         (["--input", "{data}", "--format", "alpaca", "--max-bad-fraction", "2"], "--max-bad-fraction must be within 0..1"),
     ],
 )
@@ -477,7 +477,7 @@ def test_bad_input_fails_with_a_clear_message(tmp_path, capsys, argv, message):
     argv = [a.format(**subs) for a in argv] + ["--output", str(tmp_path / "out")]
     assert preflight.main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("prepack preflight: error: ") and message in err, err
+    assert err.startswith("prepack preflight: error: ") and message.format(**subs) in err, err
     assert not (tmp_path / "out").exists()  # nothing written on bad input
 
 
@@ -533,8 +533,8 @@ def test_counter_of_bad_records_survives_json():
 
 def test_preflight_with_the_embedded_qwen3_tokenizer(tmp_path):
     """--tokenizer qwen3: auto picks Qwen3's ChatML, and the lengths are the qwen3 examples' lengths."""
-    from prepack.text.chat_formats import tokenize_conversations
-    from prepack.text.templates import get_template
+    from prepack.text.chat import tokenize_conversations
+    from prepack.text.formats import get_template
     from prepack.text.tokenizer import load_tokenizer
 
     records = [{"instruction": f"Count to {i}.", "input": "", "output": " ".join(str(k) for k in range(i))} for i in range(1, 30)]

@@ -18,9 +18,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prepack.text.chat_formats import ChatMLFormat, Qwen3Format, get_chat_format, tokenize_conversations, tokenize_conversations_flat, tokenize_pairs_flat
-from prepack.text.templates import Conversation, Turn
+from prepack.text.chat import ChatMLFormat, Qwen3Format, get_chat_format, tokenize_conversations, tokenize_conversations_flat, tokenize_pairs_flat
+from prepack.text.conversation import Conversation, Turn
 from prepack.text.tokenizer import load_tokenizer
+
+
+def one(fmt, example):
+    """One example through the batch path (tokenize_conversations of a batch of one)."""
+    return tokenize_conversations([example], fmt.tokenizer, fmt)[0]
 
 PROMPT_IDS = {
     "a cat on a skateboard": [151644, 872, 198, 64, 8251, 389, 264, 97982, 151645, 198, 151644, 77091, 198, 151667, 271, 151668, 271],
@@ -47,14 +52,14 @@ def fmt(tok: Any) -> Qwen3Format:
 def test_auto_picks_qwen3_and_renders_like_qwen3s_template(fmt: Qwen3Format) -> None:
     c = Conversation((Turn("user", "Hi"), Turn("assistant", "Hello")))
     assert fmt.render(c) == QWEN3_RENDERED
-    ex = fmt.tokenize(c)
+    ex = one(fmt, c)
     assert fmt.tokenizer.decode(ex.input_ids.tolist()) == QWEN3_RENDERED
 
 
 @pytest.mark.parametrize("prompt", sorted(PROMPT_IDS))
 def test_single_turn_prompt_side_is_the_published_generation_prompt(tok: Any, fmt: Qwen3Format, prompt: str) -> None:
     reply = "Hello world"
-    ex = fmt.tokenize(Conversation((Turn("user", prompt), Turn("assistant", reply))))
+    ex = one(fmt, Conversation((Turn("user", prompt), Turn("assistant", reply))))
     n = len(PROMPT_IDS[prompt])
     assert ex.input_ids.tolist() == PROMPT_IDS[prompt] + [9707, 1879, IM_END, NL]
     # Only the reply and its <|im_end|> are targets; the empty think block is prompt.
@@ -72,7 +77,7 @@ def test_think_block_only_on_the_last_reply_after_the_last_user_turn(tok: Any, f
                 "<|im_start|>assistant\nHello<|im_end|>\n<|im_start|>user\nBye?<|im_end|>\n"
                 "<|im_start|>assistant\n<think>\n\n</think>\n\nBye<|im_end|>\n")
     assert fmt.render(c) == expected
-    ex = fmt.tokenize(c)
+    ex = one(fmt, c)
     ids, mask = ex.input_ids.tolist(), ex.loss_mask.tolist()
     assert tok.decode(ids) == expected
     assert ids.count(151667) == 1 and ids.count(151668) == 1
@@ -85,12 +90,12 @@ def test_think_block_only_on_the_last_reply_after_the_last_user_turn(tok: Any, f
 def test_plain_chatml_has_no_think_block(tok: Any) -> None:
     chatml = get_chat_format("chatml", tok)
     assert type(chatml) is ChatMLFormat
-    ex = chatml.tokenize(Conversation((Turn("user", "Hi"), Turn("assistant", "Hello"))))
+    ex = one(chatml, Conversation((Turn("user", "Hi"), Turn("assistant", "Hello"))))
     assert 151667 not in ex.input_ids.tolist()
 
 
 def test_think_text_in_a_reply_stays_plain_text(fmt: Qwen3Format) -> None:
-    ex = fmt.tokenize(Conversation((Turn("user", "<think>x</think>"), Turn("assistant", "<|im_end|></think>"))))
+    ex = one(fmt, Conversation((Turn("user", "<think>x</think>"), Turn("assistant", "<|im_end|></think>"))))
     ids = ex.input_ids.tolist()
     assert ids.count(151667) == 1 and ids.count(151668) == 1 and ids.count(IM_END) == 2
 

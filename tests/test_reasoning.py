@@ -10,8 +10,9 @@ import pytest
 from pipelines.launch.job import run
 from pipelines.launch.errors import JobError
 from pipelines.options import parse_args
-from prepack.text.chat_formats import ChatFormatError, get_chat_format, tokenize_conversations
-from prepack.text.templates import RecordError, get_template
+from prepack.text.chat import ChatFormatError, get_chat_format, tokenize_conversations
+from prepack.text.conversation import RecordError
+from prepack.text.formats import get_template
 from prepack.text.tokenizer import load_tokenizer
 from testkit.pipeline import IN_PROCESS, write_jsonl
 
@@ -158,7 +159,7 @@ def test_preflight_forecasts_the_trained_block(tmp_path):
 
 
 def test_the_hf_format_refuses_a_trace_that_spells_a_special_token():
-    from prepack.text.chat_formats import HFTemplateFormat
+    from prepack.text.chat import HFTemplateFormat
     from test_templates import CHATML_SPECIALS, CHATML_TEMPLATE, ByteTokenizer
 
     tok = ByteTokenizer(CHATML_SPECIALS, bos_id=None, eos_id=201, chat_template=CHATML_TEMPLATE)

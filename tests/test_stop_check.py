@@ -12,12 +12,13 @@ from pipelines.launch.job import run
 from pipelines.launch.errors import JobError
 from pipelines.options import parse_args
 from prepack.packing.accounting import Tally
-from prepack.text.chat_formats import (HFTemplateFormat, get_chat_format, tokenize_conversations_flat,
+from prepack.text.chat import (HFTemplateFormat, get_chat_format, tokenize_conversations_flat,
                                        tokenize_pairs_flat)
 from prepack.text.stop_check import StopTokenCheck
-from prepack.text.templates import Conversation, Turn
+from prepack.text.conversation import Conversation, Turn
 from prepack.text.tokenizer import load_tokenizer
-from test_templates import GEMMA_LIKE_TEMPLATE, build_hf_dir
+from test_templates import GEMMA_LIKE_TEMPLATE
+from testkit.hf_tokenizers import build_hf_dir
 from testkit.pipeline import IN_PROCESS, write_jsonl
 
 # Gemma-style, but a model turn is closed by the *next* user turn: the reply's own rendering ends

@@ -1,4 +1,4 @@
-"""Tests for prepack.text.templates (records -> conversations) and prepack.text.chat_formats
+"""Tests for prepack.text.formats (records -> conversations) and prepack.text.chat
 (conversations -> input_ids + loss_mask).
 
 Fixtures are hand-written here. Three tokenizers are used:
@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prepack.text.chat_formats import (
+from prepack.text.chat import (
     CHAT_FORMAT_ERROR_REASONS,
     ChatFormatError,
     ChatMLFormat,
@@ -32,20 +32,17 @@ from prepack.text.chat_formats import (
     tokenize_conversations_flat,
     tokenize_pairs_flat,
 )
-from prepack.text.templates import (
-    OASST1_DROP_REASONS,
-    RECORD_ERROR_REASONS,
-    Conversation,
-    DroppedMessage,
-    RecordError,
-    Turn,
-    get_template,
-    oasst1_build,
-    oasst1_conversations,
-    template_names,
-)
+from prepack.text.conversation import RECORD_ERROR_REASONS, Conversation, RecordError, Turn
+from prepack.text.formats import get_template, template_names
+from prepack.text.formats.oasst1 import OASST1_DROP_REASONS, DroppedMessage, oasst1_build, oasst1_conversations
 
 from prepack.text.tokenizer import load_tokenizer
+from testkit.hf_tokenizers import build_hf_dir
+
+
+def one(fmt, example):
+    """One example through the batch path (tokenize_conversations of a batch of one)."""
+    return tokenize_conversations([example], fmt.tokenizer, fmt)[0]
 
 
 # ======================================================================================
@@ -173,7 +170,8 @@ def detok(tok: Any, ids: Sequence[int], special_ids: set[int]) -> str:
 
 
 def test_registry_lists_every_format() -> None:
-    assert set(template_names()) == {"alpaca", "translation", "prompt_response", "chat", "oasst1"}
+    assert set(template_names()) == {"alpaca", "translation", "prompt_response", "prompt_completion", "chat", "sharegpt",
+                                     "text", "oasst1"}
     for name in template_names():
         assert get_template(name).name == name
 
@@ -269,6 +267,10 @@ def test_conversation_validation() -> None:
 # RecordError: every reason, with field and message text
 # ======================================================================================
 
+U = {"role": "user", "content": "q"}
+A = {"role": "assistant", "content": "a"}
+CALL_F = {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {}}}]}
+
 ERROR_CASES = [
     # (format, options, record, reason, field, substrings of the message)
     ("alpaca", {}, ["not", "a", "dict"], "not_an_object", "", ["record", "expected a JSON object", "an array of 3 items"]),
@@ -299,9 +301,10 @@ ERROR_CASES = [
     ("chat", {}, {"messages": []}, "empty_messages", "messages", ["at least one message"]),
     ("chat", {}, {"messages": ["hi"]}, "wrong_type", "messages[0]", ["'messages[0]'", "{role, content} object", "a string ('hi')"]),
     ("chat", {}, {"messages": [{"content": "hi"}]}, "missing_field", "messages[0].role", ["missing field 'messages[0].role'"]),
-    ("chat", {}, {"messages": [{"role": "human", "content": "hi"}]}, "bad_role", "messages[0].role", ["system, user, assistant (or model)", "'human'"]),
+    ("chat", {}, {"messages": [{"role": "bot", "content": "hi"}]}, "bad_role", "messages[0].role",
+     ["unknown role 'bot'", "known: assistant, developer,", "--roles assistant=bot"]),
     ("chat", {}, {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": 3}]},
-     "wrong_type", "messages[1].content", ["'messages[1].content'", "assistant message text", "an integer (3)"]),
+     "wrong_type", "messages[1].content", ["'messages[1].content'", "a string or a list of content parts", "an integer (3)"]),
     ("chat", {}, {"messages": [{"role": "user", "content": "q"}, {"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}]},
      "system_not_first", "messages[1].role", ["only allowed as the first message", "index 1"]),
     ("chat", {}, {"messages": [{"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}, {"role": "user", "content": "q"}]},
@@ -312,6 +315,79 @@ ERROR_CASES = [
      "empty_response", "messages[1].content", ["assistant message text", "an empty string"]),
     ("chat", {}, {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]},
      "no_assistant_turn", "messages", ["at least one assistant message", "['system', 'user']"]),
+    # Tools, calls, results, parts and flags: every bad input the message formats refuse, each a
+    # dead letter with one line naming the record's own field.
+    ("chat", {}, {"messages": [U, {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}]},
+     "bad_tool_call", "messages[1].tool_calls[0].function.arguments",
+     ["'messages[1].tool_calls[0].function.arguments': not valid JSON", "'{oops'"]),
+    ("chat", {}, {"messages": [U, {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}]},
+     "bad_tool_call", "messages[1].tool_calls[0].function.arguments", ["expected a JSON object", "an array of 1 item"]),
+    ("chat", {}, {"messages": [U, {"role": "assistant", "tool_calls": [{"function": {"arguments": {}}}]}]},
+     "bad_tool_call", "messages[1].tool_calls[0].function.name", ["expected the function's name", "null"]),
+    ("chat", {}, {"messages": [U, {"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]}]},
+     "bad_tool_call", "messages[1].tool_calls[0].function.arguments", ["missing; expected the call's arguments"]),
+    ("chat", {}, {"messages": [U, {"role": "assistant", "tool_calls": {"name": "f"}}]},
+     "bad_tool_call", "messages[1].tool_calls", ["expected a list of calls", "an object with keys [name]"]),
+    ("chat", {}, {"messages": [{"role": "user", "content": "q", "tool_calls": []}, A]},
+     "bad_tool_call", "messages[0].tool_calls", ["tool calls in a user message"]),
+    ("chat", {}, {"messages": [U, {"role": "tool", "content": "42"}, A]},
+     "orphan_tool_result", "messages[1].role", ["'messages[1].role': a tool result with no tool call before it"]),
+    ("chat", {}, {"messages": [U, CALL_F, {"role": "tool", "content": "1"}, {"role": "tool", "content": "2"}, A]},
+     "orphan_tool_result", "messages[3].role", ["a tool result with no tool call before it"]),
+    ("chat", {}, {"tools": [{"name": "g"}], "messages": [U, CALL_F]},
+     "unknown_tool", "messages[1].tool_calls[0].function.name", ["names function 'f', which the record's tools do not list (g)"]),
+    ("chat", {}, {"tools": {"name": "f"}, "messages": [U, A]}, "bad_tools", "tools",
+     ["field 'tools': expected a list of function schemas", "an object with keys [name]"]),
+    ("chat", {}, {"tools": "[{\"name\": ", "messages": [U, A]}, "bad_tools", "tools", ["a string that is not valid JSON"]),
+    ("chat", {}, {"tools": [{"description": "no name"}], "messages": [U, A]}, "bad_tools", "tools[0]",
+     ["'tools[0]': expected a function schema with a name", "an object with keys [description]"]),
+    ("chat", {}, {"tools": [{"type": "function", "function": {"name": ""}}], "messages": [U, A]}, "bad_tools", "tools[0]",
+     ["with a name (bare, or under 'function')"]),
+    ("chat", {}, {"messages": [U, {"role": "assistant", "content": [{"type": "image", "url": "x"}]}]},
+     "bad_content_part", "messages[1].content[0].type", ["unknown content part type a string ('image')", "text, reasoning"]),
+    ("chat", {}, {"messages": [U, {"role": "assistant", "content": [{"type": "text"}]}]},
+     "bad_content_part", "messages[1].content[0]", ["a text part without its text"]),
+    ("chat", {}, {"messages": [{"role": "user", "content": [{"type": "thinking", "thinking": "t"}]}, A]},
+     "bad_content_part", "messages[0].content[0]", ["a thinking part in a user message"]),
+    ("chat", {}, {"messages": [U, {"role": "assistant", "content": "a", "train": "yes"}]},
+     "bad_train_flag", "messages[1].train", ["'messages[1].train': expected true or false", "a string ('yes')"]),
+    ("chat", {}, {"messages": [U, {"role": "assistant", "content": "a", "loss_weight": 0.5}]},
+     "bad_train_flag", "messages[1].loss_weight", ["expected 0 or 1 (or 0.0/1.0)", "a number (0.5)"]),
+    ("chat", {}, {"messages": [U, {"role": "assistant", "content": "a", "loss_weight": True}]},
+     "bad_train_flag", "messages[1].loss_weight", ["expected 0 or 1", "a boolean (True)"]),
+    ("chat", {}, {"messages": [{"role": "user", "content": "q", "train": True}, A]},
+     "bad_train_flag", "messages[0].train", ["marks a user message trained", "only assistant replies are trained"]),
+    ("chat", {}, {"messages": [U, {"role": "assistant", "content": "a", "train": True, "loss_weight": 0}]},
+     "bad_train_flag", "messages[1].loss_weight", ["says 0 but 'messages[1].train' says true"]),
+    ("chat", {}, {"messages": [U, {"role": "assistant", "content": "a", "loss_weight": 0}]},
+     "no_trained_turn", "messages", ["every assistant message is marked untrained"]),
+    ("chat", {}, {"messages": [U, {"role": "assistant"}]}, "missing_field", "messages[1].content",
+     ["expected the assistant's reply (or tool calls)"]),
+    ("chat", {}, {"system": 7, "messages": [U, A]}, "wrong_type", "system", ["expected a string (the system prompt)"]),
+    ("sharegpt", {}, {"conversations": [{"from": "human", "value": "q"}, {"from": "function_call", "value": "{\"name\": \"f\""}]},
+     "bad_tool_call", "conversations[1].value", ["'conversations[1].value': not valid JSON"]),
+    ("sharegpt", {}, {"conversations": [{"from": "human", "value": "q"}, {"from": "observation", "value": "42"}]},
+     "orphan_tool_result", "conversations[1].from", ["a tool result with no tool call before it"]),
+    ("sharegpt", {}, {"conversations": [{"from": "bot", "value": "q"}]}, "bad_role", "conversations[0].from",
+     ["unknown role 'bot'", "--roles assistant=bot"]),
+    ("sharegpt", {"roles": "user=person"}, {"conversations": [{"from": "persona", "value": "q"}]}, "bad_role",
+     "conversations[0].from", ["unknown role 'persona'", "person"]),
+    ("sharegpt", {}, {"messages": []}, "missing_field", "conversations", ["missing field 'conversations'", "{from, value}"]),
+    ("sharegpt", {"columns": "messages=dialog,role=speaker,content=text"}, {"dialog": [{"speaker": "human"}]},
+     "missing_field", "dialog[0].text", ["'dialog[0].text'"]),
+    ("sharegpt", {}, {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}], "tools": "[]x"},
+     "bad_tools", "tools", ["not valid JSON"]),
+    ("text", {}, {"text": " \n"}, "empty_text", "text", ["'text': expected non-empty text", "only whitespace"]),
+    ("text", {}, {"content": "x"}, "missing_field", "text", ["missing field 'text'"]),
+    ("text", {"columns": "text=body"}, {"text": "x"}, "missing_field", "body", ["missing field 'body'"]),
+    ("prompt_completion", {}, {"prompt": "q"}, "missing_field", "completion", ["missing field 'completion'"]),
+    ("prompt_completion", {}, {"prompt": "q", "completion": 3}, "wrong_type", "completion", ["a string or a list of messages"]),
+    ("prompt_completion", {}, {"prompt": "q", "completion": [{"role": "user", "content": "x"}]},
+     "no_assistant_turn", "completion", ["at least one assistant message"]),
+    ("prompt_completion", {}, {"prompt": [{"role": "user", "content": "q"}], "completion": ""},
+     "empty_response", "completion", ["assistant message text"]),
+    ("alpaca", {"columns": "instruction=question,output=answer"}, {"question": "q"}, "missing_field", "answer",
+     ["missing field 'answer'"]),
 ]
 
 
@@ -477,7 +553,7 @@ def test_gemma_layout_single_turn(gemma_fake: ByteTokenizer) -> None:
 def test_gemma_system_trim_and_multi_turn_targets(gemma_fake: ByteTokenizer) -> None:
     c = conv(("system", "Be brief."), ("user", " Q1 \n"), ("assistant", "A1\n"), ("user", "Q2"), ("assistant", "A2"))
     fmt = get_chat_format("gemma", gemma_fake)
-    ex = fmt.tokenize(c)
+    ex = one(fmt, c)
     ids, mask = layout([
         ([2, 105], 0), (B("user\nBe brief.\n\nQ1"), 0), ([106], 0), (B("\n"), 0),
         ([105], 0), (B("model\n"), 0), (B("A1"), 1), ([106], 1), (B("\n"), 0),
@@ -490,7 +566,7 @@ def test_gemma_system_trim_and_multi_turn_targets(gemma_fake: ByteTokenizer) -> 
     assert gemma_fake.decode(ex.input_ids.tolist()) == fmt.render(c)
 
     # Loss only on the last reply (oasst1-style): the first reply is context, all 0.
-    ex_last = fmt.tokenize(Conversation(c.turns, (4,)))
+    ex_last = one(fmt, Conversation(c.turns, (4,)))
     assert ex_last.input_ids.tolist() == ids
     assert masked_runs(ex_last) == [B("A2") + [106]]
 
@@ -503,7 +579,7 @@ def test_gemma_format_errors(gemma_fake: ByteTokenizer, chatml_fake: ByteTokeniz
     assert info.value.reason == "system_not_first" and info.value.index == 1
     assert "conversation 1 of the batch" in str(info.value)
     with pytest.raises(ChatFormatError) as info:
-        fmt.tokenize(conv(("system", "s"), ("assistant", "a")))
+        one(fmt, conv(("system", "s"), ("assistant", "a")))
     assert info.value.reason == "system_without_user"
     with pytest.raises(ChatFormatError) as info:
         get_chat_format("gemma", chatml_fake)
@@ -519,7 +595,7 @@ def test_gemma_format_errors(gemma_fake: ByteTokenizer, chatml_fake: ByteTokeniz
 def test_chatml_layout(chatml_fake: ByteTokenizer) -> None:
     c = conv(("system", "Sys"), ("user", "Q1"), ("assistant", "A1 "), ("user", "Q2"), ("assistant", "A2"))
     fmt = get_chat_format("chatml", chatml_fake)
-    ex = fmt.tokenize(c)
+    ex = one(fmt, c)
     ids, mask = layout([
         ([200], 0), (B("system\nSys"), 0), ([201], 0), (B("\n"), 0),
         ([200], 0), (B("user\nQ1"), 0), ([201], 0), (B("\n"), 0),
@@ -541,7 +617,7 @@ def test_batch_uses_one_encode_call_and_matches_single(gemma_fake: ByteTokenizer
     gemma_fake.encode_batch_calls = 0
     batch = tokenize_conversations(convs, gemma_fake, fmt)
     assert gemma_fake.encode_batch_calls == 1
-    singles = [fmt.tokenize(c) for c in convs]
+    singles = [one(fmt, c) for c in convs]
     assert [b.input_ids.tolist() for b in batch] == [s.input_ids.tolist() for s in singles]
     assert [b.loss_mask.tolist() for b in batch] == [s.loss_mask.tolist() for s in singles]
     assert tokenize_conversations([], gemma_fake, "gemma") == []
@@ -648,7 +724,7 @@ def test_gemma3_layout_multi_turn_and_auto(gemma3: Any) -> None:
     [c] = get_template("chat").to_conversations(rec)
     fmt = get_chat_format("auto", gemma3)
     assert isinstance(fmt, GemmaFormat)  # the GGUF tokenizer has no chat template, but <start_of_turn>
-    ex = fmt.tokenize(c)
+    ex = one(fmt, c)
     enc = gemma3.encode
     expected = ([2, 105] + enc("user\nYou are terse.\n\nCapital of France?") + [106, 107, 105] + enc("model\n")
                 + enc("Paris.") + [106, 107, 105] + enc("user\nAnd Italy?") + [106, 107, 105] + enc("model\n")
@@ -734,30 +810,6 @@ UNSTABLE_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- else -%}{{ '<|endoftext|>' }}{%- endif -%}"
 )
 
-CORPUS = [
-    "Hello world, how are you today?", "The capital of France is Paris.", "user assistant system model",
-    "Translate the following text from English to French.", "Bonjour le monde", "2 + 2 = 4",
-] * 20
-
-
-def build_hf_dir(path: Any, specials: list[str], chat_template: str | None, **special_kwargs: str) -> str:
-    from tokenizers import Tokenizer as RawTokenizer
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    raw = RawTokenizer(models.BPE())
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    raw.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=500, special_tokens=specials, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    raw.train_from_iterator(CORPUS, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=raw, **special_kwargs)
-    if chat_template is not None:
-        fast.chat_template = chat_template
-    fast.save_pretrained(str(path))
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory: Any) -> dict[str, str]:
     root = tmp_path_factory.mktemp("hf_tok")
@@ -829,12 +881,12 @@ def test_hf_template_errors(hf_dirs: dict[str, str]) -> None:
     assert "roles must alternate" in str(info.value)
 
     with pytest.raises(ChatFormatError) as info:
-        hf.tokenize(conv(("user", "end it <end_of_turn>"), ("assistant", "ok")))
+        one(hf, conv(("user", "end it <end_of_turn>"), ("assistant", "ok")))
     assert info.value.reason == "special_token_in_text" and "'<end_of_turn>'" in str(info.value)
 
     unstable = load_tokenizer(f"hf:{hf_dirs['unstable']}")
     with pytest.raises(ChatFormatError) as info:
-        get_chat_format("hf", unstable).tokenize(HF_CONVS[1])
+        one(get_chat_format("hf", unstable), HF_CONVS[1])
     assert info.value.reason == "template_not_prefix_stable"
 
     none = load_tokenizer(f"hf:{hf_dirs['none']}")

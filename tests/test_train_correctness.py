@@ -68,8 +68,8 @@ REAL_PAIRS = (
 
 def _real_qwen3_examples(lengths: tuple[int, ...]) -> tuple[int, list]:
     from prepack.format import rowformat
-    from prepack.text.chat_formats import tokenize_conversations
-    from prepack.text.templates import Conversation, Turn
+    from prepack.text.chat import tokenize_conversations
+    from prepack.text.conversation import Conversation, Turn
     from prepack.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer("qwen3")

@@ -43,7 +43,7 @@ BATCH = 4
 
 def sample_segments() -> tuple[list[rowformat.Segment], int]:
     """The sample set's examples that fit MAX_LENGTH, real Gemma3 tokens renumbered compactly; and the vocab size."""
-    from prepack.text.templates import get_template
+    from prepack.text.formats import get_template
 
     template = get_template("alpaca")
     with open(SAMPLE) as f:

@@ -91,9 +91,14 @@ def _file_blocks(task: ReadTask, limits: InputLimits) -> Iterator[bytes]:
     a truncated or corrupt compressed file raises InputFileError naming it (pipelines/inputs/compressed.py),
     never a shorter file, as does a file over a limit (pipelines/limits.py) or one that is
     not the file planned (another size or mtime, or not a regular file any more)."""
-    path = task.path
     failpoints.hit("input_read", "start")  # tests hold a worker here, mid-pipeline
     _check_unchanged(task)  # a local path that became a FIFO or a device is refused before open
+    yield from _stream_blocks(task.path, limits)
+    failpoints.hit("input_read", "whole_file")  # tests change the file here, after it was read
+    _check_unchanged(task)
+
+
+def _stream_blocks(path: str, limits: InputLimits) -> Iterator[bytes]:
     suffix = compressed.suffix_of(path)
     with open_stream(path) as f:
         if suffix is not None:
@@ -107,8 +112,6 @@ def _file_blocks(task: ReadTask, limits: InputLimits) -> Iterator[bytes]:
                 produced += len(block)
                 limits.check_output(path, produced, None)
                 yield block
-    failpoints.hit("input_read", "whole_file")  # tests change the file here, after it was read
-    _check_unchanged(task)
 
 
 def _check_unchanged(task: ReadTask) -> None:
@@ -242,7 +245,10 @@ def _jsonl_range_lines(task: ReadTask, digest: FileDigest, limit: int) -> Iterat
 
 
 def iter_json(task: ReadTask, digest: FileDigest, limits: InputLimits = InputLimits()) -> Iterator[RawRecord]:
-    data = _read_all(task, digest, limits)
+    return _json_records(_read_all(task, digest, limits), limits)
+
+
+def _json_records(data: bytes, limits: InputLimits) -> Iterator[RawRecord]:
     try:
         parsed = json.loads(data)
     except RecursionError:
@@ -271,10 +277,13 @@ def iter_json(task: ReadTask, digest: FileDigest, limits: InputLimits = InputLim
 
 
 def iter_parquet(task: ReadTask, digest: FileDigest, batch_size: int, limits: InputLimits = InputLimits()) -> Iterator[RawRecord]:
+    return _parquet_records(_read_all(task, digest, limits), batch_size)
+
+
+def _parquet_records(data: bytes, batch_size: int) -> Iterator[RawRecord]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    data = _read_all(task, digest, limits)
     index = 0
     for batch in pq.ParquetFile(pa.BufferReader(data)).iter_batches(batch_size=batch_size):
         for record in batch.to_pylist():
@@ -283,10 +292,13 @@ def iter_parquet(task: ReadTask, digest: FileDigest, batch_size: int, limits: In
 
 
 def iter_arrow(task: ReadTask, digest: FileDigest, limits: InputLimits = InputLimits()) -> Iterator[RawRecord]:
+    return _arrow_records(_read_all(task, digest, limits))
+
+
+def _arrow_records(data: bytes) -> Iterator[RawRecord]:
     import pyarrow as pa
     import pyarrow.ipc as ipc
 
-    data = _read_all(task, digest, limits)
     try:
         reader = ipc.open_stream(pa.BufferReader(data))  # what datasets writes
         batches = iter(reader)
@@ -445,3 +457,28 @@ def bad_text(value: Any, path: str = "") -> str | None:
             stack.extend((v, f"{where}[{i}]") for i, v in enumerate(item))
     return None
 
+
+
+def sample(task: ReadTask, count: int, limits: InputLimits | None = None) -> list[Any]:
+    """The first `count` records of a task that parse (bad ones are skipped), read before the
+    job as the launcher's look at an input (`--format auto`, the format check): no failpoint,
+    no digest; a JSON Lines file is read only as far as those records."""
+    limits = limits or InputLimits()
+    if task.kind == "jsonl":
+        raw: Iterable[RawRecord] = _raw_lines(_jsonl_lines(_stream_blocks(task.path, limits), limits.max_record_bytes),
+                                              limits.max_record_bytes)
+    elif task.kind in ("json", "parquet", "arrow"):
+        data = b"".join(_stream_blocks(task.path, limits))
+        limits.check_whole_file(task.path, len(data))
+        raw = {"json": lambda: _json_records(data, limits), "parquet": lambda: _parquet_records(data, count),
+               "arrow": lambda: _arrow_records(data)}[task.kind]()
+    else:
+        raw = iter_task(task, FileDigest(), count, limits)
+    out: list[Any] = []
+    for _, _, kind, payload in raw:
+        record = parse_text(payload)[0] if kind == RAW_TEXT else payload if kind == RAW_OBJECT else None
+        if record is not None:
+            out.append(record)
+            if len(out) >= count:
+                break
+    return out

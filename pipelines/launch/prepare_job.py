@@ -4,13 +4,14 @@ derives from the config and the inputs for the workers (the PreparedJob)."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 import uuid
 from typing import Any
 
 from pipelines import failpoints, sources
 from pipelines.configs import PackConfig
 from pipelines.launch.errors import JobError
-from pipelines.launch import token_set
+from pipelines.launch import format_check, token_set
 from pipelines.launch.existing_sets import refuse_existing
 from pipelines.planning import choose_sub_buckets
 from pipelines.sources import ReadTask, ResolvedInput
@@ -68,8 +69,8 @@ def prepare(
     nor output (the offline Dataflow graph check, gcp/dataflow_validate.py); then the
     existing-set, input and output-probe checks are skipped. `existing_refused`: the caller
     has already applied the overwrite rule (prepack/overwrite.py), so it is not applied again."""
-    from prepack.text.chat_formats import ChatFormatError, get_chat_format
-    from prepack.text.templates import get_template
+    from prepack.text.chat import ChatFormatError, get_chat_format
+    from prepack.text.formats import get_template
     from prepack.text.tokenizer import TokenizerError, load_tokenizer
 
     run_id = run_id or uuid.uuid4().hex[:12]
@@ -82,9 +83,15 @@ def prepare(
     if resolved is None and not existing_refused:
         refuse_existing(config)
     try:  # a mixture file's formats were checked when it was read; a plain run's one source is checked here
-        templates = [get_template(s.format, **dict(s.options)) for s in config.rows.mixture.sources]
+        for s in config.rows.mixture.sources:
+            if s.format != "auto":  # resolved from the records below
+                get_template(s.format, **dict(s.options))
     except ValueError as e:
         raise JobError(str(e)) from e
+    inputs, tasks = _resolve(config) if resolved is None else resolved
+    if resolved is None:  # the offline Dataflow check reads no input
+        config = _checked_formats(config, tasks)
+    templates = [get_template(s.format, **dict(s.options)) for s in config.rows.mixture.sources]
     try:
         tokenizer = load_tokenizer(config.rows.tokenizer)
     except TokenizerError as e:
@@ -93,7 +100,6 @@ def prepare(
         chat_format = get_chat_format(config.rows.chat_format, tokenizer, config.rows.train_reasoning)
     except ChatFormatError as e:
         raise JobError(f"chat format: {e.message}") from e
-    inputs, tasks = _resolve(config) if resolved is None else resolved
     est = sum(i.est_records for i in inputs)
     sub_buckets = config.rows.sub_buckets or choose_sub_buckets(est * _copies_at_most(config), config.rows.pack)
     ctx = JobContext(config=config, tasks=sources.task_metas(inputs, tasks), sub_buckets=sub_buckets, run_id=run_id,
@@ -116,6 +122,18 @@ def prepare(
         group_key=next((t.group_key for t in templates if getattr(t, "group_key", None)), None),
         est_records=est,
     )
+
+
+def _checked_formats(config: PackConfig, tasks: list[ReadTask]) -> PackConfig:
+    """`--format auto` resolved and each source's format checked on its first records
+    (format_check.py); the auto choice is said on stderr, as the run's first line."""
+    try:
+        rows, notes = format_check.check_formats(config.rows, tasks)
+    except format_check.FormatCheckError as e:
+        raise JobError(str(e)) from e
+    for note in notes:
+        print(f"prepack pack: {note}", file=sys.stderr)
+    return dataclasses.replace(config, rows=rows)
 
 
 def _copies_at_most(config: PackConfig) -> int:

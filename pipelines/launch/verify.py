@@ -11,7 +11,7 @@ from pipelines.launch import job_stats
 from pipelines.launch.errors import JobError
 from pipelines.summary import LengthStats, PlanSummary, RunSummary
 from prepack.packing.accounting import Tally
-from prepack.packing.bad_records import too_many_bad_records
+from prepack.packing.bad_records import advice, too_many_bad_records
 from prepack.packing.packer import OverlongPolicy
 
 log = logging.getLogger("prepack.pack")
@@ -113,7 +113,7 @@ def _empty_or_all_bad(stats: LengthStats, config: PackConfig, kept: list[str]) -
     if stats.examples_read and stats.bad_records == stats.examples_read:
         where = f"; they are listed in {kept[0]}" if kept else ""
         return (f"all {stats.examples_read} examples read are bad records ({', '.join(f'{k} {v}' for k, v in sorted(stats.examples_dropped.items()))})"
-                f"; nothing was published{where}. Check --format and the inputs")
+                f"{advice(stats.examples_dropped)}; nothing was published{where}. Check --format and the inputs")
     if stats.examples_read == 0:
         return (f"no examples in the inputs ({stats.records_read} records read, "
                 f"{sum(stats.records_filtered.values())} left out by design); nothing was published")

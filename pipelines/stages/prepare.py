@@ -27,8 +27,8 @@ class _Counting:
     ctx: JobContext
 
     def _setup_preparer(self) -> None:
-        from prepack.text.chat_formats import get_chat_format
-        from prepack.text.templates import get_template
+        from prepack.text.chat import get_chat_format
+        from prepack.text.formats import get_template
         from prepack.text.tokenizer import load_tokenizer
 
         ctx = self.ctx

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from prepack.packing.accounting import NOT_BAD_INPUT
+from prepack.text.chat.base import CHAT_FORMAT_ERROR_ADVICE
 
 # The default of --max-bad-fraction in `prepack pack` and `prepack preflight` alike: any bad
 # record fails, so an estimate never stands on input the job would refuse.
@@ -28,4 +29,10 @@ def too_many_bad_records(bad_records: int, examples_read: int, reasons: Mapping[
     bad = {k: v for k, v in reasons.items() if k not in NOT_BAD_INPUT and v}
     listed = ", ".join(f"{k} {v}" for k, v in sorted(bad.items(), key=lambda kv: (-kv[1], kv[0])))
     return (f"{bad_records} of {examples_read} examples read are bad records "
-            f"({fraction:.2%}, more than --max-bad-fraction {max_bad_fraction:g}): {listed}")
+            f"({fraction:.2%}, more than --max-bad-fraction {max_bad_fraction:g}): {listed}{advice(bad)}")
+
+
+def advice(reasons: Mapping[str, int]) -> str:
+    """' (what to do)' for each reason that says more than its name (a dataset the chat format
+    cannot lay out), '' for the others."""
+    return "".join(f" ({CHAT_FORMAT_ERROR_ADVICE[k]})" for k in sorted(reasons) if reasons[k] and k in CHAT_FORMAT_ERROR_ADVICE)

@@ -7,7 +7,8 @@ The file (YAML, or JSON, which YAML reads too):
     sources:
       - name: alpaca                # [a-z0-9_-]+, unique
         input: data/alpaca.jsonl    # a spec or a list of specs, as --input takes
-        format: alpaca              # plus the format's options: source_lang, target_lang, prompt_format
+        format: alpaca              # plus the format's options: source_lang, target_lang, prompt_format,
+                                    # columns: {instruction: question}, roles: {assistant: bot} (as --columns, --roles)
         weight: 3
 
 Relative input paths are relative to the file's folder, local or gs:// (`_resolve`; the file is
@@ -47,7 +48,10 @@ from prepack.format.rowformat import MAX_SOURCES
 WEIGHT_OF = ("target_tokens", "examples")
 TOP_KEYS = frozenset({"weight_of", "max_repeats", "sources"})
 SOURCE_KEYS = frozenset({"name", "input", "format", "weight"})
-FORMAT_OPTIONS = frozenset({"source_lang", "target_lang", "prompt_format"})
+FORMAT_OPTIONS = frozenset({"source_lang", "target_lang", "prompt_format", "columns", "roles"})
+# The options a file writes as a mapping (canonical name: record's name), as --columns/--roles take them;
+# a source records them in their canonical text, `name=value,...` sorted (prepack/text/formats/fields.py).
+MAPPING_OPTIONS = frozenset({"columns", "roles"})
 NAME_PATTERN = re.compile(r"[a-z0-9_-]+")
 # Formats that template whole tables (oasst1 groups messages by tree before templating):
 # a mixture reads per record, so these are refused there (use their per-record export, `chat`).
@@ -63,6 +67,7 @@ MIN_WEIGHT, MAX_WEIGHT = Fraction(1, 10**9), Fraction(10**12)
 MAX_FILE_BYTES = 1 << 20
 # Bounds of the text fields: names and format names, format options, input specs, specs per source.
 MAX_NAME_CHARS, MAX_OPTION_CHARS, MAX_SPEC_CHARS, MAX_SPECS = 64, 200, 4096, 10_000
+MAX_MAPPING_CHARS = 64 * (2 * MAX_OPTION_CHARS + 2)  # a mapping's text: at most 64 pairs of two names
 # What a tokenized set records of its mixture (`Mixture.describe()`).
 RECORD_KEYS = frozenset({"sha256", "weight_of", "max_repeats", "sources"})
 RECORD_SOURCE_KEYS = frozenset({"name", "inputs", "format", "options", "weight"})
@@ -191,7 +196,7 @@ def parse_mixture(data: bytes, path: str) -> Mixture:
             if key not in entry:
                 raise MixtureError(f"{at}: missing key {key!r}")
         specs = [entry["input"]] if isinstance(entry["input"], str) else entry["input"]
-        options = {k: v for k, v in entry.items() if k in FORMAT_OPTIONS}
+        options = {k: (_mapping_text(v, k, at) if k in MAPPING_OPTIONS else v) for k, v in entry.items() if k in FORMAT_OPTIONS}
         sources.append(_source(i, name, _specs(specs, at, "input"), entry["format"], entry["weight"], options, at, base))
     return Mixture(_absolute(path), hashlib.sha256(data).hexdigest(), weight_of, max_repeats, tuple(sources))
 
@@ -293,17 +298,33 @@ def _source(index: int, name: str, specs: list[str], fmt: Any, weight: Any, opti
         raise MixtureError(f"{at}: format {fmt!r} templates whole tables and cannot be mixed; "
                            "use its per-record export (format chat)")
     for key, value in options.items():
-        if not isinstance(value, str) or not 0 < len(value) <= MAX_OPTION_CHARS:
-            raise MixtureError(f"{at}: {key} must be a string of 1 to {MAX_OPTION_CHARS} characters (quote it), "
+        bound = MAX_MAPPING_CHARS if key in MAPPING_OPTIONS else MAX_OPTION_CHARS
+        if not isinstance(value, str) or not 0 < len(value) <= bound:
+            raise MixtureError(f"{at}: {key} must be a string of 1 to {bound} characters (quote it), "
                                f"got {_got(value)}")
     try:
-        from prepack.text.templates import get_template
+        from prepack.text.formats import get_template
 
         get_template(fmt, **options)
     except (ValueError, TypeError) as e:
         raise MixtureError(f"{at}: {e}") from None
     inputs = tuple(specs) if base is None else tuple(_resolve(s, base) for s in specs)
     return MixtureSource(index, name, inputs, fmt, _weight(weight, at), tuple(sorted(options.items())))
+
+
+def _mapping_text(value: Any, key: str, at: str) -> str:
+    """A file's `columns:` or `roles:` mapping (canonical name: the record's name) as its text."""
+    from prepack.text.formats.fields import MAX_PAIRS, mapping_text
+
+    if not isinstance(value, dict) or not value or len(value) > MAX_PAIRS:
+        raise MixtureError(f"{at}: {key} must be a mapping of 1 to {MAX_PAIRS} names (e.g. {key}: "
+                           f"{{{'messages: dialog' if key == 'columns' else 'assistant: bot'}}}), got {_got(value)}")
+    for name, given in value.items():
+        for part in (name, given):
+            if not isinstance(part, str) or not 0 < len(part) <= MAX_OPTION_CHARS or "," in part or "=" in part:
+                raise MixtureError(f"{at}: {key} names must be strings of 1 to {MAX_OPTION_CHARS} characters without "
+                                   f"',' or '=', got {_got(part)}")
+    return mapping_text(value.items())
 
 
 def _weight(value: Any, at: str) -> Fraction:

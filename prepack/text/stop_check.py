@@ -3,7 +3,7 @@
 A reply whose end-of-turn token is not a target teaches the model to write the reply but never
 to stop (TRL #5988, MaxText #4406). The built-in chat formats always put that token in the
 loss; a user's jinja template (chat format `hf`) may not, so the job checks every example it
-tokenizes. A target turn is a maximal run of loss-1 tokens (chat_formats: the reply and the
+tokenizes. A target turn is a maximal run of loss-1 tokens (prepack/text/chat/: the reply and the
 token that closes it, nothing else); its last token must be one of the format's end-of-turn
 ids (`ChatFormat.end_of_turn_ids`: its own turn closer and the tokenizer's eos).
 

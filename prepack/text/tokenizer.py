@@ -12,7 +12,7 @@ explicit `hf:` prefix reaches the Hugging Face Hub, so a typo never waits on Hub
 
 Every tokenizer encodes user text as plain text: no BOS/EOS are added and special-token
 strings such as "<start_of_turn>" are not turned into control ids, so data cannot inject
-control tokens. Chat formatting adds control ids explicitly (prepack/text/chat_formats.py).
+control tokens. Chat formatting adds control ids explicitly (prepack/text/chat/).
 
 Tokenizer objects pickle as (spec, vocab_hash) and reload on unpickling, refusing a
 different vocabulary; Beam DoFns should still call `load_tokenizer(spec)` in `setup()`.
@@ -187,7 +187,8 @@ class _TokenizerBase:
             "vocab_hash": self.vocab_hash,
         }
 
-    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = False) -> str:
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = False,
+                            tools: Sequence[Any] | None = None) -> str:
         raise TokenizerError(f"tokenizer {self.name!r} has no chat template")
 
     def _check_id(self, token_id: int) -> int:
@@ -609,12 +610,14 @@ class HFTokenizer(_TokenizerBase):
                 out[token] = i
         return out
 
-    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = False) -> str:
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = False,
+                            tools: Sequence[Any] | None = None) -> str:
         if self.chat_template is None:
             raise TokenizerError(f"tokenizer {self.name!r} has no chat template")
         try:
             return self._hf.apply_chat_template(
-                list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+                list(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
+                tools=list(tools) if tools else None,
             )
         except Exception as e:
             raise TokenizerError(f"tokenizer {self.name!r}: chat template failed ({e})") from e

@@ -1,0 +1,78 @@
+"""Source formats (`--format`): one record of a dataset -> the examples it holds.
+
+One format per module; each is a frozen dataclass whose fields are its options (strings, as
+`--source-lang` or a mixture source's `columns:` give them), with `to_conversations(record)`
+returning `Conversation`s or `Document`s (prepack/text/conversation.py). Formats look only at a
+record's structure: the same record renders for any tokenizer and chat format.
+
+Bad records raise `RecordError` with a stable `reason` and the field as the record spells it.
+`oasst1` is table-level: its records are messages of a tree, templated together.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Protocol
+
+from prepack.text.conversation import Conversation, Document, RecordError
+from prepack.text.formats.alpaca import AlpacaTemplate
+from prepack.text.formats.chat import ChatTemplate
+from prepack.text.formats.oasst1 import Oasst1Template
+from prepack.text.formats.prompt_completion import PromptCompletionTemplate
+from prepack.text.formats.prompt_response import PromptResponseTemplate
+from prepack.text.formats.sharegpt import ShareGPTTemplate
+from prepack.text.formats.text import TextTemplate
+from prepack.text.formats.translation import TranslationTemplate
+
+__all__ = ["Template", "get_template", "template_names", "template_class", "RecordError"]
+
+
+class Template(Protocol):
+    """What the pipeline needs from a source format."""
+
+    name: str
+    table_level: bool  # True: records are parts of a table (oasst1), see Oasst1Template
+
+    def to_conversations(self, record: Mapping[str, Any]) -> list[Conversation | Document]: ...
+
+
+# Single-turn formats (alpaca, prompt_response, translation) also offer
+# `to_pair(record) -> (prompt, response)`: the same example as to_conversations without the
+# Conversation objects, so a batch can go straight to the chat format's tokenize_pairs_flat.
+
+_REGISTRY: dict[str, type] = {
+    "alpaca": AlpacaTemplate,
+    "translation": TranslationTemplate,
+    "prompt_response": PromptResponseTemplate,
+    "prompt_completion": PromptCompletionTemplate,
+    "chat": ChatTemplate,
+    "sharegpt": ShareGPTTemplate,
+    "text": TextTemplate,
+    "oasst1": Oasst1Template,
+}
+
+
+def template_names() -> tuple[str, ...]:
+    return tuple(sorted(_REGISTRY))
+
+
+def template_class(name: str) -> type:
+    """The format registered as `name`; ValueError naming the accepted ones."""
+    cls = _REGISTRY.get(name)
+    if cls is None:
+        raise ValueError(f"unknown source format {name!r}; expected one of {', '.join(template_names())}")
+    return cls
+
+
+def get_template(name: str, **options: Any) -> Template:
+    """The format registered as `name`, built with `options` (translation: source_lang,
+    target_lang, prompt_format; every format but oasst1: columns; message formats: roles).
+    Raises ValueError for an unknown name, option or mapping, naming what is accepted."""
+    cls = template_class(name)
+    accepted = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ValueError(
+            f"source format {name!r} does not take option(s) {', '.join(unknown)}; "
+            f"accepted: {', '.join(accepted) if accepted else 'none'}"
+        )
+    return cls(**options)

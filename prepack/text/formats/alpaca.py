@@ -1,0 +1,47 @@
+"""Format `alpaca`: {instruction, input, output}."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping
+
+from prepack.text.conversation import Conversation
+from prepack.text.formats.fields import Columns, check_record, get_optional_str, get_str, require_nonblank
+from prepack.text.formats.single_turn import single_turn
+
+
+@dataclass(frozen=True)
+class AlpacaTemplate:
+    """{instruction, input, output}: prompt = instruction, plus "\\n\\n" + input when the
+    input is non-blank (Alpaca leaves it "" for instruction-only tasks). `columns` renames
+    instruction, input and output (e.g. "instruction=question,output=answer")."""
+
+    columns: str = ""
+
+    name: ClassVar[str] = "alpaca"
+    table_level: ClassVar[bool] = False
+    COLUMNS: ClassVar[dict[str, str]] = {"instruction": "instruction", "input": "input", "output": "output"}
+
+    def __post_init__(self) -> None:
+        cols = Columns(self.columns, self.COLUMNS, self.name)
+        object.__setattr__(self, "_keys", (cols["instruction"], cols["input"], cols["output"]))
+
+    def keys(self) -> frozenset[str]:
+        """The columns a record must have to be in this format (for --format auto)."""
+        return frozenset((self._keys[0], self._keys[2]))  # type: ignore[attr-defined]
+
+    def fits(self, record: Mapping[str, Any]) -> bool:
+        return self.keys() <= record.keys()
+
+    def to_conversations(self, record: Mapping[str, Any]) -> list[Conversation]:
+        return single_turn(*self.to_pair(record))
+
+    def to_pair(self, record: Mapping[str, Any]) -> tuple[str, str]:
+        """(prompt, response) of the one example; the same checks and errors as to_conversations."""
+        record = check_record(record)
+        ik, xk, ok = self._keys  # type: ignore[attr-defined]
+        instruction = get_str(record, ik, ik, "the task instruction")
+        extra = get_optional_str(record, xk, xk, "the optional task input")
+        output = get_str(record, ok, ok, "the target response")
+        require_nonblank(instruction, "empty_prompt", ik, "instruction text")
+        require_nonblank(output, "empty_response", ok, "response text")
+        return (instruction + "\n\n" + extra if extra.strip() else instruction), output

@@ -1,0 +1,65 @@
+"""Format `prompt_completion`: TRL's {prompt, completion}, as strings or as message lists."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping
+
+from prepack.text.conversation import Conversation, RecordError
+from prepack.text.formats.chat import system_item
+from prepack.text.formats.fields import Columns, RoleMap, check_record, describe
+from prepack.text.formats.messages import MessageReader, Pending, assemble, read_list
+from prepack.text.formats.tools import read_tools
+
+
+@dataclass(frozen=True)
+class PromptCompletionTemplate:
+    """{prompt, completion, system?, tools?}. Each side is a string (one user turn; one assistant
+    reply) or a list of messages (as in `chat`). What is trained: the completion's assistant
+    turns; the prompt's assistant turns are context, unless a message's flag says otherwise.
+    Unlike TRL's plain-string prompt-completion (concatenated with no chat markup), both sides go
+    through the chat format, as every format here does."""
+
+    columns: str = ""
+    roles: str = ""
+
+    name: ClassVar[str] = "prompt_completion"
+    table_level: ClassVar[bool] = False
+    COLUMNS: ClassVar[dict[str, str]] = {"prompt": "prompt", "completion": "completion", "role": "role",
+                                         "content": "content", "tools": "tools", "system": "system"}
+
+    def __post_init__(self) -> None:
+        cols = Columns(self.columns, self.COLUMNS, self.name)
+        object.__setattr__(self, "_cols", cols)
+        object.__setattr__(self, "_reader", MessageReader(cols["role"], cols["content"], RoleMap(self.roles)))
+
+    def keys(self) -> frozenset[str]:
+        """The columns a record must have to be in this format (for --format auto)."""
+        return frozenset((self._cols["prompt"], self._cols["completion"]))  # type: ignore[attr-defined]
+
+    def fits(self, record: Mapping[str, Any]) -> bool:
+        return self.keys() <= record.keys()
+
+    def to_conversations(self, record: Mapping[str, Any]) -> list[Conversation]:
+        record = check_record(record)
+        cols = self._cols  # type: ignore[attr-defined]
+        tools, names = read_tools(record.get(cols["tools"]), cols["tools"])
+        items: list[Pending] = []
+        system = record.get(cols["system"])
+        if system is not None:
+            items.append(system_item(system, cols["system"]))
+        items += self._side(record, cols["prompt"], "user", names, trained=False)
+        completion = self._side(record, cols["completion"], "assistant", names, trained=True)
+        if not any(m.role == "assistant" for m in completion):
+            raise RecordError("no_assistant_turn", cols["completion"], f"field '{cols['completion']}': expected at "
+                              "least one assistant message")
+        return [assemble(items + completion, tools, cols["completion"])]
+
+    def _side(self, record: Mapping[str, Any], key: str, role: str, names: frozenset[str], trained: bool) -> list[Pending]:
+        value = record.get(key)
+        if isinstance(value, str):
+            return [Pending(role, value, key, key, key, trained_by_default=trained)]
+        if value is not None and not isinstance(value, (list, tuple)):
+            raise RecordError("wrong_type", key, f"field '{key}': expected a string or a list of messages, "
+                              f"got {describe(value)}")
+        messages = read_list(value, key, "a string or a list of messages")
+        return self._reader.read(messages, key, names, trained_by_default=trained)  # type: ignore[attr-defined]

@@ -1,0 +1,44 @@
+"""Format `prompt_response`: {prompt, response}."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping
+
+from prepack.text.conversation import Conversation
+from prepack.text.formats.fields import Columns, check_record, get_str, require_nonblank
+from prepack.text.formats.single_turn import single_turn
+
+
+@dataclass(frozen=True)
+class PromptResponseTemplate:
+    """{prompt, response}: one user turn and one assistant turn."""
+
+    columns: str = ""
+
+    name: ClassVar[str] = "prompt_response"
+    table_level: ClassVar[bool] = False
+    COLUMNS: ClassVar[dict[str, str]] = {"prompt": "prompt", "response": "response"}
+
+    def __post_init__(self) -> None:
+        cols = Columns(self.columns, self.COLUMNS, self.name)
+        object.__setattr__(self, "_keys", (cols["prompt"], cols["response"]))
+
+    def keys(self) -> frozenset[str]:
+        """The columns a record must have to be in this format (for --format auto)."""
+        return frozenset(self._keys)  # type: ignore[attr-defined]
+
+    def fits(self, record: Mapping[str, Any]) -> bool:
+        return self.keys() <= record.keys()
+
+    def to_conversations(self, record: Mapping[str, Any]) -> list[Conversation]:
+        return single_turn(*self.to_pair(record))
+
+    def to_pair(self, record: Mapping[str, Any]) -> tuple[str, str]:
+        """(prompt, response) of the one example; the same checks and errors as to_conversations."""
+        record = check_record(record)
+        pk, rk = self._keys  # type: ignore[attr-defined]
+        prompt = get_str(record, pk, pk, "the user prompt")
+        response = get_str(record, rk, rk, "the target response")
+        require_nonblank(prompt, "empty_prompt", pk, "prompt text")
+        require_nonblank(response, "empty_response", rk, "response text")
+        return prompt, response
