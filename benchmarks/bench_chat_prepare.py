@@ -9,7 +9,8 @@ Each checkout runs in its own interpreter (PYTHONPATH set to it) through the job
 (pipelines/preparer.py, the same API in both), on real OASST1 conversations (`oasst1_chat.jsonl`,
 benchmarks/data.py) repeated to about 6,000 records, as the raw JSON lines a worker reads. Runs
 alternate between the checkouts; each figure is the best of --repeat runs of one pass after a
-warm-up pass. Prints one line per tokenizer: examples/s for each checkout and the ratio now/baseline.
+warm-up pass, in the process's CPU seconds (on a shared machine, wall time measures the neighbours).
+Prints one line per tokenizer: examples per CPU second for each checkout and the ratio now/baseline.
 """
 from __future__ import annotations
 
@@ -41,19 +42,28 @@ def one_pass():
         out += sum(len(b.example_ids) for b in prep.tokenize(templated, tally, bad))
     return out
 
+def template_pass():
+    tally, bad = Tally(), []
+    for start in range(0, len(items), 512):
+        prep.template_records(0, items[start:start + 512], tally, bad)
+
 one_pass()
-t = time.perf_counter()
+t = time.process_time()
 n = one_pass()
-print(json.dumps({"examples": n, "seconds": time.perf_counter() - t}))
+whole = time.process_time() - t
+t = time.process_time()
+template_pass()
+print(json.dumps({"examples": n, "seconds": whole, "template_seconds": time.process_time() - t}))
 """
 
 
-def run_once(checkout: str, path: str, copies: int, tokenizer: str, chat_format: str) -> float:
+def run_once(checkout: str, path: str, copies: int, tokenizer: str, chat_format: str) -> tuple[float, float]:
+    """(examples per CPU second of the whole stage, CPU microseconds per example of the template step alone)."""
     env = {**os.environ, "PYTHONPATH": checkout}
     out = subprocess.run([sys.executable, "-c", INNER, path, str(copies), tokenizer, chat_format], env=env, cwd=checkout,
                          capture_output=True, text=True, check=True)
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    return result["examples"] / result["seconds"]
+    return result["examples"] / result["seconds"], 1e6 * result["template_seconds"] / result["examples"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,12 +79,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for tokenizer, chat_format in (("gemma3", "gemma"), ("qwen3", "qwen3")):
         best = {"baseline": 0.0, "current": 0.0}
+        template = {"baseline": float("inf"), "current": float("inf")}
         for _ in range(args.repeat):
             for name in ("baseline", "current"):
-                checkout = getattr(args, name)
-                best[name] = max(best[name], run_once(checkout, path, args.copies, tokenizer, chat_format))
-        print(f"{tokenizer}/{chat_format}: baseline {best['baseline']:,.0f} examples/s, now {best['current']:,.0f} "
-              f"examples/s, now/baseline {best['current'] / best['baseline']:.3f}")
+                rate, us = run_once(getattr(args, name), path, args.copies, tokenizer, chat_format)
+                best[name], template[name] = max(best[name], rate), min(template[name], us)
+        print(f"{tokenizer}/{chat_format}: baseline {best['baseline']:,.0f} examples/CPU-s, now {best['current']:,.0f} "
+              f"examples/CPU-s, now/baseline {best['current'] / best['baseline']:.3f}; the template step alone "
+              f"{template['baseline']:.1f} -> {template['current']:.1f} us/example")
     return 0
 
 

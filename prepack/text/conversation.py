@@ -26,6 +26,8 @@ __all__ = [
     "RECORD_ERROR_REASONS",
     "expand_turns",
     "json_text",
+    "trusted_turn",
+    "trusted_conversation",
 ]
 
 Role = Literal["system", "user", "assistant", "tool"]
@@ -214,6 +216,33 @@ class RecordError(Exception):
 
     def __repr__(self) -> str:
         return f"RecordError(reason={self.reason!r}, field={self.field!r}, message={self.message!r})"
+
+
+_set = object.__setattr__
+
+
+def trusted_turn(role: str, content: str, reasoning: str | None = None, tool_calls: tuple[ToolCall, ...] = (),
+                 name: str | None = None, tool_call_id: str | None = None) -> Turn:
+    """Turn(...) without __post_init__'s checks, for source formats that checked every value
+    already: this runs once per message of every record."""
+    turn = object.__new__(Turn)
+    _set(turn, "role", role)
+    _set(turn, "content", content)
+    _set(turn, "reasoning", reasoning)
+    _set(turn, "tool_calls", tool_calls)
+    _set(turn, "name", name)
+    _set(turn, "tool_call_id", tool_call_id)
+    return turn
+
+
+def trusted_conversation(turns: tuple[Turn, ...], loss_turns: tuple[int, ...], tools: tuple[Any, ...] = ()) -> Conversation:
+    """Conversation(...) without __post_init__'s checks: loss_turns strictly increasing indices of
+    assistant turns, given by a source format that built them so."""
+    conv = object.__new__(Conversation)
+    _set(conv, "turns", turns)
+    _set(conv, "loss_turns", loss_turns)
+    _set(conv, "tools", tools)
+    return conv
 
 
 def expand_turns(example: Example) -> list[Example]:

@@ -75,4 +75,4 @@ def system_item(value: Any, key: str) -> Pending:
     if not isinstance(value, str):
         raise RecordError("wrong_type", key, f"field '{key}': expected a string (the system prompt) or null, "
                           f"got {describe(value)}")
-    return Pending("system", value, key, key, key)
+    return Pending("system", value, key)

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from prepack.text.conversation import Conversation, RecordError, ToolCall, Turn
+from prepack.text.conversation import Conversation, RecordError, ToolCall, Turn, trusted_conversation, trusted_turn
 from prepack.text.formats.fields import RoleMap, describe, get_optional_str, require_nonblank
 from prepack.text.formats.tools import read_call, read_calls_json
 
@@ -37,19 +37,33 @@ _REASONING_TYPES = frozenset({"reasoning", "thinking"})
 
 @dataclass(slots=True)
 class Pending:
-    """One message after reading, before the conversation's rules."""
+    """One message after reading, before the conversation's rules. Where it is (`base`, `index`,
+    the message keys) is kept as parts: the dotted field names are built only for an error."""
 
     role: str  # system, user, assistant or tool
     content: str | None  # None: the message has no text (allowed on a tool-calling reply)
-    path: str  # the message's field, as the record spells it ("conversations[3]")
-    role_field: str
-    content_field: str
+    base: str  # the list's field ("conversations"), or the column itself for a string side
+    index: int = -1  # the message's place in the list; -1: `base` is the message (a column)
+    keys: tuple[str, str] = ("", "")  # its role and content keys
     flag: bool | None = None  # train / loss_weight, when the message sets one
     reasoning: str | None = None
     tool_calls: tuple[ToolCall, ...] = ()
     name: str | None = None
     tool_call_id: str | None = None
     trained_by_default: bool = True
+
+    @property
+    def path(self) -> str:
+        """The message's field, as the record spells it ("conversations[3]")."""
+        return self.base if self.index < 0 else f"{self.base}[{self.index}]"
+
+    @property
+    def role_field(self) -> str:
+        return self.base if self.index < 0 else f"{self.base}[{self.index}].{self.keys[0]}"
+
+    @property
+    def content_field(self) -> str:
+        return self.base if self.index < 0 else f"{self.base}[{self.index}].{self.keys[1]}"
 
 
 def read_list(value: Any, path: str, what: str) -> Sequence[Any]:
@@ -68,44 +82,49 @@ class MessageReader:
 
     def __init__(self, role_key: str, content_key: str, roles: RoleMap) -> None:
         self.role_key, self.content_key, self.roles = role_key, content_key, roles
+        self._keys = (role_key, content_key)
+        self._role_of = roles.table.get
 
     def read(self, messages: Sequence[Any], path: str, tool_names: frozenset[str],
              trained_by_default: bool = True) -> list[Pending]:
-        return [self._message(m, f"{path}[{i}]", tool_names, trained_by_default) for i, m in enumerate(messages)]
+        return [self._message(m, path, i, tool_names, trained_by_default) for i, m in enumerate(messages)]
 
-    def _message(self, msg: Any, path: str, tool_names: frozenset[str], trained_by_default: bool) -> Pending:
-        rk, ck = self.role_key, self.content_key
+    def _message(self, msg: Any, base: str, index: int, tool_names: frozenset[str], trained_by_default: bool) -> Pending:
+        rk, ck = self._keys
         if msg.__class__ is not dict and not isinstance(msg, Mapping):
+            path = f"{base}[{index}]"
             raise RecordError("wrong_type", path, f"field '{path}': expected a {{{rk}, {ck}}} object, got {describe(msg)}")
-        role_field, content_field = f"{path}.{rk}", f"{path}.{ck}"
         raw_role = msg.get(rk)
-        if raw_role is None:
-            raise RecordError("missing_field", role_field, f"missing field '{role_field}': expected the message's role")
-        role = self.roles.get(raw_role) if isinstance(raw_role, str) else None
+        role = self._role_of(raw_role) if raw_role.__class__ is str or isinstance(raw_role, str) else None
+        out = Pending(role, None, base, index, self._keys, trained_by_default=trained_by_default)  # type: ignore[arg-type]
         if role is None:
-            if not isinstance(raw_role, str):
-                raise RecordError("wrong_type", role_field, f"field '{role_field}': expected a string (the message's "
-                                  f"role), got {describe(raw_role)}")
-            raise RecordError("bad_role", role_field, f"field '{role_field}': unknown role {raw_role!r}; known: "
-                              f"{self.roles.known()}; map it with --roles, e.g. --roles assistant={raw_role}")
-        out = Pending(role, None, path, role_field, content_field, trained_by_default=trained_by_default)
+            self._bad_role(raw_role, out.role_field)
         raw = msg.get(ck)
         if role == "tool_call":  # ShareGPT's function_call turn: the value is the call itself
             if raw is None:
-                raise RecordError("missing_field", content_field, f"missing field '{content_field}': expected the "
-                                  "call as JSON {\"name\": ..., \"arguments\": ...}")
+                raise RecordError("missing_field", out.content_field, f"missing field '{out.content_field}': expected "
+                                  "the call as JSON {\"name\": ..., \"arguments\": ...}")
             out.role, out.content = "assistant", ""
-            out.tool_calls = read_calls_json(raw, content_field, tool_names)
+            out.tool_calls = read_calls_json(raw, out.content_field, tool_names)
         elif raw.__class__ is str:
             out.content = raw
         elif isinstance(raw, (list, tuple)):
             self._parts(raw, out, tool_names)
         elif raw is not None:
-            raise RecordError("wrong_type", content_field, f"field '{content_field}': expected a string or a list of "
-                              f"content parts, got {describe(raw)}")
+            raise RecordError("wrong_type", out.content_field, f"field '{out.content_field}': expected a string or a "
+                              f"list of content parts, got {describe(raw)}")
         if len(msg) > 2 or ck not in msg:  # the optional keys; a plain {role, content} message has none
             self._extras(msg, out, tool_names)
         return out
+
+    def _bad_role(self, raw_role: Any, role_field: str) -> None:
+        if raw_role is None:
+            raise RecordError("missing_field", role_field, f"missing field '{role_field}': expected the message's role")
+        if not isinstance(raw_role, str):
+            raise RecordError("wrong_type", role_field, f"field '{role_field}': expected a string (the message's "
+                              f"role), got {describe(raw_role)}")
+        raise RecordError("bad_role", role_field, f"field '{role_field}': unknown role {raw_role!r}; known: "
+                          f"{self.roles.known()}; map it with --roles, e.g. --roles assistant={raw_role}")
 
     def _parts(self, parts: Sequence[Any], out: Pending, tool_names: frozenset[str]) -> None:
         texts: list[str] = []
@@ -229,12 +248,12 @@ def assemble(items: Sequence[Pending], tools: tuple[Any, ...], messages_field: s
                                   f"allowed as the first message, found at index {k}")
             text = _text(m, "the system prompt")
             if text.strip():
-                turns.append(Turn("system", text))
+                turns.append(trusted_turn("system", text))
             continue
         if role == "user":
             text = _text(m, "the user's message")
             require_nonblank(text, "empty_prompt", m.content_field, "user message text")
-            turns.append(Turn("user", text))
+            turns.append(trusted_turn("user", text))
             seen_user, open_calls = True, 0
             continue
         if role == "tool":
@@ -242,7 +261,7 @@ def assemble(items: Sequence[Pending], tools: tuple[Any, ...], messages_field: s
                 raise RecordError("orphan_tool_result", m.role_field, f"field '{m.role_field}': a tool result with no "
                                   "tool call before it to answer")
             open_calls -= 1
-            turns.append(Turn("tool", _text(m, "the tool's result"), name=m.name, tool_call_id=m.tool_call_id))
+            turns.append(trusted_turn("tool", _text(m, "the tool's result"), name=m.name, tool_call_id=m.tool_call_id))
             continue
         if not seen_user:  # an assistant before any user message
             raise RecordError("assistant_first", m.role_field, f"field '{m.role_field}': expected the first non-system "
@@ -254,7 +273,7 @@ def assemble(items: Sequence[Pending], tools: tuple[Any, ...], messages_field: s
                                   "assistant's reply (or tool calls)")
             require_nonblank(text, "empty_response", m.content_field, "assistant message text")
         reasoning = m.reasoning if m.reasoning is not None and m.reasoning.strip() else None
-        turns.append(Turn("assistant", text, reasoning, m.tool_calls))
+        turns.append(trusted_turn("assistant", text, reasoning, m.tool_calls))
         open_calls = len(m.tool_calls)
         last_assistant = len(turns) - 1
         if m.flag if m.flag is not None else m.trained_by_default:
@@ -266,7 +285,7 @@ def assemble(items: Sequence[Pending], tools: tuple[Any, ...], messages_field: s
     if not loss:
         raise RecordError("no_trained_turn", messages_field, f"field '{messages_field}': every assistant message is "
                           "marked untrained (train: false / loss_weight: 0), so there is nothing to train")
-    return Conversation(tuple(turns[: last_assistant + 1]), tuple(loss), tools)
+    return trusted_conversation(tuple(turns[: last_assistant + 1]), tuple(loss), tuple(tools))
 
 
 def _text(m: Pending, what: str) -> str:

@@ -57,7 +57,7 @@ class PromptCompletionTemplate:
     def _side(self, record: Mapping[str, Any], key: str, role: str, names: frozenset[str], trained: bool) -> list[Pending]:
         value = record.get(key)
         if isinstance(value, str):
-            return [Pending(role, value, key, key, key, trained_by_default=trained)]
+            return [Pending(role, value, key, trained_by_default=trained)]
         if value is not None and not isinstance(value, (list, tuple)):
             raise RecordError("wrong_type", key, f"field '{key}': expected a string or a list of messages, "
                               f"got {describe(value)}")
