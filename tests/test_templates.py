@@ -989,3 +989,25 @@ def test_pairs_refuse_a_format_without_a_fixed_layout(hf_dirs: dict[str, str]) -
         tokenize_pairs_flat(["q"], ["a"], tok, fmt)
     with pytest.raises(ValueError, match="2 prompts but 1 responses"):
         tokenize_pairs_flat(["q", "r"], ["a"], tok, get_chat_format("chatml", tok))
+
+
+def test_no_tools_spelled_every_way_means_none():
+    from prepack.text.formats.tools import read_tools
+
+    for value in (None, "", [], "[]", "null"):
+        assert read_tools(value, "tools") == ((), frozenset())
+    tools, names = read_tools('[{"name": "a"}, {"type": "function", "function": {"name": "b", "parameters": {"type": "dict"}}}]', "tools")
+    assert names == {"a", "b"} and tools[1]["function"]["parameters"] == {"type": "dict"}  # passed through unvalidated
+
+
+def test_roles_add_to_the_defaults_and_a_zero_flag_is_fine_anywhere():
+    from prepack.text.formats.fields import RoleMap
+
+    roles = RoleMap("assistant=bot,user=person")
+    assert {v: roles.get(v) for v in ("bot", "gpt", "model", "assistant", "person", "human", "user", "observation")} == {
+        "bot": "assistant", "gpt": "assistant", "model": "assistant", "assistant": "assistant",
+        "person": "user", "human": "user", "user": "user", "observation": "tool"}
+    record = {"messages": [{"role": "system", "content": "s", "loss_weight": 0}, {"role": "user", "content": "q", "train": False},
+                           {"role": "assistant", "content": "a"}]}
+    (conv,) = get_template("chat").to_conversations(record)
+    assert conv.loss_turns == (2,)
