@@ -5,12 +5,12 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
 from prepack.text.conversation import Conversation
-from prepack.text.formats.fields import Columns, check_record, get_optional_str, get_str, require_nonblank
+from prepack.text.formats.fields import Columns, RequiredColumns, check_record, get_optional_str, get_str, require_nonblank
 from prepack.text.formats.single_turn import single_turn
 
 
 @dataclass(frozen=True)
-class AlpacaTemplate:
+class AlpacaTemplate(RequiredColumns):
     """{instruction, input, output}: prompt = instruction, plus "\\n\\n" + input when the
     input is non-blank (Alpaca leaves it "" for instruction-only tasks). `columns` renames
     instruction, input and output (e.g. "instruction=question,output=answer")."""
@@ -24,13 +24,7 @@ class AlpacaTemplate:
     def __post_init__(self) -> None:
         cols = Columns(self.columns, self.COLUMNS, self.name)
         object.__setattr__(self, "_keys", (cols["instruction"], cols["input"], cols["output"]))
-
-    def keys(self) -> frozenset[str]:
-        """The columns a record must have to be in this format (for --format auto)."""
-        return frozenset((self._keys[0], self._keys[2]))  # type: ignore[attr-defined]
-
-    def fits(self, record: Mapping[str, Any]) -> bool:
-        return self.keys() <= record.keys()
+        object.__setattr__(self, "_required", (cols["instruction"], cols["output"]))
 
     def to_conversations(self, record: Mapping[str, Any]) -> list[Conversation]:
         return single_turn(*self.to_pair(record))

@@ -29,7 +29,7 @@ class ChatTemplate:
                                          "tools": "tools", "system": "system"}
 
     def __post_init__(self) -> None:
-        cols = Columns(self.columns, self.COLUMNS, self.name)
+        cols = Columns(self.columns, self.COLUMNS, self.name)  # a subclass's own defaults (sharegpt)
         object.__setattr__(self, "_cols", cols)
         object.__setattr__(self, "_reader", MessageReader(cols["role"], cols["content"], RoleMap(self.roles)))
 
@@ -41,8 +41,9 @@ class ChatTemplate:
         return messages_fit(record, self._cols)  # type: ignore[attr-defined]
 
     def to_conversations(self, record: Mapping[str, Any]) -> list[Conversation]:
-        return [read_conversation(check_record(record), self._cols, self._reader,  # type: ignore[attr-defined]
-                                  "an array of {role, content} objects")]
+        cols = self._cols  # type: ignore[attr-defined]
+        return [read_conversation(check_record(record), cols, self._reader,  # type: ignore[attr-defined]
+                                  f"an array of {{{cols['role']}, {cols['content']}}} objects")]
 
 
 def read_conversation(record: Mapping[str, Any], cols: Columns, reader: MessageReader, what: str) -> Conversation:

@@ -23,6 +23,7 @@ __all__ = [
     "parse_mapping",
     "mapping_text",
     "Columns",
+    "RequiredColumns",
     "RoleMap",
     "DEFAULT_ROLES",
     "CANONICAL_ROLES",
@@ -149,6 +150,20 @@ class Columns:
         return isinstance(other, Columns) and self._names == other._names
 
     __hash__ = None  # type: ignore[assignment]
+
+
+class RequiredColumns:
+    """`keys` and `fits` (for --format auto) of a format that needs a fixed set of columns,
+    named in `_required` by the format's __post_init__."""
+
+    _required: tuple[str, ...]
+
+    def keys(self) -> frozenset[str]:
+        """The columns a record must have to be in this format."""
+        return frozenset(self._required)
+
+    def fits(self, record: Mapping[str, Any]) -> bool:
+        return self.keys() <= record.keys()
 
 
 _MESSAGE_KEYS = frozenset({"role", "content"})

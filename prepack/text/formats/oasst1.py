@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterable, Mapping
 
 from prepack.text.conversation import Conversation, Turn
+from prepack.text.formats.fields import RequiredColumns
 from prepack.text.formats.fields import describe as _describe
 
 __all__ = ["OASST1_DROP_REASONS", "DroppedMessage", "Oasst1Result", "Oasst1Template", "oasst1_build",
@@ -186,7 +187,7 @@ def oasst1_conversations(
 
 
 @dataclass(frozen=True)
-class Oasst1Template:
+class Oasst1Template(RequiredColumns):
     """Registry entry for the OpenAssistant/oasst1 message table.
 
     table_level is True: a single record is one message and cannot be converted alone.
@@ -196,13 +197,7 @@ class Oasst1Template:
     name: ClassVar[str] = "oasst1"
     table_level: ClassVar[bool] = True
     group_key: ClassVar[str] = "message_tree_id"
-
-    def keys(self) -> frozenset[str]:
-        """The columns a record must have to be in this format (for --format auto)."""
-        return frozenset(("message_id", "message_tree_id", "role", "text"))
-
-    def fits(self, record: Mapping[str, Any]) -> bool:
-        return self.keys() <= record.keys()
+    _required: ClassVar[tuple[str, ...]] = ("message_id", "message_tree_id", "role", "text")
 
     def conversations_from_table(self, messages: Iterable[Mapping[str, Any]]) -> Oasst1Result:
         return oasst1_build(messages)

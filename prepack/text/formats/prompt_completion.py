@@ -6,13 +6,13 @@ from typing import Any, ClassVar, Mapping
 
 from prepack.text.conversation import Conversation, RecordError
 from prepack.text.formats.chat import system_item
-from prepack.text.formats.fields import Columns, RoleMap, check_record, describe
+from prepack.text.formats.fields import Columns, RequiredColumns, RoleMap, check_record, describe
 from prepack.text.formats.messages import MessageReader, Pending, assemble, read_list
 from prepack.text.formats.tools import read_tools
 
 
 @dataclass(frozen=True)
-class PromptCompletionTemplate:
+class PromptCompletionTemplate(RequiredColumns):
     """{prompt, completion, system?, tools?}. Each side is a string (one user turn; one assistant
     reply) or a list of messages (as in `chat`). What is trained: the completion's assistant
     turns; the prompt's assistant turns are context, unless a message's flag says otherwise.
@@ -31,13 +31,7 @@ class PromptCompletionTemplate:
         cols = Columns(self.columns, self.COLUMNS, self.name)
         object.__setattr__(self, "_cols", cols)
         object.__setattr__(self, "_reader", MessageReader(cols["role"], cols["content"], RoleMap(self.roles)))
-
-    def keys(self) -> frozenset[str]:
-        """The columns a record must have to be in this format (for --format auto)."""
-        return frozenset((self._cols["prompt"], self._cols["completion"]))  # type: ignore[attr-defined]
-
-    def fits(self, record: Mapping[str, Any]) -> bool:
-        return self.keys() <= record.keys()
+        object.__setattr__(self, "_required", (cols["prompt"], cols["completion"]))
 
     def to_conversations(self, record: Mapping[str, Any]) -> list[Conversation]:
         record = check_record(record)

@@ -5,12 +5,12 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
 from prepack.text.conversation import Conversation
-from prepack.text.formats.fields import Columns, check_record, get_str, require_nonblank
+from prepack.text.formats.fields import Columns, RequiredColumns, check_record, get_str, require_nonblank
 from prepack.text.formats.single_turn import single_turn
 
 
 @dataclass(frozen=True)
-class PromptResponseTemplate:
+class PromptResponseTemplate(RequiredColumns):
     """{prompt, response}: one user turn and one assistant turn."""
 
     columns: str = ""
@@ -22,13 +22,7 @@ class PromptResponseTemplate:
     def __post_init__(self) -> None:
         cols = Columns(self.columns, self.COLUMNS, self.name)
         object.__setattr__(self, "_keys", (cols["prompt"], cols["response"]))
-
-    def keys(self) -> frozenset[str]:
-        """The columns a record must have to be in this format (for --format auto)."""
-        return frozenset(self._keys)  # type: ignore[attr-defined]
-
-    def fits(self, record: Mapping[str, Any]) -> bool:
-        return self.keys() <= record.keys()
+        object.__setattr__(self, "_required", self._keys)  # type: ignore[attr-defined]
 
     def to_conversations(self, record: Mapping[str, Any]) -> list[Conversation]:
         return single_turn(*self.to_pair(record))
