@@ -276,8 +276,11 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--rows", type=int, default=8, help="rows per length to check on the model, sampled by a fixed seed")
     model.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                        help="parameter and compute dtype (default: as `prepack train`, bf16 real, f32 tiny)")
-    model.add_argument("--attention", default=None, choices=["dense", "blocked", "splash"],
-                       help="the attention path, as `prepack train --attention` (default: splash on TPU, dense on GPU, blocked on CPU)")
+    model.add_argument("--attention", default=None, choices=["dense", "blocked", "flash", "splash"],
+                       help="the attention path, as `prepack train --attention` (default: splash on TPU, dense on GPU, "
+                            "blocked on CPU; flash runs in Pallas interpret mode on a CPU: slow)")
+    model.add_argument("--attention-tile", type=int, default=None,
+                       help="tokens per tile or block of that path, as `prepack train --attention-tile`")
     model.add_argument("--seed", type=int, default=0, help="random weights' seed, as `prepack train --seed`")
     return parser
 
@@ -288,7 +291,7 @@ def model_parity(args: argparse.Namespace, results: list[LengthResult], out: Tex
     from train import parity
 
     cfg = parity.ParityConfig(model=args.model, weights=args.weights, rows=args.rows, dtype=args.dtype,
-                              attention=args.attention, seed=args.seed)
+                              attention=args.attention, attention_tile=args.attention_tile, seed=args.seed)
     checked = [r for r in results if r.failure is None]
     if not checked:
         return True

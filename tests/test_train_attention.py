@@ -1,10 +1,11 @@
-"""--attention blocked|splash equal dense (train/blocked_attention.py, train/attention.py).
+"""--attention blocked|flash|splash equal dense (train/blocked_attention.py, flash_attention.py, attention.py).
 
 The reference is Tunix's own attention with the project's [B, L, L] block-causal mask. On tiny
 random Gemma3 (5 sliding-window layers with window 4, then a global layer) and tiny Qwen3,
 with random LoRA B matrices, on packed rows (several segments, padding) and unpacked rows
 (one example each): outputs at every real position, loss and LoRA gradients agree in
-float32 to ~1e-5; bfloat16 within its noise. Splash runs in Pallas interpret mode on CPU.
+float32 to ~1e-5; bfloat16 within its noise. Flash and splash run in Pallas interpret mode on
+CPU (flash's kernel-level tests, both its GPU and TPU forms: tests/test_train_flash_attention.py).
 Negative control: a tile range that drops needed key tiles fails the same comparison.
 """
 
@@ -99,7 +100,7 @@ def batches() -> dict[str, dict]:
 
 def step(model, batch, kind, dtype=jnp.float32):
     """(logits, loss, LoRA gradients) with `kind` attention installed on `model`."""
-    attention.install(model, kind, tile=128 if kind == attention.SPLASH else 16)
+    attention.install(model, kind, tile=128 if kind == attention.SPLASH else 16)  # flash: 8 blocks of 16 per row
     inputs = model_inputs.make_gen_model_input_fn(attention=kind)(batch)
     logits = nnx.jit(lambda m, i: m(i["input_tokens"], i["positions"], None, i["attention_mask"])[0])(model, inputs)
     fn = precision.in_compute_dtype(loss_lib.masked_loss_fn_with_aux, dtype)
@@ -115,7 +116,7 @@ def dense_case(request):
     return request.param, data, refs
 
 
-@pytest.mark.parametrize("kind", [attention.BLOCKED, attention.SPLASH])
+@pytest.mark.parametrize("kind", [attention.BLOCKED, attention.FLASH, attention.SPLASH])
 def test_float32_outputs_loss_and_gradients_equal_dense(dense_case, kind) -> None:
     name, data, refs = dense_case
     model = lora_model(name)
@@ -145,14 +146,43 @@ def test_bfloat16_blocked_equals_dense_within_noise(name) -> None:
 
 
 def test_bad_attention_options_are_refused_with_one_line() -> None:
-    with pytest.raises(TrainError, match="unknown --attention 'flash'; choose one of dense, blocked, splash"):
-        memory_path.check_options(TrainConfig(shards="x", attention="flash"), 128)
+    with pytest.raises(TrainError, match="unknown --attention 'fused'; choose one of dense, blocked, flash, splash"):
+        memory_path.check_options(TrainConfig(shards="x", attention="fused"), 128)
     with pytest.raises(TrainError, match="--attention splash needs a max_length that is a multiple of 128; the shards' is 100"):
         memory_path.check_options(TrainConfig(shards="x", attention="splash"), 100)
     with pytest.raises(TrainError, match="--loss-chunk-tokens must be 0 .full logits. or positive, got -1"):
         memory_path.check_options(TrainConfig(shards="x", loss_chunk_tokens=-1), 128)
     with pytest.raises(TrainError, match="unknown --remat 'all'"):
         memory_path.check_options(TrainConfig(shards="x", remat="all"), 128)
+
+
+def test_bad_attention_tiles_are_refused_with_one_line(monkeypatch) -> None:
+    def check(kind, tile, length=1024):
+        memory_path.check_options(TrainConfig(shards="x", attention=kind, attention_tile=tile), length)
+
+    with pytest.raises(TrainError, match="^--attention-tile must divide the shards' max_length 1024, got 384$"):
+        check("blocked", 384)
+    with pytest.raises(TrainError, match="^--attention-tile must divide the shards' max_length 1024, got 0$"):
+        check("flash", 0)
+    with pytest.raises(TrainError, match="^--attention-tile is for --attention blocked, flash or splash; dense has no tiles$"):
+        check("dense", 128)
+    with pytest.raises(TrainError, match="^--attention splash needs blocks that are multiples of 128; --attention-tile 64 is not$"):
+        check("splash", 64)
+    check("flash", 8, 64)  # interpret mode (CPU) cuts any divisor
+    assert memory_path.attention_tile(TrainConfig(shards="x", attention="flash"), 1024) == 128
+    assert memory_path.attention_tile(TrainConfig(shards="x", attention="blocked"), 1536) == attention.BLOCKED_TILE and 1536 % 512 == 0
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    with pytest.raises(TrainError, match=r"^--attention flash on a GPU needs blocks that are powers of two, at least 16 \(Triton\); "
+                       r"--attention-tile 48 is not$"):
+        check("flash", 48, 96)
+    with pytest.raises(TrainError, match=r"the default block 8 \(the largest that divides L 200\) is not$"):
+        check("flash", None, 200)
+    assert memory_path.attention_tile(TrainConfig(shards="x", attention="flash"), 1024) == 64
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    with pytest.raises(TrainError, match="^--attention flash on a TPU needs a max_length that is a multiple of 128; the shards' is 1000"):
+        check("flash", None, 1000)
+    with pytest.raises(TrainError, match="^--attention flash on a TPU needs blocks that are multiples of 128; --attention-tile 64 is not$"):
+        check("flash", 64)
 
 
 def test_default_kind_per_backend_is_the_measured_winner() -> None:

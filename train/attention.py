@@ -1,11 +1,14 @@
-"""`--attention dense|blocked|splash`: the models' attention from [B, L] segment ids.
+"""`--attention dense|blocked|flash|splash`: the models' attention from [B, L] segment ids.
 
 dense   Tunix's own attention with the [B, L, L] block-causal mask (train/model_inputs.py).
-blocked train/blocked_attention.py: tiles, online softmax, skips tiles no segment spans.
+blocked train/blocked_attention.py: tiles, online softmax, skips tiles no segment spans (plain JAX).
+flash   train/flash_attention.py: one fused Pallas kernel, forward and backward, that visits
+        only the key blocks a query block's segments reach (Triton on GPU, Mosaic on TPU,
+        Pallas interpret mode elsewhere).
 splash  JAX's splash kernel (jax.experimental.pallas.ops.tpu.splash_attention) with
         SegmentIds; on a backend other than TPU it runs in Pallas interpret mode (tests).
 
-For blocked and splash the model's `attention_mask` argument carries the [B, L] segment ids
+For blocked, flash and splash the model's `attention_mask` argument carries the [B, L] segment ids
 instead of a mask: Gemma3 and Qwen3 (Tunix 0.1.7) hand `attention_mask` unchanged to every
 layer's Attention, so each layer's Attention is switched to a subclass (`install`) whose
 `block` reads the ids there. Its projections, norms and RoPE are the parent module's own
@@ -28,15 +31,30 @@ from flax import nnx
 
 from train.blocked_attention import blocked_attention
 
-DENSE, BLOCKED, SPLASH = "dense", "blocked", "splash"
-KINDS = (DENSE, BLOCKED, SPLASH)
-DEFAULT_TILE = 512
+DENSE, BLOCKED, FLASH, SPLASH = "dense", "blocked", "flash", "splash"
+KINDS = (DENSE, BLOCKED, FLASH, SPLASH)
+DEFAULT_TILE = 512  # splash's block
+# blocked's tile on a CPU, by measurement (docs/benchmarks.md, "The blocked tile on a CPU").
+BLOCKED_TILE = 512
 SPLASH_LANES = 128  # the splash kernel's key blocks are multiples of the TPU lane count
+
+
+def default_tile(kind: str, backend: str | None = None) -> int:
+    """The tile (blocked) or block (flash, splash) a kind uses unless --attention-tile says."""
+    if kind == FLASH:
+        from train.flash_attention import default_block
+
+        return default_block(backend)
+    return BLOCKED_TILE if kind == BLOCKED else DEFAULT_TILE
 
 
 def default_kind(backend: str | None = None) -> str:
     """Per backend (docs/benchmarks.md, "The attention default per backend"): splash on TPU,
     dense on GPU, blocked on CPU and anything else.
+
+    flash (train/flash_attention.py) is the default nowhere yet: it has not been timed on a GPU
+    or a TPU (no device was available to the session that wrote it); it becomes the default
+    where benchmarks/bench_attention.py --rows ... measures it faster than today's.
 
     GPU: measured on an H200 (jax 0.11.2), the attention alone fwd + bwd on typical packed rows,
     dense took about 0.1x blocked's time on global layers and 0.3x-0.8x on local ones (window 512)
@@ -79,6 +97,10 @@ def attend(kind: str, query: jax.Array, key: jax.Array, value: jax.Array, segmen
            window: int | None, tile: int) -> jax.Array:
     if kind == BLOCKED:
         return blocked_attention(query, key, value, segment_ids, tile=tile, window=window)
+    if kind == FLASH:
+        from train.flash_attention import flash_attention
+
+        return flash_attention(query, key, value, segment_ids, window=window, block=tile)
     if kind == SPLASH:
         return splash_attention(query, key, value, segment_ids, window=window, block=tile)
     raise ValueError(f"unknown attention {kind!r}; choose one of {KINDS}")
@@ -86,9 +108,9 @@ def attend(kind: str, query: jax.Array, key: jax.Array, value: jax.Array, segmen
 
 def _check(segment_ids: jax.Array, cache: Any) -> None:
     if cache is not None:
-        raise ValueError("blocked/splash attention is for training: a KV cache needs --attention dense")
+        raise ValueError("blocked/flash/splash attention is for training: a KV cache needs --attention dense")
     if segment_ids.ndim != 2:
-        raise ValueError(f"blocked/splash attention reads [B, L] segment ids as attention_mask, got shape {segment_ids.shape}")
+        raise ValueError(f"blocked/flash/splash attention reads [B, L] segment ids as attention_mask, got shape {segment_ids.shape}")
 
 
 @functools.cache
@@ -133,8 +155,9 @@ def _qwen3_class() -> type:
     return SegmentIdsAttention
 
 
-def install(model: nnx.Module, kind: str, tile: int = DEFAULT_TILE) -> nnx.Module:
-    """Switches every layer's Attention to read segment ids (kind blocked or splash); dense: unchanged."""
+def install(model: nnx.Module, kind: str, tile: int | None = None) -> nnx.Module:
+    """Switches every layer's Attention to read segment ids (blocked, flash, splash); dense: unchanged.
+    tile: the kind's tile or block (default_tile(kind) when None)."""
     if kind not in KINDS:
         raise ValueError(f"unknown attention {kind!r}; choose one of {KINDS}")
     if kind == DENSE:
@@ -146,5 +169,5 @@ def install(model: nnx.Module, kind: str, tile: int = DEFAULT_TILE) -> nnx.Modul
             raise ValueError(f"unexpected attention module {type(attn).__name__}")
         attn.__class__ = cls  # same fields, LoRA and all; only block() differs
         attn.attention_kind = kind
-        attn.attention_tile = tile
+        attn.attention_tile = tile or default_tile(kind)
     return model

@@ -64,6 +64,20 @@ def key_tile_ranges(segment_ids: jax.Array, tile: int, window: int | None = None
     return first.astype(jnp.int32), jnp.broadcast_to(q, (b, nq))
 
 
+def query_tile_ranges(first: jax.Array) -> jax.Array:
+    """[B, nk] last (inclusive) query tile that needs each key tile, from key_tile_ranges' `first`.
+
+    Key tile j is needed by the query tiles i >= j with first[i] <= j. `first` never decreases
+    along a row of contiguous segments (segment starts, the window's bound and the padded tail
+    all grow with i), so those are j..last[j]; on rows that break that rule the range only
+    grows (it spans every such i), which costs work, never correctness.
+    """
+    nq = first.shape[-1]
+    i = jnp.arange(nq, dtype=jnp.int32)
+    needs = (first[:, :, None] <= i[None, None, :]) & (i[None, :, None] >= i[None, None, :])  # [B, i, j]
+    return jnp.max(jnp.where(needs, i[None, :, None], 0), axis=1).astype(jnp.int32)
+
+
 def max_key_tiles(length: int, tile: int, window: int | None) -> int:
     """The static bound on a query tile's key-tile range: all tiles, or those a window reaches."""
     nq = length // tile

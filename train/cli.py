@@ -66,9 +66,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loss-chunk-tokens", type=int, default=1024,
                    help="compute the loss's logits over chunks of N tokens, recomputed in the backward pass "
                    "(no [B, L, V] array); 0: full logits (the reference)")
-    p.add_argument("--attention", default=None, choices=["dense", "blocked", "splash"],
+    p.add_argument("--attention", default=None, choices=["dense", "blocked", "flash", "splash"],
                    help="dense: [B, L, L] mask (the reference); blocked: tiles from segment ids, skipping tiles no "
-                   "segment spans; splash: JAX's splash kernel with segment ids (TPU). Default: splash on TPU, dense on GPU, blocked on CPU (measured, docs/benchmarks.md)")
+                   "segment spans (plain JAX); flash: one fused Pallas kernel visiting only the key blocks each query "
+                   "block's segments reach (GPU, TPU; Pallas interpret mode, slow, elsewhere); splash: JAX's splash "
+                   "kernel with segment ids (TPU). Default: splash on TPU, dense on GPU, blocked on CPU (measured, "
+                   "docs/benchmarks.md; flash is not yet timed on a device)")
+    p.add_argument("--attention-tile", type=int, default=None,
+                   help="tokens per tile (blocked) or block (flash, splash); must divide L. Default: blocked 512 "
+                   "(measured on CPU), flash 64 on GPU and 128 elsewhere, splash 512, each cut to divide L")
     p.add_argument("--remat", default="auto", choices=["none", "layer", "auto"],
                    help="recompute each layer's activations in the backward pass; auto: only if the planned step "
                    "would not fit --memory-budget-gib")
@@ -141,6 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         read_threads=args.read_threads, log_every=args.log_every, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, checkpoint_keep=args.checkpoint_keep, save_lora=args.save_lora,
         nan_policy=args.nan_policy, loss_chunk_tokens=args.loss_chunk_tokens, attention=args.attention,
+        attention_tile=args.attention_tile,
         remat=args.remat, memory_budget_gib=args.memory_budget_gib, verify_first=args.verify_first,
     )
     try:

@@ -44,7 +44,8 @@ class TrainConfig:
     # The memory path (train/memory_path.py): chunked loss (0 = full [B, L, V] logits), attention
     # from segment ids (None = the backend's default), per-layer rematerialisation, planning.
     loss_chunk_tokens: int = 1024  # the chunk size by measurement: docs/benchmarks.md (memory path)
-    attention: str | None = None  # dense | blocked | splash
+    attention: str | None = None  # dense | blocked | flash | splash
+    attention_tile: int | None = None  # tokens per tile (blocked) or block (flash, splash); None: the kind's default
     # none | layer | auto (plan the step, remat only if it would not fit). prepack train defaults to auto;
     # the library default is none, so a caller that plans itself does not pay a second compile.
     remat: str = "none"

@@ -1,10 +1,11 @@
-"""The memory-path options of `prepack train`: --loss-chunk-tokens, --attention, --remat.
+"""The memory-path options of `prepack train`: --loss-chunk-tokens, --attention, --attention-tile, --remat.
 
 Each maps a TrainConfig field onto Tunix's own pieces, without forking them:
 - loss_fn(cfg): the full-logits masked loss (chunk 0, the reference), the chunked one
   (train/chunked_loss.py), or Tunix's default (for comparisons; never chunked);
 - gen_model_input_fn(cfg, L): the [B, L, L] mask for dense attention, the [B, L] segment ids
-  themselves otherwise (train/attention.py installs layers that read them);
+  themselves otherwise (train/attention.py installs layers that read them, with the tile or
+  block of --attention-tile or the kind's default);
 - set_remat(model, on): the decoder layers under one lax.scan whose body is checkpointed
   (train/layer_scan.py: each layer recomputed from its input in the backward pass), on an
   already-built model, so `auto` can switch it after planning. Not Tunix's
@@ -34,9 +35,37 @@ def attention_kind(cfg: TrainConfig) -> str:
     return kind
 
 
-def attention_tile(max_length: int) -> int:
-    """The largest tile <= 512 that divides L (tiles must cut rows evenly)."""
-    return math.gcd(max_length, attention_lib.DEFAULT_TILE)
+def attention_tile(cfg: TrainConfig, max_length: int) -> int:
+    """--attention-tile, else the kind's default tile cut to divide L (the largest divisor of L up to it)."""
+    if cfg.attention_tile is not None:
+        return cfg.attention_tile
+    return math.gcd(max_length, attention_lib.default_tile(attention_kind(cfg)))
+
+
+def check_tile(cfg: TrainConfig, max_length: int) -> None:
+    """--attention-tile, and the tile a kind would use, against what its kernel can cut."""
+    import jax
+
+    kind, tile = attention_kind(cfg), cfg.attention_tile
+    if tile is not None:
+        if kind == attention_lib.DENSE:
+            raise TrainError("--attention-tile is for --attention blocked, flash or splash; dense has no tiles")
+        if tile < 1 or max_length % tile:
+            raise TrainError(f"--attention-tile must divide the shards' max_length {max_length}, got {tile}")
+    used = attention_tile(cfg, max_length)
+    flag = f"--attention-tile {tile}" if tile is not None else f"the default block {used} (the largest that divides L {max_length})"
+    if kind == attention_lib.FLASH and jax.default_backend() == "gpu" and (used < 16 or used & (used - 1)):
+        raise TrainError(f"--attention flash on a GPU needs blocks that are powers of two, at least 16 (Triton); {flag} is not")
+    lanes = attention_lib.SPLASH_LANES
+    if used % lanes and (kind == attention_lib.SPLASH or (kind == attention_lib.FLASH and _on_tpu())):
+        raise TrainError(f"--attention {kind}{' on a TPU' if kind == attention_lib.FLASH else ''} needs blocks that are "
+                         f"multiples of {lanes}; {flag} is not")
+
+
+def _on_tpu() -> bool:
+    import jax
+
+    return jax.default_backend() == "tpu"
 
 
 def check_options(cfg: TrainConfig, max_length: int) -> None:
@@ -52,6 +81,10 @@ def check_options(cfg: TrainConfig, max_length: int) -> None:
     if attention_kind(cfg) == attention_lib.SPLASH and max_length % attention_lib.SPLASH_LANES:
         raise TrainError(f"--attention splash needs a max_length that is a multiple of {attention_lib.SPLASH_LANES}; "
                          f"the shards' is {max_length}: use --attention blocked")
+    if attention_kind(cfg) == attention_lib.FLASH and _on_tpu() and max_length % attention_lib.SPLASH_LANES:
+        raise TrainError(f"--attention flash on a TPU needs a max_length that is a multiple of {attention_lib.SPLASH_LANES}; "
+                         f"the shards' is {max_length}: use --attention blocked")
+    check_tile(cfg, max_length)
 
 
 def check_loss_mean(cfg: TrainConfig) -> None:
@@ -82,8 +115,8 @@ def gen_model_input_fn(cfg: TrainConfig) -> Callable[..., Any]:
 
 
 def install_attention(model: nnx.Module, cfg: TrainConfig, max_length: int) -> None:
-    """After apply_lora: the layers read segment ids (blocked, splash) or stay Tunix's (dense)."""
-    attention_lib.install(model, attention_kind(cfg), attention_tile(max_length))
+    """After apply_lora: the layers read segment ids (blocked, flash, splash) or stay Tunix's (dense)."""
+    attention_lib.install(model, attention_kind(cfg), attention_tile(cfg, max_length))
 
 
 def set_remat(model: nnx.Module, on: bool) -> None:

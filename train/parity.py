@@ -251,6 +251,7 @@ class ParityConfig:
     rows: int = DEFAULT_ROWS
     dtype: str | None = None  # None: the model's default, as `prepack train`
     attention: str | None = None  # None: the backend's default, as `prepack train`
+    attention_tile: int | None = None  # None: the kind's default, as `prepack train`
     seed: int = 0  # random weights' seed, as `prepack train --seed`
 
 
@@ -278,7 +279,8 @@ def build_model(cfg: ParityConfig, tokenizer: Mapping[str, Any], source: str) ->
 def train_config(cfg: ParityConfig, shards: str) -> Any:
     from train.config import TrainConfig
 
-    return TrainConfig(shards=shards, model=cfg.model, attention=cfg.attention, dtype=cfg.dtype)
+    return TrainConfig(shards=shards, model=cfg.model, attention=cfg.attention, attention_tile=cfg.attention_tile,
+                       dtype=cfg.dtype)
 
 
 def check_view(model: Any, cfg: ParityConfig, view: Any, packed_layout: LayoutFn = stored_layout) -> ParityResult:

@@ -1,0 +1,174 @@
+"""--attention flash (train/flash_attention.py): the fused Pallas kernel against dense, in interpret mode.
+
+Both forms of the kernel run here in Pallas interpret mode on the CPU: the GPU form (Triton's
+layout, 1-D statistics; what a CPU runs) and the TPU form (scalar-prefetched block ranges,
+Mosaic's vector shapes). Outputs and the gradients of q, k and v equal a dense softmax with the
+project's block-causal mask in float32 (~1e-5), on packed and unpacked rows, global and windowed
+(Gemma3's local layers), grouped query heads (4:1 as Gemma3 270M, 2:1 as Qwen3); bfloat16 within
+its noise. Skipping is checked, not assumed: values that only skipped blocks hold are NaN, and
+every output and gradient the skip rule says cannot see them stays finite. Lowering for the real
+backends (Triton for "cuda", Mosaic for "tpu") runs on this CPU too; compiling and timing them
+needs the device (benchmarks/bench_attention.py).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from loaders import block_causal_mask_jax
+from train import blocked_attention as ba
+from train import flash_attention as fa
+
+
+def dense_reference(q, k, v, seg, window=None):
+    b, length, n, h = q.shape
+    kv = k.shape[2]
+    s = jnp.einsum("btkgh,bskh->btkgs", q.reshape(b, length, kv, n // kv, h), k, precision="highest",
+                   preferred_element_type=jnp.float32).reshape(b, length, n, length)
+    mask = block_causal_mask_jax(seg)
+    if window:
+        ones = jnp.ones((length, length), bool)
+        mask &= (jnp.triu(ones, -window + 1) & jnp.tril(ones, window - 1))[None]
+    p = jax.nn.softmax(jnp.where(mask[:, :, None, :], s, ba.NEG_INF), -1).astype(v.dtype)
+    return jnp.einsum("btkgs,bskh->btkgh", p.reshape(b, length, kv, n // kv, length), v,
+                      precision="highest").reshape(b, length, n, h)
+
+
+def rows(length: int) -> np.ndarray:
+    """A packed row (three segments of uneven length, then padding) and an unpacked one (one segment)."""
+    cut = [length // 6, length // 3, length // 5]
+    packed = np.concatenate([np.full(c, i + 1) for i, c in enumerate(cut)] + [np.zeros(length - sum(cut))])
+    return np.stack([packed, np.ones(length)]).astype(np.int32)
+
+
+def qkv(length, heads, kv_heads, head_dim, dtype=jnp.float32, seed=0):
+    rng = np.random.default_rng(seed)
+    shapes = ((2, length, heads, head_dim), (2, length, kv_heads, head_dim), (2, length, kv_heads, head_dim))
+    return tuple(jnp.asarray(rng.normal(size=s), dtype) for s in shapes)
+
+
+def flash(style, block, window):
+    return lambda q, k, v, seg: fa.flash_attention(q, k, v, seg, window=window, block=block, style=style, interpret=True)
+
+
+def grads(f, q, k, v, seg):
+    return jax.jit(jax.grad(lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v, seg).astype(jnp.float32))), argnums=(0, 1, 2)))(q, k, v)
+
+
+# (style, L, block, window, query heads, KV heads, head_dim): the GPU form at small blocks (what
+# a CPU runs), the TPU form at its 128-lane blocks; Gemma3's 4:1 heads with and without a window,
+# Qwen3's 2:1, and head_dims that pad (12 -> 16 on the GPU form; 160 -> 256 on the TPU form).
+CASES = [
+    ("gpu", 64, 8, None, 4, 1, 16),
+    ("gpu", 64, 16, 12, 4, 1, 16),
+    ("gpu", 64, 8, 5, 4, 2, 12),
+    ("tpu", 256, 128, None, 4, 2, 16),
+    ("tpu", 256, 128, 100, 4, 1, 160),
+]
+
+
+@pytest.mark.parametrize("style,length,block,window,heads,kv_heads,head_dim", CASES)
+def test_float32_outputs_and_gradients_equal_dense(style, length, block, window, heads, kv_heads, head_dim) -> None:
+    q, k, v = qkv(length, heads, kv_heads, head_dim)
+    seg = jnp.asarray(rows(length))
+    got = jax.jit(flash(style, block, window))(q, k, v, seg)
+    np.testing.assert_allclose(got, dense_reference(q, k, v, seg, window), atol=1e-5)
+    want = grads(lambda *a: dense_reference(*a, window), q, k, v, seg)
+    for name, g, w in zip("qkv", grads(flash(style, block, window), q, k, v, seg), want):
+        np.testing.assert_allclose(g, w, atol=2e-5 * float(jnp.max(jnp.abs(w))), err_msg=f"d{name}")
+
+
+@pytest.mark.parametrize("style,length,block", [("gpu", 64, 16), ("tpu", 256, 128)])
+def test_bfloat16_is_within_bfloat16s_noise_of_float32(style, length, block) -> None:
+    """In bf16 the kernel is no further from the float32 result than dense computed in bf16 is."""
+    q, k, v = qkv(length, 4, 1, 16, jnp.float32, seed=1)
+    seg = jnp.asarray(rows(length))
+    exact = dense_reference(q, k, v, seg, 12)
+    bf = tuple(x.astype(jnp.bfloat16) for x in (q, k, v))
+    ours = jax.jit(flash(style, block, 12))(*bf, seg).astype(jnp.float32)
+    theirs = dense_reference(*bf, seg, 12).astype(jnp.float32)
+    assert ours.dtype == jnp.float32 and float(jnp.max(jnp.abs(ours - exact))) <= 2 * float(jnp.max(jnp.abs(theirs - exact)))
+    g_ours = grads(flash(style, block, 12), *bf, seg)
+    g_theirs = grads(lambda *a: dense_reference(*a, 12), *bf, seg)
+    for a, b in zip(g_ours, g_theirs):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.linalg.norm(a - b) <= 0.03 * np.linalg.norm(b)
+
+
+@pytest.mark.parametrize("style,length,block", [("gpu", 64, 8), ("tpu", 512, 128)])
+def test_skipped_blocks_are_never_read(style, length, block) -> None:
+    """The first segment fills the first two blocks; its keys and values are NaN. A kernel that read
+    those blocks for any later query block (even masked: 0 x NaN is NaN) would spread the NaN."""
+    seg = np.full((2, length), 2, np.int32)
+    seg[:, :2 * block] = 1
+    q, k, v = qkv(length, 4, 1, 16)
+    k, v = (x.at[:, :2 * block].set(jnp.nan) for x in (k, v))
+    f = flash(style, block, None)
+    out = jax.jit(f)(q, k, v, jnp.asarray(seg))
+    assert bool(jnp.isnan(out[:, :2 * block]).all()) and bool(jnp.isfinite(out[:, 2 * block:]).all())
+    dq, dk, dv = grads(f, q, k, v, jnp.asarray(seg))
+    for g in (dq, dk, dv):
+        assert bool(jnp.isfinite(g[:, 2 * block:]).all())
+    # The control: one segment over the whole row needs every block, and the NaN reaches all of it.
+    assert bool(jnp.isnan(jax.jit(f)(q, k, v, jnp.ones((2, length), jnp.int32))).all())
+
+
+def test_dropping_a_needed_key_block_fails_the_equality_check(monkeypatch) -> None:
+    q, k, v = qkv(64, 4, 1, 16)
+    seg = jnp.asarray(rows(64))
+    real = ba.key_tile_ranges
+    monkeypatch.setattr(fa, "key_tile_ranges", lambda s, t, w=None: (real(s, t, w)[1], real(s, t, w)[1]))
+    err = float(jnp.max(jnp.abs(flash("gpu", 8, None)(q, k, v, seg) - dense_reference(q, k, v, seg))))
+    assert err > 1e-2
+
+
+def test_query_tile_ranges_invert_the_key_tile_ranges() -> None:
+    """The dk/dv kernel's query blocks for key block j are exactly those whose key range holds j."""
+    rng = np.random.default_rng(3)
+    for window in (None, 20):
+        lengths = rng.integers(1, 40, size=12)
+        seg = np.repeat(np.arange(1, 13), lengths)[:128]
+        seg = np.pad(seg, (0, 128 - len(seg)))[None].astype(np.int32)
+        first = np.asarray(ba.key_tile_ranges(jnp.asarray(seg), 8, window)[0])[0]
+        last = np.asarray(ba.query_tile_ranges(jnp.asarray(first[None])))[0]
+        for j in range(16):
+            assert [i for i in range(16) if first[i] <= j <= i] == list(range(j, last[j] + 1))
+
+
+def test_bad_shapes_are_refused_with_one_line() -> None:
+    q, k, v = qkv(64, 4, 1, 16)
+    seg = jnp.asarray(rows(64))
+    with pytest.raises(ValueError, match="a sequence length that is a multiple of its block 24, got 64"):
+        fa.flash_attention(q, k, v, seg, block=24, interpret=True)
+    with pytest.raises(ValueError, match="on a TPU needs blocks that are multiples of 128, got 32"):
+        fa.flash_attention(q, k, v, seg, block=32, style="tpu", interpret=True)
+    with pytest.raises(ValueError, match="unknown flash style 'cuda'"):
+        fa.flash_attention(q, k, v, seg, style="cuda", interpret=True)
+
+
+@pytest.mark.parametrize("style,platform,block,heads,kv_heads,head_dim,window", [
+    ("gpu", "cuda", 64, 4, 1, 256, None),  # Gemma3 270M, global and local layers
+    ("gpu", "cuda", 64, 4, 1, 256, 512),
+    ("gpu", "cuda", 128, 16, 8, 128, None),  # Qwen3 0.6B
+    ("tpu", "tpu", 128, 4, 1, 256, 512),
+    ("tpu", "tpu", 128, 16, 8, 128, None),
+])
+def test_kernels_lower_for_their_backend(style, platform, block, heads, kv_heads, head_dim, window) -> None:
+    """Forward and backward lower through Pallas's Triton (GPU) or Mosaic (TPU) lowering from this CPU:
+    the kernel bodies use only what those lowerings accept. (Compiling them needs the device.)"""
+    q = jax.ShapeDtypeStruct((2, 1024, heads, head_dim), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 1024, kv_heads, head_dim), jnp.bfloat16)
+    seg = jax.ShapeDtypeStruct((2, 1024), jnp.int32)
+
+    def f(q, k, v, seg):
+        return fa.flash_attention(q, k, v, seg, window=window, block=block, style=style, interpret=False)
+
+    def step(q, k, v, seg):
+        return jax.grad(lambda q, k, v: jnp.sum(f(q, k, v, seg).astype(jnp.float32)), argnums=(0, 1, 2))(q, k, v)
+
+    text = jax.jit(step).trace(q, k, k, seg).lower(lowering_platforms=(platform,)).as_text()
+    target = "__gpu$xla.gpu.triton" if platform == "cuda" else "tpu_custom_call"
+    assert text.count(target) >= 3  # forward, dq, dk/dv
