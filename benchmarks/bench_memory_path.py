@@ -66,7 +66,7 @@ def plan(model_name: str, variant: Variant, b: int, length: int, budget: int) ->
     gc.collect()
     return {"variant": variant.name, "B": b, "L": length, "tokens": b * length, "remat": remat_on,
             "argument_gib": result.argument_bytes / GIB, "temp_gib": result.temp_bytes / GIB,
-            "peak_gib": result.peak_bytes / GIB, "flops": result.flops, "fits": result.fits(budget),
+            "peak_gib": result.peak_bytes / GIB, "xla_flops": result.xla_flops, "fits": result.fits(budget),
             "compile_s": result.compile_s}
 
 

@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan-memory", action="store_true",
                    help="compile the train step for the set's L and --batch-size without training; print XLA's "
                    "planned memory and FLOPs (last line: JSON) and whether it fits the budget")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="one chip's dense bfloat16 peak in TFLOP/s, for the metrics' mfu (default: a table by device kind, "
+                   "train/mfu.py; unknown, e.g. on a CPU: mfu is null)")
     p.add_argument("--verify-first", action="store_true",
                    help="before step 1, run the first batch packed and each of its segments alone through the model "
                    "(as `prepack verify --model`) and stop (exit 1) if any target token's log-probability differs "
@@ -149,6 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         nan_policy=args.nan_policy, loss_chunk_tokens=args.loss_chunk_tokens, attention=args.attention,
         attention_tile=args.attention_tile,
         remat=args.remat, memory_budget_gib=args.memory_budget_gib, verify_first=args.verify_first,
+        peak_tflops=args.peak_tflops,
     )
     try:
         if args.plan_memory:

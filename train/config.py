@@ -53,3 +53,5 @@ class TrainConfig:
     # Before step 1, run the first batch packed and each of its segments alone through the
     # run's model (train/parity.py) and stop if any target's log-probability differs.
     verify_first: bool = False
+    # MFU's denominator: one chip's dense bf16 TFLOP/s; None: train/mfu.py's table by device kind.
+    peak_tflops: float | None = None

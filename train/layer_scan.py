@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -96,7 +97,11 @@ def _scannable_class(base: type) -> type:
             x = scan_layers(self.layers, x, positions, None, attention_mask, segment_ids=named.get("segment_ids"))
         x = self.final_norm(x)
         if output_hidden_states:
-            self.sow(nnx.Intermediate, "all_hidden_states", x)
+            with warnings.catch_warnings():
+                # Tunix 0.1.7 sows its hidden states the same way (train/chunked_loss.py pops them); flax
+                # 0.12 deprecates sow outside nnx.capture, a warning Tunix's own call raises under its name.
+                warnings.simplefilter("ignore", DeprecationWarning)
+                self.sow(nnx.Intermediate, "all_hidden_states", x)
         if gemma3:
             return self.embedder.decode(x), None
         logits = self.embedder.decode(x) if self.config.use_tied_embedding else self.lm_head(x)

@@ -2,9 +2,12 @@
 
 The step is Tunix's own jitted train step (train/compiled.py), compiled for the shard set's L
 and the run's batch size, model, dtype, attention and loss options, and never run. What XLA
-plans (arguments, temporaries, a peak estimate) and its FLOP estimate are printed; the FLOP
-estimate counts every tile a loop could visit, so it cannot see tiles blocked attention skips
-at run time (benchmarks/bench_attention.py counts those from the rows' segment ids).
+plans (arguments, temporaries, a peak estimate) is printed, with the step's FLOPs counted
+analytically (train/flops.py: the model's shapes, the attention work of the set's first
+batches' real segments, the loss path, LoRA and remat). XLA's own FLOP estimate is printed
+beside it as `xla_flops`: it counts each loop body once (the layer scan, the loss chunks,
+blocked attention's tiles) and a Pallas kernel as nothing, so it is right only for a
+loop-free step (`--attention dense --loss-chunk-tokens 0 --remat none`).
 """
 
 from __future__ import annotations
@@ -20,12 +23,16 @@ GIB = 1024**3
 FALLBACK_BUDGET_GIB = 16.0
 
 
+# How many of the run's first batches the attention work is read from.
+FLOP_SAMPLE_BATCHES = 4
+
+
 @dataclasses.dataclass(frozen=True)
 class StepPlan:
     argument_bytes: int
     temp_bytes: int
     peak_bytes: int
-    flops: float
+    xla_flops: float  # XLA's cost analysis: loop bodies once, Pallas kernels zero
     compile_s: float
 
     def fits(self, budget_bytes: int) -> bool:
@@ -33,7 +40,7 @@ class StepPlan:
 
     def as_json(self) -> dict[str, Any]:
         return {"argument_bytes": self.argument_bytes, "temp_bytes": self.temp_bytes,
-                "peak_bytes": self.peak_bytes, "flops": self.flops}
+                "peak_bytes": self.peak_bytes, "xla_flops": self.xla_flops}
 
 
 def budget_bytes(memory_budget_gib: float | None) -> tuple[int, str]:
@@ -91,15 +98,41 @@ def choose_remat(setup: Any, out: TextIO) -> StepPlan | None:
     return plan
 
 
-def print_plan(plan: StepPlan, budget: int, source: str, describe: str, out: TextIO) -> None:
+def sample_segment_ids(cfg: Any, view: Any, batches: int = FLOP_SAMPLE_BATCHES) -> np.ndarray:
+    """[rows, L] segment ids of the run's first batches (the training stream, as it would draw them)."""
+    import itertools
+
+    from train import data
+
+    train_ds, _ = data.datasets(cfg, view)
+    return np.concatenate([np.asarray(b["segment_ids"]) for b in itertools.islice(iter(train_ds), batches)])
+
+
+def analytic_flops(setup: Any, remat_on: bool) -> Any:
+    """train/flops.py's count of this run's step, on its first batches' segments."""
+    from train import flops, memory_path
+
+    cfg, length = setup.config, setup.view.manifest.max_length
+    opts = flops.StepOptions(cfg.batch_size, length, memory_path.attention_kind(cfg), memory_path.attention_tile(cfg, length),
+                             cfg.loss_chunk_tokens, remat_on)
+    return flops.step_flops(flops.model_cost(setup.built.model), opts, sample_segment_ids(cfg, setup.view))
+
+
+def print_plan(plan: StepPlan, step: Any, budget: int, source: str, describe: str, out: TextIO) -> dict[str, Any]:
     fits = plan.fits(budget)
     print(f"planned train step: {describe}", file=out)
     print(f"  arguments    {plan.argument_bytes / GIB:8.2f} GiB", file=out)
     print(f"  temporaries  {plan.temp_bytes / GIB:8.2f} GiB", file=out)
     print(f"  peak         {plan.peak_bytes / GIB:8.2f} GiB (estimate)", file=out)
-    print(f"  FLOPs        {plan.flops:.3e} (XLA's estimate; blocked attention skips tiles at run time it cannot see)", file=out)
+    parts = ", ".join(f"{k.replace('_', ' ')} {v:.2e}" for k, v in step.parts.items() if v)
+    pairs = ", ".join(f"{k} {v:,.0f}" for k, v in step.attention_pairs_per_row.items())
+    print(f"  FLOPs        {step.total:.3e} (analytic: {parts}; attention pairs per row and head: {pairs})", file=out)
+    print(f"  XLA FLOPs    {plan.xla_flops:.3e} (XLA's estimate counts each loop body once and Pallas kernels as "
+          f"nothing: right only for --attention dense --loss-chunk-tokens 0 --remat none)", file=out)
     print(f"  budget       {budget / GIB:8.2f} GiB ({source}): {'fits' if fits else 'does NOT fit'}", file=out)
-    print(json.dumps({**plan.as_json(), "budget_bytes": budget, "fits": fits}), file=out, flush=True)
+    result = {**plan.as_json(), **step.as_json(), "budget_bytes": budget, "fits": fits}
+    print(json.dumps(result), file=out, flush=True)
+    return result
 
 
 def run_plan(cfg: Any, out: TextIO) -> dict[str, Any]:
@@ -120,9 +153,10 @@ def run_plan(cfg: Any, out: TextIO) -> dict[str, Any]:
     else:
         plan = auto
     budget, source = budget_bytes(cfg.memory_budget_gib)
+    kind = memory_path.attention_kind(cfg)
     describe = (f"{cfg.model} {s.static.get('dtype')} LoRA rank {cfg.lora_rank}, B={cfg.batch_size} L={manifest.max_length} "
-                f"({cfg.batch_size * manifest.max_length:,} tokens), attention {memory_path.attention_kind(cfg)}, "
+                f"({cfg.batch_size * manifest.max_length:,} tokens), attention {kind}"
+                f"{'' if kind == 'dense' else f' (tile {memory_path.attention_tile(cfg, manifest.max_length)})'}, "
                 f"loss chunk {cfg.loss_chunk_tokens or 'off (full logits)'}, remat {'layer' if remat_on else 'none'}"
                 f"{' (auto)' if cfg.remat == memory_path.REMAT_AUTO else ''}")
-    print_plan(plan, budget, source, describe, out)
-    return {**plan.as_json(), "budget_bytes": budget, "fits": plan.fits(budget)}
+    return print_plan(plan, analytic_flops(s, remat_on), budget, source, describe, out)

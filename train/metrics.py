@@ -1,7 +1,9 @@
 """The metrics JSONL of `prepack train` and its console progress lines.
 
 One JSON line per optimizer step, then eval lines and one summary line:
-  {"step", "loss", "loss_mean", "grad_norm", "step_time_s", "tokens", "target_tokens", "target_tokens_per_s", "density", ...}
+  {"step", "loss", "loss_mean", "grad_norm", "step_time_s", "tokens", "target_tokens", "target_tokens_per_s", "density",
+   "tokens_per_s_per_chip", "mfu", ...}
+`tokens_per_s_per_chip` and `mfu` (null where the chip's peak is unknown) come from train/mfu.py.
   {"eval": {"step", "loss", "loss_mean", "target_tokens", "batches", "time_s"}}
 `loss_mean` names what `loss` is: "token" (the mean over the batch's target tokens) or
 "example" (the mean of its examples' token means; those records add `token_loss`, the token
@@ -25,6 +27,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from train import divergence
+from train.mfu import Throughput
 
 
 def batch_counts(batch: Mapping[str, np.ndarray]) -> dict[str, int]:
@@ -98,6 +101,7 @@ class MetricsRecorder:
         resume_note: Mapping[str, Any] | None = None,
         last_step: int | None = None,
         nan_policy: str = divergence.STOP,
+        throughput: Throughput | None = None,
     ):
         """resume_from=k: the run continues after step k of a checkpoint; step numbers go on from k+1
         and the JSONL is appended to (its records of steps after k, which the resumed run redoes,
@@ -112,6 +116,8 @@ class MetricsRecorder:
         self.nan_policy = nan_policy
         self.stopped: dict[str, Any] | None = None  # why the run ended early (summary["stopped"])
         self.out = out if out is not None else sys.stderr
+        self.throughput = throughput or Throughput()
+        self._model_flops: list[float | None] = []  # per step, for the summary's mfu
         self.first_step = (resume_from or 0) + 1
         self._file: TextIO | None = None
         if path:
@@ -142,6 +148,7 @@ class MetricsRecorder:
         now = time.perf_counter()
         counts = batch_counts(batch)
         counts["input_wait_s"] = now - (self._clock if self._clock is not None else now)
+        counts["model_flops"] = self.throughput.batch_flops(batch)
         self._pending = counts
 
     def step_done(self, aux: Mapping[str, Any]) -> None:
@@ -168,7 +175,9 @@ class MetricsRecorder:
             "input_wait_s": pending.get("input_wait_s", 0.0),
             # Cross-check: the target count the loss saw on the device equals the host's count.
             "device_target_tokens": int(round(float(aux["target_tokens"]))),
+            **self.throughput.fields(tokens, step_time, pending.get("model_flops")),
         }
+        self._model_flops.append(pending.get("model_flops"))
         if "examples" in aux:  # --loss-mean example: the token mean of the same batch, to compare
             target_sum = float(aux["target_tokens"])
             record["token_loss"] = divergence.finite_or_none(float(aux["nll_sum"]) / target_sum) if target_sum > 0 else None
@@ -249,6 +258,7 @@ class MetricsRecorder:
             "p90_step_time_s": float(np.percentile(times, 90)) if len(times) else None,
             "target_tokens_per_s": float(sum(s["target_tokens"] for s in timed) / times.sum()) if len(times) else None,
             "tokens_per_s": float(sum(s["tokens"] for s in timed) / times.sum()) if len(times) else None,
+            **self._throughput_summary(timed, float(times.sum()) if len(times) else 0.0),
             "mean_density": float(np.mean([s["density"] for s in steps])) if steps else None,
             "mean_target_density": float(np.mean([s["target_density"] for s in steps])) if steps else None,
             "mean_input_wait_s": float(np.mean([s["input_wait_s"] for s in timed])) if timed else None,
@@ -260,6 +270,14 @@ class MetricsRecorder:
         out.update(self.static_extra)
         out.update(extra or {})
         return out
+
+    def _throughput_summary(self, timed: list[dict[str, Any]], seconds: float) -> dict[str, float | None]:
+        """tokens_per_s_per_chip and mfu over the timed steps (null without any)."""
+        if not timed or seconds <= 0:
+            return {"tokens_per_s_per_chip": None, "mfu": None}
+        flops = self._model_flops[1:]
+        total = None if any(f is None for f in flops) else float(sum(flops))
+        return self.throughput.fields(sum(s["tokens"] for s in timed), seconds, total)
 
     def close(self, summary: Mapping[str, Any]) -> None:
         self._write({"summary": dict(summary)})

@@ -62,13 +62,14 @@ def setup(cfg: TrainConfig, out: TextIO | None = None) -> Setup:
         commit_to_device(built, trainer)
     if resumed:
         print(f"resuming from step {resumed} of {ckpt.path}", file=say)
+    throughput, throughput_facts = throughput_of(cfg, built)
     recorder = MetricsRecorder(
         cfg.metrics_out, static=static, log_every=cfg.log_every, out=out,
         resume_from=resumed or None, resume_note={"checkpoint_dir": cfg.checkpoint_dir},
-        last_step=cfg.steps, nan_policy=cfg.nan_policy,
+        last_step=cfg.steps, nan_policy=cfg.nan_policy, throughput=throughput,
     )
     attach_step_functions(cfg, loss_fn, trainer, recorder, built)
-    extra = run_details(cfg, model, view.manifest, built, base_params)
+    extra = {**run_details(cfg, model, view.manifest, built, base_params), **throughput_facts}
     if ckpt is not None:
         extra.update({"checkpoint_dir": cfg.checkpoint_dir, "resumed_from_step": resumed})
     return Setup(cfg, view, eval_view, built, mesh, trainer, recorder, {**static, **extra},
@@ -93,6 +94,8 @@ def check_flags(cfg: TrainConfig) -> None:
         raise TrainError(f"--checkpoint-every must be positive, got {cfg.checkpoint_every}")
     if cfg.checkpoint_keep < 1:
         raise TrainError(f"--checkpoint-keep must be positive, got {cfg.checkpoint_keep}")
+    if cfg.peak_tflops is not None and not cfg.peak_tflops > 0:
+        raise TrainError(f"--peak-tflops must be positive, got {cfg.peak_tflops}")
     divergence.check_policy(cfg.nan_policy)
 
 
@@ -233,6 +236,15 @@ def commit_to_device(built: Any, trainer: Any) -> None:
     device = jax.devices()[0]
     nnx.update(built.model, jax.device_put(nnx.state(built.model), device))
     nnx.update(trainer.optimizer, jax.device_put(nnx.state(trainer.optimizer), device))
+
+
+def throughput_of(cfg: TrainConfig, built: Any) -> tuple[Any, dict[str, Any]]:
+    """MFU's inputs (train/mfu.py): the model's FLOP cost, this process's chips and their peak."""
+    import jax
+
+    from train import mfu
+
+    return mfu.for_run(built.model, jax.devices()[0].device_kind, jax.local_device_count(), cfg.peak_tflops)
 
 
 def step_loss_fn(cfg: TrainConfig, model: ModelChoice) -> Any:
