@@ -1,40 +1,57 @@
-"""Attention work and CPU time, `--attention blocked` against `dense`, on packed rows of the shipped sample.
+"""Attention work and time per kind (`--attention dense|blocked|flash|splash`) on packed rows of the shipped sample.
 
-1. Work per step: the tile pairs blocked attention computes on every row of the packed sample
-   (`prepack pack --sample`, Alpaca-like rows) at L 2048/4096/8192, counted from the rows'
-   segment ids (train/blocked_attention.tile_work), against dense's L x L per row, and the
-   FLOPs that implies for Gemma3 270M (4 heads of 256; 15 local layers with window 512, 3 global).
-2. CPU time of the attention alone (forward + backward, Gemma3 270M's head shapes, one row,
-   bf16) and of a whole train step of tiny Gemma3 (one row), blocked against dense,
-   at L 4096 and 8192, on a typical packed row of the sample at each L: the row whose blocked
-   tile work is the median (the first row is the atypical one: BFD opens rows with the longest
-   examples, so it holds the fewest segments).
+1. Work (`--work`): the (query, key) pairs each kind computes per row and query head on every row
+   of the packed sample (`prepack pack --sample`, Alpaca-like rows; `--alpaca`: the benchmarks'
+   real Alpaca sample, benchmarks/data.py) at each L, against the
+   token-level ideal (same-segment causal pairs, sum of s (s + 1) / 2; within the window on
+   Gemma3's local layers), from the rows' segment ids (train/flops.py): dense L x L; splash the
+   blocks of its static causal (local) mask at its 512 block; blocked at tiles 128/256/512 and
+   flash at blocks 64/128, the tiles from each query tile's lowest segment (key_tile_ranges).
 
-    python -m benchmarks.bench_attention [--lengths 2048,4096,8192] [--time-lengths 4096,8192] [--repeats 3]
+    python -m benchmarks.bench_attention --work [--lengths 1024,2048,4096,8192] [--alpaca]
 
-3. On an accelerator (docs/benchmarks.md, "The attention default per backend"): the attention
-   alone, forward + backward, Gemma3 270M's heads, bf16, one row, for global layers and for
-   local layers (window 512), blocked against dense (and, with --cudnn, cuDNN's flash attention),
-   in milliseconds with XLA's temp memory per compiled call. The rows are packed here and saved,
-   so the device machine needs only jax and numpy (it packs nothing, imports no loaders/tunix/flax):
+2. CPU time per blocked tile (`--tiles`): the attention alone (forward + backward, Gemma3 270M's
+   heads, one row, bf16) on a typical packed row at each L (the row whose tile work is the median:
+   BFD opens rows with the longest examples, so the first row is the atypical one), blocked at
+   each tile against dense, global and local layers, weighted over Gemma3 270M's 3 global and 15
+   local layers:
 
-    python -m benchmarks.bench_attention --time-lengths 4096,8192,16384 --save-rows .bench_rows/rows.npz
-    python -m benchmarks.bench_attention --rows .bench_rows/rows.npz --repeats 20 [--cudnn]
+    python -m benchmarks.bench_attention --tiles 128,256,512 --time-lengths 4096,8192 [--repeats 3]
 
-   dense there is Tunix 0.1.7's Gemma3 `Attention.block` step, written inline: logits of the
-   scaled queries, `where(mask, logits, K_MASK)` with the block-causal mask of
-   loaders/mask.py (and, on local layers, Tunix's sliding band |q - k| < window), softmax,
-   probabilities cast to the values' dtype, times v. The mask is built inside the jitted call,
-   as in the train step. --cudnn adds `jax.nn.dot_product_attention(implementation="cudnn")`
-   given the same mask (as an additive bias, is_causal, and local_window_size on local layers)
-   and cuDNN's packed layout (jax._src.cudnn.fused_attention_stablehlo.dot_product_attention
-   with per-segment q_offsets / q_seqlen, padding in no segment): each variant's forward output
-   is checked against dense at every real position before it is timed.
+   (without --tiles: the older dense-against-blocked table, with a whole tiny-Gemma3 step.)
+
+3. On an accelerator: one prepared command. The rows are packed on this machine and saved, so the
+   device machine needs only jax and numpy (it packs nothing and imports no loaders, Tunix or flax):
+
+    python -m benchmarks.bench_attention --time-lengths 4096,8192,16384 --save-rows .bench_rows/rows.npz   # here
+    python3 -m benchmarks.bench_attention --device-all --rows .bench_rows/rows.npz [--out DIR]             # on the device
+
+   --device-all runs (a) the attention alone, forward + backward, Gemma3 270M's heads, bf16, one
+   row, global and local (window 512) layers at each saved L: dense, blocked, flash at each of its
+   blocks (GPU 64 and 128; TPU 128), cuDNN's two forms on a GPU, splash on a TPU, each checked
+   against dense's forward first; ms and XLA's temp memory per compiled call (the older
+   `--rows NPZ [--cudnn]` runs this part alone); then (b) one whole train step of a Gemma3
+   270M-shaped LoRA model (benchmarks/gemma3_step.py: random bf16 weights, rank 16, chunked loss)
+   at (4, 8192) on four typical packed rows, flash against dense, with --remat layer and without,
+   each variant in its own process: median step time, the process's peak device memory and XLA's
+   temp bytes. A variant that runs out of memory or time is reported as such. JSON results go to
+   --out (default $OUT when set). `--smoke` runs the same on small shapes (any backend, Pallas
+   interpret mode off a GPU/TPU) to check the script end to end.
+
+   dense in (a) and (b) is Tunix 0.1.7's Gemma3 `Attention.block` step, written inline: logits of
+   the scaled queries, `where(mask, logits, K_MASK)` with the block-causal mask of loaders/mask.py
+   (and, on local layers, Tunix's sliding band |q - k| < window), softmax, probabilities cast to
+   the values' dtype, times v. The mask is built inside the jitted call, as in the train step.
+   cuDNN: `jax.nn.dot_product_attention(implementation="cudnn")` given the same mask (as an
+   additive bias, is_causal, and local_window_size on local layers) and cuDNN's packed layout
+   (jax._src.cudnn.fused_attention_stablehlo.dot_product_attention with per-segment q_offsets /
+   q_seqlen, padding in no segment).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -44,16 +61,21 @@ import time
 
 import numpy as np
 
-TILE = 512
+TILE = 512  # blocked's tile in the older CPU table and the device table (its default there when timed)
 HEADS, KV_HEADS, HEAD_DIM, WINDOW = 4, 1, 256, 512  # Gemma3 270M
 LAYERS_LOCAL, LAYERS_GLOBAL = 15, 3
 
 
+# --alpaca: the benchmarks' real Alpaca sample instead of the shipped one (benchmarks/data.py).
+INPUT: str | None = None
+
+
 def packed_sample(lengths: list[int], out: str) -> dict[int, np.ndarray]:
-    """The shipped sample packed at each L; returns every row's segment ids per L."""
+    """The shipped sample (or INPUT, an Alpaca JSONL) packed at each L; returns every row's segment ids per L."""
     import loaders
 
-    cmd = [sys.executable, "-m", "apps.cli", "pack", "--sample", "--output", out, "--overwrite", "--max-length", *map(str, lengths)]
+    source = ["--input", INPUT, "--format", "alpaca"] if INPUT else ["--sample"]
+    cmd = [sys.executable, "-m", "apps.cli", "pack", *source, "--output", out, "--overwrite", "--max-length", *map(str, lengths)]
     subprocess.run(cmd, check=True, capture_output=True)
     segs = {}
     for length in lengths:
@@ -183,14 +205,142 @@ def whole_step(seg_row: np.ndarray, repeats: int) -> tuple[float, float]:
 
 
 def save_rows(lengths: list[int], path: str) -> None:
-    """Packs the sample at each L and saves each L's typical row (int32 [L]) as key L<n> of an .npz."""
+    """Packs the sample at each L; saves each L's typical row (int32 [L]) as key L<n>, and all its
+    rows ([rows, L], the whole-step benchmark's batch comes from them) as all_L<n>, in one .npz."""
     with tempfile.TemporaryDirectory() as out:
         segs = packed_sample(lengths, out)
     rows = {f"L{length}": typical_row(segs[length]).astype(np.int32) for length in lengths}
+    rows.update({f"all_L{length}": segs[length].astype(np.int32) for length in lengths})
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     np.savez(path, **rows)
     for key, row in rows.items():
-        print(f"{key}: {len(set(row[row > 0].tolist()))} segments, {int((row == 0).sum())} padding -> {path}")
+        if key.startswith("L"):
+            print(f"{key}: {len(set(row[row > 0].tolist()))} segments, {int((row == 0).sum())} padding -> {path}")
+
+
+def load_rows(path: str) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
+    """(typical row per L, all rows per L; the latter empty for an .npz saved before it had them)."""
+    with np.load(path) as data:
+        typical = {int(k[1:]): data[k] for k in data.files if k.startswith("L")}
+        every = {int(k[5:]): data[k] for k in data.files if k.startswith("all_L")}
+    return typical, every
+
+
+def typical_batch(rows: np.ndarray, batch: int) -> np.ndarray:
+    """`batch` rows around the median tile work (or the typical row repeated, with fewer rows)."""
+    from train.blocked_attention import tile_work
+
+    if len(rows) < batch:
+        return np.repeat(typical_row(rows)[None], batch, axis=0)
+    order = np.argsort([tile_work(r[None], TILE).pairs_computed for r in rows], kind="stable")
+    first = max(0, min(len(rows) - batch, len(rows) // 2 - batch // 2))
+    return rows[np.sort(order[first:first + batch])]
+
+
+# --- 1. Work --------------------------------------------------------------------------------------
+
+# (kind, tile or block) in the work table: dense's L x L, splash at its default block, blocked at
+# each tile, flash at its GPU (64) and TPU/CPU (128) blocks.
+WORK_KINDS = (("dense", None), ("splash", 512), ("blocked", 512), ("blocked", 256), ("blocked", 128), ("flash", 128), ("flash", 64))
+
+
+def work_counts(segs: dict[int, np.ndarray]) -> list[dict]:
+    """Per L and layer kind: mean segments, ideal pairs per row, and each kind's pairs / ideal (sums over rows;
+    per_row: min, median, max of each row's own ratio)."""
+    from train import flops
+
+    out = []
+    for length, seg in sorted(segs.items()):
+        segments = float(np.mean([len(set(r[r > 0].tolist())) for r in seg]))
+        for layer, window in (("global", None), ("local", WINDOW)):
+            ideal = flops.ideal_pairs(seg, window)
+            row = {"L": length, "layer": layer, "rows": len(seg), "segments": segments, "ideal_per_row": float(ideal.mean())}
+            for kind, tile in WORK_KINDS:
+                pairs = flops.attention_pairs(kind, seg, tile or length, window)
+                row[f"{kind} {tile}" if tile else kind] = float(pairs.sum() / ideal.sum())
+                ratio = pairs / ideal
+                row[f"per_row {kind} {tile}" if tile else f"per_row {kind}"] = [float(ratio.min()), float(np.median(ratio)), float(ratio.max())]
+            out.append(row)
+    return out
+
+
+def print_work(rows: list[dict]) -> None:
+    names = [f"{k} {t}" if t else k for k, t in WORK_KINDS]
+    print("Pairs computed per row and query head / the token-level ideal (same-segment causal pairs):\n")
+    print("| L | layer | rows | segments/row | ideal pairs/row | " + " | ".join(names) + " |")
+    print("|---|---|---|---|---|" + "---|" * len(names))
+    for r in rows:
+        print(f"| {r['L']} | {r['layer']} | {r['rows']} | {r['segments']:.1f} | {r['ideal_per_row']:,.0f} | "
+              + " | ".join(f"{r[n]:.1f}x" for n in names) + " |")
+    print("\nPer row (flash 128 and blocked 256 pairs / that row's ideal): min / median / max over the rows:\n")
+    print("| L | layer | flash 128 | blocked 256 |")
+    print("|---|---|---|---|")
+    for r in rows:
+        cells = [" / ".join(f"{x:.1f}x" for x in r[f"per_row {n}"]) for n in ("flash 128", "blocked 256")]
+        print(f"| {r['L']} | {r['layer']} | " + " | ".join(cells) + " |")
+    print("\nOver Gemma3 270M's 3 global + 15 local layers (pairs / ideal, summed over layers):\n")
+    print("| L | " + " | ".join(names) + " |")
+    print("|---|" + "---|" * len(names))
+    for length in sorted({r["L"] for r in rows}):
+        g, loc = (next(r for r in rows if r["L"] == length and r["layer"] == x) for x in ("global", "local"))
+        ideal = LAYERS_GLOBAL * g["ideal_per_row"] + LAYERS_LOCAL * loc["ideal_per_row"]
+        cells = [(LAYERS_GLOBAL * g["ideal_per_row"] * g[n] + LAYERS_LOCAL * loc["ideal_per_row"] * loc[n]) / ideal for n in names]
+        print(f"| {length} | " + " | ".join(f"{c:.1f}x" for c in cells) + " |", flush=True)
+
+
+# --- 2. CPU time per blocked tile ----------------------------------------------------------------
+
+
+def _qkv(length: int, seed: int, sets: int = 1):
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(seed)
+    return [tuple(jnp.asarray(rng.normal(size=(1, length, n, HEAD_DIM)) * scale, jnp.bfloat16)
+                  for n, scale in ((HEADS, HEAD_DIM ** -0.5), (KV_HEADS, 1.0), (KV_HEADS, 1.0))) for _ in range(sets)]
+
+
+def tile_times(rows: dict[int, np.ndarray], tiles: list[int], repeats: int) -> list[dict]:
+    """CPU seconds of the attention alone, fwd + bwd, dense and blocked at each tile, per L and layer kind."""
+    import jax.numpy as jnp
+
+    from train import flops
+    from train.blocked_attention import blocked_attention
+
+    out = []
+    for length, seg_row in sorted(rows.items()):
+        (q, k, v), = _qkv(length, length)
+        seg = jnp.asarray(seg_row[None].astype(np.int32))
+        for layer, window in (("global", None), ("local", WINDOW)):
+            ideal = float(flops.ideal_pairs(seg_row[None], window)[0])
+            row = {"L": length, "layer": layer, "segments": len(set(seg_row[seg_row > 0].tolist()))}
+            row["dense"] = (timed(_fwd_bwd(lambda q, k, v, s: dense_attention(q, k, v, s, block_causal_mask(s, window))),
+                                  q, k, v, seg, repeats=repeats), length * length / ideal)
+            for tile in tiles:
+                f = _fwd_bwd(lambda q, k, v, s, t=tile: blocked_attention(q, k, v, s, tile=t, window=window))
+                work = float(flops.attention_pairs("blocked", seg_row[None], tile, window)[0]) / ideal
+                row[f"blocked {tile}"] = (timed(f, q, k, v, seg, repeats=repeats), work)
+                print(f"L{length} {layer} blocked {tile}: {row[f'blocked {tile}'][0]:.2f} s, work {work:.1f}x ideal", flush=True)
+            out.append(row)
+    return out
+
+
+def print_tile_times(rows: list[dict], tiles: list[int]) -> None:
+    names = ["dense"] + [f"blocked {t}" for t in tiles]
+    print("\nCPU seconds, attention alone fwd + bwd (work: pairs computed / ideal):\n")
+    print("| L | layer | segments | " + " | ".join(names) + " |")
+    print("|---|---|---|" + "---|" * len(names))
+    for r in rows:
+        print(f"| {r['L']} | {r['layer']} | {r['segments']} | " + " | ".join(f"{r[n][0]:.2f} s ({r[n][1]:.1f}x)" for n in names) + " |")
+    print("\nWeighted over Gemma3 270M's 3 global + 15 local layers (s per row), and against dense:\n")
+    print("| L | " + " | ".join(names) + " |")
+    print("|---|" + "---|" * len(names))
+    for length in sorted({r["L"] for r in rows}):
+        g, loc = (next(r for r in rows if r["L"] == length and r["layer"] == x) for x in ("global", "local"))
+        total = {n: LAYERS_GLOBAL * g[n][0] + LAYERS_LOCAL * loc[n][0] for n in names}
+        print(f"| {length} | " + " | ".join(f"{total[n]:.1f} s ({total[n] / total['dense']:.2f})" for n in names) + " |", flush=True)
+
+
+# --- 3. On an accelerator ------------------------------------------------------------------------
 
 
 def cudnn_packed_args(seg_row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -203,18 +353,33 @@ def cudnn_packed_args(seg_row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return lengths[None], offsets[None]
 
 
-def _attention_fns(length: int, window: int | None, seg_row: np.ndarray, cudnn: bool) -> dict:
-    """name -> f(q, k, v, seg) for one row; dense, blocked and (cudnn) the two cuDNN variants."""
+def flash_blocks(backend: str, length: int) -> list[int]:
+    """The flash blocks timed: a GPU's 64 and 128 (Triton: the smaller spills less at head_dim 256), a TPU's 128."""
+    blocks = [128] if backend == "tpu" else [64, 128]
+    return [b for b in blocks if length % b == 0]
+
+
+def _attention_fns(length: int, window: int | None, seg_row: np.ndarray, cudnn: bool, backend: str) -> dict:
+    """name -> f(q, k, v, seg) for one row: dense, blocked, flash at each block; cuDNN's two forms
+    (cudnn) on a GPU; splash on a TPU."""
     import jax
     import jax.numpy as jnp
 
     from train.blocked_attention import blocked_attention
+    from train.flash_attention import flash_attention
 
+    tile = min(TILE, length)
     fns = {
         "dense": lambda q, k, v, seg: dense_attention(q, k, v, seg, block_causal_mask(seg, window)),
-        "blocked": lambda q, k, v, seg: blocked_attention(q, k, v, seg, tile=TILE, window=window),
+        "blocked": lambda q, k, v, seg: blocked_attention(q, k, v, seg, tile=tile, window=window),
     }
-    if cudnn:
+    for block in flash_blocks(backend, length):
+        fns[f"flash {block}"] = lambda q, k, v, seg, b=block: flash_attention(q, k, v, seg, window=window, block=b)
+    if backend == "tpu":
+        from train.attention import splash_attention
+
+        fns["splash"] = lambda q, k, v, seg: splash_attention(q, k, v, seg, window=window, block=tile)
+    if cudnn and backend == "gpu":
         local = None if window is None else (window - 1, 0)
 
         def cudnn_mask(q, k, v, seg):
@@ -249,26 +414,28 @@ def _temp_gib(compiled) -> float | None:
         return None
 
 
-def device_table(rows: dict[int, np.ndarray], repeats: int, cudnn: bool, sets: int = 3) -> None:
-    """The attention alone on the default device: ms per fwd+bwd call (median, inputs rotated
-    over `sets` random draws), blocked / dense, XLA temp memory per call, forward error vs dense."""
+def device_table(rows: dict[int, np.ndarray], repeats: int, cudnn: bool, sets: int = 3, deadline: float | None = None) -> list[dict]:
+    """The attention alone on the default device: ms per fwd+bwd call (median, inputs rotated over
+    `sets` random draws), XLA temp memory per call, forward error vs dense. Stops at `deadline`."""
     import jax
     import jax.numpy as jnp
 
     dev = jax.devices()[0]
-    print(f"jax {jax.__version__}, backend {jax.default_backend()}, device {dev.device_kind}", flush=True)
+    backend = jax.default_backend()
+    print(f"jax {jax.__version__}, backend {backend}, device {dev.device_kind}", flush=True)
     results = []
     for length, seg_row in sorted(rows.items()):
         real = jnp.asarray(seg_row[None] > 0)[..., None, None]
-        rng = np.random.default_rng(length)
-        draws = [tuple(jnp.asarray(rng.normal(size=(1, length, n, HEAD_DIM)) * scale, jnp.bfloat16)
-                       for n, scale in ((HEADS, HEAD_DIM ** -0.5), (KV_HEADS, 1.0), (KV_HEADS, 1.0))) for _ in range(sets)]
+        draws = _qkv(length, length, sets)
         seg = jnp.asarray(seg_row[None].astype(np.int32))
         segments = len(set(seg_row[seg_row > 0].tolist()))
         for layer, window in (("global", None), ("local", WINDOW)):
             row = {"L": length, "layer": layer, "segments": segments}
             ref = None
-            for name, f in _attention_fns(length, window, seg_row, cudnn).items():
+            for name, f in _attention_fns(length, window, seg_row, cudnn, backend).items():
+                if deadline is not None and time.perf_counter() > deadline:
+                    row[name] = "skipped: out of the time budget"
+                    continue
                 try:
                     out = jax.jit(f)(*draws[0], seg).astype(jnp.float32)
                     if ref is None:
@@ -285,8 +452,8 @@ def device_table(rows: dict[int, np.ndarray], repeats: int, cudnn: bool, sets: i
                         jax.block_until_ready(fn(q, k, v, seg))
                         times.append(time.perf_counter() - start)
                     row[name] = (statistics.median(times) * 1e3, temp, err)
-                except Exception as e:  # noqa: BLE001 - report and go on (OOM, unsupported cuDNN config)
-                    row[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                except Exception as e:  # noqa: BLE001 - report and go on (OOM, unsupported config, a kernel that fails)
+                    row[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
                 print(f"L{length} {layer} {name}: {row[name]}", flush=True)
             results.append(row)
     try:
@@ -294,7 +461,14 @@ def device_table(rows: dict[int, np.ndarray], repeats: int, cudnn: bool, sets: i
         print(f"process peak device memory: {stats.get('peak_bytes_in_use', 0) / 2**30:.1f} GiB", flush=True)
     except Exception:  # noqa: BLE001
         pass
-    names = [n for n in ("dense", "blocked", "cudnn (mask)", "cudnn (packed)") if n in results[0]]
+    print_device_table(results)
+    return results
+
+
+def print_device_table(results: list[dict]) -> None:
+    if not results:
+        return
+    names = [n for n in results[0] if n not in ("L", "layer", "segments")]
 
     def cell(v):
         if isinstance(v, str):
@@ -302,14 +476,178 @@ def device_table(rows: dict[int, np.ndarray], repeats: int, cudnn: bool, sets: i
         ms, temp, err = v
         return f"{ms:.2f} ms" + (f" ({temp:.2f} GiB)" if temp is not None else "") + (f", err {err:.1e}" if err else "")
 
-    print("\n| L | layer | segments | " + " | ".join(names) + " | blocked / dense |")
-    print("|---|---|---|" + "---|" * len(names) + "---|")
+    def ratio(row, name):
+        d, x = row.get("dense"), row.get(name)
+        return f"{x[0] / d[0]:.2f}" if isinstance(d, tuple) and isinstance(x, tuple) else "-"
+
+    others = [n for n in names if n != "dense"]
+    print("\n| L | layer | segments | " + " | ".join(names) + " | " + " | ".join(f"{n} / dense" for n in others) + " |")
+    print("|---|---|---|" + "---|" * (len(names) + len(others)))
     for row in results:
-        d, b = row["dense"], row["blocked"]
-        ratio = f"{b[0] / d[0]:.2f}" if not isinstance(d, str) and not isinstance(b, str) else "-"
-        print(f"| {row['L']} | {row['layer']} | {row['segments']} | " + " | ".join(cell(row[n]) for n in names) + f" | {ratio} |")
+        print(f"| {row['L']} | {row['layer']} | {row['segments']} | " + " | ".join(cell(row.get(n, "-")) for n in names)
+              + " | " + " | ".join(ratio(row, n) for n in others) + " |")
     print("\nms: median fwd+bwd call; (GiB): XLA temp memory of the compiled fwd+bwd; err: forward output's "
           "relative L2 difference from dense at real positions.", flush=True)
+    lengths = sorted({r["L"] for r in results})
+    print("\nOver Gemma3 270M's 3 global + 15 local layers, ms per row (and / dense):\n")
+    print("| L | " + " | ".join(names) + " |")
+    print("|---|" + "---|" * len(names))
+    for length in lengths:
+        g = next((r for r in results if r["L"] == length and r["layer"] == "global"), None)
+        loc = next((r for r in results if r["L"] == length and r["layer"] == "local"), None)
+        if g is None or loc is None:
+            continue
+        cells = []
+        for n in names:
+            if isinstance(g.get(n), tuple) and isinstance(loc.get(n), tuple) and isinstance(g.get("dense"), tuple):
+                total = LAYERS_GLOBAL * g[n][0] + LAYERS_LOCAL * loc[n][0]
+                dense = LAYERS_GLOBAL * g["dense"][0] + LAYERS_LOCAL * loc["dense"][0]
+                cells.append(f"{total:.1f} ({total / dense:.2f})")
+            else:
+                cells.append("-")
+        print(f"| {length} | " + " | ".join(cells) + " |", flush=True)
+
+
+STEP_BATCH, STEP_LENGTH = 4, 8192
+
+
+def step_variant(spec: str, rows_path: str | None, smoke: bool, repeats: int) -> dict:
+    """One whole-step variant "KIND:TILE:REMAT" in this process: compile, warm, time; peak memory."""
+    import jax
+
+    from benchmarks import gemma3_step as g3
+
+    kind, tile, remat = spec.split(":")
+    shape = g3.SMOKE if smoke else g3.GEMMA3_270M
+    length, batch = (256, 2) if smoke else (STEP_LENGTH, STEP_BATCH)
+    rows = smoke_rows(length, batch) if smoke or rows_path is None else None
+    if rows is None:
+        typical, every = load_rows(rows_path)
+        rows = typical_batch(every[length], batch) if length in every else np.repeat(typical[length][None], batch, axis=0)
+    data = {k: jax.device_put(v) for k, v in g3.batch_from_rows(rows, shape.vocab).items()}
+    base, lora = g3.init(shape)
+    step = g3.make_step(shape, kind, int(tile), remat == "layer")
+    started = time.perf_counter()
+    compiled = step.lower(lora, base, data).compile()
+    compile_s = time.perf_counter() - started
+    temp = _temp_gib(compiled)
+    losses, times = [], []
+    for i in range(repeats + 2):
+        start = time.perf_counter()
+        loss, lora = compiled(lora, base, data)
+        loss = float(jax.block_until_ready(loss))
+        if i >= 2:  # two warm-up steps
+            times.append(time.perf_counter() - start)
+        losses.append(loss)
+    try:
+        peak = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+    except Exception:  # noqa: BLE001
+        peak = None
+    segments = int(sum(len(set(r[r > 0].tolist())) for r in rows))
+    return {"variant": spec, "kind": kind, "tile": int(tile), "remat": remat, "batch": batch, "length": length,
+            "segments": segments, "compile_s": compile_s, "median_step_s": statistics.median(times),
+            "steps_s": times, "losses": losses, "peak_gib": None if peak is None else peak / 2**30, "temp_gib": temp}
+
+
+def smoke_rows(length: int, batch: int, mean: int = 40) -> np.ndarray:
+    """Alpaca-like packed rows without packing: segment lengths drawn around `mean`, a padded tail."""
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(batch):
+        lengths = np.maximum(2, rng.geometric(1 / mean, size=4 * length // mean))
+        row = np.repeat(np.arange(1, len(lengths) + 1), lengths)[: length - int(rng.integers(0, mean))]
+        out.append(np.pad(row, (0, length - len(row))))
+    return np.stack(out).astype(np.int32)
+
+
+def step_variants(backend: str, smoke: bool) -> list[str]:
+    """flash against dense, each with --remat layer and without (flash first: dense may not fit)."""
+    block = 128 if backend == "tpu" else 64
+    if smoke:
+        block = 64
+    kinds = [f"flash:{block}", "dense:0"] + ([f"splash:512"] if backend == "tpu" else [])
+    return [f"{k}:{remat}" for remat in ("layer", "none") for k in kinds]
+
+
+def run_step_variant(spec: str, args: argparse.Namespace, timeout: float) -> dict:
+    cmd = [sys.executable, "-m", "benchmarks.bench_attention", "--step-variant", spec, "--repeats", str(args.step_repeats)]
+    if args.rows:
+        cmd += ["--rows", args.rows]
+    if args.smoke:
+        cmd.append("--smoke")
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"variant": spec, "failed": f"no result within {timeout:.0f} s (the time budget)"}
+    for line in done.stdout.splitlines():
+        if line.startswith("STEP "):
+            return json.loads(line[5:])
+    err = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+    return {"variant": spec, "failed": f"exit {done.returncode}: {err[:300]}"}
+
+
+def print_steps(results: list[dict]) -> None:
+    print("\n| variant (kind:tile:remat) | rows x L | segments | median step | peak device memory | XLA temp | compile | losses |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        if "failed" in r:
+            print(f"| {r['variant']} | - | - | {r['failed']} | | | | |")
+            continue
+        peak = f"{r['peak_gib']:.1f} GiB" if r.get("peak_gib") is not None else "-"
+        temp = f"{r['temp_gib']:.1f} GiB" if r.get("temp_gib") is not None else "-"
+        print(f"| {r['variant']} | {r['batch']} x {r['length']} | {r['segments']} | {r['median_step_s'] * 1e3:.0f} ms | {peak} | {temp} "
+              f"| {r['compile_s']:.0f} s | {r['losses'][0]:.3f} .. {r['losses'][-1]:.3f} |")
+    by = {r["variant"]: r for r in results if "failed" not in r}
+    for remat in ("layer", "none"):
+        flash = next((r for v, r in by.items() if v.startswith("flash:") and v.endswith(":" + remat)), None)
+        dense = by.get(f"dense:0:{remat}")
+        if flash and dense:
+            print(f"remat {remat}: flash / dense step time {flash['median_step_s'] / dense['median_step_s']:.2f}"
+                  + (f", peak memory {flash['peak_gib'] / dense['peak_gib']:.2f}" if flash.get("peak_gib") and dense.get("peak_gib") else ""),
+                  flush=True)
+
+
+def device_all(args: argparse.Namespace) -> None:
+    """(a) the attention alone, (b) the whole-step variants, within --budget-s; JSON to --out."""
+    import platform
+
+    import jax
+
+    started = time.perf_counter()
+    deadline = started + args.budget_s
+    backend = jax.default_backend()
+    info = {"jax": jax.__version__, "backend": backend, "device": jax.devices()[0].device_kind,
+            "devices": jax.device_count(), "python": platform.python_version()}
+    try:
+        from jax.extend import backend as jex_backend
+
+        info["platform_version"] = jex_backend.get_backend().platform_version
+    except Exception:  # noqa: BLE001
+        pass
+    print(json.dumps({"machine": info}), flush=True)
+    if args.smoke:
+        rows = {256: smoke_rows(256, 1)[0]}
+    else:
+        rows, _ = load_rows(args.rows)
+    # (a) gets at most 55% of the budget; the steps what is left.
+    attention = device_table(rows, args.repeats, cudnn=backend == "gpu", deadline=started + 0.55 * args.budget_s)
+    steps = []
+    for spec in step_variants(backend, args.smoke):
+        left = deadline - time.perf_counter()
+        if left < 30:
+            steps.append({"variant": spec, "failed": "skipped: out of the time budget"})
+            continue
+        steps.append(run_step_variant(spec, args, left))
+        print(f"step {spec}: {json.dumps(steps[-1])}", flush=True)
+    print_steps(steps)
+    out = args.out or os.environ.get("OUT")
+    if out:
+        os.makedirs(out, exist_ok=True)
+        path = os.path.join(out, "bench_attention.json")
+        with open(path, "w") as f:
+            json.dump({"machine": info, "attention": attention, "steps": steps,
+                       "seconds": time.perf_counter() - started}, f, indent=1)
+        print(f"-> {path}", flush=True)
 
 
 def main() -> None:
@@ -317,26 +655,59 @@ def main() -> None:
     p.add_argument("--lengths", default="2048,4096,8192")
     p.add_argument("--time-lengths", default="4096,8192")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--work", action="store_true", help="the work table of every kind at --lengths, then exit")
+    p.add_argument("--tiles", default=None, help="CPU: time blocked at these tiles (e.g. 128,256,512) against dense")
     p.add_argument("--skip-step", action="store_true", help="time the attention alone only")
-    p.add_argument("--save-rows", metavar="NPZ", help="pack the sample at --time-lengths, save each L's typical row, exit")
-    p.add_argument("--rows", metavar="NPZ", help="time the attention alone (global and local layers, ms) on these saved "
-                   "rows; packs nothing (for a device machine with jax and numpy only)")
+    p.add_argument("--save-rows", metavar="NPZ", help="pack the sample at --time-lengths, save each L's typical row "
+                   "and all its rows, exit")
+    p.add_argument("--rows", metavar="NPZ", help="saved rows: time the attention alone (global and local layers, ms) "
+                   "on them; packs nothing (for a device machine with jax and numpy only)")
     p.add_argument("--cudnn", action="store_true", help="with --rows: also cuDNN flash attention (GPU only)")
+    p.add_argument("--device-all", action="store_true", help="with --rows (or --smoke): the attention alone, then the "
+                   "whole-step variants, within --budget-s")
+    p.add_argument("--budget-s", type=float, default=540.0, help="--device-all's wall-time budget")
+    p.add_argument("--step-repeats", type=int, default=5, help="timed steps per whole-step variant (after 2 warm-up steps)")
+    p.add_argument("--step-variant", default=None, help=argparse.SUPPRESS)  # one variant, in its own process
+    p.add_argument("--smoke", action="store_true", help="small shapes: check the device run end to end on any machine")
+    p.add_argument("--out", default=None, help="--device-all's JSON folder (default: $OUT when set)")
+    p.add_argument("--alpaca", action="store_true", help="pack the benchmarks' Alpaca sample ($PREPACK_BENCH_DATA/alpaca.jsonl, "
+                   "benchmarks/data.py) instead of the shipped one")
     args = p.parse_args()
+    if args.alpaca:
+        from benchmarks.data import DATA_DIR
+
+        global INPUT
+        INPUT = os.path.join(DATA_DIR, "alpaca.jsonl")
+    if args.step_variant:
+        print("STEP " + json.dumps(step_variant(args.step_variant, args.rows, args.smoke, args.repeats)), flush=True)
+        return
+    if args.device_all:
+        if not (args.rows or args.smoke):
+            p.error("--device-all needs --rows NPZ (saved with --save-rows) or --smoke")
+        device_all(args)
+        return
     if args.save_rows:
         save_rows(sorted({int(x) for x in args.time_lengths.split(",")}), args.save_rows)
         return
     if args.rows:
-        with np.load(args.rows) as data:
-            device_table({int(k[1:]): data[k] for k in data.files}, args.repeats, args.cudnn)
+        typical, _ = load_rows(args.rows)
+        device_table(typical, args.repeats, args.cudnn)
         return
-    lengths = sorted({int(x) for x in args.lengths.split(",")} | {int(x) for x in args.time_lengths.split(",")})
+    work_lengths = [int(x) for x in args.lengths.split(",")]
+    time_lengths = [int(x) for x in args.time_lengths.split(",")]
     with tempfile.TemporaryDirectory() as out:
-        segs = packed_sample(lengths, out)
-    work_table({L: segs[L] for L in (int(x) for x in args.lengths.split(","))})
+        segs = packed_sample(sorted(set(work_lengths) | set(time_lengths)), out)
+    if args.work:
+        print_work(work_counts({L: segs[L] for L in work_lengths}))
+        return
+    if args.tiles:
+        tiles = [int(x) for x in args.tiles.split(",")]
+        print_tile_times(tile_times({L: typical_row(segs[L]) for L in time_lengths}, tiles, args.repeats), tiles)
+        return
+    work_table({L: segs[L] for L in work_lengths})
     print("\n| L | segments in the row | attention fwd+bwd dense / blocked (s) | ratio | tiny-Gemma3 step dense / blocked (s) | ratio |")
     print("|---|---|---|---|---|---|")
-    for length in (int(x) for x in args.time_lengths.split(",")):
+    for length in time_lengths:
         row = typical_row(segs[length])
         dense_s, blocked_s = attention_alone(row, args.repeats)
         step = "" if args.skip_step else whole_step(row, args.repeats)

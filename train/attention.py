@@ -23,19 +23,23 @@ and `tp` axes, and the positional model call used by the losses cannot pass `seg
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+
+if TYPE_CHECKING:  # the kernels need only jax (benchmarks/bench_attention.py runs them where flax is absent)
+    from flax import nnx
 
 from train.blocked_attention import blocked_attention
 
 DENSE, BLOCKED, FLASH, SPLASH = "dense", "blocked", "flash", "splash"
 KINDS = (DENSE, BLOCKED, FLASH, SPLASH)
 DEFAULT_TILE = 512  # splash's block
-# blocked's tile on a CPU, by measurement (docs/benchmarks.md, "The blocked tile on a CPU").
-BLOCKED_TILE = 512
+# blocked's tile, by measurement on a CPU (docs/benchmarks.md, "The blocked tile on a CPU"): over
+# Gemma3 270M's layers 256 took 0.16x / 0.23x dense's time at L 4096 / 8192, 128 0.28x / 0.34x
+# (its scan steps through every tile a query tile could reach), 512 0.22x / 0.24x.
+BLOCKED_TILE = 256
 SPLASH_LANES = 128  # the splash kernel's key blocks are multiples of the TPU lane count
 
 
