@@ -144,6 +144,16 @@ def test_verify_model_fails_naming_row_shard_and_segment(shard_set) -> None:
     assert out.splitlines()[-1] == "verify: FAILED"
 
 
+def test_verify_model_runs_flash_in_interpret_mode_and_catches_a_layout_bug(shard_set) -> None:
+    """--attention flash on a CPU: Pallas interpret mode, slow but not refused; the parity check holds and bites."""
+    rc, out, err = run_verify(shard_set, "--model", "tiny-gemma3", "--rows", "2", "--attention", "flash", "--attention-tile", "16")
+    assert (rc, err) == (0, ""), out
+    assert "L64  parity ok      float32" in out and "attention flash" in out
+    rc, out, err = run_verify(shard_set, "--model", "tiny-gemma3", "--rows", "2", "--attention", "flash", "--attention-tile", "16",
+                              packed_layout=plain_causal)
+    assert (rc, err) == (1, "") and "L64  parity FAILED  float32" in out, out
+
+
 @pytest.mark.parametrize("args, message", [
     (("--rows", "0"), "prepack verify: --rows must be positive, got 0"),
     (("--model", "gpt-2"), "prepack verify: unknown model 'gpt-2'; choose one of"),
