@@ -52,7 +52,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from train.blocked_attention import NEG_INF, key_tile_ranges, query_tile_ranges
@@ -60,9 +59,10 @@ from train.blocked_attention import NEG_INF, key_tile_ranges, query_tile_ranges
 GPU, TPU = "gpu", "tpu"
 STYLES = (GPU, TPU)
 NUM_LANES, NUM_SUBLANES = 128, 8
-# Blocks: 128 tokens (the issue's work goal; a TPU lane multiple). On a GPU, head_dim 256
-# (Gemma3) keeps a 128 x 256 float32 accumulator per program; 64 halves it (Triton spills
-# less); the device benchmark times both (benchmarks/bench_attention.py --flash-blocks).
+# Blocks: 128 tokens (a TPU lane multiple; the work counts in docs/benchmarks.md). On a GPU,
+# head_dim 256 (Gemma3) makes a 128-query block's float32 accumulator 128 KiB per program and
+# a 128-key K or V block 64 KiB of shared memory per pipeline stage; 64 halves both. Not yet
+# timed: benchmarks/bench_attention.py --device-all times 64 and 128 on a GPU.
 DEFAULT_BLOCK = {GPU: 64, TPU: 128}
 CPU_BLOCK = 128
 VMEM_HEADROOM = 8 * 2**20
@@ -101,8 +101,6 @@ class _Shape:
 class _Gpu:
     """Triton: 1-D vectors, 1-D iotas, broadcasting by jnp."""
 
-    stat_width = 1
-
     @staticmethod
     def bound(ref, b, i):
         del b, i
@@ -116,7 +114,7 @@ class _Gpu:
     @staticmethod
     def moving_row(ref, start, size):
         """Per-position values of a moving block as a row [1, size] (ref: the whole row)."""
-        return ref[pl_ds(start, size)][None, :]
+        return ref[_ds(start, size)][None, :]
 
     @staticmethod
     def positions(r0, rows, c0, cols):
@@ -146,8 +144,6 @@ class _Gpu:
 class _Tpu:
     """Mosaic: statistics [bq, 128]; segment ids broadcast along lanes (columns) or sublanes (rows)."""
 
-    stat_width = NUM_LANES
-
     @staticmethod
     def bound(ref, b, i):
         return ref[b, i]  # scalar-prefetched into SMEM
@@ -158,7 +154,7 @@ class _Tpu:
 
     @staticmethod
     def moving_row(ref, start, size):
-        return ref[:1, pl_ds(start, size)]
+        return ref[:1, _ds(start, size)]
 
     @staticmethod
     def positions(r0, rows, c0, cols):
@@ -190,7 +186,7 @@ class _Tpu:
         ref[...] = jnp.broadcast_to(x, ref.shape)
 
 
-def pl_ds(start, size):
+def _ds(start, size):
     from jax.experimental import pallas as pl
 
     return pl.ds(pl.multiple_of(start, size), size)
@@ -229,8 +225,8 @@ def _forward_kernel(bounds_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, 
     def body(kb, carry):
         o, m, l = carry
         start = kb * bk
-        k = k_ref[pl_ds(start, bk), :]
-        v = v_ref[pl_ds(start, bk), :]
+        k = k_ref[_ds(start, bk), :]
+        v = v_ref[_ds(start, bk), :]
         s = _dot(q, k, trans_b=True)  # [bq, bk] float32
         q_pos, k_pos = st.positions(i * bq, bq, start, bk)
         ok = _allowed(q_seg, st.moving_row(kseg_ref, start, bk), q_pos, k_pos, shape.window)
@@ -261,8 +257,8 @@ def _dq_kernel(bounds_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg
 
     def body(kb, dq):
         start = kb * bk
-        k = k_ref[pl_ds(start, bk), :]
-        v = v_ref[pl_ds(start, bk), :]
+        k = k_ref[_ds(start, bk), :]
+        v = v_ref[_ds(start, bk), :]
         s = _dot(q, k, trans_b=True)
         q_pos, k_pos = st.positions(i * bq, bq, start, bk)
         ok = _allowed(q_seg, st.moving_row(kseg_ref, start, bk), q_pos, k_pos, shape.window)
@@ -289,8 +285,8 @@ def _dkv_kernel(bounds_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kse
     def body(qb, carry):
         dk, dv = carry
         start = qb * bq
-        q = q_ref[pl_ds(start, bq), :]
-        do = do_ref[pl_ds(start, bq), :]
+        q = q_ref[_ds(start, bq), :]
+        do = do_ref[_ds(start, bq), :]
         s_t = _dot(k, q, trans_b=True)  # [bk, bq]
         k_pos, q_pos = st.positions(j * bk, bk, start, bq)
         ok = _allowed(st.moving_row(qseg_ref, start, bq), k_seg, q_pos, k_pos, shape.window)
