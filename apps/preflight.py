@@ -47,10 +47,10 @@ import numpy as np
 
 from apps.packing_table import CSV_COLUMNS, THROUGHPUT_MODEL, render_text_table, result_row
 from apps.report import find_manifests, manifest_rows
-from pipelines.configs import RowSpec
-from pipelines.options import OptionsError, add_overlong_options, mapping_options, window_context_option
+from pipelines.configs import PackConfig, RowSpec
+from pipelines.options import OptionsError, add_row_options, mapping_options, parse_run_args, row_spec
 from prepack.packing.accounting import LENGTH_REASONS, Tally
-from prepack.packing.bad_records import DEFAULT_MAX_BAD_FRACTION, too_many_bad_records
+from prepack.packing.bad_records import too_many_bad_records
 from prepack.cli_help import DefaultsHelpFormatter
 from prepack.text.formats import template_names
 from prepack.packing.fitting import fit_length
@@ -312,30 +312,31 @@ def _pipelines() -> Any:
     return prepare, readers, sources
 
 
-def read_tasks(spec: str) -> tuple[list[Any], list[Any]]:
+def read_tasks(spec: str, rows: RowSpec) -> tuple[list[Any], list[Any]]:
     """(TaskMetas, ReadTasks) of one --input, as the job plans them; PreflightError if unreadable."""
     _, _, sources = _pipelines()
     try:
-        inputs, tasks = sources.resolve_inputs([spec])
+        inputs, tasks = sources.resolve_inputs([spec], rows.tfds_data_dir)
     except sources.InputError as e:
         raise PreflightError(str(e)) from e
     return sources.task_metas(inputs, tasks), tasks
 
 
-def check_input(spec: str) -> None:
+def check_input(spec: str, rows: RowSpec) -> None:
     """Raises PreflightError if the input cannot be read: before the tokenizer loads."""
-    read_tasks(spec)
+    read_tasks(spec, rows)
 
 
-def _raw_batches(tasks: Iterable[Any]) -> Iterator[tuple[int, list]]:
-    """(task index, raw records) in batches, as the job's read stage makes them."""
+def _raw_batches(tasks: Iterable[Any], rows: RowSpec) -> Iterator[tuple[int, list]]:
+    """(task index, raw records) in batches, as the job's read stage makes them (under the RowSpec's limits)."""
     _, readers, _ = _pipelines()
     for task in tasks:
-        for batch in _batches(readers.iter_task(task, readers.FileDigest(), TOKENIZE_BATCH), TOKENIZE_BATCH):
+        for batch in _batches(readers.iter_task(task, readers.FileDigest(), TOKENIZE_BATCH, rows.limits), TOKENIZE_BATCH):
             yield task.task_index, batch
 
 
-def _templated(preparer: Any, metas: list[Any], tasks: list[Any], tally: Tally, progress: Any = None) -> Iterator[Any]:
+def _templated(preparer: Any, metas: list[Any], tasks: list[Any], tally: Tally, rows: RowSpec,
+               progress: Any = None) -> Iterator[Any]:
     """(conv, response, meta) of every example, through the job's prepare stage; bad records are
     tallied by reason as the job does (their dead letters are not kept). progress (a _Progress)
     reports records read after each batch."""
@@ -348,7 +349,7 @@ def _templated(preparer: Any, metas: list[Any], tasks: list[Any], tally: Tally, 
     template = preparer.template
     if getattr(template, "table_level", False):  # oasst1: messages only make sense as whole trees
         trees: dict[str, list] = {}
-        for task_index, items in _raw_batches(tasks):
+        for task_index, items in _raw_batches(tasks, rows):
             for key, located in prepare.key_table_records(metas, task_index, items, template.group_key, tally, bad):
                 trees.setdefault(key, []).append(located)
             bad.clear()
@@ -358,7 +359,7 @@ def _templated(preparer: Any, metas: list[Any], tasks: list[Any], tally: Tally, 
             yield from preparer.template_table(trees.pop(key), tally, bad).items()
             bad.clear()
         return
-    for task_index, items in _raw_batches(tasks):
+    for task_index, items in _raw_batches(tasks, rows):
         yield from preparer.template_records(task_index, items, tally, bad).items()
         bad.clear()
         if progress is not None:
@@ -425,14 +426,14 @@ PROGRESS_EVERY_S = 10.0
 def load_examples(spec: DatasetSpec, tokenizer: Any, chat_format: Any, config: PreflightConfig) -> ExampleSet:
     """Reads, templates and tokenizes one dataset (all of it, or a seeded sample of --max-examples)."""
     prepare, _, _ = _pipelines()
-    metas, tasks = read_tasks(spec.path)
+    metas, tasks = read_tasks(spec.path, config.rows)
     template = make_template(spec.format, {**config.rows.template_kwargs, **dict(spec.options)})
     preparer = prepare.Preparer(metas, template, tokenizer, chat_format, expand_turns=config.rows.expand_turns)
     tally = Tally()
     progress = _Progress(spec.name)
     # Reading runs ahead of tokenizing when sampling, or for a table-level format (oasst1): report it too.
     reads_ahead = config.max_examples is not None or getattr(template, "table_level", False)
-    items: Iterable[Any] = _templated(preparer, metas, tasks, tally, progress if reads_ahead else None)
+    items: Iterable[Any] = _templated(preparer, metas, tasks, tally, config.rows, progress if reads_ahead else None)
     seen = None
     if config.max_examples is not None:
         reservoir = _Reservoir(config.max_examples, config.seed)
@@ -466,7 +467,7 @@ def checked_format(spec: DatasetSpec, config: PreflightConfig) -> DatasetSpec:
     refused in one line."""
     from pipelines.launch.format_check import FormatCheckError, check_source
 
-    _, tasks = read_tasks(spec.path)
+    _, tasks = read_tasks(spec.path, config.rows)
     if not tasks:
         return spec
     options = {**config.rows.template_kwargs, **dict(spec.options)}
@@ -587,12 +588,14 @@ def render_mixture_table(rows: Sequence[dict[str, Any]], weight_of: str) -> str:
     return "\n".join(lines)
 
 
-_PACK_TEMPLATE_FLAGS = {"source_lang": "--source-lang", "target_lang": "--target-lang", "prompt_format": "--prompt-format"}
+_PACK_TEMPLATE_OPTIONS = ("source_lang", "target_lang", "prompt_format")  # what `prepack pack`'s templates take
 
 
-def run_with_pipeline(config: PreflightConfig, pack_args: Sequence[str]) -> dict[str, Any]:
+def run_with_pipeline(config: PreflightConfig, run_args: Sequence[str], overwrite: bool = False) -> dict[str, Any]:
     """The same result as `run`, from the Beam job: one `prepack pack` per dataset, then its manifests.
 
+    Each job runs the RowSpec preflight evaluated (one dataset's inputs and format), no command
+    line rebuilt; run_args: the run options and Beam's (pipelines.options.parse_run_args).
     Bad records up to --max-bad-fraction are counted, not fatal, as in-process. Manifests carry
     no length histogram, so the median/p95 columns and the histogram plot are left out.
     """
@@ -600,28 +603,20 @@ def run_with_pipeline(config: PreflightConfig, pack_args: Sequence[str]) -> dict
         from pipelines.launch import cli as pack_cli
     except ImportError as e:
         raise PreflightError(f"--pack-output needs the pipeline extra ({e}); pip install 'tunix-prepack[pipeline]'") from e
-    unknown = sorted(set(config.rows.template_kwargs) - set(_PACK_TEMPLATE_FLAGS))
+    unknown = sorted(set(config.rows.template_kwargs) - set(_PACK_TEMPLATE_OPTIONS))
     if unknown:
         raise PreflightError(f"--pack-output: `prepack pack` takes no template option {', '.join(unknown)}")
+    try:
+        own = [o for action in _parser()._actions for o in action.option_strings if o.startswith("--")]
+        run_options, beam_args = parse_run_args(run_args, output="", overwrite=overwrite, own_options=own)
+    except OptionsError as e:
+        raise PreflightError(f"--pack-output: {e}") from None
     rows, datasets = [], []
     for spec in config.datasets:
         out = os.path.join(config.pack_output, spec.name)
-        argv = ["--input", spec.path, "--format", spec.format, "--tokenizer", config.rows.tokenizer,
-                "--chat-format", config.rows.chat_format, "--max-length", *map(str, config.rows.max_lengths),
-                "--overlong", config.rows.overlong.value, "--output", out, "--planner", config.rows.planner.value,
-                "--max-bad-fraction", str(config.rows.max_bad_fraction)]
-        if config.rows.max_segments_per_row is not None:
-            argv += ["--max-segments-per-row", str(config.rows.max_segments_per_row)]
-        if config.rows.window_context_tokens is not None:
-            argv += ["--window-context-tokens", str(config.rows.window_context_tokens)]
-        if not config.rows.train_reasoning:
-            argv += ["--train-reasoning", "no"]
-        if config.rows.expand_turns:
-            argv += ["--expand-turns"]
-        for key, value in sorted(config.rows.template_kwargs.items()):
-            argv += [_PACK_TEMPLATE_FLAGS[key], value]
         started = time.perf_counter()
-        code = pack_cli.main(argv + list(pack_args))
+        code = pack_cli.run_config(PackConfig(dataset_rows(config, spec), dataclasses.replace(run_options, output=out)),
+                                   beam_args)
         if code != 0:
             raise PreflightError(f"{spec.name}: `prepack pack` failed (exit {code}); see its message above")
         found = find_manifests(out)
@@ -647,6 +642,14 @@ def run_with_pipeline(config: PreflightConfig, pack_args: Sequence[str]) -> dict
     result = run(dataclasses.replace(config, datasets=()), lambda spec: None)  # the header fields, no datasets
     result.update(datasets=datasets, rows=rows, packing="global BFD by the Beam job (`prepack pack`); figures from its manifests")
     return result
+
+
+def dataset_rows(config: PreflightConfig, spec: DatasetSpec) -> RowSpec:
+    """The RowSpec of one dataset as preflight evaluates it: the command's, with this dataset's
+    inputs, format and template options (its one source, as a plain `prepack pack` run)."""
+    return dataclasses.replace(config.rows, inputs=(spec.path,), format=spec.format,
+                               template_options=tuple(sorted({**config.rows.template_kwargs, **dict(spec.options)}.items())),
+                               mixture=None)
 
 
 def write_outputs(result: dict[str, Any], output: str, plots: bool = True) -> list[str]:
@@ -686,6 +689,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="prepack preflight",
         formatter_class=DefaultsHelpFormatter,
+        allow_abbrev=False,  # with --pack-output a Beam flag must never be taken for an abbreviation of ours
         description="Estimate packing gains from the tokenizer alone: per dataset x max length x batch size, "
         "densities, rows, steps and the expected target-token throughput gain. In-process; for very large inputs "
         "use --max-examples, or `prepack pack` then `prepack report --shards`.",
@@ -698,35 +702,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--format", "--template", dest="format", action="extend", nargs="+", metavar="FORMAT",
                    help=f"source format (template) of the inputs: {', '.join(template_names())}, or auto (chosen from "
                    "the first records' keys, as `prepack pack --format auto`); one for all, or one per --input in order")
-    p.add_argument("--columns", metavar="NAME=COLUMN,...",
-                   help="as `prepack pack --columns`: read other column and message-key names (e.g. messages=dialog,role=speaker)")
-    p.add_argument("--roles", metavar="ROLE=VALUE,...",
-                   help="as `prepack pack --roles`: read other role values (e.g. user=human,assistant=bot)")
-    p.add_argument("--tokenizer", default="gemma3", help="tokenizer spec: gemma3 (embedded, default), qwen3 (embedded), sp:FILE.model, hf:NAME")
-    p.add_argument("--chat-format", default="auto", help="gemma, chatml, qwen3, hf or auto (default)")
-    p.add_argument("--expand-turns", action="store_true", help="as `prepack pack --expand-turns`: one example per target reply")
-    p.add_argument("--train-reasoning", choices=("yes", "no"), default="yes",
-                   help="as `prepack pack --train-reasoning`: whether a reasoning trace's think block is a target (qwen3)")
-    p.add_argument("--max-length", action="extend", nargs="+", type=int, metavar="L",
-                   help=f"max lengths (default: {' '.join(map(str, DEFAULT_MAX_LENGTHS))})")
     p.add_argument("--batch-size", action="extend", nargs="+", type=int, metavar="B",
                    help=f"batch sizes (default: {' '.join(map(str, DEFAULT_BATCH_SIZES))})")
-    add_overlong_options(p)  # as `prepack pack`: one definition
-    p.add_argument("--planner", choices=[p.value for p in Planner], default=Planner.BEST.value,
-                   help="row planner, as `prepack pack --planner` (default best)")
-    p.add_argument("--max-segments-per-row", type=int, metavar="N",
-                   help="at most N examples per row, as `prepack pack --max-segments-per-row` (default: no cap)")
     p.add_argument("--template-option", action="append", default=[], metavar="KEY=VALUE",
                    help="template option, e.g. source_lang=de (given only to formats that take it)")
-    # The same spellings as `prepack pack`, so one command line works for both.
-    for flag, key in (("--source-lang", "source_lang"), ("--target-lang", "target_lang"), ("--prompt-format", "prompt_format")):
-        p.add_argument(flag, dest=key, help=f"translation: same as --template-option {key}=...")
     p.add_argument("--max-examples", type=int, default=None, metavar="N",
                    help="estimate from a seeded uniform sample of N examples per dataset (default: all)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    p.add_argument("--max-bad-fraction", type=float, default=DEFAULT_MAX_BAD_FRACTION,
-                   help="fail, as `prepack pack` does and with its default, when more than this fraction of a "
-                        "dataset's records are bad (malformed, or not in --format); fewer are counted and skipped")
     p.add_argument("--output", required=True, metavar="DIR", help="folder for preflight.csv, preflight.json and plots")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an earlier preflight's files in --output (and, with --pack-output, its shard sets)")
@@ -735,6 +717,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="large inputs: run the Beam job (`prepack pack`) per dataset into DIR/NAME/L*/ and take the "
                         "figures from its manifests; options preflight does not know go to the job and Beam "
                         "(e.g. --runner=DataflowRunner --project=...), and the shards stay usable for training")
+    # What makes the rows: `prepack pack`'s own options, one definition (the same spellings and checks).
+    add_row_options(p, DEFAULT_MAX_LENGTHS)
     return p
 
 
@@ -785,12 +769,10 @@ def config_from_args(args: argparse.Namespace) -> PreflightConfig:
         formats *= len(inputs)
     if not args.mixture:
         datasets = _named_datasets(inputs, formats)
-    max_lengths = tuple(args.max_length or DEFAULT_MAX_LENGTHS)
     batch_sizes = tuple(args.batch_size or DEFAULT_BATCH_SIZES)
-    for flag, values in (("--max-length", max_lengths), ("--batch-size", batch_sizes)):
-        bad = [v for v in values if v <= 0]
-        if bad:
-            raise PreflightError(f"{flag} must be positive, got {bad}")
+    bad = [v for v in batch_sizes if v <= 0]
+    if bad:
+        raise PreflightError(f"--batch-size must be positive, got {bad}")
     if args.max_examples is not None and args.max_examples <= 0:
         raise PreflightError(f"--max-examples must be positive, got {args.max_examples}")
     options = {}
@@ -806,20 +788,10 @@ def config_from_args(args: argparse.Namespace) -> PreflightConfig:
         options.update(mapping_options("", args.columns, args.roles))  # each format's own names: make_template
     except ValueError as e:
         raise PreflightError(str(e)) from None
-    if not 0.0 <= args.max_bad_fraction <= 1.0:
-        raise PreflightError(f"--max-bad-fraction must be within 0..1, got {args.max_bad_fraction}")
-    if args.max_segments_per_row is not None and args.max_segments_per_row < 1:
-        raise PreflightError(f"--max-segments-per-row must be at least 1, got {args.max_segments_per_row}")
-    try:
-        window_context = window_context_option(args.window_context_tokens, args.overlong)
+    try:  # `prepack pack`'s own reading and checks of the row options
+        rows = row_spec(args, tuple(d.path for d in datasets), "", mixture, options, DEFAULT_MAX_LENGTHS)
     except OptionsError as e:
         raise PreflightError(str(e)) from None
-    rows = RowSpec(inputs=tuple(d.path for d in datasets), format="", tokenizer=args.tokenizer,
-                   chat_format=args.chat_format, train_reasoning=args.train_reasoning == "yes",
-                   expand_turns=args.expand_turns, max_lengths=tuple(sorted(set(max_lengths))),
-                   overlong=OverlongPolicy(args.overlong), window_context_tokens=window_context, planner=Planner(args.planner),
-                   max_segments_per_row=args.max_segments_per_row, template_options=tuple(sorted(options.items())),
-                   max_bad_fraction=args.max_bad_fraction, mixture=mixture)
     return PreflightConfig(datasets=tuple(datasets), output=args.output, rows=rows, batch_sizes=tuple(sorted(set(batch_sizes))),
                            max_examples=args.max_examples, seed=args.seed, plots=not args.no_plots, pack_output=args.pack_output)
 
@@ -860,11 +832,11 @@ def main(argv: list[str] | None = None) -> int:
             if spec.format != "auto":
                 make_template(spec.format, {**config.rows.template_kwargs, **dict(spec.options)})
             if not config.pack_output:
-                check_input(spec.path)  # the job checks its own inputs up front
+                check_input(spec.path, config.rows)  # the job checks its own inputs up front
         config = dataclasses.replace(config, datasets=tuple(checked_format(spec, config) for spec in config.datasets))
         if config.pack_output:
             # One --overwrite for the whole command: the job's shard sets as well as preflight's files.
-            result = run_with_pipeline(config, extra + (["--overwrite"] if args.overwrite else []))
+            result = run_with_pipeline(config, extra, overwrite=args.overwrite)
         else:
             tokenizer, chat_format = _load_tokenizer(config)
             fmt_name = getattr(chat_format, "name", type(chat_format).__name__)

@@ -76,11 +76,31 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     _add_input_options(p.add_argument_group("inputs"))
-    _add_tokenizing_options(p.add_argument_group("tokenizing"))
-    _add_packing_options(p.add_argument_group("packing"))
-    _add_limit_options(p.add_argument_group("limits", "what one input may make a worker hold (pipelines/README.md, \"Limits\")"))
+    groups = add_row_options(p)
+    groups["packing"].add_argument("--no-pack", action="store_true",
+                                   help="one example per row (baseline), same format and manifest")
     _add_output_options(p.add_argument_group("output"))
     return p
+
+
+def add_row_options(parser: argparse.ArgumentParser, default_lengths: tuple[int, ...] = DEFAULT_MAX_LENGTHS
+                    ) -> dict[str, argparse._ArgumentGroup]:
+    """Every option that makes the rows (pipelines.configs.RowSpec) but the inputs, as `prepack pack`
+    and `prepack preflight` both take it: one definition, read back by `row_spec`. Returns the
+    groups by name, for a command's own options beside them."""
+    groups = {
+        "templates": parser.add_argument_group("templates"),
+        "tokenizing": parser.add_argument_group("tokenizing"),
+        "packing": parser.add_argument_group("packing"),
+        "shards": parser.add_argument_group("shards"),
+        "limits": parser.add_argument_group("limits", "what one input may make a worker hold (pipelines/README.md, \"Limits\")"),
+    }
+    _add_template_options(groups["templates"])
+    _add_tokenizing_options(groups["tokenizing"])
+    _add_packing_options(groups["packing"], default_lengths)
+    _add_shard_options(groups["shards"])
+    _add_limit_options(groups["limits"])
+    return groups
 
 
 def _add_input_options(src: argparse._ArgumentGroup) -> None:
@@ -93,17 +113,6 @@ def _add_input_options(src: argparse._ArgumentGroup) -> None:
     src.add_argument("--format", "--template", dest="format",
                      help=f"source format: {', '.join(FORMAT_NAMES)}, or auto (chosen from the first records' keys, "
                      "and said); docs/formats.md shows a record of each")
-    src.add_argument("--columns", metavar="NAME=COLUMN,...",
-                     help="read other column and message-key names: e.g. messages=dialog,role=speaker,content=text,"
-                     "tools=functions,system=sys (canonical names: messages, role, content, tools, system, text, prompt, "
-                     "completion, and each format's own, e.g. instruction, output)")
-    src.add_argument("--roles", metavar="ROLE=VALUE,...",
-                     help="read other role values: e.g. user=human,assistant=bot,tool=observation (roles: system, user, "
-                     "assistant, tool, tool_call); the default spellings still map")
-    src.add_argument("--source-lang", help="translation: source language code (default en)")
-    src.add_argument("--target-lang", help="translation: target language code (default fr)")
-    src.add_argument("--prompt-format", help="translation: prompt with {source}, {target} and {text}")
-    src.add_argument("--tfds-data-dir", help="data_dir for tfds: inputs (default: TFDS's own)")
     src.add_argument("--mixture", metavar="FILE",
                      help="mix several sources with weights (a YAML or JSON file: weight_of, max_repeats, sources); "
                      "replaces --input, --format and --sample")
@@ -124,20 +133,28 @@ def _add_tokenizing_options(tok: argparse._ArgumentGroup) -> None:
     tok.add_argument("--expand-turns", action="store_true",
                      help="a conversation with k target assistant turns becomes k examples: example i is the conversation "
                      "up to and including reply i, as the chat format renders it there, training reply i alone (ids <id>#<i>)")
-    tok.add_argument("--allow-untrained-eot", action="store_true",
-                     help="publish even when some target assistant turns do not train their end-of-turn token (counted "
-                     "as stats.turns_without_trained_eot; by default such a run fails: the model would not learn to stop)")
-    tok.add_argument("--no-tokens", action="store_true",
-                     help="do not publish the tokenized set OUTPUT/tokens (by default it is, for --from-tokens later)")
 
 
-def _add_packing_options(pk: argparse._ArgumentGroup) -> None:
+def _add_template_options(tpl: argparse._ArgumentGroup) -> None:
+    tpl.add_argument("--columns", metavar="NAME=COLUMN,...",
+                     help="read other column and message-key names: e.g. messages=dialog,role=speaker,content=text,"
+                     "tools=functions,system=sys (canonical names: messages, role, content, tools, system, text, prompt, "
+                     "completion, and each format's own, e.g. instruction, output)")
+    tpl.add_argument("--roles", metavar="ROLE=VALUE,...",
+                     help="read other role values: e.g. user=human,assistant=bot,tool=observation (roles: system, user, "
+                     "assistant, tool, tool_call); the default spellings still map")
+    tpl.add_argument("--source-lang", help="translation: source language code (default en)")
+    tpl.add_argument("--target-lang", help="translation: target language code (default fr)")
+    tpl.add_argument("--prompt-format", help="translation: prompt with {source}, {target} and {text}")
+    tpl.add_argument("--tfds-data-dir", help="data_dir for tfds: inputs (default: TFDS's own)")
+
+
+def _add_packing_options(pk: argparse._ArgumentGroup, default_lengths: tuple[int, ...]) -> None:
     pk.add_argument(
         "--max-length", action="extend", nargs="+", default=[], metavar="L",
         help="repeatable, several per flag: e.g. --max-length 512 1024 2048 tokenizes once and writes OUTPUT/L512, ... "
-        f"(default {' '.join(map(str, DEFAULT_MAX_LENGTHS))}; at most {MAX_MAX_LENGTH:,})",
+        f"(default {' '.join(map(str, default_lengths))}; at most {MAX_MAX_LENGTH:,})",
     )
-    pk.add_argument("--no-pack", action="store_true", help="one example per row (baseline), same format and manifest")
     add_overlong_options(pk)
     pk.add_argument("--planner", choices=[p.value for p in Planner], default=Planner.BEST.value,
                     help="how rows are planned from the length histogram: best (default: the fewer rows of "
@@ -177,15 +194,29 @@ def _add_limit_options(lim: argparse._ArgumentGroup) -> None:
                      f"(default {DEFAULT_MAX_COMPRESSION_RATIO:g}; checked past {RATIO_CHECKED_AFTER >> 20} MiB of output)")
 
 
-def _add_output_options(out: argparse._ArgumentGroup) -> None:
-    out.add_argument("--output", help="output folder, local or gs://; each max length gets OUTPUT/L<L>/")
-    shards = out.add_mutually_exclusive_group()
+def _add_shard_options(group: argparse._ArgumentGroup) -> None:
+    shards = group.add_mutually_exclusive_group()
     shards.add_argument("--num-shards", type=int, help="shards per max length (default: from --target-shard-mb)")
     shards.add_argument("--target-shard-mb", type=float, default=DEFAULT_TARGET_SHARD_MB,
                         help=f"approximate compressed shard size (default {DEFAULT_TARGET_SHARD_MB:g})")
-    out.add_argument("--max-bad-fraction", type=float, default=DEFAULT_MAX_BAD_FRACTION,
-                     help="fail when bad records / examples read exceeds this (default 0: any bad record fails the job)")
+    group.add_argument("--max-bad-fraction", type=float, default=DEFAULT_MAX_BAD_FRACTION,
+                       help="fail when bad records / examples read exceeds this (default 0: any bad record fails the job)")
+
+
+def _add_output_options(out: argparse._ArgumentGroup) -> None:
+    out.add_argument("--output", help="output folder, local or gs://; each max length gets OUTPUT/L<L>/")
     out.add_argument("--overwrite", action="store_true", help="replace existing shard sets in OUTPUT")
+    add_run_options(out)
+
+
+def add_run_options(out: argparse._ActionsContainer) -> None:
+    """How a run behaves (pipelines.configs.RunOptions) beside its --output and --overwrite:
+    `prepack pack`'s, and what `prepack preflight --pack-output` passes on (parse_run_args)."""
+    out.add_argument("--allow-untrained-eot", action="store_true",
+                     help="publish even when some target assistant turns do not train their end-of-turn token (counted "
+                     "as stats.turns_without_trained_eot; by default such a run fails: the model would not learn to stop)")
+    out.add_argument("--no-tokens", action="store_true",
+                     help="do not publish the tokenized set OUTPUT/tokens (by default it is, for --from-tokens later)")
     out.add_argument("--clean-stale", action="store_true",
                      help="remove what earlier killed runs left in OUTPUT (staging folders, temp files, unpublished shards)")
     out.add_argument("--tokenize-batch-size", dest="batch_size", type=int, default=DEFAULT_TOKENIZE_BATCH_SIZE,
@@ -207,23 +238,53 @@ def parse_args(argv: Sequence[str]) -> tuple[PackConfig, list[str]]:
     """(our config, the remaining arguments for Beam). Raises OptionsError on bad values."""
     parser = build_parser()
     ns, beam_args = parser.parse_known_args(list(argv))
-    check_runner(beam_args, allow_untested=ns.allow_untested_runner)
-    check_beam_args(beam_args, own_options=_long_options(parser))
-    _take_old_batch_size(ns)
+    beam_args = _beam_arguments(parser, ns, beam_args)
     inputs, fmt, mixture = _inputs(ns)
     if not ns.output:
         raise OptionsError("--output is required (a local folder or gs://bucket/prefix)")
-    max_lengths = _lengths(ns.max_length)
+    template_options = _template_options(ns, fmt)
+    rows = row_spec(ns, inputs, fmt, mixture, template_options, pack=not ns.no_pack)
+    _check_run_behaviour(ns)
+    return PackConfig(rows, _run_options(ns, _requested(ns, inputs, template_options))), beam_args
+
+
+def row_spec(ns: argparse.Namespace, inputs: tuple[str, ...], fmt: str, mixture: Mixture | None,
+             template_options: dict[str, str], default_lengths: tuple[int, ...] = DEFAULT_MAX_LENGTHS,
+             pack: bool = True) -> RowSpec:
+    """The RowSpec of the options `add_row_options` defined, every value checked (OptionsError,
+    one line): `prepack pack` runs it, `prepack preflight` evaluates it (and, with --pack-output,
+    runs that same RowSpec)."""
+    max_lengths = _lengths(ns.max_length, default_lengths)
     _check_limits(ns)
     _check_row_shape(ns, max_lengths)
-    _check_run_behaviour(ns)
-    template_options = _template_options(ns, fmt)
     if ns.tokenizer:
         _check_tokenizer(ns.tokenizer)
-    config = _config(ns, inputs, fmt, mixture, max_lengths, template_options)
+    return _row_spec(ns, inputs, fmt, mixture, max_lengths, template_options, pack)
+
+
+def parse_run_args(argv: Sequence[str], output: str, overwrite: bool, own_options: Sequence[str] = ()
+                   ) -> tuple[RunOptions, list[str]]:
+    """(RunOptions, Beam's arguments) of a job whose RowSpec is made already (`prepack preflight
+    --pack-output`): the run options `add_run_options` defines, the rest Beam's (checked as pack
+    checks them; own_options: the caller's, for the hint on a misspelt one)."""
+    parser = argparse.ArgumentParser(prog="prepack preflight --pack-output", allow_abbrev=False, add_help=False)
+    add_run_options(parser)
+    parser.set_defaults(output=output, overwrite=overwrite, from_tokens=None, allow_short_mix=False)
+    ns, beam_args = parser.parse_known_args(list(argv))
+    beam_args = _beam_arguments(parser, ns, beam_args, own_options)
+    _check_run_behaviour(ns)
+    return _run_options(ns, {}), beam_args
+
+
+def _beam_arguments(parser: argparse.ArgumentParser, ns: argparse.Namespace, beam_args: Sequence[str],
+                    own_options: Sequence[str] = ()) -> list[str]:
+    """What goes to Beam, checked (runner, unknown options), with the default runner added."""
+    check_runner(beam_args, allow_untested=ns.allow_untested_runner)
+    check_beam_args(beam_args, own_options=list(own_options) + _long_options(parser))
+    _take_old_batch_size(ns)
     beam_args = with_default_runner(beam_args)
     _refuse_multi_threading(beam_args)
-    return config, beam_args
+    return beam_args
 
 
 def _take_old_batch_size(ns: argparse.Namespace) -> None:
@@ -354,14 +415,8 @@ def _requested(ns: argparse.Namespace, inputs: tuple[str, ...], template_options
     return {k: v for k, v in given.items() if v}
 
 
-def _config(ns: argparse.Namespace, inputs: tuple[str, ...], fmt: str, mixture: Mixture | None,
-            max_lengths: tuple[int, ...], template_options: dict[str, str]) -> PackConfig:
-    return PackConfig(_row_spec(ns, inputs, fmt, mixture, max_lengths, template_options),
-                      _run_options(ns, inputs, template_options))
-
-
 def _row_spec(ns: argparse.Namespace, inputs: tuple[str, ...], fmt: str, mixture: Mixture | None,
-              max_lengths: tuple[int, ...], template_options: dict[str, str]) -> RowSpec:
+              max_lengths: tuple[int, ...], template_options: dict[str, str], pack: bool) -> RowSpec:
     return RowSpec(
         inputs=inputs,
         format=fmt,
@@ -369,7 +424,7 @@ def _row_spec(ns: argparse.Namespace, inputs: tuple[str, ...], fmt: str, mixture
         chat_format=ns.chat_format or "auto",
         tokenizer=ns.tokenizer or "gemma3",
         max_lengths=max_lengths,
-        pack=not ns.no_pack,
+        pack=pack,
         overlong=OverlongPolicy(ns.overlong),
         window_context_tokens=ns.window_context_tokens,
         planner=Planner(ns.planner),
@@ -386,7 +441,7 @@ def _row_spec(ns: argparse.Namespace, inputs: tuple[str, ...], fmt: str, mixture
     )
 
 
-def _run_options(ns: argparse.Namespace, inputs: tuple[str, ...], template_options: dict[str, str]) -> RunOptions:
+def _run_options(ns: argparse.Namespace, requested: dict[str, Any]) -> RunOptions:
     return RunOptions(
         output=ns.output.rstrip("/") if ns.output not in ("/",) else ns.output,
         overwrite=ns.overwrite,
@@ -397,7 +452,7 @@ def _run_options(ns: argparse.Namespace, inputs: tuple[str, ...], template_optio
         verbose=ns.verbose,
         write_tokens=not ns.no_tokens and not ns.from_tokens,
         from_tokens=ns.from_tokens.rstrip("/") if ns.from_tokens else None,
-        requested=tuple(sorted(_requested(ns, inputs, template_options).items())),
+        requested=tuple(sorted(requested.items())),
         allow_short_mix=ns.allow_short_mix,
         allow_untrained_eot=ns.allow_untrained_eot,
     )
@@ -483,7 +538,7 @@ def check_beam_args(beam_args: Sequence[str], own_options: Sequence[str]) -> Non
     raise OptionsError(f"unknown option {name} (neither prepack pack nor Beam knows it){hint}")
 
 
-def _lengths(values: Sequence[str]) -> tuple[int, ...]:
+def _lengths(values: Sequence[str], default: tuple[int, ...] = DEFAULT_MAX_LENGTHS) -> tuple[int, ...]:
     """The --max-length values, sorted and unique; OptionsError (one line) unless each is a whole
     number from 2 to MAX_MAX_LENGTH: 2^31, 2^63 or 1e20 would make workers grow without end."""
     lengths = set()
@@ -492,7 +547,7 @@ def _lengths(values: Sequence[str]) -> tuple[int, ...]:
             lengths.add(int(text, 10))
         except ValueError:
             raise OptionsError(f"--max-length must be a whole number from 2 to {MAX_MAX_LENGTH:,}, got {text!r}") from None
-    max_lengths = tuple(sorted(lengths)) or DEFAULT_MAX_LENGTHS
+    max_lengths = tuple(sorted(lengths)) or tuple(default)
     if any(L < 2 for L in max_lengths):
         raise OptionsError(f"--max-length must be at least 2, got {min(max_lengths)}")
     if any(L > MAX_MAX_LENGTH for L in max_lengths):

@@ -332,6 +332,74 @@ def test_pipeline_mode_matches_in_process(tmp_path):
     assert beam[0]["records_read"] == 5 and beam[0]["bad_records"] == 2
 
 
+# Every row option `prepack pack` takes, with a value other than its default.
+ROW_FLAGS = ["--max-length", "32", "64", "--overlong", "window", "--window-context-tokens", "4", "--planner", "bfd",
+             "--max-segments-per-row", "3", "--sub-buckets", "2", "--num-shards", "2", "--max-bad-fraction", "0.5",
+             "--max-record-bytes", "4096", "--max-decompressed-bytes", "1000000", "--max-whole-file-bytes", "900000",
+             "--max-compression-ratio", "50", "--tfds-data-dir", "/nonexistent/tfds", "--tokenizer", "gemma3",
+             "--chat-format", "gemma", "--train-reasoning", "no", "--expand-turns", "--source-lang", "de",
+             "--target-lang", "en"]
+
+
+def test_preflight_evaluates_the_rowspec_pack_runs():
+    """One definition of the row options: the RowSpec preflight evaluates for a dataset is the one
+    `prepack pack` makes from the same flags, field for field (limits, shards, sub-buckets, tfds
+    folder included)."""
+    from pipelines.options import parse_args
+
+    args = preflight._parser().parse_args(["--input", "a.jsonl", "--format", "translation", "--output", "o", *ROW_FLAGS])
+    cfg = preflight.config_from_args(args)
+    pack, _ = parse_args(["--input", "a.jsonl", "--format", "translation", "--output", "out", *ROW_FLAGS])
+    assert preflight.dataset_rows(cfg, cfg.datasets[0]) == pack.rows
+    assert pack.rows.num_shards == 2 and pack.rows.limits.max_record_bytes == 4096 and pack.rows.sub_buckets == 2
+
+
+def test_pack_output_runs_the_rowspec_preflight_evaluated(tmp_path, monkeypatch):
+    """--pack-output hands the job the RowSpec preflight evaluated, with no command line rebuilt:
+    every row option arrives (the limits, --num-shards, --target-shard-mb, --sub-buckets and
+    --tfds-data-dir were dropped when preflight rebuilt pack's argv), and the run options and
+    Beam's options it does not know go to the job."""
+    from pipelines.launch import cli as pack_cli
+
+    ran = []
+    monkeypatch.setattr(pack_cli, "run_config", lambda config, beam_args: ran.append((config, beam_args)) or 1)
+    data = tmp_path / "a.jsonl"
+    data.write_text("\n".join(ALPACA_LINES) + "\n")
+    flags = ["--target-shard-mb", "0.5", "--max-record-bytes", "4096", "--max-whole-file-bytes", "900000",
+             "--sub-buckets", "3", "--tfds-data-dir", str(tmp_path / "tfds"), "--max-length", "64", "--max-bad-fraction", "0.5"]
+    assert preflight.main(["--input", str(data), "--format", "alpaca", "--no-plots", "--output", str(tmp_path / "pre"),
+                           "--pack-output", str(tmp_path / "shards"), *flags,
+                           "--no-progress", "--lock-expiry-s", "30", "--direct_num_workers=1"]) == 2
+    (config, beam_args), = ran
+    args = preflight._parser().parse_args(["--input", str(data), "--format", "alpaca", "--output", "o", *flags])
+    assert config.rows == preflight.dataset_rows(preflight.config_from_args(args), DatasetSpec("a", str(data), "alpaca"))
+    assert (config.rows.target_shard_mb, config.rows.limits.max_record_bytes, config.rows.sub_buckets) == (0.5, 4096, 3)
+    assert config.rows.tfds_data_dir == str(tmp_path / "tfds") and config.rows.limits.max_whole_file_bytes == 900000
+    assert (config.run.output, config.run.progress, config.run.lock_expiry_s) == (str(tmp_path / "shards" / "a"), False, 30.0)
+    assert "--direct_num_workers=1" in beam_args
+
+
+def test_in_process_preflight_reads_under_the_rowspec_limits(tmp_path):
+    """The limits are row options too: a line over --max-record-bytes is a too_large bad record in
+    preflight, as in the job (preflight refused the flag before it shared pack's definitions)."""
+    data = tmp_path / "a.jsonl"
+    data.write_text("\n".join([ALPACA_LINES[0], json.dumps({"instruction": "x" * 300, "input": "", "output": "y"})]) + "\n")
+    assert preflight.main(["--input", str(data), "--format", "alpaca", "--max-length", "64", "--no-plots",
+                           "--max-record-bytes", "100", "--max-bad-fraction", "1", "--output", str(tmp_path / "out")]) == 0
+    ds = json.loads((tmp_path / "out" / "preflight.json").read_text())["datasets"][0]
+    assert (ds["records_read"], ds["bad_records"]) == (2, {"too_large": 1})
+
+
+def test_pack_output_refuses_an_unknown_option_before_any_work(tmp_path, capsys):
+    data = tmp_path / "a.jsonl"
+    data.write_text(ALPACA_LINES[0] + "\n")
+    assert preflight.main(["--input", str(data), "--format", "alpaca", "--no-plots", "--output", str(tmp_path / "pre"),
+                           "--pack-output", str(tmp_path / "shards"), "--num-shard", "3"]) == 2
+    assert capsys.readouterr().err == ("prepack preflight: error: --pack-output: unknown option --num-shard (neither prepack "
+                                       "pack nor Beam knows it); did you mean --num-shards?\n")
+    assert not (tmp_path / "shards").exists() and not (tmp_path / "pre").exists()
+
+
 @pytest.mark.parametrize("extra", [
     ["--max-segments-per-row", "2"],
     ["--overlong", "split", "--max-segments-per-row", "3"],
@@ -458,7 +526,7 @@ def test_unknown_options_only_pass_through_in_pipeline_mode(tmp_path, capsys):
         (["--input", "{data}", "--format", "nope"], "unknown format 'nope'; expected one of alpaca"),
         (["--input", "{missing}", "--format", "alpaca"], "no such file"),
         (["--input", "{data}", "{data}", "--format", "alpaca", "chat", "chat"], "got 2 inputs and 3 formats"),
-        (["--input", "{data}", "--format", "alpaca", "--max-length", "0"], "--max-length must be positive"),
+        (["--input", "{data}", "--format", "alpaca", "--max-length", "0"], "--max-length must be at least 2, got 0"),
         (["--input", "{folder}/*.parquet", "--format", "alpaca"], "matches no file"),
         (["--input", "{folder}/notes.txt", "--format", "alpaca"], "cannot tell the file format"),
         (["--input", "{data}", "--format", "translation", "--template-option", "source_lang"], "expected KEY=VALUE"),

@@ -8,6 +8,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from pipelines.configs import PackConfig
 from pipelines.launch import interrupts
 from pipelines.options import OptionsError, parse_args
 
@@ -43,6 +44,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OptionsError as e:
         print(f"prepack pack: {e}", file=sys.stderr)
         return 2
+    return run_config(config, beam_args)
+
+
+def run_config(config: PackConfig, beam_args: Sequence[str]) -> int:
+    """`prepack pack` from its parsed config: what `main` runs, and `prepack preflight --pack-output`
+    with the RowSpec it evaluated. Prints as `prepack pack` does; returns its exit status."""
     from pipelines import failpoints
 
     try:
