@@ -106,14 +106,30 @@ def summary_lines(manifest: Manifest, path: str) -> list[str]:
     for key in sorted(stats):
         lines.append(f"  {key:<11} {_fmt_value(stats[key])}")
     if manifest.dead_letter:
-        text = storage.read_text(storage.join(path, manifest.dead_letter))
-        count = "missing" if text is None else f"{sum(1 for line in text.splitlines() if line.strip()):,} examples"
-        lines.append(f"  dead letter {manifest.dead_letter}: {count}")
+        count = _count_lines(storage.join(path, manifest.dead_letter))
+        lines.append(f"  dead letter {manifest.dead_letter}: {'missing' if count is None else f'{count:,} examples'}")
     if manifest.mixture:  # a mixture set: what each source asked for and got (prepack.packing.mix_table)
         from prepack.packing.mix_table import mix_table_lines
 
         lines += mix_table_lines(manifest.mixture, manifest.max_length)
     return lines
+
+
+def _count_lines(path: str) -> int | None:
+    """The non-blank lines of a dead letter, streamed (it may be large: never held whole); None if missing."""
+    try:
+        stream = storage.open_stream(path)
+    except FileNotFoundError:
+        return None
+    count, blank = 0, True  # blank: the line read so far holds only whitespace
+    with stream:
+        for block in iter(lambda: stream.read(1 << 20), b""):
+            *ended, tail = block.split(b"\n")
+            for part in ended:
+                count += 0 if blank and not part.strip() else 1
+                blank = True
+            blank = blank and not tail.strip()
+    return count + (0 if blank else 1)
 
 
 class _Renderer:
@@ -310,7 +326,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
     except ManifestError as e:
         found = shard_sets_under(path)
         if not found:
-            print(f"prepack inspect: {e}", file=err)
+            print(f"prepack inspect: {storage.not_a_folder(path) or e}", file=err)
             return 1
         # An OUTPUT root of `prepack pack --max-length A B ...`: say which shard sets are in it.
         print("\n".join(root_lines(path, found)), file=out)

@@ -65,10 +65,9 @@ def find_manifests(path: str) -> list[tuple[str, Manifest]]:
     if path.startswith("gs://"):
         from prepack import storage  # lazy: google-cloud-storage only for gs:// inputs
 
-        text = storage.read_text(storage.join(path, MANIFEST_NAME))
-        if text is None:
+        if not storage.storage_for(path).exists(storage.join(path, MANIFEST_NAME)):
             raise ReportError(f"--shards {path}: no {MANIFEST_NAME} there (for gs:// give each L* folder)")
-        return [(path, _parse_manifest(text, path))]
+        return [(path, _read_manifest(storage.join(path, MANIFEST_NAME)))]
     if not os.path.isdir(path):
         raise ReportError(f"--shards {path}: no such folder")
     own = os.path.join(path, MANIFEST_NAME)
@@ -84,8 +83,15 @@ def find_manifests(path: str) -> list[tuple[str, Manifest]]:
 
 
 def _read_manifest(path: str) -> Manifest:
-    with open(path) as f:
-        return _parse_manifest(f.read(), path)
+    from prepack import storage  # the one capped reader of metadata files
+
+    try:
+        text = storage.read_text(path)
+    except ManifestError as e:
+        raise ReportError(str(e)) from None
+    if text is None:
+        raise ReportError(f"{path}: vanished while it was read")
+    return _parse_manifest(text, path)
 
 
 def _parse_manifest(text: str, source: str) -> Manifest:

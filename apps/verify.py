@@ -208,9 +208,12 @@ class OutputLengths:
 def output_lengths(path: str) -> OutputLengths:
     """Every length of the output (its published.json's and every L*/manifest.json), or Refused
     when SET is neither a shard set nor an output."""
-    text = storage.read_text(storage.join(path, RUN_RECORD_NAME))
+    try:
+        text = storage.read_text(storage.join(path, RUN_RECORD_NAME))
+    except ManifestError as e:  # over the size cap, or not UTF-8
+        raise Refused(str(e)) from None
     if text is None:
-        raise Refused(f"{path}: neither a shard set (no {MANIFEST_NAME}) nor an output (no {RUN_RECORD_NAME}); "
+        raise Refused(storage.not_a_folder(path) or f"{path}: neither a shard set (no {MANIFEST_NAME}) nor an output (no {RUN_RECORD_NAME}); "
                       "name a length's folder (OUT/L2048) or the --output of `prepack pack`")
     try:
         record = RunRecord.from_json(text, storage.join(path, RUN_RECORD_NAME))
@@ -237,7 +240,11 @@ class Verified:
 def verify(path: str) -> Verified:
     """Every length of SET: one shard set, or every set an output holds."""
     path = path.rstrip("/") or path
-    if storage.read_text(storage.join(path, MANIFEST_NAME)) is not None:
+    try:
+        here = storage.read_metadata(storage.join(path, MANIFEST_NAME))
+    except ManifestError as e:  # a manifest over the size cap: refused unread
+        raise Refused(str(e)) from None
+    if here is not None:
         return Verified([verify_length(path)])
     lengths = output_lengths(path)
     return Verified([verify_length(folder, L) for L, folder in lengths.folders.items()],

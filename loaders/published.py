@@ -14,6 +14,7 @@ import hashlib
 from prepack import storage
 from loaders.shards import ShardSetError
 from prepack.format.layout import RUN_RECORD_NAME
+from prepack.format.manifest import ManifestError
 from prepack.format.run_record import RunRecord, RunRecordError
 
 
@@ -25,7 +26,7 @@ def published_lengths(output: str) -> dict[int, str]:
     lengths then mix two runs; run `prepack pack --overwrite` again)."""
     output = str(output).rstrip("/")
     record_path = storage.join(output, RUN_RECORD_NAME)
-    text = storage.read_text(record_path)
+    text = _read(record_path)
     if text is None:
         raise ShardSetError(f"no {RUN_RECORD_NAME} in {output}: no run has published all its lengths here")
     try:
@@ -35,7 +36,7 @@ def published_lengths(output: str) -> dict[int, str]:
     out = {}
     for L, entry in sorted(record.lengths.items()):
         manifest_path = storage.join(output, entry.manifest)
-        manifest = storage.read_text(manifest_path)
+        manifest = _read(manifest_path)
         digest = None if manifest is None else hashlib.sha256(manifest.encode("utf-8")).hexdigest()
         if digest != entry.sha256:
             raise ShardSetError(
@@ -45,3 +46,13 @@ def published_lengths(output: str) -> dict[int, str]:
             )
         out[L] = manifest_path.rsplit("/", 1)[0]
     return out
+
+
+def _read(path: str) -> str | None:
+    """A record or manifest (size-capped, UTF-8: prepack.storage.read_text); ShardSetError, one line, if not."""
+    try:
+        return storage.read_text(path)
+    except ShardSetError:
+        raise
+    except ManifestError as e:
+        raise ShardSetError(str(e)) from None

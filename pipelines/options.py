@@ -24,7 +24,7 @@ from pipelines.limits import (DEFAULT_MAX_COMPRESSION_RATIO, DEFAULT_MAX_DECOMPR
                               DEFAULT_MAX_WHOLE_FILE_BYTES, MAX_SUB_BUCKETS, RATIO_CHECKED_AFTER, InputLimits)
 from pipelines.configs import (DEFAULT_MAX_LENGTHS, DEFAULT_TARGET_SHARD_MB, DEFAULT_TOKENIZE_BATCH_SIZE, PackConfig, RowSpec,
                                RunOptions)
-from pipelines.output.lock import DEFAULT_EXPIRY_S, MIN_EXPIRY_S
+from pipelines.output.lock import DEFAULT_EXPIRY_S, MAX_EXPIRY_S, MIN_EXPIRY_S
 from prepack.packing.bad_records import DEFAULT_MAX_BAD_FRACTION
 from prepack.mixture_file import load_mixture
 from prepack.packing.mixture import Mixture, MixtureError
@@ -379,8 +379,8 @@ def window_context_option(text: str | None, overlong: str) -> int | None:
 
 def _check_run_behaviour(ns: argparse.Namespace) -> None:
     """The options that say how this run behaves, not what it writes."""
-    if not MIN_EXPIRY_S <= ns.lock_expiry_s <= 86400.0:
-        raise OptionsError(f"--lock-expiry-s must be between {MIN_EXPIRY_S:g} and 86400 seconds, got {ns.lock_expiry_s:g}")
+    if not MIN_EXPIRY_S <= ns.lock_expiry_s <= MAX_EXPIRY_S:
+        raise OptionsError(f"--lock-expiry-s must be between {MIN_EXPIRY_S:g} and {MAX_EXPIRY_S:g} seconds, got {ns.lock_expiry_s:g}")
     if ns.batch_size < 1:
         raise OptionsError(f"--tokenize-batch-size must be at least 1, got {ns.batch_size}")
 

@@ -38,7 +38,7 @@ def output(request, tmp_path):
 
 def write_lock(output: str, data: bytes | None = None, **fields) -> None:
     """A lock file as another run left it (no OS lock held on it)."""
-    info = {"run_id": "killed", "host": "elsewhere", "pid": 1, "created": 0.0, "expires": 4e9, **fields}
+    info = {"run_id": "killed", "host": "elsewhere", "pid": 1, "created": 0.0, "expires": time.time() + 86400, **fields}
     data = json.dumps(info).encode() if data is None else data
     path = layout.lock_path(output)
     if not output.startswith("gs://"):
@@ -72,11 +72,82 @@ def test_lock_of_a_killed_run_is_taken_over(output, left):
     taken.release()
 
 
+@pytest.mark.parametrize("times", [{"expires": 1e308}, {"expires": float("inf")}, {"created": float("inf")},
+                                   {"expires": -1e308}, {"created": 1e308}])
+def test_a_lock_with_times_no_run_writes_is_read_as_corrupt(output, times, caplog):
+    """A lease expiring at 1e308 or Infinity was written by no run (a run's expires is at most a
+    day ahead): read as a corrupt lock, taken over with one warning line, where it was an
+    OverflowError traceback ("output is not writable") or an output blocked for ever."""
+    write_lock(output, **times)
+    assert lock.LockInfo.from_bytes(storage.storage_for(output).read(layout.lock_path(output)).data) is None
+    with caplog.at_level("WARNING", logger="prepack.pack"):
+        taken = lock.OutputLock.acquire(output, "run-b", renew=False)
+    assert lock.read_lock(output).run_id == "run-b"
+    taken.release()
+    if output.startswith("gs://"):
+        assert [r.getMessage() for r in caplog.records] == [
+            f"{layout.lock_path(output)} is corrupt (not a lock any run writes: half-written, or times such as an expiry "
+            "of 1e308 or Infinity); taking it over as a stale lock"]
+
+
+def test_an_oversized_lease_is_read_as_corrupt_unread(gcs_prefix, monkeypatch):
+    """A lock object far larger than any lock (a stranger's) is never downloaded: read as corrupt."""
+    out = f"{gcs_prefix}/out"
+    write_lock(out, data=b"{" + b" " * (lock.MAX_LOCK_BYTES + 1) + b"}")
+    downloads = []
+    real = storage.GcsStorage.read
+
+    def counting(self, path, limit=None):
+        try:
+            found = real(self, path, limit)
+        except Exception:
+            downloads.append(None)
+            raise
+        downloads.append(len(found.data) if found else None)
+        return found
+
+    monkeypatch.setattr(storage.GcsStorage, "read", counting)
+    taken = lock.OutputLock.acquire(out, "run-b", renew=False)
+    assert lock.read_lock(out).run_id == "run-b"
+    taken.release()
+    assert downloads and all(size is None or size <= lock.MAX_LOCK_BYTES for size in downloads)  # never downloaded
+
+
+def test_a_local_lock_that_is_a_symbolic_link_is_refused_and_what_it_points_to_kept(tmp_path):
+    """OUTPUT/.lock as a symbolic link: the file it points to (outside the output) was truncated
+    and overwritten with the lock's JSON. The lock is never taken through a link: one line."""
+    precious = tmp_path / "elsewhere" / "notes.txt"
+    precious.parent.mkdir()
+    precious.write_text("not yours to overwrite\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".lock").symlink_to(precious)
+    with pytest.raises(lock.LockHeld) as refused:
+        lock.OutputLock.acquire(str(out), "run-a")
+    assert str(refused.value) == (
+        f"{out}/.lock is a symbolic link (to {str(precious)!r}): the output lock is never taken through a link, which "
+        "would write outside the output. Remove the link, or choose another --output")
+    assert precious.read_text() == "not yours to overwrite\n"
+    (out / ".lock").unlink()
+    os.symlink(tmp_path / "no-such-file", out / ".lock")  # a dangling link: O_CREAT would have made its target
+    with pytest.raises(lock.LockHeld, match="is a symbolic link"):
+        lock.OutputLock.acquire(str(out), "run-a")
+    assert not (tmp_path / "no-such-file").exists()
+
+
+def test_a_local_lock_that_is_a_fifo_is_refused_in_one_line(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    os.mkfifo(out / ".lock")
+    with pytest.raises(lock.LockHeld, match=r"^.*/out/\.lock is not a regular file: the output lock cannot be taken there"):
+        lock.OutputLock.acquire(str(out), "run-a")
+
+
 def test_a_local_lock_file_without_its_os_lock_is_free(tmp_path):
     """Locally the flock is the lock: a file left by a killed process (whatever it says, even
     an expiry far ahead and a live pid) is taken over at once."""
     out = str(tmp_path / "out")
-    write_lock(out, host=socket.gethostname(), pid=os.getppid(), expires=4e9)
+    write_lock(out, host=socket.gethostname(), pid=os.getppid(), expires=time.time() + 86400)
     taken = lock.OutputLock.acquire(out, "run-b")
     assert taken.took_over.run_id == "killed"
     taken.release()
@@ -122,7 +193,7 @@ def test_renewal_extends_the_lease_and_a_stolen_lease_is_noticed(gcs_prefix):
     time.sleep(0.01)
     held.check()  # a check is a conditional renewal
     assert lock.read_lock(out).expires > before
-    write_lock(out, run_id="thief", expires=4e9)
+    write_lock(out, run_id="thief", expires=time.time() + 86400)
     with pytest.raises(lock.LockLost, match=r"^this run \(run run-a\) lost the lock on .*out \(its lease expired and was "
                                             r"taken over\); the output now belongs to run thief \(pid 1 on elsewhere, "):
         held.check()
@@ -139,7 +210,7 @@ def test_the_renewer_that_finds_its_lease_taken_over_calls_on_lost(gcs_prefix):
     fired = threading.Event()
     held.on_lost = fired.set
     try:
-        write_lock(out, run_id="thief", expires=4e9)
+        write_lock(out, run_id="thief", expires=time.time() + 86400)
         assert fired.wait(timeout=30), "the renewer never reported the lost lease"
         assert isinstance(held.lost, lock.LockLost) and "now belongs to run thief" in str(held.lost)
         with pytest.raises(lock.LockLost):  # and the main thread's next step is refused

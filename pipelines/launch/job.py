@@ -21,6 +21,7 @@ from pipelines.launch.errors import JobError
 from pipelines.launch.manifest_compose import staged_sets
 from pipelines.launch.prepare_job import prepare
 from prepack.format import layout
+from prepack.format.manifest import ManifestError
 
 log = logging.getLogger("prepack.pack")
 
@@ -108,6 +109,8 @@ def run(config: PackConfig, beam_args: list[str], run_id: str | None = None, exi
         raise JobError(f"{e}; the sets now in {config.run.output} are another run's; this run published nothing") from e
     except failpoints.InjectedFault as e:  # after_lock, before_publish: nothing switched yet (the commit's own are caught there)
         raise JobError(failures.injected(str(e))) from e
+    except ManifestError as e:  # `look`: a manifest or run record in the output over the size cap, refused unread
+        raise JobError(f"{e}; nothing was published. Remove it (it is no set this tool wrote) or choose another --output") from e
     except OSError as e:
         if e.errno == errno.ENOSPC:
             if commit is not None and commit.switched:  # the previous sets are not all intact any more: say which are new

@@ -19,7 +19,7 @@ from pipelines.summary import RunSummary, TokenIndex
 from pipelines.wire.records import TaskMeta
 from prepack import storage
 from prepack.format.layout import RUN_RECORD_NAME, tokens_staging_dir
-from prepack.format.manifest import MANIFEST_NAME, ShardInfo
+from prepack.format.manifest import MANIFEST_NAME, ManifestError, ShardInfo
 from prepack.format.run_record import RunRecord, RunRecordError
 from prepack.format.tokenset import TOKENS_DIR, TokenSetError, TokenSetManifest
 from prepack.packing.accounting import Tally
@@ -28,7 +28,7 @@ from prepack.packing.accounting import Tally
 def open_token_set(folder: str) -> TokenSetManifest:
     """The set's manifest, after checking that every file it lists is there with its size."""
     path = f"{folder}/{MANIFEST_NAME}"
-    raw = storage.read_bytes(path)
+    raw = _read_metadata(path)
     if raw is None:
         raise TokenSetError(f"{path} not found: {folder} is not a tokenized set (a `prepack pack` run publishes one "
                             f"as OUTPUT/tokens unless --no-tokens), or its run did not finish")
@@ -66,7 +66,7 @@ def _check_run_record(folder: str, path: str, digest: str) -> None:
     if name != TOKENS_DIR or not parent:
         return
     record_path = f"{parent}/{RUN_RECORD_NAME}"
-    raw = storage.read_bytes(record_path)
+    raw = _read_metadata(record_path)
     if raw is None:
         return
     try:
@@ -77,6 +77,14 @@ def _check_run_record(folder: str, path: str, digest: str) -> None:
         raise TokenSetError(
             f"{path} is not the tokenized set {record_path} names (its sha256 is {digest[:12]}..., the record names "
             f"{named[:12]}...): the manifest was edited or replaced after its run; restore it, or run a full `prepack pack` again")
+
+
+def _read_metadata(path: str) -> bytes | None:
+    """A manifest or run record, size-capped (prepack.storage.read_metadata); TokenSetError over the cap."""
+    try:
+        return storage.read_metadata(path)
+    except ManifestError as e:
+        raise TokenSetError(str(e)) from None
 
 
 def _sizes(folder: str, names: list[str]) -> dict[str, int]:

@@ -33,6 +33,7 @@ from prepack.storage import SwitchRefused, Version, Versioned, storage_for
 from pipelines import failpoints
 from prepack.format import layout
 from prepack.format.run_record import RunRecord
+from prepack.format.untrusted import MAX_METADATA_FILE_BYTES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,12 +94,12 @@ def look(output: str, places: list[SetPlace], lock: OutputLock) -> Seen:
     record_path = layout.run_record_path(output)
     if lock.took_over is not None and not store.os_locks:  # a lease: a stale owner may still be writing
         for path in [p.manifest_path for p in places] + [record_path]:
-            found = store.read(path)
+            found = store.read(path, MAX_METADATA_FILE_BYTES)
             if found is not None:
                 store.write_if(path, found.data, found.version, tmp="")
     sets = {}
     for place in places:
-        manifest = store.read(place.manifest_path)
+        manifest = store.read(place.manifest_path, MAX_METADATA_FILE_BYTES)  # a stranger's may be huge: refused, unread
         files = store.versions(place.folder)
         sets[place.name] = SeenSet(manifest, files)
     return Seen(sets, store.version(record_path))
@@ -140,7 +141,7 @@ class Commit:
             failpoints.hit("after_tokens_switch")
         # A run that publishes no tokenized set names the one already in the output (what
         # --from-tokens OUTPUT/tokens then checks); this run's lock keeps it from changing meanwhile.
-        found = None if tokens else self.store.read(layout.tokens_manifest_path(self.output))
+        found = None if tokens else self.store.read(layout.tokens_manifest_path(self.output), MAX_METADATA_FILE_BYTES)
         self.write_record(RunRecord.of(self.run_id, {L: s.manifest for L, s in lengths.items()},
                                        tokens.manifest if tokens else (found.data if found else None)))
         for s in sets:
@@ -208,7 +209,7 @@ class Commit:
         failpoints.hit("before_delete", s.place.name)
         seen = self.seen.sets[s.place.name]
         self.lock.check()
-        now = self.store.read(s.place.manifest_path)
+        now = self.store.read(s.place.manifest_path, MAX_METADATA_FILE_BYTES)
         if now is None or now.data != s.manifest:
             self.lock.check()
             raise SwitchRefused(f"{s.place.manifest_path} changed after this run switched it; deleting nothing")

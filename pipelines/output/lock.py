@@ -34,19 +34,32 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import json
+import logging
+import math
 import os
 import socket
+import stat
 import threading
 import time
 from collections.abc import Callable
 
 from pipelines import failpoints
-from prepack.storage import GcsStorage, SwitchRefused, storage_for
+from prepack.storage import GcsStorage, SwitchRefused, Versioned, storage_for
 from prepack.format import layout
+from prepack.format.manifest import ManifestError
+from prepack.format.untrusted import MAX_METADATA_FILE_BYTES
 
 DEFAULT_EXPIRY_S = 600.0  # a gs:// lease not renewed for this long is stale
 RENEW_EVERY_S = 60.0  # at most; a third of the expiry when that is shorter
 MIN_EXPIRY_S = 10.0  # --lock-expiry-s below this is refused: a healthy run's lease would look expired
+MAX_EXPIRY_S = 86400.0  # --lock-expiry-s above this is refused
+# A lock file is a small JSON object (LockInfo); a bigger one is no run's and is read as corrupt, unread.
+MAX_LOCK_BYTES = 1 << 16
+# How far ahead of this machine's clock another host's may run. A lease that expires later than
+# MAX_EXPIRY_S + this from now was written by no run (1e308, Infinity): it is read as corrupt.
+CLOCK_SKEW_S = 86400.0
+
+log = logging.getLogger("prepack.pack")
 TRIPS_PER_EXPIRY = 3  # a lease must outlast this many renewal round trips, else the run stops
 
 
@@ -84,12 +97,22 @@ class LockInfo:
         return json.dumps(dataclasses.asdict(self), sort_keys=True).encode("utf-8")
 
     @classmethod
-    def from_bytes(cls, data: bytes | None) -> "LockInfo | None":
+    def from_bytes(cls, data: bytes | None, now: float | None = None) -> "LockInfo | None":
+        """The lock's content, or None for a corrupt one: half-written (its writer died mid-write),
+        not a lock's JSON, or times no run writes (not finite, before 1970, or expiring more than
+        MAX_EXPIRY_S + CLOCK_SKEW_S from `now`, default this machine's clock)."""
         try:
+            if data is None or len(data) > MAX_LOCK_BYTES:
+                return None
             d = json.loads(data.decode("utf-8"))
-            return cls(str(d["run_id"]), str(d["host"]), int(d["pid"]), float(d["created"]), float(d["expires"]))
-        except Exception:  # a half-written lock (its writer died mid-write), or none
+            info = cls(str(d["run_id"]), str(d["host"]), int(d["pid"]), float(d["created"]), float(d["expires"]))
+        except Exception:
             return None
+        now = time.time() if now is None else now
+        if not all(math.isfinite(t) and t >= 0 for t in (info.created, info.expires)) \
+                or max(info.created, info.expires) > now + MAX_EXPIRY_S + CLOCK_SKEW_S:
+            return None
+        return info
 
     def describe(self) -> str:
         when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.created))
@@ -102,8 +125,8 @@ def _owner_now(output: str, holder: LockInfo | None) -> str:
         return holder.describe()
     from prepack.format.run_record import RunRecord
 
-    found = storage_for(output).read(layout.run_record_path(output))
     try:
+        found = storage_for(output).read(layout.run_record_path(output), MAX_METADATA_FILE_BYTES)
         return f"run {RunRecord.from_json(found.data.decode('utf-8')).run_id} (it published {layout.RUN_RECORD_NAME}; no run holds the lock now)"
     except Exception:
         return "no run (nobody holds the lock now)"
@@ -138,11 +161,39 @@ class OutputLock:
 
 
 def read_lock(output: str) -> LockInfo | None:
-    found = storage_for(output).read(layout.lock_path(output))
+    found = _read_lock_file(storage_for(output), layout.lock_path(output))
     return LockInfo.from_bytes(found.data) if found else None
 
 
+def _read_lock_file(store, path: str) -> Versioned | None:
+    """The lock file's bytes and version; one over MAX_LOCK_BYTES (no run's) as empty bytes, unread."""
+    try:
+        return store.read(path, MAX_LOCK_BYTES)
+    except ManifestError:
+        version = store.version(path)
+        return None if version == store.absent else Versioned(b"", version)
+
+
 # ----------------------------------------------------------------------------- local: an OS lock
+
+
+def _open_lock_file(path: str) -> int:
+    """OUTPUT/.lock opened for the OS lock. Never through a symbolic link (the file it points to,
+    outside the output, would be truncated and overwritten with the lock's JSON), and only a
+    regular file: anything else is refused in one line (LockHeld) naming it."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as e:
+        if os.path.islink(path):
+            raise LockHeld(f"{path} is a symbolic link (to {os.readlink(path)!r}): the output lock is never taken "
+                           "through a link, which would write outside the output. Remove the link, or choose another "
+                           "--output") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise LockHeld(f"{path} is not a regular file: the output lock cannot be taken there. Remove it, or choose "
+                       "another --output")
+    return fd
 
 
 class LocalLock(OutputLock):
@@ -155,7 +206,7 @@ class LocalLock(OutputLock):
         path = layout.lock_path(output)
         os.makedirs(output, exist_ok=True)
         for _ in range(5):
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = _open_lock_file(path)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -240,7 +291,7 @@ class LeaseLock(OutputLock):
                 if renew:
                     lock._thread.start()
                 return lock
-            current = store.read(path)
+            current = _read_lock_file(store, path)
             if current is None:
                 continue  # released between our create and our read: try again
             holder = LockInfo.from_bytes(current.data)
@@ -257,7 +308,10 @@ class LeaseLock(OutputLock):
                     f"{output} is being written by {holder.describe()}; its lease {path} expires "
                     f"{time.strftime('%H:%M:%S UTC', time.gmtime(holder.expires))} unless that run renews it. Wait "
                     "for that run to end, or choose another --output")
-            took_over = holder or LockInfo("unreadable", "unknown", 0, 0.0, 0.0)  # its writer died mid-write
+            if holder is None:  # its writer died mid-write, or no run wrote it
+                log.warning(f"{path} is corrupt (not a lock any run writes: half-written, or times such as an expiry of "
+                            "1e308 or Infinity); taking it over as a stale lock")
+            took_over = holder or LockInfo("unreadable", "unknown", 0, 0.0, 0.0)
             store.delete_if(path, current.version)  # of the runs judging it stale, one deletes it
         raise LockHeld(f"could not take the lock {path}: other runs keep taking it; try again")
 

@@ -20,6 +20,8 @@ import json
 from pipelines.output.lock import LockLost, OutputLock
 from prepack.storage import Version, storage_for
 from prepack.format import layout
+from prepack.format.manifest import ManifestError
+from prepack.format.untrusted import MAX_METADATA_FILE_BYTES
 
 
 def cleanup_run(output: str, max_lengths: tuple[int, ...], run_id: str) -> None:
@@ -91,7 +93,10 @@ class Leftovers:
 
 
 def _named_by_manifest(folder: str) -> set[str]:
-    found = storage_for(folder).read(layout.join(folder, layout.MANIFEST_NAME))
+    try:
+        found = storage_for(folder).read(layout.join(folder, layout.MANIFEST_NAME), MAX_METADATA_FILE_BYTES)
+    except ManifestError:  # over the cap: it names nothing this run can trust
+        return set()
     if found is None:
         return set()
     try:

@@ -23,6 +23,20 @@ _FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,254}$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 # Counts (rows, bytes, tokens) fit in int64: numpy, the packer and array_record use it.
 MAX_COUNT = (1 << 63) - 1
+# The size cap of every metadata file read from storage: a shard set's manifest, a tokenized
+# set's manifest, a run record (published.json), a loader or checkpoint state. Such a file is
+# read whole and parsed in memory, so a larger one is refused in one line before it is parsed,
+# and no more than this many bytes (+1) of it are ever read (prepack.storage.read_metadata, the
+# one reader; a `--mixture` file has its own, smaller cap). A real manifest is far smaller: a
+# shard entry is ~200 bytes, so 16 MiB holds ~80,000 shards; the job's manifests of 10^6-row
+# sets are ~100 KiB.
+MAX_METADATA_FILE_BYTES = 16 << 20
+
+
+def too_large(where: str, limit: int = MAX_METADATA_FILE_BYTES) -> str:
+    """The one line for a metadata file over the cap."""
+    return (f"{where}: larger than {limit:,} bytes, the most a manifest or run record may hold (a real one is far "
+            "smaller); it was not read. The file was edited or is damaged: republish the set")
 
 
 def file_name(value: Any, where: str, field: str, error: type[Exception]) -> str:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import hashlib
 from typing import BinaryIO
 
-from prepack.format.layout import join
+from prepack.format import untrusted
+from prepack.format.layout import MANIFEST_NAME, join
 from prepack.format.manifest import ManifestError
 from prepack.storage.gcs import GcsStorage, gcs_client, is_gcs, object_stamp, split_gcs
 from prepack.storage.interface import STREAM_BUFFER_BYTES, Storage, SwitchRefused, Version, Versioned
@@ -20,7 +21,7 @@ from prepack.storage.local import LocalStorage
 
 __all__ = [
     "GcsStorage", "LocalStorage", "STREAM_BUFFER_BYTES", "Storage", "SwitchRefused", "Version", "Versioned", "create_stream",
-    "download", "file_sizes", "gcs_client", "is_gcs", "join", "match", "object_stamp", "open_stream", "read_bytes", "read_text",
+    "download", "file_sizes", "gcs_client", "is_gcs", "join", "match", "not_a_folder", "object_stamp", "open_stream", "read_bytes", "read_metadata", "read_text",
     "sha256", "split_gcs", "storage_for", "write_text",
 ]
 
@@ -38,10 +39,27 @@ def read_bytes(path: str) -> bytes | None:
     return storage_for(path).read_bytes(path)
 
 
+def read_metadata(path: str) -> bytes | None:
+    """A metadata file's bytes (a manifest, a tokenized set's manifest, a run record, a saved
+    state), or None if there is none (a folder, or a path through a file, is none). Written by
+    strangers: one over untrusted.MAX_METADATA_FILE_BYTES is refused with one ManifestError line,
+    and no more than the cap + 1 bytes of it are read (one ranged GET on gs://)."""
+    cap = untrusted.MAX_METADATA_FILE_BYTES
+    try:
+        data = storage_for(path).read_head(path, cap + 1)
+    except (IsADirectoryError, NotADirectoryError):
+        return None
+    except OSError as e:  # no access, no credentials: one line naming the file
+        raise ManifestError(f"{path}: cannot be read ({e.strerror or e})") from None
+    if data is not None and len(data) > cap:
+        raise ManifestError(untrusted.too_large(path, cap))
+    return data
+
+
 def read_text(path: str) -> str | None:
-    """The file's text, or None if it does not exist; ManifestError (one line) if its bytes are
-    not UTF-8: the manifests and records read here are written by strangers."""
-    data = storage_for(path).read_bytes(path)
+    """A metadata file's text (read_metadata: capped), or None if it does not exist; ManifestError
+    (one line) if its bytes are not UTF-8: the manifests and records read here are written by strangers."""
+    data = read_metadata(path)
     if data is None:
         return None
     try:
@@ -49,6 +67,16 @@ def read_text(path: str) -> str | None:
     except UnicodeDecodeError as e:
         raise ManifestError(f"{path}: not UTF-8 text (byte {e.start} is {data[e.start:e.start + 1]!r}); the file was "
                             "edited or is damaged: republish the set") from None
+
+
+def not_a_folder(path: str) -> str | None:
+    """The one line for a command given a file where it takes a set's folder (its manifest.json
+    itself, say), else None: asked only after no manifest was found there."""
+    if not storage_for(path).is_file(path):
+        return None
+    folder = path.rsplit("/", 1)[0] if "/" in path.rstrip("/") else "."
+    hint = f" ({folder})" if path.endswith("/" + MANIFEST_NAME) or path == MANIFEST_NAME else ""
+    return f"{path} is a file, not a folder: name the set's folder{hint} or the --output of `prepack pack`"
 
 
 def write_text(path: str, text: str) -> None:

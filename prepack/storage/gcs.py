@@ -11,7 +11,8 @@ import os
 from collections.abc import Iterator
 from typing import BinaryIO
 
-from prepack.storage.interface import STREAM_BUFFER_BYTES, Version, Versioned, refused, SwitchRefused
+from prepack.format.manifest import ManifestError
+from prepack.storage.interface import STREAM_BUFFER_BYTES, Version, Versioned, over_limit, refused, SwitchRefused
 from prepack.storage.patterns import folder_pattern, has_wildcard, literal_head, pattern_regex
 
 GCS_PREFIX = "gs://"
@@ -60,7 +61,7 @@ class GcsStorage:
         bucket, key = split_gcs(path)
         return gcs_client().bucket(bucket).blob(key, generation=generation)
 
-    def read(self, path: str) -> Versioned | None:
+    def read(self, path: str, limit: int | None = None) -> Versioned | None:
         from google.api_core import exceptions
 
         for _ in range(5):
@@ -69,6 +70,7 @@ class GcsStorage:
                 blob.reload()
             except exceptions.NotFound:
                 return None
+            over_limit(path, int(blob.size or 0), limit)  # before any byte is downloaded
             generation = int(blob.generation)  # read first: a download may reset the blob's properties
             try:
                 return Versioned(blob.download_as_bytes(if_generation_match=generation), generation)
@@ -89,6 +91,9 @@ class GcsStorage:
     def exists(self, path: str) -> bool:
         return self._blob(path).exists()
 
+    def is_file(self, path: str) -> bool:
+        return bool(split_gcs(path)[1]) and self._blob(path).exists()
+
     def write(self, path: str, data: bytes) -> None:
         self._blob(path).upload_from_string(data)
 
@@ -100,8 +105,12 @@ class GcsStorage:
             blob.upload_from_string(data, content_type="application/json", if_generation_match=int(expected))
             return int(blob.generation)
         except exceptions.PreconditionFailed as e:
-            # A retry after a lost response meets its own first attempt: read it back.
-            now = self.read(path)
+            # A retry after a lost response meets its own first attempt: read it back (an object
+            # larger than these bytes is not this call's, and is not downloaded).
+            try:
+                now = self.read(path, len(data))
+            except ManifestError:
+                raise refused(path, b"") from e
             if now is not None and now.data == data:
                 return now.version
             raise refused(path, None if now is None else now.data) from e

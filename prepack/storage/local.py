@@ -7,7 +7,7 @@ import shutil
 from collections.abc import Iterator
 from typing import BinaryIO
 
-from prepack.storage.interface import STREAM_BUFFER_BYTES, Version, Versioned, refused
+from prepack.storage.interface import STREAM_BUFFER_BYTES, Version, Versioned, over_limit, refused
 from prepack.storage.patterns import folder_pattern, has_wildcard, literal_head, pattern_regex
 
 
@@ -16,11 +16,14 @@ class LocalStorage:
     absent: Version = ""
     os_locks = True
 
-    def read(self, path: str) -> Versioned | None:
+    def read(self, path: str, limit: int | None = None) -> Versioned | None:
         try:
             with open(path, "rb") as f:
-                data = f.read()
-                return Versioned(data, self._stat_version(os.fstat(f.fileno())))
+                st = os.fstat(f.fileno())
+                over_limit(path, st.st_size, limit)
+                data = f.read() if limit is None else f.read(limit + 1)
+                over_limit(path, len(data), limit)  # it grew since
+                return Versioned(data, self._stat_version(st))
         except FileNotFoundError:
             return None
 
@@ -36,6 +39,9 @@ class LocalStorage:
 
     def exists(self, path: str) -> bool:
         return os.path.exists(path)
+
+    def is_file(self, path: str) -> bool:
+        return os.path.isfile(path)
 
     def write(self, path: str, data: bytes) -> None:
         os.makedirs(os.path.dirname(path), exist_ok=True)
