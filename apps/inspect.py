@@ -321,6 +321,9 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
     err = err or sys.stderr
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     path = args.path.rstrip("/") or args.path
+    if storage.location_problem(args.path):
+        print(f"prepack inspect: {storage.location_problem(args.path)}", file=err)
+        return 2
     try:
         manifest = read_manifest(path)
     except ManifestError as e:

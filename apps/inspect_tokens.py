@@ -76,6 +76,8 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
     argv = list(sys.argv[1:] if argv is None else argv)
     args = inspect_shards.build_parser().parse_args(argv)
     path = args.path.rstrip("/") or args.path
+    if storage.location_problem(args.path):  # inspect_shards says it
+        return inspect_shards.main(argv, out, err)
     try:
         text = storage.read_text(storage.join(path, MANIFEST_NAME))
     except ManifestError as e:  # not UTF-8: a damaged or hostile manifest

@@ -697,6 +697,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mixture", metavar="FILE",
                    help="a `prepack pack --mixture` file: its sources are the datasets, and the realized mix is shown "
                         "per max length (instead of --input and --format)")
+    p.add_argument("--allow-local-inputs", action="store_true",
+                   help="a --mixture file on gs:// may name local paths (refused by default: a file in a bucket others "
+                        "can write would make preflight read this machine's files)")
     p.add_argument("--input", action="extend", nargs="+", metavar="[NAME=]PATH",
                    help="a dataset: JSONL, JSON or Parquet file, or a glob; repeatable, each is its own dataset")
     p.add_argument("--format", "--template", dest="format", action="extend", nargs="+", metavar="FORMAT",
@@ -722,12 +725,12 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _mixture_datasets(path: str) -> tuple[Any, list[DatasetSpec]]:
+def _mixture_datasets(path: str, allow_local_inputs: bool = False) -> tuple[Any, list[DatasetSpec]]:
     from prepack.mixture_file import load_mixture
     from prepack.packing.mixture import MixtureError
 
     try:
-        mixture = load_mixture(path)
+        mixture = load_mixture(path, allow_local_inputs)
     except MixtureError as e:
         raise PreflightError(str(e)) from None
     datasets = []
@@ -751,13 +754,20 @@ def _named_datasets(inputs: Sequence[str], formats: Sequence[str]) -> list[Datas
 
 
 def config_from_args(args: argparse.Namespace) -> PreflightConfig:
+    from prepack.storage import is_gcs, location_problem
+
+    if is_gcs(args.output) or location_problem(args.output):
+        raise PreflightError(f"--output {location_problem(args.output) or repr(args.output)}: preflight writes its "
+                             "tables and plots to a local folder; name one")
+    if args.pack_output and location_problem(args.pack_output):
+        raise PreflightError(f"--pack-output {location_problem(args.pack_output)}")
     mixture = None
     if args.mixture:
         if args.input or args.format:
             raise PreflightError("--mixture names each source's inputs and format; do not combine it with --input or --format")
         if args.pack_output:
             raise PreflightError("--mixture runs in-process; do not combine it with --pack-output")
-        mixture, datasets = _mixture_datasets(args.mixture)
+        mixture, datasets = _mixture_datasets(args.mixture, args.allow_local_inputs)
         inputs, formats = [d.path for d in datasets], [d.format for d in datasets]
     elif not args.input or not args.format:
         raise PreflightError("--input and --format are required (or --mixture FILE)")

@@ -743,11 +743,24 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_locations(args: argparse.Namespace) -> None:
+    """Every path names a place before anything is read; the page is a local file."""
+    from prepack.storage import is_gcs, location_problem
+
+    if is_gcs(args.output) or location_problem(args.output):
+        raise ReportError(f"--output {location_problem(args.output) or repr(args.output)}: the report is written to a "
+                          "local file; name one")
+    for path in args.shards:
+        if location_problem(path):
+            raise ReportError(f"--shards {location_problem(path)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if not (args.shards or args.metrics or args.preflight):
             raise ReportError("nothing to report: give --shards, --metrics and/or --preflight")
+        _check_locations(args)
         batch_sizes = tuple(sorted(set(args.batch_size or ())))
         if any(b <= 0 for b in batch_sizes):
             raise ReportError(f"--batch-size must be positive, got {list(batch_sizes)}")

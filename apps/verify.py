@@ -328,6 +328,8 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
         print(f"prepack verify: --rows must be positive, got {args.rows}", file=err)
         return EXIT_REFUSED
     try:
+        if storage.location_problem(args.set):
+            raise Refused(storage.location_problem(args.set))
         verified = verify(args.set)
     except Refused as e:
         print(f"prepack verify: {e}", file=err)

@@ -246,7 +246,9 @@ def mixture_sources(path: str, check_inputs: bool = True) -> list[tuple[str, tup
     except ImportError as e:
         raise LaunchError(f"--mixture reads its file with the project's core: pip install -e . ({e})") from None
     try:
-        mixture = load_mixture(path)
+        # Its local paths are judged below, by what a Dataflow worker can read (never one), with or
+        # without --allow-local-inputs: so they are let through the reader's own refusal.
+        mixture = load_mixture(path, allow_local_inputs=check_inputs)
     except MixtureError as e:
         raise LaunchError(str(e)) from None
     for source in mixture.sources if check_inputs else ():

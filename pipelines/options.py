@@ -26,7 +26,8 @@ from pipelines.configs import (DEFAULT_MAX_LENGTHS, DEFAULT_TARGET_SHARD_MB, DEF
                                RunOptions)
 from pipelines.output.lock import DEFAULT_EXPIRY_S, MAX_EXPIRY_S, MIN_EXPIRY_S
 from prepack.packing.bad_records import DEFAULT_MAX_BAD_FRACTION
-from prepack.mixture_file import load_mixture
+from prepack.mixture_file import ALLOW_LOCAL_FLAG, load_mixture
+from prepack.storage import location_problem
 from prepack.packing.mixture import Mixture, MixtureError
 from prepack.packing.packer import OverlongPolicy, Planner
 from prepack.format.rowformat import MAX_MAX_LENGTH
@@ -116,6 +117,9 @@ def _add_input_options(src: argparse._ArgumentGroup) -> None:
     src.add_argument("--mixture", metavar="FILE",
                      help="mix several sources with weights (a YAML or JSON file: weight_of, max_repeats, sources); "
                      "replaces --input, --format and --sample")
+    src.add_argument(ALLOW_LOCAL_FLAG, action="store_true",
+                     help="a --mixture file on gs:// may name local paths (refused by default: a file in a bucket others "
+                     "can write would make the job read this machine's files)")
     src.add_argument("--allow-short-mix", action="store_true",
                      help="publish a mixture even where its realized shares miss the requested ones by more than 0.5 pp")
     src.add_argument("--from-tokens", metavar="DIR",
@@ -242,6 +246,9 @@ def parse_args(argv: Sequence[str]) -> tuple[PackConfig, list[str]]:
     inputs, fmt, mixture = _inputs(ns)
     if not ns.output:
         raise OptionsError("--output is required (a local folder or gs://bucket/prefix)")
+    for flag, path in (("--output", ns.output), ("--from-tokens", ns.from_tokens)):
+        if path and location_problem(path):
+            raise OptionsError(f"{flag} {location_problem(path)}")
     template_options = _template_options(ns, fmt)
     rows = row_spec(ns, inputs, fmt, mixture, template_options, pack=not ns.no_pack)
     _check_run_behaviour(ns)
@@ -305,7 +312,7 @@ def _mixture(ns: argparse.Namespace) -> Mixture | None:
         if given:
             raise OptionsError(f"--mixture names each source's inputs and format; do not combine it with {flag}")
     try:
-        return load_mixture(ns.mixture)
+        return load_mixture(ns.mixture, ns.allow_local_inputs)
     except MixtureError as e:
         raise OptionsError(str(e)) from None
 

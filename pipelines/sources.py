@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pipelines.wire.records import TaskMeta
-from prepack.storage import match
+from prepack.storage import location_problem, match
 from prepack.storage.patterns import has_wildcard, literal_head
 
 FILE_KINDS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
@@ -194,6 +194,8 @@ def _resolve_one(index: int, spec: str, tfds_data_dir: str | None, first: int) -
         return _resolve_hf_hub(index, spec, spec[3:], first_task=first)
     if spec.startswith("tfds:"):
         return _resolve_tfds(index, spec, spec[5:], tfds_data_dir, first_task=first)
+    if spec.startswith("gs://") and location_problem(spec):
+        raise InputError(f"input {location_problem(spec)}")
     if _URL_SCHEME.match(spec) and not spec.startswith("gs://"):
         raise InputError(f"input {spec!r}: only local paths and gs:// are read, not {spec.split('://')[0]}://; "
                          "copy the files to gs:// or a local disk")

@@ -5,16 +5,27 @@ bytes of it (a ranged read on gs://, so a huge object is never downloaded), and 
 the one validator (prepack/packing/mixture.parse_mixture), which resolves relative inputs
 against the file's own folder, gs:// included. Above the core's rooms because it joins two of
 them: storage (rank 2) and packing (rank 1).
+
+A mixture file does not reach outside its own storage unless the user says so: one on gs://
+(anyone with write access to the bucket may have written it) names gs:// inputs and Hub or TFDS
+datasets only. A local path in it, which would make the job read this machine's files and copy
+their bad lines into the output's dead letter, is refused in one line unless the command was
+given `--allow-local-inputs`.
 """
 
 from __future__ import annotations
 
+import re
+
 from prepack.packing.mixture import MAX_FILE_BYTES, Mixture, MixtureError, parse_mixture
-from prepack.storage import storage_for
+from prepack.storage import is_gcs, storage_for
+
+ALLOW_LOCAL_FLAG = "--allow-local-inputs"
 
 
-def load_mixture(path: str) -> Mixture:
-    """Reads and validates a mixture file (local or gs://); raises MixtureError with one line."""
+def load_mixture(path: str, allow_local_inputs: bool = False) -> Mixture:
+    """Reads and validates a mixture file (local or gs://); raises MixtureError with one line.
+    allow_local_inputs: a gs:// file may name local paths (the user said so)."""
     where = f"mixture file {path}"
     try:
         data = storage_for(path).read_head(path, MAX_FILE_BYTES + 1)
@@ -24,4 +35,23 @@ def load_mixture(path: str) -> Mixture:
         raise MixtureError(f"{where}: cannot be read ({e.strerror or e})") from None
     if data is None:
         raise MixtureError(f"{where}: cannot be read (no such file); check the path")
-    return parse_mixture(data, path)
+    mixture = parse_mixture(data, path)
+    if is_gcs(path) and not allow_local_inputs:
+        for source in mixture.sources:
+            local = next((spec for spec in source.inputs if reads_local_files(spec)), None)
+            if local is not None:
+                raise MixtureError(
+                    f"{where}: source {source.name!r} names the local path {local!r}; a mixture file on gs:// names "
+                    f"gs:// inputs only (it could make the job read this machine's files): pass {ALLOW_LOCAL_FLAG} if "
+                    "you mean it")
+    return mixture
+
+
+def reads_local_files(spec: str) -> bool:
+    """Whether an input spec reads this machine's disk: a path, or hf: naming a local folder
+    (gs://, hf:NAME of the Hub and tfds:NAME, under the user's own --tfds-data-dir, do not)."""
+    if is_gcs(spec) or spec.startswith("tfds:") or re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", spec):
+        return False  # another scheme (s3://) is refused as an input in its own words
+    if spec.startswith("hf:"):
+        return spec[3:].startswith(("/", "./", "../", "~")) or spec[3:] in (".", "..")
+    return True

@@ -52,7 +52,8 @@ def test_relative_inputs_resolve_against_the_files_own_folder_local_and_gcs(gcs_
     upload(gcs_emulator, url, RELATIVE.encode())
     (tmp_path / "mixes").mkdir()
     (tmp_path / "mixes" / "mix.yaml").write_text(RELATIVE)
-    remote, local = load_mixture(url), load_mixture(str(tmp_path / "mixes" / "mix.yaml"))
+    # --allow-local-inputs: the gs:// file may name /abs/c.jsonl (test_local_paths_in_a_gcs_mixture_...)
+    remote, local = load_mixture(url, allow_local_inputs=True), load_mixture(str(tmp_path / "mixes" / "mix.yaml"))
     assert remote.path == url and remote.sha256 == local.sha256
     assert [s.inputs for s in remote.sources] == [
         (f"{gcs_prefix}/mixes/data/a.jsonl", f"{gcs_prefix}/mixes/data/b.jsonl"),
@@ -67,9 +68,38 @@ def test_relative_inputs_resolve_against_the_files_own_folder_local_and_gcs(gcs_
 def test_a_file_at_the_bucket_root_and_dot_dot_stay_in_the_bucket(gcs_emulator):
     url = gcs_emulator.url("mix-at-root.yaml")
     upload(gcs_emulator, url, RELATIVE.encode())
-    inputs = [s.inputs for s in load_mixture(url).sources]
+    inputs = [s.inputs for s in load_mixture(url, allow_local_inputs=True).sources]
     bucket = f"gs://{gcs_emulator.bucket}"
     assert inputs[0] == (f"{bucket}/data/a.jsonl", f"{bucket}/data/b.jsonl") and inputs[1] == (f"{bucket}/shared/chat.jsonl",)
+
+
+@pytest.mark.parametrize("spec", ["/etc/hostname", "/home/user/*.jsonl", "hf:/data/saved", "hf:./saved"])
+def test_local_paths_in_a_gcs_mixture_are_refused_unless_the_user_says_so(gcs_emulator, gcs_prefix, spec, tmp_path, capsys):
+    """A mixture file on gs:// named absolute local paths: the job read this machine's files and
+    their raw lines landed in the gs:// set's dead letter. It reaches outside its own storage
+    only with --allow-local-inputs; relative inputs stay in its bucket, Hub and TFDS names pass."""
+    from apps import preflight
+    from pipelines.launch.cli import main
+
+    url = f"{gcs_prefix}/mixes/mix.yaml"
+    text = f"sources:\n  - name: a\n    input: [data/a.jsonl, hf:org/set, tfds:mnist]\n    format: alpaca\n    weight: 1\n" \
+           f"  - name: b\n    input: [gs://other/b.jsonl, '{spec}']\n    format: alpaca\n    weight: 1\n"
+    upload(gcs_emulator, url, text.encode())
+    expected = (f"mixture file {url}: source 'b' names the local path {spec!r}; a mixture file on gs:// names gs:// inputs "
+                "only (it could make the job read this machine's files): pass --allow-local-inputs if you mean it")
+    assert refusal(url) == expected
+    assert main(["--mixture", url, "--output", f"{gcs_prefix}/out", "--no-progress", *IN_PROCESS]) == 2
+    assert capsys.readouterr().err == f"prepack pack: {expected}\n"
+    assert preflight.main(["--mixture", url, "--output", str(tmp_path / "pre"), "--no-plots"]) == 2
+    assert capsys.readouterr().err == f"prepack preflight: error: {expected}\n"
+    assert load_mixture(url, allow_local_inputs=True).sources[1].inputs == ("gs://other/b.jsonl", spec)
+    from pipelines.options import parse_args
+
+    config, _ = parse_args(["--mixture", url, "--allow-local-inputs", "--output", str(tmp_path / "o")])
+    assert spec in config.rows.inputs
+    local = tmp_path / "mix.yaml"  # the user's own file: its local paths are what they named
+    local.write_text(text)
+    assert load_mixture(str(local)).sources[1].inputs[1] == spec
 
 
 def test_gcs_refusals_are_one_line(gcs_emulator, gcs_prefix):

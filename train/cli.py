@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
 def shards_refusal(flag: str, path: str) -> str | None:
     """Why a local --shards path is no shard set, in the user's terms; None when it looks like one
     (or is on gs://: the loader checks it then). A damaged shard set is the loader's to report."""
-    from prepack.format.manifest import MANIFEST_NAME
+    from prepack.format.manifest import MANIFEST_NAME, ManifestError
     from prepack.format.tokenset import TOKENS_KIND
 
     path = path.rstrip("/") or path
@@ -107,10 +107,13 @@ def shards_refusal(flag: str, path: str) -> str | None:
         return f"{flag} {path}: no such file or folder"
     manifest = os.path.join(path, MANIFEST_NAME)
     if os.path.isfile(manifest):
+        from prepack import storage
+
         try:
-            with open(manifest, encoding="utf-8") as f:
-                kind = json.load(f).get("kind")
-        except (OSError, ValueError, AttributeError):
+            kind = json.loads(storage.read_text(manifest) or "{}").get("kind")  # size-capped: a stranger's file
+        except ManifestError as e:
+            return str(e)
+        except (OSError, ValueError, AttributeError, RecursionError):
             return None
         if kind == TOKENS_KIND:
             return (f"{flag} {path} is a tokenized set (examples, not packed rows): pack it first, e.g. "
@@ -127,6 +130,13 @@ def shards_refusal(flag: str, path: str) -> str | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    from prepack.storage import location_problem
+
+    for flag in ("--shards", "--eval-shards", "--metrics-out", "--checkpoint-dir", "--save-lora", "--weights"):
+        path = getattr(args, flag[2:].replace("-", "_"))
+        if path and location_problem(path):
+            print(f"prepack train: {flag} {location_problem(path)}", file=sys.stderr)
+            return 2
     for flag, path in (("--shards", args.shards), ("--eval-shards", args.eval_shards)):
         refusal = path and shards_refusal(flag, path)
         if refusal:

@@ -10,6 +10,7 @@ The pipeline's streamed files (inputs on the workers, part files, shards) use it
 from __future__ import annotations
 
 import hashlib
+import re
 from typing import BinaryIO
 
 from prepack.format import untrusted
@@ -21,7 +22,7 @@ from prepack.storage.local import LocalStorage
 
 __all__ = [
     "GcsStorage", "LocalStorage", "STREAM_BUFFER_BYTES", "Storage", "SwitchRefused", "Version", "Versioned", "create_stream",
-    "download", "file_sizes", "gcs_client", "is_gcs", "join", "match", "not_a_folder", "object_stamp", "open_stream", "read_bytes", "read_metadata", "read_text",
+    "download", "file_sizes", "gcs_client", "is_gcs", "join", "location_problem", "match", "not_a_folder", "object_stamp", "open_stream", "read_bytes", "read_metadata", "read_text",
     "sha256", "split_gcs", "storage_for", "write_text",
 ]
 
@@ -67,6 +68,26 @@ def read_text(path: str) -> str | None:
     except UnicodeDecodeError as e:
         raise ManifestError(f"{path}: not UTF-8 text (byte {e.start} is {data[e.start:e.start + 1]!r}); the file was "
                             "edited or is damaged: republish the set") from None
+
+
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):/")
+
+
+def location_problem(path: str) -> str | None:
+    """Why `path`, as a user typed it, names no place this project can read or write (one line),
+    or None. Asked of every path a command takes before anything is read or written there: a
+    gs:// URL needs a bucket (`--output gs://` wrote a local folder ./gs:/L512, and `gs:///x`
+    was a ValueError traceback), and another scheme (s3://, http://, gs:/ with one slash) would
+    otherwise be taken for a local folder named after it."""
+    if is_gcs(path):
+        bucket = path[len("gs://"):].split("/", 1)[0]
+        return None if bucket else f"{path!r} names no bucket: write gs://BUCKET/FOLDER"
+    scheme = _SCHEME.match(path)
+    if scheme and scheme.group(1).lower() == "gs":
+        return f"{path!r} is not a gs:// URL: write gs://BUCKET/FOLDER"
+    if scheme and len(scheme.group(1)) > 1:  # c:/... is a drive letter, not a scheme
+        return f"{path!r}: only local paths and gs:// are supported, not {scheme.group(1)}://"
+    return None
 
 
 def not_a_folder(path: str) -> str | None:
