@@ -25,7 +25,7 @@ from prepack.format.tokenset import TokenSetError, TokenSetManifest, decode_exam
 def is_token_set(manifest_text: str) -> bool:
     try:
         return json.loads(manifest_text).get("kind") == "tokens"
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         return False
 
 

@@ -53,7 +53,7 @@ def restore_iterator_state(iterator: StatefulIterator, path: str) -> None:
         raise FileNotFoundError(f"no iterator state at {path}")
     try:
         state = json.loads(text)
-    except json.JSONDecodeError as e:
+    except (ValueError, RecursionError) as e:  # also a 5,001-digit integer, or nesting 100,000 deep
         raise ValueError(f"{path}: not a JSON iterator state ({e})") from e
     iterator.set_state(state)
 

@@ -356,8 +356,8 @@ def _check_row_shape(ns: argparse.Namespace, max_lengths: tuple[int, ...]) -> No
                            "run the job again for the others")
     if ns.num_shards is not None and ns.num_shards < 1:
         raise OptionsError(f"--num-shards must be at least 1, got {ns.num_shards}")
-    if ns.target_shard_mb <= 0:
-        raise OptionsError(f"--target-shard-mb must be positive, got {ns.target_shard_mb}")
+    if not 0 < ns.target_shard_mb < float("inf"):  # also refuses nan, which no comparison passes
+        raise OptionsError(f"--target-shard-mb must be a positive number of megabytes, got {ns.target_shard_mb}")
     if not 0.0 <= ns.max_bad_fraction <= 1.0:
         raise OptionsError(f"--max-bad-fraction must be within 0..1, got {ns.max_bad_fraction}")
     if ns.sub_buckets is not None and not 1 <= ns.sub_buckets <= MAX_SUB_BUCKETS:

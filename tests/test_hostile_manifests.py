@@ -175,6 +175,30 @@ def test_tokens_manifest_fields_are_checked(path, value, words):
     assert str(e.value).startswith("T/manifest.json: ") and words in str(e.value), str(e.value)
 
 
+@pytest.mark.parametrize("text, words", [
+    ('{"kind": "tokens", "num_examples": ' + "9" * 5001 + "}", "Exceeds the limit (4300 digits) for integer string conversion"),
+    ("[" * 100_000 + "]" * 100_000, "maximum recursion depth exceeded"),
+])
+def test_tokens_manifest_json_a_parser_refuses_is_one_line(tmp_path, text, words):
+    """A 5,001-digit integer (ValueError) or arrays nested 100,000 deep (RecursionError): only
+    JSONDecodeError was caught, so both were tracebacks in `prepack inspect` and `--from-tokens`."""
+    from apps import inspect_tokens
+    from pipelines.launch.token_set import open_token_set
+
+    with pytest.raises(TokenSetError) as e:
+        TokenSetManifest.from_json(text, source="T/manifest.json")
+    message = str(e.value)
+    assert message.startswith("T/manifest.json: not valid JSON (") and words in message and "\n" not in message
+    assert message.endswith("); run a full `prepack pack` again") and len(message) < 300
+    folder = tmp_path / "tokens"
+    folder.mkdir()
+    (folder / MANIFEST_NAME).write_text(text)
+    with pytest.raises(TokenSetError, match=r"manifest.json: not valid JSON \(|not a tokenized set's manifest"):
+        open_token_set(str(folder))
+    out, err = io.StringIO(), io.StringIO()
+    assert inspect_tokens.main([str(folder)], out=out, err=err) == 1 and len(err.getvalue().splitlines()) == 1
+
+
 # ----------------------------------------------------------------------------- the healing cache
 
 

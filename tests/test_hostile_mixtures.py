@@ -230,6 +230,30 @@ def test_from_tokens_refuses_an_edited_recorded_mixture_before_any_work(tokens_c
     assert "\n" not in str(e.value) and not (tmp_path / "new").exists()
 
 
+@pytest.mark.parametrize("edit, message", [
+    (lambda m: m["choices"]["mixture"]["sources"].pop(),
+     "choices.mixture's sources name the inputs ['{folder_parent}/a.jsonl'], but the set's inputs (choices.inputs) are "
+     "['{folder_parent}/a.jsonl', '{folder_parent}/c.jsonl']: the manifest was edited or is damaged"),
+    (lambda m: m["choices"]["mixture"]["sources"].reverse(),
+     "choices.mixture's sources name the inputs ['{folder_parent}/c.jsonl', '{folder_parent}/a.jsonl'], but the set's inputs"),
+    (lambda m: [m["choices"]["inputs"].pop(), m["choices"]["mixture"]["sources"].pop()],
+     "job.tasks[1].input_index 1 names no input of the set's 1: the manifest was edited or is damaged"),
+])
+def test_from_tokens_refuses_a_recorded_mixture_that_does_not_cover_the_inputs(tokens_copy, tmp_path, edit, message):
+    """A recorded mixture listing 1 of the set's 2 sources: an IndexError traceback in the
+    launcher (each example's source is looked up by its input index). One line now."""
+    folder = tmp_path / "tokens"
+    shutil.copytree(tokens_copy, folder)
+    manifest = json.loads((folder / MANIFEST_NAME).read_text())
+    edit(manifest)
+    (folder / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(JobError) as e:
+        pack(["--from-tokens", str(folder), "--max-length", "128", "--output", str(tmp_path / "new")])
+    assert str(e.value).startswith(f"{folder}/{MANIFEST_NAME}: ") and "\n" not in str(e.value)
+    assert message.format(folder_parent=tokens_copy.parent) in str(e.value), str(e.value)
+    assert not (tmp_path / "new").exists()
+
+
 # ----------------------------------------------------------------------------- fuzz
 
 

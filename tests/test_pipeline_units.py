@@ -252,6 +252,10 @@ def test_parse_args_defaults_and_pass_through(tmp_path):
        r"--runner, is the local FnApiRunner\); pass --allow-untested-runner to try it anyway$")
       for runner in ("DaskRunner", "dask", "apache_beam.runners.dask.dask_runner.DaskRunner", "DirectRunner", "PrismRunner")],
     (["--sample", "--output", "o", "--max-segments-per-row", "0"], "^--max-segments-per-row must be at least 1, got 0$"),
+    # nan passed `<= 0` and Beam crashed in PlanFn a minute later with a traceback.
+    *[(["--sample", "--output", "o", f"--target-shard-mb={value}"],
+       rf"^--target-shard-mb must be a positive number of megabytes, got {shown}$")
+      for value, shown in (("nan", "nan"), ("inf", "inf"), ("-inf", "-inf"), ("0", "0.0"))],
     (["--sample", "--output", "o", "--max-length", *map(str, range(2, 67))],
      "--max-length: at most 64 lengths in one job, got 65; run the job again for the others"),
 ])

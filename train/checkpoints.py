@@ -158,8 +158,8 @@ class CheckpointDir:
             return None
         try:
             return json.loads(text)
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{self.run_path}: not valid JSON ({e})") from e
+        except (ValueError, RecursionError) as e:  # also a 5,001-digit integer, or nesting 100,000 deep
+            raise CheckpointError(f"{self.run_path}: not valid JSON ({str(e)[:120]})") from None
 
     def check_resumable(
         self, identity: Mapping[str, Any], base: Mapping[str, Any] | None = None, info: Mapping[str, Any] | None = None
@@ -214,8 +214,8 @@ class CheckpointDir:
             return {"format": DATA_FORMAT, "states": {}}
         try:
             record = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{self.data_path}: not valid JSON ({e})") from e
+        except (ValueError, RecursionError) as e:
+            raise CheckpointError(f"{self.data_path}: not valid JSON ({str(e)[:120]})") from None
         if record.get("format") != DATA_FORMAT:
             raise CheckpointError(f"{self.data_path}: format {record.get('format')!r} is not supported (expected {DATA_FORMAT})")
         return record

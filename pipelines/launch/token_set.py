@@ -105,7 +105,31 @@ def reconcile(config: PackConfig, manifest: TokenSetManifest, folder: str) -> Pa
         train_reasoning=c.get("train_reasoning", "yes") == "yes", expand_turns=c.get("expand_turns", False) is True,
         mixture=_remix(config, c.get("mixture"), folder),
     )
+    _check_inputs_covered(rows, manifest, folder)
     return dataclasses.replace(config, rows=rows)
+
+
+def _check_inputs_covered(rows: Any, manifest: TokenSetManifest, folder: str) -> None:
+    """A recorded mixture's sources name exactly the set's inputs, in order, and every read task
+    an input of them: each example's source is looked up by its input index (a mixture listing
+    1 of 2 sources was an IndexError traceback in the launcher)."""
+    where = f"{folder}/{MANIFEST_NAME}"
+    if rows.mixture.recorded and rows.mixture.inputs() != tuple(rows.inputs):
+        raise TokenSetError(
+            f"{where}: choices.mixture's sources name the inputs {_listed(rows.mixture.inputs())}, but the set's inputs "
+            f"(choices.inputs) are {_listed(rows.inputs)}: the manifest was edited or is damaged; restore it, or run a full "
+            "`prepack pack --mixture` again")
+    for k, task in enumerate(manifest.job["tasks"]):
+        if task["input_index"] >= len(rows.inputs):
+            raise TokenSetError(
+                f"{where}: job.tasks[{k}].input_index {task['input_index']} names no input of the set's "
+                f"{len(rows.inputs)}: the manifest was edited or is damaged; run a full `prepack pack` again")
+
+
+def _listed(specs: Iterable[str]) -> str:
+    from prepack.format.untrusted import shown
+
+    return shown(list(specs), 160)
 
 
 def _remix(config: PackConfig, recorded: dict[str, Any] | None, folder: str):

@@ -253,8 +253,9 @@ class TokenSetManifest:
     def from_json(cls, text: str, source: str = MANIFEST_NAME) -> "TokenSetManifest":
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise TokenSetError(f"{source}: not valid JSON ({e})") from e
+        except (ValueError, RecursionError) as e:  # and a 5,001-digit integer, or arrays nested 100,000 deep
+            why = " ".join(str(e).split())[:200]
+            raise TokenSetError(f"{source}: not valid JSON ({why}); run a full `prepack pack` again") from None
         if not isinstance(data, dict) or data.get("kind") != TOKENS_KIND:
             raise TokenSetError(f"{source}: not a tokenized set's manifest (a shard set's? pass the OUTPUT/{TOKENS_DIR} folder)")
         if type(data.get("format_version")) is not int or data["format_version"] != TOKENS_FORMAT_VERSION:
