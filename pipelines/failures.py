@@ -37,6 +37,15 @@ def _chain(exc: BaseException):
         exc = exc.__cause__ or exc.__context__
 
 
+_KNOWN = re.compile(r"\b(InputFileError|InjectedFault|ShardCheckError): ")
+
+
+def is_known(text: str) -> bool:
+    """Whether `text` (a worker's log relayed by the runner, a traceback) reports a failure that
+    `one_line` states itself: the launcher's last line says it, so the relay is noise."""
+    return _KNOWN.search(text) is not None
+
+
 def one_line(exc: BaseException, output: str) -> str | None:
     """The line to show for a pipeline failure we know, else None."""
     for e in _chain(exc):

@@ -15,10 +15,8 @@ given `--allow-local-inputs`.
 
 from __future__ import annotations
 
-import re
-
 from prepack.packing.mixture import MAX_FILE_BYTES, Mixture, MixtureError, parse_mixture
-from prepack.storage import is_gcs, storage_for
+from prepack.storage import on_this_machine, storage_for
 
 ALLOW_LOCAL_FLAG = "--allow-local-inputs"
 
@@ -36,22 +34,12 @@ def load_mixture(path: str, allow_local_inputs: bool = False) -> Mixture:
     if data is None:
         raise MixtureError(f"{where}: cannot be read (no such file); check the path")
     mixture = parse_mixture(data, path)
-    if is_gcs(path) and not allow_local_inputs:
+    if not on_this_machine(path) and not allow_local_inputs:
         for source in mixture.sources:
-            local = next((spec for spec in source.inputs if reads_local_files(spec)), None)
+            local = next((spec for spec in source.inputs if on_this_machine(spec)), None)
             if local is not None:
                 raise MixtureError(
                     f"{where}: source {source.name!r} names the local path {local!r}; a mixture file on gs:// names "
                     f"gs:// inputs only (it could make the job read this machine's files): pass {ALLOW_LOCAL_FLAG} if "
                     "you mean it")
     return mixture
-
-
-def reads_local_files(spec: str) -> bool:
-    """Whether an input spec reads this machine's disk: a path, or hf: naming a local folder
-    (gs://, hf:NAME of the Hub and tfds:NAME, under the user's own --tfds-data-dir, do not)."""
-    if is_gcs(spec) or spec.startswith("tfds:") or re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", spec):
-        return False  # another scheme (s3://) is refused as an input in its own words
-    if spec.startswith("hf:"):
-        return spec[3:].startswith(("/", "./", "../", "~")) or spec[3:] in (".", "..")
-    return True

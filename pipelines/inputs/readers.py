@@ -100,7 +100,12 @@ def _file_blocks(task: ReadTask, limits: InputLimits) -> Iterator[bytes]:
 
 def _stream_blocks(path: str, limits: InputLimits) -> Iterator[bytes]:
     suffix = compressed.suffix_of(path)
-    with open_stream(path) as f:
+    try:
+        stream = open_stream(path)
+    except OSError as e:  # a gs:// object stored compressed twice, no access: one line naming it
+        said = str(e) if str(e).startswith(path) else f"{path}: cannot be read ({e.strerror or e})"
+        raise InputFileError(said) from None
+    with stream as f:
         if suffix is not None:
             yield from compressed.decompressed_blocks(f, path, suffix, limits=limits)
         else:

@@ -8,6 +8,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from pipelines import failures
 from pipelines.configs import PackConfig
 from pipelines.launch import interrupts
 from pipelines.options import OptionsError, parse_args
@@ -17,11 +18,26 @@ from pipelines.options import OptionsError, parse_args
 _QUIET_LOGGERS = ("apache_beam.runners.portability.local_job_service", "apache_beam.runners.worker")
 
 
+class _KnownFailureRelays(logging.Filter):
+    """Drops the runner's relays of a worker's failure that the launcher states in one line itself
+    (a truncated .gz, an input over a limit: pipelines/failures.py). They were 85 lines of worker
+    tracebacks before that line; --verbose keeps them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if record.exc_info and record.exc_info[1] is not None:
+            text += f"\n{type(record.exc_info[1]).__name__}: {record.exc_info[1]}"
+        return not failures.is_known(text)
+
+
 def _configure_logs(verbose: bool) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if not verbose:
         for name in _QUIET_LOGGERS:
             logging.getLogger(name).setLevel(logging.ERROR)
+        for handler in logging.getLogger().handlers:
+            if not any(isinstance(f, _KnownFailureRelays) for f in handler.filters):
+                handler.addFilter(_KnownFailureRelays())
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""After Ctrl-C, `prepack pack` says one line, not the workers' dying words.
+"""After Ctrl-C, `prepack pack` says one line, not the workers' dying words; nor their tracebacks of a failure the launcher states in one line.
 
 Ctrl-C signals the terminal's whole process group: Beam's SDK workers (child processes
 sharing the launcher's stderr) get SIGINT too and print KeyboardInterrupt tracebacks,
@@ -15,6 +15,11 @@ the wakeup byte (signal.set_wakeup_fd). Each chunk is held HOLD_S before it is c
 signal seen by then drops it and everything after, and switches logging off. A worker that
 took the same Ctrl-C before the launcher was even signalled is covered by that hold.
 Progress lines and warnings pass through, HOLD_S late; `--verbose` does not use this class.
+
+A worker whose bundle fails prints the whole traceback to its stderr (Beam's SDK harness does,
+besides logging it); for a failure the launcher states in one line itself (a truncated .gz, an
+input over a limit: pipelines/failures.is_known) that traceback is dropped here
+(KnownFailureTracebacks), so the line is the only one; other tracebacks, a bug's, pass through.
 """
 
 from __future__ import annotations
@@ -30,6 +35,62 @@ from typing import IO, Any
 
 HOLD_S = 0.25
 _SIGNALS = {signal.SIGINT, signal.SIGTERM}
+_TRACEBACK = b"Traceback (most recent call last):"
+_CHAINED = (b"During handling of the above exception, another exception occurred:",
+            b"The above exception was the direct cause of the following exception:")
+
+
+class KnownFailureTracebacks:
+    """Drops, from a stream of lines, each Python traceback (chained ones included) that reports a
+    failure pipelines/failures.py states in one line; passes everything else through, in order.
+    A traceback is held until it is complete: a blank line after its exception line followed by a
+    line that chains no further traceback, or `flush()` (nothing more came for a while, or the end)."""
+
+    def __init__(self) -> None:
+        self._partial = b""  # an unfinished line
+        self._block: list[bytes] = []  # the traceback held so far
+        self._state = "out"  # out | frames (inside a traceback) | message (its exception) | gap (a blank after it)
+
+    def feed(self, data: bytes) -> bytes:
+        """What may be written now of `data`."""
+        out = []
+        *lines, self._partial = (self._partial + data).split(b"\n")
+        for line in lines:
+            out.append(self._line(line + b"\n"))
+        return b"".join(out)
+
+    def flush(self, final: bool = False) -> bytes:
+        """A complete traceback held (or, `final`, whatever is held), judged; and an unfinished line at the end."""
+        out = b""
+        if self._block and (final or self._state in ("message", "gap")):
+            out = self._judged()
+        if final and self._partial:
+            out, self._partial = out + self._partial, b""
+        return out
+
+    def _line(self, line: bytes) -> bytes:
+        bare = line.rstrip(b"\r\n")
+        if self._state == "out":
+            if bare.startswith(_TRACEBACK):
+                self._block, self._state = [line], "frames"
+                return b""
+            return line
+        if self._state == "gap" and bare and not bare.startswith(_TRACEBACK) and bare not in _CHAINED:
+            return self._judged() + self._line(line)  # the traceback ended before this line
+        self._block.append(line)
+        if bare.startswith(_TRACEBACK) or bare in _CHAINED:
+            self._state = "frames"
+        elif self._state == "frames" and bare and not bare[:1].isspace():
+            self._state = "message"  # the exception line: `module.Error: what`
+        elif self._state in ("message", "gap") and not bare:
+            self._state = "gap"
+        return b""
+
+    def _judged(self) -> bytes:
+        from pipelines.failures import is_known
+
+        block, self._block, self._state = b"".join(self._block), [], "out"
+        return b"" if is_known(block.decode("utf-8", "replace")) else block
 
 
 class QuietAfterSignal:
@@ -42,6 +103,7 @@ class QuietAfterSignal:
         self._wake: tuple[int, int] = (-1, -1)
         self._previous_wakeup_fd = -1
         self._thread: threading.Thread | None = None
+        self._tracebacks = KnownFailureTracebacks()
 
     def __enter__(self) -> "QuietAfterSignal":
         sys.stderr.flush()
@@ -87,23 +149,33 @@ class QuietAfterSignal:
     def _copy(self, read_end: int) -> None:
         signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)  # so that sigpending() shows them here
         watched = [read_end, self._wake[0]]
+        idle = 0.0
         try:
             while True:
                 ready, _, _ = select.select(watched, [], [], 0.05)
                 if read_end not in ready:
                     self._signalled(0, watched)
+                    idle += 0.05
+                    if idle >= HOLD_S:  # a traceback held this long is complete: judge it
+                        self._write(self._tracebacks.flush())
                     continue
+                idle = 0.0
                 data = os.read(read_end, 65536)
                 if not data:
+                    self._write(self._tracebacks.flush(final=True))
                     return
                 if not self._signalled(HOLD_S, watched):
-                    os.write(self._real_fd, data)
+                    self._write(self._tracebacks.feed(data))
         except OSError:
             return
         finally:
             os.close(read_end)
             os.close(self._wake[0])
             os.close(self._real_fd)
+
+    def _write(self, data: bytes) -> None:
+        if data and not self.interrupted.is_set():
+            os.write(self._real_fd, data)
 
     def _drop_from_now(self) -> None:
         if not self.interrupted.is_set():

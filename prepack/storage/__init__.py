@@ -22,7 +22,7 @@ from prepack.storage.local import LocalStorage
 
 __all__ = [
     "GcsStorage", "LocalStorage", "STREAM_BUFFER_BYTES", "Storage", "SwitchRefused", "Version", "Versioned", "create_stream",
-    "download", "file_sizes", "gcs_client", "is_gcs", "join", "location_problem", "match", "not_a_folder", "object_stamp", "open_stream", "read_bytes", "read_metadata", "read_text",
+    "download", "file_sizes", "gcs_client", "is_gcs", "join", "location_problem", "match", "not_a_folder", "object_stamp", "on_this_machine", "open_stream", "read_bytes", "read_metadata", "read_text",
     "sha256", "split_gcs", "storage_for", "write_text",
 ]
 
@@ -88,6 +88,18 @@ def location_problem(path: str) -> str | None:
     if scheme and len(scheme.group(1)) > 1:  # c:/... is a drive letter, not a scheme
         return f"{path!r}: only local paths and gs:// are supported, not {scheme.group(1)}://"
     return None
+
+
+def on_this_machine(spec: str) -> bool:
+    """Whether a path or input spec reads this machine's disk: a local path, or hf: naming a
+    local folder; gs://, hf:NAME of the Hub, tfds:NAME (under the user's own --tfds-data-dir) and
+    other schemes (refused as inputs in their own words) do not. A mixture file not on this
+    machine may name only inputs that are not (prepack/mixture_file.py)."""
+    if is_gcs(spec) or spec.startswith("tfds:") or _SCHEME.match(spec) and "://" in spec:
+        return False
+    if spec.startswith("hf:"):
+        return spec[3:].startswith(("/", "./", "../", "~")) or spec[3:] in (".", "..")
+    return True
 
 
 def not_a_folder(path: str) -> str | None:
