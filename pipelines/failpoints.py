@@ -15,14 +15,16 @@ or `after_manifest_switch` (every hit). Actions:
     error            raises InjectedFault, as a storage or program error would
 
 The points are listed in POINTS (and in docs/manifest.md), the details each takes in DETAILS;
-a name not listed there, a detail its point does not take, or an action not above, is refused
-with one line before any work (`check`). An injected error is the job's one-line failure.
+a name not listed there, a detail its point does not take, a detail the run never hits (a max
+length it does not pack, `tokens` when it publishes no tokenized set), or an action not above,
+is refused with one line before any work (`check`). An injected error is the job's one-line failure.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Iterable
 import re
 import signal
 import time
@@ -51,6 +53,8 @@ DETAILS: dict[str, tuple[str, re.Pattern[str]]] = {
     "before_delete": ("L<length> or tokens", re.compile(r"L[1-9][0-9]{0,8}|tokens")),
     "input_read": ("start or whole_file", re.compile(r"start|whole_file")),
 }
+
+_LENGTH_DETAILS = ("after_manifest_switch", "before_delete")  # the points whose `L<length>` names one set
 
 _ACTION = re.compile(r"^(?P<kind>stop|error|sleep|exit)(?:\((?P<arg>[^()]*)\))?$")
 
@@ -148,9 +152,22 @@ def configured() -> dict[str, Action]:
     return _cache[1]
 
 
-def check() -> None:
-    """Raises FailpointError (one line) when PREPACK_FAILPOINTS is set but cannot be read."""
-    configured()
+def check(max_lengths: Iterable[int] | None = None, publishes_tokens: bool = True) -> None:
+    """Raises FailpointError (one line) when PREPACK_FAILPOINTS is set but cannot be read, or (given
+    the run's max lengths and whether it publishes a tokenized set) names a hit the run never makes:
+    `before_delete:L9999=error` was accepted and never fired."""
+    points = configured()
+    if max_lengths is None:
+        return
+    lengths = sorted(set(max_lengths))
+    for name in points:
+        base, _, detail = name.partition(":")
+        if detail == "tokens" and not publishes_tokens:
+            raise FailpointError(f"{ENV}: {name!r}: this run publishes no tokenized set (--no-tokens or --from-tokens), "
+                                 "so it would never fire")
+        if base in _LENGTH_DETAILS and detail.startswith("L") and int(detail[1:]) not in lengths:
+            raise FailpointError(f"{ENV}: {name!r}: this run packs no max length {detail[1:]} (its --max-length: "
+                                 f"{' '.join(map(str, lengths))}), so it would never fire")
 
 
 def hit(point: str, detail: str | None = None) -> None:

@@ -62,6 +62,26 @@ def test_a_bad_value_stops_pack_before_any_work(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("value, args, message", [
+    ("before_delete:L9999=error", ["--max-length", "128", "256"],
+     "'before_delete:L9999': this run packs no max length 9999 (its --max-length: 128 256), so it would never fire"),
+    ("after_manifest_switch:L64=stop", ["--max-length", "128"],
+     "'after_manifest_switch:L64': this run packs no max length 64 (its --max-length: 128), so it would never fire"),
+    ("before_delete:tokens=error", ["--max-length", "128", "--no-tokens"],
+     "'before_delete:tokens': this run publishes no tokenized set (--no-tokens or --from-tokens), so it would never fire"),
+])
+def test_a_detail_the_run_never_hits_is_refused_before_any_work(tmp_path, capsys, monkeypatch, value, args, message):
+    """`before_delete:L9999=error` was accepted and never fired: a test meaning to break a run
+    there passed without breaking anything."""
+    from pipelines.launch.cli import main
+
+    monkeypatch.setenv(failpoints.ENV, value)
+    assert main(["--sample", "--output", str(tmp_path / "out"), *args]) == 2
+    assert capsys.readouterr().err == f"prepack pack: PREPACK_FAILPOINTS: {message}\n"
+    assert not (tmp_path / "out").exists()
+    failpoints.check([64, 128, 9999], publishes_tokens=True)  # the same values, for a run that hits them
+
+
 def test_every_documented_detail_is_accepted():
     got = failpoints.parse("after_manifest_switch:L512=stop;after_manifest_switch:tokens=stop;before_delete:L64=stop;"
                            "before_delete:tokens=stop;input_read:start=stop;input_read:whole_file=stop")
@@ -75,13 +95,12 @@ def test_an_injected_error_is_the_jobs_one_line_failure(tmp_path, point):
                            str(tmp_path / "out"), "--no-progress"],
                           cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 1, done.stderr
-    assert done.stderr.strip().splitlines()[-1] == (
+    # One line, a worker's failure included: its traceback and the runner's relays of it are
+    # dropped (pipelines/launch/worker_stderr.py), the launcher states it.
+    assert done.stderr.splitlines() == [
         f"prepack pack: failpoint {point}: injected error (PREPACK_FAILPOINTS); nothing new was published, the "
-        "previous shard sets are intact")
-    # A worker's failure is also logged by Beam's local job service (with the worker's traceback),
-    # as for any failed worker; the launcher's own report is the one line.
-    launcher_part = done.stderr if point != "input_read:start" else done.stderr.split("prepack pack:")[-1]
-    assert "Traceback" not in launcher_part and not (tmp_path / "out").exists()
+        "previous shard sets are intact"]
+    assert not (tmp_path / "out").exists()
 
 
 def test_detail_narrows_a_point_to_one_hit(monkeypatch):

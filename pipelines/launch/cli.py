@@ -69,7 +69,7 @@ def run_config(config: PackConfig, beam_args: Sequence[str]) -> int:
     from pipelines import failpoints
 
     try:
-        failpoints.check()
+        failpoints.check(config.rows.max_lengths, config.run.write_tokens)
     except failpoints.FailpointError as e:
         print(f"prepack pack: {e}", file=sys.stderr)
         return 2

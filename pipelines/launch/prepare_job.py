@@ -75,7 +75,7 @@ def prepare(
 
     run_id = run_id or uuid.uuid4().hex[:12]
     try:
-        failpoints.check()
+        failpoints.check(config.rows.max_lengths, config.run.write_tokens)
     except failpoints.FailpointError as e:
         raise JobError(str(e)) from e
     if config.run.from_tokens:
