@@ -29,9 +29,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
+import json
 import re
 import sys
 import time
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any, Callable, TextIO
 
@@ -42,7 +45,8 @@ from loaders.published import published_lengths
 from loaders.shards import ShardSetError, ShardView, open_shards, read_manifest
 from prepack.cli_help import DefaultsHelpFormatter
 from prepack.format import rowformat
-from prepack.format.layout import MANIFEST_NAME, RUN_RECORD_NAME
+from prepack.format.layout import MANIFEST_NAME, RUN_RECORD_NAME, TOKENS_DIR
+from prepack.format.recount import Recount, misstatement, row_facts, source_names_problem, tokenizer_problem
 from prepack.format.manifest import Manifest, ManifestError
 from prepack.format.run_record import RunRecord, RunRecordError
 
@@ -55,41 +59,6 @@ class Refused(Exception):
 
 
 @dataclasses.dataclass
-class Recount:
-    """What the rows hold, counted as they stream by."""
-
-    num_sources: int = 0  # a mixture's; 0 without one
-    rows: int = 0
-    segments: int = 0
-    tokens: int = 0
-    target_tokens: int = 0
-    min_segments: int | None = None
-    max_segments: int = 0
-    # [source id, (segments, tokens, target tokens)]; row 0 is padding's, unused.
-    by_source: np.ndarray = dataclasses.field(init=False)
-
-    def __post_init__(self) -> None:
-        self.by_source = np.zeros((self.num_sources + 1, 3), np.int64)
-
-    def add(self, batch: dict[str, np.ndarray]) -> None:
-        counts = rowformat.row_counts(batch)
-        self.rows += len(counts["segments"])
-        self.segments += int(counts["segments"].sum())
-        self.tokens += int(counts["tokens"].sum())
-        self.target_tokens += int(counts["target_tokens"].sum())
-        low = int(counts["segments"].min())  # a batch holds at least one row
-        self.min_segments = low if self.min_segments is None else min(self.min_segments, low)
-        self.max_segments = max(self.max_segments, int(counts["segments"].max()))
-        if self.num_sources:
-            src, seg = batch["source_ids"], batch["segment_ids"]
-            starts = (seg != 0) & (np.diff(seg, axis=1, prepend=0) != 0)
-            size = self.num_sources + 1
-            self.by_source[:, 0] += np.bincount(src[starts], minlength=size)
-            self.by_source[:, 1] += np.bincount(src.ravel(), minlength=size)
-            self.by_source[:, 2] += np.bincount(src.ravel(), weights=batch["loss_mask"].ravel(), minlength=size).astype(np.int64)
-
-
-@dataclasses.dataclass
 class LengthResult:
     max_length: int
     path: str
@@ -99,18 +68,16 @@ class LengthResult:
     failure: str | None = None
 
 
-def num_sources(manifest: Manifest) -> int:
-    return len(manifest.mixture["sources"]) if rowformat.has_sources(manifest.format_version) else 0
-
-
 def scan_rows(view: ShardView, recount: Recount) -> str | None:
-    """Streams every shard (sha256 first) through the row rules; the first failure, or None."""
+    """Streams every shard (sha256 first) through the row rules, judged by the facts of the set's
+    manifest (its version, vocabulary, pad id, sources); the first failure, or None."""
+    facts = row_facts(view.manifest)
     first_row = 0
     for k, info in enumerate(view.manifest.shards):
         done = 0
         try:
             for batch in view.scan(k, BATCH_ROWS, verify=True):
-                fault = rowformat.row_fault(batch, recount.num_sources or None)
+                fault = rowformat.row_fault(batch, facts)
                 if fault is not None:
                     record = done + fault.row
                     where = "padding" if fault.segment == 0 else f"segment {fault.segment}"
@@ -124,36 +91,10 @@ def scan_rows(view: ShardView, recount: Recount) -> str | None:
     return None
 
 
-def _expected(manifest: Manifest, recount: Recount) -> list[tuple[str, Any, int]]:
-    """(the manifest's key, its value there, the recount) for each count the rows must reproduce."""
-    stats = manifest.stats
-    spread = stats.get("segments_per_row") if isinstance(stats.get("segments_per_row"), dict) else {}
-    pairs = [
-        ("num_rows", manifest.num_rows, recount.rows),
-        ("stats.rows", stats.get("rows"), recount.rows),
-        ("stats.examples_written", stats.get("examples_written"), recount.segments),
-        ("stats.tokens", stats.get("tokens"), recount.tokens),
-        ("stats.target_tokens", stats.get("target_tokens"), recount.target_tokens),
-        ("stats.segments_per_row.min", spread.get("min"), recount.min_segments or 0),
-        ("stats.segments_per_row.max", spread.get("max"), recount.max_segments),
-    ]
-    for i, source in enumerate(manifest.mixture["sources"] if recount.num_sources else (), start=1):
-        for column, key in enumerate(("examples_written", "tokens", "target_tokens")):
-            pairs.append((f"mixture.sources[{i - 1}].{key} ({source.get('name')})", source.get(key), int(recount.by_source[i, column])))
-    return pairs
-
-
-def count_mismatch(manifest: Manifest, recount: Recount, manifest_path: str) -> str | None:
-    for key, stated, counted in _expected(manifest, recount):
-        if type(stated) is not int or stated != counted:
-            return f"{manifest_path}: {key} is {stated!r}, but the rows hold {counted:,}; the manifest was edited or does not describe these shards"
-    return None
-
-
 def verify_length(path: str, max_length: int | None = None) -> LengthResult:
-    """One shard set: its manifest, then every row and the recount. max_length: the length an
-    output's run record names it by (its manifest unreadable is then a failure); None: SET
-    itself (Refused)."""
+    """One shard set: its manifest (its tokenizer and source names first), then every row and the
+    recount of every figure. max_length: the length an output's run record names it by (its
+    manifest unreadable is then a failure); None: SET itself (Refused)."""
     started = time.perf_counter()
     try:
         manifest = read_manifest(path)
@@ -161,20 +102,83 @@ def verify_length(path: str, max_length: int | None = None) -> LengthResult:
         if max_length is None:
             raise Refused(str(e)) from None
         return LengthResult(max_length, path, Recount(), 0, time.perf_counter() - started, str(e))
-    recount = Recount(num_sources(manifest))
+    recount = Recount(row_facts(manifest).num_sources or 0)
     result = LengthResult(max_length or manifest.max_length, path, recount, len(manifest.shards), 0.0)
+    where = storage.join(path, MANIFEST_NAME)
     if max_length is not None and manifest.max_length != max_length:
-        result.failure = f"{storage.join(path, MANIFEST_NAME)}: max_length {manifest.max_length}, but its folder is L{max_length}"
+        result.failure = f"{where}: max_length {manifest.max_length}, but its folder is L{max_length}"
     else:
-        try:
-            with open_shards(path) as view:
-                view.prefetch()  # gs://: every shard downloads while the first ones are checked
-                result.failure = scan_rows(view, recount)
-        except ShardSetError as e:  # a shard missing, or of another size than listed
-            result.failure = str(e)
-        result.failure = result.failure or count_mismatch(manifest, recount, storage.join(path, MANIFEST_NAME))
+        recorded = recorded_mixture(path, manifest) if manifest.mixture else None
+        result.failure = tokenizer_problem(manifest, where) or source_names_problem(manifest, where, recorded)
+        if result.failure is None:
+            try:
+                with open_shards(path) as view:
+                    view.prefetch()  # gs://: every shard downloads while the first ones are checked
+                    result.failure = scan_rows(view, recount)
+            except ShardSetError as e:  # a shard missing, or of another size than listed
+                result.failure = str(e)
+        if result.failure is None:
+            try:
+                result.failure = misstatement(manifest, recount, where, dead_letter_reasons(path, manifest))
+            except ShardSetError as e:  # the dead letter unreadable
+                result.failure = str(e)
     result.seconds = time.perf_counter() - started
     return result
+
+
+DEAD_LETTER_LINE_BYTES = 256 << 20  # a dead-letter entry holds one raw record (--max-record-bytes, 32 MiB by default)
+
+
+def dead_letter_reasons(path: str, manifest: Manifest) -> Counter:
+    """reason -> entries of the set's dead letter, streamed (it may be large); ShardSetError (one
+    line) when it is listed but missing, or holds a line that is not an entry."""
+    if not manifest.dead_letter:
+        return Counter()
+    file = storage.join(path, manifest.dead_letter)
+    try:
+        stream = storage.open_stream(file)
+    except FileNotFoundError:
+        raise ShardSetError(f"{file}: the dead letter {MANIFEST_NAME} lists is missing; republish the set") from None
+    counts: Counter = Counter()
+    with stream:
+        for number, line in enumerate(iter(lambda: stream.readline(DEAD_LETTER_LINE_BYTES), b""), 1):
+            if not line.strip():
+                continue
+            try:
+                reason = json.loads(line)["reason"]
+                if not isinstance(reason, str):
+                    raise TypeError(reason)
+            except (ValueError, KeyError, TypeError, RecursionError):
+                raise ShardSetError(f"{file} line {number}: not a dead-letter entry (a JSON object with a reason); "
+                                    "the file was edited or is damaged: republish the set") from None
+            counts[reason] += 1
+    return counts
+
+
+def recorded_mixture(path: str, manifest: Manifest) -> dict[str, Any] | None:
+    """The mixture recorded by the tokenized set these rows were packed from, when there is one to
+    compare with: the set its lineage names (`--from-tokens`), or the output's own tokens/ when
+    the output's run record names both it and this very manifest. None otherwise, or unreadable
+    (the tokenized set is its own file to verify)."""
+    lineage = manifest.lineage if isinstance(manifest.lineage, dict) else {}
+    tokens = lineage.get("from_tokens") if isinstance(lineage.get("from_tokens"), str) else None
+    try:
+        if tokens is None:
+            output = path.rsplit("/", 1)[0] if "/" in path else "."
+            text = storage.read_text(storage.join(output, RUN_RECORD_NAME))
+            record = RunRecord.from_json(text or "", storage.join(output, RUN_RECORD_NAME))
+            entry = record.lengths.get(manifest.max_length)
+            mine = storage.read_metadata(storage.join(path, MANIFEST_NAME)) or b""
+            if record.tokens_manifest is None or entry is None or entry.sha256 != hashlib.sha256(mine).hexdigest():
+                return None
+            tokens = storage.join(output, TOKENS_DIR)
+        if storage.location_problem(tokens):
+            return None
+        data = json.loads(storage.read_text(storage.join(tokens, MANIFEST_NAME)) or "{}")
+        mixture = data.get("choices", {}).get("mixture")
+        return mixture if isinstance(mixture, dict) else None
+    except (ManifestError, RunRecordError, ValueError, AttributeError, RecursionError):
+        return None
 
 
 LENGTH_MANIFEST = re.compile(r"^L([1-9][0-9]*)/" + re.escape(MANIFEST_NAME) + "$")

@@ -1,5 +1,7 @@
 """Row invariants: built rows satisfy them, broken rows are caught, encoding round-trips."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -249,3 +251,41 @@ def test_row_format_doc_names_files_as_the_job_names_them():
     assert all(layout.SHARD_FILE.match(name) and layout.SHARD_FILE.match(name).group(1) for name in rows)  # hash suffix
     assert tokens == [tokenset.shard_name(name[len("tokens-"):-len(".array_record")] + "0" * 48) for name in tokens]
     assert "Take the file list from the manifest's `shards`" in doc
+
+
+def _batch():
+    """Two rows of format 1, as [B, L] arrays (row 1 the valid _row(), row 0 a copy)."""
+    row = _row()
+    return {name: np.stack([row[name], row[name]]) for name in rowformat.FIELD_NAMES}
+
+
+def test_the_rules_take_the_manifests_facts_and_judge_a_batch():
+    """row_fault is a function of a [B, L] batch and the manifest's facts (version, vocab_size,
+    pad_id, sources), as verify and the trainer call it; a fact not given is not judged."""
+    batch = _batch()
+    facts = rowformat.RowFacts(rowformat.FORMAT_VERSION, vocab_size=10, pad_id=0)
+    assert rowformat.row_fault(batch, facts) is None
+    batch["input_ids"][1, 5] = 10
+    assert rowformat.row_fault(batch, facts) == rowformat.RowFault(1, 5, 2, rowformat.RULE_VOCAB)
+    assert rowformat.row_fault(batch, rowformat.RowFacts(rowformat.FORMAT_VERSION)) is None  # vocab not given
+    batch["input_ids"][1, 5] = -5
+    assert rowformat.row_fault(batch, facts).rule == rowformat.RULE_VOCAB
+    batch["input_ids"][1, 5] = 9
+    batch["input_ids"][0, 8] = 3  # padding of row 0
+    assert rowformat.row_fault(batch, facts) == rowformat.RowFault(0, 8, 0, rowformat.RULE_PAD_ID)
+    assert rowformat.row_fault(batch, dataclasses.replace(facts, pad_id=None)) is None
+    with pytest.raises(RowFormatError, match="rows of format 2 lack the field 'source_ids'"):
+        rowformat.row_fault(batch, rowformat.RowFacts(rowformat.MIXTURE_FORMAT_VERSION))
+
+
+def test_a_segment_shifted_by_one_breaks_only_the_start_rule():
+    """Positions 1..n in a segment count up by one; only "from 0 at every segment start" sees it.
+    (A test that breaks a token after the start passes with that half of the rule removed.)"""
+    batch = _batch()
+    second = int(np.flatnonzero(batch["segment_ids"][0] == 2)[0])
+    batch["positions"][0][batch["segment_ids"][0] == 2] += 1
+    facts = rowformat.RowFacts(rowformat.FORMAT_VERSION)
+    assert rowformat.row_fault(batch, facts) == rowformat.RowFault(0, second, 2, rowformat.RULE_POSITIONS)
+    one = {name: batch[name][0] for name in rowformat.FIELD_NAMES}
+    with pytest.raises(RowFormatError, match=r"positions must count from 0 at every segment start, up by one \(token 4, segment 2\)"):
+        rowformat.check_row(one, 10)

@@ -290,3 +290,199 @@ def test_gs_output_through_the_emulator(gcs_emulator, gcs_prefix, outputs):  # n
     assert (rc, err) == (0, ""), out
     assert f"L128  ok" in out and f"{url}/L512" in out
     assert storage.is_gcs(url)
+
+
+# ----------------------------------------------------------------------------- what verify used to pass (issue 47)
+
+
+def _edit_manifest(out_dir: str, L: int, change) -> str:
+    """Applies change(manifest dict) and republishes it (the run record's digest updated too), so
+    that only the recount can tell."""
+    path = f"{out_dir}/L{L}/manifest.json"
+    data = json.load(open(path))
+    change(data)
+    _republish(f"{out_dir}/L{L}", json.dumps(data, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def _first_failure(out_dir: str) -> str:
+    rc, out, err = run(out_dir)
+    assert (rc, err) == (1, ""), out
+    [line] = [line for line in out.splitlines() if line.startswith("  first failure: ")]
+    return line[len("  first failure: "):]
+
+
+def _last_token(rows, r: int) -> int:
+    return int(np.flatnonzero(rows["valid_mask"][r])[-1])
+
+
+@pytest.mark.parametrize("value", [999_999_999, -5, 262_144])
+def test_a_token_id_outside_the_vocabulary_fails(copy_of, value):
+    out_dir = copy_of("plain")
+
+    def outside(rows):
+        rows["input_ids"][3, 5] = value
+        return 3
+
+    shard, row = _rewrite_shard(f"{out_dir}/L128", outside)
+    assert _first_failure(out_dir).startswith(f"{shard}: row 3 (record 3 of the shard), segment ")
+    assert _first_failure(out_dir).endswith(", token 5: input_ids must lie in the vocabulary (0 to vocab_size - 1) on every real token")
+
+
+def test_padding_that_is_not_the_pad_id_fails(copy_of):
+    out_dir = copy_of("plain")
+
+    def not_pad(rows):
+        r = int(np.flatnonzero(rows["valid_mask"].sum(axis=1) < rows["valid_mask"].shape[1])[0])
+        rows["input_ids"][r, _last_token(rows, r) + 1] = 7
+        return r
+
+    shard, row = _rewrite_shard(f"{out_dir}/L128", not_pad)
+    assert _first_failure(out_dir).startswith(f"{shard}: row {row} (record {row} of the shard), padding, token ")
+    assert _first_failure(out_dir).endswith(": input_ids must be the pad id on padding")
+
+
+def shift_segment_positions(rows):
+    """A whole segment's positions shifted by one (1..n): each still its predecessor + 1, so only
+    the rule that a segment starts at position 0 sees it."""
+    r = _row_with_segments(rows, 2)
+    rows["positions"][r][rows["segment_ids"][r] == 2] += 1
+    return r
+
+
+def test_a_segment_whose_positions_are_all_shifted_by_one_fails(copy_of):
+    out_dir = copy_of("plain")
+    shard, row = _rewrite_shard(f"{out_dir}/L128", shift_segment_positions)
+    assert _first_failure(out_dir) == (f"{shard}: row {row} (record {row} of the shard), segment 2, token "
+                                       f"{_second_segment_start(_rows_of(shard, 128), row)}: "
+                                       "positions must count from 0 at every segment start, up by one")
+
+
+def _rows_of(shard: str, L: int):
+    from array_record.python.array_record_module import ArrayRecordReader
+
+    reader = ArrayRecordReader(shard)
+    rows = rowformat.decode_rows(reader.read_all(), L, rowformat.FIELD_NAMES)
+    reader.close()
+    return rows
+
+
+GEMMA = "the embedded tokenizer 'gemma3' has"
+EDITED = "the manifest was edited or does not describe these shards"
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda d: d["tokenizer"].update(vocab_size=151_936),
+     f"tokenizer.vocab_size is 151936, but {GEMMA} 262144; the manifest was edited, or the set was made by another "
+     "gemma3 vocabulary"),
+    (lambda d: d["tokenizer"].update(vocab_size=10**9),
+     f"tokenizer.vocab_size is 1000000000, not a vocabulary size (an integer from 2 to 16,777,216); {EDITED}"),
+    (lambda d: d["tokenizer"].update(vocab_size=300_000),
+     f"tokenizer.vocab_size is 300000, but {GEMMA} 262144"),
+    (lambda d: d["tokenizer"].update(pad_id=5), "tokenizer.pad_id is 5, but the embedded tokenizer 'gemma3' has 0"),
+    (lambda d: d["tokenizer"].update(eos_id=262_144), f"tokenizer.eos_id is 262144, outside the vocabulary (0 to 262,143); {EDITED}"),
+])
+def test_an_edited_tokenizer_identity_fails(copy_of, change, words):
+    out_dir = copy_of("plain")
+    path = _edit_manifest(out_dir, 128, change)
+    assert _first_failure(out_dir).startswith(f"{path}: {words}")
+
+
+def _bump(key: str, by: int = 1):
+    def change(d):
+        d["stats"][key] += by
+    return change
+
+
+def _move_drop(d):
+    """One too_long drop relabelled as a bad record: every sum still adds up; the dead letter does not."""
+    d["stats"]["examples_dropped"]["too_long"] -= 1
+    d["stats"]["examples_dropped"]["malformed_json"] = 1
+
+
+@pytest.mark.parametrize("change, words", [
+    (_bump("examples_read"), "the accounting does not add up: examples read {examples_read_plus} (- split 0 + pieces 0) "
+                             "!= written {examples_written} + dropped {dropped}"),
+    (lambda d: d["stats"]["examples_dropped"].update(too_long=d["stats"]["examples_dropped"]["too_long"] + 1),
+     "the accounting does not add up: examples read {examples_read} (- split 0 + pieces 0) != written {examples_written} "
+     "+ dropped {dropped_plus}"),
+    (lambda d: [_bump("examples_read")(d), d["stats"]["examples_dropped"].update(too_long=d["stats"]["examples_dropped"]["too_long"] + 1)],
+     "stats.examples_dropped is {{'too_long': {too_long_plus}}} (not_sampled aside), but the dead letter dead_letter.jsonl "
+     "holds {{'too_long': {too_long}}}"),
+    (_move_drop, "stats.bad_records is 0, but the rows give 1"),
+    (lambda d: d["stats"].update(packed_density=0.99), "stats.packed_density is 0.99, but the rows give {packed_density!r}"),
+    (lambda d: d["stats"].update(unpacked_density=0.5), "stats.unpacked_density is 0.5, but the rows give"),
+    (lambda d: d["stats"].update(target_density=0.5), "stats.target_density is 0.5, but the rows give"),
+    (lambda d: d["stats"].update(row_reduction=9.0), "stats.row_reduction is 9.0, but the rows give"),
+    (_bump("lower_bound_rows", -1), "stats.lower_bound_rows is {lower_minus}, but the rows give {lower_bound_rows}"),
+    (lambda d: d["stats"]["segments_per_row"].update(mean=3.0), "stats.segments_per_row.mean is 3.0, but the rows give"),
+    (lambda d: d["stats"].update(rows_over_lower_bound=1.0), "stats.rows_over_lower_bound is 1.0, but the rows give"),
+    (lambda d: d["stats"].update(bad_fraction=0.5), "stats.bad_fraction is 0.5, but the rows give 0.0"),
+    (_bump("dead_letter_entries"), "stats.dead_letter_entries is {dead_plus}, but the dead letter dead_letter.jsonl holds {dead}"),
+    (lambda d: d["stats"].update(bfd_rows=d["stats"]["rows"] - 1), "stats.bfd_rows is {rows_minus}, but it must be at least "
+                                                                    "the rows written"),
+    (lambda d: d["stats"].update(examples_truncated=10**6), "stats.examples_truncated is 1000000, but it must be at most the examples read"),
+])
+def test_an_edited_figure_is_found(copy_of, change, words):
+    """Every stored figure verify can recount or bound: an edit that agrees with the run record's
+    digest (republished) still fails, naming the key, the stated value and what the rows give."""
+    out_dir = copy_of("plain")
+    stats = json.load(open(f"{out_dir}/L128/manifest.json"))["stats"]
+    assert stats["examples_dropped"]["too_long"] > 0 and stats["bad_records"] == 0
+    path = _edit_manifest(out_dir, 128, change)
+    dropped = sum(stats["examples_dropped"].values())
+    expected = words.format(examples_read=stats["examples_read"], examples_read_plus=stats["examples_read"] + 1,
+                            examples_written=stats["examples_written"], dropped=dropped, dropped_plus=dropped + 1,
+                            dead=stats["dead_letter_entries"], dead_plus=stats["dead_letter_entries"] + 1,
+                            packed_density=stats["packed_density"], lower_bound_rows=stats["lower_bound_rows"],
+                            lower_minus=stats["lower_bound_rows"] - 1, rows_minus=stats["rows"] - 1,
+                            too_long=stats["examples_dropped"]["too_long"], too_long_plus=stats["examples_dropped"]["too_long"] + 1)
+    failure = _first_failure(out_dir)
+    assert failure.startswith(f"{path}: {expected}"), failure
+    assert failure.endswith(EDITED)
+
+
+def _swap_names(d):
+    a, b = d["mixture"]["sources"]
+    a["name"], b["name"] = b["name"], a["name"]
+
+
+def _swap_names_and_templates(d):
+    """Names and the template's formats for them swapped to agree: only the tokenized set these rows
+    came from still tells which source is which."""
+    _swap_names(d)
+    for source in d["mixture"]["sources"]:
+        source["format"], d["template"]["sources"][source["name"]]["name"] = "alpaca", "alpaca"
+
+
+def _source(k: int, **changes):
+    def change(d):
+        d["mixture"]["sources"][k].update({key: value(d["mixture"]["sources"][k]) for key, value in changes.items()})
+    return change
+
+
+@pytest.mark.parametrize("change, words", [
+    (_swap_names, "mixture.sources[0] is named 'chat' with format 'alpaca', but template.sources['chat'] records format "
+                  "'chat' for that name"),
+    (_swap_names_and_templates, "mixture.sources are [('chat', 'alpaca'), ('alpaca', 'alpaca')] (name, format) in "
+                                "source-id order, but the tokenized set these rows were packed from records [('alpaca', "
+                                "'alpaca'), ('chat', 'chat')]"),
+    (_source(0, examples_unique=lambda s: s["examples_unique"] - 1),
+     "the accounting does not add up: mixture source 'alpaca': examples read"),
+    (_source(1, examples_unique=lambda s: s["examples_written"] + 1), "mixture.sources[1].examples_unique (chat) is"),
+    (lambda d: [_source(0, examples_read=lambda s: s["examples_read"] + 3)(d), _source(1, examples_read=lambda s: s["examples_read"] - 3)(d)],
+     "the accounting does not add up: mixture source 'alpaca'"),
+    (_source(0, requested_share=lambda s: 0.7), "mixture.sources[0] (alpaca).requested_share is 0.7, but its weights give 0.75"),
+    (_source(1, realized_share=lambda s: 0.3), "mixture.sources[1] (chat).realized_share is 0.3, but its weights give"),
+    (_source(0, repeats=lambda s: 1.5), "mixture.sources[0] (alpaca).repeats is 1.5, but its weights give"),
+    (_source(0, written_weight=lambda s: s["written_weight"] + 7), "mixture.sources[0].written_weight (alpaca) is"),
+    (_source(1, kept_weight=lambda s: s["kept_weight"] * 10), "mixture.sources[1] (chat).repeats is"),
+    (lambda d: d["mixture"].update(limiting_source="chat"), "mixture.limiting_source is 'chat', but the kept weights make it"),
+    (lambda d: d["stats"].update(examples_repeated=d["stats"]["examples_repeated"] + 1),
+     "the accounting does not add up: examples read"),
+])
+def test_an_edited_mixture_figure_is_found(copy_of, change, words):
+    out_dir = copy_of("mix")
+    path = _edit_manifest(out_dir, 256, change)
+    failure = _first_failure(out_dir)
+    assert failure.startswith(f"{path}: {words}"), failure

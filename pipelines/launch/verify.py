@@ -10,7 +10,7 @@ from pipelines.configs import PackConfig
 from pipelines.launch import job_stats
 from pipelines.launch.errors import JobError
 from pipelines.summary import LengthStats, PlanSummary, RunSummary
-from prepack.packing.accounting import Tally
+from prepack.packing.accounting import Tally, arrival_problem
 from prepack.packing.bad_records import advice, too_many_bad_records
 from prepack.packing.packer import OverlongPolicy
 
@@ -21,17 +21,11 @@ def check_stats(stats: LengthStats, max_length: int, plan: PlanSummary, cap: int
     """Accounting problems (empty when all is well): every example read is written or dropped
     (under --overlong split or window, each of its pieces), and no row holds more than `cap` segments."""
     problems = []
-    dropped = sum(stats.examples_dropped.values())
-    repeated = stats.examples_repeated or 0  # a mixture's extra copies
-    windowed, window_pieces = stats.examples_windowed or 0, stats.window_pieces or 0
-    arrived = stats.examples_read - stats.examples_split + stats.split_pieces - windowed + window_pieces + repeated
-    if arrived != stats.examples_written + dropped:
-        problems.append(
-            f"L={max_length}: examples read {stats.examples_read} (- split {stats.examples_split} + pieces "
-            f"{stats.split_pieces}{f' - windowed {windowed} + window pieces {window_pieces}' if windowed else ''}"
-            f"{f' + repeats {repeated}' if repeated else ''}) != written {stats.examples_written} "
-            f"+ dropped {dropped}"
-        )
+    problem = arrival_problem(stats.examples_read, stats.examples_written, sum(stats.examples_dropped.values()),
+                              stats.examples_split, stats.split_pieces, stats.examples_windowed or 0, stats.window_pieces or 0,
+                              stats.examples_repeated or 0)  # a mixture's extra copies
+    if problem:
+        problems.append(f"L={max_length}: {problem}")
     if stats.examples_written != plan.num_examples:
         problems.append(f"L={max_length}: {stats.examples_written} examples in rows, but the plan placed {plan.num_examples}")
     if stats.rows != plan.num_rows:

@@ -182,23 +182,41 @@ class RowFault:
     rule: str
 
 
+@dataclasses.dataclass(frozen=True)
+class RowFacts:
+    """What the row rules need to know of a set beyond its rows, from its manifest (or, for the
+    trainer, the manifest it checked): the rules are a function of the rows and these alone."""
+
+    version: int  # the row format: which fields the rows carry (field_names)
+    vocab_size: int | None = None  # every real token's id lies in 0..vocab_size-1; None: not judged
+    pad_id: int | None = None  # every padding token's id; None: not judged
+    num_sources: int | None = None  # a mixture set's sources: source ids 1..num_sources; None: any positive
+
+    @classmethod
+    def of_fields(cls, names: Sequence[str], **facts: int | None) -> "RowFacts":
+        """The facts of rows that carry the fields `names` (their version told by them)."""
+        return cls(row_format_version("source_ids" in names, EXAMPLE_TARGETS in names), **facts)
+
+
 # The rules, in the order a row is judged (the first broken one is reported). One implementation
-# of the row format's invariants: check_row (one row) and `prepack verify` (batches) call row_fault.
-_RULES = (
-    "loss_mask and valid_mask must be 0/1",
-    "valid_mask must be 1 exactly where segment_ids != 0",
-    "padding must come after every real token",
-    "row holds no tokens",
-    "segment_ids must run 1..k in row order",
-    "positions must count from 0 at every segment start, up by one",
-    "positions must be 0 on padding",
-    "loss_mask must be 0 on padding",
-    "loss_mask must be 0 on the first token of every segment",
-    "source_ids must be 1..N on every real token and 0 on padding",
-    "source_ids must be the same on every token of a segment",
-    "example_targets must be the same on every token of a segment",
-    "example_targets must be at least the segment's own target tokens (and 1) on every real token, 0 on padding",
-)
+# of the row format's invariants, vectorised over a [B, L] batch: check_row (one row), `prepack
+# verify` (every row of a set) and the trainer (every batch) call row_fault. A rule whose fact is
+# not given (vocab_size, pad_id) or whose field the version lacks is not judged.
+RULE_FLAGS = "loss_mask and valid_mask must be 0/1"
+RULE_VALID = "valid_mask must be 1 exactly where segment_ids != 0"
+RULE_PADDING_LAST = "padding must come after every real token"
+RULE_EMPTY = "row holds no tokens"
+RULE_SEGMENTS = "segment_ids must run 1..k in row order"
+RULE_POSITIONS = "positions must count from 0 at every segment start, up by one"
+RULE_PAD_POSITIONS = "positions must be 0 on padding"
+RULE_PAD_LOSS = "loss_mask must be 0 on padding"
+RULE_FIRST_TOKEN = "loss_mask must be 0 on the first token of every segment"
+RULE_VOCAB = "input_ids must lie in the vocabulary (0 to vocab_size - 1) on every real token"
+RULE_PAD_ID = "input_ids must be the pad id on padding"
+RULE_SOURCE_RANGE = "source_ids must be 1..N on every real token and 0 on padding"
+RULE_SOURCE_SEGMENT = "source_ids must be the same on every token of a segment"
+RULE_TARGETS_SEGMENT = "example_targets must be the same on every token of a segment"
+RULE_TARGETS_OWN = "example_targets must be at least the segment's own target tokens (and 1) on every real token, 0 on padding"
 
 
 def _shifted(a: np.ndarray) -> np.ndarray:
@@ -208,9 +226,9 @@ def _shifted(a: np.ndarray) -> np.ndarray:
     return out
 
 
-def _rule_masks(rows: Mapping[str, np.ndarray], num_sources: int | None) -> list[np.ndarray]:
-    """One [B, L] bool array per rule of _RULES: True where a token breaks it. int64, so that a
-    hostile record's extreme values cannot wrap around in the differences."""
+def _rule_masks(rows: Mapping[str, np.ndarray], facts: RowFacts) -> list[tuple[str, np.ndarray]]:
+    """(rule, [B, L] bool: True where a token breaks it), in the order rows are judged. int64, so
+    that a hostile record's extreme values cannot wrap around in the differences."""
     seg = np.asarray(rows["segment_ids"], dtype=np.int64)
     pos = np.asarray(rows["positions"], dtype=np.int64)
     loss = np.asarray(rows["loss_mask"])
@@ -222,28 +240,34 @@ def _rule_masks(rows: Mapping[str, np.ndarray], num_sources: int | None) -> list
     no_tokens = np.zeros_like(real)
     no_tokens[:, 0] = ~real.any(axis=1)
     masks = [
-        ((loss != 0) & (loss != 1)) | ((valid != 0) & (valid != 1)),
-        real != (seg != 0),
-        real & ~prev_real & (np.arange(seg.shape[1]) > 0),
-        no_tokens,
-        real & (step != 0) & (step != 1),
-        (starts & (pos != 0)) | (real & ~starts & (pos != _shifted(pos) + 1)),
-        ~real & (pos != 0),
-        ~real & (loss != 0),
-        starts & (loss != 0),
+        (RULE_FLAGS, ((loss != 0) & (loss != 1)) | ((valid != 0) & (valid != 1))),
+        (RULE_VALID, real != (seg != 0)),
+        (RULE_PADDING_LAST, real & ~prev_real & (np.arange(seg.shape[1]) > 0)),
+        (RULE_EMPTY, no_tokens),
+        (RULE_SEGMENTS, real & (step != 0) & (step != 1)),
+        # A segment's first position must be 0 (a whole segment shifted by one breaks only this),
+        # and each next one its predecessor + 1.
+        (RULE_POSITIONS, (starts & (pos != 0)) | (real & ~starts & (pos != _shifted(pos) + 1))),
+        (RULE_PAD_POSITIONS, ~real & (pos != 0)),
+        (RULE_PAD_LOSS, ~real & (loss != 0)),
+        (RULE_FIRST_TOKEN, starts & (loss != 0)),
     ]
-    if "source_ids" in rows:  # a mixture set's (version 2)
+    if facts.vocab_size is not None or facts.pad_id is not None:
+        ids = np.asarray(rows["input_ids"], dtype=np.int64)
+        if facts.vocab_size is not None:
+            masks.append((RULE_VOCAB, real & ((ids < 0) | (ids >= facts.vocab_size))))
+        if facts.pad_id is not None:
+            masks.append((RULE_PAD_ID, ~real & (ids != facts.pad_id)))
+    if has_sources(facts.version):
         src = np.asarray(rows["source_ids"], dtype=np.int64)
-        high = np.iinfo(np.int64).max if num_sources is None else num_sources
-        masks.append(np.where(real, (src < 1) | (src > high), src != 0))
-        masks.append(real & ~starts & (src != _shifted(src)))
-    elif EXAMPLE_TARGETS in rows:  # the source rules hold vacuously: masks[i] stays _RULES[i]'s
-        masks += [np.zeros_like(real), np.zeros_like(real)]
-    if EXAMPLE_TARGETS in rows:  # a split or windowed set's (versions 3 and 4)
+        high = np.iinfo(np.int64).max if facts.num_sources is None else facts.num_sources
+        masks.append((RULE_SOURCE_RANGE, np.where(real, (src < 1) | (src > high), src != 0)))
+        masks.append((RULE_SOURCE_SEGMENT, real & ~starts & (src != _shifted(src))))
+    if has_example_targets(facts.version):
         total = np.asarray(rows[EXAMPLE_TARGETS], dtype=np.int64)
-        masks.append(real & ~starts & (total != _shifted(total)))
+        masks.append((RULE_TARGETS_SEGMENT, real & ~starts & (total != _shifted(total))))
         own = _segment_totals(seg, loss)
-        masks.append(np.where(real, (total < own) | (total < 1), total != 0))
+        masks.append((RULE_TARGETS_OWN, np.where(real, (total < own) | (total < 1), total != 0)))
     return masks
 
 
@@ -256,23 +280,27 @@ def _segment_totals(seg: np.ndarray, loss: np.ndarray) -> np.ndarray:
     return sums[keys].reshape(b, length).astype(np.int64)
 
 
-def row_fault(rows: Mapping[str, np.ndarray], num_sources: int | None = None) -> RowFault | None:
+def row_fault(rows: Mapping[str, np.ndarray], facts: RowFacts) -> RowFault | None:
     """The first broken invariant of a batch of [B, L] rows (the first row with one, its first rule
-    in _RULES order, that rule's first token), or None when every row holds. Vectorised over
-    the batch. num_sources: a mixture set's source count, the highest source id allowed."""
-    masks = _rule_masks(rows, num_sources)
-    broken = np.stack([m.any(axis=1) for m in masks])  # [rules, B]
+    in order, that rule's first token), or None when every row holds. Vectorised over the batch;
+    `facts`: what the manifest says the rows are (version, vocab_size, pad_id, sources). Raises
+    RowFormatError when the rows lack a field of their version (a reader's error, not the data's)."""
+    missing = [name for name in field_names(facts.version) if name not in rows]
+    if missing:
+        raise RowFormatError(f"rows of format {facts.version} lack the field {missing[0]!r}")
+    masks = _rule_masks(rows, facts)
+    broken = np.stack([m.any(axis=1) for _, m in masks])  # [rules, B]
     bad_rows = np.flatnonzero(broken.any(axis=0))
     if not bad_rows.size:
         return None
     row = int(bad_rows[0])
-    rule = int(np.flatnonzero(broken[:, row])[0])
-    token = int(np.flatnonzero(masks[rule][row])[0])
+    rule, mask = masks[int(np.flatnonzero(broken[:, row])[0])]
+    token = int(np.flatnonzero(mask[row])[0])
     seg = np.asarray(rows["segment_ids"][row], dtype=np.int64)
     real = np.asarray(rows["valid_mask"][row]) == 1
     starts = real & (np.diff(seg, prepend=0) != 0)
     segment = int(starts[: token + 1].sum()) if real[token] else 0
-    return RowFault(row, token, segment, _RULES[rule])
+    return RowFault(row, token, segment, rule)
 
 
 def row_counts(rows: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -284,15 +312,17 @@ def row_counts(rows: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     }
 
 
-def check_row(row: Mapping[str, np.ndarray], max_length: int) -> None:
-    """Raises RowFormatError naming the first broken invariant (row_fault's rules)."""
+def check_row(row: Mapping[str, np.ndarray], max_length: int, vocab_size: int | None = None, pad_id: int | None = None) -> None:
+    """Raises RowFormatError naming the first broken invariant (row_fault's rules) of one row, of
+    the format its fields tell; vocab_size and pad_id, when given, are judged too."""
     names = FIELD_NAMES + tuple(name for name in ("source_ids", EXAMPLE_TARGETS) if name in row)
     for name in names:
         if name not in row:
             raise RowFormatError(f"row lacks field {name!r}")
         if np.shape(row[name]) != (max_length,):
             raise RowFormatError(f"field {name!r} has shape {np.shape(row[name])}, expected ({max_length},)")
-    fault = row_fault({name: np.asarray(row[name])[None] for name in names})
+    facts = RowFacts.of_fields(names, vocab_size=vocab_size, pad_id=pad_id)
+    fault = row_fault({name: np.asarray(row[name])[None] for name in names}, facts)
     if fault is not None:
         raise RowFormatError(f"{fault.rule} (token {fault.token}, segment {fault.segment})")
 

@@ -32,6 +32,20 @@ LENGTH_REASONS = frozenset(reason.value for reason in DropReason)
 NOT_BAD_INPUT = LENGTH_REASONS | {NO_TARGETS}
 
 
+def arrival_problem(read: int, written: int, dropped: int, split: int = 0, pieces: int = 0, windowed: int = 0,
+                    window_pieces: int = 0, repeated: int = 0) -> str | None:
+    """The accounting identity of one max length, the one statement of it (the job checks it before
+    publishing, `prepack verify` on every published set): every example read arrives at L once,
+    a cut one as its pieces, a mixture's repeated copy once more, and each arrival is written or
+    dropped. None when `read - split + pieces - windowed + window_pieces + repeated == written +
+    dropped`; else the sum that does not add up."""
+    if read - split + pieces - windowed + window_pieces + repeated == written + dropped:
+        return None
+    return (f"examples read {read} (- split {split} + pieces {pieces}"
+            f"{f' - windowed {windowed} + window pieces {window_pieces}' if windowed or window_pieces else ''}"
+            f"{f' + repeats {repeated}' if repeated else ''}) != written {written} + dropped {dropped}")
+
+
 @dataclasses.dataclass
 class Tally:
     records_read: int = 0  # raw records (lines, rows, messages)

@@ -534,12 +534,9 @@ def check_sources(mixture: Mixture, figures: list[dict[str, Any]], max_length: i
     SHARE_TOLERANCE (a problem unless allow_short)."""
     problems, notes = [], []
     for f in figures:
-        dropped = sum(f["examples_dropped"].values())
-        arrived = (f["examples_read"] - f["examples_split"] + f["split_pieces"]
-                   - f.get("examples_windowed", 0) + f.get("window_pieces", 0))
-        if arrived != f["examples_unique"] + dropped:
-            problems.append(f"L={max_length}: mixture source {f['name']!r}: examples read {f['examples_read']} != "
-                            f"unique written {f['examples_unique']} + dropped {dropped}")
+        problem = source_accounting_problem(f)
+        if problem:
+            problems.append(f"L={max_length}: {problem}")
         line = source_bad_records(f, max_bad_fraction)
         if line is not None:
             problems.append(line)
@@ -573,6 +570,54 @@ def check_sources(mixture: Mixture, figures: list[dict[str, Any]], max_length: i
     notes.append(f"{line}; every example left out is heavier than what is left of its source's budget (one example's "
                  f"share of the mix, on average: {grains}); published the closest mix (manifest mixture.shares_met false)")
     return problems, notes
+
+
+def source_accounting_problem(figures: dict[str, Any]) -> str | None:
+    """One source's accounting identity (the job checks it before publishing, `prepack verify` on
+    every published mixture set): each example read arrives once, a cut one as its pieces, and is
+    written (its first copy: `examples_unique`) or dropped; None when it holds."""
+    dropped = sum(figures["examples_dropped"].values())
+    arrived = (figures["examples_read"] - figures["examples_split"] + figures["split_pieces"]
+               - figures.get("examples_windowed", 0) + figures.get("window_pieces", 0))
+    if arrived == figures["examples_unique"] + dropped:
+        return None
+    return (f"mixture source {figures['name']!r}: examples read {figures['examples_read']} (- split "
+            f"{figures['examples_split']} + pieces {figures['split_pieces']}) != unique written "
+            f"{figures['examples_unique']} + dropped {dropped}")
+
+
+def stated_figures_problem(stated: dict[str, Any]) -> str | None:
+    """A set's `mixture` object against itself: the shares, repeats, limiting source and (a missed
+    mix's) granularity each source states, recomputed by this module's rules from the weights and
+    weights kept and written it also states (`prepack verify`; the rows recount the rest). None
+    when every one holds, else the first that does not; MixtureError for a weight no file has."""
+    _weight_of(stated.get("weight_of"), "mixture")
+    max_repeats = _max_repeats(stated.get("max_repeats"), "mixture")
+    sources = stated["sources"]
+    weights = [_weight(f.get("weight"), f"mixture.sources[{k}] ({f.get('name')})") for k, f in enumerate(sources)]
+    kept = [f["kept_weight"] for f in sources]
+    written = [f["written_weight"] for f in sources]
+    total = sum(weights)
+    for k, (f, want, got) in enumerate(zip(sources, weights, realized_shares(written))):
+        at = f"mixture.sources[{k}] ({f['name']})"
+        for key, expected in (("requested_share", round(float(want / total), 6)), ("realized_share", round(got, 6)),
+                              ("repeats", round(f["written_weight"] / f["kept_weight"], 6) if f["kept_weight"] else 0.0)):
+            if f.get(key) != expected:
+                return f"{at}.{key} is {f.get(key)!r}, but its weights give {expected!r}"
+        if f["written_weight"] > max_repeats * f["kept_weight"]:
+            return (f"{at}.written_weight {f['written_weight']:,} is more than max_repeats {max_repeats} x its kept_weight "
+                    f"{f['kept_weight']:,}")
+    limiting = sources[limiting_source(kept, weights)]["name"] if all(kept) else None
+    if stated.get("limiting_source") != limiting:
+        return f"mixture.limiting_source is {stated.get('limiting_source')!r}, but the kept weights make it {limiting!r}"
+    off = shares_off(sources)
+    if ("shares_met" in stated) != bool(off) or stated.get("shares_met", False) is not False:
+        return (f"mixture.shares_met is {stated.get('shares_met', '(absent)')!r}, but the realized shares "
+                f"{'miss' if off else 'meet'} the requested ones (within {SHARE_TOLERANCE:.1%})")
+    for k, f in enumerate(sources if off else ()):
+        if f.get("granularity") != granularity(f, sum(written)):
+            return f"mixture.sources[{k}].granularity ({f['name']}) is {f.get('granularity')!r}, but its figures give {granularity(f, sum(written))!r}"
+    return None
 
 
 def source_problems(mixture: Mixture, tally: Any, max_length: int, allow_short: bool, max_bad_fraction: float
