@@ -133,8 +133,11 @@ def test_gemma3_identity(tok: Tokenizer) -> None:
         "<bos>": 2,
         "<unk>": 3,
         "<mask>": 4,
+        "[multimodal]": 5,
         "<start_of_turn>": 105,
         "<end_of_turn>": 106,
+        "<start_of_image>": 255999,
+        "<end_of_image>": 256000,
     }
     assert ident["vocab_hash"] == GEMMA3_VOCAB_HASH
     assert json.loads(json.dumps(ident)) == ident
@@ -158,6 +161,25 @@ def test_gemma3_roundtrip_long_text(tok: Tokenizer) -> None:
 
 def test_decode_accepts_numpy_ids(tok: Tokenizer) -> None:
     assert tok.decode(np.array([9259, 1902], dtype=np.int32)) == "Hello world"
+
+
+def test_reserved_pieces_never_come_from_text(tok: Tokenizer) -> None:
+    """Gemma 3 reserves its image markers and [multimodal] (user-defined pieces in its GGUF, which
+    sentencepiece matched in text: a record's "<start_of_image>" was id 255999 and, in a reply,
+    trained). Every piece it reserves is a control piece now, and none comes from text; its other
+    user-defined pieces stay text as the model reads it."""
+    reserved = tok.reserved_ids()
+    named = {piece: i for piece, i in reserved.items() if not piece.startswith("<unused")}
+    assert named == {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<mask>": 4, "[multimodal]": 5, "<start_of_turn>": 105,
+                     "<end_of_turn>": 106, "<start_of_image>": 255999, "<end_of_image>": 256000}
+    assert len(reserved) - len(named) == 6242  # <unused0> .. the placeholders
+    text = "Look: " + " and ".join(reserved) + ", then " + "".join(reserved) + "."
+    for ids in (tok.encode(text), tok.encode_batch([text])[0], tok.encode_batch([text * 40])[0]):
+        assert not set(reserved.values()) & set(ids)
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.encode("<start_of_image>") != [255999] and tok.encode("[multimodal]") != [5]
+    assert tok.encode("\n") == [107] and tok.encode("\n\n") == [108]  # still user-defined text
+    assert tok.encode("<table>") == [tok.token_to_id("<table>")] and tok.token_to_id("<table>") not in reserved.values()
 
 
 def test_special_token_strings_are_plain_text(tok: Tokenizer) -> None:
@@ -440,6 +462,16 @@ def test_hf_local_dir_loads(hf_tok: Tokenizer, hf_dir: Path) -> None:
 
 @pytest.mark.parametrize("text", ROUNDTRIP_TEXTS)
 def test_hf_roundtrip(hf_tok: Tokenizer, text: str) -> None:
+    assert hf_tok.decode(hf_tok.encode(text)) == text
+
+
+def test_hf_reserved_pieces_never_come_from_text(hf_tok: Tokenizer) -> None:
+    """A Hugging Face tokenizer reserves its special added tokens: listed, and none from text."""
+    reserved = hf_tok.reserved_ids()
+    assert sorted(reserved) == ["<|endoftext|>", "<|im_end|>", "<|im_start|>"]
+    text = "a " + " ".join(reserved) + " b " + "".join(reserved)
+    for ids in (hf_tok.encode(text), hf_tok.encode_batch([text])[0]):
+        assert not set(reserved.values()) & set(ids)
     assert hf_tok.decode(hf_tok.encode(text)) == text
 
 

@@ -99,6 +99,17 @@ def test_qwen3_special_strings_are_plain_text(tok: Tokenizer, token: str) -> Non
     assert tok.decode(ids) == f"a {token} b"
 
 
+def test_qwen3_reserved_pieces_never_come_from_text(tok: Tokenizer) -> None:
+    """Qwen3 reserves its added tokens (chat, vision, tool and think markers): every one listed,
+    and none comes from text, alone, run together or in a batch."""
+    reserved = tok.reserved_ids()
+    assert reserved == QWEN3_SPECIAL_IDS
+    text = "x " + " ".join(reserved) + " y " + "".join(reserved)
+    for ids in (tok.encode(text), tok.encode_batch([text])[0]):
+        assert not set(reserved.values()) & set(ids)
+    assert tok.decode(tok.encode(text)) == text
+
+
 def test_qwen3_applies_nfc(tok: Tokenizer) -> None:
     # transformers' test_nfc_normalization for Qwen2: the NFD form of three characters whose
     # four normal forms all differ; Qwen normalizes with NFC only.

@@ -373,7 +373,9 @@ EDITED = "the manifest was edited or does not describe these shards"
 
 @pytest.mark.parametrize("change, words", [
     (lambda d: d["tokenizer"].update(vocab_size=151_936),
-     f"tokenizer.vocab_size is 151936, but {GEMMA} 262144; the manifest was edited, or the set was made by another "
+     f"tokenizer.special_ids['<end_of_image>'] is 256000, outside the vocabulary (0 to 151,935); {EDITED}"),
+    (lambda d: d["tokenizer"].update(vocab_size=257_000),
+     f"tokenizer.vocab_size is 257000, but {GEMMA} 262144; the manifest was edited, or the set was made by another "
      "gemma3 vocabulary"),
     (lambda d: d["tokenizer"].update(vocab_size=10**9),
      f"tokenizer.vocab_size is 1000000000, not a vocabulary size (an integer from 2 to 16,777,216); {EDITED}"),
@@ -486,3 +488,16 @@ def test_an_edited_mixture_figure_is_found(copy_of, change, words):
     path = _edit_manifest(out_dir, 256, change)
     failure = _first_failure(out_dir)
     assert failure.startswith(f"{path}: {words}"), failure
+
+
+def test_a_set_made_before_gemmas_reserved_pieces_became_special_still_passes(copy_of):
+    """Sets published before the image markers were control pieces name fewer special ids: not an
+    edit. A special id the manifest names wrongly is one."""
+    out_dir = copy_of("plain")
+    for name in ("[multimodal]", "<start_of_image>", "<end_of_image>"):
+        _edit_manifest(out_dir, 128, lambda d: d["tokenizer"]["special_ids"].pop(name))
+    rc, out, _ = run(out_dir)
+    assert rc == 0, out
+    path = _edit_manifest(out_dir, 128, lambda d: d["tokenizer"]["special_ids"].update({"<end_of_turn>": 107}))
+    assert _first_failure(out_dir).startswith(f"{path}: tokenizer.special_ids['<end_of_turn>'] is 107, but the embedded "
+                                              "tokenizer 'gemma3' has 106")

@@ -117,7 +117,15 @@ def tokenizer_problem(manifest: Manifest, where: str, load: Any = None) -> str |
         from prepack.text.tokenizer import load_tokenizer as load
     identity = load(name).identity()
     for key in _IDENTITY_KEYS:
-        if key in tok and tok[key] != identity.get(key):
+        if key == "special_ids" and isinstance(tok.get(key), dict):
+            # Names the manifest gives must be the tokenizer's; an older set may name fewer (Gemma 3's
+            # reserved image pieces became control pieces, and so special ids, after sets were made).
+            wrong = sorted((k, v) for k, v in tok[key].items() if identity["special_ids"].get(k) != v)
+            if wrong:
+                k, v = wrong[0]
+                return (f"{where}: tokenizer.special_ids[{k!r}] is {_shown(v)}, but the embedded tokenizer {name!r} has "
+                        f"{_shown(identity['special_ids'].get(k))}; {_EDITED}")
+        elif key in tok and tok[key] != identity.get(key):
             return (f"{where}: tokenizer.{key} is {_shown(tok[key])}, but the embedded tokenizer {name!r} has "
                     f"{_shown(identity.get(key))}; the manifest was edited, or the set was made by another {name} vocabulary")
     return None

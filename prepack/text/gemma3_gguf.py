@@ -33,13 +33,20 @@ log = logging.getLogger(__name__)
 
 # Bump whenever build_sentencepiece_model() would produce different bytes for the same GGUF,
 # so stale caches are never reused.
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2  # 2: the model's reserved user-defined pieces made control pieces (RESERVED_PIECES)
 CACHE_ENV = "PREPACK_CACHE_DIR"
 MODEL_FILE_PREFIX = "gemma3-270m"
 
 # SentencePiece ModelProto.SentencePiece.Type values (same numbering as GGUF token types).
 _SP_UNKNOWN = 2
+_SP_CONTROL = 3
 _SP_USER_DEFINED = 4
+# Gemma 3's user-defined pieces the model reserves for its own markup (its image markers and the
+# multimodal placeholder): sentencepiece matches a user-defined piece in text, so a record holding
+# "<start_of_image>" became id 255999 and, in a reply, was trained. They are made control pieces,
+# which data never yields (the text is then ordinary pieces). Its other user-defined pieces stay
+# text as the model reads it: newline and whitespace runs (107...), HTML tags such as <table>.
+RESERVED_PIECES = ("[multimodal]", "<start_of_image>", "<end_of_image>")
 
 
 # ----------------------------------------------------------------------------- GGUF location
@@ -371,7 +378,9 @@ def build_sentencepiece_model(meta: GGUFTokenizerMetadata) -> bytes:
     pieces = proto.pieces
     Piece = sp_pb2.ModelProto.SentencePiece
     for text, score, ptype in zip(meta.tokens, scores, types):
-        if ptype == _SP_USER_DEFINED:
+        if ptype == _SP_USER_DEFINED and text in RESERVED_PIECES:
+            ptype = _SP_CONTROL
+        elif ptype == _SP_USER_DEFINED:
             # llama.cpp un-escapes user-defined pieces; sentencepiece matches on escaped text.
             text = text.replace(" ", "\u2581")
         pieces.append(Piece(piece=text, score=score, type=ptype))

@@ -10,9 +10,10 @@ Specs:
 Anything else is refused at once (TokenizerError listing the embedded names): only an
 explicit `hf:` prefix reaches the Hugging Face Hub, so a typo never waits on Hub retries.
 
-Every tokenizer encodes user text as plain text: no BOS/EOS are added and special-token
-strings such as "<start_of_turn>" are not turned into control ids, so data cannot inject
-control tokens. Chat formatting adds control ids explicitly (prepack/text/chat/).
+Every tokenizer encodes user text as plain text: no BOS/EOS are added and the strings of the
+pieces a model reserves (`reserved_ids()`: "<start_of_turn>", Gemma 3's "<start_of_image>",
+Qwen3's "<think>") are not turned into their ids, so data cannot inject control tokens. Chat
+formatting adds control ids explicitly (prepack/text/chat/).
 
 Tokenizer objects pickle as (spec, vocab_hash) and reload on unpickling, refusing a
 different vocabulary; Beam DoFns should still call `load_tokenizer(spec)` in `setup()`.
@@ -68,6 +69,9 @@ class Tokenizer(Protocol):
     def token_to_id(self, token: str) -> int | None: ...
     def id_to_token(self, token_id: int) -> str: ...
     def identity(self) -> dict: ...
+    # The pieces the model reserves for its own markup (control, chat and image markers, placeholders):
+    # encode() never yields one; chat formats add them by id.
+    def reserved_ids(self) -> dict[str, int]: ...
 
 
 def vocab_hash(pieces: Sequence[str | None]) -> str:
@@ -175,6 +179,13 @@ class _TokenizerBase:
         if self._special is None:
             self._special = dict(sorted(self._special_ids().items(), key=lambda kv: (kv[1], kv[0])))
         return self._special
+
+    def reserved_ids(self) -> dict[str, int]:
+        """piece -> id of every piece the model reserves (placeholders included): never from text."""
+        return self._reserved_ids()
+
+    def _reserved_ids(self) -> dict[str, int]:
+        raise NotImplementedError
 
     def identity(self) -> dict:
         return {
@@ -346,6 +357,11 @@ class SentencePieceTokenizer(_TokenizerBase):
                 if not _PLACEHOLDER.fullmatch(piece):
                     out[piece] = i
         return out
+
+    def _reserved_ids(self) -> dict[str, int]:
+        """Its control pieces: sentencepiece never matches one in text (user-defined pieces it does)."""
+        sp = self._sp
+        return {sp.id_to_piece(i): i for i in range(self.vocab_size) if sp.is_control(i)}
 
 
 def _chars_before_space_mark(pieces: Sequence[str | None]) -> frozenset[str]:
@@ -521,6 +537,10 @@ class TiktokenTokenizer(_TokenizerBase):
     def _special_ids(self) -> dict[str, int]:
         return dict(self._special_map)
 
+    def _reserved_ids(self) -> dict[str, int]:
+        """Its added special tokens: encode_ordinary never yields one."""
+        return dict(self._special_map)
+
 
 def _load_qwen3(spec: TokenizerSpec) -> TiktokenTokenizer:
     from prepack.text import qwen3_bpe
@@ -604,6 +624,16 @@ class HFTokenizer(_TokenizerBase):
         for i, added in self._hf.added_tokens_decoder.items():
             if added.special and not _PLACEHOLDER.fullmatch(added.content):
                 out[added.content] = int(i)
+        for token in self._hf.all_special_tokens:
+            i = self._bk.token_to_id(token)
+            if i is not None:
+                out[token] = i
+        return out
+
+    def _reserved_ids(self) -> dict[str, int]:
+        """Its special added tokens, placeholders included: split like plain text (encode_special_tokens).
+        An added token its tokenizer.json does not mark special is text to that tokenizer too."""
+        out = {added.content: int(i) for i, added in self._hf.added_tokens_decoder.items() if added.special}
         for token in self._hf.all_special_tokens:
             i = self._bk.token_to_id(token)
             if i is not None:
