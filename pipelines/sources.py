@@ -27,7 +27,7 @@ from typing import Any
 
 from pipelines.wire.records import TaskMeta
 from prepack.storage import location_problem, match
-from prepack.storage.patterns import has_wildcard, literal_head
+from prepack.storage.patterns import PatternError, has_wildcard, literal_head
 
 FILE_KINDS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 COMPRESSED_SUFFIXES = (".gz", ".bz2", ".zst", ".deflate", ".lzma")
@@ -222,6 +222,8 @@ def _resolve_files(index: int, spec: str, first_task: int) -> tuple[ResolvedInpu
         )
     try:
         matches = match(spec)
+    except PatternError as e:  # no path can match it: said in words
+        raise InputError(f"input {e}") from None  # "input pattern '...': its character class ..."
     except Exception as e:  # the storage's own: no such bucket, no access or credentials, unreachable
         raise InputError(f"input {spec!r}: cannot list it ({type(e).__name__}: {e})") from e
     files = sorted(m for m in matches if not m[0].endswith("/"))

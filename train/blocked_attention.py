@@ -13,10 +13,12 @@ k >= (q*T - w + 1) // T). So the work per query tile is a contiguous range of ke
 and the whole row costs about the sum of its segments' triangles rather than L^2 / 2.
 
 The range is data-dependent but its length is bounded statically (by the window for local
-layers, by L / T otherwise), so each query tile runs a `lax.fori_loop` over exactly its own
-range (the trip count is a traced value) inside a `lax.map` over query tiles; the loop body
-is a checkpointed tile step, so the backward pass recomputes each tile's scores instead of
-storing them. Padding (segment 0) attends to itself only, as the dense path's mask does.
+layers, by L / T otherwise), so each query tile runs a `lax.scan` of that static length over
+key tiles first, first + 1, ...; each step computes its tile under a `lax.cond` only while it
+is inside the range (key tile <= query tile), so a tile outside it costs a branch, not a tile
+step. The scans run inside `lax.map`s over query tiles and rows; the tile step and each query
+tile are checkpointed, so the backward pass recomputes each tile's scores instead of storing
+them. Padding (segment 0) attends to itself only, as the dense path's mask does.
 """
 
 from __future__ import annotations
