@@ -43,7 +43,7 @@ import numpy as np
 import grain
 
 import loaders
-from prepack.packing import packer
+from testkit import plans
 from prepack.format import rowformat
 from testkit.shard_sets import build_shard_set
 
@@ -142,7 +142,7 @@ def build_prepacked(
     Returns (distinct packed rows, rows written).
     """
     examples = [truncate(e, max_length) for e in tokenized]
-    plan = packer.pack_best_fit_decreasing([len(e[0]) for e in examples], max_length)
+    plan = plans.pack_best_fit_decreasing([len(e[0]) for e in examples], max_length)
     rows = [rowformat.build_row([rowformat.Segment(*examples[i]) for i in row], max_length) for row in plan]
     written = rows * max(1, -(-min_rows // len(rows)))
     build_shard_set(folder, rows=written, num_shards=8, max_length=max_length, tokenizer=identity)

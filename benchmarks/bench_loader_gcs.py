@@ -131,12 +131,12 @@ def build_set(bench_loader, tokenized, max_length: int, folder: str, identity: d
     """
     import numpy as np
 
-    from prepack.packing import packer
+    from testkit import plans
     from prepack.format import rowformat
     from shardset_builder import build_shard_set
 
     examples = [bench_loader.truncate(e, max_length) for e in tokenized]
-    plan = packer.pack_best_fit_decreasing([len(e[0]) for e in examples], max_length)
+    plan = plans.pack_best_fit_decreasing([len(e[0]) for e in examples], max_length)
     rows = [rowformat.build_row([rowformat.Segment(*examples[i]) for i in row], max_length) for row in plan]
     written = rows * max(1, -(-min_rows // len(rows)))
     written = [written[i] for i in np.random.default_rng(0).permutation(len(written))]

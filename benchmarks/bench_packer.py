@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.data import DATA_DIR
-from prepack.packing import packer
+from testkit import plans
 
 DATASETS = {"alpaca": ("alpaca.jsonl", "alpaca"), "oasst1": ("oasst1.jsonl", "prompt_response"),
             "opus_en_fr": ("opus_en_fr.jsonl", "translation")}
@@ -61,9 +61,9 @@ def quality_table(name: str, lengths: list[int], max_lengths: list[int], pool_ro
         kept = [n for n in lengths if n <= L]
         bound = math.ceil(sum(kept) / L)
         t0 = time.perf_counter()
-        bfd = len(packer.pack_best_fit_decreasing(kept, L))
+        bfd = len(plans.pack_best_fit_decreasing(kept, L))
         dt = time.perf_counter() - t0
-        sim = packer.first_fit_in_pools(kept, L, pool_rows)
+        sim = plans.first_fit_in_pools(kept, L, pool_rows)
         grain_rows = grain_first_fit_rows(kept, L, pool_rows) if run_grain else None
         grain_cell = f"{grain_rows} ({grain_rows / bound:.4f})" if grain_rows else "-"
         lines.append(
@@ -91,7 +91,7 @@ def job_histogram(num_examples: int, max_lengths: list[int], seed: int = 0) -> d
 
 def plan_timing(num_examples: int, max_lengths: list[int], repeats: int = 3) -> str:
     """Wall time of build_plans (the job's single-process planning step), best of `repeats`."""
-    from pipelines.planning import build_plans
+    from testkit.plans import build_plans
 
     hist = job_histogram(num_examples, max_lengths)
     best = math.inf
@@ -142,7 +142,7 @@ def main() -> None:
     hist: dict[int, int] = {}
     for n in kept:
         hist[n] = hist.get(n, 0) + 1
-    plan = packer.plan_from_histogram(hist, L)
+    plan = plans.plan_from_histogram(hist, L)
     dt = time.perf_counter() - t0
     print(f"\nplan_from_histogram on {len(kept):,} synthetic lengths at L={L}: {len(plan):,} rows in {dt:.2f} s "
           f"({len(kept) / dt:,.0f} examples/s, including the histogram)")

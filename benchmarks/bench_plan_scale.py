@@ -71,7 +71,7 @@ def plan_and_slice(hist: dict, max_length: int):
     try:
         from pipelines.planning import LengthPlanner
     except ImportError:
-        from pipelines.planning import build_plan
+        from testkit.plans import build_plan
 
         plan = build_plan(hist, max_length, True)
         return "whole", plan.without_slots(), plan.group_slices()

@@ -107,7 +107,7 @@ class LengthPlan:
     max_segments: int
     offsets: dict[tuple[int, int], int]
     # class -> (row of the k-th slot, position of that slot in its row); packed only, and only
-    # in build_plan's whole plan: the job never holds every slot, it streams each
+    # in the whole plan testkit/plans.build_plan makes: the job never holds every slot, it streams each
     # (length_key, b) group its own slice (LengthPlanner.group_slices).
     slots: dict[int, tuple[np.ndarray, np.ndarray]]
     group_counts: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)
@@ -252,23 +252,3 @@ class LengthPlanner:
             method=method,
             planner_fallback=fallback,
         )
-
-
-def build_plan(
-    histogram: Histogram, max_length: int, pack: bool, num_shards: int | None = None, target_shard_mb: float = 256.0,
-    planner: Planner = Planner.BEST, max_segments: int | None = None,
-) -> LengthPlan:
-    """The whole plan for one L in memory, slots of every class included (8 bytes per example):
-    for tests, benchmarks and small runs. The job streams it instead (LengthPlanner)."""
-    planner = LengthPlanner(histogram, max_length, pack, num_shards, target_shard_mb, planner, max_segments)
-    by_class = {runs.length: runs.slots(0, runs.num_slots) for runs in planner.classes()}
-    # Insertion order as a row-by-row scan of the plan meets the classes.
-    slots = dict(sorted(by_class.items(), key=lambda item: (int(item[1][0][0]), int(item[1][1][0]))))
-    return planner.plan(slots)
-
-
-def build_plans(
-    histogram: Histogram, max_lengths: tuple[int, ...], pack: bool, num_shards: int | None, target_shard_mb: float,
-    planner: Planner = Planner.BEST, max_segments: int | None = None,
-) -> dict[int, LengthPlan]:
-    return {L: build_plan(histogram, L, pack, num_shards, target_shard_mb, planner, max_segments) for L in max_lengths}

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from prepack.packing import packer
 from prepack.packing.packer import DropReason, Fit, OverlongPolicy
+from testkit import plans
 from testkit.reference import pack_unpacked, slots_by_length
 
 lengths_and_limit = st.integers(1, 200).flatmap(
@@ -34,7 +35,7 @@ def reference_bfd_rows(lengths, max_length):
 @given(lengths_and_limit)
 def test_every_item_lands_in_exactly_one_row_within_capacity(case):
     lengths, max_length = case
-    rows = packer.pack_best_fit_decreasing(lengths, max_length)
+    rows = plans.pack_best_fit_decreasing(lengths, max_length)
     placed = sorted(i for row in rows for i in row)
     assert placed == list(range(len(lengths)))
     assert all(sum(lengths[i] for i in row) <= max_length for row in rows)
@@ -49,12 +50,12 @@ def test_every_item_lands_in_exactly_one_row_within_capacity(case):
            13, 1, 37, 2, 10, 11], 45))
 def test_row_count_equals_textbook_bfd_and_histogram_plan(case):
     lengths, max_length = case
-    rows = packer.pack_best_fit_decreasing(lengths, max_length)
+    rows = plans.pack_best_fit_decreasing(lengths, max_length)
     assert len(rows) == reference_bfd_rows(lengths, max_length)
     histogram = {}
     for n in lengths:
         histogram[n] = histogram.get(n, 0) + 1
-    plan = packer.plan_from_histogram(histogram, max_length)
+    plan = plans.plan_from_histogram(histogram, max_length)
     assert len(plan) == len(rows)
     assert sorted(n for row in plan for n in row) == sorted(lengths)
     # The plan and the index packing are the same packing, seen through lengths.
@@ -68,7 +69,7 @@ def test_slots_cover_the_plan_once(case):
     histogram = {}
     for n in lengths:
         histogram[n] = histogram.get(n, 0) + 1
-    plan = packer.plan_from_histogram(histogram, max_length)
+    plan = plans.plan_from_histogram(histogram, max_length)
     slots = slots_by_length(plan)
     assert {n: len(s) for n, s in slots.items()} == histogram
     seen = {(s.row, s.position) for ss in slots.values() for s in ss}
@@ -82,17 +83,17 @@ def test_row_count_equals_textbook_bfd_on_a_seeded_sweep():
     for _ in range(1000):
         max_length = int(rng.integers(2, 50))
         lengths = rng.integers(1, max_length + 1, int(rng.integers(1, 40))).tolist()
-        assert len(packer.pack_best_fit_decreasing(lengths, max_length)) == reference_bfd_rows(lengths, max_length)
+        assert len(plans.pack_best_fit_decreasing(lengths, max_length)) == reference_bfd_rows(lengths, max_length)
 
 
 def test_packing_is_deterministic_and_order_insensitive_in_row_count():
     rng = np.random.default_rng(0)
     lengths = rng.integers(1, 512, 5000).tolist()
-    a = packer.pack_best_fit_decreasing(lengths, 512)
-    b = packer.pack_best_fit_decreasing(lengths, 512)
+    a = plans.pack_best_fit_decreasing(lengths, 512)
+    b = plans.pack_best_fit_decreasing(lengths, 512)
     assert a == b
     shuffled = list(rng.permutation(lengths))
-    assert len(packer.pack_best_fit_decreasing(shuffled, 512)) == len(a)
+    assert len(plans.pack_best_fit_decreasing(shuffled, 512)) == len(a)
 
 
 def test_near_lower_bound_on_sft_like_lengths():
@@ -100,10 +101,10 @@ def test_near_lower_bound_on_sft_like_lengths():
     lengths = np.clip(rng.lognormal(4.4, 0.9, 20000).astype(int), 4, 2048).tolist()
     for max_length in (512, 1024, 2048):
         fitting = [n for n in lengths if n <= max_length]
-        rows = packer.pack_best_fit_decreasing(fitting, max_length)
+        rows = plans.pack_best_fit_decreasing(fitting, max_length)
         bound = math.ceil(sum(fitting) / max_length)
         assert len(rows) <= bound * 1.01, (max_length, len(rows), bound)
-        assert packer.first_fit_in_pools(fitting, max_length, pool_rows=16) >= len(rows)
+        assert plans.first_fit_in_pools(fitting, max_length, pool_rows=16) >= len(rows)
 
 
 def test_unpacked_is_one_item_per_row_and_rejects_overlong():
@@ -114,11 +115,11 @@ def test_unpacked_is_one_item_per_row_and_rejects_overlong():
 
 def test_bad_lengths_are_rejected():
     with pytest.raises(ValueError, match="item length 9 is outside 1..8"):
-        packer.pack_best_fit_decreasing([3, 9], 8)
+        plans.pack_best_fit_decreasing([3, 9], 8)
     with pytest.raises(ValueError, match="item length 0 is outside"):
-        packer.plan_from_histogram({0: 2}, 8)
+        plans.plan_from_histogram({0: 2}, 8)
     with pytest.raises(ValueError, match="max_length must be positive"):
-        packer.pack_best_fit_decreasing([1], 0)
+        plans.pack_best_fit_decreasing([1], 0)
 
 
 def test_overlong_rule_by_hand():
@@ -157,7 +158,7 @@ def histograms_and_limit(draw):
 def item_by_item_plan(histogram, max_length):
     """The plan as item-by-item BFD (one place() per item) makes it, rows as lists of lengths."""
     lengths = [n for n in sorted(histogram, reverse=True) for _ in range(histogram[n])]
-    return [[lengths[i] for i in row] for row in packer.pack_best_fit_decreasing(lengths, max_length)]
+    return [[lengths[i] for i in row] for row in plans.pack_best_fit_decreasing(lengths, max_length)]
 
 
 @settings(max_examples=300, deadline=None)
@@ -166,7 +167,7 @@ def item_by_item_plan(histogram, max_length):
 @example(({4: 1, 3: 3, 2: 9, 1: 4}, 12))
 def test_histogram_plan_is_item_by_item_bfd(case):
     histogram, max_length = case
-    assert packer.plan_from_histogram(histogram, max_length) == item_by_item_plan(histogram, max_length)
+    assert plans.plan_from_histogram(histogram, max_length) == item_by_item_plan(histogram, max_length)
 
 
 @settings(max_examples=300, deadline=None)
@@ -191,23 +192,23 @@ def test_place_run_leaves_the_state_count_place_calls_leave(case):
 
 def test_run_plan_rows_match_and_placements_are_runs():
     histogram = {2048: 3, 1500: 4, 700: 10, 512: 9, 100: 500, 37: 1000, 1: 5000}
-    runs = packer.plan_runs_from_histogram(histogram, 2048)
+    runs = plans.plan_runs_from_histogram(histogram, 2048)
     rows = item_by_item_plan(histogram, 2048)
     assert runs.rows() == rows and runs.num_rows == len(rows)
     assert runs.segments.tolist() == [len(r) for r in rows]
     assert len(runs.row) < sum(histogram.values()) // 10  # one placement per row touched, not per item
     assert len(set(zip(runs.row.tolist(), runs.length.tolist()))) == len(runs.row)  # one run per (row, length)
-    assert packer.plan_runs_from_histogram({}, 8).rows() == []
-    assert packer.plan_from_histogram({5: 0, 3: 2}, 4) == [[3], [3]]  # an empty count places nothing
+    assert plans.plan_runs_from_histogram({}, 8).rows() == []
+    assert plans.plan_from_histogram({5: 0, 3: 2}, 4) == [[3], [3]]  # an empty count places nothing
 
 
 def test_a_plan_past_the_row_limit_names_the_way_out(monkeypatch):
     """Rows are C ints in the BFD state; a plan that would need more is refused in one line."""
     monkeypatch.setattr(packer, "MAX_ROWS", 3)
-    assert len(packer.plan_from_histogram({4: 3}, 4)) == 3
+    assert len(plans.plan_from_histogram({4: 3}, 4)) == 3
     with pytest.raises(ValueError, match=r"^the plan at max length 4 needs more than 3 rows: split the input and pack "
                                          r"each part on its own$"):
-        packer.plan_from_histogram({4: 4}, 4)
+        plans.plan_from_histogram({4: 4}, 4)
 
 
 # ----------------------------------------------------------------------------- streamed by length
@@ -220,7 +221,7 @@ def test_streamed_classes_are_the_run_plan_one_length_at_a_time(case, release_of
     whole run plan has them, whether or not the buckets' spare room is given back after every
     length; any range of a class's slots is that range of the whole expansion."""
     histogram, max_length = case
-    rows = packer.plan_runs_from_histogram(histogram, max_length).rows()
+    rows = plans.plan_runs_from_histogram(histogram, max_length).rows()
     bfd = packer.HistogramBestFit(histogram, max_length, release_after=0 if release_often else 1 << 16)
     streamed = list(bfd.classes())
     assert [c.length for c in streamed] == sorted((n for n, c in histogram.items() if c > 0), reverse=True)

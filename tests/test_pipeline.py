@@ -42,8 +42,8 @@ from pipelines.planning import stable_hash
 from pipelines.launch.errors import JobError
 from prepack.format import rowformat
 from prepack.format.manifest import STABLE_KEYS, without_volatile
-from prepack.packing.packer import pack_best_fit_decreasing
 from prepack.text.formats import get_template
+from testkit.plans import pack_best_fit_decreasing
 from testkit.reference import split_segments
 
 LENGTHS = (64, 256)

@@ -16,12 +16,13 @@ from hypothesis import strategies as st
 
 from pipelines.options import OptionsError, parse_args, with_default_runner
 from pipelines.wire.columns import PayloadBatch, Ragged, TokenizedBatch
-from pipelines.planning import build_plan, choose_num_shards, stable_hash, sub_buckets_of
+from pipelines.planning import choose_num_shards, stable_hash, sub_buckets_of
+from testkit.plans import build_plan
 from pipelines.launch.report import density_table
 from prepack.format.rowformat import RowLayoutError
 from pipelines.sources import InputError, parse_hf_spec, parse_tfds_spec, resolve_inputs
 from prepack.format import rowformat
-from prepack.packing.packer import pack_best_fit_decreasing
+from testkit.plans import pack_best_fit_decreasing
 from testkit.reference import encode_rows, sub_bucket
 
 
@@ -352,7 +353,8 @@ def test_density_table_of_an_unpacked_set_has_no_packed_columns():
 def per_item_slots(histogram, max_length: int, planner: str = "bfd"):
     """build_plan's slots, segments and rows as the per-item scan of the planner's rows gives
     them: plan_from_histogram's (BFD), or the exact fill's patterns written out row by row."""
-    from prepack.packing.packer import HistogramPlan, plan_from_histogram
+    from prepack.packing.packer import HistogramPlan
+    from testkit.plans import plan_from_histogram
 
     counts: Counter = Counter()
     for (L, k, _), c in histogram.items():
@@ -755,7 +757,7 @@ def test_router_ships_examples_cut_to_the_longest_max_length_they_serve():
     first 128 tokens (the longest L), not whole; every slot still gets its own cut."""
     from pipelines.stages import route
     from pipelines.wire.columns import ShardWork
-    from pipelines.planning import build_plans
+    from testkit.plans import build_plans
     from prepack.packing.packer import OverlongPolicy
 
     n, lengths = 10_000, (64, 128)
@@ -920,7 +922,7 @@ def _routed_slots(groups: dict, plans: dict, lengths: tuple[int, ...], seed: int
 def test_routing_gives_the_same_rows_whatever_the_arrival_order():
     """Workers deliver a group's examples in any order and split; the slots must not change.
     Fails when PayloadBatch.rank_order is replaced by arrival order (np.arange)."""
-    from pipelines.planning import build_plans
+    from testkit.plans import build_plans
 
     lengths, buckets = (8, 16), 3
     rng = np.random.default_rng(5)

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from prepack.packing import exact_fill, packer
 from prepack.packing.packer import HistogramPlan, Planner
+from testkit import plans
 
 
 def check_rows(rows, histogram, max_length, cap):
@@ -111,7 +112,7 @@ def test_best_never_has_more_rows_than_bfd_and_bfd_rows_is_bfd(case):
     bfd = HistogramPlan(histogram, max_length, Planner.BFD, cap)
     bfd_rows = len(bfd.rows())
     assert bfd_rows == bfd.bfd_rows == textbook_bfd_rows(lengths, max_length, cap)
-    assert bfd_rows == len(packer.pack_best_fit_decreasing(lengths, max_length, cap))
+    assert bfd_rows == len(plans.pack_best_fit_decreasing(lengths, max_length, cap))
     best = HistogramPlan(histogram, max_length, Planner.BEST, cap)
     assert best.bfd_rows == bfd_rows
     rows = best.rows()
@@ -180,7 +181,7 @@ def test_the_budget_is_work_and_past_it_the_result_is_bfds():
     cut = exact_fill.plan_exact_fill(histogram, 512, budget=first.work - 1)  # the last fill left out
     assert cut.work == first.work and cut.num_rows >= first.num_rows
     starved = HistogramPlan(histogram, 512, Planner.BEST, budget=10)
-    bfd = packer.plan_from_histogram(dict(histogram), 512)
+    bfd = plans.plan_from_histogram(dict(histogram), 512)
     assert starved.method == "bfd" and starved.fill_rows is None and starved.rows() == bfd
     assert starved.budget_exhausted
     fed = HistogramPlan(histogram, 512, Planner.BEST, budget=first.work)

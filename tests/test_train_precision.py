@@ -28,7 +28,7 @@ import numpy as np
 import optax
 import pytest
 
-from prepack.packing import packer
+from testkit import plans
 from prepack.format import rowformat
 from testkit.pipeline import tokenized
 from testkit.shard_sets import TEST_TOKENIZER, build_shard_set
@@ -61,7 +61,7 @@ def sample_segments() -> tuple[list[rowformat.Segment], int]:
 
 def write_sets(root: str, name: str, segments: list[rowformat.Segment], vocab: int, max_length: int) -> dict[str, str]:
     tokenizer = {**TEST_TOKENIZER, "name": name, "vocab_size": vocab}
-    plan = packer.pack_best_fit_decreasing([len(s) for s in segments], max_length)
+    plan = plans.pack_best_fit_decreasing([len(s) for s in segments], max_length)
     out = {"packed": os.path.join(root, f"{name}-packed"), "unpacked": os.path.join(root, f"{name}-unpacked")}
     build_shard_set(out["packed"], rows=[rowformat.build_row([segments[i] for i in row], max_length) for row in plan],
                     tokenizer=tokenizer, num_shards=1, max_length=max_length)

@@ -59,10 +59,6 @@ def per_token_nll(logits: jax.Array, input_tokens: jax.Array, input_mask: jax.Ar
     return log_z - target_logit, weights
 
 
-def token_mean_nll(logits: jax.Array, input_tokens: jax.Array, input_mask: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-    return mean_and_aux(*per_token_nll(logits, input_tokens, input_mask))
-
-
 def mean_and_aux(nll: jax.Array, weights: jax.Array, source_ids: jax.Array | None = None,
                  loss_mean: str = TOKEN_MEAN, segment_ids: jax.Array | None = None,
                  example_targets: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:

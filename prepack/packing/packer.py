@@ -22,7 +22,7 @@ import array
 import dataclasses
 import enum
 import sys
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -403,61 +403,6 @@ class _BestFit:
             self._push(row, self.max_length - rest * length)
 
 
-def _decreasing_order(lengths: Sequence[int]) -> np.ndarray:
-    # Stable on ties, so equal inputs always give equal plans.
-    return np.argsort(-np.asarray(lengths, dtype=np.int64), kind="stable")
-
-
-def pack_best_fit_decreasing(lengths: Sequence[int], max_length: int,
-                             max_segments: int | None = None) -> list[list[int]]:
-    """Packs items (by index into `lengths`) into rows, at most `max_segments` per row when
-    given; each row lists item indices in placement order."""
-    packer = _BestFit(max_length, max_segments)
-    rows: list[list[int]] = []
-    for index in _decreasing_order(lengths).tolist():
-        row = packer.place(int(lengths[index]))
-        if row == len(rows):
-            rows.append([])
-        rows[row].append(index)
-    return rows
-
-
-@dataclasses.dataclass(frozen=True, eq=False)  # numpy fields: compare the arrays, not the plans
-class RunPlan:
-    """A histogram BFD plan in run-length form: placement i puts `count[i]` items of
-    `length[i]` at positions start[i], start[i] + 1, ... of row `row[i]` (int64 arrays,
-    in placement order). A row holds at most one placement per length."""
-
-    num_rows: int
-    segments: np.ndarray  # items per row
-    row: np.ndarray
-    length: np.ndarray
-    count: np.ndarray
-    start: np.ndarray
-
-    def rows(self) -> list[list[int]]:
-        """Rows as lists of lengths, as plan_from_histogram returns them."""
-        order = np.lexsort((self.start, self.row))
-        flat = np.repeat(self.length[order], self.count[order]).tolist()
-        ends = np.cumsum(self.segments).tolist()
-        return [flat[a:b] for a, b in zip([0, *ends], ends)]
-
-
-def plan_runs_from_histogram(histogram: Mapping[int, int], max_length: int,
-                             max_segments: int | None = None) -> RunPlan:
-    """BFD over a length histogram, one place_run per length: the plan_from_histogram plan,
-    computed in time that grows with rows and distinct lengths rather than items."""
-    packer = _BestFit(max_length, max_segments)
-    runs = [np.zeros((0, 3), dtype=np.intc)]
-    lengths = [np.zeros(0, dtype=np.int64)]
-    for length in sorted(histogram, reverse=True):
-        runs.append(packer.place_run(length, histogram[length]))
-        lengths.append(np.full(len(runs[-1]), length, dtype=np.int64))
-    row, start, count = np.concatenate(runs).astype(np.int64).T
-    return RunPlan(len(packer.segments), np.asarray(packer.segments, dtype=np.int64), row,
-                   np.concatenate(lengths), count, start)
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class ClassRuns:
     """The runs of one length (a class), sorted by row: the class's slots in row order (a row
@@ -541,35 +486,6 @@ class HistogramBestFit:
         """(fewest, most) items in a row, (0, 0) without rows; reads the state in place, no copy."""
         view = self._segments_view()
         return (int(view.min()), int(view.max())) if len(view) else (0, 0)
-
-
-def plan_from_histogram(histogram: dict[int, int], max_length: int, max_segments: int | None = None) -> list[list[int]]:
-    """BFD over a length histogram: rows as lists of lengths.
-
-    This is what lets a distributed job plan globally from lengths alone and
-    then route each example to its row by (length, rank within that length).
-    """
-    return plan_runs_from_histogram(histogram, max_length, max_segments).rows()
-
-
-def first_fit_in_pools(lengths: Iterable[int], max_length: int, pool_rows: int) -> int:
-    """Rows used by an online first-fit packer that keeps `pool_rows` open rows
-    and emits the fullest when full (how Grain's FirstFitPackIterDataset and
-    MaxText pack). Only for comparison in benchmarks."""
-    pool: list[int] = []
-    emitted = 0
-    for n in lengths:
-        for i, used in enumerate(pool):
-            if used + n <= max_length:
-                pool[i] = used + n
-                break
-        else:
-            if len(pool) == pool_rows:
-                pool.pop(max(range(len(pool)), key=pool.__getitem__))
-                emitted += 1
-            pool.append(n)
-    return emitted + len(pool)
-
 
 
 class HistogramPlan:
