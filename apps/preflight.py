@@ -338,11 +338,11 @@ def _raw_batches(tasks: Iterable[Any], rows: RowSpec) -> Iterator[tuple[int, lis
 def _templated(preparer: Any, metas: list[Any], tasks: list[Any], tally: Tally, rows: RowSpec,
                progress: Any = None) -> Iterator[Any]:
     """(conv, response, meta) of every example, through the job's prepare stage; bad records are
-    tallied by reason as the job does (their dead letters are not kept). progress (a _Progress)
-    reports records read after each batch."""
+    tallied by reason as the job does (their dead letters are not kept). progress (a tqdm
+    counter) counts the records read after each batch."""
 
-    def read_so_far(seconds: float) -> str:
-        return f"{tally.records_read:,} records read, {tally.records_read / seconds:,.0f}/s"
+    def read_so_far(counter: Any) -> None:
+        counter.update(tally.records_read - counter.n)
 
     prepare, _, _ = _pipelines()
     bad: list[Any] = []
@@ -354,7 +354,7 @@ def _templated(preparer: Any, metas: list[Any], tasks: list[Any], tally: Tally, 
                 trees.setdefault(key, []).append(located)
             bad.clear()
             if progress is not None:
-                progress(read_so_far)
+                read_so_far(progress)
         for key in sorted(trees):
             yield from preparer.template_table(trees.pop(key), tally, bad).items()
             bad.clear()
@@ -363,7 +363,7 @@ def _templated(preparer: Any, metas: list[Any], tasks: list[Any], tally: Tally, 
         yield from preparer.template_records(task_index, items, tally, bad).items()
         bad.clear()
         if progress is not None:
-            progress(read_so_far)
+            read_so_far(progress)
 
 
 # ----------------------------------------------------------------------------- template + tokenizer
@@ -389,20 +389,6 @@ class _Reservoir:
         return [item for _, item in sorted(self._items, key=lambda pair: pair[0])]
 
 
-class _Progress:
-    """Prints one line to stderr at most every PROGRESS_EVERY_S: long in-process runs say they are alive."""
-
-    def __init__(self, name: str):
-        self.name = name
-        self.started = self.last = time.perf_counter()
-
-    def __call__(self, what: Callable[[float], str]) -> None:
-        now = time.perf_counter()
-        if now - self.last >= PROGRESS_EVERY_S:
-            self.last = now
-            print(f"preflight: {self.name}: {what(now - self.started)}", file=sys.stderr, flush=True)
-
-
 def _batches(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
     batch: list[Any] = []
     for item in items:
@@ -420,7 +406,7 @@ def _loss_masks(batches: Iterable[Any]) -> Iterator[np.ndarray]:
         yield from np.split(examples.mask, np.cumsum(examples.lens, dtype=np.int64)[:-1])
 
 
-PROGRESS_EVERY_S = 10.0
+PROGRESS_EVERY_S = 10.0  # a progress line at most this often (pipelines/progress.py), none in shorter runs
 
 
 def load_examples(spec: DatasetSpec, tokenizer: Any, chat_format: Any, config: PreflightConfig) -> ExampleSet:
@@ -429,11 +415,14 @@ def load_examples(spec: DatasetSpec, tokenizer: Any, chat_format: Any, config: P
     metas, tasks = read_tasks(spec.path, config.rows)
     template = make_template(spec.format, {**config.rows.template_kwargs, **dict(spec.options)})
     preparer = prepare.Preparer(metas, template, tokenizer, chat_format, expand_turns=config.rows.expand_turns)
+    from pipelines.progress import counter
+
     tally = Tally()
-    progress = _Progress(spec.name)
+    started = time.perf_counter()
     # Reading runs ahead of tokenizing when sampling, or for a table-level format (oasst1): report it too.
     reads_ahead = config.max_examples is not None or getattr(template, "table_level", False)
-    items: Iterable[Any] = _templated(preparer, metas, tasks, tally, config.rows, progress if reads_ahead else None)
+    reading = counter(f"preflight: {spec.name}: read", "records", PROGRESS_EVERY_S) if reads_ahead else None
+    items: Iterable[Any] = _templated(preparer, metas, tasks, tally, config.rows, reading)
     seen = None
     if config.max_examples is not None:
         reservoir = _Reservoir(config.max_examples, config.seed)
@@ -441,9 +430,13 @@ def load_examples(spec: DatasetSpec, tokenizer: Any, chat_format: Any, config: P
             reservoir.add(item)
         items, seen = reservoir.items(), reservoir.seen
     collector = _Collector(keep_over=min(config.rows.max_lengths))
+    tokenizing = counter(f"preflight: {spec.name}: tokenized", "examples", PROGRESS_EVERY_S)
     for chunk in _batches(items, TOKENIZE_BATCH):
         collector.add(_loss_masks(preparer.tokenize(prepare.Templated.of(chunk), tally, [])))
-        progress(lambda s: f"{len(collector):,} examples tokenized, {len(collector) / s:,.0f}/s")
+        tokenizing.update(len(collector) - tokenizing.n)
+    for bar in (reading, tokenizing):
+        if bar is not None:
+            bar.close()
     bad_records = tally.bad_records + tally.bad_examples
     problem = too_many_bad_records(sum(bad_records.values()), (seen if seen is not None else len(collector))
                                    + sum(bad_records.values()), bad_records, config.rows.max_bad_fraction)
@@ -457,7 +450,7 @@ def load_examples(spec: DatasetSpec, tokenizer: Any, chat_format: Any, config: P
         records_read=tally.records_read,
         bad_records=bad_records,
         examples_seen=seen if seen is not None else len(collector),
-        tokenize_seconds=time.perf_counter() - progress.started,
+        tokenize_seconds=time.perf_counter() - started,
     )
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 import threading
 import time
 from collections import Counter
@@ -25,6 +24,7 @@ import apache_beam as beam
 from apache_beam.metrics.metric import Metrics
 from apache_beam.transforms.window import GlobalWindows
 
+from pipelines import progress
 from pipelines.configs import PackConfig, RowSpec
 from pipelines.wire.records import TaskMeta
 from prepack.packing.accounting import Tally
@@ -98,25 +98,21 @@ class StageClock:
 
 
 class Progress:
-    """Rates for local runs: one line to stderr every `every_s` per worker process and
-    activity ("read" records, "tokenized" examples). Beam's local runner runs one stage
-    after the other, so reading and tokenizing each report while they happen."""
+    """Rates for local runs: one line to stderr at most every EVERY_S per worker process and
+    activity ("read" records, "tokenized" examples), by a tqdm counter each (pipelines/progress.py).
+    Beam's local runner runs one stage after the other, so reading and tokenizing each report
+    while they happen."""
 
     lock = threading.Lock()
-    state: dict[str, list[float]] = {}  # what -> [count, started, last printed]
+    counters: dict[str, Any] = {}  # what -> its tqdm counter, in this process
 
     @classmethod
-    def add(cls, what: str, unit: str, n: int, every_s: float = 10.0) -> None:
-        now = time.monotonic()
+    def add(cls, what: str, unit: str, n: int) -> None:
         with cls.lock:
-            entry = cls.state.setdefault(what, [0, now, now])
-            entry[0] += n
-            if now - entry[2] < every_s:
-                return
-            entry[2] = now
-            count, elapsed = int(entry[0]), now - entry[1]
-        print(f"prepack pack [pid {os.getpid()}]: {what} {count:,} {unit} in {elapsed:,.0f} s "
-              f"({count / max(elapsed, 1e-9):,.0f} {unit}/s)", file=sys.stderr, flush=True)
+            bar = cls.counters.get(what)
+            if bar is None:
+                bar = cls.counters[what] = progress.counter(f"prepack pack [pid {os.getpid()}]: {what}", unit)
+        bar.update(n)
 
 
 class MergeCounters(beam.CombineFn):
