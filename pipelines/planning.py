@@ -40,6 +40,16 @@ EST_COMPRESSED_BYTES_PER_TOKEN = 2.5
 # Examples per (length, sub-bucket) group that one worker sorts in memory.
 PACKED_EXAMPLES_PER_SUB_BUCKET = 2_000_000
 UNPACKED_EXAMPLES_PER_SUB_BUCKET = 100_000
+# At the scales a local run reaches, packed groups are cut finer: one sub-bucket per local SDK
+# worker's share (launch/local_memory.EXAMPLES_PER_LOCAL_WORKER), up to LOCAL_SCALE_SUB_BUCKETS.
+# Beam's local runner deals a shuffle's keys to its workers round-robin, whatever their sizes, and
+# a worker holds its whole deal. With one sub-bucket the keys are the distinct lengths (~150 on
+# EN-FR pairs), each growing with the input, so as the input (and the worker count) grew each
+# worker got fewer, bigger keys and the largest share outgrew the mean: 1.17x the mean at 13
+# workers against 1.03x at 5 (docs/benchmarks.md, "Worker memory"). With a sub-bucket per share
+# each worker gets about as many keys as there are lengths, at any size.
+LOCAL_SCALE_EXAMPLES_PER_SUB_BUCKET = 250_000
+LOCAL_SCALE_SUB_BUCKETS = 64
 # Row slots (max length x rows) per write window: the unit one writer holds in memory. A shard's
 # rows are written by window, each window to a part file, and the parts are streamed into the
 # shard in row order, so a writer's memory does not grow with the shard or the input
@@ -73,10 +83,14 @@ def sub_buckets_of(hashes: np.ndarray, num_sub_buckets: int) -> np.ndarray:
 
 
 def choose_sub_buckets(est_records: int, pack: bool) -> int:
-    """Enough sub-buckets that one group stays small, derived from the input alone so
-    two runs over the same inputs always agree."""
-    per = PACKED_EXAMPLES_PER_SUB_BUCKET if pack else UNPACKED_EXAMPLES_PER_SUB_BUCKET
-    return int(min(MAX_SUB_BUCKETS, max(1, math.ceil(est_records / per))))
+    """Enough sub-buckets that one group stays small (and, packed, at least one per local worker
+    share up to LOCAL_SCALE_SUB_BUCKETS), derived from the input alone so two runs over the same
+    inputs always agree."""
+    if not pack:
+        return int(min(MAX_SUB_BUCKETS, max(1, math.ceil(est_records / UNPACKED_EXAMPLES_PER_SUB_BUCKET))))
+    wanted = max(math.ceil(est_records / PACKED_EXAMPLES_PER_SUB_BUCKET),
+                 min(LOCAL_SCALE_SUB_BUCKETS, math.ceil(est_records / LOCAL_SCALE_EXAMPLES_PER_SUB_BUCKET)))
+    return int(min(MAX_SUB_BUCKETS, max(1, wanted)))
 
 
 def example_class(length_key: int, max_length: int, pack: bool) -> int:
