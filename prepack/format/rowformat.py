@@ -253,7 +253,7 @@ def _rule_masks(rows: Mapping[str, np.ndarray], facts: RowFacts) -> list[tuple[s
         (RULE_FIRST_TOKEN, starts & (loss != 0)),
     ]
     if facts.vocab_size is not None or facts.pad_id is not None:
-        ids = np.asarray(rows["input_ids"], dtype=np.int64)
+        ids = np.asarray(rows["input_ids"])  # compared only, never subtracted: no int64 copy needed
         if facts.vocab_size is not None:
             masks.append((RULE_VOCAB, real & ((ids < 0) | (ids >= facts.vocab_size))))
         if facts.pad_id is not None:
