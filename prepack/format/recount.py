@@ -15,6 +15,7 @@ the key, what the manifest states and what the rows (or the identity) give.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections import Counter
 from typing import Any
@@ -113,9 +114,7 @@ def tokenizer_problem(manifest: Manifest, where: str, load: Any = None) -> str |
     name = tok.get("name")
     if name not in EMBEDDED_TOKENIZERS:
         return None
-    if load is None:
-        from prepack.text.tokenizer import load_tokenizer as load
-    identity = load(name).identity()
+    identity = load(name).identity() if load is not None else _embedded_identity(name)
     for key in _IDENTITY_KEYS:
         if key == "special_ids" and isinstance(tok.get(key), dict):
             # Names the manifest gives must be the tokenizer's; an older set may name fewer (Gemma 3's
@@ -236,7 +235,7 @@ def _bounds(manifest: Manifest, recount: Recount, where: str) -> str | None:
     dropped = stats["examples_dropped"]
     checks = [
         ("bfd_rows", stats.get("bfd_rows"), recount.rows, None, "at least the rows written (BFD is the fallback plan)"),
-        ("examples_truncated", stats.get("examples_truncated"), 0, stats["examples_read"], "at most the examples read"),
+        ("examples_truncated", stats.get("examples_truncated"), 0, stats.get("examples_read") or 0, "at most the examples read"),
         ("split_pieces", stats.get("split_pieces"), 2 * (stats.get("examples_split") or 0), None,
          "at least 2 pieces for each example split"),
         ("window_pieces", stats.get("window_pieces"), stats.get("examples_windowed") or 0, None,
@@ -319,6 +318,14 @@ def _dead_letter(manifest: Manifest, where: str, counted: Counter) -> str | None
         return (f"{where}: stats.examples_dropped is {dict(sorted(stated.items()))} (not_sampled aside), but the dead "
                 f"letter {manifest.dead_letter or '(none)'} holds {dict(sorted((+counted).items()))}; {_EDITED}")
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def _embedded_identity(name: str) -> dict[str, Any]:
+    """An embedded tokenizer's identity, loaded once per process (an output's lengths share it)."""
+    from prepack.text.tokenizer import load_tokenizer
+
+    return load_tokenizer(name).identity()
 
 
 def _is_int(value: Any) -> bool:
