@@ -203,6 +203,8 @@ def _derived(manifest: Manifest, recount: Recount, where: str) -> str | None:
             continue  # an older manifest without the figure states nothing
         stated = stats[head]
         if sub:
+            if isinstance(stated, dict) and sub not in stated:
+                continue  # likewise a figure left out of the object
             stated = stated.get(sub) if isinstance(stated, dict) else None
         if type(stated) not in (int, float) or stated != value:
             return f"{where}: stats.{key} is {_shown(stated)}, but the rows give {_shown(value)}; {_EDITED}"
