@@ -120,7 +120,7 @@ def run_identity(cfg: TrainConfig, spec: Any, config: Any, view: Any) -> dict[st
         "max_grad_norm": float(cfg.max_grad_norm),
         "grad_accum_steps": cfg.grad_accum_steps,
         # QLoRA's quantized base is another base: the adapters trained on it belong to it.
-        "qlora": None if not cfg.qlora else {"qtype": cfg.qlora, "tile_size": cfg.qlora_tile_size},
+        "qlora": None if not cfg.qlora else {"qtype": cfg.qlora, "tile_size": models.qlora_tile_size(config, cfg.qlora_tile_size)},
     }
 
 

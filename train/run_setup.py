@@ -51,6 +51,7 @@ def setup(cfg: TrainConfig, out: TextIO | None = None) -> Setup:
     memory_path.check_options(cfg, max_length)
     mesh = make_mesh(parse_mesh(cfg.mesh), cfg.batch_size)
     model = check_model_for_shards(cfg, view, eval_view)
+    qlora_tile(cfg, model.config)  # a tile the widths refuse is refused before any weight loads
     ckpt, identity = open_checkpoint(cfg, model, view)
     built, base_params = load_base_weights(cfg, model, mesh, say)
     base_weights = record_base_weights(cfg, built, ckpt, identity)
@@ -190,11 +191,19 @@ def record_base_weights(cfg: TrainConfig, built: Any, ckpt: checkpoints.Checkpoi
     return base_weights
 
 
+def qlora_tile(cfg: TrainConfig, config: Any) -> int | None:
+    """--qlora's tile size (checked against the model's widths), None without --qlora."""
+    from train import models
+
+    return models.qlora_tile_size(config, cfg.qlora_tile_size) if cfg.qlora else None
+
+
 def prepare_model(cfg: TrainConfig, model: ModelChoice, built: Any, mesh: Any, max_length: int) -> None:
     """LoRA, sharding, the attention path and remat, in place on the base model."""
     from train import memory_path, models
 
-    built.model = models.apply_lora(built.model, model.spec, rank=cfg.lora_rank, alpha=cfg.lora_alpha, seed=cfg.seed)
+    built.model = models.apply_lora(built.model, model.spec, rank=cfg.lora_rank, alpha=cfg.lora_alpha, seed=cfg.seed,
+                                    qlora=cfg.qlora, qlora_tile=qlora_tile(cfg, model.config))
     models.shard_model(built.model, mesh)
     memory_path.install_attention(built.model, cfg, max_length)
     memory_path.set_remat(built.model, cfg.remat == memory_path.REMAT_LAYER)
@@ -325,4 +334,5 @@ def run_details(cfg: TrainConfig, model: ModelChoice, manifest: Any, built: Any,
         "lr_schedule": schedule_spec(cfg).identity(),
         "max_grad_norm": cfg.max_grad_norm,
         "qlora": cfg.qlora,
+        "qlora_tile_size": qlora_tile(cfg, model.config),
     }
