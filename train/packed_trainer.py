@@ -140,6 +140,11 @@ def make_trainer_class() -> type:
             if stopped is not None:
                 raise divergence.Diverged(stopped["step"], stopped["nonfinite"])
 
+        def _try_get_learning_rate(self) -> None:
+            # Tunix's logger would read the rate from the optimizer state the step just updated:
+            # a wait for that step on every iteration. Our rows carry the rate each step used.
+            return None
+
         def _post_process_eval_step(self, aux: Any) -> None:
             import jax
 
