@@ -88,6 +88,12 @@ def main(argv: list[str] | None = None) -> int:
             "transformers_peft_vs_trained": float(np.abs(hf_peft - trained).max()),
             "adapter_effect (peft without adapter vs with)": float(np.abs(hf_without - hf_peft).max()),
         },
+        "mean_abs_diff": {
+            "tunix_merged_vs_trained": float(np.abs(tunix_merged - trained).mean()),
+            "transformers_merged_vs_trained": float(np.abs(hf_merged - trained).mean()),
+            "transformers_peft_vs_trained": float(np.abs(hf_peft - trained).mean()),
+            "adapter_effect (peft without adapter vs with)": float(np.abs(hf_without - hf_peft).mean()),
+        },
         "argmax_agreement": {
             "transformers_merged": float((hf_merged.argmax(-1) == trained.argmax(-1)).mean()),
             "transformers_peft": float((hf_peft.argmax(-1) == trained.argmax(-1)).mean()),

@@ -3,13 +3,16 @@
     prepack train --shards DIR --model {gemma3-270m,gemma3-1b,qwen3-0.6b,tiny,tiny-gemma3,tiny-qwen3}
                   --lora-rank R --batch-size B --steps N [--mesh fsdp=F,tp=T] [--eval-shards DIR]
                   [--weights HF_DIR|random|gguf] [--metrics-out PATH] [--learning-rate LR] [--seed S]
-                  [--checkpoint-dir DIR [--checkpoint-every N] [--checkpoint-keep K]] [--save-lora PATH]
+                  [--checkpoint-dir DIR [--checkpoint-every N] [--checkpoint-keep K]]
+                  [--save-lora PATH [--lora-format peft|prepack]] [--lr-schedule S --warmup-ratio F]
+                  [--max-grad-norm X] [--grad-accum-steps K] [--qlora nf4|int8] [--tensorboard DIR] [--profile-steps A:B]
 
 The same command trains on packed shards and on shards packed with `prepack pack --no-pack`
 (one example per row): both are [B, L] rows with segment_ids, so the packed-vs-unpacked
 comparison is one flag apart at pack time. See train/README.md for the metrics JSONL.
 --checkpoint-dir makes a run resumable (rerun the same command after a preemption) and
---save-lora writes the trained adapters; see train/checkpoints.py and train/lora_file.py.
+--save-lora writes the trained adapter (a Hugging Face PEFT folder by default; `prepack export
+--merge` merges it into its base); see train/README.md.
 """
 
 from __future__ import annotations
