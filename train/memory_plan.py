@@ -99,26 +99,31 @@ def choose_remat(setup: Any, out: TextIO) -> StepPlan | None:
     return plan
 
 
-def sample_segment_ids(cfg: Any, view: Any, batches: int = FLOP_SAMPLE_BATCHES) -> np.ndarray:
-    """[rows, L] segment ids of the run's first batches (the training stream, as it would draw them)."""
+def sample_rows(cfg: Any, view: Any, batches: int = FLOP_SAMPLE_BATCHES) -> tuple[np.ndarray, float]:
+    """[rows, L] segment ids of the run's first batches (the training stream, as it would draw them),
+    and their targets per position (what the chunked loss projects)."""
     import itertools
 
     from train import data
 
     train_ds, _ = data.datasets(cfg, view)
+    length = view.manifest.max_length
+    drawn = list(itertools.islice(iter(train_ds), batches))
     # [B, L] rows, or [B, K, L] with --grad-accum-steps: rows either way.
-    return np.concatenate([np.asarray(b["segment_ids"]).reshape(-1, view.manifest.max_length)
-                           for b in itertools.islice(iter(train_ds), batches)])
+    seg = np.concatenate([np.asarray(b["segment_ids"]).reshape(-1, length) for b in drawn])
+    mask = np.concatenate([np.asarray(b["loss_mask"]).reshape(-1, length) for b in drawn])
+    return seg, float(np.count_nonzero(mask[:, 1:])) / mask.size
 
 
 def analytic_flops(setup: Any, remat_on: bool) -> Any:
-    """train/flops.py's count of this run's step, on its first batches' segments."""
+    """train/flops.py's count of this run's step, on its first batches' segments and targets."""
     from train import flops, memory_path
 
     cfg, length = setup.config, setup.view.manifest.max_length
-    opts = flops.StepOptions(cfg.batch_size * cfg.grad_accum_steps, length, memory_path.attention_kind(cfg), memory_path.attention_tile(cfg, length),
-                             cfg.loss_chunk_tokens, remat_on)
-    return flops.step_flops(flops.model_cost(setup.built.model), opts, sample_segment_ids(cfg, setup.view))
+    opts = flops.StepOptions(cfg.batch_size * cfg.grad_accum_steps, length, memory_path.attention_kind(cfg),
+                             memory_path.attention_tile(cfg, length), cfg.loss_chunk_tokens, remat_on)
+    segment_ids, target_fraction = sample_rows(cfg, setup.view)
+    return flops.step_flops(flops.model_cost(setup.built.model), opts, segment_ids, target_fraction)
 
 
 def print_plan(plan: StepPlan, step: Any, budget: int, source: str, describe: str, out: TextIO) -> dict[str, Any]:

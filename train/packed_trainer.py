@@ -141,9 +141,7 @@ def make_trainer_class() -> type:
                 raise divergence.Diverged(stopped["step"], stopped["nonfinite"])
 
         def _try_get_learning_rate(self) -> None:
-            # Tunix's logger would read the rate from the optimizer state the step just updated:
-            # a wait for that step on every iteration. Our rows carry the rate each step used.
-            return None
+            return None  # Tunix's logger would wait for the step to read it (train/tunix_contract.py)
 
         def _post_process_eval_step(self, aux: Any) -> None:
             import jax
