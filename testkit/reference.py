@@ -63,3 +63,28 @@ def sub_bucket(h: int, num_sub_buckets: int) -> int:
     """pipelines.planning.sub_buckets_of for one hash. Monotone in h (multiply-shift), so
     ordering by (b, h) is ordering by h."""
     return (h * num_sub_buckets) >> 64
+
+
+def checkpointed_chunked_token_nll(h, projection, targets, chunk_tokens: int):
+    """The chunked loss before targets-first chunks and the fused head VJP (train/chunked_loss.py at 90b4e18):
+    every position projected, each chunk under jax.checkpoint (forward, recompute, backward: three
+    projections per chunk). The baseline of benchmarks/bench_loss_skip.py and the tests' reference."""
+    import jax
+    import jax.numpy as jnp
+
+    b, length, d = h.shape
+    n = b * length
+    chunks = -(-n // chunk_tokens)
+    pad = chunks * chunk_tokens - n
+    flat_h = jnp.pad(h.reshape(n, d), ((0, pad), (0, 0))).reshape(chunks, chunk_tokens, d)
+    flat_t = jnp.pad(targets.reshape(n).astype(jnp.int32), (0, pad)).reshape(chunks, chunk_tokens)
+
+    @jax.checkpoint
+    def chunk_nll(args):
+        hc, tc = args
+        logits = projection.logits(hc).astype(jnp.float32)
+        target_logit = jnp.take_along_axis(logits, tc[:, None], axis=-1)[:, 0]
+        return jax.nn.logsumexp(logits, axis=-1) - target_logit
+
+    nll = jax.lax.map(chunk_nll, (flat_h, flat_t))
+    return nll.reshape(-1)[:n].reshape(b, length)

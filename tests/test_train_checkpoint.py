@@ -65,20 +65,20 @@ def _cfg(shards: str, **kw: Any) -> trainer.TrainConfig:
 def _watch(crash_after: int | None = None) -> Iterator[list[list[int]]]:
     """Records the row ids of every train batch the trainer prepares; optionally dies after a step."""
     seen: list[list[int]] = []
-    arrived, done = metrics.MetricsRecorder.batch_arrived, metrics.MetricsRecorder.step_done
+    arrived, dispatched = metrics.MetricsRecorder.batch_arrived, metrics.MetricsRecorder.step_dispatched
 
     def batch_arrived(self: metrics.MetricsRecorder, batch: Any) -> None:
         seen.append(row_ids(batch).tolist())
         arrived(self, batch)
 
-    def step_done(self: metrics.MetricsRecorder, aux: Any) -> None:
-        done(self, aux)
-        if crash_after is not None and self.steps[-1]["step"] == crash_after:
+    def step_dispatched(self: metrics.MetricsRecorder, aux: Any) -> None:
+        dispatched(self, aux)
+        if crash_after is not None and self.next_step() - 1 == crash_after:
             raise Preempted(f"after step {crash_after}")
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(metrics.MetricsRecorder, "batch_arrived", batch_arrived)
-        mp.setattr(metrics.MetricsRecorder, "step_done", step_done)
+        mp.setattr(metrics.MetricsRecorder, "step_dispatched", step_dispatched)
         yield seen
 
 
@@ -96,7 +96,7 @@ def straight(shard_sets, tmp_path_factory) -> dict[str, Any]:
     """STEPS steps in one go, checkpointing every EVERY steps, exporting the LoRA at the end."""
     root = tmp_path_factory.mktemp("straight")
     cfg = _cfg(shard_sets["main"], checkpoint_dir=str(root / "ckpt"), metrics_out=str(root / "m.jsonl"),
-               save_lora=str(root / "lora.safetensors"))
+               save_lora=str(root / "lora.safetensors"), lora_format="prepack")
     with _watch() as seen:
         s, summary = trainer.execute(cfg)
     return {"setup": s, "summary": summary, "batches": seen, "lora": _lora(s.built.model), "cfg": cfg,
@@ -148,9 +148,9 @@ def test_interrupted_then_resumed_equals_straight(straight, shard_sets, tmp_path
     # Already at --steps: nothing is trained, and --save-lora exports the checkpoint's adapters.
     export = str(tmp_path / "from_ckpt.safetensors")
     with _watch() as third:
-        _, again = trainer.execute(_cfg(shard_sets["main"], checkpoint_dir=cfg.checkpoint_dir, save_lora=export))
+        _, again = trainer.execute(_cfg(shard_sets["main"], checkpoint_dir=cfg.checkpoint_dir, save_lora=export, lora_format="prepack"))
     assert third == [] and again["steps"] == 0 and again["resumed_from_step"] == STEPS
-    assert again["lora_export"] == {"path": export, "step": STEPS, "rank": RANK}
+    assert again["lora_export"] == {"path": export, "format": "prepack", "step": STEPS, "rank": RANK}
     import safetensors.numpy
 
     exported = safetensors.numpy.load_file(export)

@@ -107,3 +107,68 @@ def test_a_wrong_target_shift_fails_the_equality_check() -> None:
 def test_chunk_tokens_must_be_positive() -> None:
     with pytest.raises(ValueError, match="chunk_tokens must be positive, got 0"):
         chunked_loss.make_chunked_loss_fn(0)
+
+
+def _sparse_targets(b: int, length: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Targets and weights where most positions are no target and whole chunks hold none."""
+    rng = np.random.default_rng(seed)
+    targets = rng.integers(0, VOCAB, size=(b, length)).astype(np.int32)
+    weights = np.zeros((b, length), np.float32)
+    weights[0, 3:9] = 1.0  # the first row's few targets; the second row has none
+    weights[0, 20] = 2.0
+    return targets, weights
+
+
+def test_targets_first_chunks_and_the_fused_vjp_equal_the_checkpointed_chunks() -> None:
+    """Same weighted NLL and dL/dh as the chunked loss before (every position projected, checkpointed),
+    with chunks of no target skipped: float32 to rounding."""
+    from testkit.reference import checkpointed_chunked_token_nll
+
+    model = lora_model("tiny-gemma3")
+    projection = chunked_loss.output_projection(model)
+    b, length, d = 2, 32, int(model.config.embed_dim)
+    h = jnp.asarray(np.random.default_rng(1).normal(size=(b, length, d)), jnp.float32)
+    targets, weights = _sparse_targets(b, length, 2)
+    scale = jnp.asarray(np.random.default_rng(3).uniform(0.5, 2.0, size=(b, length)), jnp.float32)
+
+    def new(x):
+        return jnp.sum(chunked_loss.chunked_token_nll(x, projection, jnp.asarray(targets), 8, jnp.asarray(weights)) * weights * scale)
+
+    def old(x):
+        return jnp.sum(checkpointed_chunked_token_nll(x, projection, jnp.asarray(targets), 8) * weights * scale)
+
+    new_loss, new_grad = jax.jit(jax.value_and_grad(new))(h)
+    old_loss, old_grad = jax.jit(jax.value_and_grad(old))(h)
+    assert float(new_loss) == pytest.approx(float(old_loss), rel=1e-6)
+    np.testing.assert_allclose(np.asarray(new_grad), np.asarray(old_grad), rtol=1e-5, atol=1e-7)
+    assert np.abs(np.asarray(new_grad)[1]).max() == 0.0  # no target in row 1: no gradient into it
+    nll = np.asarray(chunked_loss.chunked_token_nll(h, projection, jnp.asarray(targets), 8, jnp.asarray(weights)))
+    reference = np.asarray(checkpointed_chunked_token_nll(h, projection, jnp.asarray(targets), 8))
+    np.testing.assert_allclose(nll[weights != 0], reference[weights != 0], rtol=1e-6)
+    # 8 chunks of 8 positions; the 7 targets sorted first fill one: the other 7 chunks give 0, never projected.
+    assert np.count_nonzero(nll) == 8 and set(np.flatnonzero(nll[0])) >= set(range(3, 9))
+
+
+def test_chunks_without_a_target_never_project() -> None:
+    """Counted at run time: the projection of a chunk runs (a host callback inside it fires) only
+    when the chunk holds a target, in the forward pass and not again in the backward pass."""
+    import dataclasses
+
+    calls: list[int] = []
+
+    @dataclasses.dataclass(frozen=True)
+    class Counting(chunked_loss.Projection):
+        def logits(self, hc):
+            jax.debug.callback(lambda: calls.append(1))
+            return super().logits(hc)
+
+    model = lora_model("tiny-gemma3")
+    p = chunked_loss.output_projection(model)
+    projection = Counting(p.matrix, p.transposed, p.dtype, p.softcap)
+    h = jnp.zeros((2, 32, int(model.config.embed_dim)), jnp.float32)
+    targets, weights = _sparse_targets(2, 32, 2)
+    grad = jax.jit(jax.grad(lambda x: jnp.sum(chunked_loss.chunked_token_nll(x, projection, jnp.asarray(targets), 8,
+                                                                           jnp.asarray(weights)) * weights)))
+    jax.block_until_ready(grad(h))
+    jax.effects_barrier()
+    assert len(calls) == 1  # 8 chunks, one with targets: projected once for loss and gradient together

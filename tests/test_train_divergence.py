@@ -69,7 +69,8 @@ def poison_hook(monkeypatch) -> None:
     def poisoned_loss(model, input_tokens, input_mask, positions, attention_mask):
         loss, aux = real(model, input_tokens, input_mask, positions, attention_mask)
         fault = jnp.where(jnp.any(input_tokens == POISON), jnp.nan, 1.0)
-        return loss * fault, {**aux, "loss": aux["loss"] * fault}
+        # The train step differentiates the loss's sum (train/train_step.py): poison it too.
+        return loss * fault, {**aux, "loss": aux["loss"] * fault, "nll_sum": aux["nll_sum"] * fault}
 
     monkeypatch.setattr(loss_lib, "masked_loss_fn_with_aux", poisoned_loss)
 
@@ -82,6 +83,7 @@ def _read(path: str) -> list[dict]:
 def _args(shards: str, tmp_path, steps: int, *extra: str) -> list[str]:
     return ["--shards", shards, "--model", "tiny", "--lora-rank", "4", "--batch-size", str(BATCH), "--steps", str(steps),
             "--learning-rate", "1e-2", "--metrics-out", str(tmp_path / "m.jsonl"), "--save-lora", str(tmp_path / "lora.safetensors"),
+            "--lora-format", "prepack",
             "--read-threads", "1", "--loss-chunk-tokens", "0", *extra]  # the poison wraps the full-logits loss
 
 

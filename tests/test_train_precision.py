@@ -91,7 +91,7 @@ class CompileCounter:
 
     def __call__(self, event: str, duration: float, **kwargs) -> None:
         if event == self.EVENT and self.recorder is not None:
-            self.at_step.append(len(self.recorder.steps))
+            self.at_step.append(self.recorder.dispatched)  # steps handed to the device before this compile
 
 
 def train(cfg: TrainConfig) -> dict:

@@ -59,10 +59,20 @@ IDENTITY_LABELS: dict[str, str] = {
     "lora_dtype": "LoRA dtype",
     "nan_policy": "--nan-policy",
     "loss_mean": "--loss-mean",
+    "lr_schedule": "learning-rate schedule",
+    "max_grad_norm": "--max-grad-norm",
+    "grad_accum_steps": "--grad-accum-steps",
+    "qlora": "--qlora",
 }
 # What a checkpoint written before a field existed ran with: it stays resumable by a run that
-# keeps that default, and refuses one that does not.
-IDENTITY_DEFAULTS: dict[str, Any] = {"loss_mean": "token"}
+# keeps that default, and refuses one that does not (clipping was off before --max-grad-norm).
+IDENTITY_DEFAULTS: dict[str, Any] = {
+    "loss_mean": "token",
+    "lr_schedule": {"kind": "constant", "warmup_steps": 0, "min_lr_ratio": 0.0, "total_steps": None},
+    "max_grad_norm": 0.0,
+    "grad_accum_steps": 1,
+    "qlora": None,
+}
 
 
 class CheckpointError(ValueError):

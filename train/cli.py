@@ -3,13 +3,16 @@
     prepack train --shards DIR --model {gemma3-270m,gemma3-1b,qwen3-0.6b,tiny,tiny-gemma3,tiny-qwen3}
                   --lora-rank R --batch-size B --steps N [--mesh fsdp=F,tp=T] [--eval-shards DIR]
                   [--weights HF_DIR|random|gguf] [--metrics-out PATH] [--learning-rate LR] [--seed S]
-                  [--checkpoint-dir DIR [--checkpoint-every N] [--checkpoint-keep K]] [--save-lora PATH]
+                  [--checkpoint-dir DIR [--checkpoint-every N] [--checkpoint-keep K]]
+                  [--save-lora PATH [--lora-format peft|prepack]] [--lr-schedule S --warmup-ratio F]
+                  [--max-grad-norm X] [--grad-accum-steps K] [--qlora nf4|int8] [--tensorboard DIR] [--profile-steps A:B]
 
 The same command trains on packed shards and on shards packed with `prepack pack --no-pack`
 (one example per row): both are [B, L] rows with segment_ids, so the packed-vs-unpacked
 comparison is one flag apart at pack time. See train/README.md for the metrics JSONL.
 --checkpoint-dir makes a run resumable (rerun the same command after a preemption) and
---save-lora writes the trained adapters; see train/checkpoints.py and train/lora_file.py.
+--save-lora writes the trained adapter (a Hugging Face PEFT folder by default; `prepack export
+--merge` merges it into its base); see train/README.md.
 """
 
 from __future__ import annotations
@@ -22,15 +25,54 @@ from collections.abc import Sequence
 from prepack.cli_help import DefaultsHelpFormatter
 
 
+def add_optimizer_args(p: argparse.ArgumentParser) -> None:
+    """The learning rate and its schedule, clipping, gradient accumulation."""
+    p.add_argument("--learning-rate", type=float, default=1e-4, help="the peak learning rate (of the schedule)")
+    p.add_argument("--lr-schedule", default="constant", choices=["constant", "cosine", "linear", "wsd"],
+                   help="learning rate per optimizer step after the warmup: constant; cosine or linear decay to "
+                   "--min-lr-ratio x the peak at --steps; wsd: constant, then a linear decay over the last 10%% of the steps")
+    warmup = p.add_mutually_exclusive_group()
+    warmup.add_argument("--warmup-steps", type=int, default=None,
+                        help="learning-rate warmup: the first N optimizer steps ramp linearly from 0 to --learning-rate "
+                        "(not prepack report's --warmup-steps, which leaves steps out of its timing); default none")
+    warmup.add_argument("--warmup-ratio", type=float, default=None,
+                        help="learning-rate warmup over this fraction of --steps (e.g. 0.1); default none")
+    p.add_argument("--min-lr-ratio", type=float, default=0.0,
+                   help="cosine, linear and wsd decay to this fraction of --learning-rate at the last step")
+    p.add_argument("--max-grad-norm", type=float, default=1.0,
+                   help="clip the global gradient norm to this before each update (0: no clipping; the default "
+                   "was no clipping before it became 1.0, as MaxText and TRL)")
+    p.add_argument("--grad-accum-steps", type=int, default=1,
+                   help="micro-batches of --batch-size rows per optimizer step; the loss over them is exact "
+                   "(all their targets' sum over all their target count)")
+
+
+def add_output_args(p: argparse.ArgumentParser) -> None:
+    """The adapter's export format, QLoRA, TensorBoard and the profiler (their checks: train/outputs.py)."""
+    p.add_argument("--lora-format", default="peft", choices=["peft", "prepack"],
+                   help="peft: adapter_model.safetensors + adapter_config.json in Hugging Face PEFT's layout "
+                   "(transformers, vLLM, llama.cpp's converter); prepack: one file of qwix names (train/lora_file.py)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --save-lora target")
+    p.add_argument("--qlora", default=None, choices=["nf4", "int8"],
+                   help="QLoRA: quantize the frozen base's projections with qwix (LoRA stays float32)")
+    p.add_argument("--qlora-tile-size", type=int, default=None,
+                   help="--qlora's quantization tile along the contracting axes (default: the largest power of two "
+                   "up to 128 that divides the model's widths)")
+    p.add_argument("--tensorboard", default=None, help="write the JSONL's figures as TensorBoard scalars to this local folder")
+    p.add_argument("--profile-steps", default=None, metavar="A:B",
+                   help="write a JAX profiler trace of optimizer steps A to B (to --profile-dir, else --tensorboard)")
+    p.add_argument("--profile-dir", default=None, help="folder for --profile-steps' trace")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="prepack train", formatter_class=DefaultsHelpFormatter, description=__doc__.split("\n\n")[0])
     p.add_argument("--shards", required=True, help="shard set folder (local, gcsfuse or gs://) with manifest.json")
     p.add_argument("--model", default="tiny", help="gemma3-270m, gemma3-1b, qwen3-0.6b, tiny (= tiny-gemma3), tiny-qwen3")
     p.add_argument("--lora-rank", type=int, default=8)
     p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default 2 x rank)")
-    p.add_argument("--batch-size", type=int, default=8, help="global rows per step")
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--learning-rate", type=float, default=1e-4)
+    p.add_argument("--batch-size", type=int, default=8, help="global rows per micro-batch (per step without --grad-accum-steps)")
+    p.add_argument("--steps", type=int, default=100, help="optimizer steps")
+    add_optimizer_args(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mesh", default=None, help="device mesh, e.g. fsdp=4,tp=2 (default: no mesh, one device)")
     p.add_argument("--eval-shards", default=None, help="shard set for eval (same max_length)")
@@ -48,7 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "token mean, averaged over the batch's examples (the pieces of an --overlong split example count "
                    "as one); needs --loss masked")
     p.add_argument("--read-threads", type=int, default=None, help="loader read threads (default: chosen by where the shards are: 1 on local disk, 16 on a gcsfuse/NFS mount, 4 for gs://)")
-    p.add_argument("--log-every", type=int, default=10, help="print a progress line every N steps (0: never)")
+    p.add_argument("--log-every", type=int, default=10,
+                   help="every N steps read the steps' metrics from the device, write their JSONL records and print "
+                   "a progress line (0: at the end only); the steps in between are not waited for")
     p.add_argument("--cpu-devices", type=int, default=None, help="fake N CPU devices (to try --mesh on a CPU)")
     p.add_argument(
         "--checkpoint-dir", default=None,
@@ -57,7 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--checkpoint-every", type=int, default=100, help="checkpoint every N steps, and after the last (default 100)")
     p.add_argument("--checkpoint-keep", type=int, default=3, help="checkpoints kept in --checkpoint-dir (default 3)")
-    p.add_argument("--save-lora", default=None, help="at the end, write the LoRA parameters as a safetensors file here")
+    p.add_argument("--save-lora", default=None,
+                   help="at the end, export the LoRA adapter here (local or gs://): a Hugging Face PEFT folder, or "
+                   "one safetensors file with --lora-format prepack")
+    add_output_args(p)
     p.add_argument(
         "--nan-policy", default="stop", choices=["stop", "skip-step"],
         help="on a non-finite loss or gradient norm: stop (default; exit 3 naming the step, nothing saved for it) "
@@ -154,6 +201,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = trainer.TrainConfig(
         shards=args.shards, model=args.model, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
         batch_size=args.batch_size, steps=args.steps, learning_rate=args.learning_rate, seed=args.seed,
+        lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps, warmup_ratio=args.warmup_ratio,
+        min_lr_ratio=args.min_lr_ratio, max_grad_norm=args.max_grad_norm, grad_accum_steps=args.grad_accum_steps,
+        lora_format=args.lora_format, overwrite=args.overwrite, qlora=args.qlora, qlora_tile_size=args.qlora_tile_size,
+        tensorboard=args.tensorboard, profile_steps=args.profile_steps, profile_dir=args.profile_dir,
         mesh=args.mesh, eval_shards=args.eval_shards, eval_every=args.eval_every, eval_batches=args.eval_batches,
         weights=args.weights, dtype=args.dtype, metrics_out=args.metrics_out, loss=args.loss,
         loss_mean=args.loss_mean,

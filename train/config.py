@@ -18,7 +18,16 @@ class TrainConfig:
     lora_alpha: float | None = None  # default 2 * rank
     batch_size: int = 8  # global rows per step
     steps: int = 100
-    learning_rate: float = 1e-4
+    learning_rate: float = 1e-4  # the peak of the schedule
+    # The learning rate per optimizer step (train/schedule.py): constant, cosine, linear or wsd,
+    # after a linear warmup of warmup_steps (or warmup_ratio x steps; default none), decaying to
+    # min_lr_ratio x learning_rate at the last step.
+    lr_schedule: str = "constant"
+    warmup_steps: int | None = None
+    warmup_ratio: float | None = None
+    min_lr_ratio: float = 0.0
+    max_grad_norm: float = 1.0  # clip the global gradient norm to this before the update; 0: no clipping
+    grad_accum_steps: int = 1  # micro-batches of batch_size rows per optimizer step (train/train_step.py)
     seed: int = 0
     mesh: str | None = None  # "fsdp=F,tp=T"
     eval_shards: str | None = None
@@ -33,13 +42,24 @@ class TrainConfig:
     loss_mean: str = "token"
     read_threads: int | None = None  # None: the loader chooses by where the shards are (local disk, mount, gs://)
     config_overrides: dict[str, Any] | None = None  # e.g. {"sliding_window_size": 4} for tests
-    log_every: int = 10  # console progress line every N steps (0: none)
+    # Every N steps the trainer fetches the steps' metrics from the device, writes their JSONL
+    # records and prints a progress line (0: only at the end); steps in between are not waited for.
+    log_every: int = 10
     # Checkpoints (train/checkpoints.py): LoRA params + optimizer state through Tunix, plus the
     # loader state, every checkpoint_every steps and at the last one; a run resumes from the latest.
     checkpoint_dir: str | None = None
     checkpoint_every: int | None = 100
     checkpoint_keep: int = 3  # Orbax max_to_keep
-    save_lora: str | None = None  # safetensors export of the LoRA params at the end
+    save_lora: str | None = None  # the LoRA export at the end (train/peft_export.py, train/lora_file.py)
+    lora_format: str = "peft"  # peft: a Hugging Face PEFT adapter folder; prepack: one safetensors file of qwix names
+    overwrite: bool = False  # replace an existing --save-lora target (otherwise refused before any weight loads)
+    # QLoRA (train/models.py): the frozen base's projections quantized by qwix (nf4 or int8) in
+    # tiles of qlora_tile_size along their contracting axes (None: chosen from the model's dims).
+    qlora: str | None = None
+    qlora_tile_size: int | None = None
+    tensorboard: str | None = None  # a TensorBoard log folder: the JSONL's figures as scalars (train/metrics.py)
+    profile_steps: str | None = None  # "A:B": a JAX profiler trace of optimizer steps A..B (train/outputs.py)
+    profile_dir: str | None = None  # where the trace goes (default: the --tensorboard folder)
     nan_policy: str = "stop"  # on a non-finite loss or gradient norm: "stop" or "skip-step" (train/divergence.py)
     # The memory path (train/memory_path.py): chunked loss (0 = full [B, L, V] logits), attention
     # from segment ids (None = the backend's default), per-layer rematerialisation, planning.

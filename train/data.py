@@ -1,4 +1,4 @@
-"""The train and eval datasets of a run, from its shard sets (loaders.make_dataset)."""
+"""The train and eval datasets of a run, from its shard sets (loaders.make_dataset); K micro-batches per step."""
 
 from __future__ import annotations
 
@@ -19,6 +19,45 @@ class FirstN:
         return itertools.islice(iter(self.ds), self.n)
 
 
+class MicroBatches:
+    """K consecutive loader batches as one optimizer step's batch: every field [B, K, L] (the
+    micro-batches on axis 1, so Tunix still shards axis 0, the rows; train/train_step.py scans axis 1).
+
+    Its iterator's get_state/set_state are the loader's own: the state after n elements is the
+    loader's after n * K batches, so checkpoints and resume (train/resume.py) stay exact."""
+
+    def __init__(self, ds: Iterable[Any], k: int):
+        self.ds, self.k = ds, k
+
+    def __iter__(self) -> "_MicroBatchIterator":
+        return _MicroBatchIterator(iter(self.ds), self.k)
+
+
+class _MicroBatchIterator:
+    def __init__(self, it: Any, k: int):
+        self._it, self._k = it, k
+
+    def __iter__(self) -> "_MicroBatchIterator":
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        import numpy as np
+
+        batches = [next(self._it) for _ in range(self._k)]
+        return {key: np.stack([b[key] for b in batches], axis=1) for key in batches[0]}
+
+    def get_state(self) -> Any:
+        return self._it.get_state()
+
+    def set_state(self, state: Any) -> None:
+        self._it.set_state(state)
+
+
+def first_micro_batch(batch: dict[str, Any], grad_accum_steps: int) -> dict[str, Any]:
+    """A step's first [B, L] micro-batch (the batch itself without accumulation)."""
+    return {k: v[:, 0] for k, v in batch.items()} if grad_accum_steps > 1 else batch
+
+
 def datasets(cfg: TrainConfig, view: Any, eval_view: Any = None) -> tuple[Any, Any]:
     """The train dataset (endless, this host's share of each global batch) and the eval one (one pass, or None)."""
     import jax
@@ -32,6 +71,8 @@ def datasets(cfg: TrainConfig, view: Any, eval_view: Any = None) -> tuple[Any, A
     train_ds = loaders.make_dataset(
         view, per_host, cfg.seed, jax.process_index(), procs, None, read_threads=cfg.read_threads
     )
+    if cfg.grad_accum_steps > 1:
+        train_ds = MicroBatches(train_ds, cfg.grad_accum_steps)
     eval_ds = None
     if eval_view is not None:
         try:

@@ -15,8 +15,9 @@ Per token (every position of the [B, L] batch, padding included: the model compu
 - LoRA: each adapter element is one multiply-add forward, two backward (the input gradient
   and the adapter's own gradient);
 - the output projection (D x V): forward and the hidden states' gradient; with
-  --loss-chunk-tokens the chunks are checkpointed, so the backward pass computes each chunk's
-  logits once more (and projects ceil(B L / N) x N positions: the last chunk is padded).
+  --loss-chunk-tokens the positions are put targets first and only the chunks that hold a
+  target are projected, each once forward and once for the hidden states' gradient, both in
+  the forward pass (train/chunked_loss.py): ceil(targets / N) x N positions, twice.
 Per attention score (a query-key pair of one query head): q k and p v forward (4 x head_dim),
 and a backward that depends on the kind as implemented:
 - dense (Tunix's einsums, probabilities kept): 8 x head_dim;
@@ -150,17 +151,20 @@ def _label(window: int | None) -> str:
     return "global" if window is None else f"local {window}"
 
 
-def step_flops(cost: ModelCost, opts: StepOptions, segment_ids: np.ndarray) -> StepFlops:
+def step_flops(cost: ModelCost, opts: StepOptions, segment_ids: np.ndarray, target_fraction: float | None = None) -> StepFlops:
     """The step as it runs: every position, the kind's own pairs and passes, recomputation included.
-    segment_ids: rows of the set (the attention pairs are their mean per row, times B)."""
+    segment_ids: rows of the set (the attention pairs are their mean per row, times B).
+    target_fraction: the rows' targets per position (the chunked loss projects only the chunks
+    that hold targets); None counts every chunk."""
     tokens = opts.batch_size * opts.max_length
     fwd_attn, bwd_attn = ATTENTION_PASSES[opts.attention]
     pairs = _mean_pairs(lambda s, w: attention_pairs(opts.attention, s, opts.tile, w), segment_ids, cost.windows)
     pair_sum = sum(pairs[w] for w in cost.windows) * opts.batch_size * cost.heads  # all layers, rows, heads
     attention_fwd = fwd_attn * cost.head_dim * pair_sum
     if opts.loss_chunk_tokens:
-        projected = -(-tokens // opts.loss_chunk_tokens) * opts.loss_chunk_tokens
-        head = 2 * cost.head_weights * projected * 3  # forward, recomputed, hidden-state gradient
+        targets = tokens if target_fraction is None else int(round(target_fraction * tokens))
+        projected = -(-targets // opts.loss_chunk_tokens) * opts.loss_chunk_tokens
+        head = 2 * cost.head_weights * projected * 2  # forward and the hidden states' gradient, chunks with targets
     else:
         head = 2 * cost.head_weights * tokens * 2
     parts = {

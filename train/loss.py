@@ -42,12 +42,16 @@ LOSS_MEANS = (TOKEN_MEAN, EXAMPLE_MEAN)
 from prepack.format.rowformat import MAX_SOURCES  # noqa: E402
 
 
+def target_weights(input_mask: jax.Array) -> jax.Array:
+    """[B, L] float32: the weight of the target each column predicts (column t predicts token t+1)."""
+    return jnp.concatenate([input_mask[:, 1:], jnp.zeros_like(input_mask[:, :1])], axis=1).astype(jnp.float32)
+
+
 def shifted_targets(input_tokens: jax.Array, input_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Targets and weights aligned to the position that predicts them: column t predicts token t+1."""
     zeros = jnp.zeros_like(input_tokens[:, :1])
     targets = jnp.concatenate([input_tokens[:, 1:], zeros], axis=1)
-    weights = jnp.concatenate([input_mask[:, 1:], jnp.zeros_like(input_mask[:, :1])], axis=1)
-    return targets, weights.astype(jnp.float32)
+    return targets, target_weights(input_mask)
 
 
 def per_token_nll(logits: jax.Array, input_tokens: jax.Array, input_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -85,6 +89,31 @@ def mean_and_aux(nll: jax.Array, weights: jax.Array, source_ids: jax.Array | Non
     if source_ids is not None:
         aux["nll_by_source"], aux["targets_by_source"] = by_source(nll, weights, source_ids)
     return loss, aux
+
+
+# What each --loss-mean divides: the loss is aux[numerator] / (aux[denominator] + NORM_EPS), so
+# batches (eval batches, gradient-accumulation micro-batches) combine exactly by summing both.
+NUMERATOR = {TOKEN_MEAN: "nll_sum", EXAMPLE_MEAN: "example_nll_sum"}
+DENOMINATOR = {TOKEN_MEAN: "target_tokens", EXAMPLE_MEAN: "examples"}
+
+
+def loss_denominator(loss_mask: jax.Array, segment_ids: jax.Array | None, example_targets: jax.Array | None,
+                     loss_mean: str) -> jax.Array:
+    """The loss's denominator over rows [..., L] (any leading dims: micro-batches), from the data
+    alone: what mean_and_aux's target_tokens or examples sum to over the same rows. Rows are
+    independent, so leading dims fold into rows."""
+    length = loss_mask.shape[-1]
+    weights = target_weights(loss_mask.reshape(-1, length))
+    if loss_mean == TOKEN_MEAN:
+        return jnp.sum(weights)
+    if segment_ids is None:
+        raise ValueError("the example mean needs the batch's segment_ids")
+    flat_targets = None if example_targets is None else example_targets.reshape(-1, length)
+    return jnp.sum(weights * inverse_example_targets(weights, segment_ids.reshape(-1, length), flat_targets))
+
+
+def loss_from_sums(aux: dict[str, jax.Array], loss_mean: str) -> jax.Array:
+    return aux[NUMERATOR[loss_mean]] / (aux[DENOMINATOR[loss_mean]] + NORM_EPS)
 
 
 def inverse_example_targets(weights: jax.Array, segment_ids: jax.Array,

@@ -59,9 +59,9 @@ def budget_bytes(memory_budget_gib: float | None) -> tuple[int, str]:
     return int(FALLBACK_BUDGET_GIB * GIB), "default (JAX reports no device memory)"
 
 
-def placeholder_batch(batch_size: int, max_length: int, mixture: bool) -> dict[str, np.ndarray]:
-    """Shapes are all a compile needs: one full segment per row."""
-    shape = (batch_size, max_length)
+def placeholder_batch(batch_size: int, max_length: int, mixture: bool, grad_accum_steps: int = 1) -> dict[str, np.ndarray]:
+    """Shapes are all a compile needs: one full segment per row ([B, K, L] with K micro-batches)."""
+    shape = (batch_size, grad_accum_steps, max_length) if grad_accum_steps > 1 else (batch_size, max_length)
     batch = {"input_ids": np.zeros(shape, np.int32), "loss_mask": np.ones(shape, np.int32),
              "positions": np.broadcast_to(np.arange(max_length, dtype=np.int32), shape).copy(),
              "segment_ids": np.ones(shape, np.int32)}
@@ -70,13 +70,13 @@ def placeholder_batch(batch_size: int, max_length: int, mixture: bool) -> dict[s
     return batch
 
 
-def plan_step(trainer: Any, batch_size: int, max_length: int, mixture: bool = False) -> StepPlan:
+def plan_step(trainer: Any, batch_size: int, max_length: int, mixture: bool = False, grad_accum_steps: int = 1) -> StepPlan:
     import time
 
     from train import compiled
 
     started = time.perf_counter()
-    program = compiled.compile_train_step(trainer, placeholder_batch(batch_size, max_length, mixture))
+    program = compiled.compile_train_step(trainer, placeholder_batch(batch_size, max_length, mixture, grad_accum_steps))
     memory = compiled.memory_of(program, time.perf_counter() - started)
     return StepPlan(memory.argument_bytes, memory.temp_bytes, memory.peak_estimate_bytes,
                     compiled.flops_of(program), memory.compile_s)
@@ -90,7 +90,8 @@ def choose_remat(setup: Any, out: TextIO) -> StepPlan | None:
     if cfg.remat != memory_path.REMAT_AUTO:
         return None
     budget, source = budget_bytes(cfg.memory_budget_gib)
-    plan = plan_step(setup.trainer, cfg.batch_size, setup.view.manifest.max_length, bool(getattr(setup.view.manifest, "mixture", None)))
+    plan = plan_step(setup.trainer, cfg.batch_size, setup.view.manifest.max_length, bool(getattr(setup.view.manifest, "mixture", None)),
+                     cfg.grad_accum_steps)
     on = not plan.fits(budget)
     memory_path.set_remat(setup.built.model, on)
     print(f"--remat auto: the step plans {plan.peak_bytes / GIB:.2f} GiB without remat, budget {budget / GIB:.2f} GiB "
@@ -98,24 +99,31 @@ def choose_remat(setup: Any, out: TextIO) -> StepPlan | None:
     return plan
 
 
-def sample_segment_ids(cfg: Any, view: Any, batches: int = FLOP_SAMPLE_BATCHES) -> np.ndarray:
-    """[rows, L] segment ids of the run's first batches (the training stream, as it would draw them)."""
+def sample_rows(cfg: Any, view: Any, batches: int = FLOP_SAMPLE_BATCHES) -> tuple[np.ndarray, float]:
+    """[rows, L] segment ids of the run's first batches (the training stream, as it would draw them),
+    and their targets per position (what the chunked loss projects)."""
     import itertools
 
     from train import data
 
     train_ds, _ = data.datasets(cfg, view)
-    return np.concatenate([np.asarray(b["segment_ids"]) for b in itertools.islice(iter(train_ds), batches)])
+    length = view.manifest.max_length
+    drawn = list(itertools.islice(iter(train_ds), batches))
+    # [B, L] rows, or [B, K, L] with --grad-accum-steps: rows either way.
+    seg = np.concatenate([np.asarray(b["segment_ids"]).reshape(-1, length) for b in drawn])
+    mask = np.concatenate([np.asarray(b["loss_mask"]).reshape(-1, length) for b in drawn])
+    return seg, float(np.count_nonzero(mask[:, 1:])) / mask.size
 
 
 def analytic_flops(setup: Any, remat_on: bool) -> Any:
-    """train/flops.py's count of this run's step, on its first batches' segments."""
+    """train/flops.py's count of this run's step, on its first batches' segments and targets."""
     from train import flops, memory_path
 
     cfg, length = setup.config, setup.view.manifest.max_length
-    opts = flops.StepOptions(cfg.batch_size, length, memory_path.attention_kind(cfg), memory_path.attention_tile(cfg, length),
-                             cfg.loss_chunk_tokens, remat_on)
-    return flops.step_flops(flops.model_cost(setup.built.model), opts, sample_segment_ids(cfg, setup.view))
+    opts = flops.StepOptions(cfg.batch_size * cfg.grad_accum_steps, length, memory_path.attention_kind(cfg),
+                             memory_path.attention_tile(cfg, length), cfg.loss_chunk_tokens, remat_on)
+    segment_ids, target_fraction = sample_rows(cfg, setup.view)
+    return flops.step_flops(flops.model_cost(setup.built.model), opts, segment_ids, target_fraction)
 
 
 def print_plan(plan: StepPlan, step: Any, budget: int, source: str, describe: str, out: TextIO) -> dict[str, Any]:
@@ -143,20 +151,21 @@ def run_plan(cfg: Any, out: TextIO) -> dict[str, Any]:
     from train import memory_path
     from train.run_setup import setup
 
-    cfg = dc.replace(cfg, checkpoint_dir=None, metrics_out=None, save_lora=None)
+    cfg = dc.replace(cfg, checkpoint_dir=None, metrics_out=None, save_lora=None, tensorboard=None, profile_steps=None)
     s = setup(cfg, out=sys.stderr)
     auto = choose_remat(s, sys.stderr)
     manifest = s.view.manifest
     remat_on = memory_path.remat_is_on(s.built.model)
     if auto is None or remat_on:
-        plan = plan_step(s.trainer, cfg.batch_size, manifest.max_length, bool(getattr(manifest, "mixture", None)))
+        plan = plan_step(s.trainer, cfg.batch_size, manifest.max_length, bool(getattr(manifest, "mixture", None)),
+                         cfg.grad_accum_steps)
     else:
         plan = auto
     budget, source = budget_bytes(cfg.memory_budget_gib)
     kind = memory_path.attention_kind(cfg)
     describe = (f"{cfg.model} {s.static.get('dtype')} LoRA rank {cfg.lora_rank}, B={cfg.batch_size} L={manifest.max_length} "
-                f"({cfg.batch_size * manifest.max_length:,} tokens), attention {kind}"
-                f"{'' if kind == 'dense' else f' (tile {memory_path.attention_tile(cfg, manifest.max_length)})'}, "
+                f"({cfg.batch_size * manifest.max_length:,} tokens{f' x {cfg.grad_accum_steps} micro-batches' if cfg.grad_accum_steps > 1 else ''}), "
+                f"attention {kind}{'' if kind == 'dense' else f' (tile {memory_path.attention_tile(cfg, manifest.max_length)})'}, "
                 f"loss chunk {cfg.loss_chunk_tokens or 'off (full logits)'}, remat {'layer' if remat_on else 'none'}"
                 f"{' (auto)' if cfg.remat == memory_path.REMAT_AUTO else ''}")
     return print_plan(plan, analytic_flops(s, remat_on), budget, source, describe, out)

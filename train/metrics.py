@@ -1,8 +1,8 @@
-"""The metrics JSONL of `prepack train` and its console progress lines.
+"""The metrics JSONL of `prepack train` (and `--tensorboard`'s scalars), and its console progress lines.
 
 One JSON line per optimizer step, then eval lines and one summary line:
-  {"step", "loss", "loss_mean", "grad_norm", "step_time_s", "tokens", "target_tokens", "target_tokens_per_s", "density",
-   "tokens_per_s_per_chip", "mfu", ...}
+  {"step", "micro_steps", "loss", "loss_mean", "grad_norm", "clipped", "learning_rate", "step_time_s", "tokens",
+   "target_tokens", "target_tokens_per_s", "density", "tokens_per_s_per_chip", "mfu", ...}
 `tokens_per_s_per_chip` and `mfu` (null where the chip's peak is unknown) come from train/mfu.py.
   {"eval": {"step", "loss", "loss_mean", "target_tokens", "batches", "time_s"}}
 `loss_mean` names what `loss` is: "token" (the mean over the batch's target tokens) or
@@ -10,9 +10,16 @@ One JSON line per optimizer step, then eval lines and one summary line:
 mean of the same batch, and `device_examples`, the examples the loss counted: fractional when
 a split example's pieces fall in different batches).
   {"summary": {...}}
-Every step is synchronized (the loss's aux is awaited) so that step_time_s is the
-wall time from the previous step's end to this one's, input wait included; step 1
-includes compilation and is left out of the summary's means and rates.
+`grad_norm` is the global norm before clipping, `clipped` whether --max-grad-norm scaled it,
+`learning_rate` the rate the step's update used. With --grad-accum-steps K a step trains K
+micro-batches of batch_size rows: tokens and counts are the step's (K * B rows), `micro_steps`
+counts micro-batches since the run began.
+
+Steps are not synchronized one by one (that would stall an accelerator's queue): the records
+are fetched from the device every --log-every steps (and before checkpoints and evals, and at
+the end), and step_time_s is the fetched window's wall time per step, input wait included;
+step 1's is the time to its dispatch, which includes compilation, and it is left out of the
+summary's means and rates.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, TextIO
 
 import numpy as np
@@ -34,15 +41,16 @@ def batch_counts(batch: Mapping[str, np.ndarray]) -> dict[str, int]:
     """Host-side counts of one [B, L] batch (numpy, before it goes to the device)."""
     seg = np.asarray(batch["segment_ids"])
     loss_mask = np.asarray(batch["loss_mask"])
-    rows, length = seg.shape
+    length = seg.shape[-1]
+    rows = seg.size // length  # [B, L], or [B, K, L]: K micro-batches of B rows
     return {
         "rows": int(rows),
         "seq_len": int(length),
         "tokens": int(np.count_nonzero(seg)),
-        # What the loss counts: input_mask[:, 1:] (column 0 can never be predicted).
-        "target_tokens": int(np.count_nonzero(loss_mask[:, 1:])),
-        "examples": int(seg.max(axis=1).sum()),
-        **({"target_tokens_by_source": np.bincount(np.asarray(batch["source_ids"])[:, 1:][loss_mask[:, 1:] != 0],
+        # What the loss counts: input_mask[..., 1:] (column 0 can never be predicted).
+        "target_tokens": int(np.count_nonzero(loss_mask[..., 1:])),
+        "examples": int(seg.max(axis=-1).sum()),
+        **({"target_tokens_by_source": np.bincount(np.asarray(batch["source_ids"])[..., 1:][loss_mask[..., 1:] != 0],
                                                    minlength=1).tolist()} if "source_ids" in batch else {}),
     }
 
@@ -88,8 +96,56 @@ def by_source_record(names: list[str], counts: Mapping[str, Any], aux: Mapping[s
     return {"loss_by_source": loss, "target_tokens_by_source": {name: int(host[i]) for i, name in enumerate(names, start=1)}}
 
 
+def window_step_times(start: float, dispatched: list[float], end: float, first: bool) -> list[float]:
+    """Each step's share of a fetched window [start, end]: the window's mean, except that a
+    window opening the run gives its first step the time up to that step's dispatch (the jit
+    compile happens in that call) and shares the rest among the others."""
+    n = len(dispatched)
+    if first and n > 1:
+        head = dispatched[0] - start
+        return [head] + [(end - dispatched[0]) / (n - 1)] * (n - 1)
+    return [(end - start) / n] * n
+
+
+class TensorBoard:
+    """--tensorboard DIR: the JSONL's figures as TensorBoard scalars (tensorboardX), written at each fetch."""
+
+    SCALARS = ("loss", "token_loss", "grad_norm", "learning_rate", "clipped", "step_time_s", "target_tokens_per_s",
+               "tokens_per_s", "density", "target_density", "input_wait_s")
+
+    def __init__(self, logdir: str):
+        from tensorboardX import SummaryWriter
+
+        self.writer = SummaryWriter(logdir=logdir)
+
+    def step(self, record: Mapping[str, Any]) -> None:
+        for key in self.SCALARS:
+            value = record.get(key)
+            if isinstance(value, (int, float)) and value is not None:
+                self.writer.add_scalar(f"train/{key}", float(value), record["step"])
+        for name, value in (record.get("loss_by_source") or {}).items():
+            if value is not None:
+                self.writer.add_scalar(f"train/loss_by_source/{name}", float(value), record["step"])
+
+    def eval(self, record: Mapping[str, Any]) -> None:
+        if record.get("loss") is not None:
+            self.writer.add_scalar("eval/loss", float(record["loss"]), record["step"])
+
+    def flush(self) -> None:
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
 class MetricsRecorder:
-    """Collects per-step numbers and writes the JSONL (flushed per line, so a crash keeps them)."""
+    """Collects per-step numbers and writes the JSONL, flushed at every fetch (so a crash keeps them).
+
+    Steps are not waited for: the trainer hands over each step's device results as it dispatches
+    it (`step_dispatched`) and the recorder reads them from the device only when asked (`fetch`:
+    every `log_every` steps, before checkpoints and evals, at the end). A fetched window of steps
+    gets its wall time shared out: step 1's is the time to its dispatch (the compile happens
+    there), the others get the window's mean."""
 
     def __init__(
         self,
@@ -102,6 +158,8 @@ class MetricsRecorder:
         last_step: int | None = None,
         nan_policy: str = divergence.STOP,
         throughput: Throughput | None = None,
+        grad_accum_steps: int = 1,
+        tensorboard: str | None = None,
     ):
         """resume_from=k: the run continues after step k of a checkpoint; step numbers go on from k+1
         and the JSONL is appended to (its records of steps after k, which the resumed run redoes,
@@ -114,11 +172,15 @@ class MetricsRecorder:
         self.log_every = log_every
         self.last_step = last_step  # printed even when not a multiple of log_every
         self.nan_policy = nan_policy
+        self.grad_accum_steps = grad_accum_steps
         self.stopped: dict[str, Any] | None = None  # why the run ended early (summary["stopped"])
         self.out = out if out is not None else sys.stderr
         self.throughput = throughput or Throughput()
         self._model_flops: list[float | None] = []  # per step, for the summary's mfu
         self.first_step = (resume_from or 0) + 1
+        # Functions of a finished step record returning more fields for it: each row is
+        # extended when its step time is known.
+        self.row_fields: list[Callable[[Mapping[str, Any]], Mapping[str, Any]]] = []
         self._file: TextIO | None = None
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -128,21 +190,35 @@ class MetricsRecorder:
                 self._write({"resume": {"from_step": resume_from, "dropped_records": dropped, **dict(resume_note or {})}})
             else:
                 self._file = open(path, "w")
+        self._board = TensorBoard(tensorboard) if tensorboard else None
         self.static_extra: dict[str, Any] = {}  # summary-only facts learnt during the run
         self.steps: list[dict[str, Any]] = []
         self.evals: list[dict[str, Any]] = []
+        self.fetches = 0
         self._clock: float | None = None
+        self._window_start: float | None = None
         self._pending: dict[str, Any] | None = None
+        self._unfetched: list[tuple[dict[str, Any], Any, float]] = []  # (host counts, device aux, dispatch end)
         self._eval_acc: list[tuple[float, float, float, float]] = []
         self.started = time.perf_counter()
 
-    def _write(self, record: Mapping[str, Any]) -> None:
+    def _write(self, record: Mapping[str, Any], flush: bool = True) -> None:
         if self._file is not None:
             self._file.write(json.dumps(record) + "\n")
-            self._file.flush()
+            if flush:
+                self._file.flush()
 
     def reset_clock(self) -> None:
-        self._clock = time.perf_counter()
+        """Time not charged to any step (an eval, the compile's announcement) ends here."""
+        self._clock = self._window_start = time.perf_counter()
+
+    @property
+    def dispatched(self) -> int:
+        """Steps handed over in this process, fetched or not."""
+        return len(self.steps) + len(self._unfetched)
+
+    def next_step(self) -> int:
+        return self.first_step + self.dispatched
 
     def batch_arrived(self, batch: Mapping[str, np.ndarray]) -> None:
         now = time.perf_counter()
@@ -151,19 +227,74 @@ class MetricsRecorder:
         counts["model_flops"] = self.throughput.batch_flops(batch)
         self._pending = counts
 
-    def step_done(self, aux: Mapping[str, Any]) -> None:
+    def step_dispatched(self, aux: Mapping[str, Any]) -> None:
+        """The step's results as device arrays; nothing waits for them here."""
         now = time.perf_counter()
-        pending = self._pending or {}
+        if self._window_start is None:
+            self._window_start = self.started
+        self._unfetched.append((self._pending or {}, aux, now))
         self._pending = None
-        step_time = now - (self._clock if self._clock is not None else self.started)
         self._clock = now
+
+    def wants_fetch(self, step: int) -> bool:
+        """The progress steps: the first, every log_every, the last (log_every 0: none but the end)."""
+        return bool(self.log_every) and (step % self.log_every == 0 or step in (self.first_step, self.last_step))
+
+    def step_done(self, aux: Mapping[str, Any]) -> None:
+        """A step waited for: dispatched and fetched at once."""
+        self.step_dispatched(aux)
+        self.fetch()
+
+    def fetch(self) -> dict[str, Any] | None:
+        """Reads the unfetched steps' results from the device (waiting for them), writes their
+        records and prints the progress line of the window's last step and of every non-finite
+        step. Under --nan-policy stop, the records end at the first non-finite step, which is
+        returned (the caller stops the run); None otherwise."""
+        if not self._unfetched or self.stopped is not None:
+            self._unfetched = []
+            return None
+        import jax
+
+        window, self._unfetched = self._unfetched, []
+        host_aux = jax.device_get([aux for _, aux, _ in window])
+        now = time.perf_counter()
+        start = self._window_start if self._window_start is not None else self.started
+        times = window_step_times(start, [t for _, _, t in window], now, first=self.first_step + len(self.steps) == self.first_step)
+        self._window_start = self._clock = now
+        self.fetches += 1
+        stop = None
+        for (counts, _, _), aux, step_time in zip(window, host_aux, times):
+            record = self._record(counts, aux, step_time)
+            self.steps.append(record)
+            self._write(record, flush=False)
+            if self._board is not None:
+                self._board.step(record)
+            if record.get("nonfinite"):
+                self._print(record)
+                if self.nan_policy == divergence.STOP:
+                    stop = record
+                    self.stop(record["step"], record["nonfinite"])
+                    break
+        if stop is None and self.log_every:
+            self._print(self.steps[-1])
+        if self._file is not None:
+            self._file.flush()
+        if self._board is not None:
+            self._board.flush()
+        return stop
+
+    def _record(self, pending: Mapping[str, Any], aux: Mapping[str, Any], step_time: float) -> dict[str, Any]:
         cells = pending.get("rows", 0) * pending.get("seq_len", 0)
         target = pending.get("target_tokens", 0)
         tokens = pending.get("tokens", 0)
+        step = self.first_step + len(self.steps)
         record = {
-            "step": self.first_step + len(self.steps),
+            "step": step,
+            "micro_steps": step * self.grad_accum_steps,  # micro-batches trained since the start of the run
             "loss": divergence.finite_or_none(aux["loss"]),
             "grad_norm": divergence.finite_or_none(aux["grad_norm"]) if "grad_norm" in aux else None,
+            "learning_rate": float(aux["learning_rate"]) if "learning_rate" in aux else None,
+            "clipped": bool(aux["clipped"]) if "clipped" in aux else None,
             "step_time_s": step_time,
             "tokens": tokens,
             "target_tokens": target,
@@ -189,20 +320,23 @@ class MetricsRecorder:
             record["skipped"] = self.nan_policy == divergence.SKIP_STEP
         if self.source_names:
             record.update(by_source_record(self.source_names, pending, aux))
+        for fields in self.row_fields:
+            record.update(fields(record))
         record.update(self.static)
-        self.steps.append(record)
-        self._write(record)
-        step = record["step"]
-        if reason or (self.log_every and (step % self.log_every == 0 or step in (self.first_step, self.last_step))):
-            loss = f"{record['loss']:.4f}" if record["loss"] is not None else f"non-finite ({reason})"
-            kind = " (example mean)" if self.static.get("loss_mean") == "example" else ""
-            print(
-                f"step {step}: loss {loss}{kind}  {step_time:.3f}s  "
-                f"{record['target_tokens_per_s']:.0f} target tok/s  density {record['density']:.3f}"
-                + ("  (update skipped: --nan-policy skip-step)" if record.get("skipped") else ""),
-                file=self.out,
-                flush=True,
-            )
+        return record
+
+    def _print(self, record: Mapping[str, Any]) -> None:
+        reason = record.get("nonfinite")
+        loss = f"{record['loss']:.4f}" if record["loss"] is not None else f"non-finite ({reason})"
+        kind = " (example mean)" if self.static.get("loss_mean") == "example" else ""
+        lr = f"  lr {record['learning_rate']:.3g}" if record.get("learning_rate") is not None else ""
+        print(
+            f"step {record['step']}: loss {loss}{kind}  {record['step_time_s']:.3f}s  "
+            f"{record['target_tokens_per_s']:.0f} target tok/s  density {record['density']:.3f}{lr}"
+            + ("  (update skipped: --nan-policy skip-step)" if record.get("skipped") else ""),
+            file=self.out,
+            flush=True,
+        )
 
     def stop(self, step: int, reason: str) -> None:
         """The run ends here (--nan-policy stop); the summary line records why."""
@@ -234,6 +368,9 @@ class MetricsRecorder:
         self._eval_acc = []
         self.evals.append(record)
         self._write({"eval": record})
+        if self._board is not None:
+            self._board.eval(record)
+            self._board.flush()
         print(f"eval after step {record['step']}: loss {record['loss'] if record['loss'] is None else format(record['loss'], '.4f')} over {record['target_tokens']} target tokens", file=self.out)
 
     def summary(self, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -243,6 +380,11 @@ class MetricsRecorder:
         out: dict[str, Any] = {
             "steps": len(steps),  # in this process (a resumed run starts at first_step)
             "first_step": self.first_step,
+            "grad_accum_steps": self.grad_accum_steps,
+            "micro_steps": len(steps) * self.grad_accum_steps,  # micro-batches trained in this process
+            "clipped_steps": sum(1 for s in steps if s.get("clipped")),
+            "final_learning_rate": steps[-1].get("learning_rate") if steps else None,
+            "fetches": self.fetches,  # how often the host waited for the device's step results
             "tokens": int(sum(s["tokens"] for s in steps)),
             "target_tokens": int(sum(s["target_tokens"] for s in steps)),
             "examples": int(sum(s["examples"] for s in steps)),
@@ -284,3 +426,6 @@ class MetricsRecorder:
         if self._file is not None:
             self._file.close()
             self._file = None
+        if self._board is not None:
+            self._board.close()
+            self._board = None

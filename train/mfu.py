@@ -59,7 +59,8 @@ class Throughput:
             return None
         from train import flops
 
-        return flops.model_flops(self.cost, batch["segment_ids"])
+        seg = batch["segment_ids"]  # [B, L], or [B, K, L] with --grad-accum-steps: rows either way
+        return flops.model_flops(self.cost, seg.reshape(-1, seg.shape[-1]))
 
     def fields(self, tokens: float, seconds: float, model_flops: float | None) -> dict[str, float | None]:
         """`tokens_per_s_per_chip` and `mfu` of `tokens` real tokens and `model_flops` done in `seconds`."""

@@ -270,18 +270,49 @@ def build_model(
     return BuiltModel(model=model, spec=spec, config=config, weights=weights)
 
 
-def apply_lora(model: nnx.Module, spec: ModelSpec, *, rank: int, alpha: float | None = None, seed: int = 0) -> nnx.Module:
-    """Adds qwix LoRA adapters (A: he_uniform, B: zeros, float32) on Tunix's module paths for the family."""
+QLORA_QTYPES = ("nf4", "int8")
+MAX_QLORA_TILE = 128
+
+
+def qlora_tile_size(config: Any, tile_size: int | None = None) -> int:
+    """--qlora-tile-size, checked, or the default: the largest power of two up to MAX_QLORA_TILE that
+    divides every contracting width of the adapted projections (hidden, head_dim, MLP width), so
+    qwix can tile each of them (it refuses an axis the tile does not divide)."""
+    widths = {"the hidden width": int(config.embed_dim), "head_dim": int(config.head_dim), "the MLP width": int(config.hidden_dim)}
+    if tile_size is not None:
+        if tile_size < 1:
+            raise ModelError(f"--qlora-tile-size must be positive, got {tile_size}")
+        for what, width in widths.items():
+            if width % tile_size:
+                raise ModelError(f"--qlora-tile-size {tile_size} does not divide the model's {what} ({width}); "
+                                 f"choose a divisor of {', '.join(str(w) for w in widths.values())}")
+        return tile_size
+    tile = MAX_QLORA_TILE
+    while any(w % tile for w in widths.values()):
+        tile //= 2
+    return tile
+
+
+def apply_lora(model: nnx.Module, spec: ModelSpec, *, rank: int, alpha: float | None = None, seed: int = 0,
+               qlora: str | None = None, qlora_tile: int | None = None) -> nnx.Module:
+    """Adds qwix LoRA adapters (A: he_uniform, B: zeros, float32) on Tunix's module paths for the family.
+
+    qlora ("nf4" or "int8"): qwix also quantizes the frozen base weights of those projections
+    (weight_qtype, in tiles of qlora_tile along the contracting axes; Tunix's QLoRA example),
+    which then compute dequantized on the fly; the adapters stay float32."""
     import qwix
 
     if rank <= 0:
         raise ModelError(f"--lora-rank must be positive, got {rank}")
+    if qlora is not None and qlora not in QLORA_QTYPES:
+        raise ModelError(f"unknown --qlora {qlora!r}; choose one of {', '.join(QLORA_QTYPES)}")
     from train import precision
 
+    quantize = {"weight_qtype": qlora, "tile_size": qlora_tile} if qlora else {}
     # float32 adapters whatever the base dtype (train/precision.py: master weights for mixed precision).
     provider = qwix.LoraProvider(
         module_path=spec.lora_module_path, rank=rank, alpha=float(alpha if alpha is not None else 2 * rank),
-        **precision.float32_initializers(),
+        **precision.float32_initializers(), **quantize,
     )
 
     # qwix finds the einsum/dot_general sites by running the model once (Tunix's [2, 1] dummy

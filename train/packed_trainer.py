@@ -1,14 +1,25 @@
-"""Tunix's PeftTrainer with per-step metrics, token-id checks and synchronized step timing.
+"""Tunix's PeftTrainer with our train step, host-side batch checks, and metrics fetched without stalling the device.
 
-Everything is added through PeftTrainer's own override points (_prepare_inputs,
-_post_process_train_step, _post_process_eval_step, _run_eval, train); Tunix's loop,
-jitted step and checkpointing are unchanged.
+What goes through Tunix's public extension points: the loss and model inputs
+(`with_loss_fn`, `with_gen_model_input_fn`), the train step (`create_train_step_fn`: K
+micro-batches with an exact loss, clipping and the schedule's learning rate,
+train/train_step.py), eval timing (`with_training_hooks`), checkpointing and the profiler
+(`TrainingConfig`). Three documented override points have no public equivalent:
+`_prepare_inputs` (each batch checked and counted on the host before it is sharded),
+`_post_process_train_step` and `_post_process_eval_step` (where a step's aux arrives).
+train/tunix_contract.py pins what this relies on and refuses a Tunix that differs.
+
+No host sync per step: `_post_process_train_step` hands the step's device results to the
+recorder without waiting (Tunix 0.1.7 keeps up to two steps in flight and reads the previous
+step's loss for its own logger); the recorder fetches them every --log-every steps, and
+before a checkpoint save, an eval and a profile's end, so that a non-finite step under
+--nan-policy stop is caught before anything of it is saved.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -18,70 +29,126 @@ from train.config import TrainError
 from train.metrics import MetricsRecorder
 
 
+def refuse_placeholder(input_data: Any) -> None:
+    if input_data is resume.PLACEHOLDER:
+        # Tunix discards these itself after a restore (resume.ResumableStream); one
+        # reaching the step means its skip logic changed, and the data would be misaligned.
+        raise TrainError(
+            "Tunix handed a skipped-batch placeholder to the train step: its post-restore skip no longer "
+            "matches train/resume.py's ResumableStream; refusing to train on misaligned data"
+        )
+
+
+def check_token_ids(input_data: Any, vocab_size: int) -> None:
+    top = int(np.max(input_data["input_ids"]))
+    if top >= vocab_size or int(np.min(input_data["input_ids"])) < 0:
+        # An out-of-range id would not fail on the device: the embedding gather returns NaN/clamped rows.
+        raise TrainError(
+            f"a batch holds token id {top}, outside the model's {vocab_size:,}-row embedding; "
+            "the shards do not match the model's tokenizer"
+        )
+
+
+def eval_timing_hooks(hooks: Any) -> type:
+    """Tunix TrainingHooks that time each eval (its first batch's preparation starts the clock) and record it."""
+
+    class EvalTiming(hooks.TrainingHooks):
+        """Times each eval (its first batch's preparation starts the clock) and records it."""
+
+        def __init__(self, trainer: Any):
+            self.trainer = trainer
+
+        def on_train_start(self, train_ctx: Any) -> None:
+            pass
+
+        def on_train_end(self, train_ctx: Any) -> None:
+            pass
+
+        def on_train_step_start(self, train_ctx: Any) -> None:
+            pass
+
+        def on_train_step_end(self, train_ctx: Any, train_step: int, train_loss: float) -> None:
+            pass
+
+        def on_eval_step_start(self, train_ctx: Any) -> None:
+            pass
+
+        def on_eval_step_end(self, train_ctx: Any, eval_loss: float) -> None:
+            started = self.trainer.eval_started
+            self.trainer.eval_started = None
+            self.trainer.recorder.eval_done(time.perf_counter() - (started if started is not None else time.perf_counter()))
+            self.trainer.recorder.reset_clock()  # eval time is not the next step's
+
+    return EvalTiming
+
+
 def make_trainer_class() -> type:
-    """PeftTrainer with per-step metrics; built lazily so importing this module stays light."""
+    """PeftTrainer with our step and metrics; built lazily so importing this module stays light."""
+    from tunix.sft import hooks
     from tunix.sft import metrics_logger as tunix_metrics
     from tunix.sft import peft_trainer
 
+    from train import train_step, tunix_contract
     from train.model_inputs import device_fields
 
+    tunix_contract.check()
+
+    EvalTiming = eval_timing_hooks(hooks)
+
     class PackedPeftTrainer(peft_trainer.PeftTrainer):
-        """Adds host-side batch counts and synchronized step timing through Tunix's override points."""
+        """Tunix's loop, with train/train_step.py's step and the recorder fed at dispatch."""
 
         recorder: MetricsRecorder
-
         vocab_size: int
+        eval_started: float | None = None
+        step_options: dict[str, Any]
+        # Steps (1-based) whose results must be fetched before Tunix goes on: checkpoint saves,
+        # evals, a profile's last step, the last step (set by train/run_setup.py).
+        fetch_before: Callable[[int], bool] = staticmethod(lambda step: False)
+
+        def configure(self, *, loss_fn: Any, gen_model_input_fn: Any, recorder: MetricsRecorder, vocab_size: int,
+                      loss_mean: str, grad_accum_steps: int, max_grad_norm: float,
+                      fetch_before: Callable[[int], bool]) -> "PackedPeftTrainer":
+            self.recorder, self.vocab_size, self.fetch_before = recorder, vocab_size, fetch_before
+            self.step_options = {"loss_mean": loss_mean, "accumulate": grad_accum_steps > 1, "max_grad_norm": max_grad_norm}
+            self.with_gen_model_input_fn(gen_model_input_fn).with_loss_fn(loss_fn, has_aux=True)
+            self.with_training_hooks(EvalTiming(self))
+            return self
+
+        def create_train_step_fn(self) -> Any:
+            return train_step.make_train_step(self.loss_fn, self.gen_model_input_fn, **self.step_options)
 
         def _prepare_inputs(self, input_data: Any) -> Any:
-            if input_data is resume.PLACEHOLDER:
-                # Tunix discards these itself after a restore (resume.ResumableStream); one
-                # reaching the step means its skip logic changed, and the data would be misaligned.
-                raise TrainError(
-                    "Tunix handed a skipped-batch placeholder to the train step: its post-restore skip no longer "
-                    "matches train/resume.py's ResumableStream; refusing to train on misaligned data"
-                )
-            # Runs on the host, before Tunix shards the batch: count here, send only what the device needs.
-            top = int(np.max(input_data["input_ids"]))
-            if top >= self.vocab_size or int(np.min(input_data["input_ids"])) < 0:
-                # An out-of-range id would not fail on the device: the embedding gather returns NaN/clamped rows.
-                raise TrainError(
-                    f"a batch holds token id {top}, outside the model's {self.vocab_size:,}-row embedding; "
-                    "the shards do not match the model's tokenizer"
-                )
+            refuse_placeholder(input_data)
+            check_token_ids(input_data, self.vocab_size)  # on the host, before Tunix shards it
             if self._mode == tunix_metrics.Mode.TRAIN:
                 self.recorder.batch_arrived(input_data)
+            elif self.eval_started is None:
+                self.eval_started = time.perf_counter()
             return device_fields(input_data)
 
-        def _train_step(self, model: Any, optimizer: Any, inputs: Any) -> Any:
-            # Tunix computes the gradient norm but hands _post_process_train_step only the aux;
-            # carry it there (still inside the jitted step) so every step checks and records it.
-            loss, aux, grad_norm = super()._train_step(model, optimizer, inputs)
-            return loss, {**aux, "grad_norm": grad_norm}, grad_norm
-
         def _post_process_train_step(self, aux: Any) -> None:
-            import jax
+            step = self.recorder.next_step()
+            self.recorder.step_dispatched(aux)  # device arrays: nothing waits here
+            if self.recorder.wants_fetch(step) or self.fetch_before(step):
+                self.fetch()
 
-            # Waiting here makes step_time_s the real step time (Tunix otherwise keeps 2 steps in flight).
-            aux = jax.device_get(jax.block_until_ready(aux))
-            self.recorder.step_done(aux)
-            record = self.recorder.steps[-1]
-            if record.get("nonfinite") and self.recorder.nan_policy == divergence.STOP:
-                # Raised before Tunix's save of this step (it follows this call in its loop).
-                self.recorder.stop(record["step"], record["nonfinite"])
-                raise divergence.Diverged(record["step"], record["nonfinite"])
+        def fetch(self) -> None:
+            """The dispatched steps' records; under --nan-policy stop, a non-finite one ends the run
+            here, before Tunix's save of this step (it follows this call in its loop)."""
+            stopped = self.recorder.fetch()
+            if stopped is not None:
+                raise divergence.Diverged(stopped["step"], stopped["nonfinite"])
+
+        def _try_get_learning_rate(self) -> None:
+            return None  # Tunix's logger would wait for the step to read it (train/tunix_contract.py)
 
         def _post_process_eval_step(self, aux: Any) -> None:
             import jax
 
             self.recorder.eval_batch_done(jax.device_get(aux))
 
-        def _run_eval(self, eval_ds: Iterable[Any], eval_step_fn: Any) -> None:
-            start = time.perf_counter()
-            super()._run_eval(eval_ds, eval_step_fn)
-            self.recorder.eval_done(time.perf_counter() - start)
-            self.recorder.reset_clock()  # eval time is not the next step's
-
-        def train(self, train_ds: Iterable[Any], eval_ds: Iterable[Any] | None = None, *args: Any, **kwargs: Any) -> None:
+        def train(self, train_ds: Any, eval_ds: Any = None, *args: Any, **kwargs: Any) -> None:
             from jax.interpreters import pxla
 
             # What Tunix will shard batches over: empty unless a mesh is active through `with mesh:`.
@@ -91,5 +158,6 @@ def make_trainer_class() -> type:
             print("compiling the train step (runs as step 1) ...", file=self.recorder.out, flush=True)
             self.recorder.reset_clock()
             super().train(train_ds, eval_ds, *args, **kwargs)
+            self.fetch()  # steps the loop ran after the last fetch (a stream that ended early)
 
     return PackedPeftTrainer

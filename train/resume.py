@@ -90,7 +90,7 @@ def run_identity(cfg: TrainConfig, spec: Any, config: Any, view: Any) -> dict[st
     import jax.numpy as jnp
 
     from loaders.dataset import shard_set_id
-    from train import models, precision
+    from train import models, precision, schedule
 
     return {
         "model": cfg.model,
@@ -113,6 +113,14 @@ def run_identity(cfg: TrainConfig, spec: Any, config: Any, view: Any) -> dict[st
         # apply_if_finite's counters to the optimizer state, so its layout differs.
         "lora_dtype": jnp.dtype(precision.LORA_DTYPE).name,
         "nan_policy": cfg.nan_policy,
+        # The schedule's curve (its count is in the optimizer state), clipping, and how many
+        # micro-batches make a step (the loader state of step s is after s * K batches).
+        "lr_schedule": schedule.resolve(cfg.lr_schedule, cfg.learning_rate, cfg.steps, cfg.warmup_steps,
+                                        cfg.warmup_ratio, cfg.min_lr_ratio).identity(),
+        "max_grad_norm": float(cfg.max_grad_norm),
+        "grad_accum_steps": cfg.grad_accum_steps,
+        # QLoRA's quantized base is another base: the adapters trained on it belong to it.
+        "qlora": None if not cfg.qlora else {"qtype": cfg.qlora, "tile_size": models.qlora_tile_size(config, cfg.qlora_tile_size)},
     }
 
 
@@ -135,8 +143,10 @@ def checkpointed_stream(
     it = iter(train_ds)
     k = resumed_step
     if trainer.iter_steps != k:
-        # Gradient accumulation would make Tunix skip k * G elements; we never configure it.
-        raise TrainError(f"Tunix restored {k} steps but will skip {trainer.iter_steps} batches; gradient accumulation is not supported here")
+        # Tunix's own accumulation would make it skip k * G elements; ours stacks a step's K
+        # micro-batches into one element (train/data.py), so it skips exactly k.
+        raise TrainError(f"Tunix restored {k} steps but will skip {trainer.iter_steps} elements; its "
+                         "gradient_accumulation_steps must stay unset (--grad-accum-steps stacks micro-batches instead)")
     if not k:
         stream = ResumableStream(it)
     else:

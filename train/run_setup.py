@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-from train import checkpoints, divergence, resume
+from train import checkpoints, divergence, outputs, resume
 from train.config import TrainConfig, TrainError
 from prepack.format.manifest import packing_kind
 from train.fingerprint import base_fingerprint
@@ -42,6 +42,7 @@ class Setup:
 def setup(cfg: TrainConfig, out: TextIO | None = None) -> Setup:
     """Builds the model, LoRA and trainer; with cfg.checkpoint_dir, Tunix restores the latest checkpoint here."""
     check_flags(cfg)
+    outputs.check_outputs(cfg)
     say = out if out is not None else sys.stderr
     view, eval_view = open_views(cfg)
     max_length = view.manifest.max_length
@@ -50,6 +51,7 @@ def setup(cfg: TrainConfig, out: TextIO | None = None) -> Setup:
     memory_path.check_options(cfg, max_length)
     mesh = make_mesh(parse_mesh(cfg.mesh), cfg.batch_size)
     model = check_model_for_shards(cfg, view, eval_view)
+    qlora_tile(cfg, model.config)  # a tile the widths refuse is refused before any weight loads
     ckpt, identity = open_checkpoint(cfg, model, view)
     built, base_params = load_base_weights(cfg, model, mesh, say)
     base_weights = record_base_weights(cfg, built, ckpt, identity)
@@ -66,9 +68,10 @@ def setup(cfg: TrainConfig, out: TextIO | None = None) -> Setup:
     recorder = MetricsRecorder(
         cfg.metrics_out, static=static, log_every=cfg.log_every, out=out,
         resume_from=resumed or None, resume_note={"checkpoint_dir": cfg.checkpoint_dir},
-        last_step=cfg.steps, nan_policy=cfg.nan_policy, throughput=throughput,
+        last_step=cfg.steps, nan_policy=cfg.nan_policy, throughput=throughput, grad_accum_steps=cfg.grad_accum_steps,
+        tensorboard=cfg.tensorboard,
     )
-    attach_step_functions(cfg, loss_fn, trainer, recorder, built)
+    attach_step_functions(cfg, loss_fn, trainer, recorder, built, policy)
     extra = {**run_details(cfg, model, view.manifest, built, base_params), **throughput_facts}
     if ckpt is not None:
         extra.update({"checkpoint_dir": cfg.checkpoint_dir, "resumed_from_step": resumed})
@@ -86,10 +89,21 @@ class ModelChoice:
 
 
 def check_flags(cfg: TrainConfig) -> None:
+    import math
+
     if cfg.steps < 1:
         raise TrainError(f"--steps must be positive, got {cfg.steps}")
     if cfg.batch_size < 1:
         raise TrainError(f"--batch-size must be positive, got {cfg.batch_size}")
+    if cfg.grad_accum_steps < 1:
+        raise TrainError(f"--grad-accum-steps must be positive, got {cfg.grad_accum_steps}")
+    if not (math.isfinite(cfg.max_grad_norm) and cfg.max_grad_norm >= 0):
+        raise TrainError(f"--max-grad-norm must be 0 (no clipping) or positive, got {cfg.max_grad_norm}")
+    if cfg.log_every < 0:
+        raise TrainError(f"--log-every must be 0 (fetch at the end only) or positive, got {cfg.log_every}")
+    schedule_spec(cfg)
+    if cfg.lora_format not in ("peft", "prepack"):
+        raise TrainError(f"unknown --lora-format {cfg.lora_format!r}; choose peft or prepack")
     if cfg.checkpoint_every is not None and cfg.checkpoint_every < 1:
         raise TrainError(f"--checkpoint-every must be positive, got {cfg.checkpoint_every}")
     if cfg.checkpoint_keep < 1:
@@ -177,11 +191,19 @@ def record_base_weights(cfg: TrainConfig, built: Any, ckpt: checkpoints.Checkpoi
     return base_weights
 
 
+def qlora_tile(cfg: TrainConfig, config: Any) -> int | None:
+    """--qlora's tile size (checked against the model's widths), None without --qlora."""
+    from train import models
+
+    return models.qlora_tile_size(config, cfg.qlora_tile_size) if cfg.qlora else None
+
+
 def prepare_model(cfg: TrainConfig, model: ModelChoice, built: Any, mesh: Any, max_length: int) -> None:
     """LoRA, sharding, the attention path and remat, in place on the base model."""
     from train import memory_path, models
 
-    built.model = models.apply_lora(built.model, model.spec, rank=cfg.lora_rank, alpha=cfg.lora_alpha, seed=cfg.seed)
+    built.model = models.apply_lora(built.model, model.spec, rank=cfg.lora_rank, alpha=cfg.lora_alpha, seed=cfg.seed,
+                                    qlora=cfg.qlora, qlora_tile=qlora_tile(cfg, model.config))
     models.shard_model(built.model, mesh)
     memory_path.install_attention(built.model, cfg, max_length)
     memory_path.set_remat(built.model, cfg.remat == memory_path.REMAT_LAYER)
@@ -197,6 +219,7 @@ def run_static(cfg: TrainConfig, manifest: Any, built: Any) -> dict[str, Any]:
         "seq_len": manifest.max_length,
         # On every step record: which mean `loss` is (train/loss.py), token or example.
         "loss_mean": cfg.loss_mean,
+        "grad_accum_steps": cfg.grad_accum_steps,  # a step trains this many micro-batches of batch_size rows
     }
     mixture = getattr(manifest, "mixture", None)
     if mixture:  # MetricsRecorder takes the names out of the static fields
@@ -204,12 +227,21 @@ def run_static(cfg: TrainConfig, manifest: Any, built: Any) -> dict[str, Any]:
     return static
 
 
+def schedule_spec(cfg: TrainConfig) -> Any:
+    from train import schedule
+
+    return schedule.resolve(cfg.lr_schedule, cfg.learning_rate, cfg.steps, cfg.warmup_steps, cfg.warmup_ratio,
+                            cfg.min_lr_ratio)
+
+
 def make_trainer(cfg: TrainConfig, built: Any, ckpt: checkpoints.CheckpointDir | None) -> tuple[Any, checkpoints.EveryNStepsAndLast | None]:
     from tunix.sft import peft_trainer
 
     from train import optimizer as optimizer_lib
+    from train import schedule
 
-    optimizer = optimizer_lib.adamw(cfg.learning_rate, skip_nonfinite=cfg.nan_policy == divergence.SKIP_STEP)
+    optimizer = optimizer_lib.adamw(schedule.make_schedule(schedule_spec(cfg)), max_grad_norm=cfg.max_grad_norm,
+                                    skip_nonfinite=cfg.nan_policy == divergence.SKIP_STEP)
     policy = checkpoints.EveryNStepsAndLast(cfg.checkpoint_every, cfg.steps) if ckpt is not None else None
     training_config = peft_trainer.TrainingConfig(
         eval_every_n_steps=cfg.eval_every or cfg.steps,
@@ -218,7 +250,8 @@ def make_trainer(cfg: TrainConfig, built: Any, ckpt: checkpoints.CheckpointDir |
         # says so and restores the latest step in the constructor below.
         checkpoint_root_directory=ckpt.tunix_root if ckpt is not None else None,
         checkpointing_options=checkpoints.checkpoint_options(policy, cfg.checkpoint_keep) if policy is not None else None,
-        metrics_logging_options=None,  # in memory only; our JSONL is the record
+        metrics_logging_options=None,  # in memory only; our JSONL (and --tensorboard) is the record
+        profiler_options=outputs.profiler_options(cfg),
         pbar_description=None,
     )
     return make_trainer_class()(built.model, optimizer, training_config), policy
@@ -254,13 +287,22 @@ def step_loss_fn(cfg: TrainConfig, model: ModelChoice) -> Any:
     return precision.in_compute_dtype(memory_path.loss_fn(cfg), models.parse_dtype(cfg.dtype, model.spec.default_dtype))
 
 
-def attach_step_functions(cfg: TrainConfig, loss_fn: Any, trainer: Any, recorder: MetricsRecorder, built: Any) -> None:
+def attach_step_functions(cfg: TrainConfig, loss_fn: Any, trainer: Any, recorder: MetricsRecorder, built: Any,
+                          policy: checkpoints.EveryNStepsAndLast | None) -> None:
     from train import memory_path
 
-    trainer.recorder = recorder
-    trainer.vocab_size = built.vocab_size
-    trainer.with_gen_model_input_fn(memory_path.gen_model_input_fn(cfg))
-    trainer.with_loss_fn(loss_fn, has_aux=True)
+    profile = outputs.profile_range(cfg)
+    eval_every = cfg.eval_every if cfg.eval_shards else None
+
+    def fetch_before(step: int) -> bool:
+        """Steps whose results must be read before Tunix goes on: a checkpoint save (nothing of a
+        non-finite step is saved), an eval, a profile's last step, the last step."""
+        return (step == cfg.steps or (policy is not None and policy.wants(step))
+                or bool(eval_every and step % eval_every == 0) or (profile is not None and step == profile[1]))
+
+    trainer.configure(loss_fn=loss_fn, gen_model_input_fn=memory_path.gen_model_input_fn(cfg), recorder=recorder,
+                      vocab_size=built.vocab_size, loss_mean=cfg.loss_mean, grad_accum_steps=cfg.grad_accum_steps,
+                      max_grad_norm=cfg.max_grad_norm, fetch_before=fetch_before)
 
 
 def run_details(cfg: TrainConfig, model: ModelChoice, manifest: Any, built: Any, base_params: int) -> dict[str, Any]:
@@ -289,4 +331,8 @@ def run_details(cfg: TrainConfig, model: ModelChoice, manifest: Any, built: Any,
         "nan_policy": cfg.nan_policy,
         "loss_chunk_tokens": cfg.loss_chunk_tokens,
         "attention": memory_path.attention_kind(cfg),
+        "lr_schedule": schedule_spec(cfg).identity(),
+        "max_grad_norm": cfg.max_grad_norm,
+        "qlora": cfg.qlora,
+        "qlora_tile_size": qlora_tile(cfg, model.config),
     }

@@ -35,23 +35,34 @@ __all__ = ["TrainConfig", "TrainError", "Setup", "setup", "execute", "run", "exp
 
 
 def export_lora(s: Setup, path: str) -> dict[str, str]:
-    """--save-lora: the trained LoRA parameters and what they belong to, as one safetensors file."""
+    """--save-lora: the trained adapter and what it belongs to: a PEFT folder (--lora-format peft,
+    train/peft_export.py) or one safetensors file of qwix names (prepack, train/lora_file.py)."""
     from loaders.dataset import shard_set_id
 
     cfg = s.config
     base = s.base_weights or {}
-    return lora_file.save_lora(s.built.model, path, {
+    alpha = float(cfg.lora_alpha if cfg.lora_alpha is not None else 2 * cfg.lora_rank)
+    metadata = {
         "model": cfg.model,
-        "lora_alpha": float(cfg.lora_alpha if cfg.lora_alpha is not None else 2 * cfg.lora_rank),
+        "lora_alpha": alpha,
         "lora_module_path": s.built.spec.lora_module_path,
         "base_weights": base.get("source"),
         "base_fingerprint": base.get("fingerprint"),
+        "base_dtype": s.static.get("dtype"),
+        "config_overrides": dict(cfg.config_overrides) if cfg.config_overrides else None,
+        "qlora": {"qtype": cfg.qlora, "tile_size": s.static.get("qlora_tile_size")} if cfg.qlora else None,
         "vocab_size": s.built.vocab_size,
         "step": int(s.trainer.train_steps),
         "shards": cfg.shards,
         "shard_set": shard_set_id(s.view),
         "seed": cfg.seed,
-    })
+    }
+    if cfg.lora_format == "peft":
+        from train import peft_export
+
+        return peft_export.save_peft(s.built.model, s.built.spec.family, s.built.config, path, model_name=cfg.model,
+                                     rank=cfg.lora_rank, alpha=alpha, metadata=metadata, overwrite=cfg.overwrite)
+    return lora_file.save_lora(s.built.model, path, metadata)
 
 
 def verify_first(s: Setup, batch: dict[str, Any], out: TextIO, packed_layout: parity.LayoutFn = parity.stored_layout) -> None:
@@ -77,7 +88,7 @@ def train_steps(s: Setup, context: Any, say: TextIO) -> None:
     train_ds, eval_ds = data.datasets(cfg, s.view, s.eval_view)
     if cfg.verify_first:
         with context:
-            verify_first(s, next(iter(train_ds)), say)
+            verify_first(s, data.first_micro_batch(next(iter(train_ds)), cfg.grad_accum_steps), say)
     if s.checkpoint is not None and s.policy is not None:
         train_ds = resume.checkpointed_stream(
             s.trainer, s.checkpoint, s.policy, s.resumed_step, cfg.checkpoint_keep, train_ds
@@ -96,8 +107,16 @@ def execute(cfg: TrainConfig, out: TextIO | None = None) -> tuple[Setup, dict[st
             train_steps(s, context, out if out is not None else sys.stderr)
         if cfg.save_lora:
             meta = export_lora(s, cfg.save_lora)
-            s.recorder.static_extra["lora_export"] = {"path": cfg.save_lora, "step": int(meta["step"]), "rank": int(meta["lora_rank"])}
+            s.recorder.static_extra["lora_export"] = {"path": cfg.save_lora, "format": cfg.lora_format,
+                                                      "step": int(s.trainer.train_steps), "rank": cfg.lora_rank}
+            del meta
     finally:
+        # Steps dispatched after the last fetch when the run ended by an exception: their
+        # records, if the device can still give them (never after a --nan-policy stop).
+        try:
+            s.recorder.fetch()
+        except Exception:  # noqa: BLE001  (the exception that ended the run is the one to report)
+            pass
         # Tunix's close() already waited for in-flight saves after a normal end; after an
         # exception it was never called, and the last save may still be writing.
         s.trainer.checkpoint_manager.close()
