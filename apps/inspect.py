@@ -238,9 +238,12 @@ def row_lines(view: ShardView, index: int, renderer: _Renderer, labels: MixtureL
     for k in range(1, n_segments + 1):
         where = np.flatnonzero(seg == k)
         ids, loss, pos = row["input_ids"][where], row["loss_mask"][where], row["positions"][where]
+        side = ""
+        if "pair_side" in row:  # a preference set: segments 2k-1 and 2k are pair k's two sides
+            side = f", pair {(k + 1) // 2} {'chosen' if int(row['pair_side'][where[0]]) == 1 else 'rejected'}"
         lines.append(
             f"  segment {k}: tokens {where[0]}..{where[-1]} ({len(where)}), positions {pos[0]}..{pos[-1]}, "
-            f"{int(loss.sum())} targets{labels.label(row, index, k, keys[k]) if labels is not None else ''}"
+            f"{int(loss.sum())} targets{side}{labels.label(row, index, k, keys[k]) if labels is not None else ''}"
         )
         lines.append("    " + renderer.segment(ids, loss.astype(bool)).replace("\n", "\n    "))
     if n_valid < length:

@@ -118,10 +118,14 @@ def show(path: str, text: str, args: argparse.Namespace, out: TextIO, err: TextI
         try:
             wanted = list(range(index - first, min(stop - first, shard.num_rows)))
             for offset, record in zip(wanted, reader.read(wanted)):
-                eid, loc, ids, mask = decode_example(record)
+                eid, loc, ids, mask, pair = decode_example(record)
                 print(f"example {first + offset}: {eid}, {len(ids):,} tokens, {int(mask.sum()):,} targets; "
                       f"source {_source(manifest, loc)}", file=out)
-                print("    " + renderer.segment(ids, mask.astype(bool)).replace("\n", "\n    "), file=out)
+                sides = [(None, 0, len(ids))] if pair is None else [("chosen", 0, pair[1]), ("rejected", pair[1], len(ids))]
+                for side, a, b in sides:
+                    if side:
+                        print(f"  {side} ({b - a:,} tokens, the first {pair[0]:,} the prompt both sides share)", file=out)
+                    print("    " + renderer.segment(ids[a:b], mask[a:b].astype(bool)).replace("\n", "\n    "), file=out)
         finally:
             _close_quietly(reader)
         index = first + wanted[-1] + 1

@@ -123,6 +123,9 @@ class ExampleSet:
     lengths: np.ndarray  # int64 tokens per example
     targets: np.ndarray  # int64 target tokens per example, as they land in a row
     overlong_masks: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)  # example index -> loss mask
+    # A preference set's pair bounds (prompt, split) of the examples in overlong_masks: a pair is cut by
+    # the pair rule (prepack/packing/pairs.py), not as a prefix.
+    overlong_pairs: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
     input: str = ""
     format: str = ""
     records_read: int = 0
@@ -157,11 +160,16 @@ class _Collector:
         self.lengths: list[int] = []
         self.targets: list[int] = []
         self.masks: dict[int, np.ndarray] = {}
+        self.pairs: dict[int, np.ndarray] = {}
 
-    def add(self, masks: Iterable[np.ndarray]) -> None:
-        for mask in masks:
+    def add(self, masks: Iterable[np.ndarray | tuple[np.ndarray, np.ndarray]]) -> None:
+        """Each example's loss mask, or a pair's (mask, bounds)."""
+        for item in masks:
+            mask, bounds = item if isinstance(item, tuple) else (item, None)
             if len(mask) > self.keep_over:
                 self.masks[len(self.lengths)] = np.array(mask, dtype=np.uint8)  # a copy: frees the batch buffer
+                if bounds is not None:
+                    self.pairs[len(self.lengths)] = np.array(bounds)
             self.lengths.append(len(mask))
             self.targets.append(int(np.count_nonzero(mask[1:])))
 
@@ -170,7 +178,7 @@ class _Collector:
 
     def build(self, name: str, **meta: Any) -> ExampleSet:
         return ExampleSet(name, np.array(self.lengths, dtype=np.int64), np.array(self.targets, dtype=np.int64),
-                          self.masks, **meta)
+                          self.masks, self.pairs, **meta)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,7 +222,16 @@ def fit_examples(examples: ExampleSet, max_length: int, overlong: OverlongPolicy
     if missing:
         raise ValueError(f"{examples.name}: example {missing[0]} is longer than {max_length} but its loss mask was not kept")
     mask_of = examples.overlong_masks.__getitem__
-    result = fit_length(lengths, mask_of, max_length, overlong, window_context)
+    within = None
+    if examples.overlong_pairs and overlong is OverlongPolicy.TRUNCATE:  # pairs: each side's targets after the cut
+        from prepack.packing.pairs import targets_after_first as pair_targets
+
+        over = [int(i) for i in np.flatnonzero(lengths > max_length)]
+        within = np.zeros(len(lengths), np.int64)
+        if over:
+            within[over] = pair_targets(lengths[over], np.concatenate([mask_of(i) for i in over]),
+                                        np.stack([examples.overlong_pairs[i] for i in over]), max_length)
+    result = fit_length(lengths, mask_of, max_length, overlong, window_context, within)
     truncated = np.flatnonzero(result.fit == Fit.TRUNCATED)
     lengths[truncated] = max_length
     if len(truncated):
@@ -400,10 +417,12 @@ def _batches(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
         yield batch
 
 
-def _loss_masks(batches: Iterable[Any]) -> Iterator[np.ndarray]:
+def _loss_masks(batches: Iterable[Any]) -> Iterator[np.ndarray | tuple[np.ndarray, np.ndarray]]:
+    """Each example's loss mask (with a pair's bounds, in a preference set)."""
     for batch in batches:
         examples = batch.examples
-        yield from np.split(examples.mask, np.cumsum(examples.lens, dtype=np.int64)[:-1])
+        masks = np.split(examples.mask, np.cumsum(examples.lens, dtype=np.int64)[:-1])
+        yield from (masks if examples.pairs is None else zip(masks, examples.pairs))
 
 
 PROGRESS_EVERY_S = 10.0  # a progress line at most this often (pipelines/progress.py), none in shorter runs

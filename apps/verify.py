@@ -266,7 +266,8 @@ def result_line(r: LengthResult) -> str:
     c = r.recount
     rate = c.rows / r.seconds if r.seconds else 0.0
     state = "ok" if r.failure is None else "FAILED"
-    return (f"L{r.max_length}  {state:<6}  {c.rows:,} rows, {c.segments:,} segments, {c.tokens:,} tokens, "
+    units = f"{c.segments:,} pairs ({2 * c.segments:,} segments)" if c.pairs else f"{c.segments:,} segments"
+    return (f"L{r.max_length}  {state:<6}  {c.rows:,} rows, {units}, {c.tokens:,} tokens, "
             f"{c.target_tokens:,} targets in {r.shards} shards, sha256 checked  ({r.seconds:.2f} s, {rate:,.0f} rows/s)  {r.path}")
 
 

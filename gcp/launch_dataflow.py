@@ -61,7 +61,8 @@ CONTAINER_PYTHON = (3, 11)
 DEFAULT_REGION = "us-central1"
 # `prepack pack --format` names (prepack/text/formats/; written out here: this launcher imports no
 # project code, and tests/test_gcp_launch.py checks the list against the registry).
-FORMATS = ("alpaca", "chat", "oasst1", "prompt_completion", "prompt_response", "sharegpt", "text", "translation")
+FORMATS = ("alpaca", "chat", "oasst1", "preference", "prompt_completion", "prompt_response", "sharegpt", "text",
+           "translation")
 # Sizing from measurement (docs/gcp.md, "Sizing"): ~1.9 us of CPU per token measured end to end,
 # x1.5 for Dataflow's remote shuffle, at 512 tokens per example ~1.49 ms per example; at most
 # 1.5 GB per concurrent bundle (pipelines/README.md, "Bounded worker memory").

@@ -60,6 +60,14 @@ class RowSpec:
         return dict(self.template_options)
 
     @property
+    def pairs(self) -> bool:
+        """Preference pairs (format `preference`): each example two sides, rows of format 5 or 6."""
+        from prepack.text.formats import template_class, template_names
+
+        names = template_names()  # `auto` is no format yet: the launcher resolves it from the records
+        return any(s.format in names and getattr(template_class(s.format), "yields_pairs", False) for s in self.mixture.sources)
+
+    @property
     def cuts_pieces(self) -> bool:
         """--overlong split or window: an example may become several pieces, so rows carry
         `example_targets` (row format 3, or 4 with a mixture; docs/row_format.md)."""

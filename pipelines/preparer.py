@@ -102,6 +102,8 @@ class Preparer:
         # Single-turn templates under a format with a fixed layout skip the Conversation
         # objects: (prompt, response) texts go straight to tokenize_pairs_flat.
         self.pairs = hasattr(template, "to_pair") and chat_format.pair_layout() is not None
+        # A preference format yields PreferencePairs, each tokenized as one example of two sides.
+        self.preference = bool(getattr(template, "yields_pairs", False))
         from prepack.text.stop_check import StopTokenCheck
 
         self.stop_check = StopTokenCheck.for_format(chat_format)
@@ -228,17 +230,18 @@ class Preparer:
     def _tokenize(self, convs: list, metas: list[tuple[Loc, str]], tally: Tally, bad: list[DeadLetter]) -> list[TokenizedBatch]:
         """Examples for convs (metas[i] = (loc, example_id)); a conversation the chat format
         rejects becomes a dead letter and the rest of the batch goes on."""
-        from prepack.text.chat import ChatFormatError, tokenize_conversations_flat
+        from prepack.text.chat import ChatFormatError
 
+        encode = self._encode
         out: list[TokenizedBatch] = []
         start = 0
         while start < len(convs):
             try:
-                tokenized = tokenize_conversations_flat(convs[start:], self.tokenizer, self.format)
+                tokenized = encode(convs[start:])
             except TEXT_ERRORS as e:
-                bad_at = start + _first_unencodable(convs[start:], lambda c: tokenize_conversations_flat(c, self.tokenizer, self.format), e)
+                bad_at = start + _first_unencodable(convs[start:], encode, e)
                 if bad_at > start:
-                    self._emit(tokenize_conversations_flat(convs[start:bad_at], self.tokenizer, self.format), metas[start:bad_at], out)
+                    self._emit(encode(convs[start:bad_at]), metas[start:bad_at], out)
                 self._bad_text(metas[bad_at], e, tally, bad)
                 start = bad_at + 1
                 continue
@@ -247,7 +250,7 @@ class Preparer:
                     raise
                 bad_at = start + e.index
                 if e.index:
-                    tokenized = tokenize_conversations_flat(convs[start:bad_at], self.tokenizer, self.format)
+                    tokenized = encode(convs[start:bad_at])
                     self._emit(tokenized, metas[start:bad_at], out)
                 loc, eid = metas[bad_at]
                 tally.bad_examples[e.reason] += 1
@@ -289,19 +292,29 @@ class Preparer:
         bad.append(dead_letter(self.tasks, loc, "bad_text", "", f"the tokenizer cannot encode this text "
                                f"({type(error).__name__}: {error})", example_id=eid))
 
+    def _encode(self, examples: list) -> tuple | None:
+        """A batch of examples through the chat format: (input_ids, loss_mask, ends), and a
+        preference set's pair bounds after them (prepack/packing/pairs.py)."""
+        from prepack.text.chat import tokenize_conversations_flat, tokenize_preference_pairs
+
+        if self.preference:
+            return tokenize_preference_pairs(examples, self.tokenizer, self.format)
+        return tokenize_conversations_flat(examples, self.tokenizer, self.format)
+
     def _emit(self, tokenized: tuple | None, metas: list[tuple[Loc, str]], out: list[TokenizedBatch]) -> None:
-        """tokenized: (input_ids, loss_mask, ends) of a batch, from tokenize_conversations_flat
-        or tokenize_pairs_flat; appends one TokenizedBatch to `out`."""
+        """tokenized: (input_ids, loss_mask, ends[, pair bounds]) of a batch, from _encode or
+        tokenize_pairs_flat; appends one TokenizedBatch to `out`."""
         if tokenized is None:
             return
-        input_ids, loss_mask, ends = tokenized
+        input_ids, loss_mask, ends = tokenized[:3]
+        pairs = tokenized[3] if len(tokenized) > 3 else None
         if not ends:
             return
         lens = np.diff(np.asarray(ends, dtype=np.int64), prepend=0)
         eids = [eid for _, eid in metas]
         hashes = np.fromiter(map(stable_hash, eids), dtype=np.uint64, count=len(eids))
         batch = TokenizedBatch(hashes, eids, [loc for loc, _ in metas],
-                               Ragged(lens.astype(LENS), np.asarray(input_ids, IDS), np.asarray(loss_mask, MASK)))
+                               Ragged(lens.astype(LENS), np.asarray(input_ids, IDS), np.asarray(loss_mask, MASK), pairs))
         out.append(batch)
         if self.on_batch is not None:
             self.on_batch(batch)

@@ -28,6 +28,9 @@ class ShardSummary:
     target_tokens: int
     min_segments: int
     max_segments: int
+    # A preference set's rejected sides (a pair is one segment above; its chosen side is the rest).
+    rejected_tokens: int = 0
+    rejected_target_tokens: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -125,18 +128,21 @@ class LengthStats:
     # "budget" when --planner best's exact fill ran past its work budget and BFD made the rows;
     # None, and not in the manifest, otherwise.
     planner_fallback: str | None = None
+    # A preference set's figures (pairs_read, pairs_written, pairs_dropped by reason, tokens and
+    # target tokens per side); None, and not in the manifest, for every other set.
+    pairs: dict[str, Any] | None = None
 
     @property
     def rows(self) -> int:
         return int(self.packing["rows"])
 
     def to_json(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "packing"}
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("packing", "pairs")}
         for optional in ("examples_repeated", "turns_without_trained_eot", "trained_empty_think", "examples_windowed",
                          "window_pieces", "context_tokens_replayed", "planner_fallback"):
             if d[optional] is None:
                 del d[optional]
-        return {**d, **self.packing}
+        return {**d, **(self.pairs or {}), **self.packing}
 
 
 @dataclasses.dataclass(frozen=True)

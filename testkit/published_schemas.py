@@ -112,6 +112,22 @@ SCHEMAS: dict[str, Schema] = {
         {"prompt": [{"role": "user", "content": "Say hi in French."}],
          "completion": [{"role": "assistant", "content": "Bonjour !"}]},
     ], published_as="TRL's prompt-completion, as strings and as conversational message lists"),
+    "preference": Schema("preference", [
+        {"prompt": "Name a primary colour.", "chosen": "Red.", "rejected": "Green is a primary colour of paint."},
+        {"prompt": [{"role": "system", "content": "Answer with a number."}, {"role": "user", "content": "2 + 2?"}],
+         "chosen": [{"role": "assistant", "content": "4"}], "rejected": [{"role": "assistant", "content": "5"}]},
+        {"prompt": [{"role": "user", "content": "Weather in Oslo?"}],
+         "chosen": [{"role": "assistant", "tool_calls": [_call("get_weather", {"city": "Oslo"})]}],
+         "rejected": [{"role": "assistant", "content": "It is always sunny in Oslo."}], "tools": [WEATHER_TOOL]},
+    ], published_as="TRL's preference pairs `{prompt, chosen, rejected}`: strings, message lists, tool calls"),
+    "ranking": Schema("preference", [
+        {"conversations": [{"from": "human", "value": "Say hello in Spanish."}], "chosen": {"from": "gpt", "value": "Hola."},
+         "rejected": {"from": "gpt", "value": "Bonjour."}},
+        {"conversations": [{"from": "human", "value": "What is the capital of Japan?"}],
+         "chosen": {"from": "gpt", "value": "Tokyo."}, "rejected": {"from": "gpt", "value": "Kyoto, I think."}},
+    ], options={"columns": "content=value,prompt=conversations,role=from"},
+       published_as="a ranking file `{conversations: [{from, value}], chosen: {from, value}, rejected: {from, value}}` "
+                    "(LLaMA-Factory's dpo demos), read with --columns"),
     "own_columns": Schema("chat", [
         {"dialog": [{"speaker": "person", "text": "Name a prime number."}, {"speaker": "bot", "text": "7"}],
          "functions": [], "sys": "Be short."},

@@ -109,7 +109,7 @@ def test_beam_stages_our_package_and_the_pipeline_extra(tmp_path):
     resources = Stager.create_job_resources(PipelineOptions(beam_args), str(tmp_path))
     staged = {r.role_payload.decode("utf-8", "replace")[2:] for r in resources}
     assert {"requirements.txt", "workflow.tar.gz"} <= staged
-    (sdist,) = tmp_path.glob("tunix-prepack-*.tar.gz")
+    (sdist,) = tmp_path.glob("tunix[-_]prepack-*.tar.gz")  # setuptools 69.3+ names it tunix_prepack (PEP 625)
     names = {n.split("/", 1)[1] for n in tarfile.open(sdist).getnames() if "/" in n}
     assert {"pipelines/launch/job.py", "pipelines/stages/write.py", "prepack/text/tokenizer.py", "prepack/sample_data/sample_sft.jsonl"} <= names
 

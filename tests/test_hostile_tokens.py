@@ -124,7 +124,7 @@ def _rewrite_records(output, change) -> None:
 
 
 def _with_ids(record: bytes, ids) -> bytes:
-    eid, loc, old_ids, mask = tokenset.decode_example(record)
+    eid, loc, old_ids, mask, _ = tokenset.decode_example(record)
     return tokenset.encode_example(eid, loc, np.asarray(ids, dtype=np.int32), mask)
 
 

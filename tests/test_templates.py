@@ -171,7 +171,7 @@ def detok(tok: Any, ids: Sequence[int], special_ids: set[int]) -> str:
 
 def test_registry_lists_every_format() -> None:
     assert set(template_names()) == {"alpaca", "translation", "prompt_response", "prompt_completion", "chat", "sharegpt",
-                                     "text", "oasst1"}
+                                     "text", "oasst1", "preference"}
     for name in template_names():
         assert get_template(name).name == name
 
@@ -381,13 +381,23 @@ ERROR_CASES = [
     ("text", {}, {"content": "x"}, "missing_field", "text", ["missing field 'text'"]),
     ("text", {"columns": "text=body"}, {"text": "x"}, "missing_field", "body", ["missing field 'body'"]),
     ("prompt_completion", {}, {"prompt": "q"}, "missing_field", "completion", ["missing field 'completion'"]),
-    ("prompt_completion", {}, {"prompt": "q", "completion": 3}, "wrong_type", "completion", ["a string or a list of messages"]),
+    ("prompt_completion", {}, {"prompt": "q", "completion": 3}, "wrong_type", "completion", ["a string, a message or a list of messages"]),
     ("prompt_completion", {}, {"prompt": "q", "completion": [{"role": "user", "content": "x"}]},
      "no_assistant_turn", "completion", ["at least one assistant message"]),
     ("prompt_completion", {}, {"prompt": [{"role": "user", "content": "q"}], "completion": ""},
      "empty_response", "completion", ["assistant message text"]),
     ("alpaca", {"columns": "instruction=question,output=answer"}, {"question": "q"}, "missing_field", "answer",
      ["missing field 'answer'"]),
+    ("preference", {}, {"prompt": "q", "chosen": "same", "rejected": "same"}, "identical_sides", "rejected",
+     ["'rejected': the same completion as 'chosen', so the pair teaches nothing"]),
+    ("preference", {}, {"prompt": "q", "chosen": " ", "rejected": "b"}, "empty_response", "chosen",
+     ["'chosen': expected non-empty assistant message text"]),
+    ("preference", {}, {"prompt": "q", "chosen": "a"}, "missing_field", "rejected", ["missing field 'rejected'"]),
+    ("preference", {}, {"prompt": "q", "chosen": {"role": "user", "content": "x"}, "rejected": "b"},
+     "no_assistant_turn", "chosen", ["'chosen': expected an assistant reply"]),
+    ("preference", {"columns": "prompt=conversations,role=from,content=value"},
+     {"conversations": [{"from": "human", "value": "q"}], "chosen": {"from": "gpt", "value": "a"}, "rejected": {"from": "gpt"}},
+     "missing_field", "rejected.value", ["missing field 'rejected.value'"]),
 ]
 
 

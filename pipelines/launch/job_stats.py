@@ -17,9 +17,11 @@ def read_summary(output: str, run_id: str) -> RunSummary:
     return RunSummary.from_json(data.decode("utf-8"))
 
 
-def length_stats(summary: RunSummary, max_length: int, pack: bool = True, windowed: bool = False) -> LengthStats:
+def length_stats(summary: RunSummary, max_length: int, pack: bool = True, windowed: bool = False,
+                 pairs: bool = False) -> LengthStats:
     """The manifest's `stats` for one max length, from the run summary; `windowed`: the run is
-    --overlong window (its three figures are then recorded, 0 where nothing was longer)."""
+    --overlong window (its three figures are then recorded, 0 where nothing was longer); `pairs`:
+    a preference set (a pair is one example; its sides' figures are recorded too)."""
     tally = Tally.from_json(summary.tally)
     per = summary.lengths[max_length]
     shards = per.shards
@@ -60,4 +62,16 @@ def length_stats(summary: RunSummary, max_length: int, pack: bool = True, window
         window_pieces=tally.window_pieces.get(max_length, 0) if windowed else None,
         context_tokens_replayed=tally.context_replayed.get(max_length, 0) if windowed else None,
         planner_fallback=plan.planner_fallback,
+        pairs=_pair_figures(tally, max_length, shards) if pairs else None,
     )
+
+
+def _pair_figures(tally: Tally, max_length: int, shards: tuple) -> dict[str, object]:
+    """A preference set's own names for its figures: a pair is one example, so pairs_read =
+    pairs_written + sum(pairs_dropped) is the accounting identity; and each side's tokens."""
+    tokens, targets = sum(s.tokens for s in shards), sum(s.target_tokens for s in shards)
+    rejected, rejected_targets = sum(s.rejected_tokens for s in shards), sum(s.rejected_target_tokens for s in shards)
+    return {"pairs_read": tally.examples_read, "pairs_written": sum(s.segments for s in shards),
+            "pairs_dropped": tally.examples_dropped(max_length),
+            "chosen_tokens": tokens - rejected, "rejected_tokens": rejected,
+            "chosen_target_tokens": targets - rejected_targets, "rejected_target_tokens": rejected_targets}

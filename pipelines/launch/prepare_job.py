@@ -91,6 +91,10 @@ def prepare(
     inputs, tasks = _resolve(config) if resolved is None else resolved
     if resolved is None:  # the offline Dataflow check reads no input
         config = _checked_formats(config, tasks)
+    if config.rows.pairs and config.rows.cuts_pieces:
+        raise JobError(f"--overlong {config.rows.overlong.value} cuts examples into pieces, and a preference pair is packed "
+                       "whole (its two sides in one row): use --overlong drop (the default) or truncate, which cuts the "
+                       "ends of both completions")
     templates = [get_template(s.format, **dict(s.options)) for s in config.rows.mixture.sources]
     try:
         tokenizer = load_tokenizer(config.rows.tokenizer)

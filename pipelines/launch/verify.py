@@ -69,7 +69,8 @@ def verify(config: PackConfig, run_id: str, summary: RunSummary, held: output.Ou
     stats: dict[int, LengthStats] = {}
     problems: list[str] = []
     for L in config.rows.max_lengths:
-        stats[L] = job_stats.length_stats(summary, L, config.rows.pack, config.rows.overlong is OverlongPolicy.WINDOW)
+        stats[L] = job_stats.length_stats(summary, L, config.rows.pack, config.rows.overlong is OverlongPolicy.WINDOW,
+                                          config.rows.pairs)
         problems += check_stats(stats[L], L, summary.lengths[L].plan, config.rows.max_segments_per_row)
     if problems:
         raise JobError("accounting check failed, nothing was published: " + "; ".join(problems))

@@ -33,7 +33,7 @@ from pipelines.wire.records import DeadLetter, TaskMeta, place_in_file, range_of
 from pipelines.stage_shared import StageClock
 from pipelines.summary import LengthSummary, PlanSummary, RunSummary, ShardSummary
 from prepack.format.layout import run_staging_dir, staging_dir, summary_path
-from prepack.format.rowformat import encode_rows_flat
+from prepack.format.rowformat import CHOSEN, REJECTED, encode_rows_flat
 from prepack.packing.accounting import Tally
 from prepack.format.manifest import DEAD_LETTER_NAME
 from prepack.format.shardfile import DEFAULT_WRITER_OPTIONS, shard_name, write_shard
@@ -78,8 +78,17 @@ def _rows_from_fragments(
     examples = batch.examples.take(order)
     sources = None if batch.sources is None else batch.sources[order]
     totals = None if batch.example_targets is None else batch.example_targets[order]
-    for record, tokens, targets in encode_rows_flat(seg_counts, examples.lens, examples.ids, examples.mask, max_length, pad_id,
-                                                    sources, totals):
+    lens, sides = examples.lens, None
+    if examples.pairs is not None:  # each slot a preference pair: its two sides, two adjacent segments
+        lens = np.stack([examples.pairs[:, 1], examples.lens - examples.pairs[:, 1]], axis=1).ravel()
+        seg_counts = seg_counts * 2
+        sources = None if sources is None else np.repeat(sources, 2)
+        sides = np.tile(np.array([CHOSEN, REJECTED], dtype=np.int32), len(examples.lens))
+        side_targets = np.add.reduceat(examples.mask.astype(np.int64), np.cumsum(lens) - lens) if len(lens) else lens
+        stats["rejected_tokens"] += int(lens[1::2].sum())
+        stats["rejected_target_tokens"] += int(side_targets[1::2].sum())
+    for record, tokens, targets in encode_rows_flat(seg_counts, lens, examples.ids, examples.mask, max_length, pad_id,
+                                                    sources, totals, sides):
         stats["rows"] += 1
         stats["tokens"] += tokens
         stats["target_tokens"] += targets
@@ -100,11 +109,12 @@ def part_path(output: str, run_id: str, max_length: int, shard: int, window: int
 
 
 def _new_stats() -> dict[str, int]:
-    return {"rows": 0, "segments": 0, "tokens": 0, "target_tokens": 0, "min_segments": 1 << 30, "max_segments": 0}
+    return {"rows": 0, "segments": 0, "tokens": 0, "target_tokens": 0, "min_segments": 1 << 30, "max_segments": 0,
+            "rejected_tokens": 0, "rejected_target_tokens": 0}
 
 
 def _merge_stats(into: dict[str, int], part: dict[str, int]) -> None:
-    for k in ("rows", "segments", "tokens", "target_tokens"):
+    for k in ("rows", "segments", "tokens", "target_tokens", "rejected_tokens", "rejected_target_tokens"):
         into[k] += part[k]
     into["min_segments"] = min(into["min_segments"], part["min_segments"])
     into["max_segments"] = max(into["max_segments"], part["max_segments"])

@@ -73,10 +73,10 @@ class Manifest:
     field_order: list[str] = dataclasses.field(default_factory=lambda: list(rowformat.FIELD_NAMES))
     array_record_options: str = "group_size:1,zstd:3"
 
-    def use_row_format(self, sources: bool, example_targets: bool) -> None:
+    def use_row_format(self, sources: bool, example_targets: bool, pairs: bool = False) -> None:
         """The row format of rows with `source_ids` (a mixture's: 2) and/or `example_targets`
         (--overlong split or window: 3, or 4 with both); format 1 has neither."""
-        self.format_version = rowformat.row_format_version(sources, example_targets)
+        self.format_version = rowformat.row_format_version(sources, example_targets, pairs)
         self.fields = rowformat.field_spec(self.format_version)
         self.field_order = list(rowformat.field_names(self.format_version))
 
@@ -115,7 +115,7 @@ class Manifest:
                                 f"for format_version {version}")
         if rowformat.has_sources(version) != (data.get("mixture") is not None):
             raise ManifestError(f"{source}: format_version {version} {'needs' if rowformat.has_sources(version) else 'excludes'} "
-                                "a `mixture` object (row formats 2 and 4 are for mixture sets only)")
+                                "a `mixture` object (row formats 2, 4 and 6 are for mixture sets only)")
         try:  # a manifest written before field_order existed gets format 1's order, the default
             rowformat.check_field_order(manifest.field_order, version)
         except rowformat.RowFormatError as e:

@@ -42,12 +42,15 @@ class Recount:
     """What the rows hold, counted as they stream by (`add` each batch that passed row_fault)."""
 
     num_sources: int = 0  # a mixture's; 0 without one
+    pairs: bool = False  # a preference set's rows: `segments` counts pairs (each two segments)
     rows: int = 0
     segments: int = 0
     tokens: int = 0
     target_tokens: int = 0
     min_segments: int | None = None
     max_segments: int = 0
+    rejected_tokens: int = 0  # a preference set's rejected sides (the chosen sides hold the rest)
+    rejected_target_tokens: int = 0
     # [source id, (segments, tokens, target tokens)]; row 0 is padding's, unused.
     by_source: np.ndarray = dataclasses.field(init=False)
 
@@ -55,6 +58,7 @@ class Recount:
         self.by_source = np.zeros((self.num_sources + 1, 3), np.int64)
 
     def add(self, batch: dict[str, np.ndarray]) -> None:
+        self.pairs = rowformat.PAIR_SIDE in batch
         counts = rowformat.row_counts(batch)
         self.rows += len(counts["segments"])
         self.segments += int(counts["segments"].sum())
@@ -63,9 +67,15 @@ class Recount:
         low = int(counts["segments"].min())  # a batch holds at least one row
         self.min_segments = low if self.min_segments is None else min(self.min_segments, low)
         self.max_segments = max(self.max_segments, int(counts["segments"].max()))
+        if self.pairs:
+            rejected = batch[rowformat.PAIR_SIDE] == rowformat.REJECTED
+            self.rejected_tokens += int(rejected.sum())
+            self.rejected_target_tokens += int(batch["loss_mask"][rejected].sum())
         if self.num_sources:
             src, seg = batch["source_ids"], batch["segment_ids"]
             starts = (seg != 0) & (np.diff(seg, axis=1, prepend=0) != 0)
+            if rowformat.PAIR_SIDE in batch:  # a pair is one example: count its chosen side's start
+                starts &= batch[rowformat.PAIR_SIDE] == rowformat.CHOSEN
             size = self.num_sources + 1
             self.by_source[:, 0] += np.bincount(src[starts], minlength=size)
             self.by_source[:, 1] += np.bincount(src.ravel(), minlength=size)
@@ -174,6 +184,18 @@ def _counted(manifest: Manifest, recount: Recount, where: str) -> str | None:
     ]
     if "planned_examples" in stats:
         pairs.append(("stats.planned_examples", stats["planned_examples"], recount.segments))
+    if recount.pairs:  # a preference set: its pair figures are the example figures, by side
+        pairs += [("stats.pairs_written", stats.get("pairs_written"), recount.segments),
+                  ("stats.pairs_read", stats.get("pairs_read"),
+                   stats["examples_read"] if _is_int(stats.get("examples_read")) else -1),
+                  ("stats.chosen_tokens", stats.get("chosen_tokens"), recount.tokens - recount.rejected_tokens),
+                  ("stats.rejected_tokens", stats.get("rejected_tokens"), recount.rejected_tokens),
+                  ("stats.chosen_target_tokens", stats.get("chosen_target_tokens"),
+                   recount.target_tokens - recount.rejected_target_tokens),
+                  ("stats.rejected_target_tokens", stats.get("rejected_target_tokens"), recount.rejected_target_tokens)]
+        if stats.get("pairs_dropped") != stats.get("examples_dropped"):
+            return (f"{where}: stats.pairs_dropped is {_shown(stats.get('pairs_dropped'))}, but examples_dropped is "
+                    f"{_shown(stats.get('examples_dropped'))} (a pair is one example); {_EDITED}")
     for i, source in enumerate(manifest.mixture["sources"] if recount.num_sources else (), start=1):
         for column, key in enumerate(("examples_written", "tokens", "target_tokens")):
             pairs.append((f"mixture.sources[{i - 1}].{key} ({source.get('name')})", source.get(key), int(recount.by_source[i, column])))

@@ -29,7 +29,13 @@ MIXTURE_FORMAT_VERSION = 2
 # land. Only such sets carry it: every other set keeps format 1's or 2's bytes.
 SPLIT_FORMAT_VERSION = 3
 SPLIT_MIXTURE_FORMAT_VERSION = 4
-SUPPORTED_VERSIONS = (FORMAT_VERSION, MIXTURE_FORMAT_VERSION, SPLIT_FORMAT_VERSION, SPLIT_MIXTURE_FORMAT_VERSION)
+# Preference sets (format `preference`, prepack/packing/pairs.py) add `pair_side` to format 1 (5) or
+# 2 (6): 1 on every token of a pair's chosen side, 2 on its rejected side, 0 on padding. A pair's
+# two sides are adjacent segments of one row, chosen first: segments 2k-1 and 2k are pair k.
+PAIR_FORMAT_VERSION = 5
+PAIR_MIXTURE_FORMAT_VERSION = 6
+SUPPORTED_VERSIONS = (FORMAT_VERSION, MIXTURE_FORMAT_VERSION, SPLIT_FORMAT_VERSION, SPLIT_MIXTURE_FORMAT_VERSION,
+                      PAIR_FORMAT_VERSION, PAIR_MIXTURE_FORMAT_VERSION)
 # At most this many sources in a set (source_ids 1..MAX_SOURCES): the trainer's per-source loss
 # sums are fixed-size vectors of this length + 1.
 MAX_SOURCES = 64
@@ -38,6 +44,8 @@ STORAGE_DTYPE = np.dtype("<i4")
 FIELD_NAMES: tuple[str, ...] = ("input_ids", "loss_mask", "valid_mask", "positions", "segment_ids")
 MIXTURE_FIELD_NAMES: tuple[str, ...] = FIELD_NAMES + ("source_ids",)
 EXAMPLE_TARGETS = "example_targets"
+PAIR_SIDE = "pair_side"
+CHOSEN, REJECTED = 1, 2  # pair_side values
 FIELDS: dict[str, np.dtype] = {name: STORAGE_DTYPE for name in FIELD_NAMES}
 _BYTES_PER_TOKEN = STORAGE_DTYPE.itemsize * len(FIELD_NAMES)
 # The largest max length a set may have: a row is then 20 MiB, and the packer, the writers and
@@ -47,8 +55,8 @@ MAX_MAX_LENGTH = 1 << 20
 
 
 def has_sources(version: int) -> bool:
-    """Whether rows of this format carry `source_ids` (a mixture set's: formats 2 and 4)."""
-    return version in (MIXTURE_FORMAT_VERSION, SPLIT_MIXTURE_FORMAT_VERSION)
+    """Whether rows of this format carry `source_ids` (a mixture set's: formats 2, 4 and 6)."""
+    return version in (MIXTURE_FORMAT_VERSION, SPLIT_MIXTURE_FORMAT_VERSION, PAIR_MIXTURE_FORMAT_VERSION)
 
 
 def has_example_targets(version: int) -> bool:
@@ -56,8 +64,18 @@ def has_example_targets(version: int) -> bool:
     return version in (SPLIT_FORMAT_VERSION, SPLIT_MIXTURE_FORMAT_VERSION)
 
 
-def row_format_version(sources: bool, example_targets: bool) -> int:
-    """The format of rows with (or without) `source_ids` and `example_targets`."""
+def has_pairs(version: int) -> bool:
+    """Whether rows of this format hold preference pairs and carry `pair_side` (formats 5 and 6)."""
+    return version in (PAIR_FORMAT_VERSION, PAIR_MIXTURE_FORMAT_VERSION)
+
+
+def row_format_version(sources: bool, example_targets: bool, pairs: bool = False) -> int:
+    """The format of rows with (or without) `source_ids`, `example_targets` and `pair_side` (pairs
+    are never cut into pieces: the two do not go together)."""
+    if pairs:
+        if example_targets:
+            raise RowFormatError("preference pairs are never cut into pieces: no format has both pair_side and example_targets")
+        return PAIR_MIXTURE_FORMAT_VERSION if sources else PAIR_FORMAT_VERSION
     if example_targets:
         return SPLIT_MIXTURE_FORMAT_VERSION if sources else SPLIT_FORMAT_VERSION
     return MIXTURE_FORMAT_VERSION if sources else FORMAT_VERSION
@@ -67,7 +85,8 @@ def field_names(version: int = FORMAT_VERSION) -> tuple[str, ...]:
     """The record's fields, in order, of a row format version."""
     if version not in SUPPORTED_VERSIONS:
         raise RowFormatError(f"row format version {version!r} is not one of {list(SUPPORTED_VERSIONS)}")
-    return (MIXTURE_FIELD_NAMES if has_sources(version) else FIELD_NAMES) + ((EXAMPLE_TARGETS,) if has_example_targets(version) else ())
+    return ((MIXTURE_FIELD_NAMES if has_sources(version) else FIELD_NAMES) + ((EXAMPLE_TARGETS,) if has_example_targets(version) else ())
+            + ((PAIR_SIDE,) if has_pairs(version) else ()))
 
 
 class RowFormatError(ValueError):
@@ -195,7 +214,7 @@ class RowFacts:
     @classmethod
     def of_fields(cls, names: Sequence[str], **facts: int | None) -> "RowFacts":
         """The facts of rows that carry the fields `names` (their version told by them)."""
-        return cls(row_format_version("source_ids" in names, EXAMPLE_TARGETS in names), **facts)
+        return cls(row_format_version("source_ids" in names, EXAMPLE_TARGETS in names, PAIR_SIDE in names), **facts)
 
 
 # The rules, in the order a row is judged (the first broken one is reported). One implementation
@@ -217,6 +236,9 @@ RULE_SOURCE_RANGE = "source_ids must be 1..N on every real token and 0 on paddin
 RULE_SOURCE_SEGMENT = "source_ids must be the same on every token of a segment"
 RULE_TARGETS_SEGMENT = "example_targets must be the same on every token of a segment"
 RULE_TARGETS_OWN = "example_targets must be at least the segment's own target tokens (and 1) on every real token, 0 on padding"
+RULE_PAIR_SIDE = "pair_side must be 1 on odd segments (a pair's chosen side), 2 on even ones (its rejected side), 0 on padding"
+RULE_PAIR_WHOLE = "a row must end with a rejected side: a pair's two sides lie in one row"
+RULE_PAIR_PROMPT = "a pair's two sides must start with the same prompt tokens (those before each side's first target)"
 
 
 def _shifted(a: np.ndarray) -> np.ndarray:
@@ -268,6 +290,36 @@ def _rule_masks(rows: Mapping[str, np.ndarray], facts: RowFacts) -> list[tuple[s
         masks.append((RULE_TARGETS_SEGMENT, real & ~starts & (total != _shifted(total))))
         own = _segment_totals(seg, loss)
         masks.append((RULE_TARGETS_OWN, np.where(real, (total < own) | (total < 1), total != 0)))
+    if has_pairs(facts.version):
+        masks += _pair_masks(rows, seg, pos, loss, real, starts)
+    return masks
+
+
+def _pair_masks(rows: Mapping[str, np.ndarray], seg: np.ndarray, pos: np.ndarray, loss: np.ndarray, real: np.ndarray,
+                starts: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """The pair rules of formats 5 and 6: sides alternate chosen (odd segments) and rejected (even),
+    a row ends with a rejected side, and a rejected side's tokens before its first target are its
+    chosen side's, at the same positions, with the first target at the same place."""
+    b, length = seg.shape
+    side = np.asarray(rows[PAIR_SIDE], dtype=np.int64)
+    next_real = np.zeros_like(real)
+    next_real[:, :-1] = real[:, 1:]
+    masks = [(RULE_PAIR_SIDE, side != np.where(real, 2 - seg % 2, 0)),
+             (RULE_PAIR_WHOLE, real & ~next_real & (seg % 2 == 1))]
+    column = np.arange(length)
+    start_at = np.maximum.accumulate(np.where(starts, column, 0), axis=1)  # each token's segment start
+    keys = (np.clip(seg, 0, length) + np.arange(b, dtype=np.int64)[:, None] * (length + 1)).ravel()
+    first = np.full(b * (length + 1), length, np.int64)  # each segment's first target's position
+    np.minimum.at(first, keys, np.where(real & (loss == 1), np.clip(pos, 0, length), length).ravel())
+    first_at = first[keys].reshape(b, length)
+    before = np.clip(start_at - 1, 0, length - 1)  # a rejected side's chosen side ends just before it
+    chosen_start = np.take_along_axis(start_at, before, axis=1)
+    chosen_first = np.take_along_axis(first_at, before, axis=1)
+    offset = np.clip(pos, 0, length)
+    prompt = real & (seg % 2 == 0) & (offset < np.maximum(first_at, chosen_first))
+    partner = np.take_along_axis(np.asarray(rows["input_ids"]), np.clip(chosen_start + offset, 0, length - 1), axis=1)
+    masks.append((RULE_PAIR_PROMPT, prompt & ((first_at != chosen_first) | (partner != rows["input_ids"])
+                                              | (chosen_start + offset >= start_at))))
     return masks
 
 
@@ -304,9 +356,11 @@ def row_fault(rows: Mapping[str, np.ndarray], facts: RowFacts) -> RowFault | Non
 
 
 def row_counts(rows: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Per row of a batch that passed row_fault: its segments, tokens and target tokens."""
+    """Per row of a batch that passed row_fault: its segments (its examples: a preference pair's two
+    sides count as one), tokens and target tokens."""
+    segments = np.asarray(rows["segment_ids"]).max(axis=1)
     return {
-        "segments": np.asarray(rows["segment_ids"]).max(axis=1),
+        "segments": segments // 2 if PAIR_SIDE in rows else segments,
         "tokens": np.asarray(rows["valid_mask"]).sum(axis=1, dtype=np.int64),
         "target_tokens": np.asarray(rows["loss_mask"]).sum(axis=1, dtype=np.int64),
     }
@@ -345,13 +399,14 @@ class RowLayoutError(ValueError):
 
 def encode_rows_flat(
     seg_counts: np.ndarray, lens: np.ndarray, ids: np.ndarray, mask: np.ndarray, max_length: int, pad_id: int = 0,
-    sources: np.ndarray | None = None, example_targets: np.ndarray | None = None,
+    sources: np.ndarray | None = None, example_targets: np.ndarray | None = None, pair_sides: np.ndarray | None = None,
 ) -> Iterator[tuple[bytes, int, int]]:
     """The same from flat arrays: segments per row, tokens per segment, and all segments'
     ids and masks concatenated in row order. `sources`: each segment's mixture source, for
     row format 2's `source_ids` (None: without the field). `example_targets`: each segment's
     example's target tokens over all its pieces, 0 for a whole example (its own count is
-    written), for formats 3 and 4 (None: without the field)."""
+    written), for formats 3 and 4 (None: without the field). `pair_sides`: each segment's side
+    of its preference pair (CHOSEN, REJECTED), for formats 5 and 6 (None: without the field)."""
     seg_counts = np.asarray(seg_counts, dtype=np.int64)
     lens = np.asarray(lens, dtype=np.int64)
     if len(ids) != len(mask) or int(lens.sum()) != len(ids) or int(seg_counts.sum()) != len(lens):
@@ -360,7 +415,7 @@ def encode_rows_flat(
         raise RowLayoutError("a row needs at least one segment")
     if len(lens) and lens.min() == 0:
         raise RowLayoutError("a segment is empty")
-    version = row_format_version(sources is not None, example_targets is not None)
+    version = row_format_version(sources is not None, example_targets is not None, pair_sides is not None)
     per_chunk = max(1, CHUNK_BYTES // record_size(max_length, version))
     seg_end = np.cumsum(seg_counts)
     tok_end = np.cumsum(lens)
@@ -372,12 +427,13 @@ def encode_rows_flat(
         t1 = int(tok_end[s1 - 1]) if s1 else 0
         yield from _encode_chunk(seg_counts[lo:hi], lens[s0:s1], ids[t0:t1], mask[t0:t1], max_length, pad_id,
                                  None if sources is None else sources[s0:s1],
-                                 None if example_targets is None else example_targets[s0:s1])
+                                 None if example_targets is None else example_targets[s0:s1],
+                                 None if pair_sides is None else pair_sides[s0:s1])
 
 
 def _encode_chunk(
     seg_counts: np.ndarray, lens: np.ndarray, ids: np.ndarray, mask: np.ndarray, max_length: int, pad_id: int,
-    sources: np.ndarray | None = None, example_targets: np.ndarray | None = None,
+    sources: np.ndarray | None = None, example_targets: np.ndarray | None = None, pair_sides: np.ndarray | None = None,
 ) -> Iterator[tuple[bytes, int, int]]:
     n_rows = len(seg_counts)
     first_seg = np.cumsum(seg_counts) - seg_counts  # each row's first segment
@@ -393,7 +449,7 @@ def _encode_chunk(
     # Real tokens fill a prefix of each row, in row-major order: a boolean mask over
     # [rows, L] places the flat token arrays with one sequential copy per field.
     valid = np.arange(max_length)[None, :] < row_tokens[:, None]
-    names = field_names(row_format_version(sources is not None, example_targets is not None))
+    names = field_names(row_format_version(sources is not None, example_targets is not None, pair_sides is not None))
     planes = {name: i for i, name in enumerate(names)}
     out = np.zeros((n_rows, len(names), max_length), dtype=STORAGE_DTYPE)
     plane = lambda name: out[:, planes[name], :]  # noqa: E731 - a view; assignments write through
@@ -410,6 +466,8 @@ def _encode_chunk(
         given = np.asarray(example_targets, dtype=np.int64)
         own = np.add.reduceat(plane("loss_mask")[valid], starts) if len(lens) else np.zeros(0, np.int64)  # as the row holds them
         plane(EXAMPLE_TARGETS)[valid] = np.repeat(np.where(given > 0, given, own), lens)
+    if pair_sides is not None:
+        plane(PAIR_SIDE)[valid] = np.repeat(np.asarray(pair_sides, dtype=np.int64), lens)
     targets = plane("loss_mask").sum(axis=1)
     for r in range(n_rows):
         yield out[r].tobytes(), int(row_tokens[r]), int(targets[r])

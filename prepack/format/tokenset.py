@@ -10,6 +10,7 @@ Record (little-endian), docs/row_format.md "Tokenized set":
 
     u8 version | u32 tokens n | i32 task | i64 record | i64 line | i32 sub | u16 id bytes
     | example id (utf-8) | ids (prepack.format.tokenwire, 1 + 3n bytes) | mask (tokenwire, 9 + ceil(n/8))
+    [version 2, a preference pair: | i32 prompt | i32 split (prepack/packing/pairs.py)]
 
 (task, record, line, sub) is where the example came from, as the job numbers it
 (pipelines/records.Loc); the manifest's `job.tasks` names the files.
@@ -35,7 +36,9 @@ TOKENS_KIND = "tokens"
 TOKENS_WRITER_OPTIONS = "group_size:256,zstd:3"
 
 _RECORD_VERSION = 1
+_PAIR_RECORD_VERSION = 2  # a preference pair's record: version 1's, then its bounds (prompt, split)
 _HEAD = struct.Struct("<BIiqqiH")
+_BOUNDS = struct.Struct("<ii")
 # What decides the tokens: a run that changes any of these must tokenize again.
 TOKEN_CHOICES = ("inputs", "format", "template_options", "chat_format", "tokenizer", "train_reasoning", "expand_turns")
 
@@ -65,19 +68,24 @@ def is_set_file(name: str) -> bool:
 # ----------------------------------------------------------------------------- records
 
 
-def encode_example(example_id: str, loc: Sequence[int], ids: np.ndarray, mask: np.ndarray) -> bytes:
-    """One example's record (the reference; encode_batch writes the same bytes faster)."""
+def encode_example(example_id: str, loc: Sequence[int], ids: np.ndarray, mask: np.ndarray,
+                   pair: Sequence[int] | None = None) -> bytes:
+    """One example's record (the reference; encode_batch writes the same bytes faster); `pair`:
+    a preference pair's (prompt, split)."""
     eid = example_id.encode("utf-8")
     task, record, line, sub = (int(v) for v in loc)
-    return b"".join((_HEAD.pack(_RECORD_VERSION, len(ids), task, record, line, sub, len(eid)), eid,
-                     tokenwire.ids_to_wire(ids), tokenwire.mask_to_wire(mask)))
+    version = _RECORD_VERSION if pair is None else _PAIR_RECORD_VERSION
+    tail = b"" if pair is None else _BOUNDS.pack(int(pair[0]), int(pair[1]))
+    return b"".join((_HEAD.pack(version, len(ids), task, record, line, sub, len(eid)), eid,
+                     tokenwire.ids_to_wire(ids), tokenwire.mask_to_wire(mask), tail))
 
 
 def encode_batch(example_ids: Sequence[str], locs: Sequence[Sequence[int]], lens: np.ndarray,
-                 ids: np.ndarray, mask: np.ndarray) -> list[bytes]:
+                 ids: np.ndarray, mask: np.ndarray, pairs: np.ndarray | None = None) -> list[bytes]:
     """The records of a batch of examples (flat ids/mask, lens per example), with one ids and
     one mask encoding for the whole batch: each record is encode_example's bytes when the
-    batch's ids fit 24 bits and its mask is 0/1, and a valid record either way."""
+    batch's ids fit 24 bits and its mask is 0/1, and a valid record either way. `pairs`: a
+    preference set's [examples, 2] bounds (records of version 2)."""
     lens = np.asarray(lens, dtype=np.int64)
     if not len(lens):
         return []
@@ -101,11 +109,13 @@ def encode_batch(example_ids: Sequence[str], locs: Sequence[Sequence[int]], lens
                       for n, a, b in zip(lens.tolist(), byte_starts, byte_ends)]
     body = ids_wire[1:]
     pack = _HEAD.pack
+    version = _RECORD_VERSION if pairs is None else _PAIR_RECORD_VERSION
+    tails = [b""] * len(lens) if pairs is None else [_BOUNDS.pack(int(p), int(q)) for p, q in np.asarray(pairs).tolist()]
     out = []
-    for eid, loc, n, a, m in zip(example_ids, locs, lens.tolist(), starts.tolist(), mask_parts):
+    for eid, loc, n, a, m, tail in zip(example_ids, locs, lens.tolist(), starts.tolist(), mask_parts, tails):
         e = eid.encode("utf-8")
-        out.append(b"".join((pack(_RECORD_VERSION, n, loc[0], loc[1], loc[2], loc[3], len(e)), e, ids_tag,
-                             body[a * id_width : (a + n) * id_width], m)))
+        out.append(b"".join((pack(version, n, loc[0], loc[1], loc[2], loc[3], len(e)), e, ids_tag,
+                             body[a * id_width : (a + n) * id_width], m, tail)))
     return out
 
 
@@ -118,13 +128,21 @@ class DecodedExamples:
     lens: np.ndarray  # int32
     ids: np.ndarray  # int32, all examples' ids back to back
     mask: np.ndarray  # uint8
+    pairs: np.ndarray | None = None  # int32 [examples, 2]: a preference set's (prompt, split); None: no pairs
 
 
-def decode_example(record: bytes) -> tuple[str, tuple[int, int, int, int], np.ndarray, np.ndarray]:
-    """(example id, loc, ids, mask) of one record; raises TokenSetError on a damaged record.
-    Every length in the record is checked against its size before anything is decoded."""
-    if len(record) < _HEAD.size or record[0] != _RECORD_VERSION:
-        raise TokenSetError(f"not a tokenized-set record of version {_RECORD_VERSION}")
+def decode_example(record: bytes) -> tuple[str, tuple[int, int, int, int], np.ndarray, np.ndarray, tuple[int, int] | None]:
+    """(example id, loc, ids, mask, a pair's (prompt, split) or None) of one record; raises
+    TokenSetError on a damaged record. Every length in the record is checked against its size
+    before anything is decoded."""
+    if len(record) < _HEAD.size or record[0] not in (_RECORD_VERSION, _PAIR_RECORD_VERSION):
+        raise TokenSetError(f"not a tokenized-set record of version {_RECORD_VERSION} or {_PAIR_RECORD_VERSION}")
+    pair = None
+    if record[0] == _PAIR_RECORD_VERSION:
+        if len(record) < _HEAD.size + _BOUNDS.size:
+            raise TokenSetError("a pair's record is damaged: too short for its bounds")
+        pair = _BOUNDS.unpack_from(record, len(record) - _BOUNDS.size)
+        record = record[: len(record) - _BOUNDS.size]
     _, n, task, rec, line, sub, id_len = _HEAD.unpack_from(record)
     at = _HEAD.size + id_len
     try:
@@ -141,7 +159,7 @@ def decode_example(record: bytes) -> tuple[str, tuple[int, int, int, int], np.nd
         raise TokenSetError(f"record of {eid!r} is damaged: {n} tokens declared, but its {len(record)} bytes do not hold them")
     ids = tokenwire.ids_from_wire(record[at:ids_end])
     mask = tokenwire.mask_from_wire(record[ids_end:mask_end])
-    return eid, (task, rec, line, sub), ids, mask
+    return eid, (task, rec, line, sub), ids, mask, pair
 
 
 def check_examples(decoded: "DecodedExamples", vocab_size: int, num_tasks: int, where: str) -> None:
@@ -156,6 +174,12 @@ def check_examples(decoded: "DecodedExamples", vocab_size: int, num_tasks: int, 
     elif decoded.mask.size and int(decoded.mask.max()) > 1:
         flat = int(np.flatnonzero(decoded.mask > 1)[0])
         bad = (int(np.searchsorted(np.cumsum(decoded.lens), flat, side="right")), "its loss mask is not 0/1")
+    elif decoded.pairs is not None and len(decoded.pairs) and not (
+            (decoded.pairs[:, 0] >= 1) & (decoded.pairs[:, 0] < decoded.pairs[:, 1])
+            & (2 * decoded.pairs[:, 1] - decoded.pairs[:, 0] <= decoded.lens)).all():
+        k = int(np.flatnonzero(~((decoded.pairs[:, 0] >= 1) & (decoded.pairs[:, 0] < decoded.pairs[:, 1])
+                                 & (2 * decoded.pairs[:, 1] - decoded.pairs[:, 0] <= decoded.lens)))[0])
+        bad = (k, f"its pair bounds {tuple(decoded.pairs[k].tolist())} do not fit its {int(decoded.lens[k])} tokens")
     else:
         for k, loc in enumerate(decoded.locs):
             if not 0 <= loc[0] < num_tasks or min(loc[1:]) < 0:
@@ -179,6 +203,13 @@ def decode_batch(records: Sequence[bytes]) -> DecodedExamples:
 
 
 def _decode_batch(records: Sequence[bytes]) -> DecodedExamples:
+    if records and records[0][:1] == bytes([_PAIR_RECORD_VERSION]):  # a preference set: every record a pair
+        decoded = [decode_example(r) for r in records]
+        if any(d[4] is None for d in decoded):
+            raise TokenSetError("a tokenized set mixes pair records with single examples")
+        return DecodedExamples([d[0] for d in decoded], [d[1] for d in decoded],
+                               np.asarray([len(d[2]) for d in decoded], dtype=np.int32), np.concatenate([d[2] for d in decoded]),
+                               np.concatenate([d[3] for d in decoded]), np.asarray([d[4] for d in decoded], dtype=np.int32))
     heads = [_HEAD.unpack_from(r) for r in records]
     if any(h[0] != _RECORD_VERSION for h in heads):
         raise TokenSetError(f"not a tokenized-set record of version {_RECORD_VERSION}")

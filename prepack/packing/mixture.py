@@ -198,7 +198,21 @@ def parse_mixture(data: bytes, path: str) -> Mixture:
         specs = [entry["input"]] if isinstance(entry["input"], str) else entry["input"]
         options = {k: (_mapping_text(v, k, at) if k in MAPPING_OPTIONS else v) for k, v in entry.items() if k in FORMAT_OPTIONS}
         sources.append(_source(i, name, _specs(specs, at, "input"), entry["format"], entry["weight"], options, at, base))
+    _one_kind(sources, where)
     return Mixture(_absolute(path), hashlib.sha256(data).hexdigest(), weight_of, max_repeats, tuple(sources))
+
+
+def _one_kind(sources: Sequence[MixtureSource], where: str) -> None:
+    """Preference pairs (format `preference`: rows of two-sided units) and single examples do not
+    share a set: the sources are all one or all the other."""
+    from prepack.text.formats import template_class
+
+    kinds = {s.name: bool(getattr(template_class(s.format), "yields_pairs", False)) for s in sources}
+    if len(set(kinds.values())) > 1:
+        pairs = sorted(n for n, k in kinds.items() if k)
+        others = sorted(n for n, k in kinds.items() if not k)
+        raise MixtureError(f"{where}: sources {pairs} are preference pairs and {others} are not; a set holds one kind "
+                           "(pack them apart)")
 
 
 def validate_recorded(d: Any, where: str) -> Mixture:

@@ -21,6 +21,7 @@ __all__ = [
     "Turn",
     "Conversation",
     "Document",
+    "PreferencePair",
     "Example",
     "RecordError",
     "RECORD_ERROR_REASONS",
@@ -167,6 +168,25 @@ class Document:
             raise TypeError(f"Document.text must be str, got {type(self.text).__name__}")
 
 
+@dataclass(frozen=True, slots=True)
+class PreferencePair:
+    """Two replies to one prompt, the preferred one first (format `preference`, for DPO). Each side
+    is a whole conversation: the same prompt turns, then that side's completion, whose assistant
+    turns are the targets. A pair is packed as one unit: its two sides are adjacent segments of one
+    row, never apart (docs/row_format.md)."""
+
+    chosen: Conversation
+    rejected: Conversation
+    prompt_turns: int  # how many turns the two sides share at their start
+
+    def __post_init__(self) -> None:
+        k = self.prompt_turns
+        if not (0 < k < min(len(self.chosen.turns), len(self.rejected.turns))):
+            raise ValueError(f"PreferencePair.prompt_turns must leave each side a completion, got {k}")
+        if self.chosen.turns[:k] != self.rejected.turns[:k] or self.chosen.tools != self.rejected.tools:
+            raise ValueError("the two sides of a PreferencePair must share their prompt and tools")
+
+
 Example = Conversation | Document
 
 
@@ -184,6 +204,7 @@ RECORD_ERROR_REASONS: tuple[str, ...] = (
     "empty_messages",     # the messages list is empty
     "no_assistant_turn",  # no assistant message, so nothing to train on
     "no_trained_turn",    # every assistant message is marked untrained (train: false / loss_weight: 0)
+    "identical_sides",    # preference: the chosen and the rejected completion are the same
     "bad_train_flag",     # a train / loss_weight value other than true/false, 0/1, or one on a non-assistant message
     "bad_tools",          # tools is not a list of function schemas, each with a name
     "bad_tool_call",      # a tool call that is not {name, arguments}, or arguments that are not valid JSON
@@ -245,13 +266,13 @@ def trusted_conversation(turns: tuple[Turn, ...], loss_turns: tuple[int, ...], t
     return conv
 
 
-def expand_turns(example: Example) -> list[Example]:
+def expand_turns(example: "Example | PreferencePair") -> list["Example | PreferencePair"]:
     """--expand-turns: one conversation per target assistant turn i, holding the turns up to
     and including it and training it alone. A chat format then renders each as it would at that
     point of the dialogue (qwen3: the reasoning of reply i in its think block, earlier replies
     without theirs), which is what the model sees at inference (fw-ai/cookbook #386). A
     document is one example already."""
-    if isinstance(example, Document):
+    if not isinstance(example, Conversation):  # a document, or a preference pair: one unit already
         return [example]
     loss = example.loss_turns
     if len(loss) == 1 and loss[0] == len(example.turns) - 1:  # type: ignore[arg-type]

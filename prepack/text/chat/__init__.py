@@ -6,7 +6,8 @@ prepack/text/chat/base.py has the segment model and the loss rule every format f
 """
 from prepack.text.chat.base import (CHAT_FORMAT_ERROR_REASONS, ChatFormat, ChatFormatError, PairLayout, Segment,
                                     TokenizedExample)
-from prepack.text.chat.batch import tokenize_conversations, tokenize_conversations_flat, tokenize_pairs_flat
+from prepack.text.chat.batch import (tokenize_conversations, tokenize_conversations_flat, tokenize_pairs_flat,
+                                     tokenize_preference_pairs)
 from prepack.text.chat.chatml import ChatMLFormat
 from prepack.text.chat.gemma import GemmaFormat
 from prepack.text.chat.hf import HFTemplateFormat
@@ -16,5 +17,5 @@ from prepack.text.chat.registry import chat_format_names, get_chat_format
 __all__ = [
     "TokenizedExample", "ChatFormatError", "CHAT_FORMAT_ERROR_REASONS", "ChatFormat", "GemmaFormat", "ChatMLFormat",
     "Qwen3Format", "HFTemplateFormat", "get_chat_format", "chat_format_names", "tokenize_conversations",
-    "tokenize_conversations_flat", "PairLayout", "Segment", "tokenize_pairs_flat",
+    "tokenize_conversations_flat", "PairLayout", "Segment", "tokenize_pairs_flat", "tokenize_preference_pairs",
 ]

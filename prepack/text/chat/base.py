@@ -82,6 +82,7 @@ CHAT_FORMAT_ERROR_REASONS: tuple[str, ...] = (
     "special_token_in_text",       # hf: message text spells a special token (it would be parsed as one)
     "reasoning_not_supported",     # gemma, chatml: a turn carries reasoning_content, and the format has no think block
     "tools_not_supported",         # gemma: tools, tool calls or tool results, and Gemma 3 has no tool tokens
+    "pair_prompts_differ",         # a preference pair whose two sides do not start with the same prompt tokens
 )
 
 # What to do about a whole dataset refused for one of these reasons: said once in the job's

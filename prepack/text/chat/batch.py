@@ -10,12 +10,12 @@ import numpy as np
 
 from prepack.text.chat.base import ChatFormat, ChatFormatError, Segment, TokenizedExample
 from prepack.text.chat.registry import get_chat_format
-from prepack.text.conversation import Conversation, Document
+from prepack.text.conversation import Conversation, Document, PreferencePair
 
 if TYPE_CHECKING:
     from prepack.text.tokenizer import Tokenizer
 
-__all__ = ["tokenize_conversations", "tokenize_conversations_flat", "tokenize_pairs_flat"]
+__all__ = ["tokenize_conversations", "tokenize_conversations_flat", "tokenize_pairs_flat", "tokenize_preference_pairs"]
 
 
 # Formats built from a name inside tokenize_conversations, so that passing a name per batch
@@ -157,3 +157,36 @@ def tokenize_pairs_flat(
     loss_mask = np.repeat(np.tile(np.array([0, 0, 0, 1, 1, 0], dtype=np.uint8), n), seg_lens.ravel())
     ends = (seg_starts[:, 5] + seg_lens[:, 5]).tolist()
     return input_ids, loss_mask, ends
+
+
+# --------------------------------------------------------------------------------------
+# Preference pairs
+# --------------------------------------------------------------------------------------
+
+
+def tokenize_preference_pairs(
+    pairs: Sequence[PreferencePair], tokenizer: "Tokenizer", chat_format: "ChatFormat | str"
+) -> tuple[np.ndarray, np.ndarray, list[int], np.ndarray] | None:
+    """Each pair as one example, its chosen side's tokens then its rejected side's (prepack/packing/
+    pairs.py): (input_ids, loss_mask, ends, bounds [pairs, 2] = (prompt, split)). The prompt is the
+    tokens before each side's first target, which must be the same ids on both sides (a chat
+    format renders the shared turns alike): ChatFormatError `pair_prompts_differ`, with the pair's
+    batch position, otherwise. None for an empty batch."""
+    sides = [side for pair in pairs for side in (pair.chosen, pair.rejected)]
+    flat = tokenize_conversations_flat(sides, tokenizer, chat_format)
+    if flat is None:
+        return None
+    ids, mask, side_ends = flat
+    ends = np.asarray(side_ends, dtype=np.int64)
+    starts = np.concatenate([[0], ends[:-1]])
+    bounds = np.zeros((len(pairs), 2), dtype=np.int32)
+    for j in range(len(pairs)):
+        c0, c1, r0, r1 = int(starts[2 * j]), int(ends[2 * j]), int(starts[2 * j + 1]), int(ends[2 * j + 1])
+        prompt_c = int(np.argmax(mask[c0:c1] != 0)) if mask[c0:c1].any() else c1 - c0
+        prompt_r = int(np.argmax(mask[r0:r1] != 0)) if mask[r0:r1].any() else r1 - r0
+        if prompt_c != prompt_r or not np.array_equal(ids[c0:c0 + prompt_c], ids[r0:r0 + prompt_r]):
+            raise ChatFormatError("pair_prompts_differ", "the chat format renders the prompt differently before the chosen "
+                                  f"and the rejected reply ({prompt_c} and {prompt_r} tokens before the first target); a "
+                                  "pair's sides must start with the same tokens", j)
+        bounds[j] = (prompt_c, c1 - c0)
+    return ids, mask, ends[1::2].tolist(), bounds

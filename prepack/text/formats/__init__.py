@@ -13,10 +13,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Protocol
 
-from prepack.text.conversation import Conversation, Document, RecordError
+from prepack.text.conversation import Conversation, Document, PreferencePair, RecordError
 from prepack.text.formats.alpaca import AlpacaTemplate
 from prepack.text.formats.chat import ChatTemplate
 from prepack.text.formats.oasst1 import Oasst1Template
+from prepack.text.formats.preference import PreferenceTemplate
 from prepack.text.formats.prompt_completion import PromptCompletionTemplate
 from prepack.text.formats.prompt_response import PromptResponseTemplate
 from prepack.text.formats.sharegpt import ShareGPTTemplate
@@ -32,7 +33,7 @@ class Template(Protocol):
     name: str
     table_level: bool  # True: records are parts of a table (oasst1), see Oasst1Template
 
-    def to_conversations(self, record: Mapping[str, Any]) -> list[Conversation | Document]: ...
+    def to_conversations(self, record: Mapping[str, Any]) -> list[Conversation | Document | PreferencePair]: ...
 
 
 # Single-turn formats (alpaca, prompt_response, translation) also offer
@@ -44,6 +45,7 @@ _REGISTRY: dict[str, type] = {
     "translation": TranslationTemplate,
     "prompt_response": PromptResponseTemplate,
     "prompt_completion": PromptCompletionTemplate,
+    "preference": PreferenceTemplate,
     "chat": ChatTemplate,
     "sharegpt": ShareGPTTemplate,
     "text": TextTemplate,

@@ -29,7 +29,11 @@ from prepack.text.conversation import Conversation, RecordError, ToolCall, Turn,
 from prepack.text.formats.fields import RoleMap, describe, get_optional_str, require_nonblank
 from prepack.text.formats.tools import read_call, read_calls_json
 
-__all__ = ["Pending", "MessageReader", "assemble", "read_list"]
+__all__ = ["Pending", "MessageReader", "assemble", "read_list", "AT_COLUMN", "MESSAGE_COLUMN"]
+
+# Pending.index for a message that is not in a list: a column holding the text itself (a string
+# side of prompt_completion or preference), or a column holding one message object.
+AT_COLUMN, MESSAGE_COLUMN = -1, -2
 
 _TEXT_KEYS = ("text", "value")
 _REASONING_TYPES = frozenset({"reasoning", "thinking"})
@@ -43,7 +47,7 @@ class Pending:
     role: str  # system, user, assistant or tool
     content: str | None  # None: the message has no text (allowed on a tool-calling reply)
     base: str  # the list's field ("conversations"), or the column itself for a string side
-    index: int = -1  # the message's place in the list; -1: `base` is the message (a column)
+    index: int = AT_COLUMN  # the message's place in the list; AT_COLUMN / MESSAGE_COLUMN: `base` is the message
     keys: tuple[str, str] = ("", "")  # its role and content keys
     flag: bool | None = None  # train / loss_weight, when the message sets one
     reasoning: str | None = None
@@ -59,11 +63,11 @@ class Pending:
 
     @property
     def role_field(self) -> str:
-        return self.base if self.index < 0 else f"{self.base}[{self.index}].{self.keys[0]}"
+        return self.base if self.index == AT_COLUMN else f"{self.path}.{self.keys[0]}"
 
     @property
     def content_field(self) -> str:
-        return self.base if self.index < 0 else f"{self.base}[{self.index}].{self.keys[1]}"
+        return self.base if self.index == AT_COLUMN else f"{self.path}.{self.keys[1]}"
 
 
 def read_list(value: Any, path: str, what: str) -> Sequence[Any]:
@@ -89,10 +93,25 @@ class MessageReader:
              trained_by_default: bool = True) -> list[Pending]:
         return [self._message(m, path, i, tool_names, trained_by_default) for i, m in enumerate(messages)]
 
+    def read_side(self, record: Mapping[str, Any], column: str, role: str, tool_names: frozenset[str],
+                  trained_by_default: bool) -> list[Pending]:
+        """One side of a prompt/completion record: a string (one `role` message), one message object,
+        or a list of messages."""
+        value = record.get(column)
+        if isinstance(value, str):
+            return [Pending(role, value, column, trained_by_default=trained_by_default)]
+        if isinstance(value, Mapping):
+            return [self._message(value, column, MESSAGE_COLUMN, tool_names, trained_by_default)]
+        if value is not None and not isinstance(value, (list, tuple)):
+            raise RecordError("wrong_type", column, f"field '{column}': expected a string, a message or a list of "
+                              f"messages, got {describe(value)}")
+        messages = read_list(value, column, "a string, a message or a list of messages")
+        return self.read(messages, column, tool_names, trained_by_default)
+
     def _message(self, msg: Any, base: str, index: int, tool_names: frozenset[str], trained_by_default: bool) -> Pending:
         rk, ck = self._keys
         if msg.__class__ is not dict and not isinstance(msg, Mapping):
-            path = f"{base}[{index}]"
+            path = base if index < 0 else f"{base}[{index}]"
             raise RecordError("wrong_type", path, f"field '{path}': expected a {{{rk}, {ck}}} object, got {describe(msg)}")
         raw_role = msg.get(rk)
         role = self._role_of(raw_role) if raw_role.__class__ is str or isinstance(raw_role, str) else None

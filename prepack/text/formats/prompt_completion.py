@@ -6,15 +6,15 @@ from typing import Any, ClassVar, Mapping
 
 from prepack.text.conversation import Conversation, RecordError
 from prepack.text.formats.chat import system_item
-from prepack.text.formats.fields import Columns, RequiredColumns, RoleMap, check_record, describe
-from prepack.text.formats.messages import MessageReader, Pending, assemble, read_list
+from prepack.text.formats.fields import Columns, RequiredColumns, RoleMap, check_record
+from prepack.text.formats.messages import MessageReader, Pending, assemble
 from prepack.text.formats.tools import read_tools
 
 
 @dataclass(frozen=True)
 class PromptCompletionTemplate(RequiredColumns):
     """{prompt, completion, system?, tools?}. Each side is a string (one user turn; one assistant
-    reply) or a list of messages (as in `chat`). What is trained: the completion's assistant
+    reply), one message object, or a list of messages (as in `chat`). What is trained: the completion's assistant
     turns; the prompt's assistant turns are context, unless a message's flag says otherwise.
     Unlike TRL's plain-string prompt-completion (concatenated with no chat markup), both sides go
     through the chat format, as every format here does."""
@@ -41,19 +41,10 @@ class PromptCompletionTemplate(RequiredColumns):
         system = record.get(cols["system"])
         if system is not None:
             items.append(system_item(system, cols["system"]))
-        items += self._side(record, cols["prompt"], "user", names, trained=False)
-        completion = self._side(record, cols["completion"], "assistant", names, trained=True)
+        reader = self._reader  # type: ignore[attr-defined]
+        items += reader.read_side(record, cols["prompt"], "user", names, trained_by_default=False)
+        completion = reader.read_side(record, cols["completion"], "assistant", names, trained_by_default=True)
         if not any(m.role == "assistant" for m in completion):
             raise RecordError("no_assistant_turn", cols["completion"], f"field '{cols['completion']}': expected at "
                               "least one assistant message")
         return [assemble(items + completion, tools, cols["completion"])]
-
-    def _side(self, record: Mapping[str, Any], key: str, role: str, names: frozenset[str], trained: bool) -> list[Pending]:
-        value = record.get(key)
-        if isinstance(value, str):
-            return [Pending(role, value, key, trained_by_default=trained)]
-        if value is not None and not isinstance(value, (list, tuple)):
-            raise RecordError("wrong_type", key, f"field '{key}': expected a string or a list of messages, "
-                              f"got {describe(value)}")
-        messages = read_list(value, key, "a string or a list of messages")
-        return self._reader.read(messages, key, names, trained_by_default=trained)  # type: ignore[attr-defined]
