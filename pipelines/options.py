@@ -175,7 +175,8 @@ def add_overlong_options(group: argparse._ActionsContainer) -> None:
                        help="examples longer than L: drop (default), truncate (cut to L), split (cut into pieces of at most L "
                        "tokens, each its own segment; a piece sees no earlier context), or window (pieces as split, but each "
                        "after the first starts with its reply's prompt as loss-0 context, then the reply's next tokens; each "
-                       "target is trained in exactly one piece)")
+                       "target is trained in exactly one piece). For --format text documents split is the sensible choice "
+                       "(nothing is lost); preference pairs take drop or truncate (which cuts both completions' ends)")
     group.add_argument("--window-context-tokens", metavar="N",
                        help="--overlong window: replay at most the last N tokens of a reply's prompt (the loss-0 run before "
                        "the reply: system and user turn for the first reply, the turn it answers for a later one) "
