@@ -58,7 +58,7 @@ class Ragged:
     pairs: np.ndarray | None = None  # int32 [examples, 2]: (prompt tokens, chosen side's tokens); None: no pairs
 
     def targets_after_first(self, end: int | None = None) -> np.ndarray:
-        """prepack.packing.packer.targets_after_first of these examples (of a pair: the fewer of its sides')."""
+        """prepack.packing.packer.targets_after_first of these examples (of a pair: both sides', 0 unless both train)."""
         if self.pairs is not None:
             return pair_targets(self.lens, self.mask, self.pairs, end)
         return targets_after_first(self.lens, self.mask, end)

@@ -9,7 +9,7 @@ its two sides always land in one row, as adjacent segments (docs/row_format.md, 
 Under --overlong truncate a pair longer than the max length L keeps its prompt on both sides and
 cuts the ends of its completions: each side gets its own completion when that is at most half of
 what is left after the two prompts, and the other side the rest (so the cut pair holds exactly L
-tokens). A side must keep a target after its first token, else the pair is dropped
+tokens). Both sides must keep a target after their first token, else the pair is dropped
 (no_targets_after_truncation). Under --overlong drop a longer pair is dropped (too_long).
 """
 from __future__ import annotations
@@ -50,9 +50,9 @@ def cut_lengths(lens: np.ndarray, bounds: np.ndarray, max_length: int | np.ndarr
 
 def targets_after_first(lens: np.ndarray, mask: np.ndarray, bounds: np.ndarray,
                         max_length: int | None = None) -> np.ndarray:
-    """Per pair, cut to `max_length` when given: the fewer of its two sides' targets after each
-    side's first token (a segment's first token is never a target): a pair trains only when both
-    sides do."""
+    """Per pair, cut to `max_length` when given: its two sides' targets after each side's first
+    token (a segment's first token is never a target), added up, and 0 unless both sides have some:
+    a pair trains only when both sides do, and then as much as both (a mixture's target-token weight)."""
     whole_c, whole_r = side_lengths(lens, bounds)
     cut_c, cut_r = cut_lengths(lens, bounds, max_length)
     side_lens = np.stack([whole_c, whole_r], axis=1).ravel()  # the mask holds each pair's sides in turn
@@ -61,7 +61,8 @@ def targets_after_first(lens: np.ndarray, mask: np.ndarray, bounds: np.ndarray,
     sums = np.concatenate([[0], np.cumsum(np.asarray(mask, dtype=np.int64))])
     first = side_starts + np.minimum(side_lens, 1)
     per_side = sums[np.maximum(side_starts + kept, first)] - sums[first]
-    return per_side.reshape(-1, 2).min(axis=1) if len(per_side) else np.zeros(0, np.int64)
+    per_side = per_side.reshape(-1, 2)
+    return np.where(per_side.min(axis=1) > 0, per_side.sum(axis=1), 0)
 
 
 def cut_index(lens: np.ndarray, bounds: np.ndarray, take: np.ndarray,
