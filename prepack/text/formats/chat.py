@@ -6,8 +6,7 @@ from typing import Any, ClassVar, Mapping
 
 from prepack.text.conversation import Conversation
 from prepack.text.formats.fields import Columns, RoleMap, check_record
-from prepack.text.formats.messages import MessageReader, Pending, assemble, read_list
-from prepack.text.formats.tools import read_tools
+from prepack.text.formats.messages import MessageReader, messages_fit, read_conversation
 
 
 @dataclass(frozen=True)
@@ -44,36 +43,3 @@ class ChatTemplate:
         cols = self._cols  # type: ignore[attr-defined]
         return [read_conversation(check_record(record), cols, self._reader,  # type: ignore[attr-defined]
                                   f"an array of {{{cols['role']}, {cols['content']}}} objects")]
-
-
-def read_conversation(record: Mapping[str, Any], cols: Columns, reader: MessageReader, what: str) -> Conversation:
-    """The message formats' one path: tools, the optional system column, the messages, the rules."""
-    key = cols["messages"]
-    messages = read_list(record.get(key), key, what)
-    tools_key = cols["tools"]
-    tools, names = read_tools(record.get(tools_key), tools_key)
-    items = reader.read(messages, key, names)
-    system = record.get(cols["system"])
-    if system is not None:
-        items.insert(0, system_item(system, cols["system"]))
-    return assemble(items, tools, key)
-
-
-def messages_fit(record: Mapping[str, Any], cols: Columns) -> bool:
-    """Whether a record holds a message list whose messages have the role key (--format auto)."""
-    messages = record.get(cols["messages"])
-    if not isinstance(messages, (list, tuple)) or not messages:
-        return False
-    first = messages[0]
-    return isinstance(first, Mapping) and cols["role"] in first
-
-
-def system_item(value: Any, key: str) -> Pending:
-    """A format's `system` column as the conversation's first (system) message."""
-    from prepack.text.conversation import RecordError
-    from prepack.text.formats.fields import describe
-
-    if not isinstance(value, str):
-        raise RecordError("wrong_type", key, f"field '{key}': expected a string (the system prompt) or null, "
-                          f"got {describe(value)}")
-    return Pending("system", value, key)

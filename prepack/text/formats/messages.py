@@ -1,4 +1,5 @@
-"""Message lists, the one reader every message format shares (chat, sharegpt, prompt_completion).
+"""Message lists, the one reader every message format shares (chat, sharegpt, prompt_completion,
+preference).
 
 `MessageReader.read` turns a list of message objects into `Pending` messages: each one's canonical
 role (after the role map), text, reasoning trace, tool calls and training flag, checked field by
@@ -26,10 +27,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from prepack.text.conversation import Conversation, RecordError, ToolCall, Turn, trusted_conversation, trusted_turn
-from prepack.text.formats.fields import RoleMap, describe, get_optional_str, require_nonblank
-from prepack.text.formats.tools import read_call, read_calls_json
+from prepack.text.formats.fields import Columns, RoleMap, describe, get_optional_str, require_nonblank
+from prepack.text.formats.tools import read_call, read_calls_json, read_tools
 
-__all__ = ["Pending", "MessageReader", "assemble", "read_list", "AT_COLUMN", "MESSAGE_COLUMN"]
+__all__ = ["Pending", "MessageReader", "assemble", "read_list", "read_conversation", "messages_fit", "system_item",
+           "AT_COLUMN", "MESSAGE_COLUMN"]
 
 # Pending.index for a message that is not in a list: a column holding the text itself (a string
 # side of prompt_completion or preference), or a column holding one message object.
@@ -311,3 +313,33 @@ def _text(m: Pending, what: str) -> str:
     if m.content is None:
         raise RecordError("missing_field", m.content_field, f"missing field '{m.content_field}': expected a string ({what})")
     return m.content
+
+
+def read_conversation(record: Mapping[str, Any], cols: Columns, reader: MessageReader, what: str) -> Conversation:
+    """The message formats' one path: tools, the optional system column, the messages, the rules."""
+    key = cols["messages"]
+    messages = read_list(record.get(key), key, what)
+    tools_key = cols["tools"]
+    tools, names = read_tools(record.get(tools_key), tools_key)
+    items = reader.read(messages, key, names)
+    system = record.get(cols["system"])
+    if system is not None:
+        items.insert(0, system_item(system, cols["system"]))
+    return assemble(items, tools, key)
+
+
+def messages_fit(record: Mapping[str, Any], cols: Columns) -> bool:
+    """Whether a record holds a message list whose messages have the role key (--format auto)."""
+    messages = record.get(cols["messages"])
+    if not isinstance(messages, (list, tuple)) or not messages:
+        return False
+    first = messages[0]
+    return isinstance(first, Mapping) and cols["role"] in first
+
+
+def system_item(value: Any, key: str) -> Pending:
+    """A format's `system` column as the conversation's first (system) message."""
+    if not isinstance(value, str):
+        raise RecordError("wrong_type", key, f"field '{key}': expected a string (the system prompt) or null, "
+                          f"got {describe(value)}")
+    return Pending("system", value, key)

@@ -5,9 +5,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
 from prepack.text.conversation import PreferencePair, RecordError
-from prepack.text.formats.chat import system_item
 from prepack.text.formats.fields import Columns, RequiredColumns, RoleMap, check_record
-from prepack.text.formats.messages import MessageReader, Pending, assemble
+from prepack.text.formats.messages import MessageReader, Pending, assemble, system_item
 from prepack.text.formats.tools import read_tools
 
 
