@@ -218,6 +218,14 @@ def test_contracts_lists_every_module():
     assert missing == []
 
 
+def test_imports_page_is_current():
+    """docs/imports.md is the picture of today's source, not of an older one."""
+    from testkit.import_graph import render_markdown
+
+    page = (ROOT / "docs" / "imports.md").read_text()
+    assert page == render_markdown(import_graph()), "redraw it: python -m testkit.import_graph > docs/imports.md"
+
+
 def import_graph_paths():
     from testkit.import_graph import project_modules
 
