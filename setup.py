@@ -49,6 +49,8 @@ REPORT = ["matplotlib>=3.9"]
 DEV = [
     "pytest>=8.3",
     "pytest-xdist>=3.6",
+    # A test that hangs fails alone, with its stack, instead of stalling the suite past CI's limit.
+    "pytest-timeout==2.4.0",
     "hypothesis>=6.120",
     "matplotlib>=3.9",
     "gcp-storage-emulator==2026.7.19",
