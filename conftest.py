@@ -8,9 +8,22 @@ skips is printed at the end of every run (tests/test_skip_policy.py shows both).
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from typing import Any
 
 from hypothesis import settings
+
+# XLA compiles the same programs again and again across tests and the CLI runs they start (the
+# tiny models' training steps, the reference forwards): one persistent compilation cache per
+# test run, shared by the xdist workers and subprocesses (they inherit the environment), compiles
+# each once. The executables are XLA's own, so what the tests check is unchanged; a fresh
+# directory each run keeps runs independent. JAX reads these variables when it is imported.
+_JAX_CACHE_OWNER = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if _JAX_CACHE_OWNER:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="prepack-tests-xla-cache-")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 # Property tests draw the same examples on every machine: the default profile is derandomized
 # (each test seeded from its own code) and keeps no example database, so the README's test command
@@ -49,6 +62,11 @@ def pytest_collectreport(report: Any) -> None:
 
 def unexpected_skips() -> list[tuple[str, str]]:
     return [(nodeid, reason) for nodeid, reason in _skips if reason not in ALLOWED_SKIPS]
+
+
+def pytest_unconfigure(config: Any) -> None:
+    if _JAX_CACHE_OWNER and not hasattr(config, "workerinput"):  # the controller (or a run without xdist)
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
