@@ -450,3 +450,37 @@ def source_loss_curves(runs: Sequence[Any], path: str) -> str:
     ax.legend(fontsize=8, frameon=False)
     fig.tight_layout()
     return _save(fig, path)
+
+
+def dpo_curves(runs: Sequence[Any], path: str) -> str:
+    """DPO runs (report.Run.dpo, TRL's names): the rewards' margin and accuracy (left), the chosen
+    and rejected rewards (right), against step; one colour per run."""
+    plt = _plt()
+    colors = _colors([run.label for run in runs])
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    acc_axis = left.twinx()
+    for run in runs:
+        c = colors[run.label]
+        label = run.label if len(runs) > 1 else None
+        left.plot(run.steps, run.dpo["rewards/margins"], "-", color=c, lw=1.6, label=f"margin{f' ({label})' if label else ''}")
+        acc_axis.plot(run.steps, run.dpo["rewards/accuracies"], ":", color=c, lw=1.4, label=f"accuracy{f' ({label})' if label else ''}")
+        right.plot(run.steps, run.dpo["rewards/chosen"], "-", color=c, lw=1.6, label=f"chosen{f' ({label})' if label else ''}")
+        right.plot(run.steps, run.dpo["rewards/rejected"], "--", color=c, lw=1.6, label=f"rejected{f' ({label})' if label else ''}")
+    left.axhline(0, color="0.6", lw=0.8)
+    right.axhline(0, color="0.6", lw=0.8)
+    left.set_xlabel("step")
+    left.set_ylabel("rewards/margins (chosen - rejected)")
+    acc_axis.set_ylabel("rewards/accuracies (dotted)")
+    acc_axis.set_ylim(-0.02, 1.02)
+    left.set_title("Reward margin and accuracy")
+    right.set_xlabel("step")
+    right.set_ylabel("reward: beta (log pi - log ref)")
+    right.set_title("Chosen and rejected rewards")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+    lines = left.get_legend_handles_labels()
+    more = acc_axis.get_legend_handles_labels()
+    left.legend(lines[0] + more[0], lines[1] + more[1], fontsize=8, frameon=False)
+    right.legend(fontsize=8, frameon=False)
+    fig.tight_layout()
+    return _save(fig, path)

@@ -218,8 +218,10 @@ class Run:
     # A mixture set's run: source name -> its loss per step (NaN where the batch had none of it).
     loss_by_source: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     # What its loss is (`prepack train --loss-mean`): "token" or "example"; a JSONL written
-    # before the option existed logged the token mean.
+    # before the option existed logged the token mean; "pair" for an --objective dpo run.
     loss_mean: str = "token"
+    # An --objective dpo run: TRL's metric name -> its value per step (NaN where not logged).
+    dpo: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
     @property
     def clock_s(self) -> np.ndarray:
@@ -272,6 +274,9 @@ class Run:
 
 
 REQUIRED_STEP_KEYS = ("step", "loss", "step_time_s", "target_tokens")
+# An --objective dpo run's step metrics, TRL's names (train/dpo_metrics.py imports nothing heavy:
+# the report still reads a JSONL without the train extra installed).
+from train.dpo_metrics import TRL_NAMES as DPO_NAMES  # noqa: E402
 # `prepack train` writes a non-finite loss as null (JSON has no NaN) with the reason beside it.
 NULLABLE_STEP_KEYS = ("loss",)
 
@@ -315,8 +320,12 @@ def load_run(path: str, label: str | None = None, warmup_steps: int = 1) -> Run:
     by_source = {n: np.array([math.nan if (r.get("loss_by_source") or {}).get(n) is None else float(r["loss_by_source"][n])
                               for r in steps], dtype=np.float64) for n in names}
     loss_mean = str(steps[-1].get("loss_mean") or summary.get("loss_mean") or "token")
+    dpo = {}
+    if any(DPO_NAMES[0] in r for r in steps):
+        dpo = {k: np.array([math.nan if not isinstance(r.get(k), (int, float)) else float(r[k]) for r in steps], dtype=np.float64)
+               for k in DPO_NAMES}
     return Run(name, path, column("step"), loss, column("step_time_s"), target,
-               column("tokens"), summary, packing, warmup_steps, evals, by_source, loss_mean)
+               column("tokens"), summary, packing, warmup_steps, evals, by_source, loss_mean, dpo)
 
 
 def _per_step(values: np.ndarray, times: np.ndarray, rates: list[Any]) -> np.ndarray:
@@ -570,12 +579,34 @@ def _training_section(page: Page, figure: Any, config: ReportConfig, runs: list[
     page.add("table", [h for h, _, _ in BUDGET_COLUMNS],
              [[_budget_cell(r[k], kind) for _, k, kind in BUDGET_COLUMNS] for r in table])
     figure("budget.png", plots.budget_bars, table, budget=budget)
+    if any(run.dpo for run in runs):
+        _dpo_section(page, figure, [run for run in runs if run.dpo])
     if any(run.loss_by_source for run in runs):
         page.add("h3", "Loss by source")
         page.add("p", "Mixture sets: each source's training loss per step (its target tokens' mean NLL in the "
                       "batch; a step without that source has no point), from loss_by_source in the metrics JSONL.")
         figure("loss_by_source.png", plots.source_loss_curves, [r for r in runs if r.loss_by_source])
     return budget, table
+
+
+def _dpo_section(page: Page, figure: Any, runs: Sequence[Run]) -> None:
+    """--objective dpo runs: TRL's metrics, first and last steps, and their curves."""
+    from apps import plots
+
+    page.add("h3", "Preference optimisation (DPO)")
+    page.add("p", "Runs trained with `prepack train --objective dpo`: `loss` is the DPO loss (the mean over each step's "
+                  "pairs), a reward is beta (log pi - log ref) of a side's summed completion log-probability, the "
+                  "reference being the base model with LoRA switched off (TRL's names). At step 1 the policy is the "
+                  "reference: every reward is 0 and the loss ln 2 = 0.693. Last = the mean over the last 10% of steps.")
+    headers = ["run", "steps", "loss first", "loss last", *[f"{k} last" for k in DPO_NAMES]]
+    cells = []
+    for run in runs:
+        tail = max(1, len(run.steps) // 10)
+        last = {k: float(np.nanmean(v[-tail:])) if np.isfinite(v[-tail:]).any() else math.nan for k, v in run.dpo.items()}
+        cells.append([run.label, f"{len(run.steps):,}", f"{run.loss[0]:.4f}", f"{float(np.nanmean(run.loss[-tail:])):.4f}",
+                      *[f"{last[k]:.4f}" for k in DPO_NAMES]])
+    page.add("table", headers, cells)
+    figure("dpo_rewards.png", plots.dpo_curves, runs)
 
 
 def _mixture_section(page: Page, figure: Any, manifests: Sequence[Manifest]) -> None:

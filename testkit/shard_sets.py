@@ -81,7 +81,8 @@ def build_shard_set(
 ) -> Manifest:
     """Writes a complete shard set into `directory` (created if needed) and returns its manifest.
 
-    rows: explicit rows to write (each [L] fields); by default `num_rows` synthetic rows.
+    rows: explicit rows to write (each [L] fields); by default `num_rows` synthetic rows. Rows
+    carrying `pair_side` make a preference set (row format 5; testkit/tunix_dpo.pair_rows builds them).
     rows_per_shard: how many rows go into each shard (may contain 0); default: as even as possible.
     """
     os.makedirs(directory, exist_ok=True)
@@ -94,16 +95,24 @@ def build_shard_set(
         raise ValueError(f"rows_per_shard adds up to {sum(counts)}, not {num_rows}")
     num_shards = len(counts)
 
+    pairs = bool(rows) and rowformat.PAIR_SIDE in rows[0]
+    names = rowformat.field_names(rowformat.PAIR_FORMAT_VERSION)
+
+    def encode(row: Mapping[str, np.ndarray]) -> bytes:
+        if not pairs:
+            return rowformat.encode_row(row, max_length)
+        return np.stack([np.asarray(row[name]) for name in names]).astype(rowformat.STORAGE_DTYPE).tobytes()
+
     shards, start = [], 0
     for index, count in enumerate(counts):
-        records = [rowformat.encode_row(row, max_length) for row in rows[start : start + count]]
+        records = [encode(row) for row in rows[start : start + count]]
         start += count
         path = os.path.join(directory, shardfile.shard_name(index, num_shards))
         shards.append(shardfile.write_shard(path, records))
 
     tokens = int(sum(int(np.asarray(r["valid_mask"]).sum()) for r in rows))
     targets = int(sum(int(np.asarray(r["loss_mask"]).sum()) for r in rows))
-    examples = int(sum(int(np.asarray(r["segment_ids"]).max(initial=0)) for r in rows))
+    examples = int(sum(int(np.asarray(r["segment_ids"]).max(initial=0)) // (2 if pairs else 1) for r in rows))
     dropped = {"too_long": len(dead_letter)} if dead_letter else {}
     stats = {
         "examples_read": examples + len(dead_letter),
@@ -129,6 +138,9 @@ def build_shard_set(
         template=dict(template or {"name": "test"}),
         dead_letter=DEAD_LETTER_NAME if dead_letter else None,
     )
+    if pairs:
+        manifest.use_row_format(False, False, pairs=True)
+        manifest.stats.update({"pairs_read": examples + len(dead_letter), "pairs_written": examples, "pairs_dropped": dropped})
     # Written last, as the job does: a folder without it is not a shard set.
     with open(os.path.join(directory, MANIFEST_NAME), "w") as f:
         f.write(manifest.to_json())

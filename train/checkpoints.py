@@ -63,6 +63,7 @@ IDENTITY_LABELS: dict[str, str] = {
     "max_grad_norm": "--max-grad-norm",
     "grad_accum_steps": "--grad-accum-steps",
     "qlora": "--qlora",
+    "objective": "--objective",
 }
 # What a checkpoint written before a field existed ran with: it stays resumable by a run that
 # keeps that default, and refuses one that does not (clipping was off before --max-grad-norm).
@@ -72,6 +73,7 @@ IDENTITY_DEFAULTS: dict[str, Any] = {
     "max_grad_norm": 0.0,
     "grad_accum_steps": 1,
     "qlora": None,
+    "objective": {"name": "sft"},
 }
 
 

@@ -6,10 +6,12 @@
                   [--checkpoint-dir DIR [--checkpoint-every N] [--checkpoint-keep K]]
                   [--save-lora PATH [--lora-format peft|prepack]] [--lr-schedule S --warmup-ratio F]
                   [--max-grad-norm X] [--grad-accum-steps K] [--qlora nf4|int8] [--tensorboard DIR] [--profile-steps A:B]
+                  [--objective sft|dpo [--beta B]]
 
 The same command trains on packed shards and on shards packed with `prepack pack --no-pack`
 (one example per row): both are [B, L] rows with segment_ids, so the packed-vs-unpacked
-comparison is one flag apart at pack time. See train/README.md for the metrics JSONL.
+comparison is one flag apart at pack time. `--objective dpo` trains a preference set
+(`prepack pack --format preference`) with the DPO loss (train/dpo_loss.py). See train/README.md for the metrics JSONL.
 --checkpoint-dir makes a run resumable (rerun the same command after a preemption) and
 --save-lora writes the trained adapter (a Hugging Face PEFT folder by default; `prepack export
 --merge` merges it into its base); see train/README.md.
@@ -89,6 +91,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="token: mean NLL over every target token of the batch (default); example: each example's "
                    "token mean, averaged over the batch's examples (the pieces of an --overlong split example count "
                    "as one); needs --loss masked")
+    p.add_argument("--objective", default="sft", choices=["sft", "dpo"],
+                   help="sft: the masked loss on a set of single examples. dpo: the sigmoid DPO loss on a preference "
+                   "set (prepack pack --format preference): each pair's chosen against its rejected reply, against "
+                   "the base model with LoRA switched off as the reference; metrics under TRL's names. Each refuses "
+                   "the other's sets: SFT on pair rows would train the rejected replies as targets too")
+    p.add_argument("--beta", type=float, default=None,
+                   help="the DPO loss's beta, how far the policy may move from the reference (--objective dpo; "
+                   "default 0.1, TRL's and Tunix's)")
     p.add_argument("--read-threads", type=int, default=None, help="loader read threads (default: chosen by where the shards are: 1 on local disk, 16 on a gcsfuse/NFS mount, 4 for gs://)")
     p.add_argument("--log-every", type=int, default=10,
                    help="every N steps read the steps' metrics from the device, write their JSONL records and print "
@@ -207,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         tensorboard=args.tensorboard, profile_steps=args.profile_steps, profile_dir=args.profile_dir,
         mesh=args.mesh, eval_shards=args.eval_shards, eval_every=args.eval_every, eval_batches=args.eval_batches,
         weights=args.weights, dtype=args.dtype, metrics_out=args.metrics_out, loss=args.loss,
-        loss_mean=args.loss_mean,
+        loss_mean=args.loss_mean, objective=args.objective, beta=args.beta,
         read_threads=args.read_threads, log_every=args.log_every, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, checkpoint_keep=args.checkpoint_keep, save_lora=args.save_lora,
         nan_policy=args.nan_policy, loss_chunk_tokens=args.loss_chunk_tokens, attention=args.attention,

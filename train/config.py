@@ -40,6 +40,10 @@ class TrainConfig:
     # "token": the mean over every target token of the batch; "example": the mean over the batch's
     # examples of each one's token mean (train/loss.py; pieces of a split example count as one).
     loss_mean: str = "token"
+    # What the run trains (train/objective.py): "sft", or "dpo" on a preference set (row format 5
+    # or 6) with the DPO loss's beta (None: 0.1, TRL's and Tunix's default; train/dpo_loss.py).
+    objective: str = "sft"
+    beta: float | None = None
     read_threads: int | None = None  # None: the loader chooses by where the shards are (local disk, mount, gs://)
     config_overrides: dict[str, Any] | None = None  # e.g. {"sliding_window_size": 4} for tests
     # Every N steps the trainer fetches the steps' metrics from the device, writes their JSONL

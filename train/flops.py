@@ -28,6 +28,9 @@ The pairs are the ones each kind computes: dense L x L per row and head, splash 
 static causal (or local) mask leaves, blocked and flash the tiles from each query tile's lowest
 segment (key_tile_ranges) on the rows' real segment ids.
 --remat layer recomputes each layer's forward (projections, LoRA and attention) once more.
+--objective dpo adds the reference pass (train/dpo_loss.py): the same rows forward once more
+with LoRA off, no backward (projections, LoRA's zero adapters, attention, and the output
+projection of the chunks with targets, once).
 
 Model FLOPs (what MFU divides by the step time): the same forward and backward without any
 recomputation, over the batch's real tokens only, with attention at its token-level ideal
@@ -92,6 +95,7 @@ class StepOptions:
     tile: int  # blocked's tile, flash's and splash's block
     loss_chunk_tokens: int  # 0: full logits
     remat: bool
+    reference_pass: bool = False  # --objective dpo: a forward pass more, with LoRA off
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,24 +171,29 @@ def step_flops(cost: ModelCost, opts: StepOptions, segment_ids: np.ndarray, targ
         head = 2 * cost.head_weights * projected * 2  # forward and the hidden states' gradient, chunks with targets
     else:
         head = 2 * cost.head_weights * tokens * 2
+    forward = (2 * cost.layer_weights + 2 * cost.lora_weights) * tokens + attention_fwd + head / 2
     parts = {
         "layers": 2 * cost.layer_weights * tokens * 2,
         "lora": 2 * cost.lora_weights * tokens * 3,
         "attention": attention_fwd + bwd_attn * cost.head_dim * pair_sum,
         "output_projection": float(head),
         "remat": float((2 * cost.layer_weights + 2 * cost.lora_weights) * tokens + attention_fwd) if opts.remat else 0.0,
+        "reference": float(forward) if opts.reference_pass else 0.0,
     }
     parts = {k: float(v) for k, v in parts.items()}
     return StepFlops(sum(parts.values()), parts, {_label(w): p for w, p in pairs.items()})
 
 
-def model_flops(cost: ModelCost, segment_ids: np.ndarray) -> float:
+def model_flops(cost: ModelCost, segment_ids: np.ndarray, reference_pass: bool = False) -> float:
     """MFU's numerator for one batch: forward and backward, no recomputation, real tokens only,
-    attention at the same-segment causal ideal."""
+    attention at the same-segment causal ideal; DPO's reference pass adds a forward."""
     seg = np.asarray(segment_ids)
     tokens = int(np.count_nonzero(seg))
     per_window = {w: float(ideal_pairs(seg, w).sum()) for w in set(cost.windows)}
     pairs = sum(per_window[w] for w in cost.windows) * cost.heads
     fwd, bwd = ATTENTION_PASSES["dense"]
     per_token = 2 * cost.layer_weights * 2 + 2 * cost.lora_weights * 3 + 2 * cost.head_weights * 2
-    return float(per_token * tokens + (fwd + bwd) * cost.head_dim * pairs)
+    total = per_token * tokens + (fwd + bwd) * cost.head_dim * pairs
+    if reference_pass:
+        total += 2 * (cost.layer_weights + cost.lora_weights + cost.head_weights) * tokens + fwd * cost.head_dim * pairs
+    return float(total)

@@ -23,6 +23,7 @@ from flax import nnx
 
 from train import attention as attention_lib
 from train import loss as loss_lib
+from train import objective
 from train.config import TrainConfig, TrainError
 
 REMAT_NONE, REMAT_LAYER, REMAT_AUTO = "none", "layer", "auto"
@@ -96,6 +97,10 @@ def check_loss_mean(cfg: TrainConfig) -> None:
 
 
 def loss_fn(cfg: TrainConfig) -> Callable[..., Any]:
+    if cfg.objective == objective.DPO:  # train/dpo_loss.py: the same loss path (chunked or full logits), per pair
+        from train import dpo_loss
+
+        return dpo_loss.make_dpo_loss_fn(objective.beta_of(cfg), cfg.loss_chunk_tokens)
     check_loss_mean(cfg)
     if cfg.loss == "tunix-default":
         return loss_lib.with_aux(loss_lib.tunix_default_loss_fn())
@@ -111,7 +116,12 @@ def loss_fn(cfg: TrainConfig) -> Callable[..., Any]:
 def gen_model_input_fn(cfg: TrainConfig) -> Callable[..., Any]:
     from train import model_inputs
 
-    return model_inputs.make_gen_model_input_fn(attention=attention_kind(cfg), loss_mean=cfg.loss_mean)
+    inputs = model_inputs.make_gen_model_input_fn(attention=attention_kind(cfg), loss_mean=cfg.loss_mean)
+    if cfg.objective == objective.DPO:  # and each target's pair and side, for the DPO loss
+        from train import dpo_loss
+
+        return dpo_loss.make_gen_model_input_fn(inputs)
+    return inputs
 
 
 def install_attention(model: nnx.Module, cfg: TrainConfig, max_length: int) -> None:

@@ -59,24 +59,39 @@ def budget_bytes(memory_budget_gib: float | None) -> tuple[int, str]:
     return int(FALLBACK_BUDGET_GIB * GIB), "default (JAX reports no device memory)"
 
 
-def placeholder_batch(batch_size: int, max_length: int, mixture: bool, grad_accum_steps: int = 1) -> dict[str, np.ndarray]:
-    """Shapes are all a compile needs: one full segment per row ([B, K, L] with K micro-batches)."""
+def placeholder_batch(batch_size: int, max_length: int, mixture: bool, grad_accum_steps: int = 1,
+                      pairs: bool = False) -> dict[str, np.ndarray]:
+    """Shapes are all a compile needs: one full segment per row ([B, K, L] with K micro-batches);
+    a preference set's rows (pairs) hold one pair, its two sides the row's halves, with `pair_side`."""
     shape = (batch_size, grad_accum_steps, max_length) if grad_accum_steps > 1 else (batch_size, max_length)
     batch = {"input_ids": np.zeros(shape, np.int32), "loss_mask": np.ones(shape, np.int32),
              "positions": np.broadcast_to(np.arange(max_length, dtype=np.int32), shape).copy(),
              "segment_ids": np.ones(shape, np.int32)}
+    if pairs:
+        half = max_length // 2
+        batch["segment_ids"][..., half:] = 2
+        batch["positions"][..., half:] -= half
+        batch["pair_side"] = batch["segment_ids"].copy()
     if mixture:
         batch["source_ids"] = np.ones(shape, np.int32)
     return batch
 
 
-def plan_step(trainer: Any, batch_size: int, max_length: int, mixture: bool = False, grad_accum_steps: int = 1) -> StepPlan:
+def set_kind(manifest: Any) -> dict[str, bool]:
+    """What a set's rows carry beyond format 1 that changes the step: a mixture's source ids, pairs."""
+    from prepack.format.rowformat import has_pairs
+
+    return {"mixture": bool(getattr(manifest, "mixture", None)), "pairs": has_pairs(int(manifest.format_version))}
+
+
+def plan_step(trainer: Any, batch_size: int, max_length: int, mixture: bool = False, grad_accum_steps: int = 1,
+              pairs: bool = False) -> StepPlan:
     import time
 
     from train import compiled
 
     started = time.perf_counter()
-    program = compiled.compile_train_step(trainer, placeholder_batch(batch_size, max_length, mixture, grad_accum_steps))
+    program = compiled.compile_train_step(trainer, placeholder_batch(batch_size, max_length, mixture, grad_accum_steps, pairs))
     memory = compiled.memory_of(program, time.perf_counter() - started)
     return StepPlan(memory.argument_bytes, memory.temp_bytes, memory.peak_estimate_bytes,
                     compiled.flops_of(program), memory.compile_s)
@@ -90,8 +105,8 @@ def choose_remat(setup: Any, out: TextIO) -> StepPlan | None:
     if cfg.remat != memory_path.REMAT_AUTO:
         return None
     budget, source = budget_bytes(cfg.memory_budget_gib)
-    plan = plan_step(setup.trainer, cfg.batch_size, setup.view.manifest.max_length, bool(getattr(setup.view.manifest, "mixture", None)),
-                     cfg.grad_accum_steps)
+    plan = plan_step(setup.trainer, cfg.batch_size, setup.view.manifest.max_length, grad_accum_steps=cfg.grad_accum_steps,
+                     **set_kind(setup.view.manifest))
     on = not plan.fits(budget)
     memory_path.set_remat(setup.built.model, on)
     print(f"--remat auto: the step plans {plan.peak_bytes / GIB:.2f} GiB without remat, budget {budget / GIB:.2f} GiB "
@@ -121,7 +136,8 @@ def analytic_flops(setup: Any, remat_on: bool) -> Any:
 
     cfg, length = setup.config, setup.view.manifest.max_length
     opts = flops.StepOptions(cfg.batch_size * cfg.grad_accum_steps, length, memory_path.attention_kind(cfg),
-                             memory_path.attention_tile(cfg, length), cfg.loss_chunk_tokens, remat_on)
+                             memory_path.attention_tile(cfg, length), cfg.loss_chunk_tokens, remat_on,
+                             reference_pass=cfg.objective == "dpo")
     segment_ids, target_fraction = sample_rows(cfg, setup.view)
     return flops.step_flops(flops.model_cost(setup.built.model), opts, segment_ids, target_fraction)
 
@@ -157,13 +173,15 @@ def run_plan(cfg: Any, out: TextIO) -> dict[str, Any]:
     manifest = s.view.manifest
     remat_on = memory_path.remat_is_on(s.built.model)
     if auto is None or remat_on:
-        plan = plan_step(s.trainer, cfg.batch_size, manifest.max_length, bool(getattr(manifest, "mixture", None)),
-                         cfg.grad_accum_steps)
+        plan = plan_step(s.trainer, cfg.batch_size, manifest.max_length, grad_accum_steps=cfg.grad_accum_steps,
+                         **set_kind(manifest))
     else:
         plan = auto
     budget, source = budget_bytes(cfg.memory_budget_gib)
     kind = memory_path.attention_kind(cfg)
-    describe = (f"{cfg.model} {s.static.get('dtype')} LoRA rank {cfg.lora_rank}, B={cfg.batch_size} L={manifest.max_length} "
+    describe = (f"{cfg.model} {s.static.get('dtype')} LoRA rank {cfg.lora_rank}, "
+                f"{'DPO (policy forward and backward, reference forward with LoRA off), ' if cfg.objective == 'dpo' else ''}"
+                f"B={cfg.batch_size} L={manifest.max_length} "
                 f"({cfg.batch_size * manifest.max_length:,} tokens{f' x {cfg.grad_accum_steps} micro-batches' if cfg.grad_accum_steps > 1 else ''}), "
                 f"attention {kind}{'' if kind == 'dense' else f' (tile {memory_path.attention_tile(cfg, manifest.max_length)})'}, "
                 f"loss chunk {cfg.loss_chunk_tokens or 'off (full logits)'}, remat {'layer' if remat_on else 'none'}"

@@ -10,6 +10,10 @@ One JSON line per optimizer step, then eval lines and one summary line:
 mean of the same batch, and `device_examples`, the examples the loss counted: fractional when
 a split example's pieces fall in different batches).
   {"summary": {...}}
+An --objective dpo run's `loss` is the DPO loss (its `loss_mean` "pair": the mean over the step's
+pairs), and its step and eval records add TRL's names at the top level (`rewards/chosen`,
+`rewards/rejected`, `rewards/accuracies`, `rewards/margins`, `logps/chosen`, `logps/rejected`,
+train/dpo_metrics.py) and `device_pairs`; `examples` counts pairs.
 `grad_norm` is the global norm before clipping, `clipped` whether --max-grad-norm scaled it,
 `learning_rate` the rate the step's update used. With --grad-accum-steps K a step trains K
 micro-batches of batch_size rows: tokens and counts are the step's (K * B rows), `micro_steps`
@@ -33,7 +37,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from train import divergence
+from train import divergence, dpo_metrics
 from train.mfu import Throughput
 
 
@@ -49,7 +53,8 @@ def batch_counts(batch: Mapping[str, np.ndarray]) -> dict[str, int]:
         "tokens": int(np.count_nonzero(seg)),
         # What the loss counts: input_mask[..., 1:] (column 0 can never be predicted).
         "target_tokens": int(np.count_nonzero(loss_mask[..., 1:])),
-        "examples": int(seg.max(axis=-1).sum()),
+        # A preference pair's two sides are one example (segments 2k-1 and 2k of its row).
+        "examples": int((seg.max(axis=-1) // (2 if "pair_side" in batch else 1)).sum()),
         **({"target_tokens_by_source": np.bincount(np.asarray(batch["source_ids"])[..., 1:][loss_mask[..., 1:] != 0],
                                                    minlength=1).tolist()} if "source_ids" in batch else {}),
     }
@@ -111,7 +116,7 @@ class TensorBoard:
     """--tensorboard DIR: the JSONL's figures as TensorBoard scalars (tensorboardX), written at each fetch."""
 
     SCALARS = ("loss", "token_loss", "grad_norm", "learning_rate", "clipped", "step_time_s", "target_tokens_per_s",
-               "tokens_per_s", "density", "target_density", "input_wait_s")
+               "tokens_per_s", "density", "target_density", "input_wait_s") + dpo_metrics.TRL_NAMES
 
     def __init__(self, logdir: str):
         from tensorboardX import SummaryWriter
@@ -200,6 +205,7 @@ class MetricsRecorder:
         self._pending: dict[str, Any] | None = None
         self._unfetched: list[tuple[dict[str, Any], Any, float]] = []  # (host counts, device aux, dispatch end)
         self._eval_acc: list[tuple[float, float, float, float]] = []
+        self._eval_dpo: dict[str, float] = {}  # --objective dpo: the eval batches' summed DPO terms
         self.started = time.perf_counter()
 
     def _write(self, record: Mapping[str, Any], flush: bool = True) -> None:
@@ -318,6 +324,8 @@ class MetricsRecorder:
             record["nonfinite"] = reason
             # apply_if_finite rejects updates with non-finite gradients (train/optimizer.py).
             record["skipped"] = self.nan_policy == divergence.SKIP_STEP
+        if dpo_metrics.is_dpo(aux):  # --objective dpo: TRL's names at the top level
+            record.update(dpo_metrics.record_fields(aux))
         if self.source_names:
             record.update(by_source_record(self.source_names, pending, aux))
         for fields in self.row_fields:
@@ -328,11 +336,12 @@ class MetricsRecorder:
     def _print(self, record: Mapping[str, Any]) -> None:
         reason = record.get("nonfinite")
         loss = f"{record['loss']:.4f}" if record["loss"] is not None else f"non-finite ({reason})"
-        kind = " (example mean)" if self.static.get("loss_mean") == "example" else ""
+        kind = {"example": " (example mean)", "pair": " (DPO)"}.get(str(self.static.get("loss_mean")), "")
         lr = f"  lr {record['learning_rate']:.3g}" if record.get("learning_rate") is not None else ""
         print(
             f"step {record['step']}: loss {loss}{kind}  {record['step_time_s']:.3f}s  "
             f"{record['target_tokens_per_s']:.0f} target tok/s  density {record['density']:.3f}{lr}"
+            + dpo_metrics.progress(record)
             + ("  (update skipped: --nan-policy skip-step)" if record.get("skipped") else ""),
             file=self.out,
             flush=True,
@@ -344,7 +353,10 @@ class MetricsRecorder:
 
     def eval_batch_done(self, aux: Mapping[str, Any]) -> None:
         # The sums the loss's mean divides, so the eval loss is that mean over the whole set.
-        if "examples" in aux:
+        if dpo_metrics.is_dpo(aux):
+            weighted, weights = float(aux[dpo_metrics.LOSS_SUM]), float(aux[dpo_metrics.PAIRS])
+            dpo_metrics.add_sums(self._eval_dpo, aux)
+        elif "examples" in aux:
             weighted, weights = float(aux["example_nll_sum"]), float(aux["examples"])
         else:
             weighted, weights = float(aux["nll_sum"]), float(aux["target_tokens"])
@@ -364,8 +376,9 @@ class MetricsRecorder:
             "target_tokens": int(targets.sum()),
             "batches": len(losses),
             "time_s": elapsed,
+            **(dpo_metrics.trl_metrics(self._eval_dpo) if self._eval_dpo else {}),
         }
-        self._eval_acc = []
+        self._eval_acc, self._eval_dpo = [], {}
         self.evals.append(record)
         self._write({"eval": record})
         if self._board is not None:

@@ -60,7 +60,8 @@ class Throughput:
         from train import flops
 
         seg = batch["segment_ids"]  # [B, L], or [B, K, L] with --grad-accum-steps: rows either way
-        return flops.model_flops(self.cost, seg.reshape(-1, seg.shape[-1]))
+        # A preference set's batch is a DPO step's (train/objective.py): its reference pass counts too.
+        return flops.model_flops(self.cost, seg.reshape(-1, seg.shape[-1]), reference_pass="pair_side" in batch)
 
     def fields(self, tokens: float, seconds: float, model_flops: float | None) -> dict[str, float | None]:
         """`tokens_per_s_per_chip` and `mfu` of `tokens` real tokens and `model_flops` done in `seconds`."""

@@ -42,8 +42,9 @@ import jax.numpy as jnp
 # segment_ids != 0, so sending it would only cost transfer.
 DEVICE_FIELDS: tuple[str, ...] = ("input_ids", "loss_mask", "positions", "segment_ids")
 
-# Fields only some sets have: a mixture's source_ids, a split set's example_targets.
-OPTIONAL_DEVICE_FIELDS: tuple[str, ...] = ("source_ids", "example_targets")
+# Fields only some sets have: a mixture's source_ids, a split set's example_targets, a preference
+# set's pair_side (the DPO loss's, train/dpo_loss.py).
+OPTIONAL_DEVICE_FIELDS: tuple[str, ...] = ("source_ids", "example_targets", "pair_side")
 
 # Exactly the keyword arguments of Tunix's default loss (and of train.loss.*).
 MODEL_INPUT_KEYS: tuple[str, ...] = ("input_tokens", "input_mask", "positions", "attention_mask")

@@ -10,6 +10,9 @@ final hidden states and output projection of train/chunked_loss.py (the default 
 and, for bfloat16, LoRA params cast to the compute dtype as train/precision.py does. The
 log-probabilities log p(token t | its segment's tokens before t) of every target token are
 compared; a segment fails when any of its targets differs by more than the dtype's tolerance.
+A preference set's segments are its pairs' sides (row formats 5, 6): each side runs alone as
+the only example of a row, so its completion's log-probabilities, and the DPO loss's sums of
+them, are proven the same packed; a failing side is named by its pair ("pair 2 rejected").
 
 Only the target positions are projected onto the vocabulary (the projection is per token, so
 it cannot mix examples): a [B, L, V] logits array for Gemma3's 262,144 ids would not fit.
@@ -61,6 +64,11 @@ class SegmentParity:
     # The first column whose position, as the model was given it, is not the one it has alone
     # (0..n-1 from the segment's start); None when all are.
     position_fault: tuple[int, int, int] | None = None  # (column, fed, alone)
+    side: str = ""  # a preference set's: "pair k chosen" or "pair k rejected"
+
+    @property
+    def where(self) -> str:
+        return f"{self.label}, segment {self.segment}" + (f" ({self.side})" if self.side else "")
 
 
 @dataclasses.dataclass
@@ -98,12 +106,12 @@ class ParityResult:
         lines = []
         for s in sorted(self.failures, key=lambda s: -s.max_abs_diff)[:limit]:
             if not s.max_abs_diff <= self.tolerance:
-                lines.append(f"{s.label}, segment {s.segment}: |packed - alone| log p {s.max_abs_diff:.2e} > "
+                lines.append(f"{s.where}: |packed - alone| log p {s.max_abs_diff:.2e} > "
                              f"{self.tolerance:.0e} at token {s.worst_token} ({s.targets} targets); the packed segment "
                              "does not compute as it does alone")
             if s.position_fault is not None:
                 column, fed, alone = s.position_fault
-                lines.append(f"{s.label}, segment {s.segment}: the model was given position {fed} at token {column}, "
+                lines.append(f"{s.where}: the model was given position {fed} at token {column}, "
                              f"alone it is {alone}; positions must restart at 0 in every segment")
         return lines
 
@@ -217,6 +225,7 @@ def check_rows(scorer: Scorer, rows: Mapping[str, np.ndarray], labels: Sequence[
     """Runs `rows` packed (as `packed_layout` presents them) and each segment alone; compares every
     target's log p, and the positions the model was given."""
     started = time.perf_counter()
+    sides = rows.get(rowformat.PAIR_SIDE)
     rows = {k: np.asarray(v, np.int32) for k, v in rows.items() if k in rowformat.FIELD_NAMES}
     segments = segments_of(rows)
     batch = rows["input_ids"].shape[0]
@@ -235,7 +244,8 @@ def check_rows(scorer: Scorer, rows: Mapping[str, np.ndarray], labels: Sequence[
             k = int(np.argmax(bad)) if bad.any() else int(np.argmax(diff))
             value = float("inf") if bad.any() else float(diff[k])
             worst = cols.start + int(np.flatnonzero(targets)[k])
-        results.append(SegmentParity(labels[r], s, int(diff.size), value, worst, _position_fault(fed[r], cols)))
+        side = "" if sides is None else f"pair {(s + 1) // 2} {'chosen' if sides[r][cols.start] == rowformat.CHOSEN else 'rejected'}"
+        results.append(SegmentParity(labels[r], s, int(diff.size), value, worst, _position_fault(fed[r], cols), side))
     return ParityResult(dtype, TOLERANCES[dtype] if tolerance is None else tolerance, attention, batch, results,
                         time.perf_counter() - started)
 
@@ -312,7 +322,7 @@ def check_first_batch(setup: Any, batch: Mapping[str, np.ndarray], packed_layout
     spec = models.get_spec(cfg.model)
     compute = models.parse_dtype(cfg.dtype, spec.default_dtype)
     kind = memory_path.attention_kind(cfg)
-    rows = {k: np.asarray(v) for k, v in batch.items() if k in rowformat.FIELD_NAMES}
+    rows = {k: np.asarray(v) for k, v in batch.items() if k in rowformat.FIELD_NAMES + (rowformat.PAIR_SIDE,)}
     labels = [f"first batch row {i}" for i in range(len(rows["input_ids"]))]
     return check_rows(Scorer(setup.built.model, kind, compute), rows, labels, dtype=jnp.dtype(compute).name,
                       attention=kind, packed_layout=packed_layout)

@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-from train import checkpoints, divergence, outputs, resume
+from train import checkpoints, divergence, objective, outputs, resume
 from train.config import TrainConfig, TrainError
 from prepack.format.manifest import packing_kind
 from train.fingerprint import base_fingerprint
@@ -111,6 +111,7 @@ def check_flags(cfg: TrainConfig) -> None:
     if cfg.peak_tflops is not None and not cfg.peak_tflops > 0:
         raise TrainError(f"--peak-tflops must be positive, got {cfg.peak_tflops}")
     divergence.check_policy(cfg.nan_policy)
+    objective.check_flags(cfg)
 
 
 def open_views(cfg: TrainConfig) -> tuple[Any, Any]:
@@ -118,6 +119,9 @@ def open_views(cfg: TrainConfig) -> tuple[Any, Any]:
 
     view = loaders.open_shards(cfg.shards)
     eval_view = loaders.open_shards(cfg.eval_shards) if cfg.eval_shards else None
+    objective.check_set(cfg, view.manifest, cfg.shards)
+    if eval_view is not None:
+        objective.check_set(cfg, eval_view.manifest, cfg.eval_shards, "--eval-shards")
     if eval_view is not None and eval_view.manifest.max_length != view.manifest.max_length:
         raise TrainError(
             f"--eval-shards {cfg.eval_shards} has max_length {eval_view.manifest.max_length}, "
@@ -217,8 +221,11 @@ def run_static(cfg: TrainConfig, manifest: Any, built: Any) -> dict[str, Any]:
         "packing": packing_kind(manifest),
         "batch_size": cfg.batch_size,
         "seq_len": manifest.max_length,
-        # On every step record: which mean `loss` is (train/loss.py), token or example.
-        "loss_mean": cfg.loss_mean,
+        # On every step record: which mean `loss` is (train/loss.py), token or example; a DPO
+        # run's is the mean over the step's pairs.
+        "loss_mean": objective.PAIR_MEAN if cfg.objective == objective.DPO else cfg.loss_mean,
+        "objective": cfg.objective,
+        **({"beta": objective.beta_of(cfg)} if cfg.objective == objective.DPO else {}),
         "grad_accum_steps": cfg.grad_accum_steps,  # a step trains this many micro-batches of batch_size rows
     }
     mixture = getattr(manifest, "mixture", None)
@@ -300,9 +307,14 @@ def attach_step_functions(cfg: TrainConfig, loss_fn: Any, trainer: Any, recorder
         return (step == cfg.steps or (policy is not None and policy.wants(step))
                 or bool(eval_every and step % eval_every == 0) or (profile is not None and step == profile[1]))
 
+    sums = None
+    if cfg.objective == objective.DPO:
+        from train import dpo_loss
+
+        sums = dpo_loss.step_sums()
     trainer.configure(loss_fn=loss_fn, gen_model_input_fn=memory_path.gen_model_input_fn(cfg), recorder=recorder,
                       vocab_size=built.vocab_size, loss_mean=cfg.loss_mean, grad_accum_steps=cfg.grad_accum_steps,
-                      max_grad_norm=cfg.max_grad_norm, fetch_before=fetch_before)
+                      max_grad_norm=cfg.max_grad_norm, fetch_before=fetch_before, sums=sums)
 
 
 def run_details(cfg: TrainConfig, model: ModelChoice, manifest: Any, built: Any, base_params: int) -> dict[str, Any]:

@@ -11,7 +11,8 @@ mean: the K batches' target count; example mean: their example count, both known
 before the model runs, `loss.loss_denominator`), so the summed gradient is exactly the gradient
 of the loss over the K*B rows: Σ grads / Σ targets, not Tunix 0.1.7's `optax.MultiSteps`
 average of K per-batch means (a mean of means, biased when the micro-batches carry different
-numbers of targets, as packed rows do). With K = 1 there is no scan and the step is the same
+numbers of targets, as packed rows do). DPO (train/dpo_loss.py) divides the same way: the K
+micro-batches' summed pair losses over all their pairs (`StepSums` says which sums). With K = 1 there is no scan and the step is the same
 computation as one batch's loss (the denominator is that batch's own).
 
 The record of the step (the aux) carries the summed numerators and denominators, the loss they
@@ -22,6 +23,7 @@ inject_hyperparams keeps the schedule's value).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -39,16 +41,35 @@ StepFn = Callable[[nnx.Module, nnx.Optimizer, Mapping[str, jax.Array]], tuple[ja
 MICRO_AXIS = 1
 
 
+@dataclasses.dataclass(frozen=True)
+class StepSums:
+    """What a step's loss is a ratio of: the aux sum `numerator`, summed over the micro-batches,
+    over `denominator` of the step's fields (from the data alone, known before the model runs);
+    `loss` gives the step's loss from the summed aux."""
+
+    numerator: str
+    denominator: Callable[[Mapping[str, jax.Array]], jax.Array]
+    loss: Callable[[Mapping[str, jax.Array]], jax.Array]
+
+
+def sft_sums(loss_mean: str) -> StepSums:
+    """SFT: the token or example mean (train/loss.py)."""
+    return StepSums(loss_lib.NUMERATOR[loss_mean],
+                    lambda f: loss_lib.loss_denominator(f["loss_mask"], f.get("segment_ids"), f.get("example_targets"), loss_mean),
+                    lambda aux: loss_lib.loss_from_sums(aux, loss_mean))
+
+
 def make_train_step(loss_fn: Callable[..., Any], gen_model_input_fn: Callable[..., Any], *, loss_mean: str,
-                    accumulate: bool, max_grad_norm: float = 0.0) -> StepFn:
-    """loss_fn: a has_aux Tunix loss whose aux holds loss.NUMERATOR/DENOMINATOR sums. accumulate:
-    the batch's fields are [B, K, L] (K micro-batches), else [B, L]."""
-    numerator = loss_lib.NUMERATOR[loss_mean]
+                    accumulate: bool, max_grad_norm: float = 0.0, sums: StepSums | None = None) -> StepFn:
+    """loss_fn: a has_aux Tunix loss whose aux holds the sums `sums` divides (default: SFT's by
+    loss_mean; DPO's: train/dpo_loss.step_sums). accumulate: the batch's fields are [B, K, L]
+    (K micro-batches), else [B, L]."""
+    sums = sums if sums is not None else sft_sums(loss_mean)
+    numerator = sums.numerator
 
     def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: Mapping[str, jax.Array]) -> Any:
         fields = dict(batch)
-        denominator = loss_lib.loss_denominator(fields["loss_mask"], fields.get("segment_ids"),
-                                                fields.get("example_targets"), loss_mean)
+        denominator = sums.denominator(fields)
         graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
 
         def micro(lora: Any, micro_fields: Mapping[str, jax.Array]) -> tuple[Any, dict[str, jax.Array]]:
@@ -70,7 +91,7 @@ def make_train_step(loss_fn: Callable[..., Any], gen_model_input_fn: Callable[..
             (grads, aux), _ = jax.lax.scan(body, zeros, stacked)
         else:
             grads, aux = micro(lora, fields)
-        aux["loss"] = loss_lib.loss_from_sums(aux, loss_mean)
+        aux["loss"] = sums.loss(aux)
         grad_norm = optax.global_norm(grads)  # before clipping: what the run's records report
         optimizer.update(model, grads)
         aux["grad_norm"] = grad_norm
