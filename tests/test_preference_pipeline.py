@@ -223,3 +223,22 @@ def test_pairs_refuse_pieces_and_mixing_with_single_examples(tmp_path):
     with pytest.raises(MixtureError, match=r"sources \['pairs'\] are preference pairs and \['sft'\] are not; a set holds "
                                            r"one kind \(pack them apart\)$"):
         load_mixture(str(mix))
+
+
+def test_a_pair_the_chat_format_cannot_lay_out_is_a_dead_letter(tmp_path):
+    """Gemma 3's format has no tool markup: the pair whose chosen reply is a tool call is a bad record
+    with its own reason, and the other pairs are packed. (The chat format's error counted sides, and
+    the job took that index for a pair's: the job failed with a traceback instead.)"""
+    from pipelines.launch.errors import JobError
+
+    data = write_jsonl(str(tmp_path / "pairs.jsonl"), SCHEMAS["preference"].records)
+    out = str(tmp_path / "out")
+    args = ["--input", data, "--format", "preference", "--max-length", str(L), "--output", out]
+    with pytest.raises(JobError, match=r"^1 of 3 examples read are bad records \(33\.33%, more than --max-bad-fraction 0\): "
+                                       r"tools_not_supported 1 \(Gemma 3 has no tool tokens"):
+        pack(args)
+    stats = pack(args + ["--max-bad-fraction", "0.5"]).stats[L]
+    assert stats["pairs_read"] == 3 and stats["pairs_written"] == 2
+    dead = [json.loads(line) for line in open(os.path.join(out, f"L{L}", "dead_letter.jsonl"))]
+    assert [(d["reason"], d["example_id"], d["source"]["line"]) for d in dead] == [("tools_not_supported", "0/pairs.jsonl/2", 3)]
+    assert verify(out)[0] == 0

@@ -171,9 +171,16 @@ def tokenize_preference_pairs(
     pairs.py): (input_ids, loss_mask, ends, bounds [pairs, 2] = (prompt, split)). The prompt is the
     tokens before each side's first target, which must be the same ids on both sides (a chat
     format renders the shared turns alike): ChatFormatError `pair_prompts_differ`, with the pair's
-    batch position, otherwise. None for an empty batch."""
+    batch position, otherwise; a side the chat format cannot lay out raises its ChatFormatError with
+    the pair's position too. None for an empty batch."""
     sides = [side for pair in pairs for side in (pair.chosen, pair.rejected)]
-    flat = tokenize_conversations_flat(sides, tokenizer, chat_format)
+    try:
+        flat = tokenize_conversations_flat(sides, tokenizer, chat_format)
+    except ChatFormatError as exc:
+        if exc.index is None:
+            raise
+        # Its index counts sides; the caller drops examples, and a pair is one: the pair's position.
+        raise ChatFormatError(exc.reason, exc.message, exc.index // 2) from exc
     if flat is None:
         return None
     ids, mask, side_ends = flat
