@@ -19,6 +19,7 @@ by benchmarks/bench_dpo_packing.py. Nothing here is used by training.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -54,18 +55,25 @@ def random_pairs(n: int, vocab_size: int, seed: int = 0, prompt: tuple[int, int]
 def pair_rows(pairs: Sequence[Pair], plan: Sequence[Sequence[int]], max_length: int, pad_id: int = 0) -> dict[str, np.ndarray]:
     """Rows holding the pairs `plan` lists per row, each pair's sides adjacent (chosen first), as
     the job writes them (rowformat.encode_rows_flat), decoded to [B, L] fields."""
-    lens, ids, mask, sides, counts = [], [], [], [], []
-    for row in plan:
-        counts.append(2 * len(row))
-        for i in row:
-            for side, completion in ((rowformat.CHOSEN, pairs[i].chosen), (rowformat.REJECTED, pairs[i].rejected)):
-                tokens = np.concatenate([pairs[i].prompt, completion])
-                lens.append(len(tokens))
-                ids.append(tokens)
-                mask.append(np.concatenate([np.zeros(len(pairs[i].prompt), np.int32), np.ones(len(completion), np.int32)]))
-                sides.append(side)
-    records = [r for r, _, _ in rowformat.encode_rows_flat(np.array(counts), np.array(lens), np.concatenate(ids),
-                                                             np.concatenate(mask), max_length, pad_id, pair_sides=np.array(sides))]
+    layout = [[(i, side) for i in row for side in (rowformat.CHOSEN, rowformat.REJECTED)] for row in plan]
+    return side_rows(pairs, layout, max_length, pad_id)
+
+
+def side_rows(pairs: Sequence[Pair], layout: Sequence[Sequence[tuple[int, int]]], max_length: int,
+              pad_id: int = 0) -> dict[str, np.ndarray]:
+    """Rows of sides in any order: `layout` lists per row its segments as (pair index, side), so
+    tests can also lay out what the job never writes (a pair's sides in two rows)."""
+    lens, ids, mask, sides = [], [], [], []
+    for row in layout:
+        for i, side in row:
+            completion = pairs[i].chosen if side == rowformat.CHOSEN else pairs[i].rejected
+            lens.append(len(pairs[i].prompt) + len(completion))
+            ids.append(np.concatenate([pairs[i].prompt, completion]))
+            mask.append(np.concatenate([np.zeros(len(pairs[i].prompt), np.int32), np.ones(len(completion), np.int32)]))
+            sides.append(side)
+    records = [r for r, _, _ in rowformat.encode_rows_flat(np.array([len(row) for row in layout]), np.array(lens),
+                                                             np.concatenate(ids), np.concatenate(mask), max_length, pad_id,
+                                                             pair_sides=np.array(sides))]
     return rowformat.decode_rows(records, max_length, rowformat.field_names(rowformat.PAIR_FORMAT_VERSION))
 
 
@@ -137,9 +145,11 @@ def tunix_loss_and_grads(policy: Any, reference: Any, pairs: Sequence[Pair], bet
     return float(loss), {k: float(v) for k, v in aux.items()}, lora_arrays(grads)
 
 
+@functools.lru_cache(maxsize=None)
 def grad_capture() -> Any:
     """An optax optimizer that applies nothing and keeps the gradients it was given in its state
-    (under inject_hyperparams, so the train step can read a learning rate)."""
+    (under inject_hyperparams, so the train step can read a learning rate). One object, so that
+    the optimizers built on it have one structure and `jitted_step` traces once."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -166,10 +176,10 @@ def captured_grads(optimizer: Any) -> dict[str, np.ndarray]:
             for p, v in nnx.to_flat_state(nnx.State(state) if not isinstance(state, nnx.State) else state)}
 
 
-def packed_step(model: Any, batch: dict[str, np.ndarray], beta: float, *, chunk_tokens: int = 64, attention: str = "dense",
-                accumulate: bool = False, reference: Any = None) -> tuple[dict[str, float], dict[str, np.ndarray]]:
-    """One step of train/train_step.py with train/dpo_loss.py on packed pair rows ([B, L], or
-    [B, K, L] with accumulate): the step's aux (sums, loss) and the LoRA gradients it applied."""
+@functools.lru_cache(maxsize=None)
+def jitted_step(beta: float, chunk_tokens: int, attention: str, accumulate: bool, reference: Any = None) -> Any:
+    """The jitted train step of `packed_step`, one per configuration: nnx.jit traces again only for
+    another model structure, so the tests that share a configuration share one compilation."""
     from flax import nnx
 
     from train import dpo_loss, model_inputs, train_step
@@ -177,8 +187,22 @@ def packed_step(model: Any, batch: dict[str, np.ndarray], beta: float, *, chunk_
     kwargs = {} if reference is None else {"reference": reference}
     loss_fn = dpo_loss.make_dpo_loss_fn(beta, chunk_tokens, **kwargs)
     gen = dpo_loss.make_gen_model_input_fn(model_inputs.make_gen_model_input_fn(attention=attention))
-    step = train_step.make_train_step(loss_fn, gen, loss_mean="token", accumulate=accumulate, sums=dpo_loss.step_sums())
+    return nnx.jit(train_step.make_train_step(loss_fn, gen, loss_mean="token", accumulate=accumulate,
+                                              sums=dpo_loss.step_sums()))
+
+
+def packed_step(model: Any, batch: dict[str, np.ndarray], beta: float, *, chunk_tokens: int = 64, attention: str = "dense",
+                tile: int = 32, accumulate: bool = False, reference: Any = None) -> tuple[dict[str, float], dict[str, np.ndarray]]:
+    """One step of train/train_step.py with train/dpo_loss.py on packed pair rows ([B, L], or
+    [B, K, L] with accumulate): the step's aux (sums, loss) and the LoRA gradients it applied.
+    `attention` other than dense is installed on `model` (pass a clone) with `tile`."""
+    from flax import nnx
+
+    from train import attention as attention_lib
+    from train import model_inputs
+
+    attention_lib.install(model, attention, tile)
     optimizer = nnx.Optimizer(model, grad_capture(), wrt=nnx.LoRAParam)
     fields = {k: v for k, v in batch.items() if k in model_inputs.DEVICE_FIELDS + model_inputs.OPTIONAL_DEVICE_FIELDS}
-    _, aux, _ = nnx.jit(step)(model, optimizer, fields)
+    _, aux, _ = jitted_step(beta, chunk_tokens, attention, accumulate, reference)(model, optimizer, fields)
     return {k: float(np.sum(v)) for k, v in aux.items()}, captured_grads(optimizer)

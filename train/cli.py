@@ -25,6 +25,7 @@ import os
 import sys
 from collections.abc import Sequence
 from prepack.cli_help import DefaultsHelpFormatter
+from train import objective
 
 
 def add_optimizer_args(p: argparse.ArgumentParser) -> None:
@@ -91,14 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="token: mean NLL over every target token of the batch (default); example: each example's "
                    "token mean, averaged over the batch's examples (the pieces of an --overlong split example count "
                    "as one); needs --loss masked")
-    p.add_argument("--objective", default="sft", choices=["sft", "dpo"],
-                   help="sft: the masked loss on a set of single examples. dpo: the sigmoid DPO loss on a preference "
-                   "set (prepack pack --format preference): each pair's chosen against its rejected reply, against "
-                   "the base model with LoRA switched off as the reference; metrics under TRL's names. Each refuses "
-                   "the other's sets: SFT on pair rows would train the rejected replies as targets too")
-    p.add_argument("--beta", type=float, default=None,
-                   help="the DPO loss's beta, how far the policy may move from the reference (--objective dpo; "
-                   "default 0.1, TRL's and Tunix's)")
+    objective.add_arguments(p)
     p.add_argument("--read-threads", type=int, default=None, help="loader read threads (default: chosen by where the shards are: 1 on local disk, 16 on a gcsfuse/NFS mount, 4 for gs://)")
     p.add_argument("--log-every", type=int, default=10,
                    help="every N steps read the steps' metrics from the device, write their JSONL records and print "
@@ -185,20 +179,27 @@ def shards_refusal(flag: str, path: str) -> str | None:
     return None
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+def paths_refusal(args: argparse.Namespace) -> str | None:
+    """The first path option that cannot be used (a bad location, shards that are not a set), in one line."""
     from prepack.storage import location_problem
 
     for flag in ("--shards", "--eval-shards", "--metrics-out", "--checkpoint-dir", "--save-lora", "--weights"):
         path = getattr(args, flag[2:].replace("-", "_"))
         if path and location_problem(path):
-            print(f"prepack train: {flag} {location_problem(path)}", file=sys.stderr)
-            return 2
+            return f"{flag} {location_problem(path)}"
     for flag, path in (("--shards", args.shards), ("--eval-shards", args.eval_shards)):
         refusal = path and shards_refusal(flag, path)
         if refusal:
-            print(f"prepack train: {refusal}", file=sys.stderr)
-            return 2
+            return refusal
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    refusal = paths_refusal(args)
+    if refusal:
+        print(f"prepack train: {refusal}", file=sys.stderr)
+        return 2
     if args.cpu_devices:
         # Must be set before JAX initializes its backends, i.e. before the imports below.
         flags = os.environ.get("XLA_FLAGS", "")

@@ -13,6 +13,7 @@ marks as worse). To fine-tune on the chosen replies alone, pack them as a chat s
 
 from __future__ import annotations
 
+import argparse
 import math
 from typing import Any
 
@@ -24,6 +25,18 @@ OBJECTIVES = (SFT, DPO)
 DEFAULT_BETA = 0.1  # TRL's and Tunix's DPO default
 # What the metrics' `loss_mean` says a DPO step's `loss` is: the mean over its pairs.
 PAIR_MEAN = "pair"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`prepack train`'s --objective and --beta."""
+    p.add_argument("--objective", default=SFT, choices=list(OBJECTIVES),
+                   help="sft: the masked loss on a set of single examples. dpo: the sigmoid DPO loss on a preference "
+                   "set (prepack pack --format preference): each pair's chosen against its rejected reply, against "
+                   "the base model with LoRA switched off as the reference; metrics under TRL's names. Each refuses "
+                   "the other's sets: SFT on pair rows would train the rejected replies as targets too")
+    p.add_argument("--beta", type=float, default=None,
+                   help="the DPO loss's beta, how far the policy may move from the reference (--objective dpo; "
+                   "default 0.1, TRL's and Tunix's)")
 
 
 def beta_of(cfg: TrainConfig) -> float:

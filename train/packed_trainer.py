@@ -111,8 +111,7 @@ def make_trainer_class() -> type:
                       fetch_before: Callable[[int], bool], sums: Any = None) -> "PackedPeftTrainer":
             """sums: what the step's loss divides (train_step.StepSums; None: SFT's by loss_mean)."""
             self.recorder, self.vocab_size, self.fetch_before = recorder, vocab_size, fetch_before
-            self.step_options = {"loss_mean": loss_mean, "accumulate": grad_accum_steps > 1, "max_grad_norm": max_grad_norm,
-                                 "sums": sums}
+            self.step_options = dict(loss_mean=loss_mean, accumulate=grad_accum_steps > 1, max_grad_norm=max_grad_norm, sums=sums)
             self.with_gen_model_input_fn(gen_model_input_fn).with_loss_fn(loss_fn, has_aux=True)
             self.with_training_hooks(EvalTiming(self))
             return self
