@@ -1,6 +1,9 @@
 """Writes sample_sft.jsonl: the small alpaca-format dataset `prepack pack --sample` packs;
 and sample_chat.jsonl, a small chat-format set ({"messages": [...]}, 2 to 6 turns) that the
-README's mixture walkthrough mixes with it (sample_mix.yaml, sample_remix.yaml).
+README's mixture walkthrough mixes with it (sample_mix.yaml, sample_remix.yaml); and
+sample_preference.jsonl, preference pairs in TRL's {prompt, chosen, rejected} schema for the
+README's DPO walkthrough (`--format preference`): the chosen reply right and on topic, the
+rejected one wrong (an arithmetic slip, the wrong factor) or off topic.
 
 Written by the project (no third-party text), deterministic, with the length
 spread of real SFT sets: many short answers, a long tail, and a few examples
@@ -17,6 +20,7 @@ from pathlib import Path
 
 OUT = Path(__file__).with_name("sample_sft.jsonl")
 CHAT_OUT = Path(__file__).with_name("sample_chat.jsonl")
+PREFERENCE_OUT = Path(__file__).with_name("sample_preference.jsonl")
 
 UNITS = [("kilometres", "miles", 0.621371), ("kilograms", "pounds", 2.20462), ("litres", "US gallons", 0.264172),
          ("metres", "feet", 3.28084), ("Celsius degrees of difference", "Fahrenheit degrees of difference", 1.8)]
@@ -114,6 +118,39 @@ def write_chat() -> None:
     print(f"wrote {len(records)} records to {CHAT_OUT}")
 
 
+def preference_pair(rng: random.Random) -> dict:
+    """One pair whose two replies differ in what a reader would care about."""
+    kind = rng.random()
+    if kind < 0.4:
+        a, b = rng.randint(2, 999), rng.randint(2, 999)
+        op, result = rng.choice([("plus", a + b), ("minus", a - b), ("times", a * b)])
+        slip = result + rng.choice([-10, -1, 1, 10])
+        return {"prompt": f"What is {a} {op} {b}?", "chosen": f"{a} {op} {b} is {result}.",
+                "rejected": f"{a} {op} {b} is {slip}."}
+    if kind < 0.7:
+        (src, dst, factor), (_, _, wrong) = rng.sample(UNITS, 2)
+        value = rng.randint(1, 500)
+        return {"prompt": f"Convert {value} {src} to {dst}.",
+                "chosen": f"{value} {src} is about {value * factor:.2f} {dst}, using a factor of {factor}.",
+                "rejected": f"{value} {src} is about {value * wrong:.2f} {dst}."}
+    (topic, text), (_, other) = rng.sample(sorted(TOPICS.items()), 2)
+    messages = [{"role": "user", "content": f"Explain {topic} in a few sentences."}]
+    if rng.random() < 0.3:
+        messages.insert(0, {"role": "system", "content": "Answer briefly and stay on the question."})
+    extra = " ".join(rng.sample(ADVICE, rng.randint(0, 2)))
+    return {"prompt": messages, "chosen": [{"role": "assistant", "content": f"{text} {extra}".strip()}],
+            "rejected": [{"role": "assistant", "content": other}]}
+
+
+def write_preference() -> None:
+    rng = random.Random(20261205)  # its own stream: the other samples' bytes do not change
+    records = [preference_pair(rng) for _ in range(200)]
+    with PREFERENCE_OUT.open("w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    print(f"wrote {len(records)} records to {PREFERENCE_OUT}")
+
+
 def main() -> None:
     rng = random.Random(20261130)
     records = []
@@ -135,6 +172,7 @@ def main() -> None:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
     print(f"wrote {len(records)} records to {OUT}")
     write_chat()
+    write_preference()
 
 
 if __name__ == "__main__":
