@@ -242,3 +242,23 @@ def test_a_pair_the_chat_format_cannot_lay_out_is_a_dead_letter(tmp_path):
     dead = [json.loads(line) for line in open(os.path.join(out, f"L{L}", "dead_letter.jsonl"))]
     assert [(d["reason"], d["example_id"], d["source"]["line"]) for d in dead] == [("tools_not_supported", "0/pairs.jsonl/2", 3)]
     assert verify(out)[0] == 0
+
+
+def test_the_shipped_preference_sample_is_its_generators_and_every_record_a_pair(tmp_path, monkeypatch):
+    """prepack/sample_data/sample_preference.jsonl (the README's DPO walkthrough): what generate.py
+    writes, byte for byte, and each of its 200 records one pair with differing sides (no dead letter)."""
+    import importlib.util
+
+    from prepack.text.formats import get_template
+
+    sample_dir = os.path.join(os.path.dirname(rowformat.__file__), "..", "sample_data")
+    spec = importlib.util.spec_from_file_location("generate_samples", os.path.join(sample_dir, "generate.py"))
+    generate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generate)
+    monkeypatch.setattr(generate, "PREFERENCE_OUT", tmp_path / "sample_preference.jsonl")
+    generate.write_preference()
+    shipped = open(os.path.join(sample_dir, "sample_preference.jsonl"), "rb").read()
+    assert (tmp_path / "sample_preference.jsonl").read_bytes() == shipped
+    template = get_template("preference")
+    records = [json.loads(line) for line in shipped.decode().splitlines()]
+    assert len(records) == 200 and all(len(template.to_conversations(r)) == 1 for r in records)
