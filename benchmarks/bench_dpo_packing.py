@@ -13,7 +13,8 @@ format) at each max length L and compares, at the same (B, L):
 Both count the same pairs (those the job packed at L) tokenized once; the step compute is the
 token slots the model runs (packed B·L, Tunix 2·B·L: its chosen and rejected rectangles). It
 reports pairs and completion tokens per step, completion tokens per slot, and their ratio; the
-pair rows' real-token density and their count against the lower bound ceil(tokens / L). Then
+pair rows' real-token density and their count against the lower bound ceil(tokens / L) and
+Martello and Toth's L2 bound (benchmarks/bench_planner.py), which any packer must reach. Then
 the DPO step's planned memory against the SFT step's at one shape (`prepack train --plan-memory`,
 Gemma3 270M, random bf16 weights: the plan needs shapes, not values; SFT on the shipped Alpaca
 sample packed at the same L).
@@ -42,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.bench_planner import martello_toth_bound
 from benchmarks.data import DATA_DIR
 
 RANKING_COLUMNS = ["--columns", "prompt=conversations,role=from,content=value", "--roles", "user=human,assistant=gpt"]
@@ -53,6 +55,16 @@ def pack(args: list[str]) -> None:
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
+
+
+def pair_sizes(segment_ids: np.ndarray) -> np.ndarray:
+    """Each pair's tokens in the rows: its two adjacent segments (chosen, then rejected)."""
+    sizes = []
+    for row in segment_ids:
+        ids, counts = np.unique(row[row != 0], return_counts=True)
+        counts = counts[np.argsort(ids)]
+        sizes += (counts[0::2] + counts[1::2]).tolist()
+    return np.asarray(sizes)
 
 
 def read_rows(path: str) -> tuple[Any, dict[str, np.ndarray]]:
@@ -89,10 +101,16 @@ def compare(path: str, batch: int) -> dict[str, Any]:
     p_len, kept = tunix_split(prompts, longest_side, length)
     whole = (prompts <= p_len) & (longest_side <= length - p_len)
     lower = math.ceil(real / length)
+    # A pair over half a row shares it with no other such pair: Martello and Toth's L2 bound says
+    # how many rows any packer needs, where ceil(tokens / L) cannot be reached.
+    sizes = pair_sizes(rows["segment_ids"])
+    assert len(sizes) == len(pairs) and int(sizes.sum()) == real
+    l2 = martello_toth_bound(dict(zip(*(x.tolist() for x in np.unique(sizes, return_counts=True)))), length)
     packed_per_step = batch * targets / n_rows
     tunix_per_step = batch * float(completion[whole].mean())
     out = {
         "L": length, "B": batch, "pairs": len(pairs), "rows": n_rows, "lower_bound_rows": lower,
+        "l2_bound_rows": l2, "rows_over_l2_bound": n_rows - l2,
         "rows_over_lower_bound": n_rows / lower - 1, "density": real / (n_rows * length),
         "stats_pairs_written": manifest.stats.get("pairs_written"), "stats_pairs_dropped": manifest.stats.get("pairs_dropped"),
         "packed_pairs_per_step": batch * len(pairs) / n_rows, "packed_completion_tokens_per_step": packed_per_step,
@@ -148,11 +166,11 @@ def main() -> None:
                 print(json.dumps({**r, "L": length}), flush=True)
     print(f"\n{os.path.basename(args.input)}, Gemma 3 tokenizer and chat format, B={args.batch_size}; "
           f"{time.perf_counter() - started:.0f} s")
-    print("| L | pairs | rows (lower bound) | density | pairs/step packed (Tunix) | completion tokens/step packed (Tunix) "
+    print("| L | pairs | rows (lower bound; L2 bound) | density | pairs/step packed (Tunix) | completion tokens/step packed (Tunix) "
           "| completion tokens per slot packed / Tunix | Tunix P + C (pairs whole) |")
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['L']} | {r['pairs']} | {r['rows']} ({r['lower_bound_rows']}, +{100 * r['rows_over_lower_bound']:.1f}%) | "
+        print(f"| {r['L']} | {r['pairs']} | {r['rows']} ({r['lower_bound_rows']}, +{100 * r['rows_over_lower_bound']:.1f}%; {r['l2_bound_rows']}) | "
               f"{100 * r['density']:.1f}% | {r['packed_pairs_per_step']:.1f} ({r['tunix_pairs_per_step']}) | "
               f"{r['packed_completion_tokens_per_step']:,.0f} ({r['tunix_completion_tokens_per_step']:,.0f}) | "
               f"{r['packed_completion_per_slot']:.3f} / {r['tunix_completion_per_slot']:.3f} = "
