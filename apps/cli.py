@@ -19,6 +19,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str, str]] = {
     "train": ("train.cli", "main", "train", "LoRA SFT with Tunix on a shard set, packed or unpacked"),
     "export": ("train.merge_export", "main", "train",
                "merge a trained adapter into its base weights: a Hugging Face safetensors folder with config.json"),
+    "generate": ("apps.generate", "main", "pipeline,train",
+                 "sample from the model (and --lora adapter) on the data's own prompts, rendered as for training; --score"),
 }
 
 

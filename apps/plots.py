@@ -484,3 +484,39 @@ def dpo_curves(runs: Sequence[Any], path: str) -> str:
     right.legend(fontsize=8, frameon=False)
     fig.tight_layout()
     return _save(fig, path)
+
+
+def eval_generate_curves(runs: Sequence[Any], path: str) -> str:
+    """`prepack train --eval-generate`: the held-out prompts' scores against step, one colour per
+    run (report.Run.eval_generate): exact match (and tool-call accuracy where scored) on the left,
+    the reference NLL on the right."""
+    plt = _plt()
+    colors = _colors([run.label for run in runs])
+    fig, (rates, nll) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for run in runs:
+        records = run.eval_generate
+        if not records:
+            continue
+        steps = [r["step"] for r in records]
+        color = colors[run.label]
+        for key, style, name in (("exact_match", "-o", "exact match"), ("full_call_accuracy", "--s", "full-call accuracy")):
+            values = [np.nan if r.get(key) is None else 100 * r[key] for r in records]
+            if np.isfinite(values).any():
+                rates.plot(steps, values, style, color=color, lw=1.6, markersize=4,
+                           label=name if len(runs) == 1 else f"{name} ({run.label})")
+        values = [np.nan if r.get("reference_nll") is None else r["reference_nll"] for r in records]
+        nll.plot(steps, values, "-o", color=color, lw=1.6, markersize=4, label=run.label)
+    rates.set_ylim(-3, 103)
+    rates.set_ylabel("% of held-out prompts")
+    rates.set_title("Generated answers right")
+    nll.set_ylabel("mean NLL of the reference reply (nats/token)")
+    nll.set_title("Reference NLL")
+    from matplotlib.ticker import MaxNLocator
+
+    for ax in (rates, nll):
+        ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, frameon=False)
+    fig.tight_layout()
+    return _save(fig, path)

@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from apps import read_inputs
 from apps.packing_table import CSV_COLUMNS, THROUGHPUT_MODEL, render_text_table, result_row
 from apps.report import find_manifests, manifest_rows
 from pipelines.configs import PackConfig, RowSpec
@@ -61,7 +62,7 @@ DEFAULT_MAX_LENGTHS = (256, 512, 1024, 2048)
 DEFAULT_BATCH_SIZES = (REFERENCE_BATCH_SIZE,)  # the batch size the pack summary plans for, too
 TOKENIZE_BATCH = 512  # conversations per encode_batch call: big enough to amortize, small enough to retry
 
-class PreflightError(Exception):
+class PreflightError(read_inputs.InputsError):
     """Bad input or options: printed as one line, exit status 2."""
 
 
@@ -320,23 +321,12 @@ def evaluate(examples: ExampleSet, config: PreflightConfig, tokenizer_name: str 
 
 
 def _pipelines() -> Any:
-    try:
-        from pipelines import sources
-        from pipelines.inputs import readers
-        from pipelines import preparer as prepare
-    except ImportError as e:
-        raise PreflightError(f"reading inputs needs the pipeline extra ({e}); pip install 'tunix-prepack[pipeline]'") from e
-    return prepare, readers, sources
+    return read_inputs.pipeline_modules()
 
 
 def read_tasks(spec: str, rows: RowSpec) -> tuple[list[Any], list[Any]]:
     """(TaskMetas, ReadTasks) of one --input, as the job plans them; PreflightError if unreadable."""
-    _, _, sources = _pipelines()
-    try:
-        inputs, tasks = sources.resolve_inputs([spec], rows.tfds_data_dir)
-    except sources.InputError as e:
-        raise PreflightError(str(e)) from e
-    return sources.task_metas(inputs, tasks), tasks
+    return read_inputs.read_tasks(spec, rows.tfds_data_dir)
 
 
 def check_input(spec: str, rows: RowSpec) -> None:
@@ -344,43 +334,11 @@ def check_input(spec: str, rows: RowSpec) -> None:
     read_tasks(spec, rows)
 
 
-def _raw_batches(tasks: Iterable[Any], rows: RowSpec) -> Iterator[tuple[int, list]]:
-    """(task index, raw records) in batches, as the job's read stage makes them (under the RowSpec's limits)."""
-    _, readers, _ = _pipelines()
-    for task in tasks:
-        for batch in _batches(readers.iter_task(task, readers.FileDigest(), TOKENIZE_BATCH, rows.limits), TOKENIZE_BATCH):
-            yield task.task_index, batch
-
-
 def _templated(preparer: Any, metas: list[Any], tasks: list[Any], tally: Tally, rows: RowSpec,
                progress: Any = None) -> Iterator[Any]:
-    """(conv, response, meta) of every example, through the job's prepare stage; bad records are
-    tallied by reason as the job does (their dead letters are not kept). progress (a tqdm
-    counter) counts the records read after each batch."""
-
-    def read_so_far(counter: Any) -> None:
-        counter.update(tally.records_read - counter.n)
-
-    prepare, _, _ = _pipelines()
-    bad: list[Any] = []
-    template = preparer.template
-    if getattr(template, "table_level", False):  # oasst1: messages only make sense as whole trees
-        trees: dict[str, list] = {}
-        for task_index, items in _raw_batches(tasks, rows):
-            for key, located in prepare.key_table_records(metas, task_index, items, template.group_key, tally, bad):
-                trees.setdefault(key, []).append(located)
-            bad.clear()
-            if progress is not None:
-                read_so_far(progress)
-        for key in sorted(trees):
-            yield from preparer.template_table(trees.pop(key), tally, bad).items()
-            bad.clear()
-        return
-    for task_index, items in _raw_batches(tasks, rows):
-        yield from preparer.template_records(task_index, items, tally, bad).items()
-        bad.clear()
-        if progress is not None:
-            read_so_far(progress)
+    """(conv, response, meta) of every example, through the job's prepare stage (apps/read_inputs.py);
+    bad records are tallied by reason as the job does (their dead letters are not kept)."""
+    return read_inputs.templated(preparer, metas, tasks, tally, rows.limits, progress)
 
 
 # ----------------------------------------------------------------------------- template + tokenizer
@@ -404,17 +362,6 @@ class _Reservoir:
 
     def items(self) -> list[Any]:
         return [item for _, item in sorted(self._items, key=lambda pair: pair[0])]
-
-
-def _batches(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
-    batch: list[Any] = []
-    for item in items:
-        batch.append(item)
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
 
 
 def _loss_masks(batches: Iterable[Any]) -> Iterator[np.ndarray | tuple[np.ndarray, np.ndarray]]:
@@ -450,7 +397,7 @@ def load_examples(spec: DatasetSpec, tokenizer: Any, chat_format: Any, config: P
         items, seen = reservoir.items(), reservoir.seen
     collector = _Collector(keep_over=min(config.rows.max_lengths))
     tokenizing = counter(f"preflight: {spec.name}: tokenized", "examples", PROGRESS_EVERY_S)
-    for chunk in _batches(items, TOKENIZE_BATCH):
+    for chunk in read_inputs.batches(items, TOKENIZE_BATCH):
         collector.add(_loss_masks(preparer.tokenize(prepare.Templated.of(chunk), tally, [])))
         tokenizing.update(len(collector) - tokenizing.n)
     for bar in (reading, tokenizing):
@@ -477,19 +424,9 @@ def checked_format(spec: DatasetSpec, config: PreflightConfig) -> DatasetSpec:
     """The dataset's format looked at on its first records, as `prepack pack` does
     (pipelines/launch/format_check.py): auto resolved and said, a format the records do not fit
     refused in one line."""
-    from pipelines.launch.format_check import FormatCheckError, check_source
-
-    _, tasks = read_tasks(spec.path, config.rows)
-    if not tasks:
-        return spec
     options = {**config.rows.template_kwargs, **dict(spec.options)}
-    if spec.format != "auto":
-        accepted = {f.name for f in dataclasses.fields(make_template(spec.format, {}))}
-        options = {k: v for k, v in options.items() if k in accepted}
-    try:
-        fmt, note = check_source(spec.format, options, tasks[0], config.rows.limits, f"{spec.name}: ")
-    except FormatCheckError as e:
-        raise PreflightError(str(e)) from None
+    fmt, note = read_inputs.checked_format(spec.path, spec.format, options, config.rows.limits, f"{spec.name}: ",
+                                           config.rows.tfds_data_dir)
     if note:
         print(f"prepack preflight: {note}", file=sys.stderr)
     return dataclasses.replace(spec, format=fmt)
@@ -498,15 +435,7 @@ def checked_format(spec: DatasetSpec, config: PreflightConfig) -> DatasetSpec:
 def make_template(name: str, options: dict[str, str]) -> Any:
     """The template for a --format; --template-option values go only to templates that take them,
     so one `source_lang=de` can sit beside alpaca inputs."""
-    from prepack.text.formats import get_template
-
-    if name not in template_names():
-        raise PreflightError(f"unknown format {name!r}; expected one of {', '.join(template_names())}, or auto")
-    accepted = {f.name for f in dataclasses.fields(get_template(name))}
-    try:
-        return get_template(name, **{k: v for k, v in options.items() if k in accepted})
-    except ValueError as e:
-        raise PreflightError(f"format {name!r}: {e}") from e
+    return read_inputs.make_template(name, options)
 
 
 # ----------------------------------------------------------------------------- run and write
@@ -864,7 +793,7 @@ def main(argv: list[str] | None = None) -> int:
             fmt_name = getattr(chat_format, "name", type(chat_format).__name__)
             result = run(config, lambda spec: load_examples(spec, tokenizer, chat_format, config), config.rows.tokenizer, fmt_name)
         written = write_outputs(result, config.output, plots=config.plots)
-    except PreflightError as e:
+    except read_inputs.InputsError as e:  # PreflightError, or the reading's own
         print(f"prepack preflight: error: {e}", file=sys.stderr)
         return 2
     print(render_text_table(result["rows"]))

@@ -7,6 +7,9 @@
   target tokens and against time, and the useful-token budget view: how long
   each run takes to train on the same number of target tokens.
 - Preflight results (`--preflight`, optional): the estimate, on the same page.
+- Generations (`--generations BASE.jsonl TUNED.jsonl`, what `prepack generate` wrote): the runs'
+  scores side by side and the prompts whose answer changed (apps/compare_generations.py); printed,
+  and on the page when --output is given.
 
 `--output page.html` embeds the PNGs (base64), so the page is one file;
 `--output page.md` writes the PNGs beside it, named after the page.
@@ -55,6 +58,7 @@ class ReportConfig:
     budget: float | None = None  # target tokens; None: the most that every run reached
     warmup_steps: int = 1  # first steps (compilation) timed as the median step, as the trainer's summary leaves step 1 out
     title: str = "tunix-prepack report"
+    generations: tuple[str, ...] = ()
 
 
 # ----------------------------------------------------------------------------- manifests
@@ -222,6 +226,8 @@ class Run:
     loss_mean: str = "token"
     # An --objective dpo run: TRL's metric name -> its value per step (NaN where not logged).
     dpo: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    # `prepack train --eval-generate`: its {"eval_generate": {...}} records, in order.
+    eval_generate: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     @property
     def clock_s(self) -> np.ndarray:
@@ -285,7 +291,7 @@ def load_run(path: str, label: str | None = None, warmup_steps: int = 1) -> Run:
     """Reads step lines, {"eval": {...}} lines and the {"summary": {...}} line of a metrics JSONL."""
     if not os.path.isfile(path):
         raise ReportError(f"--metrics {path}: no such file")
-    steps, evals, summary = [], [], {}
+    steps, evals, summary, generated = [], [], {}, []
     with open(path) as f:
         for number, line in enumerate(f, start=1):
             if not line.strip():
@@ -300,6 +306,11 @@ def load_run(path: str, label: str | None = None, warmup_steps: int = 1) -> Run:
                 ev = record["eval"]
                 if ev.get("loss") is not None:
                     evals.append((float(ev.get("step") or 0), float(ev["loss"])))
+            elif isinstance(record.get("eval_generate"), dict):
+                ev = record["eval_generate"]
+                if isinstance(ev.get("step"), int) and all(isinstance(ev.get(k), (int, float, type(None))) for k in
+                                                           ("exact_match", "reference_nll", "full_call_accuracy")):
+                    generated.append(ev)
             elif isinstance(record.get("summary"), dict):
                 summary.update(record["summary"])
             elif "loss" in record and "step" in record and "summary" not in record:
@@ -325,7 +336,7 @@ def load_run(path: str, label: str | None = None, warmup_steps: int = 1) -> Run:
         dpo = {k: np.array([math.nan if not isinstance(r.get(k), (int, float)) else float(r[k]) for r in steps], dtype=np.float64)
                for k in DPO_NAMES}
     return Run(name, path, column("step"), loss, column("step_time_s"), target,
-               column("tokens"), summary, packing, warmup_steps, evals, by_source, loss_mean, dpo)
+               column("tokens"), summary, packing, warmup_steps, evals, by_source, loss_mean, dpo, generated)
 
 
 def _per_step(values: np.ndarray, times: np.ndarray, rates: list[Any]) -> np.ndarray:
@@ -492,6 +503,10 @@ def build_page(config: ReportConfig, figures_dir: str) -> tuple[Page, list[str]]
         page.add("img", name, path)
 
     _preflight_sections(page, figure, config)
+    if config.generations:
+        from apps import compare_generations
+
+        compare_generations.page_section(page, compare_generations.load_all(config.generations))
     rows = _shards_section(page, figure, config, runs) if config.shards else []
     budget, table = _training_section(page, figure, config, runs) if runs else (0.0, [])
 
@@ -586,6 +601,12 @@ def _training_section(page: Page, figure: Any, config: ReportConfig, runs: list[
         page.add("p", "Mixture sets: each source's training loss per step (its target tokens' mean NLL in the "
                       "batch; a step without that source has no point), from loss_by_source in the metrics JSONL.")
         figure("loss_by_source.png", plots.source_loss_curves, [r for r in runs if r.loss_by_source])
+    if any(run.eval_generate for run in runs):
+        page.add("h3", "Held-out generations during training")
+        page.add("p", "`prepack train --eval-generate`: the held-out prompts' replies generated greedily with the "
+                      "run's model at each evaluation, scored as `prepack generate --score` does (exact match of the "
+                      "reply; the reference reply's mean token NLL).")
+        figure("eval_generate.png", plots.eval_generate_curves, [r for r in runs if r.eval_generate])
     return budget, table
 
 
@@ -769,8 +790,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="time each run's first N steps (compilation) as its median step (default 1, as the "
                         "trainer's summary leaves step 1 out; 0 counts them as logged). Timing only: not the "
                         "learning-rate warmup of prepack train --warmup-steps")
+    p.add_argument("--generations", action="extend", nargs="+", default=[], metavar="[LABEL=]PATH",
+                   help="generations JSONL files from `prepack generate` (e.g. a base run and a tuned run) on the same "
+                        "prompts: their scores side by side, printed (and on the page with --output)")
     p.add_argument("--title", default="tunix-prepack report")
-    p.add_argument("--output", required=True, metavar="FILE.html|FILE.md")
+    p.add_argument("--output", metavar="FILE.html|FILE.md", help="the page (required unless only --generations are given)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output page")
     return p
 
@@ -790,8 +814,19 @@ def _check_locations(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        if not (args.shards or args.metrics or args.preflight):
-            raise ReportError("nothing to report: give --shards, --metrics and/or --preflight")
+        if not (args.shards or args.metrics or args.preflight or args.generations):
+            raise ReportError("nothing to report: give --shards, --metrics, --preflight and/or --generations")
+        if args.generations:
+            from apps import compare_generations
+
+            try:
+                print(compare_generations.render_text(compare_generations.load_all(args.generations)))
+            except compare_generations.GenerationsError as e:
+                raise ReportError(str(e)) from None
+            if args.output is None and not (args.shards or args.metrics or args.preflight):
+                return 0
+        if args.output is None:
+            raise ReportError("--output FILE.html|FILE.md is required for --shards, --metrics and --preflight")
         _check_locations(args)
         batch_sizes = tuple(sorted(set(args.batch_size or ())))
         if any(b <= 0 for b in batch_sizes):
@@ -808,7 +843,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ReportError(exists)
         config = ReportConfig(output=args.output, shards=tuple(args.shards), metrics=tuple(args.metrics),
                               preflight=tuple(args.preflight), batch_sizes=batch_sizes, budget=args.budget,
-                              warmup_steps=args.warmup_steps, title=args.title)
+                              warmup_steps=args.warmup_steps, title=args.title, generations=tuple(args.generations))
         from apps.plots import matplotlib_missing
 
         if matplotlib_missing():

@@ -175,3 +175,14 @@ def install(model: nnx.Module, kind: str, tile: int | None = None) -> nnx.Module
         attn.attention_kind = kind
         attn.attention_tile = tile or default_tile(kind)
     return model
+
+
+def restore_tunix(model: nnx.Module) -> nnx.Module:
+    """Gives every layer Tunix's own Attention back (undoes `install`): generation runs with a KV
+    cache, which only Tunix's attention has (prepack generate, and --eval-generate during a run)."""
+    ours = (_gemma3_class(), _qwen3_class())
+    for layer in model.layers:
+        attn = layer.attn
+        if type(attn) in ours:
+            attn.__class__ = type(attn).__mro__[1]
+    return model

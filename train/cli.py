@@ -142,6 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="before step 1, run the first batch packed and each of its segments alone through the model "
                    "(as `prepack verify --model`) and stop (exit 1) if any target token's log-probability differs "
                    "beyond the dtype's tolerance")
+    p.add_argument("--eval-generate", metavar="FILE",
+                   help="held-out records (a JSONL in the shard set's format): their last replies generated and scored "
+                   "(exact match, reference NLL, tool calls; as prepack generate --score) before the first step, every "
+                   "--eval-generate-every steps and after the last, into the metrics JSONL")
+    p.add_argument("--eval-generate-every", type=int, metavar="N", help="with --eval-generate: every N steps too")
     return p
 
 
@@ -224,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         nan_policy=args.nan_policy, loss_chunk_tokens=args.loss_chunk_tokens, attention=args.attention,
         attention_tile=args.attention_tile,
         remat=args.remat, memory_budget_gib=args.memory_budget_gib, verify_first=args.verify_first,
-        peak_tflops=args.peak_tflops,
+        peak_tflops=args.peak_tflops, eval_generate=args.eval_generate, eval_generate_every=args.eval_generate_every,
     )
     try:
         if args.plan_memory:

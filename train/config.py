@@ -79,3 +79,7 @@ class TrainConfig:
     verify_first: bool = False
     # MFU's denominator: one chip's dense bf16 TFLOP/s; None: train/mfu.py's table by device kind.
     peak_tflops: float | None = None
+    # --eval-generate FILE: held-out records (the set's format) generated and scored before the first
+    # step, every eval_generate_every steps and after the last (train/eval_generate.py).
+    eval_generate: str | None = None
+    eval_generate_every: int | None = None

@@ -5,6 +5,7 @@ One JSON line per optimizer step, then eval lines and one summary line:
    "target_tokens", "target_tokens_per_s", "density", "tokens_per_s_per_chip", "mfu", ...}
 `tokens_per_s_per_chip` and `mfu` (null where the chip's peak is unknown) come from train/mfu.py.
   {"eval": {"step", "loss", "loss_mean", "target_tokens", "batches", "time_s"}}
+  {"eval_generate": {"step", "prompts", "exact_match", "reference_nll", ...}}  (--eval-generate: train/eval_generate.py)
 `loss_mean` names what `loss` is: "token" (the mean over the batch's target tokens) or
 "example" (the mean of its examples' token means; those records add `token_loss`, the token
 mean of the same batch, and `device_examples`, the examples the loss counted: fractional when
@@ -200,6 +201,7 @@ class MetricsRecorder:
         self.steps: list[dict[str, Any]] = []
         self.evals: list[dict[str, Any]] = []
         self.fetches = 0
+        self.eval_generations: list[dict[str, Any]] = []  # --eval-generate records
         self._clock: float | None = None
         self._window_start: float | None = None
         self._pending: dict[str, Any] | None = None
@@ -386,6 +388,19 @@ class MetricsRecorder:
             self._board.flush()
         print(f"eval after step {record['step']}: loss {record['loss'] if record['loss'] is None else format(record['loss'], '.4f')} over {record['target_tokens']} target tokens", file=self.out)
 
+    def eval_generate_done(self, record: Mapping[str, Any]) -> None:
+        """--eval-generate: one scored generation of the held-out prompts (train/eval_generate.py)."""
+        self.eval_generations.append(dict(record))
+        self._write({"eval_generate": dict(record)})
+        rate = lambda key: "-" if record.get(key) is None else f"{record[key]:.1%}"  # noqa: E731
+        nll = record.get("reference_nll")
+        calls = f", valid calls {rate('valid_call_rate')}, full calls {rate('full_call_accuracy')}" \
+            if record.get("valid_call_rate") is not None else ""
+        print(f"eval-generate after step {record['step']}: exact match {rate('exact_match')} of {record['prompts']} prompts, "
+              f"reference NLL {'-' if nll is None else format(nll, '.3f')}{calls} ({record['time_s']:.1f} s)",
+              file=self.out, flush=True)
+        self.reset_clock()  # its time is not the next step's
+
     def summary(self, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
         steps = self.steps
         timed = steps[1:]  # step 1 carries the compile
@@ -419,6 +434,7 @@ class MetricsRecorder:
             "mean_input_wait_s": float(np.mean([s["input_wait_s"] for s in timed])) if timed else None,
             "eval_loss": self.evals[-1]["loss"] if self.evals else None,
             "evals": self.evals,
+            **({"eval_generate": self.eval_generations[-1]} if self.eval_generations else {}),
             "wall_time_s": time.perf_counter() - self.started,
         }
         out.update(self.static)

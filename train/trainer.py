@@ -27,7 +27,7 @@ import contextlib
 import sys
 from typing import Any, TextIO
 
-from train import checkpoints, data, lora_file, memory_path, memory_plan, out_of_memory, parity, resume
+from train import checkpoints, data, eval_generate, lora_file, memory_path, memory_plan, out_of_memory, parity, resume
 from train.config import TrainConfig, TrainError
 from train.run_setup import Setup, setup
 
@@ -76,8 +76,9 @@ def verify_first(s: Setup, batch: dict[str, Any], out: TextIO, packed_layout: pa
         raise parity.ParityFailed(f"--verify-first: parity FAILED before step 1: {result.failure_lines(1)[0]}")
 
 
-def train_steps(s: Setup, context: Any, say: TextIO) -> None:
-    """--remat auto's plan, --verify-first, then Tunix's loop (resumed where a checkpoint says)."""
+def train_steps(s: Setup, context: Any, say: TextIO, prompts: Any = None) -> None:
+    """--remat auto's plan, --verify-first, then Tunix's loop (resumed where a checkpoint says);
+    --eval-generate's `prompts` are generated and scored before, during and after it."""
     cfg = s.config
     with context:  # --remat auto: plan the step (compile only) and switch remat on if it would not fit
         memory_plan.choose_remat(s, say)
@@ -93,18 +94,32 @@ def train_steps(s: Setup, context: Any, say: TextIO) -> None:
         train_ds = resume.checkpointed_stream(
             s.trainer, s.checkpoint, s.policy, s.resumed_step, cfg.checkpoint_keep, train_ds
         )
+    evaluator = None
+    if prompts is not None:
+        with context:
+            evaluator = eval_generate.Evaluator(s, prompts, cfg.eval_generate_every, say)
+            evaluator.evaluate(s.resumed_step)
+        train_ds = evaluator.every_n(train_ds)
     with context:
         s.trainer.train(train_ds, eval_ds)
+        if evaluator is not None:
+            evaluator.finish()
 
 
 def execute(cfg: TrainConfig, out: TextIO | None = None) -> tuple[Setup, dict[str, Any]]:
     """Trains as configured; returns the Setup (its model is the trained one) and the summary."""
+    prompts = None
+    eval_generate.check_flags(cfg)
+    if cfg.eval_generate:  # read and rendered before any weights load: a bad file stops the run at once
+        import loaders
+
+        prompts = eval_generate.prepare(cfg, loaders.open_shards(cfg.shards).manifest, out)
     s = setup(cfg, out=out)
     context = s.mesh if s.mesh is not None else contextlib.nullcontext()
     try:
         # A batch too large for the device fails in the compile or a step: one line, not XLA's traceback.
         with out_of_memory.refused_as_train_error(s):
-            train_steps(s, context, out if out is not None else sys.stderr)
+            train_steps(s, context, out if out is not None else sys.stderr, prompts)
         if cfg.save_lora:
             meta = export_lora(s, cfg.save_lora)
             s.recorder.static_extra["lora_export"] = {"path": cfg.save_lora, "format": cfg.lora_format,

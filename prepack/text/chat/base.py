@@ -23,6 +23,7 @@ tokenizer has one, the text, and the tokenizer's eos, every token a target but t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
@@ -114,6 +115,7 @@ class ChatFormat:
         self._special_text: dict[int, str] = {int(i): tokenizer.id_to_token(int(i)) for i in (bos, eos) if i is not None}
         self._doc_open: tuple[int, ...] = () if bos is None else (int(bos),)
         self._doc_close: tuple[int, ...] = () if eos is None else (int(eos),)
+        self._decode_map: tuple[int, dict[int, str]] | None = None  # decode()'s specials, built on first use
 
     def segments(self, conv: Conversation) -> list[Segment]:
         raise NotImplementedError
@@ -129,24 +131,50 @@ class ChatFormat:
 
     def render(self, example: Conversation | Document) -> str:
         """The full text of the example, special tokens written as their token strings: what
-        decode() of its ids gives with special ids mapped back to their strings."""
+        decode() of its ids gives."""
         segs = self.document_segments(example) if isinstance(example, Document) else self.segments(example)
+        return "".join(payload if isinstance(payload, str) else self.decode(payload) for payload, _ in segs)
+
+    def decode(self, ids: "Sequence[int] | np.ndarray") -> str:
+        """Token ids as text, every special token written as its token string (the format's own,
+        e.g. <start_of_turn> or <tool_call>, and the tokenizer's named ones), the runs between
+        them decoded by the tokenizer: a completion and its reference compare as text, and a
+        tool-call parser finds the markup a tokenizer's plain decode would drop (Gemma's does)."""
+        specials = self._decode_specials()
         out: list[str] = []
-        for payload, _ in segs:
-            if isinstance(payload, str):
-                out.append(payload)
+        plain: list[int] = []
+        for token_id in (ids.tolist() if isinstance(ids, np.ndarray) else ids):
+            text = specials.get(int(token_id))
+            if text is None:
+                plain.append(int(token_id))
                 continue
-            plain: list[int] = []
-            for token_id in payload:
-                if token_id in self._special_text:
-                    out.append(self.tokenizer.decode(plain) if plain else "")
-                    out.append(self._special_text[token_id])
-                    plain = []
-                else:
-                    plain.append(token_id)
             if plain:
                 out.append(self.tokenizer.decode(plain))
+                plain = []
+            out.append(text)
+        if plain:
+            out.append(self.tokenizer.decode(plain))
         return "".join(out)
+
+    def _decode_specials(self) -> dict[int, str]:
+        """id -> token string of every special token decode() writes out. The format's own set
+        grows as it meets tool tokens, so the map is rebuilt when that set has grown."""
+        cached = self._decode_map
+        if cached is None or cached[0] != len(self._special_text):
+            named = getattr(self.tokenizer, "special_ids", None)
+            named = named() if callable(named) else named
+            if not isinstance(named, dict):
+                named = (self.tokenizer.identity().get("special_ids") or {}) if hasattr(self.tokenizer, "identity") else {}
+            mapping = {int(i): str(t) for t, i in named.items() if isinstance(i, int) and str(t).strip()}
+            mapping.update(self._extra_specials())
+            mapping.update(self._special_text)
+            cached = (len(self._special_text), mapping)
+            self._decode_map = cached
+        return cached[1]
+
+    def _extra_specials(self) -> dict[int, str]:
+        """More special tokens a format knows (hf: those its template spells)."""
+        return {}
 
     def pair_layout(self) -> "PairLayout | None":
         """How segments() lays out one user turn followed by one target assistant turn, for

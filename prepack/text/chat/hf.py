@@ -104,6 +104,9 @@ class HFTemplateFormat(ChatFormat):
         # Empty strings or strings that are pure whitespace would split everything.
         return {t: i for t, i in specials.items() if t.strip()}
 
+    def _extra_specials(self) -> dict[int, str]:
+        return {tid: text for text, tid in self.special_ids.items()}
+
     def _split(self, text: str) -> list[str]:
         return self._split_re.split(text) if self._split_re is not None else [text]
 

@@ -1,0 +1,146 @@
+"""Train/serve parity of generation, on tiny Gemma3 and tiny Qwen3 (random weights, float32):
+
+- greedy generation (Tunix's KV-cached Sampler, fed the prompt ids: train/generate.py) equals the
+  step-by-step argmax of the training forward pass (the same model and LoRA, the attention a CPU
+  run trains with, no cache), over prompts longer than Gemma3's sliding window, in batches with
+  left padding;
+- the check fails when the LoRA is not applied at generation;
+- a zero adapter (qwix's B = 0 at the start) changes no output, a non-zero one does;
+- an adapter saved by --save-lora and loaded by --lora generates what the trained model does;
+- sampling is reproducible by seed, and refresh() follows a training model's LoRA.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from train import attention, generate, models
+from testkit.greedy import training_argmax
+
+VOCAB = 300
+PAD = 0
+PROMPTS = [np.arange(5, 25, dtype=np.int32),  # 20 tokens: past tiny Gemma3's window of 8
+           np.array([40, 41, 42], np.int32),
+           np.array([7, 70, 170, 270, 8, 9, 10, 11, 12, 13, 14], np.int32)]
+NEW = 10
+
+
+def lora_model(name: str, scale: float = 0.3, seed: int = 0):
+    built = models.build_model(name, vocab_size=VOCAB, seed=seed)
+    model = models.apply_lora(built.model, built.spec, rank=4, seed=1)
+    if scale:
+        set_lora(model, scale, seed=5)
+    return built, model
+
+
+def set_lora(model, scale: float, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    state = nnx.state(model, nnx.LoRAParam)
+    nnx.update(model, jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape) * scale, x.dtype), state))
+
+
+def generator(model, stop_ids=(1,), batch_size: int = 2, **sampling):
+    options = generate.SamplingOptions(max_new_tokens=sampling.pop("max_new_tokens", NEW), batch_size=batch_size, **sampling)
+    return generate.Generator(model, pad_id=PAD, stop_ids=stop_ids, max_prompt_tokens=max(map(len, PROMPTS)),
+                              sampling=options, compute_dtype=jnp.float32)
+
+
+def tokens(completions) -> list[list[int]]:
+    return [c.tokens.tolist() for c in completions]
+
+
+@pytest.mark.parametrize("name", ["tiny-gemma3", "tiny-qwen3"])
+def test_greedy_generation_is_the_training_forwards_argmax(name):
+    _, model = lora_model(name)
+    attention.install(model, attention.BLOCKED, 16)  # as a CPU training run has it
+    want = [training_argmax(model, p, NEW) for p in PROMPTS]
+    gen = generator(model, stop_ids=(VOCAB - 1,))  # an id these random models never pick here
+    got = gen.generate(PROMPTS)
+    assert tokens(got) == want
+    assert [c.stop_reason for c in got] == [generate.LENGTH] * 3
+    # The sampler was fed the prompt ids themselves: no re-encoding, no BOS added.
+    fed = gen.last_prompt_tokens
+    assert fed.shape[1] == 4  # the last batch: prompt 1 (3 tokens, and its fill copy), left-padded to a power of two
+    assert [row[row != PAD].tolist() for row in fed] == [PROMPTS[1].tolist()] * 2
+    # A stop id ends a completion there, the stop token left off.
+    stop = want[0][3]
+    first = want[0].index(stop)
+    stopped = generator(model, stop_ids=(stop,)).generate(PROMPTS[:1])[0]
+    assert stopped.tokens.tolist() == want[0][:first] and stopped.stop_reason == generate.STOP
+    # The model the run trains is untouched: its attention, and its float32 LoRA.
+    assert type(model.layers[0].attn).__name__ == "SegmentIdsAttention"
+
+
+def test_generation_without_the_lora_fails_the_parity():
+    """The check above can fail: a generator given the base model (the LoRA not applied) does not
+    reproduce the LoRA model's argmax."""
+    built, model = lora_model("tiny-gemma3", scale=0.5)
+    want = [training_argmax(model, p, NEW) for p in PROMPTS]
+    base = models.build_model("tiny-gemma3", vocab_size=VOCAB, seed=0).model
+    assert tokens(generator(base, stop_ids=(VOCAB - 1,)).generate(PROMPTS)) != want
+    unapplied = nnx.merge(*nnx.split(model), copy=True)
+    set_lora(unapplied, 0.0, seed=0)
+    assert tokens(generator(unapplied, stop_ids=(VOCAB - 1,)).generate(PROMPTS)) != want
+
+
+def test_a_zero_adapter_changes_nothing_and_a_trained_one_does():
+    base = models.build_model("tiny-qwen3", vocab_size=VOCAB, seed=0)
+    plain = tokens(generator(base.model).generate(PROMPTS))
+    _, zero = lora_model("tiny-qwen3", scale=0.0)  # qwix's initial adapters: B = 0
+    assert tokens(generator(zero).generate(PROMPTS)) == plain
+    _, moved = lora_model("tiny-qwen3", scale=0.3)
+    assert tokens(generator(moved).generate(PROMPTS)) != plain
+
+
+def test_an_exported_adapter_generates_what_the_trained_model_does(tmp_path):
+    from train import adapters, lora_file
+    from train.fingerprint import base_fingerprint
+
+    built, model = lora_model("tiny-gemma3")
+    path = str(tmp_path / "lora.safetensors")
+    lora_file.save_lora(model, path, {"model": "tiny-gemma3", "lora_alpha": 8.0, "base_weights": "random",
+                                      "base_fingerprint": base_fingerprint(model), "vocab_size": VOCAB, "seed": 0})
+    adapter = adapters.read_adapter(path)
+    assert (adapter.model, adapter.rank, adapter.alpha, adapter.vocab_size) == ("tiny-gemma3", 4, 8.0, VOCAB)
+    fresh = models.build_model("tiny-gemma3", vocab_size=VOCAB, seed=0)
+    loaded = adapters.apply_adapter(fresh.model, fresh.spec, adapter)
+    assert tokens(generator(loaded).generate(PROMPTS)) == tokens(generator(model).generate(PROMPTS))
+    other = models.build_model("tiny-gemma3", vocab_size=VOCAB, seed=1)  # other base weights: refused
+    with pytest.raises(lora_file.LoraFileError, match="trained on other base weights"):
+        adapters.apply_adapter(other.model, other.spec, adapter)
+
+
+def test_sampling_is_reproducible_by_seed_and_refresh_follows_the_model():
+    _, model = lora_model("tiny-qwen3")
+    sample = dict(temperature=1.0, top_k=50)
+    a = tokens(generator(model, seed=3, **sample).generate(PROMPTS))
+    assert tokens(generator(model, seed=3, **sample).generate(PROMPTS)) == a
+    assert tokens(generator(model, seed=4, **sample).generate(PROMPTS)) != a
+    gen = generator(model)
+    before = tokens(gen.generate(PROMPTS))
+    set_lora(model, 0.3, seed=9)  # training moved the adapters
+    gen.refresh(model)
+    assert tokens(gen.generate(PROMPTS)) == tokens(generator(model).generate(PROMPTS)) != before
+
+
+def test_the_view_casts_lora_to_the_compute_dtype_and_leaves_the_model():
+    _, model = lora_model("tiny-gemma3")
+    view = generate.generation_view(model, jnp.bfloat16)
+    dtypes = lambda m: {x.dtype for x in jax.tree.leaves(nnx.state(m, nnx.LoRAParam))}  # noqa: E731
+    assert dtypes(view) == {jnp.dtype(jnp.bfloat16)} and dtypes(model) == {jnp.dtype(jnp.float32)}
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(top_p=0.9), "--top-p and --top-k narrow sampling, but greedy decoding"),
+    (dict(temperature=-1.0), "--temperature must be 0 (greedy) or positive"),
+    (dict(temperature=1.0, top_p=1.5), "--top-p must be in (0, 1]"),
+    (dict(max_new_tokens=0), "--max-new-tokens must be at least 1"),
+    (dict(batch_size=0), "--batch-size must be at least 1"),
+])
+def test_bad_sampling_options_say_what_to_change(options, message):
+    with pytest.raises(generate.GenerateError) as info:
+        generate.SamplingOptions(**options).check()
+    assert message in str(info.value)

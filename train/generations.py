@@ -1,0 +1,93 @@
+"""From packed examples to scored completions: what `prepack generate` and `prepack train
+--eval-generate` share.
+
+`prompt_items` cuts each packed example into generation tasks (prepack/text/chat/prompts.py:
+the ids up to a target turn's first trained token, the turn's trained tokens as the reference)
+with the calls the record's reply makes; `run_items` generates every prompt (train/generate.py),
+decodes completion and reference with the chat format, and with `score` adds each line's score
+(train/score.py) and the reference NLL. A line of the generations JSONL:
+
+    {"id", "prompt_tokens", "completion", "completion_tokens", "reference", "stop_reason"[, "score"]}
+
+in input order, without timings: a greedy rerun writes the same bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from prepack.text.chat.prompts import turn_prompts
+from prepack.text.conversation import Conversation
+from train import score as score_lib
+from train import tool_calls
+
+__all__ = ["PromptItem", "prompt_items", "run_items", "jsonl_bytes"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptItem:
+    id: str
+    prompt_ids: np.ndarray
+    reference_ids: np.ndarray
+    reference_calls: tuple[tool_calls.Call, ...] = ()
+
+
+def prompt_items(example_id: str, input_ids: np.ndarray, loss_mask: np.ndarray, conversation: Any,
+                 all_turns: bool = False, expanded: bool = False) -> list[PromptItem]:
+    """The generation tasks of one packed example. `conversation` is the example's Conversation,
+    or None for a single-turn pair (prepack/text/chat/batch.py's fast path: one turn, no calls).
+    Ids: the example's own; with `all_turns`, `<id>#<k>` for its k-th target turn, as
+    `--expand-turns` names the examples it makes (`expanded`: the ids already are)."""
+    if isinstance(conversation, Conversation):
+        loss_turns = conversation.loss_turns or ()
+        calls = [tool_calls.reference_calls(conversation.turns[i].tool_calls) for i in loss_turns]
+    else:
+        calls = [()]
+    prompts = turn_prompts(input_ids, loss_mask, len(calls), all_turns)
+    suffix = all_turns and not expanded
+    return [PromptItem(f"{example_id}#{p.turn}" if suffix else example_id, p.prompt_ids, p.reference_ids, calls[p.turn])
+            for p in prompts]
+
+
+def _body(ids: np.ndarray, stop_ids: frozenset[int]) -> np.ndarray:
+    """A reference's tokens without the end-of-turn token that closes it (what generation stops at)."""
+    return ids[:-1] if len(ids) and int(ids[-1]) in stop_ids else ids
+
+
+def run_items(items: Sequence[PromptItem], generator: Any, chat_format: Any, *, score: bool = False,
+              parser: str | None = None, nll: Callable[[Sequence[tuple[np.ndarray, np.ndarray]]], list[tuple[float, int]]] | None = None,
+              progress: Callable[[int, int, float], None] | None = None) -> list[dict[str, Any]]:
+    """One JSONL line (a dict) per item, in the items' order. With `score`: each line's `score`
+    (exact match, reference NLL through `nll`, calls through `parser` unless it is None)."""
+    stop_ids = frozenset(generator.stop_ids)
+    completions = generator.generate([item.prompt_ids for item in items], progress)
+    parse = tool_calls.get_parser(parser) if score and parser else None
+    nlls = nll([(item.prompt_ids, item.reference_ids) for item in items]) if score and nll is not None else None
+    lines = []
+    for k, (item, completion) in enumerate(zip(items, completions)):
+        text = chat_format.decode(completion.tokens)
+        reference = chat_format.decode(_body(item.reference_ids, stop_ids))
+        line: dict[str, Any] = {
+            "id": item.id,
+            "prompt_tokens": int(len(item.prompt_ids)),
+            "completion": text,
+            "completion_tokens": int(len(completion.tokens)),
+            "reference": reference,
+            "stop_reason": completion.stop_reason,
+        }
+        if score:
+            calls = score_lib.score_calls(item.reference_calls, parse(text)) if parse is not None else None
+            nll_sum, tokens = nlls[k] if nlls is not None else (None, len(item.reference_ids))
+            line["score"] = score_lib.record_score(text, reference, nll_sum, tokens, calls)
+        lines.append(line)
+    return lines
+
+
+def jsonl_bytes(lines: Sequence[dict[str, Any]]) -> bytes:
+    """The generations file: one JSON object per line, keys in the order written, non-ASCII kept."""
+    return "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines).encode("utf-8")
