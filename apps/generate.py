@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -101,17 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def output_paths(output: str) -> dict[str, str]:
     """The files a run writes: the generations, the score summary and the dead letters beside it."""
-    from prepack.storage import is_gcs, split_gcs
+    from prepack.storage import is_gcs, location_problem
 
-    if is_gcs(output):
-        try:
-            _, key = split_gcs(output)
-        except ValueError as e:
-            raise GenerateCliError(f"--output {e}") from None
-        if not key or key.endswith("/"):
-            raise GenerateCliError(f"--output {output}: name a file in the bucket, e.g. {output.rstrip('/')}/generations.jsonl")
-    elif output.endswith("/"):
-        raise GenerateCliError(f"--output {output} is a folder; name a file, e.g. {output}generations.jsonl")
+    problem = location_problem(output)
+    if problem:
+        raise GenerateCliError(f"--output {problem}")
+    if output.endswith("/") or (not is_gcs(output) and os.path.isdir(output)) or (is_gcs(output) and output.count("/") < 3):
+        raise GenerateCliError(f"--output {output} is a folder; name a file, e.g. {output.rstrip('/')}/generations.jsonl")
     stem = output[:-len(".jsonl")] if output.endswith(".jsonl") else output
     return {"generations": output, "score": f"{stem}.score.json", "dead_letters": f"{stem}.dead_letters.jsonl"}
 

@@ -84,7 +84,7 @@ def templated(preparer: Any, metas: list[Any], tasks: list[Any], tally: Tally, l
                 trees.setdefault(key, []).append(located)
             keep()
             if progress is not None:
-                progress(read_so_far)
+                read_so_far(progress)
         for key in sorted(trees):
             yield from preparer.template_table(trees.pop(key), tally, letters).items()
             keep()
@@ -93,7 +93,7 @@ def templated(preparer: Any, metas: list[Any], tasks: list[Any], tally: Tally, l
         yield from preparer.template_records(task_index, items, tally, letters).items()
         keep()
         if progress is not None:
-            progress(read_so_far)
+            read_so_far(progress)
 
 
 def make_template(name: str, options: Mapping[str, str]) -> Any:

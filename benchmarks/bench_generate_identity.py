@@ -10,10 +10,14 @@ not a prompt recalled. The script writes both sets (`chat` format), then runs th
 user would, each as its own process, and records each one's command, wall and CPU seconds:
 
     prepack pack --input train.jsonl --format chat --max-length 128 --output packed
-    prepack train --shards packed/L128 --model gemma3-270m --lora-rank 8 --batch-size 4 --steps N --save-lora lora.safetensors
+    prepack train --shards packed/L128 --model gemma3-270m --lora-rank 8 --batch-size 4 --steps N --save-lora adapter \
+        --eval-generate heldout_few.jsonl --eval-generate-every 5
     prepack generate --input heldout.jsonl --format chat --model gemma3-270m --output base.jsonl --score
-    prepack generate --input heldout.jsonl --format chat --model gemma3-270m --lora lora.safetensors --output tuned.jsonl --score
-    prepack report --generations base.jsonl tuned.jsonl
+    prepack generate --input heldout.jsonl --format chat --model gemma3-270m --lora adapter --output tuned.jsonl --score
+    prepack report --generations base.jsonl tuned.jsonl --metrics train_metrics.jsonl --output report.md
+
+(`adapter` is a PEFT folder, `--save-lora`'s default format; `heldout_few.jsonl` is two held-out
+prompts per question, scored during training.)
 
 Prints the two tables and writes WORK/result.json. CPU-heavy (a few minutes of training on 2 cores):
 a benchmark, not a test.
@@ -101,20 +105,21 @@ def run(name: str, cmd: list[str], log: list[dict], log_path: str | None = None)
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--work-dir", required=True)
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--learning-rate", type=float, default=1e-3)
     p.add_argument("--lora-rank", type=int, default=8)
     p.add_argument("--max-length", type=int, default=128)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--skip-train", action="store_true", help="reuse WORK/lora.safetensors")
+    p.add_argument("--skip-train", action="store_true", help="reuse WORK/adapter")
     args = p.parse_args(argv)
     work = os.path.abspath(args.work_dir)
     os.makedirs(work, exist_ok=True)
     train, heldout = records(False), records(True)
     write_jsonl(os.path.join(work, "train.jsonl"), train)
     write_jsonl(os.path.join(work, "heldout.jsonl"), heldout)
+    write_jsonl(os.path.join(work, "heldout_few.jsonl"), heldout[::6])
     print(f"{len(train)} training records, {len(heldout)} held-out prompts ({HELD_OUT} unseen phrasings per question)")
     prepack = [sys.executable, "-m", "apps.cli"]
     j = lambda name: os.path.join(work, name)  # noqa: E731
@@ -130,12 +135,14 @@ def main(argv: list[str] | None = None) -> int:
         run("train", prepack + ["train", "--shards", j(f"packed/L{args.max_length}"), *model, "--lora-rank",
                                 str(args.lora_rank), "--batch-size", str(args.batch_size), "--steps", str(args.steps),
                                 "--learning-rate", str(args.learning_rate), "--metrics-out", j("train_metrics.jsonl"),
-                                "--save-lora", j("lora.safetensors")], log, log_path)
+                                "--save-lora", j("adapter"), "--overwrite", "--eval-generate", j("heldout_few.jsonl"),
+                                "--eval-generate-every", "5"], log, log_path)
     generate = prepack + ["generate", "--input", j("heldout.jsonl"), "--format", "chat", *model, "--score",
                           "--max-new-tokens", str(args.max_new_tokens), "--overwrite"]
     run("generate base", generate + ["--output", j("base.jsonl")], log, log_path)
-    run("generate tuned", generate + ["--lora", j("lora.safetensors"), "--output", j("tuned.jsonl")], log, log_path)
-    run("report", prepack + ["report", "--generations", j("base.jsonl"), j("tuned.jsonl")], log, log_path)
+    run("generate tuned", generate + ["--lora", j("adapter"), "--output", j("tuned.jsonl")], log, log_path)
+    run("report", prepack + ["report", "--generations", j("base.jsonl"), j("tuned.jsonl"), "--metrics",
+                             j("train_metrics.jsonl"), "--output", j("report.md"), "--overwrite"], log, log_path)
     summaries = {name: json.load(open(j(f"{name}.score.json"))) for name in ("base", "tuned")}
     result = {"train_records": len(train), "heldout_prompts": len(heldout), "args": vars(args), "commands": log,
               "summaries": summaries}

@@ -97,23 +97,58 @@ def test_a_zero_adapter_changes_nothing_and_a_trained_one_does():
     assert tokens(generator(moved).generate(PROMPTS)) != plain
 
 
-@pytest.mark.slow  # the CLI's --lora test covers the fast tier
-def test_an_exported_adapter_generates_what_the_trained_model_does(tmp_path):
-    from train import adapters, lora_file
+@pytest.mark.parametrize("kind, name", [("peft", "tiny-gemma3"), ("peft", "tiny-qwen3"), ("prepack", "tiny-gemma3"),
+                                        pytest.param("prepack", "tiny-qwen3", marks=pytest.mark.slow)])
+def test_an_exported_adapter_loads_as_the_trained_lora(tmp_path, name, kind):
+    """--lora reads both --lora-format outputs back into exactly the trained LoRA parameters (a PEFT
+    folder's Hugging Face factors mapped back to qwix's, Gemma3's fused k/v included)."""
+    from train import adapters, lora_file, peft_export
+    from train.fingerprint import base_fingerprint
+
+    built, model = lora_model(name)
+    meta = {"base_weights": "random", "base_fingerprint": base_fingerprint(model), "vocab_size": VOCAB, "seed": 0}
+    path = str(tmp_path / "adapter")
+    if kind == "peft":
+        peft_export.save_peft(model, built.spec.family, built.config, path, model_name=name, rank=4, alpha=8.0, metadata=meta)
+    else:
+        lora_file.save_lora(model, path, {"model": name, "lora_alpha": 8.0, **meta})
+    adapter = adapters.read_adapter(path)
+    assert (adapter.kind, adapter.model, adapter.rank, adapter.alpha, adapter.vocab_size) == (kind, name, 4, 8.0, VOCAB)
+    fresh = models.build_model(name, vocab_size=VOCAB, seed=0)
+    loaded = adapters.apply_adapter(fresh.model, fresh.spec, adapter)
+    want = nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))
+    got = dict(nnx.to_flat_state(nnx.state(loaded, nnx.LoRAParam)))
+    assert len(got) == len(want) > 0
+    for path_, var in want:
+        np.testing.assert_array_equal(np.asarray(got[path_].get_value()), np.asarray(var.get_value()))
+    other = models.build_model(name, vocab_size=VOCAB, seed=1)  # other base weights: refused
+    with pytest.raises(lora_file.LoraFileError, match="trained on other base weights"):
+        adapters.apply_adapter(other.model, other.spec, adapter)
+
+
+def test_a_peft_adapter_from_elsewhere_is_refused_in_one_line(tmp_path):
+    """A PEFT folder whose k and v factors do not share one A (as any other trainer writes them)
+    cannot be Gemma3's fused kv LoRA: refused, naming the modules."""
+    from safetensors.numpy import load_file, save_file
+
+    from train import adapters, lora_file, peft_export
     from train.fingerprint import base_fingerprint
 
     built, model = lora_model("tiny-gemma3")
-    path = str(tmp_path / "lora.safetensors")
-    lora_file.save_lora(model, path, {"model": "tiny-gemma3", "lora_alpha": 8.0, "base_weights": "random",
-                                      "base_fingerprint": base_fingerprint(model), "vocab_size": VOCAB, "seed": 0})
-    adapter = adapters.read_adapter(path)
-    assert (adapter.model, adapter.rank, adapter.alpha, adapter.vocab_size) == ("tiny-gemma3", 4, 8.0, VOCAB)
+    path = tmp_path / "adapter"
+    peft_export.save_peft(model, "gemma3", built.config, str(path), model_name="tiny-gemma3", rank=4, alpha=8.0,
+                          metadata={"base_fingerprint": base_fingerprint(model), "vocab_size": VOCAB, "seed": 0})
+    weights = path / peft_export.ADAPTER_WEIGHTS
+    from train.lora_file import _parse_safetensors_metadata
+
+    meta = _parse_safetensors_metadata(weights.read_bytes(), str(weights))
+    tensors = load_file(str(weights))
+    name = "base_model.model.model.layers.0.self_attn.v_proj.lora_A.weight"
+    tensors[name] = tensors[name] + 1.0
+    save_file(tensors, str(weights), metadata=meta)
     fresh = models.build_model("tiny-gemma3", vocab_size=VOCAB, seed=0)
-    loaded = adapters.apply_adapter(fresh.model, fresh.spec, adapter)
-    assert tokens(generator(loaded).generate(PROMPTS)) == tokens(generator(model).generate(PROMPTS))
-    other = models.build_model("tiny-gemma3", vocab_size=VOCAB, seed=1)  # other base weights: refused
-    with pytest.raises(lora_file.LoraFileError, match="trained on other base weights"):
-        adapters.apply_adapter(other.model, other.spec, adapter)
+    with pytest.raises(lora_file.LoraFileError, match="k_proj, .*v_proj have different lora_A"):
+        adapters.apply_adapter(fresh.model, fresh.spec, adapters.read_adapter(str(path)))
 
 
 def test_sampling_is_reproducible_by_seed_and_refresh_follows_the_model():

@@ -132,12 +132,19 @@ def test_bad_options_are_one_line(tmp_path, tok_dir, data, capsys, extra, messag
 
 
 @pytest.mark.parametrize("output, message", [
-    ("gs://", "a gs:// path needs a bucket name"),
-    ("gs://bucket/", "name a file in the bucket, e.g. gs://bucket/generations.jsonl"),
+    ("gs://", "--output 'gs://' names no bucket: write gs://BUCKET/FOLDER"),
+    ("gs://bucket", "--output gs://bucket is a folder; name a file, e.g. gs://bucket/generations.jsonl"),
+    ("gs://bucket/out/", "--output gs://bucket/out/ is a folder; name a file, e.g. gs://bucket/out/generations.jsonl"),
+    ("s3://bucket/gen.jsonl", "only local paths and gs:// are supported, not s3://"),
 ])
 def test_output_must_name_a_file(tok_dir, data, capsys, output, message):
     assert main(args(tok_dir, data, output)) == 2
     assert message in capsys.readouterr().err
+
+
+def test_output_that_is_a_local_folder(tmp_path, tok_dir, data, capsys):
+    assert main(args(tok_dir, data, tmp_path)) == 2
+    assert f"--output {tmp_path} is a folder; name a file" in capsys.readouterr().err
 
 
 def test_no_model_no_adapter(tmp_path, tok_dir, data, capsys):
