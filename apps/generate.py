@@ -24,6 +24,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from apps import read_inputs
 from prepack.cli_help import DefaultsHelpFormatter
 from prepack.text.formats import template_names
@@ -135,13 +137,8 @@ def read_prompts(args: argparse.Namespace, tokenizer: Any, chat_format: Any) -> 
     --input through the job's read and prepare stages."""
     from pipelines.limits import InputLimits
     from prepack.packing.accounting import Tally
-    from prepack.text.chat.prompts import PromptError
-    from prepack.text.conversation import Conversation
-    from train.generations import prompt_items
 
     prepare, _, _ = read_inputs.pipeline_modules()
-    from pipelines.wire.records import dead_letter
-
     options = _template_options(args)
     fmt = args.format
     if fmt in NO_PROMPTS:
@@ -157,39 +154,43 @@ def read_prompts(args: argparse.Namespace, tokenizer: Any, chat_format: Any) -> 
         raise GenerateCliError("--format auto: the inputs hold no records to choose a format from; name one with --format")
     if fmt in NO_PROMPTS:  # what auto chose
         raise GenerateCliError(NO_PROMPTS[fmt])
-    template = read_inputs.make_template(fmt, options)
-    preparer = prepare.Preparer(metas, template, tokenizer, chat_format, expand_turns=args.expand_turns)
-    tally, bad = Tally(), []
-    items, has_tools, examples = [], False, 0
+    preparer = prepare.Preparer(metas, read_inputs.make_template(fmt, options), tokenizer, chat_format,
+                                expand_turns=args.expand_turns)
+    tally, bad, items = Tally(), [], []
+    has_tools = False
     for chunk in read_inputs.batches(read_inputs.templated(preparer, metas, tasks, tally, InputLimits(), bad=bad), read_inputs.BATCH):
-        conv_of = {meta[1]: conv for conv, _, meta in chunk}
-        loc_of = {meta[1]: meta[0] for _, _, meta in chunk}
+        conversations = {eid: (conv, loc) for conv, _, (loc, eid) in chunk}
         for batch in preparer.tokenize(prepare.Templated.of(chunk), tally, bad):
-            ends = batch.examples.lens.cumsum()
+            starts = np.concatenate([[0], np.cumsum(batch.examples.lens)])
             for k, eid in enumerate(batch.example_ids):
-                examples += 1
-                start = int(ends[k] - batch.examples.lens[k])
-                ids = batch.examples.ids[start:int(ends[k])]
-                mask = batch.examples.mask[start:int(ends[k])]
-                conv = conv_of.get(eid)
-                conv = conv if isinstance(conv, Conversation) else None
-                has_tools = has_tools or (conv is not None and conv.has_tools)
-                try:
-                    made = prompt_items(eid, ids, mask, conv, args.all_turns, args.expand_turns)
-                except PromptError as e:
-                    tally.bad_examples[e.reason] += 1
-                    bad.append(dead_letter(metas, loc_of[eid], e.reason, "", e.message, example_id=eid))
-                    continue
-                if any(tokenizer.pad_id in item.prompt_ids.tolist() for item in made):
-                    reason = "pad_in_prompt"
-                    tally.bad_examples[reason] += 1
-                    bad.append(dead_letter(metas, loc_of[eid], reason, "", f"the prompt holds the pad id {tokenizer.pad_id}, "
-                                           "which left-padded generation cannot tell from padding", example_id=eid))
-                    continue
-                items.extend(made)
+                conv, loc = conversations[eid]
+                span = slice(int(starts[k]), int(starts[k + 1]))
+                made = _example_prompts(args, tokenizer, eid, loc, batch.examples.ids[span], batch.examples.mask[span],
+                                        conv, metas, tally, bad)
+                items += made
+                has_tools = has_tools or bool(made and getattr(conv, "has_tools", False))
     letters = [entry for _, entry in sorted(bad, key=lambda kv: kv[0])]
-    bad_count = sum(tally.bad_records.values()) + sum(tally.bad_examples.values())
-    return items, letters, examples + bad_count, has_tools
+    return items, letters, tally.examples + sum(tally.bad_records.values()), has_tools
+
+
+def _example_prompts(args: argparse.Namespace, tokenizer: Any, eid: str, loc: Any, ids: np.ndarray, mask: np.ndarray,
+                     conv: Any, metas: list[Any], tally: Any, bad: list[Any]) -> list[Any]:
+    """The prompts of one packed example, or [] and its dead letter (counted as a bad example)."""
+    from pipelines.wire.records import dead_letter
+    from prepack.text.chat.prompts import PromptError
+    from prepack.text.conversation import Conversation
+    from train.generations import prompt_items
+
+    try:
+        made = prompt_items(eid, ids, mask, conv if isinstance(conv, Conversation) else None, args.all_turns, args.expand_turns)
+        if any(np.any(item.prompt_ids == tokenizer.pad_id) for item in made):
+            raise PromptError("pad_in_prompt", f"the prompt holds the pad id {tokenizer.pad_id}, which left-padded "
+                                               "generation cannot tell from padding")
+    except PromptError as e:
+        tally.bad_examples[e.reason] += 1
+        bad.append(dead_letter(metas, loc, e.reason, "", e.message, example_id=eid))
+        return []
+    return made
 
 
 def load_model(args: argparse.Namespace, tokenizer: Any) -> tuple[Any, Any, dict[str, Any]]:

@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 import pytest
 
-from apps import inspect, preflight, report
+from apps import generate, inspect, preflight, report
 from pipelines import options
 from prepack.cli_help import DefaultsHelpFormatter
 from train import cli as train_cli
 
 PARSERS = {
     "pack": options.build_parser, "inspect": inspect.build_parser, "preflight": preflight._parser,
-    "report": report._parser, "train": train_cli.build_parser,
+    "report": report._parser, "train": train_cli.build_parser, "generate": generate.build_parser,
 }
 
 
