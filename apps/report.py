@@ -692,6 +692,12 @@ def _split_label(raw: str) -> tuple[str | None, str]:
 # ----------------------------------------------------------------------------- rendering
 
 
+def _markdown_cell(text: str) -> str:
+    """A table cell that stays one cell: a generated completion may hold line breaks, pipes and
+    special tokens such as <end_of_turn>, which Markdown would otherwise read as HTML and hide."""
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace("|", "\\|").replace("\n", "<br>")
+
+
 def render_markdown(page: Page, image_names: dict[str, str]) -> str:
     out = []
     for block in page.blocks:
@@ -704,7 +710,7 @@ def render_markdown(page: Page, image_names: dict[str, str]) -> str:
             headers, rows = block[1], block[2]
             out.append("| " + " | ".join(headers) + " |")
             out.append("|" + "|".join("---:" if i else "---" for i in range(len(headers))) + "|")
-            out += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows]
+            out += ["| " + " | ".join(_markdown_cell(c) for c in row) + " |" for row in rows]
         elif kind == "img":
             out.append(f"![{block[1]}]({image_names[block[2]]})")
         out.append("")

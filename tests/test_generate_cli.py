@@ -1,12 +1,19 @@
 """`prepack generate` as a user runs it: tiny Gemma3 (random weights) with a small tokenizer in
 FunctionGemma's layout (`--chat-format hf`, tool calls), so each run takes seconds.
 
-The output rules (an existing --output refused without --overwrite, before any work), the
-JSONL (input order, the keys, the same bytes on a greedy rerun), --score's summary and table with
-the tool-call rates, dead letters as in pack, --lora, and one line for each bad option."""
+One held-out file with two bad records is run three times, shared by the tests below (each run
+compiles the sampler once: `--batch-size 4` puts the four prompts in one batch): the base model
+with --score, the same command again with --overwrite (the same bytes), and an adapter's
+--lora. They check the dead letters and --max-bad-fraction, the output rule (an existing
+--output refused without --overwrite, before any work), the JSONL (input order, the keys, the
+same bytes on a greedy rerun), --score's summary and table with the tool-call rates, --lora, and
+one line for each bad option."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import types
 
 import pytest
 
@@ -22,6 +29,7 @@ RECORDS = [
                   {"role": "user", "content": "How are you?"}, {"role": "assistant", "content": "Fine."}]},
     {"messages": [{"role": "user", "content": "2 + 2 = ?"}, {"role": "assistant", "content": "4"}]},
 ]
+BAD_LINES = '{"messages": [{"role": "user", "content": "no reply"}]}\nnot json\n'  # lines 4 and 5
 
 
 @pytest.fixture(scope="module")
@@ -40,38 +48,19 @@ def data(tmp_path):
 
 def args(tok_dir, data, out, *more):
     return ["--input", str(data), "--format", "chat", "--tokenizer", f"hf:{tok_dir}", "--chat-format", "hf",
-            "--model", "tiny", "--max-new-tokens", "6", "--batch-size", "2", "--output", str(out), *more]
+            "--model", "tiny", "--max-new-tokens", "6", "--batch-size", "4", "--output", str(out), *more]
 
 
-def test_generate_writes_lines_in_input_order_scores_them_and_reruns_byte_for_byte(tmp_path, tok_dir, data, capsys):
-    out = tmp_path / "base.jsonl"
-    assert main(args(tok_dir, data, out, "--score", "--all-turns")) == 0
-    captured = capsys.readouterr()
-    lines = [json.loads(x) for x in out.read_text().splitlines()]
-    assert [x["id"].rpartition("/")[2] for x in lines] == ["0#0", "1#0", "1#1", "2#0"]
-    assert [list(x)[:6] for x in lines] == [["id", "prompt_tokens", "completion", "completion_tokens", "reference",
-                                            "stop_reason"]] * 4
-    assert [x["reference"] for x in lines] == [
-        "<start_function_call>call:get_weather{city:<escape>Paris<escape>}<end_function_call>", "Hello there.", "Fine.", "4"]
-    assert all(x["completion_tokens"] <= 6 and x["stop_reason"] in ("stop", "length") for x in lines)
-    assert lines[1]["prompt_tokens"] < lines[2]["prompt_tokens"]
-    summary = json.loads((tmp_path / "base.score.json").read_text())
-    assert summary["tool_call_parser"] == "functiongemma" and (summary["call_prompts"], summary["no_call_prompts"]) == (1, 3)
-    assert summary["prompts"] == 4 and summary["reference_nll"] > 0 and summary["lora"] is None
-    assert summary["sampling"]["mode"] == "greedy" and summary["chat_format"] == "hf"
-    table = captured.out.splitlines()
-    assert table[0].split()[:4] == ["run", "prompts", "exact_match", "reference_nll"] and table[1].split()[:2] == ["base", "4"]
-    assert "tokens/s" in captured.err
-    # the output rule: refused before any work, then replaced with --overwrite, the same bytes (greedy)
-    before = out.read_bytes()
-    assert main(args(tok_dir, data, out, "--score", "--all-turns")) == 2
-    assert f"{out}, {tmp_path / 'base.score.json'} already exist: refusing to write generations over them. Pass " \
-           "--overwrite" in capsys.readouterr().err
-    assert main(args(tok_dir, data, out, "--score", "--all-turns", "--overwrite")) == 0
-    assert out.read_bytes() == before
+def run_main(argv) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of one `prepack generate`."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    return code, out.getvalue(), err.getvalue()
 
 
-def test_generate_with_the_adapter(tmp_path, tok_dir, data, capsys):
+def save_adapter(tok_dir, path) -> str:
+    """A prepack LoRA file for tiny Gemma3 (seed 0 base weights) with non-zero factors."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -86,34 +75,85 @@ def test_generate_with_the_adapter(tmp_path, tok_dir, data, capsys):
     model = models.apply_lora(built.model, built.spec, rank=4)
     rng = np.random.default_rng(0)
     nnx.update(model, jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype), nnx.state(model, nnx.LoRAParam)))
-    lora = str(tmp_path / "lora.safetensors")
-    lora_file.save_lora(model, lora, {"model": "tiny", "lora_alpha": 8.0, "base_fingerprint": base_fingerprint(model),
-                                      "vocab_size": vocab, "seed": 0})
-    assert main(args(tok_dir, data, tmp_path / "base.jsonl")) == 0
-    common = args(tok_dir, data, tmp_path / "tuned.jsonl", "--lora", lora)
-    common.remove("--model")
-    common.remove("tiny")  # the model comes from the adapter's file
-    assert main(common) == 0
-    base = [json.loads(x)["completion"] for x in (tmp_path / "base.jsonl").read_text().splitlines()]
-    tuned = [json.loads(x)["completion"] for x in (tmp_path / "tuned.jsonl").read_text().splitlines()]
-    assert base != tuned
-    assert "LoRA rank 4 from" in capsys.readouterr().err
-    assert main(args(tok_dir, data, tmp_path / "other.jsonl", "--lora", lora, "--model", "tiny-qwen3")) == 2
-    assert f"--lora {lora} was trained on --model tiny, not tiny-qwen3" in capsys.readouterr().err
+    lora_file.save_lora(model, str(path), {"model": "tiny", "lora_alpha": 8.0, "base_fingerprint": base_fingerprint(model),
+                                           "vocab_size": vocab, "seed": 0})
+    return str(path)
 
 
-def test_bad_records_are_dead_letters(tmp_path, tok_dir, data, capsys):
-    with data.open("a") as f:
-        f.write('{"messages": [{"role": "user", "content": "no reply"}]}\nnot json\n')
-    out = tmp_path / "gen.jsonl"
-    assert main(args(tok_dir, data, out)) == 2
-    err = capsys.readouterr().err
-    assert "2 of 5 examples read are bad records (40.00%, more than --max-bad-fraction 0)" in err
-    letters = [json.loads(x) for x in (tmp_path / "gen.dead_letters.jsonl").read_text().splitlines()]
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tok_dir):
+    """The three runs (and the refused attempts between them) over one held-out file with two bad records."""
+    tmp = tmp_path_factory.mktemp("generate")
+    data = tmp / "held_out.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in RECORDS) + BAD_LINES)
+    out = tmp / "base.jsonl"
+    base = args(tok_dir, data, out, "--score", "--all-turns")
+    r = types.SimpleNamespace(tmp=tmp, out=out)
+    r.too_many_bad = run_main(base)  # 2 bad of 5 examples, past the default --max-bad-fraction 0
+    r.out_after_too_many_bad = out.exists()
+    base += ["--max-bad-fraction", "0.5"]
+    r.base = run_main(base + ["--overwrite"])  # the dead letters of the refused run are there
+    r.base_bytes = out.read_bytes()
+    r.refused = run_main(base)
+    r.rerun = run_main(base + ["--overwrite"])
+    r.rerun_bytes = out.read_bytes()
+    r.lora = save_adapter(tok_dir, tmp / "lora.safetensors")
+    tuned = args(tok_dir, data, tmp / "tuned.jsonl", "--all-turns", "--max-bad-fraction", "0.5", "--lora", r.lora)
+    del tuned[tuned.index("--model"):tuned.index("--model") + 2]  # the model comes from the adapter's file
+    r.tuned = run_main(tuned)
+    return r
+
+
+def lines_of(path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def test_bad_records_are_dead_letters(runs):
+    code, _, err = runs.too_many_bad
+    assert code == 2 and "2 of 5 examples read are bad records (40.00%, more than --max-bad-fraction 0)" in err
+    assert not runs.out_after_too_many_bad
+    letters = lines_of(runs.tmp / "base.dead_letters.jsonl")  # rewritten by the run that passed
     assert [x["reason"] for x in letters] == ["no_assistant_turn", "malformed_json"]
-    assert letters[0]["source"]["line"] == 4 and not out.exists()
-    assert main(args(tok_dir, data, out, "--max-bad-fraction", "0.5", "--overwrite")) == 0
-    assert len(out.read_text().splitlines()) == 3
+    assert letters[0]["source"]["line"] == 4
+    assert runs.base[0] == 0 and "2 bad record(s) of 5: dead letters in" in runs.base[2]
+
+
+def test_generate_writes_lines_in_input_order_and_scores_them(runs):
+    code, out, err = runs.base
+    assert code == 0
+    lines = lines_of(runs.out)
+    assert [x["id"].rpartition("/")[2] for x in lines] == ["0#0", "1#0", "1#1", "2#0"]
+    assert [list(x)[:6] for x in lines] == [["id", "prompt_tokens", "completion", "completion_tokens", "reference",
+                                            "stop_reason"]] * 4
+    assert [x["reference"] for x in lines] == [
+        "<start_function_call>call:get_weather{city:<escape>Paris<escape>}<end_function_call>", "Hello there.", "Fine.", "4"]
+    assert all(x["completion_tokens"] <= 6 and x["stop_reason"] in ("stop", "length") for x in lines)
+    assert lines[1]["prompt_tokens"] < lines[2]["prompt_tokens"]
+    summary = json.loads((runs.tmp / "base.score.json").read_text())
+    assert summary["tool_call_parser"] == "functiongemma" and (summary["call_prompts"], summary["no_call_prompts"]) == (1, 3)
+    assert summary["prompts"] == 4 and summary["reference_nll"] > 0 and summary["lora"] is None
+    assert summary["sampling"]["mode"] == "greedy" and summary["chat_format"] == "hf"
+    table = out.splitlines()
+    assert table[0].split()[:4] == ["run", "prompts", "exact_match", "reference_nll"] and table[1].split()[:2] == ["base", "4"]
+    assert "tokens/s" in err
+
+
+def test_the_output_rule_and_a_greedy_rerun_writes_the_same_bytes(runs):
+    code, _, err = runs.refused
+    assert code == 2 and "Traceback" not in err
+    assert f"{runs.out}, {runs.tmp / 'base.score.json'}, {runs.tmp / 'base.dead_letters.jsonl'} already exist: refusing " \
+           "to write generations over them. Pass --overwrite" in err
+    assert runs.rerun[0] == 0 and runs.rerun_bytes == runs.base_bytes
+
+
+def test_generate_with_the_adapter(runs, tok_dir, data, tmp_path):
+    code, _, err = runs.tuned
+    assert code == 0 and "LoRA rank 4 from" in err
+    base = [x["completion"] for x in lines_of(runs.out)]
+    tuned = [x["completion"] for x in lines_of(runs.tmp / "tuned.jsonl")]
+    assert len(tuned) == 4 and base != tuned
+    code, _, err = run_main(args(tok_dir, data, tmp_path / "other.jsonl", "--lora", runs.lora, "--model", "tiny-qwen3"))
+    assert code == 2 and f"--lora {runs.lora} was trained on --model tiny, not tiny-qwen3" in err
 
 
 @pytest.mark.parametrize("extra, message", [

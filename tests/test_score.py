@@ -147,7 +147,7 @@ def test_report_generations_side_by_side(tmp_path, capsys):
     from apps.report import main
 
     base = write(tmp_path / "base.jsonl", [line(0, "no", "Paris", 5.0, stop="length"), line(1, "yes", "yes", 3.0)])
-    tuned = write(tmp_path / "tuned.jsonl", [line(0, "Paris", "Paris", 0.1), line(1, "nope", "yes", 0.5)])
+    tuned = write(tmp_path / "tuned.jsonl", [line(0, "Paris", "Paris", 0.1), line(1, "no|pe\n<end_of_turn>", "yes", 0.5)])
     assert main(["--generations", base, tuned]) == 0
     out = capsys.readouterr().out
     rows = {r.split("  ")[0].strip(): r.split() for r in out.splitlines() if r.strip()}
@@ -159,6 +159,8 @@ def test_report_generations_side_by_side(tmp_path, capsys):
     assert main(["--generations", f"before={base}", f"after={tuned}", "--output", str(page)]) == 0
     text = page.read_text()
     assert "## Generations" in text and "| metric | before | after | change |" in text
+    # a completion's line break, pipe and special token stay in its one cell, shown
+    assert "| broken | 1 | yes | yes | no\\|pe<br>&lt;end_of_turn&gt; |" in text.splitlines()
 
 
 def test_report_generations_refuses_other_prompts_and_foreign_files(tmp_path, capsys):

@@ -156,15 +156,19 @@ def apply_adapter(model: Any, spec: Any, adapter: Adapter) -> Any:
     from train import models
     from train.fingerprint import base_fingerprint
 
+    # The base weights are checked before the LoRA is built (the fingerprint leaves LoRA out, so
+    # it is the same on the base model): other weights are refused without that work.
+    expected = adapter.metadata.get("base_fingerprint")
+    if expected:
+        mine = base_fingerprint(model)
+        if mine != expected:
+            raise lora_file.LoraFileError(
+                f"{adapter.path}: trained on other base weights ({adapter.metadata.get('base_weights')!r}, fingerprint "
+                f"{expected}) than this model's (fingerprint {mine}); build the model with the training run's "
+                "--model/--weights/--dtype/--seed")
     lora_model = models.apply_lora(model, spec, rank=adapter.rank, alpha=adapter.alpha)
     if adapter.kind == PREPACK:
-        lora_file.load_lora(lora_model, adapter.path)
+        lora_file.load_lora(lora_model, adapter.path, check_base=False)
         return lora_model
-    expected = adapter.metadata.get("base_fingerprint")
-    if expected and base_fingerprint(lora_model) != expected:
-        raise lora_file.LoraFileError(
-            f"{adapter.path}: trained on other base weights ({adapter.metadata.get('base_weights')!r}, fingerprint "
-            f"{expected}) than this model's (fingerprint {base_fingerprint(lora_model)}); build the model with the "
-            "training run's --model/--weights/--dtype/--seed")
     _set_peft(lora_model, spec.family, adapter)
     return lora_model

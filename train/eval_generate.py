@@ -142,6 +142,10 @@ class Evaluator:
             max_prompt_tokens=max(len(i.prompt_ids) for i in prompts.items),
             sampling=generate.SamplingOptions(max_new_tokens=prompts.max_new_tokens, batch_size=min(8, len(prompts.items))),
             compute_dtype=self.compute, out=self.out)
+        from train.parity import Scorer
+
+        # One scorer of the generation view, whose LoRA each refresh updates in place: compiled once.
+        self.scorer = Scorer(self.generator.view, "dense", self.compute)
         self.done_at: set[int] = set()
 
     def evaluate(self, step: int) -> dict[str, Any]:
@@ -153,7 +157,8 @@ class Evaluator:
         gen = self.generator
 
         def nll(pairs: Any) -> list[tuple[float, int]]:
-            return generate.reference_nll(gen.view, pairs, compute_dtype=self.compute, batch_size=gen.sampling.batch_size)
+            return generate.reference_nll(gen.view, pairs, compute_dtype=self.compute, batch_size=gen.sampling.batch_size,
+                                          scorer=self.scorer)
 
         lines = generations.run_items(self.prompts.items, gen, self.prompts.chat_format, score=True,
                                       parser=self.prompts.parser, nll=nll)

@@ -250,10 +250,12 @@ class Generator:
 
 
 def reference_nll(model: Any, items: Sequence[tuple[np.ndarray, np.ndarray]], *, compute_dtype: Any,
-                  attention: str = "dense", batch_size: int = 8) -> list[tuple[float, int]]:
+                  attention: str = "dense", batch_size: int = 8, scorer: Any = None) -> list[tuple[float, int]]:
     """(sum of NLLs, tokens) of each reference given its prompt, teacher-forced: the prompt and
     reference as one example in a row of its own, the reference's tokens the targets, scored by
-    train/parity.py's Scorer (the training loss's final hidden states and output projection)."""
+    train/parity.py's Scorer (the training loss's final hidden states and output projection).
+    A caller scoring the same model again (--eval-generate) passes its `scorer` of `model`: a
+    new Scorer jits new functions, so it would compile again each time."""
     from prepack.format import rowformat
     from train.parity import Scorer
 
@@ -272,7 +274,7 @@ def reference_nll(model: Any, items: Sequence[tuple[np.ndarray, np.ndarray]], *,
         chunk = rows[start:start + batch_size]
         chunk += [pad] * (batch_size - len(chunk))
         batches.append({k: np.stack([row[k] for row in chunk]) for k in rowformat.FIELD_NAMES})
-    scorer = Scorer(model, attention, compute_dtype)
+    scorer = scorer if scorer is not None else Scorer(model, attention, compute_dtype)
     logps = scorer.logprobs(batches)
     out = []
     for k in range(len(items)):
