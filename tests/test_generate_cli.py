@@ -160,6 +160,7 @@ def test_generate_with_the_adapter(runs, tok_dir, data, tmp_path):
     (["--top-p", "0.9"], "--top-p and --top-k narrow sampling, but greedy decoding (--temperature 0, the default) does not "
                          "sample: give --temperature too"),
     (["--format", "text"], "--format text is plain text with no replies to prompt for"),
+    (["--format", "preference"], "--format preference holds two replies (chosen, rejected) per prompt, not one reference"),
     (["--format", "alpaca"], "records have keys tools, messages, not the instruction, output of format 'alpaca': try --format chat"),
     (["--tool-call-parser", "xml"], "unknown --tool-call-parser 'xml'"),
     (["--max-prompts", "0"], "--max-prompts must be at least 1, got 0"),
@@ -192,3 +193,13 @@ def test_no_model_no_adapter(tmp_path, tok_dir, data, capsys):
     del argv[argv.index("--model"):argv.index("--model") + 2]
     assert main(argv) == 2
     assert "--model is required (or --lora, whose file names the model it was trained on)" in capsys.readouterr().err
+
+
+def test_a_preference_set_is_refused_when_auto_finds_it(tmp_path, tok_dir, capsys):
+    data = tmp_path / "pairs.jsonl"
+    data.write_text(json.dumps({"prompt": "2 + 2 = ?", "chosen": "4", "rejected": "5"}) + "\n")
+    argv = args(tok_dir, data, tmp_path / "gen.jsonl")
+    argv[argv.index("--format") + 1] = "auto"
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--format preference holds two replies (chosen, rejected) per prompt" in err and "Traceback" not in err

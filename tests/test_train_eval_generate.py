@@ -58,6 +58,8 @@ def test_prompts_are_rendered_as_the_set_was(tmp_path, tok_dir):
     ([{"prompt": "p", "completion": "c"}], "chat", "--eval-generate {path}: none of its 1 records makes a prompt in the "
                                                   "shard set's format 'chat'"),
     ([call_record("Oslo")], "mixture", "--eval-generate needs a shard set packed from one chat or instruction format"),
+    ([call_record("Oslo")], "preference", "--eval-generate needs a shard set packed from one chat or instruction format; "
+                                          "S was packed from 'preference'"),
 ])
 def test_refusals_before_any_weights_load(tmp_path, tok_dir, records, fmt, message):
     path = tmp_path / "held.jsonl"

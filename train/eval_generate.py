@@ -81,7 +81,7 @@ def prepare(cfg: TrainConfig, manifest: Any, out: TextIO | None = None) -> Promp
     path = str(cfg.eval_generate)
     options = manifest.options or {}
     fmt = options.get("format")
-    if not isinstance(fmt, str) or fmt in ("mixture", "text"):
+    if not isinstance(fmt, str) or fmt in ("mixture", "text", "preference"):
         raise TrainError(f"--eval-generate needs a shard set packed from one chat or instruction format; {cfg.shards} "
                          f"was packed from {fmt!r}: score it afterwards with prepack generate --score")
     try:
