@@ -25,7 +25,7 @@ import os
 import sys
 from collections.abc import Sequence
 from prepack.cli_help import DefaultsHelpFormatter
-from train import objective
+from train import eval_generate, objective
 
 
 def add_optimizer_args(p: argparse.ArgumentParser) -> None:
@@ -142,11 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="before step 1, run the first batch packed and each of its segments alone through the model "
                    "(as `prepack verify --model`) and stop (exit 1) if any target token's log-probability differs "
                    "beyond the dtype's tolerance")
-    p.add_argument("--eval-generate", metavar="FILE",
-                   help="held-out records (a JSONL in the shard set's format): their last replies generated and scored "
-                   "(exact match, reference NLL, tool calls; as prepack generate --score) before the first step, every "
-                   "--eval-generate-every steps and after the last, into the metrics JSONL")
-    p.add_argument("--eval-generate-every", type=int, metavar="N", help="with --eval-generate: every N steps too")
+    eval_generate.add_arguments(p)
     return p
 
 

@@ -17,6 +17,7 @@ and a console line; its time is not charged to the next step.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import sys
@@ -38,6 +39,15 @@ class Prompts:
     parser: str | None
     max_new_tokens: int
     skipped: int  # records that held no usable example (said once)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`prepack train`'s --eval-generate options."""
+    p.add_argument("--eval-generate", metavar="FILE",
+                   help="held-out records (a JSONL in the shard set's format): their last replies generated and scored "
+                   "(exact match, reference NLL, tool calls; as prepack generate --score) before the first step, every "
+                   "--eval-generate-every steps and after the last, into the metrics JSONL")
+    p.add_argument("--eval-generate-every", type=int, metavar="N", help="with --eval-generate: every N steps too")
 
 
 def check_flags(cfg: TrainConfig) -> None:
