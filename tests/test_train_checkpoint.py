@@ -400,6 +400,39 @@ def test_save_lora_round_trip_and_refusals(straight, shard_sets, tmp_path) -> No
 
 
 @pytest.mark.slow  # trains or loads a real model: see pytest.ini
+def test_a_late_export_failure_keeps_the_trained_adapter(straight, tmp_path, capsys) -> None:
+    """The trained run's own export (no training here): --save-lora fails after training (a folder
+    appeared at its path since the check before step 1), the adapter goes beside it, whole, and
+    the line says where (issue 46)."""
+    import dataclasses
+
+    from train import outputs
+
+    target = str(tmp_path / "lora.safetensors")
+    os.makedirs(os.path.join(target, "someone-elses"))
+    s = dataclasses.replace(straight["setup"], config=dataclasses.replace(straight["cfg"], save_lora=target, checkpoint_dir=None))
+    extra = dict(s.recorder.static_extra)
+    try:
+        with pytest.raises(outputs.ExportFailed) as e:
+            trainer.export_adapter(s, sys.stderr)
+        assert s.recorder.static_extra["lora_export"]["failed"] == str(e.value)
+    finally:
+        s.recorder.static_extra.clear()
+        s.recorder.static_extra.update(extra)
+    recovered = f"{target}.recovered"
+    assert str(e.value).startswith(f"--save-lora {target}: the export failed after training (")
+    assert str(e.value).endswith(f"; the trained adapter was saved to {recovered} instead")
+    assert f"the trained adapter was saved to {recovered}" in capsys.readouterr().err
+    assert lora_file.read_lora_metadata(recovered)["step"] == str(STEPS)
+    from safetensors.numpy import load_file
+
+    saved, exported = load_file(recovered), load_file(straight["cfg"].save_lora)
+    assert sorted(saved) == sorted(exported) and saved  # the same adapter the run exported
+    for name, value in exported.items():
+        np.testing.assert_array_equal(saved[name], value)
+
+
+@pytest.mark.slow  # trains or loads a real model: see pytest.ini
 def test_lora_file_and_loader_states_on_gcs(straight, gcs_prefix) -> None:
     """Our own gs:// writes (the LoRA file, run.json, loader states) against the GCS emulator.
 

@@ -253,6 +253,19 @@ def test_a_late_export_failure_saves_the_adapter_beside_it_and_says_where(tmp_pa
                                  "rerun the same command to export it")
 
 
+def test_prepack_train_exits_1_with_the_recovery_line(good_set, monkeypatch, capsys) -> None:
+    from train import trainer
+
+    def late_failure(cfg, out=None):
+        raise outputs.ExportFailed("--save-lora A: the export failed after training (x); the trained adapter was saved to "
+                                   "A.recovered instead")
+
+    monkeypatch.setattr(trainer, "run", late_failure)
+    assert cli.main(_args(good_set)) == 1
+    assert capsys.readouterr().err == ("prepack train: --save-lora A: the export failed after training (x); the trained "
+                                       "adapter was saved to A.recovered instead\n")
+
+
 def test_a_failed_folder_export_leaves_no_temporary_folder(tmp_path, monkeypatch) -> None:
     def fail(*args):
         raise OSError(28, "No space left on device")
