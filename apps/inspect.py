@@ -224,7 +224,7 @@ def row_lines(view: ShardView, index: int, renderer: _Renderer, labels: MixtureL
     """Raises RowFormatError for a row that breaks the format (a record from a stranger:
     its segment ids would otherwise drive the loop below). `labels`: a mixture set's, to name
     each segment's source and mark the copies of one example."""
-    row = view[index]
+    row = raw_row(view, index)
     rowformat.check_row(row, view.max_length)
     keys = dict(_segment_keys(row)) if labels is not None else {}
     seg = row["segment_ids"]
@@ -371,7 +371,7 @@ def _show_rows(view: ShardView, manifest: Manifest, args: argparse.Namespace, ou
     labels = MixtureLabels.of(manifest)
     for index in shown if labels is not None else ():  # first where every shown segment sits, so copies point both ways
         try:
-            row = view[index]
+            row = raw_row(view, index)
             rowformat.check_row(row, view.max_length)
         except (ManifestError, rowformat.RowFormatError):
             break  # the loop below reports it in one line
@@ -388,6 +388,11 @@ def _show_rows(view: ShardView, manifest: Manifest, args: argparse.Namespace, ou
             return 1
         print("\n".join(lines), file=out)
     return 0
+
+
+def raw_row(view: ShardView, index: int) -> dict[str, np.ndarray]:
+    """Row `index` as stored: inspect shows a row that breaks the row rules, and says which (check_row)."""
+    return {name: values[0] for name, values in view.read([index], check=False).items()}
 
 
 def path_of(view: ShardView, index: int) -> str:

@@ -57,6 +57,10 @@ def summary_lines(manifest: TokenSetManifest, path: str) -> list[str]:
     return lines
 
 
+def _first_line(e: BaseException) -> str:
+    return " ".join(str(e).split())[:200]
+
+
 def _source(manifest: TokenSetManifest, loc: tuple[int, int, int, int]) -> str:
     task, record, line, sub = loc
     tasks = manifest.job.get("tasks", [])
@@ -114,11 +118,34 @@ def show(path: str, text: str, args: argparse.Namespace, out: TextIO, err: TextI
         if index >= first + shard.num_rows:
             first += shard.num_rows
             continue
-        reader = _open_reader(storage.join(path, shard.path))
+        name = storage.join(path, shard.path)
+        wanted = list(range(index - first, min(stop - first, shard.num_rows)))
         try:
-            wanted = list(range(index - first, min(stop - first, shard.num_rows)))
-            for offset, record in zip(wanted, reader.read(wanted)):
-                eid, loc, ids, mask, pair = decode_example(record)
+            size = storage.file_sizes(path, [shard.path])[shard.path]
+            if size != shard.num_bytes:  # truncated or replaced: its reader would fail, or read something else
+                raise TokenSetError(f"{'missing' if size is None else f'{size:,} bytes'}, but the manifest says "
+                                    f"{shard.num_bytes:,}; the file is truncated or was replaced")
+            reader = _open_reader(name)
+        except TokenSetError as e:
+            print(f"prepack inspect: {name}: {e}: republish the set", file=err)
+            return 1
+        except Exception as e:  # noqa: BLE001  (array_record's own words for an unreadable file)
+            print(f"prepack inspect: {name}: not a readable ArrayRecord file, truncated or corrupt ({_first_line(e)}): "
+                  "republish the set", file=err)
+            return 1
+        try:
+            try:
+                records = reader.read(wanted)
+            except Exception as e:  # noqa: BLE001  (riegeli's chunk hash)
+                print(f"prepack inspect: {name}: records {wanted[0]}..{wanted[-1]} are unreadable, the file is corrupt "
+                      f"({_first_line(e)}): republish the set", file=err)
+                return 1
+            for offset, record in zip(wanted, records):
+                try:
+                    eid, loc, ids, mask, pair = decode_example(record)
+                except TokenSetError as e:
+                    print(f"prepack inspect: {name}: record {offset}: {e}; the file is corrupt: republish the set", file=err)
+                    return 1
                 print(f"example {first + offset}: {eid}, {len(ids):,} tokens, {int(mask.sum()):,} targets; "
                       f"source {_source(manifest, loc)}", file=out)
                 sides = [(None, 0, len(ids))] if pair is None else [("chosen", 0, pair[1]), ("rejected", pair[1], len(ids))]

@@ -285,41 +285,93 @@ REQUIRED_STEP_KEYS = ("step", "loss", "step_time_s", "target_tokens")
 from train.dpo_metrics import TRL_NAMES as DPO_NAMES  # noqa: E402
 # `prepack train` writes a non-finite loss as null (JSON has no NaN) with the reason beside it.
 NULLABLE_STEP_KEYS = ("loss",)
+# The numbers of a step record the report reads (the per-source losses are checked where read).
+NUMBER_STEP_KEYS = ("loss", "step_time_s", "target_tokens", "tokens", "target_tokens_per_s")
+# A metrics line is a few hundred bytes (a mixture's per-source fields: a few KiB): a longer one
+# is no record of `prepack train`, and is refused after this many bytes, unread beyond them
+# (a 1 GB file of one line took 18 s and 2.1 GB before its one-line error).
+MAX_METRICS_LINE_BYTES = 1 << 20
+# The largest step number: `prepack train` counts steps in int32.
+MAX_STEP = 2**31 - 1
+
+
+def _metrics_lines(path: str):
+    """(line number, text) of a metrics JSONL, each line read with a bound."""
+    with open(path, "rb") as f:
+        number = 0
+        while True:
+            line = f.readline(MAX_METRICS_LINE_BYTES + 1)
+            if not line:
+                return
+            number += 1
+            if len(line) > MAX_METRICS_LINE_BYTES:
+                raise ReportError(f"{path}:{number}: longer than {MAX_METRICS_LINE_BYTES:,} bytes, not a metrics record of "
+                                  "prepack train (it was not read further)")
+            try:
+                yield number, line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ReportError(f"{path}:{number}: not UTF-8 text (byte {e.start})") from None
+
+
+def _checked_step(record: dict[str, Any], where: str) -> dict[str, Any]:
+    """A step record's numbers: `step` a whole number from 0 to MAX_STEP, the others numbers
+    (`loss` may be null); one line naming the field otherwise ("one", [1] and 1e30 were tracebacks)."""
+    from prepack.format.untrusted import shown_with_type
+
+    step = record["step"]
+    if type(step) is not int or not 0 <= step <= MAX_STEP:
+        raise ReportError(f"{where}: step is {shown_with_type(step)}, not a step number (a whole number from 0 to {MAX_STEP:,})")
+    for key in NUMBER_STEP_KEYS:
+        value = record.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ReportError(f"{where}: {key} is {shown_with_type(value)}, not a number")
+    by_source = record.get("loss_by_source")
+    if by_source is not None and not (isinstance(by_source, dict) and all(
+            v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in by_source.values())):
+        raise ReportError(f"{where}: loss_by_source is {shown_with_type(by_source)}, not an object of source -> number")
+    return record
 
 
 def load_run(path: str, label: str | None = None, warmup_steps: int = 1) -> Run:
-    """Reads step lines, {"eval": {...}} lines and the {"summary": {...}} line of a metrics JSONL."""
+    """Reads step lines, {"eval": {...}} lines and the {"summary": {...}} line of a metrics JSONL
+    (written by a stranger: each line bounded, each number checked)."""
     if not os.path.isfile(path):
         raise ReportError(f"--metrics {path}: no such file")
     steps, evals, summary, generated = [], [], {}, []
-    with open(path) as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ReportError(f"{path}:{number}: not valid JSON ({e.msg})") from e
-            if not isinstance(record, dict):
-                raise ReportError(f"{path}:{number}: expected a JSON object")
-            if isinstance(record.get("eval"), dict):
-                ev = record["eval"]
-                if ev.get("loss") is not None:
+    for number, line in _metrics_lines(path):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ReportError(f"{where}: not valid JSON ({e.msg})") from e
+        except (ValueError, RecursionError) as e:  # nesting 100,000 deep; a 5,001-digit integer
+            raise ReportError(f"{where}: not valid JSON ({type(e).__name__}: {str(e)[:100]})") from None
+        if not isinstance(record, dict):
+            raise ReportError(f"{where}: expected a JSON object")
+        if isinstance(record.get("eval"), dict):
+            ev = record["eval"]
+            if ev.get("loss") is not None:
+                try:
                     evals.append((float(ev.get("step") or 0), float(ev["loss"])))
-            elif isinstance(record.get("eval_generate"), dict):
-                ev = record["eval_generate"]
-                if isinstance(ev.get("step"), int) and all(isinstance(ev.get(k), (int, float, type(None))) for k in
-                                                           ("exact_match", "reference_nll", "full_call_accuracy")):
-                    generated.append(ev)
-            elif isinstance(record.get("summary"), dict):
-                summary.update(record["summary"])
-            elif "loss" in record and "step" in record and "summary" not in record:
-                missing = [k for k in REQUIRED_STEP_KEYS if k not in record or (record[k] is None and k not in NULLABLE_STEP_KEYS)]
-                if missing:
-                    raise ReportError(f"{path}:{number}: step record lacks {', '.join(missing)}")
-                steps.append(record)
-            else:
-                summary.update({k: v for k, v in record.items() if k != "summary"})  # a flat summary line
+                except (TypeError, ValueError, OverflowError):
+                    raise ReportError(f"{where}: eval step and loss must be numbers, got {ev.get('step')!r:.40} and "
+                                      f"{ev.get('loss')!r:.40}") from None
+        elif isinstance(record.get("eval_generate"), dict):
+            ev = record["eval_generate"]
+            if isinstance(ev.get("step"), int) and all(isinstance(ev.get(k), (int, float, type(None))) for k in
+                                                       ("exact_match", "reference_nll", "full_call_accuracy")):
+                generated.append(ev)
+        elif isinstance(record.get("summary"), dict):
+            summary.update(record["summary"])
+        elif "loss" in record and "step" in record and "summary" not in record:
+            missing = [k for k in REQUIRED_STEP_KEYS if k not in record or (record[k] is None and k not in NULLABLE_STEP_KEYS)]
+            if missing:
+                raise ReportError(f"{where}: step record lacks {', '.join(missing)}")
+            steps.append(_checked_step(record, where))
+        else:
+            summary.update({k: v for k, v in record.items() if k != "summary"})  # a flat summary line
     if not steps:
         raise ReportError(f"{path}: no step records (expected JSON lines with {', '.join(REQUIRED_STEP_KEYS)})")
     column = lambda key: np.array([float(r.get(key) or 0) for r in steps], dtype=np.float64)  # noqa: E731

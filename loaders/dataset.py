@@ -57,6 +57,9 @@ READ_THREADS_NETWORK_MOUNT = 16
 READ_THREADS_GCS = 4
 # Concurrent whole-shard downloads started by make_dataset for gs:// sets.
 GCS_PREFETCH_DOWNLOADS = 8
+# Batches the read threads decode ahead of the consumer (make_dataset's prefetch): what a host
+# holds of a dataset at most, beside the batch in use.
+PREFETCH_BATCHES = 32
 
 
 def default_read_threads(view: ShardView) -> int:
@@ -193,6 +196,24 @@ class _StateCheckedIterator(grain.DatasetIterator):
         self._parent.set_state(state["grain"])
 
 
+def batches_read(state: Any) -> int | None:
+    """How many batches a make_dataset iterator had yielded when it gave `state` (its get_state()):
+    a saved position is checked against the step it claims (train/checkpoints.py). None where the
+    pipeline reads in worker processes (Grain's state then is per worker). ValueError, in words,
+    for what is no such state."""
+    if not isinstance(state, dict) or not isinstance(state.get("loader"), dict) or not isinstance(state.get("grain"), dict):
+        raise ValueError("not an iterator state saved from loaders.make_dataset (expected an object with 'loader' and "
+                         "'grain' objects)")
+    if state["loader"].get("worker_count"):
+        return None
+    position = state["grain"].get("next_index")
+    if type(position) is not int or position < 0:
+        from prepack.format.untrusted import shown
+
+        raise ValueError(f"its position (grain next_index) is {shown(position)}, not a count of batches")
+    return position
+
+
 def make_dataset(
     path: str | ShardView,
     batch_size: int,
@@ -205,7 +226,7 @@ def make_dataset(
     tokenizer: TokenizerLike | None = None,
     drop_remainder: bool = True,
     read_threads: int | None = None,
-    prefetch: int = 32,
+    prefetch: int = PREFETCH_BATCHES,
     worker_count: int = 0,
     worker_buffer_size: int = 2,
     verify: bool = False,

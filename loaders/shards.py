@@ -294,10 +294,20 @@ class ShardView:
         batch = self.read([int(index)])
         return {name: values[0] for name, values in batch.items()}
 
-    def read(self, indices: Sequence[int] | np.ndarray) -> dict[str, np.ndarray]:
+    @functools.cached_property
+    def row_facts(self) -> rowformat.RowFacts:
+        """What the row rules judge this set's rows by (its manifest's version, vocabulary, pad id, sources)."""
+        from prepack.format.recount import row_facts
+
+        return row_facts(self.manifest)
+
+    def read(self, indices: Sequence[int] | np.ndarray, check: bool = True) -> dict[str, np.ndarray]:
         """Rows as int32 [len(indices), L] arrays, in the given order. A record that breaks the row
-        format (its size, or a source id the manifest's mixture does not name) is a ShardSetError
-        naming its shard file and this set."""
+        format is a ShardSetError naming its shard file, its record and the rule: its size, and with
+        check (the default) every rule `prepack verify` judges rows by (rowformat.row_fault, on the
+        manifest's facts: flags 0/1, segments, positions, padding, targets, ids inside the
+        vocabulary, the pad id, sources, pairs), so that no row that breaks them is trained on.
+        check=False: the records as stored (`prepack inspect` shows a broken row)."""
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
         records = self.records(idx)
         size = rowformat.record_size(self.max_length, self.manifest.format_version)
@@ -305,19 +315,22 @@ class ShardView:
             if len(record) != size:
                 self._row_error(idx[k], f"record has {len(record)} bytes, expected {size} for max_length {self.max_length}")
         batch = rowformat.decode_rows(records, self.max_length, self.manifest.field_order)
-        if "source_ids" in batch:
-            outside = (batch["source_ids"] < 0) | (batch["source_ids"] > len(self.manifest.mixture["sources"]))
-            if outside.any():
-                k = int(np.flatnonzero(outside.any(axis=1))[0])
-                self._row_error(idx[k], f"source id {int(batch['source_ids'][k][outside[k]][0])} is outside 0.."
-                                f"{len(self.manifest.mixture['sources'])}, the sources its manifest's mixture names")
+        if check and len(idx):
+            fault = rowformat.row_fault(batch, self.row_facts)
+            if fault is not None:
+                where = f"segment {fault.segment}, token {fault.token}" if fault.segment else f"padding, token {fault.token}"
+                values = ", ".join(f"{name} {value}" for name, value in rowformat.fault_values(batch, fault).items())
+                self._row_error(idx[fault.row], f"{where}: {fault.rule} (there: {values})",
+                                "the shard was edited or is not what its manifest describes: check the set with "
+                                "prepack verify, and republish it")
         return batch
 
-    def _row_error(self, index: int, problem: str) -> None:
+    def _row_error(self, index: int, problem: str,
+                   advice: str = "the shards do not match their manifest, republish the set") -> None:
         shards, positions = self._locate(np.asarray([index], dtype=np.int64))
         shard, position = int(shards[0]), int(positions[0])
         raise ShardSetError(f"{self.shard_paths[shard]}: record {position} (row {self._starts[shard] + position} of "
-                            f"shard set {self.path}): {problem}; the shards do not match their manifest, republish the set")
+                            f"shard set {self.path}): {problem}; {advice}")
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         for i in range(len(self)):
@@ -454,11 +467,28 @@ def open_shards(
             _run_all([functools.partial(view._reader, k, True) for k in range(len(names))], close=lambda r: None)
         return view
     shard_paths = [storage.join(path, n) for n in names]
+    _refuse_links_out(path, shard_paths)
     readers = _run_all(
         [functools.partial(_check_shard, p, s, manifest.max_length, verify, version=manifest.format_version) for p, s in zip(shard_paths, manifest.shards)],
         close=_close_quietly,
     )
     return ShardView(path, manifest, readers)
+
+
+def _refuse_links_out(folder: str, shard_paths: Sequence[str]) -> None:
+    """A local shard is a file in its set's folder: one that is a symbolic link to a file outside
+    it (a manifest's names are plain, but the folder's entries need not be files) is refused, as
+    a name leaving the folder is (docs/manifest.md, "Trust")."""
+    import os
+
+    home = os.path.realpath(folder)
+    for shard in shard_paths:
+        if not os.path.islink(shard):
+            continue
+        target = os.path.realpath(shard)
+        if os.path.dirname(target) != home:
+            raise ShardSetError(f"{shard}: a symbolic link to {target}, outside the set's folder {home}: a shard must be a "
+                                "file in its set's folder; copy the file there, or republish the set")
 
 
 def _run_all(jobs: list[Callable[[], Any]], close: Callable[[Any], None]) -> list[Any]:

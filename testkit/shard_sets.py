@@ -81,14 +81,15 @@ def build_shard_set(
 ) -> Manifest:
     """Writes a complete shard set into `directory` (created if needed) and returns its manifest.
 
-    rows: explicit rows to write (each [L] fields); by default `num_rows` synthetic rows. Rows
-    carrying `pair_side` make a preference set (row format 5; testkit/tunix_dpo.pair_rows builds them).
+    rows: explicit rows to write (each [L] fields); by default `num_rows` synthetic rows, ids in the
+      tokenizer's vocabulary. Rows with `pair_side` make a preference set (testkit/tunix_dpo.pair_rows).
     rows_per_shard: how many rows go into each shard (may contain 0); default: as even as possible.
     """
     os.makedirs(directory, exist_ok=True)
     if rows is None:
         rng = np.random.default_rng(seed)
-        rows = [synthetic_row(r, max_length, rng) for r in range(num_rows)]
+        vocab = int((tokenizer or TEST_TOKENIZER)["vocab_size"])
+        rows = [synthetic_row(r, max_length, rng, vocab_size=vocab) for r in range(num_rows)]
     num_rows = len(rows)
     counts = list(rows_per_shard) if rows_per_shard is not None else split_evenly(num_rows, num_shards)
     if sum(counts) != num_rows:

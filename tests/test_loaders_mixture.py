@@ -100,5 +100,6 @@ def test_a_source_id_beyond_the_listed_sources_names_its_file_and_set(mix_copy):
     with pytest.raises(loaders.ShardSetError) as e:
         view.read([0, 2])
     assert str(e.value) == (
-        f"{shard}: record 2 (row 2 of shard set {mix_copy}): source id 3 is outside 0..2, the sources its "
-        "manifest's mixture names; the shards do not match their manifest, republish the set")
+        f"{shard}: record 2 (row 2 of shard set {mix_copy}): segment 1, token 0: source_ids must be 1..N on every real "
+        "token and 0 on padding (there: source_ids 3); the shard was edited or is not what its manifest describes: "
+        "check the set with prepack verify, and republish it")

@@ -233,6 +233,90 @@ def test_resume_refuses_other_base_weights_and_foreign_folders(straight, tmp_pat
     assert checkpoints.CheckpointDir(str(tmp_path / "empty")).check_resumable(run["identity"]) is None
 
 
+# ----------------------------------------------------------------------------- a checkpoint as a stranger's
+
+
+def _edit_json(path: str, change) -> None:
+    with open(path) as f:
+        text = f.read()
+    value = change(json.loads(text))
+    with open(path, "w") as f:
+        f.write(value if isinstance(value, str) else json.dumps(value))
+
+
+def _data_file(ckpt: str) -> str:
+    return os.path.join(ckpt, "data", "process_0-of-1.json")
+
+
+def _set_next_index(record: dict) -> dict:
+    record["states"][str(STEPS)]["grain"]["next_index"] = STEPS - 1
+    return record
+
+
+def _swap_optimizer(ckpt: str) -> None:
+    """Step 6's optimizer state replaced by step 4's (each file whole: Orbax reads it as is)."""
+    shutil.rmtree(os.path.join(ckpt, "tunix", str(STEPS), "optimizer_state"))
+    shutil.copytree(os.path.join(ckpt, "tunix", "4", "optimizer_state"), os.path.join(ckpt, "tunix", str(STEPS), "optimizer_state"))
+
+
+def _truncate_data(ckpt: str) -> None:
+    for root, _, files in os.walk(os.path.join(ckpt, "tunix", str(STEPS), "optimizer_state")):
+        for name in files:
+            if os.sep + "d" in root:  # the array data files, not the metadata
+                os.truncate(os.path.join(root, name), 10)
+
+
+DAMAGED = checkpoints.DAMAGED
+REMEDY = "remove {ckpt}/tunix/6 to resume from the checkpoint before it, or use a new --checkpoint-dir"
+
+
+@pytest.mark.parametrize(("edit", "words", "before_weights"), [
+    (lambda c: _edit_json(os.path.join(c, "run.json"), lambda r: "[]"),
+     "{ckpt}/run.json: an array [] is not a run record (a JSON object); " + DAMAGED, True),
+    (lambda c: _edit_json(os.path.join(c, "run.json"), lambda r: {**r, "identity": "x"}),
+     "{ckpt}/run.json: `identity` is a string 'x', not a JSON object; " + DAMAGED, True),
+    (lambda c: _edit_json(_data_file(c), lambda r: "[1,2]"),
+     "{ckpt}/data/process_0-of-1.json: an array [1, 2] is not a record of loader states (a JSON object); " + DAMAGED, True),
+    (lambda c: _edit_json(_data_file(c), lambda r: {**r, "states": {**r["states"], "6": [1, 2]}}),
+     "{ckpt}/data/process_0-of-1.json: states['6'] is an array [1, 2]: not a loader state of a step; " + DAMAGED, True),
+    (lambda c: _edit_json(_data_file(c), _set_next_index),
+     "{ckpt}/data/process_0-of-1.json: the loader state of step 6 is after 5 batches, but step 6 read 6: resuming there "
+     "would train batches twice or skip them; " + DAMAGED, True),
+    (lambda c: shutil.rmtree(os.path.join(c, "tunix", str(STEPS), "optimizer_state")),
+     "--checkpoint-dir {ckpt}: step 6 has no optimizer_state (the optimizer's moments and step count), so it cannot be "
+     "resumed exactly; " + REMEDY, True),
+    (lambda c: shutil.rmtree(os.path.join(c, "tunix", str(STEPS), "model_params")),
+     "--checkpoint-dir {ckpt}: step 6 has no model_params (the LoRA parameters), so it cannot be resumed exactly; " + REMEDY,
+     True),
+    (_swap_optimizer, "--checkpoint-dir {ckpt}: step 6 was restored, but its optimizer state is of step 4, not 6; " + REMEDY,
+     False),
+    (_truncate_data, "--checkpoint-dir {ckpt}: step 6 cannot be restored (", False),
+])
+@pytest.mark.slow  # trains or loads a real model: see pytest.ini
+def test_resume_refuses_a_checkpoint_that_is_incomplete_or_disagrees(straight, shard_sets, tmp_path, capsys, edit, words,
+                                                                     before_weights) -> None:
+    """A checkpoint written by a stranger (or damaged): each is one line, exit 2, before any step.
+    Without these checks an optimizer state deleted resumed with a fresh Adam, and a loader state
+    edited to another step's position trained a batch twice (issue 46)."""
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(straight["cfg"].checkpoint_dir, ckpt)
+    edit(ckpt)
+    argv = ["--shards", shard_sets["main"], "--model", MODEL, "--lora-rank", str(RANK), "--batch-size", str(BATCH),
+            "--steps", str(STEPS + 2), "--learning-rate", "3e-2", "--checkpoint-dir", ckpt, "--log-every", "0",
+            "--checkpoint-every", str(EVERY), "--remat", "none", "--read-threads", "1"]
+    with _watch() as seen:
+        rc = cli.main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2 and seen == [], err
+    line = err.splitlines()[-1]
+    assert line.startswith("prepack train: " + words.format(ckpt=ckpt)), line
+    if words.endswith("("):  # Orbax's own words inside, then the remedy
+        assert line.endswith("): its files are damaged or incomplete; " + REMEDY.format(ckpt=ckpt)), line
+    else:
+        assert line == "prepack train: " + words.format(ckpt=ckpt)
+    assert ("loading" not in err) == before_weights, err
+
+
 # ----------------------------------------------------------------------------- LoRA export
 
 
@@ -313,6 +397,39 @@ def test_save_lora_round_trip_and_refusals(straight, shard_sets, tmp_path) -> No
     print(f"\nmax |logits loaded - trained| = {float(np.max(np.abs(after - trained))):.3g} "
           f"(before loading {float(np.max(np.abs(before - trained))):.3g})")
     np.testing.assert_allclose(after, trained, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow  # trains or loads a real model: see pytest.ini
+def test_a_late_export_failure_keeps_the_trained_adapter(straight, tmp_path, capsys) -> None:
+    """The trained run's own export (no training here): --save-lora fails after training (a folder
+    appeared at its path since the check before step 1), the adapter goes beside it, whole, and
+    the line says where (issue 46)."""
+    import dataclasses
+
+    from train import outputs
+
+    target = str(tmp_path / "lora.safetensors")
+    os.makedirs(os.path.join(target, "someone-elses"))
+    s = dataclasses.replace(straight["setup"], config=dataclasses.replace(straight["cfg"], save_lora=target, checkpoint_dir=None))
+    extra = dict(s.recorder.static_extra)
+    try:
+        with pytest.raises(outputs.ExportFailed) as e:
+            trainer.export_adapter(s, sys.stderr)
+        assert s.recorder.static_extra["lora_export"]["failed"] == str(e.value)
+    finally:
+        s.recorder.static_extra.clear()
+        s.recorder.static_extra.update(extra)
+    recovered = f"{target}.recovered"
+    assert str(e.value).startswith(f"--save-lora {target}: the export failed after training (")
+    assert str(e.value).endswith(f"; the trained adapter was saved to {recovered} instead")
+    assert f"the trained adapter was saved to {recovered}" in capsys.readouterr().err
+    assert lora_file.read_lora_metadata(recovered)["step"] == str(STEPS)
+    from safetensors.numpy import load_file
+
+    saved, exported = load_file(recovered), load_file(straight["cfg"].save_lora)
+    assert sorted(saved) == sorted(exported) and saved  # the same adapter the run exported
+    for name, value in exported.items():
+        np.testing.assert_array_equal(saved[name], value)
 
 
 @pytest.mark.slow  # trains or loads a real model: see pytest.ini

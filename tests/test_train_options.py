@@ -76,7 +76,7 @@ def test_run_outputs_lists_every_output_option() -> None:
 @pytest.mark.parametrize(("kw", "message"), [
     ({"save_lora": "{tmp}/exists"}, "--save-lora {tmp}/exists already exists; pass --overwrite to replace it, or give another path"),
     ({"save_lora": "{tmp}/file", "lora_format": "peft"}, "--save-lora {tmp}/file is a file; give a folder"),
-    ({"save_lora": "gs:///x"}, "--save-lora gs:///x: names no bucket; write gs://BUCKET/..."),
+    ({"save_lora": "gs:///x"}, "--save-lora 'gs:///x' names no bucket: write gs://BUCKET/FOLDER"),
     ({"tensorboard": "gs://b/tb"}, "--tensorboard gs://b/tb: writes to a local folder only; give a local path (or a gcsfuse mount)"),
     ({"profile_steps": "2:3"}, "--profile-steps needs a folder for the trace: --profile-dir DIR, or --tensorboard DIR (the trace then "
                                "shows in TensorBoard's profile tab)"),

@@ -69,7 +69,7 @@ def test_qwen3_models_refuse_gemma3_shards(tmp_path, model, capsys) -> None:
     # Gemma3's identity (its vocab_hash); tiny-qwen3 takes its embedding size from it, so only the family rule can refuse.
     build_shard_set(path, num_rows=4, max_length=32, tokenizer={**TEST_TOKENIZER, "name": "gemma3", "vocab_size": 262_144,
                                                                   "vocab_hash": FAMILY_VOCAB_HASH["gemma3"]})
-    rc = cli.main(["--shards", path, "--model", model, "--weights", "random", "--steps", "1"])
+    rc = cli.main(["--shards", path, "--model", model, "--weights", "random", "--steps", "1", "--batch-size", "4"])
     assert rc == 2
     err = capsys.readouterr().err
     assert "'gemma3'" in err and ("is the gemma3 tokenizer's" in err or "151,936 embedding rows" in err)

@@ -7,6 +7,7 @@ The end-to-end runs are the slow part (a compile each); they share one learnable
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -15,10 +16,10 @@ import numpy as np
 import pytest
 
 from prepack.format import manifest as manifest_lib, rowformat
-from train import cli, mesh, metrics, vocab
+from train import cli, mesh, metrics, packed_trainer, vocab
 from train.config import TrainError
 
-from testkit.shard_sets import TEST_TOKENIZER, build_shard_set
+from testkit.shard_sets import TEST_TOKENIZER, build_shard_set, synthetic_row
 
 VOCAB = 64
 MAX_LENGTH = 32
@@ -206,13 +207,36 @@ def test_mesh_fsdp2_shards_batches_and_parameters_over_two_devices(shard_sets, t
 # ----------------------------------------------------------------------------- errors
 
 
-def test_token_ids_beyond_the_model_vocab_stop_the_run(tmp_path, capsys) -> None:
+def test_token_ids_beyond_the_manifest_vocab_stop_the_run_naming_shard_row_and_rule(tmp_path, capsys) -> None:
     path = str(tmp_path / "bad_ids")
-    # The manifest claims 64 ids, but the rows hold ids up to 50,000.
-    build_shard_set(path, num_rows=8, max_length=MAX_LENGTH, tokenizer=TOKENIZER)
-    rc = cli.main(["--shards", path, "--model", "tiny-qwen3", "--batch-size", "4", "--steps", "1", "--log-every", "0"])
+    # The manifest claims 64 ids, but the rows hold ids up to 50,000: the loader's row check
+    # (the rules `prepack verify` judges by) refuses the first batch, before it reaches the device.
+    rng = np.random.default_rng(0)
+    rows = [synthetic_row(r, MAX_LENGTH, rng, vocab_size=50_000) for r in range(8)]
+    build_shard_set(path, rows=rows, tokenizer=TOKENIZER)
+    rc = cli.main(["--shards", path, "--model", "tiny-qwen3", "--batch-size", "4", "--steps", "1", "--log-every", "0",
+                   "--remat", "none"])
     assert rc == 2
-    assert "outside the model's 64-row embedding" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "step 1:" not in err  # refused before the batch reached the device
+    line = err.splitlines()[-1]
+    assert re.fullmatch(rf"prepack train: {re.escape(path)}/rows-0000[01]-of-00002\.array_record: record \d+ \(row \d+ of shard "
+                        rf"set {re.escape(path)}\): segment \d+, token \d+: input_ids must lie in the vocabulary \(0 to "
+                        r"vocab_size - 1\) on every real token \(there: input_ids \d+\); the shard was edited or is not what "
+                        r"its manifest describes: check the set with prepack verify, and republish it", line), line
+
+
+@pytest.mark.parametrize("bad", [-5, 64, 2**31 - 1])
+def test_an_id_outside_the_model_embedding_is_named_as_it_is(bad) -> None:
+    """The trainer's own check (batches from anywhere, against the model's embedding) names the
+    offending id itself: -5 was reported as 236812."""
+    ids = np.full((2, 8), 3, np.int32)
+    ids[1, 5] = bad
+    with pytest.raises(TrainError) as e:
+        packed_trainer.check_token_ids({"input_ids": ids}, 64)
+    assert str(e.value) == (f"a batch holds token id {bad}, outside the model's 64-row embedding (ids 0 to 63); "
+                            "the shards do not match the model's tokenizer")
+    packed_trainer.check_token_ids({"input_ids": np.clip(ids, 0, 63)}, 64)
 
 
 def test_gemma_vocab_shards_refused_by_qwen3_before_loading_weights(tmp_path, capsys) -> None:
@@ -220,7 +244,8 @@ def test_gemma_vocab_shards_refused_by_qwen3_before_loading_weights(tmp_path, ca
     tok = {**TEST_TOKENIZER, "name": "gemma3", "vocab_size": 262_144}
     build_shard_set(path, num_rows=4, max_length=MAX_LENGTH, tokenizer=tok)
     # --weights names a folder that does not exist: the vocabulary check must come first.
-    rc = cli.main(["--shards", path, "--model", "qwen3-0.6b", "--weights", str(tmp_path / "nope"), "--steps", "1"])
+    rc = cli.main(["--shards", path, "--model", "qwen3-0.6b", "--weights", str(tmp_path / "nope"), "--steps", "1",
+                   "--batch-size", "4"])
     assert rc == 2
     err = capsys.readouterr().err
     assert "vocab_size 262,144" in err and "151,936 embedding rows" in err

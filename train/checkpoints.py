@@ -34,6 +34,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from prepack import storage
+from prepack.format.untrusted import shown, shown_with_type
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,42 @@ class CheckpointError(ValueError):
     """A checkpoint or LoRA file that cannot be used as asked; the message says why and what to do."""
 
 
+DAMAGED = "the checkpoint folder was edited or is damaged: use a new --checkpoint-dir"
+# What Tunix's CheckpointManager saves in each step's folder; a resume needs both.
+ITEMS = {"model_params": "the LoRA parameters", "optimizer_state": "the optimizer's moments and step count"}
+
+
+def _folder_exists(path: str) -> bool:
+    if storage.is_gcs(path):
+        return bool(storage.storage_for(path).list_files(path))
+    return os.path.isdir(path)
+
+
+def optimizer_problem(optimizer: Any, step: int) -> str | None:
+    """Whether a restored optimizer is the one of checkpoint step `step`: nnx's update count is the
+    step, and every optax count (Adam's, the schedule's) plus the updates --nan-policy skip-step
+    skipped equals it. One line naming what differs, or None."""
+    import jax
+    from flax import nnx
+
+    taken = int(optimizer.step.get_value())
+    if taken != step:
+        return f"its optimizer state is of step {taken:,}, not {step:,}"
+    counts, skipped = [], 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(nnx.state(optimizer, nnx.optimizer.OptState))[0]:
+        names = [str(getattr(k, "key", getattr(k, "name", ""))) for k in path]
+        names = [n for n in names if n != "value"]
+        if names and names[-1] == "count":
+            counts.append(int(leaf))
+        elif names and names[-1] == "total_notfinite":
+            skipped += int(leaf)
+    wrong = [c for c in counts if c + skipped != step]
+    if wrong:
+        return (f"its optimizer's update counts are {sorted(set(counts))} with {skipped} skipped, not {step:,}: the "
+                "optimizer state is another step's")
+    return None
+
+
 
 # ----------------------------------------------------------------------------- identity
 
@@ -124,6 +161,15 @@ class EveryNStepsAndLast:
 # ----------------------------------------------------------------------------- the checkpoint folder
 
 
+def holds_checkpoint(path: str | None) -> bool:
+    """Whether --checkpoint-dir `path` holds a finalized step (a run there resumes, or is refused)."""
+    if not path:
+        return False
+    ckpt = CheckpointDir(path)
+    ckpt.require_backend()
+    return ckpt.latest_step() is not None
+
+
 class CheckpointDir:
     """DIR/run.json, DIR/tunix (Tunix's Orbax root) and DIR/data (loader states)."""
 
@@ -165,13 +211,20 @@ class CheckpointDir:
         return max(steps) if steps else None
 
     def read_run(self) -> dict[str, Any] | None:
+        """run.json, its shape checked (a stranger's file: `[]`, or an `identity` of "x", was a traceback)."""
         text = storage.read_text(self.run_path)
         if text is None:
             return None
         try:
-            return json.loads(text)
+            record = json.loads(text)
         except (ValueError, RecursionError) as e:  # also a 5,001-digit integer, or nesting 100,000 deep
             raise CheckpointError(f"{self.run_path}: not valid JSON ({str(e)[:120]})") from None
+        if not isinstance(record, dict):
+            raise CheckpointError(f"{self.run_path}: {shown_with_type(record)} is not a run record (a JSON object); {DAMAGED}")
+        for key in ("identity", "base_weights"):
+            if key in record and not isinstance(record[key], dict):
+                raise CheckpointError(f"{self.run_path}: `{key}` is {shown_with_type(record[key])}, not a JSON object; {DAMAGED}")
+        return record
 
     def check_resumable(
         self, identity: Mapping[str, Any], base: Mapping[str, Any] | None = None, info: Mapping[str, Any] | None = None
@@ -192,7 +245,7 @@ class CheckpointDir:
                 "not written by prepack train; use another --checkpoint-dir"
             )
         if saved.get("format") != RUN_FORMAT:
-            raise CheckpointError(f"{self.run_path}: format {saved.get('format')!r} is not supported (expected {RUN_FORMAT})")
+            raise CheckpointError(f"{self.run_path}: format {shown(saved.get('format'))} is not supported (expected {RUN_FORMAT})")
         differ = identity_differences(saved.get("identity", {}), identity)
         if saved.get("identity", {}).get("shard_set") != identity.get("shard_set"):
             differ.append(f"shards: checkpoint read {saved.get('shards')!r}, now {(info or {}).get('shards')!r}")
@@ -211,6 +264,43 @@ class CheckpointDir:
             )
         return step
 
+    def step_path(self, step: int) -> str:
+        return storage.join(self.tunix_root, str(step))
+
+    def check_complete(self, step: int, micro_batches: int = 1) -> None:
+        """Before any weight loads: the step Tunix will restore has every part a resume needs, and its
+        loader state is that step's. Tunix restores whatever items a step holds: one whose optimizer
+        state was deleted resumed with a fresh Adam (count 1 where an intact resume has 3, LoRA off
+        by 1.8e-4), and a loader state edited to another step's position trained a batch twice."""
+        for item, meaning in ITEMS.items():
+            if not _folder_exists(storage.join(self.step_path(step), item)):
+                raise CheckpointError(
+                    f"--checkpoint-dir {self.path}: step {step} has no {item} ({meaning}), so it cannot be resumed exactly; "
+                    f"{self.remedy(step)}")
+        state = self.load_data_state(step)
+        if state is None:
+            return  # not written by us: Tunix's own re-read positions the data (train/resume.py)
+        from loaders.dataset import batches_read
+
+        try:
+            position = batches_read(state)
+        except ValueError as e:
+            raise CheckpointError(f"{self.data_path}: step {step}: {e}; {DAMAGED}") from None
+        if position is not None and position != step * micro_batches:
+            per_step = f" ({micro_batches} micro-batches a step)" if micro_batches > 1 else ""
+            raise CheckpointError(
+                f"{self.data_path}: the loader state of step {step} is after {position:,} batches, but step {step} read "
+                f"{step * micro_batches:,}{per_step}: resuming there would train batches twice or skip them; {DAMAGED}")
+
+    def restore_problem(self, step: int, error: BaseException) -> str:
+        """The one line for a step Tunix (Orbax) could not restore: truncated or missing data files."""
+        text = " ".join(str(error).split()).split(" See full TensorStore details")[0][:200]
+        return (f"--checkpoint-dir {self.path}: step {step} cannot be restored ({type(error).__name__}: {text}): its files "
+                f"are damaged or incomplete; {self.remedy(step)}")
+
+    def remedy(self, step: int) -> str:
+        return (f"remove {self.step_path(step)} to resume from the checkpoint before it, or use a new --checkpoint-dir")
+
     def write_run(self, identity: Mapping[str, Any], base: Mapping[str, Any], info: Mapping[str, Any]) -> None:
         """Only process 0 writes run.json (every host computes the same identity)."""
         if self.process_index != 0:
@@ -221,6 +311,7 @@ class CheckpointDir:
     # -- loader states
 
     def _read_data(self) -> dict[str, Any]:
+        """The loader states, their shape checked: {"format": 1, "states": {"<step>": {...}}}."""
         text = storage.read_text(self.data_path)
         if text is None:
             return {"format": DATA_FORMAT, "states": {}}
@@ -228,8 +319,19 @@ class CheckpointDir:
             record = json.loads(text)
         except (ValueError, RecursionError) as e:
             raise CheckpointError(f"{self.data_path}: not valid JSON ({str(e)[:120]})") from None
+        if not isinstance(record, dict):
+            raise CheckpointError(f"{self.data_path}: {shown_with_type(record)} is not a record of loader states "
+                                  f"(a JSON object); {DAMAGED}")
         if record.get("format") != DATA_FORMAT:
-            raise CheckpointError(f"{self.data_path}: format {record.get('format')!r} is not supported (expected {DATA_FORMAT})")
+            raise CheckpointError(f"{self.data_path}: format {shown(record.get('format'))} is not supported (expected {DATA_FORMAT})")
+        states = record.get("states")
+        if not isinstance(states, dict):
+            raise CheckpointError(f"{self.data_path}: `states` is {shown_with_type(states)}, not an object of step -> "
+                                  f"loader state; {DAMAGED}")
+        for step, state in states.items():
+            if not (step.isdigit() and len(step) < 19) or not isinstance(state, dict):
+                raise CheckpointError(f"{self.data_path}: states[{shown(step)}] is {shown_with_type(state)}: not a loader state "
+                                      f"of a step; {DAMAGED}")
         return record
 
     def save_data_state(self, step: int, state: Mapping[str, Any], keep: int) -> None:

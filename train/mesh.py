@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from prepack.format.untrusted import shown
 from train.config import TrainError
 
 MESH_AXES = ("fsdp", "tp")
@@ -19,16 +20,17 @@ def parse_mesh(spec: str | None) -> dict[str, int] | None:
     if not spec:
         return None
     sizes = {axis: 1 for axis in MESH_AXES}
+    given: set[str] = set()
     for part in spec.split(","):
         key, sep, value = part.strip().partition("=")
         if not sep or key not in MESH_AXES:
-            raise TrainError(f"--mesh {spec!r}: expected comma-separated fsdp=N,tp=M")
-        try:
-            sizes[key] = int(value)
-        except ValueError:
-            raise TrainError(f"--mesh {spec!r}: {key} size {value!r} is not an integer") from None
-        if sizes[key] < 1:
-            raise TrainError(f"--mesh {spec!r}: sizes must be positive")
+            raise TrainError(f"--mesh {shown(spec)}: expected comma-separated fsdp=N,tp=M")
+        if key in given:  # the last value would silently win
+            raise TrainError(f"--mesh {shown(spec)}: {key} is given twice; give each axis once, e.g. fsdp=2,tp=1")
+        given.add(key)
+        if not value.strip().isdigit() or len(value.strip()) > 6 or int(value) < 1:  # no device count has 7 digits
+            raise TrainError(f"--mesh {shown(spec)}: {key} size {shown(value)} is not a positive whole number of devices")
+        sizes[key] = int(value)
     return sizes
 
 

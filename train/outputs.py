@@ -1,15 +1,26 @@
 """Every output a `prepack train` run writes, listed in one place, and the checks made before any weight loads.
 
 `run_outputs(cfg)` names each output the flags ask for (flag, path, what it is), so that one
-check before step 1 can cover them all; `check_outputs(cfg)` refuses, in one line, the ones
-that are wrong already (today: the adapter export, the TensorBoard folder and the profile folder).
+check before step 1 can cover them all: `check_outputs(cfg)` refuses, in one line and before any
+weight loads, an output whose path names no place (prepack.storage.location_problem: a scheme
+other than gs://, a gs:// URL without a bucket), that is a file where a folder goes or the other
+way round, that lies under a file, that cannot be written (locally an unnamed temporary file is
+made and dropped in its folder; on gs:// one empty object is written and deleted in its folder,
+as `prepack pack` probes its output), that two options share, or that exists where it would be
+replaced (--metrics-out and --save-lora need --overwrite; a resumed run appends to its metrics).
 Each new output option of train is added to `run_outputs`.
+
+A failure after training never loses the trained adapter: `export_or_recover` saves it under
+--checkpoint-dir, or beside the --save-lora path (PATH.recovered), and names the place in the
+one line the run fails with (ExportFailed, exit 1).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import tempfile
+from collections.abc import Callable
 from typing import Any
 
 from prepack import storage
@@ -25,12 +36,13 @@ class Output:
     kind: str  # FILE or FOLDER
     replaced_only_with_overwrite: bool  # an existing target is refused unless --overwrite
     local_only: bool = False  # its writer cannot write gs:// (use a gcsfuse mount)
+    appended_on_resume: bool = False  # a resumed run appends to it without --overwrite
 
 
 def run_outputs(cfg: TrainConfig) -> list[Output]:
     out = []
     if cfg.metrics_out:
-        out.append(Output("--metrics-out", cfg.metrics_out, FILE, False, local_only=True))
+        out.append(Output("--metrics-out", cfg.metrics_out, FILE, True, local_only=True, appended_on_resume=True))
     if cfg.checkpoint_dir:
         out.append(Output("--checkpoint-dir", cfg.checkpoint_dir, FOLDER, False))  # a folder of the same run resumes
     if cfg.save_lora:
@@ -81,30 +93,142 @@ def profiler_options(cfg: TrainConfig) -> Any:
     return profiler.ProfilerOptions(log_dir=profile_folder(cfg), skip_first_n_steps=a - 1, profiler_steps=b - a + 1)
 
 
-def _refusal(o: Output, overwrite: bool) -> str | None:
+def _nearest_existing(path: str) -> str:
+    """The path itself, or its nearest ancestor that exists (where a writer would create folders)."""
+    here = os.path.abspath(path)
+    while not os.path.lexists(here):
+        parent = os.path.dirname(here)
+        if parent == here:
+            break
+        here = parent
+    return here
+
+
+def _local_refusal(o: Output, overwrite: bool, appends: bool) -> str | None:
+    """appends: the existing file is a resumed run's own metrics, appended to."""
     path = o.path
-    if storage.is_gcs(path):
-        if o.local_only:
-            return f"{o.flag} {path}: writes to a local folder only; give a local path (or a gcsfuse mount)"
-        try:
-            storage.split_gcs(path)
-        except ValueError:
-            return f"{o.flag} {path}: names no bucket; write gs://BUCKET/..."
-        return None
-    if os.path.exists(path):
+    if os.path.lexists(path):
         if o.kind == FOLDER and not os.path.isdir(path):
             return f"{o.flag} {path} is a file; give a folder"
         if o.kind == FILE and os.path.isdir(path):
             return f"{o.flag} {path} is a folder; give a file path"
-        if o.replaced_only_with_overwrite and not overwrite:
-            return f"{o.flag} {path} already exists; pass --overwrite to replace it, or give another path"
+        if o.replaced_only_with_overwrite and not overwrite and not appends:
+            also = " (no checkpoint in --checkpoint-dir resumes into it)" if o.appended_on_resume else ""
+            return f"{o.flag} {path} already exists{also}; pass --overwrite to replace it, or give another path"
+    base = _nearest_existing(path)
+    if not os.path.isdir(base) and base != os.path.abspath(path):
+        return f"{o.flag} {path}: {base} is a file, so no folder can be made there; give another path"
+    return _unwritable(o, base if os.path.isdir(base) else os.path.dirname(base))
+
+
+def _unwritable(o: Output, folder: str) -> str | None:
+    """Writes nothing that stays: an unnamed temporary file (O_TMPFILE where the filesystem has it)
+    in the folder the output will be written in, or its nearest existing ancestor. os.access would
+    say yes to root on a read-only mount's folders."""
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        return f"{o.flag} {o.path}: cannot write in {folder} ({e.strerror or e}); give a writable path"
+    if o.kind == FILE and os.path.isfile(o.path) and not os.access(o.path, os.W_OK):
+        return f"{o.flag} {o.path}: the file is not writable; give a writable path"
     return None
 
 
-def check_outputs(cfg: TrainConfig) -> None:
-    """Refuses, before any weight loads, outputs that cannot be written as asked; one line for the first."""
+def _gcs_refusal(o: Output, overwrite: bool) -> str | None:
+    """A gs:// output: a local-only writer refused; what exists there; writable, by writing and
+    deleting one empty object in the folder it goes to (as `prepack pack` probes its output)."""
+    if o.local_only:
+        return f"{o.flag} {o.path}: writes to a local folder only; give a local path (or a gcsfuse mount)"
+    store = storage.storage_for(o.path)
+    try:
+        if o.replaced_only_with_overwrite and not overwrite:
+            there = store.list_files(o.path) if o.kind == FOLDER else ([o.path] if store.is_file(o.path) else [])
+            if there:
+                return f"{o.flag} {o.path} already exists; pass --overwrite to replace it, or give another path"
+        folder = o.path.rstrip("/") if o.kind == FOLDER else o.path.rstrip("/").rsplit("/", 1)[0]
+        probe = storage.join(folder, f".prepack-train-probe-{os.getpid()}")
+        store.write(probe, b"")
+        store.delete([probe])
+    except Exception as e:  # noqa: BLE001  (no bucket, no access, no credentials: the client's own words)
+        return f"{o.flag} {o.path}: cannot write there ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"
+    return None
+
+
+def check_outputs(cfg: TrainConfig, resumes: Callable[[], bool] = lambda: False) -> None:
+    """Refuses, before any weight loads, outputs that cannot be written as asked; one line for the first.
+
+    resumes: whether --checkpoint-dir holds a checkpoint to resume from (then the metrics JSONL is
+    appended to, as the resumed run's own, without --overwrite); asked only once every output's
+    location is known good, and only when it matters."""
     profile_range(cfg)
-    for o in run_outputs(cfg):
-        refusal = _refusal(o, cfg.overwrite)
+    listed = run_outputs(cfg)
+    for o in listed:  # first: no storage is asked about a path that names no place (gs:///x)
+        problem = storage.location_problem(o.path)
+        if problem:
+            raise TrainError(f"{o.flag} {problem}")
+    seen: dict[str, Output] = {}
+    for o in listed:
+        key = o.path.rstrip("/") if storage.is_gcs(o.path) else os.path.abspath(o.path)
+        other = seen.get(key)
+        if other is not None and {other.flag, o.flag} != {"--tensorboard", "--profile-dir"}:
+            raise TrainError(f"{other.flag} and {o.flag} both name {o.path}; give each output its own path")
+        seen[key] = o
+    for o in listed:
+        if storage.is_gcs(o.path):
+            refusal = _gcs_refusal(o, cfg.overwrite)
+        else:
+            appends = o.appended_on_resume and not cfg.overwrite and os.path.lexists(o.path) and resumes()
+            refusal = _local_refusal(o, cfg.overwrite, appends)
         if refusal:
             raise TrainError(refusal)
+
+
+# ----------------------------------------------------------------------------- a late failure
+
+
+class ExportFailed(Exception):
+    """--save-lora failed after training; the message says where the adapter was saved instead (exit 1)."""
+
+
+def recovery_path(cfg: TrainConfig, exists: Callable[[str], bool] | None = None) -> str:
+    """Where the trained adapter goes when --save-lora fails after training: under --checkpoint-dir
+    when there is one, else beside the path given (PATH.recovered); a free name, never a replaced one."""
+    suffix = ".safetensors" if cfg.lora_format == "prepack" else ""
+    if cfg.checkpoint_dir:
+        base = storage.join(cfg.checkpoint_dir.rstrip("/"), "recovered-lora")
+    else:
+        target = cfg.save_lora.rstrip("/") or cfg.save_lora
+        base, suffix = target + ".recovered", ""
+    exists = exists or (lambda p: storage.storage_for(p).exists(p) or bool(storage.is_gcs(p) and storage.storage_for(p).list_files(p)))
+    candidate, n = base + suffix, 1
+    while exists(candidate):
+        n += 1
+        candidate = f"{base}-{n}{suffix}"
+    return candidate
+
+
+def export_or_recover(cfg: TrainConfig, export: Callable[[str, bool], Any], say: Any) -> tuple[str, str | None]:
+    """Runs export(path, overwrite) on --save-lora; on any failure, on recovery_path(cfg), then raises
+    ExportFailed naming both. Returns (the path written, None) when --save-lora itself worked."""
+    try:
+        export(cfg.save_lora, cfg.overwrite)
+        return cfg.save_lora, None
+    except Exception as e:  # noqa: BLE001  (whatever failed, the trained adapter must not be lost)
+        error = _one_line(e)
+    try:
+        recovered = recovery_path(cfg)
+        export(recovered, False)
+    except Exception as e2:  # noqa: BLE001
+        kept = (f"; the last checkpoint in --checkpoint-dir {cfg.checkpoint_dir} holds the trained adapter: rerun the same "
+                "command to export it" if cfg.checkpoint_dir else ": the trained adapter is lost")
+        raise ExportFailed(f"--save-lora {cfg.save_lora}: the export failed after training ({error}), and saving the "
+                           f"adapter beside it failed too ({_one_line(e2)}){kept}") from e2
+    print(f"--save-lora {cfg.save_lora} failed; the trained adapter was saved to {recovered}", file=say, flush=True)
+    raise ExportFailed(f"--save-lora {cfg.save_lora}: the export failed after training ({error}); the trained adapter "
+                       f"was saved to {recovered} instead")
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).splitlines()[0][:300] if str(e) else ""
+    return f"{type(e).__name__}: {text}" if not isinstance(e, (TrainError, ValueError)) or not text else text

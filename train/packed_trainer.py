@@ -40,11 +40,13 @@ def refuse_placeholder(input_data: Any) -> None:
 
 
 def check_token_ids(input_data: Any, vocab_size: int) -> None:
-    top = int(np.max(input_data["input_ids"]))
-    if top >= vocab_size or int(np.min(input_data["input_ids"])) < 0:
+    ids = input_data["input_ids"]
+    low, top = int(np.min(ids)), int(np.max(ids))
+    if top >= vocab_size or low < 0:
         # An out-of-range id would not fail on the device: the embedding gather returns NaN/clamped rows.
+        bad = low if low < 0 else top  # the offending id itself (-5 was reported as its int32 wrap-around)
         raise TrainError(
-            f"a batch holds token id {top}, outside the model's {vocab_size:,}-row embedding; "
+            f"a batch holds token id {bad}, outside the model's {vocab_size:,}-row embedding (ids 0 to {vocab_size - 1:,}); "
             "the shards do not match the model's tokenizer"
         )
 

@@ -127,15 +127,19 @@ def write_folder(path: str, files: Mapping[str, bytes], overwrite: bool) -> None
         raise LoraFileError(f"{path} already exists; pass --overwrite to replace it")
     tmp = f"{path}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    for name, data in files.items():
-        with open(os.path.join(tmp, name), "wb") as f:
-            f.write(data)
-    if os.path.isdir(path):
-        shutil.rmtree(path)
-    elif os.path.exists(path):
-        os.remove(path)
-    os.replace(tmp, path)
+    try:
+        os.makedirs(tmp)
+        for name, data in files.items():
+            with open(os.path.join(tmp, name), "wb") as f:
+                f.write(data)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        elif os.path.exists(path):
+            os.remove(path)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a failed export leaves nothing of itself behind
+        raise
 
 
 def read_peft(path: str) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, str]]:

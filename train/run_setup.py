@@ -42,10 +42,16 @@ class Setup:
 def setup(cfg: TrainConfig, out: TextIO | None = None) -> Setup:
     """Builds the model, LoRA and trainer; with cfg.checkpoint_dir, Tunix restores the latest checkpoint here."""
     check_flags(cfg)
-    outputs.check_outputs(cfg)
+    # A resumed run appends to its metrics: the checkpoint folder is listed only if that matters.
+    outputs.check_outputs(cfg, resumes=lambda: checkpoints.holds_checkpoint(cfg.checkpoint_dir))
     say = out if out is not None else sys.stderr
     view, eval_view = open_views(cfg)
     max_length = view.manifest.max_length
+    import jax
+
+    from train import data
+
+    data.check_batch(cfg, view, eval_view, jax.process_count())
     from train import memory_path
 
     memory_path.check_options(cfg, max_length)
@@ -91,24 +97,16 @@ class ModelChoice:
 def check_flags(cfg: TrainConfig) -> None:
     import math
 
-    if cfg.steps < 1:
-        raise TrainError(f"--steps must be positive, got {cfg.steps}")
-    if cfg.batch_size < 1:
-        raise TrainError(f"--batch-size must be positive, got {cfg.batch_size}")
-    if cfg.grad_accum_steps < 1:
-        raise TrainError(f"--grad-accum-steps must be positive, got {cfg.grad_accum_steps}")
+    from train import options
+
+    options.check_counts(cfg)  # every whole-number option in its range (train/options.py)
+    options.check_reals(cfg)
     if not (math.isfinite(cfg.max_grad_norm) and cfg.max_grad_norm >= 0):
         raise TrainError(f"--max-grad-norm must be 0 (no clipping) or positive, got {cfg.max_grad_norm}")
-    if cfg.log_every < 0:
-        raise TrainError(f"--log-every must be 0 (fetch at the end only) or positive, got {cfg.log_every}")
     schedule_spec(cfg)
     if cfg.lora_format not in ("peft", "prepack"):
         raise TrainError(f"unknown --lora-format {cfg.lora_format!r}; choose peft or prepack")
-    if cfg.checkpoint_every is not None and cfg.checkpoint_every < 1:
-        raise TrainError(f"--checkpoint-every must be positive, got {cfg.checkpoint_every}")
-    if cfg.checkpoint_keep < 1:
-        raise TrainError(f"--checkpoint-keep must be positive, got {cfg.checkpoint_keep}")
-    if cfg.peak_tflops is not None and not cfg.peak_tflops > 0:
+    if cfg.peak_tflops is not None and not (math.isfinite(cfg.peak_tflops) and cfg.peak_tflops > 0):
         raise TrainError(f"--peak-tflops must be positive, got {cfg.peak_tflops}")
     divergence.check_policy(cfg.nan_policy)
     objective.check_flags(cfg)
@@ -139,6 +137,12 @@ def check_model_for_shards(cfg: TrainConfig, view: Any, eval_view: Any) -> Model
     vocab = int(vocab) if vocab else None
     model_config = models.resolve_config(cfg.model, vocab_size=vocab, dtype=cfg.dtype, config_overrides=cfg.config_overrides)
     model_vocab = models.config_vocab_size(model_config)
+    width = int(model_config.embed_dim)
+    if cfg.lora_rank > width:
+        # Every adapted projection has the hidden width on one side: a rank-`width` adapter is
+        # already a full-rank update, and --lora-rank 100000 asked 13.8 GB of a 64-wide model.
+        raise TrainError(f"--lora-rank {cfg.lora_rank:,} is more than {cfg.model}'s hidden width {width:,}: a LoRA update of "
+                         f"a {width:,}-wide projection has rank {width:,} at most; use --lora-rank {width:,} or less")
     for v, path in ((view, cfg.shards), (eval_view, cfg.eval_shards)):
         if v is not None:
             check_vocab(v.manifest.tokenizer, cfg.model, spec.family, model_vocab, path)
@@ -153,8 +157,11 @@ def open_checkpoint(cfg: TrainConfig, model: ModelChoice, view: Any) -> tuple[ch
     ckpt = checkpoints.CheckpointDir(cfg.checkpoint_dir, jax.process_index(), jax.process_count())
     ckpt.require_backend()
     identity = resume.run_identity(cfg, model.spec, model.config, view)
-    # Refuse another run's checkpoint now, before minutes of weight loading.
-    ckpt.check_resumable(identity, info={"shards": cfg.shards})
+    # Refuse another run's checkpoint now, before minutes of weight loading, and one that lacks a
+    # part of what a resume restores or whose loader state is another step's.
+    step = ckpt.check_resumable(identity, info={"shards": cfg.shards})
+    if step is not None:
+        ckpt.check_complete(step, cfg.grad_accum_steps)
     return ckpt, identity
 
 
@@ -261,7 +268,22 @@ def make_trainer(cfg: TrainConfig, built: Any, ckpt: checkpoints.CheckpointDir |
         profiler_options=outputs.profiler_options(cfg),
         pbar_description=None,
     )
-    return make_trainer_class()(built.model, optimizer, training_config), policy
+    cls = make_trainer_class()
+    if ckpt is None:
+        return cls(built.model, optimizer, training_config), policy
+    step = ckpt.latest_step()
+    try:  # Tunix restores the latest checkpoint here
+        trainer = cls(built.model, optimizer, training_config)
+    except Exception as e:  # noqa: BLE001  (Orbax's errors on truncated files: 150 lines of traceback)
+        if step is None:
+            raise
+        raise checkpoints.CheckpointError(ckpt.restore_problem(step, e)) from e
+    resumed = int(trainer.train_steps)
+    problem = checkpoints.optimizer_problem(trainer.optimizer, resumed) if resumed else None
+    if problem:
+        raise checkpoints.CheckpointError(f"--checkpoint-dir {ckpt.path}: step {resumed} was restored, but {problem}; "
+                                          f"{ckpt.remedy(resumed)}")
+    return trainer, policy
 
 
 def commit_to_device(built: Any, trainer: Any) -> None:

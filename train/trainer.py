@@ -27,14 +27,14 @@ import contextlib
 import sys
 from typing import Any, TextIO
 
-from train import checkpoints, data, eval_generate, lora_file, memory_path, memory_plan, out_of_memory, parity, resume
+from train import checkpoints, data, eval_generate, lora_file, memory_path, memory_plan, out_of_memory, outputs, parity, resume
 from train.config import TrainConfig, TrainError
 from train.run_setup import Setup, setup
 
 __all__ = ["TrainConfig", "TrainError", "Setup", "setup", "execute", "run", "export_lora"]
 
 
-def export_lora(s: Setup, path: str) -> dict[str, str]:
+def export_lora(s: Setup, path: str, overwrite: bool | None = None) -> dict[str, str]:
     """--save-lora: the trained adapter and what it belongs to: a PEFT folder (--lora-format peft,
     train/peft_export.py) or one safetensors file of qwix names (prepack, train/lora_file.py)."""
     from loaders.dataset import shard_set_id
@@ -61,8 +61,23 @@ def export_lora(s: Setup, path: str) -> dict[str, str]:
         from train import peft_export
 
         return peft_export.save_peft(s.built.model, s.built.spec.family, s.built.config, path, model_name=cfg.model,
-                                     rank=cfg.lora_rank, alpha=alpha, metadata=metadata, overwrite=cfg.overwrite)
+                                     rank=cfg.lora_rank, alpha=alpha, metadata=metadata,
+                                     overwrite=cfg.overwrite if overwrite is None else overwrite)
     return lora_file.save_lora(s.built.model, path, metadata)
+
+
+def export_adapter(s: Setup, say: TextIO) -> None:
+    """--save-lora after training; should it fail, the adapter is saved where outputs.recovery_path
+    says and the run fails naming that place (outputs.ExportFailed): what was trained is never lost."""
+    cfg = s.config
+    record = {"path": cfg.save_lora, "format": cfg.lora_format, "step": int(s.trainer.train_steps), "rank": cfg.lora_rank}
+    try:
+        outputs.export_or_recover(cfg, lambda path, overwrite: export_lora(s, path, overwrite), say)
+    except outputs.ExportFailed as e:
+        record["failed"] = str(e)
+        raise
+    finally:
+        s.recorder.static_extra["lora_export"] = record
 
 
 def verify_first(s: Setup, batch: dict[str, Any], out: TextIO, packed_layout: parity.LayoutFn = parity.stored_layout) -> None:
@@ -121,10 +136,7 @@ def execute(cfg: TrainConfig, out: TextIO | None = None) -> tuple[Setup, dict[st
         with out_of_memory.refused_as_train_error(s):
             train_steps(s, context, out if out is not None else sys.stderr, prompts)
         if cfg.save_lora:
-            meta = export_lora(s, cfg.save_lora)
-            s.recorder.static_extra["lora_export"] = {"path": cfg.save_lora, "format": cfg.lora_format,
-                                                      "step": int(s.trainer.train_steps), "rank": cfg.lora_rank}
-            del meta
+            export_adapter(s, out if out is not None else sys.stderr)
     finally:
         # Steps dispatched after the last fetch when the run ended by an exception: their
         # records, if the device can still give them (never after a --nan-policy stop).

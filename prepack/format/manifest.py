@@ -41,6 +41,47 @@ class ManifestError(ValueError):
     """A manifest that is missing, malformed, or does not match what the reader expects."""
 
 
+# The most pieces a tokenizer may have: a larger `vocab_size` is no tokenizer's (the largest in
+# use hold about 10^6; ids are stored as int32), and a tiny model sized by it would ask for its
+# embedding (10^9 rows of 64: 238 GiB).
+MAX_VOCAB_SIZE = 1 << 24
+EDITED = "the manifest was edited or does not describe these shards"
+# The stats a reader takes as counts (docs/manifest.md: counts are integers), when present.
+STATS_COUNTS = ("records_read", "examples_read", "examples_written", "examples_truncated", "tokens", "target_tokens",
+                "lower_bound_rows", "bad_records")
+
+
+def tokenizer_facts_problem(tok: dict[str, Any], where: str, vocab_required: bool = False) -> str | None:
+    """The tokenizer identity's numbers, one line if one is wrong: `vocab_size` an integer from 2 to
+    MAX_VOCAB_SIZE ("262144", 262144.0 and 10^9 are none), the bos, eos and pad ids and every
+    special id integers inside it. Readers refuse a manifest that breaks this (Manifest.from_json);
+    `prepack verify` also requires the vocabulary size (recount.tokenizer_problem)."""
+    vocab = tok.get("vocab_size")
+    if (vocab is not None or vocab_required) and (not _is_int(vocab) or not 2 <= vocab <= MAX_VOCAB_SIZE):
+        return (f"{where}: tokenizer.vocab_size is {_shown(vocab)}, not a vocabulary size (an integer from 2 to "
+                f"{MAX_VOCAB_SIZE:,}); {EDITED}")
+    top = vocab if vocab is not None else MAX_VOCAB_SIZE
+    ids = {key: tok.get(key) for key in ("bos_id", "eos_id", "pad_id")}
+    specials = tok.get("special_ids")
+    if specials is not None and not isinstance(specials, dict):
+        return f"{where}: tokenizer.special_ids is {untrusted.shown_with_type(specials)}, not an object of name -> id; {EDITED}"
+    ids.update({f"special_ids[{name!r}]": value for name, value in (specials or {}).items()})
+    for key, value in ids.items():
+        if value is not None and (not _is_int(value) or not 0 <= value < top):
+            return f"{where}: tokenizer.{key} is {_shown(value)}, outside the vocabulary (0 to {top - 1:,}); {EDITED}"
+    return None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, float):
+        return repr(value) if value == value and abs(value) != float("inf") else str(value)
+    return str(value) if _is_int(value) and value.bit_length() <= 200 else untrusted.shown(value)
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardInfo:
     path: str  # relative to the manifest's folder
@@ -147,8 +188,8 @@ def _checked_fields(data: dict[str, Any], source: str) -> dict[str, Any]:
     checks = {
         "max_length": lambda v, f: untrusted.count(v, source, f, E, low=2, high=rowformat.MAX_MAX_LENGTH),
         "num_rows": lambda v, f: untrusted.count(v, source, f, E),
-        "tokenizer": lambda v, f: untrusted.mapping(v, source, f, E),
-        "stats": lambda v, f: untrusted.mapping(v, source, f, E),
+        "tokenizer": lambda v, f: _checked_tokenizer(v, source),
+        "stats": lambda v, f: _checked_stats(v, source),
         "packing": lambda v, f: untrusted.text(v, source, f, E),
         "template": lambda v, f: untrusted.mapping(v, source, f, E),
         "inputs": lambda v, f: untrusted.sequence(v, source, f, E),
@@ -164,6 +205,27 @@ def _checked_fields(data: dict[str, Any], source: str) -> dict[str, Any]:
         "mixture": lambda v, f: _checked_mixture(v, source),
     }
     return {k: checks[k](v, k) for k, v in data.items() if k in checks}
+
+
+def _checked_tokenizer(value: Any, source: str) -> dict[str, Any]:
+    tok = untrusted.mapping(value, source, "tokenizer", ManifestError)
+    problem = tokenizer_facts_problem(tok, source)
+    if problem:
+        raise ManifestError(problem)
+    return tok
+
+
+def _checked_stats(value: Any, source: str) -> dict[str, Any]:
+    """The stats a reader counts with are integers (a "262144" or 262144.0 is refused, not converted)."""
+    E = ManifestError
+    stats = untrusted.mapping(value, source, "stats", E)
+    for key in STATS_COUNTS:
+        if key in stats:
+            untrusted.count(stats[key], source, f"stats.{key}", E)
+    if "examples_dropped" in stats:
+        for reason, n in untrusted.mapping(stats["examples_dropped"], source, "stats.examples_dropped", E).items():
+            untrusted.count(n, source, f"stats.examples_dropped[{untrusted.shown(reason)}]", E)
+    return stats
 
 
 def _checked_mixture(value: Any, source: str) -> dict[str, Any] | None:

@@ -23,18 +23,15 @@ from typing import Any
 import numpy as np
 
 from prepack.format import rowformat
-from prepack.format.manifest import Manifest
+from prepack.format.manifest import EDITED, MAX_VOCAB_SIZE, Manifest, tokenizer_facts_problem
 from prepack.packing.accounting import NOT_BAD_INPUT, arrival_problem
 from prepack.packing.packer import DropReason
 from prepack.packing.stats import PackingStats
 
-# The most pieces a tokenizer may have: a larger `vocab_size` is no tokenizer's (the largest in
-# use hold about 10^6); ids are stored as int32.
-MAX_VOCAB_SIZE = 1 << 24
 # The tokenizers `prepack verify` can load offline and compare a manifest's identity with.
 EMBEDDED_TOKENIZERS = ("gemma3", "qwen3")
 _IDENTITY_KEYS = ("vocab_size", "vocab_hash", "bos_id", "eos_id", "pad_id", "special_ids")
-_EDITED = "the manifest was edited or does not describe these shards"
+_EDITED = EDITED
 
 
 @dataclasses.dataclass
@@ -110,15 +107,9 @@ def tokenizer_problem(manifest: Manifest, where: str, load: Any = None) -> str |
     what that tokenizer says (vocab_size edited to another tokenizer's, or to 10^9, is caught even
     where every row's id lies below it). `load`: the tokenizer loader (tests)."""
     tok = manifest.tokenizer
-    vocab = tok.get("vocab_size")
-    if not _is_int(vocab) or not 2 <= vocab <= MAX_VOCAB_SIZE:
-        return f"{where}: tokenizer.vocab_size is {vocab!r}, not a vocabulary size (an integer from 2 to {MAX_VOCAB_SIZE:,}); {_EDITED}"
-    ids = {key: tok.get(key) for key in ("bos_id", "eos_id", "pad_id")}
-    specials = tok.get("special_ids") if isinstance(tok.get("special_ids"), dict) else {}
-    ids.update({f"special_ids[{name!r}]": value for name, value in specials.items()})
-    for key, value in ids.items():
-        if value is not None and (not _is_int(value) or not 0 <= value < vocab):
-            return f"{where}: tokenizer.{key} is {value!r}, outside the vocabulary (0 to {vocab - 1:,}); {_EDITED}"
+    problem = tokenizer_facts_problem(tok, where, vocab_required=True)  # the readers' own rule
+    if problem:
+        return problem
     if tok.get("pad_id") is None:
         return f"{where}: tokenizer.pad_id is missing: padding cannot be judged; {_EDITED}"
     name = tok.get("name")

@@ -241,6 +241,24 @@ RULE_PAIR_WHOLE = "a row must end with a rejected side: a pair's two sides lie i
 RULE_PAIR_PROMPT = "a pair's two sides must start with the same prompt tokens (those before each side's first target)"
 
 
+# The fields each rule is about: the values a refusal shows at the broken token (fault_values).
+RULE_FIELDS: dict[str, tuple[str, ...]] = {
+    RULE_FLAGS: ("loss_mask", "valid_mask"), RULE_VALID: ("valid_mask", "segment_ids"),
+    RULE_PADDING_LAST: ("valid_mask",), RULE_EMPTY: ("valid_mask",), RULE_SEGMENTS: ("segment_ids",),
+    RULE_POSITIONS: ("positions",), RULE_PAD_POSITIONS: ("positions",), RULE_PAD_LOSS: ("loss_mask",),
+    RULE_FIRST_TOKEN: ("loss_mask",), RULE_VOCAB: ("input_ids",), RULE_PAD_ID: ("input_ids",),
+    RULE_SOURCE_RANGE: ("source_ids",), RULE_SOURCE_SEGMENT: ("source_ids",), RULE_TARGETS_SEGMENT: (EXAMPLE_TARGETS,),
+    RULE_TARGETS_OWN: (EXAMPLE_TARGETS,), RULE_PAIR_SIDE: (PAIR_SIDE,), RULE_PAIR_WHOLE: ("segment_ids",),
+    RULE_PAIR_PROMPT: ("input_ids",),
+}
+
+
+def fault_values(rows: Mapping[str, np.ndarray], fault: "RowFault") -> dict[str, int]:
+    """The values, at the broken token, of the fields the fault's rule is about (a refusal names
+    them: token id -5, loss_mask 7)."""
+    return {name: int(rows[name][fault.row][fault.token]) for name in RULE_FIELDS.get(fault.rule, ()) if name in rows}
+
+
 def _shifted(a: np.ndarray) -> np.ndarray:
     """a[:, t - 1] at t, 0 at t = 0."""
     out = np.zeros_like(a)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from collections.abc import Iterator
@@ -166,9 +167,14 @@ class LocalStorage:
         if folder:
             os.makedirs(folder, exist_ok=True)
         tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)  # a failed write leaves nothing of itself behind
+            raise
 
     def sizes(self, folder: str, names: list[str]) -> dict[str, int | None]:
         out: dict[str, int | None] = {}
