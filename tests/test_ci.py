@@ -19,18 +19,21 @@ def test_ci_runs_the_readmes_command_on_both_cores():
 
 
 def test_a_hung_test_fails_alone(tmp_path):
-    """pytest-timeout (declared in the dev extra) is active with the suite's limit: a test that
-    outlives it fails with its stack, and the rest of the suite goes on."""
+    """pytest-timeout (declared in the dev extra) is active with the suite's limit and the thread
+    method: a test that outlives it, even one blocked where no signal is handled, ends its xdist
+    worker; the test fails and the rest of the suite goes on in a new worker."""
     import subprocess
     import sys
 
     ini = (REPO / "pytest.ini").read_text()
     limit = int(re.search(r"^timeout = (\d+)$", ini, re.M).group(1))
     assert 60 <= limit <= 1800
+    assert re.search(r"^timeout_method = thread$", ini, re.M)
     (tmp_path / "test_hang.py").write_text(
         "import time\n\ndef test_hangs():\n    time.sleep(60)\n\ndef test_after():\n    assert True\n")
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "timeout=2",
-                          str(tmp_path)], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", str(REPO / "pytest.ini"),
+                          "--rootdir", str(tmp_path), "-o", "timeout=2", "-n", "1", str(tmp_path)],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert run.returncode == 1, run.stdout
-    assert "FAILED test_hang.py::test_hangs - Failed: Timeout (>2.0s) from pytest-timeout" in run.stdout
+    assert "FAILED test_hang.py::test_hangs - worker 'gw0' crashed" in run.stdout
     assert "1 failed, 1 passed" in run.stdout
