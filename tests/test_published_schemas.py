@@ -259,7 +259,7 @@ def test_tiny_qwen3_trains_on_a_tool_calling_set(tmp_path, capsys):
     out = str(tmp_path / "out")
     pack(["--input", data, "--format", "sharegpt", "--tokenizer", "qwen3", "--max-length", "256", "--output", out])
     metrics = str(tmp_path / "m.jsonl")
-    assert train_cli.main(["--shards", os.path.join(out, "L256"), "--model", "tiny-qwen3", "--batch-size", "2", "--steps", "2",
+    assert train_cli.main(["--shards", os.path.join(out, "L256"), "--model", "tiny-qwen3", "--batch-size", "1", "--steps", "2",
                            "--log-every", "0", "--metrics-out", metrics]) == 0, capsys.readouterr().err
     rows = [json.loads(line) for line in open(metrics) if '"loss"' in line]
     assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
