@@ -257,7 +257,7 @@ def reference_nll(model: Any, items: Sequence[tuple[np.ndarray, np.ndarray]], *,
     A caller scoring the same model again (--eval-generate) passes its `scorer` of `model`: a
     new Scorer jits new functions, so it would compile again each time."""
     from prepack.format import rowformat
-    from train.parity import Scorer
+    from train.parity import Scorer, fixed_batches
 
     if not items:
         return []
@@ -268,12 +268,7 @@ def reference_nll(model: Any, items: Sequence[tuple[np.ndarray, np.ndarray]], *,
         ids = np.concatenate([np.asarray(prompt, np.int32), np.asarray(ref, np.int32)])
         mask = np.concatenate([np.zeros(len(prompt), np.int32), np.ones(len(ref), np.int32)])
         rows.append(rowformat.build_row([rowformat.Segment(ids, mask)], length))
-    pad = {k: np.zeros(length, np.int32) for k in rowformat.FIELD_NAMES}
-    batches = []
-    for start in range(0, len(rows), batch_size):
-        chunk = rows[start:start + batch_size]
-        chunk += [pad] * (batch_size - len(chunk))
-        batches.append({k: np.stack([row[k] for row in chunk]) for k in rowformat.FIELD_NAMES})
+    batches = fixed_batches(rows, length, batch_size)
     scorer = scorer if scorer is not None else Scorer(model, attention, compute_dtype)
     logps = scorer.logprobs(batches)
     out = []

@@ -139,10 +139,15 @@ def alone_rows(rows: Mapping[str, np.ndarray], segments: Sequence[tuple[int, int
     length = rows["input_ids"].shape[1]
     built = [rowformat.build_row([rowformat.Segment(rows["input_ids"][r, cols], rows["loss_mask"][r, cols])], length)
              for r, _, cols in segments]
+    return fixed_batches(built, length, batch)
+
+
+def fixed_batches(rows: Sequence[Mapping[str, np.ndarray]], length: int, batch: int) -> list[Rows]:
+    """Rows of `length` stacked `batch` at a time, the last batch filled with padding rows: one shape."""
     pad = {k: np.zeros(length, np.int32) for k in rowformat.FIELD_NAMES}
     out = []
-    for start in range(0, len(built), batch):
-        chunk = built[start:start + batch]
+    for start in range(0, len(rows), batch):
+        chunk = list(rows[start:start + batch])
         chunk += [pad] * (batch - len(chunk))
         out.append({k: np.stack([row[k] for row in chunk]) for k in rowformat.FIELD_NAMES})
     return out
