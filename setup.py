@@ -67,7 +67,7 @@ setup(
     description="Offline sequence packing for LoRA SFT on JAX/Tunix: Beam -> ArrayRecord -> Grain -> Tunix.",
     python_requires=">=3.11",
     packages=find_packages(include=["apps", "apps.*", "prepack", "prepack.*", "pipelines", "pipelines.*", "loaders", "loaders.*", "train", "train.*", "gcp", "gcp.*"]),
-    package_data={"prepack": ["sample_data/*.jsonl", "sample_data/*.yaml"]},
+    package_data={"prepack": ["sample_data/*.jsonl", "sample_data/*.yaml", "text/chat/templates/*.jinja"]},
     install_requires=["numpy>=1.26,<3"],
     extras_require={"pipeline": PIPELINE, "train": TRAIN, "report": REPORT, "dev": DEV},
     entry_points={"console_scripts": ["prepack=apps.cli:main"]},

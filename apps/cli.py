@@ -21,6 +21,9 @@ SUBCOMMANDS: dict[str, tuple[str, str, str, str]] = {
                "merge a trained adapter into its base weights: a Hugging Face safetensors folder with config.json"),
     "generate": ("apps.generate", "main", "pipeline,train",
                  "sample from the model (and --lora adapter) on the data's own prompts, rendered as for training; --score"),
+    "tokenizer-folder": ("apps.tokenizer_folder", "main", "pipeline",
+                         "write Gemma 3's tokenizer as a Hugging Face folder with a chat template (FunctionGemma's layout), "
+                         "for --chat-format hf"),
 }
 
 
@@ -59,7 +62,8 @@ def version() -> str:
 
 def _usage() -> str:
     lines = ["usage: prepack <command> [options]", "", "commands:"]
-    lines += [f"  {name:<10} {help_}" for name, (_, _, _, help_) in SUBCOMMANDS.items()]
+    width = max(map(len, SUBCOMMANDS))
+    lines += [f"  {name:<{width}} {help_}" for name, (_, _, _, help_) in SUBCOMMANDS.items()]
     lines += ["", "Run `prepack <command> --help` for a command's options, `prepack --version` for the version."]
     return "\n".join(lines)
 

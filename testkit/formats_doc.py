@@ -140,7 +140,7 @@ def page() -> str:
                 label = {"gemma": "gemma (--tokenizer gemma3)", "qwen3": "qwen3 (--tokenizer qwen3)",
                          "chatml": "chatml (--tokenizer qwen3 --chat-format chatml)",
                          "hf": "hf (a tokenizer folder whose template is in FunctionGemma's layout, "
-                               "tests/fixtures/functiongemma_layout.jinja)"}[chat]
+                               "prepack/text/chat/templates/functiongemma_layout.jinja)"}[chat]
                 try:
                     body = _marked(tok, get_chat_format(chat, tok), part)
                 except ChatFormatError as e:

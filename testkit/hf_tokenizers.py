@@ -2,18 +2,17 @@
 `save_pretrained`), for the `hf` chat format, `hf:PATH` tokenizers and tool-calling templates."""
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
+
+from prepack.text import gemma3_hf_folder
 
 CORPUS = [
     "Hello world, how are you today?", "The capital of France is Paris.", "user assistant system model",
     "Translate the following text from English to French.", "Bonjour le monde", "2 + 2 = 4",
 ] * 20
 
-FUNCTIONGEMMA_LAYOUT_TEMPLATE = (Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "functiongemma_layout.jinja")
-# FunctionGemma's control tokens (ai.google.dev/gemma/docs/functiongemma), added tokens here as there.
-FUNCTION_TOKENS = ["<start_function_declaration>", "<end_function_declaration>", "<start_function_call>",
-                   "<end_function_call>", "<start_function_response>", "<end_function_response>", "<escape>"]
+FUNCTIONGEMMA_LAYOUT_TEMPLATE = gemma3_hf_folder.FUNCTIONGEMMA_LAYOUT
+FUNCTION_TOKENS = list(gemma3_hf_folder.FUNCTION_TOKENS)
 GEMMA_TOKENS = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"]
 
 
@@ -39,7 +38,7 @@ def build_hf_dir(path: Any, specials: list[str], chat_template: str | None, corp
 
 def functiongemma_layout_dir(path: Any) -> str:
     """A Gemma-style tokenizer folder with FunctionGemma's function tokens and a chat template in
-    FunctionGemma's layout (tests/fixtures/functiongemma_layout.jinja)."""
+    FunctionGemma's layout (prepack/text/chat/templates/functiongemma_layout.jinja)."""
     return build_hf_dir(path, GEMMA_TOKENS + FUNCTION_TOKENS, FUNCTIONGEMMA_LAYOUT_TEMPLATE.read_text(),
                         bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
                         additional_special_tokens=["<start_of_turn>", "<end_of_turn>", *FUNCTION_TOKENS])

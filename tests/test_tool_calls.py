@@ -216,7 +216,7 @@ def test_chatml_without_tool_tokens_names_the_missing_one(qwen3):
 
 
 # --------------------------------------------------------------------------------------
-# hf: the tokenizer's own template, in FunctionGemma's layout (tests/fixtures/functiongemma_layout.jinja)
+# hf: the tokenizer's own template, in FunctionGemma's layout (prepack/text/chat/templates/functiongemma_layout.jinja)
 # --------------------------------------------------------------------------------------
 
 FUNCTIONGEMMA_RECORD = {"tools": [WEATHER], "messages": [

@@ -7,7 +7,7 @@ follows the chat format (`--tool-call-parser` names one for a jinja template):
   Qwen3's template and the `qwen3` and `chatml` chat formats (prepack/text/chat/chatml.py);
 - `functiongemma`: `<start_function_call>call:NAME{key:VALUE,...}<end_function_call>`, string
   values between `<escape>` tokens, objects `{k:v,...}`, lists `[v,...]`, other values as JSON
-  (FunctionGemma's published layout, tests/fixtures/functiongemma_layout.jinja);
+  (FunctionGemma's published layout, prepack/text/chat/templates/functiongemma_layout.jinja);
 - `none`: the format has no call markup (gemma); no calls are read.
 
 A call is malformed when its block is not closed (the reply hit --max-new-tokens), its body does

@@ -371,20 +371,29 @@ def build_sentencepiece_model(meta: GGUFTokenizerMetadata) -> bytes:
     ns.remove_extra_whitespaces = False
     ns.escape_whitespaces = True
 
-    types = meta.token_types.tolist()
-    scores = meta.scores.tolist()
-    # GGUF marks <unk> as control, but sentencepiece needs exactly one UNKNOWN piece.
-    types[meta.unk_id] = _SP_UNKNOWN
     pieces = proto.pieces
     Piece = sp_pb2.ModelProto.SentencePiece
-    for text, score, ptype in zip(meta.tokens, scores, types):
+    for text, score, ptype in sentencepiece_pieces(meta):
+        pieces.append(Piece(piece=text, score=score, type=ptype))
+    return proto.SerializeToString()
+
+
+def sentencepiece_pieces(meta: GGUFTokenizerMetadata) -> list[tuple[str, float, int]]:
+    """(piece, score, SentencePiece type) for every id, as the Gemma 3 tokenizer has them: the one
+    reading of the GGUF arrays that both the SentencePiece model and the Hugging Face folder
+    (prepack.text.gemma3_hf_folder) are built from."""
+    types = meta.token_types.tolist()
+    # GGUF marks <unk> as control, but sentencepiece needs exactly one UNKNOWN piece.
+    types[meta.unk_id] = _SP_UNKNOWN
+    out = []
+    for text, score, ptype in zip(meta.tokens, meta.scores.tolist(), types):
         if ptype == _SP_USER_DEFINED and text in RESERVED_PIECES:
             ptype = _SP_CONTROL
         elif ptype == _SP_USER_DEFINED:
             # llama.cpp un-escapes user-defined pieces; sentencepiece matches on escaped text.
             text = text.replace(" ", "\u2581")
-        pieces.append(Piece(piece=text, score=score, type=ptype))
-    return proto.SerializeToString()
+        out.append((text, float(score), int(ptype)))
+    return out
 
 
 # ----------------------------------------------------------------------------- cache

@@ -1,0 +1,75 @@
+"""`prepack tokenizer-folder`: Gemma 3's tokenizer as a Hugging Face folder, with a chat template,
+built offline from the packaged GGUF, for `--tokenizer hf:FOLDER --chat-format hf`.
+
+    prepack tokenizer-folder --output gemma3-tools
+    prepack pack --input calls.jsonl --format chat --tokenizer hf:gemma3-tools --chat-format hf --output packed
+    prepack generate --input heldout.jsonl --format chat --tokenizer hf:gemma3-tools --chat-format hf \\
+        --model gemma3-270m --lora adapter --score --output tuned.jsonl
+
+The ids are those of `--tokenizer gemma3`, so Gemma 3 270M's weights read them; the default
+template writes tool calls in FunctionGemma's layout, with FunctionGemma's seven control tokens
+(prepack/text/gemma3_hf_folder.py says where they live). A folder downloaded from the Hub
+(google/functiongemma-270m-it, google/gemma-3-270m-it) works the same way where it can be reached.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from prepack.cli_help import DefaultsHelpFormatter
+
+PROG = "prepack tokenizer-folder"
+TEMPLATES = ("functiongemma-layout", "none")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, formatter_class=DefaultsHelpFormatter, description=__doc__.split("\n\n")[0])
+    p.add_argument("--output", required=True, metavar="DIR", help="the folder to write (new or empty, else --overwrite)")
+    p.add_argument("--template", default="functiongemma-layout", metavar="NAME_OR_FILE",
+                   help="the chat template: 'functiongemma-layout' (tool calls in FunctionGemma's layout), 'none', "
+                        "or a jinja file")
+    p.add_argument("--no-function-tokens", dest="function_tokens", action="store_false",
+                   help="leave out FunctionGemma's control tokens: the vocabulary is then exactly Gemma 3's")
+    p.add_argument("--overwrite", action="store_true", help="replace the tokenizer files of a folder that has files")
+    return p
+
+
+def read_template(spec: str) -> str | None:
+    from prepack.text import gemma3_hf_folder
+
+    if spec == "none":
+        return None
+    path = gemma3_hf_folder.FUNCTIONGEMMA_LAYOUT if spec == "functiongemma-layout" else Path(spec)
+    if not path.is_file():
+        raise gemma3_hf_folder.FolderError(f"--template {spec}: no such file; name one of {', '.join(TEMPLATES)} or a "
+                                           "jinja file")
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise gemma3_hf_folder.FolderError(f"--template {spec}: cannot read it as UTF-8 text ({e})") from None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    from prepack.text import gemma3_hf_folder
+
+    try:
+        template = read_template(args.template)
+        if template is not None and "<start_function" in template and not args.function_tokens:
+            raise gemma3_hf_folder.FolderError(
+                "--no-function-tokens: the template writes FunctionGemma's control tokens, which would then be plain "
+                "text (a calling turn could not end on one); keep the tokens or use another --template")
+        out = gemma3_hf_folder.write_folder(args.output, template, function_tokens=args.function_tokens,
+                                            overwrite=args.overwrite)
+    except gemma3_hf_folder.FolderError as e:
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote Gemma 3's tokenizer to {out} ({'with' if args.function_tokens else 'without'} FunctionGemma's control "
+          f"tokens, template: {args.template}); use it with --tokenizer hf:{out} --chat-format hf")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
