@@ -95,9 +95,11 @@ def records(held_out: bool) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--work-dir", required=True)
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=int, default=60)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--learning-rate", type=float, default=1e-3)
+    p.add_argument("--lr-schedule", default="cosine")
+    p.add_argument("--warmup-steps", type=int, default=3)
     p.add_argument("--lora-rank", type=int, default=8)
     p.add_argument("--max-length", type=int, default=384)
     p.add_argument("--max-new-tokens", type=int, default=32)
@@ -126,9 +128,10 @@ def main(argv: list[str] | None = None) -> int:
                                "--output", j("packed"), "--overwrite"], log, log_path)
         run("train", prepack + ["train", "--shards", j(f"packed/L{args.max_length}"), *model, "--lora-rank",
                                 str(args.lora_rank), "--batch-size", str(args.batch_size), "--steps", str(args.steps),
-                                "--learning-rate", str(args.learning_rate), "--metrics-out", j("train_metrics.jsonl"),
+                                "--learning-rate", str(args.learning_rate), "--lr-schedule", args.lr_schedule,
+                                "--warmup-steps", str(args.warmup_steps), "--metrics-out", j("train_metrics.jsonl"),
                                 "--save-lora", j("adapter"), "--overwrite", "--eval-generate", j("heldout_few.jsonl"),
-                                "--eval-generate-every", str(max(1, args.steps // 2))], log, log_path)
+                                "--eval-generate-every", str(max(1, args.steps // 4))], log, log_path)
     generate = prepack + ["generate", "--input", j("heldout.jsonl"), *chat, *model, "--score",
                           "--max-new-tokens", str(args.max_new_tokens), "--overwrite"]
     run("generate base", generate + ["--output", j("base.jsonl")], log, log_path)

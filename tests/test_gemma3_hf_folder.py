@@ -160,3 +160,17 @@ def test_bad_options_get_one_line(tmp_path, capsys):
         assert all(w in err for w in words), err
     assert (taken / "notes.txt").read_text() == "mine" and sorted(p.name for p in taken.iterdir()) == ["notes.txt"]
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_overwrite_replaces_every_tokenizer_file_and_keeps_the_rest(tools_folder, tmp_path):
+    import shutil
+
+    folder = tmp_path / "reused"
+    shutil.copytree(tools_folder, folder)
+    (folder / "tokenizer.model").write_bytes(b"an older sentencepiece model")
+    (folder / "README.md").write_text("mine")
+    assert tokenizer_folder.main(["--output", str(folder), "--template", "none", "--no-function-tokens", "--overwrite"]) == 0
+    # The old template and model would be read with the new files: both are gone; the user's file stays.
+    assert sorted(p.name for p in folder.iterdir()) == ["README.md", "tokenizer.json", "tokenizer_config.json"]
+    assert load_tokenizer(f"hf:{folder}").chat_template is None
+    assert not any(p.name.startswith(".reused.") for p in tmp_path.iterdir())

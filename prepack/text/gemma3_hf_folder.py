@@ -20,6 +20,7 @@ Without `function_tokens` the folder's vocabulary is exactly Gemma 3's (the same
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,9 @@ FUNCTION_TOKEN_SLOTS = tuple(f"<unused{k}>" for k in range(len(FUNCTION_TOKENS))
 # A chat template in FunctionGemma's published layout, written for this project (not FunctionGemma's file).
 FUNCTIONGEMMA_LAYOUT = Path(__file__).resolve().parent / "chat" / "templates" / "functiongemma_layout.jinja"
 _TURN_TOKENS = ("<start_of_turn>", "<end_of_turn>")
+# Every file transformers reads a tokenizer folder from: what --overwrite replaces or removes.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt")
 _SP_CONTROL, _SP_USER_DEFINED = 3, 4
 
 
@@ -88,8 +92,9 @@ def _with_function_tokens(pieces: list[tuple[str, float, int]]) -> list[tuple[st
 def write_folder(output: str | os.PathLike[str], chat_template: str | None, function_tokens: bool = True,
                  overwrite: bool = False, gguf_path: str | os.PathLike[str] | None = None) -> Path:
     """Writes the folder (tokenizer.json, tokenizer_config.json, the chat template) with
-    `save_pretrained` into `output`: a new or empty folder, or with `overwrite` any folder (its
-    tokenizer files are replaced, nothing else is touched)."""
+    `save_pretrained` into `output`: a new or empty folder, or with `overwrite` any folder, where
+    every tokenizer file (TOKENIZER_FILES) is replaced or removed and nothing else is touched (a
+    stale chat template or tokenizer.model left beside the new files would be read with them)."""
     from prepack.text import transformers_quiet
     transformers_quiet.quiet()
     from transformers import PreTrainedTokenizerFast
@@ -106,5 +111,19 @@ def write_folder(output: str | os.PathLike[str], chat_template: str | None, func
                                    additional_special_tokens=specials, add_bos_token=False, add_eos_token=False)
     if chat_template is not None:
         fast.chat_template = chat_template
-    fast.save_pretrained(str(out))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Written whole beside the folder first: a failed save leaves the old files as they were.
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as staging:
+        fast.save_pretrained(staging)
+        written = sorted(os.listdir(staging))
+        unknown = set(written) - set(TOKENIZER_FILES)
+        if unknown:
+            raise FolderError(f"save_pretrained wrote files this tool does not know ({', '.join(sorted(unknown))}); "
+                              "nothing was replaced")
+        out.mkdir(exist_ok=True)
+        for name in TOKENIZER_FILES:
+            if name not in written and (out / name).is_file():
+                (out / name).unlink()
+        for name in written:
+            os.replace(os.path.join(staging, name), out / name)
     return out
