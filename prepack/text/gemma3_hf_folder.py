@@ -1,20 +1,22 @@
 """A Hugging Face tokenizer folder for Gemma 3, built offline from the packaged GGUF, for chat
 format `hf` (`--tokenizer hf:FOLDER --chat-format hf`): tool-calling templates such as
-FunctionGemma's need the tokenizer's own jinja template, and the Hub is out of reach here.
+FunctionGemma's need the tokenizer's own jinja template, and an offline machine cannot download
+a Gemma 3 folder from the Hub.
 
 The folder encodes every text to the same ids as `--tokenizer gemma3` (tests/test_gemma3_hf_folder.py
-checks it on real data): both are built from one reading of the GGUF arrays
+checks it on the shipped samples, edge cases and generated text): both are built from one reading of the GGUF arrays
 (gemma3_gguf.sentencepiece_pieces). SentencePiece's BPE becomes a `tokenizers` BPE the way
 transformers' GemmaConverter does it (merges ranked by piece score, byte fallback, spaces as
 U+2581, no pre-split but at spaces), without the protobuf round trip that converter needs
 (sentencepiece's generated code wants protobuf 7; apache-beam pins 6).
 
-FunctionGemma (ai.google.dev/gemma/docs/functiongemma) is Gemma 3 270M with seven control tokens
-for tool use in the same 262,144-row vocabulary. With `function_tokens`, they take the first seven
+FunctionGemma (ai.google.dev/gemma/docs/functiongemma) is Gemma 3 270M tuned with seven control
+tokens for tool use (three marker pairs and `<escape>`). With `function_tokens`, they take the first seven
 reserved `<unusedN>` slots (ids 6-12; FunctionGemma's own ids may differ): each is then one id, so
 `<start_function_response>` can end a turn and stop generation, and the template's markup can
 never be spelled by data (chat format `hf` refuses a record that does). Their embedding rows are
-the base model's trained-for-nothing reserved rows, which a LoRA learns to aim at like any other.
+the base model's reserved rows (as long as any other row in the GGUF, not zero), which a LoRA
+learns to emit like any other (docs/benchmarks.md: 100% valid calls after tuning).
 Without `function_tokens` the folder's vocabulary is exactly Gemma 3's (the same vocab_hash).
 """
 from __future__ import annotations
