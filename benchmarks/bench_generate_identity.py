@@ -137,19 +137,28 @@ def main(argv: list[str] | None = None) -> int:
                                 "--learning-rate", str(args.learning_rate), "--metrics-out", j("train_metrics.jsonl"),
                                 "--save-lora", j("adapter"), "--overwrite", "--eval-generate", j("heldout_few.jsonl"),
                                 "--eval-generate-every", "5"], log, log_path)
-    generate = prepack + ["generate", "--input", j("heldout.jsonl"), "--format", "chat", *model, "--score",
-                          "--max-new-tokens", str(args.max_new_tokens), "--overwrite"]
+    before_and_after(work, prepack + ["generate", "--input", j("heldout.jsonl"), "--format", "chat", *model], args, log,
+                     log_path, {"train_records": len(train), "heldout_prompts": len(heldout)})
+    return 0
+
+
+def before_and_after(work: str, generate: list[str], args: argparse.Namespace, log: list[dict], log_path: str,
+                     about: dict) -> None:
+    """What follows training in each before/after benchmark: `generate` (the command up to its
+    model options) with --score for the base model and with the adapter, the report of the two,
+    and WORK/result.json (`about`, the options, the commands, both summaries)."""
+    j = lambda name: os.path.join(work, name)  # noqa: E731
+    generate = generate + ["--score", "--max-new-tokens", str(args.max_new_tokens), "--overwrite"]
     run("generate base", generate + ["--output", j("base.jsonl")], log, log_path)
     run("generate tuned", generate + ["--lora", j("adapter"), "--output", j("tuned.jsonl")], log, log_path)
-    run("report", prepack + ["report", "--generations", j("base.jsonl"), j("tuned.jsonl"), "--metrics",
-                             j("train_metrics.jsonl"), "--output", j("report.md"), "--overwrite"], log, log_path)
+    report = generate[:generate.index("generate")] + ["report", "--generations", j("base.jsonl"), j("tuned.jsonl"),
+                                                       "--metrics", j("train_metrics.jsonl"), "--output", j("report.md"),
+                                                       "--overwrite"]
+    run("report", report, log, log_path)
     summaries = {name: json.load(open(j(f"{name}.score.json"))) for name in ("base", "tuned")}
-    result = {"train_records": len(train), "heldout_prompts": len(heldout), "args": vars(args), "commands": log,
-              "summaries": summaries}
     with open(j("result.json"), "w") as f:
-        json.dump(result, f, indent=1)
+        json.dump({**about, "args": vars(args), "commands": log, "summaries": summaries}, f, indent=1)
     print(f"\nwrote {j('result.json')}")
-    return 0
 
 
 if __name__ == "__main__":

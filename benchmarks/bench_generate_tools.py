@@ -30,7 +30,7 @@ import json
 import os
 import sys
 
-from benchmarks.bench_generate_identity import run, write_jsonl
+from benchmarks.bench_generate_identity import before_and_after, run, write_jsonl
 
 TOOLS = [
     {"type": "function", "function": {
@@ -132,18 +132,8 @@ def main(argv: list[str] | None = None) -> int:
                                 "--warmup-steps", str(args.warmup_steps), "--metrics-out", j("train_metrics.jsonl"),
                                 "--save-lora", j("adapter"), "--overwrite", "--eval-generate", j("heldout_few.jsonl"),
                                 "--eval-generate-every", str(max(1, args.steps // 4))], log, log_path)
-    generate = prepack + ["generate", "--input", j("heldout.jsonl"), *chat, *model, "--score",
-                          "--max-new-tokens", str(args.max_new_tokens), "--overwrite"]
-    run("generate base", generate + ["--output", j("base.jsonl")], log, log_path)
-    run("generate tuned", generate + ["--lora", j("adapter"), "--output", j("tuned.jsonl")], log, log_path)
-    run("report", prepack + ["report", "--generations", j("base.jsonl"), j("tuned.jsonl"), "--metrics",
-                             j("train_metrics.jsonl"), "--output", j("report.md"), "--overwrite"], log, log_path)
-    summaries = {name: json.load(open(j(f"{name}.score.json"))) for name in ("base", "tuned")}
-    result = {"train_records": len(train), "heldout_prompts": len(heldout), "args": vars(args), "commands": log,
-              "summaries": summaries}
-    with open(j("result.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"\nwrote {j('result.json')}")
+    before_and_after(work, prepack + ["generate", "--input", j("heldout.jsonl"), *chat, *model], args, log, log_path,
+                     {"train_records": len(train), "heldout_prompts": len(heldout)})
     return 0
 
 
