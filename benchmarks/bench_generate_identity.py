@@ -102,18 +102,23 @@ def run(name: str, cmd: list[str], log: list[dict], log_path: str | None = None)
         raise SystemExit(f"{name} failed (exit {code})")
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def recipe_parser(doc: str, steps: int, max_length: int) -> argparse.ArgumentParser:
+    """The options every before/after benchmark takes (the recipe, the work folder), with its defaults."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--work-dir", required=True)
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=steps)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--learning-rate", type=float, default=1e-3)
     p.add_argument("--lora-rank", type=int, default=8)
-    p.add_argument("--max-length", type=int, default=128)
+    p.add_argument("--max-length", type=int, default=max_length)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--skip-train", action="store_true", help="reuse WORK/adapter")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = recipe_parser(__doc__, steps=20, max_length=128).parse_args(argv)
     work = os.path.abspath(args.work_dir)
     os.makedirs(work, exist_ok=True)
     train, heldout = records(False), records(True)

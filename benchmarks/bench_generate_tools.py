@@ -24,13 +24,12 @@ Prints the two tables and writes WORK/result.json. CPU-heavy: a benchmark, not a
 """
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import os
 import sys
 
-from benchmarks.bench_generate_identity import before_and_after, run, write_jsonl
+from benchmarks.bench_generate_identity import before_and_after, recipe_parser, run, write_jsonl
 
 TOOLS = [
     {"type": "function", "function": {
@@ -93,18 +92,9 @@ def records(held_out: bool) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--work-dir", required=True)
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--learning-rate", type=float, default=1e-3)
+    p = recipe_parser(__doc__, steps=60, max_length=384)
     p.add_argument("--lr-schedule", default="cosine")
     p.add_argument("--warmup-steps", type=int, default=3)
-    p.add_argument("--lora-rank", type=int, default=8)
-    p.add_argument("--max-length", type=int, default=384)
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--skip-train", action="store_true", help="reuse WORK/adapter")
     args = p.parse_args(argv)
     work = os.path.abspath(args.work_dir)
     os.makedirs(work, exist_ok=True)
