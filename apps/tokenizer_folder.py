@@ -22,6 +22,8 @@ from prepack.cli_help import DefaultsHelpFormatter
 
 PROG = "prepack tokenizer-folder"
 TEMPLATES = ("functiongemma-layout", "none")
+# Chat templates are kilobytes (Qwen3's is 4 KiB); a larger --template is not one.
+MAX_TEMPLATE_BYTES = 1 << 20
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,9 +48,27 @@ def read_template(spec: str) -> str | None:
         raise gemma3_hf_folder.FolderError(f"--template {spec}: no such file; name one of {', '.join(TEMPLATES)} or a "
                                            "jinja file")
     try:
-        return path.read_text(encoding="utf-8")
+        with open(path, "rb") as f:
+            data = f.read(MAX_TEMPLATE_BYTES + 1)
+        if len(data) > MAX_TEMPLATE_BYTES:
+            raise gemma3_hf_folder.FolderError(f"--template {spec}: over {MAX_TEMPLATE_BYTES:,} bytes, too large for a "
+                                               "chat template; name the jinja file of one")
+        return data.decode("utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise gemma3_hf_folder.FolderError(f"--template {spec}: cannot read it as UTF-8 text ({e})") from None
+
+
+def output_problem(output: str) -> str | None:
+    """Why --output names no local folder this command may write (one line), or None: `hf:FOLDER`
+    reads a local folder, and a symlink would put the files somewhere the user did not name."""
+    from prepack import storage
+
+    problem = storage.location_problem(output)
+    if problem is None and storage.is_gcs(output):
+        problem = f"{output!r} is not on this machine: --tokenizer hf:FOLDER reads a local folder, so write one here"
+    if problem is None and Path(output).is_symlink():
+        problem = f"{output!r} is a symbolic link: name the folder itself (or a new one)"
+    return f"--output {problem}" if problem else None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -56,6 +76,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from prepack.text import gemma3_hf_folder
 
     try:
+        problem = output_problem(args.output)
+        if problem:
+            raise gemma3_hf_folder.FolderError(problem)
         template = read_template(args.template)
         if template is not None and "<start_function" in template and not args.function_tokens:
             raise gemma3_hf_folder.FolderError(

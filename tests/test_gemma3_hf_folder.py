@@ -146,12 +146,24 @@ def test_bad_options_get_one_line(tmp_path, capsys):
     (taken / "notes.txt").write_text("mine")
     a_file = tmp_path / "file"
     a_file.write_text("x")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(elsewhere)
+    huge = tmp_path / "huge.jinja"
+    huge.write_bytes(b"{{ x }}" * (tokenizer_folder.MAX_TEMPLATE_BYTES // 7 + 1))
     cases = [
         (["--output", str(tmp_path / "a"), "--template", str(tmp_path / "missing.jinja")],
          "--template", "no such file"),
         (["--output", str(tmp_path / "b"), "--no-function-tokens"], "--no-function-tokens", "FunctionGemma's control tokens"),
         (["--output", str(taken)], "already exists and is not an empty folder", "--overwrite"),
         (["--output", str(a_file)], "exists and is not a folder", "another --output"),
+        # hf:FOLDER reads a local folder; other schemes would become local folders named after them.
+        (["--output", "gs://bucket/tok"], "--output 'gs://bucket/tok' is not on this machine", "local folder"),
+        (["--output", "s3://bucket/tok"], "--output 's3://bucket/tok'", "only local paths and gs://"),
+        (["--output", "gs:/bucket/tok"], "is not a gs:// URL", "gs://BUCKET/FOLDER"),
+        (["--output", str(link)], "is a symbolic link", "the folder itself"),
+        (["--output", str(tmp_path / "c"), "--template", str(huge)], "--template", "too large for a chat template"),
     ]
     for argv, *words in cases:
         assert tokenizer_folder.main(argv) == 2
@@ -159,7 +171,8 @@ def test_bad_options_get_one_line(tmp_path, capsys):
         assert len(err.splitlines()) == 1 and err.startswith("prepack tokenizer-folder: "), err
         assert all(w in err for w in words), err
     assert (taken / "notes.txt").read_text() == "mine" and sorted(p.name for p in taken.iterdir()) == ["notes.txt"]
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    assert not any((tmp_path / name).exists() for name in ("a", "b", "c", "gs:", "s3:"))
+    assert not any(elsewhere.iterdir())
 
 
 def test_overwrite_replaces_every_tokenizer_file_and_keeps_the_rest(tools_folder, tmp_path):

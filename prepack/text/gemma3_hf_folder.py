@@ -113,9 +113,10 @@ def write_folder(output: str | os.PathLike[str], chat_template: str | None, func
                                    additional_special_tokens=specials, add_bos_token=False, add_eos_token=False)
     if chat_template is not None:
         fast.chat_template = chat_template
-    out.parent.mkdir(parents=True, exist_ok=True)
+    beside = Path(os.path.abspath(out)).parent  # `.` has no name and is its own parent: stage above it
+    beside.mkdir(parents=True, exist_ok=True)
     # Written whole beside the folder first: a failed save leaves the old files as they were.
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as staging:
+    with tempfile.TemporaryDirectory(dir=beside, prefix=f".{Path(os.path.abspath(out)).name}.") as staging:
         fast.save_pretrained(staging)
         written = sorted(os.listdir(staging))
         unknown = set(written) - set(TOKENIZER_FILES)
