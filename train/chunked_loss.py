@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from train import fused_head
 from train import loss as loss_lib
 
 HIDDEN_STATES = "all_hidden_states"
@@ -86,12 +87,13 @@ def final_hidden_states(model: nnx.Module, input_tokens: jax.Array, positions: j
 
 
 def chunked_token_nll(h: jax.Array, projection: Projection, targets: jax.Array, chunk_tokens: int,
-                      weights: jax.Array | None = None) -> jax.Array:
+                      weights: jax.Array | None = None, kernel: str = fused_head.AUTO) -> jax.Array:
     """Per-position NLL [B, L] (float32) of `targets`, computing [chunk_tokens, V] logits at a time.
 
     weights (the loss's per-position weights): positions with weight 0 are no target; their NLL
     is never read by the loss, so chunks that hold only such positions skip the projection and
-    give 0. Without weights every position is scored."""
+    give 0. Without weights every position is scored.
+    kernel (--loss-kernel): each chunk through XLA or the fused head (train/fused_head.py)."""
     b, length, d = h.shape
     n = b * length
     chunks = -(-n // chunk_tokens)
@@ -103,11 +105,13 @@ def chunked_token_nll(h: jax.Array, projection: Projection, targets: jax.Array, 
     sorted_h = jnp.pad(flat_h[order], ((0, pad), (0, 0))).reshape(chunks, chunk_tokens, d)
     sorted_t = jnp.pad(flat_t[order], (0, pad)).reshape(chunks, chunk_tokens)
     has_target = jnp.arange(chunks) * chunk_tokens < jnp.sum(active)
-    nll_sorted = head_nll(projection, sorted_h, sorted_t, has_target).reshape(-1)[:n]
+    fused = fused_head.use_fused(kernel, projection.dtype, projection.softcap)
+    nll_sorted = head_nll(projection, sorted_h, sorted_t, has_target, fused).reshape(-1)[:n]
     return jnp.zeros((n,), jnp.float32).at[order].set(nll_sorted).reshape(b, length)
 
 
-def head_nll(projection: Projection, h: jax.Array, targets: jax.Array, has_target: jax.Array) -> jax.Array:
+def head_nll(projection: Projection, h: jax.Array, targets: jax.Array, has_target: jax.Array,
+             fused: bool = False) -> jax.Array:
     """[chunks, C] NLLs of h [chunks, C, D] under the frozen output projection; chunks without a
     target give 0 and cost no projection.
 
@@ -117,10 +121,20 @@ def head_nll(projection: Projection, h: jax.Array, targets: jax.Array, has_targe
     exist, d nll / d h (Liger's fused linear cross-entropy); the backward pass only scales it.
     Two head matmuls per chunk with targets instead of the checkpointed chunk's three (forward,
     recompute, backward), none for the others. The head's own cotangent is zero by that
-    contract: a run that trains the head must not use this loss."""
+    contract: a run that trains the head must not use this loss.
+    fused: each chunk's NLL and dL/dh from one kernel, its logits never in memory (train/fused_head.py)."""
     matrix = projection.matrix
 
+    def chunk_nll_and_dh(w: jax.Array, hc: jax.Array, tc: jax.Array) -> tuple[jax.Array, jax.Array]:
+        if fused:
+            return fused_head.nll_and_dh(w, projection.transposed, hc, tc)
+        nll, vjp = jax.vjp(lambda x: chunk_nll(w, x, tc), hc)
+        # Each position's NLL depends on its own h only: the unit cotangent gives every row's d nll / d h.
+        return nll, vjp(jnp.ones_like(nll))[0]
+
     def chunk_nll(w: jax.Array, hc: jax.Array, tc: jax.Array) -> jax.Array:
+        if fused:
+            return fused_head.nll_and_dh(w, projection.transposed, hc, tc)[0]
         logits = dataclasses.replace(projection, matrix=w).logits(hc).astype(jnp.float32)
         target_logit = jnp.take_along_axis(logits, tc[:, None], axis=-1)[:, 0]
         return jax.nn.logsumexp(logits, axis=-1) - target_logit
@@ -136,12 +150,7 @@ def head_nll(projection: Projection, h: jax.Array, targets: jax.Array, has_targe
         def one(args: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
             hc, tc, any_target = args
 
-            def compute() -> tuple[jax.Array, jax.Array]:
-                nll, vjp = jax.vjp(lambda x: chunk_nll(w, x, tc), hc)
-                # Each position's NLL depends on its own h only: the unit cotangent gives every row's d nll / d h.
-                return nll, vjp(jnp.ones_like(nll))[0]
-
-            return jax.lax.cond(any_target, compute, lambda: (jnp.zeros(tc.shape, jnp.float32), jnp.zeros_like(hc)))
+            return jax.lax.cond(any_target, lambda: chunk_nll_and_dh(w, hc, tc), lambda: (jnp.zeros(tc.shape, jnp.float32), jnp.zeros_like(hc)))
 
         return jax.lax.map(one, (hs, ts, has))
 
@@ -160,8 +169,10 @@ def head_nll(projection: Projection, h: jax.Array, targets: jax.Array, has_targe
     return run(matrix, h, targets, has_target)
 
 
-def make_chunked_loss_fn(chunk_tokens: int, loss_mean: str = loss_lib.TOKEN_MEAN) -> Callable[..., tuple[jax.Array, dict[str, jax.Array]]]:
-    """A PeftTrainer loss (has_aux) with the signature and results of loss.make_masked_loss_fn(loss_mean)."""
+def make_chunked_loss_fn(chunk_tokens: int, loss_mean: str = loss_lib.TOKEN_MEAN,
+                         kernel: str = fused_head.AUTO) -> Callable[..., tuple[jax.Array, dict[str, jax.Array]]]:
+    """A PeftTrainer loss (has_aux) with the signature and results of loss.make_masked_loss_fn(loss_mean);
+    kernel: --loss-kernel."""
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
     if loss_mean not in loss_lib.LOSS_MEANS:
@@ -179,7 +190,7 @@ def make_chunked_loss_fn(chunk_tokens: int, loss_mean: str = loss_lib.TOKEN_MEAN
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         h = final_hidden_states(model, input_tokens, positions, attention_mask)
         targets, weights = loss_lib.shifted_targets(input_tokens, input_mask)
-        nll = chunked_token_nll(h, output_projection(model), targets, chunk_tokens, weights)
+        nll = chunked_token_nll(h, output_projection(model), targets, chunk_tokens, weights, kernel)
         return loss_lib.mean_and_aux(nll, weights, source_ids, loss_mean, segment_ids, example_targets)
 
     return chunked_loss_fn_with_aux

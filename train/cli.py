@@ -125,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loss-chunk-tokens", type=whole_number("--loss-chunk-tokens"), default=1024,
                    help="compute the loss's logits over chunks of N tokens, recomputed in the backward pass "
                    "(no [B, L, V] array); 0: full logits (the reference)")
+    p.add_argument("--loss-kernel", default="auto", choices=["auto", "xla", "fused"],
+                   help="each loss chunk's logits, NLL and dL/dh: xla (the logits in memory), or fused (one Pallas "
+                   "kernel, the logits kept on chip; bfloat16 without a logit soft-cap; interpret mode, slow, off a "
+                   "TPU). Default auto: fused on a TPU where it applies, else xla (docs/benchmarks.md)")
     p.add_argument("--attention", default=None, choices=["dense", "blocked", "flash", "splash"],
                    help="dense: [B, L, L] mask (the reference); blocked: tiles from segment ids, skipping tiles no "
                    "segment spans (plain JAX); flash: one fused Pallas kernel visiting only the key blocks each query "
@@ -234,7 +238,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         loss_mean=args.loss_mean, objective=args.objective, beta=args.beta,
         read_threads=args.read_threads, log_every=args.log_every, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, checkpoint_keep=args.checkpoint_keep, save_lora=args.save_lora,
-        nan_policy=args.nan_policy, loss_chunk_tokens=args.loss_chunk_tokens, attention=args.attention,
+        nan_policy=args.nan_policy, loss_chunk_tokens=args.loss_chunk_tokens, loss_kernel=args.loss_kernel,
+        attention=args.attention,
         attention_tile=args.attention_tile,
         remat=args.remat, memory_budget_gib=args.memory_budget_gib, verify_first=args.verify_first,
         peak_tflops=args.peak_tflops, eval_generate=args.eval_generate, eval_generate_every=args.eval_generate_every,

@@ -97,7 +97,7 @@ def dpo_terms(policy: tuple[jax.Array, jax.Array], reference: tuple[jax.Array, j
     }
 
 
-def make_token_nll(chunk_tokens: int) -> Callable[..., jax.Array]:
+def make_token_nll(chunk_tokens: int, kernel: str = "auto") -> Callable[..., jax.Array]:
     """(model, tokens, positions, attention_mask, targets, weights) -> per-column NLL [B, L] of the
     SFT loss path: chunked (train/chunked_loss.py) or, with 0, full logits (train/loss.py)."""
     if chunk_tokens < 0:
@@ -109,7 +109,8 @@ def make_token_nll(chunk_tokens: int) -> Callable[..., jax.Array]:
         if chunk_tokens:
             h = chunked_loss.final_hidden_states(model, tokens, positions, attention_mask)
             targets, weights = loss_lib.shifted_targets(tokens, input_mask)
-            return chunked_loss.chunked_token_nll(h, chunked_loss.output_projection(model), targets, chunk_tokens, weights), weights
+            return chunked_loss.chunked_token_nll(h, chunked_loss.output_projection(model), targets, chunk_tokens, weights,
+                                                     kernel), weights
         logits, _ = model(tokens, positions, None, attention_mask)
         return loss_lib.per_token_nll(logits, tokens, input_mask)
 
@@ -117,10 +118,11 @@ def make_token_nll(chunk_tokens: int) -> Callable[..., jax.Array]:
 
 
 def make_dpo_loss_fn(beta: float = DEFAULT_BETA, chunk_tokens: int = 1024,
-                     reference: Reference = lora_off) -> Callable[..., tuple[jax.Array, dict[str, jax.Array]]]:
+                     reference: Reference = lora_off, kernel: str = "auto") -> Callable[..., tuple[jax.Array, dict[str, jax.Array]]]:
     """A PeftTrainer loss (has_aux) on packed pair rows: (loss, sums). `reference` turns the policy
-    into the reference model (tests pass others to show the comparison with Tunix fails)."""
-    token_nll = make_token_nll(chunk_tokens)
+    into the reference model (tests pass others to show the comparison with Tunix fails);
+    kernel: --loss-kernel."""
+    token_nll = make_token_nll(chunk_tokens, kernel)
 
     def dpo_loss_fn(model: nnx.Module, input_tokens: jax.Array, input_mask: jax.Array, positions: jax.Array,
                     attention_mask: jax.Array, segment_ids: jax.Array, pair_side: jax.Array,

@@ -77,6 +77,7 @@ def check_options(cfg: TrainConfig, max_length: int) -> None:
         raise TrainError(f"unknown --remat {cfg.remat!r}; choose one of {', '.join(REMATS)}")
     if cfg.loss_chunk_tokens < 0:
         raise TrainError(f"--loss-chunk-tokens must be 0 (full logits) or positive, got {cfg.loss_chunk_tokens}")
+    check_loss_kernel(cfg)
     if cfg.memory_budget_gib is not None and not cfg.memory_budget_gib > 0:
         raise TrainError(f"--memory-budget-gib must be positive, got {cfg.memory_budget_gib}")
     if attention_kind(cfg) == attention_lib.SPLASH and max_length % attention_lib.SPLASH_LANES:
@@ -86,6 +87,21 @@ def check_options(cfg: TrainConfig, max_length: int) -> None:
         raise TrainError(f"--attention flash on a TPU needs a max_length that is a multiple of {attention_lib.SPLASH_LANES}; "
                          f"the shards' is {max_length}: use --attention blocked")
     check_tile(cfg, max_length)
+
+
+def check_loss_kernel(cfg: TrainConfig) -> None:
+    """--loss-kernel fused is refused where it would not compute the XLA path's loss (auto falls back)."""
+    from train import fused_head
+
+    if cfg.loss_kernel not in fused_head.KINDS:
+        raise TrainError(f"unknown --loss-kernel {cfg.loss_kernel!r}; choose one of {', '.join(fused_head.KINDS)}")
+    if cfg.loss_kernel != fused_head.FUSED:
+        return
+    if cfg.loss_chunk_tokens == 0 or cfg.loss == "tunix-default":
+        raise TrainError("--loss-kernel fused computes the chunked loss: it needs --loss masked and --loss-chunk-tokens > 0")
+    reason = fused_head.reason_unfused(cfg.dtype, None) or fused_head.check_chunk(cfg.loss_chunk_tokens)
+    if reason:
+        raise TrainError(f"--loss-kernel fused cannot run with {reason}; use --loss-kernel xla or auto")
 
 
 def check_loss_mean(cfg: TrainConfig) -> None:
@@ -100,7 +116,7 @@ def loss_fn(cfg: TrainConfig) -> Callable[..., Any]:
     if cfg.objective == objective.DPO:  # train/dpo_loss.py: the same loss path (chunked or full logits), per pair
         from train import dpo_loss
 
-        return dpo_loss.make_dpo_loss_fn(objective.beta_of(cfg), cfg.loss_chunk_tokens)
+        return dpo_loss.make_dpo_loss_fn(objective.beta_of(cfg), cfg.loss_chunk_tokens, kernel=cfg.loss_kernel)
     check_loss_mean(cfg)
     if cfg.loss == "tunix-default":
         return loss_lib.with_aux(loss_lib.tunix_default_loss_fn())
@@ -110,7 +126,7 @@ def loss_fn(cfg: TrainConfig) -> Callable[..., Any]:
         return loss_lib.make_masked_loss_fn(cfg.loss_mean)
     from train.chunked_loss import make_chunked_loss_fn
 
-    return make_chunked_loss_fn(cfg.loss_chunk_tokens, cfg.loss_mean)
+    return make_chunked_loss_fn(cfg.loss_chunk_tokens, cfg.loss_mean, cfg.loss_kernel)
 
 
 def gen_model_input_fn(cfg: TrainConfig) -> Callable[..., Any]:
