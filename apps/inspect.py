@@ -24,6 +24,7 @@ from prepack import storage
 from loaders.shards import ShardView, open_shards, read_manifest
 from prepack.format import rowformat
 from prepack.format.manifest import Manifest, ManifestError
+from prepack.wording import counted
 from prepack.cli_help import DefaultsHelpFormatter
 
 GREEN, RESET = "\033[32m", "\033[0m"
@@ -74,7 +75,7 @@ def summary_lines(manifest: Manifest, path: str) -> list[str]:
     lines = [
         f"shard set   {path}",
         f"  format      v{manifest.format_version}, max_length {manifest.max_length}, packing {manifest.packing}",
-        f"  rows        {_fmt_int(manifest.num_rows)} in {len(manifest.shards)} shards ({_fmt_bytes(total_bytes)})",
+        f"  rows        {_fmt_int(manifest.num_rows)} in {counted(len(manifest.shards), 'shard')} ({_fmt_bytes(total_bytes)})",
         "  tokenizer   "
         + f"{tok.get('name', '?')} (vocab {_fmt_int(tok.get('vocab_size'))}, bos {tok.get('bos_id')}, "
         + f"eos {tok.get('eos_id')}, pad {tok.get('pad_id')}, vocab_hash {str(tok.get('vocab_hash', '?'))[:12]})",

@@ -14,7 +14,7 @@ THROUGHPUT_MODEL = (
     "padded with empty rows. step densities = tokens (or target tokens) / (steps * B * L). "
     "throughput_gain = packed_step_target_density / unpacked_step_target_density = unpacked_steps / packed_steps. "
     "Target tokens count as they land in a row: the loss mask minus each example's first token. "
-    "B pk = round(B / ex/row): the packed batch size that sees as many examples per step as unpacked batch size B; "
+    "B pk = round(B / ex/row) to the nearest whole row, at least 1: the packed batch size that sees about as many examples per step as unpacked batch size B; "
     "its steps per epoch: steps B pk = ceil(rows / B pk), against steps unp = ceil(examples / B)."
 )
 

@@ -513,7 +513,8 @@ def training_verdict(table: Sequence[dict[str, Any]], budget: float) -> str | No
 
 
 def estimate_verdict(rows: Sequence[dict[str, Any]], what: str) -> str | None:
-    """The same question from densities alone (no training measured): the best expected gain, where."""
+    """The same question from densities alone: the best expected gain, where. `what` says where the
+    estimate comes from and why no training answers it ("from the shard sets; no training measured")."""
     packed = [r for r in rows if r.get("packing") != "unpacked" and r.get("throughput_gain")]
     if not packed:
         return None
@@ -521,10 +522,49 @@ def estimate_verdict(rows: Sequence[dict[str, Any]], what: str) -> str | None:
     gain = float(best["throughput_gain"])
     where = f"{best['dataset']} at L={best['max_length']}, B={best['batch_size']}"
     if gain >= WORTH_IT:
-        return (f"Packing should be worth it here ({what}; no training measured): {where} needs {gain:.2f}x fewer "
+        return (f"Packing should be worth it here ({what}): {where} needs {gain:.2f}x fewer "
                 f"steps for the same examples ({100 * float(best['packed_density']):.0f}% of row slots hold tokens "
                 f"packed, {100 * float(best['unpacked_density']):.0f}% unpacked).")
-    return f"Packing would gain little here ({what}; no training measured): at best {gain:.2f}x fewer steps ({where})."
+    return f"Packing would gain little here ({what}): at best {gain:.2f}x fewer steps ({where})."
+
+
+def runs_verdict(runs: Sequence[Run]) -> str | None:
+    """What the given runs measured, when they do not compare packed with unpacked (one run, a DPO
+    run, runs of one packing): each run's objective, steps and loss from first to last step, and for
+    a DPO run its reward accuracy at the end."""
+    parts = []
+    for run in runs:
+        finite = run.loss[np.isfinite(run.loss)]
+        if not len(finite):
+            continue
+        n = len(run.steps)
+        part = (f"{run.label} ({'DPO' if run.dpo else 'SFT'}, {n:,} step{'' if n == 1 else 's'}) took its loss from "
+                f"{finite[0]:.3f} to {finite[-1]:.3f}")
+        accuracy = run.dpo.get(DPO_NAMES[2]) if run.dpo else None
+        if accuracy is not None and np.isfinite(accuracy).any():
+            part += f", reward accuracy {accuracy[np.isfinite(accuracy)][-1]:.2f} at the end"
+        parts.append(part + (f" ({run.diverged})" if run.diverged else ""))
+    return "Trained: " + "; ".join(parts) + "." if parts else None
+
+
+# Where packing's gain comes from when the runs given do not measure it.
+UNCOMPARED = "no unpacked run beside the training measured above to compare it with"
+
+
+def page_verdict(config: ReportConfig, runs: Sequence[Run], table: Sequence[dict[str, Any]], budget: float,
+                 rows: Sequence[dict[str, Any]]) -> str | None:
+    """The page's first line: measured training beats a shard-set estimate, which beats preflight's.
+    Runs that do not compare packed with unpacked (a single DPO run) are said as what they measured,
+    and the estimate beside them says that no run measured packing's gain."""
+    measured = training_verdict(table, budget) if runs else None
+    if measured:
+        return measured
+    trained = runs_verdict(runs) if runs else None
+    why = UNCOMPARED if trained else "no training measured"
+    estimate = (estimate_verdict(rows, f"from the shard sets; {why}") if config.shards else None) \
+        or next((v for v in (estimate_verdict(_read_preflight(s)["rows"], f"preflight estimate; {why}")
+                             for s in config.preflight) if v), None)
+    return " ".join(p for p in (trained, estimate) if p) or None
 
 
 def table_batch_sizes(given: Sequence[int], runs: Sequence[Run]) -> tuple[int, ...]:
@@ -562,10 +602,7 @@ def build_page(config: ReportConfig, figures_dir: str) -> tuple[Page, list[str]]
     rows = _shards_section(page, figure, config, runs) if config.shards else []
     budget, table = _training_section(page, figure, config, runs) if runs else (0.0, [])
 
-    # The page opens with the answer: measured training beats a shard-set estimate, which beats preflight's.
-    answer = (training_verdict(table, budget) if config.metrics else None) \
-        or (estimate_verdict(rows, "from the shard sets") if config.shards else None) \
-        or next((v for v in (estimate_verdict(_read_preflight(s)["rows"], "preflight estimate") for s in config.preflight) if v), None)
+    answer = page_verdict(config, runs, table, budget, rows)  # the page opens with the answer
     if answer:
         page.blocks.insert(1, ("p", "Verdict: " + answer))
 

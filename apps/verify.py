@@ -44,6 +44,7 @@ from prepack import storage
 from loaders.published import published_lengths
 from loaders.shards import ShardSetError, ShardView, open_shards, read_manifest
 from prepack.cli_help import DefaultsHelpFormatter
+from prepack.wording import counted, rate
 from prepack.format import rowformat
 from prepack.format.layout import MANIFEST_NAME, RUN_RECORD_NAME, TOKENS_DIR
 from prepack.format.recount import Recount, misstatement, row_facts, source_names_problem, tokenizer_problem
@@ -264,11 +265,11 @@ def unpublished_line(path: str, lengths: list[int]) -> str:
 
 def result_line(r: LengthResult) -> str:
     c = r.recount
-    rate = c.rows / r.seconds if r.seconds else 0.0
     state = "ok" if r.failure is None else "FAILED"
     units = f"{c.segments:,} pairs ({2 * c.segments:,} segments)" if c.pairs else f"{c.segments:,} segments"
     return (f"L{r.max_length}  {state:<6}  {c.rows:,} rows, {units}, {c.tokens:,} tokens, "
-            f"{c.target_tokens:,} targets in {r.shards} shards, sha256 checked  ({r.seconds:.2f} s, {rate:,.0f} rows/s)  {r.path}")
+            f"{c.target_tokens:,} targets in {counted(r.shards, 'shard')}, sha256 checked  ({r.seconds:.2f} s, "
+            f"{rate(c.rows, r.seconds, 'rows')})  {r.path}")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,4 +1,4 @@
-"""Which max lengths of an output were published together: OUTPUT/published.json.
+"""Which max lengths an output publishes: OUTPUT/published.json.
 
 `prepack pack` switches each length's manifest.json atomically, one length after
 another, and writes published.json (each length's manifest path and sha256) after
@@ -19,7 +19,7 @@ from prepack.format.run_record import RunRecord, RunRecordError
 
 
 def published_lengths(output: str) -> dict[int, str]:
-    """max length -> shard set folder, for the lengths the last completed run published together.
+    """max length -> shard set folder, for the lengths OUTPUT/published.json names (each checked).
 
     Raises ShardSetError when there is no run record, or when a length's manifest is not the
     one the record names: a run is publishing right now, or one was interrupted midway (its

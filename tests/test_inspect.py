@@ -48,7 +48,7 @@ def test_summary_and_text_with_targets(shard_set, monkeypatch):
     assert rc == 0, err
     assert f"shard set   {shard_set}" in out
     assert "format      v1, max_length 10, packing bfd" in out
-    assert "rows        2 in 1 shards" in out
+    assert "rows        2 in 1 shard (" in out
     assert "tokenizer   test-vocab (vocab 50,000, bos 2, eos 1, pad 0" in out
     assert "examples    read 5, written 3, dropped 2 (too_long 2), truncated 0" in out
     assert "tokens      17 (targets 9)" in out

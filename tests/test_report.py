@@ -325,9 +325,28 @@ def test_verdict_wording_follows_the_speedup():
     assert report.training_verdict(table(0.5), 100).startswith("Packing was not worth it here")
     rows = [{"dataset": "d", "max_length": 512, "batch_size": 8, "throughput_gain": 3.5, "packed_density": 0.97,
              "unpacked_density": 0.25, "packing": "bfd"}]
-    assert report.estimate_verdict(rows, "from the shard sets") == (
+    assert report.estimate_verdict(rows, "from the shard sets; no training measured") == (
         "Packing should be worth it here (from the shard sets; no training measured): d at L=512, B=8 needs 3.50x "
         "fewer steps for the same examples (97% of row slots hold tokens packed, 25% unpacked).")
+
+
+def test_a_dpo_run_alone_is_the_verdict_and_packing_is_said_unmeasured(inputs, tmp_path):
+    """One DPO run beside its shard set compares no packing: the verdict says what the run measured
+    (its loss and reward accuracy), and the shard-set estimate does not claim no training was measured."""
+    root, _, _ = inputs
+    rows = [{"step": i + 1, "loss": loss, "step_time_s": 1.0, "tokens": 800, "target_tokens": 300, "examples": 4,
+             "rewards/chosen": 0.01 * i, "rewards/rejected": -0.01 * i, "rewards/accuracies": acc,
+             "rewards/margins": 0.02 * i, "logps/chosen": -40.0, "logps/rejected": -41.0}
+            for i, (loss, acc) in enumerate([(0.6931, 0.0), (0.68, 0.5), (0.64, 0.75), (0.6396, 0.8)])]
+    metrics = tmp_path / "dpo-metrics.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "page.md"
+    assert report.main(["--shards", str(root / "packed"), "--metrics", str(metrics), "--output", str(out)]) == 0
+    verdict = next(line for line in out.read_text().splitlines() if line.startswith("Verdict: "))
+    assert verdict.startswith("Verdict: Trained: dpo-metrics (DPO, 4 steps) took its loss from 0.693 to 0.640, reward "
+                              "accuracy 0.80 at the end. Packing should be worth it here (from the shard sets; no "
+                              "unpacked run beside the training measured above to compare it with): "), verdict
+    assert "no training measured" not in verdict
 
 
 # ----------------------------------------------------------------------------- diverged runs

@@ -327,4 +327,82 @@ def test_pack_applies_the_overwrite_rule_once(tmp_path, monkeypatch, capsys):
     capsys.readouterr()
     assert main(argv) == 1 and len(calls) == 2
     assert capsys.readouterr().err == (f"prepack pack: {out / 'L512' / 'manifest.json'} already exists: refusing to write "
-                                       "into an existing shard set. Pass --overwrite to replace it, or choose another --output\n")
+                                       f"into an existing shard set. Pass --overwrite to replace it ({out / 'published.json'} then names exactly this "
+                                       "run's lengths), or choose another --output\n")
+
+
+def published(out) -> list[int]:
+    from loaders import published_lengths
+
+    return sorted(published_lengths(str(out)))
+
+
+def test_a_new_length_keeps_the_lengths_published_before_it(first, tmp_path, capsys):
+    """`--from-tokens OUT/tokens --max-length 128 --output OUT` adds L128 to published.json beside
+    L48 and L64 (their manifests untouched), and `prepack verify OUT` checks all three as published."""
+    from apps.verify import main as verify_main
+
+    out = tmp_path / "out"
+    shutil.copytree(first, out)
+    before = {L: (out / f"L{L}" / "manifest.json").read_bytes() for L in FIRST_LENGTHS}
+    pack(["--from-tokens", str(out / "tokens"), "--max-length", "128", "--max-bad-fraction", "0.5", "--output", str(out)])
+    assert published(out) == [48, 64, 128]
+    assert {L: (out / f"L{L}" / "manifest.json").read_bytes() for L in FIRST_LENGTHS} == before
+    capsys.readouterr()
+    assert verify_main([str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines if line.startswith("L")] == ["L48", "L64", "L128"]
+    assert not [line for line in lines if line.startswith("not published")]
+
+
+def test_an_overwrite_run_publishes_exactly_its_lengths(first, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(first, out)
+    pack(["--from-tokens", str(out / "tokens"), "--max-length", "128", "--max-bad-fraction", "0.5", "--output", str(out),
+          "--overwrite"])
+    assert published(out) == [128]
+    assert (out / "L48" / "manifest.json").exists()  # still there, no longer published (verify names it)
+
+
+def test_a_length_already_published_is_refused_in_one_line(first, tmp_path, capsys):
+    from pipelines.launch.cli import main
+
+    out = tmp_path / "out"
+    shutil.copytree(first, out)
+    record = (out / "published.json").read_bytes()
+    code = main(["--from-tokens", str(out / "tokens"), "--max-length", "64", "128", "--output", str(out), "--no-progress",
+                 *IN_PROCESS])
+    err = capsys.readouterr().err
+    assert code == 1 and err == (f"prepack pack: {out / 'L64' / 'manifest.json'} already exists: refusing to write into an "
+                                 f"existing shard set. Pass --overwrite to replace it ({out / 'published.json'} then names "
+                                 "exactly this run's lengths), or choose another --output\n")
+    assert (out / "published.json").read_bytes() == record and not (out / "L128").exists()
+    # Named by the record, its manifest gone: still published there, still refused.
+    (out / "L64" / "manifest.json").unlink()
+    code = main(["--from-tokens", str(out / "tokens"), "--max-length", "64", "--output", str(out), "--no-progress", *IN_PROCESS])
+    err = capsys.readouterr().err
+    assert code == 1 and err == (f"prepack pack: L64 is already published in {out / 'published.json'}: refusing to replace it "
+                                 "without --overwrite; pass --overwrite to publish only this run's lengths, or choose another "
+                                 "--output\n")
+
+
+def test_a_record_that_does_not_match_its_manifests_takes_no_new_length(first, tmp_path, capsys):
+    """An interrupted publish (L64's manifest is not the one the record names): adding L128 beside it
+    would name a mix, so it is refused before any work, and again under the lock."""
+    from pipelines.launch.cli import main
+    from pipelines.output import NotAddable
+
+    out = tmp_path / "out"
+    shutil.copytree(first, out)
+    manifest = out / "L64" / "manifest.json"
+    manifest.write_bytes(manifest.read_bytes() + b" ")
+    argv = ["--from-tokens", str(out / "tokens"), "--max-length", "128", "--output", str(out), "--no-progress"]
+    code = main(argv + IN_PROCESS)
+    err = capsys.readouterr().err
+    assert code == 1 and err == (f"prepack pack: {manifest} is not the manifest {out / 'published.json'} names (a publish was "
+                                 "interrupted, or the file was changed since): refusing to add lengths beside it; pass "
+                                 "--overwrite to publish only this run's lengths, or choose another --output\n")
+    with pytest.raises(JobError, match="is not the manifest .* nothing was published"):  # the check under the lock
+        config, beam_args = parse_args(argv + ["--max-bad-fraction", "0.5"] + IN_PROCESS)
+        run(config, beam_args, existing_refused=True)
+    assert not (out / "L128").exists() and NotAddable

@@ -253,6 +253,24 @@ def test_a_late_export_failure_saves_the_adapter_beside_it_and_says_where(tmp_pa
                                  "rerun the same command to export it")
 
 
+def test_save_lora_says_where_the_adapter_went(tmp_path, monkeypatch) -> None:
+    import io
+    from types import SimpleNamespace
+
+    from train import trainer
+
+    written: list[str] = []
+    monkeypatch.setattr(trainer, "export_lora", lambda s, path, overwrite: written.append(path))
+    for fmt, reader in (("peft", "a PEFT folder: prepack generate --lora, prepack export --merge, peft"),
+                        ("prepack", "a prepack LoRA file: prepack generate --lora, prepack export --merge")):
+        cfg = TrainConfig(shards="s", save_lora=str(tmp_path / fmt), lora_format=fmt, lora_rank=8)
+        s = SimpleNamespace(config=cfg, trainer=SimpleNamespace(train_steps=1200), recorder=SimpleNamespace(static_extra={}))
+        say = io.StringIO()
+        trainer.export_adapter(s, say)
+        assert say.getvalue() == f"saved the adapter (step 1,200, rank 8) to {tmp_path / fmt} ({reader})\n"
+    assert written == [str(tmp_path / "peft"), str(tmp_path / "prepack")]
+
+
 def test_prepack_train_exits_1_with_the_recovery_line(good_set, monkeypatch, capsys) -> None:
     from train import trainer
 

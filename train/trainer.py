@@ -66,6 +66,13 @@ def export_lora(s: Setup, path: str, overwrite: bool | None = None) -> dict[str,
     return lora_file.save_lora(s.built.model, path, metadata)
 
 
+def adapter_saved_line(record: dict[str, Any]) -> str:
+    """Where --save-lora put the adapter, and what reads it."""
+    what = ("a PEFT folder: prepack generate --lora, prepack export --merge, peft" if record["format"] == "peft"
+            else "a prepack LoRA file: prepack generate --lora, prepack export --merge")
+    return f"saved the adapter (step {record['step']:,}, rank {record['rank']}) to {record['path']} ({what})"
+
+
 def export_adapter(s: Setup, say: TextIO) -> None:
     """--save-lora after training; should it fail, the adapter is saved where outputs.recovery_path
     says and the run fails naming that place (outputs.ExportFailed): what was trained is never lost."""
@@ -73,6 +80,7 @@ def export_adapter(s: Setup, say: TextIO) -> None:
     record = {"path": cfg.save_lora, "format": cfg.lora_format, "step": int(s.trainer.train_steps), "rank": cfg.lora_rank}
     try:
         outputs.export_or_recover(cfg, lambda path, overwrite: export_lora(s, path, overwrite), say)
+        print(adapter_saved_line(record), file=say, flush=True)
     except outputs.ExportFailed as e:
         record["failed"] = str(e)
         raise

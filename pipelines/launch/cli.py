@@ -83,7 +83,7 @@ def run_config(config: PackConfig, beam_args: Sequence[str]) -> int:
     _configure_logs(config.run.verbose)
     from pipelines.launch.job import Interrupted, run
     from pipelines.launch.errors import JobError
-    from pipelines.launch.report import density_table
+    from pipelines.launch.report import density_table, run_line
     from pipelines.launch.worker_stderr import QuietAfterSignal
 
     try:
@@ -117,7 +117,7 @@ def run_config(config: PackConfig, beam_args: Sequence[str]) -> int:
             print()
             print("\n".join(mix_table_lines(mixture, L)))
     examples = next(iter(result.stats.values()))["examples_read"]
-    print(f"\n{examples:,} examples in {result.seconds:,.1f} s ({examples / max(result.seconds, 1e-9):,.0f} examples/s)")
+    print("\n" + run_line(examples, result.seconds))
     return 0
 
 

@@ -84,7 +84,7 @@ def run(config: PackConfig, beam_args: list[str], run_id: str | None = None, exi
         held.check()  # a run paused past its lease (a stopped VM, a debugger) learns so before it reads anything
         places = [output.length_place(config.run.output, L) for L in config.rows.max_lengths]
         places += [output.tokens_place(config.run.output)] if config.run.write_tokens else []
-        seen = output.look(config.run.output, places, held)
+        seen = output.look(config.run.output, places, held, keep_published=not config.run.overwrite)
         notes = _leftovers(config, job.run_id, held)
         for note in notes:
             log.warning(note)
@@ -103,6 +103,8 @@ def run(config: PackConfig, beam_args: list[str], run_id: str | None = None, exi
         if held.lost is not None:
             raise JobError(str(held.lost)) from e
         raise Interrupted(_interrupted_message(config, _lengths_switched(commit))) from e
+    except output.NotAddable as e:  # `look`: the published lengths changed since the check before any work
+        raise JobError(f"{e}; nothing was published") from e
     except output.LockLost as e:  # before the commit (a takeover's rewrite, clean-up, kept dead letters): one line
         raise JobError(str(e)) from e
     except output.SwitchRefused as e:

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from prepack.packing.stats import REFERENCE_BATCH_SIZE, PackingStats, StepSemantics, lower_bounds_line
+from prepack.wording import counted, rate
 
 # What every set reports: examples in and out, and the rows they fill.
 _COUNT_COLUMNS = (
@@ -83,9 +84,7 @@ def density_table(stats_by_length: Mapping[int, Mapping[str, Any]], packed: bool
     if packed and segment_cap:
         lines += [lower_bounds_line(b) or "" for _, b in sorted(bounds.items())]
     if packed:
-        lines += [f"L{L} steps: an unpacked recipe of batch size {REFERENCE_BATCH_SIZE} sees as many examples per step packed "
-                  f"with batch size {s.packed_batch_size:,}; steps per epoch {s.unpacked_steps_per_epoch:,} unpacked, "
-                  f"{s.packed_steps_per_epoch:,} packed" for L, s in sorted(steps.items())]
+        lines += [steps_line(L, s) for L, s in sorted(steps.items())]
     first = next(iter(stats_by_length.values()), None)
     if first is not None and first.get("records_filtered"):
         filtered = ", ".join(f"{k} {v:,}" for k, v in first["records_filtered"].items())
@@ -97,6 +96,21 @@ def _figures(max_length: int, stats: Mapping[str, Any], segment_cap: int | None 
     """This length's packing figures (prepack.packing.stats) from the manifest's stats."""
     return PackingStats(max_length=max_length, examples=stats["examples_written"], tokens=stats.get("tokens", 0),
                         target_tokens=stats.get("target_tokens", 0), rows=stats["rows"], segment_cap=segment_cap)
+
+
+def run_line(examples: int, seconds: float) -> str:
+    """The last line of `prepack pack`: the examples read, the time, the rate."""
+    return f"{counted(examples, 'example')} in {seconds:,.1f} s ({rate(examples, seconds, 'examples')})"
+
+
+def steps_line(max_length: int, s: StepSemantics) -> str:
+    """The packed batch size that matches an unpacked recipe's step, with how it was rounded."""
+    exact = s.unpacked_batch_size / s.examples_per_row if s.examples_per_row else float(s.unpacked_batch_size)
+    rounding = "rounded up to 1: a step is at least one row" if exact < 0.5 else "rounded to the nearest whole row"
+    return (f"L{max_length} steps: an unpacked recipe of batch size {s.unpacked_batch_size} sees about as many examples "
+            f"per step packed with batch size {s.packed_batch_size:,} ({s.unpacked_batch_size} / {s.examples_per_row:,.2f} "
+            f"examples per row = {exact:,.2f}, {rounding}); steps per epoch {s.unpacked_steps_per_epoch:,} unpacked, "
+            f"{s.packed_steps_per_epoch:,} packed")
 
 
 def step_semantics(max_length: int, stats: Mapping[str, Any]) -> StepSemantics:

@@ -10,10 +10,11 @@ from pipelines.output.commit import Commit, Seen, StagedSet, length_place, look,
 from pipelines.output.lock import LockHeld, LockLost, OutputLock, read_lock
 from pipelines.output.staging import (Leftovers, cleanup_run, find_leftovers, keep_failed_dead_letters, probe,
                                       remove_leftovers)
+from prepack.published import NotAddable
 from prepack.storage import SwitchRefused, storage_for
 
 __all__ = [
-    "Commit", "Leftovers", "LockHeld", "LockLost", "OutputLock", "Seen", "StagedSet", "SwitchRefused", "cleanup_run",
+    "Commit", "Leftovers", "LockHeld", "LockLost", "NotAddable", "OutputLock", "Seen", "StagedSet", "SwitchRefused", "cleanup_run",
     "find_leftovers", "keep_failed_dead_letters", "length_place", "probe", "look", "read_lock", "remove_leftovers", "storage_for",
     "tokens_place",
 ]

@@ -12,7 +12,9 @@ the folder's .staging-<run>/ and publishes them here, in this order (docs/manife
 3. Each set's manifest.json is switched in one atomic step, on condition that it is still
    the version seen in step 1 (without --overwrite: that there is none): on gs:// an
    upload with ifGenerationMatch, locally a link or a rename checked under the OS lock.
-4. The run record (published.json) names every manifest with its sha256.
+4. The run record (published.json) names every manifest with its sha256: this run's and,
+   without --overwrite, the lengths published before it (prepack/published.py's rule,
+   checked in `look` against their manifests), conditioned on the record's version seen in 1.
 5. Only then are old files deleted: exactly the ones the replaced manifest named, at the
    version seen in step 1 (gs:// ifGenerationMatch), and never a name the manifest now
    published names (a later run may republish a content-addressed name).
@@ -32,7 +34,8 @@ from pipelines.output.lock import LockLost, OutputLock
 from prepack.storage import SwitchRefused, Version, Versioned, storage_for
 from pipelines import failpoints
 from prepack.format import layout
-from prepack.format.run_record import RunRecord
+from prepack.format.run_record import PublishedManifest, RunRecord
+from prepack.published import kept_lengths
 from prepack.format.untrusted import MAX_METADATA_FILE_BYTES
 
 
@@ -71,6 +74,7 @@ class Seen:
 
     sets: dict[str, SeenSet]
     run_record: Version
+    kept: dict[int, PublishedManifest] = dataclasses.field(default_factory=dict)  # lengths published before, kept
 
 
 def length_place(output: str, max_length: int) -> SetPlace:
@@ -86,10 +90,13 @@ def tokens_place(output: str) -> SetPlace:
     return SetPlace("tokens", layout.tokens_dir(output), is_set_file)
 
 
-def look(output: str, places: list[SetPlace], lock: OutputLock) -> Seen:
+def look(output: str, places: list[SetPlace], lock: OutputLock, keep_published: bool = False) -> Seen:
     """Step 1, called holding the lock. On gs://, after taking over a stale lease, each
     published manifest and the run record are rewritten with their own bytes first: a new
-    generation that any write still in flight from the stale run was not conditioned on."""
+    generation that any write still in flight from the stale run was not conditioned on.
+    `keep_published` (a run without --overwrite): the lengths the record names now, each
+    checked against its manifest, are kept in the record this run writes; NotAddable (one
+    line) when they cannot be (prepack/published.py)."""
     store = storage_for(output)
     record_path = layout.run_record_path(output)
     if lock.took_over is not None and not store.os_locks:  # a lease: a stale owner may still be writing
@@ -102,7 +109,16 @@ def look(output: str, places: list[SetPlace], lock: OutputLock) -> Seen:
         manifest = store.read(place.manifest_path, MAX_METADATA_FILE_BYTES)  # a stranger's may be huge: refused, unread
         files = store.versions(place.folder)
         sets[place.name] = SeenSet(manifest, files)
-    return Seen(sets, store.version(record_path))
+    record = store.read(record_path, MAX_METADATA_FILE_BYTES)
+    kept = {}
+    if keep_published:
+        def read_manifest(path: str) -> bytes | None:
+            found = store.read(path, MAX_METADATA_FILE_BYTES)
+            return None if found is None else found.data
+
+        adding = [int(p.name[1:]) for p in places if p.name.startswith("L")]
+        kept = kept_lengths(output, record.data if record else None, adding, read_manifest)
+    return Seen(sets, record.version if record else store.absent, kept)
 
 
 def _named(manifest: bytes | None) -> set[str]:
@@ -143,7 +159,7 @@ class Commit:
         # --from-tokens OUTPUT/tokens then checks); this run's lock keeps it from changing meanwhile.
         found = None if tokens else self.store.read(layout.tokens_manifest_path(self.output), MAX_METADATA_FILE_BYTES)
         self.write_record(RunRecord.of(self.run_id, {L: s.manifest for L, s in lengths.items()},
-                                       tokens.manifest if tokens else (found.data if found else None)))
+                                       tokens.manifest if tokens else (found.data if found else None), self.seen.kept))
         for s in sets:
             self.delete_replaced(s)
         self.lock.check()

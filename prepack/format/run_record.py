@@ -1,12 +1,13 @@
-"""OUTPUT/published.json: which manifests one run published together (written last by the commit).
+"""OUTPUT/published.json: which manifests the output publishes (written last by each run's commit).
 
     {"run_id": "...",
      "lengths": {"64": {"manifest": "L64/manifest.json", "sha256": "<hex of that file's bytes>"}, ...},
      "tokens_manifest": "tokens/manifest.json" | null,
      "tokens_manifest_sha256": "<hex of tokens/manifest.json's bytes>" | null}
 
-All lengths (and the tokenized set) of one run are published when every file the record
-names has the sha256 it records. Read as a stranger's file: every field is checked.
+`run_id` is the run that wrote the record last. Its lengths are that run's and, when it ran
+without --overwrite, the ones published before it (prepack/published.py). They are all
+published when every file the record names has the sha256 it records. Read as a stranger's file: every field is checked.
 """
 
 from __future__ import annotations
@@ -42,10 +43,14 @@ class RunRecord:
     tokens_manifest_sha256: str | None = None
 
     @classmethod
-    def of(cls, run_id: str, manifests: dict[int, bytes], tokens_manifest: bytes | None) -> "RunRecord":
+    def of(cls, run_id: str, manifests: dict[int, bytes], tokens_manifest: bytes | None,
+           kept: dict[int, PublishedManifest] | None = None) -> "RunRecord":
+        """This run's manifests, beside `kept`: the lengths published before it that it keeps
+        (prepack/published.py decides which)."""
+        lengths = {**(kept or {}), **{L: PublishedManifest(length_manifest(L), sha256_hex(b)) for L, b in manifests.items()}}
         return cls(
             run_id=run_id,
-            lengths={L: PublishedManifest(length_manifest(L), sha256_hex(b)) for L, b in sorted(manifests.items())},
+            lengths=dict(sorted(lengths.items())),
             tokens_manifest=TOKENS_MANIFEST if tokens_manifest is not None else None,
             tokens_manifest_sha256=sha256_hex(tokens_manifest) if tokens_manifest is not None else None,
         )
