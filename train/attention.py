@@ -35,6 +35,7 @@ from train.blocked_attention import blocked_attention
 
 DENSE, BLOCKED, FLASH, SPLASH = "dense", "blocked", "flash", "splash"
 KINDS = (DENSE, BLOCKED, FLASH, SPLASH)
+PROFILE_SCOPE = "segment_attention"
 DEFAULT_TILE = 512  # splash's block
 # blocked's tile, by measurement on a CPU (docs/benchmarks.md, "The blocked tile on a CPU"): over
 # Gemma3 270M's layers 256 took 0.16x / 0.23x dense's time at L 4096 / 8192, 128 0.28x / 0.34x
@@ -99,6 +100,12 @@ def splash_attention(query: jax.Array, key: jax.Array, value: jax.Array, segment
 
 def attend(kind: str, query: jax.Array, key: jax.Array, value: jax.Array, segment_ids: jax.Array,
            window: int | None, tile: int) -> jax.Array:
+    with jax.named_scope(PROFILE_SCOPE):  # a profile's ops are attributed by it (benchmarks/profile_categories.py)
+        return _attend(kind, query, key, value, segment_ids, window, tile)
+
+
+def _attend(kind: str, query: jax.Array, key: jax.Array, value: jax.Array, segment_ids: jax.Array,
+            window: int | None, tile: int) -> jax.Array:
     if kind == BLOCKED:
         return blocked_attention(query, key, value, segment_ids, tile=tile, window=window)
     if kind == FLASH:

@@ -40,6 +40,7 @@ from train import fused_head
 from train import loss as loss_lib
 
 HIDDEN_STATES = "all_hidden_states"
+PROFILE_SCOPE = "loss_head"  # a profile's ops are attributed by it (benchmarks/profile_categories.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +107,8 @@ def chunked_token_nll(h: jax.Array, projection: Projection, targets: jax.Array, 
     sorted_t = jnp.pad(flat_t[order], (0, pad)).reshape(chunks, chunk_tokens)
     has_target = jnp.arange(chunks) * chunk_tokens < jnp.sum(active)
     fused = fused_head.use_fused(kernel, projection.dtype, projection.softcap)
-    nll_sorted = head_nll(projection, sorted_h, sorted_t, has_target, fused).reshape(-1)[:n]
+    with jax.named_scope(PROFILE_SCOPE):
+        nll_sorted = head_nll(projection, sorted_h, sorted_t, has_target, fused).reshape(-1)[:n]
     return jnp.zeros((n,), jnp.float32).at[order].set(nll_sorted).reshape(b, length)
 
 
