@@ -122,6 +122,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="on a non-finite loss or gradient norm: stop (default; exit 3 naming the step, nothing saved for it) "
         "or skip-step (the update is not applied; skipped steps are counted in the metrics)",
     )
+    add_memory_path_args(p)
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="one chip's dense bfloat16 peak in TFLOP/s, for the metrics' mfu (default: a table by device kind, "
+                   "train/mfu.py; unknown, e.g. on a CPU: mfu is null)")
+    p.add_argument("--verify-first", action="store_true",
+                   help="before step 1, run the first batch packed and each of its segments alone through the model "
+                   "(as `prepack verify --model`) and stop (exit 1) if any target token's log-probability differs "
+                   "beyond the dtype's tolerance")
+    eval_generate.add_arguments(p)
+    return p
+
+
+def add_memory_path_args(p: argparse.ArgumentParser) -> None:
+    """The options that choose how a step computes (loss path, attention, remat) and plans its memory."""
     p.add_argument("--loss-chunk-tokens", type=whole_number("--loss-chunk-tokens"), default=1024,
                    help="compute the loss's logits over chunks of N tokens, recomputed in the backward pass "
                    "(no [B, L, V] array); 0: full logits (the reference)")
@@ -147,15 +161,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan-memory", action="store_true",
                    help="compile the train step for the set's L and --batch-size without training; print XLA's "
                    "planned memory and FLOPs (last line: JSON) and whether it fits the budget")
-    p.add_argument("--peak-tflops", type=float, default=None,
-                   help="one chip's dense bfloat16 peak in TFLOP/s, for the metrics' mfu (default: a table by device kind, "
-                   "train/mfu.py; unknown, e.g. on a CPU: mfu is null)")
-    p.add_argument("--verify-first", action="store_true",
-                   help="before step 1, run the first batch packed and each of its segments alone through the model "
-                   "(as `prepack verify --model`) and stop (exit 1) if any target token's log-probability differs "
-                   "beyond the dtype's tolerance")
-    eval_generate.add_arguments(p)
-    return p
 
 
 def shards_refusal(flag: str, path: str) -> str | None:
