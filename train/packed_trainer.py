@@ -157,8 +157,10 @@ def make_trainer_class() -> type:
             # What Tunix will shard batches over: empty unless a mesh is active through `with mesh:`.
             mesh = pxla.thread_resources.env.physical_mesh
             self.recorder.static_extra["active_mesh"] = None if mesh.empty else dict(mesh.shape)
-            # Step 1 compiles Tunix's train step (minutes for a real model): say so before the silence.
-            print("compiling the train step (runs as step 1) ...", file=self.recorder.out, flush=True)
+            # Step 1 compiles Tunix's train step (minutes for a real model): say so before the silence,
+            # unless --remat auto's plan compiled it already (train/memory_plan.py).
+            if not self.recorder.compiled_before_s:
+                print("compiling the train step (runs as step 1) ...", file=self.recorder.out, flush=True)
             self.recorder.reset_clock()
             super().train(train_ds, eval_ds, *args, **kwargs)
             self.fetch()  # steps the loop ran after the last fetch (a stream that ended early)
