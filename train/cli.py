@@ -25,7 +25,7 @@ import os
 import sys
 from collections.abc import Sequence
 from prepack.cli_help import DefaultsHelpFormatter
-from train import eval_generate, objective
+from train import compile_cache, eval_generate, objective
 from train.options import whole_number
 
 
@@ -143,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan-memory", action="store_true",
                    help="compile the train step for the set's L and --batch-size without training; print XLA's "
                    "planned memory and FLOPs (last line: JSON) and whether it fits the budget")
+    p.add_argument("--compile-cache", default=None, metavar="DIR|off", help=compile_cache.HELP)
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="one chip's dense bfloat16 peak in TFLOP/s, for the metrics' mfu (default: a table by device kind, "
                    "train/mfu.py; unknown, e.g. on a CPU: mfu is null)")
@@ -218,6 +219,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         flags = os.environ.get("XLA_FLAGS", "")
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.cpu_devices}".strip()
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+    try:  # before any compile, and before the weights load
+        compile_cache.enable(args.compile_cache, sys.stderr)
+    except compile_cache.CompileCacheError as e:
+        print(f"prepack train: {e}", file=sys.stderr)
+        return 2
 
     from prepack.format.manifest import ManifestError
     from train import checkpoints, divergence, lora_file, models, out_of_memory, outputs, parity, trainer
