@@ -29,6 +29,7 @@ import numpy as np
 from apps import read_inputs
 from prepack.cli_help import DefaultsHelpFormatter
 from prepack.text.formats import template_names
+from train import compile_cache
 
 PROG = "prepack generate"
 
@@ -78,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     mdl.add_argument("--weights", help="Hugging Face safetensors folder, 'random', or 'gguf' (gemma3-270m's default)")
     mdl.add_argument("--dtype", choices=["float32", "bfloat16"], help="parameter dtype (default: bf16 real, f32 tiny)")
     mdl.add_argument("--lora", metavar="PATH", help="the adapter `prepack train --save-lora` wrote; without it the base model runs")
+    mdl.add_argument("--compile-cache", metavar="DIR|off", help=compile_cache.HELP)
     mdl.add_argument("--weights-seed", type=int, metavar="S",
                      help="random weights' seed, as `prepack train --seed` (default: the seed --lora was trained with, else 0)")
     smp = p.add_argument_group("sampling (Tunix's Sampler, KV-cached; greedy by default)")
@@ -282,6 +284,7 @@ def run(args: argparse.Namespace) -> int:
     from train import generate, generations
 
     paths, sampling = check_args(args)
+    compile_cache.enable(args.compile_cache, sys.stderr)  # before any compile; a bad folder stops here
     tokenizer = load_tokenizer(args.tokenizer)
     chat_format = get_chat_format(args.chat_format, tokenizer, args.train_reasoning == "yes")
     items, letters, examples, has_tools = read_prompts(args, tokenizer, chat_format)
@@ -337,6 +340,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from prepack.format.manifest import ManifestError
     from prepack.text.chat import ChatFormatError
     from prepack.text.tokenizer import TokenizerError
+    from train.compile_cache import CompileCacheError
     from train.config import TrainError
     from train.generate import GenerateError
     from train.lora_file import LoraFileError
@@ -345,7 +349,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return run(args)
     except (GenerateCliError, read_inputs.InputsError, GenerateError, ChatFormatError, TokenizerError, ModelError, TrainError,
-            LoraFileError, ManifestError) as e:
+            LoraFileError, ManifestError, CompileCacheError) as e:
         print(f"{PROG}: {getattr(e, 'message', None) or e}", file=sys.stderr)
         return 2
     except ValueError as e:  # an unknown --tool-call-parser, a malformed option value

@@ -47,6 +47,7 @@ from prepack.cli_help import DefaultsHelpFormatter
 from prepack.wording import counted, rate
 from prepack.format import rowformat
 from prepack.format.layout import MANIFEST_NAME, RUN_RECORD_NAME, TOKENS_DIR
+from train import compile_cache
 from prepack.format.recount import Recount, misstatement, row_facts, source_names_problem, tokenizer_problem
 from prepack.format.manifest import Manifest, ManifestError
 from prepack.format.run_record import RunRecord, RunRecordError
@@ -295,6 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--attention-tile", type=int, default=None,
                        help="tokens per tile or block of that path, as `prepack train --attention-tile`")
     model.add_argument("--seed", type=int, default=0, help="random weights' seed, as `prepack train --seed`")
+    model.add_argument("--compile-cache", metavar="DIR|off", help=compile_cache.HELP)
     return parser
 
 
@@ -355,8 +357,9 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
         from train.models import ModelError
 
         try:
+            compile_cache.enable(args.compile_cache, err)  # before any compile and the weights
             failed = not model_parity(args, results, out, packed_layout) or failed
-        except (TrainError, ModelError, ShardSetError) as e:
+        except (TrainError, ModelError, ShardSetError, compile_cache.CompileCacheError) as e:
             print(f"prepack verify: {e}", file=err)
             return EXIT_REFUSED
     print("verify: FAILED" if failed else f"verify: ok, {sum(r.recount.rows for r in results):,} rows", file=out)

@@ -129,9 +129,9 @@ def test_skip_step_skips_and_counts_the_bad_steps_and_progress_lines_say_what_ha
     import safetensors.numpy
 
     assert all(np.isfinite(v).all() for v in safetensors.numpy.load_file(str(tmp_path / "lora.safetensors")).values())
-    # Progress: what it loads (and how big), that it compiles, then step 1, the skipped steps, and the last step.
+    # Progress: what it loads (and how big), that it compiles (--remat auto, the default: in the plan), then step 1, the skipped steps, and the last step.
     lines = err.splitlines()
-    order = ["loading tiny weights (random) as float32 ...", "loaded ", "compiling the train step (runs as step 1) ...", "step 1: "]
+    order = ["loading tiny weights (random) as float32 ...", "loaded ", "--remat auto: the step plans ", "the train step is compiled (--remat auto's plan); step 1 runs it", "step 1: "]
     at = [next(i for i, line in enumerate(lines) if line.startswith(p)) for p in order]
     assert at == sorted(at)
     assert any(line.startswith("step 2: loss non-finite (loss is nan, gradient norm is nan)") and "update skipped" in line for line in lines)

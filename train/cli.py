@@ -25,7 +25,7 @@ import os
 import sys
 from collections.abc import Sequence
 from prepack.cli_help import DefaultsHelpFormatter
-from train import eval_generate, objective
+from train import compile_cache, eval_generate, objective
 from train.options import whole_number
 
 
@@ -123,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
         "or skip-step (the update is not applied; skipped steps are counted in the metrics)",
     )
     add_memory_path_args(p)
+    p.add_argument("--compile-cache", default=None, metavar="DIR|off", help=compile_cache.HELP)
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="one chip's dense bfloat16 peak in TFLOP/s, for the metrics' mfu (default: a table by device kind, "
                    "train/mfu.py; unknown, e.g. on a CPU: mfu is null)")
@@ -227,6 +228,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         flags = os.environ.get("XLA_FLAGS", "")
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.cpu_devices}".strip()
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+    try:  # before any compile, and before the weights load
+        compile_cache.enable(args.compile_cache, sys.stderr)
+    except compile_cache.CompileCacheError as e:
+        print(f"prepack train: {e}", file=sys.stderr)
+        return 2
 
     from prepack.format.manifest import ManifestError
     from train import checkpoints, divergence, lora_file, models, out_of_memory, outputs, parity, trainer

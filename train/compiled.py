@@ -3,7 +3,8 @@
 `nnx.jit(trainer.create_train_step_fn()).lower(model, optimizer, batch).compile()`
 compiles exactly the function PeftTrainer jits (gen_model_input_fn, loss, grads,
 optimizer update) for a batch's shapes; `memory_analysis()` is what XLA plans
-to allocate for it. Used by the tests and benchmarks that compare packed with
+to allocate for it. `compile_trainers_step` compiles the trainer's own jitted step instead,
+so that the loop's step 1 reuses the executable (`--remat auto`, `--plan-memory`). Used by the tests and benchmarks that compare packed with
 unpacked batches (same shapes, so the same program) and our loss with Tunix's.
 """
 
@@ -56,18 +57,19 @@ def program_text(compiled: Any) -> str:
     return "\n".join(out)
 
 
-def memory_of(compiled: Any, compile_s: float = 0.0) -> CompiledMemory:
+def memory_of(compiled: Any, compile_s: float = 0.0, fingerprint: bool = True) -> CompiledMemory:
+    """fingerprint=False: no HLO text (printing a real model's program takes seconds; a plan needs none)."""
     import hashlib
 
     ma = compiled.memory_analysis()
-    text = program_text(compiled)
+    text = program_text(compiled) if fingerprint else ""
     return CompiledMemory(
         argument_bytes=int(ma.argument_size_in_bytes),
         output_bytes=int(ma.output_size_in_bytes),
         alias_bytes=int(ma.alias_size_in_bytes),
         temp_bytes=int(ma.temp_size_in_bytes),
         generated_code_bytes=int(ma.generated_code_size_in_bytes),
-        hlo_fingerprint=hashlib.sha256(text.encode()).hexdigest()[:16],
+        hlo_fingerprint=hashlib.sha256(text.encode()).hexdigest()[:16] if fingerprint else "",
         compile_s=compile_s,
     )
 
@@ -80,6 +82,24 @@ def compile_train_step(trainer: Any, batch: Mapping[str, Any]) -> Any:
 
     step = nnx.jit(trainer.create_train_step_fn(), donate_argnames=("optimizer",))
     return step.lower(trainer.model, trainer.optimizer, device_fields(batch)).compile()
+
+
+def compile_trainers_step(trainer: Any, batch: Mapping[str, Any]) -> Any:
+    """Compiles the step the trainer's loop will call, for this batch's shapes: Tunix's own jitted
+    step (`jit_train_and_eval_step`, as `train` makes it), with the batch sharded as Tunix shards
+    one. JAX keeps the executable with that jit, so step 1, the same jit called on the same shapes,
+    runs it without compiling again (tests/test_train_compile_once.py counts the compiles).
+
+    The trainer's step holds a copy of the model's graph taken here: after a change of the
+    model's structure (remat, attention) call `trainer.clear_jit_cache()` before compiling again."""
+    from tunix.sft import sharding_utils
+
+    from train.model_inputs import device_fields
+
+    step, _ = trainer.jit_train_and_eval_step(cache_nnx_graph=True)  # PeftTrainer.train's default
+    jitted = step.func.__wrapped__  # the nnx.jit under Tunix's nnx.cached_partial(jitted, model, optimizer)
+    inputs = sharding_utils.shard_input(device_fields(batch), trainer.config.data_sharding_axis)
+    return jitted.lower(trainer.model, trainer.optimizer, inputs).compile()
 
 
 def train_step_memory(trainer: Any, batch: Mapping[str, Any]) -> CompiledMemory:

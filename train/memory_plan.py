@@ -1,7 +1,10 @@
 """`prepack train --plan-memory` and `--remat auto`: XLA's plan of the train step, before training.
 
 The step is Tunix's own jitted train step (train/compiled.py), compiled for the shard set's L
-and the run's batch size, model, dtype, attention and loss options, and never run. What XLA
+and the run's batch size, model, dtype, attention and loss options, and not run here: it is the
+trainer's own jit that is compiled, so a run's step 1 reuses the executable instead of compiling
+it again (under `--remat auto` the step is compiled once, or twice when remat must be switched
+on: without remat, then with it, the run's executable; their time is charged to step 1). What XLA
 plans (arguments, temporaries, a peak estimate) is printed, with the step's FLOPs counted
 analytically (train/flops.py: the model's shapes, the attention work of the set's first
 batches' real segments, the loss path, LoRA and remat). XLA's own FLOP estimate is printed
@@ -91,27 +94,50 @@ def plan_step(trainer: Any, batch_size: int, max_length: int, mixture: bool = Fa
     from train import compiled
 
     started = time.perf_counter()
-    program = compiled.compile_train_step(trainer, placeholder_batch(batch_size, max_length, mixture, grad_accum_steps, pairs))
-    memory = compiled.memory_of(program, time.perf_counter() - started)
+    program = compiled.compile_trainers_step(trainer, placeholder_batch(batch_size, max_length, mixture, grad_accum_steps, pairs))
+    memory = compiled.memory_of(program, time.perf_counter() - started, fingerprint=False)
     return StepPlan(memory.argument_bytes, memory.temp_bytes, memory.peak_estimate_bytes,
                     compiled.flops_of(program), memory.compile_s)
 
 
-def choose_remat(setup: Any, out: TextIO) -> StepPlan | None:
-    """--remat auto: plan without remat; rematerialise each layer only if that does not fit."""
+@dataclasses.dataclass(frozen=True)
+class RematChoice:
+    """--remat auto's decision: the plan of the step the run will execute, whether it remats, and
+    the seconds spent planning (the compiles step 1 would otherwise do, charged to it)."""
+
+    plan: StepPlan
+    remat_on: bool
+    seconds: float
+
+
+def plan_run_step(setup: Any) -> StepPlan:
+    """The run's own step, compiled through its trainer for the set's shapes (step 1 reuses it)."""
+    cfg, manifest = setup.config, setup.view.manifest
+    return plan_step(setup.trainer, cfg.batch_size, manifest.max_length, grad_accum_steps=cfg.grad_accum_steps,
+                     **set_kind(manifest))
+
+
+def choose_remat(setup: Any, out: TextIO) -> RematChoice | None:
+    """--remat auto: plan without remat; rematerialise each layer only if that does not fit, and then
+    plan (compile) the step with remat, the one the run executes."""
+    import time
+
     from train import memory_path
 
     cfg = setup.config
     if cfg.remat != memory_path.REMAT_AUTO:
         return None
+    started = time.perf_counter()
     budget, source = budget_bytes(cfg.memory_budget_gib)
-    plan = plan_step(setup.trainer, cfg.batch_size, setup.view.manifest.max_length, grad_accum_steps=cfg.grad_accum_steps,
-                     **set_kind(setup.view.manifest))
+    plan = plan_run_step(setup)
     on = not plan.fits(budget)
-    memory_path.set_remat(setup.built.model, on)
     print(f"--remat auto: the step plans {plan.peak_bytes / GIB:.2f} GiB without remat, budget {budget / GIB:.2f} GiB "
           f"({source}): {'rematerialising each layer' if on else 'no remat'}", file=out, flush=True)
-    return plan
+    if on:
+        memory_path.set_remat(setup.built.model, True)
+        setup.trainer.clear_jit_cache()  # its step holds the graph without remat (train/compiled.py)
+        plan = plan_run_step(setup)
+    return RematChoice(plan, on, time.perf_counter() - started)
 
 
 def sample_rows(cfg: Any, view: Any, batches: int = FLOP_SAMPLE_BATCHES) -> tuple[np.ndarray, float]:
@@ -172,11 +198,7 @@ def run_plan(cfg: Any, out: TextIO) -> dict[str, Any]:
     auto = choose_remat(s, sys.stderr)
     manifest = s.view.manifest
     remat_on = memory_path.remat_is_on(s.built.model)
-    if auto is None or remat_on:
-        plan = plan_step(s.trainer, cfg.batch_size, manifest.max_length, grad_accum_steps=cfg.grad_accum_steps,
-                         **set_kind(manifest))
-    else:
-        plan = auto
+    plan = auto.plan if auto is not None else plan_run_step(s)
     budget, source = budget_bytes(cfg.memory_budget_gib)
     kind = memory_path.attention_kind(cfg)
     describe = (f"{cfg.model} {s.static.get('dtype')} LoRA rank {cfg.lora_rank}, "

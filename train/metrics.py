@@ -23,8 +23,9 @@ counts micro-batches since the run began.
 Steps are not synchronized one by one (that would stall an accelerator's queue): the records
 are fetched from the device every --log-every steps (and before checkpoints and evals, and at
 the end), and step_time_s is the fetched window's wall time per step, input wait included;
-step 1's is the time to its dispatch, which includes compilation, and it is left out of the
-summary's means and rates.
+step 1's is the time to its dispatch, which includes compilation (where --remat auto compiled
+the step before the loop, that compile is added to it), and it is left out of the summary's
+means and rates.
 """
 
 from __future__ import annotations
@@ -209,6 +210,13 @@ class MetricsRecorder:
         self._eval_acc: list[tuple[float, float, float, float]] = []
         self._eval_dpo: dict[str, float] = {}  # --objective dpo: the eval batches' summed DPO terms
         self.started = time.perf_counter()
+        # Seconds spent compiling the step before the loop (--remat auto's plan compiles the
+        # executable step 1 runs): step 1's time includes them, as it would the compile itself.
+        self.compiled_before_s = 0.0
+
+    def charge_first_step(self, seconds: float) -> None:
+        """Time spent before the loop on step 1's behalf (its compile), added to step 1's time."""
+        self.compiled_before_s += seconds
 
     def _write(self, record: Mapping[str, Any], flush: bool = True) -> None:
         if self._file is not None:
@@ -267,7 +275,10 @@ class MetricsRecorder:
         host_aux = jax.device_get([aux for _, aux, _ in window])
         now = time.perf_counter()
         start = self._window_start if self._window_start is not None else self.started
-        times = window_step_times(start, [t for _, _, t in window], now, first=self.first_step + len(self.steps) == self.first_step)
+        first = not self.steps
+        times = window_step_times(start, [t for _, _, t in window], now, first=first)
+        if first:
+            times[0] += self.compiled_before_s
         self._window_start = self._clock = now
         self.fetches += 1
         stop = None

@@ -84,6 +84,13 @@ def eval_timing_hooks(hooks: Any) -> type:
     return EvalTiming
 
 
+def compile_notice(recorder: MetricsRecorder) -> str:
+    """Step 1 compiles the step (minutes for a real model), unless --remat auto's plan did: said before the silence."""
+    if recorder.compiled_before_s:
+        return "the train step is compiled (--remat auto's plan); step 1 runs it"
+    return "compiling the train step (runs as step 1) ..."
+
+
 def make_trainer_class() -> type:
     """PeftTrainer with our step and metrics; built lazily so importing this module stays light."""
     from tunix.sft import hooks
@@ -157,8 +164,7 @@ def make_trainer_class() -> type:
             # What Tunix will shard batches over: empty unless a mesh is active through `with mesh:`.
             mesh = pxla.thread_resources.env.physical_mesh
             self.recorder.static_extra["active_mesh"] = None if mesh.empty else dict(mesh.shape)
-            # Step 1 compiles Tunix's train step (minutes for a real model): say so before the silence.
-            print("compiling the train step (runs as step 1) ...", file=self.recorder.out, flush=True)
+            print(compile_notice(self.recorder), file=self.recorder.out, flush=True)
             self.recorder.reset_clock()
             super().train(train_ds, eval_ds, *args, **kwargs)
             self.fetch()  # steps the loop ran after the last fetch (a stream that ended early)

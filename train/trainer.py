@@ -104,7 +104,10 @@ def train_steps(s: Setup, context: Any, say: TextIO, prompts: Any = None) -> Non
     --eval-generate's `prompts` are generated and scored before, during and after it."""
     cfg = s.config
     with context:  # --remat auto: plan the step (compile only) and switch remat on if it would not fit
-        memory_plan.choose_remat(s, say)
+        auto = memory_plan.choose_remat(s, say)
+    if auto is not None:  # it compiled the executable step 1 runs: step 1's time includes it
+        s.recorder.charge_first_step(auto.seconds)
+        s.recorder.static_extra["remat_auto_plan_s"] = auto.seconds
     s.recorder.static_extra["remat"] = "layer" if memory_path.remat_is_on(s.built.model) else "none"
     if s.resumed_step >= cfg.steps:
         print(f"checkpoint step {s.resumed_step} >= --steps {cfg.steps}: nothing to train", file=say)

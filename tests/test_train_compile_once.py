@@ -1,0 +1,66 @@
+"""One compile of the train step before step 1: `--remat auto` (the default) plans from the executable
+the run then executes, and step 1's time includes that compile.
+
+The compiles are counted from JAX's monitoring events: each compile of `jit(train_step)` lowers
+it to MLIR once, whether XLA then compiles it or the persistent cache answers (conftest.py sets
+one for the test run), so the lowering events count the compiles asked for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import pytest
+
+from testkit.shard_sets import TEST_TOKENIZER, build_shard_set
+from train import trainer
+from train.config import TrainConfig
+
+LOWERING = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("compile-once") / "L64")
+    build_shard_set(path, num_rows=4, max_length=64, tokenizer={**TEST_TOKENIZER, "name": "tiny-test", "vocab_size": 512})
+    return path
+
+
+def train_counting_compiles(shards: str, **options) -> tuple[dict, int]:
+    """The run's summary and how often `jit(train_step)` was lowered (compiled) in it; --remat
+    auto, `prepack train`'s default (TrainConfig's is none), unless `options` say otherwise."""
+    options = {"remat": "auto", **options}
+    lowered: list[str] = []
+
+    def listen(event: str, duration: float, **kwargs) -> None:
+        if event == LOWERING and kwargs.get("fun_name") == "jit(train_step)":
+            lowered.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        summary = trainer.run(TrainConfig(shards=shards, model="tiny-qwen3", lora_rank=2, batch_size=1, steps=2,
+                                          log_every=1, **options), out=open("/dev/null", "w"))
+    finally:
+        # Tunix's metrics logger clears every JAX listener when the run closes it.
+        with contextlib.suppress(AssertionError):
+            jax.monitoring.unregister_event_duration_listener(listen)
+    return summary, len(lowered)
+
+
+def test_remat_auto_compiles_the_step_once_and_step_one_carries_it(shards) -> None:
+    summary, compiles = train_counting_compiles(shards)
+    assert summary["remat"] == "none" and summary["steps"] == 2
+    assert compiles == 1  # it was 2 (the plan's, then step 1's)
+    assert summary["remat_auto_plan_s"] > 0
+    assert summary["first_step_time_s"] >= summary["remat_auto_plan_s"]
+    summary, compiles = train_counting_compiles(shards, remat="none")
+    assert compiles == 1 and "remat_auto_plan_s" not in summary
+
+
+def test_remat_auto_that_switches_remat_on_runs_the_step_it_planned(shards) -> None:
+    """Planned without remat, then with it (the run's executable): two compiles, none at step 1."""
+    summary, compiles = train_counting_compiles(shards, memory_budget_gib=1e-6)
+    assert summary["remat"] == "layer"
+    assert compiles == 2
+    assert summary["first_step_time_s"] >= summary["remat_auto_plan_s"]

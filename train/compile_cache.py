@@ -1,0 +1,88 @@
+"""The persistent XLA compilation cache of `prepack train`, `prepack verify --model` and `prepack generate`.
+
+A run compiles its train step (or forward) for minutes on an accelerator; with the cache, a repeat
+run of the same program (same model, shapes and options; another learning rate or seed is the same
+program) loads the executable instead. `--compile-cache DIR|off` chooses, in this order:
+
+- `off`: no persistent cache, even where JAX_COMPILATION_CACHE_DIR is set;
+- `DIR`: that folder (created on first use);
+- no flag: JAX_COMPILATION_CACHE_DIR where set (the user's own choice, and the test suite's
+  per-run folder, conftest.py), else `$XDG_CACHE_HOME/prepack/xla` (`~/.cache/prepack/xla`).
+
+JAX's own thresholds stand (jax_persistent_cache_min_compile_time_secs, 1 s by default, and its
+JAX_ environment variable): programs that compile faster than that are not worth a file. The folder
+is checked (created, writable) before any weight loads, and its location printed once per process.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TextIO
+
+OFF = "off"
+ENV = "JAX_COMPILATION_CACHE_DIR"
+HELP = ("persistent XLA compilation cache: a folder, or off (also overrides JAX_COMPILATION_CACHE_DIR). "
+        "Default: JAX_COMPILATION_CACHE_DIR where set, else $XDG_CACHE_HOME/prepack/xla (~/.cache/prepack/xla)")
+
+
+class CompileCacheError(ValueError):
+    """--compile-cache names a folder that cannot be used (one line)."""
+
+
+_UNSET = object()
+_announced: object = _UNSET  # the choice already printed in this process (a folder, or None: off)
+
+
+def default_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "prepack", "xla")
+
+
+def resolve(flag: str | None) -> str | None:
+    """The cache folder the flag means (see the module doc); None: off."""
+    if flag == OFF:
+        return None
+    if flag:
+        return flag
+    return os.environ.get(ENV) or default_dir()
+
+
+def problem(folder: str) -> str | None:
+    """Why `folder` cannot hold the cache (it is created here if missing); None when it can."""
+    if "://" in folder:
+        return f"{folder} is not a local folder (the cache is written by XLA on this machine)"
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        return f"cannot create {folder}: {e.strerror or e}"
+    if not os.path.isdir(folder):
+        return f"{folder} is not a folder"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"{folder} is not writable"
+    return None
+
+
+def enable(flag: str | None, out: TextIO) -> str | None:
+    """Sets JAX's persistent cache as `flag` says (before the first compile); returns the folder (None: off).
+    Raises CompileCacheError for a folder that cannot be used."""
+    global _announced
+    import jax
+    from jax._src import compilation_cache
+
+    folder = resolve(flag)
+    if folder is not None:
+        why = problem(folder)
+        if why:
+            raise CompileCacheError(f"--compile-cache {why}; pass a writable folder, or --compile-cache off")
+        folder = os.path.abspath(folder)
+    if jax.config.jax_compilation_cache_dir != folder:
+        # JAX opens its cache at the first compile and keeps it: a process that compiled already
+        # (a test calling the CLI twice) starts afresh with the new folder.
+        compilation_cache.reset_cache()
+    jax.config.update("jax_enable_compilation_cache", folder is not None)
+    jax.config.update("jax_compilation_cache_dir", folder)
+    if folder != _announced:
+        print(f"XLA compilation cache: {folder if folder is not None else 'off'}"
+              f"{' (--compile-cache off to turn it off)' if folder is not None else ''}", file=out, flush=True)
+        _announced = folder
+    return folder
