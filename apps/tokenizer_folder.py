@@ -17,6 +17,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from prepack.cli_help import DefaultsHelpFormatter
 
@@ -34,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "or a jinja file")
     p.add_argument("--no-function-tokens", dest="function_tokens", action="store_false",
                    help="leave out FunctionGemma's control tokens: the vocabulary is then exactly Gemma 3's")
-    p.add_argument("--overwrite", action="store_true", help="replace the tokenizer files of a folder that has files")
+    p.add_argument("--overwrite", action="store_true", help="replace the tokenizer files of a folder that has files (every other file there stays)")
     return p
 
 
@@ -71,12 +72,22 @@ def output_problem(output: str) -> str | None:
     return f"--output {problem}" if problem else None
 
 
+def run_paths(args: argparse.Namespace) -> Any:
+    """What a run reads and writes, for the one output rule (prepack/storage/output_rule.py): the
+    folder apart from a --template file, the working folder and the folders above it."""
+    from prepack.storage import output_rule
+
+    template = [] if args.template in TEMPLATES else [output_rule.Place("--template", args.template)]
+    return output_rule.RunPaths(template, [output_rule.Place("--output", args.output)])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    from prepack.storage import output_rule
     from prepack.text import gemma3_hf_folder
 
     try:
-        problem = output_problem(args.output)
+        problem = output_problem(args.output) or output_rule.refusal(run_paths(args))
         if problem:
             raise gemma3_hf_folder.FolderError(problem)
         template = read_template(args.template)

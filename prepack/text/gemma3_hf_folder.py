@@ -22,10 +22,10 @@ Without `function_tokens` the folder's vocabulary is exactly Gemma 3's (the same
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from prepack.storage import own_files
 from prepack.text import gemma3_gguf
 
 __all__ = ["FUNCTION_TOKENS", "FUNCTION_TOKEN_SLOTS", "FUNCTIONGEMMA_LAYOUT", "build_tokenizer", "write_folder"]
@@ -113,20 +113,10 @@ def write_folder(output: str | os.PathLike[str], chat_template: str | None, func
                                    additional_special_tokens=specials, add_bos_token=False, add_eos_token=False)
     if chat_template is not None:
         fast.chat_template = chat_template
-    beside = Path(os.path.abspath(out)).parent  # `.` has no name and is its own parent: stage above it
-    beside.mkdir(parents=True, exist_ok=True)
-    # Written whole beside the folder first: a failed save leaves the old files as they were.
-    with tempfile.TemporaryDirectory(dir=beside, prefix=f".{Path(os.path.abspath(out)).name}.") as staging:
-        fast.save_pretrained(staging)
-        written = sorted(os.listdir(staging))
-        unknown = set(written) - set(TOKENIZER_FILES)
-        if unknown:
-            raise FolderError(f"save_pretrained wrote files this tool does not know ({', '.join(sorted(unknown))}); "
-                              "nothing was replaced")
-        out.mkdir(exist_ok=True)
-        for name in TOKENIZER_FILES:
-            if name not in written and (out / name).is_file():
-                (out / name).unlink()
-        for name in written:
-            os.replace(os.path.join(staging, name), out / name)
+    # Written whole beside the folder first, then only the tokenizer files swapped in
+    # (prepack/storage/own_files.py): a failed save leaves the old files as they were.
+    try:
+        own_files.write_own_files(str(out), fast.save_pretrained, lambda name: name in TOKENIZER_FILES)
+    except own_files.OwnFilesError as e:
+        raise FolderError(f"save_pretrained: {e}") from None
     return out
