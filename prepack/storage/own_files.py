@@ -14,6 +14,7 @@ command's decision, taken before any work; where it may lie is prepack/storage/o
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from collections.abc import Callable, Mapping
@@ -51,13 +52,23 @@ def write_own_files(target: str, files: Mapping[str, bytes] | Callable[[str], No
         if unknown:
             raise OwnFilesError(f"{target}: the writer made {', '.join(unknown)}, which this command does not know as "
                                 "its own; nothing was replaced")
+        created = not os.path.lexists(target)
         os.makedirs(target, exist_ok=True)
-        for name in sorted(os.listdir(target)):
-            path = os.path.join(target, name)
-            if name not in written and owns(name) and os.path.isfile(path) and not os.path.islink(path):
-                os.remove(path)  # a stale file of the command's own kind, read with the new ones otherwise
-        for name in written:
-            os.replace(os.path.join(staging, name), os.path.join(target, name))
+        try:
+            for name in sorted(os.listdir(target)):
+                path = os.path.join(target, name)
+                if name not in written and owns(name) and os.path.isfile(path) and not os.path.islink(path):
+                    os.remove(path)  # a stale file of the command's own kind, read with the new ones otherwise
+            for name in written:
+                os.replace(os.path.join(staging, name), os.path.join(target, name))
+        except BaseException:
+            if created:  # a folder this run made: it leaves nothing of itself behind
+                for name in written:
+                    with contextlib.suppress(OSError):
+                        os.remove(os.path.join(target, name))
+                with contextlib.suppress(OSError):
+                    os.rmdir(target)
+            raise
     return written
 
 
