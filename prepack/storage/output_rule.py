@@ -9,10 +9,11 @@ None. Refused:
 - an output that is the working folder or any folder above it;
 - two outputs of one run that overlap.
 Except where the command's own layout puts one inside the other, listed in `run.inside`
-(inner flag, outer flag): `pack --from-tokens OUT/tokens --output OUT` (the tokenized set is
-OUT's own), and a `--profile-dir` that is (or is inside) the `--tensorboard` folder. A path in
-both lists of a run is not listed as an input (the --checkpoint-dir a run resumes from and
-writes to is one output).
+({(inner flag, outer flag): where}): `pack --from-tokens OUT/tokens --output OUT` (the tokenized
+set is OUT's own), and a `--profile-dir` that is (or is inside) the `--tensorboard` folder. A
+path a run both reads and writes is listed once, as an output (the --checkpoint-dir a run
+resumes from and writes to). A new output option is one more `Place` in its command's list
+(train/outputs.py `run_outputs`, each app's `run_paths`, pipelines/options.py `run_paths`).
 
 Paths are compared as places, not strings: locally after `~`, `.`/`..`, trailing slashes and
 symlinks are resolved (os.path.realpath: a link to a parent is its parent); gs:// by bucket and
