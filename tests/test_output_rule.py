@@ -15,6 +15,7 @@ import pytest
 
 from prepack.storage import output_rule, own_files
 from prepack.storage.output_rule import Place, RunPaths
+from testkit.gcs_emulator import gcs_emulator, gcs_prefix  # noqa: F401  (pytest fixtures)
 
 
 def refusal(inputs=(), outputs=(), inside=None, cwd=None) -> str | None:
@@ -156,6 +157,18 @@ def test_a_file_the_command_does_not_own_changes_nothing(tmp_path):
         own_files.write_own_files(str(target), {"a.bin": b"new", "notes.txt": b"x"}, owns_ab)
     assert [p.name for p in target.iterdir()] == ["a.bin"] and (target / "a.bin").read_bytes() == b"old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_on_gcs_only_the_commands_own_objects_are_replaced_or_removed(gcs_emulator, gcs_prefix):  # noqa: F811
+    from prepack import storage
+
+    target = f"{gcs_prefix}/out"
+    for name, data in (("notes.txt", b"mine"), ("a.bin", b"old"), ("stale.bin", b"stale"), ("deeper/stale.bin", b"x")):
+        storage.storage_for(target).write(f"{target}/{name}", data)
+    assert own_files.write_own_files(target, {"b.json": b"{}", "a.bin": b"new"}, owns_ab) == ["a.bin", "b.json"]
+    assert sorted(p[len(target) + 1:] for p in storage.storage_for(target).list_files(target)) == [
+        "a.bin", "b.json", "deeper/stale.bin", "notes.txt"]
+    assert storage.read_bytes(f"{target}/a.bin") == b"new" and storage.read_bytes(f"{target}/notes.txt") == b"mine"
 
 
 def test_a_new_folder_is_made(tmp_path):
