@@ -226,9 +226,27 @@ def load_model(args: argparse.Namespace, tokenizer: Any) -> tuple[Any, Any, dict
     return model, compute, about
 
 
+def run_paths(args: argparse.Namespace, paths: dict[str, str]) -> Any:
+    """What a generate run reads and writes, for the one output rule (prepack/storage/output_rule.py):
+    the generations, their score and dead letters apart from every input and from each other."""
+    from prepack.storage import output_rule
+
+    inputs = output_rule.input_places("--input", args.input)
+    inputs += output_rule.input_places("--lora", [args.lora])
+    if args.weights not in (None, "random", "gguf"):
+        inputs.append(output_rule.Place("--weights", args.weights))
+    if args.tokenizer and args.tokenizer.startswith(("sp:", "hf:")):
+        inputs += output_rule.input_places("--tokenizer", [args.tokenizer])
+    outputs = [output_rule.Place("--output", paths["generations"]),
+               output_rule.Place("--output's score", paths["score"]),
+               output_rule.Place("--output's dead letters", paths["dead_letters"])]
+    return output_rule.RunPaths(inputs, outputs)
+
+
 def check_args(args: argparse.Namespace) -> tuple[dict[str, str], Any]:
     """(output paths, sampling options): every option checked, and the output rule, before any work."""
     from prepack import overwrite
+    from prepack.storage import output_rule
     from train import generate, tool_calls
 
     paths = output_paths(args.output)
@@ -240,6 +258,9 @@ def check_args(args: argparse.Namespace) -> tuple[dict[str, str], Any]:
         raise GenerateCliError(f"--max-bad-fraction must be within 0..1, got {args.max_bad_fraction}")
     if args.tool_call_parser is not None:
         tool_calls.get_parser(args.tool_call_parser)
+    refused = output_rule.refusal(run_paths(args, paths))
+    if refused:
+        raise GenerateCliError(refused)
     if not args.overwrite:
         refusal = overwrite.refusal([paths["generations"], paths["score"], paths["dead_letters"]], "write generations over them")
         if refusal:

@@ -695,7 +695,7 @@ def _named_datasets(inputs: Sequence[str], formats: Sequence[str]) -> list[Datas
 
 
 def config_from_args(args: argparse.Namespace) -> PreflightConfig:
-    from prepack.storage import is_gcs, location_problem
+    from prepack.storage import is_gcs, location_problem, output_rule
 
     if is_gcs(args.output) or location_problem(args.output):
         raise PreflightError(f"--output {location_problem(args.output) or repr(args.output)}: preflight writes its "
@@ -743,8 +743,27 @@ def config_from_args(args: argparse.Namespace) -> PreflightConfig:
         rows = row_spec(args, tuple(d.path for d in datasets), "", mixture, options, DEFAULT_MAX_LENGTHS)
     except OptionsError as e:
         raise PreflightError(str(e)) from None
+    refused = output_rule.refusal(run_paths(args, datasets))
+    if refused:
+        raise PreflightError(refused)
     return PreflightConfig(datasets=tuple(datasets), output=args.output, rows=rows, batch_sizes=tuple(sorted(set(batch_sizes))),
                            max_examples=args.max_examples, seed=args.seed, plots=not args.no_plots, pack_output=args.pack_output)
+
+
+def run_paths(args: argparse.Namespace, datasets: Sequence[DatasetSpec]) -> Any:
+    """What a preflight reads and writes, for the one output rule (prepack/storage/output_rule.py):
+    its folder and --pack-output's apart from every input, the --mixture file and a tokenizer file,
+    and from each other."""
+    from prepack.storage import output_rule
+
+    inputs = output_rule.input_places("--input", [d.path for d in datasets])
+    inputs += output_rule.input_places("--mixture", [args.mixture])
+    if args.tokenizer and args.tokenizer.startswith(("sp:", "hf:")):
+        inputs += output_rule.input_places("--tokenizer", [args.tokenizer])
+    outputs = [output_rule.Place("--output", args.output)]
+    if args.pack_output:
+        outputs.append(output_rule.Place("--pack-output", args.pack_output))
+    return output_rule.RunPaths(inputs, outputs)
 
 
 def _split_name(raw: str) -> tuple[str, str]:

@@ -896,7 +896,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _check_locations(args: argparse.Namespace) -> None:
     """Every path names a place before anything is read; the page is a local file."""
-    from prepack.storage import is_gcs, location_problem
+    from prepack.storage import is_gcs, location_problem, output_rule
 
     if is_gcs(args.output) or location_problem(args.output):
         raise ReportError(f"--output {location_problem(args.output) or repr(args.output)}: the report is written to a "
@@ -904,6 +904,20 @@ def _check_locations(args: argparse.Namespace) -> None:
     for path in args.shards:
         if location_problem(path):
             raise ReportError(f"--shards {location_problem(path)}")
+    refused = output_rule.refusal(run_paths(args))
+    if refused:
+        raise ReportError(refused)
+
+
+def run_paths(args: argparse.Namespace) -> Any:
+    """What a report reads and writes, for the one output rule (prepack/storage/output_rule.py):
+    the page apart from every set, metrics, preflight and generations file it reads."""
+    from prepack.storage import output_rule
+
+    inputs = output_rule.input_places("--shards", args.shards)
+    for flag, given in (("--metrics", args.metrics), ("--preflight", args.preflight), ("--generations", args.generations)):
+        inputs += output_rule.input_places(flag, [_split_label(raw)[1] for raw in given])
+    return output_rule.RunPaths(inputs, [output_rule.Place("--output", args.output)])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,6 +17,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from prepack.cli_help import DefaultsHelpFormatter
 
@@ -34,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "or a jinja file")
     p.add_argument("--no-function-tokens", dest="function_tokens", action="store_false",
                    help="leave out FunctionGemma's control tokens: the vocabulary is then exactly Gemma 3's")
-    p.add_argument("--overwrite", action="store_true", help="replace the tokenizer files of a folder that has files")
+    p.add_argument("--overwrite", action="store_true", help="replace the tokenizer files of a folder that has files (every other file there stays)")
     return p
 
 
@@ -71,12 +72,46 @@ def output_problem(output: str) -> str | None:
     return f"--output {problem}" if problem else None
 
 
+def write_folder(output: str, chat_template: str | None, function_tokens: bool, overwrite: bool) -> Path:
+    """Writes the folder (tokenizer.json, tokenizer_config.json, the chat template) into `output`:
+    a new or empty folder, or with `overwrite` any folder, where every tokenizer file
+    (TOKENIZER_FILES) is replaced or removed and nothing else is touched (a stale chat template or
+    tokenizer.model left beside the new files would be read with them). Written whole beside the
+    folder first (prepack/storage/own_files.py): a failed save leaves the old files as they were."""
+    from prepack.storage import own_files
+    from prepack.text import gemma3_hf_folder
+    from prepack.text.gemma3_hf_folder import FolderError
+
+    out = Path(output)
+    if out.exists() and not out.is_dir():
+        raise FolderError(f"{out} exists and is not a folder: choose another --output")
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FolderError(f"{out} already exists and is not an empty folder: choose another --output, "
+                          f"or pass --overwrite to replace its tokenizer files")
+    fast = gemma3_hf_folder.fast_tokenizer(chat_template, function_tokens)
+    try:
+        own_files.write_own_files(str(out), fast.save_pretrained, lambda name: name in gemma3_hf_folder.TOKENIZER_FILES)
+    except own_files.OwnFilesError as e:
+        raise FolderError(f"save_pretrained: {e}") from None
+    return out
+
+
+def run_paths(args: argparse.Namespace) -> Any:
+    """What a run reads and writes, for the one output rule (prepack/storage/output_rule.py): the
+    folder apart from a --template file, the working folder and the folders above it."""
+    from prepack.storage import output_rule
+
+    template = [] if args.template in TEMPLATES else [output_rule.Place("--template", args.template)]
+    return output_rule.RunPaths(template, [output_rule.Place("--output", args.output)])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    from prepack.storage import output_rule
     from prepack.text import gemma3_hf_folder
 
     try:
-        problem = output_problem(args.output)
+        problem = output_problem(args.output) or output_rule.refusal(run_paths(args))
         if problem:
             raise gemma3_hf_folder.FolderError(problem)
         template = read_template(args.template)
@@ -84,8 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise gemma3_hf_folder.FolderError(
                 "--no-function-tokens: the template writes FunctionGemma's control tokens, which would then be plain "
                 "text (a calling turn could not end on one); keep the tokens or use another --template")
-        out = gemma3_hf_folder.write_folder(args.output, template, function_tokens=args.function_tokens,
-                                            overwrite=args.overwrite)
+        out = write_folder(args.output, template, args.function_tokens, args.overwrite)
     except gemma3_hf_folder.FolderError as e:
         print(f"{PROG}: {e}", file=sys.stderr)
         return 2

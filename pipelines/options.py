@@ -27,9 +27,10 @@ from pipelines.configs import (DEFAULT_MAX_LENGTHS, DEFAULT_TARGET_SHARD_MB, DEF
 from pipelines.output.lock import DEFAULT_EXPIRY_S, MAX_EXPIRY_S, MIN_EXPIRY_S
 from prepack.packing.bad_records import DEFAULT_MAX_BAD_FRACTION
 from prepack.mixture_file import ALLOW_LOCAL_FLAG, load_mixture
-from prepack.storage import location_problem
+from prepack.storage import location_problem, output_rule
 from prepack.packing.mixture import Mixture, MixtureError
 from prepack.packing.packer import OverlongPolicy, Planner
+from prepack.format.layout import TOKENS_DIR
 from prepack.format.rowformat import MAX_MAX_LENGTH
 from prepack.cli_help import DefaultsHelpFormatter
 from prepack.text.formats import template_names
@@ -250,10 +251,32 @@ def parse_args(argv: Sequence[str]) -> tuple[PackConfig, list[str]]:
     for flag, path in (("--output", ns.output), ("--from-tokens", ns.from_tokens)):
         if path and location_problem(path):
             raise OptionsError(f"{flag} {location_problem(path)}")
+    refused = output_rule.refusal(run_paths(ns, inputs))
+    if refused:
+        raise OptionsError(refused)
     template_options = _template_options(ns, fmt)
     rows = row_spec(ns, inputs, fmt, mixture, template_options, pack=not ns.no_pack)
     _check_run_behaviour(ns)
     return PackConfig(rows, _run_options(ns, _requested(ns, inputs, template_options))), beam_args
+
+
+# A tokenized set read back into the output it was published in: OUT/tokens is OUT's own
+# (`prepack pack --from-tokens OUT/tokens --output OUT`), the one input allowed inside --output.
+INPUTS_INSIDE_OUTPUT = {("--from-tokens", "--output"): TOKENS_DIR}
+
+
+def run_paths(ns: argparse.Namespace, inputs: Sequence[str]) -> output_rule.RunPaths:
+    """What a pack run reads and writes, for the one output rule (prepack/storage/output_rule.py):
+    --output apart from every input (a mixture's sources included), the --mixture file, a tokenizer
+    file or folder, --tfds-data-dir and --from-tokens (but OUT/tokens), and from the working folder."""
+    found = output_rule.input_places("--input", inputs)
+    found += output_rule.input_places("--mixture", [ns.mixture])
+    found += output_rule.input_places("--from-tokens", [ns.from_tokens])
+    if ns.tokenizer and ns.tokenizer.startswith(("sp:", "hf:")):
+        found += output_rule.input_places("--tokenizer", [ns.tokenizer])
+    if ns.tfds_data_dir:
+        found.append(output_rule.Place("--tfds-data-dir", ns.tfds_data_dir))
+    return output_rule.RunPaths(found, [output_rule.Place("--output", ns.output)], INPUTS_INSIDE_OUTPUT)
 
 
 def row_spec(ns: argparse.Namespace, inputs: tuple[str, ...], fmt: str, mixture: Mixture | None,

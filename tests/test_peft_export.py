@@ -200,3 +200,31 @@ def test_merge_refuses_other_base_weights_and_an_existing_output(exported, tmp_p
     (other / peft_export.ADAPTER_CONFIG).write_text('{"peft_type": "IA3"}')
     with pytest.raises(LoraFileError, match="not 'LORA'"):
         merge_export.read_adapter(str(other))
+
+
+def test_overwrite_replaces_only_the_writers_own_files(exported, tmp_path) -> None:
+    """--save-lora and export --merge with --overwrite: their own files are replaced (a stale shard
+    of an earlier sharded export and its index removed), every other file in the folder stays."""
+    import shutil
+
+    adapter = tmp_path / "adapter"
+    shutil.copytree(exported["adapter"], adapter)
+    (adapter / "notes.txt").write_text("mine")
+    (adapter / "m.jsonl").write_text("{}\n")
+    (adapter / "L256").mkdir()
+    (adapter / "L256" / "manifest.json").write_text("{}")
+    with pytest.raises(LoraFileError, match="already exists; pass --overwrite"):
+        peft_export.save_peft(exported["model"], exported["family"], exported["base"].config, str(adapter),
+                              model_name=exported["meta"]["model"], rank=RANK, alpha=ALPHA, metadata=exported["meta"])
+    peft_export.save_peft(exported["model"], exported["family"], exported["base"].config, str(adapter),
+                          model_name=exported["meta"]["model"], rank=RANK, alpha=ALPHA, metadata=exported["meta"], overwrite=True)
+    assert sorted(p.name for p in adapter.iterdir()) == ["L256", "adapter_config.json", "adapter_model.safetensors", "m.jsonl", "notes.txt"]
+    assert (adapter / "notes.txt").read_text() == "mine" and (adapter / "L256" / "manifest.json").read_text() == "{}"
+    merged = tmp_path / "merged"
+    shutil.copytree(exported["merged"], merged)
+    for name in ("notes.txt", "model-00001-of-00002.safetensors", "model.safetensors.index.json", "tokenizer.json"):
+        (merged / name).write_text("old")
+    merge_export.merge_export(str(adapter), str(merged), overwrite=True)
+    assert sorted(p.name for p in merged.iterdir()) == ["config.json", "model.safetensors", "notes.txt", "tokenizer.json"]
+    assert (merged / "model.safetensors").read_bytes() == open(os.path.join(exported["merged"], "model.safetensors"), "rb").read()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "merged"]  # no staging left beside them

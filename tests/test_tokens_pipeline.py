@@ -257,9 +257,13 @@ def test_existing_tokenized_set_is_refused_without_overwrite(first, source, tmp_
     before = (out / "tokens" / "manifest.json").read_text()
     pack(source_args(source) + ["--output", str(out), "--max-length", "128", "--no-tokens"])
     assert (out / "tokens" / "manifest.json").read_text() == before  # --no-tokens leaves it alone
+    mine = [out / "notes.txt", out / "L128" / "notes.txt", out / "tokens" / "notes.txt"]
+    for path in mine:  # --overwrite replaces the sets' own files; a user's files beside them stay
+        path.write_text("mine")
     pack(source_args(source) + ["--output", str(out), "--max-length", "128", "--overwrite"])
     replaced = read_tokens_manifest(out / "tokens")
-    assert sorted(os.listdir(out / "tokens")) == sorted(["manifest.json", replaced.dropped] + [s.path for s in replaced.shards])
+    assert sorted(os.listdir(out / "tokens")) == sorted(["manifest.json", "notes.txt", replaced.dropped] + [s.path for s in replaced.shards])
+    assert all(path.read_text() == "mine" for path in mine)
 
 
 def test_cli_refusal_is_one_line(first, tmp_path, capsys):

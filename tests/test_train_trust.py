@@ -26,6 +26,7 @@ from prepack.format.manifest import MANIFEST_NAME, Manifest, ManifestError
 from prepack.format.untrusted import MAX_METADATA_FILE_BYTES
 from train import cli, data, options, outputs, peft_export
 from train.config import TrainConfig, TrainError
+from train.lora_file import LoraFileError
 
 from testkit.gcs_emulator import gcs_emulator, gcs_prefix  # noqa: F401  (pytest fixtures)
 from testkit.shard_sets import TEST_TOKENIZER, build_shard_set, synthetic_row
@@ -175,7 +176,8 @@ def test_every_output_is_checked_before_step_1(tmp_path) -> None:
         "--save-lora {tmp}/afile/deeper/adapter: {tmp}/afile is a file, so no folder can be made there; give another path")
     assert _check(tmp_path, tensorboard="gs:///tb") == "--tensorboard 'gs:///tb' names no bucket: write gs://BUCKET/FOLDER"
     assert _check(tmp_path, metrics_out="{tmp}/same", save_lora="{tmp}/same", lora_format="prepack") == (
-        "--metrics-out and --save-lora both name {tmp}/same; give each output its own path")
+        "--metrics-out {tmp}/same is --save-lora {tmp}/same; one output's writer could replace the other's files: give each "
+        "output its own path, neither inside the other")
     # A new path in a new folder is fine, and nothing is created by the check.
     assert _check(tmp_path, metrics_out="{tmp}/new/m.jsonl", save_lora="{tmp}/new/adapter", checkpoint_dir="{tmp}/new/ck",
                   tensorboard="{tmp}/new/tb", profile_steps="1:2") is None
@@ -288,8 +290,13 @@ def test_a_failed_folder_export_leaves_no_temporary_folder(tmp_path, monkeypatch
     def fail(*args):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(peft_export.os, "replace", fail)
+    from prepack.storage import own_files
+
+    monkeypatch.setattr(own_files.os, "replace", fail)
     with pytest.raises(OSError):
+        peft_export.write_folder(str(tmp_path / "adapter"), {peft_export.ADAPTER_CONFIG: b"{}"}, overwrite=False)
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(LoraFileError, match="a.json, which this command does not know as its own; nothing was replaced"):
         peft_export.write_folder(str(tmp_path / "adapter"), {"a.json": b"{}"}, overwrite=False)
     assert os.listdir(tmp_path) == []
     # A one-file write (--lora-format prepack, run records) through its temporary name too.

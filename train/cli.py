@@ -56,7 +56,7 @@ def add_output_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-format", default="peft", choices=["peft", "prepack"],
                    help="peft: adapter_model.safetensors + adapter_config.json in Hugging Face PEFT's layout "
                    "(transformers, vLLM, llama.cpp's converter); prepack: one file of qwix names (train/lora_file.py)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --save-lora or --metrics-out target (without it either is refused before step 1; a resumed run appends to its metrics)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --save-lora or --metrics-out target (without it either is refused before step 1; a resumed run appends to its metrics); in a --save-lora folder only the adapter's own files are replaced")
     p.add_argument("--qlora", default=None, choices=["nf4", "int8"],
                    help="QLoRA: quantize the frozen base's projections with qwix (LoRA stays float32)")
     p.add_argument("--qlora-tile-size", type=whole_number("--qlora-tile-size"), default=None,

@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
@@ -33,6 +34,25 @@ from train.lora_file import LoraFileError
 
 MODEL_WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
+# A merged folder's files of the kinds this writer writes, or a loader would read beside them
+# (a stale sharded copy: model-00001-of-00002.safetensors and its index): --overwrite replaces or
+# removes these, and nothing else in the folder.
+_OWN_SHARD = re.compile(r"model-\d+-of-\d+\.safetensors")
+
+
+def owns_merged_file(name: str) -> bool:
+    return name in (MODEL_WEIGHTS, CONFIG, "model.safetensors.index.json") or bool(_OWN_SHARD.fullmatch(name))
+
+
+def output_refusal(lora: str, output: str, weights: str | None) -> str | None:
+    """The output rule (prepack/storage/output_rule.py) for one export: --output apart from
+    --lora and a --weights folder, and from the working folder and those above it."""
+    from prepack.storage import output_rule
+
+    inputs = [output_rule.Place("--lora", lora)]
+    if weights and weights not in ("random", "gguf"):
+        inputs.append(output_rule.Place("--weights", weights))
+    return output_rule.refusal(output_rule.RunPaths(inputs, [output_rule.Place("--output", output)]))
 
 
 @dataclasses.dataclass
@@ -125,7 +145,7 @@ def write_hf_folder(path: str, weights: Mapping[str, np.ndarray], config_json: M
 
     data = safetensors.flax.save({k: jnp.asarray(v, dtype=dtype) for k, v in sorted(weights.items())}, metadata={"format": "pt"})
     peft_export.write_folder(path, {MODEL_WEIGHTS: data, CONFIG: (json.dumps(dict(config_json), indent=2, sort_keys=True) + "\n").encode()},
-                             overwrite)
+                             overwrite, owns=owns_merged_file)
 
 
 def rebuild_base(adapter: Adapter, weights: str | None, say: TextIO) -> Any:
@@ -150,6 +170,9 @@ def rebuild_base(adapter: Adapter, weights: str | None, say: TextIO) -> Any:
 def merge_export(lora: str, output: str, *, weights: str | None = None, dtype: str | None = None, overwrite: bool = False,
                  out: TextIO | None = None) -> dict[str, Any]:
     say = out if out is not None else sys.stderr
+    refused = output_refusal(lora, output, weights)
+    if refused:
+        raise LoraFileError(refused)
     if not storage.is_gcs(output) and os.path.exists(output) and not overwrite:
         raise LoraFileError(f"--output {output} already exists; pass --overwrite to replace it, or give another path")
     adapter = read_adapter(lora)
@@ -173,7 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, help="the folder to write (model.safetensors, config.json)")
     p.add_argument("--weights", default=None, help="the base weights (default: what the adapter records: gguf, random, or an HF folder)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="dtype of the merged weights (default: the training dtype)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the merged files (model*.safetensors, its index, config.json) of an existing --output; "
+                        "other files there stay")
     return p
 
 

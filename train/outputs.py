@@ -2,11 +2,13 @@
 
 `run_outputs(cfg)` names each output the flags ask for (flag, path, what it is), so that one
 check before step 1 can cover them all: `check_outputs(cfg)` refuses, in one line and before any
-weight loads, an output whose path names no place (prepack.storage.location_problem: a scheme
+weight loads, an output the one output rule refuses (prepack/storage/output_rule.py: one inside
+or around an input such as --shards, the working folder or one above it, two outputs that overlap
+except --profile-dir in --tensorboard), an output whose path names no place (prepack.storage.location_problem: a scheme
 other than gs://, a gs:// URL without a bucket), that is a file where a folder goes or the other
 way round, that lies under a file, that cannot be written (locally an unnamed temporary file is
 made and dropped in its folder; on gs:// one empty object is written and deleted in its folder,
-as `prepack pack` probes its output), that two options share, or that exists where it would be
+as `prepack pack` probes its output), or that exists where it would be
 replaced (--metrics-out and --save-lora need --overwrite; a resumed run appends to its metrics).
 Each new output option of train is added to `run_outputs`.
 
@@ -24,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from prepack import storage
+from prepack.storage import output_rule
 from train.config import TrainConfig, TrainError
 
 FILE, FOLDER = "file", "folder"
@@ -53,6 +56,31 @@ def run_outputs(cfg: TrainConfig) -> list[Output]:
     if cfg.profile_steps:
         out.append(Output("--profile-dir", profile_folder(cfg), FOLDER, False, local_only=True))
     return out
+
+
+# The outputs of a run that its layout puts one inside the other (inner flag, outer flag): the
+# profiler's trace goes to TensorBoard's own folder (its profile tab reads it there). Every other
+# pair of outputs must not overlap (prepack/storage/output_rule.py).
+OUTPUTS_INSIDE_OUTPUTS = {("--profile-dir", "--tensorboard"): ""}
+
+
+def run_inputs(cfg: TrainConfig) -> list[output_rule.Place]:
+    """Every path a run reads, by flag: no output may be, contain or lie inside one. The
+    --checkpoint-dir a run resumes from is its output, not listed here."""
+    Place = output_rule.Place
+    found = [Place("--shards", cfg.shards)]
+    if cfg.eval_shards:
+        found.append(Place("--eval-shards", cfg.eval_shards))
+    if cfg.weights and cfg.weights not in ("random", "gguf"):
+        found.append(Place("--weights", cfg.weights))
+    if cfg.eval_generate:
+        found.append(Place("--eval-generate", cfg.eval_generate))
+    return found
+
+
+def run_paths(cfg: TrainConfig) -> output_rule.RunPaths:
+    """What the run reads and writes, for the one output rule."""
+    return output_rule.RunPaths(run_inputs(cfg), [output_rule.Place(o.flag, o.path) for o in run_outputs(cfg)], OUTPUTS_INSIDE_OUTPUTS)
 
 
 def profile_folder(cfg: TrainConfig) -> str:
@@ -163,17 +191,10 @@ def check_outputs(cfg: TrainConfig, resumes: Callable[[], bool] = lambda: False)
     location is known good, and only when it matters."""
     profile_range(cfg)
     listed = run_outputs(cfg)
-    for o in listed:  # first: no storage is asked about a path that names no place (gs:///x)
-        problem = storage.location_problem(o.path)
-        if problem:
-            raise TrainError(f"{o.flag} {problem}")
-    seen: dict[str, Output] = {}
-    for o in listed:
-        key = o.path.rstrip("/") if storage.is_gcs(o.path) else os.path.abspath(o.path)
-        other = seen.get(key)
-        if other is not None and {other.flag, o.flag} != {"--tensorboard", "--profile-dir"}:
-            raise TrainError(f"{other.flag} and {o.flag} both name {o.path}; give each output its own path")
-        seen[key] = o
+    # first: paths that name no place (gs:///x), outputs over inputs, the working folder, each other
+    refused = output_rule.refusal(run_paths(cfg))
+    if refused:
+        raise TrainError(refused)
     for o in listed:
         if storage.is_gcs(o.path):
             refusal = _gcs_refusal(o, cfg.overwrite)

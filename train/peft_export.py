@@ -12,8 +12,9 @@ any PEFT adapter. The safetensors metadata holds `format: pt` (what PEFT writes)
 own record under `prepack_*` keys (model, base weights and their fingerprint, step, shards), which
 `prepack export --merge` reads to rebuild the base (train/merge_export.py).
 
-Written atomically: locally into PATH.tmp-PID, then renamed (an existing PATH is replaced only
-with --overwrite, refused before the run by train/outputs.py); on gs:// the weights first, the
+Written whole beside PATH first, then its two files swapped in (prepack/storage/own_files.py):
+an existing adapter is replaced only with --overwrite (refused before the run by train/outputs.py),
+and then only these two files; anything else in PATH stays. On gs:// the weights first, the
 config last.
 """
 
@@ -21,13 +22,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
 from prepack import storage
+from prepack.storage import own_files
 from train import hf_layout
 from train.lora_file import LoraFileError
 
@@ -116,30 +117,23 @@ def save_peft(model: Any, family: str, config: Any, path: str, *, model_name: st
     return meta
 
 
-def write_folder(path: str, files: Mapping[str, bytes], overwrite: bool) -> None:
-    """A folder of files, all or nothing where the storage allows it (locally: a renamed temp folder)."""
-    if storage.is_gcs(path):
-        for name in sorted(files, key=lambda n: n.endswith(".json")):  # the config last: a reader sees a whole adapter
-            storage.storage_for(path).replace(storage.join(path, name), files[name], content_type="application/octet-stream")
-        return
-    path = path.rstrip("/") or path
-    if os.path.exists(path) and not overwrite:
-        raise LoraFileError(f"{path} already exists; pass --overwrite to replace it")
-    tmp = f"{path}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+def owns_adapter_file(name: str) -> bool:
+    """The files of a PEFT folder this writer writes (--overwrite replaces these and nothing else)."""
+    return name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG)
+
+
+def write_folder(path: str, files: Mapping[str, bytes], overwrite: bool, owns: Callable[[str], bool] = owns_adapter_file) -> None:
+    """The files into the folder `path`, staged beside it and swapped in (prepack/storage/own_files.py):
+    with --overwrite only the files `owns` names are replaced or removed; every other file stays."""
+    if not storage.is_gcs(path) and os.path.exists(path):
+        if not os.path.isdir(path):
+            raise LoraFileError(f"{path} is a file, not a folder; give a folder path")
+        if not overwrite and os.listdir(path):
+            raise LoraFileError(f"{path} already exists; pass --overwrite to replace it")
     try:
-        os.makedirs(tmp)
-        for name, data in files.items():
-            with open(os.path.join(tmp, name), "wb") as f:
-                f.write(data)
-        if os.path.isdir(path):
-            shutil.rmtree(path)
-        elif os.path.exists(path):
-            os.remove(path)
-        os.replace(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)  # a failed export leaves nothing of itself behind
-        raise
+        own_files.write_own_files(path, files, owns)
+    except own_files.OwnFilesError as e:
+        raise LoraFileError(str(e)) from None
 
 
 def read_peft(path: str) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, str]]:

@@ -22,13 +22,12 @@ Without `function_tokens` the folder's vocabulary is exactly Gemma 3's (the same
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from prepack.text import gemma3_gguf
 
-__all__ = ["FUNCTION_TOKENS", "FUNCTION_TOKEN_SLOTS", "FUNCTIONGEMMA_LAYOUT", "build_tokenizer", "write_folder"]
+__all__ = ["FUNCTION_TOKENS", "FUNCTION_TOKEN_SLOTS", "FUNCTIONGEMMA_LAYOUT", "build_tokenizer", "fast_tokenizer"]
 
 # FunctionGemma's control tokens: declarations, calls, responses, and the string delimiter.
 FUNCTION_TOKENS = ("<start_function_declaration>", "<end_function_declaration>", "<start_function_call>",
@@ -91,42 +90,19 @@ def _with_function_tokens(pieces: list[tuple[str, float, int]]) -> list[tuple[st
     return out
 
 
-def write_folder(output: str | os.PathLike[str], chat_template: str | None, function_tokens: bool = True,
-                 overwrite: bool = False, gguf_path: str | os.PathLike[str] | None = None) -> Path:
-    """Writes the folder (tokenizer.json, tokenizer_config.json, the chat template) with
-    `save_pretrained` into `output`: a new or empty folder, or with `overwrite` any folder, where
-    every tokenizer file (TOKENIZER_FILES) is replaced or removed and nothing else is touched (a
-    stale chat template or tokenizer.model left beside the new files would be read with them)."""
+def fast_tokenizer(chat_template: str | None, function_tokens: bool = True,
+                   gguf_path: str | os.PathLike[str] | None = None) -> Any:
+    """The tokenizer as transformers' PreTrainedTokenizerFast, with the chat template: its
+    `save_pretrained` writes the folder's files (TOKENIZER_FILES; apps/tokenizer_folder.py writes
+    them into --output, replacing only those)."""
     from prepack.text import transformers_quiet
     transformers_quiet.quiet()
     from transformers import PreTrainedTokenizerFast
 
-    out = Path(output)
-    if out.exists() and not out.is_dir():
-        raise FolderError(f"{out} exists and is not a folder: choose another --output")
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise FolderError(f"{out} already exists and is not an empty folder: choose another --output, "
-                          f"or pass --overwrite to replace its tokenizer files")
     specials = list(_TURN_TOKENS) + (list(FUNCTION_TOKENS) if function_tokens else [])
     fast = PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(function_tokens, gguf_path), bos_token="<bos>",
                                    eos_token="<eos>", pad_token="<pad>", unk_token="<unk>", mask_token="<mask>",
                                    additional_special_tokens=specials, add_bos_token=False, add_eos_token=False)
     if chat_template is not None:
         fast.chat_template = chat_template
-    beside = Path(os.path.abspath(out)).parent  # `.` has no name and is its own parent: stage above it
-    beside.mkdir(parents=True, exist_ok=True)
-    # Written whole beside the folder first: a failed save leaves the old files as they were.
-    with tempfile.TemporaryDirectory(dir=beside, prefix=f".{Path(os.path.abspath(out)).name}.") as staging:
-        fast.save_pretrained(staging)
-        written = sorted(os.listdir(staging))
-        unknown = set(written) - set(TOKENIZER_FILES)
-        if unknown:
-            raise FolderError(f"save_pretrained wrote files this tool does not know ({', '.join(sorted(unknown))}); "
-                              "nothing was replaced")
-        out.mkdir(exist_ok=True)
-        for name in TOKENIZER_FILES:
-            if name not in written and (out / name).is_file():
-                (out / name).unlink()
-        for name in written:
-            os.replace(os.path.join(staging, name), out / name)
-    return out
+    return fast
