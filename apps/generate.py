@@ -240,7 +240,8 @@ def run_paths(args: argparse.Namespace, paths: dict[str, str]) -> Any:
     outputs = [output_rule.Place("--output", paths["generations"]),
                output_rule.Place("--output's score", paths["score"]),
                output_rule.Place("--output's dead letters", paths["dead_letters"])]
-    return output_rule.RunPaths(inputs, outputs)
+    cache = compile_cache.place(args.compile_cache)
+    return output_rule.RunPaths(inputs, outputs + ([cache] if cache else []))
 
 
 def check_args(args: argparse.Namespace) -> tuple[dict[str, str], Any]:

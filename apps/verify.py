@@ -327,6 +327,16 @@ def model_parity(args: argparse.Namespace, results: list[LengthResult], out: Tex
     return ok
 
 
+
+def compile_cache_refusal(args: argparse.Namespace) -> str | None:
+    """verify writes one thing, the compilation cache: the one output rule keeps it out of the set it reads."""
+    from prepack.storage import output_rule
+
+    cache = compile_cache.place(args.compile_cache)
+    if cache is None:
+        return None
+    return output_rule.refusal(output_rule.RunPaths(output_rule.input_places("SET", [args.set]), [cache]))
+
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: TextIO | None = None,
          packed_layout: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None) -> int:
     """packed_layout: how the parity check presents packed rows to the model (tests inject layout bugs)."""
@@ -357,6 +367,9 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
         from train.models import ModelError
 
         try:
+            cache_refusal = compile_cache_refusal(args)
+            if cache_refusal:
+                raise compile_cache.CompileCacheError(cache_refusal)
             compile_cache.enable(args.compile_cache, err)  # before any compile and the weights
             failed = not model_parity(args, results, out, packed_layout) or failed
         except (TrainError, ModelError, ShardSetError, compile_cache.CompileCacheError) as e:

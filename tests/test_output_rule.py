@@ -228,6 +228,8 @@ def test_train_refuses_a_parent_from_a_subfolder_and_outputs_inside_outputs(shar
     ({"eval_shards": "E/L256", "tensorboard": "E"}, "--tensorboard E contains the input --eval-shards E/L256"),
     ({"weights": "W", "checkpoint_dir": "W/ckpt"}, "--checkpoint-dir W/ckpt lies inside the input --weights W"),
     ({"profile_steps": "1:1", "profile_dir": "A", "save_lora": "A/x"}, "--save-lora A/x lies inside --profile-dir A"),
+    ({"compile_cache": "S/L256/xla"}, "--compile-cache S/L256/xla lies inside the input --shards S/L256"),
+    ({"compile_cache": ".."}, "--compile-cache .. is a folder above the working folder"),
 ])
 def test_train_lists_every_input_and_output(tree, kw, start):
     from train import outputs
@@ -322,3 +324,14 @@ def test_preflight_overwrite_keeps_a_users_file(tree, capsys):
     assert preflight.main(argv + ["--overwrite"]) == 0
     assert (tree / "p" / "notes.txt").read_text() == "mine"
     assert sorted(p.name for p in (tree / "p").iterdir()) == ["notes.txt", "preflight.csv", "preflight.json"]
+
+
+def test_verify_keeps_the_compile_cache_out_of_the_set(tree):
+    import argparse
+
+    from apps import verify
+
+    assert verify.compile_cache_refusal(argparse.Namespace(set="S", compile_cache="S/L256/xla")).startswith(
+        "--compile-cache S/L256/xla lies inside the input SET S")
+    assert verify.compile_cache_refusal(argparse.Namespace(set="S", compile_cache="off")) is None
+    assert verify.compile_cache_refusal(argparse.Namespace(set="S", compile_cache="elsewhere")) is None

@@ -66,10 +66,11 @@ def test_schedule_flags_are_refused_in_one_line(kw, message) -> None:
 
 def test_run_outputs_lists_every_output_option() -> None:
     cfg = TrainConfig(shards="s", metrics_out="m.jsonl", checkpoint_dir="ck", save_lora="ad", tensorboard="tb",
-                      profile_steps="2:3", steps=5)
+                      profile_steps="2:3", steps=5, compile_cache="xla")
     assert [(o.flag, o.path, o.kind) for o in outputs.run_outputs(cfg)] == [
         ("--metrics-out", "m.jsonl", "file"), ("--checkpoint-dir", "ck", "folder"), ("--save-lora", "ad", "folder"),
-        ("--tensorboard", "tb", "folder"), ("--profile-dir", "tb", "folder")]
+        ("--tensorboard", "tb", "folder"), ("--profile-dir", "tb", "folder"), ("--compile-cache", "xla", "folder")]
+    assert "--compile-cache" not in [o.flag for o in outputs.run_outputs(TrainConfig(shards="s", compile_cache="off"))]
     assert outputs.run_outputs(TrainConfig(shards="s", save_lora="a.safetensors", lora_format="prepack"))[0].kind == "file"
 
 

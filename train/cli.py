@@ -254,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         attention=args.attention,
         attention_tile=args.attention_tile,
         remat=args.remat, memory_budget_gib=args.memory_budget_gib, verify_first=args.verify_first,
-        peak_tflops=args.peak_tflops, eval_generate=args.eval_generate, eval_generate_every=args.eval_generate_every,
+        peak_tflops=args.peak_tflops, compile_cache=args.compile_cache, eval_generate=args.eval_generate, eval_generate_every=args.eval_generate_every,
     )
     try:
         if args.plan_memory:

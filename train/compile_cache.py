@@ -47,6 +47,14 @@ def resolve(flag: str | None) -> str | None:
     return os.environ.get(ENV) or default_dir()
 
 
+def place(flag: str | None):
+    """The cache folder as an output of the one output rule (prepack/storage/output_rule.py), or None: off."""
+    from prepack.storage import output_rule
+
+    folder = resolve(flag)
+    return output_rule.Place("--compile-cache", folder) if folder else None
+
+
 def problem(folder: str) -> str | None:
     """Why `folder` cannot hold the cache (it is created here if missing); None when it can."""
     if "://" in folder:

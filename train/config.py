@@ -84,3 +84,4 @@ class TrainConfig:
     # step, every eval_generate_every steps and after the last (train/eval_generate.py).
     eval_generate: str | None = None
     eval_generate_every: int | None = None
+    compile_cache: str | None = None  # --compile-cache (train/compile_cache.py): a folder, off, or None: the default

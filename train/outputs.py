@@ -27,6 +27,7 @@ from typing import Any
 
 from prepack import storage
 from prepack.storage import output_rule
+from train import compile_cache
 from train.config import TrainConfig, TrainError
 
 FILE, FOLDER = "file", "folder"
@@ -55,6 +56,9 @@ def run_outputs(cfg: TrainConfig) -> list[Output]:
         out.append(Output("--tensorboard", cfg.tensorboard, FOLDER, False, local_only=True))  # event files are added
     if cfg.profile_steps:
         out.append(Output("--profile-dir", profile_folder(cfg), FOLDER, False, local_only=True))
+    cache = compile_cache.resolve(cfg.compile_cache)
+    if cache:  # XLA adds its executables there (shared by runs: never replaced)
+        out.append(Output("--compile-cache", cache, FOLDER, False, local_only=True))
     return out
 
 
