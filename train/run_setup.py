@@ -339,7 +339,8 @@ def attach_step_functions(cfg: TrainConfig, loss_fn: Any, trainer: Any, recorder
         sums = dpo_loss.step_sums()
     trainer.configure(loss_fn=loss_fn, gen_model_input_fn=memory_path.gen_model_input_fn(cfg), recorder=recorder,
                       vocab_size=built.vocab_size, loss_mean=cfg.loss_mean, grad_accum_steps=cfg.grad_accum_steps,
-                      max_grad_norm=cfg.max_grad_norm, fetch_before=fetch_before, sums=sums)
+                      max_grad_norm=cfg.max_grad_norm, fetch_before=fetch_before, sums=sums,
+                      keep_last_finite=bool(cfg.save_lora) and cfg.nan_policy == divergence.STOP)
 
 
 def run_details(cfg: TrainConfig, model: ModelChoice, manifest: Any, built: Any, base_params: int) -> dict[str, Any]:
