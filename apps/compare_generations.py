@@ -1,9 +1,13 @@
 """`prepack report --generations BASE.jsonl TUNED.jsonl`: runs of `prepack generate` side by side.
 
 Each file is read as written by a stranger (one JSON object per line with the keys `prepack
-generate` writes); the runs must hold the same prompts (ids). The summary of each run comes from
-its lines (train/score.py's `summarize`): with `--score` each line carries its score; a run
-generated without it is scored here by exact match alone (its NLL needs the model). The table
+generate` writes, each of its type); the runs must hold the same prompts (ids). Nothing a line
+says that its texts decide is believed: exact match and the tool calls (with the parser the line
+names) are recomputed from the completion and the reference (train/score.py's `from_texts`), and
+a line whose stored score disagrees, or whose score fields are missing or of another type, is
+refused naming the file and line. The reference NLL needs the model and is taken as written (a
+finite number or null). The summary of each run comes from its lines (`summarize`); a run
+generated without `--score` is scored here by exact match alone. The table
 has one row per metric and one column per run, the change against the first run beside it; the
 prompts whose exact match differs between the first and the last run follow, a few of each way.
 """
@@ -12,13 +16,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Sequence
 from typing import Any
 
+from prepack.format.untrusted import shown, shown_with_type
 from train import score as score_lib
+from train import tool_calls
 
-REQUIRED = ("id", "completion", "reference", "completion_tokens", "stop_reason")
 SHOWN_CHANGES = 3  # prompts shown per direction (fixed, broken)
 
 
@@ -38,12 +44,56 @@ class GenerationRun:
         return {line["id"]: line for line in self.lines}
 
 
-def _scored(line: dict[str, Any]) -> dict[str, Any]:
-    """A line with its score; exact match computed here when the run was not scored."""
-    if isinstance(line.get("score"), dict):
-        return line
-    return {**line, "score": {"exact_match": score_lib.exact_match(line["completion"], line["reference"]),
-                              "reference_nll": None, "reference_tokens": 0}}
+# A line's fields and their JSON types (bool is not an int here: True is no token count).
+LINE_TYPES = {"id": (str, "a string"), "completion": (str, "a string"), "reference": (str, "a string"),
+              "completion_tokens": (int, "a whole number"), "stop_reason": (str, "a string")}
+SCORE_TYPES = {"exact_match": (bool, "true or false"), "reference_tokens": (int, "a whole number")}
+CALL_TYPES = {"expected": (int, "a whole number"), "made": (int, "a whole number"), "malformed": (int, "a whole number"),
+              "valid": (bool, "true or false"), "names_match": (bool, "true or false"),
+              "full_match": (bool, "true or false"), "parser": (str, "a tool-call parser's name")}
+
+
+def _typed(where: str, obj: dict[str, Any], types: dict[str, tuple[type, str]], prefix: str) -> None:
+    for key, (kind, said) in types.items():
+        if key not in obj:
+            raise GenerationsError(f"{where}: {prefix}{key} is missing: not a line `prepack generate` wrote")
+        value = obj[key]
+        if type(value) is not kind or (kind is int and value < 0):
+            raise GenerationsError(f"{where}: {prefix}{key} is {shown_with_type(value)}, not {said}")
+
+
+def _scored(line: dict[str, Any], where: str) -> dict[str, Any]:
+    """A line with its score, checked against its texts; exact match computed here when the run was not scored."""
+    _typed(where, line, LINE_TYPES, "")
+    if "score" not in line:
+        return {**line, "score": {"exact_match": score_lib.exact_match(line["completion"], line["reference"]),
+                                  "reference_nll": None, "reference_tokens": 0}}
+    stored = line["score"]
+    if not isinstance(stored, dict):
+        raise GenerationsError(f"{where}: score is {shown_with_type(stored)}, not an object")
+    _typed(where, stored, SCORE_TYPES, "score.")
+    nll = stored.get("reference_nll", "missing")
+    if nll is not None and not (type(nll) in (int, float) and math.isfinite(nll) and nll >= 0):
+        raise GenerationsError(f"{where}: score.reference_nll is {shown_with_type(nll)}, not a finite number or null")
+    parser = None
+    if "calls" in stored:
+        if not isinstance(stored["calls"], dict):
+            raise GenerationsError(f"{where}: score.calls is {shown_with_type(stored['calls'])}, not an object")
+        _typed(where, stored["calls"], CALL_TYPES, "score.calls.")
+        parser = stored["calls"]["parser"]
+        if parser not in tool_calls.parser_names():
+            raise GenerationsError(f"{where}: score.calls.parser is {shown(parser)}, not one of "
+                                   f"{', '.join(tool_calls.parser_names())}")
+    recomputed = score_lib.from_texts(line["completion"], line["reference"], parser)
+    for key, value in [("exact_match", recomputed["exact_match"]),
+                       *((f"calls.{k}", v) for k, v in recomputed.get("calls", {}).items())]:
+        have = stored["exact_match"] if key == "exact_match" else stored["calls"][key.removeprefix("calls.")]
+        if have != value:
+            raise GenerationsError(
+                f"{where}: score.{key} is {json.dumps(have)}, but the texts say {json.dumps(value)} (recomputed from the "
+                f"completion {shown(line['completion'], 40)} and the reference {shown(line['reference'], 40)}); a score "
+                "its own texts contradict is not believed: generate the file again")
+    return line
 
 
 def load(raw: str) -> GenerationRun:
@@ -61,12 +111,10 @@ def load(raw: str) -> GenerationRun:
                 line = json.loads(text)
             except json.JSONDecodeError as e:
                 raise GenerationsError(f"{path}:{number}: not valid JSON ({e.msg})") from None
-            missing = [k for k in REQUIRED if not isinstance(line, dict) or k not in line]
+            missing = [k for k in LINE_TYPES if not isinstance(line, dict) or k not in line]
             if missing:
                 raise GenerationsError(f"{path}:{number}: not a `prepack generate` line (no {', '.join(missing)})")
-            if not isinstance(line["completion"], str) or not isinstance(line["reference"], str):
-                raise GenerationsError(f"{path}:{number}: completion and reference must be strings")
-            lines.append(_scored(line))
+            lines.append(_scored(line, f"{path}:{number}"))
     if not lines:
         raise GenerationsError(f"{path}: no generations")
     ids = [line["id"] for line in lines]

@@ -195,10 +195,9 @@ def _example_prompts(args: argparse.Namespace, tokenizer: Any, eid: str, loc: An
     return made
 
 
-def load_model(args: argparse.Namespace, tokenizer: Any) -> tuple[Any, Any, dict[str, Any]]:
-    """(the model, its compute dtype, what the summary records about it)."""
-    from train import adapters, models
-    from train.vocab import check_vocab
+def resolve_model(args: argparse.Namespace) -> tuple[Any, str]:
+    """(the --lora adapter, read whole and checked, or None; the model's name): before any tokenizer or weights."""
+    from train import adapters
 
     adapter = adapters.read_adapter(args.lora) if args.lora else None
     name = args.model or (adapter.model if adapter else None)
@@ -206,6 +205,31 @@ def load_model(args: argparse.Namespace, tokenizer: Any) -> tuple[Any, Any, dict
         raise GenerateCliError("--model is required (or --lora, whose file names the model it was trained on)")
     if adapter is not None and adapter.model and adapter.model != name:
         raise GenerateCliError(f"--lora {args.lora} was trained on --model {adapter.model}, not {name}")
+    return adapter, name
+
+
+def check_bounds(args: argparse.Namespace, name: str, adapter: Any, sampling: Any, vocab_size: int | None,
+                 prompt_tokens: int) -> None:
+    """--max-new-tokens against the model's context and --batch-size against the device's memory
+    (train/generate_bounds.py), before the weights load; run once before the prompts are read (their
+    length taken as 0) and again with the longest prompt."""
+    from train import generate_bounds, models
+
+    spec = models.get_spec(name)
+    generate_bounds.check_context(name, spec.context_length, sampling.max_new_tokens, prompt_tokens)
+    vocab = adapter.vocab_size if adapter is not None and adapter.vocab_size else vocab_size
+    config = models.resolve_config(name, vocab_size=vocab, dtype=args.dtype)
+    generation = generate_bounds.plan(spec.family, config, batch_size=sampling.batch_size,
+                                      max_new_tokens=sampling.max_new_tokens, prompt_tokens=prompt_tokens,
+                                      compute_dtype=models.parse_dtype(args.dtype, spec.default_dtype))
+    generate_bounds.check_memory(generation, sampling.batch_size)
+
+
+def load_model(args: argparse.Namespace, tokenizer: Any, adapter: Any, name: str) -> tuple[Any, Any, dict[str, Any]]:
+    """(the model, its compute dtype, what the summary records about it)."""
+    from train import adapters, models
+    from train.vocab import check_vocab
+
     spec = models.get_spec(name)
     vocab = adapter.vocab_size if adapter is not None and adapter.vocab_size else tokenizer.vocab_size
     config = models.resolve_config(name, vocab_size=vocab, dtype=args.dtype)
@@ -253,6 +277,10 @@ def check_args(args: argparse.Namespace) -> tuple[dict[str, str], Any]:
     paths = output_paths(args.output)
     sampling = generate.SamplingOptions(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.seed, args.batch_size)
     sampling.check()
+    if args.weights_seed is not None:
+        problem = generate.seed_problem("--weights-seed", args.weights_seed)
+        if problem:
+            raise GenerateCliError(problem)
     if args.max_prompts is not None and args.max_prompts < 1:
         raise GenerateCliError(f"--max-prompts must be at least 1, got {args.max_prompts}")
     if not 0 <= args.max_bad_fraction <= 1:
@@ -307,6 +335,8 @@ def run(args: argparse.Namespace) -> int:
 
     paths, sampling = check_args(args)
     compile_cache.enable(args.compile_cache, sys.stderr)  # before any compile; a bad folder stops here
+    adapter, name = resolve_model(args)
+    check_bounds(args, name, adapter, sampling, None, 0)
     tokenizer = load_tokenizer(args.tokenizer)
     chat_format = get_chat_format(args.chat_format, tokenizer, args.train_reasoning == "yes")
     items, letters, examples, has_tools = read_prompts(args, tokenizer, chat_format)
@@ -315,7 +345,8 @@ def run(args: argparse.Namespace) -> int:
     if not items:
         raise GenerateCliError("the inputs hold no prompt to generate for (no example with a target assistant turn)")
     parser = call_parser(args, chat_format, tokenizer, has_tools)
-    model, compute, about = load_model(args, tokenizer)
+    check_bounds(args, name, adapter, sampling, tokenizer.vocab_size, max(len(i.prompt_ids) for i in items))
+    model, compute, about = load_model(args, tokenizer, adapter, name)
     stop_ids = sorted(chat_format.end_of_turn_ids())
     generator = generate.Generator(model, pad_id=tokenizer.pad_id, stop_ids=stop_ids,
                                    max_prompt_tokens=max(len(i.prompt_ids) for i in items), sampling=sampling,

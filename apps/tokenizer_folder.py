@@ -69,6 +69,8 @@ def output_problem(output: str) -> str | None:
         problem = f"{output!r} is not on this machine: --tokenizer hf:FOLDER reads a local folder, so write one here"
     if problem is None and Path(output).is_symlink():
         problem = f"{output!r} is a symbolic link: name the folder itself (or a new one)"
+    if problem is None:  # before the tokenizer is built (seconds): /proc/x was a traceback after them
+        problem = storage.local_write_problem(output)
     return f"--output {problem}" if problem else None
 
 

@@ -11,6 +11,7 @@ one line for each bad option."""
 from __future__ import annotations
 
 import contextlib
+import os
 import io
 import json
 import types
@@ -203,3 +204,92 @@ def test_a_preference_set_is_refused_when_auto_finds_it(tmp_path, tok_dir, capsy
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "--format preference holds two replies (chosen, rejected) per prompt" in err and "Traceback" not in err
+
+
+# ------------------------------------------------------------------ bounds and adapters, before anything loads
+
+
+def nan_adapter(tok_dir, path) -> str:
+    """save_adapter's file with one lora_b all NaN, written as a stranger would (save_lora refuses it)."""
+    import numpy as np
+    import safetensors.numpy
+
+    good = save_adapter(tok_dir, path)
+    with open(good, "rb") as f:
+        data = f.read()
+    from train import lora_file
+
+    meta = lora_file.read_lora_metadata(good)
+    tensors = safetensors.numpy.load(data)
+    name = sorted(n for n in tensors if n.endswith("_lora_b"))[0]
+    tensors[name] = np.full_like(tensors[name], np.nan)
+    safetensors.numpy.save_file(tensors, good, metadata=meta)
+    return name
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--max-new-tokens", "1000000000"], "--max-new-tokens 1,000,000,000: that many new tokens exceed tiny's context "
+                                         "length of 4,096 tokens; give at most 4,096"),
+    (["--batch-size", "1000000", "--max-new-tokens", "256"], "--batch-size 1,000,000: the KV cache (183.11 GiB) and the weights (0.87 MiB) need more than the "),
+    (["--seed", str(2**70)], "--seed must be a whole number from 0 to 4,294,967,295, got 1180591620717411303424"),
+    (["--seed", "-1"], "--seed must be a whole number from 0 to 4,294,967,295, got -1"),
+    (["--weights-seed", str(2**70)], "--weights-seed must be a whole number from 0 to 4,294,967,295"),
+])
+def test_bounds_are_one_line_before_the_tokenizer_or_model(tmp_path, data, capsys, extra, message):
+    # A tokenizer that cannot load: the bound is judged first, so its line is the one said.
+    argv = args(tmp_path / "no-tokenizer", data, tmp_path / "gen.jsonl", *extra)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and "loading" not in err, err
+    assert not (tmp_path / "gen.jsonl").exists()
+
+
+def test_the_memory_plan_counts_the_longest_prompt(tmp_path, tok_dir, data, capsys):
+    """The second look, once the prompts are read: a batch that fits the first guess (no prompt) but
+    not with the prompt's bucket is refused before the weights load."""
+    from train import generate_bounds, models
+
+    config = models.resolve_config("tiny")
+    weights = generate_bounds.weight_bytes("gemma3", config)
+    # 64 rows of 6 new tokens fit; with the prompts' bucket (at least 16 tokens) they do not.
+    per_token = 6 * 2 * 1 * 16 * 4
+    budget = weights + 64 * 6 * per_token + 1
+    generation = generate_bounds.plan("gemma3", config, batch_size=64, max_new_tokens=6, prompt_tokens=0,
+                                      compute_dtype="float32", budget=(budget, "a test budget"))
+    generate_bounds.check_memory(generation, 64)
+    generation = generate_bounds.plan("gemma3", config, batch_size=64, max_new_tokens=6, prompt_tokens=20,
+                                      compute_dtype="float32", budget=(budget, "a test budget"))
+    assert generation.kv_cache_bytes == 64 * (32 + 6) * per_token
+    with pytest.raises(generate_bounds.GenerateError, match=r"--batch-size 64: the KV cache .* more than the .* of a test "
+                                                            r"budget, before activations; give --batch-size 10 or less"):
+        generate_bounds.check_memory(generation, 64)
+
+
+def test_a_non_finite_adapter_is_refused_before_the_model(tmp_path, tok_dir, data, capsys):
+    path = tmp_path / "nan.safetensors"
+    name = nan_adapter(tok_dir, path)
+    assert main(args(tok_dir, data, tmp_path / "gen.jsonl", "--lora", str(path))) == 2
+    err = capsys.readouterr().err
+    assert f"prepack generate: {path}: tensor {name} is non-finite (NaN/Inf in" in err and "loading" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_a_truncated_adapter_is_one_line(tmp_path, tok_dir, data, capsys):
+    path = save_adapter(tok_dir, tmp_path / "cut.safetensors")
+    size = os.path.getsize(path)
+    os.truncate(path, size - 100)
+    assert main(args(tok_dir, data, tmp_path / "gen.jsonl", "--lora", path)) == 2
+    err = capsys.readouterr().err
+    assert f"prepack generate: {path}: cannot be read, truncated or corrupt (" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_the_report_recomputes_generates_own_scores_and_agrees(runs, capsys):
+    """What generate --score wrote (tool calls read by functiongemma) passes report --generations, which
+    reads every exact match and call again from the texts."""
+    from apps.report import main as report
+
+    lines = lines_of(runs.out)
+    assert lines[0]["score"]["calls"]["parser"] == "functiongemma" and lines[0]["score"]["calls"]["expected"] == 1
+    assert report(["--generations", str(runs.out), str(runs.tmp / "tuned.jsonl")]) == 0
+    assert "valid call rate" in capsys.readouterr().out

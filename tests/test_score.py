@@ -102,9 +102,10 @@ def test_booleans_are_not_numbers():
 
 
 def line(i: int, completion: str, reference: str, nll: float | None = 1.0, calls: score.CallScore | None = None,
-         stop: str = "stop") -> dict:
+         stop: str = "stop", parser: str | None = None) -> dict:
     return {"id": str(i), "prompt_tokens": 5, "completion": completion, "completion_tokens": 4, "reference": reference,
-            "stop_reason": stop, "score": score.record_score(completion, reference, None if nll is None else nll * 4, 4, calls)}
+            "stop_reason": stop,
+            "score": score.record_score(completion, reference, None if nll is None else nll * 4, 4, calls, parser)}
 
 
 def test_summary_rates():
@@ -182,3 +183,85 @@ def test_report_scores_an_unscored_run_by_exact_match(tmp_path, capsys):
     assert main(["--generations", write(tmp_path / "plain.jsonl", plain)]) == 0
     out = capsys.readouterr().out
     assert "100.0%" in out and "reference NLL" not in out
+
+
+# ------------------------------------------------------------- report --generations believes nothing it can recompute
+
+
+def test_report_recomputes_exact_match_from_the_texts(tmp_path, capsys):
+    """The prober's case: ' Sep Sep' against 'Answer 0.' stored as an exact match showed 100% and "fixed"."""
+    from apps.report import main
+
+    base = write(tmp_path / "base.jsonl", [line(0, "no", "Answer 0."), line(1, "yes", "yes")])
+    forged = line(0, " Sep Sep", "Answer 0.")
+    forged["score"]["exact_match"] = True
+    tuned = write(tmp_path / "tuned.jsonl", [line(1, "yes", "yes"), forged])
+    assert main(["--generations", f"{base}", f"{tuned}"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == (f"prepack report: error: {tuned}:2: score.exact_match is true, but the texts say false (recomputed "
+                            "from the completion ' Sep Sep' and the reference 'Answer 0.'); a score its own texts "
+                            "contradict is not believed: generate the file again\n")
+    assert "100" not in captured.out and "fixed" not in captured.out
+
+
+def hermes_line(i: int, completion: str, reference: str) -> dict:
+    parse = tool_calls.get_parser("hermes")
+    return line(i, completion, reference, calls=score.score_calls(parse(reference).calls, parse(completion)), parser="hermes")
+
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def test_report_recomputes_tool_calls_from_the_texts(tmp_path, capsys):
+    from apps.report import main
+
+    honest = [hermes_line(0, CALL, CALL), hermes_line(1, "Hello.", CALL), hermes_line(2, "Fine.", "Fine.")]
+    assert main(["--generations", write(tmp_path / "honest.jsonl", honest)]) == 0
+    out = capsys.readouterr().out
+    assert "valid call rate" in out and "50.0%" in out
+    forged = hermes_line(1, "Hello.", CALL)
+    forged["score"]["calls"].update(made=1, valid=True)
+    assert main(["--generations", write(tmp_path / "forged.jsonl", [forged])]) == 2
+    assert "forged.jsonl:1: score.calls.made is 1, but the texts say 0 (recomputed from the completion 'Hello.'" in \
+        capsys.readouterr().err
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda s: s.pop("exact_match"), "score.exact_match is missing: not a line `prepack generate` wrote"),
+    (lambda s: s.update(exact_match="yes"), "score.exact_match is a string 'yes', not true or false"),
+    (lambda s: s.update(exact_match=1), "score.exact_match is a number 1, not true or false"),
+    (lambda s: s.pop("reference_tokens"), "score.reference_tokens is missing"),
+    (lambda s: s.update(reference_tokens=True), "score.reference_tokens is a boolean True, not a whole number"),
+    (lambda s: s.update(reference_tokens=-4), "score.reference_tokens is a number -4, not a whole number"),
+    (lambda s: s.update(reference_nll="low"), "score.reference_nll is a string 'low', not a finite number or null"),
+    (lambda s: s.pop("reference_nll"), "score.reference_nll is a string 'missing', not a finite number or null"),
+    (lambda s: s.update(calls=[]), "score.calls is an array [], not an object"),
+    (lambda s: s.update(calls={"expected": 0}), "score.calls.made is missing"),
+    (lambda s: s.update(calls={**score.CallScore(0, 0, 0, False, True, True).as_json(), "parser": "xml"}),
+     "score.calls.parser is 'xml', not one of"),
+])
+def test_report_refuses_malformed_score_fields(tmp_path, capsys, edit, message):
+    from apps.report import main
+
+    bad = line(0, "x", "x")
+    edit(bad["score"])
+    path = write(tmp_path / "bad.jsonl", [line(1, "y", "y"), bad])
+    assert main(["--generations", path]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}:2: {message}" in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("score", "high", "score is a string 'high', not an object"),
+    ("completion_tokens", "4", "completion_tokens is a string '4', not a whole number"),
+    ("stop_reason", None, "stop_reason is null None, not a string"),
+    ("id", ["0"], "id is an array ['0'], not a string"),
+])
+def test_report_refuses_malformed_line_fields(tmp_path, capsys, field, value, message):
+    from apps.report import main
+
+    bad = line(0, "x", "x")
+    bad[field] = value
+    path = write(tmp_path / "bad.jsonl", [bad])
+    assert main(["--generations", path]) == 2
+    assert f"{path}:1: {message}" in capsys.readouterr().err

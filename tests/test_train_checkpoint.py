@@ -522,3 +522,31 @@ def test_relative_checkpoint_dir_is_made_absolute(tmp_path, monkeypatch) -> None
     assert ckpt.path == str(tmp_path / "ckpt")
     assert ckpt.tunix_root == str(tmp_path / "ckpt" / "tunix")
     assert checkpoints.CheckpointDir("gs://bucket/run/").path == "gs://bucket/run"
+
+
+@pytest.mark.slow  # trains or loads a real model: see pytest.ini
+def test_resume_refuses_a_checkpoint_with_non_finite_lora_values(straight, shard_sets, tmp_path, capsys, monkeypatch) -> None:
+    """A checkpoint is read as any adapter is: a NaN in its LoRA values (written by another tool, or a disk's
+    corruption that Orbax reads back) stops the run in one line naming the tensor, before step 1."""
+    import jax.numpy as jnp
+    from flax import nnx
+    from tunix.sft import checkpoint_manager
+
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(straight["cfg"].checkpoint_dir, ckpt)
+    real = checkpoint_manager.CheckpointManager.maybe_restore
+
+    def restore_then_poison(self, model, *args, **kwargs):
+        restored = real(self, model, *args, **kwargs)
+        name, var = sorted(((".".join(map(str, p)), v) for p, v in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))),
+                           key=lambda kv: kv[0])[0]
+        var.set_value(jnp.full_like(var.get_value(), jnp.nan))
+        return restored
+
+    monkeypatch.setattr(checkpoint_manager.CheckpointManager, "maybe_restore", restore_then_poison)
+    rc = cli.main(["--shards", shard_sets["main"], "--model", MODEL, "--lora-rank", str(RANK), "--batch-size", str(BATCH),
+                   "--steps", str(STEPS + 2), "--learning-rate", "3e-2", "--checkpoint-dir", ckpt, "--log-every", "0"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err
+    assert f"--checkpoint-dir {ckpt}: step {STEPS}: tensor " in err and " is non-finite (NaN/Inf in " in err
+    assert "use a new --checkpoint-dir" in err

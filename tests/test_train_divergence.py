@@ -88,7 +88,8 @@ def _args(shards: str, tmp_path, steps: int, *extra: str) -> list[str]:
 
 
 @pytest.mark.slow  # trains or loads a real model: see pytest.ini
-def test_stop_is_the_default_exits_3_naming_the_step_and_saves_nothing_for_it(poisoned, poison_hook, tmp_path, capsys) -> None:
+def test_stop_is_the_default_exits_3_naming_the_step_and_saves_the_last_finite_adapter(poisoned, poison_hook, tmp_path,
+                                                                                         capsys) -> None:
     ckpt = str(tmp_path / "ckpt")
     rc = cli.main(_args(poisoned["shards"], tmp_path, 4, "--log-every", "0", "--checkpoint-dir", ckpt, "--checkpoint-every", "1"))
     err = capsys.readouterr().err
@@ -96,11 +97,13 @@ def test_stop_is_the_default_exits_3_naming_the_step_and_saves_nothing_for_it(po
     message = [line for line in err.splitlines() if line.startswith("prepack train:")]
     assert message == [
         "prepack train: step 2: loss is nan, gradient norm is nan; training stopped (--nan-policy stop) without saving "
-        "this step's checkpoint or a LoRA file. Try a lower --learning-rate or --dtype float32, or --nan-policy skip-step "
-        "to skip such steps"
+        f"this step's checkpoint; the adapter of step 1, the last step fetched finite, was saved to {tmp_path / 'lora.safetensors'}. "
+        "Try a lower --learning-rate or --dtype float32, or --nan-policy skip-step to skip such steps"
     ]
     assert "Traceback" not in err
-    assert not os.path.exists(tmp_path / "lora.safetensors")
+    # The saved adapter is step 1's: finite, trained (lora_b moved off its zero init), and says so.
+    meta, tensors = lora_file.read_lora(str(tmp_path / "lora.safetensors"))
+    assert meta["step"] == "1" and any(np.any(v != 0) for k, v in tensors.items() if k.endswith("_lora_b"))
     assert checkpoints.CheckpointDir(ckpt).latest_step() == 1  # step 1 was saved; step 2 never was
     records = _read(str(tmp_path / "m.jsonl"))
     steps = [r for r in records if "step" in r and "loss" in r]
@@ -109,6 +112,16 @@ def test_stop_is_the_default_exits_3_naming_the_step_and_saves_nothing_for_it(po
     summary = records[-1]["summary"]
     assert summary["stopped"] == {"step": 2, "reason": "loss is nan, gradient norm is nan", "nan_policy": "stop"}
     assert summary["final_loss"] is None
+
+
+@pytest.mark.slow  # trains or loads a real model: see pytest.ini
+def test_stop_saves_no_adapter_when_no_step_was_fetched_finite(poisoned, poison_hook, tmp_path, capsys) -> None:
+    """--log-every 0 and no checkpoints: the only fetch is at the end, which finds step 2 non-finite;
+    no finite LoRA values were ever copied, so none is saved."""
+    rc = cli.main(_args(poisoned["shards"], tmp_path, 4, "--log-every", "0"))
+    err = capsys.readouterr().err
+    assert rc == 3 and "without saving this step's checkpoint or a LoRA file." in err
+    assert not os.path.exists(tmp_path / "lora.safetensors")
 
 
 @pytest.mark.slow  # trains or loads a real model: see pytest.ini
@@ -157,7 +170,7 @@ def test_a_lora_file_with_non_finite_values_is_not_written(tmp_path) -> None:
     first.set_value(first.get_value().at[(0,) * first.get_value().ndim].set(jnp.inf))
     nnx.update(model, state)
     path = str(tmp_path / "bad.safetensors")
-    with pytest.raises(lora_file.LoraFileError, match=r"bad.safetensors: not written: 1 of \d+ LoRA tensors hold NaN or Inf"):
+    with pytest.raises(lora_file.LoraFileError, match=r"bad.safetensors: not written: tensor \S+ is non-finite \(NaN/Inf in 1 of \d+ values\); the run diverged"):
         lora_file.save_lora(model, path, {"model": "tiny-qwen3"})
     assert not os.path.exists(path)
     assert not checkpoints.lora_is_finite(model)

@@ -76,7 +76,7 @@ def read_adapter(path: str) -> Adapter:
         read = merge_export.read_adapter(path)
         return Adapter(path, PEFT, read.meta.get("model"), read.rank, read.alpha,
                        _int(read.meta.get("vocab_size"), "vocab_size", path), dict(read.meta), read.factors)
-    meta = lora_file.read_lora_metadata(path)
+    meta, _ = lora_file.read_lora(path)  # every tensor read and checked finite now, before any model is built
     rank = _int(meta.get("lora_rank"), "lora_rank", path)
     if rank is None or rank < 1:
         raise lora_file.LoraFileError(f"{path}: metadata lora_rank is {meta.get('lora_rank')!r}; the file names no LoRA rank")

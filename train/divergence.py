@@ -2,8 +2,10 @@
 
 - stop (default): the run ends at the first non-finite step with a non-zero exit (3) and one
   line naming the step. Tunix saves a checkpoint after the step's post-processing, so raising
-  there means that step is never saved; the LoRA export at the end is never reached (and
-  lora_file.save_lora refuses non-finite values anyway). The metrics JSONL keeps the step's
+  there means that step is never saved. With --save-lora, the adapter saved is the last finite
+  one: the LoRA values copied at the last fetch that found every step finite (the trainer's
+  `last_finite`), and the line names its step; none is saved when no step was fetched finite
+  before the divergence (and lora_file.save_lora refuses non-finite values anyway). The metrics JSONL keeps the step's
   record and its summary line says why the run stopped.
 - skip-step: the optimizer is wrapped in optax.apply_if_finite (train/optimizer.py), so an
   update with non-finite gradients is not applied; the step is recorded as skipped and the
@@ -28,11 +30,12 @@ EXIT_DIVERGED = 3
 class Diverged(TrainError):
     """The loss or gradient norm became non-finite under --nan-policy stop."""
 
-    def __init__(self, step: int, reason: str):
+    def __init__(self, step: int, reason: str, saved: str | None = None):
         self.step, self.reason = step, reason
+        kept = f"this step's checkpoint; {saved}" if saved else "this step's checkpoint or a LoRA file"
         super().__init__(
-            f"step {step}: {reason}; training stopped (--nan-policy stop) without saving this step's checkpoint or "
-            "a LoRA file. Try a lower --learning-rate or --dtype float32, or --nan-policy skip-step to skip such steps"
+            f"step {step}: {reason}; training stopped (--nan-policy stop) without saving {kept}. Try a lower "
+            "--learning-rate or --dtype float32, or --nan-policy skip-step to skip such steps"
         )
 
 

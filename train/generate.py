@@ -37,6 +37,14 @@ class GenerateError(ValueError):
     """Generation options or inputs that cannot work; the message says what to change."""
 
 
+def seed_problem(flag: str, value: int) -> str | None:
+    """A seed within train's range (train/options.py: 0 to 2^32 - 1, what jax's PRNGKey and numpy take), else
+    the refusal: one line, never jax's OverflowError."""
+    from train.options import MAX_SEED, Count
+
+    return Count(flag, "seed", 0, MAX_SEED).problem(value)
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingOptions:
     """How to sample. Greedy unless a temperature is given; top-p and top-k then narrow it."""
@@ -53,6 +61,9 @@ class SamplingOptions:
             raise GenerateError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
         if self.batch_size < 1:
             raise GenerateError(f"--batch-size must be at least 1, got {self.batch_size}")
+        seed = seed_problem("--seed", self.seed)
+        if seed:
+            raise GenerateError(seed)
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             raise GenerateError(f"--temperature must be 0 (greedy) or positive, got {self.temperature}")
         if self.top_p is not None and not 0 < self.top_p <= 1:

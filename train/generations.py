@@ -83,7 +83,7 @@ def run_items(items: Sequence[PromptItem], generator: Any, chat_format: Any, *, 
         if score:
             calls = score_lib.score_calls(item.reference_calls, parse(text)) if parse is not None else None
             nll_sum, tokens = nlls[k] if nlls is not None else (None, len(item.reference_ids))
-            line["score"] = score_lib.record_score(text, reference, nll_sum, tokens, calls)
+            line["score"] = score_lib.record_score(text, reference, nll_sum, tokens, calls, parser if calls is not None else None)
         lines.append(line)
     return lines
 

@@ -42,6 +42,32 @@ def lora_tensors(model: Any) -> dict[str, Any]:
     return out
 
 
+def nonfinite_tensor(tensors: Mapping[str, Any]) -> tuple[str, int, int] | None:
+    """(name, non-finite values, values) of the first tensor (by name) holding NaN or Inf; None when all are finite."""
+    import numpy as np
+
+    for name in sorted(tensors):
+        value = np.asarray(tensors[name])
+        if value.dtype.kind in "fc" or value.dtype.name == "bfloat16":
+            bad = int(value.size - np.count_nonzero(np.isfinite(value.astype(np.float32))))
+            if bad:
+                return name, bad, int(value.size)
+    return None
+
+
+def check_finite(tensors: Mapping[str, Any], where: str, remedy: str) -> None:
+    """The one check of adapters and merged weights, on every read and write: LoraFileError naming
+    the first tensor that holds NaN or Inf. A diverged run's values would poison whatever uses them
+    (a merged model of NaN, completions of padding), and nothing downstream says why."""
+    found = nonfinite_tensor(tensors)
+    if found is not None:
+        name, bad, size = found
+        raise LoraFileError(f"{where}: tensor {name} is non-finite (NaN/Inf in {bad:,} of {size:,} values); {remedy}")
+
+
+READ_REMEDY = "the adapter is unusable (a diverged run's?): use one saved before the divergence, or retrain"
+
+
 def _lora_rank(tensors: Mapping[str, Any]) -> int | None:
     """qwix's A factors end in the rank: [..., in, rank]."""
     for name in sorted(tensors):
@@ -77,10 +103,7 @@ def save_lora(model: Any, path: str, metadata: Mapping[str, Any]) -> dict[str, s
     tensors = lora_tensors(model)
     if not tensors:
         raise LoraFileError("the model has no LoRA parameters to export")
-    bad = sorted(name for name, value in tensors.items() if not np.isfinite(value).all())
-    if bad:
-        # A diverged run's adapters are useless and would poison whatever loads them.
-        raise LoraFileError(f"{path}: not written: {len(bad)} of {len(tensors)} LoRA tensors hold NaN or Inf (e.g. {bad[0]})")
+    check_finite(tensors, f"{path}: not written", "the run diverged: lower --learning-rate, or --dtype float32")
     meta = {k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items() if v is not None}
     meta.update({
         "format": LORA_FORMAT,
@@ -115,6 +138,28 @@ def read_lora_metadata(path: str) -> dict[str, str]:
     return meta
 
 
+def load_tensors(data: bytes, where: str) -> dict[str, Any]:
+    """A safetensors file's tensors (numpy), in one line when it is truncated or corrupt, checked finite."""
+    import safetensors.numpy
+
+    try:
+        tensors = safetensors.numpy.load(data)
+    except Exception as e:  # noqa: BLE001  (safetensors raises its own SafetensorError, among others)
+        raise LoraFileError(f"{where}: cannot be read, truncated or corrupt ({str(e)[:100]}); write it again") from None
+    check_finite(tensors, where, READ_REMEDY)
+    return tensors
+
+
+def read_lora(path: str) -> tuple[dict[str, str], dict[str, Any]]:
+    """(metadata, tensors) of a save_lora file, checked as a stranger's: the format, every tensor
+    readable (a truncated file is one line) and finite."""
+    data = _read_bytes(path)
+    meta = _parse_safetensors_metadata(data, path)
+    if meta.get("format") != LORA_FORMAT:
+        raise LoraFileError(f"{path}: not a prepack LoRA export (metadata format {meta.get('format')!r})")
+    return meta, load_tensors(data, path)
+
+
 def load_lora(
     model: Any,
     path: str,
@@ -134,18 +179,13 @@ def load_lora(
     """
     import jax
     import jax.numpy as jnp
-    import safetensors.flax
     from flax import nnx
 
-    data = _read_bytes(path)
-    meta = _parse_safetensors_metadata(data, path)
-    if meta.get("format") != LORA_FORMAT:
-        raise LoraFileError(f"{path}: not a prepack LoRA export (metadata format {meta.get('format')!r})")
+    meta, loaded = read_lora(path)
     for key, want in (expected or {}).items():
         have = meta.get(key)
         if have is None or (have != want and have != json.dumps(want)):
             raise LoraFileError(f"{path}: {key} is {have!r} in the file, expected {want!r}")
-    loaded = safetensors.flax.load(data)
 
     state = nnx.state(model, nnx.LoRAParam)
     flat = {".".join(map(str, p)): var for p, var in nnx.to_flat_state(state)}

@@ -30,7 +30,7 @@ import numpy as np
 from prepack import storage
 from prepack.cli_help import DefaultsHelpFormatter
 from train import hf_layout
-from train.lora_file import LoraFileError
+from train.lora_file import LoraFileError, check_finite
 
 MODEL_WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
@@ -92,12 +92,8 @@ def read_adapter(path: str) -> Adapter:
             raise LoraFileError(f"{path}: a PEFT adapter without prepack's metadata (prepack_model, ...): merge it with "
                                 "peft's merge_and_unload onto its base model instead")
         return Adapter(peft_export.hf_factors(tensors, path), int(config["r"]), float(config["lora_alpha"]), meta)
-    raw = lora_file.read_lora_metadata(path)
+    raw, tensors = lora_file.read_lora(path)
     meta = _json_meta({"m_" + k: v for k, v in raw.items()}, "m_")
-    import safetensors.numpy
-
-    data = storage.read_bytes(path)
-    tensors = safetensors.numpy.load(data)
     spec = models.get_spec(str(meta["model"]))
     config = models.resolve_config(spec.name, vocab_size=meta.get("vocab_size"), config_overrides=meta.get("config_overrides"))
     pairs: dict[tuple[int | None, str], dict[str, np.ndarray]] = {}
@@ -173,6 +169,11 @@ def merge_export(lora: str, output: str, *, weights: str | None = None, dtype: s
     refused = output_refusal(lora, output, weights)
     if refused:
         raise LoraFileError(refused)
+    # Where the folder goes is judged before the adapter is read or the base rebuilt (gs:///x was a
+    # ValueError after 9 s of merging).
+    problem = None if storage.is_gcs(output) else storage.local_write_problem(output)
+    if problem:
+        raise LoraFileError(f"--output {problem}")
     if not storage.is_gcs(output) and os.path.exists(output) and not overwrite:
         raise LoraFileError(f"--output {output} already exists; pass --overwrite to replace it, or give another path")
     adapter = read_adapter(lora)
@@ -180,6 +181,9 @@ def merge_export(lora: str, output: str, *, weights: str | None = None, dtype: s
     family = built.spec.family
     dtype = dtype or adapter.meta.get("base_dtype") or "float32"
     merged = merge(base_hf_weights(built.model, family, built.config), adapter)
+    # The adapter was checked finite when read; the base or the product may still not be (an overflow in --dtype).
+    check_finite(merged, f"--output {output}: not written", "the merged weights would be unusable: check the base --weights "
+                 "and the adapter")
     write_hf_folder(output, merged, hf_layout.hf_config(family, built.config, dtype), dtype, overwrite)
     summary = {"output": output, "model": adapter.meta["model"], "architecture": hf_layout.ARCHITECTURES[family],
                "tensors": len(merged), "adapted": len(adapter.factors), "dtype": dtype}

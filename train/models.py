@@ -59,6 +59,9 @@ class ModelSpec:
     tiny: bool
     # (vocab_size or None, param dtype) -> Tunix ModelConfig. vocab_size is only used by tiny models.
     make_config: Callable[[int | None, Any], Any]
+    # Tokens one sequence may hold (prompt + generated): the Hugging Face config's max_position_embeddings
+    # for the real models; tiny models were never trained at any length, and declare TINY_CONTEXT.
+    context_length: int
     default_dtype: Any = jnp.bfloat16
 
 
@@ -113,12 +116,16 @@ def tiny_qwen3_config(vocab_size: int | None = None, dtype: Any = jnp.float32) -
     )
 
 
+# The longest sequence the tests and benchmarks give a tiny model (shard sets up to L4096).
+TINY_CONTEXT = 4096
+
 MODELS: dict[str, ModelSpec] = {
-    "gemma3-270m": ModelSpec("gemma3-270m", "gemma3", GEMMA3_LORA_PATHS, False, _gemma3_config("gemma3_270m")),
-    "gemma3-1b": ModelSpec("gemma3-1b", "gemma3", GEMMA3_LORA_PATHS, False, _gemma3_config("gemma3_1b_pt")),
-    "qwen3-0.6b": ModelSpec("qwen3-0.6b", "qwen3", QWEN3_LORA_PATHS, False, _qwen3_0p6b),
-    "tiny-gemma3": ModelSpec("tiny-gemma3", "gemma3", GEMMA3_LORA_PATHS, True, tiny_gemma3_config, jnp.float32),
-    "tiny-qwen3": ModelSpec("tiny-qwen3", "qwen3", QWEN3_LORA_PATHS, True, tiny_qwen3_config, jnp.float32),
+    # google/gemma-3-270m, google/gemma-3-1b-pt: max_position_embeddings 32768; Qwen/Qwen3-0.6B: 40960.
+    "gemma3-270m": ModelSpec("gemma3-270m", "gemma3", GEMMA3_LORA_PATHS, False, _gemma3_config("gemma3_270m"), 32768),
+    "gemma3-1b": ModelSpec("gemma3-1b", "gemma3", GEMMA3_LORA_PATHS, False, _gemma3_config("gemma3_1b_pt"), 32768),
+    "qwen3-0.6b": ModelSpec("qwen3-0.6b", "qwen3", QWEN3_LORA_PATHS, False, _qwen3_0p6b, 40960),
+    "tiny-gemma3": ModelSpec("tiny-gemma3", "gemma3", GEMMA3_LORA_PATHS, True, tiny_gemma3_config, TINY_CONTEXT, jnp.float32),
+    "tiny-qwen3": ModelSpec("tiny-qwen3", "qwen3", QWEN3_LORA_PATHS, True, tiny_qwen3_config, TINY_CONTEXT, jnp.float32),
 }
 MODELS["tiny"] = dataclasses.replace(MODELS["tiny-gemma3"], name="tiny")
 

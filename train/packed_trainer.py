@@ -114,12 +114,20 @@ def make_trainer_class() -> type:
         # Steps (1-based) whose results must be fetched before Tunix goes on: checkpoint saves,
         # evals, a profile's last step, the last step (set by train/run_setup.py).
         fetch_before: Callable[[int], bool] = staticmethod(lambda step: False)
+        # (step, a copy of the LoRA values after it) at the last fetch that found every step finite:
+        # what --save-lora saves when --nan-policy stop ends the run (the model's own values are
+        # by then the diverged step's). LoRA is small: the copy is a few MB on the device.
+        last_finite: tuple[int, Any] | None = None
+        keep_last_finite: bool = False
 
         def configure(self, *, loss_fn: Any, gen_model_input_fn: Any, recorder: MetricsRecorder, vocab_size: int,
                       loss_mean: str, grad_accum_steps: int, max_grad_norm: float,
-                      fetch_before: Callable[[int], bool], sums: Any = None) -> "PackedPeftTrainer":
-            """sums: what the step's loss divides (train_step.StepSums; None: SFT's by loss_mean)."""
+                      fetch_before: Callable[[int], bool], sums: Any = None,
+                      keep_last_finite: bool = False) -> "PackedPeftTrainer":
+            """sums: what the step's loss divides (train_step.StepSums; None: SFT's by loss_mean);
+            keep_last_finite: copy the LoRA values at each fetch that finds the steps finite."""
             self.recorder, self.vocab_size, self.fetch_before = recorder, vocab_size, fetch_before
+            self.keep_last_finite = keep_last_finite
             self.step_options = dict(loss_mean=loss_mean, accumulate=grad_accum_steps > 1, max_grad_norm=max_grad_norm, sums=sums)
             self.with_gen_model_input_fn(gen_model_input_fn).with_loss_fn(loss_fn, has_aux=True)
             self.with_training_hooks(EvalTiming(self))
@@ -149,6 +157,17 @@ def make_trainer_class() -> type:
             stopped = self.recorder.fetch()
             if stopped is not None:
                 raise divergence.Diverged(stopped["step"], stopped["nonfinite"])
+            if self.keep_last_finite and self.recorder.steps:
+                self._keep(int(self.recorder.steps[-1]["step"]))
+
+        def _keep(self, step: int) -> None:
+            """Every dispatched step is fetched and finite: the model's LoRA values are step `step`'s."""
+            import jax
+            import jax.numpy as jnp
+            from flax import nnx
+
+            if self.last_finite is None or self.last_finite[0] != step:
+                self.last_finite = (step, jax.tree.map(jnp.copy, nnx.state(self.model, nnx.LoRAParam)))
 
         def _try_get_learning_rate(self) -> None:
             return None  # Tunix's logger would wait for the step to read it (train/tunix_contract.py)

@@ -30,7 +30,7 @@ import numpy as np
 from prepack import storage
 from prepack.storage import own_files
 from train import hf_layout
-from train.lora_file import LoraFileError
+from train.lora_file import LoraFileError, check_finite
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -99,9 +99,7 @@ def save_peft(model: Any, family: str, config: Any, path: str, *, model_name: st
     tensors = peft_tensors(family, config, model)
     if not tensors:
         raise LoraFileError("the model has no LoRA parameters to export")
-    bad = sorted(name for name, value in tensors.items() if not np.isfinite(value).all())
-    if bad:
-        raise LoraFileError(f"{path}: not written: {len(bad)} of {len(tensors)} LoRA tensors hold NaN or Inf (e.g. {bad[0]})")
+    check_finite(tensors, f"{path}: not written", "the run diverged: lower --learning-rate, or --dtype float32")
     meta = {"format": "pt"}
     meta.update({META_PREFIX + k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items() if v is not None})
     meta.update({META_PREFIX + "model": model_name, META_PREFIX + "lora_rank": str(rank), META_PREFIX + "lora_alpha": json.dumps(float(alpha)),
@@ -138,7 +136,6 @@ def write_folder(path: str, files: Mapping[str, bytes], overwrite: bool, owns: C
 
 def read_peft(path: str) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, str]]:
     """(adapter_config, tensors by PEFT name, safetensors metadata) of a PEFT folder, checked as a stranger's."""
-    import safetensors.numpy
 
     config_bytes = storage.read_bytes(storage.join(path, ADAPTER_CONFIG))
     if config_bytes is None:
@@ -155,14 +152,10 @@ def read_peft(path: str) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[st
     data = storage.read_bytes(storage.join(path, ADAPTER_WEIGHTS))
     if data is None:
         raise LoraFileError(f"{path}: no {ADAPTER_WEIGHTS}")
-    from train.lora_file import _parse_safetensors_metadata
+    from train.lora_file import _parse_safetensors_metadata, load_tensors
 
     meta = _parse_safetensors_metadata(data, f"{path}/{ADAPTER_WEIGHTS}")
-    try:
-        tensors = safetensors.numpy.load(data)
-    except Exception as e:  # noqa: BLE001  (safetensors raises its own SafetensorError, among others)
-        raise LoraFileError(f"{path}/{ADAPTER_WEIGHTS}: cannot be read ({str(e)[:100]})") from None
-    return config, tensors, meta
+    return config, load_tensors(data, f"{path}/{ADAPTER_WEIGHTS}"), meta
 
 
 def hf_factors(tensors: Mapping[str, np.ndarray], path: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:

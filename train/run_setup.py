@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-from train import checkpoints, divergence, objective, outputs, resume
+from train import checkpoints, divergence, lora_file, objective, outputs, resume
 from train.config import TrainConfig, TrainError
 from prepack.format.manifest import packing_kind
 from train.fingerprint import base_fingerprint
@@ -279,6 +279,9 @@ def make_trainer(cfg: TrainConfig, built: Any, ckpt: checkpoints.CheckpointDir |
             raise
         raise checkpoints.CheckpointError(ckpt.restore_problem(step, e)) from e
     resumed = int(trainer.train_steps)
+    if resumed:  # a checkpoint is read as any adapter is: its LoRA values finite, or the run stops here
+        lora_file.check_finite(lora_file.lora_tensors(built.model), f"--checkpoint-dir {ckpt.path}: step {resumed}",
+                               f"{ckpt.remedy(resumed)}")
     problem = checkpoints.optimizer_problem(trainer.optimizer, resumed) if resumed else None
     if problem:
         raise checkpoints.CheckpointError(f"--checkpoint-dir {ckpt.path}: step {resumed} was restored, but {problem}; "
@@ -336,7 +339,8 @@ def attach_step_functions(cfg: TrainConfig, loss_fn: Any, trainer: Any, recorder
         sums = dpo_loss.step_sums()
     trainer.configure(loss_fn=loss_fn, gen_model_input_fn=memory_path.gen_model_input_fn(cfg), recorder=recorder,
                       vocab_size=built.vocab_size, loss_mean=cfg.loss_mean, grad_accum_steps=cfg.grad_accum_steps,
-                      max_grad_norm=cfg.max_grad_norm, fetch_before=fetch_before, sums=sums)
+                      max_grad_norm=cfg.max_grad_norm, fetch_before=fetch_before, sums=sums,
+                      keep_last_finite=bool(cfg.save_lora) and cfg.nan_policy == divergence.STOP)
 
 
 def run_details(cfg: TrainConfig, model: ModelChoice, manifest: Any, built: Any, base_params: int) -> dict[str, Any]:

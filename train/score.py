@@ -27,7 +27,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from train.tool_calls import Call, ParsedCalls
+from train.tool_calls import Call, ParsedCalls, get_parser
 
 # The summary's rates, in the order tables show them; `label` is the column head.
 COLUMNS: tuple[tuple[str, str], ...] = (
@@ -77,15 +77,26 @@ def exact_match(completion: str, reference: str) -> bool:
 
 
 def record_score(completion: str, reference: str, nll_sum: float | None, reference_tokens: int,
-                 calls: CallScore | None) -> dict[str, Any]:
-    """The `score` object of one JSONL line."""
+                 calls: CallScore | None, parser: str | None = None) -> dict[str, Any]:
+    """The `score` object of one JSONL line; `calls` carry the parser that read them, so that a
+    reader can read the texts again (`from_texts`)."""
     out: dict[str, Any] = {
         "exact_match": exact_match(completion, reference),
         "reference_nll": _finite(nll_sum / reference_tokens) if nll_sum is not None and reference_tokens else None,
         "reference_tokens": reference_tokens,
     }
     if calls is not None:
-        out["calls"] = calls.as_json()
+        out["calls"] = {**calls.as_json(), "parser": parser}
+    return out
+
+
+def from_texts(completion: str, reference: str, parser: str | None) -> dict[str, Any]:
+    """What a line's score says that its texts alone decide: exact match, and with a parser the calls,
+    the reference's read from its own text (it is the record's reply as the chat format renders it)."""
+    out: dict[str, Any] = {"exact_match": exact_match(completion, reference)}
+    if parser is not None:
+        parse = get_parser(parser)
+        out["calls"] = {**score_calls(parse(reference).calls, parse(completion)).as_json(), "parser": parser}
     return out
 
 

@@ -27,14 +27,14 @@ import contextlib
 import sys
 from typing import Any, TextIO
 
-from train import checkpoints, data, eval_generate, lora_file, memory_path, memory_plan, out_of_memory, outputs, parity, resume
+from train import checkpoints, data, divergence, eval_generate, lora_file, memory_path, memory_plan, out_of_memory, outputs, parity, resume
 from train.config import TrainConfig, TrainError
 from train.run_setup import Setup, setup
 
 __all__ = ["TrainConfig", "TrainError", "Setup", "setup", "execute", "run", "export_lora"]
 
 
-def export_lora(s: Setup, path: str, overwrite: bool | None = None) -> dict[str, str]:
+def export_lora(s: Setup, path: str, overwrite: bool | None = None, step: int | None = None) -> dict[str, str]:
     """--save-lora: the trained adapter and what it belongs to: a PEFT folder (--lora-format peft,
     train/peft_export.py) or one safetensors file of qwix names (prepack, train/lora_file.py)."""
     from loaders.dataset import shard_set_id
@@ -52,7 +52,7 @@ def export_lora(s: Setup, path: str, overwrite: bool | None = None) -> dict[str,
         "config_overrides": dict(cfg.config_overrides) if cfg.config_overrides else None,
         "qlora": {"qtype": cfg.qlora, "tile_size": s.static.get("qlora_tile_size")} if cfg.qlora else None,
         "vocab_size": s.built.vocab_size,
-        "step": int(s.trainer.train_steps),
+        "step": int(s.trainer.train_steps) if step is None else step,
         "shards": cfg.shards,
         "shard_set": shard_set_id(s.view),
         "seed": cfg.seed,
@@ -73,19 +73,36 @@ def adapter_saved_line(record: dict[str, Any]) -> str:
     return f"saved the adapter (step {record['step']:,}, rank {record['rank']}) to {record['path']} ({what})"
 
 
-def export_adapter(s: Setup, say: TextIO) -> None:
-    """--save-lora after training; should it fail, the adapter is saved where outputs.recovery_path
-    says and the run fails naming that place (outputs.ExportFailed): what was trained is never lost."""
+def export_adapter(s: Setup, say: TextIO, step: int | None = None) -> None:
+    """--save-lora after training (or of `step`, the last finite one, after a divergence); should it
+    fail, the adapter is saved where outputs.recovery_path says and the run fails naming that place
+    (outputs.ExportFailed): what was trained is never lost."""
     cfg = s.config
-    record = {"path": cfg.save_lora, "format": cfg.lora_format, "step": int(s.trainer.train_steps), "rank": cfg.lora_rank}
+    step = int(s.trainer.train_steps) if step is None else step
+    record = {"path": cfg.save_lora, "format": cfg.lora_format, "step": step, "rank": cfg.lora_rank}
     try:
-        outputs.export_or_recover(cfg, lambda path, overwrite: export_lora(s, path, overwrite), say)
+        outputs.export_or_recover(cfg, lambda path, overwrite: export_lora(s, path, overwrite, step), say)
         print(adapter_saved_line(record), file=say, flush=True)
     except outputs.ExportFailed as e:
         record["failed"] = str(e)
         raise
     finally:
         s.recorder.static_extra["lora_export"] = record
+
+
+def save_last_finite(s: Setup, error: divergence.Diverged, say: TextIO) -> None:
+    """--nan-policy stop with --save-lora: the last LoRA values fetched finite are put back on the model
+    and exported; raises Diverged again with the step they are of. Nothing when none was kept."""
+    from flax import nnx
+
+    kept = getattr(s.trainer, "last_finite", None)
+    if not s.config.save_lora or kept is None:
+        return
+    step, lora = kept
+    nnx.update(s.built.model, lora)
+    export_adapter(s, say, step)
+    raise divergence.Diverged(error.step, error.reason, saved=f"the adapter of step {step}, the last step fetched finite, "
+                                                             f"was saved to {s.config.save_lora}") from error
 
 
 def verify_first(s: Setup, batch: dict[str, Any], out: TextIO, packed_layout: parity.LayoutFn = parity.stored_layout) -> None:
@@ -145,7 +162,11 @@ def execute(cfg: TrainConfig, out: TextIO | None = None) -> tuple[Setup, dict[st
     try:
         # A batch too large for the device fails in the compile or a step: one line, not XLA's traceback.
         with out_of_memory.refused_as_train_error(s):
-            train_steps(s, context, out if out is not None else sys.stderr, prompts)
+            try:
+                train_steps(s, context, out if out is not None else sys.stderr, prompts)
+            except divergence.Diverged as e:
+                save_last_finite(s, e, out if out is not None else sys.stderr)
+                raise
         if cfg.save_lora:
             export_adapter(s, out if out is not None else sys.stderr)
     finally:

@@ -90,6 +90,27 @@ def location_problem(path: str) -> str | None:
     return None
 
 
+def local_write_problem(path: str) -> str | None:
+    """Why this process cannot create files beside the local `path` (one line), or None. Commands
+    stage their output beside it (path.tmp-PID, .name.XXXX) and rename it into place, so the
+    question is the nearest existing folder at or above its parent: it must be a folder, and one
+    where a folder can be made. That is tried (a probe folder made and removed at once), not read
+    from permission bits: root passes os.access on /proc, where mkdir still fails."""
+    import os
+    import tempfile
+
+    above = os.path.dirname(os.path.abspath(path))
+    while not os.path.lexists(above):
+        above = os.path.dirname(above)
+    if not os.path.isdir(above):
+        return f"{path!r} cannot be written: {above} is a file, not a folder"
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=above, prefix=".prepack-write-probe-"))
+    except OSError as e:
+        return f"{path!r} cannot be written: no folder can be made in {above} ({e.strerror or e})"
+    return None
+
+
 def on_this_machine(spec: str) -> bool:
     """Whether a path or input spec reads this machine's disk: a local path, or hf: naming a
     local folder; gs://, hf:NAME of the Hub, tfds:NAME (under the user's own --tfds-data-dir) and

@@ -1,0 +1,86 @@
+"""`prepack generate`'s bounds, judged before the model loads: the context length and the device's memory.
+
+- Context: a prompt and its completion share one sequence; the longest prompt bucket (a power of
+  two, train/generate.py) plus --max-new-tokens must fit the model's context length
+  (models.ModelSpec.context_length).
+- Memory: what generation holds on the device, counted from the config alone (no weights read):
+  the weights (every parameter of the model's abstract trace, in the parameter dtype) and Tunix's
+  KV cache (batch * (prompt bucket + new tokens) * layers * 2 (K and V) * kv heads * head dim, in
+  the compute dtype). Activations, logits and XLA's temporaries are not counted, so a plan that
+  fits can still run out; one that does not fit cannot run. The budget is the device's memory
+  (train/memory_plan.py's budget_bytes: JAX's figure, else 16 GiB).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from train.generate import GenerateError, next_power_of_2
+
+GIB = 1024**3
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationPlan:
+    weight_bytes: int
+    kv_cache_bytes: int
+    budget_bytes: int
+    budget_source: str
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.kv_cache_bytes
+
+
+def weight_bytes(family: str, config: Any) -> int:
+    """The model's parameters in bytes, from an abstract trace (shapes only, nothing allocated)."""
+    import jax
+    from flax import nnx
+
+    from train import models
+
+    cls = models.model_class(family)
+    abstract = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(params=0)))
+    leaves = jax.tree.leaves(nnx.state(abstract, nnx.Param))
+    return int(sum(leaf.size * leaf.dtype.itemsize for leaf in leaves))
+
+
+def check_context(name: str, context_length: int, max_new_tokens: int, prompt_tokens: int) -> None:
+    """The longest prompt's bucket plus --max-new-tokens within the model's context length, else one line."""
+    bucket = next_power_of_2(prompt_tokens) if prompt_tokens else 0
+    if bucket + max_new_tokens > context_length:
+        prompts = f"the longest prompt's {bucket:,}-token bucket plus " if prompt_tokens else ""
+        raise GenerateError(f"--max-new-tokens {max_new_tokens:,}: {prompts}that many new tokens exceed {name}'s context "
+                            f"length of {context_length:,} tokens; give at most {context_length - bucket:,}")
+
+
+def plan(family: str, config: Any, *, batch_size: int, max_new_tokens: int, prompt_tokens: int, compute_dtype: Any,
+         budget: tuple[int, str] | None = None) -> GenerationPlan:
+    """The weights and KV cache of a run (see the module's note on what is counted)."""
+    import numpy as np
+
+    from train import memory_plan
+
+    cache_tokens = (next_power_of_2(prompt_tokens) if prompt_tokens else 0) + max_new_tokens
+    per_token = int(config.num_layers) * 2 * int(config.num_kv_heads) * int(config.head_dim) * np.dtype(compute_dtype).itemsize
+    limit, source = budget if budget is not None else memory_plan.budget_bytes(None)
+    return GenerationPlan(weight_bytes(family, config), batch_size * cache_tokens * per_token, limit, source)
+
+
+def _size(n: int) -> str:
+    return f"{n / GIB:,.2f} GiB" if n >= GIB else f"{n / 2**20:,.2f} MiB"
+
+
+def check_memory(generation: GenerationPlan, batch_size: int) -> None:
+    """The plan within the budget, else one line saying what was counted and what would fit."""
+    if generation.total_bytes <= generation.budget_bytes:
+        return
+    spare = generation.budget_bytes - generation.weight_bytes
+    per_row = generation.kv_cache_bytes // batch_size
+    fits = max(0, spare // per_row) if per_row else 0
+    raise GenerateError(f"--batch-size {batch_size:,}: the KV cache ({_size(generation.kv_cache_bytes)}) and the "
+                        f"weights ({_size(generation.weight_bytes)}) need more than the "
+                        f"{_size(generation.budget_bytes)} of {generation.budget_source}, before activations; "
+                        + (f"give --batch-size {fits:,} or less, or fewer --max-new-tokens" if fits else
+                           "give fewer --max-new-tokens, or a smaller --model"))
