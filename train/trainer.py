@@ -149,6 +149,7 @@ def execute(cfg: TrainConfig, out: TextIO | None = None) -> tuple[Setup, dict[st
         s.trainer.checkpoint_manager.close()
         if isinstance(s.trainer.checkpoint_manager, checkpoints.DataStateCheckpoints):
             s.recorder.static_extra["checkpoints_saved"] = s.trainer.checkpoint_manager.saved_steps
+        s.recorder.static_extra["device_peak_bytes"] = memory_plan.device_peak_bytes()
         summary = s.recorder.summary(extra={k: v for k, v in s.static.items() if k not in s.recorder.static})
         s.recorder.close(summary)
     return s, summary
