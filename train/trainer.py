@@ -27,7 +27,8 @@ import contextlib
 import sys
 from typing import Any, TextIO
 
-from train import checkpoints, data, eval_generate, lora_file, memory_path, memory_plan, out_of_memory, outputs, parity, resume
+from train import (checkpoints, data, eval_generate, lora_file, memory_path, memory_plan, models, out_of_memory, outputs, parity,
+                   precision, resume)
 from train.config import TrainConfig, TrainError
 from train.run_setup import Setup, setup
 
@@ -129,6 +130,12 @@ def execute(cfg: TrainConfig, out: TextIO | None = None) -> tuple[Setup, dict[st
         import loaders
 
         prompts = eval_generate.prepare(cfg, loaders.open_shards(cfg.shards).manifest, out)
+    with precision.matmul_precision(models.parse_dtype(cfg.dtype, models.get_spec(cfg.model).default_dtype)):
+        return _execute(cfg, out, prompts)
+
+
+def _execute(cfg: TrainConfig, out: TextIO | None, prompts: Any) -> tuple[Setup, dict[str, Any]]:
+    """execute's run, inside its matmul precision (--dtype float32: float32 matmuls on every backend)."""
     s = setup(cfg, out=out)
     context = s.mesh if s.mesh is not None else contextlib.nullcontext()
     try:
