@@ -133,7 +133,8 @@ SUMMARY_FIELDS = ("median_step_time_s", "tokens_per_s", "target_tokens_per_s", "
 
 def one_run(run: Run, args: argparse.Namespace, timeout: float) -> dict[str, Any]:
     """`prepack train` for one run, in its own process; its summary's figures, or why there are none."""
-    metrics = os.path.join(args.out, "metrics", run.key.replace(" ", "_").replace("=", "-") + ".jsonl")
+    name = run.key + ("_profiled" if args.profile else "")
+    metrics = os.path.join(args.out, "metrics", name.replace(" ", "_").replace("=", "-") + ".jsonl")
     os.makedirs(os.path.dirname(metrics), exist_ok=True)
     cmd = train_cmd(run, args, metrics)
     shown = shlex.join(["python3", *cmd[1:]])
@@ -187,7 +188,7 @@ def budget_times(runs: dict[str, dict[str, Any]], budget: float) -> list[dict[st
     the steady rate (and with the first step's time added), unpacked / packed."""
     out = []
     for key, packed in runs.items():
-        if " packed " not in key or "failed" in packed or not packed.get("target_tokens_per_s"):
+        if " packed " not in key or key.endswith(" profiled") or "failed" in packed or not packed.get("target_tokens_per_s"):
             continue
         unpacked = runs.get(key.replace(" packed ", " unpacked "))
         if not unpacked or "failed" in unpacked or not unpacked.get("target_tokens_per_s"):
@@ -242,20 +243,21 @@ def run_all(args: argparse.Namespace) -> int:
         raise SystemExit(f"bench_train_device: no shard set at {', '.join(missing)}; build them first (with Beam, here): "
                          f"python -m benchmarks.bench_train_device --pack --work-dir {args.work_dir}")
     for run in runs:
-        if run.key in data["runs"] and final(data["runs"][run.key]) and not args.profile:
-            print(f"{run.key}: already in {path}, skipped", flush=True)
+        key = run.key + (" profiled" if args.profile else "")  # a traced run's times are its own, never the plain run's
+        if key in data["runs"] and final(data["runs"][key]):
+            print(f"{key}: already in {path}, skipped", flush=True)
             continue
         left = deadline - time.perf_counter()
         if left < args.min_run_s:
             print(f"{run.key}: not started, {left:.0f} s left of --budget-s (run the command again to go on)", flush=True)
             continue
         result = one_run(run, args, left)
-        print(f"{run.key}: {json.dumps({k: v for k, v in result.items() if k != 'command'})}", flush=True)
+        print(f"{key}: {json.dumps({k: v for k, v in result.items() if k != 'command'})}", flush=True)
         if "device_kind" in result:
             data["machine"].update({"device": result["device_kind"], "backend": result["platform"]})
         if args.profile:
             result["profile_dir"] = args.profile
-        data["runs"][run.key] = result
+        data["runs"][key] = result
         save_results(path, data)  # after each run: a call that ends later keeps it
     save_results(path, data)
     print_table(data, args.budget_target_tokens)
@@ -307,7 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-rank", type=int, default=DEFAULT_LORA_RANK)
     p.add_argument("--peak-tflops", type=float, default=None, help="default: the trainer's table by device kind (v5e 197)")
     p.add_argument("--train-args", default=None, help="more `prepack train` options for every run, one string")
-    p.add_argument("--profile", default=None, metavar="DIR", help="profile the runs (--profile-steps, --profile-dir DIR); reruns them")
+    p.add_argument("--profile", default=None, metavar="DIR", help="trace the runs (--profile-steps, --profile-dir DIR); "
+                   "recorded apart from the plain runs, as '<run> profiled'")
     p.add_argument("--profile-steps", default="10:13", help="with --profile: the steps traced")
     p.add_argument("--budget-s", type=float, default=540.0, help="wall time for this call; runs not started are left for the next")
     p.add_argument("--min-run-s", type=float, default=150.0, help="start no run with less than this left of --budget-s")

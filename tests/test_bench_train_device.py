@@ -93,3 +93,13 @@ def test_missing_shard_sets_are_one_line(tmp_path) -> None:
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and done.stderr.count("\n") == 1
     assert done.stderr.startswith(f"bench_train_device: no shard set at {tmp_path / 'none'}/gemma3/packed/L64")
+
+
+def test_a_run_is_the_trainers_own_command_with_the_profile_and_extra_options() -> None:
+    args = bench.build_parser().parse_args(["--work-dir", "W", "--out", "O", "--profile", "P", "--train-args", "--seed 3"])
+    run = bench.Run("qwen3-0.6b", 8, 2048, "unpacked", "splash", "none")
+    cmd = bench.train_cmd(run, args, "M.jsonl")
+    assert cmd[1:4] == ["-m", "apps.cli", "train"] and cmd[cmd.index("--shards") + 1] == os.path.join("W", "qwen3", "unpacked", "L2048")
+    assert cmd[cmd.index("--profile-steps") + 1] == "10:13" and cmd[cmd.index("--profile-dir") + 1] == "P"
+    assert cmd[-2:] == ["--seed", "3"] and cmd[cmd.index("--attention") + 1] == "splash"
+    assert cmd[cmd.index("--batch-size") + 1] == "8" and cmd[cmd.index("--metrics-out") + 1] == "M.jsonl"
