@@ -44,10 +44,11 @@ FLOAT32_TOLERANCE = 3e-4
 # the later segments; testkit/layout_bugs.py one_key_leak). A backend not in the table keeps
 # the old 1.0, which is loose enough to hide a leak.
 BFLOAT16_TOLERANCES: dict[str, float] = {
-    # CPU, Gemma3 270M's real weights, 4 rows of the sample at L512, blocked: noise 0.234, a one-key
-    # leak misses by >= 1.33 (every one of the 23 later segments); the CI machine's CPU showed noise
-    # up to 0.465 (4 rows at L128). 0.8: 1.7x the largest noise, 0.6x the smallest leak.
-    "cpu": 0.8,
+    # CPU, 4 rows of the sample at L512, blocked, Gemma3 270M: real weights noise 0.234 and a one-key
+    # leak >= 1.33; random weights noise 0.032 and a leak >= 0.744 (in all 23 later segments each);
+    # the CI machine's CPU showed noise up to 0.465 (real weights, 4 rows at L128). 0.6 lies
+    # between: 1.3x the largest noise, 0.8x the smallest leak.
+    "cpu": 0.6,
     # TPU v5e: the lead fills this from `bench_verify_tolerance` on the chip (noise 2.8e-2 flash,
     # 2.1e-2 splash with random Gemma3 270M at L2048, issue 54; the leak figure not yet measured).
     "tpu": 1.0,
