@@ -20,23 +20,35 @@
 
    (without --tiles: the older dense-against-blocked table, with a whole tiny-Gemma3 step.)
 
-3. On an accelerator: one prepared command. The rows are packed on this machine and saved, so the
+3. On an accelerator: prepared commands. The rows are packed on this machine and saved, so the
    device machine needs only jax and numpy (it packs nothing and imports no loaders, Tunix or flax):
 
     python -m benchmarks.bench_attention --time-lengths 4096,8192,16384 --save-rows .bench_rows/rows.npz   # here
-    python3 -m benchmarks.bench_attention --device-all --rows .bench_rows/rows.npz [--out DIR]             # on the device
+    python3 -m benchmarks.bench_attention --device-all --rows .bench_rows/rows.npz --out DIR               # on the device
 
-   --device-all runs (a) the attention alone, forward + backward, Gemma3 270M's heads, bf16, one
-   row, global and local (window 512) layers at each saved L: dense, blocked, flash at each of its
-   blocks (GPU 64 and 128; TPU 128), cuDNN's two forms on a GPU, splash on a TPU, each checked
-   against dense's forward first; ms and XLA's temp memory per compiled call (the older
-   `--rows NPZ [--cudnn]` runs this part alone); then (b) one whole train step of a Gemma3
+   Only one process can hold a TPU, so the process that runs --device-all never opens a backend
+   (it imports no JAX): (a) runs in a child, then each variant of (b) in its own child, one after
+   another. (a) the attention alone, forward + backward, Gemma3 270M's heads, bf16, one row, global
+   and local (window 512) layers at each saved L: dense, blocked, flash at each of its blocks (GPU
+   64 and 128; TPU 128), cuDNN's two forms on a GPU, splash on a TPU, each checked against dense's
+   forward first; ms and XLA's temp memory per compiled call; (b) one whole train step of a Gemma3
    270M-shaped LoRA model (benchmarks/gemma3_step.py: random bf16 weights, rank 16, chunked loss)
-   at (4, 8192) on four typical packed rows, flash against dense, with --remat layer and without,
-   each variant in its own process: median step time, the process's peak device memory and XLA's
-   temp bytes. A variant that runs out of memory or time is reported as such. JSON results go to
-   --out (default $OUT when set). `--smoke` runs the same on small shapes (any backend, Pallas
-   interpret mode off a GPU/TPU) to check the script end to end.
+   at (4, 8192) on four typical packed rows, flash against dense (and splash on a TPU), with
+   --remat layer and without: median step time, the process's peak device memory and XLA's temp
+   bytes. A variant that runs out of memory or time is reported as such.
+
+   The parts also run alone, in separate calls (six variants at ~99 s of compile each do not fit
+   one 10-minute call); each merges its results into DIR/bench_attention.json (--out, default
+   $OUT) and leaves out what the file already holds, so a call that ran out of time is resumed by
+   running it again:
+
+    python3 -m benchmarks.bench_attention --part attention --rows .bench_rows/rows.npz --out DIR [--kinds flash,splash] [--at-lengths 8192]
+    python3 -m benchmarks.bench_attention --part step --rows .bench_rows/rows.npz --out DIR --variants flash:128:layer,splash:512:layer
+
+   A variant that ran, or did not fit (out of memory), is final; one that failed otherwise or ran
+   out of time is run again. `--smoke` runs the same on small shapes (any backend, Pallas
+   interpret mode off a GPU/TPU) to check the script end to end. The older `--rows NPZ [--cudnn]`
+   runs (a) alone and prints it, without JSON.
 
    dense in (a) and (b) is Tunix 0.1.7's Gemma3 `Attention.block` step, written inline: logits of
    the scaled queries, `where(mask, logits, K_MASK)` with the block-causal mask of loaders/mask.py
@@ -414,9 +426,12 @@ def _temp_gib(compiled) -> float | None:
         return None
 
 
-def device_table(rows: dict[int, np.ndarray], repeats: int, cudnn: bool, sets: int = 3, deadline: float | None = None) -> list[dict]:
+def device_table(rows: dict[int, np.ndarray], repeats: int, cudnn: bool, sets: int = 3, deadline: float | None = None,
+                 kinds: set[str] | None = None, done: set[tuple[int, str]] = frozenset()) -> list[dict]:
     """The attention alone on the default device: ms per fwd+bwd call (median, inputs rotated over
-    `sets` random draws), XLA temp memory per call, forward error vs dense. Stops at `deadline`."""
+    `sets` random draws), XLA temp memory per call, forward error vs dense. Stops at `deadline`.
+    kinds: time only these (the first word of a name: dense, blocked, flash, splash, cudnn); dense's
+    forward is the reference either way. done: (L, layer, kind) already recorded, left out."""
     import jax
     import jax.numpy as jnp
 
@@ -431,15 +446,18 @@ def device_table(rows: dict[int, np.ndarray], repeats: int, cudnn: bool, sets: i
         segments = len(set(seg_row[seg_row > 0].tolist()))
         for layer, window in (("global", None), ("local", WINDOW)):
             row = {"L": length, "layer": layer, "segments": segments}
-            ref = None
-            for name, f in _attention_fns(length, window, seg_row, cudnn, backend).items():
+            fns = {name: f for name, f in _attention_fns(length, window, seg_row, cudnn, backend).items()
+                   if (kinds is None or name.split()[0] in kinds) and (length, layer, name.split()[0]) not in done}
+            if not fns:
+                continue
+            dense = lambda q, k, v, seg, w=window: dense_attention(q, k, v, seg, block_causal_mask(seg, w))  # noqa: E731
+            ref = jax.jit(dense)(*draws[0], seg).astype(jnp.float32)  # the reference forward
+            for name, f in fns.items():
                 if deadline is not None and time.perf_counter() > deadline:
-                    row[name] = "skipped: out of the time budget"
+                    row[name] = SKIPPED
                     continue
                 try:
                     out = jax.jit(f)(*draws[0], seg).astype(jnp.float32)
-                    if ref is None:
-                        ref = out  # dense comes first
                     err = float(jnp.linalg.norm(jnp.where(real, out - ref, 0)) / jnp.linalg.norm(jnp.where(real, ref, 0)))
                     fn = _fwd_bwd(f).lower(*draws[0], seg).compile()  # compiled once: timed and measured
                     temp = _temp_gib(fn)
@@ -468,7 +486,7 @@ def device_table(rows: dict[int, np.ndarray], repeats: int, cudnn: bool, sets: i
 def print_device_table(results: list[dict]) -> None:
     if not results:
         return
-    names = [n for n in results[0] if n not in ("L", "layer", "segments")]
+    names = list(dict.fromkeys(n for r in results for n in r if n not in ("L", "layer", "segments")))
 
     def cell(v):
         if isinstance(v, str):
@@ -478,7 +496,7 @@ def print_device_table(results: list[dict]) -> None:
 
     def ratio(row, name):
         d, x = row.get("dense"), row.get(name)
-        return f"{x[0] / d[0]:.2f}" if isinstance(d, tuple) and isinstance(x, tuple) else "-"
+        return f"{x[0] / d[0]:.2f}" if isinstance(d, (tuple, list)) and isinstance(x, (tuple, list)) else "-"
 
     others = [n for n in names if n != "dense"]
     print("\n| L | layer | segments | " + " | ".join(names) + " | " + " | ".join(f"{n} / dense" for n in others) + " |")
@@ -499,7 +517,7 @@ def print_device_table(results: list[dict]) -> None:
             continue
         cells = []
         for n in names:
-            if isinstance(g.get(n), tuple) and isinstance(loc.get(n), tuple) and isinstance(g.get("dense"), tuple):
+            if all(isinstance(v, (tuple, list)) for v in (g.get(n), loc.get(n), g.get("dense"), loc.get("dense"))):
                 total = LAYERS_GLOBAL * g[n][0] + LAYERS_LOCAL * loc[n][0]
                 dense = LAYERS_GLOBAL * g["dense"][0] + LAYERS_LOCAL * loc["dense"][0]
                 cells.append(f"{total:.1f} ({total / dense:.2f})")
@@ -569,7 +587,24 @@ def step_variants(backend: str, smoke: bool) -> list[str]:
     return [f"{k}:{remat}" for remat in ("layer", "none") for k in kinds]
 
 
+def step_variant_line(spec: str, rows_path: str | None, smoke: bool, repeats: int) -> dict:
+    """The child's result: step_variant's, with the machine; an out-of-memory failure is a result
+    too (recorded and not retried), any other exception propagates (the parent records the exit)."""
+    from benchmarks.device_machine import machine
+
+    try:
+        result = step_variant(spec, rows_path, smoke, repeats)
+    except Exception as e:  # noqa: BLE001 - only XLA's allocation failures are results
+        from train.out_of_memory import is_out_of_memory
+
+        if not is_out_of_memory(e):
+            raise
+        result = {"variant": spec, "failed": f"{OUT_OF_MEMORY}: {str(e).splitlines()[0][:200]}"}
+    return {**result, "machine": machine()}
+
+
 def run_step_variant(spec: str, args: argparse.Namespace, timeout: float) -> dict:
+    """One variant in its own process (the one that holds the device while it runs)."""
     cmd = [sys.executable, "-m", "benchmarks.bench_attention", "--step-variant", spec, "--repeats", str(args.step_repeats)]
     if args.rows:
         cmd += ["--rows", args.rows]
@@ -607,47 +642,183 @@ def print_steps(results: list[dict]) -> None:
                   flush=True)
 
 
+# --- The device run in parts: results merged into one JSON, resumable ------------------------------
+#
+# Only one process can hold a TPU. So the process that spawns children never opens a backend (it
+# imports no JAX): `--device-all` runs the attention part in a child, then each step variant in a
+# child, one after another; `--part attention` runs in the process itself (it spawns nothing);
+# `--part step` spawns one child per variant. Every part merges its results into OUT/bench_attention.json
+# and leaves out what that file already holds, so the parts can run in separate calls.
+
+RESULTS_NAME = "bench_attention.json"
+SKIPPED = "skipped: out of the time budget"
+OUT_OF_MEMORY = "out of memory"
+
+
+def results_path(args: argparse.Namespace) -> str:
+    out = args.out or os.environ.get("OUT")
+    if not out:
+        raise SystemExit("bench_attention: give --out DIR (or set $OUT): the parts merge their results into DIR/" + RESULTS_NAME)
+    return os.path.join(out, RESULTS_NAME)
+
+
+def rows_source(args: argparse.Namespace) -> str:
+    """What the timed rows are: 'smoke', or the saved .npz's sha256 (results of other rows never merge)."""
+    if args.smoke:
+        return "smoke"
+    import hashlib
+
+    with open(args.rows, "rb") as f:
+        return "sha256:" + hashlib.sha256(f.read()).hexdigest()
+
+
+def load_results(path: str, source: str) -> dict:
+    """The JSON so far (empty when there is none); refuses one made on other rows."""
+    if not os.path.exists(path):
+        return {"rows": source, "machine": {}, "attention": [], "steps": [], "commands": []}
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        if not isinstance(data, dict) or not all(isinstance(data.get(k), list) for k in ("attention", "steps")):
+            raise ValueError("not this benchmark's results")
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"bench_attention: {path}: unreadable ({e}); move it away or give another --out") from None
+    if data.get("rows") != source:
+        raise SystemExit(f"bench_attention: {path} holds results on other rows ({data.get('rows')}, these are {source}); "
+                         "give another --out")
+    data.setdefault("machine", {})
+    data.setdefault("commands", [])
+    return data
+
+
+def save_results(path: str, data: dict) -> None:
+    """Atomically: a call that ends mid-write leaves the previous results intact."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+
+
+def attention_kinds(backend: str) -> set[str]:
+    """The kinds the attention part times on a backend (the first words of _attention_fns' names)."""
+    return {"dense", "blocked", "flash"} | ({"splash"} if backend == "tpu" else set()) | ({"cudnn"} if backend == "gpu" else set())
+
+
+def attention_done(data: dict) -> set[tuple[int, str, str]]:
+    """(L, layer, kind) recorded: timed, or failed (a kernel that fails fails again; a fresh --out retries);
+    not those skipped for time."""
+    return {(r["L"], r["layer"], name.split()[0]) for r in data["attention"] for name, v in r.items()
+            if name not in ("L", "layer", "segments") and v != SKIPPED}
+
+
+def merge_attention(old: list[dict], fresh: list[dict]) -> list[dict]:
+    """Rows by (L, layer); a fresh row's kinds replace or join the recorded row's."""
+    rows = {(r["L"], r["layer"]): dict(r) for r in old}
+    for r in fresh:
+        rows.setdefault((r["L"], r["layer"]), {}).update(r)
+    return [rows[k] for k in sorted(rows, key=lambda k: (k[0], k[1] != "global"))]
+
+
+def step_done(result: dict) -> bool:
+    """A variant's result is final when it ran, or did not fit (out of memory is not retried)."""
+    return "failed" not in result or str(result["failed"]).startswith(OUT_OF_MEMORY)
+
+
+def record_command(data: dict) -> None:
+    data["commands"].append(" ".join(["python3", "-m", "benchmarks.bench_attention", *sys.argv[1:]]))
+
+
+def part_attention(args: argparse.Namespace) -> None:
+    """(a) the attention alone, in this process (it holds the device; it spawns nothing). Opens the
+    device only when some (L, layer, kind) asked for is not recorded yet."""
+    started = time.perf_counter()
+    path, source = results_path(args), rows_source(args)
+    data = load_results(path, source)
+    rows = {256: smoke_rows(256, 1)[0]} if args.smoke else load_rows(args.rows)[0]
+    if args.at_lengths:
+        wanted = {int(x) for x in args.at_lengths.split(",")}
+        rows = {L: r for L, r in rows.items() if L in wanted}
+    kinds = set(args.kinds.split(",")) if args.kinds else attention_kinds(args.backend or detected_backend())
+    done = attention_done(data)
+    asked = {(L, layer, k) for L in rows for layer in ("global", "local") for k in kinds}
+    if asked & done:
+        print(f"attention: {len(asked & done)} of {len(asked)} (L, layer, kind) already in {path}, left out", flush=True)
+    if asked <= done:
+        return
+    from benchmarks.device_machine import line, machine
+
+    info = machine()
+    print(f"machine: {line(info)}", flush=True)
+    fresh = device_table(rows, args.repeats, cudnn=info["backend"] == "gpu", deadline=started + args.budget_s,
+                         kinds=kinds, done=done)
+    data["attention"] = merge_attention(data["attention"], fresh)
+    data["machine"] = info
+    record_command(data)
+    save_results(path, data)
+    print(f"-> {path}", flush=True)
+
+
+def detected_backend() -> str:
+    """tpu / gpu / cpu from what is installed, without importing JAX or opening a device."""
+    import importlib.util
+
+    if importlib.util.find_spec("libtpu") is not None:
+        return "tpu"
+    if any(importlib.util.find_spec(m) is not None for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin")):
+        return "gpu"
+    return "cpu"
+
+
+def part_steps(args: argparse.Namespace, deadline: float) -> None:
+    """(b) each whole-step variant in its own process; this one imports no JAX."""
+    path, source = results_path(args), rows_source(args)
+    data = load_results(path, source)
+    variants = args.variants.split(",") if args.variants else step_variants(args.backend or detected_backend(), args.smoke)
+    for spec in variants:
+        recorded = next((r for r in data["steps"] if r.get("variant") == spec), None)
+        if recorded is not None and step_done(recorded):
+            print(f"step {spec}: already in {path}, skipped", flush=True)
+            continue
+        left = deadline - time.perf_counter()
+        result = ({"variant": spec, "failed": SKIPPED} if left < 30 else run_step_variant(spec, args, left))
+        print(f"step {spec}: {json.dumps(result)}", flush=True)
+        info = result.pop("machine", None)
+        if info:
+            data["machine"] = info
+        data["steps"] = [r for r in data["steps"] if r.get("variant") != spec] + [result]
+        save_results(path, data)  # after each variant: a call that ends later keeps it
+    record_command(data)
+    save_results(path, data)
+    print_steps([r for r in data["steps"] if r.get("variant") in variants])
+    print(f"-> {path}", flush=True)
+
+
 def device_all(args: argparse.Namespace) -> None:
-    """(a) the attention alone, (b) the whole-step variants, within --budget-s; JSON to --out."""
-    import platform
-
-    import jax
-
+    """(a) then (b), each in its own process(es), within --budget-s: this process opens no device."""
     started = time.perf_counter()
     deadline = started + args.budget_s
-    backend = jax.default_backend()
-    info = {"jax": jax.__version__, "backend": backend, "device": jax.devices()[0].device_kind,
-            "devices": jax.device_count(), "python": platform.python_version()}
-    try:
-        from jax.extend import backend as jex_backend
-
-        info["platform_version"] = jex_backend.get_backend().platform_version
-    except Exception:  # noqa: BLE001
-        pass
-    print(json.dumps({"machine": info}), flush=True)
+    path = results_path(args)
+    cmd = [sys.executable, "-m", "benchmarks.bench_attention", "--part", "attention", "--repeats", str(args.repeats),
+           "--budget-s", str(0.55 * args.budget_s), "--out", os.path.dirname(path)]  # (a): at most 55%
+    for flag, value in (("--rows", args.rows), ("--kinds", args.kinds), ("--at-lengths", args.at_lengths), ("--backend", args.backend)):
+        if value:
+            cmd += [flag, value]
     if args.smoke:
-        rows = {256: smoke_rows(256, 1)[0]}
-    else:
-        rows, _ = load_rows(args.rows)
-    # (a) gets at most 55% of the budget; the steps what is left.
-    attention = device_table(rows, args.repeats, cudnn=backend == "gpu", deadline=started + 0.55 * args.budget_s)
-    steps = []
-    for spec in step_variants(backend, args.smoke):
-        left = deadline - time.perf_counter()
-        if left < 30:
-            steps.append({"variant": spec, "failed": "skipped: out of the time budget"})
-            continue
-        steps.append(run_step_variant(spec, args, left))
-        print(f"step {spec}: {json.dumps(steps[-1])}", flush=True)
-    print_steps(steps)
-    out = args.out or os.environ.get("OUT")
-    if out:
-        os.makedirs(out, exist_ok=True)
-        path = os.path.join(out, "bench_attention.json")
-        with open(path, "w") as f:
-            json.dump({"machine": info, "attention": attention, "steps": steps,
-                       "seconds": time.perf_counter() - started}, f, indent=1)
-        print(f"-> {path}", flush=True)
+        cmd.append("--smoke")
+    try:
+        done = subprocess.run(cmd, timeout=max(1.0, 0.6 * args.budget_s))
+        if done.returncode:
+            print(f"attention part: exit {done.returncode} (its results so far are in {results_path(args)})", flush=True)
+    except subprocess.TimeoutExpired:
+        print("attention part: out of the time budget", flush=True)
+    part_steps(args, deadline)
+    data = load_results(results_path(args), rows_source(args))
+    if data["machine"]:
+        from benchmarks.device_machine import line
+
+        print(f"machine: {line(data['machine'])}", flush=True)
+    print_device_table(data["attention"])
 
 
 def main() -> None:
@@ -664,12 +835,21 @@ def main() -> None:
                    "on them; packs nothing (for a device machine with jax and numpy only)")
     p.add_argument("--cudnn", action="store_true", help="with --rows: also cuDNN flash attention (GPU only)")
     p.add_argument("--device-all", action="store_true", help="with --rows (or --smoke): the attention alone, then the "
-                   "whole-step variants, within --budget-s")
-    p.add_argument("--budget-s", type=float, default=540.0, help="--device-all's wall-time budget")
+                   "whole-step variants, each part in its own process(es) (this one opens no device), within --budget-s")
+    p.add_argument("--part", choices=["attention", "step"], default=None,
+                   help="one part of --device-all: attention (in this process) or step (each variant in its own process)")
+    p.add_argument("--variants", default=None, help="--part step / --device-all: these variants KIND:TILE:REMAT, comma-separated "
+                   "(default: flash and dense (and splash on a TPU), each with --remat layer and none)")
+    p.add_argument("--kinds", default=None, help="--part attention: time only these kinds (dense,blocked,flash,splash,cudnn)")
+    p.add_argument("--at-lengths", default=None, help="--part attention: only these of the saved lengths")
+    p.add_argument("--backend", choices=["tpu", "gpu", "cpu"], default=None,
+                   help="--part step: the variant list's backend (default: from what is installed; JAX is not imported)")
+    p.add_argument("--budget-s", type=float, default=540.0, help="--device-all's (or one part's) wall-time budget")
     p.add_argument("--step-repeats", type=int, default=5, help="timed steps per whole-step variant (after 2 warm-up steps)")
     p.add_argument("--step-variant", default=None, help=argparse.SUPPRESS)  # one variant, in its own process
     p.add_argument("--smoke", action="store_true", help="small shapes: check the device run end to end on any machine")
-    p.add_argument("--out", default=None, help="--device-all's JSON folder (default: $OUT when set)")
+    p.add_argument("--out", default=None, help="the device parts' results folder: DIR/bench_attention.json, merged and "
+                   "resumed (default: $OUT when set)")
     p.add_argument("--alpaca", action="store_true", help="pack the benchmarks' Alpaca sample ($PREPACK_BENCH_DATA/alpaca.jsonl, "
                    "benchmarks/data.py) instead of the shipped one")
     args = p.parse_args()
@@ -679,12 +859,17 @@ def main() -> None:
         global INPUT
         INPUT = os.path.join(DATA_DIR, "alpaca.jsonl")
     if args.step_variant:
-        print("STEP " + json.dumps(step_variant(args.step_variant, args.rows, args.smoke, args.repeats)), flush=True)
+        print("STEP " + json.dumps(step_variant_line(args.step_variant, args.rows, args.smoke, args.repeats)), flush=True)
         return
-    if args.device_all:
+    if args.device_all or args.part:
         if not (args.rows or args.smoke):
-            p.error("--device-all needs --rows NPZ (saved with --save-rows) or --smoke")
-        device_all(args)
+            p.error("--device-all and --part need --rows NPZ (saved with --save-rows) or --smoke")
+        if args.device_all:
+            device_all(args)
+        elif args.part == "attention":
+            part_attention(args)
+        else:
+            part_steps(args, time.perf_counter() + args.budget_s)
         return
     if args.save_rows:
         save_rows(sorted({int(x) for x in args.time_lengths.split(",")}), args.save_rows)

@@ -30,3 +30,16 @@ def shifted_boundary(rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     r, c = np.nonzero(starts)
     seg[r, c] = seg[r, c - 1]
     return {**rows, "segment_ids": seg}
+
+
+def one_key_leak(rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The smallest attention leak: every later segment sees one key of the segment before it
+    (that segment's last token is counted in the next one; positions as stored). The moved
+    token predicts the next segment's first token, never a target, so only the later segment's
+    log p can move, and only by that one key."""
+    seg = rows["segment_ids"].copy()
+    ends = np.zeros(seg.shape, bool)
+    ends[:, :-1] = (seg[:, :-1] != seg[:, 1:]) & (seg[:, 1:] > 1) & (seg[:, :-1] > 0)
+    r, c = np.nonzero(ends)
+    seg[r, c] = seg[r, c + 1]
+    return {**rows, "segment_ids": seg}

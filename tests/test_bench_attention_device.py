@@ -34,3 +34,55 @@ def test_device_benchmark_runs_end_to_end_on_small_shapes(tmp_path) -> None:
     for remat in ("layer", "none"):
         assert steps[f"flash:64:{remat}"]["losses"][0] == pytest.approx(steps[f"dense:0:{remat}"]["losses"][0], abs=2e-3)
     assert "flash / dense step time" in done.stdout
+
+
+PARENT = """
+import runpy, sys
+sys.argv = ["bench_attention", *sys.argv[1:]]
+runpy.run_module("benchmarks.bench_attention", run_name="__main__")
+assert "jax" not in sys.modules, "the parent imported jax"
+from jax._src import xla_bridge  # imported only now, to read the backends the run above opened (none)
+print("PARENT_BACKENDS", dict(xla_bridge._backends), flush=True)
+"""
+
+
+def run_parent(*args: str) -> subprocess.CompletedProcess:
+    """The benchmark as the device's parent process; afterwards it says whether it opened a backend."""
+    return subprocess.run([sys.executable, "-c", PARENT, *args], capture_output=True, text=True, timeout=600)
+
+
+def test_the_parts_merge_into_one_json_resume_and_the_parent_opens_no_device(tmp_path) -> None:
+    """Only one process can hold a TPU: the parent of the step variants (and of --device-all) never
+    imports JAX; each part merges into one JSON, and a second call runs nothing already there."""
+    out = str(tmp_path)
+    common = ["--smoke", "--out", out, "--repeats", "1", "--step-repeats", "1"]
+    attention = subprocess.run([sys.executable, "-m", "benchmarks.bench_attention", "--part", "attention", "--kinds", "dense",
+                                *common], capture_output=True, text=True, timeout=600)
+    assert attention.returncode == 0, attention.stderr[-2000:]
+    step = run_parent("--part", "step", "--variants", "dense:0:none", *common)
+    assert step.returncode == 0, step.stderr[-2000:]
+    assert "PARENT_BACKENDS {}" in step.stdout
+    result = json.loads((tmp_path / "bench_attention.json").read_text())
+    assert result["rows"] == "smoke" and {"backend", "device", "jax"} <= set(result["machine"])
+    assert [(r["L"], r["layer"]) for r in result["attention"]] == [(256, "global"), (256, "local")]
+    assert all(r["dense"][0] > 0 for r in result["attention"]) and all("flash 64" not in r for r in result["attention"])
+    (recorded,) = result["steps"]
+    assert recorded["variant"] == "dense:0:none" and recorded["median_step_s"] > 0 and "failed" not in recorded
+    # Again, as --device-all: everything asked for is recorded, so nothing runs and the results stay.
+    again = run_parent("--device-all", "--kinds", "dense", "--variants", "dense:0:none", *common)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "PARENT_BACKENDS {}" in again.stdout
+    assert "attention: 2 of 2 (L, layer, kind) already in" in again.stdout
+    assert "step dense:0:none: already in" in again.stdout and "machine: " in again.stdout
+    kept = json.loads((tmp_path / "bench_attention.json").read_text())
+    assert kept["steps"] == result["steps"] and kept["attention"] == result["attention"]
+    assert len(kept["commands"]) == 3
+
+
+def test_results_of_other_rows_are_refused_in_one_line(tmp_path) -> None:
+    (tmp_path / "bench_attention.json").write_text(json.dumps({"rows": "sha256:00", "attention": [], "steps": []}))
+    done = subprocess.run([sys.executable, "-m", "benchmarks.bench_attention", "--part", "step", "--smoke", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "jax" not in done.stderr
+    assert done.stderr.strip().endswith("holds results on other rows (sha256:00, these are smoke); give another --out")
+    assert done.stderr.count("\n") == 1

