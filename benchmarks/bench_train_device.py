@@ -78,10 +78,12 @@ class Run:
     layout: str  # packed | unpacked (one example per row)
     attention: str
     remat: str
+    label: str = ""  # --label: what --train-args changed (e.g. loss=xla), part of the key
 
     @property
     def key(self) -> str:
-        return f"{self.model} {self.batch}x{self.length} {self.layout} {self.attention} remat={self.remat}"
+        key = f"{self.model} {self.batch}x{self.length} {self.layout} {self.attention} remat={self.remat}"
+        return f"{key} {self.label}" if self.label else key
 
     def shards(self, work_dir: str) -> str:
         return os.path.join(work_dir, family(self.model), self.layout, f"L{self.length}")
@@ -99,7 +101,7 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
 
 def planned_runs(args: argparse.Namespace) -> list[Run]:
     shapes = parse_shapes(args.shapes)
-    runs = [Run(m, b, l, layout, kind, args.remat) for m in args.models.split(",") for b, l in shapes
+    runs = [Run(m, b, l, layout, kind, args.remat, args.label) for m in args.models.split(",") for b, l in shapes
             for kind in args.attention.split(",") for layout in args.layouts.split(",")]
     order = {m: i for i, m in enumerate(args.models.split(","))}
     return sorted(runs, key=lambda r: (priority(r.model, (r.batch, r.length)), order[r.model], shapes.index((r.batch, r.length))))
@@ -309,6 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-rank", type=int, default=DEFAULT_LORA_RANK)
     p.add_argument("--peak-tflops", type=float, default=None, help="default: the trainer's table by device kind (v5e 197)")
     p.add_argument("--train-args", default=None, help="more `prepack train` options for every run, one string")
+    p.add_argument("--label", default="", help="a name for what --train-args changes (e.g. loss=xla), added to each "
+                   "run's key so variants of one run are recorded side by side")
     p.add_argument("--profile", default=None, metavar="DIR", help="trace the runs (--profile-steps, --profile-dir DIR); "
                    "recorded apart from the plain runs, as '<run> profiled'")
     p.add_argument("--profile-steps", default="10:13", help="with --profile: the steps traced")

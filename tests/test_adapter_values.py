@@ -150,13 +150,14 @@ def test_export_output_under_a_file(adapter, tmp_path, capsys):
 
 
 def test_tokenizer_folder_output_is_judged_before_building(tmp_path, capsys, monkeypatch):
-    from apps import tokenizer_folder
     from prepack.text import gemma3_hf_folder
+
+    from apps import tokenizer_folder
 
     def never(*a, **k):
         raise AssertionError("the tokenizer was built")
 
-    monkeypatch.setattr(gemma3_hf_folder, "write_folder", never)
+    monkeypatch.setattr(gemma3_hf_folder, "fast_tokenizer", never)
     assert tokenizer_folder.main(["--output", "/proc/tokenizer"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("prepack tokenizer-folder: --output '/proc/tokenizer' cannot be written: no folder can be "

@@ -229,12 +229,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.cpu_devices}".strip()
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-    try:  # before any compile, and before the weights load
-        compile_cache.enable(args.compile_cache, sys.stderr)
-    except compile_cache.CompileCacheError as e:
-        print(f"prepack train: {e}", file=sys.stderr)
-        return 2
-
     from prepack.format.manifest import ManifestError
     from train import checkpoints, divergence, lora_file, models, out_of_memory, outputs, parity, trainer
 

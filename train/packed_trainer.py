@@ -91,6 +91,39 @@ def compile_notice(recorder: MetricsRecorder) -> str:
     return "compiling the train step (runs as step 1) ..."
 
 
+class LastFiniteAdapter:
+    """(step, a copy of the LoRA values after it) at the last fetch that found every step finite:
+    what --save-lora saves when --nan-policy stop ends the run (the model's own values are by then
+    the diverged step's). LoRA is small: the copy is a few MB on the device."""
+
+    model: Any
+    last_finite: tuple[int, Any] | None = None
+    keep_last_finite: bool = False
+
+    def _keep(self, step: int) -> None:
+        """Every dispatched step is fetched and finite: the model's LoRA values are step `step`'s."""
+        import jax
+        import jax.numpy as jnp
+        from flax import nnx
+
+        if self.last_finite is None or self.last_finite[0] != step:
+            self.last_finite = (step, jax.tree.map(jnp.copy, nnx.state(self.model, nnx.LoRAParam)))
+
+
+class RecorderLogging:
+    """What Tunix would log, left to the MetricsRecorder."""
+
+    recorder: MetricsRecorder
+
+    def _try_get_learning_rate(self) -> None:
+        return None  # Tunix's logger would wait for the step to read it (train/tunix_contract.py)
+
+    def _post_process_eval_step(self, aux: Any) -> None:
+        import jax
+
+        self.recorder.eval_batch_done(jax.device_get(aux))
+
+
 def make_trainer_class() -> type:
     """PeftTrainer with our step and metrics; built lazily so importing this module stays light."""
     from tunix.sft import hooks
@@ -104,7 +137,7 @@ def make_trainer_class() -> type:
 
     EvalTiming = eval_timing_hooks(hooks)
 
-    class PackedPeftTrainer(peft_trainer.PeftTrainer):
+    class PackedPeftTrainer(LastFiniteAdapter, RecorderLogging, peft_trainer.PeftTrainer):
         """Tunix's loop, with train/train_step.py's step and the recorder fed at dispatch."""
 
         recorder: MetricsRecorder
@@ -114,12 +147,6 @@ def make_trainer_class() -> type:
         # Steps (1-based) whose results must be fetched before Tunix goes on: checkpoint saves,
         # evals, a profile's last step, the last step (set by train/run_setup.py).
         fetch_before: Callable[[int], bool] = staticmethod(lambda step: False)
-        # (step, a copy of the LoRA values after it) at the last fetch that found every step finite:
-        # what --save-lora saves when --nan-policy stop ends the run (the model's own values are
-        # by then the diverged step's). LoRA is small: the copy is a few MB on the device.
-        last_finite: tuple[int, Any] | None = None
-        keep_last_finite: bool = False
-
         def configure(self, *, loss_fn: Any, gen_model_input_fn: Any, recorder: MetricsRecorder, vocab_size: int,
                       loss_mean: str, grad_accum_steps: int, max_grad_norm: float,
                       fetch_before: Callable[[int], bool], sums: Any = None,
@@ -159,23 +186,6 @@ def make_trainer_class() -> type:
                 raise divergence.Diverged(stopped["step"], stopped["nonfinite"])
             if self.keep_last_finite and self.recorder.steps:
                 self._keep(int(self.recorder.steps[-1]["step"]))
-
-        def _keep(self, step: int) -> None:
-            """Every dispatched step is fetched and finite: the model's LoRA values are step `step`'s."""
-            import jax
-            import jax.numpy as jnp
-            from flax import nnx
-
-            if self.last_finite is None or self.last_finite[0] != step:
-                self.last_finite = (step, jax.tree.map(jnp.copy, nnx.state(self.model, nnx.LoRAParam)))
-
-        def _try_get_learning_rate(self) -> None:
-            return None  # Tunix's logger would wait for the step to read it (train/tunix_contract.py)
-
-        def _post_process_eval_step(self, aux: Any) -> None:
-            import jax
-
-            self.recorder.eval_batch_done(jax.device_get(aux))
 
         def train(self, train_ds: Any, eval_ds: Any = None, *args: Any, **kwargs: Any) -> None:
             from jax.interpreters import pxla

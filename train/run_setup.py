@@ -39,12 +39,23 @@ class Setup:
     base_weights: dict[str, Any] | None = None  # {"source", "fingerprint"} when checkpointing or exporting
 
 
+def enable_compile_cache(cfg: TrainConfig, say: TextIO) -> None:
+    """--compile-cache, once the output rule has judged its folder, before any compile."""
+    from train import compile_cache
+
+    try:
+        compile_cache.enable(cfg.compile_cache, say)
+    except compile_cache.CompileCacheError as e:
+        raise TrainError(str(e)) from None
+
+
 def setup(cfg: TrainConfig, out: TextIO | None = None) -> Setup:
     """Builds the model, LoRA and trainer; with cfg.checkpoint_dir, Tunix restores the latest checkpoint here."""
     check_flags(cfg)
     # A resumed run appends to its metrics: the checkpoint folder is listed only if that matters.
     outputs.check_outputs(cfg, resumes=lambda: checkpoints.holds_checkpoint(cfg.checkpoint_dir))
     say = out if out is not None else sys.stderr
+    enable_compile_cache(cfg, say)
     view, eval_view = open_views(cfg)
     max_length = view.manifest.max_length
     import jax
