@@ -291,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                        help="parameter and compute dtype (default: as `prepack train`, bf16 real, f32 tiny)")
     model.add_argument("--attention", default=None, choices=["dense", "blocked", "flash", "splash"],
-                       help="the attention path, as `prepack train --attention` (default: splash on TPU, dense on GPU, "
+                       help="the attention path, as `prepack train --attention` (default: flash on TPU, dense on GPU, "
                             "blocked on CPU; flash runs in Pallas interpret mode on a CPU: slow)")
     model.add_argument("--attention-tile", type=int, default=None,
                        help="tokens per tile or block of that path, as `prepack train --attention-tile`")

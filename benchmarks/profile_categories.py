@@ -17,14 +17,15 @@ traced train steps in one category, in this order (the first that matches):
 - copies and transposes: copy, transpose, bitcast-convert, dynamic-update-slice and async copies;
 - norms and elementwise: everything else on the device (loop and reduce fusions: RMS norms, RoPE,
   the optimizer's update, casts);
-- host gaps: the time inside a step's span (first op start to last op end of one train-step
-  execution) when no op runs, plus the idle time between consecutive steps.
+- host gaps: the time of a step (from its start to the next step's start) when no op runs on
+  the device.
 Each category's share is of the steps' wall time; MFU's lost time is read off it.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import gzip
 import json
@@ -65,75 +66,87 @@ def dump(profile_dir: str, out: str) -> int:
     return 0
 
 
-_MATMUL = re.compile(r"\b(convolution|dot)\(|= \S+ (convolution|dot)\b|kind=kOutput|\bconvolution\b")
-_COPY = re.compile(r"^(copy|transpose|bitcast|dynamic-update-slice|copy-start|copy-done|slice)")
+_OPCODE = re.compile(r"%([A-Za-z_\-]+?)[.\d]*\s*=")
+_SHAPE = re.compile(r"\b(bf16|f32|f16|s32|u32|s8|u8|pred)\[([0-9,]*)\]")
+_COPY = ("copy", "slice", "transpose", "bitcast", "dynamic-update-slice", "dynamic_update_slice", "dynamic-slice",
+         "dynamic_slice", "concatenate", "pad")
 
 
-def _shapes(text: str) -> list[tuple[int, ...]]:
-    return [tuple(int(d) for d in dims.split(",") if d) for dims in re.findall(r"\[([0-9,]*)\]", text)]
+@dataclasses.dataclass(frozen=True)
+class Dims:
+    """What tells the ops of one model and step apart in the HLO text of a TPU profile's ops."""
+
+    rank: int  # LoRA's rank: a LoRA product's output or adapter has it as its last dimension
+    vocab: int  # the output projection's V
 
 
-def category(ev: dict, rank: int) -> str:
-    stats = ev.get("stats", {})
-    scope = str(stats.get("tf_op", "")) + " " + str(stats.get("long_name", ""))
-    name = ev["name"]
-    if "segment_attention" in scope:
-        return "attention"
-    if "loss_head" in scope:
+def category(name: str, dims: Dims) -> str:
+    """One device op's category, from its HLO text (the profile's op name): see the module doc."""
+    head = name.split(" calls=")[0].split(", metadata=")[0]
+    shapes = [tuple(int(d) for d in s.split(",") if d) for _, s in _SHAPE.findall(head)]
+    match = _OPCODE.match(name)
+    opcode = match.group(1) if match else name.split(" ")[0]
+    custom = re.search(r'custom_call_target="([^"]+)"', name)
+    kernel = opcode if custom else ""
+    if "splash_mqa" in kernel or any(dims.vocab in s for s in shapes):
         return "head and loss"
-    long_name = str(stats.get("long_name", name))
-    hlo_category = str(stats.get("hlo_category", ""))
-    if "convolution" in hlo_category or _MATMUL.search(long_name) or name.startswith(("convolution", "dot")):
-        if any(rank in s for s in _shapes(long_name)):
-            return "LoRA matmuls"
+    if kernel.startswith(("flash", "splash_mha")):
+        return "attention"
+    matmul = "kind=kOutput" in head or opcode.startswith(("convolution", "dot"))
+    if matmul and any(s and s[-1] == dims.rank for s in shapes):
+        return "LoRA matmuls"
+    if matmul:
         return "base matmuls"
-    if _COPY.match(name) or "copy" in hlo_category or "transpose" in hlo_category:
+    if opcode.startswith(_COPY):
         return "copies and transposes"
+    if any(len(s) == 4 for s in shapes):  # [B, L, heads, head_dim] and its statistics: around the kernels
+        return "attention"
     return "norms and elementwise"
 
 
-def _op_line(plane: dict) -> list[dict]:
-    for line in plane["lines"]:
-        if line["name"] == "XLA Ops":
-            return line["events"]
-    return max(plane["lines"], key=lambda l: len(l["events"]))["events"] if plane["lines"] else []
+def _self_times(events: list[dict]) -> list[tuple[dict, float]]:
+    """Each op with its own time: a control-flow op (while, cond) spans its body's ops on the same line."""
+    ordered = sorted(events, key=lambda e: (e["start_ns"], -e["duration_ns"]))
+    own = [float(e["duration_ns"]) for e in ordered]
+    stack: list[tuple[int, float]] = []
+    for i, e in enumerate(ordered):
+        while stack and stack[-1][1] <= e["start_ns"]:
+            stack.pop()
+        if stack:
+            own[stack[-1][0]] -= e["duration_ns"]
+        stack.append((i, e["start_ns"] + e["duration_ns"]))
+    return list(zip(ordered, own))
 
 
-def _step_spans(plane: dict) -> list[tuple[int, int]]:
-    """(start, end) of each train-step execution: the XLA Modules line's jit(train_step) events."""
-    for line in plane["lines"]:
-        if line["name"] == "XLA Modules":
-            spans = [(e["start_ns"], e["start_ns"] + e["duration_ns"]) for e in line["events"] if "train_step" in e["name"]]
-            if spans:
-                return spans
-    return []
+def _line(plane: dict, name: str) -> list[dict]:
+    return next((line["events"] for line in plane["lines"] if line["name"] == name), [])
 
 
-def table(events_path: str, rank: int, steps: int | None) -> dict:
+def table(events_path: str, dims: Dims, steps: int | None) -> dict:
     with gzip.open(events_path, "rt") as f:
         data = json.load(f)
     plane = next(p for p in data["planes"] if "TPU" in p["name"] or "GPU" in p["name"])
-    spans = _step_spans(plane)
+    starts = [e["start_ns"] for e in _line(plane, "XLA Modules") if "train_step" in e["name"]]
+    starts = starts[1:]  # the first traced execution can start before the trace did
     if steps:
-        spans = spans[-steps:]
-    if not spans:
-        raise SystemExit(f"{events_path}: no train_step execution on {plane['name']}'s XLA Modules line")
-    lo, hi = spans[0][0], spans[-1][1]
+        starts = starts[-(steps + 1):]
+    windows = list(zip(starts, starts[1:]))  # one step: from its start to the next step's start
+    if not windows:
+        raise SystemExit(f"{events_path}: fewer than 3 train_step executions on {plane['name']}'s XLA Modules line")
+    ops = [e for e in _line(plane, "XLA Ops") if any(a <= e["start_ns"] < b for a, b in windows)]
     busy: dict[str, float] = defaultdict(float)
     names: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    for ev in _op_line(plane):
-        start, end = ev["start_ns"], ev["start_ns"] + ev["duration_ns"]
-        if end <= lo or start >= hi or not any(a <= start < b for a, b in spans):
-            continue
-        cat = category(ev, rank)
-        busy[cat] += ev["duration_ns"]
-        names[cat][ev["name"]] += ev["duration_ns"]
-    wall = hi - lo
-    busy["host gaps"] = max(0.0, wall - sum(busy.values()))
-    per_step = {c: busy.get(c, 0.0) / len(spans) / 1e9 for c in CATEGORIES}
-    top = {c: sorted(((n, t / len(spans) / 1e9) for n, t in names[c].items()), key=lambda x: -x[1])[:5] for c in names}
-    return {"steps": len(spans), "step_s": wall / len(spans) / 1e9, "seconds_per_step": per_step,
-            "share": {c: per_step[c] / (wall / len(spans) / 1e9) for c in CATEGORIES}, "top_ops": top}
+    for ev, own in _self_times(ops):
+        cat = category(ev["name"], dims)
+        busy[cat] += own
+        names[cat][ev["name"].split(" = ")[0]] += own
+    n = len(windows)
+    period = (windows[-1][1] - windows[0][0]) / n / 1e9
+    per_step = {c: busy.get(c, 0.0) / n / 1e9 for c in CATEGORIES}
+    per_step["host gaps"] = max(0.0, period - sum(per_step.values()))  # no op on the device
+    top = {c: sorted(((k, t / n / 1e9) for k, t in names[c].items()), key=lambda x: -x[1])[:5] for c in names}
+    return {"steps": n, "step_s": period, "seconds_per_step": per_step,
+            "share": {c: per_step[c] / period for c in CATEGORIES}, "top_ops": top}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,12 +158,13 @@ def main(argv: list[str] | None = None) -> int:
     t = sub.add_parser("table")
     t.add_argument("events")
     t.add_argument("--rank", type=int, default=8, help="the LoRA rank (LoRA matmuls are told by it)")
+    t.add_argument("--vocab", type=int, default=262144, help="the output projection's V (the head's ops are told by it)")
     t.add_argument("--steps", type=int, default=None, help="the last N traced steps only")
     t.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if args.cmd == "dump":
         return dump(args.profile_dir, args.out)
-    result = table(args.events, args.rank, args.steps)
+    result = table(args.events, Dims(args.rank, args.vocab), args.steps)
     print(f"{result['steps']} traced steps, {result['step_s'] * 1e3:.1f} ms a step")
     print("| category | ms a step | share |")
     print("|---|---|---|")

@@ -148,8 +148,8 @@ def add_memory_path_args(p: argparse.ArgumentParser) -> None:
                    help="dense: [B, L, L] mask (the reference); blocked: tiles from segment ids, skipping tiles no "
                    "segment spans (plain JAX); flash: one fused Pallas kernel visiting only the key blocks each query "
                    "block's segments reach (GPU, TPU; Pallas interpret mode, slow, elsewhere); splash: JAX's splash "
-                   "kernel with segment ids (TPU). Default: splash on TPU, dense on GPU, blocked on CPU (measured, "
-                   "docs/benchmarks.md; flash is not yet timed on a device)")
+                   "kernel with segment ids (TPU). Default: flash on TPU, dense on GPU, blocked on CPU (measured, "
+                   "docs/benchmarks.md)")
     p.add_argument("--attention-tile", type=whole_number("--attention-tile"), default=None,
                    help="tokens per tile (blocked) or block (flash, splash); must divide L. Default: blocked 512 "
                    "(measured on CPU), flash 64 on GPU and 128 elsewhere, splash 512, each cut to divide L")
