@@ -21,6 +21,11 @@ from pathlib import Path
 OUT = Path(__file__).with_name("sample_sft.jsonl")
 CHAT_OUT = Path(__file__).with_name("sample_chat.jsonl")
 PREFERENCE_OUT = Path(__file__).with_name("sample_preference.jsonl")
+HELD_OUT = Path(__file__).with_name("sample_held_out.jsonl")
+TOOLCALL_OUT = Path(__file__).with_name("sample_toolcall.jsonl")
+FUNCTIONGEMMA_OUT = Path(__file__).with_name("sample_functiongemma.jsonl")
+DIALOG_OUT = Path(__file__).with_name("sample_dialog.jsonl")
+RANKING_OUT = Path(__file__).with_name("sample_ranking.jsonl")
 
 UNITS = [("kilometres", "miles", 0.621371), ("kilograms", "pounds", 2.20462), ("litres", "US gallons", 0.264172),
          ("metres", "feet", 3.28084), ("Celsius degrees of difference", "Fahrenheit degrees of difference", 1.8)]
@@ -151,6 +156,103 @@ def write_preference() -> None:
     print(f"wrote {len(records)} records to {PREFERENCE_OUT}")
 
 
+def write_jsonl(path: Path, records: list[dict]) -> None:
+    with path.open("w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    print(f"wrote {len(records)} records to {path}")
+
+
+def write_held_out(training: list[dict]) -> None:
+    """Alpaca records sample_sft.jsonl does not hold (no instruction and input in common): the README's
+    generate walkthrough scores a model trained on sample_sft.jsonl on these."""
+    rng = random.Random(20261206)  # its own stream: the other samples' bytes do not change
+    seen = {(r["instruction"], r["input"]) for r in training}
+    records: list[dict] = []
+    while len(records) < 12:
+        record = short_arithmetic(rng) if rng.random() < 0.5 else conversion(rng)
+        if (record["instruction"], record["input"]) not in seen:
+            seen.add((record["instruction"], record["input"]))
+            records.append(record)
+    write_jsonl(HELD_OUT, records)
+
+
+CITIES = ["Lisbon", "Bergen", "Osaka", "Quito", "Accra", "Perth", "Tallinn", "Cusco"]
+CURRENCIES = ["EUR", "USD", "JPY", "GBP", "NOK"]
+WEATHER_TOOL = {"name": "get_weather", "description": "Current weather in a city.",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+CURRENCY_TOOL = {"name": "convert_currency", "description": "Convert an amount between two currencies.",
+                 "parameters": {"type": "object", "properties": {"amount": {"type": "number"},
+                                                                 "source": {"type": "string"},
+                                                                 "target": {"type": "string"}},
+                                "required": ["amount", "source", "target"]}}
+
+
+def tool_request(rng: random.Random) -> tuple[str, dict | None]:
+    """A user request and the call that serves it (None: no tool serves it, the reply is text)."""
+    kind = rng.random()
+    if kind < 0.45:
+        city = rng.choice(CITIES)
+        return f"What's the weather in {city}?", {"name": "get_weather", "arguments": {"city": city}}
+    if kind < 0.85:
+        amount, (source, target) = rng.randint(5, 900), rng.sample(CURRENCIES, 2)
+        return (f"How much is {amount} {source} in {target}?",
+                {"name": "convert_currency", "arguments": {"amount": amount, "source": source, "target": target}})
+    return rng.choice([("Tell me a short joke.", None), ("What is a hash table?", None)])
+
+
+def toolcall_sharegpt(rng: random.Random) -> dict:
+    """glaive-function-calling's ShareGPT layout: function_call and observation turns, tools a JSON string."""
+    request, call = tool_request(rng)
+    turns = [{"from": "human", "value": request}]
+    if call is None:
+        turns.append({"from": "gpt", "value": "I can only look up the weather and convert currencies."})
+    else:
+        result = ({"city": call["arguments"].get("city"), "sky": rng.choice(["rain", "sun", "cloud"]),
+                   "celsius": rng.randint(-5, 35)} if call["name"] == "get_weather"
+                  else {"amount": round(call["arguments"]["amount"] * rng.uniform(0.5, 2.0), 2)})
+        turns += [{"from": "function_call", "value": json.dumps(call)},
+                  {"from": "observation", "value": json.dumps(result)},
+                  {"from": "gpt", "value": f"Here is what I found: {json.dumps(result)}."}]
+    return {"conversations": turns, "tools": json.dumps([WEATHER_TOOL, CURRENCY_TOOL])}
+
+
+def toolcall_functiongemma(rng: random.Random) -> dict:
+    """FunctionGemma's layout: {tools, messages}, a developer message, replies that are only tool_calls."""
+    request, call = tool_request(rng)
+    reply = ({"role": "assistant", "content": "I can only look up the weather and convert currencies."}
+             if call is None else {"role": "assistant", "tool_calls": [{"type": "function", "function": call}]})
+    return {"tools": [{"type": "function", "function": tool} for tool in (WEATHER_TOOL, CURRENCY_TOOL)],
+            "messages": [{"role": "developer",
+                          "content": "You are a model that can do function calling with the following functions"},
+                         {"role": "user", "content": request}, reply]}
+
+
+def dialog(rng: random.Random) -> dict:
+    """sample_chat.jsonl's conversations under other names: {dialog: [{speaker, text}]}, speakers person and bot."""
+    messages = conversation(rng)["messages"]
+    return {"dialog": [{"speaker": "person" if m["role"] == "user" else "bot", "text": m["content"]}
+                       for m in messages]}
+
+
+def ranking(rng: random.Random) -> dict:
+    """LLaMA-Factory's DPO demo layout: {conversations, chosen: {from, value}, rejected: {from, value}}."""
+    pair = preference_pair(rng)
+    prompt = pair["prompt"] if isinstance(pair["prompt"], str) else pair["prompt"][-1]["content"]
+    reply = [(side if isinstance(side, str) else side[0]["content"]) for side in (pair["chosen"], pair["rejected"])]
+    return {"conversations": [{"from": "human", "value": prompt}],
+            "chosen": {"from": "gpt", "value": reply[0]}, "rejected": {"from": "gpt", "value": reply[1]}}
+
+
+def write_formats() -> None:
+    """One small file per layout the README's "Your data as published" block packs."""
+    rng = random.Random(20261207)  # its own stream: the other samples' bytes do not change
+    write_jsonl(TOOLCALL_OUT, [toolcall_sharegpt(rng) for _ in range(40)])
+    write_jsonl(FUNCTIONGEMMA_OUT, [toolcall_functiongemma(rng) for _ in range(40)])
+    write_jsonl(DIALOG_OUT, [dialog(rng) for _ in range(40)])
+    write_jsonl(RANKING_OUT, [ranking(rng) for _ in range(40)])
+
+
 def main() -> None:
     rng = random.Random(20261130)
     records = []
@@ -173,6 +275,8 @@ def main() -> None:
     print(f"wrote {len(records)} records to {OUT}")
     write_chat()
     write_preference()
+    write_held_out(records)
+    write_formats()
 
 
 if __name__ == "__main__":
