@@ -159,6 +159,32 @@ def test_a_file_the_command_does_not_own_changes_nothing(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+@pytest.mark.parametrize("fail_at", [1, 2, 4])  # moving an old file aside, then placing a new one
+def test_a_swap_that_fails_midway_puts_the_old_files_back(tmp_path, monkeypatch, fail_at):
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "notes.txt").write_text("mine")
+    (target / "a.bin").write_bytes(b"old a")
+    (target / "b.json").write_bytes(b"old b")
+    (target / "stale.bin").write_bytes(b"stale")
+    real, calls = os.replace, []
+
+    def failing(src, dst):
+        calls.append(dst)
+        if len(calls) == fail_at:
+            raise OSError(28, "No space left on device")
+        return real(src, dst)
+
+    monkeypatch.setattr(own_files.os, "replace", failing)
+    with pytest.raises(OSError, match="No space left"):
+        own_files.write_own_files(str(target), {"a.bin": b"new a", "b.json": b"new b"}, owns_ab)
+    monkeypatch.setattr(own_files.os, "replace", real)
+    # never the new adapter beside the old config: the folder is as it was
+    assert {p.name: p.read_bytes() for p in target.iterdir()} == {
+        "notes.txt": b"mine", "a.bin": b"old a", "b.json": b"old b", "stale.bin": b"stale"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
 def test_on_gcs_only_the_commands_own_objects_are_replaced_or_removed(gcs_emulator, gcs_prefix):  # noqa: F811
     from prepack import storage
 

@@ -4,7 +4,8 @@
 folder next to it, so a failed write leaves the old files as they were), then swaps them into the
 folder one by one, and removes only files that `owns(name)` says are of the kind the command
 writes (a stale shard of an earlier merged export, a tokenizer.model beside a new tokenizer.json)
-that this run did not write. Every other file or folder in the target stays: a user's notes, a
+that this run did not write. Locally the swap is all or nothing: a rename that fails puts the old
+files back. Every other file or folder in the target stays: a user's notes, a
 shard set, the run's own metrics. Nothing here removes a folder.
 
 Used by `prepack train --save-lora` (a PEFT folder), `prepack export --merge` and `prepack
@@ -54,22 +55,38 @@ def write_own_files(target: str, files: Mapping[str, bytes] | Callable[[str], No
                                 "its own; nothing was replaced")
         created = not os.path.lexists(target)
         os.makedirs(target, exist_ok=True)
-        try:
-            for name in sorted(os.listdir(target)):
-                path = os.path.join(target, name)
-                if name not in written and owns(name) and os.path.isfile(path) and not os.path.islink(path):
-                    os.remove(path)  # a stale file of the command's own kind, read with the new ones otherwise
-            for name in written:
-                os.replace(os.path.join(staging, name), os.path.join(target, name))
-        except BaseException:
-            if created:  # a folder this run made: it leaves nothing of itself behind
-                for name in written:
-                    with contextlib.suppress(OSError):
-                        os.remove(os.path.join(target, name))
-                with contextlib.suppress(OSError):
-                    os.rmdir(target)
-            raise
+        _swap(target, staging, written, owns, created)
     return written
+
+
+def _swap(target: str, staging: str, written: list[str], owns: Callable[[str], bool], created: bool) -> None:
+    """All or nothing: the old own files (replaced or stale) are moved aside into the staging folder
+    first, then the new ones in; should any rename fail, the new ones come out and the old ones go
+    back, so the folder never holds a mix of two writes (a new adapter beside an old config)."""
+    aside = os.path.join(staging, ".previous")
+    os.mkdir(aside)
+    old = [n for n in sorted(os.listdir(target))
+           if owns(n) and os.path.isfile(os.path.join(target, n)) and not os.path.islink(os.path.join(target, n))]
+    moved: list[str] = []
+    placed: list[str] = []
+    try:
+        for name in old:
+            os.replace(os.path.join(target, name), os.path.join(aside, name))
+            moved.append(name)
+        for name in written:
+            os.replace(os.path.join(staging, name), os.path.join(target, name))
+            placed.append(name)
+    except BaseException:
+        for name in placed:
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(target, name))
+        for name in moved:
+            with contextlib.suppress(OSError):
+                os.replace(os.path.join(aside, name), os.path.join(target, name))
+        if created:  # a folder this run made: it leaves nothing of itself behind
+            with contextlib.suppress(OSError):
+                os.rmdir(target)
+        raise
 
 
 def _plain_name(name: str, target: str) -> str:
