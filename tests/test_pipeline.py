@@ -485,7 +485,7 @@ def test_fail_fast_before_any_work(tmp_path, data_dir):
         (["--input", str(tmp_path / "missing.jsonl"), "--format", "alpaca"], r"missing\.jsonl.*no such file"),
         (["--input", str(tmp_path / "*.jsonl"), "--format", "alpaca"], r"matches no file"),
         (["--input", good, "--format", "alpaca", "--tokenizer", "sp:/nonexistent/tok.model"], r"tokenizer.*nonexistent"),
-        (["--input", "tfds:no_such_dataset_xyz", "--tfds-data-dir", str(tmp_path), "--format", "alpaca"], r"no_such_dataset_xyz"),
+        (["--input", "tfds:no_such_dataset_xyz", "--tfds-data-dir", str(tmp_path / "tfds"), "--format", "alpaca"], r"no_such_dataset_xyz"),
     ]
     for args, pattern in cases:
         with pytest.raises(JobError, match=pattern):

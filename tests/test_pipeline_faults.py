@@ -389,7 +389,8 @@ def test_existing_set_is_refused_before_beam_is_imported(published, inputs):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ))
     assert done.stdout.split() == ["1", "False"]
     assert done.stderr.strip() == (f"prepack pack: {published}/L64/manifest.json, {published}/L256/manifest.json already exist: "
-                                   "refusing to write into an existing shard set. Pass --overwrite to replace it, or "
+                                   "refusing to write into an existing shard set. Pass --overwrite to replace it "
+                                   f"({published}/published.json then names exactly this run's lengths), or "
                                    "choose another --output")
 
 

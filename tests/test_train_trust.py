@@ -262,7 +262,7 @@ def test_save_lora_says_where_the_adapter_went(tmp_path, monkeypatch) -> None:
     from train import trainer
 
     written: list[str] = []
-    monkeypatch.setattr(trainer, "export_lora", lambda s, path, overwrite: written.append(path))
+    monkeypatch.setattr(trainer, "export_lora", lambda s, path, overwrite, *step: written.append(path))
     for fmt, reader in (("peft", "a PEFT folder: prepack generate --lora, prepack export --merge, peft"),
                         ("prepack", "a prepack LoRA file: prepack generate --lora, prepack export --merge")):
         cfg = TrainConfig(shards="s", save_lora=str(tmp_path / fmt), lora_format=fmt, lora_rank=8)
