@@ -4,8 +4,10 @@ Both forms of the kernel run here in Pallas interpret mode on the CPU: the GPU f
 layout, 1-D statistics; what a CPU runs) and the TPU form (scalar-prefetched block ranges,
 Mosaic's vector shapes). Outputs and the gradients of q, k and v equal a dense softmax with the
 project's block-causal mask in float32 (~1e-5), on packed and unpacked rows, global and windowed
-(Gemma3's local layers), grouped query heads (4:1 as Gemma3 270M, 2:1 as Qwen3); bfloat16 within
-its noise. Skipping is checked, not assumed: values that only skipped blocks hold are NaN, and
+(Gemma3's local layers), grouped query heads (4:1 as Gemma3 270M, 2:1 as Qwen3, 8:2, and 1:1); bfloat16
+within its noise. The TPU form sums a KV head's query heads inside its dk/dv kernel: the grouped cases
+fail if that sum goes wrong (zeroing the accumulators at every head fails three; tried once).
+Skipping is checked, not assumed: values that only skipped blocks hold are NaN, and
 every output and gradient the skip rule says cannot see them stays finite. Lowering for the real
 backends (Triton for "cuda", Mosaic for "tpu") runs on this CPU too; compiling and timing them
 needs the device (benchmarks/bench_attention.py).
@@ -60,13 +62,17 @@ def grads(f, q, k, v, seg):
 
 # (style, L, block, window, query heads, KV heads, head_dim): the GPU form at small blocks (what
 # a CPU runs), the TPU form at its 128-lane blocks; Gemma3's 4:1 heads with and without a window,
-# Qwen3's 2:1, and head_dims that pad (12 -> 16 on the GPU form; 160 -> 256 on the TPU form).
+# Qwen3's 2:1, and head_dims that pad (12 -> 16 on the GPU form; 160 -> 256 on the TPU form). The
+# TPU form's dk/dv kernel steps through a KV head's query heads in its grid: 2, 4, 4 over 2 KV
+# heads (8:2), and one (1:1).
 CASES = [
     ("gpu", 64, 8, None, 4, 1, 16),
     ("gpu", 64, 16, 12, 4, 1, 16),
     ("gpu", 64, 8, 5, 4, 2, 12),
     ("tpu", 256, 128, None, 4, 2, 16),
     ("tpu", 256, 128, 100, 4, 1, 160),
+    ("tpu", 256, 128, None, 8, 2, 16),
+    ("tpu", 256, 128, 60, 2, 2, 128),
 ]
 
 
@@ -79,6 +85,35 @@ def test_float32_outputs_and_gradients_equal_dense(style, length, block, window,
     want = grads(lambda *a: dense_reference(*a, window), q, k, v, seg)
     for name, g, w in zip("qkv", grads(flash(style, block, window), q, k, v, seg), want):
         np.testing.assert_allclose(g, w, atol=2e-5 * float(jnp.max(jnp.abs(w))), err_msg=f"d{name}")
+
+
+def pallas_calls(jaxpr):
+    """(kernel name, equation) of each pallas_call in a jaxpr, nested jaxprs included."""
+    from jax.extend.core import jaxprs_in_params
+
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            yield eqn.params["name"], eqn
+        for sub in jaxprs_in_params(eqn.params):
+            yield from pallas_calls(sub)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 1), (8, 2)])
+def test_tpu_backward_writes_kv_gradients_once_and_reads_statistics_as_rows(heads, kv_heads) -> None:
+    """The TPU dk/dv kernel sums a KV head's query heads in VMEM and writes dk, dv once, [B, K, L, H] in k's
+    dtype: no float32 gradient per query head for the wrapper to sum (on a v5e, that partial write, sum and
+    convert was memory traffic). Both backward kernels read the statistics as float32 [B, N, 8, L] rows, no
+    [B, N, L, 128] lane broadcast."""
+    q, k, v = qkv(256, heads, kv_heads, 16, jnp.bfloat16)
+    seg = jnp.asarray(rows(256))
+    jaxpr = jax.make_jaxpr(lambda q, k, v: grads(flash("tpu", 128, None), q, k, v, seg))(q, k, v).jaxpr
+    calls = dict(pallas_calls(jaxpr))
+    assert sorted(calls) == ["flash_dkv", "flash_dq", "flash_forward"]
+    kv_grad = jax.core.ShapedArray((2, kv_heads, 256, 16), jnp.bfloat16)
+    assert [x.aval for x in calls["flash_dkv"].outvars] == [kv_grad, kv_grad]
+    for name in ("flash_dq", "flash_dkv"):
+        statistics = [x.aval.shape for x in calls[name].invars if x.aval.dtype == jnp.float32]
+        assert statistics == [(2, heads, 8, 256)] * 2, name
 
 
 @pytest.mark.parametrize("style,length,block", [("gpu", 64, 16), ("tpu", 256, 128)])

@@ -16,10 +16,11 @@ One structure on every backend (forward, and the two backward kernels of FlashAt
   from the first to the last key block runs the online softmax (float32 statistics), writing
   the output and the log-sum-exp.
 - dq: the same grid and key range, from the saved log-sum-exp and delta = rowsum(dO * O).
-- dk/dv: grid (row, query head, key block), looping over the query blocks that reach the key
-  block: from itself to `query_tile_ranges`' last one (first blocks never decrease along a
-  row, so those query blocks are contiguous). Per query head; the wrapper sums the G heads of
-  a KV head (partial gradients, not repeated K/V).
+- dk/dv: per key block, a loop over the query blocks that reach it: from itself to
+  `query_tile_ranges`' last one (first blocks never decrease along a row, so those query blocks
+  are contiguous), for each of the G query heads of its KV head (their gradients sum; K/V are
+  never repeated). How the G heads' shares are summed is the one place the styles differ in
+  structure (below).
 Each (query block, key block) pair that runs is one the forward ran: no block without a
 same-segment causal pair is read, in either pass.
 
@@ -38,9 +39,25 @@ Per backend (the kernel bodies are shared; only loads, iotas and vector shapes d
   its grid still steps through every block of the static mask (at 128-token blocks a global
   layer's grid is (L/128)^2 steps per head, each a fixed cost even when skipped). Here the
   grid is L/128 steps per head and the skipped blocks cost nothing. The price: a row's K and
-  V (2 x L x head_dim, double-buffered) must fit VMEM: 16 MiB at L8192 and head_dim 256,
-  checked against the chip's VMEM before the call. Vector shapes follow JAX's TPU flash
-  kernel (statistics [bq, 128], segment ids broadcast along lanes or sublanes).
+  V (2 x L x head_dim, double-buffered) must fit VMEM: 16 MiB at L8192 and head_dim 256, and
+  G times that for dk/dv's Q and dO (64 MiB at G = 4; a v5e has 128 MiB), checked against the
+  chip's VMEM before the call. Vector shapes follow JAX's TPU flash kernel (the forward's
+  statistics [bq, 128], segment ids broadcast along lanes or sublanes).
+- TPU dk/dv: grid (row, KV head, key block, g), g innermost and sequential ("arbitrary"). Q,
+  dO and the statistics are one block of the KV head's G query heads, fetched once per (row,
+  KV head) (a block per query head would be fetched again at every step); step g adds head
+  kv * G + g's share to float32 VMEM accumulators, zeroed at g = 0, and g = G - 1 writes dk, dv
+  once as [B, K, L, H] in K's dtype (the output block stays put along g). Why: the kernel used
+  to write float32 dk, dv per query head for the wrapper to sum and convert; on a v5e profile
+  of Gemma3 270M (4 query heads over 1 KV head, head_dim 256) at (8, 2048) that write, sum and
+  convert, with the statistics' lane broadcasts, took ~16 ms of a 175 ms step, all memory
+  traffic. The statistics (log-sum-exp, delta) now reach both backward kernels as one
+  [B, N, 8, L] float32 sublane-row copy each: dk/dv reads rows (its columns are queries), dq
+  turns its block's row into a column in-kernel (as splash's dq kernel does). No [.., L, 128]
+  lane broadcast is made for the backward; the forward's is cut to [B, N, L] for the residual.
+- GPU dk/dv: grid (row, query head, key block), float32 dk, dv per query head, summed over the
+  G heads of a KV head by the wrapper: Triton runs the grid's programs in parallel, so none
+  can accumulate into another's output block.
 - CPU and anything else: the GPU form in Pallas interpret mode (slow; for tests and for
   `prepack verify`/`train` on a CPU, not refused).
 """
@@ -137,12 +154,18 @@ class _Gpu:
         return x[:, None]
 
     @staticmethod
+    def stat_col(ref, n):
+        """A fixed query block's statistic (log-sum-exp, delta) as a column [r, 1]."""
+        return _Gpu.fixed_col(ref, n)
+
+    @staticmethod
     def store_stat(ref, x):
         ref[...] = x
 
 
 class _Tpu:
-    """Mosaic: statistics [bq, 128]; segment ids broadcast along lanes (columns) or sublanes (rows)."""
+    """Mosaic: the forward's statistics [bq, 128], the backward's [8, L] sublane rows; segment ids broadcast
+    along lanes (columns) or sublanes (rows)."""
 
     @staticmethod
     def bound(ref, b, i):
@@ -151,6 +174,12 @@ class _Tpu:
     @staticmethod
     def fixed_col(ref, n):
         return _Tpu.widen(ref[...], n)
+
+    @staticmethod
+    def stat_col(ref, n):
+        """A fixed query block's statistic from the sublane rows [8, r] both backward kernels read: row 0 turned
+        into a column (as splash's dq kernel) and broadcast to [r, n] once, outside the key loop."""
+        return jnp.broadcast_to(ref[0][:, None], (ref.shape[-1], n))
 
     @staticmethod
     def moving_row(ref, start, size):
@@ -252,7 +281,7 @@ def _dq_kernel(bounds_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg
     bq = bk = shape.block
     q, do = q_ref[...], do_ref[...]
     q_seg = st.fixed_col(qseg_ref, bk)
-    lse, delta = st.fixed_col(lse_ref, bk), st.fixed_col(delta_ref, bk)
+    lse, delta = st.stat_col(lse_ref, bk), st.stat_col(delta_ref, bk)
     first = st.bound(bounds_ref, b, i)
 
     def body(kb, dq):
@@ -271,16 +300,10 @@ def _dq_kernel(bounds_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg
     dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
-def _dkv_kernel(bounds_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kseg_ref, qseg_ref, dk_ref, dv_ref, *,
-                shape: _Shape, st):
-    """Transposed: rows are the fixed key block's positions, columns a query block's."""
-    from jax.experimental import pallas as pl
-
-    b, j = pl.program_id(0), pl.program_id(2)
+def _dkv_block(j, last, q_ref, k, v, do_ref, lse_ref, delta_ref, k_seg, qseg_ref, *, shape: _Shape, st):
+    """dk, dv (float32) of key block j from one query head: the loop over the query blocks j..last that reach it.
+    Transposed: rows are the key block's positions, columns a query block's."""
     bq = bk = shape.block
-    k, v = k_ref[...], v_ref[...]
-    k_seg = st.fixed_col(kseg_ref, bq)
-    last = st.bound(bounds_ref, b, j)
 
     def body(qb, carry):
         dk, dv = carry
@@ -298,16 +321,59 @@ def _dkv_kernel(bounds_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kse
         return dk, dv
 
     zeros = jnp.zeros((bk, k.shape[-1]), jnp.float32)
-    dk, dv = lax.fori_loop(j, last + 1, body, (zeros, zeros))
+    return lax.fori_loop(j, last + 1, body, (zeros, zeros))
+
+
+def _dkv_kernel(bounds_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kseg_ref, qseg_ref, dk_ref, dv_ref, *,
+                shape: _Shape, st):
+    """GPU: grid (row, query head, key block); one query head's float32 share of the key block's dk/dv (the
+    wrapper sums the G heads of a KV head)."""
+    from jax.experimental import pallas as pl
+
+    b, j = pl.program_id(0), pl.program_id(2)
+    dk, dv = _dkv_block(j, st.bound(bounds_ref, b, j), q_ref, k_ref[...], v_ref[...], do_ref, lse_ref, delta_ref,
+                        st.fixed_col(kseg_ref, shape.block), qseg_ref, shape=shape, st=st)
     dk_ref[...] = dk.astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _dkv_grouped_kernel(bounds_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kseg_ref, qseg_ref, dk_ref, dv_ref,
+                        dk_acc, dv_acc, *, shape: _Shape, st):
+    """TPU: grid (row, KV head, key block, g). The query-side refs hold the G query heads of the KV head
+    ([G, L, H], [G, 8, L]); step g adds head kv * G + g's share to float32 VMEM accumulators, and the last
+    writes them once in the KV dtype (the dk/dv output block stays put along g, so Pallas writes it back
+    once, after g = G - 1)."""
+    from jax.experimental import pallas as pl
+
+    b, j, g = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+
+    @pl.when(g == 0)
+    def _zero():
+        dk_acc[...] = jnp.zeros_like(dk_acc)
+        dv_acc[...] = jnp.zeros_like(dv_acc)
+
+    dk, dv = _dkv_block(j, st.bound(bounds_ref, b, j), q_ref.at[g], k_ref[...], v_ref[...], do_ref.at[g],
+                        lse_ref.at[g], delta_ref.at[g], st.fixed_col(kseg_ref, shape.block), qseg_ref,
+                        shape=shape, st=st)
+    dk_acc[...] += dk
+    dv_acc[...] += dv
+
+    @pl.when(g == shape.groups - 1)
+    def _write():
+        dk_ref[...] = dk_acc[...].astype(dk_ref.dtype)
+        dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
 # pallas_call wiring per style.
 
+# TPU grids: (row, head, block) everywhere but the dk/dv kernel's (row, KV head, key block, g),
+# whose g revisits one output block and so must run in order.
+HEAD_GRID_SEMANTICS = ("parallel", "parallel", "arbitrary")
+GROUPED_GRID_SEMANTICS = ("parallel", "parallel", "parallel", "arbitrary")
 
-def _compiler_params(shape: _Shape, vmem_bytes: int = 0):
+
+def _compiler_params(shape: _Shape, vmem_bytes: int = 0, semantics: tuple[str, ...] = HEAD_GRID_SEMANTICS):
     if shape.interpret:
         return None
     if shape.style == GPU:
@@ -316,8 +382,7 @@ def _compiler_params(shape: _Shape, vmem_bytes: int = 0):
         return plgpu.CompilerParams(num_warps=4 if shape.head_dim <= 64 else 8, num_stages=2)
     from jax.experimental.pallas import tpu as pltpu
 
-    return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"),
-                                vmem_limit_bytes=_vmem_limit(vmem_bytes))
+    return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=_vmem_limit(vmem_bytes))
 
 
 def _vmem_limit(need: int) -> int:
@@ -329,19 +394,22 @@ def _vmem_limit(need: int) -> int:
     except Exception:  # noqa: BLE001  (lowering for a TPU from another machine: no chip to ask)
         capacity = None
     if capacity is not None and need > capacity:
-        raise ValueError(f"--attention flash keeps a row's keys and values in TPU VMEM: {need / 2**20:.0f} MiB at this L "
-                         f"and head_dim, the chip has {capacity / 2**20:.0f} MiB; use --attention splash or a shorter L")
+        raise ValueError(f"--attention flash keeps whole rows in TPU VMEM (keys and values; queries and output "
+                         f"gradients of a KV head's query heads): {need / 2**20:.0f} MiB at this L, head_dim and "
+                         f"grouping, the chip has {capacity / 2**20:.0f} MiB; use --attention splash or a shorter L")
     return limit if capacity is None else min(limit, capacity)
 
 
-def _pallas(kernel, shape: _Shape, grid, in_specs, out_specs, out_shape, prefetch, name, vmem_bytes=0):
+def _pallas(kernel, shape: _Shape, grid, in_specs, out_specs, out_shape, prefetch, name, vmem_bytes=0,
+            scratch=(), semantics: tuple[str, ...] = HEAD_GRID_SEMANTICS):
     from jax.experimental import pallas as pl
 
-    params = _compiler_params(shape, vmem_bytes)
+    params = _compiler_params(shape, vmem_bytes, semantics)
     if shape.style == TPU:
         from jax.experimental.pallas import tpu as pltpu
 
-        grid_spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, grid=grid, in_specs=in_specs, out_specs=out_specs)
+        grid_spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, grid=grid, in_specs=in_specs,
+                                                 out_specs=out_specs, scratch_shapes=scratch)
         call = pl.pallas_call(kernel, grid_spec=grid_spec, out_shape=out_shape, compiler_params=params,
                               interpret=shape.interpret, name=name)
         return call(prefetch[0], *prefetch[1:])
@@ -366,31 +434,39 @@ def _sublanes(x):
     return lax.broadcast_in_dim(x, (*x.shape[:-1], NUM_SUBLANES, x.shape[-1]), (*range(x.ndim - 1), x.ndim))
 
 
-def _vmem_bytes(shape: _Shape, itemsize: int) -> int:
-    """A TPU kernel's whole-row inputs, double-buffered: two [L, H] operands and three [8, L] int32/float32 rows."""
-    return 2 * (2 * shape.length * shape.head_dim * itemsize + 3 * NUM_SUBLANES * shape.length * 4)
+def _vmem_bytes(shape: _Shape, itemsize: int, heads: int = 1, accumulators: int = 0) -> int:
+    """A TPU kernel's VMEM: its whole-row inputs, double-buffered (per head it reads, two [L, H] operands and two
+    [8, L] float32 statistics rows; one [8, L] int32 segment-id row), and its [block, H] float32 accumulators."""
+    row = NUM_SUBLANES * shape.length * 4
+    whole_rows = 2 * (heads * (2 * shape.length * shape.head_dim * itemsize + 2 * row) + row)
+    return whole_rows + accumulators * shape.block * shape.head_dim * 4
 
 
 class _Specs:
     """The BlockSpecs of one style. Head-carrying arrays are [B, L, N|K, H] on a GPU (as given,
     no transposes) and [B, N|K, L, H] on a TPU (Mosaic tiles the last two dims); per-position
-    rows [B, L] (segment ids, GPU bounds) and per-head statistics [B, N, L] (TPU: broadcast to
-    lane or sublane tiles). `x` is the grid's third index: a query block, or a key block."""
+    rows [B, L] (segment ids, GPU bounds) and per-head statistics [B, N, L] (TPU: segment ids
+    broadcast to lane or sublane tiles, statistics to sublane rows). `x` is the grid's third
+    index: a query block, or a key block.
 
-    def __init__(self, shape: _Shape):
+    grouped (the TPU dk/dv kernel): the grid's second index is a KV head, and the query-side
+    whole rows (q, dO, statistics) are one block of that KV head's G query heads, fetched once
+    per (row, KV head) and indexed by g inside the kernel."""
+
+    def __init__(self, shape: _Shape, grouped: bool = False):
         self.s = shape
+        self.grouped = grouped
 
     def heads(self, kv: bool, whole: bool = False):
         s, g = self.s, self.s.groups
-        head = (lambda n: lax.div(n, g)) if kv and g > 1 else (lambda n: n)
         size = s.length if whole else s.block
+        if self.grouped:
+            heads = None if kv else g
+            return _spec((None, heads, size, s.head_dim), lambda b, n, x, *_: (b, n, 0 if whole else x, 0))
+        head = (lambda n: lax.div(n, g)) if kv and g > 1 else (lambda n: n)
         if s.style == GPU:
             return _spec((None, size, None, s.head_dim), lambda b, n, x, *_: (b, 0 if whole else x, head(n), 0))
         return _spec((None, None, size, s.head_dim), lambda b, n, x, *_: (b, head(n), 0 if whole else x, 0))
-
-    def partial_grads(self):
-        """dk/dv per query head, a key block at x."""
-        return self.heads(kv=False)
 
     def position_block(self):
         """Per-position values of the grid's block as a column: segment ids (and GPU bounds)."""
@@ -406,17 +482,26 @@ class _Specs:
             return _spec((None, s.length), lambda b, n, x, *_: (b, 0))
         return _spec((None, NUM_SUBLANES, s.length), lambda b, n, x, *_: (b, 0, 0))
 
-    def stat_block(self):
+    def forward_stat(self):
+        """The forward's log-sum-exp per query block (TPU: lane-broadcast [block, 128], its statistics' shape)."""
         s = self.s
         if s.style == GPU:
             return _spec((None, None, s.block), lambda b, n, x, *_: (b, n, x))
         return _spec((None, None, s.block, NUM_LANES), lambda b, n, x, *_: (b, n, x, 0))
 
+    def stat_block(self):
+        """A query block's statistics for the dq kernel (TPU: its slice of the sublane rows dk/dv reads too)."""
+        s = self.s
+        if s.style == GPU:
+            return _spec((None, None, s.block), lambda b, n, x, *_: (b, n, x))
+        return _spec((None, None, NUM_SUBLANES, s.block), lambda b, n, x, *_: (b, n, 0, x))
+
     def stat_row(self):
         s = self.s
         if s.style == GPU:
             return _spec((None, None, s.length), lambda b, n, x, *_: (b, n, 0))
-        return _spec((None, None, NUM_SUBLANES, s.length), lambda b, n, x, *_: (b, n, 0, 0))
+        heads = s.groups if self.grouped else None
+        return _spec((None, heads, NUM_SUBLANES, s.length), lambda b, n, x, *_: (b, n, 0, 0))
 
     # The arrays those specs read, from [B, L] ids and [B, N, L] statistics.
     def as_block(self, x):
@@ -438,6 +523,7 @@ def _style(shape: _Shape):
 
 
 def _forward(q, k, v, seg, shape: _Shape):
+    """The output and the log-sum-exp [B, N, L] (float32) the backward reads."""
     sp = _Specs(shape)
     first, _ = key_tile_ranges(seg, shape.block, shape.window)
     grid = (shape.batch, shape.heads, shape.blocks)
@@ -447,42 +533,67 @@ def _forward(q, k, v, seg, shape: _Shape):
     lse_shape = (shape.batch, shape.heads, shape.length) + (() if shape.style == GPU else (NUM_LANES,))
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(lse_shape, jnp.float32)]
     kernel = functools.partial(_forward_kernel, shape=shape, st=_style(shape))
-    return _pallas(kernel, shape, grid, in_specs, [sp.heads(False), sp.stat_block()], out_shape, args, "flash_forward",
-                   _vmem_bytes(shape, k.dtype.itemsize))
+    o, lse = _pallas(kernel, shape, grid, in_specs, [sp.heads(False), sp.forward_stat()], out_shape, args,
+                     "flash_forward", _vmem_bytes(shape, k.dtype.itemsize))
+    # TPU: one lane of the kernel's broadcast; the residual kept for the backward is 128x smaller.
+    return o, (lse if shape.style == GPU else lse[..., 0])
 
 
 def _backward(q, k, v, seg, o, lse, do, shape: _Shape):
     sp = _Specs(shape)
     first, _ = key_tile_ranges(seg, shape.block, shape.window)
     last = query_tile_ranges(first)
-    grid = (shape.batch, shape.heads, shape.blocks)
-    vmem = _vmem_bytes(shape, q.dtype.itemsize)
     # delta = rowsum(dO * O) per head and query position, float32, [B, N, L].
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
     if shape.style == GPU:
         delta = delta.transpose(0, 2, 1)
-    else:
-        lse = lse[..., 0]  # the forward's lane-broadcast [B, N, L, 128]
+    # TPU: one sublane-row copy of each statistic ([B, N, 8, L]), read by both kernels.
+    lse, delta = sp.as_row(lse), sp.as_row(delta)
     st = _style(shape)
 
     dq_specs = sp.bound_specs() + [sp.heads(False), sp.heads(True, whole=True), sp.heads(True, whole=True), sp.heads(False),
                                    sp.stat_block(), sp.stat_block(), sp.position_block(), sp.position_row()]
-    dq_args = (sp.bounds(first), q, k, v, do, sp.as_block(lse), sp.as_block(delta), sp.as_block(seg), sp.as_row(seg))
-    dq = _pallas(functools.partial(_dq_kernel, shape=shape, st=st), shape, grid, dq_specs, sp.heads(False),
-                 jax.ShapeDtypeStruct(q.shape, q.dtype), dq_args, "flash_dq", vmem)
-
-    dkv_specs = sp.bound_specs() + [sp.heads(False, whole=True), sp.heads(True), sp.heads(True), sp.heads(False, whole=True),
-                                    sp.stat_row(), sp.stat_row(), sp.position_block(), sp.position_row()]
-    dkv_args = (sp.bounds(last), q, k, v, do, sp.as_row(lse), sp.as_row(delta), sp.as_block(seg), sp.as_row(seg))
-    partial = jax.ShapeDtypeStruct(q.shape, jnp.float32)  # per query head
-    dk, dv = _pallas(functools.partial(_dkv_kernel, shape=shape, st=st), shape, grid, dkv_specs,
-                     [sp.partial_grads(), sp.partial_grads()], [partial, partial], dkv_args, "flash_dkv", vmem)
-    # Sum the G query heads of each KV head (head n belongs to KV head n // G).
-    axis = 2 if shape.style == GPU else 1
-    sizes = list(q.shape)
-    sizes[axis:axis + 1] = [shape.kv_heads, shape.groups]
-    dk, dv = (x.reshape(sizes).sum(axis=axis + 1).astype(k.dtype) for x in (dk, dv))
+    seg_block, seg_row = sp.as_block(seg), sp.as_row(seg)
+    dq_args = (sp.bounds(first), q, k, v, do, lse, delta, seg_block, seg_row)
+    dq = _pallas(functools.partial(_dq_kernel, shape=shape, st=st), shape, (shape.batch, shape.heads, shape.blocks),
+                 dq_specs, sp.heads(False), jax.ShapeDtypeStruct(q.shape, q.dtype), dq_args, "flash_dq",
+                 _vmem_bytes(shape, q.dtype.itemsize))
+    dkv_args = (sp.bounds(last), q, k, v, do, lse, delta, seg_block, seg_row)
+    dk, dv = (_dkv_grouped if shape.style == TPU else _dkv_summed)(dkv_args, k, shape)
     return dq, dk, dv
+
+
+def _dkv_specs(sp: _Specs):
+    return sp.bound_specs() + [sp.heads(False, whole=True), sp.heads(True), sp.heads(True), sp.heads(False, whole=True),
+                               sp.stat_row(), sp.stat_row(), sp.position_block(), sp.position_row()]
+
+
+def _dkv_grouped(args, k, shape: _Shape):
+    """TPU: dk, dv summed over the G query heads of each KV head inside the kernel, [B, K, L, H] in k's dtype."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    sp = _Specs(shape, grouped=True)
+    grid = (shape.batch, shape.kv_heads, shape.blocks, shape.groups)
+    out = jax.ShapeDtypeStruct(k.shape, k.dtype)
+    accumulators = [pltpu.VMEM((shape.block, shape.head_dim), jnp.float32)] * 2
+    kernel = functools.partial(_dkv_grouped_kernel, shape=shape, st=_Tpu)
+    vmem = _vmem_bytes(shape, k.dtype.itemsize, heads=shape.groups, accumulators=2)
+    return _pallas(kernel, shape, grid, _dkv_specs(sp), [sp.heads(True)] * 2, [out, out], args, "flash_dkv", vmem,
+                   scratch=accumulators, semantics=GROUPED_GRID_SEMANTICS)
+
+
+def _dkv_summed(args, k, shape: _Shape):
+    """GPU: float32 dk, dv per query head (grid programs run in parallel: none can accumulate into another's
+    output), then the G query heads of each KV head (head n belongs to KV head n // G) summed."""
+    sp = _Specs(shape)
+    q = args[1]
+    grid = (shape.batch, shape.heads, shape.blocks)
+    partial = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    kernel = functools.partial(_dkv_kernel, shape=shape, st=_style(shape))
+    dk, dv = _pallas(kernel, shape, grid, _dkv_specs(sp), [sp.heads(False)] * 2, [partial, partial], args, "flash_dkv")
+    sizes = list(q.shape)
+    sizes[2:3] = [shape.kv_heads, shape.groups]  # [B, L, N, H] -> [B, L, K, G, H]
+    return tuple(x.reshape(sizes).sum(axis=3).astype(k.dtype) for x in (dk, dv))
 
 
 # ---------------------------------------------------------------------------------------------
