@@ -51,6 +51,7 @@ from train import compile_cache
 from prepack.format.recount import Recount, misstatement, row_facts, source_names_problem, tokenizer_problem
 from prepack.format.manifest import Manifest, ManifestError
 from prepack.format.run_record import RunRecord, RunRecordError
+from prepack.text.tokenizer import TokenizerError
 
 EXIT_OK, EXIT_FAILED, EXIT_REFUSED = 0, 1, 2
 BATCH_ROWS = 256
@@ -349,7 +350,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
         if storage.location_problem(args.set):
             raise Refused(storage.location_problem(args.set))
         verified = verify(args.set)
-    except Refused as e:
+    except (Refused, TokenizerError) as e:  # TokenizerError: the manifest's embedded tokenizer cannot be loaded here
         print(f"prepack verify: {e}", file=err)
         return EXIT_REFUSED
     results, record_failure = verified.results, verified.record_failure
@@ -370,9 +371,9 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
             cache_refusal = compile_cache_refusal(args)
             if cache_refusal:
                 raise compile_cache.CompileCacheError(cache_refusal)
-            compile_cache.enable(args.compile_cache, err)  # before any compile and the weights
+            compile_cache.enable(args.compile_cache, out)  # before any compile and the weights; a notice, beside "loading"
             failed = not model_parity(args, results, out, packed_layout) or failed
-        except (TrainError, ModelError, ShardSetError, compile_cache.CompileCacheError) as e:
+        except (TrainError, ModelError, ShardSetError, TokenizerError, compile_cache.CompileCacheError) as e:
             print(f"prepack verify: {e}", file=err)
             return EXIT_REFUSED
     print("verify: FAILED" if failed else f"verify: ok, {sum(r.recount.rows for r in results):,} rows", file=out)

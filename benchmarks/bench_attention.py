@@ -30,7 +30,7 @@
    (it imports no JAX): (a) runs in a child, then each variant of (b) in its own child, one after
    another. (a) the attention alone, forward + backward, Gemma3 270M's heads, bf16, one row, global
    and local (window 512) layers at each saved L: dense, blocked, flash at each of its blocks (GPU
-   64 and 128; TPU 128), cuDNN's two forms on a GPU, splash on a TPU, each checked against dense's
+   64 and 128; TPU 128, 256 and 512), cuDNN's two forms on a GPU, splash on a TPU, each checked against dense's
    forward first; ms and XLA's temp memory per compiled call; (b) one whole train step of a Gemma3
    270M-shaped LoRA model (benchmarks/gemma3_step.py: random bf16 weights, rank 16, chunked loss)
    at (4, 8192) on four typical packed rows, flash against dense (and splash on a TPU), with
@@ -366,8 +366,9 @@ def cudnn_packed_args(seg_row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def flash_blocks(backend: str, length: int) -> list[int]:
-    """The flash blocks timed: a GPU's 64 and 128 (Triton: the smaller spills less at head_dim 256), a TPU's 128."""
-    blocks = [128] if backend == "tpu" else [64, 128]
+    """The flash blocks timed: a GPU's 64 and 128 (Triton: the smaller spills less at head_dim 256); on a TPU
+    128, 256 and 512 (the v5e's MXU is 128 wide; larger query blocks mean fewer grid steps per head)."""
+    blocks = [128, 256, 512] if backend == "tpu" else [64, 128]
     return [b for b in blocks if length % b == 0]
 
 

