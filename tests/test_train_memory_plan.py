@@ -63,6 +63,37 @@ def test_remat_auto_rematerialises_only_when_the_step_does_not_fit(shards) -> No
     assert memory_path.remat_is_on(tight.built.model)
 
 
+def test_remat_auto_takes_a_compile_that_ran_out_of_memory_as_does_not_fit(shards, monkeypatch) -> None:
+    """A TPU's compiler refuses a program that does not fit (RESOURCE_EXHAUSTED while compiling):
+    --remat auto then remats, planning the step again with it, instead of ending the run."""
+    import io
+
+    out = io.StringIO()
+    run = setup(TrainConfig(shards=shards, model="tiny-qwen3", lora_rank=4, batch_size=2, steps=1, remat="auto",
+                            memory_budget_gib=64.0), out=out)
+    real, calls = memory_plan.plan_run_step, []
+
+    def compile_fails_without_remat(s):
+        calls.append(memory_path.remat_is_on(s.built.model))
+        if not calls[-1]:
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. Used 19.2G of 15.75G hbm.")
+        return real(s)
+
+    monkeypatch.setattr(memory_plan, "plan_run_step", compile_fails_without_remat)
+    choice = memory_plan.choose_remat(run, out)
+    assert calls == [False, True] and choice.remat_on and memory_path.remat_is_on(run.built.model)
+    assert ("--remat auto: the step plans more than the device holds (its compiler ran out of memory) without remat"
+            in out.getvalue())
+
+    def other_failure(s):
+        raise jax.errors.JaxRuntimeError("INTERNAL: Mosaic failed to compile")
+
+    monkeypatch.setattr(memory_plan, "plan_run_step", other_failure)
+    again = setup(TrainConfig(shards=shards, model="tiny-qwen3", lora_rank=4, batch_size=2, steps=1, remat="auto"), out=out)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="Mosaic"):
+        memory_plan.choose_remat(again, out)
+
+
 def _loss_grads_temp(model, batch, kind):
     from train import loss as loss_lib
 

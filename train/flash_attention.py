@@ -76,11 +76,14 @@ from train.blocked_attention import NEG_INF, key_tile_ranges, query_tile_ranges
 GPU, TPU = "gpu", "tpu"
 STYLES = (GPU, TPU)
 NUM_LANES, NUM_SUBLANES = 128, 8
-# Blocks: 128 tokens (a TPU lane multiple; the work counts in docs/benchmarks.md). On a GPU,
-# head_dim 256 (Gemma3) makes a 128-query block's float32 accumulator 128 KiB per program and
-# a 128-key K or V block 64 KiB of shared memory per pipeline stage; 64 halves both. Not yet
-# timed: benchmarks/bench_attention.py --device-all times 64 and 128 on a GPU.
-DEFAULT_BLOCK = {GPU: 64, TPU: 128}
+# Blocks. TPU: 256 tokens, by measurement on a v5e (docs/benchmarks.md, "On a TPU v5e"): Gemma3
+# 270M's attention alone, fwd+bwd over its 18 layers, 0.87x block 128's time at L8192 (equal at
+# L2048; 512 is 1.15x-1.3x slower), and its (8, 2048) train step 0.976x; the grid is half as many
+# steps per head for a few more masked pairs per block. On a GPU, head_dim 256 (Gemma3) makes a
+# 128-query block's float32 accumulator 128 KiB per program and a 128-key K or V block 64 KiB of
+# shared memory per pipeline stage; 64 halves both. Not yet timed: benchmarks/bench_attention.py
+# --device-all times 64 and 128 on a GPU.
+DEFAULT_BLOCK = {GPU: 64, TPU: 256}
 CPU_BLOCK = 128
 VMEM_HEADROOM = 8 * 2**20
 

@@ -138,16 +138,24 @@ def choose_remat(setup: Any, out: TextIO) -> RematChoice | None:
     plan (compile) the step with remat, the one the run executes."""
     import time
 
-    from train import memory_path
+    from train import memory_path, out_of_memory
 
     cfg = setup.config
     if cfg.remat != memory_path.REMAT_AUTO:
         return None
     started = time.perf_counter()
     budget, source = budget_bytes(cfg.memory_budget_gib)
-    plan = plan_run_step(setup)
-    on = not plan.fits(budget)
-    print(f"--remat auto: the step plans {plan.peak_bytes / GIB:.2f} GiB without remat, budget {budget / GIB:.2f} GiB "
+    try:
+        plan = plan_run_step(setup)
+        on, planned = not plan.fits(budget), f"{plan.peak_bytes / GIB:.2f} GiB"
+    except Exception as e:  # noqa: BLE001  (re-raised unless it is XLA's allocation failure)
+        # A TPU's compiler assigns the program's memory itself and refuses one that does not fit
+        # (RESOURCE_EXHAUSTED at compile time; seen on a v5e for Qwen3 0.6B and Gemma3 1B at (8, 2048)):
+        # that is the plan's answer, not the run's end.
+        if not out_of_memory.is_out_of_memory(e):
+            raise
+        on, planned = True, "more than the device holds (its compiler ran out of memory)"
+    print(f"--remat auto: the step plans {planned} without remat, budget {budget / GIB:.2f} GiB "
           f"({source}): {'rematerialising each layer' if on else 'no remat'}", file=out, flush=True)
     if on:
         memory_path.set_remat(setup.built.model, True)
