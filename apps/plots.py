@@ -452,9 +452,10 @@ def source_loss_curves(runs: Sequence[Any], path: str) -> str:
     return _save(fig, path)
 
 
-def dpo_curves(runs: Sequence[Any], path: str) -> str:
-    """DPO runs (report.Run.dpo, TRL's names): the rewards' margin and accuracy (left), the chosen
-    and rejected rewards (right), against step; one colour per run."""
+def reward_curves(runs: Sequence[Any], path: str) -> str:
+    """Runs of an objective that logs TRL's rewards (report.Run.objective_metrics: a DPO run's): the
+    rewards' margin and accuracy (left), the chosen and rejected rewards (right), against step; one
+    colour per run."""
     plt = _plt()
     colors = _colors([run.label for run in runs])
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -462,10 +463,10 @@ def dpo_curves(runs: Sequence[Any], path: str) -> str:
     for run in runs:
         c = colors[run.label]
         label = run.label if len(runs) > 1 else None
-        left.plot(run.steps, run.dpo["rewards/margins"], "-", color=c, lw=1.6, label=f"margin{f' ({label})' if label else ''}")
-        acc_axis.plot(run.steps, run.dpo["rewards/accuracies"], ":", color=c, lw=1.4, label=f"accuracy{f' ({label})' if label else ''}")
-        right.plot(run.steps, run.dpo["rewards/chosen"], "-", color=c, lw=1.6, label=f"chosen{f' ({label})' if label else ''}")
-        right.plot(run.steps, run.dpo["rewards/rejected"], "--", color=c, lw=1.6, label=f"rejected{f' ({label})' if label else ''}")
+        left.plot(run.steps, run.objective_metrics["rewards/margins"], "-", color=c, lw=1.6, label=f"margin{f' ({label})' if label else ''}")
+        acc_axis.plot(run.steps, run.objective_metrics["rewards/accuracies"], ":", color=c, lw=1.4, label=f"accuracy{f' ({label})' if label else ''}")
+        right.plot(run.steps, run.objective_metrics["rewards/chosen"], "-", color=c, lw=1.6, label=f"chosen{f' ({label})' if label else ''}")
+        right.plot(run.steps, run.objective_metrics["rewards/rejected"], "--", color=c, lw=1.6, label=f"rejected{f' ({label})' if label else ''}")
     left.axhline(0, color="0.6", lw=0.8)
     right.axhline(0, color="0.6", lw=0.8)
     left.set_xlabel("step")

@@ -40,6 +40,10 @@ from prepack.packing.accounting import LENGTH_REASONS
 from apps.packing_table import TABLE_COLUMNS, THROUGHPUT_MODEL, bound_lines, dataset_heading, drop_flags, format_cell, result_row
 from prepack.packing.stats import PackingStats
 from prepack.cli_help import DefaultsHelpFormatter
+# A run's objective names its own step metrics (train/objectives/ imports nothing heavy: the
+# report still reads a JSONL without the train extra installed).
+from train import objectives
+from train.objectives import Objective
 
 DEFAULT_BATCH_SIZES = (16,)
 
@@ -222,10 +226,13 @@ class Run:
     # A mixture set's run: source name -> its loss per step (NaN where the batch had none of it).
     loss_by_source: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     # What its loss is (`prepack train --loss-mean`): "token" or "example"; a JSONL written
-    # before the option existed logged the token mean; "pair" for an --objective dpo run.
+    # before the option existed logged the token mean; an objective's own otherwise ("pair").
     loss_mean: str = "token"
-    # An --objective dpo run: TRL's metric name -> its value per step (NaN where not logged).
-    dpo: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    # What it trained (train/objectives/: the records' `objective`; a JSONL written before the
+    # option existed trained the default), and that objective's own metrics: name -> its value
+    # per step (NaN where not logged).
+    objective: Objective = objectives.DEFAULT
+    objective_metrics: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     # `prepack train --eval-generate`: its {"eval_generate": {...}} records, in order.
     eval_generate: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
@@ -280,9 +287,6 @@ class Run:
 
 
 REQUIRED_STEP_KEYS = ("step", "loss", "step_time_s", "target_tokens")
-# An --objective dpo run's step metrics, TRL's names (train/dpo_metrics.py imports nothing heavy:
-# the report still reads a JSONL without the train extra installed).
-from train.dpo_metrics import TRL_NAMES as DPO_NAMES  # noqa: E402
 # `prepack train` writes a non-finite loss as null (JSON has no NaN) with the reason beside it.
 NULLABLE_STEP_KEYS = ("loss",)
 # The numbers of a step record the report reads (the per-source losses are checked where read).
@@ -383,12 +387,20 @@ def load_run(path: str, label: str | None = None, warmup_steps: int = 1) -> Run:
     by_source = {n: np.array([math.nan if (r.get("loss_by_source") or {}).get(n) is None else float(r["loss_by_source"][n])
                               for r in steps], dtype=np.float64) for n in names}
     loss_mean = str(steps[-1].get("loss_mean") or summary.get("loss_mean") or "token")
-    dpo = {}
-    if any(DPO_NAMES[0] in r for r in steps):
-        dpo = {k: np.array([math.nan if not isinstance(r.get(k), (int, float)) else float(r[k]) for r in steps], dtype=np.float64)
-               for k in DPO_NAMES}
-    return Run(name, path, column("step"), loss, column("step_time_s"), target,
-               column("tokens"), summary, packing, warmup_steps, evals, by_source, loss_mean, dpo, generated)
+    objective = _objective_of(steps[-1].get("objective") or summary.get("objective") or objectives.DEFAULT.name, path)
+    metrics = {k: np.array([math.nan if not isinstance(r.get(k), (int, float)) else float(r[k]) for r in steps], dtype=np.float64)
+               for k in objective.metric_names}
+    return Run(name, path, column("step"), loss, column("step_time_s"), target, column("tokens"), summary, packing,
+               warmup_steps, evals, by_source, loss_mean, objective, metrics, generated)
+
+
+def _objective_of(name: Any, path: str) -> Objective:
+    from prepack.format.untrusted import shown_with_type
+
+    if not isinstance(name, str) or name not in objectives.REGISTRY:
+        raise ReportError(f"{path}: objective is {shown_with_type(name)}, not one of {', '.join(objectives.names())} "
+                          f"(prepack train --objective)")
+    return objectives.by_name(name)
 
 
 def _per_step(values: np.ndarray, times: np.ndarray, rates: list[Any]) -> np.ndarray:
@@ -538,11 +550,12 @@ def runs_verdict(runs: Sequence[Run]) -> str | None:
         if not len(finite):
             continue
         n = len(run.steps)
-        part = (f"{run.label} ({'DPO' if run.dpo else 'SFT'}, {n:,} step{'' if n == 1 else 's'}) took its loss from "
+        part = (f"{run.label} ({run.objective.title}, {n:,} step{'' if n == 1 else 's'}) took its loss from "
                 f"{finite[0]:.3f} to {finite[-1]:.3f}")
-        accuracy = run.dpo.get(DPO_NAMES[2]) if run.dpo else None
-        if accuracy is not None and np.isfinite(accuracy).any():
-            part += f", reward accuracy {accuracy[np.isfinite(accuracy)][-1]:.2f} at the end"
+        section = run.objective.report
+        metric = run.objective_metrics.get(section.verdict_metric) if section is not None else None
+        if metric is not None and np.isfinite(metric).any():
+            part += f", {section.verdict_words} {metric[np.isfinite(metric)][-1]:.2f} at the end"
         parts.append(part + (f" ({run.diverged})" if run.diverged else ""))
     return "Trained: " + "; ".join(parts) + "." if parts else None
 
@@ -683,8 +696,10 @@ def _training_section(page: Page, figure: Any, config: ReportConfig, runs: list[
     page.add("table", [h for h, _, _ in BUDGET_COLUMNS],
              [[_budget_cell(r[k], kind) for _, k, kind in BUDGET_COLUMNS] for r in table])
     figure("budget.png", plots.budget_bars, table, budget=budget)
-    if any(run.dpo for run in runs):
-        _dpo_section(page, figure, [run for run in runs if run.dpo])
+    for objective in objectives.REGISTRY.values():
+        own = [run for run in runs if run.objective is objective]
+        if objective.report is not None and own:
+            _objective_section(page, figure, objective.report, own)
     if any(run.loss_by_source for run in runs):
         page.add("h3", "Loss by source")
         page.add("p", "Mixture sets: each source's training loss per step (its target tokens' mean NLL in the "
@@ -699,24 +714,25 @@ def _training_section(page: Page, figure: Any, config: ReportConfig, runs: list[
     return budget, table
 
 
-def _dpo_section(page: Page, figure: Any, runs: Sequence[Run]) -> None:
-    """--objective dpo runs: TRL's metrics, first and last steps, and their curves."""
+def _objective_section(page: Page, figure: Any, section: objectives.ReportSection, runs: Sequence[Run]) -> None:
+    """The runs of one objective with a section of its own: its metrics, first and last steps, and
+    TRL's reward curves where the objective logs them."""
     from apps import plots
 
-    page.add("h3", "Preference optimisation (DPO)")
-    page.add("p", "Runs trained with `prepack train --objective dpo`: `loss` is the DPO loss (the mean over each step's "
-                  "pairs), a reward is beta (log pi - log ref) of a side's summed completion log-probability, the "
-                  "reference being the base model with LoRA switched off (TRL's names). At step 1 the policy is the "
-                  "reference: every reward is 0 and the loss ln 2 = 0.693. Last = the mean over the last 10% of steps.")
-    headers = ["run", "steps", "loss first", "loss last", *[f"{k} last" for k in DPO_NAMES]]
+    page.add("h3", section.heading)
+    page.add("p", section.note)
+    names = list(runs[0].objective_metrics)
+    headers = ["run", "steps", "loss first", "loss last", *[f"{k} last" for k in names]]
     cells = []
     for run in runs:
         tail = max(1, len(run.steps) // 10)
-        last = {k: float(np.nanmean(v[-tail:])) if np.isfinite(v[-tail:]).any() else math.nan for k, v in run.dpo.items()}
+        last = {k: float(np.nanmean(v[-tail:])) if np.isfinite(v[-tail:]).any() else math.nan
+                for k, v in run.objective_metrics.items()}
         cells.append([run.label, f"{len(run.steps):,}", f"{run.loss[0]:.4f}", f"{float(np.nanmean(run.loss[-tail:])):.4f}",
-                      *[f"{last[k]:.4f}" for k in DPO_NAMES]])
+                      *[f"{last[k]:.4f}" for k in names]])
     page.add("table", headers, cells)
-    figure("dpo_rewards.png", plots.dpo_curves, runs)
+    if section.figure:
+        figure(section.figure, plots.reward_curves, runs)
 
 
 def _mixture_section(page: Page, figure: Any, manifests: Sequence[Manifest]) -> None:

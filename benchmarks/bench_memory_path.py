@@ -50,7 +50,7 @@ def make_trainer(model_name: str, variant: Variant, max_length: int, remat_on: b
     memory_path.set_remat(model, remat_on)
     trainer = peft_trainer.PeftTrainer(model, optax.adamw(1e-4), peft_trainer.TrainingConfig(eval_every_n_steps=1, max_steps=1))
     trainer.with_gen_model_input_fn(memory_path.gen_model_input_fn(cfg))
-    trainer.with_loss_fn(precision.in_compute_dtype(memory_path.loss_fn(cfg), jnp.bfloat16), has_aux=True)
+    trainer.with_loss_fn(precision.in_compute_dtype(memory_path.choose_sft_loss(cfg), jnp.bfloat16), has_aux=True)
     return trainer
 
 

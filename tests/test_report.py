@@ -335,7 +335,7 @@ def test_a_dpo_run_alone_is_the_verdict_and_packing_is_said_unmeasured(inputs, t
     (its loss and reward accuracy), and the shard-set estimate does not claim no training was measured."""
     root, _, _ = inputs
     rows = [{"step": i + 1, "loss": loss, "step_time_s": 1.0, "tokens": 800, "target_tokens": 300, "examples": 4,
-             "rewards/chosen": 0.01 * i, "rewards/rejected": -0.01 * i, "rewards/accuracies": acc,
+             "objective": "dpo", "rewards/chosen": 0.01 * i, "rewards/rejected": -0.01 * i, "rewards/accuracies": acc,
              "rewards/margins": 0.02 * i, "logps/chosen": -40.0, "logps/rejected": -41.0}
             for i, (loss, acc) in enumerate([(0.6931, 0.0), (0.68, 0.5), (0.64, 0.75), (0.6396, 0.8)])]
     metrics = tmp_path / "dpo-metrics.jsonl"

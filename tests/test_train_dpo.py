@@ -27,14 +27,15 @@ import loaders
 from prepack.format import rowformat
 from testkit import tunix_dpo as td
 from testkit.shard_sets import TEST_TOKENIZER, build_shard_set
-from train import cli, dpo_loss, dpo_metrics, memory_plan, metrics, models
+from train import cli, dpo_loss, memory_plan, metrics, models, objectives
+from train.objectives import dpo_metrics
 
 VOCAB = 96
 L = 96
 BETA = 0.1
 PAIRS = td.random_pairs(8, VOCAB, seed=0)
 PLAN = ((0, 1), (2, 3, 4), (5, 6, 7))  # three rows of 2-3 pairs
-# Tunix's aux names -> TRL's (train/dpo_metrics.py)
+# Tunix's aux names -> TRL's (train/objectives/dpo_metrics.py)
 TUNIX_NAMES = {"rewards/chosen": "rewards/chosen", "rewards/rejected": "rewards/rejected",
                "rewards/margin": "rewards/margins", "rewards/accuracy": "rewards/accuracies",
                "log_probs/chosen": "logps/chosen", "log_probs/rejected": "logps/rejected"}
@@ -234,14 +235,14 @@ def test_the_loader_yields_pair_side(sets) -> None:
     assert "pair_side" in batch and batch["pair_side"].shape == (3, L)
     seg = batch["segment_ids"]
     assert np.array_equal(batch["pair_side"], np.where(seg == 0, 0, 2 - seg % 2))
-    assert metrics.batch_counts(batch)["examples"] == len(PAIRS)  # a pair is one example
+    assert metrics.batch_counts(batch, objectives.DPO.segments_per_example)["examples"] == len(PAIRS)  # a pair is one example
     from train.model_inputs import device_fields
 
     assert "pair_side" in device_fields(batch)
 
 
 def test_a_dpo_record_carries_trls_names_at_the_top_level() -> None:
-    recorder = metrics.MetricsRecorder(None, static={"loss_mean": "pair"}, out=io.StringIO())
+    recorder = metrics.MetricsRecorder(None, static={"loss_mean": "pair"}, out=io.StringIO(), objective=objectives.DPO)
     recorder.batch_arrived({"segment_ids": np.array([[1, 1, 2, 2, 3, 3, 4, 4]]), "loss_mask": np.array([[0, 1, 0, 1, 0, 1, 0, 1]]),
                             "pair_side": np.array([[1, 1, 2, 2, 1, 1, 2, 2]])})
     aux = {"loss": 0.5, "grad_norm": 1.0, "target_tokens": 4.0, dpo_metrics.PAIRS: 2.0, dpo_metrics.LOSS_SUM: 1.0,

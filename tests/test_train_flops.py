@@ -71,7 +71,7 @@ def step_count(name, kind, chunk, remat, length=256, tile=None):
     examples = testing.make_examples([length // 2, length // 3, length], 512, seed=1)
     batch = testing.packed_batch(examples, ((0, 1), (2,)), length)
     inputs = model_inputs.make_gen_model_input_fn(attention=kind)(batch)
-    loss = memory_path.loss_fn(TrainConfig(shards="x", loss_chunk_tokens=chunk))
+    loss = memory_path.choose_sft_loss(TrainConfig(shards="x", loss_chunk_tokens=chunk))
     graph, params, rest = nnx.split(model, nnx.LoRAParam, ...)
     traced = jaxpr_flops.traced_flops(jax.grad(lambda p: loss(nnx.merge(graph, p, rest), **inputs)[0]), params)
     opts = flops.StepOptions(2, length, kind, tile, chunk, remat)

@@ -35,6 +35,7 @@ from typing import Any
 
 from prepack import storage
 from prepack.format.untrusted import shown, shown_with_type
+from train.objectives.sft import SFT
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ IDENTITY_DEFAULTS: dict[str, Any] = {
     "max_grad_norm": 0.0,
     "grad_accum_steps": 1,
     "qlora": None,
-    "objective": {"name": "sft"},
+    "objective": {"name": SFT.name},  # SFT was all there was
 }
 
 

@@ -25,7 +25,7 @@ import os
 import sys
 from collections.abc import Sequence
 from prepack.cli_help import DefaultsHelpFormatter
-from train import compile_cache, eval_generate, objective
+from train import compile_cache, eval_generate, objectives
 from train.options import whole_number
 
 
@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="token: mean NLL over every target token of the batch (default); example: each example's "
                    "token mean, averaged over the batch's examples (the pieces of an --overlong split example count "
                    "as one); needs --loss masked")
-    objective.add_arguments(p)
+    objectives.add_arguments(p)
     p.add_argument("--read-threads", type=whole_number("--read-threads"), default=None, help="loader read threads (default: chosen by where the shards are: 1 on local disk, 16 on a gcsfuse/NFS mount, 4 for gs://)")
     p.add_argument("--log-every", type=whole_number("--log-every"), default=10,
                    help="every N steps read the steps' metrics from the device, write their JSONL records and print "

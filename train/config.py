@@ -40,9 +40,9 @@ class TrainConfig:
     # "token": the mean over every target token of the batch; "example": the mean over the batch's
     # examples of each one's token mean (train/loss.py; pieces of a split example count as one).
     loss_mean: str = "token"
-    # What the run trains (train/objective.py): "sft", or "dpo" on a preference set (row format 5
-    # or 6) with the DPO loss's beta (None: 0.1, TRL's and Tunix's default; train/dpo_loss.py).
-    objective: str = "sft"
+    # What the run trains: an objective's name (train/objectives/; None: the default), and the DPO
+    # loss's beta (None: 0.1, TRL's and Tunix's default; train/objectives/dpo.py).
+    objective: str | None = None
     beta: float | None = None
     read_threads: int | None = None  # None: the loader chooses by where the shards are (local disk, mount, gs://)
     config_overrides: dict[str, Any] | None = None  # e.g. {"sliding_window_size": 4} for tests

@@ -20,7 +20,7 @@ policy and under a reference model), computed here on the packed rows:
 The loss returns sums (the loss's over pairs, rewards, accuracies, log-probabilities) and the
 pair count, so that gradient accumulation divides the K micro-batches' summed numerators by
 all their pairs (`step_sums`: the mean over every pair of the step, exactly), and eval and the
-metrics (TRL's names, train/dpo_metrics.py) combine batches exactly.
+metrics (TRL's names, train/objectives/dpo_metrics.py) combine batches exactly.
 """
 
 from __future__ import annotations
@@ -34,9 +34,8 @@ from flax import nnx
 
 from prepack.format.rowformat import CHOSEN, REJECTED
 from train import loss as loss_lib
-from train.dpo_metrics import (ACCURACY_SUM, CHOSEN_LOGPS_SUM, CHOSEN_REWARDS_SUM, LOSS_SUM, PAIRS, REJECTED_LOGPS_SUM,
-                               REJECTED_REWARDS_SUM)
-from train.objective import DEFAULT_BETA
+from train.objectives.dpo_metrics import (ACCURACY_SUM, CHOSEN_LOGPS_SUM, CHOSEN_REWARDS_SUM, DEFAULT_BETA, LOSS_SUM, PAIRS,
+                                          REJECTED_LOGPS_SUM, REJECTED_REWARDS_SUM)
 from train.train_step import StepSums
 
 Reference = Callable[[nnx.Module], nnx.Module]

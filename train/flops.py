@@ -95,7 +95,7 @@ class StepOptions:
     tile: int  # blocked's tile, flash's and splash's block
     loss_chunk_tokens: int  # 0: full logits
     remat: bool
-    reference_pass: bool = False  # --objective dpo: a forward pass more, with LoRA off
+    extra_forwards: int = 0  # the objective's forward passes beside the policy's (DPO's reference, LoRA off)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,15 +178,16 @@ def step_flops(cost: ModelCost, opts: StepOptions, segment_ids: np.ndarray, targ
         "attention": attention_fwd + bwd_attn * cost.head_dim * pair_sum,
         "output_projection": float(head),
         "remat": float((2 * cost.layer_weights + 2 * cost.lora_weights) * tokens + attention_fwd) if opts.remat else 0.0,
-        "reference": float(forward) if opts.reference_pass else 0.0,
+        "reference": float(forward) * opts.extra_forwards,
     }
     parts = {k: float(v) for k, v in parts.items()}
     return StepFlops(sum(parts.values()), parts, {_label(w): p for w, p in pairs.items()})
 
 
-def model_flops(cost: ModelCost, segment_ids: np.ndarray, reference_pass: bool = False) -> float:
+def model_flops(cost: ModelCost, segment_ids: np.ndarray, extra_forwards: int = 0) -> float:
     """MFU's numerator for one batch: forward and backward, no recomputation, real tokens only,
-    attention at the same-segment causal ideal; DPO's reference pass adds a forward."""
+    attention at the same-segment causal ideal; each of the objective's extra forward passes (DPO's
+    reference) adds a forward."""
     seg = np.asarray(segment_ids)
     tokens = int(np.count_nonzero(seg))
     per_window = {w: float(ideal_pairs(seg, w).sum()) for w in set(cost.windows)}
@@ -194,6 +195,7 @@ def model_flops(cost: ModelCost, segment_ids: np.ndarray, reference_pass: bool =
     fwd, bwd = ATTENTION_PASSES["dense"]
     per_token = 2 * cost.layer_weights * 2 + 2 * cost.lora_weights * 3 + 2 * cost.head_weights * 2
     total = per_token * tokens + (fwd + bwd) * cost.head_dim * pairs
-    if reference_pass:
-        total += 2 * (cost.layer_weights + cost.lora_weights + cost.head_weights) * tokens + fwd * cost.head_dim * pairs
+    if extra_forwards:
+        total += extra_forwards * (2 * (cost.layer_weights + cost.lora_weights + cost.head_weights) * tokens
+                                   + fwd * cost.head_dim * pairs)
     return float(total)

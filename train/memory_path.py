@@ -1,11 +1,12 @@
 """The memory-path options of `prepack train`: --loss-chunk-tokens, --attention, --attention-tile, --remat.
 
 Each maps a TrainConfig field onto Tunix's own pieces, without forking them:
-- loss_fn(cfg): the full-logits masked loss (chunk 0, the reference), the chunked one
-  (train/chunked_loss.py), or Tunix's default (for comparisons; never chunked);
-- gen_model_input_fn(cfg, L): the [B, L, L] mask for dense attention, the [B, L] segment ids
+- choose_sft_loss(cfg): SFT's loss by --loss and --loss-chunk-tokens: the full-logits masked
+  loss (chunk 0, the reference), the chunked one (train/chunked_loss.py), or Tunix's default (for
+  comparisons; never chunked); the run's objective (train/objectives/) chooses its own loss;
+- gen_model_input_fn(cfg): the [B, L, L] mask for dense attention, the [B, L] segment ids
   themselves otherwise (train/attention.py installs layers that read them, with the tile or
-  block of --attention-tile or the kind's default);
+  block of --attention-tile or the kind's default); the objective adds what its loss reads;
 - set_remat(model, on): the decoder layers under one lax.scan whose body is checkpointed
   (train/layer_scan.py: each layer recomputed from its input in the backward pass), on an
   already-built model, so `auto` can switch it after planning. Not Tunix's
@@ -23,7 +24,6 @@ from flax import nnx
 
 from train import attention as attention_lib
 from train import loss as loss_lib
-from train import objective
 from train.config import TrainConfig, TrainError
 
 REMAT_NONE, REMAT_LAYER, REMAT_AUTO = "none", "layer", "auto"
@@ -112,11 +112,8 @@ def check_loss_mean(cfg: TrainConfig) -> None:
         raise TrainError(f"--loss-mean {cfg.loss_mean} needs --loss masked (tunix-default is a token mean only)")
 
 
-def loss_fn(cfg: TrainConfig) -> Callable[..., Any]:
-    if cfg.objective == objective.DPO:  # train/dpo_loss.py: the same loss path (chunked or full logits), per pair
-        from train import dpo_loss
-
-        return dpo_loss.make_dpo_loss_fn(objective.beta_of(cfg), cfg.loss_chunk_tokens, kernel=cfg.loss_kernel)
+def choose_sft_loss(cfg: TrainConfig) -> Callable[..., Any]:
+    """SFT's has_aux loss, as --loss, --loss-mean, --loss-chunk-tokens and --loss-kernel choose it."""
     check_loss_mean(cfg)
     if cfg.loss == "tunix-default":
         return loss_lib.with_aux(loss_lib.tunix_default_loss_fn())
@@ -132,12 +129,7 @@ def loss_fn(cfg: TrainConfig) -> Callable[..., Any]:
 def gen_model_input_fn(cfg: TrainConfig) -> Callable[..., Any]:
     from train import model_inputs
 
-    inputs = model_inputs.make_gen_model_input_fn(attention=attention_kind(cfg), loss_mean=cfg.loss_mean)
-    if cfg.objective == objective.DPO:  # and each target's pair and side, for the DPO loss
-        from train import dpo_loss
-
-        return dpo_loss.make_gen_model_input_fn(inputs)
-    return inputs
+    return model_inputs.make_gen_model_input_fn(attention=attention_kind(cfg), loss_mean=cfg.loss_mean)
 
 
 def install_attention(model: nnx.Module, cfg: TrainConfig, max_length: int) -> None:

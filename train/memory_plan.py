@@ -182,12 +182,12 @@ def sample_rows(cfg: Any, view: Any, batches: int = FLOP_SAMPLE_BATCHES) -> tupl
 
 def analytic_flops(setup: Any, remat_on: bool) -> Any:
     """train/flops.py's count of this run's step, on its first batches' segments and targets."""
-    from train import flops, memory_path
+    from train import flops, memory_path, objectives
 
     cfg, length = setup.config, setup.view.manifest.max_length
     opts = flops.StepOptions(cfg.batch_size * cfg.grad_accum_steps, length, memory_path.attention_kind(cfg),
                              memory_path.attention_tile(cfg, length), cfg.loss_chunk_tokens, remat_on,
-                             reference_pass=cfg.objective == "dpo")
+                             extra_forwards=objectives.of(cfg).extra_forwards)
     segment_ids, target_fraction = sample_rows(cfg, setup.view)
     return flops.step_flops(flops.model_cost(setup.built.model), opts, segment_ids, target_fraction)
 
@@ -214,7 +214,7 @@ def run_plan(cfg: Any, out: TextIO) -> dict[str, Any]:
     import dataclasses as dc
     import sys
 
-    from train import memory_path
+    from train import memory_path, objectives
     from train.run_setup import setup
 
     cfg = dc.replace(cfg, checkpoint_dir=None, metrics_out=None, save_lora=None, tensorboard=None, profile_steps=None)
@@ -226,7 +226,7 @@ def run_plan(cfg: Any, out: TextIO) -> dict[str, Any]:
     budget, source = budget_bytes(cfg.memory_budget_gib)
     kind = memory_path.attention_kind(cfg)
     describe = (f"{cfg.model} {s.static.get('dtype')} LoRA rank {cfg.lora_rank}, "
-                f"{'DPO (policy forward and backward, reference forward with LoRA off), ' if cfg.objective == 'dpo' else ''}"
+                f"{objectives.of(cfg).plan_note}"
                 f"B={cfg.batch_size} L={manifest.max_length} "
                 f"({cfg.batch_size * manifest.max_length:,} tokens{f' x {cfg.grad_accum_steps} micro-batches' if cfg.grad_accum_steps > 1 else ''}), "
                 f"attention {kind}{'' if kind == 'dense' else f' (tile {memory_path.attention_tile(cfg, manifest.max_length)})'}, "

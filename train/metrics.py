@@ -11,10 +11,11 @@ One JSON line per optimizer step, then eval lines and one summary line:
 mean of the same batch, and `device_examples`, the examples the loss counted: fractional when
 a split example's pieces fall in different batches).
   {"summary": {...}}
-An --objective dpo run's `loss` is the DPO loss (its `loss_mean` "pair": the mean over the step's
-pairs), and its step and eval records add TRL's names at the top level (`rewards/chosen`,
-`rewards/rejected`, `rewards/accuracies`, `rewards/margins`, `logps/chosen`, `logps/rejected`,
-train/dpo_metrics.py) and `device_pairs`; `examples` counts pairs.
+The run's objective (train/objectives/) says what else its records hold: a DPO run's `loss` is
+the DPO loss (its `loss_mean` "pair": the mean over the step's pairs), and its step and eval
+records add TRL's names at the top level (`rewards/chosen`, `rewards/rejected`,
+`rewards/accuracies`, `rewards/margins`, `logps/chosen`, `logps/rejected`,
+train/objectives/dpo_metrics.py) and `device_pairs`; `examples` counts pairs.
 `grad_norm` is the global norm before clipping, `clipped` whether --max-grad-norm scaled it,
 `learning_rate` the rate the step's update used. With --grad-accum-steps K a step trains K
 micro-batches of batch_size rows: tokens and counts are the step's (K * B rows), `micro_steps`
@@ -39,12 +40,13 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from train import divergence, dpo_metrics
+from train import divergence, objectives
 from train.mfu import Throughput
 
 
-def batch_counts(batch: Mapping[str, np.ndarray]) -> dict[str, int]:
-    """Host-side counts of one [B, L] batch (numpy, before it goes to the device)."""
+def batch_counts(batch: Mapping[str, np.ndarray], segments_per_example: int = 1) -> dict[str, int]:
+    """Host-side counts of one [B, L] batch (numpy, before it goes to the device); an example is
+    `segments_per_example` segments of a row (the objective's: a preference pair's two sides are one)."""
     seg = np.asarray(batch["segment_ids"])
     loss_mask = np.asarray(batch["loss_mask"])
     length = seg.shape[-1]
@@ -55,8 +57,7 @@ def batch_counts(batch: Mapping[str, np.ndarray]) -> dict[str, int]:
         "tokens": int(np.count_nonzero(seg)),
         # What the loss counts: input_mask[..., 1:] (column 0 can never be predicted).
         "target_tokens": int(np.count_nonzero(loss_mask[..., 1:])),
-        # A preference pair's two sides are one example (segments 2k-1 and 2k of its row).
-        "examples": int((seg.max(axis=-1) // (2 if "pair_side" in batch else 1)).sum()),
+        "examples": int((seg.max(axis=-1) // segments_per_example).sum()),
         **({"target_tokens_by_source": np.bincount(np.asarray(batch["source_ids"])[..., 1:][loss_mask[..., 1:] != 0],
                                                    minlength=1).tolist()} if "source_ids" in batch else {}),
     }
@@ -118,15 +119,17 @@ class TensorBoard:
     """--tensorboard DIR: the JSONL's figures as TensorBoard scalars (tensorboardX), written at each fetch."""
 
     SCALARS = ("loss", "token_loss", "grad_norm", "learning_rate", "clipped", "step_time_s", "target_tokens_per_s",
-               "tokens_per_s", "density", "target_density", "input_wait_s") + dpo_metrics.TRL_NAMES
+               "tokens_per_s", "density", "target_density", "input_wait_s")
 
-    def __init__(self, logdir: str):
+    def __init__(self, logdir: str, objective_scalars: tuple[str, ...] = ()):
+        """objective_scalars: the objective's own step fields (its metric names), after SCALARS."""
         from tensorboardX import SummaryWriter
 
         self.writer = SummaryWriter(logdir=logdir)
+        self.scalars = self.SCALARS + tuple(objective_scalars)
 
     def step(self, record: Mapping[str, Any]) -> None:
-        for key in self.SCALARS:
+        for key in self.scalars:
             value = record.get(key)
             if isinstance(value, (int, float)) and value is not None:
                 self.writer.add_scalar(f"train/{key}", float(value), record["step"])
@@ -167,10 +170,12 @@ class MetricsRecorder:
         throughput: Throughput | None = None,
         grad_accum_steps: int = 1,
         tensorboard: str | None = None,
+        objective: objectives.Objective = objectives.DEFAULT,
     ):
         """resume_from=k: the run continues after step k of a checkpoint; step numbers go on from k+1
         and the JSONL is appended to (its records of steps after k, which the resumed run redoes,
-        are dropped first, so each step appears once)."""
+        are dropped first, so each step appears once). objective: the run's (train/objectives/), which
+        says what an example is, its records' own fields and its part of the console line."""
         self.path = path
         self.static = dict(static or {})
         # A mixture set's source names, 1..N in the mixture's order: each step then logs
@@ -183,6 +188,7 @@ class MetricsRecorder:
         self.stopped: dict[str, Any] | None = None  # why the run ended early (summary["stopped"])
         self.out = out if out is not None else sys.stderr
         self.throughput = throughput or Throughput()
+        self.objective = objective
         self._model_flops: list[float | None] = []  # per step, for the summary's mfu
         self.first_step = (resume_from or 0) + 1
         # Functions of a finished step record returning more fields for it: each row is
@@ -197,7 +203,7 @@ class MetricsRecorder:
                 self._write({"resume": {"from_step": resume_from, "dropped_records": dropped, **dict(resume_note or {})}})
             else:
                 self._file = open(path, "w")
-        self._board = TensorBoard(tensorboard) if tensorboard else None
+        self._board = TensorBoard(tensorboard, objective.metric_names) if tensorboard else None
         self.static_extra: dict[str, Any] = {}  # summary-only facts learnt during the run
         self.steps: list[dict[str, Any]] = []
         self.evals: list[dict[str, Any]] = []
@@ -208,7 +214,7 @@ class MetricsRecorder:
         self._pending: dict[str, Any] | None = None
         self._unfetched: list[tuple[dict[str, Any], Any, float]] = []  # (host counts, device aux, dispatch end)
         self._eval_acc: list[tuple[float, float, float, float]] = []
-        self._eval_dpo: dict[str, float] = {}  # --objective dpo: the eval batches' summed DPO terms
+        self._eval_sums: dict[str, float] = {}  # the eval batches' sums of the objective's own metrics
         self.started = time.perf_counter()
         # Seconds spent compiling the step before the loop (--remat auto's plan compiles the
         # executable step 1 runs): step 1's time includes them, as it would the compile itself.
@@ -238,7 +244,7 @@ class MetricsRecorder:
 
     def batch_arrived(self, batch: Mapping[str, np.ndarray]) -> None:
         now = time.perf_counter()
-        counts = batch_counts(batch)
+        counts = batch_counts(batch, self.objective.segments_per_example)
         counts["input_wait_s"] = now - (self._clock if self._clock is not None else now)
         counts["model_flops"] = self.throughput.batch_flops(batch)
         self._pending = counts
@@ -337,8 +343,7 @@ class MetricsRecorder:
             record["nonfinite"] = reason
             # apply_if_finite rejects updates with non-finite gradients (train/optimizer.py).
             record["skipped"] = self.nan_policy == divergence.SKIP_STEP
-        if dpo_metrics.is_dpo(aux):  # --objective dpo: TRL's names at the top level
-            record.update(dpo_metrics.record_fields(aux))
+        record.update(self.objective.step_fields(aux))
         if self.source_names:
             record.update(by_source_record(self.source_names, pending, aux))
         for fields in self.row_fields:
@@ -349,12 +354,12 @@ class MetricsRecorder:
     def _print(self, record: Mapping[str, Any]) -> None:
         reason = record.get("nonfinite")
         loss = f"{record['loss']:.4f}" if record["loss"] is not None else f"non-finite ({reason})"
-        kind = {"example": " (example mean)", "pair": " (DPO)"}.get(str(self.static.get("loss_mean")), "")
+        kind = self.objective.loss_label(str(self.static.get("loss_mean")))
         lr = f"  lr {record['learning_rate']:.3g}" if record.get("learning_rate") is not None else ""
         print(
             f"step {record['step']}: loss {loss}{kind}  {record['step_time_s']:.3f}s  "
             f"{record['target_tokens_per_s']:.0f} target tok/s  density {record['density']:.3f}{lr}"
-            + dpo_metrics.progress(record)
+            + self.objective.progress(record)
             + ("  (update skipped: --nan-policy skip-step)" if record.get("skipped") else ""),
             file=self.out,
             flush=True,
@@ -366,13 +371,8 @@ class MetricsRecorder:
 
     def eval_batch_done(self, aux: Mapping[str, Any]) -> None:
         # The sums the loss's mean divides, so the eval loss is that mean over the whole set.
-        if dpo_metrics.is_dpo(aux):
-            weighted, weights = float(aux[dpo_metrics.LOSS_SUM]), float(aux[dpo_metrics.PAIRS])
-            dpo_metrics.add_sums(self._eval_dpo, aux)
-        elif "examples" in aux:
-            weighted, weights = float(aux["example_nll_sum"]), float(aux["examples"])
-        else:
-            weighted, weights = float(aux["nll_sum"]), float(aux["target_tokens"])
+        weighted, weights = self.objective.eval_loss_terms(aux)
+        self.objective.add_eval_sums(self._eval_sums, aux)
         self._eval_acc.append((weighted, weights, float(aux["target_tokens"]), float(aux["loss"])))
 
     def eval_done(self, elapsed: float) -> None:
@@ -389,9 +389,9 @@ class MetricsRecorder:
             "target_tokens": int(targets.sum()),
             "batches": len(losses),
             "time_s": elapsed,
-            **(dpo_metrics.trl_metrics(self._eval_dpo) if self._eval_dpo else {}),
+            **self.objective.eval_fields(self._eval_sums),
         }
-        self._eval_acc, self._eval_dpo = [], {}
+        self._eval_acc, self._eval_sums = [], {}
         self.evals.append(record)
         self._write({"eval": record})
         if self._board is not None:

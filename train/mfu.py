@@ -53,6 +53,7 @@ class Throughput:
     cost: Any = None  # train.flops.ModelCost; None: no FLOP count, mfu null
     chips: int = 1
     peak_tflops: float | None = None
+    extra_forwards: int = 0  # the objective's forward passes beside the policy's (train/objectives/)
 
     def batch_flops(self, batch: Mapping[str, Any]) -> float | None:
         if self.cost is None:
@@ -60,8 +61,7 @@ class Throughput:
         from train import flops
 
         seg = batch["segment_ids"]  # [B, L], or [B, K, L] with --grad-accum-steps: rows either way
-        # A preference set's batch is a DPO step's (train/objective.py): its reference pass counts too.
-        return flops.model_flops(self.cost, seg.reshape(-1, seg.shape[-1]), reference_pass="pair_side" in batch)
+        return flops.model_flops(self.cost, seg.reshape(-1, seg.shape[-1]), self.extra_forwards)
 
     def fields(self, tokens: float, seconds: float, model_flops: float | None) -> dict[str, float | None]:
         """`tokens_per_s_per_chip` and `mfu` of `tokens` real tokens and `model_flops` done in `seconds`."""
@@ -72,10 +72,12 @@ class Throughput:
         return {"tokens_per_s_per_chip": per_chip, "mfu": mfu}
 
 
-def for_run(model: Any, device_kind: str, chips: int, override: float | None) -> tuple[Throughput, dict[str, Any]]:
-    """The run's Throughput and the summary facts about it (peak and its source, chips)."""
+def for_run(model: Any, device_kind: str, chips: int, override: float | None,
+            extra_forwards: int = 0) -> tuple[Throughput, dict[str, Any]]:
+    """The run's Throughput and the summary facts about it (peak and its source, chips);
+    extra_forwards: the objective's (train/objectives/)."""
     from train import flops
 
     peak, source = peak_tflops(device_kind, override)
     facts = {"peak_tflops": peak, "peak_tflops_source": source, "chips": chips}
-    return Throughput(flops.model_cost(model), chips, peak), facts
+    return Throughput(flops.model_cost(model), chips, peak, extra_forwards), facts

@@ -90,7 +90,7 @@ def run_identity(cfg: TrainConfig, spec: Any, config: Any, view: Any) -> dict[st
     import jax.numpy as jnp
 
     from loaders.dataset import shard_set_id
-    from train import models, objective, precision, schedule
+    from train import models, objectives, precision, schedule
 
     return {
         "model": cfg.model,
@@ -109,7 +109,7 @@ def run_identity(cfg: TrainConfig, spec: Any, config: Any, view: Any) -> dict[st
         "learning_rate": cfg.learning_rate,
         "loss": cfg.loss,
         "loss_mean": cfg.loss_mean,
-        "objective": objective.identity(cfg),
+        "objective": objectives.of(cfg).identity(cfg),
         # float32 adapters since mixed precision (train/precision.py); skip-step adds
         # apply_if_finite's counters to the optimizer state, so its layout differs.
         "lora_dtype": jnp.dtype(precision.LORA_DTYPE).name,

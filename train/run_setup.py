@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-from train import checkpoints, divergence, lora_file, objective, outputs, resume
+from train import checkpoints, divergence, lora_file, objectives, outputs, resume
 from train.config import TrainConfig, TrainError
 from prepack.format.manifest import packing_kind
 from train.fingerprint import base_fingerprint
@@ -86,7 +86,7 @@ def setup(cfg: TrainConfig, out: TextIO | None = None) -> Setup:
         cfg.metrics_out, static=static, log_every=cfg.log_every, out=out,
         resume_from=resumed or None, resume_note={"checkpoint_dir": cfg.checkpoint_dir},
         last_step=cfg.steps, nan_policy=cfg.nan_policy, throughput=throughput, grad_accum_steps=cfg.grad_accum_steps,
-        tensorboard=cfg.tensorboard,
+        tensorboard=cfg.tensorboard, objective=objectives.of(cfg),
     )
     attach_step_functions(cfg, loss_fn, trainer, recorder, built, policy)
     extra = {**run_details(cfg, model, view.manifest, built, base_params), **throughput_facts}
@@ -120,7 +120,7 @@ def check_flags(cfg: TrainConfig) -> None:
     if cfg.peak_tflops is not None and not (math.isfinite(cfg.peak_tflops) and cfg.peak_tflops > 0):
         raise TrainError(f"--peak-tflops must be positive, got {cfg.peak_tflops}")
     divergence.check_policy(cfg.nan_policy)
-    objective.check_flags(cfg)
+    objectives.of(cfg).check_flags(cfg)
 
 
 def open_views(cfg: TrainConfig) -> tuple[Any, Any]:
@@ -128,7 +128,8 @@ def open_views(cfg: TrainConfig) -> tuple[Any, Any]:
 
     view = loaders.open_shards(cfg.shards)
     eval_view = loaders.open_shards(cfg.eval_shards) if cfg.eval_shards else None
-    objective.check_set(cfg, view.manifest, cfg.shards)
+    objective = objectives.of(cfg)
+    objective.check_set(cfg, view.manifest, cfg.shards, "--shards")
     if eval_view is not None:
         objective.check_set(cfg, eval_view.manifest, cfg.eval_shards, "--eval-shards")
     if eval_view is not None and eval_view.manifest.max_length != view.manifest.max_length:
@@ -239,11 +240,9 @@ def run_static(cfg: TrainConfig, manifest: Any, built: Any) -> dict[str, Any]:
         "packing": packing_kind(manifest),
         "batch_size": cfg.batch_size,
         "seq_len": manifest.max_length,
-        # On every step record: which mean `loss` is (train/loss.py), token or example; a DPO
-        # run's is the mean over the step's pairs.
-        "loss_mean": objective.PAIR_MEAN if cfg.objective == objective.DPO else cfg.loss_mean,
-        "objective": cfg.objective,
-        **({"beta": objective.beta_of(cfg)} if cfg.objective == objective.DPO else {}),
+        # On every step record: which mean `loss` is (train/loss.py: token or example; the
+        # objective's own otherwise), the objective and its options.
+        **objectives.of(cfg).static_fields(cfg),
         "grad_accum_steps": cfg.grad_accum_steps,  # a step trains this many micro-batches of batch_size rows
     }
     mixture = getattr(manifest, "mixture", None)
@@ -320,14 +319,15 @@ def throughput_of(cfg: TrainConfig, built: Any) -> tuple[Any, dict[str, Any]]:
 
     from train import mfu
 
-    return mfu.for_run(built.model, jax.devices()[0].device_kind, jax.local_device_count(), cfg.peak_tflops)
+    return mfu.for_run(built.model, jax.devices()[0].device_kind, jax.local_device_count(), cfg.peak_tflops,
+                       objectives.of(cfg).extra_forwards)
 
 
 def step_loss_fn(cfg: TrainConfig, model: ModelChoice) -> Any:
-    """The loss the options choose, computed in the run's compute dtype."""
-    from train import memory_path, models, precision
+    """The objective's loss as the options choose it, computed in the run's compute dtype."""
+    from train import models, precision
 
-    return precision.in_compute_dtype(memory_path.loss_fn(cfg), models.parse_dtype(cfg.dtype, model.spec.default_dtype))
+    return precision.in_compute_dtype(objectives.of(cfg).loss_fn(cfg), models.parse_dtype(cfg.dtype, model.spec.default_dtype))
 
 
 def attach_step_functions(cfg: TrainConfig, loss_fn: Any, trainer: Any, recorder: MetricsRecorder, built: Any,
@@ -343,14 +343,11 @@ def attach_step_functions(cfg: TrainConfig, loss_fn: Any, trainer: Any, recorder
         return (step == cfg.steps or (policy is not None and policy.wants(step))
                 or bool(eval_every and step % eval_every == 0) or (profile is not None and step == profile[1]))
 
-    sums = None
-    if cfg.objective == objective.DPO:
-        from train import dpo_loss
-
-        sums = dpo_loss.step_sums()
-    trainer.configure(loss_fn=loss_fn, gen_model_input_fn=memory_path.gen_model_input_fn(cfg), recorder=recorder,
-                      vocab_size=built.vocab_size, loss_mean=cfg.loss_mean, grad_accum_steps=cfg.grad_accum_steps,
-                      max_grad_norm=cfg.max_grad_norm, fetch_before=fetch_before, sums=sums,
+    objective = objectives.of(cfg)
+    trainer.configure(loss_fn=loss_fn, gen_model_input_fn=objective.model_input_fn(memory_path.gen_model_input_fn(cfg)),
+                      recorder=recorder, vocab_size=built.vocab_size, loss_mean=cfg.loss_mean,
+                      grad_accum_steps=cfg.grad_accum_steps, max_grad_norm=cfg.max_grad_norm, fetch_before=fetch_before,
+                      sums=objective.step_sums(),
                       keep_last_finite=bool(cfg.save_lora) and cfg.nan_policy == divergence.STOP)
 
 

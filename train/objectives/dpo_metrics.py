@@ -1,4 +1,5 @@
-"""The DPO step's metrics under TRL's names, from the sums the loss returns (train/dpo_loss.py).
+"""The DPO step's metrics under TRL's names, from the sums the loss returns (train/dpo_loss.py), and
+the loss's default beta.
 
 TRL's DPOTrainer logs, per step, the means over the step's pairs of:
 `rewards/chosen` = beta (log pi(chosen) - log ref(chosen)), `rewards/rejected` likewise,
@@ -8,7 +9,8 @@ summed completion log-probabilities; `loss` is the DPO loss. Tunix 0.1.7's DPOTr
 other names (`rewards/margin`, `rewards/accuracy`, `log_probs/...`); these are TRL's, which
 users' dashboards know. The loss hands over sums and the pair count (never means), so the
 step's K micro-batches and an eval's batches combine exactly before the division here.
-Nothing here imports JAX: the recorder and `prepack report` read these names.
+Nothing here imports JAX: the recorder and `prepack report` read these names, and the loss
+(train/dpo_loss.py) and the objective (train/objectives/dpo.py) share the default beta from here.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from typing import Any
+
+DEFAULT_BETA = 0.1  # TRL's and Tunix's DPO default
 
 # The sums in a DPO loss's aux (device side), over the batch's pairs.
 PAIRS = "pairs"
@@ -35,10 +39,6 @@ REWARDS_MARGINS = "rewards/margins"
 LOGPS_CHOSEN = "logps/chosen"
 LOGPS_REJECTED = "logps/rejected"
 TRL_NAMES = (REWARDS_CHOSEN, REWARDS_REJECTED, REWARDS_ACCURACIES, REWARDS_MARGINS, LOGPS_CHOSEN, LOGPS_REJECTED)
-
-
-def is_dpo(aux: Mapping[str, Any]) -> bool:
-    return PAIRS in aux and LOSS_SUM in aux
 
 
 def _finite(x: float) -> float | None:

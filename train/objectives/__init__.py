@@ -1,0 +1,45 @@
+"""What a `prepack train` run trains: `--objective`, one object per objective (train/objectives/base.py
+says what each supplies), looked up by name here.
+
+Setup, the memory plan, FLOPs and MFU, the metrics and `prepack report` ask the run's objective
+(`of(cfg)`, or `by_name` of a record's `objective`) for what differs between objectives; adding one
+is a module here and its entry in REGISTRY (train/README.md, "Objectives").
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from train.config import TrainConfig, TrainError
+from train.objectives.base import Objective, ReportSection
+from train.objectives.dpo import DPO
+from train.objectives.sft import SFT
+
+__all__ = ["DEFAULT", "REGISTRY", "Objective", "ReportSection", "add_arguments", "by_name", "names", "of"]
+
+REGISTRY: dict[str, Objective] = {o.name: o for o in (SFT, DPO)}
+DEFAULT: Objective = SFT  # a run that names none
+
+
+def names() -> tuple[str, ...]:
+    return tuple(REGISTRY)
+
+
+def by_name(name: str) -> Objective:
+    if name not in REGISTRY:
+        raise TrainError(f"unknown --objective {name!r}; choose one of {', '.join(REGISTRY)}")
+    return REGISTRY[name]
+
+
+def of(cfg: TrainConfig) -> Objective:
+    """The run's objective (TrainConfig.objective None: the default)."""
+    return DEFAULT if cfg.objective is None else by_name(cfg.objective)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`prepack train`'s --objective, then each objective's own options (--beta)."""
+    p.add_argument("--objective", default=DEFAULT.name, choices=list(REGISTRY),
+                   help=" ".join(f"{o.name}: {o.help}" for o in REGISTRY.values()))
+    for objective in REGISTRY.values():
+        objective.add_arguments(p)
+
