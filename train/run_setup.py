@@ -55,7 +55,6 @@ def setup(cfg: TrainConfig, out: TextIO | None = None) -> Setup:
     # A resumed run appends to its metrics: the checkpoint folder is listed only if that matters.
     outputs.check_outputs(cfg, resumes=lambda: checkpoints.holds_checkpoint(cfg.checkpoint_dir))
     say = out if out is not None else sys.stderr
-    enable_compile_cache(cfg, say)
     view, eval_view = open_views(cfg)
     max_length = view.manifest.max_length
     import jax
@@ -70,6 +69,8 @@ def setup(cfg: TrainConfig, out: TextIO | None = None) -> Setup:
     model = check_model_for_shards(cfg, view, eval_view)
     qlora_tile(cfg, model.config)  # a tile the widths refuse is refused before any weight loads
     ckpt, identity = open_checkpoint(cfg, model, view)
+    # After every check that can refuse the run (its one line stays alone), before the first compile.
+    enable_compile_cache(cfg, say)
     built, base_params = load_base_weights(cfg, model, mesh, say)
     base_weights = record_base_weights(cfg, built, ckpt, identity)
     prepare_model(cfg, model, built, mesh, max_length)
