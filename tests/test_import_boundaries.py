@@ -171,14 +171,14 @@ def test_pipelines_folders_import_downward_only(tmp_path):
                                           "pipelines.wire.columns -> pipelines.output.commit"]
 
 
-# The core's rooms, bottom first: text (what an example says); then packing (how examples fill rows)
-# and format (how rows and their accounting go to disk) side by side, because each leans on the other
-# in one place (a mixture file is parsed with format's hostile-input parsers, strict_yaml and
-# untrusted; the tokenized set's manifest validates packing's Tally): between them only module
-# cycles are refused (test_no_import_cycle); storage (where files live: it joins paths by the
-# layout and reports a damaged file as the format's ManifestError) on top. A room imports only its
-# own rank or below; prepack's top-level modules (cli_help, overwrite) sit above every room.
-CORE_ROOMS = {"text": 0, "packing": 1, "format": 1, "storage": 2}
+# The core's rooms, bottom first, one above the other: hostile_input (reading what others can
+# write: untrusted, strict_yaml; it imports nothing of the project), text (what an example says),
+# packing (how examples fill rows; a mixture file is parsed with hostile_input's readers), format
+# (how rows and packing's accounting go to disk: the tokenized set's manifest checks packing's
+# Tally, the recount judges a set by packing's figures), storage (where files live: it joins paths
+# by the layout and reports a damaged file as the format's ManifestError). A room imports only the
+# rooms below it; prepack's top-level modules (cli_help, overwrite) sit above every room.
+CORE_ROOMS = {"hostile_input": 0, "text": 1, "packing": 2, "format": 3, "storage": 4}
 
 
 def _room_rank(module: str) -> int | None:
@@ -197,18 +197,20 @@ def test_core_rooms_import_downward_only(tmp_path):
     graph = import_graph()
     assert {m.split(".")[1] for m in graph if m.startswith("prepack.") and m.count(".") >= 2} >= set(CORE_ROOMS)
     assert _room_breaks(graph) == []
-    # The check can fail: text reaching up into packing, format into storage, a room into a top-level
-    # module (packing and format importing each other is allowed).
+    # The check can fail: text reaching up into packing, packing into format, format into storage,
+    # hostile_input into text, a room into a top-level module.
     graph = _tree(tmp_path, {
         "prepack/__init__.py": "", "prepack/overwrite.py": "",
-        "prepack/text/__init__.py": "", "prepack/text/templates.py": "from prepack.packing import packer\n",
-        "prepack/packing/__init__.py": "", "prepack/packing/packer.py": "from prepack.text import templates\nfrom prepack.format import untrusted\n",
-        "prepack/format/__init__.py": "", "prepack/format/manifest.py": "import prepack.storage.gcs\nfrom prepack import overwrite\n",
+        "prepack/hostile_input/__init__.py": "", "prepack/hostile_input/untrusted.py": "from prepack.text import templates\n",
+        "prepack/text/__init__.py": "", "prepack/text/templates.py": "from prepack.packing import packer\nfrom prepack.hostile_input import untrusted\n",
+        "prepack/packing/__init__.py": "", "prepack/packing/packer.py": "from prepack.text import templates\nfrom prepack.format import manifest\n",
+        "prepack/format/__init__.py": "", "prepack/format/manifest.py": "import prepack.storage.gcs\nfrom prepack import overwrite\nfrom prepack.packing import packer\n",
         "prepack/storage/__init__.py": "", "prepack/storage/gcs.py": "from prepack.format import manifest\n",
         "pipelines/__init__.py": "", "loaders/__init__.py": "", "apps/__init__.py": "", "gcp/__init__.py": "", "train/__init__.py": "",
     })
     assert _room_breaks(graph) == ["prepack.format.manifest -> prepack.overwrite", "prepack.format.manifest -> prepack.storage.gcs",
-                                   "prepack.text.templates -> prepack.packing.packer"]
+                                   "prepack.hostile_input.untrusted -> prepack.text.templates",
+                                   "prepack.packing.packer -> prepack.format.manifest", "prepack.text.templates -> prepack.packing.packer"]
 
 
 def test_contracts_lists_every_module():

@@ -36,7 +36,7 @@ from pipelines import failpoints
 from prepack.format import layout
 from prepack.format.run_record import PublishedManifest, RunRecord
 from prepack.published import kept_lengths
-from prepack.format.untrusted import MAX_METADATA_FILE_BYTES
+from prepack.hostile_input.untrusted import MAX_METADATA_FILE_BYTES
 
 
 @dataclasses.dataclass(frozen=True)
