@@ -43,7 +43,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from pipelines import failpoints
+from pipelines.faults import failpoints
 from prepack.storage import GcsStorage, SwitchRefused, Versioned, storage_for
 from prepack.format import layout
 from prepack.format.manifest import ManifestError
