@@ -21,7 +21,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from prepack.format.untrusted import shown, shown_with_type
+from prepack.hostile_input.untrusted import shown, shown_with_type
 from train import score as score_lib
 from train import tool_calls
 

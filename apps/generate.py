@@ -137,7 +137,7 @@ def _template_options(args: argparse.Namespace) -> dict[str, str]:
 def read_prompts(args: argparse.Namespace, tokenizer: Any, chat_format: Any) -> tuple[list[Any], list[dict[str, Any]], int, bool]:
     """(prompt items, dead letters, examples read, whether any example has tools), reading every
     --input through the job's read and prepare stages."""
-    from pipelines.limits import InputLimits
+    from pipelines.inputs.limits import InputLimits
     from prepack.packing.accounting import Tally
 
     prepare, _, _ = read_inputs.pipeline_modules()

@@ -5,7 +5,7 @@ apply its template and chat format, tokenize, then for every max length L fit
 the examples by the overlong rule and plan the rows from the length histogram,
 and for every batch size B work out rows, steps and densities with
 `prepack.packing.stats`. Each step is the job's own function, run in this process
-without Beam: read (pipelines.sources, pipelines.inputs.readers), prepare
+without Beam: read (pipelines.inputs.sources, pipelines.inputs.readers), prepare
 (pipelines.preparer.Preparer), fit (prepack.packing.fitting.fit_length, as
 the fit stage runs it), plan (prepack.packing.packer.HistogramPlan, as PlanFn runs
 it), all under the RowSpec `prepack pack` takes.
@@ -17,7 +17,7 @@ expected gain in useful-token (target-token) throughput is then packed target
 tokens per step over unpacked target tokens per step (stats.BatchFigures).
 
 Inputs take the same specs as `prepack pack` and go through the job's own read
-and prepare stages (pipelines.sources, pipelines.inputs.readers, pipelines.preparer.Preparer),
+and prepare stages (pipelines.inputs.sources, pipelines.inputs.readers, pipelines.preparer.Preparer),
 run in this process: the same records, examples and bad-record reasons.
 
 Tokenizing runs in this process, which suits inputs up to a few million

@@ -1,5 +1,5 @@
 """The job's own read and prepare stages, run in this process: what `prepack preflight` and
-`prepack generate` read their inputs with (pipelines.sources, pipelines.inputs.readers,
+`prepack generate` read their inputs with (pipelines.inputs.sources, pipelines.inputs.readers,
 pipelines.preparer.Preparer), so they see the same specs, records, examples and bad-record
 reasons as `prepack pack`."""
 
@@ -22,7 +22,7 @@ class InputsError(Exception):
 def pipeline_modules() -> Any:
     """(preparer, readers, sources): the pipeline's modules, or InputsError without the extra."""
     try:
-        from pipelines import sources
+        from pipelines.inputs import sources
         from pipelines.inputs import readers
         from pipelines import preparer as prepare
     except ImportError as e:

@@ -320,7 +320,7 @@ def _metrics_lines(path: str):
 def _checked_step(record: dict[str, Any], where: str) -> dict[str, Any]:
     """A step record's numbers: `step` a whole number from 0 to MAX_STEP, the others numbers
     (`loss` may be null); one line naming the field otherwise ("one", [1] and 1e30 were tracebacks)."""
-    from prepack.format.untrusted import shown_with_type
+    from prepack.hostile_input.untrusted import shown_with_type
 
     step = record["step"]
     if type(step) is not int or not 0 <= step <= MAX_STEP:

@@ -50,9 +50,10 @@
    interpret mode off a GPU/TPU) to check the script end to end. The older `--rows NPZ [--cudnn]`
    runs (a) alone and prints it, without JSON.
 
-   dense in (a) and (b) is Tunix 0.1.7's Gemma3 `Attention.block` step, written inline: logits of
-   the scaled queries, `where(mask, logits, K_MASK)` with the block-causal mask of loaders/mask.py
-   (and, on local layers, Tunix's sliding band |q - k| < window), softmax, probabilities cast to
+   dense in (a) and (b) is Tunix 0.1.7's Gemma3 `Attention.block` step (dense_attention, in
+   benchmarks/gemma3_step.py beside the step that also times it): logits of the scaled queries,
+   `where(mask, logits, K_MASK)` with the block-causal mask of loaders/mask.py (and, on local
+   layers, Tunix's sliding band |q - k| < window), softmax, probabilities cast to
    the values' dtype, times v. The mask is built inside the jitted call, as in the train step.
    cuDNN: `jax.nn.dot_product_attention(implementation="cudnn")` given the same mask (as an
    additive bias, is_causal, and local_window_size on local layers) and cuDNN's packed layout
@@ -72,6 +73,8 @@ import tempfile
 import time
 
 import numpy as np
+
+from benchmarks.gemma3_step import block_causal_mask, dense_attention
 
 TILE = 512  # blocked's tile in the older CPU table and the device table (its default there when timed)
 HEADS, KV_HEADS, HEAD_DIM, WINDOW = 4, 1, 256, 512  # Gemma3 270M
@@ -133,37 +136,6 @@ def timed(fn, *args, repeats: int) -> float:
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - start)
     return statistics.median(times)
-
-
-def block_causal_mask(seg, window: int | None = None):
-    """[B, L, L] bool: loaders/mask.py's block-causal mask (pad queries see themselves), and on a
-    local layer Tunix's sliding band triu(-w + 1) * tril(w - 1); jax.numpy only."""
-    import jax.numpy as jnp
-
-    length = seg.shape[-1]
-    q, k = seg[:, :, None], seg[:, None, :]
-    causal = jnp.tril(jnp.ones((length, length), bool))
-    eye = jnp.eye(length, dtype=bool)
-    mask = ((q == k) & causal & (q != 0)) | (eye & (q == 0))
-    if window is not None:
-        ones = jnp.ones((length, length), bool)
-        mask &= (jnp.triu(ones, -window + 1) & jnp.tril(ones, window - 1))[None]
-    return mask
-
-
-def dense_attention(q, k, v, seg, mask):
-    """Tunix 0.1.7 Gemma3 Attention.block's softmax(q k^T) v with GQA, for [B, L, N, H] scaled q."""
-    import jax
-    import jax.numpy as jnp
-
-    from train.blocked_attention import NEG_INF  # Tunix's K_MASK
-
-    b, length, n, h = q.shape
-    kv = k.shape[2]
-    s = jnp.einsum("BTKGH,BSKH->BTKGS", q.reshape(b, length, kv, n // kv, h), k).reshape(b, length, n, length)
-    s = jnp.where(mask[:, :, None, :], s, NEG_INF)
-    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
-    return jnp.einsum("BTKGS,BSKH->BTKGH", p.reshape(b, length, kv, n // kv, length), v).reshape(b, length, n, h)
 
 
 def attention_alone(seg_row: np.ndarray, repeats: int) -> tuple[float, float]:

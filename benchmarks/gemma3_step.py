@@ -127,11 +127,40 @@ def _layer(x, p, l, seg, positions, window, s: Shape, attend):
     return x + _rms(_project(gate * up, p["down"], l["down_a"], l["down_b"], s, "down"), p["post_ffw"])
 
 
+def block_causal_mask(seg, window: int | None = None):
+    """[B, L, L] bool: loaders/mask.py's block-causal mask (pad queries see themselves), and on a
+    local layer Tunix's sliding band triu(-w + 1) * tril(w - 1); jax.numpy only."""
+    import jax.numpy as jnp
+
+    length = seg.shape[-1]
+    q, k = seg[:, :, None], seg[:, None, :]
+    causal = jnp.tril(jnp.ones((length, length), bool))
+    eye = jnp.eye(length, dtype=bool)
+    mask = ((q == k) & causal & (q != 0)) | (eye & (q == 0))
+    if window is not None:
+        ones = jnp.ones((length, length), bool)
+        mask &= (jnp.triu(ones, -window + 1) & jnp.tril(ones, window - 1))[None]
+    return mask
+
+
+def dense_attention(q, k, v, seg, mask):
+    """Tunix 0.1.7 Gemma3 Attention.block's softmax(q k^T) v with GQA, for [B, L, N, H] scaled q."""
+    import jax
+    import jax.numpy as jnp
+
+    from train.blocked_attention import NEG_INF  # Tunix's K_MASK
+
+    b, length, n, h = q.shape
+    kv = k.shape[2]
+    s = jnp.einsum("BTKGH,BSKH->BTKGS", q.reshape(b, length, kv, n // kv, h), k).reshape(b, length, n, length)
+    s = jnp.where(mask[:, :, None, :], s, NEG_INF)
+    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+    return jnp.einsum("BTKGS,BSKH->BTKGH", p.reshape(b, length, kv, n // kv, length), v).reshape(b, length, n, h)
+
+
 def attention_fn(kind: str, tile: int):
     """(q, k, v, segment_ids, window) -> out for one attention kind."""
     if kind == "dense":
-        from benchmarks.bench_attention import block_causal_mask, dense_attention
-
         return lambda q, k, v, seg, window: dense_attention(q, k, v, seg, block_causal_mask(seg, window))
     if kind == "flash":
         from train.flash_attention import flash_attention

@@ -93,7 +93,7 @@ class Report:
 
 def offline_inputs(specs: Sequence[str]) -> tuple[list, list]:
     """(ResolvedInput, ReadTask) lists for the specs without reading anything: one task each."""
-    from pipelines.sources import ReadTask, ResolvedInput, file_kind
+    from pipelines.inputs.sources import ReadTask, ResolvedInput, file_kind
 
     inputs, tasks = [], []
     for index, spec in enumerate(specs):

@@ -208,7 +208,7 @@ def batches_read(state: Any) -> int | None:
         return None
     position = state["grain"].get("next_index")
     if type(position) is not int or position < 0:
-        from prepack.format.untrusted import shown
+        from prepack.hostile_input.untrusted import shown
 
         raise ValueError(f"its position (grain next_index) is {shown(position)}, not a count of batches")
     return position

@@ -6,7 +6,7 @@ bound by request latency. SFT shard sets are small next to a TPU host's disk,
 so the loader downloads each shard whole, once, and reads it locally.
 
 Files are named by their content (the manifest's sha256, checked to be 64 hex
-digits before it names anything: prepack.format.untrusted), which is checked while
+digits before it names anything: prepack.hostile_input.untrusted), which is checked while
 downloading: a cached file is exactly the shard the manifest names, so it can be
 shared by every set, process and run on the host, and is never stale. A lock file
 per shard lets one process download it while others wait.
@@ -30,7 +30,7 @@ import os
 import threading
 
 from prepack import storage
-from prepack.format import untrusted
+from prepack.hostile_input import untrusted
 
 CACHE_ENV = "PREPACK_SHARD_CACHE"
 SUFFIX = ".array_record"

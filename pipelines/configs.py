@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from pipelines.limits import InputLimits
+from pipelines.inputs.limits import InputLimits
 from pipelines.output.lock import DEFAULT_EXPIRY_S
 from prepack.packing.bad_records import DEFAULT_MAX_BAD_FRACTION
 from prepack.packing.mixture import Mixture

@@ -20,8 +20,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from pipelines.limits import (DEFAULT_MAX_COMPRESSION_RATIO, DEFAULT_MAX_DECOMPRESSED_BYTES, DEFAULT_MAX_RECORD_BYTES,
-                              DEFAULT_MAX_WHOLE_FILE_BYTES, MAX_SUB_BUCKETS, RATIO_CHECKED_AFTER, InputLimits)
+from pipelines.inputs.limits import (DEFAULT_MAX_COMPRESSION_RATIO, DEFAULT_MAX_DECOMPRESSED_BYTES, DEFAULT_MAX_RECORD_BYTES,
+                                     DEFAULT_MAX_WHOLE_FILE_BYTES, RATIO_CHECKED_AFTER, InputLimits)
+from pipelines.planning import MAX_SUB_BUCKETS
 from pipelines.configs import (DEFAULT_MAX_LENGTHS, DEFAULT_TARGET_SHARD_MB, DEFAULT_TOKENIZE_BATCH_SIZE, PackConfig, RowSpec,
                                RunOptions)
 from pipelines.output.lock import DEFAULT_EXPIRY_S, MAX_EXPIRY_S, MIN_EXPIRY_S

@@ -31,9 +31,11 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 
-from pipelines.limits import MAX_SUB_BUCKETS
 from prepack.packing.packer import ClassRuns, HistogramPlan, Planner
 
+# Hash sub-buckets per max length (--sub-buckets): B <= MAX_SUB_BUCKETS < 2**32 keeps the
+# routing arithmetic below within 64 bits.
+MAX_SUB_BUCKETS = 4096
 # Compressed bytes per token of a row under zstd:3, measured in docs/row_format.md
 # (2.4); used only to turn --target-shard-mb into a shard count.
 EST_COMPRESSED_BYTES_PER_TOKEN = 2.5

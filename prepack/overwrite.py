@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from prepack.format.manifest import ManifestError
 from prepack.format.layout import manifest_path, run_record_path, tokens_manifest_path
-from prepack.format.untrusted import MAX_METADATA_FILE_BYTES
+from prepack.hostile_input.untrusted import MAX_METADATA_FILE_BYTES
 from prepack.published import NotAddable, kept_lengths
 from prepack.storage import storage_for
 

@@ -13,5 +13,5 @@ tests/test_import_boundaries.py keeps it on the top layer, above every applicati
 - `gcs_emulator`: a local GCS emulator and its pytest fixtures.
 - `http_delay_proxy`: a proxy in front of it that delays, counts, or loses responses.
 - `train_batches`: the same examples laid out packed and unpacked for the trainer.
-- `import_graph`: the import graph and layering check (and docs/imports.md).
+- `import_graph`: the import graph, the layering check and the circles between modules and between folders (and docs/imports.md).
 """

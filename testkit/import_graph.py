@@ -4,7 +4,10 @@ functions count too), and the layering it must keep.
     python -m testkit.import_graph > docs/imports.md     # redraw the picture
 
 Layers, top to bottom: a module may import its own package and packages of
-lower layers only; packages on one layer never import each other.
+lower layers only; packages on one layer never import each other. Inside the
+layers, no circle: neither between modules nor between folders (a module at a
+package's top counts in that package's folder, so pipelines/'s loose modules
+and pipelines/inputs/ may not import each other).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # package -> layer (higher imports lower). Why each sits where it does:
 LAYERS: dict[str, int] = {
+    "benchmarks": 5,  # measurement scripts run with python -m: import anything, imported by nothing
     "testkit": 4,  # test builders and references: imports anything, imported by no shipped package
     "apps": 3,  # the commands users run (prepack CLI, preflight, report, inspect, plots)
     "gcp": 3,  # deployment tooling: launches the pack command on Dataflow
@@ -26,6 +30,9 @@ LAYERS: dict[str, int] = {
     "loaders": 1,  # the Grain reader: never Beam, so never pipelines/
     "prepack": 0,  # the core both sides share: row format, packer, templates, tokenizer, manifest, stats
 }
+
+# Folders of scripts, not packages (no __init__.py), whose imports are checked all the same.
+SCRIPT_FOLDERS = frozenset({"benchmarks"})
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -67,6 +74,21 @@ def import_graph(root: Path = ROOT, packages: Iterable[str] = LAYERS) -> dict[st
     return {name: imports_of(name, path, known) for name, path in known.items()}
 
 
+def module_folders(root: Path = ROOT, packages: Iterable[str] = LAYERS) -> dict[str, str]:
+    """module -> the folder it lives in, dotted: a package's __init__ and a module at a package's
+    top both count in that package's folder."""
+    return {name: name if path.name == "__init__.py" else name.rpartition(".")[0]
+            for name, path in project_modules(root, packages).items()}
+
+
+def folder_graph(graph: Mapping[str, set[str]], folders: Mapping[str, str]) -> dict[str, set[str]]:
+    """folder -> the other folders its modules import."""
+    out: dict[str, set[str]] = {folder: set() for folder in folders.values()}
+    for module, targets in graph.items():
+        out[folders[module]] |= {folders[t] for t in targets if folders[t] != folders[module]}
+    return out
+
+
 def upward_imports(graph: Mapping[str, set[str]], layers: Mapping[str, int] = LAYERS) -> list[str]:
     """'a -> b' for every import of a package on the same or a higher layer than the importer's."""
     bad = []
@@ -87,7 +109,7 @@ def cycles(graph: Mapping[str, set[str]]) -> list[list[str]]:
     on_stack: set[str] = set()
     found: list[list[str]] = []
 
-    def visit(node: str) -> None:  # Tarjan's algorithm; the graph has ~100 nodes, recursion is fine
+    def visit(node: str) -> None:  # Tarjan's algorithm; recursion goes as deep as the longest import chain, a few dozen
         index[node] = low[node] = len(index)
         stack.append(node)
         on_stack.add(node)
@@ -125,14 +147,54 @@ def package_edges(graph: Mapping[str, set[str]]) -> dict[tuple[str, str], int]:
     return edges
 
 
-def render_markdown(graph: Mapping[str, set[str]]) -> str:
+def folder_heights(folders_graph: Mapping[str, set[str]]) -> dict[str, int]:
+    """folder -> the longest chain of imports below it (0: it imports no other folder), so a folder
+    stands above every folder it imports; an edge that closes a circle counts as nothing."""
+    heights: dict[str, int] = {}
+    open_now: set[str] = set()
+
+    def height(folder: str) -> int:
+        if folder not in heights:
+            open_now.add(folder)
+            heights[folder] = 1 + max((height(t) for t in folders_graph[folder] if t not in open_now), default=-1)
+            open_now.discard(folder)
+        return heights[folder]
+
+    for folder in sorted(folders_graph):
+        height(folder)
+    return heights
+
+
+def folder_lines(graph: Mapping[str, set[str]], folders: Mapping[str, str]) -> list[str]:
+    """Each package's folders from the top down, with the folders of the same package they import."""
+    between = folder_graph(graph, folders)
+    heights = folder_heights(between)
+    lines = []
+    for package in sorted(LAYERS, key=lambda p: (-LAYERS[p], p)):
+        mine = sorted((f for f in between if f.split(".")[0] == package), key=lambda f: (-heights[f], f))
+        if len(mine) < 2:
+            continue
+        lines.append(f"- package `{package}`:")
+        for folder in mine:
+            below = sorted(t for t in between[folder] if t.split(".")[0] == package)
+            imports = ", ".join(f"`{_folder_path(t)}`" for t in below) or "(none of its package)"
+            lines.append(f"  - `{_folder_path(folder)}` -> {imports}")
+    return lines
+
+
+def _folder_path(folder: str) -> str:
+    return folder.replace(".", "/") + "/"
+
+
+def render_markdown(graph: Mapping[str, set[str]], folders: Mapping[str, str]) -> str:
     packages = sorted(LAYERS, key=lambda p: (-LAYERS[p], p))
     lines = [
         "# Imports",
         "",
         "Generated by `python -m testkit.import_graph > docs/imports.md` from the source (imports inside",
         "functions count). Packages are drawn top to bottom by layer; every arrow points down.",
-        "tests/test_import_boundaries.py fails on an arrow up, between packages of one layer, or on a cycle.",
+        "tests/test_import_boundaries.py fails on an arrow up, between packages of one layer, or on a circle",
+        "between modules or between folders (a module at a package's top counts in that package's folder).",
         "",
         "```dot",
         "digraph imports {",
@@ -143,15 +205,20 @@ def render_markdown(graph: Mapping[str, set[str]]) -> str:
         lines.append(f"  {{ rank=same; {same} }}")
     for (a, b), n in sorted(package_edges(graph).items()):
         lines.append(f'  "{a}" -> "{b}" [label="{n}"];')
-    lines += ["}", "```", "", "## Modules and what they import (other packages first)", ""]
+    lines += ["}", "```", "", "## Folders, top down", "",
+              "Inside each package, a folder imports only folders listed below it (`pipelines/` stands for the",
+              "modules at pipelines' top); no two folders import each other.", ""]
+    lines += folder_lines(graph, folders)
+    lines += ["", "## Modules and what they import (other packages first)", ""]
     for module in sorted(graph, key=lambda m: (-LAYERS[m.split(".")[0]], m)):
         outside = sorted(t for t in graph[module] if t.split(".")[0] != module.split(".")[0])
         inside = sorted(t for t in graph[module] if t.split(".")[0] == module.split(".")[0])
         if outside or inside:
             lines.append(f"- `{module}` -> " + ", ".join(f"`{t}`" for t in outside + inside))
-    lines += ["", f"Upward imports: {len(upward_imports(graph))}. Cycles: {len(cycles(graph))}.", ""]
+    lines += ["", f"Upward imports: {len(upward_imports(graph))}. Cycles between modules: {len(cycles(graph))}, "
+                  f"between folders: {len(cycles(folder_graph(graph, folders)))}.", ""]
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
-    sys.stdout.write(render_markdown(import_graph()))
+    sys.stdout.write(render_markdown(import_graph(), module_folders()))

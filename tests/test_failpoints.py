@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from pipelines import failpoints
+from pipelines.faults import failpoints
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -116,7 +116,7 @@ def test_detail_narrows_a_point_to_one_hit(monkeypatch):
 
 
 def _child(action: str, **kw) -> subprocess.Popen:
-    code = ("import sys, time\nfrom pipelines import failpoints\nprint('up', flush=True)\n"
+    code = ("import sys, time\nfrom pipelines.faults import failpoints\nprint('up', flush=True)\n"
             "failpoints.hit('before_publish')\nprint('after', flush=True)\n")
     env = dict(os.environ, PYTHONPATH=ROOT, PREPACK_FAILPOINTS=f"before_publish={action}")
     return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True, **kw)

@@ -234,7 +234,7 @@ def test_crash_before_the_manifest_leaves_an_unpublished_folder(gcs_emulator, gc
     """The launcher is interrupted after moving the shards into place but before switching
     manifest.json: the folder holds shards, and no reader accepts it."""
     import loaders
-    from pipelines import failpoints
+    from pipelines.faults import failpoints
 
     def die_before_the_manifest(name: str, detail: str | None = None) -> None:
         if name == "shards_in_place":
@@ -252,7 +252,7 @@ def test_crash_before_the_manifest_leaves_an_unpublished_folder(gcs_emulator, gc
 def test_jsonl_byte_ranges_read_from_gcs_like_local_ones(gcs_emulator, gcs_prefix, input_file, tmp_path, monkeypatch):
     """Byte-range reads seek inside a gs:// object (Beam's GcsIO); with ranges of a few hundred
     bytes the shards, manifest and dead letters equal a local run with the same ranges."""
-    from pipelines import sources
+    from pipelines.inputs import sources
 
     monkeypatch.setattr(sources, "JSONL_RANGE_MIN_BYTES", 300)
     monkeypatch.setattr(sources, "JSONL_RANGES_PER_FILE", 10_000)
@@ -288,7 +288,7 @@ def test_gcs_overwrite_is_exclusive_and_replaces_the_set_whole(gcs_emulator, gcs
     second run while the first publishes is refused at start; the first replaces the old set,
     deletes its shards after the switch, and writes published.json."""
     import loaders
-    from pipelines import failpoints
+    from pipelines.faults import failpoints
 
     out = f"{gcs_prefix}/out"
     other = write_jsonl(str(tmp_path / "other.jsonl"), alpaca_records(30, seed=8))

@@ -85,7 +85,7 @@ def packed_examples(tmp_path: Path, records: list[dict], tokenizer: Any, chat_fo
     preparer = Preparer(metas, read_inputs.make_template("chat", {}), tokenizer, chat_format, expand_turns=expand_turns)
     tally = Tally()
     out = {}
-    from pipelines.limits import InputLimits
+    from pipelines.inputs.limits import InputLimits
 
     templated = list(read_inputs.templated(preparer, metas, tasks, tally, InputLimits()))
     for batch in preparer.tokenize(Templated.of(templated), tally, []):

@@ -223,7 +223,7 @@ def test_decompressed_blocks_are_bounded(tmp_path):
 
 
 def test_a_fifo_is_refused_before_reading(tmp_path):
-    from pipelines import sources
+    from pipelines.inputs import sources
 
     fifo = tmp_path / "in.jsonl"
     os.mkfifo(fifo)
@@ -234,7 +234,7 @@ def test_a_fifo_is_refused_before_reading(tmp_path):
 
 
 def test_a_link_to_dev_zero_is_refused_and_a_link_to_a_file_is_read(tmp_path):
-    from pipelines import sources
+    from pipelines.inputs import sources
 
     zero = tmp_path / "zero.jsonl"
     os.symlink("/dev/zero", zero)
@@ -249,8 +249,8 @@ def test_a_link_to_dev_zero_is_refused_and_a_link_to_a_file_is_read(tmp_path):
 
 
 def test_a_file_replaced_by_a_fifo_after_planning_is_refused_by_the_reader(tmp_path):
-    from pipelines import sources
-    from pipelines.failures import InputFileError
+    from pipelines.inputs import sources
+    from pipelines.faults.failures import InputFileError
 
     path = write_jsonl(str(tmp_path / "in.jsonl"), alpaca_records(3))
     _, (task,) = sources.resolve_inputs([path])
@@ -282,7 +282,7 @@ def _write_input(tmp_path, kind: str) -> str:
 
 @pytest.mark.parametrize("kind", ["jsonl", "jsonl.gz", "json", "parquet"])
 def test_a_whole_file_input_that_changes_mid_run_fails_the_job_in_one_line(tmp_path, monkeypatch, kind):
-    from pipelines import failpoints
+    from pipelines.faults import failpoints
 
     src = _write_input(tmp_path, kind)
 
@@ -359,7 +359,7 @@ def test_fuzz_jsonl_lines_10000(fmt):
 
 
 def test_a_gs_input_that_is_replaced_mid_run_fails_the_job_in_one_line(gcs_emulator, gcs_prefix, tmp_path, monkeypatch):  # noqa: F811
-    from pipelines import failpoints
+    from pipelines.faults import failpoints
 
     # A JSON array (read whole), replaced by one of the same size: the size cannot tell, the
     # object's generation does (a stamp of size and updated seconds misses a replacement made

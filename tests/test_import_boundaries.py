@@ -1,10 +1,12 @@
 """The layering the project promises.
 
 1. Between packages (testkit/import_graph.py reads every import from the source,
-   including imports inside functions): apps/ and gcp/ on top; train/ above
-   loaders/; pipelines/ and loaders/ side by side, importing neither each
-   other nor anything above; the core prepack/ at the bottom importing none of
-   them. No module imports anything above it, and there is no cycle.
+   including imports inside functions): benchmarks/ and testkit/ on top, then
+   apps/ and gcp/; train/ above loaders/; pipelines/ and loaders/ side by side,
+   importing neither each other nor anything above; the core prepack/ at the
+   bottom importing none of them. No module imports anything above it, and there
+   is no circle: neither between modules nor between folders (a module at a
+   package's top counts in that package's folder).
 2. Third-party: the core imports neither Beam nor JAX, the pipeline never
    imports JAX (Dataflow workers install no JAX), and the loader never imports
    Beam. Each of these checks runs in a fresh interpreter so nothing else in the
@@ -16,7 +18,8 @@ import sys
 import textwrap
 
 import pytest
-from testkit.import_graph import LAYERS, ROOT, cycles, import_graph, upward_imports
+from testkit.import_graph import (LAYERS, ROOT, SCRIPT_FOLDERS, cycles, folder_graph, import_graph, module_folders,
+                                  upward_imports)
 
 
 def test_no_import_points_up_or_sideways():
@@ -26,7 +29,17 @@ def test_no_import_points_up_or_sideways():
 
 
 def test_no_import_cycle():
-    assert cycles(import_graph()) == []
+    graph = import_graph()
+    assert {"benchmarks.bench_attention", "benchmarks.gemma3_step"} <= set(graph)
+    assert cycles(graph) == []
+
+
+def test_no_folder_imports_a_folder_that_imports_it():
+    """pipelines/' loose modules and pipelines/inputs/, prepack/format/ and prepack/packing/:
+    of two folders, at most one imports the other."""
+    folders = module_folders()
+    assert {"pipelines", "pipelines.inputs", "prepack.format", "prepack.packing", "benchmarks"} <= set(folders.values())
+    assert cycles(folder_graph(import_graph(), folders)) == []
 
 
 def _tree(tmp_path, files: dict[str, str]):
@@ -39,7 +52,8 @@ def _tree(tmp_path, files: dict[str, str]):
 
 def test_the_layer_check_can_fail(tmp_path):
     """A lazy upward import in the core, a sideways one between pipelines and loaders, and a
-    cycle are each caught, so the assertions above are not vacuous."""
+    cycle of modules (in a package and among the benchmark scripts) are each caught, so the
+    assertions above are not vacuous."""
     graph = _tree(tmp_path, {
         "prepack/__init__.py": "",
         "prepack/core.py": "def f():\n    from pipelines import job  # lazy, still counts\n",
@@ -48,15 +62,36 @@ def test_the_layer_check_can_fail(tmp_path):
         "loaders/__init__.py": "",
         "loaders/shards.py": "import loaders.other\n",
         "loaders/other.py": "from loaders import shards\n",
+        "benchmarks/bench_attention.py": "def f():\n    from benchmarks import gemma3_step\n",
+        "benchmarks/gemma3_step.py": "from benchmarks.bench_attention import dense_attention\n",
         "apps/__init__.py": "", "gcp/__init__.py": "", "train/__init__.py": "",
     })
     assert upward_imports(graph) == ["pipelines.job -> loaders.shards", "prepack.core -> pipelines.job"]
-    assert cycles(graph) == [["loaders.other", "loaders.shards"], ["pipelines.job", "prepack.core"]]
+    assert cycles(graph) == [["benchmarks.bench_attention", "benchmarks.gemma3_step"], ["loaders.other", "loaders.shards"],
+                             ["pipelines.job", "prepack.core"]]
+
+
+def test_the_folder_check_can_fail(tmp_path):
+    """The two circles of folders this project had, without a cycle of modules: a loose module at
+    pipelines/' top imports a reader that imports another loose module; format and packing
+    import each other through different modules."""
+    graph = _tree(tmp_path, {
+        "pipelines/__init__.py": "", "pipelines/sources.py": "", "pipelines/inputs/__init__.py": "",
+        "pipelines/preparer.py": "from pipelines.inputs import readers\n",
+        "pipelines/inputs/readers.py": "from pipelines import sources\n",
+        "prepack/__init__.py": "", "prepack/format/__init__.py": "", "prepack/packing/__init__.py": "",
+        "prepack/format/rowformat.py": "", "prepack/packing/accounting.py": "",
+        "prepack/format/recount.py": "from prepack.packing.accounting import Tally\n",
+        "prepack/packing/mixture.py": "def f():\n    from prepack.format.rowformat import MAX_SOURCES\n",
+    })
+    assert cycles(graph) == []
+    assert cycles(folder_graph(graph, module_folders(tmp_path))) == [["pipelines", "pipelines.inputs"],
+                                                                     ["prepack.format", "prepack.packing"]]
 
 
 def test_every_package_has_a_layer():
     top_level = {p.parent.name for p in ROOT.glob("*/__init__.py")}
-    assert top_level == set(LAYERS)
+    assert top_level == set(LAYERS) - SCRIPT_FOLDERS
 
 
 CASES = {
@@ -69,7 +104,7 @@ CASES = {
     "pipeline": (
         "import pipelines.launch.cli, pipelines.launch.job, pipelines.stages.read, pipelines.stages.prepare, pipelines.stages.fit, pipelines.stages.route, "
         "pipelines.stages.write, pipelines.launch.errors, pipelines.launch.job_stats, pipelines.launch.existing_sets, pipelines.launch.prepare_job, pipelines.launch.graph, pipelines.launch.verify, pipelines.launch.manifest_compose, "
-        "pipelines.sources, pipelines.inputs.readers, pipelines.planning",
+        "pipelines.inputs.sources, pipelines.inputs.readers, pipelines.planning",
         ("jax", "flax", "tunix", "grain"),
     ),
     "loader": (
@@ -140,45 +175,59 @@ def test_one_storage_interface(tmp_path):
                                          "pipelines/output/commit.py asks is_gcs", "pipelines/stages/write.py uses Beam's FileSystems"]
 
 
-def _inner_layer_breaks(graph: dict[str, set[str]]) -> list[str]:
-    """Inside pipelines/: launch/ (the command and the launcher) on top of stages/ (the Beam
-    graph's stages, run on workers) and output/ (publishing); neither of those imports launch/,
-    and output/ imports no stage. Below the stages, inputs/ (reading files) and wire/ (what
-    travels between steps) import none of the three."""
-    below = ("pipelines.launch", "pipelines.stages", "pipelines.output")
-    forbidden = {"pipelines.stages.": ("pipelines.launch",), "pipelines.output": ("pipelines.launch", "pipelines.stages"),
-                 "pipelines.inputs": below, "pipelines.wire": below}
-    return sorted(f"{m} -> {d}" for m in graph for prefix, banned in forbidden.items() if m.startswith(prefix)
-                  for d in graph[m] if d.startswith(banned))
+# pipelines/' folders, bottom first (its loose top modules count in the folder "pipelines"): faults/
+# (how the job fails: failures, failpoints); wire/ (what travels between steps); inputs/ (input
+# specs to read tasks, and reading them) and output/ (publishing) side by side; the loose modules
+# the launcher and the stages share (configs, options, preparer, planning); stages/ (the Beam
+# graph's stages, run on workers); launch/ (the command and the launcher). A folder imports only
+# the folders below it.
+PIPELINE_FOLDERS = {"pipelines.faults": 0, "pipelines.wire": 1, "pipelines.inputs": 2, "pipelines.output": 2,
+                    "pipelines": 3, "pipelines.stages": 4, "pipelines.launch": 5}
+
+
+def _inner_layer_breaks(graph: dict[str, set[str]], folders: dict[str, str]) -> list[str]:
+    ranked = {m: PIPELINE_FOLDERS[f] for m, f in folders.items() if f in PIPELINE_FOLDERS}
+    return sorted(f"{m} -> {d}" for m in graph if m in ranked for d in graph[m]
+                  if d in ranked and folders[d] != folders[m] and ranked[d] >= ranked[m])
 
 
 def test_pipelines_folders_import_downward_only(tmp_path):
-    assert sorted(m for m in import_graph() if m.startswith("pipelines.stages.")) and _inner_layer_breaks(import_graph()) == []
-    # The check can fail: a stage reaching up into the launcher, the output layer into a stage.
+    folders = module_folders()
+    assert {f for f in folders.values() if f.split(".")[0] == "pipelines"} == set(PIPELINE_FOLDERS)
+    assert _inner_layer_breaks(import_graph(), folders) == []
+    # The check can fail: a stage reaching up into the launcher, the output layer into a stage, a
+    # reader into a loose top module, faults/ into the configs, inputs/ and output/ into each other.
     graph = _tree(tmp_path, {
         "pipelines/__init__.py": "", "pipelines/stages/__init__.py": "", "pipelines/launch/__init__.py": "",
-        "pipelines/output/__init__.py": "",
+        "pipelines/output/__init__.py": "", "pipelines/sources.py": "", "pipelines/configs.py": "from pipelines.output import lock\n",
         "pipelines/stages/fit.py": "from pipelines.launch import job\n",
         "pipelines/launch/job.py": "from pipelines.stages import fit\n",
         "pipelines/output/commit.py": "import pipelines.stages.fit\n",
+        "pipelines/output/lock.py": "from pipelines.inputs.readers import ReadTask\n",
         "pipelines/wire/__init__.py": "", "pipelines/wire/columns.py": "from pipelines.output import commit\n",
-        "pipelines/inputs/__init__.py": "", "pipelines/inputs/readers.py": "from pipelines.stages import fit\n",
+        "pipelines/inputs/__init__.py": "",
+        "pipelines/inputs/readers.py": "from pipelines.stages import fit\nfrom pipelines import sources\nfrom pipelines.wire import columns\n",
+        "pipelines/faults/__init__.py": "", "pipelines/faults/failures.py": "from pipelines import configs\n",
         "prepack/__init__.py": "", "loaders/__init__.py": "", "apps/__init__.py": "", "gcp/__init__.py": "", "train/__init__.py": "",
     })
-    assert _inner_layer_breaks(graph) == ["pipelines.inputs.readers -> pipelines.stages.fit",
-                                          "pipelines.output.commit -> pipelines.stages.fit",
-                                          "pipelines.stages.fit -> pipelines.launch.job",
-                                          "pipelines.wire.columns -> pipelines.output.commit"]
+    assert _inner_layer_breaks(graph, module_folders(tmp_path)) == [
+        "pipelines.faults.failures -> pipelines.configs",
+        "pipelines.inputs.readers -> pipelines.sources",
+        "pipelines.inputs.readers -> pipelines.stages.fit",
+        "pipelines.output.commit -> pipelines.stages.fit",
+        "pipelines.output.lock -> pipelines.inputs.readers",
+        "pipelines.stages.fit -> pipelines.launch.job",
+        "pipelines.wire.columns -> pipelines.output.commit"]
 
 
-# The core's rooms, bottom first: text (what an example says); then packing (how examples fill rows)
-# and format (how rows and their accounting go to disk) side by side, because each leans on the other
-# in one place (a mixture file is parsed with format's hostile-input parsers, strict_yaml and
-# untrusted; the tokenized set's manifest validates packing's Tally): between them only module
-# cycles are refused (test_no_import_cycle); storage (where files live: it joins paths by the
-# layout and reports a damaged file as the format's ManifestError) on top. A room imports only its
-# own rank or below; prepack's top-level modules (cli_help, overwrite) sit above every room.
-CORE_ROOMS = {"text": 0, "packing": 1, "format": 1, "storage": 2}
+# The core's rooms, bottom first, one above the other: hostile_input (reading what others can
+# write: untrusted, strict_yaml; it imports nothing of the project), text (what an example says),
+# packing (how examples fill rows; a mixture file is parsed with hostile_input's readers), format
+# (how rows and packing's accounting go to disk: the tokenized set's manifest checks packing's
+# Tally, the recount judges a set by packing's figures), storage (where files live: it joins paths
+# by the layout and reports a damaged file as the format's ManifestError). A room imports only the
+# rooms below it; prepack's top-level modules (cli_help, overwrite) sit above every room.
+CORE_ROOMS = {"hostile_input": 0, "text": 1, "packing": 2, "format": 3, "storage": 4}
 
 
 def _room_rank(module: str) -> int | None:
@@ -197,18 +246,20 @@ def test_core_rooms_import_downward_only(tmp_path):
     graph = import_graph()
     assert {m.split(".")[1] for m in graph if m.startswith("prepack.") and m.count(".") >= 2} >= set(CORE_ROOMS)
     assert _room_breaks(graph) == []
-    # The check can fail: text reaching up into packing, format into storage, a room into a top-level
-    # module (packing and format importing each other is allowed).
+    # The check can fail: text reaching up into packing, packing into format, format into storage,
+    # hostile_input into text, a room into a top-level module.
     graph = _tree(tmp_path, {
         "prepack/__init__.py": "", "prepack/overwrite.py": "",
-        "prepack/text/__init__.py": "", "prepack/text/templates.py": "from prepack.packing import packer\n",
-        "prepack/packing/__init__.py": "", "prepack/packing/packer.py": "from prepack.text import templates\nfrom prepack.format import untrusted\n",
-        "prepack/format/__init__.py": "", "prepack/format/manifest.py": "import prepack.storage.gcs\nfrom prepack import overwrite\n",
+        "prepack/hostile_input/__init__.py": "", "prepack/hostile_input/untrusted.py": "from prepack.text import templates\n",
+        "prepack/text/__init__.py": "", "prepack/text/templates.py": "from prepack.packing import packer\nfrom prepack.hostile_input import untrusted\n",
+        "prepack/packing/__init__.py": "", "prepack/packing/packer.py": "from prepack.text import templates\nfrom prepack.format import manifest\n",
+        "prepack/format/__init__.py": "", "prepack/format/manifest.py": "import prepack.storage.gcs\nfrom prepack import overwrite\nfrom prepack.packing import packer\n",
         "prepack/storage/__init__.py": "", "prepack/storage/gcs.py": "from prepack.format import manifest\n",
         "pipelines/__init__.py": "", "loaders/__init__.py": "", "apps/__init__.py": "", "gcp/__init__.py": "", "train/__init__.py": "",
     })
     assert _room_breaks(graph) == ["prepack.format.manifest -> prepack.overwrite", "prepack.format.manifest -> prepack.storage.gcs",
-                                   "prepack.text.templates -> prepack.packing.packer"]
+                                   "prepack.hostile_input.untrusted -> prepack.text.templates",
+                                   "prepack.packing.packer -> prepack.format.manifest", "prepack.text.templates -> prepack.packing.packer"]
 
 
 def test_contracts_lists_every_module():
@@ -223,13 +274,13 @@ def test_imports_page_is_current():
     from testkit.import_graph import render_markdown
 
     page = (ROOT / "docs" / "imports.md").read_text()
-    assert page == render_markdown(import_graph()), "redraw it: python -m testkit.import_graph > docs/imports.md"
+    assert page == render_markdown(import_graph(), module_folders()), "redraw it: python -m testkit.import_graph > docs/imports.md"
 
 
 def import_graph_paths():
     from testkit.import_graph import project_modules
 
-    return sorted(project_modules().values())
+    return sorted(project_modules(packages=set(LAYERS) - SCRIPT_FOLDERS).values())
 
 
 MAX_FUNCTION_LINES = 80

@@ -47,7 +47,7 @@ def alive(pid: int) -> bool:
 HOLD_AT_FAULT_POINT = """
 import os
 if os.environ.get("PREPACK_TEST_HOLD_AT"):
-    import pipelines.failpoints as failpoints
+    import pipelines.faults.failpoints as failpoints
     _real = failpoints.hit
 
     def hit(point, detail=None):

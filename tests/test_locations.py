@@ -12,7 +12,7 @@ import pytest
 from apps import inspect_tokens, preflight, report, verify
 from pipelines.launch import cli as pack_cli
 from pipelines.options import OptionsError, parse_args
-from pipelines.sources import InputError, resolve_inputs
+from pipelines.inputs.sources import InputError, resolve_inputs
 from prepack.storage import location_problem
 
 BAD = {

@@ -1,5 +1,5 @@
 """Every manifest, tokenized set's manifest and run record is read under one size cap
-(prepack.format.untrusted.MAX_METADATA_FILE_BYTES, read by prepack.storage.read_metadata):
+(prepack.hostile_input.untrusted.MAX_METADATA_FILE_BYTES, read by prepack.storage.read_metadata):
 one over it is refused in one line, on every command and in the loader API, and no more than
 the cap + 1 of its bytes is ever read. A 10 GB manifest used to take 10-12 GB of memory in
 `prepack inspect` and `prepack verify`, and a 200 MB one was accepted. The files here are
@@ -22,7 +22,7 @@ from pipelines.launch.job import run
 from pipelines.options import parse_args
 from prepack import storage
 from prepack.format.manifest import MANIFEST_NAME, ManifestError
-from prepack.format.untrusted import MAX_METADATA_FILE_BYTES
+from prepack.hostile_input.untrusted import MAX_METADATA_FILE_BYTES
 from testkit.pipeline import IN_PROCESS, alpaca_records, write_jsonl
 
 TOO_LARGE = (f"larger than {MAX_METADATA_FILE_BYTES:,} bytes, the most a manifest or run record may hold (a real one is far "

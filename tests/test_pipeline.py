@@ -528,7 +528,7 @@ def test_unpacked_with_overlong_examples(data_dir, tmp_path):
 @pytest.fixture
 def tiny_ranges(monkeypatch):
     """Splits every plain JSONL file into ranges of a few hundred bytes (lines cross them)."""
-    from pipelines import sources
+    from pipelines.inputs import sources
 
     monkeypatch.setattr(sources, "JSONL_RANGE_MIN_BYTES", 300)
     monkeypatch.setattr(sources, "JSONL_RANGES_PER_FILE", 10_000)
@@ -536,7 +536,7 @@ def tiny_ranges(monkeypatch):
 
 def test_byte_ranges_keep_records_dead_letters_and_counts(dirty_file, tmp_path, tiny_ranges):
     path, good, long_prompt = dirty_file
-    from pipelines.sources import resolve_inputs
+    from pipelines.inputs.sources import resolve_inputs
 
     assert len(resolve_inputs([path])[1]) > 5  # really split
     args = ["--input", path, "--format", "alpaca", "--max-length", "64", "--overlong", "truncate", "--max-bad-fraction", "0.5"]

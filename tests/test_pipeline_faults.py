@@ -1,6 +1,6 @@
 """A published shard set is never lost, mixed or half-replaced; bad inputs fail with one line.
 
-Every fault is injected at a chosen point: a named failpoint (pipelines/failpoints.py) between
+Every fault is injected at a chosen point: a named failpoint (pipelines/faults/failpoints.py) between
 publishing steps, or a patched function, never timing. A "kill" in-process raises Killed (a
 BaseException no handler catches) with the run's clean-up disabled and its OS lock dropped,
 which leaves the output exactly as SIGKILL would (tests/test_interrupts.py and
@@ -23,7 +23,7 @@ from testkit.pipeline import IN_PROCESS, alpaca_records, write_jsonl
 from pipelines import output
 from pipelines.output import lock as output_lock
 from prepack.storage import local as local_storage
-from pipelines import failpoints
+from pipelines.faults import failpoints
 from prepack.format import layout
 from pipelines.stages import write as writer
 from pipelines.launch.cli import main as cli_main

@@ -20,7 +20,7 @@ from pipelines.planning import choose_num_shards, stable_hash, sub_buckets_of
 from testkit.plans import build_plan
 from pipelines.launch.report import density_table
 from prepack.format.rowformat import RowLayoutError
-from pipelines.sources import InputError, parse_hf_spec, parse_tfds_spec, resolve_inputs
+from pipelines.inputs.sources import InputError, parse_hf_spec, parse_tfds_spec, resolve_inputs
 from prepack.format import rowformat
 from testkit.plans import pack_best_fit_decreasing
 from testkit.reference import encode_rows, sub_bucket
@@ -727,7 +727,7 @@ def test_jsonl_byte_ranges_give_the_whole_file_records(tmp_path_factory, lines, 
 def _check_ranges_against_whole_file(tmp_path_factory, lines, trailing_newline, step):
     from pipelines.inputs import readers
     from pipelines.wire.records import TaskMeta, range_offsets
-    from pipelines.sources import ReadTask
+    from pipelines.inputs.sources import ReadTask
 
     data = b"\n".join(lines) + (b"\n" if trailing_newline and lines else b"")
     path = str(tmp_path_factory.mktemp("ranges") / "f.jsonl")
@@ -752,7 +752,7 @@ def _check_ranges_against_whole_file(tmp_path_factory, lines, trailing_newline, 
 
 
 def test_jsonl_files_are_split_by_size_alone():
-    from pipelines import sources
+    from pipelines.inputs import sources
 
     assert sources.jsonl_range_bytes(10) == sources.JSONL_RANGE_MIN_BYTES
     assert sources.jsonl_range_bytes(1 << 40) == sources.JSONL_RANGE_MAX_BYTES
@@ -773,7 +773,7 @@ def test_jsonl_files_are_split_by_size_alone():
 
 def test_a_jsonl_file_that_changes_under_a_range_read_fails(tmp_path):
     from pipelines.inputs import readers
-    from pipelines.sources import ReadTask
+    from pipelines.inputs.sources import ReadTask
 
     path = tmp_path / "f.jsonl"
     path.write_bytes(b'{"a": 1}\n{"a": 2}\n{"a": 3')
@@ -820,7 +820,7 @@ def test_local_runner_memory_estimate_and_warning(tmp_path):
     """Before a local run: examples estimated from the input (JSONL sampled for bytes per line),
     and one warning naming Dataflow and the split size when the launcher would not fit."""
     from pipelines.launch import local_memory as lm
-    from pipelines.sources import resolve_inputs
+    from pipelines.inputs.sources import resolve_inputs
 
     path = tmp_path / "a.jsonl"
     path.write_text("".join(json.dumps({"en": f"pair {i}", "fr": f"paire {i}"}) + "\n" for i in range(5000)))
@@ -890,10 +890,10 @@ def test_local_workers_get_few_malloc_arenas_unless_the_user_chose(monkeypatch):
 
 def test_a_shard_check_error_from_a_worker_becomes_one_line():
     """The runner wraps a worker's exception with its whole traceback; the launcher shows one line."""
-    from pipelines.failures import one_line
+    from pipelines.faults.failures import one_line
 
     text = ("Traceback (most recent call last):\n  File \"apache_beam/runners/common.py\", line 1512, in process\n"
-            "pipelines.failures.ShardCheckError: L=512: group (31, 0) has 20 examples, its plan slice 0 slots "
+            "pipelines.faults.failures.ShardCheckError: L=512: group (31, 0) has 20 examples, its plan slice 0 slots "
             "[while running 'RouteToRows']\n")
     assert one_line(RuntimeError(text), "/out") == (
         "the shard check failed, nothing was published, the previous shard sets are intact: L=512: group (31, 0) has "
@@ -1004,7 +1004,7 @@ def test_shards_are_contiguous_even_runs_of_rows_and_windows_tile_them(num_rows,
 def test_part_files_round_trip_and_a_damaged_part_fails_the_shard(tmp_path):
     """Write windows' part files are zstd frames of length-framed rows; a truncated part, or a
     part that reads back fewer rows than its window wrote, ends the job with a ShardCheckError."""
-    from pipelines.failures import ShardCheckError
+    from pipelines.faults.failures import ShardCheckError
     from pipelines.planning import LengthPlan
     from pipelines.stages.write import AssembleShardFn, _new_stats, read_part, write_part
 

@@ -284,7 +284,7 @@ def test_other_specs_go_through_the_pipeline_readers(tmp_path):
 def test_a_json_file_reads_as_the_job_reads_it(tmp_path, text, records):
     """preflight and `prepack pack` share one reader: a .json file holding one object used to be
     refused here ("expected a JSON array") while the job packed it."""
-    from pipelines import sources
+    from pipelines.inputs import sources
     from pipelines.inputs import readers
 
     data = tmp_path / "one.json"

@@ -76,7 +76,7 @@ def test_a_reversed_range_is_refused_by_both_and_named_in_words(tree, tokens):
     """`[a-[ab]` (one of hypothesis's draws, seeds 25, 50 and 61): a class with a reversed range.
     Beam refuses it, and so does the rule here, naming the pattern and the range in words (it was
     "cannot list it (error: bad character range ...)"); a refusal by both is agreement."""
-    from pipelines.sources import InputError, resolve_inputs
+    from pipelines.inputs.sources import InputError, resolve_inputs
 
     pattern = f"{tree}/{''.join(tokens)}"
     assert matched_or_refused(storage.match, pattern) == matched_or_refused(beam_match, pattern) == "refused"
@@ -162,7 +162,7 @@ def test_doubly_compressed_object_is_refused(gcs_emulator, gcs_prefix):  # noqa:
 
 @pytest.mark.parametrize("spec", ["s3://bucket/data/*.jsonl", "HDFS://host/x.jsonl"])
 def test_input_of_another_scheme_is_refused(spec):
-    from pipelines.sources import InputError, resolve_inputs
+    from pipelines.inputs.sources import InputError, resolve_inputs
 
     with pytest.raises(InputError) as e:
         resolve_inputs([spec])

@@ -12,8 +12,8 @@ import pytest
 import zstandard
 
 from pipelines.inputs import compressed, readers
-from pipelines.failures import InputFileError
-from pipelines.sources import ReadTask
+from pipelines.faults.failures import InputFileError
+from pipelines.inputs.sources import ReadTask
 
 DATA = b"".join(b'{"instruction": "task %d", "output": "answer"}\n' % i for i in range(3000))
 COMPRESS = {

@@ -133,7 +133,7 @@ def test_from_tokens_equals_a_full_run_for_tables_and_byte_ranges(case, source, 
         path = write_jsonl(str(tmp_path / "oasst1.jsonl"), oasst1_messages())
         args = ["--input", path, "--format", "oasst1", "--max-bad-fraction", "0.5"]
     else:
-        from pipelines import sources
+        from pipelines.inputs import sources
 
         monkeypatch.setattr(sources, "JSONL_RANGE_MIN_BYTES", 300)
         monkeypatch.setattr(sources, "JSONL_RANGES_PER_FILE", 10_000)

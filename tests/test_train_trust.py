@@ -23,7 +23,7 @@ import loaders
 from apps import inspect_tokens, preflight, report
 from prepack.format import rowformat, shardfile
 from prepack.format.manifest import MANIFEST_NAME, Manifest, ManifestError
-from prepack.format.untrusted import MAX_METADATA_FILE_BYTES
+from prepack.hostile_input.untrusted import MAX_METADATA_FILE_BYTES
 from train import cli, data, options, outputs, peft_export
 from train.config import TrainConfig, TrainError
 from train.lora_file import LoraFileError

@@ -1,4 +1,4 @@
-"""A worker failure the launcher states in one line (pipelines/failures.py: a truncated .gz, a
+"""A worker failure the launcher states in one line (pipelines/faults/failures.py: a truncated .gz, a
 gs:// object stored compressed twice, an input over a limit) is that one line on stderr: the
 runner's relays of the worker's log and the worker's own printed traceback (85 lines and 4
 tracebacks before the line) are dropped; a traceback of any other failure still shows."""
@@ -17,10 +17,10 @@ from testkit.gcs_emulator import gcs_emulator, gcs_prefix  # noqa: F401  (pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KNOWN = (b"Traceback (most recent call last):\n  File \"read.py\", line 46, in process\n    for record in x:\n"
-         b"pipelines.failures.InputFileError: in.jsonl.gz: truncated .gz file; replace it\n\n"
+         b"pipelines.faults.failures.InputFileError: in.jsonl.gz: truncated .gz file; replace it\n\n"
          b"During handling of the above exception, another exception occurred:\n\n"
          b"Traceback (most recent call last):\n  File \"sdk_worker.py\", line 310, in _execute\n    response = task()\n"
-         b"pipelines.failures.InputFileError: in.jsonl.gz: truncated .gz file; replace it [while running 'Read']\n\n")
+         b"pipelines.faults.failures.InputFileError: in.jsonl.gz: truncated .gz file; replace it [while running 'Read']\n\n")
 BUG = (b"Traceback (most recent call last):\n  File \"fit.py\", line 9, in process\n    x[3]\n"
        b"IndexError: list index out of range\n\n")
 

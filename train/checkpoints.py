@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from prepack import storage
-from prepack.format.untrusted import shown, shown_with_type
+from prepack.hostile_input.untrusted import shown, shown_with_type
 from train.objectives.sft import SFT
 
 log = logging.getLogger(__name__)

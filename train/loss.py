@@ -38,8 +38,8 @@ NORM_EPS = 1e-8
 TOKEN_MEAN, EXAMPLE_MEAN = "token", "example"
 LOSS_MEANS = (TOKEN_MEAN, EXAMPLE_MEAN)
 # Mixture sets: per-source sums come back as fixed-size [MAX_SOURCES + 1] vectors (index =
-# source, 0 = none), so the step compiles once whatever the mixture (the row format caps N).
-from prepack.format.rowformat import MAX_SOURCES  # noqa: E402
+# source, 0 = none), so the step compiles once whatever the mixture (the mixture file caps N).
+from prepack.packing.mixture import MAX_SOURCES  # noqa: E402
 
 
 def target_weights(input_mask: jax.Array) -> jax.Array:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from prepack.format.untrusted import shown
+from prepack.hostile_input.untrusted import shown
 from train.config import TrainError
 
 MESH_AXES = ("fsdp", "tp")

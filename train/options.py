@@ -17,7 +17,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from prepack.format.untrusted import shown
+from prepack.hostile_input.untrusted import shown
 from train.config import TrainConfig, TrainError
 
 MAX_STEPS = 2**31 - 1  # optax's update count and Tunix's step are int32

@@ -1,1 +1,1 @@
-"""Reading input files on the workers: each kind of file into raw records (readers), compressed files strictly (compressed)."""
+"""Reading inputs: input specs to read tasks in the launcher (sources), each kind of file into raw records on the workers (readers), compressed files strictly (compressed), within the input limits (limits)."""

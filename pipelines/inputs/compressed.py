@@ -15,8 +15,8 @@ import zlib
 from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
-from pipelines.failures import InputFileError
-from pipelines.limits import InputLimits
+from pipelines.faults.failures import InputFileError
+from pipelines.inputs.limits import InputLimits
 
 READ_BLOCK = 4 << 20
 

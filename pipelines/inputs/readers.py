@@ -26,12 +26,11 @@ import os
 from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any
 
-from pipelines import sources
-from pipelines.inputs import compressed
-from pipelines import failpoints
-from pipelines.failures import InputFileError
-from pipelines.limits import InputLimits
-from pipelines.sources import ReadTask
+from pipelines.inputs import compressed, sources
+from pipelines.faults import failpoints
+from pipelines.faults.failures import InputFileError
+from pipelines.inputs.limits import InputLimits
+from pipelines.inputs.sources import ReadTask
 from prepack.storage import open_stream
 
 # orjson parses a record ~4x faster than json (~0.7 vs ~3 us on the sample records), and gives
@@ -89,7 +88,7 @@ def snippet(raw: Any) -> str:
 def _file_blocks(task: ReadTask, limits: InputLimits) -> Iterator[bytes]:
     """The file's (decompressed) bytes, in blocks of at most READ_BLOCK (compressed.OUT_BLOCK);
     a truncated or corrupt compressed file raises InputFileError naming it (pipelines/inputs/compressed.py),
-    never a shorter file, as does a file over a limit (pipelines/limits.py) or one that is
+    never a shorter file, as does a file over a limit (pipelines/inputs/limits.py) or one that is
     not the file planned (another size or mtime, or not a regular file any more)."""
     failpoints.hit("input_read", "start")  # tests hold a worker here, mid-pipeline
     _check_unchanged(task)  # a local path that became a FIFO or a device is refused before open

@@ -8,7 +8,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from pipelines import failures
+from pipelines.faults import failures
 from pipelines.configs import PackConfig
 from pipelines.launch import interrupts
 from pipelines.options import OptionsError, parse_args
@@ -20,7 +20,7 @@ _QUIET_LOGGERS = ("apache_beam.runners.portability.local_job_service", "apache_b
 
 class _KnownFailureRelays(logging.Filter):
     """Drops the runner's relays of a worker's failure that the launcher states in one line itself
-    (a truncated .gz, an input over a limit: pipelines/failures.py). They were 85 lines of worker
+    (a truncated .gz, an input over a limit: pipelines/faults/failures.py). They were 85 lines of worker
     tracebacks before that line; --verbose keeps them."""
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -66,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run_config(config: PackConfig, beam_args: Sequence[str]) -> int:
     """`prepack pack` from its parsed config: what `main` runs, and `prepack preflight --pack-output`
     with the RowSpec it evaluated. Prints as `prepack pack` does; returns its exit status."""
-    from pipelines import failpoints
+    from pipelines.faults import failpoints
 
     try:
         failpoints.check(config.rows.max_lengths, config.run.write_tokens)

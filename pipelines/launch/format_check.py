@@ -10,8 +10,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pipelines.inputs import readers
-from pipelines.limits import InputLimits
-from pipelines.sources import ReadTask
+from pipelines.inputs.limits import InputLimits
+from pipelines.inputs.sources import ReadTask
 from prepack.text.formats.detect import FormatGuessError, detect, keys_seen, mismatch
 
 __all__ = ["SAMPLE_RECORDS", "FormatCheckError", "check_source", "check_formats"]

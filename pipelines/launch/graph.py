@@ -24,7 +24,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from pipelines import failures, output
+from pipelines import output
+from pipelines.faults import failures
 from pipelines.launch import job_stats, local_memory
 from pipelines.launch.errors import JobError
 from pipelines.launch.prepare_job import PreparedJob

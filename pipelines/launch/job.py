@@ -14,7 +14,8 @@ import logging
 import time
 from typing import Any
 
-from pipelines import failpoints, failures, output
+from pipelines import output
+from pipelines.faults import failpoints, failures
 from pipelines.configs import PackConfig
 from pipelines.launch import graph, interrupts, verify
 from pipelines.launch.errors import JobError

@@ -21,7 +21,7 @@ import stat
 from collections.abc import Sequence
 
 from pipelines.options import flag_value
-from pipelines.sources import COMPRESSED_SUFFIXES, ReadTask, ResolvedInput
+from pipelines.inputs.sources import COMPRESSED_SUFFIXES, ReadTask, ResolvedInput
 
 # Launcher (FnApiRunner) peak RSS per example and at zero examples, from the measurements
 # in docs/benchmarks.md ("Local runner memory").

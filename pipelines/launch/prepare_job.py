@@ -8,13 +8,14 @@ import sys
 import uuid
 from typing import Any
 
-from pipelines import failpoints, sources
+from pipelines.faults import failpoints
+from pipelines.inputs import sources
 from pipelines.configs import PackConfig
 from pipelines.launch.errors import JobError
 from pipelines.launch import format_check, token_set
 from pipelines.launch.existing_sets import refuse_existing
 from pipelines.planning import choose_sub_buckets
-from pipelines.sources import ReadTask, ResolvedInput
+from pipelines.inputs.sources import ReadTask, ResolvedInput
 from pipelines.stage_shared import JobContext
 from prepack.format.tokenset import TokenSetError, TokenSetManifest
 from prepack.packing.mixture import recorded_templates

@@ -127,7 +127,7 @@ def _check_inputs_covered(rows: Any, manifest: TokenSetManifest, folder: str) ->
 
 
 def _listed(specs: Iterable[str]) -> str:
-    from prepack.format.untrusted import shown
+    from prepack.hostile_input.untrusted import shown
 
     return shown(list(specs), 160)
 

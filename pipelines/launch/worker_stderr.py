@@ -18,7 +18,7 @@ Progress lines and warnings pass through, HOLD_S late; `--verbose` does not use 
 
 A worker whose bundle fails prints the whole traceback to its stderr (Beam's SDK harness does,
 besides logging it); for a failure the launcher states in one line itself (a truncated .gz, an
-input over a limit: pipelines/failures.is_known) that traceback is dropped here
+input over a limit: pipelines/faults/failures.is_known) that traceback is dropped here
 (KnownFailureTracebacks), so the line is the only one; other tracebacks, a bug's, pass through.
 """
 
@@ -42,7 +42,7 @@ _CHAINED = (b"During handling of the above exception, another exception occurred
 
 class KnownFailureTracebacks:
     """Drops, from a stream of lines, each Python traceback (chained ones included) that reports a
-    failure pipelines/failures.py states in one line; passes everything else through, in order.
+    failure pipelines/faults/failures.py states in one line; passes everything else through, in order.
     A traceback is held until it is complete: a blank line after its exception line followed by a
     line that chains no further traceback, or `flush()` (nothing more came for a while, or the end)."""
 
@@ -87,7 +87,7 @@ class KnownFailureTracebacks:
         return b""
 
     def _judged(self) -> bytes:
-        from pipelines.failures import is_known
+        from pipelines.faults.failures import is_known
 
         block, self._block, self._state = b"".join(self._block), [], "out"
         return b"" if is_known(block.decode("utf-8", "replace")) else block

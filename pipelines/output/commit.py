@@ -21,7 +21,7 @@ the folder's .staging-<run>/ and publishes them here, in this order (docs/manife
 
 Before every step the lock is checked (`OutputLock.check`, a conditional renewal on
 gs://); a run that lost it raises LockLost naming the owner and changes nothing more.
-Failpoints (pipelines/failpoints.py) mark each step.
+Failpoints (pipelines/faults/failpoints.py) mark each step.
 """
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ from collections.abc import Callable
 
 from pipelines.output.lock import LockLost, OutputLock
 from prepack.storage import SwitchRefused, Version, Versioned, storage_for
-from pipelines import failpoints
+from pipelines.faults import failpoints
 from prepack.format import layout
 from prepack.format.run_record import PublishedManifest, RunRecord
 from prepack.published import kept_lengths
-from prepack.format.untrusted import MAX_METADATA_FILE_BYTES
+from prepack.hostile_input.untrusted import MAX_METADATA_FILE_BYTES
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,11 +43,11 @@ import threading
 import time
 from collections.abc import Callable
 
-from pipelines import failpoints
+from pipelines.faults import failpoints
 from prepack.storage import GcsStorage, SwitchRefused, Versioned, storage_for
 from prepack.format import layout
 from prepack.format.manifest import ManifestError
-from prepack.format.untrusted import MAX_METADATA_FILE_BYTES
+from prepack.hostile_input.untrusted import MAX_METADATA_FILE_BYTES
 
 DEFAULT_EXPIRY_S = 600.0  # a gs:// lease not renewed for this long is stale
 RENEW_EVERY_S = 60.0  # at most; a third of the expiry when that is shorter

@@ -21,7 +21,7 @@ from pipelines.output.lock import LockLost, OutputLock
 from prepack.storage import Version, storage_for
 from prepack.format import layout
 from prepack.format.manifest import ManifestError
-from prepack.format.untrusted import MAX_METADATA_FILE_BYTES
+from prepack.hostile_input.untrusted import MAX_METADATA_FILE_BYTES
 
 
 def cleanup_run(output: str, max_lengths: tuple[int, ...], run_id: str) -> None:

@@ -10,10 +10,10 @@ from apache_beam.metrics.metric import Metrics
 from apache_beam.pvalue import TaggedOutput
 
 from pipelines.inputs import readers
-from pipelines.failures import InputFileError
-from pipelines.failpoints import InjectedFault
-from pipelines.limits import InputLimits
-from pipelines.sources import ReadTask
+from pipelines.faults.failures import InputFileError
+from pipelines.faults.failpoints import InjectedFault
+from pipelines.inputs.limits import InputLimits
+from pipelines.inputs.sources import ReadTask
 from pipelines.stage_shared import NAMESPACE, TAG_FINGERPRINT, Progress, StageClock
 
 
@@ -86,7 +86,7 @@ class ReadInputs(beam.PTransform):
         self.tasks, self.batch_size, self.progress, self.limits = tasks, batch_size, progress, limits
 
     def expand(self, pbegin: Any) -> dict[str, Any]:
-        from pipelines.sources import SPREAD_TASK_BYTES
+        from pipelines.inputs.sources import SPREAD_TASK_BYTES
 
         read = (
             pbegin

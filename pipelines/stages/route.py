@@ -14,7 +14,7 @@ from apache_beam.metrics.metric import Metrics
 from apache_beam.pvalue import TaggedOutput
 
 from pipelines.wire.columns import PayloadBatch, ShardWork, concat_wire
-from pipelines.failures import ShardCheckError
+from pipelines.faults.failures import ShardCheckError
 from pipelines.planning import LengthPlan
 from pipelines.stage_shared import FLUSH_EXAMPLES, NAMESPACE, TAG_PLAN, JobContext, StageClock, in_global_window
 from prepack.packing.packer import Planner

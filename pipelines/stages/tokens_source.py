@@ -25,7 +25,7 @@ from pipelines.wire.columns import LENS, Ragged, TokenizedBatch
 from pipelines.planning import stable_hash
 from pipelines.stage_shared import StageClock
 from prepack.packing.accounting import Tally
-from pipelines.failures import InputFileError
+from pipelines.faults.failures import InputFileError
 from prepack import storage
 from prepack.format.tokenset import TokenSetError, TokenSetManifest, check_examples, decode_batch
 

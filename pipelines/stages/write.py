@@ -28,7 +28,7 @@ from apache_beam.metrics.metric import Metrics
 from pipelines.planning import LengthPlan
 from pipelines.wire.columns import FragmentBatch, ShardWork, concat_wire
 from pipelines.inputs.compressed import decompressed_blocks
-from pipelines.failures import InputFileError, ShardCheckError
+from pipelines.faults.failures import InputFileError, ShardCheckError
 from pipelines.wire.records import DeadLetter, TaskMeta, place_in_file, range_offsets
 from pipelines.stage_shared import StageClock
 from pipelines.summary import LengthSummary, PlanSummary, RunSummary, ShardSummary

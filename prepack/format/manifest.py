@@ -13,8 +13,9 @@ import dataclasses
 import json
 from typing import Any
 
-from prepack.format import rowformat, untrusted
+from prepack.format import rowformat
 from prepack.format.layout import DEAD_LETTER_NAME, MANIFEST_NAME  # noqa: F401  (named once, in the layout; also imported from here)
+from prepack.hostile_input import untrusted
 
 STABLE_KEYS = (
     "format_version",
@@ -129,7 +130,7 @@ class Manifest:
 
     @classmethod
     def from_json(cls, text: str, source: str = "manifest.json") -> "Manifest":
-        """The manifest, every field checked (prepack.format.untrusted): anything a stranger could
+        """The manifest, every field checked (prepack.hostile_input.untrusted): anything a stranger could
         have written is refused with one ManifestError line naming `source` and the field."""
         try:
             data = json.loads(text)

@@ -348,7 +348,7 @@ def _is_int(value: Any) -> bool:
 
 
 def _shown(value: Any) -> str:
-    from prepack.format.untrusted import shown
+    from prepack.hostile_input.untrusted import shown
 
     if isinstance(value, float):
         return repr(value) if math.isfinite(value) else str(value)

@@ -36,9 +36,6 @@ PAIR_FORMAT_VERSION = 5
 PAIR_MIXTURE_FORMAT_VERSION = 6
 SUPPORTED_VERSIONS = (FORMAT_VERSION, MIXTURE_FORMAT_VERSION, SPLIT_FORMAT_VERSION, SPLIT_MIXTURE_FORMAT_VERSION,
                       PAIR_FORMAT_VERSION, PAIR_MIXTURE_FORMAT_VERSION)
-# At most this many sources in a set (source_ids 1..MAX_SOURCES): the trainer's per-source loss
-# sums are fixed-size vectors of this length + 1.
-MAX_SOURCES = 64
 
 STORAGE_DTYPE = np.dtype("<i4")
 FIELD_NAMES: tuple[str, ...] = ("input_ids", "loss_mask", "valid_mask", "positions", "segment_ids")

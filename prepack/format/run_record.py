@@ -18,8 +18,9 @@ import json
 import re
 from typing import Any
 
-from prepack.format import layout, untrusted
+from prepack.format import layout
 from prepack.format.rowformat import MAX_MAX_LENGTH
+from prepack.hostile_input import untrusted
 
 class RunRecordError(ValueError):
     """published.json is not a valid run record; the message says which field."""
@@ -66,7 +67,7 @@ class RunRecord:
 
     @classmethod
     def from_json(cls, text: str, source: str = layout.RUN_RECORD_NAME) -> "RunRecord":
-        """Checked field by field before any path in it is used (prepack.format.untrusted's rules):
+        """Checked field by field before any path in it is used (prepack.hostile_input.untrusted's rules):
         each manifest path must be exactly L<L>/manifest.json, each digest a sha256."""
         err = RunRecordError
         try:

@@ -26,9 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from prepack.format import tokenwire, untrusted
+from prepack.format import tokenwire
 from prepack.format.layout import TOKENS_DIR  # noqa: F401  (defined once, in the layout; others import it from here)
 from prepack.format.manifest import MANIFEST_NAME, ShardInfo
+from prepack.hostile_input import untrusted
 
 TOKENS_FORMAT_VERSION = 1
 TOKENS_KIND = "tokens"
@@ -325,7 +326,7 @@ class TokenSetManifest:
 
 
 def _checked_fields(data: dict[str, Any], source: str) -> dict[str, Any]:
-    """The fields other than `shards`, each of the type the job relies on (prepack.format.untrusted);
+    """The fields other than `shards`, each of the type the job relies on (prepack.hostile_input.untrusted);
     TokenSetError names the field."""
     E = TokenSetError
     u = untrusted

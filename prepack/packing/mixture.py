@@ -14,7 +14,7 @@ The file (YAML, or JSON, which YAML reads too):
 Relative input paths are relative to the file's folder, local or gs:// (`_resolve`; the file is
 read through the storage interface by prepack/mixture_file.py). The file is hostile input, checked
 before any work (one line naming the file, the source and the field): at most MAX_FILE_BYTES,
-no YAML anchors or aliases, no duplicate keys, at most 32 levels deep (prepack/format/strict_yaml.py);
+no YAML anchors or aliases, no duplicate keys, at most 32 levels deep (prepack/hostile_input/strict_yaml.py);
 weights an int, a float or a decimal string from 1e-9 to 1e12; max_repeats 1 to 1,000; format
 options strings. A tokenized set's recorded mixture (`--from-tokens`) takes the same checks. Sources are numbered 1..N in
 file order; 0 is padding in a row's `source_ids`.
@@ -43,8 +43,9 @@ from collections.abc import Iterable, Sequence
 from fractions import Fraction
 from typing import Any
 
-from prepack.format.rowformat import MAX_SOURCES
-
+# At most this many sources in a set (source_ids 1..MAX_SOURCES in its rows): the trainer's
+# per-source loss sums are fixed-size vectors of this length + 1.
+MAX_SOURCES = 64
 WEIGHT_OF = ("target_tokens", "examples")
 TOP_KEYS = frozenset({"weight_of", "max_repeats", "sources"})
 SOURCE_KEYS = frozenset({"name", "input", "format", "weight"})
@@ -166,7 +167,7 @@ def weight_json(weight: Fraction) -> int | float:
 def parse_mixture(data: bytes, path: str) -> Mixture:
     """The mixture in a file's bytes, validated (the checks of `_source`, shared with
     `validate_recorded`); raises MixtureError with one line naming the file, source and field."""
-    from prepack.format import strict_yaml
+    from prepack.hostile_input import strict_yaml
 
     where = f"mixture file {path}"
     if len(data) > MAX_FILE_BYTES:
@@ -251,14 +252,14 @@ def validate_recorded(d: Any, where: str) -> Mixture:
 
 def _got(value: Any) -> str:
     """A value in a message: its kind and a length-capped form, never its whole repr."""
-    from prepack.format.strict_yaml import LongNumber
-    from prepack.format.untrusted import shown_with_type
+    from prepack.hostile_input.strict_yaml import LongNumber
+    from prepack.hostile_input.untrusted import shown_with_type
 
     return repr(value) if isinstance(value, LongNumber) else shown_with_type(value)
 
 
 def _known_keys(mapping: dict[Any, Any], allowed: frozenset[str], at: str) -> None:
-    from prepack.format.untrusted import shown
+    from prepack.hostile_input.untrusted import shown
 
     unknown = sorted((k for k in mapping if k not in allowed), key=lambda k: shown(k))
     if unknown:

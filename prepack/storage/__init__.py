@@ -13,9 +13,9 @@ import hashlib
 import re
 from typing import BinaryIO
 
-from prepack.format import untrusted
 from prepack.format.layout import MANIFEST_NAME, join
 from prepack.format.manifest import ManifestError
+from prepack.hostile_input import untrusted
 from prepack.storage.gcs import GcsStorage, gcs_client, is_gcs, object_stamp, split_gcs
 from prepack.storage.interface import STREAM_BUFFER_BYTES, Storage, SwitchRefused, Version, Versioned
 from prepack.storage.local import LocalStorage

@@ -86,7 +86,7 @@ def over_limit(path: str, size: int, limit: int | None) -> None:
     """Raises ManifestError (one line) when a file of `size` bytes is over `limit` (None: no limit)."""
     if limit is not None and size > limit:
         from prepack.format.manifest import ManifestError
-        from prepack.format.untrusted import too_large
+        from prepack.hostile_input.untrusted import too_large
 
         raise ManifestError(too_large(path, limit))
 

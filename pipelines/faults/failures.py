@@ -53,7 +53,7 @@ def one_line(exc: BaseException, output: str) -> str | None:
             return _RUNNER_SUFFIX.sub("", str(e).splitlines()[0]).strip()
         if isinstance(e, OSError) and e.errno == errno.ENOSPC:
             return no_space(output, getattr(e, "filename", None))
-        if type(e).__name__ == "InjectedFault":  # pipelines.failpoints, in a worker
+        if type(e).__name__ == "InjectedFault":  # pipelines.faults.failpoints, in a worker
             return injected(str(e).splitlines()[0])
         if type(e).__name__ == "ShardCheckError":
             return lost_rows(_RUNNER_SUFFIX.sub("", str(e).splitlines()[0]).strip())

@@ -115,7 +115,7 @@ def regular_file_stamp(path: str, shown: str) -> tuple[int, float]:
     would block or never end."""
     import stat
 
-    from pipelines.failures import InputFileError
+    from pipelines.faults.failures import InputFileError
 
     try:
         st = os.stat(path)  # follows symlinks: what a read would open
@@ -243,7 +243,7 @@ def _resolve_files(index: int, spec: str, first_task: int) -> tuple[ResolvedInpu
         if path.startswith("gs://"):
             stamp = file_stamp(path)  # (size, generation): one metadata request per object, when planned
         else:
-            from pipelines.failures import InputFileError
+            from pipelines.faults.failures import InputFileError
 
             try:
                 stamp = regular_file_stamp(path, f"input {spec!r}")  # before open: a FIFO would block it

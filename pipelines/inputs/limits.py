@@ -1,6 +1,6 @@
-"""The bounds the job holds to. Most are how much one input may make a worker hold: the limits that keep a hostile or broken
-file from exhausting a worker's memory (`prepack pack --max-record-bytes`,
-`--max-decompressed-bytes`, `--max-compression-ratio`; pipelines/README.md, "Limits").
+"""How much one input may make a worker hold: the limits that keep a hostile or broken file from
+exhausting a worker's memory (`prepack pack --max-record-bytes`, `--max-decompressed-bytes`,
+`--max-compression-ratio`; pipelines/README.md, "Limits").
 
 - A JSONL line longer than max_record_bytes is never held whole: its bytes are dropped up to
   its newline and it becomes a dead letter (reason too_large), like any bad record.
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pipelines.failures import InputFileError
+from pipelines.faults.failures import InputFileError
 
 DEFAULT_MAX_RECORD_BYTES = 32 << 20  # 32 MiB: ~8M tokens of text, far beyond the longest max length
 DEFAULT_MAX_DECOMPRESSED_BYTES = 64 << 30  # 64 GiB per file
@@ -25,9 +25,6 @@ DEFAULT_MAX_COMPRESSION_RATIO = 1000.0  # gzip cannot pass ~1,032x; real JSONL c
 # (several times the bytes): 1 GiB keeps that within a worker's memory; JSONL streams instead.
 DEFAULT_MAX_WHOLE_FILE_BYTES = 1 << 30
 RATIO_CHECKED_AFTER = 16 << 20
-# Hash sub-buckets per max length (--sub-buckets): B <= MAX_SUB_BUCKETS < 2**32 keeps the
-# routing arithmetic of pipelines/planning.py within 64 bits.
-MAX_SUB_BUCKETS = 4096
 
 
 @dataclasses.dataclass(frozen=True)
