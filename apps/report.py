@@ -395,7 +395,7 @@ def load_run(path: str, label: str | None = None, warmup_steps: int = 1) -> Run:
 
 
 def _objective_of(name: Any, path: str) -> Objective:
-    from prepack.format.untrusted import shown_with_type
+    from prepack.hostile_input.untrusted import shown_with_type
 
     if not isinstance(name, str) or name not in objectives.REGISTRY:
         raise ReportError(f"{path}: objective is {shown_with_type(name)}, not one of {', '.join(objectives.names())} "

@@ -156,7 +156,7 @@ def folder_heights(folders_graph: Mapping[str, set[str]]) -> dict[str, int]:
     def height(folder: str) -> int:
         if folder not in heights:
             open_now.add(folder)
-            heights[folder] = 1 + max((height(t) for t in folders_graph[folder] if t not in open_now), default=-1)
+            heights[folder] = 1 + max((height(t) for t in sorted(folders_graph[folder]) if t not in open_now), default=-1)
             open_now.discard(folder)
         return heights[folder]
 
