@@ -53,7 +53,7 @@ from pipelines.options import OptionsError, add_row_options, mapping_options, pa
 from prepack.packing.accounting import LENGTH_REASONS, Tally
 from prepack.packing.bad_records import too_many_bad_records
 from prepack.cli_help import DefaultsHelpFormatter
-from prepack.text.formats import template_names
+from prepack.text.formats import Template, template_names
 from prepack.packing.fitting import fit_length
 from prepack.packing.packer import DropReason, Fit, HistogramPlan, OverlongPolicy, Planner
 from prepack.packing.stats import REFERENCE_BATCH_SIZE, PackingStats, stats_from_rows
@@ -386,7 +386,7 @@ def load_examples(spec: DatasetSpec, tokenizer: Any, chat_format: Any, config: P
     tally = Tally()
     started = time.perf_counter()
     # Reading runs ahead of tokenizing when sampling, or for a table-level format (oasst1): report it too.
-    reads_ahead = config.max_examples is not None or getattr(template, "table_level", False)
+    reads_ahead = config.max_examples is not None or template.table_level
     reading = counter(f"preflight: {spec.name}: read", "records", PROGRESS_EVERY_S) if reads_ahead else None
     items: Iterable[Any] = _templated(preparer, metas, tasks, tally, config.rows, reading)
     seen = None
@@ -432,7 +432,7 @@ def checked_format(spec: DatasetSpec, config: PreflightConfig) -> DatasetSpec:
     return dataclasses.replace(spec, format=fmt)
 
 
-def make_template(name: str, options: dict[str, str]) -> Any:
+def make_template(name: str, options: dict[str, str]) -> Template:
     """The template for a --format; --template-option values go only to templates that take them,
     so one `source_lang=de` can sit beside alpaca inputs."""
     return read_inputs.make_template(name, options)

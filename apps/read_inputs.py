@@ -10,7 +10,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from prepack.packing.accounting import Tally
-from prepack.text.formats import template_names
+from prepack.text.formats import Template, template_names
 
 BATCH = 512  # records per read batch, as preflight tokenizes them
 
@@ -77,7 +77,7 @@ def templated(preparer: Any, metas: list[Any], tasks: list[Any], tally: Tally, l
         letters.clear()
 
     template = preparer.template
-    if getattr(template, "table_level", False):  # oasst1: messages only make sense as whole trees
+    if template.table_level:  # oasst1: messages only make sense as whole trees
         trees: dict[str, list] = {}
         for task_index, items in raw_batches(tasks, limits):
             for key, located in prepare.key_table_records(metas, task_index, items, template.group_key, tally, letters):
@@ -96,7 +96,7 @@ def templated(preparer: Any, metas: list[Any], tasks: list[Any], tally: Tally, l
             read_so_far(progress)
 
 
-def make_template(name: str, options: Mapping[str, str]) -> Any:
+def make_template(name: str, options: Mapping[str, str]) -> Template:
     """The template for a --format; options go only to templates that take them, so one
     `source_lang=de` can sit beside alpaca inputs."""
     from prepack.text.formats import get_template

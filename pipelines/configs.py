@@ -65,7 +65,7 @@ class RowSpec:
         from prepack.text.formats import template_class, template_names
 
         names = template_names()  # `auto` is no format yet: the launcher resolves it from the records
-        return any(s.format in names and getattr(template_class(s.format), "yields_pairs", False) for s in self.mixture.sources)
+        return any(s.format in names and template_class(s.format).yields_pairs for s in self.mixture.sources)
 
     @property
     def cuts_pieces(self) -> bool:

@@ -620,7 +620,7 @@ def mapping_options(fmt: str, columns: str | None, roles: str | None) -> dict[st
 
     options: dict[str, str] = {}
     if columns is not None:
-        canonical = sorted({c for name in FORMAT_NAMES for c in getattr(template_class(name), "COLUMNS", {})})
+        canonical = sorted({c for name in FORMAT_NAMES for c in template_class(name).COLUMNS})
         options["columns"] = mapping_text(parse_mapping(columns, "--columns", canonical))
     if roles is not None:
         options["roles"] = mapping_text(parse_mapping(roles, "--roles", ("system", "user", "assistant", "tool_call", "tool"),

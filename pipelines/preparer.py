@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -19,6 +19,9 @@ from pipelines.wire.columns import IDS, LENS, MASK, Ragged, TokenizedBatch
 from pipelines.planning import stable_hash
 from pipelines.wire.records import DeadLetter, Loc, TaskMeta, dead_letter, example_id
 from prepack.packing.accounting import Tally
+
+if TYPE_CHECKING:  # for the annotation only: from_names loads the formats when it builds one
+    from prepack.text.formats import Template
 
 # oasst1 messages dropped for these reasons are a property of the data set (other
 # languages, failed review, deleted threads), not bad input: counted, not failed on.
@@ -90,7 +93,7 @@ class Preparer:
     examples. `on_batch` sees every TokenizedBatch made (the DoFns count it).
     """
 
-    def __init__(self, tasks: Sequence[TaskMeta], template: Any, tokenizer: Any, chat_format: Any,
+    def __init__(self, tasks: Sequence[TaskMeta], template: Template, tokenizer: Any, chat_format: Any,
                  on_batch: Callable[[TokenizedBatch], None] | None = None, expand_turns: bool = False):
         self.tasks = tasks
         self.template = template
@@ -101,9 +104,10 @@ class Preparer:
         self.expand_turns = expand_turns
         # Single-turn templates under a format with a fixed layout skip the Conversation
         # objects: (prompt, response) texts go straight to tokenize_pairs_flat.
-        self.pairs = hasattr(template, "to_pair") and chat_format.pair_layout() is not None
+        self.read_prompt_response = template.prompt_response_reader()
+        self.pairs = self.read_prompt_response is not None and chat_format.pair_layout() is not None
         # A preference format yields PreferencePairs, each tokenized as one example of two sides.
-        self.preference = bool(getattr(template, "yields_pairs", False))
+        self.preference = template.yields_pairs
         from prepack.text.stop_check import StopTokenCheck
 
         self.stop_check = StopTokenCheck.for_format(chat_format)
@@ -129,7 +133,7 @@ class Preparer:
         meta = self.tasks[task_index]
         out = Templated()
         pairs = self.pairs
-        to_conversations = self.template.to_pair if pairs else self.template.to_conversations
+        to_conversations = self.read_prompt_response if pairs else self.template.to_conversations
         for record_index, line, kind, payload in items:
             loc = (task_index, record_index, line, 0)
             if kind == readers.RAW_TEXT:

@@ -33,7 +33,7 @@ from prepack.text.chat import (
     tokenize_pairs_flat,
 )
 from prepack.text.conversation import RECORD_ERROR_REASONS, Conversation, RecordError, Turn
-from prepack.text.formats import get_template, template_names
+from prepack.text.formats import get_template, template_class, template_names
 from prepack.text.formats.oasst1 import OASST1_DROP_REASONS, DroppedMessage, oasst1_build, oasst1_conversations
 
 from prepack.text.tokenizer import load_tokenizer
@@ -504,7 +504,23 @@ def test_oasst1_conversations_list_api_and_template_entry() -> None:
     assert t.conversations_from_table(OASST1_TABLE).examples == examples
     with pytest.raises(NotImplementedError, match="table-level"):
         t.to_conversations(OASST1_TABLE[0])
-    assert not get_template("alpaca").table_level
+    alpaca = get_template("alpaca")
+    assert not alpaca.table_level and alpaca.group_key is None
+    with pytest.raises(TypeError, match="'alpaca' is not table-level"):
+        alpaca.conversations_from_table(OASST1_TABLE)
+
+
+def test_every_format_declares_each_feature_callers_read() -> None:
+    """Callers read a format's features as members, never probing for them: each format has
+    every one, at the value of a format that lacks it unless it overrides it."""
+    formats = {name: get_template(name) for name in template_names()}
+    assert {n for n, t in formats.items() if t.table_level} == {"oasst1"}
+    assert {n for n, t in formats.items() if t.yields_pairs} == {"preference"}
+    assert {n for n, t in formats.items() if t.prompt_response_reader() is not None} == {"alpaca", "prompt_response",
+                                                                                         "translation"}
+    assert {n: t.same_reader_as for n, t in formats.items() if t.same_reader_as} == {"sharegpt": "chat"}
+    assert dict(formats["oasst1"].COLUMNS) == {}  # it takes no --columns
+    assert all(template_class(n).COLUMNS == t.COLUMNS for n, t in formats.items())
 
 
 def test_oasst1_malformed_messages() -> None:
@@ -988,6 +1004,7 @@ def test_single_turn_templates_to_pair_matches_to_conversations(fmt_name: str, r
     template = get_template(fmt_name)
     [c] = template.to_conversations(record)
     assert template.to_pair(record) == (c.turns[0].content, c.turns[1].content)
+    assert template.prompt_response_reader()(record) == template.to_pair(record)
     assert c.loss_turns == (1,)
 
 

@@ -123,8 +123,8 @@ def prepare(
     }
     return PreparedJob(
         ctx=ctx, tasks=tasks, inputs=inputs, job_info=job_info,
-        table_level=any(getattr(t, "table_level", False) for t in templates),
-        group_key=next((t.group_key for t in templates if getattr(t, "group_key", None)), None),
+        table_level=any(t.table_level for t in templates),
+        group_key=next((t.group_key for t in templates if t.group_key is not None), None),
         est_records=est,
     )
 

@@ -11,12 +11,13 @@ Bad records raise `RecordError` with a stable `reason` and the field as the reco
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Protocol
+from typing import Any, Iterable, Mapping, Protocol, Sequence, cast
 
 from prepack.text.conversation import Conversation, Document, PreferencePair, RecordError
 from prepack.text.formats.alpaca import AlpacaTemplate
 from prepack.text.formats.chat import ChatTemplate
-from prepack.text.formats.oasst1 import Oasst1Template
+from prepack.text.formats.features import PromptResponseReader, SourceFormat
+from prepack.text.formats.oasst1 import Oasst1Result, Oasst1Template
 from prepack.text.formats.preference import PreferenceTemplate
 from prepack.text.formats.prompt_completion import PromptCompletionTemplate
 from prepack.text.formats.prompt_response import PromptResponseTemplate
@@ -28,19 +29,25 @@ __all__ = ["Template", "get_template", "template_names", "template_class", "Reco
 
 
 class Template(Protocol):
-    """What the pipeline needs from a source format."""
+    """What the pipeline needs from a source format: every feature a caller may ask of one.
+    Each format inherits the features it lacks from SourceFormat (features.py), which says what
+    each means."""
 
     name: str
-    table_level: bool  # True: records are parts of a table (oasst1), see Oasst1Template
+    table_level: bool
+    group_key: str | None
+    yields_pairs: bool
+    COLUMNS: Mapping[str, str]
+    same_reader_as: str | None
 
-    def to_conversations(self, record: Mapping[str, Any]) -> list[Conversation | Document | PreferencePair]: ...
+    def to_conversations(self, record: Mapping[str, Any]) -> Sequence[Conversation | Document | PreferencePair]: ...
+
+    def prompt_response_reader(self) -> PromptResponseReader | None: ...
+
+    def conversations_from_table(self, messages: Iterable[Mapping[str, Any]]) -> Oasst1Result: ...
 
 
-# Single-turn formats (alpaca, prompt_response, translation) also offer
-# `to_pair(record) -> (prompt, response)`: the same example as to_conversations without the
-# Conversation objects, so a batch can go straight to the chat format's tokenize_pairs_flat.
-
-_REGISTRY: dict[str, type] = {
+_REGISTRY: dict[str, type[SourceFormat]] = {
     "alpaca": AlpacaTemplate,
     "translation": TranslationTemplate,
     "prompt_response": PromptResponseTemplate,
@@ -57,7 +64,7 @@ def template_names() -> tuple[str, ...]:
     return tuple(sorted(_REGISTRY))
 
 
-def template_class(name: str) -> type:
+def template_class(name: str) -> type[SourceFormat]:
     """The format registered as `name`; ValueError naming the accepted ones."""
     cls = _REGISTRY.get(name)
     if cls is None:
@@ -77,4 +84,4 @@ def get_template(name: str, **options: Any) -> Template:
             f"source format {name!r} does not take option(s) {', '.join(unknown)}; "
             f"accepted: {', '.join(accepted) if accepted else 'none'}"
         )
-    return cls(**options)
+    return cast(Template, cls(**options))  # each registered class adds to_conversations to SourceFormat

@@ -4,13 +4,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
-from prepack.text.conversation import Conversation
 from prepack.text.formats.fields import Columns, RequiredColumns, check_record, get_optional_str, get_str, require_nonblank
-from prepack.text.formats.single_turn import single_turn
+from prepack.text.formats.single_turn import SingleTurnFormat
 
 
 @dataclass(frozen=True)
-class AlpacaTemplate(RequiredColumns):
+class AlpacaTemplate(SingleTurnFormat, RequiredColumns):
     """{instruction, input, output}: prompt = instruction, plus "\\n\\n" + input when the
     input is non-blank (Alpaca leaves it "" for instruction-only tasks). `columns` renames
     instruction, input and output (e.g. "instruction=question,output=answer")."""
@@ -18,7 +17,6 @@ class AlpacaTemplate(RequiredColumns):
     columns: str = ""
 
     name: ClassVar[str] = "alpaca"
-    table_level: ClassVar[bool] = False
     COLUMNS: ClassVar[dict[str, str]] = {"instruction": "instruction", "input": "input", "output": "output"}
 
     def __post_init__(self) -> None:
@@ -26,11 +24,7 @@ class AlpacaTemplate(RequiredColumns):
         object.__setattr__(self, "_keys", (cols["instruction"], cols["input"], cols["output"]))
         object.__setattr__(self, "_required", (cols["instruction"], cols["output"]))
 
-    def to_conversations(self, record: Mapping[str, Any]) -> list[Conversation]:
-        return single_turn(*self.to_pair(record))
-
     def to_pair(self, record: Mapping[str, Any]) -> tuple[str, str]:
-        """(prompt, response) of the one example; the same checks and errors as to_conversations."""
         record = check_record(record)
         ik, xk, ok = self._keys  # type: ignore[attr-defined]
         instruction = get_str(record, ik, ik, "the task instruction")

@@ -5,12 +5,13 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
 from prepack.text.conversation import Conversation
+from prepack.text.formats.features import SourceFormat
 from prepack.text.formats.fields import Columns, RoleMap, check_record
 from prepack.text.formats.messages import MessageReader, messages_fit, read_conversation
 
 
 @dataclass(frozen=True)
-class ChatTemplate:
+class ChatTemplate(SourceFormat):
     """{messages: [{role, content}, ...], tools?}: trains every assistant turn unless a message's
     flag says otherwise (prepack/text/formats/messages.py has the rules). Messages follow the
     OpenAI / Hugging Face schema: roles system (or developer), user, assistant (or model) and tool;
@@ -23,7 +24,6 @@ class ChatTemplate:
     roles: str = ""
 
     name: ClassVar[str] = "chat"
-    table_level: ClassVar[bool] = False
     COLUMNS: ClassVar[dict[str, str]] = {"messages": "messages", "role": "role", "content": "content",
                                          "tools": "tools", "system": "system"}
 
@@ -31,6 +31,12 @@ class ChatTemplate:
         cols = Columns(self.columns, self.COLUMNS, self.name)  # a subclass's own defaults (sharegpt)
         object.__setattr__(self, "_cols", cols)
         object.__setattr__(self, "_reader", MessageReader(cols["role"], cols["content"], RoleMap(self.roles)))
+
+    @property
+    def column_names(self) -> Columns:
+        """Where this format reads each canonical field, --columns applied (--format auto tells
+        sharegpt from chat by it)."""
+        return self._cols  # type: ignore[attr-defined]
 
     def keys(self) -> frozenset[str]:
         """The columns a record must have to be in this format (for --format auto)."""

@@ -61,8 +61,8 @@ def _fitting(records: Sequence[Mapping[str, Any]], options: Mapping[str, str]) -
 
 def _same_as_another(template: Any, templates: Mapping[str, Any], fits: Sequence[str]) -> bool:
     """sharegpt reads as chat does; when --columns give both the same keys, they are one format."""
-    other = getattr(template, "same_reader_as", None)
-    return other in fits and templates[other]._cols == template._cols
+    other = template.same_reader_as
+    return other in fits and templates[other].column_names == template.column_names
 
 
 def detect(records: Sequence[Mapping[str, Any]], options: Mapping[str, str] = {}) -> str:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterable, Mapping
 
 from prepack.text.conversation import Conversation, Turn
+from prepack.text.formats.features import SourceFormat
 from prepack.text.formats.fields import RequiredColumns
 from prepack.text.formats.fields import describe as _describe
 
@@ -187,7 +188,7 @@ def oasst1_conversations(
 
 
 @dataclass(frozen=True)
-class Oasst1Template(RequiredColumns):
+class Oasst1Template(SourceFormat, RequiredColumns):
     """Registry entry for the OpenAssistant/oasst1 message table.
 
     table_level is True: a single record is one message and cannot be converted alone.
@@ -196,7 +197,7 @@ class Oasst1Template(RequiredColumns):
 
     name: ClassVar[str] = "oasst1"
     table_level: ClassVar[bool] = True
-    group_key: ClassVar[str] = "message_tree_id"
+    group_key: ClassVar[str | None] = "message_tree_id"
     _required: ClassVar[tuple[str, ...]] = ("message_id", "message_tree_id", "role", "text")
 
     def conversations_from_table(self, messages: Iterable[Mapping[str, Any]]) -> Oasst1Result:

@@ -5,13 +5,14 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
 from prepack.text.conversation import PreferencePair, RecordError
+from prepack.text.formats.features import SourceFormat
 from prepack.text.formats.fields import Columns, RequiredColumns, RoleMap, check_record
 from prepack.text.formats.messages import MessageReader, Pending, assemble, system_item
 from prepack.text.formats.tools import read_tools
 
 
 @dataclass(frozen=True)
-class PreferenceTemplate(RequiredColumns):
+class PreferenceTemplate(SourceFormat, RequiredColumns):
     """{prompt, chosen, rejected, system?, tools?}. The prompt is a string (one user turn) or a
     message list; each completion a string (one reply), one assistant message, or a list of
     messages, read as in `chat` (tool calls, parts and flags included). The two sides share the
@@ -25,7 +26,6 @@ class PreferenceTemplate(RequiredColumns):
     roles: str = ""
 
     name: ClassVar[str] = "preference"
-    table_level: ClassVar[bool] = False
     yields_pairs: ClassVar[bool] = True  # each record one PreferencePair: a packing unit of two segments
     COLUMNS: ClassVar[dict[str, str]] = {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected", "role": "role",
                                          "content": "content", "tools": "tools", "system": "system"}

@@ -5,13 +5,14 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
 from prepack.text.conversation import Conversation, RecordError
+from prepack.text.formats.features import SourceFormat
 from prepack.text.formats.fields import Columns, RequiredColumns, RoleMap, check_record
 from prepack.text.formats.messages import MessageReader, Pending, assemble, system_item
 from prepack.text.formats.tools import read_tools
 
 
 @dataclass(frozen=True)
-class PromptCompletionTemplate(RequiredColumns):
+class PromptCompletionTemplate(SourceFormat, RequiredColumns):
     """{prompt, completion, system?, tools?}. Each side is a string (one user turn; one assistant
     reply), one message object, or a list of messages (as in `chat`). What is trained: the completion's assistant
     turns; the prompt's assistant turns are context, unless a message's flag says otherwise.
@@ -22,7 +23,6 @@ class PromptCompletionTemplate(RequiredColumns):
     roles: str = ""
 
     name: ClassVar[str] = "prompt_completion"
-    table_level: ClassVar[bool] = False
     COLUMNS: ClassVar[dict[str, str]] = {"prompt": "prompt", "completion": "completion", "role": "role",
                                          "content": "content", "tools": "tools", "system": "system"}
 

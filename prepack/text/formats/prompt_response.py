@@ -4,19 +4,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
-from prepack.text.conversation import Conversation
 from prepack.text.formats.fields import Columns, RequiredColumns, check_record, get_str, require_nonblank
-from prepack.text.formats.single_turn import single_turn
+from prepack.text.formats.single_turn import SingleTurnFormat
 
 
 @dataclass(frozen=True)
-class PromptResponseTemplate(RequiredColumns):
+class PromptResponseTemplate(SingleTurnFormat, RequiredColumns):
     """{prompt, response}: one user turn and one assistant turn."""
 
     columns: str = ""
 
     name: ClassVar[str] = "prompt_response"
-    table_level: ClassVar[bool] = False
     COLUMNS: ClassVar[dict[str, str]] = {"prompt": "prompt", "response": "response"}
 
     def __post_init__(self) -> None:
@@ -24,11 +22,7 @@ class PromptResponseTemplate(RequiredColumns):
         object.__setattr__(self, "_keys", (cols["prompt"], cols["response"]))
         object.__setattr__(self, "_required", self._keys)  # type: ignore[attr-defined]
 
-    def to_conversations(self, record: Mapping[str, Any]) -> list[Conversation]:
-        return single_turn(*self.to_pair(record))
-
     def to_pair(self, record: Mapping[str, Any]) -> tuple[str, str]:
-        """(prompt, response) of the one example; the same checks and errors as to_conversations."""
         record = check_record(record)
         pk, rk = self._keys  # type: ignore[attr-defined]
         prompt = get_str(record, pk, pk, "the user prompt")

@@ -19,6 +19,6 @@ class ShareGPTTemplate(ChatTemplate):
 
     name: ClassVar[str] = "sharegpt"
     # Where --columns make the two read the same keys, they are one format (--format auto).
-    same_reader_as: ClassVar[str] = "chat"
+    same_reader_as: ClassVar[str | None] = "chat"
     COLUMNS: ClassVar[dict[str, str]] = {"messages": "conversations", "role": "from", "content": "value",
                                          "tools": "tools", "system": "system"}

@@ -5,11 +5,12 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
 from prepack.text.conversation import Document
+from prepack.text.formats.features import SourceFormat
 from prepack.text.formats.fields import Columns, check_record, get_str, require_nonblank
 
 
 @dataclass(frozen=True)
-class TextTemplate:
+class TextTemplate(SourceFormat):
     """{text}: one document, no chat markup. Every token is a target except each segment's first
     (the row rule for every segment); the document ends with the tokenizer's eos, which is trained.
     A document longer than the max length follows --overlong: `split` keeps all of it, in pieces."""
@@ -17,7 +18,6 @@ class TextTemplate:
     columns: str = ""
 
     name: ClassVar[str] = "text"
-    table_level: ClassVar[bool] = False
     COLUMNS: ClassVar[dict[str, str]] = {"text": "text"}
 
     def __post_init__(self) -> None:

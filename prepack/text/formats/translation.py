@@ -4,9 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
-from prepack.text.conversation import Conversation, RecordError
+from prepack.text.conversation import RecordError
 from prepack.text.formats.fields import Columns, check_record, describe, get_str, require_nonblank
-from prepack.text.formats.single_turn import single_turn
+from prepack.text.formats.single_turn import SingleTurnFormat
 
 # ISO 639-1 codes -> English names used in the translation instruction. Small on purpose:
 # unknown codes fall back to the code itself, which still makes a readable prompt.
@@ -29,7 +29,7 @@ def language_name(code: str) -> str:
 
 
 @dataclass(frozen=True)
-class TranslationTemplate:
+class TranslationTemplate(SingleTurnFormat):
     """OPUS-100 style {"translation": {src: ..., tgt: ...}} or flat {src: ..., tgt: ...}.
 
     Options: source_lang (default "en"), target_lang (default "fr"), prompt_format (a
@@ -43,7 +43,6 @@ class TranslationTemplate:
     columns: str = ""
 
     name: ClassVar[str] = "translation"
-    table_level: ClassVar[bool] = False
     COLUMNS: ClassVar[dict[str, str]] = {"translation": "translation"}
 
     def __post_init__(self) -> None:
@@ -69,11 +68,7 @@ class TranslationTemplate:
         pair = record.get(self._pair_key)  # type: ignore[attr-defined]
         return isinstance(pair, Mapping) or {self.source_lang, self.target_lang} <= record.keys()
 
-    def to_conversations(self, record: Mapping[str, Any]) -> list[Conversation]:
-        return single_turn(*self.to_pair(record))
-
     def to_pair(self, record: Mapping[str, Any]) -> tuple[str, str]:
-        """(prompt, response) of the one example; the same checks and errors as to_conversations."""
         record = check_record(record)
         src_code, tgt_code = self.source_lang, self.target_lang
         key = self._pair_key  # type: ignore[attr-defined]
