@@ -16,8 +16,8 @@ from typing import Any, Iterable, Mapping, Protocol, Sequence, cast
 from prepack.text.conversation import Conversation, Document, PreferencePair, RecordError
 from prepack.text.formats.alpaca import AlpacaTemplate
 from prepack.text.formats.chat import ChatTemplate
-from prepack.text.formats.features import PromptResponseReader, SourceFormat
-from prepack.text.formats.oasst1 import Oasst1Result, Oasst1Template
+from prepack.text.formats.features import Oasst1Result, PromptResponseReader, SourceFormat
+from prepack.text.formats.oasst1 import Oasst1Template
 from prepack.text.formats.preference import PreferenceTemplate
 from prepack.text.formats.prompt_completion import PromptCompletionTemplate
 from prepack.text.formats.prompt_response import PromptResponseTemplate

@@ -3,16 +3,31 @@ of a format, declared once with the value a format has when it lacks the feature
 read the member instead of probing for it (prepack/text/formats/__init__.py: `Template`)."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Mapping
+from typing import Any, Callable, ClassVar, Iterable, Mapping
 
-if TYPE_CHECKING:  # oasst1.py builds on this module
-    from prepack.text.formats.oasst1 import Oasst1Result
+from prepack.text.conversation import Conversation
 
-__all__ = ["PromptResponseReader", "SourceFormat"]
+__all__ = ["DroppedMessage", "Oasst1Result", "PromptResponseReader", "SourceFormat"]
 
 # A single-turn record -> (prompt, response), with the same checks and errors as to_conversations.
 PromptResponseReader = Callable[[Mapping[str, Any]], tuple[str, str]]
+
+
+# What a table-level format makes of one table (oasst1.py: the only one, hence the names).
+@dataclass(frozen=True, slots=True)
+class DroppedMessage:
+    message_id: str | None
+    message_tree_id: str | None
+    reason: str   # one of oasst1.OASST1_DROP_REASONS
+    detail: str   # human-readable explanation
+
+
+@dataclass
+class Oasst1Result:
+    examples: list[tuple[Conversation, str]]   # (conversation, example_id = assistant message_id)
+    dropped: list[DroppedMessage] = field(default_factory=list)
 
 
 class SourceFormat:

@@ -2,11 +2,11 @@
 one record is one message, which only makes sense with its tree)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar, Iterable, Mapping
 
 from prepack.text.conversation import Conversation, Turn
-from prepack.text.formats.features import SourceFormat
+from prepack.text.formats.features import DroppedMessage, Oasst1Result, SourceFormat
 from prepack.text.formats.fields import RequiredColumns
 from prepack.text.formats.fields import describe as _describe
 
@@ -27,20 +27,6 @@ OASST1_DROP_REASONS: tuple[str, ...] = (
     "orphaned",         # some ancestor was dropped, so the thread prefix is incomplete
     "cycle",            # the parent_id links loop
 )
-
-
-@dataclass(frozen=True, slots=True)
-class DroppedMessage:
-    message_id: str | None
-    message_tree_id: str | None
-    reason: str   # one of OASST1_DROP_REASONS
-    detail: str   # human-readable explanation
-
-
-@dataclass
-class Oasst1Result:
-    examples: list[tuple[Conversation, str]]   # (conversation, example_id = assistant message_id)
-    dropped: list[DroppedMessage] = field(default_factory=list)
 
 
 _OASST1_ROLES: dict[str, str] = {"prompter": "user", "assistant": "assistant"}
