@@ -55,4 +55,3 @@ class SourceFormat:
         """The examples of one table's records (those sharing a `group_key`), for a table-level
         format; any other format templates its records one by one."""
         raise TypeError(f"format {self.name!r} is not table-level: template its records one by one with to_conversations")
-
