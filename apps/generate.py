@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     mdl = p.add_argument_group("model (as `prepack train`)")
     mdl.add_argument("--model", help="gemma3-270m, gemma3-1b, qwen3-0.6b, tiny (= tiny-gemma3), tiny-qwen3 "
                      "(default: the one --lora was trained on)")
-    mdl.add_argument("--weights", help="Hugging Face safetensors folder, 'random', or 'gguf' (gemma3-270m's default)")
+    mdl.add_argument("--weights", help="Hugging Face safetensors folder, 'random', 'gguf' (gemma3-270m's default), "
+                     "or a gemma3-270m .gguf file")
     mdl.add_argument("--dtype", choices=["float32", "bfloat16"], help="parameter dtype (default: bf16 real, f32 tiny)")
     mdl.add_argument("--lora", metavar="PATH", help="the adapter `prepack train --save-lora` wrote; without it the base model runs")
     mdl.add_argument("--compile-cache", metavar="DIR|off", help=compile_cache.HELP)
