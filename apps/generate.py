@@ -10,7 +10,7 @@ job's readers and Preparer; the same --format, --columns, --roles, --tokenizer, 
 into the prompt the model trained on and the reference reply (prepack/text/chat/prompts.py).
 Tunix's Sampler generates from those ids (train/generate.py). The output is a JSONL, one line per
 prompt in input order (train/generations.py); `--score` adds each line's score and writes a
-summary JSON beside it (train/score.py), and prints the table. Bad records are dead letters, as
+summary JSON beside it (train/score.py; with the generation's tokens/s), and prints the table. Bad records are dead letters, as
 in pack: written beside the output, and failing the run past --max-bad-fraction.
 """
 
@@ -370,13 +370,14 @@ def run(args: argparse.Namespace) -> int:
     _say(f"wrote {len(lines)} generations to {paths['generations']} ({generator.throughput()}; "
          f"{time.perf_counter() - started:.1f} s in all)")
     if args.score:
-        write_summary(args, paths, lines, parser, tokenizer, chat_format, sampling, about)
+        write_summary(args, paths, lines, parser, tokenizer, chat_format, sampling, {**about, "generation": generator.figures()})
     return 0
 
 
 def write_summary(args: argparse.Namespace, paths: dict[str, str], lines: list[dict[str, Any]], parser: str | None,
                   tokenizer: Any, chat_format: Any, sampling: Any, about: dict[str, Any]) -> None:
-    """--score: the summary JSON beside the output, and the table."""
+    """--score: the summary JSON beside the output (with `about`: the model, and `generation`, the
+    sampler's tokens, seconds and tokens/s, train/generate.py's Generator.figures), and the table."""
     from prepack import storage
     from train import score as score_lib
 
