@@ -1,0 +1,949 @@
+"""The cookbook on the chip: Gemma3 270M LoRA, packed rows against one example per row at equal epochs.
+
+The tool-call task of benchmarks/bench_generate_tools.py and the identity task of
+benchmarks/bench_generate_identity.py, each trained with `prepack train` twice per seed: on packed
+rows (the project's way) and on one example per row padded to the set's longest example (the
+cookbook's way, `prepack pack --no-pack`; rounded up to a multiple of 128 for the chip's tiles).
+Both layouts see the same records the same number of epochs (steps = ceil(epochs * rows / batch)),
+with the same learning-rate schedule scaled to their steps (cosine, warmup a fraction of the
+steps). Per run, from the trainer's metrics JSONL: chip seconds to the end of training (the first
+step, which carries the compile, reported apart), target tokens/s, MFU, the final train loss (and
+the last epoch's mean) and the eval loss on the held-out records; then `prepack generate --score` on
+the held-out prompts with each adapter and the base model: full-call accuracy, valid-call rate,
+no-call accuracy, exact match. Also: generation tokens/s at batch 1, 8 and 32 on the chip with an
+adapter, how many leading greedy tokens the chip's completions share with the CPU's, and one
+`--objective dpo` run on the shipped preference sample at the tool-call runs' shape (step time
+against SFT's, first-step loss against ln 2).
+
+Where each part runs. The device machine reaches no registry and has no Beam: every shard set is
+packed here (--prepare) and carried. Its Python lacks transformers, which `--tokenizer hf:FOLDER`
+(the tool-call task's FunctionGemma layout) needs, so the tool-call adapters come back and are
+scored here on the CPU (the quality is the adapter's; the CPU benchmark scored the same way); the
+identity task (the embedded Gemma3 tokenizer) is scored on the chip. Each run is its own process
+(the only one holding the chip while it runs); this process imports no JAX.
+
+Commands, in order (E: estimated seconds; --plan prints each run's estimate):
+
+  Here (CPU, no chip; ~10 min: Beam packing, the tokenizer folder, the base models' CPU scoring):
+
+    python -m benchmarks.device_weights split --output .weights                  # 6 parts, 45 MiB at most
+    python -m benchmarks.bench_cookbook_device --prepare                          # .cookbook/device (~7 MB) and .cookbook/here
+    python -m benchmarks.bench_cookbook_device --here                             # CPU: base models scored (tools; identity @cpu)
+    python -m benchmarks.bench_cookbook_device --plan                             # the runs and their estimates
+
+  On the device (jax 0.10.2, no registry; ENV below), calls back to back (the machine's /tmp, which
+  holds the wheels, the weight parts and the compile cache, lasts ~100 s idle):
+
+    ENV='[ -d .whl-tpu ] && eval "$(bash .whl-tpu/install.sh .whl-tpu)" || export PYTHONPATH=${PYTHONPATH:-}:/tmp/tpu-site:/tmp/tpu-site2 PYTHONUNBUFFERED=1; unset JAX_COMPILATION_CACHE_DIR'
+
+    call 1   carry .whl-tpu .weights/manifest.json .weights/*.part05 (16 MiB)      ~60 s (installing ~40 s)
+             $ENV; python3 -m benchmarks.device_weights collect .weights
+    calls 2-6  carry .weights/manifest.json and one of part00 .. part04 each      ~15 s each
+             $ENV; python3 -m benchmarks.device_weights collect .weights
+    calls 7+ carry .cookbook/device (and .whl-tpu again if the machine went cold: then the parts too)
+             $ENV; W=$(python3 -m benchmarks.device_weights join) && python3 -m benchmarks.bench_cookbook_device \
+                 --weights "$W" --budget-s 540 --export $OUT
+             each call runs what fits in --budget-s and skips what is done (OUT=/tmp/cookbook merges
+             the results); ~1,300 s of runs in all (--plan), so about three calls of 540 s.
+
+    Each call's $OUT (cookbook.json, cookbook-files.tar.gz, the adapters the CPU needs) comes back.
+    A fresh machine has lost /tmp: put the last cookbook.json at .cookbook/device/resume.json (the
+    runs it holds are skipped) and the identity adapters it still needs, unpacked, under
+    .cookbook/device/adapters/, and send the wheels and the parts again.
+
+  Here again, with each call's files (the folder the device tool copies them to):
+
+    python -m benchmarks.bench_cookbook_device --import FOLDER --here             # tool-call scoring on the CPU, tables
+    python -m benchmarks.bench_cookbook_device --table                            # the tables again
+
+Estimated chip seconds for a session on a fresh machine: ~100 start, ~60 + 5 x 15 transfer, then
+the runs of --plan (~1,300), ~1,550 in all of the 1,800 a session may use; the tool-call runs come
+first (then identity, its scoring, DPO, and generation at batch 1, 8, 32), so a session that runs
+out keeps the runs that matter most.
+
+On this CPU end to end (tiny model, random weights, a few steps; the plumbing, not the figures):
+
+    python -m benchmarks.bench_cookbook_device --prepare --smoke --work-dir /tmp/cook
+    python -m benchmarks.bench_cookbook_device --work-dir /tmp/cook --out /tmp/cook/out --export /tmp/cook/export
+    python -m benchmarks.bench_cookbook_device --work-dir /tmp/cook --import /tmp/cook/export --here
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = "cookbook.json"
+FILES_TAR = "cookbook-files.tar.gz"
+RESUME = "resume.json"
+PLAN = "plan.json"
+TASKS = ("tools", "identity")
+LAYOUTS = ("packed", "unpacked")
+DPO_SAMPLE = os.path.join(REPO, "prepack", "sample_data", "sample_preference.jsonl")
+LN2 = math.log(2.0)
+OUT_OF_MEMORY = "out of memory"
+DEVICE, HERE = "device", "here"
+
+# What --plan's estimate assumes, per process on one v5e (shared/tpu figures where measured):
+OPEN_S = 15.0  # a process opening the chip and importing Tunix (measured: ~15 s)
+WEIGHTS_S = 10.0  # the GGUF dequantized and loaded in bf16 (4 s on 2 CPU cores here; a guess there)
+TRAIN_COMPILE_S = {False: 85.0, True: 24.0}  # the 270M train step, cold / from --compile-cache (measured)
+EVAL_COMPILE_S = {False: 30.0, True: 8.0}  # the eval forward (a guess: about a third of the step's)
+STEP_S_PER_16K_TOKENS = 0.19  # measured at 8 x 2048 packed; tiny rows take at least STEP_FLOOR_S
+STEP_FLOOR_S = 0.02
+SAMPLER_COMPILE_S = {False: 40.0, True: 10.0}  # prefill and decode at one batch size (a guess)
+NLL_COMPILE_S = {False: 20.0, True: 5.0}  # --score's teacher-forced reference NLL (a guess)
+DECODE_STEP_S = 0.01  # one token for the whole batch (a guess)
+SAVE_S = 3.0
+CPU_GENERATE_S_PER_TOKEN = 0.05  # --here: a 270M token on 2 CPU cores, per sequence of the batch (a guess)
+
+
+class CookbookError(Exception):
+    """Bad options or a work folder not ready for the step asked: one line."""
+
+
+# ----------------------------------------------------------------------------- the recipe
+
+
+def recipe(smoke: bool) -> dict[str, Any]:
+    """What every run of a plan shares: written once by --prepare into plan.json, read by every other step."""
+    common = {"model": "gemma3-270m", "dtype": "bfloat16", "batch_size": 4, "lora_rank": 8, "learning_rate": 1e-3,
+              "lr_schedule": "cosine", "warmup_ratio": 0.05, "seeds": [0, 1], "max_new_tokens": 32,
+              "generate_batch_size": 8, "length_multiple": 128, "max_steps": None, "weights": None,
+              "tasks": {"tools": {"max_length": 384, "epochs": 3.0, "scored": HERE},
+                        "identity": {"max_length": 128, "epochs": 1.0, "scored": DEVICE}},
+              "dpo": {"task_shape": "tools", "epochs": 2.0},
+              "throughput": {"task": "identity", "adapter": "packed seed=0", "batch_sizes": [1, 8, 32],
+                             "repeat": 4, "max_prompts": {"1": 48}},
+              "compare": {"task": "identity", "adapters": ["base", "packed seed=0"]}}
+    if smoke:  # the plumbing on a CPU in minutes: a tiny random model, three steps a run, one seed
+        common.update({"model": "tiny-gemma3", "dtype": "float32", "weights": "random", "max_steps": 3, "seeds": [0],
+                       "max_new_tokens": 4, "length_multiple": 64})
+        common["throughput"] = {**common["throughput"], "batch_sizes": [1, 8], "repeat": 1, "max_prompts": {"1": 4}}
+    return common
+
+
+def steps_for(rows: int, epochs: float, batch_size: int, max_steps: int | None) -> int:
+    """Optimizer steps for `epochs` passes over `rows` rows (the loader streams epochs back to back)."""
+    steps = max(2, math.ceil(epochs * rows / batch_size))  # two at least: the summary times the steps after the first
+    return min(steps, max_steps) if max_steps else steps
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+# ----------------------------------------------------------------------------- runs
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    kind: str  # train | dpo | score | generate
+    task: str
+    layout: str = ""  # packed | unpacked; "" for the base model
+    seed: int = 0
+    batch: int = 0  # generate: --batch-size
+    where: str = DEVICE
+
+    @property
+    def adapter(self) -> str:
+        """The training run whose adapter a score/generate run reads ('' for the base model)."""
+        return f"{self.layout} seed={self.seed}" if self.layout else ""
+
+    @property
+    def key(self) -> str:
+        if self.kind == "train":
+            return f"train {self.task} {self.layout} seed={self.seed}"
+        if self.kind == "dpo":
+            return f"dpo {self.layout} seed={self.seed}"
+        key = f"{self.kind} {self.task} {self.adapter or 'base'}"
+        key += f" batch={self.batch}" if self.kind == "generate" else ""
+        return key + (" @cpu" if self.where == HERE and self.kind == "score" and self.task != "tools" else "")
+
+    @property
+    def name(self) -> str:
+        """The key as a file name."""
+        return self.key.replace(" @", "-").replace(" ", "-").replace("=", "")
+
+    @property
+    def train_key(self) -> str:
+        return f"train {self.task} {self.adapter}"
+
+
+def planned_runs(plan: dict[str, Any]) -> list[Run]:
+    """Every run, most wanted first: the tool-call layouts (seed by seed), then identity's, its
+    scoring on the chip, DPO, generation speed; then the CPU's runs (scoring the tool calls, the
+    identity runs the chip's greedy tokens are compared with)."""
+    seeds, runs = plan["seeds"], []
+    for task in TASKS:
+        runs += [Run("train", task, layout, seed) for seed in seeds for layout in LAYOUTS]
+    identity = [Run("score", "identity", layout, seed) for seed in seeds for layout in LAYOUTS]
+    runs += [Run("score", "identity")] + identity
+    runs.append(Run("dpo", "dpo", "packed", seeds[0]))
+    speed = plan["throughput"]
+    layout, _, seed = speed["adapter"].partition(" seed=")
+    runs += [Run("generate", speed["task"], layout, int(seed), batch) for batch in speed["batch_sizes"]]
+    runs += [Run("score", "tools", where=HERE)]
+    runs += [Run("score", "tools", layout, seed, where=HERE) for seed in seeds for layout in LAYOUTS]
+    compare = plan["compare"]
+    for adapter in compare["adapters"]:
+        layout, _, seed = adapter.partition(" seed=")
+        runs.append(Run("score", compare["task"], "" if adapter == "base" else layout, int(seed or 0), where=HERE))
+    return runs
+
+
+def length_of(plan: dict[str, Any], run: Run) -> int:
+    if run.kind == "dpo":
+        return plan["dpo"]["length"]
+    return plan["tasks"][run.task]["layouts"][run.layout]["length"]
+
+
+def train_steps(plan: dict[str, Any], run: Run) -> int:
+    if run.kind == "dpo":
+        return steps_for(plan["dpo"]["rows"], plan["dpo"]["epochs"], plan["batch_size"], plan["max_steps"])
+    task = plan["tasks"][run.task]
+    return steps_for(task["layouts"][run.layout]["rows"], task["epochs"], plan["batch_size"], plan["max_steps"])
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+def model_args(plan: dict[str, Any], weights: str | None) -> list[str]:
+    weights = weights or plan["weights"]
+    return ["--model", plan["model"], "--dtype", plan["dtype"]] + (["--weights", weights] if weights else [])
+
+
+def cache_args(compile_cache: str | None) -> list[str]:
+    return ["--compile-cache", compile_cache] if compile_cache else []
+
+
+def train_command(plan: dict[str, Any], run: Run, work: str, out: str, weights: str | None,
+                  compile_cache: str | None) -> list[str]:
+    """`prepack train` for one layout and seed (or the DPO run): the same recipe at every layout,
+    the schedule's warmup a fraction of the run's own steps."""
+    steps = train_steps(plan, run)
+    length = length_of(plan, run)
+    cmd = ["python3", "-m", "apps.cli", "train", *model_args(plan, weights), "--batch-size", str(plan["batch_size"]),
+           "--steps", str(steps), "--lora-rank", str(plan["lora_rank"]), "--learning-rate", str(plan["learning_rate"]),
+           "--lr-schedule", plan["lr_schedule"], "--warmup-ratio", str(plan["warmup_ratio"]), "--seed", str(run.seed),
+           "--remat", "none", "--log-every", str(steps), "--metrics-out", os.path.join(out, "metrics", run.name + ".jsonl"),
+           "--overwrite", *cache_args(compile_cache)]
+    if run.kind == "dpo":
+        return cmd + ["--shards", os.path.join(work, DEVICE, "dpo", "packed", f"L{length}"), "--objective", "dpo"]
+    folder = os.path.join(work, DEVICE, run.task)
+    return cmd + ["--shards", os.path.join(folder, run.layout, f"L{length}"),
+                  "--eval-shards", os.path.join(folder, "eval", f"L{length}"),
+                  "--save-lora", os.path.join(out, "adapters", adapter_name(run.task, run.adapter))]
+
+
+def adapter_name(task: str, adapter: str) -> str:
+    return f"{task}-{adapter}".replace(" ", "-").replace("=", "")
+
+
+def generate_command(plan: dict[str, Any], run: Run, work: str, out: str, adapter_dir: str | None,
+                     weights: str | None, compile_cache: str | None) -> list[str]:
+    """`prepack generate --score` on the task's held-out prompts (generate: the repeated prompts at one batch size)."""
+    folder = os.path.join(work, DEVICE, run.task)
+    prompts = "throughput.jsonl" if run.kind == "generate" else "heldout.jsonl"
+    cmd = ["python3", "-m", "apps.cli", "generate", "--input", os.path.join(folder, prompts), "--format", "chat",
+           *tokenizer_args(run.task, work), *model_args(plan, weights), "--score",
+           "--max-new-tokens", str(plan["max_new_tokens"]),
+           "--batch-size", str(run.batch or plan["generate_batch_size"]),
+           "--output", os.path.join(out, "generations", run.name + ".jsonl"), "--overwrite", *cache_args(compile_cache)]
+    limit = plan["throughput"]["max_prompts"].get(str(run.batch)) if run.kind == "generate" else None
+    cmd += ["--max-prompts", str(limit)] if limit else []
+    return cmd + (["--lora", adapter_dir] if adapter_dir else [])
+
+
+def tokenizer_args(task: str, work: str) -> list[str]:
+    """The tool-call task reads its records through the FunctionGemma-layout folder (transformers: here only)."""
+    if task == "tools":
+        return ["--tokenizer", f"hf:{os.path.join(work, HERE, 'tools', 'tokenizer')}", "--chat-format", "hf"]
+    return []
+
+
+# ----------------------------------------------------------------------------- results
+
+
+def read_jsonl(path: str) -> list[dict[str, Any]]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+TRAIN_FIELDS = ("steps", "median_step_time_s", "tokens_per_s", "target_tokens_per_s", "mfu", "first_step_time_s",
+                "first_loss", "final_loss", "eval_loss", "target_tokens", "examples", "mean_target_density",
+                "device_kind", "platform", "peak_tflops", "device_peak_bytes", "wall_time_s")
+
+
+def train_figures(metrics: str, rows_per_epoch: int | None, batch_size: int) -> dict[str, Any] | None:
+    """The summary's figures and, from the step records, the seconds: train_s (every step, the first
+    with its compile), steps_s (the steps after the first), compile_s (the first step less a median
+    step) and the last epoch's mean loss; None without a summary."""
+    try:
+        records = read_jsonl(metrics)
+    except (OSError, ValueError):
+        return None
+    summary = next((r["summary"] for r in reversed(records) if "summary" in r), None)
+    steps = [r for r in records if "step_time_s" in r and "step" in r]
+    if summary is None or not steps:
+        return None
+    out = {k: summary.get(k) for k in TRAIN_FIELDS}
+    first, rest = steps[0]["step_time_s"], [s["step_time_s"] for s in steps[1:]]
+    median = statistics.median(rest) if rest else 0.0
+    out.update({"train_s": first + sum(rest), "steps_s": sum(rest), "compile_s": max(0.0, first - median),
+                "train_without_compile_s": sum(rest) + median})
+    if rows_per_epoch:
+        last = steps[-math.ceil(rows_per_epoch / batch_size):]
+        losses = [s["loss"] for s in last if s.get("loss") is not None]
+        out["last_epoch_loss"] = sum(losses) / len(losses) if losses else None
+    out["evals"] = [{"step": e.get("step"), "loss": e.get("loss")} for e in summary.get("evals") or []]
+    for key in ("rewards/accuracies", "rewards/margins"):  # DPO's
+        if key in steps[-1]:
+            out[f"final_{key}"] = steps[-1][key]
+    return out
+
+
+SCORE_FIELDS = ("prompts", "exact_match", "reference_nll", "valid_call_rate", "function_name_accuracy",
+                "full_call_accuracy", "no_call_accuracy", "call_prompts", "no_call_prompts", "completion_tokens_mean",
+                "generation", "weights", "dtype")
+
+
+def score_figures(generations: str) -> dict[str, Any] | None:
+    stem = generations[:-len(".jsonl")]
+    try:
+        with open(stem + ".score.json") as f:
+            summary = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return {k: summary.get(k) for k in SCORE_FIELDS}
+
+
+def final(result: dict[str, Any]) -> bool:
+    """Ran, or did not fit (out of memory is not retried); a timeout or another failure is retried."""
+    return "failed" not in result or str(result["failed"]).startswith(OUT_OF_MEMORY)
+
+
+def empty_results() -> dict[str, Any]:
+    return {"machine": {}, "runs": {}, "commands": []}
+
+
+def load_results(path: str) -> dict[str, Any]:
+    if not os.path.exists(path):
+        return empty_results()
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        if not isinstance(data, dict) or not isinstance(data.get("runs"), dict):
+            raise ValueError("no 'runs' object")
+    except (OSError, ValueError) as e:
+        raise CookbookError(f"{path}: not this benchmark's results ({e}); move it away") from None
+    for key, value in empty_results().items():
+        data.setdefault(key, value)
+    return data
+
+
+def merge_results(into: dict[str, Any], other: dict[str, Any]) -> list[str]:
+    """Adds `other`'s runs that `into` lacks or has only failed; its machines and commands. The keys taken."""
+    taken = [k for k, r in other["runs"].items() if final(r) and not (k in into["runs"] and final(into["runs"][k]))]
+    for key in taken:
+        into["runs"][key] = other["runs"][key]
+    for key, value in other.get("machine", {}).items():
+        into["machine"].setdefault(key, value)
+    into["commands"] += [c for c in other.get("commands", []) if c not in into["commands"]]
+    return taken
+
+
+def save_results(path: str, data: dict[str, Any]) -> None:
+    """Atomically: a call that ends mid-write leaves the previous results."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------- the estimate
+
+
+def compile_key(run: Run, plan: dict[str, Any]) -> str:
+    """Runs with one key run one compiled program: the second finds it in --compile-cache."""
+    if run.kind in ("train", "dpo"):
+        return f"{run.kind} {plan['batch_size']}x{length_of(plan, run)}"
+    return f"generate batch={run.batch or plan['generate_batch_size']}"
+
+
+def estimate_s(run: Run, plan: dict[str, Any], compiled: set[str]) -> float:
+    """Seconds one run should take (OPEN_S and the others above: measured where they say so)."""
+    cached = compile_key(run, plan) in compiled
+    if run.kind in ("train", "dpo"):
+        tokens = plan["batch_size"] * length_of(plan, run)
+        step = max(STEP_FLOOR_S, STEP_S_PER_16K_TOKENS * tokens / 16384) * (1.5 if run.kind == "dpo" else 1.0)
+        evals = 0.0 if run.kind == "dpo" else EVAL_COMPILE_S[cached] + 2 * step
+        return OPEN_S + WEIGHTS_S + TRAIN_COMPILE_S[cached] + evals + train_steps(plan, run) * step + SAVE_S
+    prompts = plan["tasks"][run.task]["heldout_prompts"]
+    if run.kind == "generate":
+        prompts = plan["throughput"]["max_prompts"].get(str(run.batch)) or prompts * plan["throughput"]["repeat"]
+    batch = run.batch or plan["generate_batch_size"]
+    batches = math.ceil(prompts / batch)
+    if run.where == HERE:
+        return 30.0 + batches * batch * plan["max_new_tokens"] * CPU_GENERATE_S_PER_TOKEN
+    return OPEN_S + WEIGHTS_S + SAMPLER_COMPILE_S[cached] + NLL_COMPILE_S[cached] + batches * plan["max_new_tokens"] * DECODE_STEP_S
+
+
+def estimates(runs: Sequence[Run], plan: dict[str, Any], done: set[str] = frozenset()) -> dict[str, float]:
+    """Each run's estimate in order, the compile cache filling as runs go; done runs cost nothing."""
+    compiled: set[str] = set()
+    out = {}
+    for run in runs:
+        out[run.key] = 0.0 if run.key in done else estimate_s(run, plan, compiled)
+        if run.where == DEVICE:
+            compiled.add(compile_key(run, plan))
+    return out
+
+
+# ----------------------------------------------------------------------------- running
+
+
+@dataclasses.dataclass
+class Context:
+    plan: dict[str, Any]
+    work: str
+    out: str
+    weights: str | None
+    compile_cache: str | None
+    where: str
+    log: Callable[[str], None] = print
+
+    def adapter_dir(self, run: Run) -> str | None:
+        """The adapter a score/generate run reads: made here (OUT/adapters), carried (WORK/device/adapters)
+        or brought back (--import: WORK/here/adapters); None where none is."""
+        name = adapter_name(run.task, run.adapter)
+        places = [os.path.join(self.out, "adapters", name), os.path.join(self.work, DEVICE, "adapters", name),
+                  os.path.join(self.work, HERE, "adapters", name)]
+        return next((p for p in places if os.path.isdir(p) and os.listdir(p)), None)
+
+
+def child_env(work: str) -> dict[str, str]:
+    """The children's environment: the carried Gemma3 tokenizer model where there is one (a device has no GGUF
+    package to build it from)."""
+    env = dict(os.environ)
+    cache = os.path.join(work, DEVICE, "cache")
+    if os.path.isdir(cache) and "PREPACK_CACHE_DIR" not in env:
+        env["PREPACK_CACHE_DIR"] = os.path.abspath(cache)
+    return env
+
+
+def run_child(cmd: list[str], log_path: str, timeout: float, env: dict[str, str]) -> tuple[int | None, float, str]:
+    """(exit status or None on timeout, seconds, the output's last line) of one command, its output in log_path."""
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    started = time.perf_counter()
+    with open(log_path, "w") as log:
+        try:
+            code: int | None = subprocess.run([sys.executable, *cmd[1:]], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                              env=env, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            code = None
+    seconds = time.perf_counter() - started
+    with open(log_path, errors="replace") as log:
+        lines = [line.strip() for line in log if line.strip()]
+    return code, seconds, (lines or ["(no output)"])[-1][:400]
+
+
+def one_run(run: Run, ctx: Context, timeout: float) -> dict[str, Any] | None:
+    """Runs one run in its own process; its figures, why there are none, or None when it cannot start yet."""
+    plan = ctx.plan
+    if run.kind in ("train", "dpo"):
+        cmd = train_command(plan, run, ctx.work, ctx.out, ctx.weights, ctx.compile_cache)
+    else:
+        adapter = ctx.adapter_dir(run) if run.adapter else None
+        if run.adapter and adapter is None:
+            ctx.log(f"{run.key}: waiting for the adapter of '{run.train_key}' (not made here, carried or imported)")
+            return None
+        cmd = generate_command(plan, run, ctx.work, ctx.out, adapter, ctx.weights, ctx.compile_cache)
+    shown = shlex.join(cmd)
+    ctx.log(f"$ {shown}")
+    code, seconds, last = run_child(cmd, os.path.join(ctx.out, "logs", run.name + ".log"), timeout, child_env(ctx.work))
+    result: dict[str, Any] = {"command": shown, "process_s": seconds, "where": ctx.where}
+    if code is None:
+        return {**result, "failed": f"no result within {timeout:.0f} s (the call's time left)"}
+    if run.kind in ("train", "dpo"):
+        rows = None if run.kind == "dpo" else plan["tasks"][run.task]["layouts"][run.layout]["rows"]
+        figures = train_figures(cmd[cmd.index("--metrics-out") + 1], rows, plan["batch_size"]) if code == 0 else None
+        result.update({"steps_planned": train_steps(plan, run), "length": length_of(plan, run),
+                       "batch_size": plan["batch_size"]})
+    else:
+        figures = score_figures(cmd[cmd.index("--output") + 1]) if code == 0 else None
+        result["generations"] = os.path.relpath(cmd[cmd.index("--output") + 1], ctx.out)
+    if figures is None:
+        failed = f"{OUT_OF_MEMORY}: {last}" if OUT_OF_MEMORY in last.lower() else f"exit {code}: {last}"
+        return {**result, "failed": failed}
+    return {**result, **figures}
+
+
+def run_all(args: argparse.Namespace, where: str) -> int:
+    from benchmarks.device_machine import line, versions
+
+    plan = read_plan(args.work_dir)
+    out = args.out or os.path.join(args.work_dir, HERE, "out")
+    path = os.path.join(out, RESULTS)
+    data = load_results(path)
+    resume = os.path.join(args.work_dir, DEVICE, RESUME)
+    if where == DEVICE and os.path.isfile(resume):
+        taken = merge_results(data, load_results(resume))
+        print(f"{resume}: {len(taken)} finished runs taken", flush=True)
+    data["commands"].append(shlex.join(["python3", "-m", "benchmarks.bench_cookbook_device", *sys.argv[1:]]))
+    if where == DEVICE:
+        data["machine"] = {**data["machine"], **versions()}
+    ctx = Context(plan, args.work_dir, out, args.weights, args.compile_cache, where)
+    runs = [r for r in chosen_runs(plan, args.runs) if r.where == where]
+    deadline = time.perf_counter() + args.budget_s
+    costs = estimates(runs, plan, {k for k, r in data["runs"].items() if final(r)})
+    for run in runs:
+        if run.key in data["runs"] and final(data["runs"][run.key]):
+            print(f"{run.key}: already in {path}, skipped", flush=True)
+            continue
+        left = deadline - time.perf_counter()
+        if left < costs[run.key] * args.margin:
+            print(f"{run.key}: not started, {left:.0f} s left of --budget-s and it should take ~{costs[run.key]:.0f} s "
+                  "(run the command again to go on)", flush=True)
+            continue
+        result = one_run(run, ctx, left)
+        if result is None:
+            continue
+        print(f"{run.key}: {json.dumps({k: v for k, v in result.items() if k not in ('command', 'evals', 'generation')})}",
+              flush=True)
+        if where == DEVICE and result.get("device_kind"):
+            data["machine"].update({"device": result["device_kind"], "backend": result.get("platform")})
+        data["runs"][run.key] = result
+        save_results(path, data)  # after each run: a call that ends later keeps it
+    save_results(path, data)
+    if args.export:
+        export(out, args.export, plan)
+    if data["machine"]:
+        print(f"\nmachine: {line(data['machine'])}")
+    print_tables(data, plan, args.work_dir, out)
+    print(f"-> {path}", flush=True)
+    return 0
+
+
+def chosen_runs(plan: dict[str, Any], kinds: str | None) -> list[Run]:
+    runs = planned_runs(plan)
+    if not kinds:
+        return runs
+    wanted = set(kinds.split(","))
+    unknown = wanted - {r.kind for r in runs} - set(TASKS) - {"dpo"}
+    if unknown:
+        raise CookbookError(f"--runs {kinds}: {', '.join(sorted(unknown))} is none of train, dpo, score, generate, "
+                            f"{', '.join(TASKS)}")
+    return [r for r in runs if r.kind in wanted or r.task in wanted]
+
+
+# ----------------------------------------------------------------------------- export and import
+
+
+def exported_adapters(plan: dict[str, Any]) -> list[str]:
+    """The adapters the CPU needs: every tool-call one (scored here) and those the greedy tokens are compared with."""
+    names = [adapter_name("tools", f"{layout} seed={seed}") for seed in plan["seeds"] for layout in LAYOUTS]
+    names += [adapter_name(plan["compare"]["task"], a) for a in plan["compare"]["adapters"] if a != "base"]
+    return names
+
+
+def export(out: str, dest: str, plan: dict[str, Any]) -> list[str]:
+    """DEST (a device call's $OUT): the results, one tar of the small files (metrics, generations, logs), one
+    tar per adapter the CPU needs: at most 8 files, each under the 16 MiB a file may bring back."""
+    os.makedirs(dest, exist_ok=True)
+    written = [os.path.join(dest, RESULTS)]
+    shutil.copyfile(os.path.join(out, RESULTS), written[0])
+    with tarfile.open(os.path.join(dest, FILES_TAR), "w:gz") as tar:
+        for folder in ("metrics", "generations", "logs"):
+            if os.path.isdir(os.path.join(out, folder)):
+                tar.add(os.path.join(out, folder), arcname=folder)
+    written.append(os.path.join(dest, FILES_TAR))
+    for name in exported_adapters(plan):
+        folder = os.path.join(out, "adapters", name)
+        if os.path.isdir(folder):
+            written.append(os.path.join(dest, f"adapter-{name}.tar"))
+            with tarfile.open(written[-1], "w") as tar:
+                tar.add(folder, arcname=name)
+    print(f"exported {len(written)} files to {dest}", flush=True)
+    return written
+
+
+def import_files(folder: str, work: str) -> None:
+    """A device call's files into WORK/here: its runs merged into the results, the adapters unpacked."""
+    here = os.path.join(work, HERE, "out")
+    path = os.path.join(here, RESULTS)
+    if not os.path.isfile(os.path.join(folder, RESULTS)):
+        raise CookbookError(f"--import {folder}: no {RESULTS} (a device call's files, written by --export $OUT)")
+    data = load_results(path)
+    taken = merge_results(data, load_results(os.path.join(folder, RESULTS)))
+    save_results(path, data)
+    for name in sorted(os.listdir(folder)):
+        if name == FILES_TAR or (name.startswith("adapter-") and name.endswith(".tar")):
+            target = os.path.join(here, "device-files") if name == FILES_TAR else os.path.join(work, HERE, "adapters")
+            with tarfile.open(os.path.join(folder, name)) as tar:
+                tar.extractall(target, filter="data")
+    print(f"--import {folder}: {len(taken)} runs taken into {path}", flush=True)
+
+
+# ----------------------------------------------------------------------------- tables
+
+
+def mean_spread(values: Sequence[float | None]) -> str:
+    got = [v for v in values if v is not None]
+    if not got:
+        return "-"
+    return fmt(statistics.mean(got)) if len(got) == 1 else f"{fmt(statistics.mean(got))} ± {fmt((max(got) - min(got)) / 2)}"
+
+
+def fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.3f}" if abs(value) < 10 else f"{value:,.1f}"
+    return str(value)
+
+
+def rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def score_of(runs: dict[str, Any], task: str, adapter: str) -> dict[str, Any]:
+    key = f"score {task} {adapter or 'base'}"
+    return runs.get(key) or runs.get(key + " @cpu") or {}
+
+
+def print_tables(data: dict[str, Any], plan: dict[str, Any], work: str, out: str) -> None:
+    runs = data["runs"]
+    for task in TASKS:
+        print(f"\n{task}: {plan['model']}, batch {plan['batch_size']}, {plan['tasks'][task]['epochs']:g} epochs, "
+              f"LoRA rank {plan['lora_rank']}, lr {plan['learning_rate']:g} {plan['lr_schedule']} "
+              f"(warmup {plan['warmup_ratio']:.0%} of the steps)\n")
+        print("| layout | seed | rows x L | steps | chip s to the end (first step) | steps after the first | target tokens/s "
+              "| MFU | final loss (last epoch) | eval loss | full calls | valid calls | no-call | exact match |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for adapter in [""] + [f"{layout} seed={seed}" for layout in LAYOUTS for seed in plan["seeds"]]:
+            score = score_of(runs, task, adapter)
+            scored = (f"{rate(score.get('full_call_accuracy'))} | {rate(score.get('valid_call_rate'))} | "
+                      f"{rate(score.get('no_call_accuracy'))} | {rate(score.get('exact_match'))}")
+            if not adapter:
+                print(f"| base model | | | | | | | | | | {scored} |")
+                continue
+            layout, _, seed = adapter.partition(" seed=")
+            r = runs.get(f"train {task} {adapter}", {})
+            shape = plan["tasks"][task]["layouts"][layout]
+            if "failed" in r or not r:
+                print(f"| {layout} | {seed} | {shape['rows']} x {shape['length']} | | {r.get('failed', 'not run')} | | | | | | {scored} |")
+                continue
+            mfu = "-" if r.get("mfu") is None else f"{r['mfu']:.3f}"
+            print(f"| {layout} | {seed} | {shape['rows']} x {shape['length']} | {r['steps']} | {r['train_s']:.1f} s "
+                  f"({r['first_step_time_s']:.1f} s) | {r['steps_s']:.2f} s | {fmt(r['target_tokens_per_s'])} | {mfu} "
+                  f"| {fmt(r['final_loss'])} ({fmt(r.get('last_epoch_loss'))}) | {fmt(r['eval_loss'])} | {scored} |")
+        ratios = layout_ratios(runs, task, plan["seeds"])
+        if ratios:
+            print("\n" + "; ".join(f"{what}: {value}" for what, value in ratios.items()))
+    print_speed_tables(data, plan, work, out)
+
+
+def layout_ratios(runs: dict[str, Any], task: str, seeds: Sequence[int]) -> dict[str, str]:
+    """One example per row over packed: each seconds figure's mean over the seeds, and their ratio."""
+    got: dict[str, dict[str, list[float]]] = {layout: {} for layout in LAYOUTS}
+    for layout in LAYOUTS:
+        for seed in seeds:
+            r = runs.get(f"train {task} {layout} seed={seed}", {})
+            if "failed" in r or not r:
+                continue
+            for field in ("train_s", "train_without_compile_s", "process_s"):
+                got[layout].setdefault(field, []).append(r[field])
+    out = {}
+    names = {"train_s": "chip s to the end of training", "train_without_compile_s": "less the compile",
+             "process_s": "the whole process (chip opened, weights, evals, adapter saved)"}
+    for field, what in names.items():
+        packed, unpacked = got["packed"].get(field), got["unpacked"].get(field)
+        if packed and unpacked:
+            p, u = statistics.mean(packed), statistics.mean(unpacked)
+            out[what] = f"packed {p:.1f} s, one per row {u:.1f} s, {u / p:.2f}x"
+    return out
+
+
+def print_speed_tables(data: dict[str, Any], plan: dict[str, Any], work: str, out: str) -> None:
+    runs = data["runs"]
+    speed = plan["throughput"]
+    rows = [(b, runs.get(f"generate {speed['task']} {speed['adapter']} batch={b}", {})) for b in speed["batch_sizes"]]
+    if any(r.get("generation") for _, r in rows):
+        print(f"\nGeneration with the {speed['task']} adapter ({speed['adapter']}), --max-new-tokens {plan['max_new_tokens']}:\n")
+        print("| batch | prompts | tokens | tokens/s | tokens/s without compiling | exact match |")
+        print("|---|---|---|---|---|---|")
+        for batch, r in rows:
+            g = r.get("generation") or {}
+            print(f"| {batch} | {fmt(r.get('prompts'))} | {fmt(g.get('tokens'))} | {fmt(g.get('tokens_per_s'))} "
+                  f"| {fmt(g.get('steady_tokens_per_s'))} | {rate(r.get('exact_match'))} |")
+    agreement = greedy_agreement_rows(data, plan, work, out)
+    if agreement:
+        print("\nGreedy tokens the chip shares with the CPU (completions re-encoded; leading tokens equal):\n")
+        print("| run | prompts | all equal | fewest equal | median equal | CPU tokens (median) |")
+        print("|---|---|---|---|---|---|")
+        for row in agreement:
+            print(f"| {row['run']} | {row['prompts']} | {row['all_equal']} | {row['min']} | {row['median']:g} | {row['cpu_median']:g} |")
+    dpo, sft = runs.get(f"dpo packed seed={plan['seeds'][0]}", {}), runs.get(f"train tools packed seed={plan['seeds'][0]}", {})
+    if dpo and "failed" not in dpo:
+        ratio = f", {dpo['median_step_time_s'] / sft['median_step_time_s']:.2f}x SFT's" if sft.get("median_step_time_s") else ""
+        print(f"\nDPO at {plan['batch_size']} x {plan['dpo']['length']} ({plan['dpo']['rows']} rows of pairs): step "
+              f"{dpo['median_step_time_s']:.4f} s{ratio} ({fmt(sft.get('median_step_time_s'))} s); first-step loss "
+              f"{dpo['first_loss']:.6f} (ln 2 = {LN2:.6f}); first step {dpo['first_step_time_s']:.1f} s")
+
+
+def greedy_agreement_rows(data: dict[str, Any], plan: dict[str, Any], work: str, out: str) -> list[dict[str, Any]]:
+    """Per compared run, the chip's generations against the CPU's (both read where --import and --here left them)."""
+    compare, runs, rows = plan["compare"], data["runs"], []
+    for adapter in compare["adapters"]:
+        key = f"score {compare['task']} {'base' if adapter == 'base' else adapter}"
+        chip, cpu = runs.get(key, {}), runs.get(key + " @cpu", {})
+        if not chip.get("generations") or not cpu.get("generations"):
+            continue
+        chip_file = os.path.join(out, "device-files", chip["generations"])
+        if not os.path.isfile(chip_file):
+            chip_file = os.path.join(out, chip["generations"])  # this folder is the device's own
+        cpu_file = os.path.join(out, cpu["generations"])
+        if not (os.path.isfile(chip_file) and os.path.isfile(cpu_file)):
+            continue
+        counts = compare_generations(cpu_file, chip_file, encoder(compare["task"], work))
+        equal = [c["equal"] for c in counts]
+        rows.append({"run": key, "prompts": len(counts), "all_equal": sum(c["equal"] == c["cpu"] == c["chip"] for c in counts),
+                     "min": min(equal), "median": statistics.median(equal),
+                     "cpu_median": statistics.median(c["cpu"] for c in counts)})
+    return rows
+
+
+def encoder(task: str, work: str) -> Callable[[str], list[int]]:
+    from prepack.text.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_args(task, work)[1] if task == "tools" else "gemma3")
+    return lambda text: list(tokenizer.encode(text))
+
+
+def compare_generations(reference: str, other: str, encode: Callable[[str], list[int]]) -> list[dict[str, Any]]:
+    """Per prompt (by id): the leading tokens both completions share, re-encoded from their texts (the lines hold
+    no ids): {id, equal, cpu, chip}. Prompts of one file the other lacks are an error."""
+    ref, oth = ({line["id"]: line["completion"] for line in read_jsonl(p)} for p in (reference, other))
+    if set(ref) != set(oth):
+        raise CookbookError(f"{other}: not the prompts of {reference} ({len(set(ref) ^ set(oth))} ids differ)")
+    counts = []
+    for prompt_id, text in ref.items():
+        a, b = encode(text), encode(oth[prompt_id])
+        equal = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        counts.append({"id": prompt_id, "equal": equal, "cpu": len(a), "chip": len(b)})
+    return counts
+
+
+# ----------------------------------------------------------------------------- --prepare (here, with Beam)
+
+
+def read_plan(work: str) -> dict[str, Any]:
+    path = os.path.join(work, DEVICE, PLAN)
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except OSError:
+        raise CookbookError(f"no {path}: run `python -m benchmarks.bench_cookbook_device --prepare --work-dir {work}` "
+                            "here first (it needs Beam), then carry the folder") from None
+
+
+def pack(args: list[str], say: Callable[[str], None]) -> None:
+    cmd = [sys.executable, "-m", "apps.cli", "pack", *args, "--overwrite", "--no-progress"]
+    say("$ " + shlex.join(["python", *cmd[1:]]))
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    if done.returncode:
+        raise CookbookError(f"packing failed ({done.returncode}): {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+
+
+def set_facts(folder: str) -> dict[str, int]:
+    """A shard set's rows, examples read and written, and its longest row's tokens (with one example per
+    row: the longest example)."""
+    from loaders.shards import open_shards
+
+    with open_shards(folder) as view:
+        valid = view.read(list(range(len(view))), check=False)["valid_mask"]
+        stats = view.manifest.stats
+    return {"rows": len(valid), "examples": int(stats["examples_written"]), "examples_read": int(stats["examples_read"]),
+            "longest": int(valid.sum(axis=1).max()) if len(valid) else 0}
+
+
+def write_task_records(task: str, folder: str, batch_size: int, repeat: int) -> dict[str, int]:
+    """train.jsonl, heldout.jsonl (scored), eval.jsonl (the held-out records, as many as fill whole batches: the
+    eval pass drops a short last batch) and throughput.jsonl (the held-out prompts `repeat` times)."""
+    from benchmarks import bench_generate_identity, bench_generate_tools
+
+    module = bench_generate_tools if task == "tools" else bench_generate_identity
+    train, heldout = module.records(False), module.records(True)
+    evaluated = heldout[: len(heldout) // batch_size * batch_size]
+    os.makedirs(folder, exist_ok=True)
+    for name, records in (("train", train), ("heldout", heldout), ("eval", evaluated), ("throughput", heldout * repeat)):
+        bench_generate_identity.write_jsonl(os.path.join(folder, f"{name}.jsonl"), records)
+    return {"train_records": len(train), "heldout_prompts": len(heldout), "eval_records": len(evaluated)}
+
+
+def prepare_task(task: str, plan: dict[str, Any], work: str, say: Callable[[str], None]) -> dict[str, Any]:
+    """One task's records and shard sets: packed at the task's L; one example per row at the longest example
+    (train or held-out) rounded up to plan['length_multiple']; the held-out eval records one per row at both."""
+    device, here = os.path.join(work, DEVICE, task), os.path.join(work, HERE, task)
+    spec = plan["tasks"][task]
+    facts = write_task_records(task, device, plan["batch_size"], plan["throughput"]["repeat"])
+    source = ["--format", "chat", *tokenizer_args(task, work)]
+    if task == "tools" and not os.path.isfile(os.path.join(here, "tokenizer", "tokenizer.json")):
+        cmd = [sys.executable, "-m", "apps.cli", "tokenizer-folder", "--output", os.path.join(here, "tokenizer"), "--overwrite"]
+        say("$ " + shlex.join(["python", *cmd[1:]]))
+        subprocess.run(cmd, cwd=REPO, check=True, capture_output=True)
+    length = spec["max_length"]
+    longest = 0
+    for name in ("train", "eval"):  # one example per row at the task's L: the longest example of each
+        probe = os.path.join(here, f"probe-{name}")
+        pack(["--input", os.path.join(device, f"{name}.jsonl"), *source, "--max-length", str(length), "--no-pack",
+              "--output", probe], say)
+        got = set_facts(os.path.join(probe, f"L{length}"))
+        if got["examples"] != got["examples_read"]:
+            raise CookbookError(f"{task}: {got['examples_read'] - got['examples']} {name} examples do not fit L{length}; "
+                                "raise the task's max_length")
+        longest = max(longest, got["longest"])
+    unpacked = min(length, round_up(longest, plan["length_multiple"]))
+    pack(["--input", os.path.join(device, "train.jsonl"), *source, "--max-length", str(length), "--output",
+          os.path.join(device, "packed")], say)
+    pack(["--input", os.path.join(device, "train.jsonl"), *source, "--max-length", str(unpacked), "--no-pack",
+          "--output", os.path.join(device, "unpacked")], say)
+    pack(["--input", os.path.join(device, "eval.jsonl"), *source, "--max-length", *sorted({str(length), str(unpacked)}),
+          "--no-pack", "--output", os.path.join(device, "eval")], say)
+    layouts = {"packed": {"length": length, **set_facts(os.path.join(device, "packed", f"L{length}"))},
+               "unpacked": {"length": unpacked, **set_facts(os.path.join(device, "unpacked", f"L{unpacked}"))}}
+    return {**spec, **facts, "longest_example": longest, "layouts": layouts,
+            "steps": {layout: steps_for(v["rows"], spec["epochs"], plan["batch_size"], plan["max_steps"])
+                      for layout, v in layouts.items()}}
+
+
+def prepare_dpo(plan: dict[str, Any], work: str, say: Callable[[str], None]) -> dict[str, Any]:
+    length = plan["tasks"][plan["dpo"]["task_shape"]]["max_length"]
+    folder = os.path.join(work, DEVICE, "dpo", "packed")
+    pack(["--input", DPO_SAMPLE, "--format", "preference", "--max-length", str(length), "--output", folder], say)
+    facts = set_facts(os.path.join(folder, f"L{length}"))
+    return {**plan["dpo"], "length": length, "rows": facts["rows"], "pairs": facts["examples"],
+            "steps": steps_for(facts["rows"], plan["dpo"]["epochs"], plan["batch_size"], plan["max_steps"])}
+
+
+def copy_tokenizer_model(work: str) -> None:
+    """The Gemma3 SentencePiece model built from the GGUF (cached here), for the device's `--tokenizer gemma3`."""
+    from prepack.text import gemma3_gguf
+    from prepack.text.tokenizer import load_tokenizer
+
+    load_tokenizer("gemma3")  # builds the cached model if it is not there yet
+    model = gemma3_gguf.cached_model_path()
+    cache = os.path.join(work, DEVICE, "cache")
+    os.makedirs(cache, exist_ok=True)
+    for path in (str(model), str(model) + ".identity.json"):
+        if os.path.isfile(path):
+            shutil.copy(path, cache)
+
+
+def prepare(args: argparse.Namespace) -> int:
+    say = lambda text: print(text, flush=True)  # noqa: E731
+    plan = recipe(args.smoke)
+    started = time.perf_counter()
+    for task in TASKS:
+        plan["tasks"][task] = prepare_task(task, plan, args.work_dir, say)
+    plan["dpo"] = prepare_dpo(plan, args.work_dir, say)
+    copy_tokenizer_model(args.work_dir)
+    path = os.path.join(args.work_dir, DEVICE, PLAN)
+    with open(path, "w") as f:
+        json.dump(plan, f, indent=1)
+    device = os.path.join(args.work_dir, DEVICE)
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(device) for f in fs)
+    say(f"wrote {path} in {time.perf_counter() - started:.0f} s; carry {device} ({size / 2**20:.1f} MiB)")
+    print_plan(plan)
+    return 0
+
+
+def print_plan(plan: dict[str, Any], done: set[str] = frozenset()) -> None:
+    runs = planned_runs(plan)
+    costs = estimates(runs, plan, done)
+    for task in TASKS:
+        t = plan["tasks"][task]
+        print(f"{task}: {t['train_records']} records, longest {t['longest_example']} tokens; packed {t['layouts']['packed']['rows']} "
+              f"rows x {t['layouts']['packed']['length']}, one per row {t['layouts']['unpacked']['rows']} x "
+              f"{t['layouts']['unpacked']['length']}; {t['epochs']:g} epochs = {t['steps']['packed']} and {t['steps']['unpacked']} "
+              f"steps of {plan['batch_size']}")
+    for where in (DEVICE, HERE):
+        print(f"\n{'on the device' if where == DEVICE else 'here (CPU)'}:")
+        total = 0.0
+        for i, run in enumerate([r for r in runs if r.where == where], 1):
+            total += costs[run.key]
+            steps = f", {train_steps(plan, run)} steps at {plan['batch_size']} x {length_of(plan, run)}" if run.kind in ("train", "dpo") else ""
+            state = "done" if run.key in done else f"~{costs[run.key]:.0f} s"
+            print(f"{i:2d}. {run.key}{steps}: {state} (total ~{total:.0f} s)")
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--work-dir", default=".cookbook", help="WORK/device (carried to the device) and WORK/here (this machine's)")
+    step = p.add_mutually_exclusive_group()
+    step.add_argument("--prepare", action="store_true", help="here: records, shard sets (Beam), plan.json")
+    step.add_argument("--plan", action="store_true", help="the runs in order with estimated seconds")
+    step.add_argument("--here", action="store_true", help="this machine's runs (CPU scoring, the CPU's generations)")
+    step.add_argument("--table", action="store_true", help="the tables of WORK/here/out's results")
+    p.add_argument("--smoke", action="store_true", help="--prepare: the tiny random model, three steps a run, one seed")
+    p.add_argument("--out", default=None, help="results folder (default: /tmp/cookbook on the device, WORK/here/out here)")
+    p.add_argument("--weights", default=None, help="each run's --weights (on the device: the joined GGUF's path)")
+    p.add_argument("--compile-cache", default=None, help="each device run's --compile-cache (default: /tmp/xla, off with --smoke's plan)")
+    p.add_argument("--runs", default=None, help="only these kinds or tasks, comma-separated (train, dpo, score, generate, tools, identity)")
+    p.add_argument("--budget-s", type=float, default=540.0, help="wall time for this call; runs that would not fit wait for the next")
+    p.add_argument("--margin", type=float, default=1.0, help="start a run only with its estimate times this left")
+    p.add_argument("--export", default=None, metavar="DIR", help="after the runs, the files the CPU needs into DIR ($OUT)")
+    p.add_argument("--import", dest="import_from", default=None, metavar="DIR", help="a device call's files: merged here first")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.prepare:
+            return prepare(args)
+        if args.import_from:
+            import_files(args.import_from, args.work_dir)
+        if args.plan:
+            plan = read_plan(args.work_dir)
+            out = args.out or os.path.join(args.work_dir, HERE, "out")
+            print_plan(plan, {k for k, r in load_results(os.path.join(out, RESULTS))["runs"].items() if final(r)})
+            return 0
+        if args.table:
+            out = args.out or os.path.join(args.work_dir, HERE, "out")
+            print_tables(load_results(os.path.join(out, RESULTS)), read_plan(args.work_dir), args.work_dir, out)
+            return 0
+        if args.here:
+            return run_all(args, HERE)
+        if args.import_from:
+            return 0
+        plan = read_plan(args.work_dir)
+        if args.compile_cache is None and plan["model"] == "gemma3-270m":
+            args.compile_cache = "/tmp/xla"
+        args.out = args.out or ("/tmp/cookbook" if plan["model"] == "gemma3-270m" else os.path.join(args.work_dir, "device-out"))
+        return run_all(args, DEVICE)
+    except CookbookError as e:
+        print(f"bench_cookbook_device: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
