@@ -404,7 +404,8 @@ def estimate_s(run: Run, plan: dict[str, Any], compiled: set[str]) -> float:
 
 
 def estimates(runs: Sequence[Run], plan: dict[str, Any], done: set[str] = frozenset()) -> dict[str, float]:
-    """Each run's estimate in order, the compile cache filling as runs go; done runs cost nothing."""
+    """Each run's estimate in order, the compile cache filling as runs go; done runs cost nothing, and their shapes
+    count as compiled (the cache of a machine kept warm; a fresh machine compiles them again)."""
     compiled: set[str] = set()
     out = {}
     for run in runs:

@@ -1,0 +1,214 @@
+"""benchmarks/bench_cookbook_device.py: equal epochs, one schedule, the order and estimate of the runs, and a
+device call (child processes only) that resumes, exports what the CPU needs and is imported here.
+
+The device call runs two tiny `prepack train` runs (tiny Gemma3, a 256-id vocabulary, rows built
+without Beam); the figures of the real model are the chip's to produce, not a test's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import bench_cookbook_device as cook
+from prepack.format import rowformat
+from testkit import train_batches as testing
+from testkit.shard_sets import TEST_TOKENIZER, build_shard_set
+
+VOCAB, LENGTH = 256, 64
+LENGTHS = (20, 15, 21, 30, 25, 9, 17, 30)
+PACKED = ((0, 1, 2), (3, 4), (5, 6), (7,))  # as many rows as a batch: the trainer refuses fewer
+
+PARENT = """
+import runpy, sys
+sys.argv = ["bench_cookbook_device", *sys.argv[1:]]
+try:
+    runpy.run_module("benchmarks.bench_cookbook_device", run_name="__main__")
+except SystemExit as e:
+    assert not e.code, e.code
+assert "jax" not in sys.modules, "the parent imported jax"
+print("PARENT_WITHOUT_JAX", flush=True)
+"""
+
+
+def real_plan() -> dict:
+    """The recipe with the sets --prepare made of the two tasks (their rows and lengths as packed)."""
+    plan = cook.recipe(smoke=False)
+    shapes = {"tools": ({"length": 384, "rows": 80}, {"length": 256, "rows": 160}, 30),
+              "identity": ({"length": 128, "rows": 143}, {"length": 128, "rows": 450}, 36)}
+    for task, (packed, unpacked, heldout) in shapes.items():
+        plan["tasks"][task].update({"layouts": {"packed": packed, "unpacked": unpacked}, "heldout_prompts": heldout})
+    plan["dpo"].update({"length": 384, "rows": 47})
+    return plan
+
+
+def option(cmd: list[str], flag: str) -> str:
+    return cmd[cmd.index(flag) + 1]
+
+
+def test_both_layouts_train_the_same_epochs_on_one_schedule_scaled_to_their_steps() -> None:
+    plan = real_plan()
+    runs = {r.key: r for r in cook.planned_runs(plan)}
+    command = lambda key: cook.train_command(plan, runs[key], "W", "O", "/tmp/weights/g.gguf", "/tmp/xla")  # noqa: E731
+    packed, unpacked = command("train tools packed seed=0"), command("train tools unpacked seed=1")
+    assert (option(packed, "--steps"), option(unpacked, "--steps")) == ("60", "120")  # 3 epochs of 80 and 160 rows, 4 a step
+    assert option(command("train identity unpacked seed=0"), "--steps") == str(math.ceil(450 / 4))
+    for flag, value in (("--learning-rate", "0.001"), ("--lr-schedule", "cosine"), ("--warmup-ratio", "0.05"),
+                        ("--batch-size", "4"), ("--lora-rank", "8"), ("--remat", "none"), ("--weights", "/tmp/weights/g.gguf"),
+                        ("--compile-cache", "/tmp/xla"), ("--dtype", "bfloat16")):
+        assert option(packed, flag) == option(unpacked, flag) == value, flag
+    assert (option(packed, "--seed"), option(unpacked, "--seed")) == ("0", "1")
+    assert option(packed, "--shards") == os.path.join("W", "device", "tools", "packed", "L384")
+    assert option(unpacked, "--shards") == os.path.join("W", "device", "tools", "unpacked", "L256")
+    assert option(unpacked, "--eval-shards") == os.path.join("W", "device", "tools", "eval", "L256")  # the same records at each L
+    assert option(unpacked, "--save-lora") == os.path.join("O", "adapters", "tools-unpacked-seed1")
+    dpo = command("dpo packed seed=0")
+    assert option(dpo, "--objective") == "dpo" and option(dpo, "--shards") == os.path.join("W", "device", "dpo", "packed", "L384")
+    assert option(dpo, "--steps") == str(math.ceil(2 * 47 / 4)) and "--save-lora" not in dpo and "--eval-shards" not in dpo
+
+
+def test_the_runs_come_tool_calls_first_and_the_cpu_scores_what_needs_transformers() -> None:
+    runs = cook.planned_runs(real_plan())
+    device = [r.key for r in runs if r.where == cook.DEVICE]
+    assert device[:4] == ["train tools packed seed=0", "train tools unpacked seed=0", "train tools packed seed=1",
+                          "train tools unpacked seed=1"]
+    assert device[8:] == ["score identity base", "score identity packed seed=0", "score identity unpacked seed=0",
+                          "score identity packed seed=1", "score identity unpacked seed=1", "dpo packed seed=0",
+                          "generate identity packed seed=0 batch=1", "generate identity packed seed=0 batch=8",
+                          "generate identity packed seed=0 batch=32"]
+    here = [r.key for r in runs if r.where == cook.HERE]
+    assert here == ["score tools base", "score tools packed seed=0", "score tools unpacked seed=0", "score tools packed seed=1",
+                    "score tools unpacked seed=1", "score identity base @cpu", "score identity packed seed=0 @cpu"]
+    assert len({r.name for r in runs}) == len(runs)  # one file name each
+    plan = real_plan()
+    by_key = {r.key: r for r in runs}
+    tools = cook.generate_command(plan, by_key["score tools packed seed=0"], "W", "O", "A", None, None)
+    assert option(tools, "--tokenizer") == "hf:" + os.path.join("W", "here", "tools", "tokenizer") and option(tools, "--lora") == "A"
+    speed = cook.generate_command(plan, by_key["generate identity packed seed=0 batch=1"], "W", "O", "A", "g.gguf", "/tmp/xla")
+    assert option(speed, "--input") == os.path.join("W", "device", "identity", "throughput.jsonl")
+    assert (option(speed, "--batch-size"), option(speed, "--max-prompts"), option(speed, "--weights")) == ("1", "48", "g.gguf")
+    assert "--tokenizer" not in speed and "--score" in speed  # the score summary holds the tokens/s
+
+
+def test_the_estimate_counts_one_cold_compile_per_shape_and_nothing_for_done_runs() -> None:
+    plan = real_plan()
+    runs = [r for r in cook.planned_runs(plan) if r.where == cook.DEVICE]
+    costs = cook.estimates(runs, plan)
+    cold, cached = costs["train tools packed seed=0"], costs["train tools packed seed=1"]
+    assert cold - cached == pytest.approx(cook.TRAIN_COMPILE_S[False] - cook.TRAIN_COMPILE_S[True]
+                                          + cook.EVAL_COMPILE_S[False] - cook.EVAL_COMPILE_S[True])
+    # identity's two layouts share one shape (128: the longest example rounded up is the packed L)
+    assert costs["train identity unpacked seed=0"] < costs["train identity packed seed=0"]
+    assert 900 < sum(costs.values()) < 1500
+    done = cook.estimates(runs, plan, {"train tools packed seed=0"})
+    assert done["train tools packed seed=0"] == 0 and done["train tools packed seed=1"] == cached  # a warm machine's cache
+
+
+def test_train_figures_put_the_first_step_apart(tmp_path) -> None:
+    steps = [{"step": i + 1, "loss": loss, "step_time_s": t} for i, (loss, t) in
+             enumerate([(3.0, 20.0), (2.0, 0.1), (1.5, 0.1), (1.0, 0.3), (0.5, 0.1)])]
+    summary = {"steps": 5, "first_step_time_s": 20.0, "median_step_time_s": 0.1, "final_loss": 0.5, "eval_loss": 0.7,
+               "evals": [{"step": 0, "loss": 3.1}, {"step": 5, "loss": 0.7}], "mfu": 0.4}
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [*steps, {"eval": summary["evals"][1]}, {"summary": summary}]))
+    figures = cook.train_figures(str(path), rows_per_epoch=6, batch_size=4)  # an epoch is the last 2 steps
+    assert figures["train_s"] == pytest.approx(20.6) and figures["steps_s"] == pytest.approx(0.6)
+    assert figures["compile_s"] == pytest.approx(19.9) and figures["train_without_compile_s"] == pytest.approx(0.7)
+    assert figures["last_epoch_loss"] == pytest.approx(0.75) and figures["eval_loss"] == 0.7 and figures["mfu"] == 0.4
+    assert figures["evals"] == [{"step": 0, "loss": 3.1}, {"step": 5, "loss": 0.7}]
+    assert cook.train_figures(str(tmp_path / "none.jsonl"), 6, 4) is None
+
+
+def test_greedy_agreement_counts_the_leading_equal_tokens(tmp_path) -> None:
+    def write(name: str, completions: dict[str, str]) -> str:
+        path = tmp_path / name
+        path.write_text("".join(json.dumps({"id": k, "completion": v}) + "\n" for k, v in completions.items()))
+        return str(path)
+
+    words: dict[str, int] = {}
+    encode = lambda text: [words.setdefault(w, len(words)) for w in text.split()]  # noqa: E731
+    cpu = write("cpu.jsonl", {"a": "I am Parcel , a small assistant", "b": "The team made me", "c": "x y"})
+    chip = write("chip.jsonl", {"a": "I am Parcel , a tiny assistant", "b": "The team made me", "c": "z"})
+    counts = {c["id"]: c for c in cook.compare_generations(cpu, chip, encode)}
+    assert counts["a"] == {"id": "a", "equal": 5, "cpu": 7, "chip": 7}
+    assert counts["b"]["equal"] == counts["b"]["cpu"] == 4 and counts["c"]["equal"] == 0
+    other = write("other.jsonl", {"a": "I", "d": "?"})
+    with pytest.raises(cook.CookbookError, match=r"other\.jsonl: not the prompts of .*cpu\.jsonl \(3 ids differ\)"):
+        cook.compare_generations(cpu, other, encode)
+
+
+def test_merging_takes_finished_runs_and_keeps_ones_already_there() -> None:
+    into = {"machine": {"jax": "0.10.2"}, "runs": {"a": {"failed": "exit 1: x"}, "b": {"v": 1}}, "commands": ["c1"]}
+    other = {"machine": {"device": "TPU v5 lite"}, "runs": {"a": {"v": 2}, "b": {"v": 3}, "c": {"failed": "exit 1"}},
+             "commands": ["c1", "c2"]}
+    assert cook.merge_results(into, other) == ["a"]
+    assert into["runs"] == {"a": {"v": 2}, "b": {"v": 1}} and into["commands"] == ["c1", "c2"]
+    assert into["machine"] == {"jax": "0.10.2", "device": "TPU v5 lite"}
+
+
+def build_work_dir(work) -> dict:
+    """WORK/device as --prepare lays it out for the tool-call task (rows built here, without Beam) and its plan."""
+    examples = testing.make_examples(LENGTHS, VOCAB, seed=2)
+    tokenizer = {**TEST_TOKENIZER, "vocab_size": VOCAB}
+    sets = {"packed": PACKED, "unpacked": tuple((i,) for i in range(len(LENGTHS))), "eval": ((0,), (1,), (2,), (3,))}
+    for layout, plan in sets.items():
+        rows = [rowformat.build_row([examples[i] for i in row], LENGTH) for row in plan]
+        build_shard_set(work / "device" / "tools" / layout / f"L{LENGTH}", rows=rows, rows_per_shard=[len(rows)],
+                        max_length=LENGTH, tokenizer=tokenizer)
+    plan = cook.recipe(smoke=True)
+    plan["tasks"]["tools"].update({"layouts": {"packed": {"length": LENGTH, "rows": 4}, "unpacked": {"length": LENGTH, "rows": 8}},
+                                   "heldout_prompts": 4})
+    plan["tasks"]["identity"].update({"layouts": {"packed": {"length": LENGTH, "rows": 4}, "unpacked": {"length": LENGTH, "rows": 8}},
+                                      "heldout_prompts": 4})
+    plan["dpo"].update({"length": LENGTH, "rows": 3})
+    (work / "device" / cook.PLAN).write_text(json.dumps(plan))
+    return plan
+
+
+def test_a_device_call_runs_children_only_resumes_and_exports_what_the_cpu_needs(tmp_path) -> None:
+    plan = build_work_dir(tmp_path / "work")
+    call = ["--work-dir", str(tmp_path / "work"), "--runs", "tools", "--out", str(tmp_path / "out"), "--budget-s", "600"]
+    done = subprocess.run([sys.executable, "-c", PARENT, *call, "--export", str(tmp_path / "export")],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
+    assert "PARENT_WITHOUT_JAX" in done.stdout
+    results = json.loads((tmp_path / "out" / cook.RESULTS).read_text())
+    assert set(results["runs"]) == {"train tools packed seed=0", "train tools unpacked seed=0"}
+    for key, run in results["runs"].items():
+        assert "failed" not in run, run
+        assert run["steps"] == run["steps_planned"] == 3 and run["first_step_time_s"] > 0 and run["steps_s"] > 0
+        assert run["train_s"] == pytest.approx(run["first_step_time_s"] + run["steps_s"])
+        assert run["eval_loss"] > 0 and run["final_loss"] > 0 and run["where"] == "device"
+        assert run["command"].startswith("python3 -m apps.cli train --model tiny-gemma3")
+    assert {"jax", "device", "backend"} <= set(results["machine"])
+    assert sorted(os.listdir(tmp_path / "export")) == sorted([cook.FILES_TAR, "adapter-tools-packed-seed0.tar",
+                                                              "adapter-tools-unpacked-seed0.tar", cook.RESULTS])
+    # Again: both are recorded, nothing runs. And on a fresh machine, from the carried resume.json.
+    again = subprocess.run([sys.executable, "-m", "benchmarks.bench_cookbook_device", *call], capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and again.stdout.count("already in") == 2 and "$ python3" not in again.stdout
+    shutil.copy(tmp_path / "out" / cook.RESULTS, tmp_path / "work" / "device" / cook.RESUME)
+    fresh = call[:call.index("--out") + 1] + [str(tmp_path / "fresh")] + call[call.index("--out") + 2:]
+    again = subprocess.run([sys.executable, "-m", "benchmarks.bench_cookbook_device", *fresh], capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and "2 finished runs taken" in again.stdout and again.stdout.count("already in") == 2
+    # Here: the call's files merged, the adapters where the CPU's scoring finds them.
+    assert cook.main(["--work-dir", str(tmp_path / "work"), "--import", str(tmp_path / "export")]) == 0
+    here = json.loads((tmp_path / "work" / "here" / "out" / cook.RESULTS).read_text())
+    assert here["runs"] == results["runs"]
+    ctx = cook.Context(plan, str(tmp_path / "work"), str(tmp_path / "work" / "here" / "out"), None, None, cook.HERE)
+    score = cook.Run("score", "tools", "unpacked", 0, where=cook.HERE)
+    assert ctx.adapter_dir(score) == str(tmp_path / "work" / "here" / "adapters" / "tools-unpacked-seed0")
+    assert "adapter_config.json" in os.listdir(ctx.adapter_dir(score))
+
+
+def test_a_work_folder_without_a_plan_is_one_line(tmp_path) -> None:
+    done = subprocess.run([sys.executable, "-m", "benchmarks.bench_cookbook_device", "--work-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and done.stderr.count("\n") == 1
+    assert done.stderr.startswith(f"bench_cookbook_device: no {tmp_path}/device/plan.json: run `python -m "
+                                  "benchmarks.bench_cookbook_device --prepare")
