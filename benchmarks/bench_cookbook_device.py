@@ -22,44 +22,51 @@ scored here on the CPU (the quality is the adapter's; the CPU benchmark scored t
 identity task (the embedded Gemma3 tokenizer) is scored on the chip. Each run is its own process
 (the only one holding the chip while it runs); this process imports no JAX.
 
-Commands, in order (E: estimated seconds; --plan prints each run's estimate):
+Commands, in order. Seconds are estimates (`--plan` prints each run's, from the constants below:
+measured where they say so), to be replaced by what the chip reports.
 
-  Here (CPU, no chip; ~10 min: Beam packing, the tokenizer folder, the base models' CPU scoring):
+  Here (CPU, no chip; ~5 min, then ~10 min of CPU scoring that may run while the device works):
 
-    python -m benchmarks.device_weights split --output .weights                  # 6 parts, 45 MiB at most
-    python -m benchmarks.bench_cookbook_device --prepare                          # .cookbook/device (~7 MB) and .cookbook/here
-    python -m benchmarks.bench_cookbook_device --here                             # CPU: base models scored (tools; identity @cpu)
-    python -m benchmarks.bench_cookbook_device --plan                             # the runs and their estimates
+    python -m benchmarks.device_weights split --output .weights        # 6 parts (5 x 45 MiB, 16.4 MiB), manifest.json
+    python -m benchmarks.bench_cookbook_device --prepare                # .cookbook/device (7.4 MiB, carried), .cookbook/here
+    python -m benchmarks.bench_cookbook_device --plan                   # the runs, their estimates, the calls they take
+    python -m benchmarks.bench_cookbook_device --here                   # the base models scored on the CPU (tools; identity @cpu)
 
-  On the device (jax 0.10.2, no registry; ENV below), calls back to back (the machine's /tmp, which
-  holds the wheels, the weight parts and the compile cache, lasts ~100 s idle):
+  On the device: eight calls back to back (the machine's /tmp holds the installed wheels, the weight
+  parts, the results and the compile cache while it stays warm, ~100 s idle); timeout_s 600 each.
+  Every command starts with the text ENV stands for (the wheels installed once per machine, then
+  found in /tmp):
 
-    ENV='[ -d .whl-tpu ] && eval "$(bash .whl-tpu/install.sh .whl-tpu)" || export PYTHONPATH=${PYTHONPATH:-}:/tmp/tpu-site:/tmp/tpu-site2 PYTHONUNBUFFERED=1; unset JAX_COMPILATION_CACHE_DIR'
+    ENV = export XDG_CACHE_HOME=/tmp/xdg; if [ -d .whl-tpu ]; then eval "$(bash .whl-tpu/install.sh .whl-tpu)";
+          else export PYTHONPATH=${PYTHONPATH:-}:/tmp/tpu-site:/tmp/tpu-site2 PYTHONUNBUFFERED=1; fi; unset JAX_COMPILATION_CACHE_DIR
+    PART = .weights/gemma-3-270m-q4_k_m.gguf.part0N                    (N per call, below)
 
-    call 1   carry .whl-tpu .weights/manifest.json .weights/*.part05 (16 MiB)      ~60 s (installing ~40 s)
-             $ENV; python3 -m benchmarks.device_weights collect .weights
-    calls 2-6  carry .weights/manifest.json and one of part00 .. part04 each      ~15 s each
-             $ENV; python3 -m benchmarks.device_weights collect .weights
-    calls 7+ carry .cookbook/device (and .whl-tpu again if the machine went cold: then the parts too)
-             $ENV; W=$(python3 -m benchmarks.device_weights join) && python3 -m benchmarks.bench_cookbook_device \
-                 --weights "$W" --budget-s 540 --export $OUT
-             each call runs what fits in --budget-s and skips what is done (OUT=/tmp/cookbook merges
-             the results); ~1,300 s of runs in all (--plan), so about three calls of 540 s.
+    call 1     carry .whl-tpu .weights/manifest.json $PART(N=5)        ~40 MiB   ~60 s (the install ~40 s)
+               ENV; python3 -m benchmarks.device_weights collect .weights
+    calls 2-5  carry .weights/manifest.json $PART(N=0..3)              ~49 MiB   ~15 s each
+               ENV; python3 -m benchmarks.device_weights collect .weights
+    call 6     carry .weights/manifest.json $PART(N=4) .cookbook/device  ~57 MiB  ~420 s
+    calls 7, 8 carry .cookbook/device                                   ~12 MiB   ~510 s, ~440 s
+               ENV; W=$(python3 -m benchmarks.device_weights join .weights) \
+                   && python3 -m benchmarks.bench_cookbook_device --weights "$W" --export $OUT
 
-    Each call's $OUT (cookbook.json, cookbook-files.tar.gz, the adapters the CPU needs) comes back.
-    A fresh machine has lost /tmp: put the last cookbook.json at .cookbook/device/resume.json (the
-    runs it holds are skipped) and the identity adapters it still needs, unpacked, under
-    .cookbook/device/adapters/, and send the wheels and the parts again.
+  Each compute call runs, in order, the runs that fit its --budget-s (540 s) and stops before the
+  first that would not; what is done is skipped next time (results merged in /tmp/cookbook). By
+  --plan: call 6 the four tool-call runs (~413 s), call 7 identity's four and most of its scoring
+  (~499 s), call 8 the rest, DPO and generation at batch 1, 8, 32 (~430 s). Chip seconds for the
+  session: ~100 (the machine's start) + ~60 + 4 x 15 (transfers) + ~1,350 (runs) + ~8 x 10 (each
+  call's own overhead) ~ 1,650 of the 1,800 a session may use. A call's $OUT brings back
+  cookbook.json, cookbook-files.tar.gz and the adapters (two to a tar).
 
-  Here again, with each call's files (the folder the device tool copies them to):
+  If the machine went cold (its /tmp lost): here, `--import FOLDER --resume-kit` writes
+  .cookbook/device/resume.json (the runs it holds are skipped) and .cookbook/device/adapters (those
+  the unfinished runs read); then calls 1-5 again and the compute calls.
 
-    python -m benchmarks.bench_cookbook_device --import FOLDER --here             # tool-call scoring on the CPU, tables
-    python -m benchmarks.bench_cookbook_device --table                            # the tables again
+  Here, after each call, with the folder its files were copied to:
 
-Estimated chip seconds for a session on a fresh machine: ~100 start, ~60 + 5 x 15 transfer, then
-the runs of --plan (~1,300), ~1,550 in all of the 1,800 a session may use; the tool-call runs come
-first (then identity, its scoring, DPO, and generation at batch 1, 8, 32), so a session that runs
-out keeps the runs that matter most.
+    python -m benchmarks.bench_cookbook_device --import FOLDER --here   # tool-call scoring on the CPU, greedy agreement, tables
+    python -m benchmarks.bench_cookbook_device --table                  # the tables again
+    python -m benchmarks.bench_cookbook_device --compare CPU.jsonl CHIP.jsonl   # any two generation files, prompt by prompt
 
 On this CPU end to end (tiny model, random weights, a few steps; the plumbing, not the figures):
 
@@ -510,20 +517,22 @@ def run_all(args: argparse.Namespace, where: str) -> int:
         data["machine"] = {**data["machine"], **versions()}
     ctx = Context(plan, args.work_dir, out, args.weights, args.compile_cache, where)
     runs = [r for r in chosen_runs(plan, args.runs) if r.where == where]
-    deadline = time.perf_counter() + args.budget_s
-    costs = estimates(runs, plan, {k for k, r in data["runs"].items() if final(r)})
+    budget = args.budget_s if args.budget_s is not None else (540.0 if where == DEVICE else math.inf)
+    deadline = time.perf_counter() + budget
+    compiled = compiled_shapes(runs, plan, data, args.compile_cache)
     for run in runs:
         if run.key in data["runs"] and final(data["runs"][run.key]):
             print(f"{run.key}: already in {path}, skipped", flush=True)
             continue
-        left = deadline - time.perf_counter()
-        if left < costs[run.key] * args.margin:
-            print(f"{run.key}: not started, {left:.0f} s left of --budget-s and it should take ~{costs[run.key]:.0f} s "
-                  "(run the command again to go on)", flush=True)
-            continue
+        left, cost = deadline - time.perf_counter(), estimate_s(run, plan, compiled)
+        if left < cost * args.margin:  # in priority order: what is not started now waits for the next call
+            print(f"{run.key}: not started, {left:.0f} s left of --budget-s and it should take ~{cost:.0f} s; it and "
+                  "the runs after it wait for the next call (run the command again)", flush=True)
+            break
         result = one_run(run, ctx, left)
         if result is None:
             continue
+        compiled.add(compile_key(run, plan))
         print(f"{run.key}: {json.dumps({k: v for k, v in result.items() if k not in ('command', 'evals', 'generation')})}",
               flush=True)
         if where == DEVICE and result.get("device_kind"):
@@ -532,12 +541,20 @@ def run_all(args: argparse.Namespace, where: str) -> int:
         save_results(path, data)  # after each run: a call that ends later keeps it
     save_results(path, data)
     if args.export:
-        export(out, args.export, plan)
+        export(out, args.export)
     if data["machine"]:
         print(f"\nmachine: {line(data['machine'])}")
     print_tables(data, plan, args.work_dir, out)
     print(f"-> {path}", flush=True)
     return 0
+
+
+def compiled_shapes(runs: Sequence[Run], plan: dict[str, Any], data: dict[str, Any], compile_cache: str | None) -> set[str]:
+    """The shapes the estimate takes as compiled: those of the runs already done, where the compile cache holds
+    anything (a machine kept warm); none on a fresh machine, whose /tmp went with the cache."""
+    if not (compile_cache and os.path.isdir(compile_cache) and os.listdir(compile_cache)):
+        return set()
+    return {compile_key(r, plan) for r in runs if r.key in data["runs"] and final(data["runs"][r.key])}
 
 
 def chosen_runs(plan: dict[str, Any], kinds: str | None) -> list[Run]:
@@ -555,16 +572,30 @@ def chosen_runs(plan: dict[str, Any], kinds: str | None) -> list[Run]:
 # ----------------------------------------------------------------------------- export and import
 
 
-def exported_adapters(plan: dict[str, Any]) -> list[str]:
-    """The adapters the CPU needs: every tool-call one (scored here) and those the greedy tokens are compared with."""
-    names = [adapter_name("tools", f"{layout} seed={seed}") for seed in plan["seeds"] for layout in LAYOUTS]
-    names += [adapter_name(plan["compare"]["task"], a) for a in plan["compare"]["adapters"] if a != "base"]
-    return names
+MAX_RETURNED_FILES = 8  # what one device call brings back: 8 files,
+MAX_RETURNED_BYTES = 15 * 2**20  # each under 16 MiB
 
 
-def export(out: str, dest: str, plan: dict[str, Any]) -> list[str]:
-    """DEST (a device call's $OUT): the results, one tar of the small files (metrics, generations, logs), one
-    tar per adapter the CPU needs: at most 8 files, each under the 16 MiB a file may bring back."""
+def adapter_bundles(adapters: str) -> list[list[str]]:
+    """The adapters made so far, in tars of at most MAX_RETURNED_BYTES (a rank-8 270M adapter is ~7 MB: two a tar)."""
+    bundles: list[list[str]] = []
+    size = 0
+    names = sorted(os.listdir(adapters)) if os.path.isdir(adapters) else []
+    for name in names:
+        folder = os.path.join(adapters, name)
+        got = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(folder) for f in fs)
+        if not bundles or size + got > MAX_RETURNED_BYTES:
+            bundles.append([])
+            size = 0
+        bundles[-1].append(name)
+        size += got
+    return bundles
+
+
+def export(out: str, dest: str) -> list[str]:
+    """DEST (a device call's $OUT): the results, one tar of the small files (metrics, generations, logs) and the
+    adapters in tars under the 16 MiB a file may bring back: the CPU scores the tool-call ones, and a fresh
+    machine is given back those its runs still need (--resume-kit)."""
     os.makedirs(dest, exist_ok=True)
     written = [os.path.join(dest, RESULTS)]
     shutil.copyfile(os.path.join(out, RESULTS), written[0])
@@ -573,12 +604,15 @@ def export(out: str, dest: str, plan: dict[str, Any]) -> list[str]:
             if os.path.isdir(os.path.join(out, folder)):
                 tar.add(os.path.join(out, folder), arcname=folder)
     written.append(os.path.join(dest, FILES_TAR))
-    for name in exported_adapters(plan):
-        folder = os.path.join(out, "adapters", name)
-        if os.path.isdir(folder):
-            written.append(os.path.join(dest, f"adapter-{name}.tar"))
-            with tarfile.open(written[-1], "w") as tar:
-                tar.add(folder, arcname=name)
+    bundles = adapter_bundles(os.path.join(out, "adapters"))
+    if len(bundles) > MAX_RETURNED_FILES - len(written):
+        raise CookbookError(f"{len(bundles)} adapter tars and {len(written)} files are more than the "
+                            f"{MAX_RETURNED_FILES} files a call brings back")
+    for k, names in enumerate(bundles):
+        written.append(os.path.join(dest, f"adapters-{k}.tar"))
+        with tarfile.open(written[-1], "w") as tar:
+            for name in names:
+                tar.add(os.path.join(out, "adapters", name), arcname=name)
     print(f"exported {len(written)} files to {dest}", flush=True)
     return written
 
@@ -593,21 +627,47 @@ def import_files(folder: str, work: str) -> None:
     taken = merge_results(data, load_results(os.path.join(folder, RESULTS)))
     save_results(path, data)
     for name in sorted(os.listdir(folder)):
-        if name == FILES_TAR or (name.startswith("adapter-") and name.endswith(".tar")):
+        if name == FILES_TAR or (name.startswith("adapters-") and name.endswith(".tar")):
             target = os.path.join(here, "device-files") if name == FILES_TAR else os.path.join(work, HERE, "adapters")
             with tarfile.open(os.path.join(folder, name)) as tar:
                 tar.extractall(target, filter="data")
     print(f"--import {folder}: {len(taken)} runs taken into {path}", flush=True)
 
 
+def resume_kit(work: str) -> dict[str, Any]:
+    """For a fresh device machine: WORK/device/resume.json (the results so far: their runs are skipped) and
+    WORK/device/adapters (the adapters the device's unfinished runs read). A run whose adapter did not come
+    back is left out of resume.json, so that it trains again."""
+    plan, here = read_plan(work), os.path.join(work, HERE)
+    data = load_results(os.path.join(here, "out", RESULTS))
+    done = lambda key: key in data["runs"] and final(data["runs"][key])  # noqa: E731
+    waiting = [r for r in planned_runs(plan) if r.where == DEVICE and r.adapter and not done(r.key)]
+    carried = os.path.join(work, DEVICE, "adapters")
+    shutil.rmtree(carried, ignore_errors=True)
+    retrain = []
+    for run in {r.train_key: r for r in waiting}.values():
+        name = adapter_name(run.task, run.adapter)
+        if os.path.isdir(os.path.join(here, "adapters", name)):
+            shutil.copytree(os.path.join(here, "adapters", name), os.path.join(carried, name))
+        elif data["runs"].pop(run.train_key, None) is not None:
+            retrain.append(run.train_key)
+    save_results(os.path.join(work, DEVICE, RESUME), data)
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(carried) for f in fs)
+    print(f"{os.path.join(work, DEVICE, RESUME)}: {sum(map(done, data['runs']))} finished runs; {carried}: "
+          f"{len(os.listdir(carried)) if os.path.isdir(carried) else 0} adapters ({size / 2**20:.1f} MiB)"
+          + (f"; trains again (its adapter did not come back): {', '.join(retrain)}" if retrain else ""), flush=True)
+    return data
+
+
 # ----------------------------------------------------------------------------- tables
 
 
-def mean_spread(values: Sequence[float | None]) -> str:
+def mean_spread(values: Sequence[float | None], shown: Callable[[Any], str]) -> str:
     got = [v for v in values if v is not None]
     if not got:
         return "-"
-    return fmt(statistics.mean(got)) if len(got) == 1 else f"{fmt(statistics.mean(got))} ± {fmt((max(got) - min(got)) / 2)}"
+    mean = shown(statistics.mean(got))
+    return mean if len(got) == 1 else f"{mean} ± {shown((max(got) - min(got)) / 2)}"
 
 
 def fmt(value: Any) -> str:
@@ -653,10 +713,32 @@ def print_tables(data: dict[str, Any], plan: dict[str, Any], work: str, out: str
             print(f"| {layout} | {seed} | {shape['rows']} x {shape['length']} | {r['steps']} | {r['train_s']:.1f} s "
                   f"({r['first_step_time_s']:.1f} s) | {r['steps_s']:.2f} s | {fmt(r['target_tokens_per_s'])} | {mfu} "
                   f"| {fmt(r['final_loss'])} ({fmt(r.get('last_epoch_loss'))}) | {fmt(r['eval_loss'])} | {scored} |")
+        print_layout_summary(runs, task, plan["seeds"])
         ratios = layout_ratios(runs, task, plan["seeds"])
         if ratios:
             print("\n" + "; ".join(f"{what}: {value}" for what, value in ratios.items()))
     print_speed_tables(data, plan, work, out)
+
+
+SUMMARY_COLUMNS = (("chip s to the end", "train", "train_s", fmt), ("less the compile", "train", "train_without_compile_s", fmt),
+                   ("eval loss", "train", "eval_loss", fmt), ("full calls", "score", "full_call_accuracy", rate),
+                   ("no-call", "score", "no_call_accuracy", rate), ("exact match", "score", "exact_match", rate),
+                   ("reference NLL", "score", "reference_nll", fmt))
+
+
+def print_layout_summary(runs: dict[str, Any], task: str, seeds: Sequence[int]) -> None:
+    """Per layout, each figure's mean over the seeds ± half their spread: the noise the verdict is read against."""
+    print(f"\n| layout ({len(seeds)} seeds: mean ± half the spread) | " + " | ".join(c[0] for c in SUMMARY_COLUMNS) + " |")
+    print("|---" * (len(SUMMARY_COLUMNS) + 1) + "|")
+    for layout in LAYOUTS:
+        cells = []
+        for _, kind, field, shown in SUMMARY_COLUMNS:
+            values = []
+            for seed in seeds:
+                r = runs.get(f"train {task} {layout} seed={seed}", {}) if kind == "train" else score_of(runs, task, f"{layout} seed={seed}")
+                values.append(None if "failed" in r else r.get(field))
+            cells.append(mean_spread(values, shown))
+        print(f"| {layout} | " + " | ".join(cells) + " |")
 
 
 def layout_ratios(runs: dict[str, Any], task: str, seeds: Sequence[int]) -> dict[str, str]:
@@ -694,11 +776,7 @@ def print_speed_tables(data: dict[str, Any], plan: dict[str, Any], work: str, ou
                   f"| {fmt(g.get('steady_tokens_per_s'))} | {rate(r.get('exact_match'))} |")
     agreement = greedy_agreement_rows(data, plan, work, out)
     if agreement:
-        print("\nGreedy tokens the chip shares with the CPU (completions re-encoded; leading tokens equal):\n")
-        print("| run | prompts | all equal | fewest equal | median equal | CPU tokens (median) |")
-        print("|---|---|---|---|---|---|")
-        for row in agreement:
-            print(f"| {row['run']} | {row['prompts']} | {row['all_equal']} | {row['min']} | {row['median']:g} | {row['cpu_median']:g} |")
+        print_agreement(agreement)
     dpo, sft = runs.get(f"dpo packed seed={plan['seeds'][0]}", {}), runs.get(f"train tools packed seed={plan['seeds'][0]}", {})
     if dpo and "failed" not in dpo:
         ratio = f", {dpo['median_step_time_s'] / sft['median_step_time_s']:.2f}x SFT's" if sft.get("median_step_time_s") else ""
@@ -721,33 +799,62 @@ def greedy_agreement_rows(data: dict[str, Any], plan: dict[str, Any], work: str,
         cpu_file = os.path.join(out, cpu["generations"])
         if not (os.path.isfile(chip_file) and os.path.isfile(cpu_file)):
             continue
-        counts = compare_generations(cpu_file, chip_file, encoder(compare["task"], work))
-        equal = [c["equal"] for c in counts]
-        rows.append({"run": key, "prompts": len(counts), "all_equal": sum(c["equal"] == c["cpu"] == c["chip"] for c in counts),
-                     "min": min(equal), "median": statistics.median(equal),
-                     "cpu_median": statistics.median(c["cpu"] for c in counts)})
+        rows.append({"run": key, **agreement_summary(compare_generations(cpu_file, chip_file, tokenizer_of(compare["task"], work)))})
     return rows
 
 
-def encoder(task: str, work: str) -> Callable[[str], list[int]]:
+def agreement_summary(counts: list[dict[str, Any]]) -> dict[str, Any]:
+    equal = [c["equal"] for c in counts]
+    return {"prompts": len(counts), "all_equal": sum(c["equal"] == c["cpu"] == c["chip"] for c in counts),
+            "min": min(equal), "median": statistics.median(equal), "cpu_median": statistics.median(c["cpu"] for c in counts),
+            "parted": [c for c in counts if not c["equal"] == c["cpu"] == c["chip"]]}
+
+
+def print_agreement(rows: list[dict[str, Any]], shown: int = 3) -> None:
+    print("\nGreedy tokens the chip shares with the CPU (completions re-encoded; leading tokens equal):\n")
+    print("| run | prompts | all equal | fewest equal | median equal | CPU tokens (median) |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['run']} | {row['prompts']} | {row['all_equal']} | {row['min']} | {row['median']:g} | {row['cpu_median']:g} |")
+    for row in rows:
+        for c in row["parted"][:shown]:
+            print(f"  {row['run']}, {c['id']}: {c['equal']} of {c['cpu']} equal; after {c['before']!r}: "
+                  f"CPU {c['cpu_next']!r}, chip {c['chip_next']!r}")
+
+
+def tokenizer_of(task: str, work: str) -> Any:
     from prepack.text.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer(tokenizer_args(task, work)[1] if task == "tools" else "gemma3")
-    return lambda text: list(tokenizer.encode(text))
+    return load_tokenizer(tokenizer_args(task, work)[1] if task == "tools" else "gemma3")
 
 
-def compare_generations(reference: str, other: str, encode: Callable[[str], list[int]]) -> list[dict[str, Any]]:
-    """Per prompt (by id): the leading tokens both completions share, re-encoded from their texts (the lines hold
-    no ids): {id, equal, cpu, chip}. Prompts of one file the other lacks are an error."""
+def compare_generations(reference: str, other: str, tokenizer: Any) -> list[dict[str, Any]]:
+    """Per prompt (by id), the leading tokens both completions share, re-encoded from their texts (the lines hold
+    no ids), and where they part: {id, equal, cpu, chip, before, cpu_next, chip_next}. Prompts of one file the
+    other lacks are an error."""
     ref, oth = ({line["id"]: line["completion"] for line in read_jsonl(p)} for p in (reference, other))
     if set(ref) != set(oth):
         raise CookbookError(f"{other}: not the prompts of {reference} ({len(set(ref) ^ set(oth))} ids differ)")
     counts = []
     for prompt_id, text in ref.items():
-        a, b = encode(text), encode(oth[prompt_id])
+        a, b = list(tokenizer.encode(text)), list(tokenizer.encode(oth[prompt_id]))
         equal = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        counts.append({"id": prompt_id, "equal": equal, "cpu": len(a), "chip": len(b)})
+        counts.append({"id": prompt_id, "equal": equal, "cpu": len(a), "chip": len(b),
+                       "before": tokenizer.decode(a[max(0, equal - 4):equal]), "cpu_next": tokenizer.decode(a[equal:equal + 3]),
+                       "chip_next": tokenizer.decode(b[equal:equal + 3])})
     return counts
+
+
+def compare_files(reference: str, other: str, tokenizer_spec: str) -> int:
+    """--compare: every prompt's count, then the summary."""
+    from prepack.text.tokenizer import load_tokenizer
+
+    counts = compare_generations(reference, other, load_tokenizer(tokenizer_spec))
+    for c in counts:
+        tail = "" if c["equal"] == c["cpu"] == c["chip"] else f"; after {c['before']!r}: {c['cpu_next']!r} / {c['chip_next']!r}"
+        print(f"{c['id']}: {c['equal']} equal of {c['cpu']} / {c['chip']} tokens{tail}")
+    print_agreement([{"run": f"{os.path.basename(reference)} / {os.path.basename(other)}", **agreement_summary(counts)}], 0)
+    return 0
 
 
 # ----------------------------------------------------------------------------- --prepare (here, with Beam)
@@ -874,7 +981,7 @@ def prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-def print_plan(plan: dict[str, Any], done: set[str] = frozenset()) -> None:
+def print_plan(plan: dict[str, Any], done: set[str] = frozenset(), budget_s: float = 540.0) -> None:
     runs = planned_runs(plan)
     costs = estimates(runs, plan, done)
     for task in TASKS:
@@ -891,6 +998,20 @@ def print_plan(plan: dict[str, Any], done: set[str] = frozenset()) -> None:
             steps = f", {train_steps(plan, run)} steps at {plan['batch_size']} x {length_of(plan, run)}" if run.kind in ("train", "dpo") else ""
             state = "done" if run.key in done else f"~{costs[run.key]:.0f} s"
             print(f"{i:2d}. {run.key}{steps}: {state} (total ~{total:.0f} s)")
+    calls = device_calls([costs[r.key] for r in runs if r.where == DEVICE and r.key not in done], budget_s)
+    print(f"\ndevice calls of --budget-s {budget_s:.0f}: " + "; ".join(
+        f"{k + 1}: {len(call)} runs, ~{sum(call):.0f} s" for k, call in enumerate(calls)) + f" (~{sum(map(sum, calls)):.0f} s)")
+
+
+def device_calls(costs: Sequence[float], budget_s: float) -> list[list[float]]:
+    """The runs' estimates cut into calls as run_all takes them: in order, a call ends before the first that would
+    not fit its budget (a run longer than a whole budget gets a call of its own)."""
+    calls: list[list[float]] = []
+    for cost in costs:
+        if not calls or sum(calls[-1]) + cost > budget_s:
+            calls.append([])
+        calls[-1].append(cost)
+    return calls
 
 
 # ----------------------------------------------------------------------------- main
@@ -904,12 +1025,19 @@ def build_parser() -> argparse.ArgumentParser:
     step.add_argument("--plan", action="store_true", help="the runs in order with estimated seconds")
     step.add_argument("--here", action="store_true", help="this machine's runs (CPU scoring, the CPU's generations)")
     step.add_argument("--table", action="store_true", help="the tables of WORK/here/out's results")
+    step.add_argument("--resume-kit", action="store_true",
+                      help="for a fresh device machine: WORK/device/resume.json and the adapters its unfinished runs read")
+    step.add_argument("--compare", nargs=2, metavar=("CPU.jsonl", "CHIP.jsonl"),
+                      help="two `prepack generate` outputs of the same prompts: per prompt, the leading greedy tokens they share")
+    p.add_argument("--tokenizer", default="gemma3", help="--compare: the tokenizer that re-encodes the completions")
     p.add_argument("--smoke", action="store_true", help="--prepare: the tiny random model, three steps a run, one seed")
     p.add_argument("--out", default=None, help="results folder (default: /tmp/cookbook on the device, WORK/here/out here)")
     p.add_argument("--weights", default=None, help="each run's --weights (on the device: the joined GGUF's path)")
     p.add_argument("--compile-cache", default=None, help="each device run's --compile-cache (default: /tmp/xla, off with --smoke's plan)")
     p.add_argument("--runs", default=None, help="only these kinds or tasks, comma-separated (train, dpo, score, generate, tools, identity)")
-    p.add_argument("--budget-s", type=float, default=540.0, help="wall time for this call; runs that would not fit wait for the next")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="wall time for this call (default 540 s on the device, none here); a run that would not fit "
+                   "waits for the next call, with those after it")
     p.add_argument("--margin", type=float, default=1.0, help="start a run only with its estimate times this left")
     p.add_argument("--export", default=None, metavar="DIR", help="after the runs, the files the CPU needs into DIR ($OUT)")
     p.add_argument("--import", dest="import_from", default=None, metavar="DIR", help="a device call's files: merged here first")
@@ -921,12 +1049,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.prepare:
             return prepare(args)
+        if args.compare:
+            return compare_files(*args.compare, args.tokenizer)
         if args.import_from:
             import_files(args.import_from, args.work_dir)
         if args.plan:
             plan = read_plan(args.work_dir)
             out = args.out or os.path.join(args.work_dir, HERE, "out")
-            print_plan(plan, {k for k, r in load_results(os.path.join(out, RESULTS))["runs"].items() if final(r)})
+            print_plan(plan, {k for k, r in load_results(os.path.join(out, RESULTS))["runs"].items() if final(r)},
+                       args.budget_s or 540.0)
+            return 0
+        if args.resume_kit:
+            resume_kit(args.work_dir)
             return 0
         if args.table:
             out = args.out or os.path.join(args.work_dir, HERE, "out")

@@ -15,7 +15,9 @@ On the device, each call that carries parts (carry .weights/manifest.json and th
 
 and, once all are there, in the call that trains (prints the joined file's path, its sha256 checked):
 
-    W=$(python3 -m benchmarks.device_weights join) && python3 -m apps.cli train --weights "$W" ...
+    W=$(python3 -m benchmarks.device_weights join .weights) && python3 -m apps.cli train --weights "$W" ...
+
+(`join` first collects what the folders hold, so the call that brings the last part can join too.)
 
 A part that is missing or whose sha256 is not the manifest's stops `collect` or `join` with one
 line naming the part. `join` reuses a joined file whose sha256 is right (about a second).

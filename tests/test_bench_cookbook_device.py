@@ -125,22 +125,56 @@ def test_train_figures_put_the_first_step_apart(tmp_path) -> None:
     assert cook.train_figures(str(tmp_path / "none.jsonl"), 6, 4) is None
 
 
-def test_greedy_agreement_counts_the_leading_equal_tokens(tmp_path) -> None:
-    def write(name: str, completions: dict[str, str]) -> str:
-        path = tmp_path / name
-        path.write_text("".join(json.dumps({"id": k, "completion": v}) + "\n" for k, v in completions.items()))
-        return str(path)
+class WordTokenizer:
+    """One id per word: the chip's and the CPU's texts re-encoded alike."""
 
-    words: dict[str, int] = {}
-    encode = lambda text: [words.setdefault(w, len(words)) for w in text.split()]  # noqa: E731
-    cpu = write("cpu.jsonl", {"a": "I am Parcel , a small assistant", "b": "The team made me", "c": "x y"})
-    chip = write("chip.jsonl", {"a": "I am Parcel , a tiny assistant", "b": "The team made me", "c": "z"})
-    counts = {c["id"]: c for c in cook.compare_generations(cpu, chip, encode)}
-    assert counts["a"] == {"id": "a", "equal": 5, "cpu": 7, "chip": 7}
+    def __init__(self) -> None:
+        self.words: dict[str, int] = {}
+
+    def encode(self, text: str) -> list[int]:
+        return [self.words.setdefault(w, len(self.words)) for w in text.split()]
+
+    def decode(self, ids) -> str:
+        names = {i: w for w, i in self.words.items()}
+        return " ".join(names[i] for i in ids)
+
+
+def write_generations(path, completions: dict[str, str]) -> str:
+    path.write_text("".join(json.dumps({"id": k, "completion": v}) + "\n" for k, v in completions.items()))
+    return str(path)
+
+
+def test_the_verdict_is_read_against_the_seeds_spread(capsys) -> None:
+    train = lambda s, e: {"train_s": s, "train_without_compile_s": s - 9.0, "process_s": s + 40.0, "eval_loss": e}  # noqa: E731
+    runs = {"train tools packed seed=0": train(10.0, 0.50), "train tools packed seed=1": train(12.0, 0.52),
+            "train tools unpacked seed=0": train(20.0, 0.51), "train tools unpacked seed=1": train(24.0, 0.49),
+            "score tools packed seed=0": {"full_call_accuracy": 1.0}, "score tools packed seed=1": {"full_call_accuracy": 0.9},
+            "score tools unpacked seed=0": {"full_call_accuracy": 0.95}, "score tools unpacked seed=1": {"failed": "exit 1"}}
+    cook.print_layout_summary(runs, "tools", [0, 1])
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[-2] == "| packed | 11.0 ± 1.000 | 2.000 ± 1.000 | 0.510 ± 0.010 | 95.0% ± 5.0% | - | - | - |"
+    assert rows[-1] == "| unpacked | 22.0 ± 2.000 | 13.0 ± 2.000 | 0.500 ± 0.010 | 95.0% | - | - | - |"
+    ratios = cook.layout_ratios(runs, "tools", [0, 1])
+    assert ratios["chip s to the end of training"] == "packed 11.0 s, one per row 22.0 s, 2.00x"
+    assert ratios["less the compile"] == "packed 2.0 s, one per row 13.0 s, 6.50x"
+
+
+def test_greedy_agreement_counts_the_leading_equal_tokens_and_shows_where_they_part(tmp_path, capsys) -> None:
+    cpu = write_generations(tmp_path / "cpu.jsonl", {"a": "I am Parcel , a small assistant", "b": "The team made me", "c": "x y"})
+    chip = write_generations(tmp_path / "chip.jsonl", {"a": "I am Parcel , a tiny assistant", "b": "The team made me", "c": "z"})
+    counts = {c["id"]: c for c in cook.compare_generations(cpu, chip, WordTokenizer())}
+    assert counts["a"] == {"id": "a", "equal": 5, "cpu": 7, "chip": 7, "before": "am Parcel , a", "cpu_next": "small assistant",
+                           "chip_next": "tiny assistant"}
     assert counts["b"]["equal"] == counts["b"]["cpu"] == 4 and counts["c"]["equal"] == 0
-    other = write("other.jsonl", {"a": "I", "d": "?"})
+    summary = cook.agreement_summary(list(counts.values()))
+    assert (summary["prompts"], summary["all_equal"], summary["min"], summary["median"]) == (3, 1, 0, 4)
+    assert [c["id"] for c in summary["parted"]] == ["a", "c"]
+    cook.print_agreement([{"run": "score identity base", **summary}])
+    assert "  score identity base, a: 5 of 7 equal; after 'am Parcel , a': CPU 'small assistant', chip 'tiny assistant'" \
+        in capsys.readouterr().out
+    other = write_generations(tmp_path / "other.jsonl", {"a": "I", "d": "?"})
     with pytest.raises(cook.CookbookError, match=r"other\.jsonl: not the prompts of .*cpu\.jsonl \(3 ids differ\)"):
-        cook.compare_generations(cpu, other, encode)
+        cook.compare_generations(cpu, other, WordTokenizer())
 
 
 def test_merging_takes_finished_runs_and_keeps_ones_already_there() -> None:
@@ -187,8 +221,7 @@ def test_a_device_call_runs_children_only_resumes_and_exports_what_the_cpu_needs
         assert run["eval_loss"] > 0 and run["final_loss"] > 0 and run["where"] == "device"
         assert run["command"].startswith("python3 -m apps.cli train --model tiny-gemma3")
     assert {"jax", "device", "backend"} <= set(results["machine"])
-    assert sorted(os.listdir(tmp_path / "export")) == sorted([cook.FILES_TAR, "adapter-tools-packed-seed0.tar",
-                                                              "adapter-tools-unpacked-seed0.tar", cook.RESULTS])
+    assert sorted(os.listdir(tmp_path / "export")) == sorted([cook.FILES_TAR, "adapters-0.tar", cook.RESULTS])  # both tiny adapters
     # Again: both are recorded, nothing runs. And on a fresh machine, from the carried resume.json.
     again = subprocess.run([sys.executable, "-m", "benchmarks.bench_cookbook_device", *call], capture_output=True, text=True, timeout=120)
     assert again.returncode == 0 and again.stdout.count("already in") == 2 and "$ python3" not in again.stdout
@@ -204,6 +237,25 @@ def test_a_device_call_runs_children_only_resumes_and_exports_what_the_cpu_needs
     score = cook.Run("score", "tools", "unpacked", 0, where=cook.HERE)
     assert ctx.adapter_dir(score) == str(tmp_path / "work" / "here" / "adapters" / "tools-unpacked-seed0")
     assert "adapter_config.json" in os.listdir(ctx.adapter_dir(score))
+
+
+def test_the_resume_kit_carries_the_adapters_unfinished_runs_read_and_retrains_a_lost_one(tmp_path) -> None:
+    work = tmp_path / "work"
+    (work / "device").mkdir(parents=True)
+    (work / "device" / cook.PLAN).write_text(json.dumps(real_plan()))
+    done = {"steps": 36}
+    cook.save_results(str(work / "here" / "out" / cook.RESULTS), {"machine": {}, "commands": [], "runs": {
+        "train identity packed seed=0": done, "train identity unpacked seed=0": done, "train tools packed seed=0": done,
+        "score identity packed seed=0": {"prompts": 36}}})
+    for name in ("identity-packed-seed0", "tools-packed-seed0"):  # brought back; identity-unpacked-seed0 was not
+        (work / "here" / "adapters" / name).mkdir(parents=True)
+        (work / "here" / "adapters" / name / "adapter_model.safetensors").write_bytes(b"\0" * 100)
+    (work / "device" / "adapters" / "stale").mkdir(parents=True)
+    cook.resume_kit(str(work))
+    # identity packed seed=0 is still read by the generation runs; tools adapters are scored here, not there
+    assert os.listdir(work / "device" / "adapters") == ["identity-packed-seed0"]
+    resume = json.loads((work / "device" / cook.RESUME).read_text())
+    assert set(resume["runs"]) == {"train identity packed seed=0", "train tools packed seed=0", "score identity packed seed=0"}
 
 
 def test_a_work_folder_without_a_plan_is_one_line(tmp_path) -> None:
