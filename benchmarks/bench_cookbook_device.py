@@ -56,7 +56,8 @@ measured where they say so), to be replaced by what the chip reports.
   (~499 s), call 8 the rest, DPO and generation at batch 1, 8, 32 (~430 s). Chip seconds for the
   session: ~100 (the machine's start) + ~60 + 4 x 15 (transfers) + ~1,350 (runs) + ~8 x 10 (each
   call's own overhead) ~ 1,650 of the 1,800 a session may use. A call's $OUT brings back
-  cookbook.json, cookbook-files.tar.gz and the adapters (two to a tar).
+  cookbook.json, cookbook-files.tar.gz and the adapters made since the last call (two to a tar;
+  --export-all: every one, should a call's files have been lost).
 
   If the machine went cold (its /tmp lost): here, `--import FOLDER --resume-kit` writes
   .cookbook/device/resume.json (the runs it holds are skipped) and .cookbook/device/adapters (those
@@ -541,7 +542,7 @@ def run_all(args: argparse.Namespace, where: str) -> int:
         save_results(path, data)  # after each run: a call that ends later keeps it
     save_results(path, data)
     if args.export:
-        export(out, args.export)
+        export(out, args.export, args.export_all)
     if data["machine"]:
         print(f"\nmachine: {line(data['machine'])}")
     print_tables(data, plan, args.work_dir, out)
@@ -576,11 +577,10 @@ MAX_RETURNED_FILES = 8  # what one device call brings back: 8 files,
 MAX_RETURNED_BYTES = 15 * 2**20  # each under 16 MiB
 
 
-def adapter_bundles(adapters: str) -> list[list[str]]:
-    """The adapters made so far, in tars of at most MAX_RETURNED_BYTES (a rank-8 270M adapter is ~7 MB: two a tar)."""
+def adapter_bundles(adapters: str, names: Sequence[str]) -> list[list[str]]:
+    """The named adapters in tars of at most MAX_RETURNED_BYTES (a rank-8 270M adapter is 7.6 MB: two a tar)."""
     bundles: list[list[str]] = []
     size = 0
-    names = sorted(os.listdir(adapters)) if os.path.isdir(adapters) else []
     for name in names:
         folder = os.path.join(adapters, name)
         got = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(folder) for f in fs)
@@ -592,10 +592,11 @@ def adapter_bundles(adapters: str) -> list[list[str]]:
     return bundles
 
 
-def export(out: str, dest: str) -> list[str]:
+def export(out: str, dest: str, again: bool = False) -> list[str]:
     """DEST (a device call's $OUT): the results, one tar of the small files (metrics, generations, logs) and the
-    adapters in tars under the 16 MiB a file may bring back: the CPU scores the tool-call ones, and a fresh
-    machine is given back those its runs still need (--resume-kit)."""
+    adapters no earlier call exported (every one with `again`), in tars under the 16 MiB a file may bring
+    back: the CPU scores the tool-call ones, and a fresh machine is given back those its runs still need
+    (--resume-kit)."""
     os.makedirs(dest, exist_ok=True)
     written = [os.path.join(dest, RESULTS)]
     shutil.copyfile(os.path.join(out, RESULTS), written[0])
@@ -604,7 +605,13 @@ def export(out: str, dest: str) -> list[str]:
             if os.path.isdir(os.path.join(out, folder)):
                 tar.add(os.path.join(out, folder), arcname=folder)
     written.append(os.path.join(dest, FILES_TAR))
-    bundles = adapter_bundles(os.path.join(out, "adapters"))
+    adapters, record = os.path.join(out, "adapters"), os.path.join(out, "exported.json")
+    before: set[str] = set()
+    if not again and os.path.isfile(record):
+        with open(record) as f:
+            before = set(json.load(f))
+    made = sorted(os.listdir(adapters)) if os.path.isdir(adapters) else []
+    bundles = adapter_bundles(adapters, [name for name in made if name not in before])
     if len(bundles) > MAX_RETURNED_FILES - len(written):
         raise CookbookError(f"{len(bundles)} adapter tars and {len(written)} files are more than the "
                             f"{MAX_RETURNED_FILES} files a call brings back")
@@ -612,8 +619,10 @@ def export(out: str, dest: str) -> list[str]:
         written.append(os.path.join(dest, f"adapters-{k}.tar"))
         with tarfile.open(written[-1], "w") as tar:
             for name in names:
-                tar.add(os.path.join(out, "adapters", name), arcname=name)
-    print(f"exported {len(written)} files to {dest}", flush=True)
+                tar.add(os.path.join(adapters, name), arcname=name)
+    with open(record, "w") as f:
+        json.dump(sorted(before | {name for names in bundles for name in names}), f)
+    print(f"exported {len(written)} files to {dest} ({sum(map(len, bundles))} adapters)", flush=True)
     return written
 
 
@@ -1040,6 +1049,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "waits for the next call, with those after it")
     p.add_argument("--margin", type=float, default=1.0, help="start a run only with its estimate times this left")
     p.add_argument("--export", default=None, metavar="DIR", help="after the runs, the files the CPU needs into DIR ($OUT)")
+    p.add_argument("--export-all", action="store_true", help="--export every adapter, also those an earlier call exported")
     p.add_argument("--import", dest="import_from", default=None, metavar="DIR", help="a device call's files: merged here first")
     return p
 

@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 
 import pytest
 
@@ -237,6 +238,24 @@ def test_a_device_call_runs_children_only_resumes_and_exports_what_the_cpu_needs
     score = cook.Run("score", "tools", "unpacked", 0, where=cook.HERE)
     assert ctx.adapter_dir(score) == str(tmp_path / "work" / "here" / "adapters" / "tools-unpacked-seed0")
     assert "adapter_config.json" in os.listdir(ctx.adapter_dir(score))
+
+
+def test_each_call_exports_the_adapters_made_since_the_last_two_to_a_tar(tmp_path) -> None:
+    out = tmp_path / "out"
+    cook.save_results(str(out / cook.RESULTS), cook.empty_results())
+    for name in ("tools-packed-seed0", "tools-unpacked-seed0", "tools-packed-seed1"):
+        (out / "adapters" / name).mkdir(parents=True)
+        (out / "adapters" / name / "adapter_model.safetensors").write_bytes(b"\0" * 7_627_048)  # a rank-8 270M adapter
+    first = cook.export(str(out), str(tmp_path / "call1"))
+    assert [os.path.basename(p) for p in first] == [cook.RESULTS, cook.FILES_TAR, "adapters-0.tar", "adapters-1.tar"]
+    assert all(os.path.getsize(p) < 16 * 2**20 for p in first)
+    with tarfile.open(first[2]) as tar:
+        assert {m.name.split("/")[0] for m in tar.getmembers()} == {"tools-packed-seed0", "tools-packed-seed1"}
+    (out / "adapters" / "identity-packed-seed0").mkdir()
+    assert [os.path.basename(p) for p in cook.export(str(out), str(tmp_path / "call2"))][2:] == ["adapters-0.tar"]
+    with tarfile.open(tmp_path / "call2" / "adapters-0.tar") as tar:
+        assert {m.name.split("/")[0] for m in tar.getmembers()} == {"identity-packed-seed0"}
+    assert len(cook.export(str(out), str(tmp_path / "call3"), again=True)) == 4  # all four again: two tars
 
 
 def test_the_resume_kit_carries_the_adapters_unfinished_runs_read_and_retrains_a_lost_one(tmp_path) -> None:
