@@ -165,6 +165,7 @@ class Run:
     seed: int = 0
     batch: int = 0  # generate: --batch-size
     where: str = DEVICE
+    cpu_copy: bool = False  # the CPU's run of a run scored on the chip, for the greedy tokens they share
 
     @property
     def adapter(self) -> str:
@@ -179,7 +180,7 @@ class Run:
             return f"dpo {self.layout} seed={self.seed}"
         key = f"{self.kind} {self.task} {self.adapter or 'base'}"
         key += f" batch={self.batch}" if self.kind == "generate" else ""
-        return key + (" @cpu" if self.where == HERE and self.kind == "score" and self.task != "tools" else "")
+        return key + (" @cpu" if self.cpu_copy else "")
 
     @property
     def name(self) -> str:
@@ -192,24 +193,26 @@ class Run:
 
 
 def planned_runs(plan: dict[str, Any]) -> list[Run]:
-    """Every run, most wanted first: the tool-call layouts (seed by seed), then identity's, its
-    scoring on the chip, DPO, generation speed; then the CPU's runs (scoring the tool calls, the
-    identity runs the chip's greedy tokens are compared with)."""
+    """Every run, most wanted first: the tool-call layouts (seed by seed), then identity's; the
+    scoring of each task's base model and adapters where its tokenizer runs (a task's 'scored');
+    DPO; generation speed; the CPU's copies of the chip's runs its greedy tokens are compared with.
+    A machine takes its own runs in this order (the device's, or here the CPU's)."""
     seeds, runs = plan["seeds"], []
     for task in TASKS:
         runs += [Run("train", task, layout, seed) for seed in seeds for layout in LAYOUTS]
-    identity = [Run("score", "identity", layout, seed) for seed in seeds for layout in LAYOUTS]
-    runs += [Run("score", "identity")] + identity
+    for task in TASKS:
+        where = plan["tasks"][task]["scored"]
+        runs += [Run("score", task, where=where)]
+        runs += [Run("score", task, layout, seed, where=where) for seed in seeds for layout in LAYOUTS]
     runs.append(Run("dpo", "dpo", "packed", seeds[0]))
     speed = plan["throughput"]
     layout, _, seed = speed["adapter"].partition(" seed=")
     runs += [Run("generate", speed["task"], layout, int(seed), batch) for batch in speed["batch_sizes"]]
-    runs += [Run("score", "tools", where=HERE)]
-    runs += [Run("score", "tools", layout, seed, where=HERE) for seed in seeds for layout in LAYOUTS]
     compare = plan["compare"]
     for adapter in compare["adapters"]:
         layout, _, seed = adapter.partition(" seed=")
-        runs.append(Run("score", compare["task"], "" if adapter == "base" else layout, int(seed or 0), where=HERE))
+        runs.append(Run("score", compare["task"], "" if adapter == "base" else layout, int(seed or 0), where=HERE,
+                        cpu_copy=True))
     return runs
 
 
