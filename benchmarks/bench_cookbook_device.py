@@ -474,6 +474,16 @@ def run_child(cmd: list[str], log_path: str, timeout: float, env: dict[str, str]
     return code, seconds, (lines or ["(no output)"])[-1][:400]
 
 
+CHIP_BUSY_WAIT_S = 5.0
+
+
+def chip_was_busy(log: str) -> bool:
+    """Whether a child stopped because another process still held the TPU (libtpu's multi-process lock file)."""
+    with open(log, errors="replace") as f:
+        text = f.read()
+    return "libtpu" in text and ("lockfile" in text or "lock file" in text or "already in use" in text)
+
+
 def one_run(run: Run, ctx: Context, timeout: float) -> dict[str, Any] | None:
     """Runs one run in its own process; its figures, why there are none, or None when it cannot start yet."""
     plan = ctx.plan
@@ -487,7 +497,14 @@ def one_run(run: Run, ctx: Context, timeout: float) -> dict[str, Any] | None:
         cmd = generate_command(plan, run, ctx.work, ctx.out, adapter, ctx.weights, ctx.compile_cache)
     shown = shlex.join(cmd)
     ctx.log(f"$ {shown}")
-    code, seconds, last = run_child(cmd, os.path.join(ctx.out, "logs", run.name + ".log"), timeout, child_env(ctx.work))
+    log = os.path.join(ctx.out, "logs", run.name + ".log")
+    code, seconds, last = run_child(cmd, log, timeout, child_env(ctx.work))
+    if code and chip_was_busy(log) and timeout - seconds > CHIP_BUSY_WAIT_S:
+        # A TPU can refuse a process started just as the one before it ended: once more, a moment later.
+        ctx.log(f"{run.key}: the chip was still held (libtpu's lock file); again in {CHIP_BUSY_WAIT_S:.0f} s")
+        time.sleep(CHIP_BUSY_WAIT_S)
+        code, again, last = run_child(cmd, log, timeout - seconds - CHIP_BUSY_WAIT_S, child_env(ctx.work))
+        seconds += CHIP_BUSY_WAIT_S + again
     result: dict[str, Any] = {"command": shown, "process_s": seconds, "where": ctx.where}
     if code is None:
         return {**result, "failed": f"no result within {timeout:.0f} s (the call's time left)"}

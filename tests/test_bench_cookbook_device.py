@@ -240,6 +240,43 @@ def test_a_device_call_runs_children_only_resumes_and_exports_what_the_cpu_needs
     assert "adapter_config.json" in os.listdir(ctx.adapter_dir(score))
 
 
+def test_a_run_the_chip_refused_because_still_held_starts_again_once(tmp_path, monkeypatch) -> None:
+    plan = real_plan()
+    run = cook.Run("train", "tools", "packed", 0)
+    ctx = cook.Context(plan, str(tmp_path / "work"), str(tmp_path / "out"), "g.gguf", "/tmp/xla", cook.DEVICE, log=lambda _: None)
+    calls = []
+
+    def child(cmd, log, timeout, env):
+        calls.append(timeout)
+        os.makedirs(os.path.dirname(log), exist_ok=True)
+        if len(calls) == 1:  # as seen on a v5e when a process opened the chip another still held
+            open(log, "w").write("RuntimeError: Internal error when accessing libtpu multi-process lockfile\n")
+            return 1, 3.0, "RuntimeError: Internal error when accessing libtpu multi-process lockfile"
+        metrics = cmd[cmd.index("--metrics-out") + 1]
+        os.makedirs(os.path.dirname(metrics), exist_ok=True)
+        steps = [{"step": 1, "loss": 2.0, "step_time_s": 30.0}, {"step": 2, "loss": 1.0, "step_time_s": 0.1}]
+        open(metrics, "w").write("".join(json.dumps(r) + "\n" for r in [*steps, {"summary": {"steps": 2}}]))
+        return 0, 60.0, "done"
+
+    monkeypatch.setattr(cook, "run_child", child)
+    monkeypatch.setattr(cook.time, "sleep", lambda s: calls.append(f"slept {s}"))
+    result = cook.one_run(run, ctx, timeout=500.0)
+    assert calls == [500.0, "slept 5.0", 492.0] and "failed" not in result
+    assert result["process_s"] == 68.0 and result["train_s"] == pytest.approx(30.1)
+    # Any other failure is recorded as it is, not run again in this call.
+    calls.clear()
+
+    def out_of_memory(cmd, log, timeout, env):
+        calls.append(timeout)
+        open(log, "w").write("prepack train: out of memory at step 1 ...\n")
+        return 1, 9.0, "prepack train: out of memory at step 1 ..."
+
+    monkeypatch.setattr(cook, "run_child", out_of_memory)
+    result = cook.one_run(run, ctx, timeout=500.0)
+    assert calls == [500.0] and result["failed"] == "out of memory: prepack train: out of memory at step 1 ..."
+    assert cook.final(result)  # out of memory is not retried by later calls either
+
+
 def test_each_call_exports_the_adapters_made_since_the_last_two_to_a_tar(tmp_path) -> None:
     out = tmp_path / "out"
     cook.save_results(str(out / cook.RESULTS), cook.empty_results())
