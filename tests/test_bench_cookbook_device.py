@@ -41,8 +41,8 @@ print("PARENT_WITHOUT_JAX", flush=True)
 def real_plan() -> dict:
     """The recipe with the sets --prepare made of the two tasks (their rows and lengths as packed)."""
     plan = cook.recipe(smoke=False)
-    shapes = {"tools": ({"length": 384, "rows": 80}, {"length": 256, "rows": 160}, 30),
-              "identity": ({"length": 128, "rows": 143}, {"length": 128, "rows": 450}, 36)}
+    shapes = {"tools": ({"length": 384, "rows": 80}, {"length": 192, "rows": 160}, 30),
+              "identity": ({"length": 128, "rows": 143}, {"length": 64, "rows": 450}, 36)}
     for task, (packed, unpacked, heldout) in shapes.items():
         plan["tasks"][task].update({"layouts": {"packed": packed, "unpacked": unpacked}, "heldout_prompts": heldout})
     plan["dpo"].update({"length": 384, "rows": 47})
@@ -62,12 +62,12 @@ def test_both_layouts_train_the_same_epochs_on_one_schedule_scaled_to_their_step
     assert option(command("train identity unpacked seed=0"), "--steps") == str(math.ceil(450 / 4))
     for flag, value in (("--learning-rate", "0.001"), ("--lr-schedule", "cosine"), ("--warmup-ratio", "0.05"),
                         ("--batch-size", "4"), ("--lora-rank", "8"), ("--remat", "none"), ("--weights", "/tmp/weights/g.gguf"),
-                        ("--compile-cache", "/tmp/xla"), ("--dtype", "bfloat16")):
+                        ("--compile-cache", "/tmp/xla"), ("--dtype", "bfloat16"), ("--attention", "dense")):
         assert option(packed, flag) == option(unpacked, flag) == value, flag
     assert (option(packed, "--seed"), option(unpacked, "--seed")) == ("0", "1")
     assert option(packed, "--shards") == os.path.join("W", "device", "tools", "packed", "L384")
-    assert option(unpacked, "--shards") == os.path.join("W", "device", "tools", "unpacked", "L256")
-    assert option(unpacked, "--eval-shards") == os.path.join("W", "device", "tools", "eval", "L256")  # the same records at each L
+    assert option(unpacked, "--shards") == os.path.join("W", "device", "tools", "unpacked", "L192")
+    assert option(unpacked, "--eval-shards") == os.path.join("W", "device", "tools", "eval", "L192")  # the same records at each L
     assert option(unpacked, "--save-lora") == os.path.join("O", "adapters", "tools-unpacked-seed1")
     dpo = command("dpo packed seed=0")
     assert option(dpo, "--objective") == "dpo" and option(dpo, "--shards") == os.path.join("W", "device", "dpo", "packed", "L384")
@@ -104,8 +104,7 @@ def test_the_estimate_counts_one_cold_compile_per_shape_and_nothing_for_done_run
     cold, cached = costs["train tools packed seed=0"], costs["train tools packed seed=1"]
     assert cold - cached == pytest.approx(cook.TRAIN_COMPILE_S[False] - cook.TRAIN_COMPILE_S[True]
                                           + cook.EVAL_COMPILE_S[False] - cook.EVAL_COMPILE_S[True])
-    # identity's two layouts share one shape (128: the longest example rounded up is the packed L)
-    assert costs["train identity unpacked seed=0"] < costs["train identity packed seed=0"]
+    assert costs["train identity unpacked seed=0"] == pytest.approx(costs["train identity packed seed=0"], abs=5)  # each compiles its L
     assert 900 < sum(costs.values()) < 1500
     done = cook.estimates(runs, plan, {"train tools packed seed=0"})
     assert done["train tools packed seed=0"] == 0 and done["train tools packed seed=1"] == cached  # a warm machine's cache
