@@ -137,13 +137,14 @@ def recipe(smoke: bool) -> dict[str, Any]:
               "tasks": {"tools": {"max_length": 384, "epochs": 3.0, "scored": HERE},
                         "identity": {"max_length": 128, "epochs": 1.0, "scored": DEVICE}},
               "dpo": {"task_shape": "tools", "epochs": 2.0},
-              "throughput": {"task": "identity", "adapter": "packed seed=0", "batch_sizes": [1, 8, 32],
+              # batch 8 (generate_batch_size) is the adapter's scoring run, on the held-out prompts
+              "throughput": {"task": "identity", "adapter": "packed seed=0", "batch_sizes": [1, 32],
                              "repeat": 4, "max_prompts": {"1": 48}},
               "compare": {"task": "identity", "adapters": ["base", "packed seed=0"]}}
     if smoke:  # the plumbing on a CPU in minutes: a tiny random model, three steps a run, one seed
         common.update({"model": "tiny-gemma3", "dtype": "float32", "weights": "random", "max_steps": 3, "seeds": [0],
                        "max_new_tokens": 4})
-        common["throughput"] = {**common["throughput"], "batch_sizes": [1, 8], "repeat": 1, "max_prompts": {"1": 4}}
+        common["throughput"] = {**common["throughput"], "batch_sizes": [1, 32], "repeat": 1, "max_prompts": {"1": 4}}
     return common
 
 
@@ -196,21 +197,23 @@ class Run:
 
 
 def planned_runs(plan: dict[str, Any]) -> list[Run]:
-    """Every run, most wanted first: the tool-call layouts (seed by seed), then identity's; the
-    scoring of each task's base model and adapters where its tokenizer runs (a task's 'scored');
-    DPO; generation speed; the CPU's copies of the chip's runs its greedy tokens are compared with.
-    A machine takes its own runs in this order (the device's, or here the CPU's)."""
+    """Every run, most wanted first, so that a session which runs out keeps what matters most: the
+    tool-call layouts at every seed; identity's at the first seed and the scoring of each task's
+    base model and first-seed adapters (where its tokenizer runs: a task's 'scored'); DPO;
+    generation speed; identity's other seeds and their scoring; the CPU's copies of the chip's runs
+    its greedy tokens are compared with. A machine takes its own runs in this order."""
     seeds, runs = plan["seeds"], []
+    trained = lambda task, chosen: [Run("train", task, layout, seed) for seed in chosen for layout in LAYOUTS]  # noqa: E731
+    scored = lambda task, chosen: [Run("score", task, layout, seed, where=plan["tasks"][task]["scored"])  # noqa: E731
+                                   for seed in chosen for layout in LAYOUTS]
+    runs += trained("tools", seeds) + trained("identity", seeds[:1])
     for task in TASKS:
-        runs += [Run("train", task, layout, seed) for seed in seeds for layout in LAYOUTS]
-    for task in TASKS:
-        where = plan["tasks"][task]["scored"]
-        runs += [Run("score", task, where=where)]
-        runs += [Run("score", task, layout, seed, where=where) for seed in seeds for layout in LAYOUTS]
+        runs += [Run("score", task, where=plan["tasks"][task]["scored"])] + scored(task, seeds if task == "tools" else seeds[:1])
     runs.append(Run("dpo", "dpo", "packed", seeds[0]))
     speed = plan["throughput"]
     layout, _, seed = speed["adapter"].partition(" seed=")
     runs += [Run("generate", speed["task"], layout, int(seed), batch) for batch in speed["batch_sizes"]]
+    runs += trained("identity", seeds[1:]) + scored("identity", seeds[1:])
     compare = plan["compare"]
     for adapter in compare["adapters"]:
         layout, _, seed = adapter.partition(" seed=")
@@ -245,9 +248,10 @@ def cache_args(compile_cache: str | None) -> list[str]:
 
 
 def train_command(plan: dict[str, Any], run: Run, work: str, out: str, weights: str | None,
-                  compile_cache: str | None) -> list[str]:
+                  compile_cache: str | None, evaluate: bool = True) -> list[str]:
     """`prepack train` for one layout and seed (or the DPO run): the same recipe at every layout,
-    the schedule's warmup a fraction of the run's own steps."""
+    the schedule's warmup a fraction of the run's own steps; `evaluate`: the held-out records' loss
+    before the first step and after the last (--eval-shards)."""
     steps = train_steps(plan, run)
     length = length_of(plan, run)
     cmd = ["python3", "-m", "apps.cli", "train", *model_args(plan, weights), "--batch-size", str(plan["batch_size"]),
@@ -258,8 +262,8 @@ def train_command(plan: dict[str, Any], run: Run, work: str, out: str, weights: 
     if run.kind == "dpo":
         return cmd + ["--shards", os.path.join(work, DEVICE, "dpo", "packed", f"L{length}"), "--objective", "dpo"]
     folder = os.path.join(work, DEVICE, run.task)
+    cmd += ["--eval-shards", os.path.join(folder, "eval", f"L{length}")] if evaluate else []
     return cmd + ["--shards", os.path.join(folder, run.layout, f"L{length}"),
-                  "--eval-shards", os.path.join(folder, "eval", f"L{length}"),
                   "--save-lora", os.path.join(out, "adapters", adapter_name(run.task, run.adapter))]
 
 
@@ -399,13 +403,13 @@ def compile_key(run: Run, plan: dict[str, Any]) -> str:
     return f"generate batch={run.batch or plan['generate_batch_size']}"
 
 
-def estimate_s(run: Run, plan: dict[str, Any], compiled: set[str]) -> float:
+def estimate_s(run: Run, plan: dict[str, Any], compiled: set[str], evaluate: bool = True) -> float:
     """Seconds one run should take (OPEN_S and the others above: measured where they say so)."""
     cached = compile_key(run, plan) in compiled
     if run.kind in ("train", "dpo"):
         tokens = plan["batch_size"] * length_of(plan, run)
         step = max(STEP_FLOOR_S, STEP_S_PER_16K_TOKENS * tokens / 16384) * (1.5 if run.kind == "dpo" else 1.0)
-        evals = 0.0 if run.kind == "dpo" else EVAL_COMPILE_S[cached] + 2 * step
+        evals = EVAL_COMPILE_S[cached] + 2 * step if evaluate and run.kind == "train" else 0.0
         return OPEN_S + WEIGHTS_S + TRAIN_COMPILE_S[cached] + evals + train_steps(plan, run) * step + SAVE_S
     prompts = plan["tasks"][run.task]["heldout_prompts"]
     if run.kind == "generate":
@@ -417,13 +421,13 @@ def estimate_s(run: Run, plan: dict[str, Any], compiled: set[str]) -> float:
     return OPEN_S + WEIGHTS_S + SAMPLER_COMPILE_S[cached] + NLL_COMPILE_S[cached] + batches * plan["max_new_tokens"] * DECODE_STEP_S
 
 
-def estimates(runs: Sequence[Run], plan: dict[str, Any], done: set[str] = frozenset()) -> dict[str, float]:
+def estimates(runs: Sequence[Run], plan: dict[str, Any], done: set[str] = frozenset(), evaluate: bool = True) -> dict[str, float]:
     """Each run's estimate in order, the compile cache filling as runs go; done runs cost nothing, and their shapes
     count as compiled (the cache of a machine kept warm; a fresh machine compiles them again)."""
     compiled: set[str] = set()
     out = {}
     for run in runs:
-        out[run.key] = 0.0 if run.key in done else estimate_s(run, plan, compiled)
+        out[run.key] = 0.0 if run.key in done else estimate_s(run, plan, compiled, evaluate)
         if run.where == DEVICE:
             compiled.add(compile_key(run, plan))
     return out
@@ -441,6 +445,7 @@ class Context:
     compile_cache: str | None
     where: str
     log: Callable[[str], None] = print
+    evaluate: bool = True  # the training runs' --eval-shards
 
     def adapter_dir(self, run: Run) -> str | None:
         """The adapter a score/generate run reads: made here (OUT/adapters), carried (WORK/device/adapters)
@@ -491,7 +496,7 @@ def one_run(run: Run, ctx: Context, timeout: float) -> dict[str, Any] | None:
     """Runs one run in its own process; its figures, why there are none, or None when it cannot start yet."""
     plan = ctx.plan
     if run.kind in ("train", "dpo"):
-        cmd = train_command(plan, run, ctx.work, ctx.out, ctx.weights, ctx.compile_cache)
+        cmd = train_command(plan, run, ctx.work, ctx.out, ctx.weights, ctx.compile_cache, ctx.evaluate)
     else:
         adapter = ctx.adapter_dir(run) if run.adapter else None
         if run.adapter and adapter is None:
@@ -539,7 +544,7 @@ def run_all(args: argparse.Namespace, where: str) -> int:
     data["commands"].append(shlex.join(["python3", "-m", "benchmarks.bench_cookbook_device", *sys.argv[1:]]))
     if where == DEVICE:
         data["machine"] = {**data["machine"], **versions()}
-    ctx = Context(plan, args.work_dir, out, args.weights, args.compile_cache, where)
+    ctx = Context(plan, args.work_dir, out, args.weights, args.compile_cache, where, evaluate=not args.no_eval)
     runs = [r for r in chosen_runs(plan, args.runs) if r.where == where]
     budget = args.budget_s if args.budget_s is not None else (540.0 if where == DEVICE else math.inf)
     deadline = time.perf_counter() + budget
@@ -548,7 +553,7 @@ def run_all(args: argparse.Namespace, where: str) -> int:
         if run.key in data["runs"] and final(data["runs"][run.key]):
             print(f"{run.key}: already in {path}, skipped", flush=True)
             continue
-        left, cost = deadline - time.perf_counter(), estimate_s(run, plan, compiled)
+        left, cost = deadline - time.perf_counter(), estimate_s(run, plan, compiled, not args.no_eval)
         if left < cost * args.margin:  # in priority order: what is not started now waits for the next call
             print(f"{run.key}: not started, {left:.0f} s left of --budget-s and it should take ~{cost:.0f} s; it and "
                   "the runs after it wait for the next call (run the command again)", flush=True)
@@ -797,14 +802,16 @@ def layout_ratios(runs: dict[str, Any], task: str, seeds: Sequence[int]) -> dict
 def print_speed_tables(data: dict[str, Any], plan: dict[str, Any], work: str, out: str) -> None:
     runs = data["runs"]
     speed = plan["throughput"]
-    rows = [(b, runs.get(f"generate {speed['task']} {speed['adapter']} batch={b}", {})) for b in speed["batch_sizes"]]
-    if any(r.get("generation") for _, r in rows):
+    rows = [(b, f"generate {speed['task']} {speed['adapter']} batch={b}") for b in speed["batch_sizes"]]
+    rows.append((plan["generate_batch_size"], f"score {speed['task']} {speed['adapter']}"))  # the scoring run's batch
+    rows = [(b, key, runs.get(key, {})) for b, key in sorted(rows)]
+    if any(r.get("generation") for _, _, r in rows):
         print(f"\nGeneration with the {speed['task']} adapter ({speed['adapter']}), --max-new-tokens {plan['max_new_tokens']}:\n")
-        print("| batch | prompts | tokens | tokens/s | tokens/s without compiling | exact match |")
-        print("|---|---|---|---|---|---|")
-        for batch, r in rows:
+        print("| batch | run | prompts | tokens | tokens/s | tokens/s without compiling | exact match |")
+        print("|---|---|---|---|---|---|---|")
+        for batch, key, r in rows:
             g = r.get("generation") or {}
-            print(f"| {batch} | {fmt(r.get('prompts'))} | {fmt(g.get('tokens'))} | {fmt(g.get('tokens_per_s'))} "
+            print(f"| {batch} | {key} | {fmt(r.get('prompts'))} | {fmt(g.get('tokens'))} | {fmt(g.get('tokens_per_s'))} "
                   f"| {fmt(g.get('steady_tokens_per_s'))} | {rate(r.get('exact_match'))} |")
     agreement = greedy_agreement_rows(data, plan, work, out)
     if agreement:
@@ -1013,9 +1020,9 @@ def prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-def print_plan(plan: dict[str, Any], done: set[str] = frozenset(), budget_s: float = 540.0) -> None:
+def print_plan(plan: dict[str, Any], done: set[str] = frozenset(), budget_s: float = 540.0, evaluate: bool = True) -> None:
     runs = planned_runs(plan)
-    costs = estimates(runs, plan, done)
+    costs = estimates(runs, plan, done, evaluate)
     for task in TASKS:
         t = plan["tasks"][task]
         print(f"{task}: {t['train_records']} records, longest {t['longest_example']} tokens; packed {t['layouts']['packed']['rows']} "
@@ -1070,6 +1077,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget-s", type=float, default=None,
                    help="wall time for this call (default 540 s on the device, none here); a run that would not fit "
                    "waits for the next call, with those after it")
+    p.add_argument("--no-eval", action="store_true",
+                   help="the training runs skip --eval-shards (about 120 s of chip time in all: each shape's eval "
+                   "compiles); the scoring's reference NLL is then the held-out loss")
     p.add_argument("--margin", type=float, default=1.0, help="start a run only with its estimate times this left")
     p.add_argument("--export", default=None, metavar="DIR", help="after the runs, the files the CPU needs into DIR ($OUT)")
     p.add_argument("--export-all", action="store_true", help="--export every adapter, also those an earlier call exported")
@@ -1090,7 +1100,7 @@ def main(argv: list[str] | None = None) -> int:
             plan = read_plan(args.work_dir)
             out = args.out or os.path.join(args.work_dir, HERE, "out")
             print_plan(plan, {k for k, r in load_results(os.path.join(out, RESULTS))["runs"].items() if final(r)},
-                       args.budget_s or 540.0)
+                       args.budget_s or 540.0, not args.no_eval)
             return 0
         if args.resume_kit:
             resume_kit(args.work_dir)

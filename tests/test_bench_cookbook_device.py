@@ -69,6 +69,7 @@ def test_both_layouts_train_the_same_epochs_on_one_schedule_scaled_to_their_step
     assert option(unpacked, "--shards") == os.path.join("W", "device", "tools", "unpacked", "L192")
     assert option(unpacked, "--eval-shards") == os.path.join("W", "device", "tools", "eval", "L192")  # the same records at each L
     assert option(unpacked, "--save-lora") == os.path.join("O", "adapters", "tools-unpacked-seed1")
+    assert "--eval-shards" not in cook.train_command(plan, runs["train tools packed seed=0"], "W", "O", None, None, evaluate=False)
     dpo = command("dpo packed seed=0")
     assert option(dpo, "--objective") == "dpo" and option(dpo, "--shards") == os.path.join("W", "device", "dpo", "packed", "L384")
     assert option(dpo, "--steps") == str(math.ceil(2 * 47 / 4)) and "--save-lora" not in dpo and "--eval-shards" not in dpo
@@ -77,12 +78,12 @@ def test_both_layouts_train_the_same_epochs_on_one_schedule_scaled_to_their_step
 def test_the_runs_come_tool_calls_first_and_the_cpu_scores_what_needs_transformers() -> None:
     runs = cook.planned_runs(real_plan())
     device = [r.key for r in runs if r.where == cook.DEVICE]
-    assert device[:4] == ["train tools packed seed=0", "train tools unpacked seed=0", "train tools packed seed=1",
-                          "train tools unpacked seed=1"]
-    assert device[8:] == ["score identity base", "score identity packed seed=0", "score identity unpacked seed=0",
-                          "score identity packed seed=1", "score identity unpacked seed=1", "dpo packed seed=0",
-                          "generate identity packed seed=0 batch=1", "generate identity packed seed=0 batch=8",
-                          "generate identity packed seed=0 batch=32"]
+    assert device == ["train tools packed seed=0", "train tools unpacked seed=0", "train tools packed seed=1",
+                      "train tools unpacked seed=1", "train identity packed seed=0", "train identity unpacked seed=0",
+                      "score identity base", "score identity packed seed=0", "score identity unpacked seed=0",
+                      "dpo packed seed=0", "generate identity packed seed=0 batch=1", "generate identity packed seed=0 batch=32",
+                      "train identity packed seed=1", "train identity unpacked seed=1", "score identity packed seed=1",
+                      "score identity unpacked seed=1"]  # batch 8: the scoring run's
     here = [r.key for r in runs if r.where == cook.HERE]
     assert here == ["score tools base", "score tools packed seed=0", "score tools unpacked seed=0", "score tools packed seed=1",
                     "score tools unpacked seed=1", "score identity base @cpu", "score identity packed seed=0 @cpu"]
@@ -106,6 +107,9 @@ def test_the_estimate_counts_one_cold_compile_per_shape_and_nothing_for_done_run
                                           + cook.EVAL_COMPILE_S[False] - cook.EVAL_COMPILE_S[True])
     assert costs["train identity unpacked seed=0"] == pytest.approx(costs["train identity packed seed=0"], abs=5)  # each compiles its L
     assert 900 < sum(costs.values()) < 1500
+    without_eval = cook.estimates(runs, plan, evaluate=False)
+    assert without_eval["train tools packed seed=0"] == pytest.approx(cold - cook.EVAL_COMPILE_S[False] - 2 * 0.02)
+    assert without_eval["dpo packed seed=0"] == costs["dpo packed seed=0"]  # DPO evaluates nothing either way
     done = cook.estimates(runs, plan, {"train tools packed seed=0"})
     assert done["train tools packed seed=0"] == 0 and done["train tools packed seed=1"] == cached  # a warm machine's cache
 
