@@ -31,7 +31,7 @@ measured where they say so), to be replaced by what the chip reports.
   Here (CPU, no chip; ~5 min, then ~10 min of CPU scoring that may run while the device works):
 
     python -m benchmarks.device_weights split --output .weights        # 6 parts (5 x 45 MiB, 16.4 MiB), manifest.json
-    python -m benchmarks.bench_cookbook_device --prepare                # .cookbook/device (7.4 MiB, carried), .cookbook/here
+    python -m benchmarks.bench_cookbook_device --prepare                # .cookbook/device (8.3 MiB, carried), .cookbook/here
     python -m benchmarks.bench_cookbook_device --plan                   # the runs, their estimates, the calls they take
     python -m benchmarks.bench_cookbook_device --here                   # the base models scored on the CPU (tools; identity @cpu)
 
@@ -44,23 +44,26 @@ measured where they say so), to be replaced by what the chip reports.
           else export PYTHONPATH=${PYTHONPATH:-}:/tmp/tpu-site:/tmp/tpu-site2 PYTHONUNBUFFERED=1; fi; unset JAX_COMPILATION_CACHE_DIR
     PART = .weights/gemma-3-270m-q4_k_m.gguf.part0N                    (N per call, below)
 
-    call 1     carry .whl-tpu .weights/manifest.json $PART(N=5)        ~40 MiB   ~60 s (the install ~40 s)
+    call 1     carry .whl-tpu .weights/manifest.json $PART(N=5)        ~41 MiB   ~60 s (the install ~40 s)
                ENV; python3 -m benchmarks.device_weights collect .weights
-    calls 2-5  carry .weights/manifest.json $PART(N=0..3)              ~49 MiB   ~15 s each
+    calls 2-5  carry .weights/manifest.json $PART(N=0..3)              ~50 MiB   ~15 s each
                ENV; python3 -m benchmarks.device_weights collect .weights
-    call 6     carry .weights/manifest.json $PART(N=4) .cookbook/device  ~57 MiB  ~420 s
-    calls 7, 8 carry .cookbook/device                                   ~12 MiB   ~510 s, ~440 s
+    call 6     carry .weights/manifest.json $PART(N=4) .cookbook/device  ~58 MiB  ~430 s
+    calls 7, 8 carry .cookbook/device                                   ~13 MiB   ~470 s, ~520 s
                ENV; W=$(python3 -m benchmarks.device_weights join .weights) \
                    && python3 -m benchmarks.bench_cookbook_device --weights "$W" --export $OUT
 
   Each compute call runs, in order, the runs that fit its --budget-s (540 s) and stops before the
   first that would not; what is done is skipped next time (results merged in /tmp/cookbook). By
-  --plan: call 6 the four tool-call runs (~413 s), call 7 identity's four and most of its scoring
-  (~499 s), call 8 the rest, DPO and generation at batch 1, 8, 32 (~430 s). Chip seconds for the
-  session: ~100 (the machine's start) + ~60 + 4 x 15 (transfers) + ~1,350 (runs) + ~8 x 10 (each
-  call's own overhead) ~ 1,650 of the 1,800 a session may use. A call's $OUT brings back
-  cookbook.json, cookbook-files.tar.gz and the adapters made since the last call (two to a tar;
-  --export-all: every one, should a call's files have been lost).
+  --plan: call 6 the four tool-call runs (~413 s); call 7 identity's first seed, the base model's
+  and those adapters' scoring (~459 s); call 8 DPO, generation at batch 1 and 32 (batch 8 is the
+  scoring's), identity's second seed and its scoring (~507 s). Chip seconds for the session:
+  ~100 (the machine's start) + ~60 + 4 x 15 (transfers) + ~1,380 (runs) + ~8 x 10 (each call's own
+  overhead) ~ 1,680 of the 1,800 a session may use. Should call 6 take much longer than its
+  estimate, add --no-eval to calls 7 and 8 (the training runs' eval passes: ~150 s less; the
+  scoring's reference NLL is then the held-out loss). A call's $OUT brings back cookbook.json,
+  cookbook-files.tar.gz and the adapters made since the last call (two to a tar; --export-all:
+  every one, should a call's files have been lost).
 
   If the machine went cold (its /tmp lost): here, `--import FOLDER --resume-kit` writes
   .cookbook/device/resume.json (the runs it holds are skipped) and .cookbook/device/adapters (those
@@ -119,7 +122,9 @@ SAMPLER_COMPILE_S = {False: 40.0, True: 10.0}  # prefill and decode at one batch
 NLL_COMPILE_S = {False: 20.0, True: 5.0}  # --score's teacher-forced reference NLL (a guess)
 DECODE_STEP_S = 0.01  # one token for the whole batch (a guess)
 SAVE_S = 3.0
-CPU_GENERATE_S_PER_TOKEN = 0.05  # --here: a 270M token on 2 CPU cores, per sequence of the batch (a guess)
+# --here: a 270M token on 2 CPU cores, per sequence of the batch (a guess; the base model's scoring took 75 s
+# for identity's 36 prompts and 160 s for the tool calls' 30, beside other work)
+CPU_GENERATE_S_PER_TOKEN = 0.05
 
 
 class CookbookError(Exception):
@@ -903,10 +908,14 @@ def read_plan(work: str) -> dict[str, Any]:
     path = os.path.join(work, DEVICE, PLAN)
     try:
         with open(path) as f:
-            return json.load(f)
+            plan = json.load(f)
     except OSError:
         raise CookbookError(f"no {path}: run `python -m benchmarks.bench_cookbook_device --prepare --work-dir {work}` "
                             "here first (it needs Beam), then carry the folder") from None
+    missing = sorted(set(recipe(smoke=False)) - set(plan))
+    if missing:
+        raise CookbookError(f"{path} has no {', '.join(missing)}: an older --prepare wrote it; run --prepare again")
+    return plan
 
 
 def pack(args: list[str], say: Callable[[str], None]) -> None:

@@ -323,3 +323,10 @@ def test_a_work_folder_without_a_plan_is_one_line(tmp_path) -> None:
     assert done.returncode == 1 and done.stderr.count("\n") == 1
     assert done.stderr.startswith(f"bench_cookbook_device: no {tmp_path}/device/plan.json: run `python -m "
                                   "benchmarks.bench_cookbook_device --prepare")
+    older = real_plan()
+    del older["attention"], older["compare"]
+    (tmp_path / "device").mkdir()
+    (tmp_path / "device" / cook.PLAN).write_text(json.dumps(older))
+    with pytest.raises(cook.CookbookError, match=r"plan\.json has no attention, compare: an older --prepare wrote it; "
+                                                  r"run --prepare again$"):
+        cook.read_plan(str(tmp_path))
