@@ -78,7 +78,7 @@ measured where they say so), to be replaced by what the chip reports.
 On this CPU end to end (tiny model, random weights, a few steps; the plumbing, not the figures):
 
     python -m benchmarks.bench_cookbook_device --prepare --smoke --work-dir /tmp/cook
-    python -m benchmarks.bench_cookbook_device --work-dir /tmp/cook --out /tmp/cook/out --export /tmp/cook/export
+    python -m benchmarks.bench_cookbook_device --work-dir /tmp/cook --budget-s 3600 --export /tmp/cook/export   # ~7 min
     python -m benchmarks.bench_cookbook_device --work-dir /tmp/cook --import /tmp/cook/export --here
 """
 
