@@ -10,7 +10,7 @@ job's readers and Preparer; the same --format, --columns, --roles, --tokenizer, 
 into the prompt the model trained on and the reference reply (prepack/text/chat/prompts.py).
 Tunix's Sampler generates from those ids (train/generate.py). The output is a JSONL, one line per
 prompt in input order (train/generations.py); `--score` adds each line's score and writes a
-summary JSON beside it (train/score.py), and prints the table. Bad records are dead letters, as
+summary JSON beside it (train/score.py; with the generation's tokens/s), and prints the table. Bad records are dead letters, as
 in pack: written beside the output, and failing the run past --max-bad-fraction.
 """
 
@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     mdl = p.add_argument_group("model (as `prepack train`)")
     mdl.add_argument("--model", help="gemma3-270m, gemma3-1b, qwen3-0.6b, tiny (= tiny-gemma3), tiny-qwen3 "
                      "(default: the one --lora was trained on)")
-    mdl.add_argument("--weights", help="Hugging Face safetensors folder, 'random', or 'gguf' (gemma3-270m's default)")
+    mdl.add_argument("--weights", help="Hugging Face safetensors folder, 'random', 'gguf' (gemma3-270m's default), "
+                     "or a gemma3-270m .gguf file")
     mdl.add_argument("--dtype", choices=["float32", "bfloat16"], help="parameter dtype (default: bf16 real, f32 tiny)")
     mdl.add_argument("--lora", metavar="PATH", help="the adapter `prepack train --save-lora` wrote; without it the base model runs")
     mdl.add_argument("--compile-cache", metavar="DIR|off", help=compile_cache.HELP)
@@ -369,13 +370,14 @@ def run(args: argparse.Namespace) -> int:
     _say(f"wrote {len(lines)} generations to {paths['generations']} ({generator.throughput()}; "
          f"{time.perf_counter() - started:.1f} s in all)")
     if args.score:
-        write_summary(args, paths, lines, parser, tokenizer, chat_format, sampling, about)
+        write_summary(args, paths, lines, parser, tokenizer, chat_format, sampling, {**about, "generation": generator.figures()})
     return 0
 
 
 def write_summary(args: argparse.Namespace, paths: dict[str, str], lines: list[dict[str, Any]], parser: str | None,
                   tokenizer: Any, chat_format: Any, sampling: Any, about: dict[str, Any]) -> None:
-    """--score: the summary JSON beside the output, and the table."""
+    """--score: the summary JSON beside the output (with `about`: the model, and `generation`, the
+    sampler's tokens, seconds and tokens/s, train/generate.py's Generator.figures), and the table."""
     from prepack import storage
     from train import score as score_lib
 

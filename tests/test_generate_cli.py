@@ -134,6 +134,10 @@ def test_generate_writes_lines_in_input_order_and_scores_them(runs):
     assert summary["tool_call_parser"] == "functiongemma" and (summary["call_prompts"], summary["no_call_prompts"]) == (1, 3)
     assert summary["prompts"] == 4 and summary["reference_nll"] > 0 and summary["lora"] is None
     assert summary["sampling"]["mode"] == "greedy" and summary["chat_format"] == "hf"
+    generation = summary["generation"]  # the tokens/s a benchmark reads (one batch of 4: it compiled, no steady rate)
+    assert generation["batch_size"] == 4 and generation["tokens"] == sum(x["completion_tokens"] for x in lines)
+    assert generation["seconds"] > 0 and generation["tokens_per_s"] == pytest.approx(generation["tokens"] / generation["seconds"])
+    assert (generation["steady_tokens"], generation["steady_seconds"], generation["steady_tokens_per_s"]) == (0, 0.0, None)
     table = out.splitlines()
     assert table[0].split()[:4] == ["run", "prompts", "exact_match", "reference_nll"] and table[1].split()[:2] == ["base", "4"]
     assert "tokens/s" in err

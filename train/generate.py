@@ -253,11 +253,19 @@ class Generator:
                 progress(done, len(prompts), elapsed)
         return [c for c in out if c is not None]
 
+    def figures(self) -> dict[str, Any]:
+        """Tokens and seconds so far: every batch's, and (steady_) those of the batches whose prompt-length
+        bucket had compiled before, the rate without compiling; a rate is None where no second was timed."""
+        rate = lambda tokens, seconds: tokens / seconds if seconds else None  # noqa: E731
+        return {"batch_size": self.sampling.batch_size, "tokens": self.tokens_generated, "seconds": self.seconds,
+                "tokens_per_s": rate(self.tokens_generated, self.seconds), "steady_tokens": self.steady[0],
+                "steady_seconds": self.steady[1], "steady_tokens_per_s": rate(*self.steady)}
+
     def throughput(self) -> str:
         """Tokens and tokens/s so far, and without the batches that compiled, for the console."""
-        rate = self.tokens_generated / self.seconds if self.seconds else 0.0
-        steady = f", {self.steady[0] / self.steady[1]:,.1f} tokens/s without compiling" if self.steady[1] else ""
-        return f"{self.tokens_generated:,} tokens in {self.seconds:.1f} s ({rate:,.1f} tokens/s{steady})"
+        f = self.figures()
+        steady = f", {f['steady_tokens_per_s']:,.1f} tokens/s without compiling" if f["steady_tokens_per_s"] is not None else ""
+        return f"{f['tokens']:,} tokens in {f['seconds']:.1f} s ({f['tokens_per_s'] or 0.0:,.1f} tokens/s{steady})"
 
 
 def reference_nll(model: Any, items: Sequence[tuple[np.ndarray, np.ndarray]], *, compute_dtype: Any,

