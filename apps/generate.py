@@ -335,7 +335,6 @@ def run(args: argparse.Namespace) -> int:
     from train import generate, generations
 
     paths, sampling = check_args(args)
-    compile_cache.enable(args.compile_cache, sys.stderr)  # before any compile; a bad folder stops here
     adapter, name = resolve_model(args)
     check_bounds(args, name, adapter, sampling, None, 0)
     tokenizer = load_tokenizer(args.tokenizer)
@@ -347,6 +346,8 @@ def run(args: argparse.Namespace) -> int:
         raise GenerateCliError("the inputs hold no prompt to generate for (no example with a target assistant turn)")
     parser = call_parser(args, chat_format, tokenizer, has_tools)
     check_bounds(args, name, adapter, sampling, tokenizer.vocab_size, max(len(i.prompt_ids) for i in items))
+    # After every check that can refuse the run (its one line stays alone), before the first compile.
+    compile_cache.enable(args.compile_cache, sys.stderr)
     model, compute, about = load_model(args, tokenizer, adapter, name)
     stop_ids = sorted(chat_format.end_of_turn_ids())
     generator = generate.Generator(model, pad_id=tokenizer.pad_id, stop_ids=stop_ids,
