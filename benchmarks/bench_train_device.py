@@ -39,6 +39,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -133,20 +134,31 @@ SUMMARY_FIELDS = ("median_step_time_s", "tokens_per_s", "target_tokens_per_s", "
                   "final_loss", "device_kind", "platform", "peak_tflops", "remat", "wall_time_s")
 
 
+def file_stem(key: str) -> str:
+    """A run's key as a file name of plain characters (a device's transfer refuses ',' and '=')."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", key)
+
+
 def one_run(run: Run, args: argparse.Namespace, timeout: float) -> dict[str, Any]:
     """`prepack train` for one run, in its own process; its summary's figures, or why there are none."""
     name = run.key + ("_profiled" if args.profile else "")
-    metrics = os.path.join(args.out, "metrics", name.replace(" ", "_").replace("=", "-") + ".jsonl")
+    metrics = os.path.join(args.out, "metrics", file_stem(name) + ".jsonl")
     os.makedirs(os.path.dirname(metrics), exist_ok=True)
     cmd = train_cmd(run, args, metrics)
     shown = shlex.join(["python3", *cmd[1:]])
     print(f"$ {shown}", flush=True)
     started = time.perf_counter()
+    log = os.path.join(args.out, "logs", os.path.basename(metrics)[: -len(".jsonl")] + ".log")
+    os.makedirs(os.path.dirname(log), exist_ok=True)
     try:
         done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"failed": f"no result within {timeout:.0f} s (the time budget)", "command": shown}
-    result: dict[str, Any] = {"command": shown, "process_s": time.perf_counter() - started}
+    except subprocess.TimeoutExpired as e:
+        # The child's output so far is kept: where a run was when the budget ended (a compile, a step).
+        said = save_log(log, e.stdout, e.stderr)
+        return {"failed": f"no result within {timeout:.0f} s (the time budget); last said: {said}", "command": shown,
+                "log": log}
+    save_log(log, done.stdout, done.stderr)
+    result: dict[str, Any] = {"command": shown, "process_s": time.perf_counter() - started, "log": log}
     summary = read_summary(metrics) if done.returncode == 0 else None
     if summary is None:
         last = (done.stderr.strip().splitlines() or ["(no output)"])[-1][:400]
@@ -155,6 +167,15 @@ def one_run(run: Run, args: argparse.Namespace, timeout: float) -> dict[str, Any
     result.update({k: summary.get(k) for k in SUMMARY_FIELDS})
     result["target_tokens"] = summary.get("target_tokens")
     return result
+
+
+def save_log(path: str, stdout: str | bytes | None, stderr: str | bytes | None) -> str:
+    """The child's stdout and stderr in one file; its last non-empty line (what it last said)."""
+    text = "".join(x.decode(errors="replace") if isinstance(x, bytes) else x for x in (stdout, stderr) if x)
+    with open(path, "w") as f:
+        f.write(text)
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1][:300] if lines else "(nothing)"
 
 
 def final(result: dict[str, Any]) -> bool:

@@ -103,3 +103,15 @@ def test_a_run_is_the_trainers_own_command_with_the_profile_and_extra_options() 
     assert cmd[cmd.index("--profile-steps") + 1] == "10:13" and cmd[cmd.index("--profile-dir") + 1] == "P"
     assert cmd[-2:] == ["--seed", "3"] and cmd[cmd.index("--attention") + 1] == "splash"
     assert cmd[cmd.index("--batch-size") + 1] == "8" and cmd[cmd.index("--metrics-out") + 1] == "M.jsonl"
+
+
+def test_a_run_past_its_budget_keeps_what_the_trainer_said_last(tmp_path, monkeypatch) -> None:
+    """The child's output is saved whether it ends or is stopped: a run cut off by the budget says where it was."""
+    talker = "import sys, time; print('compiling'); print('step 3: loss 1.5', file=sys.stderr, flush=True); time.sleep(30)"
+    monkeypatch.setattr(bench, "train_cmd", lambda run, args, metrics: [sys.executable, "-c", talker])
+    args = bench.build_parser().parse_args(["--out", str(tmp_path), "--label", "gqa,tile=256"])
+    run = bench.Run("gemma3-270m", 8, 2048, "packed", "flash", "none", "gqa,tile=256")
+    result = bench.one_run(run, args, timeout=3)
+    assert result["failed"] == "no result within 3 s (the time budget); last said: step 3: loss 1.5"
+    assert result["log"] == str(tmp_path / "logs" / "gemma3-270m_8x2048_packed_flash_remat_none_gqa_tile_256.log")
+    assert open(result["log"]).read().splitlines() == ["compiling", "step 3: loss 1.5"]
