@@ -73,11 +73,11 @@ def test_remat_auto_takes_a_compile_that_ran_out_of_memory_as_does_not_fit(shard
                             memory_budget_gib=64.0), out=out)
     real, calls = memory_plan.plan_run_step, []
 
-    def compile_fails_without_remat(s):
+    def compile_fails_without_remat(s, lowered=None):
         calls.append(memory_path.remat_is_on(s.built.model))
         if not calls[-1]:
             raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. Used 19.2G of 15.75G hbm.")
-        return real(s)
+        return real(s, lowered)
 
     monkeypatch.setattr(memory_plan, "plan_run_step", compile_fails_without_remat)
     choice = memory_plan.choose_remat(run, out)
@@ -85,7 +85,7 @@ def test_remat_auto_takes_a_compile_that_ran_out_of_memory_as_does_not_fit(shard
     assert ("--remat auto: the step plans more than the device holds (its compiler ran out of memory) without remat"
             in out.getvalue())
 
-    def other_failure(s):
+    def other_failure(s, lowered=None):
         raise jax.errors.JaxRuntimeError("INTERNAL: Mosaic failed to compile")
 
     monkeypatch.setattr(memory_plan, "plan_run_step", other_failure)
@@ -149,3 +149,41 @@ def test_chunked_loss_and_blocked_attention_plan_less_than_full_logits_and_the_d
     print(f"\ntemp: full logits + dense {compiled.fmt_bytes(ref_plan.temp_bytes)}, "
           f"chunked + blocked {compiled.fmt_bytes(new_plan.temp_bytes)}")
     assert ref_plan.temp_bytes - new_plan.temp_bytes >= logits_bytes
+
+
+def test_remat_auto_remembers_a_step_that_did_not_fit_and_skips_its_compile_next_time(shards, tmp_path, monkeypatch) -> None:
+    """The refused (or over-budget) compile without remat is paid once per step, cache folder and budget:
+    a later run lowers the step, finds the verdict beside the cache and compiles only the step with remat."""
+    import io
+
+    real, compiles = memory_plan.plan_without_remat, []
+
+    def counted(*args):
+        compiles.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(memory_plan, "plan_without_remat", counted)
+    base = dict(shards=shards, model="tiny-qwen3", lora_rank=4, batch_size=2, steps=1, remat="auto",
+                compile_cache=str(tmp_path / "xla"))
+
+    def choose(budget_gib: float, **options) -> tuple[bool, str]:
+        out = io.StringIO()
+        run = setup(TrainConfig(**{**base, "memory_budget_gib": budget_gib, **options}), out=out)
+        return memory_plan.choose_remat(run, out).remat_on, out.getvalue()
+
+    on, first = choose(0.001)
+    assert on and len(compiles) == 1 and "remembered" not in first
+    (verdict,) = (tmp_path / "xla" / "prepack-unfit-steps").iterdir()
+    on, second = choose(0.001)
+    assert on and len(compiles) == 1  # no compile without remat this time
+    assert f"(remembered from an earlier run: {verdict}; delete it to plan again)" in second
+    assert "rematerialising each layer" in second
+    on, _ = choose(0.0005)  # a smaller budget: the verdict covers it
+    assert on and len(compiles) == 1
+    on, roomy = choose(64.0)  # a larger one: planned again, and it fits
+    assert not on and len(compiles) == 2 and "remembered" not in roomy
+    verdict.write_text(verdict.read_text().replace('"budget_bytes": ', '"budget_bytes": "'))  # a stranger's edit
+    on, _ = choose(0.001)
+    assert on and len(compiles) == 3  # an invalid verdict is ignored: planned again (and written anew)
+    choose(0.001, compile_cache="off")
+    assert len(compiles) == 4  # off: nothing remembered, nothing read

@@ -85,7 +85,12 @@ def compile_train_step(trainer: Any, batch: Mapping[str, Any]) -> Any:
 
 
 def compile_trainers_step(trainer: Any, batch: Mapping[str, Any]) -> Any:
-    """Compiles the step the trainer's loop will call, for this batch's shapes: Tunix's own jitted
+    """lower_trainers_step's program, compiled."""
+    return lower_trainers_step(trainer, batch).compile()
+
+
+def lower_trainers_step(trainer: Any, batch: Mapping[str, Any]) -> Any:
+    """Lowers (traces, not compiles) the step the trainer's loop will call, for this batch's shapes: Tunix's own jitted
     step (`jit_train_and_eval_step`, as `train` makes it), with the batch sharded as Tunix shards
     one. JAX keeps the executable with that jit, so step 1, the same jit called on the same shapes,
     runs it without compiling again (tests/test_train_compile_once.py counts the compiles).
@@ -99,7 +104,7 @@ def compile_trainers_step(trainer: Any, batch: Mapping[str, Any]) -> Any:
     step, _ = trainer.jit_train_and_eval_step(cache_nnx_graph=True)  # PeftTrainer.train's default
     jitted = step.func.__wrapped__  # the nnx.jit under Tunix's nnx.cached_partial(jitted, model, optimizer)
     inputs = sharding_utils.shard_input(device_fields(batch), trainer.config.data_sharding_axis)
-    return jitted.lower(trainer.model, trainer.optimizer, inputs).compile()
+    return jitted.lower(trainer.model, trainer.optimizer, inputs)
 
 
 def train_step_memory(trainer: Any, batch: Mapping[str, Any]) -> CompiledMemory:

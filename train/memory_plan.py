@@ -11,6 +11,10 @@ batches' real segments, the loss path, LoRA and remat). XLA's own FLOP estimate 
 beside it as `xla_flops`: it counts each loop body once (the layer scan, the loss chunks,
 blocked attention's tiles) and a Pallas kernel as nothing, so it is right only for a
 loop-free step (`--attention dense --loss-chunk-tokens 0 --remat none`).
+
+A step found too large without remat (over the budget, or refused by a TPU's compiler) is
+remembered beside the compilation cache (train/unfit_steps.py): a later run of it skips that
+compile and plans only the step with remat.
 """
 
 from __future__ import annotations
@@ -104,16 +108,26 @@ def set_kind(manifest: Any) -> dict[str, bool]:
 
 
 def plan_step(trainer: Any, batch_size: int, max_length: int, mixture: bool = False, grad_accum_steps: int = 1,
-              pairs: bool = False) -> StepPlan:
+              pairs: bool = False, lowered: Any = None) -> StepPlan:
+    """The step's plan, compiled from `lowered` when the caller lowered it already (lower_step)."""
     import time
 
     from train import compiled
 
     started = time.perf_counter()
-    program = compiled.compile_trainers_step(trainer, placeholder_batch(batch_size, max_length, mixture, grad_accum_steps, pairs))
+    if lowered is None:
+        lowered = lower_step(trainer, batch_size, max_length, mixture, grad_accum_steps, pairs)
+    program = lowered.compile()
     memory = compiled.memory_of(program, time.perf_counter() - started, fingerprint=False)
     return StepPlan(memory.argument_bytes, memory.temp_bytes, memory.peak_estimate_bytes,
                     compiled.flops_of(program), memory.compile_s)
+
+
+def lower_step(trainer: Any, batch_size: int, max_length: int, mixture: bool = False, grad_accum_steps: int = 1,
+               pairs: bool = False) -> Any:
+    from train import compiled
+
+    return compiled.lower_trainers_step(trainer, placeholder_batch(batch_size, max_length, mixture, grad_accum_steps, pairs))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,11 +140,24 @@ class RematChoice:
     seconds: float
 
 
-def plan_run_step(setup: Any) -> StepPlan:
+def plan_run_step(setup: Any, lowered: Any = None) -> StepPlan:
     """The run's own step, compiled through its trainer for the set's shapes (step 1 reuses it)."""
     cfg, manifest = setup.config, setup.view.manifest
     return plan_step(setup.trainer, cfg.batch_size, manifest.max_length, grad_accum_steps=cfg.grad_accum_steps,
-                     **set_kind(manifest))
+                     lowered=lowered, **set_kind(manifest))
+
+
+def lower_run_step(setup: Any) -> Any:
+    cfg, manifest = setup.config, setup.view.manifest
+    return lower_step(setup.trainer, cfg.batch_size, manifest.max_length, grad_accum_steps=cfg.grad_accum_steps,
+                      **set_kind(manifest))
+
+
+def cache_folder() -> str | None:
+    """The compilation cache folder this process uses (train/compile_cache.py set it); None: off."""
+    import jax
+
+    return jax.config.jax_compilation_cache_dir if jax.config.jax_enable_compilation_cache else None
 
 
 def choose_remat(setup: Any, out: TextIO) -> RematChoice | None:
@@ -138,23 +165,26 @@ def choose_remat(setup: Any, out: TextIO) -> RematChoice | None:
     plan (compile) the step with remat, the one the run executes."""
     import time
 
-    from train import memory_path, out_of_memory
+    from train import memory_path, unfit_steps
 
     cfg = setup.config
     if cfg.remat != memory_path.REMAT_AUTO:
         return None
     started = time.perf_counter()
     budget, source = budget_bytes(cfg.memory_budget_gib)
-    try:
-        plan = plan_run_step(setup)
-        on, planned = not plan.fits(budget), f"{plan.peak_bytes / GIB:.2f} GiB"
-    except Exception as e:  # noqa: BLE001  (re-raised unless it is XLA's allocation failure)
-        # A TPU's compiler assigns the program's memory itself and refuses one that does not fit
-        # (RESOURCE_EXHAUSTED at compile time; seen on a v5e for Qwen3 0.6B and Gemma3 1B at (8, 2048)):
-        # that is the plan's answer, not the run's end.
-        if not out_of_memory.is_out_of_memory(e):
-            raise
-        on, planned = True, "more than the device holds (its compiler ran out of memory)"
+    folder = cache_folder()
+    lowered = lower_run_step(setup)
+    key = unfit_steps.step_key(lowered) if folder else None
+    known = unfit_steps.recall(folder, key, budget) if key else None
+    if known is not None:
+        # The compile without remat was refused or over budget before: not paid again (train/unfit_steps.py).
+        on, planned = True, (f"{known.planned} (remembered from an earlier run: "
+                             f"{unfit_steps.path_of(folder, key)}; delete it to plan again)")
+    else:
+        plan, planned = plan_without_remat(setup, lowered)
+        on = plan is None or not plan.fits(budget)
+        if on and key:
+            unfit_steps.remember(folder, unfit_steps.UnfitStep(key, budget, planned))
     print(f"--remat auto: the step plans {planned} without remat, budget {budget / GIB:.2f} GiB "
           f"({source}): {'rematerialising each layer' if on else 'no remat'}", file=out, flush=True)
     if on:
@@ -162,6 +192,22 @@ def choose_remat(setup: Any, out: TextIO) -> RematChoice | None:
         setup.trainer.clear_jit_cache()  # its step holds the graph without remat (train/compiled.py)
         plan = plan_run_step(setup)
     return RematChoice(plan, on, time.perf_counter() - started)
+
+
+def plan_without_remat(setup: Any, lowered: Any) -> tuple[StepPlan | None, str]:
+    """The step's plan without remat (None: the compiler refused it) and what it said."""
+    from train import out_of_memory
+
+    try:
+        plan = plan_run_step(setup, lowered)
+    except Exception as e:  # noqa: BLE001  (re-raised unless it is XLA's allocation failure)
+        # A TPU's compiler assigns the program's memory itself and refuses one that does not fit
+        # (RESOURCE_EXHAUSTED at compile time; seen on a v5e for Qwen3 0.6B and Gemma3 1B at (8, 2048)):
+        # that is the plan's answer, not the run's end.
+        if not out_of_memory.is_out_of_memory(e):
+            raise
+        return None, "more than the device holds (its compiler ran out of memory)"
+    return plan, f"{plan.peak_bytes / GIB:.2f} GiB"
 
 
 def sample_rows(cfg: Any, view: Any, batches: int = FLOP_SAMPLE_BATCHES) -> tuple[np.ndarray, float]:
