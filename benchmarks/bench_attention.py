@@ -74,6 +74,7 @@ import time
 
 import numpy as np
 
+from benchmarks import results_file
 from benchmarks.gemma3_step import block_causal_mask, dense_attention
 
 TILE = 512  # blocked's tile in the older CPU table and the device table (its default there when timed)
@@ -647,30 +648,21 @@ def rows_source(args: argparse.Namespace) -> str:
 
 def load_results(path: str, source: str) -> dict:
     """The JSON so far (empty when there is none); refuses one made on other rows."""
-    if not os.path.exists(path):
-        return {"rows": source, "machine": {}, "attention": [], "steps": [], "commands": []}
+    new = not os.path.exists(path)
+    empty = {"machine": {}, "attention": [], "steps": [], "commands": []}
     try:
-        with open(path) as f:
-            data = json.load(f)
-        if not isinstance(data, dict) or not all(isinstance(data.get(k), list) for k in ("attention", "steps")):
-            raise ValueError("not this benchmark's results")
-    except (OSError, ValueError) as e:
+        data = results_file.load(path, empty, lambda d: all(isinstance(d.get(k), list) for k in ("attention", "steps")))
+    except results_file.UnreadableResults as e:
         raise SystemExit(f"bench_attention: {path}: unreadable ({e}); move it away or give another --out") from None
+    if new:
+        data["rows"] = source
     if data.get("rows") != source:
         raise SystemExit(f"bench_attention: {path} holds results on other rows ({data.get('rows')}, these are {source}); "
                          "give another --out")
-    data.setdefault("machine", {})
-    data.setdefault("commands", [])
     return data
 
 
-def save_results(path: str, data: dict) -> None:
-    """Atomically: a call that ends mid-write leaves the previous results intact."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
+save_results = results_file.save
 
 
 def attention_kinds(backend: str) -> set[str]:

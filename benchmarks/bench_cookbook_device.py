@@ -99,6 +99,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from benchmarks import results_file
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = "cookbook.json"
 FILES_TAR = "cookbook-files.tar.gz"
@@ -364,18 +366,10 @@ def empty_results() -> dict[str, Any]:
 
 
 def load_results(path: str) -> dict[str, Any]:
-    if not os.path.exists(path):
-        return empty_results()
     try:
-        with open(path) as f:
-            data = json.load(f)
-        if not isinstance(data, dict) or not isinstance(data.get("runs"), dict):
-            raise ValueError("no 'runs' object")
-    except (OSError, ValueError) as e:
-        raise CookbookError(f"{path}: not this benchmark's results ({e}); move it away") from None
-    for key, value in empty_results().items():
-        data.setdefault(key, value)
-    return data
+        return results_file.load(path, empty_results(), lambda d: isinstance(d.get("runs"), dict))
+    except results_file.UnreadableResults as e:
+        raise CookbookError(f"{path}: unreadable ({e}); move it away") from None
 
 
 def merge_results(into: dict[str, Any], other: dict[str, Any]) -> list[str]:
@@ -389,13 +383,7 @@ def merge_results(into: dict[str, Any], other: dict[str, Any]) -> list[str]:
     return taken
 
 
-def save_results(path: str, data: dict[str, Any]) -> None:
-    """Atomically: a call that ends mid-write leaves the previous results."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
+save_results = results_file.save
 
 
 # ----------------------------------------------------------------------------- the estimate

@@ -46,6 +46,7 @@ import sys
 import time
 from typing import Any
 
+from benchmarks import results_file
 from benchmarks.data import DATA_DIR
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -184,26 +185,13 @@ def final(result: dict[str, Any]) -> bool:
 
 
 def load_results(path: str) -> dict[str, Any]:
-    if not os.path.exists(path):
-        return {"machine": {}, "runs": {}, "commands": []}
     try:
-        with open(path) as f:
-            data = json.load(f)
-        if not isinstance(data, dict) or not isinstance(data.get("runs"), dict):
-            raise ValueError("not this benchmark's results")
-    except (OSError, ValueError) as e:
+        return results_file.load(path, {"machine": {}, "runs": {}, "commands": []}, lambda d: isinstance(d.get("runs"), dict))
+    except results_file.UnreadableResults as e:
         raise SystemExit(f"bench_train_device: {path}: unreadable ({e}); move it away or give another --out") from None
-    data.setdefault("machine", {})
-    data.setdefault("commands", [])
-    return data
 
 
-def save_results(path: str, data: dict[str, Any]) -> None:
-    """Atomically: a call that ends mid-write leaves the previous results intact."""
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
+save_results = results_file.save
 
 
 def budget_times(runs: dict[str, dict[str, Any]], budget: float) -> list[dict[str, Any]]:
