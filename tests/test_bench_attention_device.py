@@ -86,3 +86,12 @@ def test_results_of_other_rows_are_refused_in_one_line(tmp_path) -> None:
     assert done.returncode == 1 and "jax" not in done.stderr
     assert done.stderr.strip().endswith("holds results on other rows (sha256:00, these are smoke); give another --out")
     assert done.stderr.count("\n") == 1
+
+
+def test_the_whole_step_variants_run_flash_at_the_trainers_default_block() -> None:
+    from benchmarks import bench_attention
+    from train import flash_attention
+
+    for backend in ("tpu", "gpu"):
+        flash = [v for v in bench_attention.step_variants(backend, smoke=False) if v.startswith("flash:")]
+        assert flash == [f"flash:{flash_attention.DEFAULT_BLOCK[backend]}:layer", f"flash:{flash_attention.DEFAULT_BLOCK[backend]}:none"]

@@ -64,3 +64,11 @@ def test_remat_auto_that_switches_remat_on_runs_the_step_it_planned(shards) -> N
     assert summary["remat"] == "layer"
     assert compiles == 2
     assert summary["first_step_time_s"] >= summary["remat_auto_plan_s"]
+
+
+def test_scan_layers_trains_to_the_same_loss_with_one_compile(shards) -> None:
+    """`--scan-layers` through the whole trainer: one compile, no remat, the loss of Tunix's own loop."""
+    loop, _ = train_counting_compiles(shards, remat="none")
+    scanned, compiles = train_counting_compiles(shards, remat="none", scan_layers=True)
+    assert compiles == 1 and scanned["remat"] == "none" and scanned["steps"] == 2
+    assert scanned["final_loss"] == pytest.approx(loop["final_loss"], rel=1e-6)

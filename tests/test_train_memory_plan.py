@@ -187,3 +187,72 @@ def test_remat_auto_remembers_a_step_that_did_not_fit_and_skips_its_compile_next
     assert on and len(compiles) == 3  # an invalid verdict is ignored: planned again (and written anew)
     choose(0.001, compile_cache="off")
     assert len(compiles) == 4  # off: nothing remembered, nothing read
+
+
+def _lora_model(name: str, kind: str, layers: int):
+    from train import attention
+
+    built = models.build_model(name, vocab_size=256, seed=1, config_overrides={"num_layers": layers})
+    model = models.apply_lora(built.model, built.spec, rank=4)
+    attention.install(model, kind, 64)
+    rng = np.random.default_rng(0)
+    nnx.update(model, jax.tree.map(lambda x: x + 0.1 * rng.normal(size=x.shape).astype(x.dtype), nnx.state(model, nnx.LoRAParam)))
+    return model
+
+
+def _program_chars(model, batch, kind) -> int:
+    from train import loss as loss_lib
+
+    inputs = model_inputs.make_gen_model_input_fn(attention=kind)(batch)
+    fn = nnx.jit(nnx.value_and_grad(loss_lib.masked_loss_fn_with_aux, argnums=nnx.DiffState(0, nnx.LoRAParam), has_aux=True))
+    return len(fn.lower(model, **inputs).as_text())
+
+
+SCAN_BATCH = dict(examples=([100, 60, 90], 256), rows=((0, 1), (2,)), length=192)
+
+
+def _scan_batch():
+    return testing.packed_batch(testing.make_examples(*SCAN_BATCH["examples"], seed=1), SCAN_BATCH["rows"], SCAN_BATCH["length"])
+
+
+@pytest.mark.parametrize("name,kind,layers", [("tiny-gemma3", "dense", 14), ("tiny-qwen3", "blocked", 4)])
+def test_scan_layers_keeps_loss_and_gradients(name, kind, layers) -> None:
+    """--scan-layers: the layers' period as one scan's body, no remat (Gemma3 at 14 layers: 2 periods of
+    5 local + 1 global, then 2 local layers after the loop): the same loss and gradients as Tunix's loop."""
+    model, batch = _lora_model(name, kind, layers), _scan_batch()
+    loss, grads, _ = _loss_grads_temp(model, batch, kind)
+    memory_path.set_remat(model, False, scan_layers=True)
+    assert not memory_path.remat_is_on(model)
+    s_loss, s_grads, _ = _loss_grads_temp(model, batch, kind)
+    assert s_loss == pytest.approx(loss, rel=1e-6)
+    for a, b in zip(s_grads, grads):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    memory_path.set_remat(model, True, scan_layers=True)  # remat wins: --remat layer always scans, with remat
+    assert memory_path.remat_is_on(model)
+
+
+@pytest.mark.parametrize("name,kind,layers,more", [("tiny-gemma3", "dense", 14, 6), ("tiny-qwen3", "blocked", 4, 2)])
+def test_scan_layers_program_grows_by_a_fraction_of_a_period_per_period(name, kind, layers, more) -> None:
+    """What makes the scanned program compile and load faster: a period more adds its layers to the
+    unrolled program, and to the scanned one only the stacking of their weights."""
+    batch = _scan_batch()
+
+    def chars(n: int, scanned: bool) -> int:
+        model = _lora_model(name, kind, n)
+        memory_path.set_remat(model, False, scan_layers=scanned)
+        return _program_chars(model, batch, kind)
+
+    unrolled = chars(layers + more, False) - chars(layers, False)
+    scanned = chars(layers + more, True) - chars(layers, True)
+    print(f"\n{name}: {more} layers more add {unrolled:,} characters unrolled, {scanned:,} scanned")
+    assert 0 < scanned < 0.3 * unrolled
+
+
+def test_the_layers_period_is_the_shortest_repeating_one() -> None:
+    from train import layer_scan
+
+    local, glob = "local", "global"
+    assert layer_scan.period([local] * 5 + [glob]) == 6
+    assert layer_scan.period(([local] * 5 + [glob]) * 4 + [local] * 2) == 6  # Gemma3 1B: 26 layers
+    assert layer_scan.period([None] * 28) == 1  # Qwen3
+    assert layer_scan.period([local, glob, glob]) == 3

@@ -74,6 +74,8 @@ class TrainConfig:
     # none | layer | auto (plan the step, remat only if it would not fit). prepack train defaults to auto;
     # the library default is none, so a caller that plans itself does not pay a second compile.
     remat: str = "none"
+    # The layers as one lax.scan over their repeating period, without remat (train/layer_scan.py).
+    scan_layers: bool = False
     memory_budget_gib: float | None = None  # None: the device's memory where JAX reports it, else 16
     # Before step 1, run the first batch packed and each of its segments alone through the
     # run's model (train/parity.py) and stop if any target's log-probability differs.

@@ -39,8 +39,11 @@ def _kind(layer: nnx.Module) -> Any:
     return getattr(layer.attn, "attn_type", None)
 
 
-def scan_layers(layers: Sequence[nnx.Module], x: jax.Array, *args: Any, **kwargs: Any) -> jax.Array:
-    """x through every layer, as `layer(x, *args, **kwargs)[1]` in order, recomputed in the backward pass."""
+def scan_layers(layers: Sequence[nnx.Module], x: jax.Array, *args: Any, remat: bool = True, **kwargs: Any) -> jax.Array:
+    """x through every layer, as `layer(x, *args, **kwargs)[1]` in order; with remat each layer is
+    recomputed in the backward pass, without it the layers' repeating period is the loop's body."""
+    if not remat:
+        return scan_periods(layers, x, *args, **kwargs)
     graphs, treedefs, leaves, kinds = {}, set(), [], []
     for layer in layers:
         graph, state = nnx.split(layer)
@@ -70,6 +73,50 @@ def scan_layers(layers: Sequence[nnx.Module], x: jax.Array, *args: Any, **kwargs
     return x
 
 
+def period(kinds: Sequence[Any]) -> int:
+    """The shortest p with kinds[i] == kinds[i % p] for every i (Gemma3: 5 local layers and 1 global, 6)."""
+    return next(p for p in range(1, len(kinds) + 1) if all(k == kinds[i % p] for i, k in enumerate(kinds)))
+
+
+def scan_periods(layers: Sequence[nnx.Module], x: jax.Array, *args: Any, **kwargs: Any) -> jax.Array:
+    """`--scan-layers` without remat: the layers' repeating period (one layer for Qwen3, Gemma3's 5 local
+    and 1 global) is the body of one lax.scan, unrolled inside it, and a shorter tail (Gemma3 1B's 26
+    layers: 4 periods and 2 layers) runs after it. Why periods and not scan_layers' lax.switch: without
+    a checkpoint, the backward pass of a switch keeps every branch's residuals, zeros for the branch
+    not taken; a body of fixed kinds keeps only its own. XLA compiles one period instead of every layer:
+    a smaller executable, which compiles and loads from the cache faster (docs/benchmarks.md)."""
+    p = period([_kind(layer) for layer in layers])
+    repeats = len(layers) // p
+    if repeats < 2:
+        for layer in layers:
+            x = layer(x, *args, **kwargs)[1].astype(x.dtype)
+        return x
+    graphs, treedefs, stacked = [], [], []
+    for j in range(p):
+        columns, defs = [], set()
+        for r in range(repeats):
+            graph, state = nnx.split(layers[r * p + j])
+            flat, treedef = jax.tree.flatten(state)
+            defs.add(treedef)
+            columns.append(flat)
+        if len(defs) != 1:
+            raise ValueError("the decoder layers do not share one state structure; drop --scan-layers")
+        graphs.append(graph)
+        treedefs.append(defs.pop())
+        stacked.append([jnp.stack(column) for column in zip(*columns)])
+
+    def body(h: jax.Array, period_leaves: list[list[jax.Array]]) -> tuple[jax.Array, None]:
+        for graph, treedef, flat in zip(graphs, treedefs, period_leaves):
+            layer = nnx.merge(graph, jax.tree.unflatten(treedef, flat))
+            h = layer(h, *args, **kwargs)[1].astype(h.dtype)
+        return h, None
+
+    x, _ = jax.lax.scan(body, x, stacked)
+    for layer in layers[repeats * p:]:
+        x = layer(x, *args, **kwargs)[1].astype(x.dtype)
+    return x
+
+
 @functools.cache
 def _scannable_class(base: type) -> type:
     from tunix.models.gemma3 import model as g3
@@ -91,10 +138,11 @@ def _scannable_class(base: type) -> type:
         # Tunix's forward (0.1.7), with its layer loop replaced by scan_layers.
         if gemma3:
             x = self._encode_and_get_inputs(tokens=tokens)
-            x = scan_layers(self.layers, x, positions, None, attention_mask)
+            x = scan_layers(self.layers, x, positions, None, attention_mask, remat=self.layer_scan_remat)
         else:
             x = self.embedder.encode(tokens)
-            x = scan_layers(self.layers, x, positions, None, attention_mask, segment_ids=named.get("segment_ids"))
+            x = scan_layers(self.layers, x, positions, None, attention_mask, remat=self.layer_scan_remat,
+                            segment_ids=named.get("segment_ids"))
         x = self.final_norm(x)
         if output_hidden_states:
             with warnings.catch_warnings():
@@ -114,14 +162,21 @@ def scannable(model: nnx.Module) -> nnx.Module:
     """Gives the (base, pre-LoRA) model the `layer_scan` switch, off: Tunix's own forward until set_scan."""
     model.__class__ = _scannable_class(type(model))
     model.layer_scan = False
+    model.layer_scan_remat = True
     return model
 
 
-def set_scan(model: nnx.Module, on: bool) -> None:
+def set_scan(model: nnx.Module, on: bool, remat: bool = True) -> None:
+    """The layers under one scan (on) or Tunix's loop; with remat (`--remat layer`) or without (`--scan-layers`)."""
     if not hasattr(model, "layer_scan"):
         raise ValueError("the model was built without the layer-scan switch (train.layer_scan.scannable before LoRA)")
     model.layer_scan = on
+    model.layer_scan_remat = remat
 
 
 def scan_is_on(model: nnx.Module) -> bool:
     return bool(getattr(model, "layer_scan", False))
+
+
+def remat_is_on(model: nnx.Module) -> bool:
+    return scan_is_on(model) and bool(getattr(model, "layer_scan_remat", True))

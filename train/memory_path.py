@@ -137,13 +137,14 @@ def install_attention(model: nnx.Module, cfg: TrainConfig, max_length: int) -> N
     attention_lib.install(model, attention_kind(cfg), attention_tile(cfg, max_length))
 
 
-def set_remat(model: nnx.Module, on: bool) -> None:
+def set_remat(model: nnx.Module, on: bool, scan_layers: bool = False) -> None:
+    """Remat on: the layers scanned, each recomputed. Off: Tunix's loop, or (scan_layers) a scan without remat."""
     from train import layer_scan
 
-    layer_scan.set_scan(model, on)
+    layer_scan.set_scan(model, on or scan_layers, remat=on)
 
 
 def remat_is_on(model: nnx.Module) -> bool:
     from train import layer_scan
 
-    return layer_scan.scan_is_on(model)
+    return layer_scan.remat_is_on(model)

@@ -230,7 +230,7 @@ def prepare_model(cfg: TrainConfig, model: ModelChoice, built: Any, mesh: Any, m
                                     qlora=cfg.qlora, qlora_tile=qlora_tile(cfg, model.config))
     models.shard_model(built.model, mesh)
     memory_path.install_attention(built.model, cfg, max_length)
-    memory_path.set_remat(built.model, cfg.remat == memory_path.REMAT_LAYER)
+    memory_path.set_remat(built.model, cfg.remat == memory_path.REMAT_LAYER, scan_layers=cfg.scan_layers)
 
 
 def run_static(cfg: TrainConfig, manifest: Any, built: Any) -> dict[str, Any]:
