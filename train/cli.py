@@ -152,7 +152,7 @@ def add_memory_path_args(p: argparse.ArgumentParser) -> None:
                    "kernel with segment ids (TPU). Default: flash on TPU, dense on GPU, blocked on CPU (measured, "
                    "docs/benchmarks.md)")
     p.add_argument("--attention-tile", type=whole_number("--attention-tile"), default=None,
-                   help="tokens per tile (blocked) or block (flash, splash); must divide L. Default: blocked 512 "
+                   help="tokens per tile (blocked) or block (flash, splash); must divide L. Default: blocked 256 "
                    "(measured on CPU), flash 64 on GPU, 256 on TPU (measured on a v5e) and 128 elsewhere, splash 512, each cut to divide L")
     p.add_argument("--remat", default="auto", choices=["none", "layer", "auto"],
                    help="recompute each layer's activations in the backward pass; auto: only if the planned step "
