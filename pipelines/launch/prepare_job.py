@@ -92,7 +92,7 @@ def prepare(
     inputs, tasks = _resolve(config) if resolved is None else resolved
     if resolved is None:  # the offline Dataflow check reads no input
         config = _checked_formats(config, tasks)
-    if config.rows.pairs and config.rows.cuts_pieces:
+    if config.rows.preference and config.rows.cuts_pieces:
         raise JobError(f"--overlong {config.rows.overlong.value} cuts examples into pieces, and a preference pair is packed "
                        "whole (its two sides in one row): use --overlong drop (the default) or truncate, which cuts the "
                        "ends of both completions")

@@ -208,7 +208,7 @@ def _one_kind(sources: Sequence[MixtureSource], where: str) -> None:
     share a set: the sources are all one or all the other."""
     from prepack.text.formats import template_class
 
-    kinds = {s.name: template_class(s.format).yields_pairs for s in sources}
+    kinds = {s.name: template_class(s.format).yields_preference for s in sources}
     if len(set(kinds.values())) > 1:
         pairs = sorted(n for n, k in kinds.items() if k)
         others = sorted(n for n, k in kinds.items() if not k)

@@ -36,7 +36,7 @@ class Template(Protocol):
     name: str
     table_level: bool
     group_key: str | None
-    yields_pairs: bool
+    yields_preference: bool
     COLUMNS: Mapping[str, str]
     same_reader_as: str | None
 
