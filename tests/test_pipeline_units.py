@@ -33,12 +33,14 @@ def _job_context(sub_buckets: int = 1, format: str = "alpaca", **config):
     from pipelines.configs import PackConfig, RowSpec, RunOptions
     from pipelines.wire.records import TaskMeta
     from pipelines.stage_shared import JobContext
+    from prepack.text.formats import ResolvedFormat
 
     run_fields = {f.name for f in dataclasses.fields(RunOptions)}
     rows = RowSpec(inputs=("in",), format=format, **{k: v for k, v in config.items() if k not in run_fields})
     run = RunOptions(output="/tmp/unused", progress=False, **{k: v for k, v in config.items() if k in run_fields})
     return JobContext(config=PackConfig(rows, run),
-                      tasks=(TaskMeta(0, "in", "f.jsonl", "f.jsonl"),), sub_buckets=sub_buckets, run_id="r", pad_id=0)
+                      tasks=(TaskMeta(0, "in", "f.jsonl", "f.jsonl"),), sub_buckets=sub_buckets, run_id="r", pad_id=0,
+                      formats=tuple(ResolvedFormat(s.format, s.options) for s in rows.mixture.sources))
 
 
 # ----------------------------------------------------------------------------- planning
