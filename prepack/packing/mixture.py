@@ -318,9 +318,9 @@ def _source(index: int, name: str, specs: list[str], fmt: Any, weight: Any, opti
             raise MixtureError(f"{at}: {key} must be a string of 1 to {bound} characters (quote it), "
                                f"got {_got(value)}")
     try:
-        from prepack.text.formats import get_template
+        from prepack.text.formats import ResolvedFormat
 
-        get_template(fmt, **options)
+        ResolvedFormat.checked(fmt, options)
     except (ValueError, TypeError) as e:
         raise MixtureError(f"{at}: {e}") from None
     inputs = tuple(specs) if base is None else tuple(_resolve(s, base) for s in specs)
