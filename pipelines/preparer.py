@@ -117,11 +117,11 @@ class Preparer:
                    tokenizer: str, chat_format: str, train_reasoning: bool = True, expand_turns: bool = False,
                    **kwargs: Any) -> "Preparer":
         from prepack.text.chat import get_chat_format
-        from prepack.text.formats import get_template
+        from prepack.text.formats import ResolvedFormat
         from prepack.text.tokenizer import load_tokenizer
 
         loaded = load_tokenizer(tokenizer)
-        return cls(tasks, get_template(template, **dict(template_options)), loaded,
+        return cls(tasks, ResolvedFormat(template, tuple(template_options)).build(), loaded,
                    get_chat_format(chat_format, loaded, train_reasoning), expand_turns=expand_turns, **kwargs)
 
     # ------------------------------------------------------------------ per-record formats
