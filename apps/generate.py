@@ -24,8 +24,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from apps import read_inputs
 from prepack.cli_help import DefaultsHelpFormatter
 from prepack.text.formats import template_names
@@ -140,6 +138,7 @@ def read_prompts(args: argparse.Namespace, tokenizer: Any, chat_format: Any) -> 
     --input through the job's read and prepare stages."""
     from pipelines.inputs.limits import InputLimits
     from prepack.packing.accounting import Tally
+    from train.generations import example_prompts
 
     prepare, _, _ = read_inputs.pipeline_modules()
     options = _template_options(args)
@@ -159,41 +158,11 @@ def read_prompts(args: argparse.Namespace, tokenizer: Any, chat_format: Any) -> 
         raise GenerateCliError(NO_PROMPTS[fmt])
     preparer = prepare.Preparer(metas, read_inputs.make_template(fmt, options), tokenizer, chat_format,
                                 expand_turns=args.expand_turns)
-    tally, bad, items = Tally(), [], []
-    has_tools = False
-    for chunk in read_inputs.batches(read_inputs.templated(preparer, metas, tasks, tally, InputLimits(), bad=bad), read_inputs.BATCH):
-        conversations = {eid: (conv, loc) for conv, _, (loc, eid) in chunk}
-        for batch in preparer.tokenize(prepare.Templated.of(chunk), tally, bad):
-            starts = np.concatenate([[0], np.cumsum(batch.examples.lens)])
-            for k, eid in enumerate(batch.example_ids):
-                conv, loc = conversations[eid]
-                span = slice(int(starts[k]), int(starts[k + 1]))
-                made = _example_prompts(args, tokenizer, eid, loc, batch.examples.ids[span], batch.examples.mask[span],
-                                        conv, metas, tally, bad)
-                items += made
-                has_tools = has_tools or bool(made and getattr(conv, "has_tools", False))
+    tally, bad = Tally(), []
+    examples = read_inputs.templated(preparer, metas, tasks, tally, InputLimits(), bad=bad)
+    items, has_tools = example_prompts(preparer, examples, tally, bad, args.all_turns)
     letters = [entry for _, entry in sorted(bad, key=lambda kv: kv[0])]
     return items, letters, tally.examples + sum(tally.bad_records.values()), has_tools
-
-
-def _example_prompts(args: argparse.Namespace, tokenizer: Any, eid: str, loc: Any, ids: np.ndarray, mask: np.ndarray,
-                     conv: Any, metas: list[Any], tally: Any, bad: list[Any]) -> list[Any]:
-    """The prompts of one packed example, or [] and its dead letter (counted as a bad example)."""
-    from pipelines.wire.records import dead_letter
-    from prepack.text.chat.prompts import PromptError
-    from prepack.text.conversation import Conversation
-    from train.generations import prompt_items
-
-    try:
-        made = prompt_items(eid, ids, mask, conv if isinstance(conv, Conversation) else None, args.all_turns, args.expand_turns)
-        if any(np.any(item.prompt_ids == tokenizer.pad_id) for item in made):
-            raise PromptError("pad_in_prompt", f"the prompt holds the pad id {tokenizer.pad_id}, which left-padded "
-                                               "generation cannot tell from padding")
-    except PromptError as e:
-        tally.bad_examples[e.reason] += 1
-        bad.append(dead_letter(metas, loc, e.reason, "", e.message, example_id=eid))
-        return []
-    return made
 
 
 def resolve_model(args: argparse.Namespace) -> tuple[Any, str]:

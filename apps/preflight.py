@@ -369,7 +369,7 @@ def _loss_masks(batches: Iterable[Any]) -> Iterator[np.ndarray | tuple[np.ndarra
     for batch in batches:
         examples = batch.examples
         masks = np.split(examples.mask, np.cumsum(examples.lens, dtype=np.int64)[:-1])
-        yield from (masks if examples.pairs is None else zip(masks, examples.pairs))
+        yield from (masks if examples.pair_bounds is None else zip(masks, examples.pair_bounds))
 
 
 PROGRESS_EVERY_S = 10.0  # a progress line at most this often (pipelines/progress.py), none in shorter runs

@@ -101,13 +101,20 @@ def make_template(name: str, options: Mapping[str, str]) -> Template:
     `source_lang=de` can sit beside alpaca inputs."""
     from prepack.text.formats import get_template
 
-    if name not in template_names():
-        raise InputsError(f"unknown format {name!r}; expected one of {', '.join(template_names())}, or auto")
-    accepted = {f.name for f in dataclasses.fields(get_template(name))}
     try:
-        return get_template(name, **{k: v for k, v in options.items() if k in accepted})
+        return get_template(name, **_taken_options(name, options))
     except ValueError as e:
         raise InputsError(f"format {name!r}: {e}") from e
+
+
+def _taken_options(name: str, options: Mapping[str, str]) -> dict[str, str]:
+    """The options format `name` takes, read from its class (nothing is built to ask)."""
+    from prepack.text.formats import template_class
+
+    if name not in template_names():
+        raise InputsError(f"unknown format {name!r}; expected one of {', '.join(template_names())}, or auto")
+    accepted = {f.name for f in dataclasses.fields(template_class(name))}
+    return {k: v for k, v in options.items() if k in accepted}
 
 
 def checked_format(path: str, fmt: str, options: Mapping[str, str], limits: Any, label: str = "",
@@ -120,10 +127,7 @@ def checked_format(path: str, fmt: str, options: Mapping[str, str], limits: Any,
     _, tasks = read_tasks(path, tfds_data_dir)
     if not tasks:
         return fmt, None
-    options = dict(options)
-    if fmt != "auto":
-        accepted = {f.name for f in dataclasses.fields(make_template(fmt, {}))}
-        options = {k: v for k, v in options.items() if k in accepted}
+    options = dict(options) if fmt == "auto" else _taken_options(fmt, options)
     try:
         return check_source(fmt, options, tasks[0], limits, label)
     except FormatCheckError as e:

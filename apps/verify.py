@@ -268,7 +268,7 @@ def unpublished_line(path: str, lengths: list[int]) -> str:
 def result_line(r: LengthResult) -> str:
     c = r.recount
     state = "ok" if r.failure is None else "FAILED"
-    units = f"{c.segments:,} pairs ({2 * c.segments:,} segments)" if c.pairs else f"{c.segments:,} segments"
+    units = f"{c.segments:,} pairs ({2 * c.segments:,} segments)" if c.preference else f"{c.segments:,} segments"
     return (f"L{r.max_length}  {state:<6}  {c.rows:,} rows, {units}, {c.tokens:,} tokens, "
             f"{c.target_tokens:,} targets in {counted(r.shards, 'shard')}, sha256 checked  ({r.seconds:.2f} s, "
             f"{rate(c.rows, r.seconds, 'rows')})  {r.path}")

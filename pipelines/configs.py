@@ -60,12 +60,12 @@ class RowSpec:
         return dict(self.template_options)
 
     @property
-    def pairs(self) -> bool:
-        """Preference pairs (format `preference`): each example two sides, rows of format 5 or 6."""
+    def preference(self) -> bool:
+        """A preference set (format `preference`): each example a pair of two sides, rows of format 5 or 6."""
         from prepack.text.formats import template_class, template_names
 
         names = template_names()  # `auto` is no format yet: the launcher resolves it from the records
-        return any(s.format in names and template_class(s.format).yields_pairs for s in self.mixture.sources)
+        return any(s.format in names and template_class(s.format).yields_preference for s in self.mixture.sources)
 
     @property
     def cuts_pieces(self) -> bool:

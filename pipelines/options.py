@@ -615,7 +615,7 @@ def mapping_options(fmt: str, columns: str | None, roles: str | None) -> dict[st
     """--columns and --roles as a format's options, in their canonical text (sorted pairs, as
     manifests record them), checked against the format (all formats' names for auto). ValueError
     (one line) for a malformed or unknown name."""
-    from prepack.text.formats import get_template, template_class
+    from prepack.text.formats import ResolvedFormat, template_class
     from prepack.text.formats.fields import RoleMap, mapping_text, parse_mapping
 
     options: dict[str, str] = {}
@@ -627,5 +627,5 @@ def mapping_options(fmt: str, columns: str | None, roles: str | None) -> dict[st
                                                       repeatable=True))
         RoleMap(options["roles"])
     if fmt and fmt not in ("auto", "mixture") and options:
-        get_template(fmt, **options)  # this format's own names (and whether it takes roles)
+        ResolvedFormat.checked(fmt, options)  # this format's own names (and whether it takes roles)
     return options

@@ -103,11 +103,11 @@ class Preparer:
         # --expand-turns: one example per target reply, ids <id>#<i> (prepack.text.conversation.expand_turns)
         self.expand_turns = expand_turns
         # Single-turn templates under a format with a fixed layout skip the Conversation
-        # objects: (prompt, response) texts go straight to tokenize_pairs_flat.
+        # objects: (prompt, response) texts go straight to tokenize_prompt_responses_flat.
         self.read_prompt_response = template.prompt_response_reader()
-        self.pairs = self.read_prompt_response is not None and chat_format.pair_layout() is not None
+        self.prompt_response_fast = self.read_prompt_response is not None and chat_format.prompt_response_layout() is not None
         # A preference format yields PreferencePairs, each tokenized as one example of two sides.
-        self.preference = template.yields_pairs
+        self.preference = template.yields_preference
         from prepack.text.stop_check import StopTokenCheck
 
         self.stop_check = StopTokenCheck.for_format(chat_format)
@@ -117,11 +117,11 @@ class Preparer:
                    tokenizer: str, chat_format: str, train_reasoning: bool = True, expand_turns: bool = False,
                    **kwargs: Any) -> "Preparer":
         from prepack.text.chat import get_chat_format
-        from prepack.text.formats import get_template
+        from prepack.text.formats import ResolvedFormat
         from prepack.text.tokenizer import load_tokenizer
 
         loaded = load_tokenizer(tokenizer)
-        return cls(tasks, get_template(template, **dict(template_options)), loaded,
+        return cls(tasks, ResolvedFormat(template, tuple(template_options)).build(), loaded,
                    get_chat_format(chat_format, loaded, train_reasoning), expand_turns=expand_turns, **kwargs)
 
     # ------------------------------------------------------------------ per-record formats
@@ -132,8 +132,8 @@ class Preparer:
 
         meta = self.tasks[task_index]
         out = Templated()
-        pairs = self.pairs
-        to_conversations = self.read_prompt_response if pairs else self.template.to_conversations
+        fast = self.prompt_response_fast
+        to_conversations = self.read_prompt_response if fast else self.template.to_conversations
         for record_index, line, kind, payload in items:
             loc = (task_index, record_index, line, 0)
             if kind == readers.RAW_TEXT:
@@ -160,7 +160,7 @@ class Preparer:
                 bad.append(dead_letter(self.tasks, loc, "too_deeply_nested", "", "record nested too deeply to read",
                                        readers.snippet(payload if kind == readers.RAW_TEXT else "")))
                 continue
-            if pairs:
+            if fast:
                 out.convs.append(conversations[0])
                 out.responses.append(conversations[1])
                 out.metas.append((loc, example_id(meta, record_index) + ("#0" if self.expand_turns else "")))
@@ -176,8 +176,8 @@ class Preparer:
         return out
 
     def tokenize(self, templated: Templated, tally: Tally, bad: list[DeadLetter]) -> list[TokenizedBatch]:
-        if self.pairs:
-            out = self._tokenize_pairs(templated.convs, templated.responses, templated.metas, tally, bad)
+        if self.prompt_response_fast:
+            out = self._tokenize_prompt_responses(templated.convs, templated.responses, templated.metas, tally, bad)
         else:
             out = self._tokenize(templated.convs, templated.metas, tally, bad)
         for batch in out:  # the stop-token check (prepack/text/stop_check.py), on every example made
@@ -265,27 +265,27 @@ class Preparer:
             break
         return out
 
-    def _tokenize_pairs(self, prompts: list[str], responses: list[str], metas: list[tuple[Loc, str]], tally: Tally,
+    def _tokenize_prompt_responses(self, prompts: list[str], responses: list[str], metas: list[tuple[Loc, str]], tally: Tally,
                         bad: list[DeadLetter]) -> list[TokenizedBatch]:
-        """Examples for single-turn pairs; a fixed layout has no per-conversation errors, but the
+        """Examples for single-turn (prompt, response) texts; a fixed layout has no per-conversation errors, but the
         tokenizer may refuse a text (bad_text)."""
-        from prepack.text.chat import tokenize_pairs_flat
+        from prepack.text.chat import tokenize_prompt_responses_flat
 
         out: list[TokenizedBatch] = []
-        pairs = list(zip(prompts, responses))
+        texts = list(zip(prompts, responses))
 
         def encode(items: list) -> tuple | None:
-            return tokenize_pairs_flat([p for p, _ in items], [r for _, r in items], self.tokenizer, self.format)
+            return tokenize_prompt_responses_flat([p for p, _ in items], [r for _, r in items], self.tokenizer, self.format)
 
         start = 0
-        while start < len(pairs):
+        while start < len(texts):
             try:
-                self._emit(encode(pairs[start:]), metas[start:], out)
+                self._emit(encode(texts[start:]), metas[start:], out)
                 break
             except TEXT_ERRORS as e:
-                bad_at = start + _first_unencodable(pairs[start:], encode, e)
+                bad_at = start + _first_unencodable(texts[start:], encode, e)
                 if bad_at > start:
-                    self._emit(encode(pairs[start:bad_at]), metas[start:bad_at], out)
+                    self._emit(encode(texts[start:bad_at]), metas[start:bad_at], out)
                 self._bad_text(metas[bad_at], e, tally, bad)
                 start = bad_at + 1
         return out
@@ -307,18 +307,18 @@ class Preparer:
 
     def _emit(self, tokenized: tuple | None, metas: list[tuple[Loc, str]], out: list[TokenizedBatch]) -> None:
         """tokenized: (input_ids, loss_mask, ends[, pair bounds]) of a batch, from _encode or
-        tokenize_pairs_flat; appends one TokenizedBatch to `out`."""
+        tokenize_prompt_responses_flat; appends one TokenizedBatch to `out`."""
         if tokenized is None:
             return
         input_ids, loss_mask, ends = tokenized[:3]
-        pairs = tokenized[3] if len(tokenized) > 3 else None
+        pair_bounds = tokenized[3] if len(tokenized) > 3 else None
         if not ends:
             return
         lens = np.diff(np.asarray(ends, dtype=np.int64), prepend=0)
         eids = [eid for _, eid in metas]
         hashes = np.fromiter(map(stable_hash, eids), dtype=np.uint64, count=len(eids))
         batch = TokenizedBatch(hashes, eids, [loc for loc, _ in metas],
-                               Ragged(lens.astype(LENS), np.asarray(input_ids, IDS), np.asarray(loss_mask, MASK), pairs))
+                               Ragged(lens.astype(LENS), np.asarray(input_ids, IDS), np.asarray(loss_mask, MASK), pair_bounds))
         out.append(batch)
         if self.on_batch is not None:
             self.on_batch(batch)

@@ -18,7 +18,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import apache_beam as beam
 from apache_beam.metrics.metric import Metrics
@@ -29,6 +29,9 @@ from pipelines.configs import PackConfig, RowSpec
 from pipelines.wire.records import TaskMeta
 from prepack.packing.accounting import Tally
 from prepack.packing.mixture import Mixture
+
+if TYPE_CHECKING:  # for the annotation only: the prepare stage builds the formats
+    from prepack.text.formats import ResolvedFormat
 
 NAMESPACE = "prepack"
 TAG_BAD = "bad"
@@ -56,6 +59,10 @@ class JobContext:
     # The source (1..N) of each input index (example ids start with the input index, so every
     # example knows its source): Mixture.source_of_input(); empty: each input is source 1's.
     source_of_input: tuple[int, ...] = ()
+    # Each source's format (sources 1..N in order), resolved once by the launcher (`auto` from the
+    # records): what the prepare stage builds its formats from. Empty: a --from-tokens run, which
+    # templates nothing.
+    formats: tuple[ResolvedFormat, ...] = ()
 
     # What the stages read per batch, derived once here: plain attributes, not lookups, so the
     # config's walk enters this module once (when the launcher builds the context).

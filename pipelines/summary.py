@@ -130,19 +130,19 @@ class LengthStats:
     planner_fallback: str | None = None
     # A preference set's figures (pairs_read, pairs_written, pairs_dropped by reason, tokens and
     # target tokens per side); None, and not in the manifest, for every other set.
-    pairs: dict[str, Any] | None = None
+    preference_figures: dict[str, Any] | None = None
 
     @property
     def rows(self) -> int:
         return int(self.packing["rows"])
 
     def to_json(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("packing", "pairs")}
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("packing", "preference_figures")}
         for optional in ("examples_repeated", "turns_without_trained_eot", "trained_empty_think", "examples_windowed",
                          "window_pieces", "context_tokens_replayed", "planner_fallback"):
             if d[optional] is None:
                 del d[optional]
-        return {**d, **(self.pairs or {}), **self.packing}
+        return {**d, **(self.preference_figures or {}), **self.packing}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -140,7 +140,7 @@ def build_shard_set(
         dead_letter=DEAD_LETTER_NAME if dead_letter else None,
     )
     if pairs:
-        manifest.use_row_format(False, False, pairs=True)
+        manifest.use_row_format(False, False, preference=True)
         manifest.stats.update({"pairs_read": examples + len(dead_letter), "pairs_written": examples, "pairs_dropped": dropped})
     # Written last, as the job does: a folder without it is not a shard set.
     with open(os.path.join(directory, MANIFEST_NAME), "w") as f:

@@ -33,12 +33,14 @@ def _job_context(sub_buckets: int = 1, format: str = "alpaca", **config):
     from pipelines.configs import PackConfig, RowSpec, RunOptions
     from pipelines.wire.records import TaskMeta
     from pipelines.stage_shared import JobContext
+    from prepack.text.formats import ResolvedFormat
 
     run_fields = {f.name for f in dataclasses.fields(RunOptions)}
     rows = RowSpec(inputs=("in",), format=format, **{k: v for k, v in config.items() if k not in run_fields})
     run = RunOptions(output="/tmp/unused", progress=False, **{k: v for k, v in config.items() if k in run_fields})
     return JobContext(config=PackConfig(rows, run),
-                      tasks=(TaskMeta(0, "in", "f.jsonl", "f.jsonl"),), sub_buckets=sub_buckets, run_id="r", pad_id=0)
+                      tasks=(TaskMeta(0, "in", "f.jsonl", "f.jsonl"),), sub_buckets=sub_buckets, run_id="r", pad_id=0,
+                      formats=tuple(ResolvedFormat(s.format, s.options) for s in rows.mixture.sources))
 
 
 # ----------------------------------------------------------------------------- planning
@@ -631,7 +633,7 @@ PREPARE_RECORDS = {
 @pytest.mark.parametrize("template", sorted(PREPARE_RECORDS))
 @pytest.mark.parametrize("tokenizer_kind", ["gemma3", "chatml"])
 def test_prepare_fast_path_equals_the_conversation_path(template, tokenizer_kind, tmp_path_factory):
-    """PrepareFn's single-turn path (to_pair + tokenize_pairs_flat) against the general one
+    """PrepareFn's single-turn path (to_pair + tokenize_prompt_responses_flat) against the general one
     (to_conversations + tokenize_conversations_flat): same examples, dead letters, tallies."""
     from pipelines.stages import prepare
     from prepack.packing.packer import OverlongPolicy
@@ -652,8 +654,8 @@ def test_prepare_fast_path_equals_the_conversation_path(template, tokenizer_kind
     fast.setup()
     slow = prepare.PrepareFn(ctx)
     slow.setup()
-    assert fast.preparer.pairs
-    slow.preparer.pairs = False
+    assert fast.preparer.prompt_response_fast
+    slow.preparer.prompt_response_fast = False
     got, want = _prepare_outputs(fast, PREPARE_RECORDS[template]), _prepare_outputs(slow, PREPARE_RECORDS[template])
     assert got == want and got[0]
     if template == "alpaca":
@@ -674,7 +676,7 @@ def test_prepare_has_no_fast_path_for_the_jinja_format(tmp_path_factory):
     ctx = _job_context(format="alpaca", template_options=(), tokenizer=f"hf:{folder}", chat_format="hf", max_lengths=(64,), overlong=OverlongPolicy.DROP, pack=True, sub_buckets=1, batch_size=64)
     fn = prepare.PrepareFn(ctx)
     fn.setup()
-    assert not fn.preparer.pairs
+    assert not fn.preparer.prompt_response_fast
     examples, _ = _prepare_outputs(fn, PREPARE_RECORDS["alpaca"][:2])
     assert len(examples) == 2
 

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prepack.text.chat import ChatMLFormat, Qwen3Format, get_chat_format, tokenize_conversations, tokenize_conversations_flat, tokenize_pairs_flat
+from prepack.text.chat import ChatMLFormat, Qwen3Format, get_chat_format, tokenize_conversations, tokenize_conversations_flat, tokenize_prompt_responses_flat
 from prepack.text.conversation import Conversation, Turn
 from prepack.text.tokenizer import load_tokenizer
 
@@ -64,7 +64,7 @@ def test_single_turn_prompt_side_is_the_published_generation_prompt(tok: Any, fm
     assert ex.input_ids.tolist() == PROMPT_IDS[prompt] + [9707, 1879, IM_END, NL]
     # Only the reply and its <|im_end|> are targets; the empty think block is prompt.
     assert ex.loss_mask.tolist() == [0] * n + [1, 1, 1, 0]
-    fast = tokenize_pairs_flat([prompt], [reply], tok, fmt)
+    fast = tokenize_prompt_responses_flat([prompt], [reply], tok, fmt)
     assert fast is not None and fast[0].tolist() == ex.input_ids.tolist() and fast[1].tolist() == ex.loss_mask.tolist()
 
 
@@ -107,7 +107,7 @@ QWEN_TEXT = st.lists(st.sampled_from(list("ab Z0 9\n\t.é日🙂<>") + ["</think
 @given(pairs=st.lists(st.tuples(QWEN_TEXT, QWEN_TEXT), min_size=1, max_size=6))
 def test_property_pairs_match_conversations_qwen3(tok: Any, fmt: Qwen3Format, pairs: list[tuple[str, str]]) -> None:
     convs = [Conversation((Turn("user", p), Turn("assistant", r))) for p, r in pairs]
-    fast = tokenize_pairs_flat([p for p, _ in pairs], [r for _, r in pairs], tok, fmt)
+    fast = tokenize_prompt_responses_flat([p for p, _ in pairs], [r for _, r in pairs], tok, fmt)
     slow = tokenize_conversations_flat(convs, tok, fmt)
     assert fast is not None and slow is not None
     assert fast[0].tolist() == slow[0].tolist() and fast[1].tolist() == slow[1].tolist() and fast[2] == slow[2]

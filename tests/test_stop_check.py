@@ -13,7 +13,7 @@ from pipelines.launch.errors import JobError
 from pipelines.options import parse_args
 from prepack.packing.accounting import Tally
 from prepack.text.chat import (HFTemplateFormat, get_chat_format, tokenize_conversations_flat,
-                                       tokenize_pairs_flat)
+                                       tokenize_prompt_responses_flat)
 from prepack.text.stop_check import StopTokenCheck
 from prepack.text.conversation import Conversation, Turn
 from prepack.text.tokenizer import load_tokenizer
@@ -68,7 +68,7 @@ def test_every_builtin_format_trains_each_end_of_turn(tokenizer, chat_format):
     starts = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8)])) == 1)
     assert len(starts) == 6
     # The single-turn fast path too.
-    p_ids, p_mask, p_ends = tokenize_pairs_flat(["Hi there"], ["Hello, how can I help?"], fmt.tokenizer, fmt)
+    p_ids, p_mask, p_ends = tokenize_prompt_responses_flat(["Hi there"], ["Hello, how can I help?"], fmt.tokenizer, fmt)
     pair = StopTokenCheck.for_format(fmt).findings(np.diff(np.asarray(p_ends), prepend=0), p_ids, p_mask)
     assert pair.turns_without_trained_eot.tolist() == [0]
 

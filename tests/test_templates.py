@@ -30,7 +30,7 @@ from prepack.text.chat import (
     get_chat_format,
     tokenize_conversations,
     tokenize_conversations_flat,
-    tokenize_pairs_flat,
+    tokenize_prompt_responses_flat,
 )
 from prepack.text.conversation import RECORD_ERROR_REASONS, Conversation, RecordError, Turn
 from prepack.text.formats import get_template, template_class, template_names
@@ -515,7 +515,7 @@ def test_every_format_declares_each_feature_callers_read() -> None:
     every one, at the value of a format that lacks it unless it overrides it."""
     formats = {name: get_template(name) for name in template_names()}
     assert {n for n, t in formats.items() if t.table_level} == {"oasst1"}
-    assert {n for n, t in formats.items() if t.yields_pairs} == {"preference"}
+    assert {n for n, t in formats.items() if t.yields_preference} == {"preference"}
     assert {n for n, t in formats.items() if t.prompt_response_reader() is not None} == {"alpaca", "prompt_response",
                                                                                          "translation"}
     assert {n: t.same_reader_as for n, t in formats.items() if t.same_reader_as} == {"sharegpt": "chat"}
@@ -939,13 +939,13 @@ def test_hf_format_on_protocol_only_tokenizer() -> None:
 
 
 # ======================================================================================
-# Single-turn fast path: tokenize_pairs_flat == tokenize_conversations_flat
+# Single-turn fast path: tokenize_prompt_responses_flat == tokenize_conversations_flat
 # ======================================================================================
 
 
 def assert_same_flat(pairs: list[tuple[str, str]], tok: Any, fmt: Any) -> None:
     convs = [Conversation((Turn("user", p), Turn("assistant", r))) for p, r in pairs]
-    fast = tokenize_pairs_flat([p for p, _ in pairs], [r for _, r in pairs], tok, fmt)
+    fast = tokenize_prompt_responses_flat([p for p, _ in pairs], [r for _, r in pairs], tok, fmt)
     slow = tokenize_conversations_flat(convs, tok, fmt)
     if slow is None:
         assert fast is None
@@ -962,7 +962,7 @@ def assert_same_flat(pairs: list[tuple[str, str]], tok: Any, fmt: Any) -> None:
 PAIR_TEXT = texts(list("ab xyZ\n\t.é日<>|_ ") + ["<end_of_turn>", "<|im_end|>", "  ", "\n\n"], 30)
 
 
-def test_every_builtin_format_with_a_pair_layout_is_covered() -> None:
+def test_every_builtin_format_with_a_prompt_response_layout_is_covered() -> None:
     # The property test below covers gemma, chatml and qwen3; a new format with a layout must join it.
     gemma, chatml = ByteTokenizer(GEMMA_SPECIALS, bos_id=2, eos_id=1), ByteTokenizer(CHATML_SPECIALS, bos_id=None, eos_id=201)
     qwen3 = ByteTokenizer(QWEN3_SPECIALS, bos_id=None, eos_id=201)
@@ -973,7 +973,7 @@ def test_every_builtin_format_with_a_pair_layout_is_covered() -> None:
                 fmt = get_chat_format(name, tok)
             except ChatFormatError:
                 continue
-            if fmt.pair_layout() is not None:
+            if fmt.prompt_response_layout() is not None:
                 with_layout.add(type(fmt))
     assert with_layout == {GemmaFormat, ChatMLFormat, Qwen3Format}
 
@@ -1011,11 +1011,11 @@ def test_single_turn_templates_to_pair_matches_to_conversations(fmt_name: str, r
 def test_pairs_refuse_a_format_without_a_fixed_layout(hf_dirs: dict[str, str]) -> None:
     tok = load_tokenizer(f"hf:{hf_dirs['chatml']}")
     fmt = get_chat_format("hf", tok)
-    assert fmt.pair_layout() is None
+    assert fmt.prompt_response_layout() is None
     with pytest.raises(ValueError, match="no single-turn layout"):
-        tokenize_pairs_flat(["q"], ["a"], tok, fmt)
+        tokenize_prompt_responses_flat(["q"], ["a"], tok, fmt)
     with pytest.raises(ValueError, match="2 prompts but 1 responses"):
-        tokenize_pairs_flat(["q", "r"], ["a"], tok, get_chat_format("chatml", tok))
+        tokenize_prompt_responses_flat(["q", "r"], ["a"], tok, get_chat_format("chatml", tok))
 
 
 def test_no_tools_spelled_every_way_means_none():

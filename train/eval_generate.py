@@ -3,7 +3,8 @@ and scored during the run, as `prepack generate --score` scores them.
 
 FILE holds records in the shard set's own source format; they are rendered with the tokenizer,
 chat format and options its manifest records (`--columns`/`--roles` included), so the prompts are
-the training rendering (prepack/text/chat/prompts.py): the last target turn of each example.
+the training rendering (prepack/text/chat/prompts.py): the last target turn of each example, made
+by `prepack generate`'s own path from records to prompts (train/generations.py example_prompts).
 `prepare` reads and renders them before any weights load (a bad FILE stops the run at once);
 the evaluator generates greedily with the run's own model (train/generate.py's view of it: the
 LoRA values of the step, Tunix's attention) before the first step, every N steps, and after the
@@ -80,12 +81,11 @@ def _records(path: str) -> list[Any]:
 
 def prepare(cfg: TrainConfig, manifest: Any, out: TextIO | None = None) -> Prompts:
     """FILE's prompts, rendered as the shard set was; TrainError (one line) when it has none."""
-    from prepack.text.chat import ChatFormatError, get_chat_format, tokenize_conversations
-    from prepack.text.conversation import Conversation, RecordError, expand_turns
-    from prepack.text.formats import get_template
+    from prepack.packing.accounting import Tally
+    from prepack.text.chat import ChatFormatError, get_chat_format
+    from prepack.text.formats import ResolvedFormat
     from prepack.text.tokenizer import TokenizerError, load_tokenizer
     from train import generations, tool_calls
-    from prepack.text.chat.prompts import PromptError
 
     path = str(cfg.eval_generate)
     options = manifest.options or {}
@@ -97,30 +97,14 @@ def prepare(cfg: TrainConfig, manifest: Any, out: TextIO | None = None) -> Promp
         tokenizer = load_tokenizer(str(options.get("tokenizer") or manifest.tokenizer.get("name")))
         chat_format = get_chat_format(str(manifest.template.get("chat_format_resolved") or options.get("chat_format")),
                                       tokenizer, options.get("train_reasoning", "yes") != "no")
-        template = get_template(fmt, **{k: str(v) for k, v in (options.get("template_options") or {}).items()})
+        # The format the set recorded, resolved when it was packed: built from that record.
+        template = ResolvedFormat(fmt, tuple((k, str(v)) for k, v in (options.get("template_options") or {}).items())).build()
     except (TokenizerError, ChatFormatError, ValueError) as e:
         raise TrainError(f"--eval-generate: the shard set's tokenizer and format cannot be rebuilt: {e}") from None
     records = _records(path)
-    items, skipped, has_tools = [], 0, False
-    for index, record in enumerate(records):
-        try:
-            examples = template.to_conversations(record)
-        except RecordError:
-            skipped += 1
-            continue
-        if options.get("expand_turns"):
-            examples = [part for ex in examples for part in expand_turns(ex)]
-        for sub, example in enumerate(examples):
-            if not isinstance(example, Conversation):
-                continue
-            try:
-                (tokenized,) = tokenize_conversations([example], tokenizer, chat_format)
-                items += generations.prompt_items(f"{index}" + (f"/{sub}" if len(examples) > 1 else ""),
-                                                  tokenized.input_ids, tokenized.loss_mask, example)
-            except (ChatFormatError, PromptError):
-                skipped += 1
-                continue
-            has_tools = has_tools or example.has_tools
+    preparer = _preparer(path, template, tokenizer, chat_format, bool(options.get("expand_turns")))
+    tally, bad = Tally(), []
+    items, has_tools = generations.example_prompts(preparer, _examples(preparer, records, tally, bad), tally, bad)
     if not items:
         raise TrainError(f"--eval-generate {path}: none of its {len(records)} records makes a prompt in the shard set's "
                          f"format {fmt!r} (with {tokenizer.name}, chat format {chat_format.name})")
@@ -128,11 +112,28 @@ def prepare(cfg: TrainConfig, manifest: Any, out: TextIO | None = None) -> Promp
         raise TrainError(f"--eval-generate {path}: {len(items)} prompts; give at most {MAX_PROMPTS} (it runs during "
                          "training), or score a larger set afterwards with prepack generate --score")
     parser = tool_calls.default_parser(chat_format.name, getattr(chat_format, "chat_template", None)) if has_tools else None
+    skipped = len(bad)  # each a record the format refused or an example that makes no prompt
     if skipped:
         print(f"--eval-generate {path}: {skipped} of its records make no prompt (not in format {fmt!r}); "
               f"scoring {len(items)} prompts", file=out if out is not None else sys.stderr)
     longest = max(len(item.reference_ids) for item in items)
     return Prompts(items, tokenizer, chat_format, parser, longest + EXTRA_NEW_TOKENS, skipped)
+
+
+def _preparer(path: str, template: Any, tokenizer: Any, chat_format: Any, expand_turns: bool) -> Any:
+    """The job's prepare stage (pipelines/preparer.py) for FILE's records, as one task."""
+    from pipelines.preparer import Preparer
+    from pipelines.wire.records import TaskMeta
+
+    return Preparer((TaskMeta(0, path, path, path),), template, tokenizer, chat_format, expand_turns=expand_turns)
+
+
+def _examples(preparer: Any, records: list[Any], tally: Any, bad: list[Any]) -> Iterator[Any]:
+    """FILE's records through the format, as the job templates them: (conv, response, meta)."""
+    from pipelines.inputs.readers import RAW_OBJECT
+
+    raw = [(index, index + 1, RAW_OBJECT, record) for index, record in enumerate(records)]
+    yield from preparer.template_records(0, raw, tally, bad).items()
 
 
 class Evaluator:

@@ -1,7 +1,9 @@
-"""From packed examples to scored completions: what `prepack generate` and `prepack train
+"""From a format's examples to scored completions: what `prepack generate` and `prepack train
 --eval-generate` share.
 
-`prompt_items` cuts each packed example into generation tasks (prepack/text/chat/prompts.py:
+`example_prompts` is their one path from records to prompts: the examples a source format makes
+of the records (pipelines/preparer.py's Preparer, as `prepack pack` makes them) are tokenized as
+pack tokenizes them, and `prompt_items` cuts each packed example into generation tasks (prepack/text/chat/prompts.py:
 the ids up to a target turn's first trained token, the turn's trained tokens as the reference)
 with the calls the record's reply makes; `run_items` generates every prompt (train/generate.py),
 decodes completion and reference with the chat format, and with `score` adds each line's score
@@ -15,8 +17,9 @@ in input order, without timings: a greedy rerun writes the same bytes.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,7 +29,9 @@ from prepack.text.conversation import Conversation
 from train import score as score_lib
 from train import tool_calls
 
-__all__ = ["PromptItem", "prompt_items", "run_items", "jsonl_bytes"]
+__all__ = ["PromptItem", "example_prompts", "prompt_items", "run_items", "jsonl_bytes"]
+
+EXAMPLES_PER_BATCH = 512  # examples tokenized together, as `prepack preflight` reads them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +57,53 @@ def prompt_items(example_id: str, input_ids: np.ndarray, loss_mask: np.ndarray, 
     suffix = all_turns and not expanded
     return [PromptItem(f"{example_id}#{p.turn}" if suffix else example_id, p.prompt_ids, p.reference_ids, calls[p.turn])
             for p in prompts]
+
+
+def example_prompts(preparer: Any, examples: Iterable[tuple[Any, str | None, tuple[Any, str]]], tally: Any,
+                    bad: list[Any], all_turns: bool = False) -> tuple[list[PromptItem], bool]:
+    """The generation prompts of a format's examples, in input order, and whether any example
+    has tools. `examples`: what the Preparer's template_records or template_table yield (conv,
+    response, (loc, example id)); they are tokenized by the same Preparer, as the job tokenizes
+    them, and each cut at its last target turn (each, with `all_turns`). An example the chat
+    format, the cut or left padding refuses is a dead letter in `bad`, counted in the Tally's
+    bad_examples, as pack counts its bad examples."""
+    from pipelines.preparer import Templated
+
+    items: list[PromptItem] = []
+    has_tools = False
+    examples = iter(examples)
+    while chunk := list(itertools.islice(examples, EXAMPLES_PER_BATCH)):
+        conversations = {eid: (conv, loc) for conv, _, (loc, eid) in chunk}
+        for batch in preparer.tokenize(Templated.of(chunk), tally, bad):
+            starts = np.concatenate([[0], np.cumsum(batch.examples.lens)])
+            for k, eid in enumerate(batch.example_ids):
+                conv, loc = conversations[eid]
+                span = slice(int(starts[k]), int(starts[k + 1]))
+                made = _cut_example(preparer, eid, loc, batch.examples.ids[span], batch.examples.mask[span], conv,
+                                    all_turns, tally, bad)
+                items += made
+                has_tools = has_tools or bool(made and isinstance(conv, Conversation) and conv.has_tools)
+    return items, has_tools
+
+
+def _cut_example(preparer: Any, eid: str, loc: Any, ids: np.ndarray, mask: np.ndarray, conv: Any, all_turns: bool,
+                 tally: Any, bad: list[Any]) -> list[PromptItem]:
+    """The prompts of one tokenized example, or [] and its dead letter (counted as a bad example)."""
+    from pipelines.wire.records import dead_letter
+    from prepack.text.chat.prompts import PromptError
+
+    pad_id = preparer.tokenizer.pad_id
+    try:
+        made = prompt_items(eid, ids, mask, conv if isinstance(conv, Conversation) else None, all_turns,
+                            preparer.expand_turns)
+        if any(np.any(item.prompt_ids == pad_id) for item in made):
+            raise PromptError("pad_in_prompt", f"the prompt holds the pad id {pad_id}, which left-padded "
+                                               "generation cannot tell from padding")
+    except PromptError as e:
+        tally.bad_examples[e.reason] += 1
+        bad.append(dead_letter(preparer.tasks, loc, e.reason, "", e.message, example_id=eid))
+        return []
+    return made
 
 
 def _body(ids: np.ndarray, stop_ids: frozenset[int]) -> np.ndarray:

@@ -18,9 +18,9 @@ def read_summary(output: str, run_id: str) -> RunSummary:
 
 
 def length_stats(summary: RunSummary, max_length: int, pack: bool = True, windowed: bool = False,
-                 pairs: bool = False) -> LengthStats:
+                 preference: bool = False) -> LengthStats:
     """The manifest's `stats` for one max length, from the run summary; `windowed`: the run is
-    --overlong window (its three figures are then recorded, 0 where nothing was longer); `pairs`:
+    --overlong window (its three figures are then recorded, 0 where nothing was longer); `preference`:
     a preference set (a pair is one example; its sides' figures are recorded too)."""
     tally = Tally.from_json(summary.tally)
     per = summary.lengths[max_length]
@@ -62,7 +62,7 @@ def length_stats(summary: RunSummary, max_length: int, pack: bool = True, window
         window_pieces=tally.window_pieces.get(max_length, 0) if windowed else None,
         context_tokens_replayed=tally.context_replayed.get(max_length, 0) if windowed else None,
         planner_fallback=plan.planner_fallback,
-        pairs=_pair_figures(tally, max_length, shards) if pairs else None,
+        preference_figures=_pair_figures(tally, max_length, shards) if preference else None,
     )
 
 

@@ -71,7 +71,7 @@ def staged_sets(job: PreparedJob, summary: RunSummary, stats: dict[int, LengthSt
         manifest.created_at = created_at
         manifest.mixture = mixtures.get(L)
         manifest.use_row_format(sources=config.rows.mixture.recorded, example_targets=config.rows.cuts_pieces,
-                                pairs=config.rows.pairs)
+                                preference=config.rows.preference)
         if job.tokens is not None:
             manifest.lineage = token_set.lineage(job.tokens, config.run.from_tokens)
         lengths[L] = output.StagedSet(

@@ -19,6 +19,7 @@ from pipelines.inputs.sources import ReadTask, ResolvedInput
 from pipelines.stage_shared import JobContext
 from prepack.format.tokenset import TokenSetError, TokenSetManifest
 from prepack.packing.mixture import recorded_templates
+from prepack.text.formats import ResolvedFormat
 
 
 @dataclasses.dataclass
@@ -71,7 +72,6 @@ def prepare(
     existing-set, input and output-probe checks are skipped. `existing_refused`: the caller
     has already applied the overwrite rule (prepack/overwrite.py), so it is not applied again."""
     from prepack.text.chat import ChatFormatError, get_chat_format
-    from prepack.text.formats import get_template
     from prepack.text.tokenizer import TokenizerError, load_tokenizer
 
     run_id = run_id or uuid.uuid4().hex[:12]
@@ -83,20 +83,15 @@ def prepare(
         return _prepare_from_tokens(config, run_id, existing_refused)
     if resolved is None and not existing_refused:
         refuse_existing(config)
-    try:  # a mixture file's formats were checked when it was read; a plain run's one source is checked here
-        for s in config.rows.mixture.sources:
-            if s.format != "auto":  # resolved from the records below
-                get_template(s.format, **dict(s.options))
-    except ValueError as e:
-        raise JobError(str(e)) from e
+    named = _named_formats(config)  # before the inputs: a bad option is said before a missing file
     inputs, tasks = _resolve(config) if resolved is None else resolved
     if resolved is None:  # the offline Dataflow check reads no input
         config = _checked_formats(config, tasks)
-    if config.rows.pairs and config.rows.cuts_pieces:
+    formats = _resolved_formats(config, named)
+    if config.rows.preference and config.rows.cuts_pieces:
         raise JobError(f"--overlong {config.rows.overlong.value} cuts examples into pieces, and a preference pair is packed "
                        "whole (its two sides in one row): use --overlong drop (the default) or truncate, which cuts the "
                        "ends of both completions")
-    templates = [get_template(s.format, **dict(s.options)) for s in config.rows.mixture.sources]
     try:
         tokenizer = load_tokenizer(config.rows.tokenizer)
     except TokenizerError as e:
@@ -108,7 +103,7 @@ def prepare(
     est = sum(i.est_records for i in inputs)
     sub_buckets = config.rows.sub_buckets or choose_sub_buckets(est * _copies_at_most(config), config.rows.pack)
     ctx = JobContext(config=config, tasks=sources.task_metas(inputs, tasks), sub_buckets=sub_buckets, run_id=run_id,
-                     pad_id=int(tokenizer.pad_id), source_of_input=config.rows.mixture.source_of_input())
+                     pad_id=int(tokenizer.pad_id), source_of_input=config.rows.mixture.source_of_input(), formats=formats)
     job_info = {
         "tokenizer": tokenizer.identity(),
         "template": {
@@ -123,10 +118,28 @@ def prepare(
     }
     return PreparedJob(
         ctx=ctx, tasks=tasks, inputs=inputs, job_info=job_info,
-        table_level=any(t.table_level for t in templates),
-        group_key=next((t.group_key for t in templates if t.group_key is not None), None),
+        table_level=any(f.features.table_level for f in formats),
+        group_key=next((f.features.group_key for f in formats if f.features.group_key is not None), None),
         est_records=est,
     )
+
+
+def _named_formats(config: PackConfig) -> dict[int, ResolvedFormat]:
+    """The sources whose format is named (not `auto`), each checked once with its options; a
+    mixture file's were checked when it was read, a plain run's one source is checked here."""
+    try:
+        return {s.index: ResolvedFormat.checked(s.format, s.options) for s in config.rows.mixture.sources
+                if s.format != "auto"}  # auto is resolved from the records (_checked_formats)
+    except ValueError as e:
+        raise JobError(str(e)) from e
+
+
+def _resolved_formats(config: PackConfig, named: dict[int, ResolvedFormat]) -> tuple[ResolvedFormat, ...]:
+    """Every source's format, once `auto` is resolved: what the workers build theirs from."""
+    try:
+        return tuple(named.get(s.index) or ResolvedFormat.checked(s.format, s.options) for s in config.rows.mixture.sources)
+    except ValueError as e:
+        raise JobError(str(e)) from e
 
 
 def _checked_formats(config: PackConfig, tasks: list[ReadTask]) -> PackConfig:

@@ -70,7 +70,7 @@ def verify(config: PackConfig, run_id: str, summary: RunSummary, held: output.Ou
     problems: list[str] = []
     for L in config.rows.max_lengths:
         stats[L] = job_stats.length_stats(summary, L, config.rows.pack, config.rows.overlong is OverlongPolicy.WINDOW,
-                                          config.rows.pairs)
+                                          config.rows.preference)
         problems += check_stats(stats[L], L, summary.lengths[L].plan, config.rows.max_segments_per_row)
     if problems:
         raise JobError("accounting check failed, nothing was published: " + "; ".join(problems))

@@ -28,16 +28,16 @@ class _Counting:
 
     def _setup_preparer(self) -> None:
         from prepack.text.chat import get_chat_format
-        from prepack.text.formats import get_template
         from prepack.text.tokenizer import load_tokenizer
 
         ctx = self.ctx
         loaded = load_tokenizer(ctx.rows.tokenizer)
         chat_format = get_chat_format(ctx.rows.chat_format, loaded, ctx.rows.train_reasoning)
-        # One tokenizer and chat format; each source with its own template (a plain run has one).
-        self.preparers = {s.index: Preparer(ctx.tasks, get_template(s.format, **dict(s.options)), loaded, chat_format,
-                                            on_batch=self._count_batch, expand_turns=ctx.rows.expand_turns)
-                          for s in ctx.mixture.sources}
+        # One tokenizer and chat format; each source with its own format, as the launcher resolved
+        # it (a plain run has one).
+        self.preparers = {index: Preparer(ctx.tasks, fmt.build(), loaded, chat_format,
+                                          on_batch=self._count_batch, expand_turns=ctx.rows.expand_turns)
+                          for index, fmt in enumerate(ctx.formats, start=1)}
         self.preparer = self.preparers[1]
         self.m_examples = Metrics.counter(NAMESPACE, "examples_tokenized")
         self.m_tokens = Metrics.counter(NAMESPACE, "tokens_tokenized")

@@ -137,7 +137,7 @@ class RouteToRowsFn(beam.DoFn):
                 np.concatenate([p[2] for p in parts]).astype(np.int32),
                 local.astype(np.int32),
                 # A pair travels whole: it is cut once, at its own max length (prepack/packing/pairs.py).
-                examples.take(unique, cut_to=None if examples.pairs is not None else longest),
+                examples.take(unique, cut_to=None if examples.pair_bounds is not None else longest),
                 None if sources is None else sources[unique],
                 None if batch.example_targets is None else np.concatenate([p[4] for p in parts]),
             ))

@@ -80,7 +80,7 @@ class WriteTokensFn(beam.DoFn):
         if self.writer is None:
             self._open()
         e = batch.examples
-        for record in encode_batch(batch.example_ids, batch.locs, e.lens, e.ids, e.mask, e.pairs):
+        for record in encode_batch(batch.example_ids, batch.locs, e.lens, e.ids, e.mask, e.pair_bounds):
             self.writer.write(record)
             self.figures["encoded_bytes"] += len(record)
         self.figures["num_rows"] += len(batch)

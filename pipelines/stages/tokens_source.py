@@ -92,7 +92,7 @@ class ReadTokenFileFn(beam.DoFn):
                     check_examples(decoded, self.vocab_size, self.num_tasks, where)
                     hashes = np.fromiter(map(stable_hash, decoded.example_ids), dtype=np.uint64, count=len(decoded.example_ids))
                     batch = TokenizedBatch(hashes, decoded.example_ids, decoded.locs,
-                                           Ragged(decoded.lens.astype(LENS), decoded.ids, decoded.mask, decoded.pairs))
+                                           Ragged(decoded.lens.astype(LENS), decoded.ids, decoded.mask, decoded.pair_bounds))
                     self.m_examples.inc(len(batch))
                     self.clock.add(StageClock.now() - started)
                     yield batch

@@ -79,8 +79,8 @@ def _rows_from_fragments(
     sources = None if batch.sources is None else batch.sources[order]
     totals = None if batch.example_targets is None else batch.example_targets[order]
     lens, sides = examples.lens, None
-    if examples.pairs is not None:  # each slot a preference pair: its two sides, two adjacent segments
-        lens = np.stack([examples.pairs[:, 1], examples.lens - examples.pairs[:, 1]], axis=1).ravel()
+    if examples.pair_bounds is not None:  # each slot a preference pair: its two sides, two adjacent segments
+        lens = np.stack([examples.pair_bounds[:, 1], examples.lens - examples.pair_bounds[:, 1]], axis=1).ravel()
         seg_counts = seg_counts * 2
         sources = None if sources is None else np.repeat(sources, 2)
         sides = np.tile(np.array([CHOSEN, REJECTED], dtype=np.int32), len(examples.lens))

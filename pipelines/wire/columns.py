@@ -49,25 +49,25 @@ def ragged_index(lens: np.ndarray, take: np.ndarray, new_lens: np.ndarray | None
 @dataclasses.dataclass
 class Ragged:
     """Variable-length examples: lengths, concatenated ids and masks; in a preference set each
-    example is a pair, its chosen side then its rejected side, and `pairs` holds each one's
+    example is a pair, its chosen side then its rejected side, and `pair_bounds` holds each one's
     (prompt, split) (prepack/packing/pairs.py: cuts and targets follow the pair rule there)."""
 
     lens: np.ndarray
     ids: np.ndarray
     mask: np.ndarray
-    pairs: np.ndarray | None = None  # int32 [examples, 2]: (prompt tokens, chosen side's tokens); None: no pairs
+    pair_bounds: np.ndarray | None = None  # int32 [examples, 2]: (prompt tokens, chosen side's tokens); None: not a preference set
 
     def targets_after_first(self, end: int | None = None) -> np.ndarray:
         """prepack.packing.packer.targets_after_first of these examples (of a pair: both sides', 0 unless both train)."""
-        if self.pairs is not None:
-            return pair_targets(self.lens, self.mask, self.pairs, end)
+        if self.pair_bounds is not None:
+            return pair_targets(self.lens, self.mask, self.pair_bounds, end)
         return targets_after_first(self.lens, self.mask, end)
 
     def take(self, index: np.ndarray, cut_to: int | np.ndarray | None = None) -> "Ragged":
         """Examples `index`, each cut to `cut_to` (a prefix; a pair by the pair rule) when given."""
         index = np.asarray(index, dtype=np.int64)
-        if self.pairs is not None:
-            flat, new_lens, bounds = pair_cut_index(self.lens, self.pairs, index, cut_to)
+        if self.pair_bounds is not None:
+            flat, new_lens, bounds = pair_cut_index(self.lens, self.pair_bounds, index, cut_to)
             return Ragged(new_lens.astype(LENS), self.ids[flat], self.mask[flat], bounds.astype(np.int32))
         new_lens = None if cut_to is None else np.minimum(self.lens[index], cut_to).astype(LENS)
         flat = ragged_index(self.lens, index, new_lens)
@@ -77,7 +77,7 @@ class Ragged:
         """Examples a..b-1, as views."""
         tokens = np.cumsum(self.lens, dtype=np.int64)
         t0, t1 = (int(tokens[a - 1]) if a else 0), (int(tokens[b - 1]) if b else 0)
-        return Ragged(self.lens[a:b], self.ids[t0:t1], self.mask[t0:t1], None if self.pairs is None else self.pairs[a:b])
+        return Ragged(self.lens[a:b], self.ids[t0:t1], self.mask[t0:t1], None if self.pair_bounds is None else self.pair_bounds[a:b])
 
     @staticmethod
     def concat(parts: Sequence["Ragged"]) -> "Ragged":
@@ -85,15 +85,15 @@ class Ragged:
             np.concatenate([p.lens for p in parts]) if parts else np.zeros(0, LENS),
             np.concatenate([p.ids for p in parts]) if parts else np.zeros(0, IDS),
             np.concatenate([p.mask for p in parts]) if parts else np.zeros(0, MASK),
-            np.concatenate([p.pairs for p in parts]) if parts and parts[0].pairs is not None else None,
+            np.concatenate([p.pair_bounds for p in parts]) if parts and parts[0].pair_bounds is not None else None,
         )
 
-    def pairs_to_wire(self) -> tuple[bytes, ...]:
-        """() without pairs, so the wire of every other set is what it was."""
-        return () if self.pairs is None else (self.pairs.astype("<i4").tobytes(),)
+    def pair_bounds_to_wire(self) -> tuple[bytes, ...]:
+        """() outside a preference set, so the wire of every other set is what it was."""
+        return () if self.pair_bounds is None else (self.pair_bounds.astype("<i4").tobytes(),)
 
     @staticmethod
-    def pairs_from_wire(data: bytes | None) -> np.ndarray | None:
+    def pair_bounds_from_wire(data: bytes | None) -> np.ndarray | None:
         return None if data is None else np.frombuffer(data, "<i4").reshape(-1, 2)
 
 
@@ -194,8 +194,8 @@ class PayloadBatch:
         e = self.examples
         wire: tuple[Any, ...] = (self.hashes.astype("<u8").tobytes(), id_lens, id_data, e.lens.tobytes(), ids_to_wire(e.ids),
                                  mask_to_wire(e.mask), self.kept_at.astype("<u8").tobytes())
-        if e.pairs is not None:  # a preference set (no pieces: split and window cut no pairs)
-            return wire + (None, None, None, *e.pairs_to_wire())
+        if e.pair_bounds is not None:  # a preference set (no pieces: split and window cut no pairs)
+            return wire + (None, None, None, *e.pair_bounds_to_wire())
         if self.example_targets is None:
             return wire
         wire += (self.example_targets.shape[1], self.example_targets.astype("<i4").tobytes())
@@ -204,11 +204,11 @@ class PayloadBatch:
     @staticmethod
     def from_wire(wire: tuple[Any, ...]) -> "PayloadBatch":
         hashes, id_lens, id_data, lens, ids, mask, kept_at = wire[:7]
-        pairs = Ragged.pairs_from_wire(wire[10]) if len(wire) == 11 else None
+        pair_bounds = Ragged.pair_bounds_from_wire(wire[10]) if len(wire) == 11 else None
         totals = None if len(wire) == 7 or wire[7] is None else np.frombuffer(wire[8], "<i4").reshape(-1, wire[7])
         leads = np.frombuffer(wire[9], "<u8") if len(wire) >= 10 and wire[9] is not None else None
         return PayloadBatch(np.frombuffer(hashes, "<u8"), _bytes_to_strings(id_lens, id_data),
-                            Ragged(np.frombuffer(lens, LENS), ids_from_wire(ids), mask_from_wire(mask), pairs),
+                            Ragged(np.frombuffer(lens, LENS), ids_from_wire(ids), mask_from_wire(mask), pair_bounds),
                             np.frombuffer(kept_at, "<u8"), totals, leads)
 
     @staticmethod
@@ -272,8 +272,8 @@ class ShardWork:
                 self.positions.astype("<i4").tobytes(), self.example.astype("<i4").tobytes(), e.lens.tobytes(),
                 ids_to_wire(e.ids), mask_to_wire(e.mask))
         sources = None if self.sources is None else self.sources.astype("<i4").tobytes()
-        if e.pairs is not None:  # a preference set: no example_targets
-            return wire + (sources, None, *e.pairs_to_wire())
+        if e.pair_bounds is not None:  # a preference set: no example_targets
+            return wire + (sources, None, *e.pair_bounds_to_wire())
         if self.example_targets is None:  # the wire of every set without the field, as before
             return wire if sources is None else wire + (sources,)
         return wire + (sources, self.example_targets.astype("<i4").tobytes())
@@ -283,10 +283,10 @@ class ShardWork:
         lengths, rows, positions, example, lens, ids, mask = wire[:7]
         sources = wire[7] if len(wire) > 7 else None
         totals = wire[8] if len(wire) > 8 else None
-        pairs = Ragged.pairs_from_wire(wire[9]) if len(wire) > 9 else None
+        pair_bounds = Ragged.pair_bounds_from_wire(wire[9]) if len(wire) > 9 else None
         return ShardWork(np.frombuffer(lengths, "<i4"), np.frombuffer(rows, "<i8"), np.frombuffer(positions, "<i4"),
                          np.frombuffer(example, "<i4"),
-                         Ragged(np.frombuffer(lens, LENS), ids_from_wire(ids), mask_from_wire(mask), pairs),
+                         Ragged(np.frombuffer(lens, LENS), ids_from_wire(ids), mask_from_wire(mask), pair_bounds),
                          None if sources is None else np.frombuffer(sources, "<i4"),
                          None if totals is None else np.frombuffer(totals, "<i4"))
 

@@ -115,10 +115,11 @@ class Manifest:
     field_order: list[str] = dataclasses.field(default_factory=lambda: list(rowformat.FIELD_NAMES))
     array_record_options: str = "group_size:1,zstd:3"
 
-    def use_row_format(self, sources: bool, example_targets: bool, pairs: bool = False) -> None:
+    def use_row_format(self, sources: bool, example_targets: bool, preference: bool = False) -> None:
         """The row format of rows with `source_ids` (a mixture's: 2) and/or `example_targets`
-        (--overlong split or window: 3, or 4 with both); format 1 has neither."""
-        self.format_version = rowformat.row_format_version(sources, example_targets, pairs)
+        (--overlong split or window: 3, or 4 with both); format 1 has neither; a preference set's
+        rows have `pair_side` (5, or 6 with `source_ids`)."""
+        self.format_version = rowformat.row_format_version(sources, example_targets, preference)
         self.fields = rowformat.field_spec(self.format_version)
         self.field_order = list(rowformat.field_names(self.format_version))
 

@@ -39,7 +39,7 @@ class Recount:
     """What the rows hold, counted as they stream by (`add` each batch that passed row_fault)."""
 
     num_sources: int = 0  # a mixture's; 0 without one
-    pairs: bool = False  # a preference set's rows: `segments` counts pairs (each two segments)
+    preference: bool = False  # a preference set's rows: `segments` counts pairs (each two segments)
     rows: int = 0
     segments: int = 0
     tokens: int = 0
@@ -55,7 +55,7 @@ class Recount:
         self.by_source = np.zeros((self.num_sources + 1, 3), np.int64)
 
     def add(self, batch: dict[str, np.ndarray]) -> None:
-        self.pairs = rowformat.PAIR_SIDE in batch
+        self.preference = rowformat.PAIR_SIDE in batch
         counts = rowformat.row_counts(batch)
         self.rows += len(counts["segments"])
         self.segments += int(counts["segments"].sum())
@@ -64,7 +64,7 @@ class Recount:
         low = int(counts["segments"].min())  # a batch holds at least one row
         self.min_segments = low if self.min_segments is None else min(self.min_segments, low)
         self.max_segments = max(self.max_segments, int(counts["segments"].max()))
-        if self.pairs:
+        if self.preference:
             rejected = batch[rowformat.PAIR_SIDE] == rowformat.REJECTED
             self.rejected_tokens += int(rejected.sum())
             self.rejected_target_tokens += int(batch["loss_mask"][rejected].sum())
@@ -164,7 +164,7 @@ def _counted(manifest: Manifest, recount: Recount, where: str) -> str | None:
     """The counts the rows reproduce exactly."""
     stats = manifest.stats
     spread = stats.get("segments_per_row") if isinstance(stats.get("segments_per_row"), dict) else {}
-    pairs = [
+    figures = [
         ("num_rows", manifest.num_rows, recount.rows),
         ("stats.rows", stats.get("rows"), recount.rows),
         ("stats.examples_written", stats.get("examples_written"), recount.segments),
@@ -174,9 +174,9 @@ def _counted(manifest: Manifest, recount: Recount, where: str) -> str | None:
         ("stats.segments_per_row.max", spread.get("max"), recount.max_segments),
     ]
     if "planned_examples" in stats:
-        pairs.append(("stats.planned_examples", stats["planned_examples"], recount.segments))
-    if recount.pairs:  # a preference set: its pair figures are the example figures, by side
-        pairs += [("stats.pairs_written", stats.get("pairs_written"), recount.segments),
+        figures.append(("stats.planned_examples", stats["planned_examples"], recount.segments))
+    if recount.preference:  # a preference set: its pair figures are the example figures, by side
+        figures += [("stats.pairs_written", stats.get("pairs_written"), recount.segments),
                   ("stats.pairs_read", stats.get("pairs_read"),
                    stats["examples_read"] if _is_int(stats.get("examples_read")) else -1),
                   ("stats.chosen_tokens", stats.get("chosen_tokens"), recount.tokens - recount.rejected_tokens),
@@ -189,8 +189,8 @@ def _counted(manifest: Manifest, recount: Recount, where: str) -> str | None:
                     f"{_shown(stats.get('examples_dropped'))} (a pair is one example); {_EDITED}")
     for i, source in enumerate(manifest.mixture["sources"] if recount.num_sources else (), start=1):
         for column, key in enumerate(("examples_written", "tokens", "target_tokens")):
-            pairs.append((f"mixture.sources[{i - 1}].{key} ({source.get('name')})", source.get(key), int(recount.by_source[i, column])))
-    for key, stated, counted in pairs:
+            figures.append((f"mixture.sources[{i - 1}].{key} ({source.get('name')})", source.get(key), int(recount.by_source[i, column])))
+    for key, stated, counted in figures:
         if not _is_int(stated) or stated != counted:
             return f"{where}: {key} is {_shown(stated)}, but the rows hold {counted:,}; {_EDITED}"
     return None

@@ -66,10 +66,10 @@ def has_pairs(version: int) -> bool:
     return version in (PAIR_FORMAT_VERSION, PAIR_MIXTURE_FORMAT_VERSION)
 
 
-def row_format_version(sources: bool, example_targets: bool, pairs: bool = False) -> int:
-    """The format of rows with (or without) `source_ids`, `example_targets` and `pair_side` (pairs
-    are never cut into pieces: the two do not go together)."""
-    if pairs:
+def row_format_version(sources: bool, example_targets: bool, preference: bool = False) -> int:
+    """The format of rows with (or without) `source_ids`, `example_targets` and `pair_side` (a
+    preference set's rows: its pairs are never cut into pieces, so the two do not go together)."""
+    if preference:
         if example_targets:
             raise RowFormatError("preference pairs are never cut into pieces: no format has both pair_side and example_targets")
         return PAIR_MIXTURE_FORMAT_VERSION if sources else PAIR_FORMAT_VERSION

@@ -82,10 +82,10 @@ def encode_example(example_id: str, loc: Sequence[int], ids: np.ndarray, mask: n
 
 
 def encode_batch(example_ids: Sequence[str], locs: Sequence[Sequence[int]], lens: np.ndarray,
-                 ids: np.ndarray, mask: np.ndarray, pairs: np.ndarray | None = None) -> list[bytes]:
+                 ids: np.ndarray, mask: np.ndarray, pair_bounds: np.ndarray | None = None) -> list[bytes]:
     """The records of a batch of examples (flat ids/mask, lens per example), with one ids and
     one mask encoding for the whole batch: each record is encode_example's bytes when the
-    batch's ids fit 24 bits and its mask is 0/1, and a valid record either way. `pairs`: a
+    batch's ids fit 24 bits and its mask is 0/1, and a valid record either way. `pair_bounds`: a
     preference set's [examples, 2] bounds (records of version 2)."""
     lens = np.asarray(lens, dtype=np.int64)
     if not len(lens):
@@ -110,8 +110,8 @@ def encode_batch(example_ids: Sequence[str], locs: Sequence[Sequence[int]], lens
                       for n, a, b in zip(lens.tolist(), byte_starts, byte_ends)]
     body = ids_wire[1:]
     pack = _HEAD.pack
-    version = _RECORD_VERSION if pairs is None else _PAIR_RECORD_VERSION
-    tails = [b""] * len(lens) if pairs is None else [_BOUNDS.pack(int(p), int(q)) for p, q in np.asarray(pairs).tolist()]
+    version = _RECORD_VERSION if pair_bounds is None else _PAIR_RECORD_VERSION
+    tails = [b""] * len(lens) if pair_bounds is None else [_BOUNDS.pack(int(p), int(q)) for p, q in np.asarray(pair_bounds).tolist()]
     out = []
     for eid, loc, n, a, m, tail in zip(example_ids, locs, lens.tolist(), starts.tolist(), mask_parts, tails):
         e = eid.encode("utf-8")
@@ -129,7 +129,7 @@ class DecodedExamples:
     lens: np.ndarray  # int32
     ids: np.ndarray  # int32, all examples' ids back to back
     mask: np.ndarray  # uint8
-    pairs: np.ndarray | None = None  # int32 [examples, 2]: a preference set's (prompt, split); None: no pairs
+    pair_bounds: np.ndarray | None = None  # int32 [examples, 2]: a preference set's (prompt, split); None: not a preference set
 
 
 def decode_example(record: bytes) -> tuple[str, tuple[int, int, int, int], np.ndarray, np.ndarray, tuple[int, int] | None]:
@@ -175,12 +175,12 @@ def check_examples(decoded: "DecodedExamples", vocab_size: int, num_tasks: int, 
     elif decoded.mask.size and int(decoded.mask.max()) > 1:
         flat = int(np.flatnonzero(decoded.mask > 1)[0])
         bad = (int(np.searchsorted(np.cumsum(decoded.lens), flat, side="right")), "its loss mask is not 0/1")
-    elif decoded.pairs is not None and len(decoded.pairs) and not (
-            (decoded.pairs[:, 0] >= 1) & (decoded.pairs[:, 0] < decoded.pairs[:, 1])
-            & (2 * decoded.pairs[:, 1] - decoded.pairs[:, 0] <= decoded.lens)).all():
-        k = int(np.flatnonzero(~((decoded.pairs[:, 0] >= 1) & (decoded.pairs[:, 0] < decoded.pairs[:, 1])
-                                 & (2 * decoded.pairs[:, 1] - decoded.pairs[:, 0] <= decoded.lens)))[0])
-        bad = (k, f"its pair bounds {tuple(decoded.pairs[k].tolist())} do not fit its {int(decoded.lens[k])} tokens")
+    elif decoded.pair_bounds is not None and len(decoded.pair_bounds) and not (
+            (decoded.pair_bounds[:, 0] >= 1) & (decoded.pair_bounds[:, 0] < decoded.pair_bounds[:, 1])
+            & (2 * decoded.pair_bounds[:, 1] - decoded.pair_bounds[:, 0] <= decoded.lens)).all():
+        k = int(np.flatnonzero(~((decoded.pair_bounds[:, 0] >= 1) & (decoded.pair_bounds[:, 0] < decoded.pair_bounds[:, 1])
+                                 & (2 * decoded.pair_bounds[:, 1] - decoded.pair_bounds[:, 0] <= decoded.lens)))[0])
+        bad = (k, f"its pair bounds {tuple(decoded.pair_bounds[k].tolist())} do not fit its {int(decoded.lens[k])} tokens")
     else:
         for k, loc in enumerate(decoded.locs):
             if not 0 <= loc[0] < num_tasks or min(loc[1:]) < 0:

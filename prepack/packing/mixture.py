@@ -208,7 +208,7 @@ def _one_kind(sources: Sequence[MixtureSource], where: str) -> None:
     share a set: the sources are all one or all the other."""
     from prepack.text.formats import template_class
 
-    kinds = {s.name: template_class(s.format).yields_pairs for s in sources}
+    kinds = {s.name: template_class(s.format).yields_preference for s in sources}
     if len(set(kinds.values())) > 1:
         pairs = sorted(n for n, k in kinds.items() if k)
         others = sorted(n for n, k in kinds.items() if not k)
@@ -318,9 +318,9 @@ def _source(index: int, name: str, specs: list[str], fmt: Any, weight: Any, opti
             raise MixtureError(f"{at}: {key} must be a string of 1 to {bound} characters (quote it), "
                                f"got {_got(value)}")
     try:
-        from prepack.text.formats import get_template
+        from prepack.text.formats import ResolvedFormat
 
-        get_template(fmt, **options)
+        ResolvedFormat.checked(fmt, options)
     except (ValueError, TypeError) as e:
         raise MixtureError(f"{at}: {e}") from None
     inputs = tuple(specs) if base is None else tuple(_resolve(s, base) for s in specs)

@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # the Tokenizer protocol lives in prepack.text.tokenizer (see
     from prepack.text.tokenizer import Tokenizer
 
 __all__ = ["Segment", "TokenizedExample", "ChatFormatError", "CHAT_FORMAT_ERROR_REASONS", "CHAT_FORMAT_ERROR_ADVICE", "ChatFormat",
-           "PairLayout", "END_OF_TURN_TOKENS"]
+           "PromptResponseLayout", "END_OF_TURN_TOKENS"]
 
 # A segment: (text to encode | literal token ids, loss flag 0/1).
 Segment = tuple[Union[str, tuple[int, ...]], int]
@@ -176,9 +176,9 @@ class ChatFormat:
         """More special tokens a format knows (hf: those its template spells)."""
         return {}
 
-    def pair_layout(self) -> "PairLayout | None":
+    def prompt_response_layout(self) -> "PromptResponseLayout | None":
         """How segments() lays out one user turn followed by one target assistant turn, for
-        tokenize_pairs_flat (prepack/text/chat/batch.py); None when the format has no fixed
+        tokenize_prompt_responses_flat (prepack/text/chat/batch.py); None when the format has no fixed
         layout (the jinja format)."""
         return None
 
@@ -228,7 +228,7 @@ class ChatFormat:
 
 
 @dataclass(frozen=True)
-class PairLayout:
+class PromptResponseLayout:
     """What segments() gives for [user(prompt), assistant(response)] with loss on the reply:
 
         (before_prompt, 0) (prompt_prefix + prompt, 0) (between, 0) (response, 1)

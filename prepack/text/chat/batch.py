@@ -1,5 +1,5 @@
 """Tokenizing a batch of examples with one chat format: one `encode_batch` call for all the text
-pieces of the batch, stitched back together; and the single-turn fast path (`tokenize_pairs_flat`),
+pieces of the batch, stitched back together; and the single-turn fast path (`tokenize_prompt_responses_flat`),
 which lays out a batch of prompt/response pairs with whole-array operations."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from prepack.text.conversation import Conversation, Document, PreferencePair
 if TYPE_CHECKING:
     from prepack.text.tokenizer import Tokenizer
 
-__all__ = ["tokenize_conversations", "tokenize_conversations_flat", "tokenize_pairs_flat", "tokenize_preference_pairs"]
+__all__ = ["tokenize_conversations", "tokenize_conversations_flat", "tokenize_prompt_responses_flat", "tokenize_preference_pairs"]
 
 
 # Formats built from a name inside tokenize_conversations, so that passing a name per batch
@@ -104,14 +104,14 @@ def tokenize_conversations_flat(
     return input_ids, loss_mask, ends
 
 
-def tokenize_pairs_flat(
+def tokenize_prompt_responses_flat(
     prompts: Sequence[str], responses: Sequence[str], tokenizer: "Tokenizer", chat_format: "ChatFormat | str"
 ) -> tuple[np.ndarray, np.ndarray, list[int]] | None:
     """tokenize_conversations_flat for single-turn examples given as prompt and response
     texts: the same ids, masks and ends as for their Conversations, without building them.
     None for an empty batch. Raises ValueError for a format without a pair layout."""
     fmt = _resolve_format(chat_format, tokenizer)
-    layout = fmt.pair_layout()
+    layout = fmt.prompt_response_layout()
     if layout is None:
         raise ValueError(f"chat format {fmt.name!r} has no single-turn layout; use tokenize_conversations_flat")
     n = len(prompts)

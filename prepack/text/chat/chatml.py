@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Sequence
 
-from prepack.text.chat.base import ChatFormat, PairLayout, Segment
+from prepack.text.chat.base import ChatFormat, PromptResponseLayout, Segment
 from prepack.text.conversation import Conversation, ToolCall, Turn, json_text
 
 if TYPE_CHECKING:
@@ -60,8 +60,8 @@ class ChatMLFormat(ChatFormat):
         """Index of the assistant turn opened with self._open_think (-1: none)."""
         return -1
 
-    def pair_layout(self) -> "PairLayout":
-        return PairLayout(self._open["start"], "user\n", self._open_asst["closed"], self._ime_only,
+    def prompt_response_layout(self) -> "PromptResponseLayout":
+        return PromptResponseLayout(self._open["start"], "user\n", self._open_asst["closed"], self._ime_only,
                           self._close["target"], strip=False)
 
     def segments(self, conv: Conversation) -> list[Segment]:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from prepack.text.chat.base import ChatFormat, ChatFormatError, PairLayout, Segment
+from prepack.text.chat.base import ChatFormat, ChatFormatError, PromptResponseLayout, Segment
 from prepack.text.conversation import Conversation
 
 if TYPE_CHECKING:
@@ -43,8 +43,8 @@ class GemmaFormat(ChatFormat):
         self._close = {"start": (), "closed": eot_nl, "target": nl}
         self._eot_only = (self.eot,)
 
-    def pair_layout(self) -> "PairLayout":
-        return PairLayout(self._open_user["start"], "user\n", self._open_model["closed"], self._eot_only,
+    def prompt_response_layout(self) -> "PromptResponseLayout":
+        return PromptResponseLayout(self._open_user["start"], "user\n", self._open_model["closed"], self._eot_only,
                           self._close["target"], strip=True)
 
     def segments(self, conv: Conversation) -> list[Segment]:

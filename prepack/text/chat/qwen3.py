@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Sequence
 
-from prepack.text.chat.base import PairLayout, Segment
+from prepack.text.chat.base import PromptResponseLayout, Segment
 from prepack.text.chat.chatml import ChatMLFormat, last_query
 from prepack.text.conversation import Conversation
 
@@ -47,8 +47,8 @@ class Qwen3Format(ChatMLFormat):
         # After the last query: the last message itself when there is none (no think block).
         return last if last_query(turns) < last else -1
 
-    def pair_layout(self) -> "PairLayout":
-        return PairLayout(self._open["start"], "user\n", self._open_think["closed"], self._ime_only,
+    def prompt_response_layout(self) -> "PromptResponseLayout":
+        return PromptResponseLayout(self._open["start"], "user\n", self._open_think["closed"], self._ime_only,
                           self._close["target"], strip=False, response_lstrip="\n")
 
     # -- reasoning traces: as Qwen3's template writes an assistant message with reasoning_content:

@@ -5,6 +5,9 @@ One format per module; each is a frozen dataclass whose fields are its options (
 returning `Conversation`s or `Document`s (prepack/text/conversation.py). Formats look only at a
 record's structure: the same record renders for any tokenizer and chat format.
 
+A run resolves each source's format once, when it is planned (`--format auto` from the first
+records): a `ResolvedFormat`, plain data that travels to the workers, which build from it.
+
 Bad records raise `RecordError` with a stable `reason` and the field as the record spells it.
 `oasst1` is table-level: its records are messages of a tree, templated together.
 """
@@ -25,7 +28,7 @@ from prepack.text.formats.sharegpt import ShareGPTTemplate
 from prepack.text.formats.text import TextTemplate
 from prepack.text.formats.translation import TranslationTemplate
 
-__all__ = ["Template", "get_template", "template_names", "template_class", "RecordError"]
+__all__ = ["Template", "ResolvedFormat", "get_template", "template_names", "template_class", "RecordError"]
 
 
 class Template(Protocol):
@@ -36,7 +39,7 @@ class Template(Protocol):
     name: str
     table_level: bool
     group_key: str | None
-    yields_pairs: bool
+    yields_preference: bool
     COLUMNS: Mapping[str, str]
     same_reader_as: str | None
 
@@ -85,3 +88,30 @@ def get_template(name: str, **options: Any) -> Template:
             f"accepted: {', '.join(accepted) if accepted else 'none'}"
         )
     return cast(Template, cls(**options))  # each registered class adds to_conversations to SourceFormat
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedFormat:
+    """A source's format as the run's plan settles it: a registered name (never `auto`) and the
+    options it is built with. Plain data, so it pickles small to the workers; each builds its
+    format from it (`build`) instead of looking at the records again."""
+
+    name: str
+    options: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def checked(cls, name: str, options: Mapping[str, str] | Iterable[tuple[str, str]] = ()) -> "ResolvedFormat":
+        """The format `name` with `options`, built once to check them: ValueError (one line, as
+        get_template says it) for an unknown name, option or mapping."""
+        resolved = cls(name, tuple(sorted(dict(options).items())))
+        resolved.build()
+        return resolved
+
+    def build(self) -> Template:
+        return get_template(self.name, **dict(self.options))
+
+    @property
+    def features(self) -> type[SourceFormat]:
+        """The format's class: its declared features (table_level, group_key, yields_preference,
+        ...) without building it."""
+        return template_class(self.name)

@@ -39,8 +39,8 @@ class SourceFormat:
     # share its `group_key`; such a format offers conversations_from_table instead.
     table_level: ClassVar[bool] = False
     group_key: ClassVar[str | None] = None
-    # True: each record is one PreferencePair, a packing unit of two segments (rows of format 5 or 6).
-    yields_pairs: ClassVar[bool] = False
+    # True: each record is one PreferencePair (a preference set), a packing unit of two segments (rows of format 5 or 6).
+    yields_preference: ClassVar[bool] = False
     # Canonical field -> the format's own column name: what --columns may rename (empty: no columns).
     COLUMNS: ClassVar[Mapping[str, str]] = MappingProxyType({})
     # The format this one reads as, once --columns give both the same names (--format auto keeps one).
@@ -48,7 +48,7 @@ class SourceFormat:
 
     def prompt_response_reader(self) -> PromptResponseReader | None:
         """How to read a record as one (prompt, response) without building Conversations, for the
-        chat format's tokenize_pairs_flat; None: the records are not single-turn."""
+        chat format's tokenize_prompt_responses_flat; None: the records are not single-turn."""
         return None
 
     def conversations_from_table(self, messages: Iterable[Mapping[str, Any]]) -> Oasst1Result:

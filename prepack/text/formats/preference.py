@@ -26,7 +26,7 @@ class PreferenceTemplate(SourceFormat, RequiredColumns):
     roles: str = ""
 
     name: ClassVar[str] = "preference"
-    yields_pairs: ClassVar[bool] = True  # each record one PreferencePair: a packing unit of two segments
+    yields_preference: ClassVar[bool] = True  # each record one PreferencePair: a packing unit of two segments
     COLUMNS: ClassVar[dict[str, str]] = {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected", "role": "role",
                                          "content": "content", "tools": "tools", "system": "system"}
 
