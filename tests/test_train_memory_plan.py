@@ -187,6 +187,12 @@ def test_remat_auto_remembers_a_step_that_did_not_fit_and_skips_its_compile_next
     assert on and len(compiles) == 3  # an invalid verdict is ignored: planned again (and written anew)
     choose(0.001, compile_cache="off")
     assert len(compiles) == 4  # off: nothing remembered, nothing read
+    blocked = tmp_path / "blocked"
+    blocked.mkdir()
+    (blocked / "prepack-unfit-steps").write_text("a file where the folder goes")
+    on, said = choose(0.001, compile_cache=str(blocked))
+    assert on and len(compiles) == 5  # the run goes on with remat; only the memory is lost
+    assert "--remat auto: could not remember that the step does not fit without remat (" in said
 
 
 def _lora_model(name: str, kind: str, layers: int):

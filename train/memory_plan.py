@@ -184,7 +184,11 @@ def choose_remat(setup: Any, out: TextIO) -> RematChoice | None:
         plan, planned = plan_without_remat(setup, lowered)
         on = plan is None or not plan.fits(budget)
         if on and key:
-            unfit_steps.remember(folder, unfit_steps.UnfitStep(key, budget, planned))
+            try:
+                unfit_steps.remember(folder, unfit_steps.UnfitStep(key, budget, planned))
+            except OSError as e:  # the run goes on; the next one plans this step again
+                print(f"--remat auto: could not remember that the step does not fit without remat "
+                      f"({unfit_steps.path_of(folder, key)}: {e.strerror or e})", file=out, flush=True)
     print(f"--remat auto: the step plans {planned} without remat, budget {budget / GIB:.2f} GiB "
           f"({source}): {'rematerialising each layer' if on else 'no remat'}", file=out, flush=True)
     if on:
