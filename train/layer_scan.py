@@ -1,4 +1,5 @@
-"""`--remat layer`: the decoder layers under one `lax.scan`, each layer recomputed in the backward pass.
+"""`--remat layer`: the decoder layers under one `lax.scan`, each layer recomputed in the backward pass
+(and `--scan-layers`: their repeating period as a scan's body, without remat; `scan_periods`).
 
 Why a scan and not `nnx.remat` around each layer of Tunix's Python loop (Tunix's
 `RematConfig.DECODER`): that marks each layer's recomputation with optimization barriers,
