@@ -3,7 +3,7 @@
 `nnx.jit(trainer.create_train_step_fn()).lower(model, optimizer, batch).compile()`
 compiles exactly the function PeftTrainer jits (gen_model_input_fn, loss, grads,
 optimizer update) for a batch's shapes; `memory_analysis()` is what XLA plans
-to allocate for it. `compile_trainers_step` compiles the trainer's own jitted step instead,
+to allocate for it. `lower_trainers_step` lowers the trainer's own jitted step instead (its caller compiles it),
 so that the loop's step 1 reuses the executable (`--remat auto`, `--plan-memory`). Used by the tests and benchmarks that compare packed with
 unpacked batches (same shapes, so the same program) and our loss with Tunix's.
 """
@@ -82,11 +82,6 @@ def compile_train_step(trainer: Any, batch: Mapping[str, Any]) -> Any:
 
     step = nnx.jit(trainer.create_train_step_fn(), donate_argnames=("optimizer",))
     return step.lower(trainer.model, trainer.optimizer, device_fields(batch)).compile()
-
-
-def compile_trainers_step(trainer: Any, batch: Mapping[str, Any]) -> Any:
-    """lower_trainers_step's program, compiled."""
-    return lower_trainers_step(trainer, batch).compile()
 
 
 def lower_trainers_step(trainer: Any, batch: Mapping[str, Any]) -> Any:

@@ -40,23 +40,30 @@ def _kind(layer: nnx.Module) -> Any:
     return getattr(layer.attn, "attn_type", None)
 
 
+def _stacked(layers: Sequence[nnx.Module], fix: str) -> tuple[list[Any], Any, list[jax.Array]]:
+    """Each layer's graph, their one state structure, and their states stacked leaf by leaf."""
+    graphs, treedefs, leaves = [], set(), []
+    for layer in layers:
+        graph, state = nnx.split(layer)
+        flat, treedef = jax.tree.flatten(state)
+        graphs.append(graph)
+        treedefs.add(treedef)
+        leaves.append(flat)
+    if len(treedefs) != 1:
+        raise ValueError(f"the decoder layers do not share one state structure; {fix}")
+    return graphs, treedefs.pop(), [jnp.stack(column) for column in zip(*leaves)]
+
+
 def scan_layers(layers: Sequence[nnx.Module], x: jax.Array, *args: Any, remat: bool = True, **kwargs: Any) -> jax.Array:
     """x through every layer, as `layer(x, *args, **kwargs)[1]` in order; with remat each layer is
     recomputed in the backward pass, without it the layers' repeating period is the loop's body."""
     if not remat:
         return scan_periods(layers, x, *args, **kwargs)
-    graphs, treedefs, leaves, kinds = {}, set(), [], []
-    for layer in layers:
-        graph, state = nnx.split(layer)
+    split, treedef, stacked = _stacked(layers, "use --remat none")
+    graphs, kinds = {}, []
+    for layer, graph in zip(layers, split):
         kinds.append(list(graphs).index(_kind(layer)) if _kind(layer) in graphs else len(graphs))
         graphs.setdefault(_kind(layer), graph)
-        flat, treedef = jax.tree.flatten(state)
-        treedefs.add(treedef)
-        leaves.append(flat)
-    if len(treedefs) != 1:
-        raise ValueError("the decoder layers do not share one state structure; use --remat none")
-    (treedef,) = treedefs
-    stacked = [jnp.stack(column) for column in zip(*leaves)]
 
     def run(graph: Any, flat: list[jax.Array], h: jax.Array) -> jax.Array:
         layer = nnx.merge(graph, jax.tree.unflatten(treedef, flat))
@@ -93,18 +100,11 @@ def scan_periods(layers: Sequence[nnx.Module], x: jax.Array, *args: Any, **kwarg
             x = layer(x, *args, **kwargs)[1].astype(x.dtype)
         return x
     graphs, treedefs, stacked = [], [], []
-    for j in range(p):
-        columns, defs = [], set()
-        for r in range(repeats):
-            graph, state = nnx.split(layers[r * p + j])
-            flat, treedef = jax.tree.flatten(state)
-            defs.add(treedef)
-            columns.append(flat)
-        if len(defs) != 1:
-            raise ValueError("the decoder layers do not share one state structure; drop --scan-layers")
-        graphs.append(graph)
-        treedefs.append(defs.pop())
-        stacked.append([jnp.stack(column) for column in zip(*columns)])
+    for j in range(p):  # the period's j-th layer of every repeat, stacked
+        split, treedef, leaves = _stacked(layers[j:repeats * p:p], "drop --scan-layers")
+        graphs.append(split[0])
+        treedefs.append(treedef)
+        stacked.append(leaves)
 
     def body(h: jax.Array, period_leaves: list[list[jax.Array]]) -> tuple[jax.Array, None]:
         for graph, treedef, flat in zip(graphs, treedefs, period_leaves):
