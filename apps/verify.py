@@ -21,8 +21,9 @@ every length holds, 1 when any fails, 2 when SET cannot be read as a shard set o
 
 With --model, each length whose rows hold then gets the parity check on the model
 (train/parity.py): --rows rows, sampled by a fixed seed, run packed and each segment alone
-through the model and attention path `prepack train` uses; every target token's
-log-probability must agree within the dtype's tolerance. JAX is imported only then.
+through the model and attention path `prepack train` uses; the target tokens' log-probabilities
+must agree within the dtype's tolerance (float32: every target; bfloat16: each segment's mean,
+its rounding moving single tokens). JAX is imported only then.
 """
 
 from __future__ import annotations

@@ -112,6 +112,7 @@ def verify_first(s: Setup, batch: dict[str, Any], out: TextIO, packed_layout: pa
     result = parity.check_first_batch(s, batch, packed_layout)
     print(f"verify-first: {result.summary()}", file=out, flush=True)
     s.recorder.static_extra["verify_first"] = {"ok": result.ok, "dtype": result.dtype, "max_abs_diff": result.max_abs_diff,
+                                               "statistic": result.statistic, "worst": result.worst,
                                                "tolerance": result.tolerance, "segments": len(result.segments)}
     if not result.ok:
         raise parity.ParityFailed(f"--verify-first: parity FAILED before step 1: {result.failure_lines(1)[0]}")
