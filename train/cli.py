@@ -145,6 +145,9 @@ def add_memory_path_args(p: argparse.ArgumentParser) -> None:
                    help="each loss chunk's logits, NLL and dL/dh: xla (the logits in memory), or fused (one Pallas "
                    "kernel, the logits kept on chip; bfloat16 without a logit soft-cap; interpret mode, slow, off a "
                    "TPU). Default auto: fused on a TPU where it applies, else xla (docs/benchmarks.md)")
+    p.add_argument("--lora-kernel", default="qwix", choices=["qwix", "fused"],
+                   help="the adapted dense projections (the MLP's): qwix (x W + s (x A) B as qwix computes it), or fused "
+                   "(x read once against [W | A], forward and backward; the same values; train/fused_lora.py)")
     p.add_argument("--attention", default=None, choices=["dense", "blocked", "flash", "splash"],
                    help="dense: [B, L, L] mask (the reference); blocked: tiles from segment ids, skipping tiles no "
                    "segment spans (plain JAX); flash: one fused Pallas kernel visiting only the key blocks each query "
@@ -249,7 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         loss_mean=args.loss_mean, objective=args.objective, beta=args.beta,
         read_threads=args.read_threads, log_every=args.log_every, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, checkpoint_keep=args.checkpoint_keep, save_lora=args.save_lora,
-        nan_policy=args.nan_policy, loss_chunk_tokens=args.loss_chunk_tokens, loss_kernel=args.loss_kernel,
+        nan_policy=args.nan_policy, loss_chunk_tokens=args.loss_chunk_tokens, loss_kernel=args.loss_kernel, lora_kernel=args.lora_kernel,
         attention=args.attention,
         attention_tile=args.attention_tile,
         remat=args.remat, scan_layers=args.scan_layers, memory_budget_gib=args.memory_budget_gib, verify_first=args.verify_first,

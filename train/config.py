@@ -69,6 +69,7 @@ class TrainConfig:
     # from segment ids (None = the backend's default), per-layer rematerialisation, planning.
     loss_chunk_tokens: int = 1024  # the chunk size by measurement: docs/benchmarks.md (memory path)
     loss_kernel: str = "auto"  # train/fused_head.py: auto | xla | fused
+    lora_kernel: str = "qwix"  # train/fused_lora.py: qwix | fused
     attention: str | None = None  # dense | blocked | flash | splash
     attention_tile: int | None = None  # tokens per tile (blocked) or block (flash, splash); None: the kind's default
     # none | layer | auto (plan the step, remat only if it would not fit). prepack train defaults to auto;

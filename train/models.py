@@ -334,23 +334,29 @@ def qlora_tile_size(config: Any, tile_size: int | None = None) -> int:
 
 
 def apply_lora(model: nnx.Module, spec: ModelSpec, *, rank: int, alpha: float | None = None, seed: int = 0,
-               qlora: str | None = None, qlora_tile: int | None = None) -> nnx.Module:
+               qlora: str | None = None, qlora_tile: int | None = None, lora_kernel: str = "qwix") -> nnx.Module:
     """Adds qwix LoRA adapters (A: he_uniform, B: zeros, float32) on Tunix's module paths for the family.
 
     qlora ("nf4" or "int8"): qwix also quantizes the frozen base weights of those projections
     (weight_qtype, in tiles of qlora_tile along the contracting axes; Tunix's QLoRA example),
-    which then compute dequantized on the fly; the adapters stay float32."""
+    which then compute dequantized on the fly; the adapters stay float32.
+    lora_kernel ("qwix" or "fused"): how the adapted dense projections compute (train/fused_lora.py)."""
     import qwix
+
+    from train import fused_lora
 
     if rank <= 0:
         raise ModelError(f"--lora-rank must be positive, got {rank}")
+    if lora_kernel not in fused_lora.KINDS:
+        raise ModelError(f"unknown --lora-kernel {lora_kernel!r}; choose one of {', '.join(fused_lora.KINDS)}")
     if qlora is not None and qlora not in QLORA_QTYPES:
         raise ModelError(f"unknown --qlora {qlora!r}; choose one of {', '.join(QLORA_QTYPES)}")
     from train import precision
 
     quantize = {"weight_qtype": qlora, "tile_size": qlora_tile} if qlora else {}
     # float32 adapters whatever the base dtype (train/precision.py: master weights for mixed precision).
-    provider = qwix.LoraProvider(
+    provider_class = fused_lora.FusedLoraProvider if lora_kernel == fused_lora.FUSED else qwix.LoraProvider
+    provider = provider_class(
         module_path=spec.lora_module_path, rank=rank, alpha=float(alpha if alpha is not None else 2 * rank),
         **precision.float32_initializers(), **quantize,
     )

@@ -227,7 +227,7 @@ def prepare_model(cfg: TrainConfig, model: ModelChoice, built: Any, mesh: Any, m
     from train import memory_path, models
 
     built.model = models.apply_lora(built.model, model.spec, rank=cfg.lora_rank, alpha=cfg.lora_alpha, seed=cfg.seed,
-                                    qlora=cfg.qlora, qlora_tile=qlora_tile(cfg, model.config))
+                                    qlora=cfg.qlora, qlora_tile=qlora_tile(cfg, model.config), lora_kernel=cfg.lora_kernel)
     models.shard_model(built.model, mesh)
     memory_path.install_attention(built.model, cfg, max_length)
     memory_path.set_remat(built.model, cfg.remat == memory_path.REMAT_LAYER, scan_layers=cfg.scan_layers)
