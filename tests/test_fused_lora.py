@@ -38,9 +38,14 @@ def _loss_and_grads(model, kind: str):
     return float(loss), {"/".join(map(str, k)): np.asarray(v) for k, v in nnx.to_flat_state(grads)}
 
 
-@pytest.mark.parametrize("name", sorted(SHAPES))
-def test_fused_lora_has_qwix_adapters_and_computes_the_same_loss_and_gradients(name) -> None:
+@pytest.mark.parametrize("name,remat", [("tiny-gemma3", False), ("tiny-qwen3", False), ("tiny-gemma3", True)])
+def test_fused_lora_has_qwix_adapters_and_computes_the_same_loss_and_gradients(name, remat) -> None:
+    """Also under --remat layer, where JAX traces the fused forward again outside qwix's interception."""
+    from train import memory_path
+
     qwix_model, fused_model = _model(name, fused_lora.QWIX), _model(name, fused_lora.FUSED)
+    for model in (qwix_model, fused_model):
+        memory_path.set_remat(model, remat)
     qwix_params = dict(nnx.to_flat_state(nnx.state(qwix_model, nnx.LoRAParam)))
     fused_params = dict(nnx.to_flat_state(nnx.state(fused_model, nnx.LoRAParam)))
     assert qwix_params.keys() == fused_params.keys() and len(qwix_params) > 0
@@ -94,6 +99,18 @@ def test_the_fused_product_in_bfloat16_is_qwix_within_rounding() -> None:
     assert got[0].dtype == jnp.bfloat16 and got[1].dtype == got[2].dtype == jnp.float32
     for g, w_ in zip(got, want):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w_, np.float32), rtol=2e-2, atol=2e-2)
+
+
+def test_the_frozen_kernel_still_gets_its_true_gradient() -> None:
+    """The trainer never asks for W's gradient, but a caller who does gets x^T dy, not a silent zero."""
+    x = jax.random.normal(jax.random.key(0), (3, 5, 16), jnp.float32)
+    w = jax.random.normal(jax.random.key(1), (16, 12), jnp.float32)
+    a = jax.random.normal(jax.random.key(2), (16, 4), jnp.float32)
+    b = jax.random.normal(jax.random.key(3), (4, 12), jnp.float32)
+    want = jax.grad(lambda w: ((x @ w + (x @ a) @ b * 0.5) ** 2).sum())(w)
+    got = jax.grad(lambda w: (fused_lora.lora_linear(x, w, a, b, 0.5) ** 2).sum())(w)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert np.abs(want).max() > 1
 
 
 def test_an_unknown_lora_kernel_is_refused_by_name() -> None:

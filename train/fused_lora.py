@@ -9,8 +9,11 @@ after the base matmul had, writing its input gradient apart and adding it to the
 Here the base and the adapter's first factor are one matmul against [W | A] ([K, N + r]): x is read
 once, and its output split into x W and x A. The backward pass (a custom VJP) does the same with
 [dy | s dy B^T] against [W | A]^T: one matmul writes dx. The adapter's gradients are what qwix's
-would be: dA = x^T (s dy B^T), dB = s (x A)^T dy. The frozen W gets no gradient (LoRA trains the
-adapters; the trainer differentiates them alone), so its zero cotangent is never computed.
+would be: dA = x^T (s dy B^T), dB = s (x A)^T dy, and W's is x^T dy (the trainer differentiates
+the adapters alone, so XLA drops it). Only x, W, A, B and x A are kept for the backward ([W | A] is
+built again there: a copy of every W kept alive across the step would cost Gemma3 1B 1.2 GB).
+The products run with qwix's interception off: under --remat layer or --scan-layers JAX traces
+this forward again outside qwix's handler, and these are the fused site's own matmuls, not sites.
 
 Where it applies: qwix's dot_general sites of the simplest form, x [..., K] against a plain [K, N]
 kernel (flax's nnx.Linear: Gemma3's and Qwen3's MLP projections), without QLoRA (a quantized
@@ -28,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import qwix
 # qwix's own helpers, so that the fused sites make and find the very adapters qwix's would (pinned qwix).
+from qwix._src import interception
 from qwix._src.core import qarray
 from qwix._src.providers import lora as qwix_lora
 from qwix._src.providers import ptq
@@ -42,14 +46,18 @@ def _dot(x: jax.Array, w: jax.Array, precision: Any) -> jax.Array:
     return jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), precision=precision)
 
 
+def _with_adapter(w: jax.Array, a: jax.Array) -> jax.Array:
+    return jnp.concatenate([w, a.astype(w.dtype)], axis=1)  # [K, N + r]
+
+
+@interception.disable_interceptions
 def _fused_forward(x: jax.Array, w: jax.Array, a: jax.Array, b: jax.Array, scale: float,
-                   precision: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
-    wa = jnp.concatenate([w, a.astype(w.dtype)], axis=1)  # [K, N + r]
-    z = _dot(x, wa, precision)
+                   precision: Any) -> tuple[jax.Array, jax.Array]:
+    z = _dot(x, _with_adapter(w, a), precision)
     n = w.shape[1]
     xa = z[..., n:]
     y = z[..., :n] + (_dot(xa, b.astype(xa.dtype), precision) * scale).astype(z.dtype)
-    return y, wa, xa
+    return y, xa
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -59,20 +67,21 @@ def lora_linear(x: jax.Array, w: jax.Array, a: jax.Array, b: jax.Array, scale: f
 
 
 def _lora_linear_fwd(x, w, a, b, scale, precision):
-    y, wa, xa = _fused_forward(x, w, a, b, scale, precision)
-    return y, (x, wa, xa, a, b)
+    y, xa = _fused_forward(x, w, a, b, scale, precision)
+    return y, (x, w, a, b, xa)
 
 
+@interception.disable_interceptions
 def _lora_linear_bwd(scale, precision, residuals, dy):
-    x, wa, xa, a, b = residuals
+    x, w, a, b, xa = residuals
     g = (_dot(dy, b.astype(dy.dtype).T, precision) * scale).astype(dy.dtype)  # dL/d(xA): [..., r]
-    dx = _dot(jnp.concatenate([dy, g], axis=-1), wa.T, precision)  # dy W^T + g A^T, one matmul
+    dx = _dot(jnp.concatenate([dy, g], axis=-1), _with_adapter(w, a).T, precision)  # dy W^T + g A^T, one matmul
     batch = tuple(range(x.ndim - 1))
-    da = jax.lax.dot_general(x, g, ((batch, batch), ((), ())), precision=precision)  # [K, r]
-    db = jax.lax.dot_general(xa, dy, ((batch, batch), ((), ())), precision=precision) * scale  # [r, N]
-    # W is frozen: the trainer never asks for its gradient, so this zero is dead code to XLA.
-    return dx.astype(x.dtype), jnp.zeros(wa.shape[:1] + (wa.shape[1] - a.shape[-1],), wa.dtype), \
-        da.astype(a.dtype), db.astype(b.dtype)
+    over_tokens = ((batch, batch), ((), ()))
+    dw = jax.lax.dot_general(x, dy, over_tokens, precision=precision)  # [K, N]; dropped where W is frozen
+    da = jax.lax.dot_general(x, g, over_tokens, precision=precision)  # [K, r]
+    db = jax.lax.dot_general(xa, dy, over_tokens, precision=precision) * scale  # [r, N]
+    return dx.astype(x.dtype), dw.astype(w.dtype), da.astype(a.dtype), db.astype(b.dtype)
 
 
 lora_linear.defvjp(_lora_linear_fwd, _lora_linear_bwd)
