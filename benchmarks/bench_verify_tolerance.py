@@ -6,6 +6,9 @@ differences summarized by its dtype's statistic (`statistic_for`: float32 the la
 the mean over the segment's targets). A tolerance is right when it lies between two measured
 figures of the same model, rows and attention, each a segment statistic:
 
+Each segment's figure is its score: its statistic, a short segment's mean divided by parity's
+`widening` (the tolerance is held against the scores).
+
 - noise: the largest over the segments of the rows as stored (correct rows: the same tokens in
   two layouts, differing by rounding alone);
 - leak: the smallest over the segments after a row's first (the ones a leak can reach) when
@@ -59,11 +62,13 @@ def measure(model: Any, cfg: Any, view: Any) -> dict[str, Any]:
     leaked = parity.check_view(model, cfg, view, packed_layout=one_key_leak)
     later = [s for s in leaked.segments if s.segment > 1]
     figures = {}
-    for statistic in ("max", "mean"):  # both, whichever the dtype's check holds
-        noise = max((s.value(statistic) for s in stored.segments), default=0.0)
-        leak = min((s.value(statistic) for s in later), default=float("nan"))
-        figures[statistic] = {"noise": noise, "leak_min_later": leak,
-                              "leak_max": max((s.value(statistic) for s in leaked.segments), default=0.0)}
+    for statistic in ("max", "mean"):  # both, whichever the dtype's check holds; scores as parity's
+        def score(s: Any) -> float:
+            return s.value(statistic) / parity.widening(statistic, s.targets)
+
+        figures[statistic] = {"noise": max((score(s) for s in stored.segments), default=0.0),
+                              "leak_min_later": min((score(s) for s in later), default=float("nan")),
+                              "leak_max": max((score(s) for s in leaked.segments), default=0.0)}
     held = figures[stored.statistic]
     return {"statistic": stored.statistic, **held, "by_statistic": figures,
             "later_segments": len(later), "segments": len(stored.segments), "targets": stored.targets,

@@ -120,16 +120,37 @@ def test_a_non_finite_log_p_fails(dtype) -> None:
 
 
 def test_float32_holds_the_largest_difference_and_bfloat16_the_segment_mean() -> None:
-    """One target 0.5 off and two exact: float32 fails it by its largest, bfloat16 passes it by its mean."""
-    seg = parity.SegmentParity("row 0", 2, 3, 0.5, 7, 0.5 / 3)
+    """40 targets, one 2.0 off and the rest exact: float32 fails it by its largest, bfloat16 passes it by its mean
+    (0.05) and fails it when the mean is over the tolerance."""
+    seg = parity.SegmentParity("row 0", 2, 40, 2.0, 7, 2.0 / 40)
     f32, bf16 = (parity.ParityResult(d, 0.2, "blocked", 1, [seg]) for d in ("float32", "bfloat16"))
-    assert not f32.ok and f32.failure_lines() == ["row 0, segment 2: |packed - alone| log p 5.00e-01 > 2e-01 at token 7 "
-                                                  "(3 targets); the packed segment does not compute as it does alone"]
-    assert bf16.ok and bf16.worst == pytest.approx(0.5 / 3)
-    assert "largest segment mean |packed - alone| log p 1.67e-01 (tolerance 2e-01; largest token 5.00e-01)" in bf16.summary()
-    low = parity.ParityResult("bfloat16", 0.1, "blocked", 1, [seg])
-    assert low.failure_lines() == ["row 0, segment 2: mean |packed - alone| log p 1.67e-01 > 1e-01 (largest 5.00e-01 at "
-                                   "token 7) (3 targets); the packed segment does not compute as it does alone"]
+    assert not f32.ok and f32.failure_lines() == ["row 0, segment 2: |packed - alone| log p 2.00e+00 > 2e-01 at token 7 "
+                                                  "(40 targets); the packed segment does not compute as it does alone"]
+    assert bf16.ok and bf16.worst == pytest.approx(0.05)
+    assert ("largest segment mean |packed - alone| log p 5.00e-02 (tolerance 2e-01, a segment of n < 32 targets x "
+            "sqrt(n/32); largest token 2.00e+00)") in bf16.summary()
+    low = parity.ParityResult("bfloat16", 0.01, "blocked", 1, [seg])
+    assert low.failure_lines() == ["row 0, segment 2: mean |packed - alone| log p 5.00e-02 > 1.0e-02 (largest 2.00e+00 at "
+                                   "token 7) (40 targets); the packed segment does not compute as it does alone"]
+
+
+@pytest.mark.parametrize("targets, allowed", [(1, 0.1 * 32 ** 0.5), (8, 0.2), (32, 0.1), (500, 0.1)])
+def test_a_short_segments_mean_may_be_wider_by_the_square_root_of_its_shortfall(targets, allowed) -> None:
+    """A mean over n < 32 targets keeps their rounding (one target: its own): the tolerance widens by sqrt(32/n)."""
+    just_in = parity.SegmentParity("row 0", 2, targets, 1.0, 3, allowed * 0.99)
+    just_out = parity.SegmentParity("row 0", 2, targets, 1.0, 3, allowed * 1.01)
+    assert parity.ParityResult("bfloat16", 0.1, "blocked", 1, [just_in]).ok
+    assert not parity.ParityResult("bfloat16", 0.1, "blocked", 1, [just_out]).ok
+    assert parity.ParityResult("float32", 0.1, "blocked", 1, [just_in]).failures  # float32: the largest, 1.0
+
+
+def test_an_unmeasured_bfloat16_tolerance_says_so_and_points_at_float32() -> None:
+    seg = parity.SegmentParity("row 0", 1, 40, 0.3, 3, 0.01)
+    assert not parity.tolerance_is_measured("bfloat16", "rocm") and parity.tolerance_is_measured("float32", "rocm")
+    loose = parity.ParityResult("bfloat16", parity.BFLOAT16_UNMEASURED, "flash", 1, [seg], measured=False).summary()
+    assert loose.endswith("; bfloat16's tolerance is not measured on this backend, so it is loose: prove the rows "
+                          "with --dtype float32")
+    assert "not measured" not in parity.ParityResult("bfloat16", 0.1, "blocked", 1, [seg]).summary()
 
 
 # ----------------------------------------------------------------------------- the command line
