@@ -40,7 +40,8 @@ def _loss_and_grads(model, kind: str):
 
 @pytest.mark.parametrize("name,remat", [("tiny-gemma3", False), ("tiny-qwen3", False), ("tiny-gemma3", True)])
 def test_fused_lora_has_qwix_adapters_and_computes_the_same_loss_and_gradients(name, remat) -> None:
-    """Also under --remat layer, where JAX traces the fused forward again outside qwix's interception."""
+    """Also under --remat layer, where JAX traces the fused forward again outside qwix's interception. The tiny
+    models' MLP (d 64, hidden 128) takes both backward forms: down's one matmul (2K > N), gate's and up's two."""
     from train import memory_path
 
     qwix_model, fused_model = _model(name, fused_lora.QWIX), _model(name, fused_lora.FUSED)

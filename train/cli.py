@@ -147,7 +147,7 @@ def add_memory_path_args(p: argparse.ArgumentParser) -> None:
                    "TPU). Default auto: fused on a TPU where it applies, else xla (docs/benchmarks.md)")
     p.add_argument("--lora-kernel", default="qwix", choices=["qwix", "fused"],
                    help="the adapted dense projections (the MLP's): qwix (x W + s (x A) B as qwix computes it), or fused "
-                   "(x read once against [W | A], forward and backward; the same values; train/fused_lora.py)")
+                   "(x read once against [W | A]; the down projection's dx written once; the same values; train/fused_lora.py)")
     p.add_argument("--attention", default=None, choices=["dense", "blocked", "flash", "splash"],
                    help="dense: [B, L, L] mask (the reference); blocked: tiles from segment ids, skipping tiles no "
                    "segment spans (plain JAX); flash: one fused Pallas kernel visiting only the key blocks each query "

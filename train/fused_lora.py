@@ -1,4 +1,4 @@
-"""`--lora-kernel fused`: a LoRA'd dense projection whose input is read once, forward and backward.
+"""`--lora-kernel fused`: a LoRA'd dense projection whose input is read once and whose input gradient is written once.
 
 qwix adds LoRA to a projection y = x W as y + s (x A) B: two more matmuls that read x again. For
 a rank-8 adapter those products are nearly free in FLOPs and dear in memory traffic: on a TPU v5e
@@ -8,7 +8,9 @@ after the base matmul had, writing its input gradient apart and adding it to the
 
 Here the base and the adapter's first factor are one matmul against [W | A] ([K, N + r]): x is read
 once, and its output split into x W and x A. The backward pass (a custom VJP) does the same with
-[dy | s dy B^T] against [W | A]^T: one matmul writes dx. The adapter's gradients are what qwix's
+[dy | s dy B^T] against [W | A]^T: one matmul writes dx, where the output is not much wider than the input (the down
+projection; for gate and up, [dy | ...] would copy more than it saves, so dx is two products there,
+as qwix's). The adapter's gradients are what qwix's
 would be: dA = x^T (s dy B^T), dB = s (x A)^T dy, and W's is x^T dy (the trainer differentiates
 the adapters alone, so XLA drops it). Only x, W, A, B and x A are kept for the backward ([W | A] is
 built again there: a copy of every W kept alive across the step would cost Gemma3 1B 1.2 GB).
@@ -62,7 +64,7 @@ def _fused_forward(x: jax.Array, w: jax.Array, a: jax.Array, b: jax.Array, scale
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def lora_linear(x: jax.Array, w: jax.Array, a: jax.Array, b: jax.Array, scale: float, precision: Any = None) -> jax.Array:
-    """x W + scale (x A) B, x read once in each direction."""
+    """x W + scale (x A) B: x read once for both products; dx written once where that pays (_lora_linear_bwd)."""
     return _fused_forward(x, w, a, b, scale, precision)[0]
 
 
@@ -75,7 +77,11 @@ def _lora_linear_fwd(x, w, a, b, scale, precision):
 def _lora_linear_bwd(scale, precision, residuals, dy):
     x, w, a, b, xa = residuals
     g = (_dot(dy, b.astype(dy.dtype).T, precision) * scale).astype(dy.dtype)  # dL/d(xA): [..., r]
-    dx = _dot(jnp.concatenate([dy, g], axis=-1), _with_adapter(w, a).T, precision)  # dy W^T + g A^T, one matmul
+    k, n = w.shape
+    if 2 * k > n:  # one matmul writes dx: saves writing [..., K] twice and adding, costs a copy of dy ([..., N])
+        dx = _dot(jnp.concatenate([dy, g], axis=-1), _with_adapter(w, a).T, precision)
+    else:  # a wide output (gate, up: N = 3.2 K) would make that copy dearer than what it saves
+        dx = _dot(dy, w.T, precision) + _dot(g, a.astype(g.dtype).T, precision)
     batch = tuple(range(x.ndim - 1))
     over_tokens = ((batch, batch), ((), ()))
     dw = jax.lax.dot_general(x, dy, over_tokens, precision=precision)  # [K, N]; dropped where W is frozen
