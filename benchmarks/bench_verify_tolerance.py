@@ -62,13 +62,10 @@ def measure(model: Any, cfg: Any, view: Any) -> dict[str, Any]:
     leaked = parity.check_view(model, cfg, view, packed_layout=one_key_leak)
     later = [s for s in leaked.segments if s.segment > 1]
     figures = {}
-    for statistic in ("max", "mean"):  # both, whichever the dtype's check holds; scores as parity's
-        def score(s: Any) -> float:
-            return s.value(statistic) / parity.widening(statistic, s.targets)
-
-        figures[statistic] = {"noise": max((score(s) for s in stored.segments), default=0.0),
-                              "leak_min_later": min((score(s) for s in later), default=float("nan")),
-                              "leak_max": max((score(s) for s in leaked.segments), default=0.0)}
+    for statistic in ("max", "mean"):  # both, whichever the dtype's check holds
+        figures[statistic] = {"noise": max((s.score(statistic) for s in stored.segments), default=0.0),
+                              "leak_min_later": min((s.score(statistic) for s in later), default=float("nan")),
+                              "leak_max": max((s.score(statistic) for s in leaked.segments), default=0.0)}
     held = figures[stored.statistic]
     return {"statistic": stored.statistic, **held, "by_statistic": figures,
             "later_segments": len(later), "segments": len(stored.segments), "targets": stored.targets,

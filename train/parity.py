@@ -129,6 +129,10 @@ class SegmentParity:
         """The segment's differences summarized: "max" (the largest) or "mean" (over its targets)."""
         return {"max": self.max_abs_diff, "mean": self.mean_abs_diff}[statistic]
 
+    def score(self, statistic: str) -> float:
+        """value(statistic) in the tolerance's units (a short segment's mean, narrowed by `widening`)."""
+        return self.value(statistic) / widening(statistic, self.targets)
+
 
 @dataclasses.dataclass
 class ParityResult:
@@ -153,8 +157,7 @@ class ParityResult:
         return statistic_for(self.dtype)
 
     def score(self, s: SegmentParity) -> float:
-        """The segment's statistic in the tolerance's units (a short segment's mean, narrowed)."""
-        return s.value(self.statistic) / widening(self.statistic, s.targets)
+        return s.score(self.statistic)
 
     @property
     def worst(self) -> float:
