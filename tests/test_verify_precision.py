@@ -67,6 +67,7 @@ def test_train_runs_float32_at_highest_precision(monkeypatch) -> None:
 
 def test_bfloat16_tolerance_is_per_backend() -> None:
     assert parity.tolerance_for("bfloat16", "cpu") == parity.BFLOAT16_TOLERANCES["cpu"] < 1.0
+    assert parity.tolerance_for("bfloat16", "tpu") == parity.BFLOAT16_TOLERANCES["tpu"] < 1.0  # measured on a v5e
     assert parity.tolerance_for("bfloat16", "rocm") == parity.BFLOAT16_UNMEASURED
     assert parity.tolerance_for("float32", "tpu") == parity.tolerance_for("float32", "cpu") == parity.FLOAT32_TOLERANCE
 
