@@ -35,7 +35,7 @@ measured where they say so), to be replaced by what the chip reports.
     python -m benchmarks.bench_cookbook_device --plan                   # the runs, their estimates, the calls they take
     python -m benchmarks.bench_cookbook_device --here                   # the base models scored on the CPU (tools; identity @cpu)
 
-  On the device: eight calls back to back (the machine's /tmp holds the installed wheels, the weight
+  On the device: calls back to back (the machine's /tmp holds the installed wheels, the weight
   parts, the results and the compile cache while it stays warm, ~100 s idle); timeout_s 600 each.
   Every command starts with the text ENV stands for (the wheels installed once per machine, then
   found in /tmp):
@@ -44,24 +44,24 @@ measured where they say so), to be replaced by what the chip reports.
           else export PYTHONPATH=${PYTHONPATH:-}:/tmp/tpu-site:/tmp/tpu-site2 PYTHONUNBUFFERED=1; fi; unset JAX_COMPILATION_CACHE_DIR
     PART = .weights/gemma-3-270m-q4_k_m.gguf.part0N                    (N per call, below)
 
-    call 1     carry .whl-tpu .weights/manifest.json $PART(N=5)        ~41 MiB   ~60 s (the install ~40 s)
+    call 1     carry .whl-tpu .weights/manifest.json $PART(N=5)        ~41 MiB   ~35 s (the install ~30 s)
                ENV; python3 -m benchmarks.device_weights collect .weights
-    calls 2-5  carry .weights/manifest.json $PART(N=0..3)              ~50 MiB   ~15 s each
+    calls 2-6  carry .weights/manifest.json $PART(N=0..4)              ~50 MiB   ~1.5 s each (measured)
                ENV; python3 -m benchmarks.device_weights collect .weights
-    call 6     carry .weights/manifest.json $PART(N=4) .cookbook/device  ~58 MiB  ~430 s
-    calls 7, 8 carry .cookbook/device                                   ~13 MiB   ~470 s, ~520 s
+    calls 7-   carry .weights/manifest.json .cookbook/device             ~16 MiB   up to ~560 s each
                ENV; W=$(python3 -m benchmarks.device_weights join .weights) \
                    && python3 -m benchmarks.bench_cookbook_device --weights "$W" --export $OUT
 
   Each compute call runs, in order, the runs that fit its --budget-s (540 s) and stops before the
-  first that would not; what is done is skipped next time (results merged in /tmp/cookbook). By
-  --plan: call 6 the four tool-call runs (~413 s); call 7 identity's first seed, the base model's
-  and those adapters' scoring (~459 s); call 8 DPO, generation at batch 1 and 32 (batch 8 is the
-  scoring's), identity's second seed and its scoring (~507 s). Chip seconds for the session:
-  ~100 (the machine's start) + ~60 + 4 x 15 (transfers) + ~1,380 (runs) + ~8 x 10 (each call's own
-  overhead) ~ 1,680 of the 1,800 a session may use. Should call 6 take much longer than its
-  estimate, add --no-eval to calls 7 and 8 (the training runs' eval passes: ~150 s less; the
-  scoring's reference NLL is then the held-out loss). A call's $OUT brings back cookbook.json,
+  first that would not; what is done is skipped next time (results merged in /tmp/cookbook). The
+  fifth session (docs/benchmarks.md, "Tool calls on a TPU v5e"): the six weight calls took ~1.5 s
+  of device time each after the first (the install, ~30 s), and two compute calls of --budget-s
+  570 and 545 ran the ten runs to DPO (a run's process: 78-142 s; --plan's constants are now
+  those figures). Chip seconds for all of it on one machine: ~140 (the machine's start and the
+  install) + ~10 (transfers) + ~1,650 (the sixteen runs' processes) ~ 1,800, a whole session's;
+  the verify runs of item 1 (~80-100 s each) then take another. Should a call take much longer than its
+  estimate, add --no-eval to the next (the training runs' eval passes; the scoring's reference
+  NLL is then the held-out loss). A call's $OUT brings back cookbook.json,
   cookbook-files.tar.gz and the adapters made since the last call (two to a tar; --export-all:
   every one, should a call's files have been lost).
 
@@ -113,20 +113,21 @@ LN2 = math.log(2.0)
 OUT_OF_MEMORY = "out of memory"
 DEVICE, HERE = "device", "here"
 
-# What --plan's estimate assumes, per process on one v5e (shared/tpu figures where measured):
+# What --plan's estimate assumes, per process on one v5e, from the fifth session's runs
+# (docs/results/tpu-v5e/cookbook.json) where they say "measured":
 OPEN_S = 15.0  # a process opening the chip and importing Tunix (measured: ~15 s)
-WEIGHTS_S = 10.0  # the GGUF dequantized and loaded in bf16 (4 s on 2 CPU cores here; a guess there)
-TRAIN_COMPILE_S = {False: 24.0, True: 10.0}  # the 270M train step under --scan-layers, cold (measured) / cached (a guess)
-EVAL_COMPILE_S = {False: 30.0, True: 8.0}  # the eval forward (a guess: about a third of the step's)
+WEIGHTS_S = 40.0  # the GGUF dequantized and loaded in bf16 (measured: a run's process less its trainer's wall, 55-70 s, less OPEN_S)
+TRAIN_COMPILE_S = {False: 48.0, True: 16.0}  # the 270M step under --scan-layers, cold / from --compile-cache (measured: 42-57, 15-17)
+EVAL_COMPILE_S = {False: 18.0, True: 5.0}  # the eval passes' forward, before the first step and after the last (measured: ~20, ~6)
 STEP_S_PER_16K_TOKENS = 0.19  # measured at 8 x 2048 packed; tiny rows take at least STEP_FLOOR_S
-STEP_FLOOR_S = 0.02
-SAMPLER_COMPILE_S = {False: 40.0, True: 10.0}  # prefill and decode at one batch size (a guess)
-NLL_COMPILE_S = {False: 20.0, True: 5.0}  # --score's teacher-forced reference NLL (a guess)
+STEP_FLOOR_S = 0.021  # measured: 21-35 ms a step at 4 x 64 to 4 x 384
+SAMPLER_COMPILE_S = {False: 40.0, True: 15.0}  # prefill and decode at one batch size (measured with NLL's: ~48-70 cold, ~25 cached)
+NLL_COMPILE_S = {False: 20.0, True: 8.0}  # --score's teacher-forced reference NLL
 DECODE_STEP_S = 0.01  # one token for the whole batch (a guess)
 SAVE_S = 3.0
-# --here: a 270M token on 2 CPU cores, per sequence of the batch (a guess; the base model's scoring took 75 s
-# for identity's 36 prompts and 160 s for the tool calls' 30, beside other work)
-CPU_GENERATE_S_PER_TOKEN = 0.05
+# --here: a 270M token on 2 CPU cores, per sequence of the batch (measured: the tool calls' 30 prompts at batch 8 took
+# 101-159 s beside other work)
+CPU_GENERATE_S_PER_TOKEN = 0.09
 
 
 class CookbookError(Exception):

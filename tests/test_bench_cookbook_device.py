@@ -106,9 +106,9 @@ def test_the_estimate_counts_one_cold_compile_per_shape_and_nothing_for_done_run
     assert cold - cached == pytest.approx(cook.TRAIN_COMPILE_S[False] - cook.TRAIN_COMPILE_S[True]
                                           + cook.EVAL_COMPILE_S[False] - cook.EVAL_COMPILE_S[True])
     assert costs["train identity unpacked seed=0"] == pytest.approx(costs["train identity packed seed=0"], abs=5)  # each compiles its L
-    assert 900 < sum(costs.values()) < 1500
+    assert 1200 < sum(costs.values()) < 1900  # the fifth session's sixteen runs: ~1,650 s of processes
     without_eval = cook.estimates(runs, plan, evaluate=False)
-    assert without_eval["train tools packed seed=0"] == pytest.approx(cold - cook.EVAL_COMPILE_S[False] - 2 * 0.02)
+    assert without_eval["train tools packed seed=0"] == pytest.approx(cold - cook.EVAL_COMPILE_S[False] - 2 * cook.STEP_FLOOR_S)
     assert without_eval["dpo packed seed=0"] == costs["dpo packed seed=0"]  # DPO evaluates nothing either way
     done = cook.estimates(runs, plan, {"train tools packed seed=0"})
     assert done["train tools packed seed=0"] == 0 and done["train tools packed seed=1"] == cached  # a warm machine's cache
