@@ -17,7 +17,8 @@ Each segment's figure is its score: its statistic, a short segment's mean divide
 
 Both statistics are measured and kept (`by_statistic`); the table leads with the dtype's. So is
 every target's |packed - alone| log p, per segment, as stored and under the leak (`per_segment`:
-the first target's offset from the segment's start, then the targets in order), so that another
+the segment's number in its row, the first target's offset from the segment's start, then the
+targets in order), so that another
 summary can be tried on a device's figures without the device.
 
 It prints both per dtype, their ratio, and whether the backend's current tolerance separates
@@ -79,7 +80,7 @@ def rescore(path: str) -> int:
         if not segments:
             print(f"| {r['dtype']} | {r['attention']} | | no per_segment figures (an older run) | | | |")
             continue
-        later = [s for s in segments if not s["where"].endswith(" segment 1") and s["leak"]]
+        later = [s for s in segments if s["segment"] > 1 and s["leak"]]  # as measure's: the ones a leak can reach
 
         def score(diffs: list[float], head: int | None) -> float:
             kept = np.asarray(diffs[:head] if head else diffs, np.float64)
@@ -107,7 +108,7 @@ def measure(model: Any, cfg: Any, view: Any) -> dict[str, Any]:
                               "leak_min_later": min((s.score(statistic) for s in later), default=float("nan")),
                               "leak_max": max((s.score(statistic) for s in leaked.segments), default=0.0)}
     held = figures[stored.statistic]
-    per_segment = [{"where": s.where, "first_target": s.first_target, "noise": _rounded(s.abs_diffs),
+    per_segment = [{"where": s.where, "segment": s.segment, "first_target": s.first_target, "noise": _rounded(s.abs_diffs),
                     "leak": _rounded(l.abs_diffs)} for s, l in zip(stored.segments, leaked.segments)]
     return {"statistic": stored.statistic, **held, "by_statistic": figures, "per_segment": per_segment,
             "later_segments": len(later), "segments": len(stored.segments), "targets": stored.targets,

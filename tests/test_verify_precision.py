@@ -120,8 +120,8 @@ def test_rescore_summarizes_saved_differences_by_each_candidate(tmp_path, capsys
     its first 8 targets' mean is not (both widened as parity widens)."""
     from benchmarks import bench_verify_tolerance
 
-    first = {"where": "row 0, segment 1", "first_target": 3, "noise": [0.01] * 64, "leak": [0.01] * 64}
-    later = {"where": "row 0, segment 2", "first_target": 3, "noise": [0.02] * 64, "leak": [0.8] * 8 + [0.0] * 56}
+    first = {"where": "row 0, segment 1", "segment": 1, "first_target": 3, "noise": [0.01] * 64, "leak": [0.01] * 64}
+    later = {"where": "row 0, segment 2", "segment": 2, "first_target": 3, "noise": [0.02] * 64, "leak": [0.8] * 8 + [0.0] * 56}
     saved = {"results": [{"dtype": "bfloat16", "attention": "dense", "rows": 1, "max_length": 256,
                           "per_segment": [first, later]},
                          {"dtype": "float32", "attention": "dense", "rows": 1, "max_length": 256}]}
