@@ -556,7 +556,7 @@ def smoke_rows(length: int, batch: int, mean: int = 40) -> np.ndarray:
 
 def step_variants(backend: str, smoke: bool) -> list[str]:
     """flash against dense, each with --remat layer and without (flash first: dense may not fit).
-    Flash at the trainer's default block for the backend (train/flash_attention.DEFAULT_BLOCK; this
+    Flash at the trainer's default block for the backend (train/attention_kernels/flash_attention.DEFAULT_BLOCK; this
     process imports no JAX, so the figure is repeated here and a test holds the two equal)."""
     block = 256 if backend == "tpu" else 64
     if smoke:

@@ -263,6 +263,46 @@ def test_core_rooms_import_downward_only(tmp_path):
                                    "prepack.packing.packer -> prepack.format.manifest", "prepack.text.templates -> prepack.packing.packer"]
 
 
+
+# train/'s rooms, bottom first (train/README.md, "Modules"; each room's README.md): run_config (what a
+# run is asked to do) and attention_kernels side by side at the bottom; step (the step and its loss);
+# model and objectives; measurement, checkpointing, adapter_files and verification; generation. A room
+# imports only rooms of a lower rank; the modules at train/'s top (the run: cli, trainer, run_setup, ...)
+# sit above every room, so no room imports them.
+TRAIN_ROOMS = {"run_config": 0, "attention_kernels": 0, "step": 1, "model": 2, "objectives": 2, "measurement": 3,
+               "checkpointing": 3, "adapter_files": 3, "verification": 3, "generation": 4}
+
+
+def _train_room_rank(module: str, folders: dict[str, str]) -> int | None:
+    folder = folders.get(module, "")
+    if folder.split(".")[0] != "train":
+        return None
+    return TRAIN_ROOMS.get(folder.partition(".")[2], max(TRAIN_ROOMS.values()) + 1)  # train/'s top: above every room
+
+
+def _train_room_breaks(graph: dict[str, set[str]], folders: dict[str, str]) -> list[str]:
+    return sorted(f"{m} -> {d}" for m in graph for d in graph[m]
+                  if folders.get(m) != folders.get(d) and _train_room_rank(m, folders) is not None
+                  and _train_room_rank(d, folders) is not None and _train_room_rank(d, folders) >= _train_room_rank(m, folders))
+
+
+def test_train_rooms_import_downward_only(tmp_path):
+    folders = module_folders()
+    assert {f.partition(".")[2] for f in folders.values() if f.startswith("train.")} == set(TRAIN_ROOMS)
+    assert _train_room_breaks(import_graph(), folders) == []
+    # The check can fail: a room reaching up to train/'s top, the step into measurement, two rooms of
+    # one rank into each other.
+    graph = _tree(tmp_path, {
+        "train/__init__.py": "", "train/cli.py": "", "train/step/__init__.py": "", "train/measurement/__init__.py": "",
+        "train/model/__init__.py": "", "train/objectives/__init__.py": "",
+        "train/step/loss.py": "from train import cli\nfrom train.measurement import metrics\n",
+        "train/measurement/metrics.py": "", "train/model/models.py": "from train.objectives import sft\n",
+        "train/objectives/sft.py": "", "prepack/__init__.py": "", "loaders/__init__.py": "", "pipelines/__init__.py": "",
+        "apps/__init__.py": "", "gcp/__init__.py": "",
+    })
+    assert _train_room_breaks(graph, module_folders(tmp_path)) == [
+        "train.model.models -> train.objectives.sft", "train.step.loss -> train.cli", "train.step.loss -> train.measurement.metrics"]
+
 def test_contracts_lists_every_module():
     """docs/CONTRACTS.md names every module of the project with its purpose."""
     listed = (ROOT / "docs" / "CONTRACTS.md").read_text()

@@ -1,6 +1,6 @@
 """Tokens per second per chip and MFU, for each step's metrics row and the summary.
 
-MFU = the batch's model FLOPs (train/flops.model_flops: forward and backward of its real tokens,
+MFU = the batch's model FLOPs (train/measurement/flops.model_flops: forward and backward of its real tokens,
 attention at the same-segment causal ideal, no recomputation) / the step's wall time / (the
 chips' count x one chip's dense bfloat16 peak). A "chip" is one JAX device of this process
 (a TPU v4/v5p chip in megacore mode, a v5e/v6e chip, one GPU). The peak comes from the table

@@ -62,7 +62,7 @@ def sft_sums(loss_mean: str) -> StepSums:
 def make_train_step(loss_fn: Callable[..., Any], gen_model_input_fn: Callable[..., Any], *, loss_mean: str,
                     accumulate: bool, max_grad_norm: float = 0.0, sums: StepSums | None = None) -> StepFn:
     """loss_fn: a has_aux Tunix loss whose aux holds the sums `sums` divides (default: SFT's by
-    loss_mean; DPO's: train/dpo_loss.step_sums). accumulate: the batch's fields are [B, K, L]
+    loss_mean; DPO's: train/objectives/dpo_loss.step_sums). accumulate: the batch's fields are [B, K, L]
     (K micro-batches), else [B, L]."""
     sums = sums if sums is not None else sft_sums(loss_mean)
     numerator = sums.numerator
