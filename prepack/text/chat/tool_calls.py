@@ -1,7 +1,8 @@
 """Tool calls read back out of generated text, in the layout a chat format writes them.
 
 What a model learns to write for a call is the layout of its training rendering, so the parser
-follows the chat format (`--tool-call-parser` names one for a jinja template):
+follows the chat format (`--tool-call-parser` names one for a jinja template), and its tags are the
+ones the format renders (prepack/text/tool_markup.py):
 
 - `hermes`: `<tool_call>\\n{"name": NAME, "arguments": {...}}\\n</tool_call>`, one block per call:
   Qwen3's template and the `qwen3` and `chatml` chat formats (prepack/text/chat/chatml.py);
@@ -22,6 +23,8 @@ import json
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from prepack.text.tool_markup import FUNCTIONGEMMA_CALL, FUNCTIONGEMMA_ESCAPE, HERMES_CALL
 
 __all__ = ["Call", "ParsedCalls", "PARSERS", "parser_names", "get_parser", "default_parser", "ParseError"]
 
@@ -89,7 +92,7 @@ def _arguments(value: Any) -> Any:
 
 
 def parse_hermes(text: str) -> ParsedCalls:
-    bodies, malformed = _blocks(text, "<tool_call>", "</tool_call>")
+    bodies, malformed = _blocks(text, *HERMES_CALL)
     calls = []
     for body in bodies:
         try:
@@ -102,7 +105,7 @@ def parse_hermes(text: str) -> ParsedCalls:
     return ParsedCalls(tuple(calls), malformed)
 
 
-_ESCAPE = "<escape>"
+_ESCAPE = FUNCTIONGEMMA_ESCAPE
 _NAME = re.compile(r"call:([^{}<>\s]+)\{")
 
 
@@ -117,7 +120,7 @@ class _FunctionGemmaValue:
         if t.startswith(_ESCAPE, self.pos):
             end = t.find(_ESCAPE, self.pos + len(_ESCAPE))
             if end < 0:
-                raise ParseError("unclosed <escape> string")
+                raise ParseError(f"unclosed {_ESCAPE} string")
             out = t[self.pos + len(_ESCAPE):end]
             self.pos = end + len(_ESCAPE)
             return out
@@ -131,7 +134,7 @@ class _FunctionGemmaValue:
         try:
             return json.loads(literal)
         except ValueError:
-            raise ParseError(f"value {literal!r} is neither an <escape> string nor JSON") from None
+            raise ParseError(f"value {literal!r} is neither an {_ESCAPE} string nor JSON") from None
 
     def obj(self) -> dict[str, Any]:
         self.expect("{")
@@ -174,7 +177,7 @@ class _FunctionGemmaValue:
 
 
 def parse_functiongemma(text: str) -> ParsedCalls:
-    bodies, malformed = _blocks(text, "<start_function_call>", "<end_function_call>")
+    bodies, malformed = _blocks(text, *FUNCTIONGEMMA_CALL)
     calls = []
     for body in bodies:
         match = _NAME.match(body)
@@ -225,9 +228,9 @@ def default_parser(chat_format: str, chat_template: str | None = None) -> str | 
     if chat_format == "gemma":
         return "none"
     template = chat_template or ""
-    if "<start_function_call>" in template:
+    if FUNCTIONGEMMA_CALL[0] in template:
         return "functiongemma"
-    if "<tool_call>" in template:
+    if HERMES_CALL[0] in template:
         return "hermes"
     return None
 
