@@ -289,7 +289,8 @@ def _tag_literals(root: Path, tags: tuple[str, ...]) -> list[str]:
     found = []
     for path in sorted(root.rglob("*.py")):
         tree = ast.parse(path.read_text(encoding="utf-8"))
-        docstrings = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)}
+        docstrings = {id(node.value) for node in ast.walk(tree)
+                      if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)}
         for node in ast.walk(tree):
             if (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
                     and any(tag in node.value for tag in tags)):
@@ -313,5 +314,6 @@ def test_each_layouts_tags_are_spelled_once_and_the_templates_spell_the_same(tmp
     assert all(tag in QWEN3_TEMPLATE for tag in (*tool_markup.HERMES_CALL, *tool_markup.HERMES_RESPONSE))
     # The check can fail: a renderer that spells a tag of its own is found.
     (tmp_path / "chat").mkdir()
-    (tmp_path / "chat" / "mine.py").write_text('"""Writes <tool_call> (a docstring may say so)."""\nOPEN = "<tool_call>"\n')
+    mine = '"""Writes <tool_call> (a docstring may say so)."""\nOPEN = "<tool_call>"\n'
+    (tmp_path / "chat" / "mine.py").write_text(mine)
     assert _tag_literals(tmp_path, tags) == ["chat/mine.py:2"]

@@ -14,8 +14,8 @@ layout cannot be written one way and read another.
 Pairs are (open, close). Pure constants: this module imports nothing.
 """
 
-__all__ = ["HERMES_CALL", "HERMES_RESPONSE", "FUNCTIONGEMMA_DECLARATION", "FUNCTIONGEMMA_CALL", "FUNCTIONGEMMA_RESPONSE",
-           "FUNCTIONGEMMA_ESCAPE", "FUNCTIONGEMMA_TOKENS"]
+__all__ = ["HERMES_CALL", "HERMES_RESPONSE", "FUNCTIONGEMMA_DECLARATION", "FUNCTIONGEMMA_CALL",
+           "FUNCTIONGEMMA_RESPONSE", "FUNCTIONGEMMA_ESCAPE", "FUNCTIONGEMMA_TOKENS"]
 
 HERMES_CALL = ("<tool_call>", "</tool_call>")
 HERMES_RESPONSE = ("<tool_response>", "</tool_response>")
