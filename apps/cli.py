@@ -17,7 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str, str]] = {
     "preflight": ("apps.preflight", "main", "pipeline,report", "estimate packing gains from the tokenizer alone, with tables and plots"),
     "report": ("apps.report", "main", "report", "render manifests and training metrics into one page with plots"),
     "train": ("train.cli", "main", "train", "LoRA SFT with Tunix on a shard set, packed or unpacked"),
-    "export": ("train.merge_export", "main", "train",
+    "export": ("train.adapter_files.merge_export", "main", "train",
                "merge a trained adapter into its base weights: a Hugging Face safetensors folder with config.json"),
     "generate": ("apps.generate", "main", "pipeline,train",
                  "sample from the model (and --lora adapter) on the data's own prompts, rendered as for training; --score"),

@@ -3,7 +3,7 @@
 Each file is read as written by a stranger (one JSON object per line with the keys `prepack
 generate` writes, each of its type); the runs must hold the same prompts (ids). Nothing a line
 says that its texts decide is believed: exact match and the tool calls (with the parser the line
-names) are recomputed from the completion and the reference (train/score.py's `from_texts`), and
+names) are recomputed from the completion and the reference (train/generation/score.py's `from_texts`), and
 a line whose stored score disagrees, or whose score fields are missing or of another type, is
 refused naming the file and line. The reference NLL needs the model and is taken as written (a
 finite number or null). The summary of each run comes from its lines (`summarize`); a run
@@ -22,8 +22,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from prepack.hostile_input.untrusted import shown, shown_with_type
-from train import score as score_lib
-from train import tool_calls
+from prepack.text.chat import tool_calls
+from train.generation import score as score_lib
 
 SHOWN_CHANGES = 3  # prompts shown per direction (fixed, broken)
 

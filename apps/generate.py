@@ -8,9 +8,9 @@ Records are read, templated and tokenized exactly as `prepack pack` does (apps/r
 job's readers and Preparer; the same --format, --columns, --roles, --tokenizer, --chat-format,
 --expand-turns), and each packed example is cut at its last target turn (or each, --all-turns)
 into the prompt the model trained on and the reference reply (prepack/text/chat/prompts.py).
-Tunix's Sampler generates from those ids (train/generate.py). The output is a JSONL, one line per
-prompt in input order (train/generations.py); `--score` adds each line's score and writes a
-summary JSON beside it (train/score.py; with the generation's tokens/s), and prints the table. Bad records are dead letters, as
+Tunix's Sampler generates from those ids (train/generation/generate.py). The output is a JSONL, one line per
+prompt in input order (train/generation/generations.py); `--score` adds each line's score and writes a
+summary JSON beside it (train/generation/score.py; with the generation's tokens/s), and prints the table. Bad records are dead letters, as
 in pack: written beside the output, and failing the run past --max-bad-fraction.
 """
 
@@ -27,7 +27,7 @@ from typing import Any
 from apps import read_inputs
 from prepack.cli_help import DefaultsHelpFormatter
 from prepack.text.formats import template_names
-from train import compile_cache
+from train.run_config import compile_cache
 
 PROG = "prepack generate"
 
@@ -138,7 +138,7 @@ def read_prompts(args: argparse.Namespace, tokenizer: Any, chat_format: Any) -> 
     --input through the job's read and prepare stages."""
     from pipelines.inputs.limits import InputLimits
     from prepack.packing.accounting import Tally
-    from train.generations import example_prompts
+    from train.generation.generations import example_prompts
 
     prepare, _, _ = read_inputs.pipeline_modules()
     options = _template_options(args)
@@ -167,7 +167,7 @@ def read_prompts(args: argparse.Namespace, tokenizer: Any, chat_format: Any) -> 
 
 def resolve_model(args: argparse.Namespace) -> tuple[Any, str]:
     """(the --lora adapter, read whole and checked, or None; the model's name): before any tokenizer or weights."""
-    from train import adapters
+    from train.adapter_files import adapters
 
     adapter = adapters.read_adapter(args.lora) if args.lora else None
     name = args.model or (adapter.model if adapter else None)
@@ -183,7 +183,8 @@ def check_bounds(args: argparse.Namespace, name: str, adapter: Any, sampling: An
     """--max-new-tokens against the model's context and --batch-size against the device's memory
     (train/generate_bounds.py), before the weights load; run once before the prompts are read (their
     length taken as 0) and again with the longest prompt."""
-    from train import generate_bounds, models
+    from train import generate_bounds
+    from train.model import models
 
     spec = models.get_spec(name)
     generate_bounds.check_context(name, spec.context_length, sampling.max_new_tokens, prompt_tokens)
@@ -197,8 +198,9 @@ def check_bounds(args: argparse.Namespace, name: str, adapter: Any, sampling: An
 
 def load_model(args: argparse.Namespace, tokenizer: Any, adapter: Any, name: str) -> tuple[Any, Any, dict[str, Any]]:
     """(the model, its compute dtype, what the summary records about it)."""
-    from train import adapters, models
-    from train.vocab import check_vocab
+    from train.adapter_files import adapters
+    from train.model import models
+    from train.run_config.vocab import check_vocab
 
     spec = models.get_spec(name)
     vocab = adapter.vocab_size if adapter is not None and adapter.vocab_size else tokenizer.vocab_size
@@ -242,7 +244,8 @@ def check_args(args: argparse.Namespace) -> tuple[dict[str, str], Any]:
     """(output paths, sampling options): every option checked, and the output rule, before any work."""
     from prepack import overwrite
     from prepack.storage import output_rule
-    from train import generate, tool_calls
+    from prepack.text.chat import tool_calls
+    from train.generation import generate
 
     paths = output_paths(args.output)
     sampling = generate.SamplingOptions(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.seed, args.batch_size)
@@ -273,7 +276,7 @@ def dead_letters(letters: list[dict[str, Any]], examples: int, path: str, max_ba
 
     from prepack import storage
     from prepack.packing.bad_records import too_many_bad_records
-    from train.generations import jsonl_bytes
+    from train.generation.generations import jsonl_bytes
 
     if letters:
         storage.storage_for(path).replace(path, jsonl_bytes(letters), content_type="application/x-ndjson")
@@ -285,7 +288,7 @@ def dead_letters(letters: list[dict[str, Any]], examples: int, path: str, max_ba
 
 def call_parser(args: argparse.Namespace, chat_format: Any, tokenizer: Any, has_tools: bool) -> str | None:
     """--tool-call-parser, else the chat format's layout when the records offer tools; None: calls are not read."""
-    from train import tool_calls
+    from prepack.text.chat import tool_calls
 
     if args.tool_call_parser is not None or not has_tools:
         return args.tool_call_parser
@@ -301,7 +304,7 @@ def run(args: argparse.Namespace) -> int:
     from prepack import storage
     from prepack.text.chat import get_chat_format
     from prepack.text.tokenizer import load_tokenizer
-    from train import generate, generations
+    from train.generation import generate, generations
 
     paths, sampling = check_args(args)
     adapter, name = resolve_model(args)
@@ -347,9 +350,9 @@ def run(args: argparse.Namespace) -> int:
 def write_summary(args: argparse.Namespace, paths: dict[str, str], lines: list[dict[str, Any]], parser: str | None,
                   tokenizer: Any, chat_format: Any, sampling: Any, about: dict[str, Any]) -> None:
     """--score: the summary JSON beside the output (with `about`: the model, and `generation`, the
-    sampler's tokens, seconds and tokens/s, train/generate.py's Generator.figures), and the table."""
+    sampler's tokens, seconds and tokens/s, train/generation/generate.py's Generator.figures), and the table."""
     from prepack import storage
-    from train import score as score_lib
+    from train.generation import score as score_lib
 
     summary = score_lib.summarize(lines, parser)
     summary.update({"generations": paths["generations"], "inputs": list(args.input), "tokenizer": tokenizer.name,
@@ -365,11 +368,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from prepack.format.manifest import ManifestError
     from prepack.text.chat import ChatFormatError
     from prepack.text.tokenizer import TokenizerError
-    from train.compile_cache import CompileCacheError
-    from train.config import TrainError
-    from train.generate import GenerateError
-    from train.lora_file import LoraFileError
-    from train.models import ModelError
+    from train.adapter_files.lora_file import LoraFileError
+    from train.generation.generate import GenerateError
+    from train.model.models import ModelError
+    from train.run_config.compile_cache import CompileCacheError
+    from train.run_config.config import TrainError
 
     try:
         return run(args)

@@ -20,7 +20,7 @@ every length holds, 1 when any fails, 2 when SET cannot be read as a shard set o
     prepack verify OUT/L2048 --model gemma3-270m [--weights DIR] [--rows 8] [--dtype float32]
 
 With --model, each length whose rows hold then gets the parity check on the model
-(train/parity.py): --rows rows, sampled by a fixed seed, run packed and each segment alone
+(train/verification/parity.py): --rows rows, sampled by a fixed seed, run packed and each segment alone
 through the model and attention path `prepack train` uses; the target tokens' log-probabilities
 must agree within the dtype's tolerance (float32: every target; bfloat16: each segment's mean,
 its rounding moving single tokens). JAX is imported only then.
@@ -48,7 +48,7 @@ from prepack.cli_help import DefaultsHelpFormatter
 from prepack.wording import counted, rate
 from prepack.format import rowformat
 from prepack.format.layout import MANIFEST_NAME, RUN_RECORD_NAME, TOKENS_DIR
-from train import compile_cache
+from train.run_config import compile_cache
 from prepack.format.recount import Recount, misstatement, row_facts, source_names_problem, tokenizer_problem
 from prepack.format.manifest import Manifest, ManifestError
 from prepack.format.run_record import RunRecord, RunRecordError
@@ -305,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
 def model_parity(args: argparse.Namespace, results: list[LengthResult], out: TextIO,
                  packed_layout: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None) -> bool:
     """--model: the parity check on every length whose rows held; True when all pass."""
-    from train import parity
+    from train.verification import parity
 
     cfg = parity.ParityConfig(model=args.model, weights=args.weights, rows=args.rows, dtype=args.dtype,
                               attention=args.attention, attention_tile=args.attention_tile, seed=args.seed)
@@ -365,8 +365,8 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
         print(f"run record FAILED: {record_failure}", file=out)
     failed = record_failure is not None or any(r.failure for r in results)
     if args.model:
-        from train.config import TrainError
-        from train.models import ModelError
+        from train.model.models import ModelError
+        from train.run_config.config import TrainError
 
         try:
             cache_refusal = compile_cache_refusal(args)

@@ -4,7 +4,7 @@
    of the packed sample (`prepack pack --sample`, Alpaca-like rows; `--alpaca`: the benchmarks'
    real Alpaca sample, benchmarks/data.py) at each L, against the
    token-level ideal (same-segment causal pairs, sum of s (s + 1) / 2; within the window on
-   Gemma3's local layers), from the rows' segment ids (train/flops.py): dense L x L; splash the
+   Gemma3's local layers), from the rows' segment ids (train/measurement/flops.py): dense L x L; splash the
    blocks of its static causal (local) mask at its 512 block; blocked at tiles 128/256/512 and
    flash at blocks 64/128, the tiles from each query tile's lowest segment (key_tile_ranges).
 
@@ -101,7 +101,7 @@ def packed_sample(lengths: list[int], out: str) -> dict[int, np.ndarray]:
 
 
 def work_table(segs: dict[int, np.ndarray]) -> None:
-    from train.blocked_attention import tile_work
+    from train.attention_kernels.blocked_attention import tile_work
 
     print("| L | rows | segments/row | tile pairs blocked (global / local) | dense pairs (L x L tiles) | blocked / dense | attention GFLOPs per row, blocked / dense |")
     print("|---|---|---|---|---|---|---|")
@@ -121,7 +121,7 @@ def work_table(segs: dict[int, np.ndarray]) -> None:
 
 def typical_row(seg: np.ndarray) -> np.ndarray:
     """The row whose global-layer tile work is the median over the rows."""
-    from train.blocked_attention import tile_work
+    from train.attention_kernels.blocked_attention import tile_work
 
     work = [tile_work(r[None], TILE).pairs_computed for r in seg]
     return seg[int(np.argsort(work, kind="stable")[len(work) // 2])]
@@ -144,7 +144,7 @@ def attention_alone(seg_row: np.ndarray, repeats: int) -> tuple[float, float]:
     import jax.numpy as jnp
 
     from loaders import block_causal_mask_jax
-    from train.blocked_attention import blocked_attention
+    from train.attention_kernels.blocked_attention import blocked_attention
 
     length = seg_row.shape[-1]
     rng = np.random.default_rng(0)
@@ -169,7 +169,9 @@ def whole_step(seg_row: np.ndarray, repeats: int) -> tuple[float, float]:
     """Tiny Gemma3 (6 layers, window 512, vocab 1024), one row, the train step's value_and_grad."""
     from flax import nnx
 
-    from train import attention, loss as loss_lib, model_inputs, models
+    from train.attention_kernels import attention
+    from train.model import models
+    from train.step import loss as loss_lib, model_inputs
 
     length = seg_row.shape[-1]
     rng = np.random.default_rng(1)
@@ -213,7 +215,7 @@ def load_rows(path: str) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
 
 def typical_batch(rows: np.ndarray, batch: int) -> np.ndarray:
     """`batch` rows around the median tile work (or the typical row repeated, with fewer rows)."""
-    from train.blocked_attention import tile_work
+    from train.attention_kernels.blocked_attention import tile_work
 
     if len(rows) < batch:
         return np.repeat(typical_row(rows)[None], batch, axis=0)
@@ -232,7 +234,7 @@ WORK_KINDS = (("dense", None), ("splash", 512), ("blocked", 512), ("blocked", 25
 def work_counts(segs: dict[int, np.ndarray]) -> list[dict]:
     """Per L and layer kind: mean segments, ideal pairs per row, and each kind's pairs / ideal (sums over rows;
     per_row: min, median, max of each row's own ratio)."""
-    from train import flops
+    from train.measurement import flops
 
     out = []
     for length, seg in sorted(segs.items()):
@@ -288,8 +290,8 @@ def tile_times(rows: dict[int, np.ndarray], tiles: list[int], repeats: int) -> l
     """CPU seconds of the attention alone, fwd + bwd, dense and blocked at each tile, per L and layer kind."""
     import jax.numpy as jnp
 
-    from train import flops
-    from train.blocked_attention import blocked_attention
+    from train.attention_kernels.blocked_attention import blocked_attention
+    from train.measurement import flops
 
     out = []
     for length, seg_row in sorted(rows.items()):
@@ -351,8 +353,8 @@ def _attention_fns(length: int, window: int | None, seg_row: np.ndarray, cudnn: 
     import jax
     import jax.numpy as jnp
 
-    from train.blocked_attention import blocked_attention
-    from train.flash_attention import flash_attention
+    from train.attention_kernels.blocked_attention import blocked_attention
+    from train.attention_kernels.flash_attention import flash_attention
 
     tile = min(TILE, length)
     fns = {
@@ -362,7 +364,7 @@ def _attention_fns(length: int, window: int | None, seg_row: np.ndarray, cudnn: 
     for block in flash_blocks(backend, length):
         fns[f"flash {block}"] = lambda q, k, v, seg, b=block: flash_attention(q, k, v, seg, window=window, block=b)
     if backend == "tpu":
-        from train.attention import splash_attention
+        from train.attention_kernels.attention import splash_attention
 
         fns["splash"] = lambda q, k, v, seg: splash_attention(q, k, v, seg, window=window, block=tile)
     if cudnn and backend == "gpu":
@@ -554,7 +556,7 @@ def smoke_rows(length: int, batch: int, mean: int = 40) -> np.ndarray:
 
 def step_variants(backend: str, smoke: bool) -> list[str]:
     """flash against dense, each with --remat layer and without (flash first: dense may not fit).
-    Flash at the trainer's default block for the backend (train/flash_attention.DEFAULT_BLOCK; this
+    Flash at the trainer's default block for the backend (train/attention_kernels/flash_attention.DEFAULT_BLOCK; this
     process imports no JAX, so the figure is repeated here and a test holds the two equal)."""
     block = 256 if backend == "tpu" else 64
     if smoke:
@@ -571,7 +573,7 @@ def step_variant_line(spec: str, rows_path: str | None, smoke: bool, repeats: in
     try:
         result = step_variant(spec, rows_path, smoke, repeats)
     except Exception as e:  # noqa: BLE001 - only XLA's allocation failures are results
-        from train.out_of_memory import is_out_of_memory
+        from train.measurement.out_of_memory import is_out_of_memory
 
         if not is_out_of_memory(e):
             raise

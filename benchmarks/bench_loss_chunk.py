@@ -1,6 +1,6 @@
 """`--loss-chunk-tokens N`: CPU time and planned memory of the loss alone, against full logits.
 
-The chunked loss (train/chunked_loss.py) trades memory for loop steps: one chunk's [N, V]
+The chunked loss (train/step/chunked_loss.py) trades memory for loop steps: one chunk's [N, V]
 logits at a time, recomputed in the backward pass. This times value_and_grad of the masked
 token-mean loss with respect to the final hidden states (what a LoRA step backpropagates
 through), jitted, at each N and at N = 0 (full [B*L, V] logits, the reference), in one process
@@ -36,8 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from train.chunked_loss import Projection, chunked_token_nll
-    from train.compiled import fmt_bytes, memory_of
+    from train.measurement.compiled import fmt_bytes, memory_of
+    from train.step.chunked_loss import Projection, chunked_token_nll
 
     rng = np.random.default_rng(0)
     n, d, v = args.tokens, args.hidden, args.vocab

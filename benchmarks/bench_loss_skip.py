@@ -2,7 +2,7 @@
 
 Before (testkit.reference.checkpointed_chunked_token_nll, the loss at 90b4e18): every position
 of the batch is projected onto the vocabulary, each chunk under jax.checkpoint: three [C, D] x
-[D, V] matmuls per chunk (forward, recompute, backward). After (train/chunked_loss.py): targets
+[D, V] matmuls per chunk (forward, recompute, backward). After (train/step/chunked_loss.py): targets
 first, chunks without a target skipped, dL/dh computed in the forward pass: two per chunk that
 holds a target. Rows are `prepack pack --sample` (the shipped 400-example Alpaca file, Gemma3's
 tokenizer) at --max-length, packed and `--no-pack`; the batch is the first --batch-size rows
@@ -58,8 +58,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import loaders
     from testkit.reference import checkpointed_chunked_token_nll
-    from train import loss as loss_lib
-    from train.chunked_loss import Projection, chunked_token_nll
+    from train.step import loss as loss_lib
+    from train.step.chunked_loss import Projection, chunked_token_nll
 
     work = args.work_dir or tempfile.mkdtemp(prefix="bench_loss_skip_")
     sets = pack_sample(work, args.max_length)

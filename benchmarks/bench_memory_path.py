@@ -40,7 +40,9 @@ def make_trainer(model_name: str, variant: Variant, max_length: int, remat_on: b
     import optax
     from tunix.sft import peft_trainer
 
-    from train import config, memory_path, models, precision
+    from train.model import models
+    from train.run_config import config
+    from train.step import memory_path, precision
 
     cfg = config.TrainConfig(shards="-", model=model_name, loss_chunk_tokens=variant.loss_chunk_tokens,
                              attention=variant.attention)

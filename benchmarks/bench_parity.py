@@ -1,7 +1,7 @@
 """`prepack verify --model` on real weights: the parity of correct rows, the three layout bugs, the time.
 
 Packs the embedded sample (`prepack pack --sample`, Gemma3's tokenizer) at one max length, loads
-the model once per dtype and runs the parity check (train/parity.py: sampled rows packed and
+the model once per dtype and runs the parity check (train/verification/parity.py: sampled rows packed and
 each segment alone, every target's log p compared) on the rows as stored and as each bug of
 testkit/layout_bugs.py presents them. Per run: the largest |packed - alone| log p over all
 segments, the smallest over the later segments (the ones a bug can reach), the smallest score
@@ -38,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from apps import cli
     from loaders import open_shards
     from testkit.layout_bugs import cumsum_positions, plain_causal, shifted_boundary
-    from train import parity
+    from train.verification import parity
 
     out = os.path.join(tempfile.mkdtemp(prefix="bench_parity_"), "out")
     pack = ["pack", "--sample", "--max-length", str(args.max_length), "--output", out, "--no-progress"]

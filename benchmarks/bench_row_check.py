@@ -28,7 +28,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 
-# The Gemma3 tokenizer's size: a set of this vocabulary trains gemma3-270m (train/vocab.py's check).
+# The Gemma3 tokenizer's size: a set of this vocabulary trains gemma3-270m (train/run_config/vocab.py's check).
 GEMMA3_VOCAB = 262_144
 
 

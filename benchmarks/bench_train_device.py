@@ -4,7 +4,7 @@ Not a re-implementation: each run is `python3 -m apps.cli train ...` in its own 
 that holds the chip while it runs; this process imports no JAX and opens no device, and runs one
 child at a time, since only one process can hold a TPU). Per run, from the metrics summary the
 trainer writes (--metrics-out): the step time (median of the steps after the first), tokens/s,
-target tokens/s, MFU (the trainer's: train/mfu.py's peak by device kind, v5e 197 TFLOP/s, or
+target tokens/s, MFU (the trainer's: train/measurement/mfu.py's peak by device kind, v5e 197 TFLOP/s, or
 --peak-tflops), the first step's time (its compile included), the process's peak device memory
 (`device_peak_bytes`: jax's peak_bytes_in_use), and, per (model, shape, attention), the time to
 a fixed budget of target tokens (--budget-target-tokens) packed against one example per row.

@@ -32,9 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from train import loss as loss_lib
+    from train.step import loss as loss_lib
     from testkit import train_batches as testing
-    from train.compiled import fmt_bytes, memory_of
+    from train.measurement.compiled import fmt_bytes, memory_of
 
     b, l, v = args.batch_size, args.max_length, args.vocab
     rng = np.random.default_rng(0)

@@ -113,8 +113,9 @@ def in_process_section(args: argparse.Namespace, shards: dict[str, str]) -> dict
     import itertools
 
     import loaders
-    from train import compiled, trainer
-    from train import loss as loss_lib
+    from train import trainer
+    from train.measurement import compiled
+    from train.step import loss as loss_lib
 
     def batches(path: str, n: int) -> list[dict]:
         return list(itertools.islice(iter(loaders.make_dataset(path, args.batch_size, args.seed, 0, 1, None)), n))
@@ -229,7 +230,7 @@ def print_interleaved(inter: dict[str, dict]) -> None:
 
 
 def print_memory(memory: dict[str, dict]) -> None:
-    from train.compiled import fmt_bytes
+    from train.measurement.compiled import fmt_bytes
 
     mp, mu, md = memory["packed_batch"], memory["unpacked_batch"], memory["tunix_default_loss"]
     print("\n| compiled train step | program | arguments | outputs | temp | peak estimate |")

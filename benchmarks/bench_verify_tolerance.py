@@ -1,7 +1,7 @@
 """The two figures a backend's parity tolerance is set from: the noise of correct rows and the miss of a one-key leak.
 
 `prepack verify --model` fails a segment whose targets' log p differ, packed against alone, by
-more than its dtype's tolerance on this backend (train/parity.py `tolerance_for`), each segment's
+more than its dtype's tolerance on this backend (train/verification/parity.py `tolerance_for`), each segment's
 differences summarized by its dtype's statistic (`statistic_for`: float32 the largest, bfloat16
 the mean over the segment's targets). A tolerance is right when it lies between two measured
 figures of the same model, rows and attention, each a segment statistic:
@@ -69,7 +69,7 @@ def rescore(path: str) -> int:
     """The noise and leak of each candidate statistic on a saved run's per-target differences."""
     import numpy as np
 
-    from train import parity
+    from train.verification import parity
 
     with open(path) as f:
         saved = json.load(f)
@@ -97,7 +97,7 @@ def rescore(path: str) -> int:
 def measure(model: Any, cfg: Any, view: Any) -> dict[str, Any]:
     """noise (rows as stored) and leak (one key across each boundary) for one loaded model."""
     from testkit.layout_bugs import one_key_leak
-    from train import parity
+    from train.verification import parity
 
     stored = parity.check_view(model, cfg, view)
     leaked = parity.check_view(model, cfg, view, packed_layout=one_key_leak)
@@ -128,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return rescore(args.rescore)
     from benchmarks.device_machine import line, machine
     from loaders import open_shards
-    from train import parity
+    from train.verification import parity
 
     path = args.shards
     if path is None:

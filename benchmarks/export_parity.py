@@ -43,7 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
     import loaders
-    from train import merge_export, models, trainer
+    from train import trainer
+    from train.adapter_files import merge_export
+    from train.model import models
 
     work = args.work_dir or tempfile.mkdtemp(prefix="export_parity_")
     adapter, merged, base_dir = (os.path.join(work, n) for n in ("adapter", "merged", "base"))
@@ -62,9 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     def tunix_logits(model, attention_mask) -> np.ndarray:
         return np.asarray(model(jnp.asarray(tokens), jnp.asarray(positions), None, jnp.asarray(attention_mask))[0], np.float32)
 
-    from train import hf_layout, memory_path
+    from train.adapter_files import hf_layout
+    from train.step import memory_path
 
-    # The trained model reads segment ids where the mask goes unless its attention is dense (train/attention.py).
+    # The trained model reads segment ids where the mask goes unless its attention is dense (train/attention_kernels/attention.py).
     kind = memory_path.attention_kind(cfg)
     trained = tunix_logits(s.built.model, mask if kind == "dense" else np.ones(tokens.shape, np.int32))
     tunix_merged = tunix_logits(models.load_hf_weights(family, config, merged, dtype=jnp.dtype(dtype), mesh=None), mask)

@@ -7,12 +7,12 @@ with Gemma3 270M's shapes: 18 layers in the pattern 5 sliding-window (512) + 1 g
 4 query heads and 1 KV head of 256, MLP 2048 (GeGLU), vocabulary 262,144 with the tied
 embedding as output projection; RMSNorms before and after attention and MLP and on q and k;
 RoPE (base 10k local, 1M global); queries scaled by head_dim^-0.5. LoRA rank 16 on q, kv, o,
-gate, up and down (float32 adapters, cast to bfloat16 as train/precision.py does); the base is
-bfloat16 and frozen. The loss is train/chunked_loss.py's: 1,024-token checkpointed chunks of the
+gate, up and down (float32 adapters, cast to bfloat16 as train/step/precision.py does); the base is
+bfloat16 and frozen. The loss is train/step/chunked_loss.py's: 1,024-token checkpointed chunks of the
 output projection, float32 log-sum-exp. --remat layer checkpoints each layer (as
-train/layer_scan.py). The attention step is the variable: `dense` is Tunix's (bf16 logits,
+train/step/layer_scan.py). The attention step is the variable: `dense` is Tunix's (bf16 logits,
 `where(mask, logits, K_MASK)` with the block-causal mask and the sliding band, softmax, cast),
-`flash` is train/flash_attention.py, `blocked` train/blocked_attention.py, `splash` the splash
+`flash` is train/attention_kernels/flash_attention.py, `blocked` train/attention_kernels/blocked_attention.py, `splash` the splash
 kernel (TPU). One step = value and gradient of the loss in the LoRA adapters, and an SGD update.
 """
 
@@ -148,7 +148,7 @@ def dense_attention(q, k, v, seg, mask):
     import jax
     import jax.numpy as jnp
 
-    from train.blocked_attention import NEG_INF  # Tunix's K_MASK
+    from train.attention_kernels.blocked_attention import NEG_INF  # Tunix's K_MASK
 
     b, length, n, h = q.shape
     kv = k.shape[2]
@@ -163,15 +163,15 @@ def attention_fn(kind: str, tile: int):
     if kind == "dense":
         return lambda q, k, v, seg, window: dense_attention(q, k, v, seg, block_causal_mask(seg, window))
     if kind == "flash":
-        from train.flash_attention import flash_attention
+        from train.attention_kernels.flash_attention import flash_attention
 
         return lambda q, k, v, seg, window: flash_attention(q, k, v, seg, window=window, block=tile)
     if kind == "blocked":
-        from train.blocked_attention import blocked_attention
+        from train.attention_kernels.blocked_attention import blocked_attention
 
         return lambda q, k, v, seg, window: blocked_attention(q, k, v, seg, tile=tile, window=window)
     if kind == "splash":
-        from train.attention import splash_attention
+        from train.attention_kernels.attention import splash_attention
 
         return lambda q, k, v, seg, window: splash_attention(q, k, v, seg, window=window, block=tile)
     raise ValueError(f"unknown attention {kind!r}")

@@ -8,9 +8,9 @@ with `jax.profiler.ProfileData` and keeps each device op (its name, start, durat
 say what it is: the HLO text, the JAX name stack) in a small gzipped JSON. `table` puts every op of the
 traced train steps in one category, in this order (the first that matches):
 
-- attention: ops under the `segment_attention` name scope (train/attention.py: the flash and splash
+- attention: ops under the `segment_attention` name scope (train/attention_kernels/attention.py: the flash and splash
   kernels, the blocked tiles, their backward passes);
-- head and loss: ops under `loss_head` (train/chunked_loss.py: the projection, log-sum-exp, dL/dh,
+- head and loss: ops under `loss_head` (train/step/chunked_loss.py: the projection, log-sum-exp, dL/dh,
   the fused head's kernel);
 - LoRA matmuls: matrix products whose operands or result have the adapter's rank as a dimension;
 - base matmuls: the other matrix products (convolution and dot ops, and fusions holding one);

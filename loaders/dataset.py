@@ -198,7 +198,7 @@ class _StateCheckedIterator(grain.DatasetIterator):
 
 def batches_read(state: Any) -> int | None:
     """How many batches a make_dataset iterator had yielded when it gave `state` (its get_state()):
-    a saved position is checked against the step it claims (train/checkpoints.py). None where the
+    a saved position is checked against the step it claims (train/checkpointing/checkpoints.py). None where the
     pipeline reads in worker processes (Grain's state then is per worker). ValueError, in words,
     for what is no such state."""
     if not isinstance(state, dict) or not isinstance(state.get("loader"), dict) or not isinstance(state.get("grain"), dict):

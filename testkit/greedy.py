@@ -8,12 +8,12 @@ import numpy as np
 
 def training_argmax(model: Any, prompt: np.ndarray, steps: int, length: int = 64, attention: str = "blocked") -> list[int]:
     """Greedy continuation by the training forward pass: the whole sequence each step, one
-    example in a [1, L] row with its segment ids and positions (train/model_inputs.py, the
+    example in a [1, L] row with its segment ids and positions (train/step/model_inputs.py, the
     attention kind the model was installed with), no KV cache, the model's logits at the last token."""
     import jax.numpy as jnp
     from flax import nnx
 
-    from train.model_inputs import make_gen_model_input_fn
+    from train.step.model_inputs import make_gen_model_input_fn
 
     fn = make_gen_model_input_fn(attention=attention)
 

@@ -1,6 +1,6 @@
 """Matrix-product FLOPs of a traced function, counted from its jaxpr with every loop by its trip count.
 
-The reference the analytic count (train/flops.py) is tested against: XLA's cost analysis counts a
+The reference the analytic count (train/measurement/flops.py) is tested against: XLA's cost analysis counts a
 loop body once, this walk multiplies a scan's body by its length. A `cond` counts its most
 expensive branch (blocked attention's tile skip; exact when every tile runs). Pallas kernels are
 counted per program and per loop iteration (`kernel_flops`): their grids and run-time loop bounds

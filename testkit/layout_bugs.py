@@ -1,7 +1,7 @@
 """Packed rows presented to the model wrongly: the layout bugs the parity check must catch.
 
 Each takes the packed rows as stored (dicts of int32 [B, L] arrays) and returns what a buggy
-trainer would hand the model; train/parity.py's `packed_layout` seam takes them. Shipped
+trainer would hand the model; train/verification/parity.py's `packed_layout` seam takes them. Shipped
 code never uses these.
 """
 

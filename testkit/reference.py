@@ -66,7 +66,7 @@ def sub_bucket(h: int, num_sub_buckets: int) -> int:
 
 
 def checkpointed_chunked_token_nll(h, projection, targets, chunk_tokens: int):
-    """The chunked loss before targets-first chunks and the fused head VJP (train/chunked_loss.py at 90b4e18):
+    """The chunked loss before targets-first chunks and the fused head VJP (train/step/chunked_loss.py at 90b4e18):
     every position projected, each chunk under jax.checkpoint (forward, recompute, backward: three
     projections per chunk). The baseline of benchmarks/bench_loss_skip.py and the tests' reference."""
     import jax

@@ -12,7 +12,7 @@ by benchmarks/bench_dpo_packing.py. Nothing here is used by training.
 - `tunix_loss_and_grads`: DPOTrainer's own `_prepare_inputs` (reference log-probs from its
   `ref_model`) and its loss function (`dpo_loss_fn` through its gen_model_input_fn), and the
   LoRA gradients, as its train step differentiates it.
-- `packed_step`: our train step (train/train_step.py with train/dpo_loss.py) on packed rows,
+- `packed_step`: our train step (train/step/train_step.py with train/objectives/dpo_loss.py) on packed rows,
   its gradients captured exactly (an optimizer that stores them instead of applying them).
 """
 
@@ -182,7 +182,8 @@ def jitted_step(beta: float, chunk_tokens: int, attention: str, accumulate: bool
     another model structure, so the tests that share a configuration share one compilation."""
     from flax import nnx
 
-    from train import dpo_loss, model_inputs, train_step
+    from train.objectives import dpo_loss
+    from train.step import model_inputs, train_step
 
     kwargs = {} if reference is None else {"reference": reference}
     loss_fn = dpo_loss.make_dpo_loss_fn(beta, chunk_tokens, **kwargs)
@@ -193,13 +194,13 @@ def jitted_step(beta: float, chunk_tokens: int, attention: str, accumulate: bool
 
 def packed_step(model: Any, batch: dict[str, np.ndarray], beta: float, *, chunk_tokens: int = 64, attention: str = "dense",
                 tile: int = 32, accumulate: bool = False, reference: Any = None) -> tuple[dict[str, float], dict[str, np.ndarray]]:
-    """One step of train/train_step.py with train/dpo_loss.py on packed pair rows ([B, L], or
+    """One step of train/step/train_step.py with train/objectives/dpo_loss.py on packed pair rows ([B, L], or
     [B, K, L] with accumulate): the step's aux (sums, loss) and the LoRA gradients it applied.
     `attention` other than dense is installed on `model` (pass a clone) with `tile`."""
     from flax import nnx
 
-    from train import attention as attention_lib
-    from train import model_inputs
+    from train.attention_kernels import attention as attention_lib
+    from train.step import model_inputs
 
     attention_lib.install(model, attention, tile)
     optimizer = nnx.Optimizer(model, grad_capture(), wrt=nnx.LoRAParam)

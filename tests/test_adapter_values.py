@@ -14,9 +14,10 @@ import pytest
 import safetensors.numpy
 from flax import nnx
 
-from train import adapters, lora_file, merge_export, models, peft_export
-from train.fingerprint import base_fingerprint
-from train.lora_file import LoraFileError
+from train.adapter_files import adapters, lora_file, merge_export, peft_export
+from train.adapter_files.lora_file import LoraFileError
+from train.model import models
+from train.model.fingerprint import base_fingerprint
 
 VOCAB, RANK = 96, 2
 DOWN_B = "base_model.model.model.layers.0.mlp.down_proj.lora_B.weight"

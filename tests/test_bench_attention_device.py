@@ -90,7 +90,7 @@ def test_results_of_other_rows_are_refused_in_one_line(tmp_path) -> None:
 
 def test_the_whole_step_variants_run_flash_at_the_trainers_default_block() -> None:
     from benchmarks import bench_attention
-    from train import flash_attention
+    from train.attention_kernels import flash_attention
 
     for backend in ("tpu", "gpu"):
         flash = [v for v in bench_attention.step_variants(backend, smoke=False) if v.startswith("flash:")]

@@ -1,4 +1,4 @@
-"""`--lora-kernel fused` (train/fused_lora.py): the same adapters and the same values as qwix's LoRA.
+"""`--lora-kernel fused` (train/step/fused_lora.py): the same adapters and the same values as qwix's LoRA.
 
 The fused product must be invisible but for speed: the model built with it has qwix's adapter
 names, shapes and initial values, computes the same loss, and gives the same gradients; sites it
@@ -14,8 +14,10 @@ import pytest
 from flax import nnx
 
 from testkit import train_batches as testing
-from train import attention, fused_lora, model_inputs, models
-from train import loss as loss_lib
+from train.attention_kernels import attention
+from train.model import models
+from train.step import fused_lora, model_inputs
+from train.step import loss as loss_lib
 
 SHAPES = {"tiny-gemma3": "dense", "tiny-qwen3": "blocked"}
 
@@ -42,7 +44,7 @@ def _loss_and_grads(model, kind: str):
 def test_fused_lora_has_qwix_adapters_and_computes_the_same_loss_and_gradients(name, remat) -> None:
     """Also under --remat layer, where JAX traces the fused forward again outside qwix's interception. The tiny
     models' MLP (d 64, hidden 128) takes both backward forms: down's one matmul (2K > N), gate's and up's two."""
-    from train import memory_path
+    from train.step import memory_path
 
     qwix_model, fused_model = _model(name, fused_lora.QWIX), _model(name, fused_lora.FUSED)
     for model in (qwix_model, fused_model):

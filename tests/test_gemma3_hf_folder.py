@@ -19,7 +19,7 @@ from prepack.text.chat.batch import tokenize_conversations
 from prepack.text.formats import get_template
 from prepack.text.stop_check import StopTokenCheck
 from prepack.text.tokenizer import load_tokenizer
-from train.vocab import FAMILY_VOCAB_HASH
+from train.run_config.vocab import FAMILY_VOCAB_HASH
 
 SAMPLE_DATA = Path(gemma3_gguf.__file__).resolve().parent.parent / "sample_data"
 # What SentencePiece treats specially: whitespace runs and newlines (user-defined pieces, some of

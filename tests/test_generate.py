@@ -1,6 +1,6 @@
 """Train/serve parity of generation, on tiny Gemma3 and tiny Qwen3 (random weights, float32):
 
-- greedy generation (Tunix's KV-cached Sampler, fed the prompt ids: train/generate.py) equals the
+- greedy generation (Tunix's KV-cached Sampler, fed the prompt ids: train/generation/generate.py) equals the
   step-by-step argmax of the training forward pass (the same model and LoRA, the attention a CPU
   run trains with, no cache), over prompts longer than Gemma3's sliding window, in batches with
   left padding;
@@ -24,7 +24,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from train import attention, generate, models
+from train.attention_kernels import attention
+from train.generation import generate
+from train.model import models
 from testkit.greedy import training_argmax
 
 VOCAB = 300
@@ -118,8 +120,8 @@ def test_a_zero_adapter_changes_nothing_and_a_trained_one_does():
 def test_an_exported_adapter_loads_as_the_trained_lora(tmp_path, name, kind):
     """--lora reads both --lora-format outputs back into exactly the trained LoRA parameters (a PEFT
     folder's Hugging Face factors mapped back to qwix's, Gemma3's fused k/v included)."""
-    from train import adapters, lora_file, peft_export
-    from train.fingerprint import base_fingerprint
+    from train.adapter_files import adapters, lora_file, peft_export
+    from train.model.fingerprint import base_fingerprint
 
     built, model = lora_model(name)
     meta = {"base_weights": "random", "base_fingerprint": base_fingerprint(model), "vocab_size": VOCAB, "seed": 0}
@@ -147,15 +149,15 @@ def test_a_peft_adapter_from_elsewhere_is_refused_in_one_line(tmp_path):
     cannot be Gemma3's fused kv LoRA: refused, naming the modules."""
     from safetensors.numpy import load_file, save_file
 
-    from train import adapters, lora_file, peft_export
-    from train.fingerprint import base_fingerprint
+    from train.adapter_files import adapters, lora_file, peft_export
+    from train.model.fingerprint import base_fingerprint
 
     built, model = lora_model("tiny-gemma3")
     path = tmp_path / "adapter"
     peft_export.save_peft(model, "gemma3", built.config, str(path), model_name="tiny-gemma3", rank=4, alpha=8.0,
                           metadata={"base_fingerprint": base_fingerprint(model), "vocab_size": VOCAB, "seed": 0})
     weights = path / peft_export.ADAPTER_WEIGHTS
-    from train.lora_file import _parse_safetensors_metadata
+    from train.adapter_files.lora_file import _parse_safetensors_metadata
 
     meta = _parse_safetensors_metadata(weights.read_bytes(), str(weights))
     tensors = load_file(str(weights))

@@ -68,8 +68,9 @@ def save_adapter(tok_dir, path) -> str:
     from flax import nnx
 
     from prepack.text.tokenizer import load_tokenizer
-    from train import lora_file, models
-    from train.fingerprint import base_fingerprint
+    from train.adapter_files import lora_file
+    from train.model import models
+    from train.model.fingerprint import base_fingerprint
 
     vocab = load_tokenizer(f"hf:{tok_dir}").vocab_size
     built = models.build_model("tiny", vocab_size=vocab, seed=0)
@@ -221,7 +222,7 @@ def nan_adapter(tok_dir, path) -> str:
     good = save_adapter(tok_dir, path)
     with open(good, "rb") as f:
         data = f.read()
-    from train import lora_file
+    from train.adapter_files import lora_file
 
     meta = lora_file.read_lora_metadata(good)
     tensors = safetensors.numpy.load(data)
@@ -251,7 +252,8 @@ def test_bounds_are_one_line_before_the_tokenizer_or_model(tmp_path, data, capsy
 def test_the_memory_plan_counts_the_longest_prompt(tmp_path, tok_dir, data, capsys):
     """The second look, once the prompts are read: a batch that fits the first guess (no prompt) but
     not with the prompt's bucket is refused before the weights load."""
-    from train import generate_bounds, models
+    from train import generate_bounds
+    from train.model import models
 
     config = models.resolve_config("tiny")
     weights = generate_bounds.weight_bytes("gemma3", config)

@@ -16,7 +16,9 @@ from prepack.text.chat.prompts import conversation_prompts
 from prepack.text.formats import get_template
 from prepack.text.tokenizer import load_tokenizer
 from testkit.greedy import training_argmax
-from train import attention, generate, models
+from train.attention_kernels import attention
+from train.generation import generate
+from train.model import models
 
 pytestmark = pytest.mark.slow
 

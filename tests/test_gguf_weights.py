@@ -1,4 +1,4 @@
-"""The offline default weights (train/gguf_weights.py) make a working Gemma 3 270M in Tunix.
+"""The offline default weights (train/model/gguf_weights.py) make a working Gemma 3 270M in Tunix.
 
 Evidence, strongest first:
 - Tunix's forward pass equals an independent numpy forward written from the Hugging Face
@@ -34,7 +34,7 @@ from flax import nnx  # noqa: E402
 from tunix.models.gemma3 import model as gemma3_model  # noqa: E402
 
 from prepack.text import gemma3_gguf  # noqa: E402
-from train import gguf_weights as gw  # noqa: E402
+from train.model import gguf_weights as gw  # noqa: E402
 
 PARIS_ID = 9079  # '▁Paris' in the Gemma 3 vocabulary (checked against the GGUF pieces below)
 BOS_ID = 2

@@ -258,8 +258,8 @@ def test_train_refuses_a_parent_from_a_subfolder_and_outputs_inside_outputs(shar
     ({"compile_cache": ".."}, "--compile-cache .. is a folder above the working folder"),
 ])
 def test_train_lists_every_input_and_output(tree, kw, start):
-    from train import outputs
-    from train.config import TrainConfig, TrainError
+    from train.run_config import outputs
+    from train.run_config.config import TrainConfig, TrainError
 
     with pytest.raises(TrainError) as e:
         outputs.check_outputs(TrainConfig(shards="S/L256", steps=2, **kw))
@@ -271,7 +271,7 @@ def test_train_lists_every_input_and_output(tree, kw, start):
 
 @pytest.mark.parametrize("output", [".", "./", "A", "A/"])
 def test_export_refuses_the_working_folder_and_the_adapter_before_reading_it(tree, capsys, output):
-    from train import merge_export
+    from train.adapter_files import merge_export
 
     (tree / "A" / "adapter_config.json").write_text("{}")
     assert merge_export.main(["--merge", "--lora", "A", "--output", output, "--overwrite"]) == 2

@@ -20,9 +20,10 @@ import pytest
 import safetensors.numpy
 from flax import nnx
 
-from train import hf_layout, merge_export, models, peft_export
-from train.fingerprint import base_fingerprint
-from train.lora_file import LoraFileError, save_lora
+from train.adapter_files import hf_layout, merge_export, peft_export
+from train.adapter_files.lora_file import LoraFileError, save_lora
+from train.model import models
+from train.model.fingerprint import base_fingerprint
 
 VOCAB = 96
 RANK, ALPHA = 4, 6.0

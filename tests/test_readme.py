@@ -26,7 +26,7 @@ def readme_block(heading: str) -> str:
 
 def run_own_trainer(settings: str, block: str) -> dict:
     """Runs the README block with the test's settings line and a fresh tiny LoRA model as `lora_model`."""
-    from train import models
+    from train.model import models
 
     built = models.build_model("tiny-qwen3", vocab_size=VOCAB, seed=0)
     scope = {"lora_model": models.apply_lora(built.model, built.spec, rank=4)}
@@ -50,7 +50,7 @@ def test_own_tunix_trainer_section_trains_and_resumes(tmp_path, monkeypatch):
     assert lora_b and any(float(np.abs(np.asarray(v[...])).max()) > 0 for v in lora_b)  # B starts at zero: it trained
 
     # A second process-equivalent run: Tunix restores step 2, the loader seeks to batch 3.
-    from train import resume
+    from train.checkpointing import resume
 
     streams = []
 
@@ -65,7 +65,7 @@ def test_own_tunix_trainer_section_trains_and_resumes(tmp_path, monkeypatch):
     assert streams == [{"consumed": 2, "placeholders": 2}]  # resumed by seeking, not by re-reading
 
     import loaders
-    from train.checkpoints import CheckpointDir
+    from train.checkpointing.checkpoints import CheckpointDir
 
     fresh = iter(loaders.make_dataset("OUT/L32", batch_size=BATCH, seed=0))
     for _ in range(4):

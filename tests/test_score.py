@@ -1,5 +1,5 @@
-"""Scoring generations: tool calls read back in each chat format's layout (train/tool_calls.py),
-the per-line scores and the summary's rates (train/score.py), and `prepack report --generations`
+"""Scoring generations: tool calls read back in each chat format's layout (prepack/text/chat/tool_calls.py),
+the per-line scores and the summary's rates (train/generation/score.py), and `prepack report --generations`
 (apps/compare_generations.py). No model: these read text."""
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from train import score, tool_calls
-from train.tool_calls import Call, ParsedCalls
+from prepack.text.chat import tool_calls
+from prepack.text.chat.tool_calls import Call, ParsedCalls
+from train.generation import score
 
 
 def test_hermes_calls_as_qwen3_writes_them():

@@ -280,3 +280,40 @@ def test_hf_tool_template_that_is_not_prefix_stable_is_refused(tmp_path):
     assert info.value.reason == "template_not_prefix_stable"
     assert f"the chat template of 'hf:{folder}' does not render turn 2" in info.value.message
     assert "\n" not in info.value.message
+
+
+def _tag_literals(root: Path, tags: tuple[str, ...]) -> list[str]:
+    """Modules under `root` whose code (not docstrings or comments) spells one of the tags itself."""
+    import ast
+
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        docstrings = {id(node.value) for node in ast.walk(tree)
+                      if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+                    and any(tag in node.value for tag in tags)):
+                found.append(f"{path.relative_to(root).as_posix()}:{node.lineno}")
+    return found
+
+
+def test_each_layouts_tags_are_spelled_once_and_the_templates_spell_the_same(tmp_path):
+    """The renderers (chatml, the tokenizers' added tokens) and the parsers
+    (prepack/text/chat/tool_calls.py) take each layout's tags from prepack/text/tool_markup.py; no other
+    module of the core spells them, and the templates that render the layouts use exactly those."""
+    from prepack.text import tool_markup
+    from prepack.text.gemma3_hf_folder import FUNCTIONGEMMA_LAYOUT
+
+    tags = (*tool_markup.HERMES_CALL, *tool_markup.HERMES_RESPONSE, *tool_markup.FUNCTIONGEMMA_TOKENS)
+    core = Path(__file__).resolve().parent.parent / "prepack"
+    assert {found.partition(":")[0] for found in _tag_literals(core, tags)} == {"text/tool_markup.py"}
+    layout = FUNCTIONGEMMA_LAYOUT.read_text()
+    assert all(tag in layout for tag in tool_markup.FUNCTIONGEMMA_TOKENS)
+    assert set(re.findall(r"<(?:start|end)_function_\w+>|<escape>", layout)) == set(tool_markup.FUNCTIONGEMMA_TOKENS)
+    assert all(tag in QWEN3_TEMPLATE for tag in (*tool_markup.HERMES_CALL, *tool_markup.HERMES_RESPONSE))
+    # The check can fail: a renderer that spells a tag of its own is found.
+    (tmp_path / "chat").mkdir()
+    mine = '"""Writes <tool_call> (a docstring may say so)."""\nOPEN = "<tool_call>"\n'
+    (tmp_path / "chat" / "mine.py").write_text(mine)
+    assert _tag_literals(tmp_path, tags) == ["chat/mine.py:2"]

@@ -1,4 +1,4 @@
-"""--grad-accum-steps K (train/train_step.py): one step of K micro-batches equals one step of the same rows in one batch.
+"""--grad-accum-steps K (train/step/train_step.py): one step of K micro-batches equals one step of the same rows in one batch.
 
 The gradient is read off one SGD step (learning rate 1: params move by exactly -grad), so the
 comparison sees the gradient itself; Adam's first step (about lr * sign(grad)) would hide a wrong
@@ -18,7 +18,9 @@ from flax import nnx
 
 from prepack.format import rowformat
 from testkit import train_batches as testing
-from train import chunked_loss, data, loss as loss_lib, model_inputs, models, train_step
+from train import data
+from train.model import models
+from train.step import chunked_loss, loss as loss_lib, model_inputs, train_step
 
 VOCAB = 96
 MAX_LENGTH = 32

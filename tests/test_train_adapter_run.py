@@ -18,7 +18,10 @@ import numpy as np
 import pytest
 
 from testkit.shard_sets import TEST_TOKENIZER, build_shard_set, row_ids, synthetic_row
-from train import lora_file, metrics, schedule, trainer
+from train import trainer
+from train.adapter_files import lora_file
+from train.measurement import metrics
+from train.run_config import schedule
 
 VOCAB = 128
 MAX_LENGTH = 32

@@ -1,4 +1,4 @@
-"""--attention blocked|flash|splash equal dense (train/blocked_attention.py, flash_attention.py, attention.py).
+"""--attention blocked|flash|splash equal dense (train/attention_kernels/blocked_attention.py, flash_attention.py, attention.py).
 
 The reference is Tunix's own attention with the project's [B, L, L] block-causal mask. On tiny
 random Gemma3 (5 sliding-window layers with window 4, then a global layer) and tiny Qwen3,
@@ -19,8 +19,10 @@ from flax import nnx
 
 from loaders import block_causal_mask_jax
 from testkit import train_batches as testing
-from train import attention, blocked_attention as ba, loss as loss_lib, memory_path, model_inputs, models, precision
-from train.config import TrainConfig, TrainError
+from train.attention_kernels import attention, blocked_attention as ba
+from train.model import models
+from train.run_config.config import TrainConfig, TrainError
+from train.step import loss as loss_lib, memory_path, model_inputs, precision
 
 VOCAB = 96
 LENGTHS = (51, 27, 13, 3, 29, 5, 60, 17)

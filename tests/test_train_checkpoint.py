@@ -19,9 +19,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from train import checkpoints, cli, fingerprint, lora_file, metrics, packed_trainer, resume, trainer
-from train.checkpoints import CheckpointError
-from train.lora_file import LoraFileError
+from train import cli, packed_trainer, trainer
+from train.adapter_files import lora_file
+from train.adapter_files.lora_file import LoraFileError
+from train.checkpointing import checkpoints, resume
+from train.checkpointing.checkpoints import CheckpointError
+from train.measurement import metrics
+from train.model import fingerprint
 
 from testkit.gcs_emulator import gcs_emulator, gcs_prefix  # noqa: F401  (pytest fixtures)
 from testkit.shard_sets import TEST_TOKENIZER, build_shard_set, row_ids, synthetic_row
@@ -328,7 +332,7 @@ def _logits(model: Any, batch: dict[str, np.ndarray], cfg: Any = None) -> np.nda
     the attention installed by `cfg`'s run reads: a freshly built model keeps Tunix's dense attention)."""
     from flax import nnx
 
-    from train import memory_path, model_inputs
+    from train.step import memory_path, model_inputs
 
     kind = "dense" if cfg is None else memory_path.attention_kind(cfg)
     if kind not in _FORWARD:
@@ -361,7 +365,7 @@ def _rewrite(src: str, dst: str, *, rank: int | None = None, **meta: str) -> str
 @pytest.mark.slow  # trains or loads a real model: see pytest.ini
 def test_save_lora_round_trip_and_refusals(straight, shard_sets, tmp_path) -> None:
     import loaders
-    from train import models
+    from train.model import models
 
     path = straight["cfg"].save_lora
     meta = lora_file.read_lora_metadata(path)
@@ -406,7 +410,7 @@ def test_a_late_export_failure_keeps_the_trained_adapter(straight, tmp_path, cap
     the line says where (issue 46)."""
     import dataclasses
 
-    from train import outputs
+    from train.run_config import outputs
 
     target = str(tmp_path / "lora.safetensors")
     os.makedirs(os.path.join(target, "someone-elses"))

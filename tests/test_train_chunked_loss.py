@@ -1,4 +1,4 @@
-"""--loss-chunk-tokens: the chunked loss equals the full-logits loss (train/chunked_loss.py).
+"""--loss-chunk-tokens: the chunked loss equals the full-logits loss (train/step/chunked_loss.py).
 
 On tiny random Gemma3 (tied embedding), tiny Qwen3 tied and untied (lm_head), with LoRA whose
 B matrices are random too (qwix's zero B would make every A gradient zero and hide an error):
@@ -16,7 +16,8 @@ import pytest
 from flax import nnx
 
 from testkit import train_batches as testing
-from train import chunked_loss, loss as loss_lib, model_inputs, models, precision
+from train.model import models
+from train.step import chunked_loss, loss as loss_lib, model_inputs, precision
 
 VOCAB = 96
 LENGTHS = (11, 7, 13, 3, 9, 5)

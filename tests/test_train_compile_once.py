@@ -15,7 +15,7 @@ import pytest
 
 from testkit.shard_sets import TEST_TOKENIZER, build_shard_set
 from train import trainer
-from train.config import TrainConfig
+from train.run_config.config import TrainConfig
 
 LOWERING = "/jax/core/compile/jaxpr_to_mlir_module_duration"
 

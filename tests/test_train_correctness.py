@@ -28,9 +28,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from train import loss as loss_lib
+from train.step import loss as loss_lib
 from testkit import train_batches as testing
-from train import model_inputs, models
+from train.model import models
+from train.step import model_inputs
 
 VOCAB = 128
 LENGTHS = (11, 7, 13, 3, 9)  # the 3-token example is shorter than the window, the rest longer

@@ -1,4 +1,4 @@
-"""A run whose loss or gradient norm goes non-finite never ends quietly (--nan-policy, train/divergence.py).
+"""A run whose loss or gradient norm goes non-finite never ends quietly (--nan-policy, train/measurement/divergence.py).
 
 The fault is injected at a chosen row: the masked loss is wrapped (monkeypatched where the
 trainer looks it up) so that a batch holding the marker token POISON gets loss * NaN, which makes
@@ -20,9 +20,12 @@ import loaders
 from prepack.format import rowformat
 from testkit.shard_sets import TEST_TOKENIZER, build_shard_set
 from testkit.train_batches import learnable_segments
-from train import checkpoints, cli, divergence, lora_file
-from train import loss as loss_lib
-from train.config import TrainError
+from train import cli
+from train.adapter_files import lora_file
+from train.checkpointing import checkpoints
+from train.measurement import divergence
+from train.run_config.config import TrainError
+from train.step import loss as loss_lib
 
 VOCAB = 64
 MAX_LENGTH = 32
@@ -69,7 +72,7 @@ def poison_hook(monkeypatch) -> None:
     def poisoned_loss(model, input_tokens, input_mask, positions, attention_mask):
         loss, aux = real(model, input_tokens, input_mask, positions, attention_mask)
         fault = jnp.where(jnp.any(input_tokens == POISON), jnp.nan, 1.0)
-        # The train step differentiates the loss's sum (train/train_step.py): poison it too.
+        # The train step differentiates the loss's sum (train/step/train_step.py): poison it too.
         return loss * fault, {**aux, "loss": aux["loss"] * fault, "nll_sum": aux["nll_sum"] * fault}
 
     monkeypatch.setattr(loss_lib, "masked_loss_fn_with_aux", poisoned_loss)
@@ -161,7 +164,7 @@ def test_nan_policy_is_checked() -> None:
 def test_a_lora_file_with_non_finite_values_is_not_written(tmp_path) -> None:
     from flax import nnx
 
-    from train import models
+    from train.model import models
 
     built = models.build_model("tiny-qwen3", vocab_size=VOCAB)
     model = models.apply_lora(built.model, built.spec, rank=2)

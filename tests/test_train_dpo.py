@@ -1,4 +1,4 @@
-"""`prepack train --objective dpo` (train/dpo_loss.py): packed DPO equals Tunix's own DPO.
+"""`prepack train --objective dpo` (train/objectives/dpo_loss.py): packed DPO equals Tunix's own DPO.
 
 On the same pairs, the packed DPO loss, TRL's metrics and the LoRA gradients equal Tunix 0.1.7's
 DPOTrainer (its `_prepare_inputs` with a reference model, its `dpo_loss_fn`, on its padded
@@ -27,7 +27,10 @@ import loaders
 from prepack.format import rowformat
 from testkit import tunix_dpo as td
 from testkit.shard_sets import TEST_TOKENIZER, build_shard_set
-from train import cli, dpo_loss, memory_plan, metrics, models, objectives
+from train import cli, memory_plan, objectives
+from train.measurement import metrics
+from train.model import models
+from train.objectives import dpo_loss
 from train.objectives import dpo_metrics
 
 VOCAB = 96
@@ -236,7 +239,7 @@ def test_the_loader_yields_pair_side(sets) -> None:
     seg = batch["segment_ids"]
     assert np.array_equal(batch["pair_side"], np.where(seg == 0, 0, 2 - seg % 2))
     assert metrics.batch_counts(batch, objectives.DPO.segments_per_example)["examples"] == len(PAIRS)  # a pair is one example
-    from train.model_inputs import device_fields
+    from train.step.model_inputs import device_fields
 
     assert "pair_side" in device_fields(batch)
 
@@ -277,7 +280,7 @@ def test_verify_model_runs_each_side_alone(sets) -> None:
     """`prepack verify --model` on a preference set: each side packed equals it alone; a plain
     causal mask (a rejected side seeing its chosen side) fails every rejected side, named by its pair."""
     from testkit.layout_bugs import plain_causal
-    from train import parity
+    from train.verification import parity
 
     cfg = parity.ParityConfig(model="tiny-gemma3")
     view = loaders.open_shards(sets["pairs"])

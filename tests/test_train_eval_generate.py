@@ -8,8 +8,9 @@ import json
 import pytest
 
 from prepack.format.manifest import Manifest
-from train import cli, eval_generate
-from train.config import TrainConfig, TrainError
+from train import cli
+from train.generation import eval_generate
+from train.run_config.config import TrainConfig, TrainError
 
 EVAL_DELAY_S = 2.0  # far longer than a tiny model's step, even on a busy CI machine
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city.",

@@ -1,4 +1,4 @@
-"""--attention flash (train/flash_attention.py): the fused Pallas kernel against dense, in interpret mode.
+"""--attention flash (train/attention_kernels/flash_attention.py): the fused Pallas kernel against dense, in interpret mode.
 
 Both forms of the kernel run here in Pallas interpret mode on the CPU: the GPU form (Triton's
 layout, 1-D statistics; what a CPU runs) and the TPU form (scalar-prefetched block ranges,
@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 from loaders import block_causal_mask_jax
-from train import blocked_attention as ba
-from train import flash_attention as fa
+from train.attention_kernels import blocked_attention as ba
+from train.attention_kernels import flash_attention as fa
 
 
 def dense_reference(q, k, v, seg, window=None):

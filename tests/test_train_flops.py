@@ -1,4 +1,4 @@
-"""The analytic FLOP count (train/flops.py), --plan-memory's `flops` and `xla_flops`, and MFU (train/mfu.py).
+"""The analytic FLOP count (train/measurement/flops.py), --plan-memory's `flops` and `xla_flops`, and MFU (train/measurement/mfu.py).
 
 - On the loop-free reference step (--attention dense --loss-chunk-tokens 0 --remat none) XLA's
   figure and the analytic one agree within 10% (XLA also counts elementwise work).
@@ -25,9 +25,13 @@ from loaders import block_causal_mask
 from testkit import jaxpr_flops
 from testkit import train_batches as testing
 from testkit.shard_sets import TEST_TOKENIZER, build_shard_set
-from train import attention, blocked_attention as ba, cli, flops, memory_path, memory_plan, mfu, model_inputs, models
-from train.config import TrainConfig
-from train.metrics import MetricsRecorder
+from train import cli, memory_plan
+from train.attention_kernels import attention, blocked_attention as ba
+from train.measurement import flops, mfu
+from train.measurement.metrics import MetricsRecorder
+from train.model import models
+from train.run_config.config import TrainConfig
+from train.step import memory_path, model_inputs
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +113,7 @@ def test_attention_flops_per_pair_are_the_traced_kernels() -> None:
         assert jaxpr_flops.traced_flops(f, q, k, k) == fwd * per_pair
         assert jaxpr_flops.traced_flops(fwd_bwd(f), q, k, k) == (fwd + bwd) * per_pair, kind
     # Pallas kernels: FLOPs per visited (query block, key block) pair of one query head.
-    from train.flash_attention import flash_attention
+    from train.attention_kernels.flash_attention import flash_attention
 
     block = 32
     flash = lambda q, k, v: flash_attention(q, k, v, seg, block=block, style="gpu", interpret=True)  # noqa: E731

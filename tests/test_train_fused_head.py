@@ -1,4 +1,4 @@
-"""--loss-kernel fused: the loss head as one attention-shaped kernel (train/fused_head.py).
+"""--loss-kernel fused: the loss head as one attention-shaped kernel (train/step/fused_head.py).
 
 Off a TPU the kernel runs in Pallas interpret mode, so these tests check what it computes, not
 its speed: on bfloat16 projections (tied [V, D] and untied [D, V], a vocabulary that is and one
@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from train import chunked_loss, fused_head, memory_path
-from train.config import TrainConfig, TrainError
+from train.run_config.config import TrainConfig, TrainError
+from train.step import chunked_loss, fused_head, memory_path
 
 D, N = 128, 384
 

@@ -1,4 +1,4 @@
-"""--loss-mean token|example (train/loss.py, train/chunked_loss.py), and the row field that makes
+"""--loss-mean token|example (train/step/loss.py, train/step/chunked_loss.py), and the row field that makes
 the pieces of a split example count as one (row format 3's example_targets, written by the job).
 
 The reference owes nothing to the code under test: every example (or piece of a split example)
@@ -18,9 +18,10 @@ from flax import nnx
 from prepack.format import rowformat
 from prepack.packing.packer import split_pieces
 from testkit import train_batches as testing
-from train import chunked_loss, loss as loss_lib, memory_path, model_inputs, models
-from train.config import TrainConfig, TrainError
-from train.metrics import MetricsRecorder
+from train.measurement.metrics import MetricsRecorder
+from train.model import models
+from train.run_config.config import TrainConfig, TrainError
+from train.step import chunked_loss, loss as loss_lib, memory_path, model_inputs
 
 VOCAB = 96
 MAX_LENGTH = 32
@@ -312,7 +313,7 @@ def test_metrics_name_the_mean_and_eval_uses_it(tmp_path) -> None:
 
 
 def test_a_checkpoint_from_before_the_option_resumes_only_with_the_token_mean() -> None:
-    from train.checkpoints import identity_differences
+    from train.checkpointing.checkpoints import identity_differences
 
     saved = {"model": "tiny", "loss": "masked"}  # run.json written before --loss-mean existed
     assert identity_differences(saved, {"model": "tiny", "loss": "masked", "loss_mean": "token"}) == []

@@ -11,7 +11,9 @@ import optax
 import pytest
 
 from testkit import train_batches as testing
-from train import compiled, loss as loss_lib, model_inputs, models
+from train.measurement import compiled
+from train.model import models
+from train.step import loss as loss_lib, model_inputs
 
 
 def _trainer(name: str, vocab: int, loss_fn, overrides=None):

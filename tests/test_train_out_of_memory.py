@@ -17,7 +17,8 @@ import pytest
 from prepack.format import rowformat
 from testkit.shard_sets import TEST_TOKENIZER, build_shard_set
 from testkit.train_batches import learnable_segments
-from train import cli, out_of_memory
+from train import cli
+from train.measurement import out_of_memory
 
 VOCAB = 64
 MAX_LENGTH = 32
@@ -34,7 +35,7 @@ def shards(tmp_path_factory) -> str:
 
 @pytest.fixture
 def step_too_large(monkeypatch) -> None:
-    from train import model_inputs
+    from train.step import model_inputs
 
     real = model_inputs.device_fields
 

@@ -1,4 +1,4 @@
-"""bfloat16 training: mixed precision (train/precision.py, train/optimizer.py) on real packed rows.
+"""bfloat16 training: mixed precision (train/step/precision.py, train/step/optimizer.py) on real packed rows.
 
 The rows are real text packed by the project's own packer: the embedded sample set
 (prepack/sample_data/sample_sft.jsonl, written by the project) through the alpaca template and
@@ -33,8 +33,10 @@ from prepack.format import rowformat
 from testkit.pipeline import tokenized
 from testkit.shard_sets import TEST_TOKENIZER, build_shard_set
 from testkit.train_batches import learnable_segments
-from train import data, lora_file, optimizer, precision, run_setup
-from train.config import TrainConfig
+from train import data, run_setup
+from train.adapter_files import lora_file
+from train.run_config.config import TrainConfig
+from train.step import optimizer, precision
 
 SAMPLE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "prepack", "sample_data", "sample_sft.jsonl")
 MAX_LENGTH = 96
@@ -197,7 +199,8 @@ def test_lora_cast_keeps_the_compute_in_the_model_dtype() -> None:
     from flax import nnx
 
     from testkit import train_batches as testing
-    from train import model_inputs, models
+    from train.model import models
+    from train.step import model_inputs
 
     built = models.build_model("tiny-qwen3", vocab_size=64, dtype="bfloat16")
     model = models.apply_lora(built.model, built.spec, rank=4)

@@ -12,7 +12,7 @@ import pytest
 from testkit.pipeline import alpaca_records, write_jsonl
 from test_pipeline import pack
 from train import cli
-from train.vocab import FAMILY_VOCAB_HASH
+from train.run_config.vocab import FAMILY_VOCAB_HASH
 
 from testkit.shard_sets import TEST_TOKENIZER, build_shard_set
 

@@ -1,4 +1,4 @@
-"""Per-source loss and target tokens of mixture sets (train/loss.py, train/metrics.py)."""
+"""Per-source loss and target tokens of mixture sets (train/step/loss.py, train/measurement/metrics.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import jax.numpy as jnp  # jax is a declared dependency: a broken install fails 
 import numpy as np
 import pytest
 
-from train import loss, metrics, model_inputs
+from train.measurement import metrics
+from train.step import loss, model_inputs
 
 
 def batch(seed: int = 0):

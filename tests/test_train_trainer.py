@@ -16,8 +16,10 @@ import numpy as np
 import pytest
 
 from prepack.format import manifest as manifest_lib, rowformat
-from train import cli, mesh, metrics, packed_trainer, vocab
-from train.config import TrainError
+from train import cli, packed_trainer
+from train.measurement import metrics
+from train.run_config import mesh, vocab
+from train.run_config.config import TrainError
 
 from testkit.shard_sets import TEST_TOKENIZER, build_shard_set, synthetic_row
 
@@ -167,7 +169,7 @@ import jax
 from flax import nnx
 from tunix.sft import peft_trainer, sharding_utils
 from train import trainer
-from train.config import TrainConfig
+from train.run_config.config import TrainConfig
 
 seen = []
 real_shard_input = sharding_utils.shard_input

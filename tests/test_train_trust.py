@@ -24,9 +24,11 @@ from apps import inspect_tokens, preflight, report
 from prepack.format import rowformat, shardfile
 from prepack.format.manifest import MANIFEST_NAME, Manifest, ManifestError
 from prepack.hostile_input.untrusted import MAX_METADATA_FILE_BYTES
-from train import cli, data, options, outputs, peft_export
-from train.config import TrainConfig, TrainError
-from train.lora_file import LoraFileError
+from train import cli, data
+from train.adapter_files import peft_export
+from train.adapter_files.lora_file import LoraFileError
+from train.run_config import options, outputs
+from train.run_config.config import TrainConfig, TrainError
 
 from testkit.gcs_emulator import gcs_emulator, gcs_prefix  # noqa: F401  (pytest fixtures)
 from testkit.shard_sets import TEST_TOKENIZER, build_shard_set, synthetic_row
@@ -649,7 +651,7 @@ def _fake_checkpoint(root, step: int, next_index, parts=("model_params", "optimi
 
 def test_a_loader_state_is_held_to_step_times_micro_batches(tmp_path) -> None:
     """With --grad-accum-steps K a step reads K batches: step 4 of K 2 is after 8 of them."""
-    from train.checkpoints import CheckpointDir, CheckpointError
+    from train.checkpointing.checkpoints import CheckpointDir, CheckpointError
 
     ckpt = CheckpointDir(_fake_checkpoint(tmp_path / "a", 4, next_index=8))
     ckpt.check_complete(4, micro_batches=2)

@@ -17,7 +17,7 @@ from prepack.format import rowformat
 from testkit import train_batches as testing
 from testkit.layout_bugs import cumsum_positions, plain_causal, shifted_boundary
 from testkit.shard_sets import TEST_TOKENIZER, build_shard_set
-from train import parity
+from train.verification import parity
 
 
 # ----------------------------------------------------------------------------- a tiny shard set

@@ -17,7 +17,8 @@ import loaders
 from apps import verify
 from testkit.layout_bugs import one_key_leak
 from tests.test_verify_model import later_segments, tiny_set
-from train import parity, precision
+from train.step import precision
+from train.verification import parity
 
 
 def test_float32_traces_at_highest_precision_and_bfloat16_keeps_the_default() -> None:

@@ -11,7 +11,7 @@
 The same command trains on packed shards and on shards packed with `prepack pack --no-pack`
 (one example per row): both are [B, L] rows with segment_ids, so the packed-vs-unpacked
 comparison is one flag apart at pack time. `--objective dpo` trains a preference set
-(`prepack pack --format preference`) with the DPO loss (train/dpo_loss.py). See train/README.md for the metrics JSONL.
+(`prepack pack --format preference`) with the DPO loss (train/objectives/dpo_loss.py). See train/README.md for the metrics JSONL.
 --checkpoint-dir makes a run resumable (rerun the same command after a preemption) and
 --save-lora writes the trained adapter (a Hugging Face PEFT folder by default; `prepack export
 --merge` merges it into its base); see train/README.md.
@@ -25,8 +25,10 @@ import os
 import sys
 from collections.abc import Sequence
 from prepack.cli_help import DefaultsHelpFormatter
-from train import compile_cache, eval_generate, objectives
-from train.options import whole_number
+from train import objectives
+from train.generation import eval_generate
+from train.run_config import compile_cache
+from train.run_config.options import whole_number
 
 
 def add_optimizer_args(p: argparse.ArgumentParser) -> None:
@@ -52,10 +54,10 @@ def add_optimizer_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_output_args(p: argparse.ArgumentParser) -> None:
-    """The adapter's export format, QLoRA, TensorBoard and the profiler (their checks: train/outputs.py)."""
+    """The adapter's export format, QLoRA, TensorBoard and the profiler (their checks: train/run_config/outputs.py)."""
     p.add_argument("--lora-format", default="peft", choices=["peft", "prepack"],
                    help="peft: adapter_model.safetensors + adapter_config.json in Hugging Face PEFT's layout "
-                   "(transformers, vLLM, llama.cpp's converter); prepack: one file of qwix names (train/lora_file.py)")
+                   "(transformers, vLLM, llama.cpp's converter); prepack: one file of qwix names (train/adapter_files/lora_file.py)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --save-lora or --metrics-out target (without it either is refused before step 1; a resumed run appends to its metrics); in a --save-lora folder only the adapter's own files are replaced")
     p.add_argument("--qlora", default=None, choices=["nf4", "int8"],
                    help="QLoRA: quantize the frozen base's projections with qwix (LoRA stays float32)")
@@ -127,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile-cache", default=None, metavar="DIR|off", help=compile_cache.HELP)
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="one chip's dense bfloat16 peak in TFLOP/s, for the metrics' mfu (default: a table by device kind, "
-                   "train/mfu.py; unknown, e.g. on a CPU: mfu is null)")
+                   "train/measurement/mfu.py; unknown, e.g. on a CPU: mfu is null)")
     p.add_argument("--verify-first", action="store_true",
                    help="before step 1, run the first batch packed and each of its segments alone through the model "
                    "(as `prepack verify --model`) and stop (exit 1) if any target token's log-probability differs "
@@ -147,7 +149,7 @@ def add_memory_path_args(p: argparse.ArgumentParser) -> None:
                    "TPU). Default auto: fused on a TPU where it applies, else xla (docs/benchmarks.md)")
     p.add_argument("--lora-kernel", default="qwix", choices=["qwix", "fused"],
                    help="the adapted dense projections (the MLP's): qwix (x W + s (x A) B as qwix computes it), or fused "
-                   "(x read once against [W | A]; the down projection's dx written once; the same values; train/fused_lora.py)")
+                   "(x read once against [W | A]; the down projection's dx written once; the same values; train/step/fused_lora.py)")
     p.add_argument("--attention", default=None, choices=["dense", "blocked", "flash", "splash"],
                    help="dense: [B, L, L] mask (the reference); blocked: tiles from segment ids, skipping tiles no "
                    "segment spans (plain JAX); flash: one fused Pallas kernel visiting only the key blocks each query "
@@ -238,7 +240,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
     from prepack.format.manifest import ManifestError
-    from train import checkpoints, divergence, lora_file, models, out_of_memory, outputs, parity, trainer
+    from train import trainer
+    from train.adapter_files import lora_file
+    from train.checkpointing import checkpoints
+    from train.measurement import divergence, out_of_memory
+    from train.model import models
+    from train.run_config import outputs
+    from train.verification import parity
 
     cfg = trainer.TrainConfig(
         shards=args.shards, model=args.model, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,

@@ -6,7 +6,7 @@ import itertools
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from train.config import TrainConfig, TrainError
+from train.run_config.config import TrainConfig, TrainError
 
 
 class FirstN:
@@ -21,10 +21,10 @@ class FirstN:
 
 class MicroBatches:
     """K consecutive loader batches as one optimizer step's batch: every field [B, K, L] (the
-    micro-batches on axis 1, so Tunix still shards axis 0, the rows; train/train_step.py scans axis 1).
+    micro-batches on axis 1, so Tunix still shards axis 0, the rows; train/step/train_step.py scans axis 1).
 
     Its iterator's get_state/set_state are the loader's own: the state after n elements is the
-    loader's after n * K batches, so checkpoints and resume (train/resume.py) stay exact."""
+    loader's after n * K batches, so checkpoints and resume (train/checkpointing/resume.py) stay exact."""
 
     def __init__(self, ds: Iterable[Any], k: int):
         self.ds, self.k = ds, k

@@ -1,7 +1,7 @@
 """`prepack generate`'s bounds, judged before the model loads: the context length and the device's memory.
 
 - Context: a prompt and its completion share one sequence; the longest prompt bucket (a power of
-  two, train/generate.py) plus --max-new-tokens must fit the model's context length
+  two, train/generation/generate.py) plus --max-new-tokens must fit the model's context length
   (models.ModelSpec.context_length).
 - Memory: what generation holds on the device, counted from the config alone (no weights read):
   the weights (every parameter of the model's abstract trace, in the parameter dtype) and Tunix's
@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from train.generate import GenerateError, next_power_of_2
+from train.generation.generate import GenerateError, next_power_of_2
 
 GIB = 1024**3
 
@@ -38,7 +38,7 @@ def weight_bytes(family: str, config: Any) -> int:
     import jax
     from flax import nnx
 
-    from train import models
+    from train.model import models
 
     cls = models.model_class(family)
     abstract = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(params=0)))

@@ -1,19 +1,19 @@
 """`prepack train --plan-memory` and `--remat auto`: XLA's plan of the train step, before training.
 
-The step is Tunix's own jitted train step (train/compiled.py), compiled for the shard set's L
+The step is Tunix's own jitted train step (train/measurement/compiled.py), compiled for the shard set's L
 and the run's batch size, model, dtype, attention and loss options, and not run here: it is the
 trainer's own jit that is compiled, so a run's step 1 reuses the executable instead of compiling
 it again (under `--remat auto` the step is compiled once, or twice when remat must be switched
 on: without remat, then with it, the run's executable; their time is charged to step 1). What XLA
 plans (arguments, temporaries, a peak estimate) is printed, with the step's FLOPs counted
-analytically (train/flops.py: the model's shapes, the attention work of the set's first
+analytically (train/measurement/flops.py: the model's shapes, the attention work of the set's first
 batches' real segments, the loss path, LoRA and remat). XLA's own FLOP estimate is printed
 beside it as `xla_flops`: it counts each loop body once (the layer scan, the loss chunks,
 blocked attention's tiles) and a Pallas kernel as nothing, so it is right only for a
 loop-free step (`--attention dense --loss-chunk-tokens 0 --remat none`).
 
 A step found too large without remat (over the budget, or refused by a TPU's compiler) is
-remembered beside the compilation cache (train/unfit_steps.py): a later run of it skips that
+remembered beside the compilation cache (train/measurement/unfit_steps.py): a later run of it skips that
 compile and plans only the step with remat.
 """
 
@@ -112,7 +112,7 @@ def plan_step(trainer: Any, batch_size: int, max_length: int, mixture: bool = Fa
     """The step's plan, compiled from `lowered` when the caller lowered it already (lower_step)."""
     import time
 
-    from train import compiled
+    from train.measurement import compiled
 
     started = time.perf_counter()
     if lowered is None:
@@ -125,7 +125,7 @@ def plan_step(trainer: Any, batch_size: int, max_length: int, mixture: bool = Fa
 
 def lower_step(trainer: Any, batch_size: int, max_length: int, mixture: bool = False, grad_accum_steps: int = 1,
                pairs: bool = False) -> Any:
-    from train import compiled
+    from train.measurement import compiled
 
     return compiled.lower_trainers_step(trainer, placeholder_batch(batch_size, max_length, mixture, grad_accum_steps, pairs))
 
@@ -154,7 +154,7 @@ def lower_run_step(setup: Any) -> Any:
 
 
 def cache_folder() -> str | None:
-    """The compilation cache folder this process uses (train/compile_cache.py set it); None: off."""
+    """The compilation cache folder this process uses (train/run_config/compile_cache.py set it); None: off."""
     import jax
 
     return jax.config.jax_compilation_cache_dir if jax.config.jax_enable_compilation_cache else None
@@ -165,7 +165,8 @@ def choose_remat(setup: Any, out: TextIO) -> RematChoice | None:
     plan (compile) the step with remat, the one the run executes."""
     import time
 
-    from train import memory_path, unfit_steps
+    from train.measurement import unfit_steps
+    from train.step import memory_path
 
     cfg = setup.config
     if cfg.remat != memory_path.REMAT_AUTO:
@@ -177,7 +178,7 @@ def choose_remat(setup: Any, out: TextIO) -> RematChoice | None:
     key = unfit_steps.step_key(lowered) if folder else None
     known = unfit_steps.recall(folder, key, budget) if key else None
     if known is not None:
-        # The compile without remat was refused or over budget before: not paid again (train/unfit_steps.py).
+        # The compile without remat was refused or over budget before: not paid again (train/measurement/unfit_steps.py).
         on, planned = True, (f"{known.planned} (remembered from an earlier run: "
                              f"{unfit_steps.path_of(folder, key)}; delete it to plan again)")
     else:
@@ -193,14 +194,14 @@ def choose_remat(setup: Any, out: TextIO) -> RematChoice | None:
           f"({source}): {'rematerialising each layer' if on else 'no remat'}", file=out, flush=True)
     if on:
         memory_path.set_remat(setup.built.model, True)
-        setup.trainer.clear_jit_cache()  # its step holds the graph without remat (train/compiled.py)
+        setup.trainer.clear_jit_cache()  # its step holds the graph without remat (train/measurement/compiled.py)
         plan = plan_run_step(setup)
     return RematChoice(plan, on, time.perf_counter() - started)
 
 
 def plan_without_remat(setup: Any, lowered: Any) -> tuple[StepPlan | None, str]:
     """The step's plan without remat (None: the compiler refused it) and what it said."""
-    from train import out_of_memory
+    from train.measurement import out_of_memory
 
     try:
         plan = plan_run_step(setup, lowered)
@@ -231,8 +232,10 @@ def sample_rows(cfg: Any, view: Any, batches: int = FLOP_SAMPLE_BATCHES) -> tupl
 
 
 def analytic_flops(setup: Any, remat_on: bool) -> Any:
-    """train/flops.py's count of this run's step, on its first batches' segments and targets."""
-    from train import flops, memory_path, objectives
+    """train/measurement/flops.py's count of this run's step, on its first batches' segments and targets."""
+    from train import objectives
+    from train.measurement import flops
+    from train.step import memory_path
 
     cfg, length = setup.config, setup.view.manifest.max_length
     opts = flops.StepOptions(cfg.batch_size * cfg.grad_accum_steps, length, memory_path.attention_kind(cfg),
@@ -264,8 +267,9 @@ def run_plan(cfg: Any, out: TextIO) -> dict[str, Any]:
     import dataclasses as dc
     import sys
 
-    from train import memory_path, objectives
+    from train import objectives
     from train.run_setup import setup
+    from train.step import memory_path
 
     cfg = dc.replace(cfg, checkpoint_dir=None, metrics_out=None, save_lora=None, tensorboard=None, profile_steps=None)
     s = setup(cfg, out=sys.stderr)

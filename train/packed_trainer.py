@@ -3,7 +3,7 @@
 What goes through Tunix's public extension points: the loss and model inputs
 (`with_loss_fn`, `with_gen_model_input_fn`), the train step (`create_train_step_fn`: K
 micro-batches with an exact loss, clipping and the schedule's learning rate,
-train/train_step.py), eval timing (`with_training_hooks`), checkpointing and the profiler
+train/step/train_step.py), eval timing (`with_training_hooks`), checkpointing and the profiler
 (`TrainingConfig`). Three documented override points have no public equivalent:
 `_prepare_inputs` (each batch checked and counted on the host before it is sharded),
 `_post_process_train_step` and `_post_process_eval_step` (where a step's aux arrives).
@@ -24,9 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from train import divergence, resume
-from train.config import TrainError
-from train.metrics import MetricsRecorder
+from train.checkpointing import resume
+from train.measurement import divergence
+from train.measurement.metrics import MetricsRecorder
+from train.run_config.config import TrainError
 
 
 def refuse_placeholder(input_data: Any) -> None:
@@ -35,7 +36,7 @@ def refuse_placeholder(input_data: Any) -> None:
         # reaching the step means its skip logic changed, and the data would be misaligned.
         raise TrainError(
             "Tunix handed a skipped-batch placeholder to the train step: its post-restore skip no longer "
-            "matches train/resume.py's ResumableStream; refusing to train on misaligned data"
+            "matches train/checkpointing/resume.py's ResumableStream; refusing to train on misaligned data"
         )
 
 
@@ -130,15 +131,16 @@ def make_trainer_class() -> type:
     from tunix.sft import metrics_logger as tunix_metrics
     from tunix.sft import peft_trainer
 
-    from train import train_step, tunix_contract
-    from train.model_inputs import device_fields
+    from train import tunix_contract
+    from train.step import train_step
+    from train.step.model_inputs import device_fields
 
     tunix_contract.check()
 
     EvalTiming = eval_timing_hooks(hooks)
 
     class PackedPeftTrainer(LastFiniteAdapter, RecorderLogging, peft_trainer.PeftTrainer):
-        """Tunix's loop, with train/train_step.py's step and the recorder fed at dispatch."""
+        """Tunix's loop, with train/step/train_step.py's step and the recorder fed at dispatch."""
 
         recorder: MetricsRecorder
         vocab_size: int

@@ -11,14 +11,18 @@ import sys
 import time
 from typing import Any, TextIO
 
-from train import checkpoints, divergence, lora_file, objectives, outputs, resume
-from train.config import TrainConfig, TrainError
+from train import objectives
+from train.adapter_files import lora_file
+from train.checkpointing import checkpoints, resume
+from train.measurement import divergence
+from train.run_config import outputs
+from train.run_config.config import TrainConfig, TrainError
 from prepack.format.manifest import packing_kind
-from train.fingerprint import base_fingerprint
-from train.mesh import make_mesh, parse_mesh
-from train.metrics import MetricsRecorder
+from train.measurement.metrics import MetricsRecorder
+from train.model.fingerprint import base_fingerprint
 from train.packed_trainer import make_trainer_class
-from train.vocab import check_vocab
+from train.run_config.mesh import make_mesh, parse_mesh
+from train.run_config.vocab import check_vocab
 
 
 @dataclasses.dataclass
@@ -28,7 +32,7 @@ class Setup:
     config: TrainConfig
     view: Any
     eval_view: Any
-    built: Any  # train.models.BuiltModel (LoRA applied)
+    built: Any  # train.model.models.BuiltModel (LoRA applied)
     mesh: Any
     trainer: Any
     recorder: MetricsRecorder
@@ -41,7 +45,7 @@ class Setup:
 
 def enable_compile_cache(cfg: TrainConfig, say: TextIO) -> None:
     """--compile-cache, once the output rule has judged its folder, before any compile."""
-    from train import compile_cache
+    from train.run_config import compile_cache
 
     try:
         compile_cache.enable(cfg.compile_cache, say)
@@ -62,7 +66,7 @@ def setup(cfg: TrainConfig, out: TextIO | None = None) -> Setup:
     from train import data
 
     data.check_batch(cfg, view, eval_view, jax.process_count())
-    from train import memory_path
+    from train.step import memory_path
 
     memory_path.check_options(cfg, max_length)
     mesh = make_mesh(parse_mesh(cfg.mesh), cfg.batch_size)
@@ -101,7 +105,7 @@ def setup(cfg: TrainConfig, out: TextIO | None = None) -> Setup:
 class ModelChoice:
     """The model the flags name, resolved against the shards' vocabulary (no weights yet)."""
 
-    spec: Any  # train.models.ModelSpec
+    spec: Any  # train.model.models.ModelSpec
     config: Any  # the model's Tunix config
     vocab_size: int | None  # the shards' vocabulary size, where the manifest records it
 
@@ -109,9 +113,9 @@ class ModelChoice:
 def check_flags(cfg: TrainConfig) -> None:
     import math
 
-    from train import options
+    from train.run_config import options
 
-    options.check_counts(cfg)  # every whole-number option in its range (train/options.py)
+    options.check_counts(cfg)  # every whole-number option in its range (train/run_config/options.py)
     options.check_reals(cfg)
     if not (math.isfinite(cfg.max_grad_norm) and cfg.max_grad_norm >= 0):
         raise TrainError(f"--max-grad-norm must be 0 (no clipping) or positive, got {cfg.max_grad_norm}")
@@ -143,7 +147,7 @@ def open_views(cfg: TrainConfig) -> tuple[Any, Any]:
 
 def check_model_for_shards(cfg: TrainConfig, view: Any, eval_view: Any) -> ModelChoice:
     """The vocabularies, checked on the config before any weights are loaded or drawn."""
-    from train import models
+    from train.model import models
 
     spec = models.get_spec(cfg.model)
     vocab = view.manifest.tokenizer.get("vocab_size")
@@ -181,7 +185,7 @@ def open_checkpoint(cfg: TrainConfig, model: ModelChoice, view: Any) -> tuple[ch
 def dtype_name(cfg: TrainConfig, model: ModelChoice) -> str:
     import jax.numpy as jnp
 
-    from train import models
+    from train.model import models
 
     return jnp.dtype(models.parse_dtype(cfg.dtype, model.spec.default_dtype)).name
 
@@ -189,7 +193,7 @@ def dtype_name(cfg: TrainConfig, model: ModelChoice) -> str:
 def load_base_weights(cfg: TrainConfig, model: ModelChoice, mesh: Any, say: TextIO) -> tuple[Any, int]:
     import jax.numpy as jnp
 
-    from train import models
+    from train.model import models
 
     name = dtype_name(cfg, model)
     print(f"loading {cfg.model} weights ({models.describe_weights(model.spec, cfg.weights)}) as {name} ...", file=say, flush=True)
@@ -217,14 +221,15 @@ def record_base_weights(cfg: TrainConfig, built: Any, ckpt: checkpoints.Checkpoi
 
 def qlora_tile(cfg: TrainConfig, config: Any) -> int | None:
     """--qlora's tile size (checked against the model's widths), None without --qlora."""
-    from train import models
+    from train.model import models
 
     return models.qlora_tile_size(config, cfg.qlora_tile_size) if cfg.qlora else None
 
 
 def prepare_model(cfg: TrainConfig, model: ModelChoice, built: Any, mesh: Any, max_length: int) -> None:
     """LoRA, sharding, the attention path and remat, in place on the base model."""
-    from train import memory_path, models
+    from train.model import models
+    from train.step import memory_path
 
     built.model = models.apply_lora(built.model, model.spec, rank=cfg.lora_rank, alpha=cfg.lora_alpha, seed=cfg.seed,
                                     qlora=cfg.qlora, qlora_tile=qlora_tile(cfg, model.config), lora_kernel=cfg.lora_kernel)
@@ -241,7 +246,7 @@ def run_static(cfg: TrainConfig, manifest: Any, built: Any) -> dict[str, Any]:
         "packing": packing_kind(manifest),
         "batch_size": cfg.batch_size,
         "seq_len": manifest.max_length,
-        # On every step record: which mean `loss` is (train/loss.py: token or example; the
+        # On every step record: which mean `loss` is (train/step/loss.py: token or example; the
         # objective's own otherwise), the objective and its options.
         **objectives.of(cfg).static_fields(cfg),
         "grad_accum_steps": cfg.grad_accum_steps,  # a step trains this many micro-batches of batch_size rows
@@ -253,7 +258,7 @@ def run_static(cfg: TrainConfig, manifest: Any, built: Any) -> dict[str, Any]:
 
 
 def schedule_spec(cfg: TrainConfig) -> Any:
-    from train import schedule
+    from train.run_config import schedule
 
     return schedule.resolve(cfg.lr_schedule, cfg.learning_rate, cfg.steps, cfg.warmup_steps, cfg.warmup_ratio,
                             cfg.min_lr_ratio)
@@ -262,8 +267,8 @@ def schedule_spec(cfg: TrainConfig) -> Any:
 def make_trainer(cfg: TrainConfig, built: Any, ckpt: checkpoints.CheckpointDir | None) -> tuple[Any, checkpoints.EveryNStepsAndLast | None]:
     from tunix.sft import peft_trainer
 
-    from train import optimizer as optimizer_lib
-    from train import schedule
+    from train.run_config import schedule
+    from train.step import optimizer as optimizer_lib
 
     optimizer = optimizer_lib.adamw(schedule.make_schedule(schedule_spec(cfg)), max_grad_norm=cfg.max_grad_norm,
                                     skip_nonfinite=cfg.nan_policy == divergence.SKIP_STEP)
@@ -315,10 +320,10 @@ def commit_to_device(built: Any, trainer: Any) -> None:
 
 
 def throughput_of(cfg: TrainConfig, built: Any) -> tuple[Any, dict[str, Any]]:
-    """MFU's inputs (train/mfu.py): the model's FLOP cost, this process's chips and their peak."""
+    """MFU's inputs (train/measurement/mfu.py): the model's FLOP cost, this process's chips and their peak."""
     import jax
 
-    from train import mfu
+    from train.measurement import mfu
 
     return mfu.for_run(built.model, jax.devices()[0].device_kind, jax.local_device_count(), cfg.peak_tflops,
                        objectives.of(cfg).extra_forwards)
@@ -326,14 +331,15 @@ def throughput_of(cfg: TrainConfig, built: Any) -> tuple[Any, dict[str, Any]]:
 
 def step_loss_fn(cfg: TrainConfig, model: ModelChoice) -> Any:
     """The objective's loss as the options choose it, computed in the run's compute dtype."""
-    from train import models, precision
+    from train.model import models
+    from train.step import precision
 
     return precision.in_compute_dtype(objectives.of(cfg).loss_fn(cfg), models.parse_dtype(cfg.dtype, model.spec.default_dtype))
 
 
 def attach_step_functions(cfg: TrainConfig, loss_fn: Any, trainer: Any, recorder: MetricsRecorder, built: Any,
                           policy: checkpoints.EveryNStepsAndLast | None) -> None:
-    from train import memory_path
+    from train.step import memory_path
 
     profile = outputs.profile_range(cfg)
     eval_every = cfg.eval_every if cfg.eval_shards else None
@@ -358,7 +364,8 @@ def run_details(cfg: TrainConfig, model: ModelChoice, manifest: Any, built: Any,
     import jax.numpy as jnp
     from flax import nnx
 
-    from train import memory_path, models, precision
+    from train.model import models
+    from train.step import memory_path, precision
 
     return {
         "shards": cfg.shards,

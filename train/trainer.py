@@ -4,17 +4,17 @@ Wiring (google-tunix 0.1.7: PeftTrainer takes any iterable of batches and calls 
 inside its jitted train step):
 - data: loaders.make_dataset -> dicts of int32 [B, L] numpy arrays; the trainer
   consumes them as they are (Tunix does no batching or collation).
-- gen_model_input_fn (train/model_inputs.py) runs inside the jitted step and builds
-  the block-causal mask on the device; the loss (train/loss.py) is the token mean
+- gen_model_input_fn (train/step/model_inputs.py) runs inside the jitted step and builds
+  the block-causal mask on the device; the loss (train/step/loss.py) is the token mean
   of the masked NLL, returning its sum and token count as aux.
 - mesh: `--mesh fsdp=F,tp=T` makes a ('fsdp', 'tp') mesh. Tunix shards each batch
   along 'fsdp' and pre-shards the optimizer only when the mesh is active through the
-  legacy `with mesh:` context, so training runs inside `with mesh:` (train/mesh.py).
+  legacy `with mesh:` context, so training runs inside `with mesh:` (train/run_config/mesh.py).
 
-Metrics: train/metrics.py (one JSONL line per step, eval lines, a summary line). Mixed
-precision: train/precision.py and train/optimizer.py. A diverging run: train/divergence.py.
+Metrics: train/measurement/metrics.py (one JSONL line per step, eval lines, a summary line). Mixed
+precision: train/step/precision.py and train/step/optimizer.py. A diverging run: train/measurement/divergence.py.
 
-Checkpoints (cfg.checkpoint_dir, train/checkpoints.py and train/resume.py): Tunix's own CheckpointManager
+Checkpoints (cfg.checkpoint_dir, train/checkpointing/checkpoints.py and train/checkpointing/resume.py): Tunix's own CheckpointManager
 saves the LoRA params and optimizer state, our wrapper adds the loader state for the same
 step; a run started on a folder holding a checkpoint of the same run resumes from its
 latest step with exactly the next batch (seeked, not re-read), numbering steps on and
@@ -27,17 +27,24 @@ import contextlib
 import sys
 from typing import Any, TextIO
 
-from train import (checkpoints, data, divergence, eval_generate, lora_file, memory_path, memory_plan, models, out_of_memory,
-                   outputs, parity, precision, resume)
-from train.config import TrainConfig, TrainError
+from train import data, memory_plan
+from train.adapter_files import lora_file
+from train.checkpointing import checkpoints, resume
+from train.generation import eval_generate
+from train.measurement import divergence, out_of_memory
+from train.model import models
+from train.run_config import outputs
+from train.run_config.config import TrainConfig, TrainError
 from train.run_setup import Setup, setup
+from train.step import memory_path, precision
+from train.verification import parity
 
 __all__ = ["TrainConfig", "TrainError", "Setup", "setup", "execute", "run", "export_lora"]
 
 
 def export_lora(s: Setup, path: str, overwrite: bool | None = None, step: int | None = None) -> dict[str, str]:
     """--save-lora: the trained adapter and what it belongs to: a PEFT folder (--lora-format peft,
-    train/peft_export.py) or one safetensors file of qwix names (prepack, train/lora_file.py)."""
+    train/adapter_files/peft_export.py) or one safetensors file of qwix names (prepack, train/adapter_files/lora_file.py)."""
     from loaders.dataset import shard_set_id
 
     cfg = s.config
@@ -59,7 +66,7 @@ def export_lora(s: Setup, path: str, overwrite: bool | None = None, step: int | 
         "seed": cfg.seed,
     }
     if cfg.lora_format == "peft":
-        from train import peft_export
+        from train.adapter_files import peft_export
 
         return peft_export.save_peft(s.built.model, s.built.spec.family, s.built.config, path, model_name=cfg.model,
                                      rank=cfg.lora_rank, alpha=alpha, metadata=metadata,
@@ -107,7 +114,7 @@ def save_last_finite(s: Setup, error: divergence.Diverged, say: TextIO) -> None:
 
 
 def verify_first(s: Setup, batch: dict[str, Any], out: TextIO, packed_layout: parity.LayoutFn = parity.stored_layout) -> None:
-    """--verify-first: the parity check (train/parity.py) on the first batch; ParityFailed stops the run.
+    """--verify-first: the parity check (train/verification/parity.py) on the first batch; ParityFailed stops the run.
     packed_layout: tests only, to show a layout bug stops the run."""
     result = parity.check_first_batch(s, batch, packed_layout)
     print(f"verify-first: {result.summary()}", file=out, flush=True)

@@ -14,8 +14,8 @@ What cannot move, because the trainer's correctness depends on it:
   changed it (`_train_step(model, optimizer, grad_accumulator, inputs, is_update_step)`), so the
   witness is `_train_step`'s signature;
 - the loop of `train` (its post-restore skip by reading `iter_steps` elements, which
-  train/resume.py answers with placeholders; the save after each step, which
-  train/checkpoints.py wraps; when `_post_process_train_step` runs), `jit_train_and_eval_step`,
+  train/checkpointing/resume.py answers with placeholders; the save after each step, which
+  train/checkpointing/checkpoints.py wraps; when `_post_process_train_step` runs), `jit_train_and_eval_step`,
   `_run_eval`, `close` and `_save_last_checkpoint`, and the constructor's restore: their source,
   hashed as in 0.1.7.
 
@@ -30,7 +30,7 @@ import hashlib
 import inspect
 from typing import Any
 
-from train.config import TrainError
+from train.run_config.config import TrainError
 
 TUNIX_VERSION = "0.1.7"
 # sha256[:16] of inspect.getsource(PeftTrainer.<method>) in google-tunix 0.1.7.

@@ -13,7 +13,7 @@ Except where the command's own layout puts one inside the other, listed in `run.
 set is OUT's own), and a `--profile-dir` that is (or is inside) the `--tensorboard` folder. A
 path a run both reads and writes is listed once, as an output (the --checkpoint-dir a run
 resumes from and writes to). A new output option is one more `Place` in its command's list
-(train/outputs.py `run_outputs`, each app's `run_paths`, pipelines/options.py `run_paths`).
+(train/run_config/outputs.py `run_outputs`, each app's `run_paths`, pipelines/options.py `run_paths`).
 
 Paths are compared as places, not strings: locally after `~`, `.`/`..`, trailing slashes and
 symlinks are resolved (os.path.realpath: a link to a parent is its parent); gs:// by bucket and

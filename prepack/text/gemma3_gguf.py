@@ -13,7 +13,7 @@ header-only reader (below) gets the same values in ~0.3 s and never reads the te
 section. Tests cross-check it against GGUFReader on small files written by gguf.GGUFWriter
 (both byte orders) and on the packaged file (tests/test_tokenizer.py, marked slow).
 read_gguf_tensors() continues past the metadata into the tensor infos and returns each
-tensor as a memory-mapped view shaped like GGUFReader's (train/gguf_weights.py uses it).
+tensor as a memory-mapped view shaped like GGUFReader's (train/model/gguf_weights.py uses it).
 
 Imports of numpy/gguf/transformers/sentencepiece are local to the functions that need them,
 so `import prepack.text.gemma3_gguf` stays cheap (prepack/ is imported by Beam launchers too).

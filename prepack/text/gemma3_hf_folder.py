@@ -26,12 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from prepack.text import gemma3_gguf
+from prepack.text.tool_markup import FUNCTIONGEMMA_TOKENS
 
 __all__ = ["FUNCTION_TOKENS", "FUNCTION_TOKEN_SLOTS", "FUNCTIONGEMMA_LAYOUT", "build_tokenizer", "fast_tokenizer"]
 
-# FunctionGemma's control tokens: declarations, calls, responses, and the string delimiter.
-FUNCTION_TOKENS = ("<start_function_declaration>", "<end_function_declaration>", "<start_function_call>",
-                   "<end_function_call>", "<start_function_response>", "<end_function_response>", "<escape>")
+# FunctionGemma's control tokens: declarations, calls, responses, and the string delimiter (the
+# layout's tags, spelled once in prepack/text/tool_markup.py).
+FUNCTION_TOKENS = FUNCTIONGEMMA_TOKENS
 FUNCTION_TOKEN_SLOTS = tuple(f"<unused{k}>" for k in range(len(FUNCTION_TOKENS)))
 # A chat template in FunctionGemma's published layout, written for this project (not FunctionGemma's file).
 FUNCTIONGEMMA_LAYOUT = Path(__file__).resolve().parent / "chat" / "templates" / "functiongemma_layout.jinja"

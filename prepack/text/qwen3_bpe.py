@@ -19,6 +19,8 @@ import base64
 from functools import lru_cache
 from pathlib import Path
 
+from prepack.text.tool_markup import HERMES_CALL, HERMES_RESPONSE
+
 __all__ = ["PATTERN", "SPECIAL_TOKENS", "NUM_RANKS", "VOCAB_SIZE", "EOS_TOKEN", "PAD_TOKEN", "ranks_path", "load_ranks", "byte_level_piece"]
 
 # Qwen2/2.5/3 tokenizer.json pre-tokenizer: digits one by one (\p{N}), letters with one leading
@@ -28,15 +30,16 @@ PATTERN = (
 )
 NUM_RANKS = 151_643
 # Qwen3's added tokens in id order from 151643 (Qwen/Qwen3-0.6B tokenizer_config.json,
-# added_tokens_decoder). All are control tokens here: never produced from text.
+# added_tokens_decoder). All are control tokens here: never produced from text. The tool-call
+# tags are the hermes layout's (prepack/text/tool_markup.py).
 SPECIAL_TOKENS: tuple[str, ...] = (
     "<|endoftext|>", "<|im_start|>", "<|im_end|>",
     "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>", "<|box_end|>",
     "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>",
     "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
-    "<tool_call>", "</tool_call>",
+    *HERMES_CALL,
     "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
-    "<tool_response>", "</tool_response>",
+    *HERMES_RESPONSE,
     "<think>", "</think>",
 )
 VOCAB_SIZE = NUM_RANKS + len(SPECIAL_TOKENS)  # 151,669

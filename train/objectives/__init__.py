@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import argparse
 
-from train.config import TrainConfig, TrainError
 from train.objectives.base import Objective, ReportSection
 from train.objectives.dpo import DPO
 from train.objectives.sft import SFT
+from train.run_config.config import TrainConfig, TrainError
 
 __all__ = ["DEFAULT", "REGISTRY", "Objective", "ReportSection", "add_arguments", "by_name", "names", "of"]
 

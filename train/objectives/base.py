@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from train.config import TrainConfig
+from train.run_config.config import TrainConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +59,7 @@ class Objective(Protocol):
         """The has_aux Tunix loss the options choose (imports JAX)."""
 
     def model_input_fn(self, base: Callable[[Mapping[str, Any]], dict[str, Any]]) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
-        """The loss's model inputs: `base` (the attention kind's, train/model_inputs.py) plus what it needs."""
+        """The loss's model inputs: `base` (the attention kind's, train/step/model_inputs.py) plus what it needs."""
 
     def step_sums(self) -> Any:
         """What a step of K micro-batches divides (train_step.StepSums); None: SFT's by --loss-mean."""

@@ -1,4 +1,4 @@
-"""`--objective dpo [--beta B]`: the sigmoid DPO loss of train/dpo_loss.py on a preference set (row
+"""`--objective dpo [--beta B]`: the sigmoid DPO loss of train/objectives/dpo_loss.py on a preference set (row
 formats 5 and 6, `prepack pack --format preference`), with beta (default 0.1, TRL's and Tunix's).
 
 The step runs the policy forward and backward and the reference (the same model with LoRA off)
@@ -15,9 +15,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from prepack.format.rowformat import has_pairs
-from train.config import TrainConfig, TrainError
 from train.objectives import dpo_metrics
 from train.objectives.base import ReportSection
+from train.run_config.config import TrainConfig, TrainError
 
 # What the metrics' `loss_mean` says a DPO step's `loss` is: the mean over its pairs.
 PAIR_MEAN = "pair"
@@ -72,17 +72,17 @@ class Dpo:
         return {"loss_mean": PAIR_MEAN, "objective": self.name, "beta": self.beta(cfg)}
 
     def loss_fn(self, cfg: TrainConfig) -> Callable[..., Any]:
-        from train import dpo_loss  # the same loss path as SFT's (chunked or full logits), per pair
+        from train.objectives import dpo_loss  # the same loss path as SFT's (chunked or full logits), per pair
 
         return dpo_loss.make_dpo_loss_fn(self.beta(cfg), cfg.loss_chunk_tokens, kernel=cfg.loss_kernel)
 
     def model_input_fn(self, base: Callable[[Mapping[str, Any]], dict[str, Any]]) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
-        from train import dpo_loss  # and each target's pair and side
+        from train.objectives import dpo_loss  # and each target's pair and side
 
         return dpo_loss.make_gen_model_input_fn(base)
 
     def step_sums(self) -> Any:
-        from train import dpo_loss
+        from train.objectives import dpo_loss
 
         return dpo_loss.step_sums()
 

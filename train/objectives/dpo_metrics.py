@@ -1,4 +1,4 @@
-"""The DPO step's metrics under TRL's names, from the sums the loss returns (train/dpo_loss.py), and
+"""The DPO step's metrics under TRL's names, from the sums the loss returns (train/objectives/dpo_loss.py), and
 the loss's default beta.
 
 TRL's DPOTrainer logs, per step, the means over the step's pairs of:
@@ -10,7 +10,7 @@ other names (`rewards/margin`, `rewards/accuracy`, `log_probs/...`); these are T
 users' dashboards know. The loss hands over sums and the pair count (never means), so the
 step's K micro-batches and an eval's batches combine exactly before the division here.
 Nothing here imports JAX: the recorder and `prepack report` read these names, and the loss
-(train/dpo_loss.py) and the objective (train/objectives/dpo.py) share the default beta from here.
+(train/objectives/dpo_loss.py) and the objective (train/objectives/dpo.py) share the default beta from here.
 """
 
 from __future__ import annotations

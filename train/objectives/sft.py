@@ -1,4 +1,4 @@
-"""`--objective sft` (the default): the masked token (or example) mean of train/loss.py on a set of
+"""`--objective sft` (the default): the masked token (or example) mean of train/step/loss.py on a set of
 single examples (row formats 1-4), chunked or on full logits as the memory-path options choose.
 
 It refuses a preference set, before any weights load: SFT on pair rows would train each pair's
@@ -13,8 +13,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from prepack.format.rowformat import has_pairs
-from train.config import TrainConfig, TrainError
 from train.objectives.base import ReportSection
+from train.run_config.config import TrainConfig, TrainError
 
 
 class Sft:
@@ -50,7 +50,7 @@ class Sft:
         return {"loss_mean": cfg.loss_mean, "objective": self.name}
 
     def loss_fn(self, cfg: TrainConfig) -> Callable[..., Any]:
-        from train import memory_path
+        from train.step import memory_path
 
         return memory_path.choose_sft_loss(cfg)
 

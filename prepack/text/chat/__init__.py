@@ -2,7 +2,8 @@
 
 gemma (Gemma's template), chatml (ChatML, with Qwen3's tool layout), qwen3 (ChatML as Qwen3's
 template writes it, think blocks included), hf (the tokenizer's own jinja template), and auto.
-prepack/text/chat/base.py has the segment model and the loss rule every format follows.
+prepack/text/chat/base.py has the segment model and the loss rule every format follows;
+tool_calls.py reads the calls of generated text back in the layout a format wrote them.
 """
 from prepack.text.chat.base import (CHAT_FORMAT_ERROR_REASONS, ChatFormat, ChatFormatError, PromptResponseLayout, Segment,
                                     TokenizedExample)

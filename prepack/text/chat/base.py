@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Union
 import numpy as np
 
 from prepack.text.conversation import Conversation, Document
+from prepack.text.tool_markup import FUNCTIONGEMMA_RESPONSE
 
 if TYPE_CHECKING:  # the Tokenizer protocol lives in prepack.text.tokenizer (see docs/CONTRACTS.md)
     from prepack.text.tokenizer import Tokenizer
@@ -98,7 +99,7 @@ CHAT_FORMAT_ERROR_ADVICE: dict[str, str] = {
 
 # End-of-turn tokens of common chat templates: Gemma, ChatML/Qwen, Llama 3 (and its tool-call
 # turn's <|eom_id|>), Phi-3, and FunctionGemma's stop after a call (<start_function_response>).
-END_OF_TURN_TOKENS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<start_function_response>")
+END_OF_TURN_TOKENS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", FUNCTIONGEMMA_RESPONSE[0])
 
 
 class ChatFormat:

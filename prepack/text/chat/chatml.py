@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from prepack.text.chat.base import ChatFormat, PromptResponseLayout, Segment
 from prepack.text.conversation import Conversation, ToolCall, Turn, json_text
+from prepack.text.tool_markup import HERMES_CALL, HERMES_RESPONSE
 
 if TYPE_CHECKING:
     from prepack.text.tokenizer import Tokenizer
@@ -31,7 +32,7 @@ TOOLS_INTRO = ("# Tools\n\nYou may call one or more functions to assist with the
                "You are provided with function signatures within <tools></tools> XML tags:\n<tools>")
 TOOLS_OUTRO = "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
 TOOLS_SYNTAX = '\n{"name": <function-name>, "arguments": <args-json-object>}\n'
-_RESPONSE_WRAPPED = ("<tool_response>", "</tool_response>")
+_RESPONSE_WRAPPED = HERMES_RESPONSE
 
 
 class ChatMLFormat(ChatFormat):
@@ -115,8 +116,8 @@ class ChatMLFormat(ChatFormat):
         """<tool_call>, </tool_call>, <tool_response>, </tool_response>: a tokenizer without them
         can still lay out plain chat; a conversation with tools then names the missing token."""
         if self._tool_ids is None:
-            self._tool_ids = (self._special("<tool_call>"), self._special("</tool_call>"),
-                              self._special("<tool_response>"), self._special("</tool_response>"))
+            self._tool_ids = (self._special(HERMES_CALL[0]), self._special(HERMES_CALL[1]),
+                              self._special(HERMES_RESPONSE[0]), self._special(HERMES_RESPONSE[1]))
         return self._tool_ids
 
     def _tools_system(self, system: str | None, tools: Sequence[Any], segs: list[Segment]) -> None:
