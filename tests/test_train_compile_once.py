@@ -9,13 +9,16 @@ one for the test run), so the lowering events count the compiles asked for.
 from __future__ import annotations
 
 import contextlib
+import re
 
 import jax
 import pytest
 
 from testkit.shard_sets import TEST_TOKENIZER, build_shard_set
-from train import trainer
+from train import memory_plan, run_setup, trainer
+from train.measurement import compiled
 from train.run_config.config import TrainConfig
+from train.step import train_step
 
 LOWERING = "/jax/core/compile/jaxpr_to_mlir_module_duration"
 
@@ -72,3 +75,28 @@ def test_scan_layers_trains_to_the_same_loss_with_one_compile(shards) -> None:
     scanned, compiles = train_counting_compiles(shards, remat="none", scan_layers=True)
     assert compiles == 1 and scanned["remat"] == "none" and scanned["steps"] == 2
     assert scanned["final_loss"] == pytest.approx(loop["final_loss"], rel=1e-6)
+
+
+def _frozen_weight_copies(shards: str) -> tuple[int, int]:
+    """(copies of a model parameter in the trainer's own compiled step, the model's frozen weights)."""
+    import jax
+    from flax import nnx
+
+    s = run_setup.setup(TrainConfig(shards=shards, model="tiny-gemma3", lora_rank=2, batch_size=1, steps=1))
+    try:
+        text = compiled.program_text(memory_plan.lower_step(s.trainer, 1, 64).compile())
+        frozen = len(jax.tree.leaves(nnx.state(s.built.model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))))
+    finally:
+        s.recorder.close(s.recorder.summary())
+    return len(re.findall(r" copy\(%model_states", text)), frozen
+
+
+def test_the_step_donates_the_model_so_no_frozen_weight_is_copied(shards, monkeypatch) -> None:
+    """nnx.jit returns every Variable of the model, the frozen base included: undonated (Tunix 0.1.7
+    donates the optimizer only), each output was a copy of its input, every step (1.4 ms of a 162 ms
+    Gemma3 270M step on a TPU v5e). Donated, none is copied; with Tunix's donation they are back."""
+    copies, frozen = _frozen_weight_copies(shards)
+    assert frozen > 20 and copies == 0
+    monkeypatch.setattr(train_step, "DONATED", ("optimizer",))
+    copies, frozen = _frozen_weight_copies(shards)
+    assert copies == frozen

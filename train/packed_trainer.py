@@ -6,7 +6,10 @@ micro-batches with an exact loss, clipping and the schedule's learning rate,
 train/step/train_step.py), eval timing (`with_training_hooks`), checkpointing and the profiler
 (`TrainingConfig`). Three documented override points have no public equivalent:
 `_prepare_inputs` (each batch checked and counted on the host before it is sharded),
-`_post_process_train_step` and `_post_process_eval_step` (where a step's aux arrives).
+`_post_process_train_step` and `_post_process_eval_step` (where a step's aux arrives). And
+`jit_train_and_eval_step` is Tunix's own with one argument changed: the model is donated to the
+train step as well as the optimizer, so the frozen weights are not copied every step
+(train/step/train_step.py `DONATED`).
 train/tunix_contract.py pins what this relies on and refuses a Tunix that differs.
 
 No host sync per step: `_post_process_train_step` hands the step's device results to the
@@ -164,6 +167,27 @@ def make_trainer_class() -> type:
 
         def create_train_step_fn(self) -> Any:
             return train_step.make_train_step(self.loss_fn, self.gen_model_input_fn, **self.step_options)
+
+        def jit_train_and_eval_step(self, skip_jit: bool = False, cache_nnx_graph: bool = False) -> Any:
+            """Tunix 0.1.7's own (its source pinned by train/tunix_contract.py), the model donated to the
+            train step as well as the optimizer (train_step.DONATED: no copy of the frozen weights a step)."""
+            if skip_jit or self._jitted_train_step_fn is not None:
+                return super().jit_train_and_eval_step(skip_jit, cache_nnx_graph)
+            import functools
+
+            from flax import nnx
+            from jax.interpreters import pxla
+
+            self._shard_optimizer(pxla.thread_resources.env.physical_mesh)
+            train = nnx.jit(self.create_train_step_fn(), donate_argnames=train_step.DONATED)
+            evaluate = nnx.jit(self.create_eval_step_fn())
+
+            def bind(jitted: Any, *args: Any) -> Any:  # Tunix's maybe_cache_and_partial
+                return functools.partial(nnx.cached_partial(jitted, *args)) if cache_nnx_graph else functools.partial(jitted, *args)
+
+            self._jitted_train_step_fn = bind(train, self.model, self.optimizer)
+            self._jitted_eval_step_fn = bind(evaluate, self.model)
+            return self._jitted_train_step_fn, self._jitted_eval_step_fn
 
         def _prepare_inputs(self, input_data: Any) -> Any:
             refuse_placeholder(input_data)

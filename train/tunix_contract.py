@@ -7,6 +7,11 @@ suffice: `with_loss_fn`, `with_gen_model_input_fn`, `with_training_hooks` (eval 
 overridden where Tunix 0.1.7 documents them as override points ("Override this function ..."):
 `_prepare_inputs` (host-side checks and counts of each batch before it is sharded),
 `_post_process_train_step` and `_post_process_eval_step` (the only places a step's aux arrives).
+One is overridden to change a single argument: `jit_train_and_eval_step`, whose 0.1.7 logic the
+override repeats with the model donated to the train step as well as the optimizer
+(train/step/train_step.py `DONATED`); its source stays pinned below, so a Tunix that jits or
+caches the step differently is refused rather than silently bypassed, and `_shard_optimizer`,
+which the override calls, is pinned by its signature.
 
 What cannot move, because the trainer's correctness depends on it:
 - the calling convention of the train step: Tunix jits `create_train_step_fn()` and calls it as
@@ -49,15 +54,17 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
     "_post_process_eval_step": ("self", "aux"),
     "create_train_step_fn": ("self",),
     "_train_step": ("self", "model", "optimizer", "inputs"),
+    "_shard_optimizer": ("self", "mesh"),
 }
 WHY: dict[str, str] = {
     "__init__": "its checkpoint restore and step counters",
     "train": "its loop: the post-restore skip, the per-step save, when the aux is handed over",
-    "jit_train_and_eval_step": "how it jits and calls the train step",
+    "jit_train_and_eval_step": "how it jits and calls the train step (the trainer repeats it, donating the model too)",
     "_run_eval": "its eval loop",
     "close": "what it saves and closes at the end",
     "_save_last_checkpoint": "the final save",
     "_train_step": "the train step's calling convention (model, optimizer, inputs)",
+    "_shard_optimizer": "what the trainer's jit_train_and_eval_step calls before it jits the step",
 }
 
 

@@ -79,8 +79,9 @@ def compile_train_step(trainer: Any, batch: Mapping[str, Any]) -> Any:
     from flax import nnx
 
     from train.step.model_inputs import device_fields
+    from train.step.train_step import DONATED
 
-    step = nnx.jit(trainer.create_train_step_fn(), donate_argnames=("optimizer",))
+    step = nnx.jit(trainer.create_train_step_fn(), donate_argnames=DONATED)
     return step.lower(trainer.model, trainer.optimizer, device_fields(batch)).compile()
 
 
