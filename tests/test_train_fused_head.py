@@ -62,6 +62,34 @@ def test_a_wrong_target_row_fails_the_equality(monkeypatch: pytest.MonkeyPatch) 
     assert np.max(np.abs((nll_f - nll_x) * weights)) > 0.5
 
 
+def _ops_by_place(jaxpr) -> tuple[list[str], list[str]]:
+    """The primitives of a traced step, at any depth: (outside every loop, inside a loop's body)."""
+    outside, inside = [], []
+
+    def walk(j, in_loop: bool) -> None:
+        for eqn in j.eqns:
+            (inside if in_loop else outside).append(eqn.primitive.name)
+            for sub in jax.core.jaxprs_in_params(eqn.params):
+                walk(sub, in_loop or eqn.primitive.name in ("while", "scan"))
+
+    walk(jaxpr, False)
+    return outside, inside
+
+
+@pytest.mark.parametrize("vocab,transposed", [(1000, True), (640, False)])
+def test_the_projection_is_prepared_once_outside_the_chunk_loop(vocab: int, transposed: bool) -> None:
+    """A padded (1000 rows, no multiple of the 512-key block) or transposed projection: no pad and no
+    transpose runs per chunk (each would copy the whole [V, D] projection; on a v5e that made Qwen3's
+    --loss-chunk-tokens 512 step slower than 1024's)."""
+    projection, h, targets, weights = _case(vocab, transposed)
+    jaxpr = jax.make_jaxpr(lambda x: jax.grad(lambda y: jnp.sum(
+        chunked_loss.chunked_token_nll(y, projection, targets, 128, weights, fused_head.FUSED) * weights))(x))(h).jaxpr
+    outside, inside = _ops_by_place(jaxpr)
+    assert "pallas_call" in inside  # the kernel runs per chunk
+    assert "pad" not in inside and "transpose" not in inside
+    assert ("pad" if transposed else "transpose") in outside  # made once, before the loop
+
+
 @pytest.mark.parametrize("overrides,message", [
     (dict(loss_kernel="fused", dtype="float32"), "--loss-kernel fused cannot run with a float32 projection"),
     (dict(loss_kernel="fused", loss_chunk_tokens=0), "--loss-kernel fused computes the chunked loss"),

@@ -127,21 +127,27 @@ def head_nll(projection: Projection, h: jax.Array, targets: jax.Array, has_targe
     fused: each chunk's NLL and dL/dh from one kernel, its logits never in memory (train/step/fused_head.py)."""
     matrix = projection.matrix
 
-    def chunk_nll_and_dh(w: jax.Array, hc: jax.Array, tc: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def chunk_nll_and_dh(w: Any, hc: jax.Array, tc: jax.Array) -> tuple[jax.Array, jax.Array]:
         if fused:
-            return fused_head.nll_and_dh(w, projection.transposed, hc, tc)
+            return fused_head.nll_and_dh(w, hc, tc)
         nll, vjp = jax.vjp(lambda x: chunk_nll(w, x, tc), hc)
         # Each position's NLL depends on its own h only: the unit cotangent gives every row's d nll / d h.
         return nll, vjp(jnp.ones_like(nll))[0]
 
-    def chunk_nll(w: jax.Array, hc: jax.Array, tc: jax.Array) -> jax.Array:
+    def chunk_nll(w: Any, hc: jax.Array, tc: jax.Array) -> jax.Array:
         if fused:
-            return fused_head.nll_and_dh(w, projection.transposed, hc, tc)[0]
+            return fused_head.nll_and_dh(w, hc, tc)[0]
         logits = dataclasses.replace(projection, matrix=w).logits(hc).astype(jnp.float32)
         target_logit = jnp.take_along_axis(logits, tc[:, None], axis=-1)[:, 0]
         return jax.nn.logsumexp(logits, axis=-1) - target_logit
 
+    def prepared(w: jax.Array) -> Any:
+        # The fused kernel's form of the projection, made once a step: the loop's chunks share it.
+        return fused_head.prepare(w, projection.transposed) if fused else w
+
     def nll_only(w: jax.Array, hs: jax.Array, ts: jax.Array, has: jax.Array) -> jax.Array:
+        w = prepared(w)
+
         def one(args: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
             hc, tc, any_target = args
             return jax.lax.cond(any_target, lambda: chunk_nll(w, hc, tc), lambda: jnp.zeros(tc.shape, jnp.float32))
@@ -149,6 +155,8 @@ def head_nll(projection: Projection, h: jax.Array, targets: jax.Array, has_targe
         return jax.lax.map(one, (hs, ts, has))
 
     def nll_and_dh(w: jax.Array, hs: jax.Array, ts: jax.Array, has: jax.Array) -> tuple[jax.Array, jax.Array]:
+        w = prepared(w)
+
         def one(args: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
             hc, tc, any_target = args
 

@@ -23,6 +23,8 @@ interpret mode, for tests only.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -83,22 +85,43 @@ def _kernel(chunk_tokens: int, vocab_padded: int, key_block: int, interpret: boo
                                       interpret=interpret)
 
 
-def nll_and_dh(matrix: jax.Array, transposed: bool, h: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """One chunk: h [N, D] and int targets [N] against the projection (matrix [V, D] when
-    transposed, else [D, V]) -> (NLL [N] float32, dL/dh [N, D] in h's dtype)."""
+@dataclasses.dataclass(frozen=True)
+class Vocabulary:
+    """The projection as the kernel reads it, made once per step (`prepare`), outside the chunk loop:
+    rows [V', D] bfloat16 (V' = V padded to a multiple of key_block), and real [V'] int32 (1 for a
+    vocabulary row, 0 for padding) where V' != V."""
+
+    rows: jax.Array
+    real: jax.Array | None
+    key_block: int
+
+
+def prepare(matrix: jax.Array, transposed: bool) -> Vocabulary:
+    """matrix [V, D] when transposed, else [D, V] -> the kernel's keys and values. Made inside the chunk
+    loop, the cast, transpose or padding copied the whole [V, D] projection once per chunk: Qwen3's
+    151,936 rows are no multiple of 512, and its (8, 2048) step on a v5e took 1.2% longer at
+    --loss-chunk-tokens 512 than at 1024 (twice the chunks, twice the copies; docs/benchmarks.md)."""
     w = (matrix if transposed else matrix.T).astype(jnp.bfloat16)  # [V, D]
-    vocab, _ = w.shape
-    hq = h.astype(jnp.bfloat16)
+    vocab = w.shape[0]
     key_block = KEY_BLOCK if vocab >= KEY_BLOCK else LANES
     padded = -(-vocab // key_block) * key_block
+    if padded == vocab:
+        return Vocabulary(w, None, key_block)
+    rows = jnp.pad(w, ((0, padded - vocab), (0, 0)))
+    return Vocabulary(rows, jnp.asarray(np.arange(padded) < vocab, jnp.int32), key_block)  # 0: padding, never matched
+
+
+def nll_and_dh(vocabulary: Vocabulary, h: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One chunk: h [N, D] and int targets [N] against the prepared projection -> (NLL [N] float32,
+    dL/dh [N, D] in h's dtype)."""
+    w = vocabulary.rows
+    hq = h.astype(jnp.bfloat16)
     segments = None
-    if padded != vocab:
+    if vocabulary.real is not None:
         from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 
-        w = jnp.pad(w, ((0, padded - vocab), (0, 0)))
-        kv_ids = jnp.asarray(np.arange(padded) < vocab, jnp.int32)  # 1: a real row; 0: padding, never matched
-        segments = splash.SegmentIds(q=jnp.ones((h.shape[0],), jnp.int32), kv=kv_ids)
-    kernel = _kernel(int(h.shape[0]), padded, key_block, jax.default_backend() != "tpu")
+        segments = splash.SegmentIds(q=jnp.ones((h.shape[0],), jnp.int32), kv=vocabulary.real)
+    kernel = _kernel(int(h.shape[0]), int(w.shape[0]), vocabulary.key_block, jax.default_backend() != "tpu")
     out, (lse,) = kernel(hq[None], w, w, segment_ids=segments)
     rows = jnp.take(w, targets, axis=0)  # [N, D]: W[target]
     target_logit = jnp.einsum("nd,nd->n", hq, rows, preferred_element_type=jnp.float32)
