@@ -10,6 +10,7 @@ relies on) fails that check; the option's refusals are one line each.
 from __future__ import annotations
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -69,7 +70,7 @@ def _ops_by_place(jaxpr) -> tuple[list[str], list[str]]:
     def walk(j, in_loop: bool) -> None:
         for eqn in j.eqns:
             (inside if in_loop else outside).append(eqn.primitive.name)
-            for sub in jax.core.jaxprs_in_params(eqn.params):
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
                 walk(sub, in_loop or eqn.primitive.name in ("while", "scan"))
 
     walk(jaxpr, False)

@@ -114,6 +114,38 @@ class LastFiniteAdapter:
             self.last_finite = (step, jax.tree.map(jnp.copy, nnx.state(self.model, nnx.LoRAParam)))
 
 
+class ModelDonatingJit:
+    """Tunix 0.1.7's `jit_train_and_eval_step` (its source pinned by train/tunix_contract.py) with one
+    argument changed: the model is donated to the train step as well as the optimizer."""
+
+    _jitted_train_step_fn: Any
+    _jitted_eval_step_fn: Any
+    model: Any
+    optimizer: Any
+
+    def jit_train_and_eval_step(self, skip_jit: bool = False, cache_nnx_graph: bool = False) -> Any:
+        """The jitted train and eval steps, made once (train/step/train_step.py DONATED: why the model)."""
+        if skip_jit or self._jitted_train_step_fn is not None:
+            return super().jit_train_and_eval_step(skip_jit, cache_nnx_graph)  # type: ignore[misc]
+        import functools
+
+        from flax import nnx
+        from jax.interpreters import pxla
+
+        from train.step.train_step import DONATED
+
+        self._shard_optimizer(pxla.thread_resources.env.physical_mesh)
+        train = nnx.jit(self.create_train_step_fn(), donate_argnames=DONATED)
+        evaluate = nnx.jit(self.create_eval_step_fn())
+
+        def bind(jitted: Any, *args: Any) -> Any:  # Tunix's maybe_cache_and_partial
+            return functools.partial(nnx.cached_partial(jitted, *args)) if cache_nnx_graph else functools.partial(jitted, *args)
+
+        self._jitted_train_step_fn = bind(train, self.model, self.optimizer)
+        self._jitted_eval_step_fn = bind(evaluate, self.model)
+        return self._jitted_train_step_fn, self._jitted_eval_step_fn
+
+
 class RecorderLogging:
     """What Tunix would log, left to the MetricsRecorder."""
 
@@ -142,7 +174,7 @@ def make_trainer_class() -> type:
 
     EvalTiming = eval_timing_hooks(hooks)
 
-    class PackedPeftTrainer(LastFiniteAdapter, RecorderLogging, peft_trainer.PeftTrainer):
+    class PackedPeftTrainer(ModelDonatingJit, LastFiniteAdapter, RecorderLogging, peft_trainer.PeftTrainer):
         """Tunix's loop, with train/step/train_step.py's step and the recorder fed at dispatch."""
 
         recorder: MetricsRecorder
@@ -167,27 +199,6 @@ def make_trainer_class() -> type:
 
         def create_train_step_fn(self) -> Any:
             return train_step.make_train_step(self.loss_fn, self.gen_model_input_fn, **self.step_options)
-
-        def jit_train_and_eval_step(self, skip_jit: bool = False, cache_nnx_graph: bool = False) -> Any:
-            """Tunix 0.1.7's own (its source pinned by train/tunix_contract.py), the model donated to the
-            train step as well as the optimizer (train_step.DONATED: no copy of the frozen weights a step)."""
-            if skip_jit or self._jitted_train_step_fn is not None:
-                return super().jit_train_and_eval_step(skip_jit, cache_nnx_graph)
-            import functools
-
-            from flax import nnx
-            from jax.interpreters import pxla
-
-            self._shard_optimizer(pxla.thread_resources.env.physical_mesh)
-            train = nnx.jit(self.create_train_step_fn(), donate_argnames=train_step.DONATED)
-            evaluate = nnx.jit(self.create_eval_step_fn())
-
-            def bind(jitted: Any, *args: Any) -> Any:  # Tunix's maybe_cache_and_partial
-                return functools.partial(nnx.cached_partial(jitted, *args)) if cache_nnx_graph else functools.partial(jitted, *args)
-
-            self._jitted_train_step_fn = bind(train, self.model, self.optimizer)
-            self._jitted_eval_step_fn = bind(evaluate, self.model)
-            return self._jitted_train_step_fn, self._jitted_eval_step_fn
 
         def _prepare_inputs(self, input_data: Any) -> Any:
             refuse_placeholder(input_data)
