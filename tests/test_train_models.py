@@ -83,6 +83,33 @@ def test_lora_sits_on_every_projection_of_every_layer(name, expected) -> None:
     assert lora > 0 and models.count_params(model, nnx.Param) - lora == base
 
 
+def _adapters(monkeypatch, rngs) -> tuple[list[np.ndarray], int]:
+    """tiny-gemma3's LoRA values from apply_lora with `rngs` as its key source, and how many of
+    JAX's tracer-origin messages (the quadratic part of a trace's errors) the trace built."""
+    from jax._src.interpreters import partial_eval
+
+    built = models.build_model("tiny-gemma3", vocab_size=64, seed=1)
+    monkeypatch.setattr(models, "adapter_rngs", rngs)
+    built_messages = []
+    origin = partial_eval.DynamicJaxprTracer._origin_msg
+    monkeypatch.setattr(partial_eval.DynamicJaxprTracer, "_origin_msg",
+                        lambda self: built_messages.append(1) or origin(self))
+    model = models.apply_lora(built.model, built.spec, rank=2, seed=5)
+    return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.LoRAParam))], len(built_messages)
+
+
+def test_adapter_keys_are_nnx_keys_drawn_without_a_message_each(monkeypatch) -> None:
+    """The adapters equal those drawn from a plain nnx.Rngs(params=seed), and their trace builds
+    no tracer-origin message per key (each walks the whole trace: quadratic in its length)."""
+    ours, ours_messages = _adapters(monkeypatch, models.adapter_rngs)
+    plain, plain_messages = _adapters(monkeypatch, lambda seed: nnx.Rngs(params=seed))
+    assert len(ours) == len(plain) > 0
+    assert all(np.array_equal(a, b) for a, b in zip(ours, plain))
+    assert any(float(np.abs(a).max()) > 0 for a in ours)  # the A matrices are drawn, not zeros
+    keys = len(ours)  # qwix draws a key for each matrix, A and B (B then starts at zeros)
+    assert plain_messages - ours_messages >= 2 * keys, (plain_messages, ours_messages, keys)
+
+
 def test_registry_errors() -> None:
     with pytest.raises(models.ModelError, match="unknown model"):
         models.get_spec("llama")

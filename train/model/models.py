@@ -333,6 +333,31 @@ def qlora_tile_size(config: Any, tile_size: int | None = None) -> int:
     return tile
 
 
+class KeysInOrder(nnx.RngStream):
+    """nnx's `RngStream` keys (fold_in(key, 0), fold_in(key, 1), ...), counted in Python.
+
+    nnx's stream keeps its count in a Variable. Inside a trace, each draw's update asks the traced
+    count for `.sharding`, and JAX answers with an AttributeError whose message walks every
+    equation traced so far. qwix draws one key per adapter while it traces the model, so the
+    adapters' trace grew with the square of its length: Gemma3 270M's takes 6.1 s on a CPU, 2.2 s
+    with this stream (benchmarks/bench_adapter_init.py). The keys, and so the adapters, are the same."""
+
+    def __init__(self, key: jax.Array, *, tag: str):
+        super().__init__(key, tag=tag)
+        self.drawn = 0
+
+    def __call__(self) -> jax.Array:
+        n, self.drawn = self.drawn, self.drawn + 1
+        return jax.random.fold_in(self.key[...], n)
+
+
+def adapter_rngs(seed: int) -> nnx.Rngs:
+    """The `nnx.Rngs(params=seed)` qwix draws the adapters' keys from, its stream a KeysInOrder."""
+    rngs = nnx.Rngs(params=seed)
+    rngs.params = KeysInOrder(rngs.params.key[...], tag="params")
+    return rngs
+
+
 def apply_lora(model: nnx.Module, spec: ModelSpec, *, rank: int, alpha: float | None = None, seed: int = 0,
                qlora: str | None = None, qlora_tile: int | None = None, lora_kernel: str = "qwix") -> nnx.Module:
     """Adds qwix LoRA adapters (A: he_uniform, B: zeros, float32) on Tunix's module paths for the family.
@@ -373,7 +398,7 @@ def apply_lora(model: nnx.Module, spec: ModelSpec, *, rank: int, alpha: float | 
 
     @nnx.jit
     def add_adapters(base: nnx.Module) -> nnx.Module:
-        return qwix.apply_lora_to_model(base, provider, rngs=nnx.Rngs(params=seed), **base.get_model_input())
+        return qwix.apply_lora_to_model(base, provider, rngs=adapter_rngs(seed), **base.get_model_input())
 
     return add_adapters(model)
 
