@@ -31,6 +31,14 @@ def test_a_second_process_that_misses_the_cache_reports_no_load_time(tmp_path, m
     assert run["error"] == "the second process missed the cache: no load time to report"
 
 
+def test_a_hit_is_the_measured_program_s_own_not_its_eager_set_up_s(tmp_path):
+    # args:4 after args:3 in one folder: their eager set-up ops hit the cache, the program misses
+    folder = str(tmp_path)
+    assert bench._run_child("args", 3, 128, folder)["cache_hit"] is False
+    assert bench._run_child("args", 4, 128, folder)["cache_hit"] is False
+    assert bench._run_child("args", 4, 128, folder)["cache_hit"] is True
+
+
 @pytest.mark.parametrize("case", ["flash", "flash:0", "mosaic:3", "args:x"])
 def test_a_bad_case_is_one_line_naming_it(case, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
