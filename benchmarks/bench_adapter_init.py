@@ -5,8 +5,8 @@ Every `prepack train`, `verify --model` and `generate` run adds LoRA adapters un
 count Variable inside the trace, and each update builds one of JAX's tracer-origin messages,
 which walks the whole trace so far. `KeysInOrder` draws the same keys counted in Python. Both
 variants run here on the same model, alternating, in one process; the figure is JAX's own trace
-time of `jit(add_adapters)` (the `/jax/core/compile/jaxpr_trace_duration` event), whose compile
-each variant then takes from the same in-memory cache.
+time of `jit(add_adapters)` (the `/jax/core/compile/jaxpr_trace_duration` event), each sample
+kept (`trace_s`) beside the medians.
 
     python -m benchmarks.bench_adapter_init [--model gemma3-270m] [--repeats 3] [--json FILE]
 """
@@ -53,20 +53,20 @@ def main(argv: list[str] | None = None) -> int:
     from train.model import models
 
     built = models.build_model(args.model, weights="random", seed=0)
-    rngs_of = {"nnx.Rngs": lambda seed: nnx.Rngs(params=seed), "KeysInOrder": models.adapter_rngs}
-    real = models.adapter_rngs
+    rngs_of = {"nnx.Rngs": lambda seed: nnx.Rngs(params=seed), "KeysInOrder": models.traced_rngs}
+    real = models.traced_rngs
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     leaves: dict[str, list[Any]] = {}
     try:
         for _ in range(args.repeats):
             for variant in VARIANTS:
-                models.adapter_rngs = rngs_of[variant]
+                models.traced_rngs = rngs_of[variant]
                 adapted: list[Any] = []
                 base = nnx.clone(built.model)
                 times[variant].append(trace_seconds(lambda: adapted.append(models.apply_lora(base, built.spec, rank=args.rank))))
                 leaves[variant] = jax.tree.leaves(nnx.state(adapted[0], nnx.LoRAParam))
     finally:
-        models.adapter_rngs = real
+        models.traced_rngs = real
     same = len(leaves["nnx.Rngs"]) == len(leaves["KeysInOrder"]) > 0 and all(
         bool((a == b).all()) for a, b in zip(leaves["nnx.Rngs"], leaves["KeysInOrder"]))
     medians = {v: statistics.median(t) for v, t in times.items()}

@@ -16,5 +16,5 @@ def test_both_variants_trace_the_same_adapters(tmp_path, capsys):
     assert set(result["median_trace_s"]) == set(bench.VARIANTS)
     assert all(len(t) == 1 and t[0] > 0 for t in result["trace_s"].values())
     assert result["machine"]["backend"] == "cpu" and "--model tiny-gemma3" in result["command"]
-    assert models.adapter_rngs.__name__ == "adapter_rngs"  # the patched key source put back
+    assert models.traced_rngs.__name__ == "traced_rngs"  # the patched key source put back
     assert "the same adapters: True" in capsys.readouterr().out

@@ -89,7 +89,7 @@ def _adapters(monkeypatch, rngs) -> tuple[list[np.ndarray], int]:
     from jax._src.interpreters import partial_eval
 
     built = models.build_model("tiny-gemma3", vocab_size=64, seed=1)
-    monkeypatch.setattr(models, "adapter_rngs", rngs)
+    monkeypatch.setattr(models, "traced_rngs", rngs)
     built_messages = []
     origin = partial_eval.DynamicJaxprTracer._origin_msg
     monkeypatch.setattr(partial_eval.DynamicJaxprTracer, "_origin_msg",
@@ -101,7 +101,7 @@ def _adapters(monkeypatch, rngs) -> tuple[list[np.ndarray], int]:
 def test_adapter_keys_are_nnx_keys_drawn_without_a_message_each(monkeypatch) -> None:
     """The adapters equal those drawn from a plain nnx.Rngs(params=seed), and their trace builds
     no tracer-origin message per key (each walks the whole trace: quadratic in its length)."""
-    ours, ours_messages = _adapters(monkeypatch, models.adapter_rngs)
+    ours, ours_messages = _adapters(monkeypatch, models.traced_rngs)
     plain, plain_messages = _adapters(monkeypatch, lambda seed: nnx.Rngs(params=seed))
     assert len(ours) == len(plain) > 0
     assert all(np.array_equal(a, b) for a, b in zip(ours, plain))

@@ -41,7 +41,7 @@ def weight_bytes(family: str, config: Any) -> int:
     from train.model import models
 
     cls = models.model_class(family)
-    abstract = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(params=0)))
+    abstract = nnx.eval_shape(lambda: cls(config, rngs=models.traced_rngs(0)))
     leaves = jax.tree.leaves(nnx.state(abstract, nnx.Param))
     return int(sum(leaf.size * leaf.dtype.itemsize for leaf in leaves))
 

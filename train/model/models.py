@@ -174,7 +174,7 @@ def random_model(family: str, config: Any, *, seed: int = 0, scale: float = RAND
     which dominated the start-up of tiny test models (tens of seconds on 2 cores).
     """
     cls = model_class(family)
-    abstract = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(params=seed)))
+    abstract = nnx.eval_shape(lambda: cls(config, rngs=traced_rngs(seed)))
     graphdef, state = nnx.split(abstract)
     shardings = nnx.get_named_sharding(state, mesh) if mesh is not None else None
     rng = np.random.default_rng(seed)
@@ -340,7 +340,9 @@ class KeysInOrder(nnx.RngStream):
     count for `.sharding`, and JAX answers with an AttributeError whose message walks every
     equation traced so far. qwix draws one key per adapter while it traces the model, so the
     adapters' trace grew with the square of its length: Gemma3 270M's takes 6.1 s on a CPU, 2.2 s
-    with this stream (benchmarks/bench_adapter_init.py). The keys, and so the adapters, are the same."""
+    with this stream (benchmarks/bench_adapter_init.py). The keys, and so the adapters, are the same.
+    The inherited count Variable stays 0: the stream lives only inside apply_lora's trace (qwix
+    drops it from every module before returning), so nothing reads or saves it."""
 
     def __init__(self, key: jax.Array, *, tag: str):
         super().__init__(key, tag=tag)
@@ -351,8 +353,9 @@ class KeysInOrder(nnx.RngStream):
         return jax.random.fold_in(self.key[...], n)
 
 
-def adapter_rngs(seed: int) -> nnx.Rngs:
-    """The `nnx.Rngs(params=seed)` qwix draws the adapters' keys from, its stream a KeysInOrder."""
+def traced_rngs(seed: int) -> nnx.Rngs:
+    """`nnx.Rngs(params=seed)` for use inside one trace (qwix's adapters, an abstract model
+    init), its params stream a KeysInOrder: the same keys without a message per draw."""
     rngs = nnx.Rngs(params=seed)
     rngs.params = KeysInOrder(rngs.params.key[...], tag="params")
     return rngs
@@ -398,7 +401,7 @@ def apply_lora(model: nnx.Module, spec: ModelSpec, *, rank: int, alpha: float | 
 
     @nnx.jit
     def add_adapters(base: nnx.Module) -> nnx.Module:
-        return qwix.apply_lora_to_model(base, provider, rngs=adapter_rngs(seed), **base.get_model_input())
+        return qwix.apply_lora_to_model(base, provider, rngs=traced_rngs(seed), **base.get_model_input())
 
     return add_adapters(model)
 
