@@ -24,18 +24,18 @@ TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
 VARIANTS = ("nnx.Rngs", "KeysInOrder")
 
 
-def trace_seconds(apply: Callable[[], Any]) -> float:
-    """JAX's trace time of the one jit `apply` traces (the adapters' `add_adapters`)."""
+def traced(apply: Callable[[], Any]) -> tuple[float, Any]:
+    """(JAX's trace time of the one jit `apply` traces, the adapters' `add_adapters`; what it returns)."""
     import jax
 
     seen: list[float] = []
     listener = lambda event, duration, **_: seen.append(duration) if event == TRACE_EVENT else None  # noqa: E731
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
-        apply()
+        result = apply()
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
-    return max(seen)
+    return max(seen), result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,10 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.repeats):
             for variant in VARIANTS:
                 models.traced_rngs = rngs_of[variant]
-                adapted: list[Any] = []
                 base = nnx.clone(built.model)
-                times[variant].append(trace_seconds(lambda: adapted.append(models.apply_lora(base, built.spec, rank=args.rank))))
-                leaves[variant] = jax.tree.leaves(nnx.state(adapted[0], nnx.LoRAParam))
+                seconds, adapted = traced(lambda: models.apply_lora(base, built.spec, rank=args.rank))
+                times[variant].append(seconds)
+                leaves[variant] = jax.tree.leaves(nnx.state(adapted, nnx.LoRAParam))
     finally:
         models.traced_rngs = real
     same = len(leaves["nnx.Rngs"]) == len(leaves["KeysInOrder"]) > 0 and all(

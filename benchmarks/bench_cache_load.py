@@ -110,9 +110,9 @@ def measure(kind: str, count: int, length: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="cache-load-") as cache_dir:
         cold = _run_child(kind, count, length, cache_dir)
         hit = _run_child(kind, count, length, cache_dir)
-        entries = sorted(os.path.getsize(os.path.join(cache_dir, n)) for n in os.listdir(cache_dir))
+        largest = max((os.path.getsize(os.path.join(cache_dir, n)) for n in os.listdir(cache_dir)), default=0)
     out: dict[str, Any] = {"case": f"{kind}:{count}", "length": length, "cold": cold, "hit": hit,
-                           "largest_entry_bytes": entries[-1] if entries else 0}
+                           "largest_entry_bytes": largest}
     if "error" not in hit and not hit["cache_hit"]:
         out["error"] = "the second process missed the cache: no load time to report"
     return out
