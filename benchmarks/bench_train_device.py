@@ -132,7 +132,8 @@ def read_summary(path: str) -> dict[str, Any] | None:
 
 SUMMARY_FIELDS = ("median_step_time_s", "tokens_per_s", "target_tokens_per_s", "mfu", "first_step_time_s",
                   "device_peak_bytes", "mean_density", "mean_target_density", "mean_input_wait_s", "timed_steps",
-                  "final_loss", "device_kind", "platform", "peak_tflops", "remat", "wall_time_s")
+                  "final_loss", "device_kind", "platform", "peak_tflops", "remat", "wall_time_s",
+                  "launch_to_first_step_s", "remat_auto_plan_s", "compile_preload")
 
 
 def file_stem(key: str) -> str:

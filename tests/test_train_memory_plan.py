@@ -166,6 +166,10 @@ def test_remat_auto_remembers_a_step_that_did_not_fit_and_skips_its_compile_next
         return real(*args)
 
     monkeypatch.setattr(memory_plan, "plan_without_remat", counted)
+    from train.measurement import unfit_steps
+
+    real_key, keys = unfit_steps.step_key, []  # the key prints the whole lowered step: computed only when needed
+    monkeypatch.setattr(unfit_steps, "step_key", lambda lowered: keys.append(lowered) or real_key(lowered))
     base = dict(shards=shards, model="tiny-qwen3", lora_rank=4, batch_size=2, steps=1, remat="auto",
                 compile_cache=str(tmp_path / "xla"))
 
@@ -176,9 +180,10 @@ def test_remat_auto_remembers_a_step_that_did_not_fit_and_skips_its_compile_next
 
     on, first = choose(0.001)
     assert on and len(compiles) == 1 and "remembered" not in first
+    assert len(keys) == 1  # to write the verdict down; no verdict was there to look up
     (verdict,) = (tmp_path / "xla" / "prepack-unfit-steps").iterdir()
     on, second = choose(0.001)
-    assert on and len(compiles) == 1  # no compile without remat this time
+    assert on and len(compiles) == 1 and len(keys) == 2  # looked up, and no compile without remat this time
     assert f"(remembered from an earlier run: {verdict}; delete it to plan again)" in second
     assert "rematerialising each layer" in second
     on, _ = choose(0.0005)  # a smaller budget: the verdict covers it

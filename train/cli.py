@@ -128,6 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_memory_path_args(p)
     p.add_argument("--compile-cache", default=None, metavar="DIR|off", help=compile_cache.HELP)
+    p.add_argument("--compile-preload", default="on", choices=["on", "off"],
+                   help="with the cache on: a repeat run loads the executables the last run of the same options "
+                   "used on threads while it traces them; JAX uses one only for the key it computes itself "
+                   "(default on; off: the plain cache)")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="one chip's dense bfloat16 peak in TFLOP/s, for the metrics' mfu (default: a table by device kind, "
                    "train/measurement/mfu.py; unknown, e.g. on a CPU: mfu is null)")
@@ -266,7 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         attention=args.attention,
         attention_tile=args.attention_tile,
         remat=args.remat, scan_layers=args.scan_layers, memory_budget_gib=args.memory_budget_gib, verify_first=args.verify_first,
-        peak_tflops=args.peak_tflops, compile_cache=args.compile_cache, eval_generate=args.eval_generate, eval_generate_every=args.eval_generate_every,
+        peak_tflops=args.peak_tflops, compile_cache=args.compile_cache, compile_preload=args.compile_preload, eval_generate=args.eval_generate, eval_generate_every=args.eval_generate_every,
     )
     try:
         if args.plan_memory:

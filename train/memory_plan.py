@@ -175,7 +175,8 @@ def choose_remat(setup: Any, out: TextIO) -> RematChoice | None:
     budget, source = budget_bytes(cfg.memory_budget_gib)
     folder = cache_folder()
     lowered = lower_run_step(setup)
-    key = unfit_steps.step_key(lowered) if folder else None
+    # The key prints the whole lowered step (a second or so for an unrolled model): only where a verdict may be found.
+    key = unfit_steps.step_key(lowered) if folder and unfit_steps.any_remembered(folder) else None
     known = unfit_steps.recall(folder, key, budget) if key else None
     if known is not None:
         # The compile without remat was refused or over budget before: not paid again (train/measurement/unfit_steps.py).
@@ -184,7 +185,8 @@ def choose_remat(setup: Any, out: TextIO) -> RematChoice | None:
     else:
         plan, planned = plan_without_remat(setup, lowered)
         on = plan is None or not plan.fits(budget)
-        if on and key:
+        if on and folder:
+            key = key or unfit_steps.step_key(lowered)
             try:
                 unfit_steps.remember(folder, unfit_steps.UnfitStep(key, budget, planned))
             except OSError as e:  # the run goes on; the next one plans this step again

@@ -16,7 +16,8 @@ from train.adapter_files import lora_file
 from train.checkpointing import checkpoints, resume
 from train.measurement import divergence
 from train.run_config import outputs
-from train.run_config.config import TrainConfig, TrainError
+from train.run_config import executable_preload
+from train.run_config.config import PROGRAM_OPTIONS, TrainConfig, TrainError
 from prepack.format.manifest import packing_kind
 from train.measurement.metrics import MetricsRecorder
 from train.model.fingerprint import base_fingerprint
@@ -41,16 +42,25 @@ class Setup:
     policy: checkpoints.EveryNStepsAndLast | None = None
     resumed_step: int = 0  # the checkpoint step Tunix restored (0: a fresh start)
     base_weights: dict[str, Any] | None = None  # {"source", "fingerprint"} when checkpointing or exporting
+    preload: Any = None  # train.run_config.executable_preload.Preload, where the cache and the preload are on
 
 
-def enable_compile_cache(cfg: TrainConfig, say: TextIO) -> None:
-    """--compile-cache, once the output rule has judged its folder, before any compile."""
+def enable_compile_cache(cfg: TrainConfig, say: TextIO) -> str | None:
+    """--compile-cache, once the output rule has judged its folder, before any compile; the folder (None: off)."""
     from train.run_config import compile_cache
 
     try:
-        compile_cache.enable(cfg.compile_cache, say)
+        return compile_cache.enable(cfg.compile_cache, say)
     except compile_cache.CompileCacheError as e:
         raise TrainError(str(e)) from None
+
+
+def begin_preload(cfg: TrainConfig, cache: str | None, max_length: int, say: TextIO) -> Any:
+    """--compile-preload: the executables the last run of these options looked up, loading on threads."""
+    if cfg.compile_preload != executable_preload.ON:
+        return None
+    fields = {name: getattr(cfg, name) for name in PROGRAM_OPTIONS}
+    return executable_preload.begin(cache, executable_preload.hint_of({"train": fields, "max_length": max_length}), say)
 
 
 def setup(cfg: TrainConfig, out: TextIO | None = None) -> Setup:
@@ -74,7 +84,20 @@ def setup(cfg: TrainConfig, out: TextIO | None = None) -> Setup:
     qlora_tile(cfg, model.config)  # a tile the widths refuse is refused before any weight loads
     ckpt, identity = open_checkpoint(cfg, model, view)
     # After every check that can refuse the run (its one line stays alone), before the first compile.
-    enable_compile_cache(cfg, say)
+    cache = enable_compile_cache(cfg, say)
+    # Before the weights: a repeat run's executables load on threads meanwhile (train/run_config/executable_preload.py).
+    preload = begin_preload(cfg, cache, max_length, say)
+    try:
+        return build(cfg, say, out, view, eval_view, mesh, model, ckpt, identity, preload)
+    except BaseException:
+        executable_preload.abandon(preload)
+        raise
+
+
+def build(cfg: TrainConfig, say: TextIO, out: TextIO | None, view: Any, eval_view: Any, mesh: Any, model: ModelChoice,
+          ckpt: checkpoints.CheckpointDir | None, identity: Any, preload: Any) -> Setup:
+    """setup's model, LoRA, trainer and recorder, once every check has passed and the cache is on."""
+    max_length = view.manifest.max_length
     built, base_params = load_base_weights(cfg, model, mesh, say)
     base_weights = record_base_weights(cfg, built, ckpt, identity)
     prepare_model(cfg, model, built, mesh, max_length)
@@ -98,7 +121,7 @@ def setup(cfg: TrainConfig, out: TextIO | None = None) -> Setup:
     if ckpt is not None:
         extra.update({"checkpoint_dir": cfg.checkpoint_dir, "resumed_from_step": resumed})
     return Setup(cfg, view, eval_view, built, mesh, trainer, recorder, {**static, **extra},
-                 checkpoint=ckpt, policy=policy, resumed_step=resumed, base_weights=base_weights)
+                 checkpoint=ckpt, policy=policy, resumed_step=resumed, base_weights=base_weights, preload=preload)
 
 
 @dataclasses.dataclass(frozen=True)

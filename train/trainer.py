@@ -33,7 +33,7 @@ from train.checkpointing import checkpoints, resume
 from train.generation import eval_generate
 from train.measurement import divergence, out_of_memory
 from train.model import models
-from train.run_config import outputs
+from train.run_config import executable_preload, outputs
 from train.run_config.config import TrainConfig, TrainError
 from train.run_setup import Setup, setup
 from train.step import memory_path, precision
@@ -197,6 +197,9 @@ def _execute(cfg: TrainConfig, out: TextIO | None, prompts: Any) -> tuple[Setup,
         if isinstance(s.trainer.checkpoint_manager, checkpoints.DataStateCheckpoints):
             s.recorder.static_extra["checkpoints_saved"] = s.trainer.checkpoint_manager.saved_steps
         s.recorder.static_extra["device_peak_bytes"] = memory_plan.device_peak_bytes()
+        preloaded = executable_preload.end(s.preload, out if out is not None else sys.stderr)
+        if preloaded is not None:
+            s.recorder.static_extra["compile_preload"] = preloaded
         summary = s.recorder.summary(extra={k: v for k, v in s.static.items() if k not in s.recorder.static})
         s.recorder.close(summary)
     return s, summary

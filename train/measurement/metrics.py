@@ -105,6 +105,18 @@ def by_source_record(names: list[str], counts: Mapping[str, Any], aux: Mapping[s
     return {"loss_by_source": loss, "target_tokens_by_source": {name: int(host[i]) for i, name in enumerate(names, start=1)}}
 
 
+def process_age_s() -> float | None:
+    """Seconds since this process started, from Linux's /proc (10 ms ticks); None where there is none."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as f:
+            after_name = f.read().rsplit(")", 1)[1].split()  # the name may hold spaces: fields 3.. follow ")"
+        with open("/proc/uptime", encoding="ascii") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - int(after_name[19]) / os.sysconf("SC_CLK_TCK")  # field 22: starttime, in ticks since boot
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def window_step_times(start: float, dispatched: list[float], end: float, first: bool) -> list[float]:
     """Each step's share of a fetched window [start, end]: the window's mean, except that a
     window opening the run gives its first step the time up to that step's dispatch (the jit
@@ -220,6 +232,9 @@ class MetricsRecorder:
         # Seconds spent compiling the step before the loop (--remat auto's plan compiles the
         # executable step 1 runs): step 1's time includes them, as it would the compile itself.
         self.compiled_before_s = 0.0
+        # The process's age at step 1's dispatch: what the user waited from the command to step 1
+        # (imports, weights, the compile or the cache's load, wherever they ran).
+        self.launch_to_first_step_s: float | None = None
 
     def charge_first_step(self, seconds: float) -> None:
         """Time spent before the loop on step 1's behalf (its compile), added to step 1's time."""
@@ -253,6 +268,8 @@ class MetricsRecorder:
     def step_dispatched(self, aux: Mapping[str, Any]) -> None:
         """The step's results as device arrays; nothing waits for them here."""
         now = time.perf_counter()
+        if not self.steps and not self._unfetched:
+            self.launch_to_first_step_s = process_age_s()
         if self._window_start is None:
             self._window_start = self.started
         self._unfetched.append((self._pending or {}, aux, now))
@@ -433,6 +450,7 @@ class MetricsRecorder:
             "skipped_steps": sum(1 for s in steps if s.get("skipped")),
             "stopped": self.stopped,
             "first_step_time_s": steps[0]["step_time_s"] if steps else None,
+            "launch_to_first_step_s": self.launch_to_first_step_s,
             "timed_steps": len(timed),
             "mean_step_time_s": float(times.mean()) if len(times) else None,
             "median_step_time_s": float(np.median(times)) if len(times) else None,

@@ -51,6 +51,14 @@ def path_of(cache_folder: str, key: str) -> str:
     return os.path.join(cache_folder, FOLDER, f"{key}.json")
 
 
+def any_remembered(cache_folder: str) -> bool:
+    """Whether the folder holds any verdict (else no key need be computed to look one up)."""
+    try:
+        return any(name.endswith(".json") for name in os.listdir(os.path.join(cache_folder, FOLDER)))
+    except OSError:
+        return False
+
+
 def recall(cache_folder: str, key: str, budget_bytes: int) -> UnfitStep | None:
     """The remembered verdict for this step, when there is a valid one that covers this budget."""
     path = path_of(cache_folder, key)

@@ -1,0 +1,305 @@
+"""A repeat run's cached executables, loaded on threads while the run is still tracing them.
+
+Why: on a TPU v5e a cache hit of Gemma3 270M's (8, 2048) train step still took 21.9 s before step 1:
+JAX traces the step (5.7 s) and lowers it (1.1 s) to compute the cache key, and only then loads the
+executable (14.3 s, inside the TPU runtime's deserialize; docs/benchmarks.md, "On a TPU v5e"). The load
+does not need the trace, only the key, and the key of a repeat run is the last run's.
+
+How: a run writes down, in a record beside the compilation cache, the cache key JAX computed for each
+executable it looked up (with the compile options and devices JAX loaded it for). The next run with
+the same `hint` (the options that shape its programs) starts loading those cache entries on threads
+as soon as the cache is enabled, before the weights load; the deserialize runs in the runtime without
+Python's lock, so the trace goes on meanwhile. JAX's own cache lookup (`compiler._cache_read`, wrapped
+here) then takes a loaded executable only when the key it computed from the program it has just
+lowered is the recorded key, with the same compile options and devices: exactly the entry its own
+lookup would have deserialized. A stale or planted record can only cost a load in the background;
+it can never run a program other than the one JAX keyed. A record is read as a stranger's file (its
+size, names, types and counts are checked; one that fails is ignored and named in one line).
+
+`--compile-cache off` preloads and records nothing; `--compile-preload off` keeps the cache and only
+turns the preload off (for a measurement against it, docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import tempfile
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any, TextIO
+
+FOLDER = "prepack-preload"
+FORMAT = "prepack-preload/1"
+ON, OFF = "on", "off"
+MAX_FILE_BYTES = 256 << 10
+MAX_ENTRIES = 32  # a train run looks up a handful (the adapters' init, the step, an eval step)
+MAX_OPTIONS_BYTES = 64 << 10  # serialized CompileOptions are ~1 KB
+MAX_DEVICES = 4096
+MAX_THREADS = 4
+# JAX's cache keys are "<module name>-<sha256 hex>" and its module names jit_<python name>.
+_KEY = re.compile(r"[A-Za-z0-9_.\-]{1,300}")
+_HINT = re.compile(r"[0-9a-f]{64}")
+
+
+class PreloadRecordError(ValueError):
+    """A preload record that fails a check (one line naming the file and field); the record is ignored."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One cache lookup of a run: what JAX keyed, and what it loads the entry for."""
+
+    module: str
+    key: str
+    options: bytes  # xla CompileOptions, serialized
+    devices: tuple[int, ...]  # the executable's device ids, in order
+
+    def as_json(self) -> dict[str, Any]:
+        return {"module": self.module, "key": self.key, "options": base64.b64encode(self.options).decode("ascii"),
+                "devices": list(self.devices)}
+
+
+def hint_of(fields: Mapping[str, Any]) -> str:
+    """The record's name for a run's program-shaping options (any JSON-able mapping)."""
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def record_path(cache_folder: str, hint: str) -> str:
+    return os.path.join(cache_folder, FOLDER, f"{hint}.json")
+
+
+def read_record(path: str) -> list[Entry]:
+    """The record's entries; [] where there is none. Raises PreloadRecordError for one that fails a check."""
+    try:
+        size = os.path.getsize(path)
+    except FileNotFoundError:
+        return []
+    except OSError as e:
+        raise PreloadRecordError(f"{path}: cannot be read ({e.strerror or e})") from None
+    if size > MAX_FILE_BYTES:
+        raise PreloadRecordError(f"{path}: larger than {MAX_FILE_BYTES:,} bytes; not read")
+    try:
+        with open(path, "rb") as f:
+            data = json.loads(f.read(MAX_FILE_BYTES + 1))
+    except (OSError, ValueError) as e:
+        raise PreloadRecordError(f"{path}: not a JSON record ({e})") from None
+    return entries_of(data, path)
+
+
+def entries_of(data: Any, where: str) -> list[Entry]:
+    """The checked entries of a parsed record."""
+    if not isinstance(data, dict) or set(data) != {"format", "entries"}:
+        raise PreloadRecordError(f"{where}: not a preload record (an object of format and entries expected)")
+    if data["format"] != FORMAT:
+        raise PreloadRecordError(f"{where}: format: {str(data['format'])[:40]!r}, expected {FORMAT!r}")
+    raw = data["entries"]
+    if not isinstance(raw, list) or len(raw) > MAX_ENTRIES:
+        raise PreloadRecordError(f"{where}: entries: a list of at most {MAX_ENTRIES} expected")
+    return [entry_of(item, f"{where}: entries[{i}]") for i, item in enumerate(raw)]
+
+
+def entry_of(item: Any, where: str) -> Entry:
+    if not isinstance(item, dict) or set(item) != {"module", "key", "options", "devices"}:
+        raise PreloadRecordError(f"{where}: an object of module, key, options and devices expected")
+    for name in ("module", "key"):
+        if not isinstance(item[name], str) or not _KEY.fullmatch(item[name]):
+            raise PreloadRecordError(f"{where}.{name}: not a JAX cache name (letters, digits, _ . -; at most 300)")
+    options = item["options"]
+    if not isinstance(options, str) or len(options) > MAX_OPTIONS_BYTES * 4 // 3 + 4:
+        raise PreloadRecordError(f"{where}.options: base64 of at most {MAX_OPTIONS_BYTES:,} bytes expected")
+    try:
+        decoded = base64.b64decode(options, validate=True)
+    except ValueError:
+        raise PreloadRecordError(f"{where}.options: not base64") from None
+    devices = item["devices"]
+    if (not isinstance(devices, list) or not 0 < len(devices) <= MAX_DEVICES
+            or not all(type(d) is int and 0 <= d < 1 << 31 for d in devices)):
+        raise PreloadRecordError(f"{where}.devices: a list of 1 to {MAX_DEVICES} device ids expected")
+    return Entry(item["module"], item["key"], decoded, tuple(devices))
+
+
+def write_record(path: str, entries: list[Entry]) -> None:
+    """The record, whole or not at all (a temporary file renamed over the old one)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".preload-", dir=os.path.dirname(path))
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump({"format": FORMAT, "entries": [e.as_json() for e in entries[:MAX_ENTRIES]]}, f)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def in_cache(cache_folder: str, key: str) -> bool:
+    """Whether JAX's file cache holds an entry for `key` (its LRUCache names a file <key>-cache)."""
+    from jax._src import lru_cache
+
+    return os.path.isfile(os.path.join(cache_folder, f"{key}{lru_cache._CACHE_SUFFIX}"))
+
+
+@dataclasses.dataclass
+class Load:
+    """One entry loading (or loaded) on a preload thread."""
+
+    entry: Entry
+    platform: str
+    future: concurrent.futures.Future | None = None
+    seconds: float | None = None  # the load's own time, once done
+
+
+class Preload:
+    """This process's preloads for one run, and the lookups it records for the next run."""
+
+    def __init__(self, cache_folder: str, path: str) -> None:
+        self.cache_folder = cache_folder
+        self.path = path
+        self.loads: dict[str, Load] = {}  # by key: started, not yet asked for
+        self.history: list[Load] = []
+        self.seen: list[Entry] = []
+        self.used: list[str] = []  # module names JAX took from the preload
+        self.waited_s = 0.0  # time JAX's lookups waited for a load still running
+        self._lock = threading.Lock()
+
+    def start(self, entries: list[Entry], backend: Any) -> None:
+        """Starts loading each entry whose devices this process has."""
+        by_id = {d.id: d for d in backend.devices()}
+        wanted = [e for e in entries if all(i in by_id for i in e.devices)]
+        if not wanted:
+            return
+        pool = concurrent.futures.ThreadPoolExecutor(min(MAX_THREADS, len(wanted)), "prepack-preload")
+        for entry in wanted:
+            load = Load(entry, backend.platform)
+            load.future = pool.submit(_load_entry, load, backend, tuple(by_id[i] for i in entry.devices))
+            self.loads[entry.key] = load
+            self.history.append(load)
+        pool.shutdown(wait=False)  # the threads end with their loads; nothing waits for them here
+
+    def lookup(self, original: Any, module_name: str, cache_key: str, compile_options: Any, backend: Any,
+               executable_devices: Any) -> tuple[Any, Any]:
+        """JAX's `_cache_read`, answered from a preload only when it loaded exactly this lookup's entry:
+        the key JAX computed from the program it lowered, the same compile options and devices."""
+        entry = Entry(module_name, cache_key, compile_options.SerializeAsString(),
+                      tuple(d.id for d in executable_devices))
+        with self._lock:
+            if all(e.key != cache_key for e in self.seen):
+                self.seen.append(entry)
+            load = self.loads.pop(cache_key, None)
+            # The same function under another key: its recorded program is stale; let it go once loaded.
+            for key in [k for k, other in self.loads.items() if other.entry.module == module_name]:
+                del self.loads[key]
+        if load is not None and load.future is not None and load.entry == entry and load.platform == backend.platform:
+            started, running = time.perf_counter(), not load.future.done()
+            try:
+                executable, compile_time = load.future.result()
+            except Exception:  # noqa: BLE001  (JAX's own lookup below reports a damaged entry its way)
+                executable, compile_time = None, None
+            if running:
+                self.waited_s += time.perf_counter() - started
+            if executable is not None:
+                self.used.append(module_name)
+                return executable, compile_time
+        return original(module_name, cache_key, compile_options, backend, executable_devices)
+
+    def finish(self) -> dict[str, Any]:
+        """Drops the loads nobody asked for and writes the record of this run's lookups (when it made
+        any); returns what the preload did, for the run's summary."""
+        with self._lock:
+            self.loads = {}
+            # What JAX's cache holds now: the entries it read, and those it wrote after compiling
+            # (programs that compile faster than its threshold are not kept, nor worth a thread).
+            kept = [e for e in self.seen if in_cache(self.cache_folder, e.key)]
+        if kept:
+            write_record(self.path, kept)
+        return {
+            "record": self.path,
+            "loaded": [load.entry.module for load in self.history],
+            "used": list(self.used),
+            "load_s": [round(load.seconds, 3) if load.seconds is not None else None for load in self.history],
+            "waited_s": round(self.waited_s, 3),
+        }
+
+
+def _load_entry(load: Load, backend: Any, devices: tuple[Any, ...]) -> tuple[Any, Any]:
+    """JAX's own read of one cache entry (read, decompress, deserialize), on a preload thread."""
+    from jax._src import compilation_cache
+    from jax._src.lib import xla_client
+
+    started = time.perf_counter()
+    try:
+        options = xla_client.CompileOptions.ParseFromString(load.entry.options)
+        return compilation_cache.get_executable_and_time(load.entry.key, options, backend,
+                                                         xla_client.DeviceList(devices))
+    finally:
+        load.seconds = time.perf_counter() - started
+
+
+# The process's one hook on JAX's cache lookup, and the run it answers for (None: JAX's lookup as is).
+_active: Preload | None = None
+_original: Any = None
+
+
+def _cache_read(module_name: str, cache_key: str, compile_options: Any, backend: Any, executable_devices: Any) -> Any:
+    preload = _active
+    if preload is None:
+        return _original(module_name, cache_key, compile_options, backend, executable_devices)
+    return preload.lookup(_original, module_name, cache_key, compile_options, backend, executable_devices)
+
+
+def _install() -> None:
+    """Wraps JAX's cache lookup once per process (JAX calls it by its module-level name)."""
+    global _original
+    from jax._src import compiler
+
+    if _original is None:
+        _original = compiler._cache_read
+        compiler._cache_read = _cache_read
+
+
+def begin(cache_folder: str | None, hint: str, out: TextIO) -> Preload | None:
+    """Starts the run's preloads from the record of `hint` (on threads) and records its lookups;
+    None where the cache is off. A record that fails a check is named in one line and ignored."""
+    global _active
+    import jax
+
+    if cache_folder is None or not _HINT.fullmatch(hint):
+        return None
+    _install()
+    preload = Preload(cache_folder, record_path(cache_folder, hint))
+    try:
+        entries = read_record(preload.path)
+    except PreloadRecordError as e:
+        print(f"compile preload: {e}; ignored (this run writes it afresh)", file=out, flush=True)
+        entries = []
+    preload.start(entries, jax.devices()[0].client)
+    _active = preload
+    return preload
+
+
+def abandon(preload: Preload | None) -> None:
+    """A run that ended before it trained: its lookups are no longer answered, and nothing is recorded."""
+    global _active
+    if preload is not None and _active is preload:
+        _active = None
+        preload.loads = {}
+
+
+def end(preload: Preload | None, out: TextIO) -> dict[str, Any] | None:
+    """Stops answering JAX's lookups and writes the record; what the preload did (None: there was none)."""
+    global _active
+    if preload is None:
+        return None
+    if _active is preload:
+        _active = None
+    try:
+        return preload.finish()
+    except OSError as e:  # the run's work is done; the next run only loses its preload
+        print(f"compile preload: could not write {preload.path} ({e.strerror or e})", file=out, flush=True)
+        return None
