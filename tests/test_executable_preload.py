@@ -15,7 +15,6 @@ import pytest
 
 from testkit.shard_sets import TEST_TOKENIZER, build_shard_set
 from train import cli
-from train.measurement.metrics import process_age_s
 from train.run_config import compile_cache, executable_preload
 
 
@@ -35,10 +34,15 @@ HINT = executable_preload.hint_of({"test": "preload"})
 
 def compiled_once(fn, x, folder: str) -> list[executable_preload.Entry]:
     """Compiles `fn` (a cold compile: the cache writes it) under a preload session; the record's entries."""
+    jax.clear_caches()  # JAX's lookup in the cache, not its in-memory executable of an earlier test
     preload = executable_preload.begin(folder, HINT, io.StringIO())
     fn.lower(x).compile()
     executable_preload.end(preload, io.StringIO())
-    return executable_preload.read_record(executable_preload.record_path(folder, HINT))
+    return list(executable_preload.read_record(executable_preload.record_path(folder, HINT)).entries)
+
+
+def record(*entries: executable_preload.Entry, **runtime: str) -> executable_preload.Record:
+    return executable_preload.Record({**executable_preload.runtime_of(jax.devices()[0].client), **runtime}, entries)
 
 
 def twice(x):
@@ -54,8 +58,8 @@ def test_a_lookup_is_answered_from_the_preload_only_for_the_key_options_and_devi
     (entry,) = compiled_once(jax.jit(twice), x, cache)
     assert entry.module == "jit_twice" and entry.key.startswith("jit_twice-") and entry.devices == (jax.devices()[0].id,)
 
-    def run(record: list[executable_preload.Entry], fn) -> tuple[list[str], np.ndarray]:
-        executable_preload.write_record(executable_preload.record_path(cache, HINT), record)
+    def run(entries: list[executable_preload.Entry], fn) -> tuple[list[str], np.ndarray]:
+        executable_preload.write_record(executable_preload.record_path(cache, HINT), record(*entries))
         jax.clear_caches()  # JAX's lookup in the cache, not its in-memory executable
         preload = executable_preload.begin(cache, HINT, io.StringIO())
         out = np.asarray(jax.jit(fn)(x))
@@ -71,9 +75,23 @@ def test_a_lookup_is_answered_from_the_preload_only_for_the_key_options_and_devi
     forged = executable_preload.Entry(entry.module, entry.key, entry.options + b"\x00", entry.devices)
     used, out = run([forged], twice)
     assert used == [] and np.allclose(out, twice(np.asarray(x)))
-    moved = executable_preload.Entry(entry.module, entry.key, entry.options, (jax.devices()[0].id, jax.devices()[0].id))
-    used, out = run([moved], twice)
-    assert used == [] and np.allclose(out, twice(np.asarray(x)))
+    # Entries of another runtime (another libtpu, JAX or platform) are never deserialized.
+    executable_preload.write_record(executable_preload.record_path(cache, HINT), record(entry, jax="0.0.0"))
+    preload = executable_preload.begin(cache, HINT, io.StringIO())
+    assert preload.loads == {} and executable_preload.end(preload, io.StringIO())["loaded"] == []
+
+
+def test_a_function_recorded_once_and_asked_for_under_another_key_lets_its_stale_load_go(cache) -> None:
+    x = jnp.arange(6.0)
+    (entry,) = compiled_once(jax.jit(twice), x, cache)
+    stale = executable_preload.Entry(entry.module, f"{entry.module}-{'0' * 64}", entry.options, entry.devices)
+    executable_preload.write_record(executable_preload.record_path(cache, HINT), record(stale))
+    jax.clear_caches()
+    preload = executable_preload.begin(cache, HINT, io.StringIO())
+    assert set(preload.loads) == {stale.key}
+    assert np.allclose(np.asarray(jax.jit(twice)(x)), twice(np.asarray(x)))
+    assert preload.loads == {} and preload.used == []  # not held until the run's end
+    executable_preload.end(preload, io.StringIO())
 
 
 def test_a_damaged_entry_falls_back_to_jax_which_compiles_afresh(cache) -> None:
@@ -101,55 +119,114 @@ def test_the_record_keeps_only_what_the_cache_holds(cache) -> None:
 
 ENTRY = {"module": "jit_train_step", "key": "jit_train_step-" + "ab" * 32,
          "options": base64.b64encode(b"\x08\x01").decode(), "devices": [0]}
+RUNTIME = {"platform": "cpu", "platform_version": "cpu", "jax": "0.10.2", "jaxlib": "0.10.2"}
 
 
-@pytest.mark.parametrize("record, message", [
-    ("{", "not a JSON record"),
-    ([], "not a preload record (an object of format and entries expected)"),
-    ({"format": "prepack-preload/9", "entries": []}, "format: 'prepack-preload/9', expected 'prepack-preload/1'"),
-    ({"format": "prepack-preload/1", "entries": [ENTRY] * 33}, "entries: a list of at most 32 expected"),
-    ({"format": "prepack-preload/1", "entries": [{**ENTRY, "key": "../../etc/passwd"}]},
+def a_record(**fields) -> dict:
+    return {"format": "prepack-preload/1", "runtime": RUNTIME, "entries": [ENTRY], **fields}
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{", "not a JSON record (JSONDecodeError)"),
+    ("[" * 200_000, "not a JSON record (RecursionError)"),
+    ([], "not a preload record (an object of format, runtime and entries expected)"),
+    (a_record(format="prepack-preload/9"), "format: 'prepack-preload/9', expected 'prepack-preload/1'"),
+    (a_record(runtime={"jax": 1}), "runtime: an object of platform, platform_version, jax, jaxlib (strings) expected"),
+    (a_record(entries=[ENTRY] * 33), "entries: a list of at most 32 expected"),
+    (a_record(entries=[{**ENTRY, "key": "../../etc/passwd"}]),
      "entries[0].key: not a JAX cache name (letters, digits, _ . -; at most 300)"),
-    ({"format": "prepack-preload/1", "entries": [{**ENTRY, "module": 7}]},
-     "entries[0].module: not a JAX cache name"),
-    ({"format": "prepack-preload/1", "entries": [{**ENTRY, "options": "%%%"}]}, "entries[0].options: not base64"),
-    ({"format": "prepack-preload/1", "entries": [{**ENTRY, "options": "A" * 100_000}]},
-     "entries[0].options: base64 of at most 65,536 bytes expected"),
-    ({"format": "prepack-preload/1", "entries": [{**ENTRY, "devices": ["0"]}]},
-     "entries[0].devices: a list of 1 to 4096 device ids expected"),
-    ({"format": "prepack-preload/1", "entries": [{**ENTRY, "devices": []}]},
-     "entries[0].devices: a list of 1 to 4096 device ids expected"),
-    ({"format": "prepack-preload/1", "entries": [{**ENTRY, "extra": 1}]},
-     "entries[0]: an object of module, key, options and devices expected"),
+    (a_record(entries=[{**ENTRY, "module": 7}]), "entries[0].module: not a JAX cache name"),
+    (a_record(entries=[{**ENTRY, "options": "%%%"}]), "entries[0].options: not base64"),
+    (a_record(entries=[{**ENTRY, "options": "A" * 100_000}]), "entries[0].options: base64 of at most 65,536 bytes expected"),
+    (a_record(entries=[{**ENTRY, "devices": ["0"]}]), "entries[0].devices: a list of 1 to 4096 device ids expected"),
+    (a_record(entries=[{**ENTRY, "devices": []}]), "entries[0].devices: a list of 1 to 4096 device ids expected"),
+    (a_record(entries=[{**ENTRY, "extra": 1}]), "entries[0]: an object of module, key, options and devices expected"),
 ])
-def test_a_strangers_record_is_named_in_one_line_and_ignored(cache, record, message) -> None:
+def test_a_strangers_record_is_named_in_one_line_and_ignored(cache, text, message) -> None:
     path = executable_preload.record_path(cache, HINT)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
-        f.write(record if isinstance(record, str) else json.dumps(record))
+        f.write(text if isinstance(text, str) else json.dumps(text))
     with pytest.raises(executable_preload.PreloadRecordError) as e:
         executable_preload.read_record(path)
     assert str(e.value).startswith(f"{path}: {message}")
     out = io.StringIO()
     preload = executable_preload.begin(cache, HINT, out)
     assert preload is not None and preload.loads == {}
-    assert out.getvalue() == f"compile preload: {e.value}; ignored (this run writes it afresh)\n"
+    assert out.getvalue() == f"compile preload: {e.value}; ignored\n"
     executable_preload.abandon(preload)
 
 
-def test_an_oversized_record_is_not_read(cache) -> None:
+def test_an_oversized_record_or_a_fifo_is_not_read(cache) -> None:
     path = executable_preload.record_path(cache, HINT)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "wb") as f:
         f.write(b" " * (executable_preload.MAX_FILE_BYTES + 1))
     with pytest.raises(executable_preload.PreloadRecordError, match=r": larger than 262,144 bytes; not read$"):
         executable_preload.read_record(path)
+    os.remove(path)
+    os.mkfifo(path)  # nobody writes it: a blocking open would hold the run forever
+    with pytest.raises(executable_preload.PreloadRecordError, match=r": not a regular file; not read$"):
+        executable_preload.read_record(path)
 
 
-def test_the_process_age_grows_from_the_process_start() -> None:
-    first = process_age_s()
-    assert first is not None and 0 < first < 24 * 3600
-    assert process_age_s() >= first
+def test_a_key_named_twice_is_loaded_once() -> None:
+    parsed = executable_preload.record_of(a_record(entries=[ENTRY, {**ENTRY, "module": "jit_other"}, ENTRY]), "r.json")
+    assert [e.module for e in parsed.entries] == ["jit_train_step"]
+
+
+def test_an_unknown_compile_preload_value_is_refused_in_one_line() -> None:
+    from train.run_config.config import TrainConfig, TrainError
+    from train.run_setup import check_flags
+
+    with pytest.raises(TrainError, match=r"^unknown --compile-preload 'maybe'; choose on or off$"):
+        check_flags(TrainConfig(shards="unused", compile_preload="maybe"))
+
+
+OTHER_DEVICE = """
+import io, os, sys, numpy as np, jax, jax.numpy as jnp
+sys.path.insert(0, {root!r})
+from train.run_config import compile_cache, executable_preload as ep
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+compile_cache.enable({cache!r}, io.StringIO())
+hint, x = ep.hint_of({{"test": "devices"}}), jnp.arange(4.0)
+fn = lambda v: jnp.sin(v) * 2.0 + 1.0
+preload = ep.begin({cache!r}, hint, io.StringIO()); jax.jit(fn).lower(x).compile(); ep.end(preload, io.StringIO())
+(entry,) = ep.read_record(ep.record_path({cache!r}, hint)).entries
+assert entry.devices == (0,), entry.devices
+# The same key, recorded as loaded for the second device: deserialized there, never given to JAX for the first.
+moved = ep.Entry(entry.module, entry.key, entry.options, (1,))
+ep.write_record(ep.record_path({cache!r}, hint), ep.Record(ep.runtime_of(jax.devices()[0].client), (moved,)))
+jax.clear_caches()
+preload = ep.begin({cache!r}, hint, io.StringIO())
+out = np.asarray(jax.jit(fn)(x))
+facts = ep.end(preload, io.StringIO())
+assert facts["loaded"] == [entry.module] and facts["used"] == [], facts
+assert np.allclose(out, np.sin(np.arange(4.0)) * 2.0 + 1.0)
+print("OK")
+"""
+
+
+def test_an_entry_loaded_for_other_devices_is_not_given_to_jax(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-c", OTHER_DEVICE.format(root=root, cache=str(tmp_path / "xla"))],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stderr[-2000:]
+
+
+def test_the_process_age_is_the_time_since_the_process_started() -> None:
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = (f"import sys, time; sys.path.insert(0, {root!r}); time.sleep(0.5); "
+            "from train.measurement.metrics import process_age_s; print(process_age_s())")
+    age = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120).stdout)
+    assert 0.5 <= age < 10  # the sleep, the interpreter's start and one import; not the machine's uptime
 
 
 @pytest.fixture(scope="module")
@@ -170,13 +247,14 @@ def summary_of(shards: str, tmp_path, folder: str, *more: str) -> dict:
 def test_a_repeat_train_run_takes_its_step_from_the_preload_and_trains_the_same(shards, tmp_path, cache, capsys) -> None:
     cold = summary_of(shards, tmp_path, cache)
     assert cold["compile_preload"]["used"] == []
-    (record,) = os.listdir(os.path.join(cache, executable_preload.FOLDER))
-    modules = [e.module for e in executable_preload.read_record(os.path.join(cache, executable_preload.FOLDER, record))]
+    (name,) = os.listdir(os.path.join(cache, executable_preload.FOLDER))
+    written = executable_preload.read_record(os.path.join(cache, executable_preload.FOLDER, name))
+    modules = [e.module for e in written.entries]
     assert "jit_train_step" in modules
     warm = summary_of(shards, tmp_path, cache)
     assert "jit_train_step" in warm["compile_preload"]["used"]
     assert warm["final_loss"] == cold["final_loss"] and warm["first_loss"] == cold["first_loss"]
-    assert warm["launch_to_first_step_s"] > warm["first_step_time_s"] > 0
+    assert warm["launch_to_first_step_s"] > 0 and warm["first_step_time_s"] > 0
     # Another max length or option is another record: nothing of this one is loaded.
     other = summary_of(shards, tmp_path, cache, "--lora-rank", "4")
     assert other["compile_preload"]["loaded"] == []

@@ -270,6 +270,7 @@ def run_plan(cfg: Any, out: TextIO) -> dict[str, Any]:
     import sys
 
     from train import objectives
+    from train.run_config import executable_preload
     from train.run_setup import setup
     from train.step import memory_path
 
@@ -279,6 +280,7 @@ def run_plan(cfg: Any, out: TextIO) -> dict[str, Any]:
     manifest = s.view.manifest
     remat_on = memory_path.remat_is_on(s.built.model)
     plan = auto.plan if auto is not None else plan_run_step(s)
+    executable_preload.end(s.preload, sys.stderr)  # the step a train run of these options will look up
     budget, source = budget_bytes(cfg.memory_budget_gib)
     kind = memory_path.attention_kind(cfg)
     describe = (f"{cfg.model} {s.static.get('dtype')} LoRA rank {cfg.lora_rank}, "

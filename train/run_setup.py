@@ -42,7 +42,7 @@ class Setup:
     policy: checkpoints.EveryNStepsAndLast | None = None
     resumed_step: int = 0  # the checkpoint step Tunix restored (0: a fresh start)
     base_weights: dict[str, Any] | None = None  # {"source", "fingerprint"} when checkpointing or exporting
-    preload: Any = None  # train.run_config.executable_preload.Preload, where the cache and the preload are on
+    preload: executable_preload.Preload | None = None  # where the cache and --compile-preload are on
 
 
 def enable_compile_cache(cfg: TrainConfig, say: TextIO) -> str | None:
@@ -55,7 +55,7 @@ def enable_compile_cache(cfg: TrainConfig, say: TextIO) -> str | None:
         raise TrainError(str(e)) from None
 
 
-def begin_preload(cfg: TrainConfig, cache: str | None, max_length: int, say: TextIO) -> Any:
+def begin_preload(cfg: TrainConfig, cache: str | None, max_length: int, say: TextIO) -> executable_preload.Preload | None:
     """--compile-preload: the executables the last run of these options looked up, loading on threads."""
     if cfg.compile_preload != executable_preload.ON:
         return None
@@ -95,7 +95,7 @@ def setup(cfg: TrainConfig, out: TextIO | None = None) -> Setup:
 
 
 def build(cfg: TrainConfig, say: TextIO, out: TextIO | None, view: Any, eval_view: Any, mesh: Any, model: ModelChoice,
-          ckpt: checkpoints.CheckpointDir | None, identity: Any, preload: Any) -> Setup:
+          ckpt: checkpoints.CheckpointDir | None, identity: Any, preload: executable_preload.Preload | None) -> Setup:
     """setup's model, LoRA, trainer and recorder, once every check has passed and the cache is on."""
     max_length = view.manifest.max_length
     built, base_params = load_base_weights(cfg, model, mesh, say)
@@ -145,6 +145,8 @@ def check_flags(cfg: TrainConfig) -> None:
     schedule_spec(cfg)
     if cfg.lora_format not in ("peft", "prepack"):
         raise TrainError(f"unknown --lora-format {cfg.lora_format!r}; choose peft or prepack")
+    if cfg.compile_preload not in (executable_preload.ON, executable_preload.OFF):
+        raise TrainError(f"unknown --compile-preload {cfg.compile_preload!r}; choose on or off")
     if cfg.peak_tflops is not None and not (math.isfinite(cfg.peak_tflops) and cfg.peak_tflops > 0):
         raise TrainError(f"--peak-tflops must be positive, got {cfg.peak_tflops}")
     divergence.check_policy(cfg.nan_policy)

@@ -268,7 +268,7 @@ class MetricsRecorder:
     def step_dispatched(self, aux: Mapping[str, Any]) -> None:
         """The step's results as device arrays; nothing waits for them here."""
         now = time.perf_counter()
-        if not self.steps and not self._unfetched:
+        if self.launch_to_first_step_s is None and not self.steps and not self._unfetched:
             self.launch_to_first_step_s = process_age_s()
         if self._window_start is None:
             self._window_start = self.started

@@ -13,8 +13,10 @@ Python's lock, so the trace goes on meanwhile. JAX's own cache lookup (`compiler
 here) then takes a loaded executable only when the key it computed from the program it has just
 lowered is the recorded key, with the same compile options and devices: exactly the entry its own
 lookup would have deserialized. A stale or planted record can only cost a load in the background;
-it can never run a program other than the one JAX keyed. A record is read as a stranger's file (its
-size, names, types and counts are checked; one that fails is ignored and named in one line).
+it can never run a program other than the one JAX keyed. A record names the runtime that wrote it
+(the platform and its version, JAX's and jaxlib's): another runtime's entries are never deserialized,
+as JAX itself would never read them. A record is read as a stranger's file (a regular file; its size,
+names, types and counts are checked; one that fails is ignored and named in one line).
 
 `--compile-cache off` preloads and records nothing; `--compile-preload off` keeps the cache and only
 turns the preload off (for a measurement against it, docs/benchmarks.md).
@@ -23,12 +25,14 @@ turns the preload off (for a measurement against it, docs/benchmarks.md).
 from __future__ import annotations
 
 import base64
+import collections
 import concurrent.futures
 import dataclasses
 import hashlib
 import json
 import os
 import re
+import stat
 import tempfile
 import threading
 import time
@@ -42,10 +46,12 @@ MAX_FILE_BYTES = 256 << 10
 MAX_ENTRIES = 32  # a train run looks up a handful (the adapters' init, the step, an eval step)
 MAX_OPTIONS_BYTES = 64 << 10  # serialized CompileOptions are ~1 KB
 MAX_DEVICES = 4096
+MAX_RUNTIME_CHARS = 1000
 MAX_THREADS = 4
 # JAX's cache keys are "<module name>-<sha256 hex>" and its module names jit_<python name>.
 _KEY = re.compile(r"[A-Za-z0-9_.\-]{1,300}")
 _HINT = re.compile(r"[0-9a-f]{64}")
+RUNTIME_FIELDS = ("platform", "platform_version", "jax", "jaxlib")
 
 
 class PreloadRecordError(ValueError):
@@ -66,6 +72,23 @@ class Entry:
                 "devices": list(self.devices)}
 
 
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """A run's lookups, and the runtime that made them: only the same runtime loads them (an entry of
+    another libtpu or JAX is one JAX itself would never read, and deserializing it is not tried)."""
+
+    runtime: dict[str, str]
+    entries: tuple[Entry, ...]
+
+
+def runtime_of(backend: Any) -> dict[str, str]:
+    import jax
+    import jaxlib
+
+    return {"platform": backend.platform, "platform_version": backend.platform_version, "jax": jax.__version__,
+            "jaxlib": jaxlib.__version__}
+
+
 def hint_of(fields: Mapping[str, Any]) -> str:
     """The record's name for a run's program-shaping options (any JSON-able mapping)."""
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()
@@ -75,34 +98,43 @@ def record_path(cache_folder: str, hint: str) -> str:
     return os.path.join(cache_folder, FOLDER, f"{hint}.json")
 
 
-def read_record(path: str) -> list[Entry]:
-    """The record's entries; [] where there is none. Raises PreloadRecordError for one that fails a check."""
+def read_record(path: str) -> Record | None:
+    """The record at `path`; None where there is none. Raises PreloadRecordError for one that fails a check."""
     try:
-        size = os.path.getsize(path)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO planted there must not hold the run
     except FileNotFoundError:
-        return []
+        return None
     except OSError as e:
         raise PreloadRecordError(f"{path}: cannot be read ({e.strerror or e})") from None
-    if size > MAX_FILE_BYTES:
-        raise PreloadRecordError(f"{path}: larger than {MAX_FILE_BYTES:,} bytes; not read")
-    try:
-        with open(path, "rb") as f:
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise PreloadRecordError(f"{path}: not a regular file; not read")
+        if info.st_size > MAX_FILE_BYTES:
+            raise PreloadRecordError(f"{path}: larger than {MAX_FILE_BYTES:,} bytes; not read")
+        try:
             data = json.loads(f.read(MAX_FILE_BYTES + 1))
-    except (OSError, ValueError) as e:
-        raise PreloadRecordError(f"{path}: not a JSON record ({e})") from None
-    return entries_of(data, path)
+        except (OSError, ValueError, RecursionError) as e:  # RecursionError: nesting deeper than the parser goes
+            raise PreloadRecordError(f"{path}: not a JSON record ({type(e).__name__})") from None
+    return record_of(data, path)
 
 
-def entries_of(data: Any, where: str) -> list[Entry]:
-    """The checked entries of a parsed record."""
-    if not isinstance(data, dict) or set(data) != {"format", "entries"}:
-        raise PreloadRecordError(f"{where}: not a preload record (an object of format and entries expected)")
+def record_of(data: Any, where: str) -> Record:
+    """The checked record of parsed JSON."""
+    if not isinstance(data, dict) or set(data) != {"format", "runtime", "entries"}:
+        raise PreloadRecordError(f"{where}: not a preload record (an object of format, runtime and entries expected)")
     if data["format"] != FORMAT:
         raise PreloadRecordError(f"{where}: format: {str(data['format'])[:40]!r}, expected {FORMAT!r}")
+    runtime = data["runtime"]
+    if (not isinstance(runtime, dict) or set(runtime) != set(RUNTIME_FIELDS)
+            or not all(isinstance(v, str) and len(v) <= MAX_RUNTIME_CHARS for v in runtime.values())):
+        raise PreloadRecordError(f"{where}: runtime: an object of {', '.join(RUNTIME_FIELDS)} (strings) expected")
     raw = data["entries"]
     if not isinstance(raw, list) or len(raw) > MAX_ENTRIES:
         raise PreloadRecordError(f"{where}: entries: a list of at most {MAX_ENTRIES} expected")
-    return [entry_of(item, f"{where}: entries[{i}]") for i, item in enumerate(raw)]
+    entries = [entry_of(item, f"{where}: entries[{i}]") for i, item in enumerate(raw)]
+    unique = {e.key: e for e in reversed(entries)}  # a key named twice is loaded once (its first entry)
+    return Record(dict(runtime), tuple(e for e in entries if unique[e.key] is e))
 
 
 def entry_of(item: Any, where: str) -> Entry:
@@ -125,13 +157,14 @@ def entry_of(item: Any, where: str) -> Entry:
     return Entry(item["module"], item["key"], decoded, tuple(devices))
 
 
-def write_record(path: str, entries: list[Entry]) -> None:
+def write_record(path: str, record: Record) -> None:
     """The record, whole or not at all (a temporary file renamed over the old one)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".preload-", dir=os.path.dirname(path))
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump({"format": FORMAT, "entries": [e.as_json() for e in entries[:MAX_ENTRIES]]}, f)
+            json.dump({"format": FORMAT, "runtime": record.runtime,
+                       "entries": [e.as_json() for e in record.entries[:MAX_ENTRIES]]}, f)
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
@@ -150,74 +183,103 @@ class Load:
     """One entry loading (or loaded) on a preload thread."""
 
     entry: Entry
-    platform: str
-    future: concurrent.futures.Future | None = None
+    future: concurrent.futures.Future | None = None  # None once JAX took it or it was let go
     seconds: float | None = None  # the load's own time, once done
 
 
 class Preload:
     """This process's preloads for one run, and the lookups it records for the next run."""
 
-    def __init__(self, cache_folder: str, path: str) -> None:
+    def __init__(self, cache_folder: str, path: str, backend: Any) -> None:
         self.cache_folder = cache_folder
         self.path = path
+        self.backend = backend  # the default backend: the one whose lookups are recorded and preloaded
         self.loads: dict[str, Load] = {}  # by key: started, not yet asked for
         self.history: list[Load] = []
         self.seen: list[Entry] = []
         self.used: list[str] = []  # module names JAX took from the preload
         self.waited_s = 0.0  # time JAX's lookups waited for a load still running
+        self._recorded: collections.Counter[str] = collections.Counter()  # the record's entries per function
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
 
-    def start(self, entries: list[Entry], backend: Any) -> None:
-        """Starts loading each entry whose devices this process has."""
-        by_id = {d.id: d for d in backend.devices()}
-        wanted = [e for e in entries if all(i in by_id for i in e.devices)]
+    def start(self, record: Record) -> None:
+        """Starts loading the record's entries, where this process has the same runtime and their devices."""
+        if record.runtime != runtime_of(self.backend):
+            return
+        by_id = {d.id: d for d in self.backend.devices()}
+        wanted = [e for e in record.entries if all(i in by_id for i in e.devices)]
         if not wanted:
             return
-        pool = concurrent.futures.ThreadPoolExecutor(min(MAX_THREADS, len(wanted)), "prepack-preload")
+        self._recorded.update(e.module for e in wanted)
+        self._pool = concurrent.futures.ThreadPoolExecutor(min(MAX_THREADS, len(wanted)), "prepack-preload")
         for entry in wanted:
-            load = Load(entry, backend.platform)
-            load.future = pool.submit(_load_entry, load, backend, tuple(by_id[i] for i in entry.devices))
+            load = Load(entry)
+            load.future = self._pool.submit(_load_entry, load, self.backend, tuple(by_id[i] for i in entry.devices))
             self.loads[entry.key] = load
             self.history.append(load)
-        pool.shutdown(wait=False)  # the threads end with their loads; nothing waits for them here
 
     def lookup(self, original: Any, module_name: str, cache_key: str, compile_options: Any, backend: Any,
                executable_devices: Any) -> tuple[Any, Any]:
         """JAX's `_cache_read`, answered from a preload only when it loaded exactly this lookup's entry:
-        the key JAX computed from the program it lowered, the same compile options and devices."""
+        the key JAX computed from the program it lowered, the same compile options, devices and backend."""
+        if backend is not self.backend:
+            return original(module_name, cache_key, compile_options, backend, executable_devices)
         entry = Entry(module_name, cache_key, compile_options.SerializeAsString(),
                       tuple(d.id for d in executable_devices))
         with self._lock:
             if all(e.key != cache_key for e in self.seen):
                 self.seen.append(entry)
             load = self.loads.pop(cache_key, None)
-            # The same function under another key: its recorded program is stale; let it go once loaded.
-            for key in [k for k, other in self.loads.items() if other.entry.module == module_name]:
-                del self.loads[key]
-        if load is not None and load.future is not None and load.entry == entry and load.platform == backend.platform:
-            started, running = time.perf_counter(), not load.future.done()
-            try:
-                executable, compile_time = load.future.result()
-            except Exception:  # noqa: BLE001  (JAX's own lookup below reports a damaged entry its way)
-                executable, compile_time = None, None
-            if running:
-                self.waited_s += time.perf_counter() - started
+            # A function the record holds once, asked for under another key: its recorded program is
+            # stale, so the loaded one is let go now rather than held to the run's end.
+            stale = [k for k, other in self.loads.items() if other.entry.module == module_name]
+            if load is None and len(stale) == 1 and self._recorded[module_name] == 1:
+                _let_go(self.loads.pop(stale[0]))
+        if load is not None and load.entry != entry:
+            _let_go(load)  # the key JAX asks for, loaded for other options or devices: JAX reads it its own way
+        elif load is not None:
+            executable, compile_time = self._take(load)
             if executable is not None:
                 self.used.append(module_name)
                 return executable, compile_time
         return original(module_name, cache_key, compile_options, backend, executable_devices)
 
-    def finish(self) -> dict[str, Any]:
-        """Drops the loads nobody asked for and writes the record of this run's lookups (when it made
-        any); returns what the preload did, for the run's summary."""
+    def _take(self, load: Load) -> tuple[Any, Any]:
+        """The load's executable (waiting for it if it is still loading); (None, None) if it failed."""
+        future, load.future = load.future, None
+        if future is None:
+            return None, None
+        started, running = time.perf_counter(), not future.done()
+        try:
+            return future.result()
+        except Exception:  # noqa: BLE001  (JAX's own lookup, which follows, reports a damaged entry its way)
+            return None, None
+        finally:
+            if running:
+                self.waited_s += time.perf_counter() - started
+
+    def stop(self) -> None:
+        """Lets every load nobody asked for go: queued ones never start, finished ones are dropped
+        (a deserialize already running ends by itself; the process waits for it only at exit)."""
         with self._lock:
-            self.loads = {}
-            # What JAX's cache holds now: the entries it read, and those it wrote after compiling
-            # (programs that compile faster than its threshold are not kept, nor worth a thread).
-            kept = [e for e in self.seen if in_cache(self.cache_folder, e.key)]
+            loads, self.loads = list(self.loads.values()), {}
+        for load in loads:
+            _let_go(load)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def finish(self) -> dict[str, Any]:
+        """Stops the loads and writes the record of this run's lookups that JAX's cache holds (when
+        there are any); returns what the preload did, for the run's summary."""
+        self.stop()
+        with self._lock:
+            # The entries JAX read and those it wrote after compiling (programs that compile faster
+            # than its threshold are not kept, nor worth a thread); names the reader would refuse are left out.
+            kept = tuple(e for e in self.seen if _KEY.fullmatch(e.module) and _KEY.fullmatch(e.key)
+                         and in_cache(self.cache_folder, e.key))
         if kept:
-            write_record(self.path, kept)
+            write_record(self.path, Record(runtime_of(self.backend), kept))
         return {
             "record": self.path,
             "loaded": [load.entry.module for load in self.history],
@@ -225,6 +287,12 @@ class Preload:
             "load_s": [round(load.seconds, 3) if load.seconds is not None else None for load in self.history],
             "waited_s": round(self.waited_s, 3),
         }
+
+
+def _let_go(load: Load) -> None:
+    future, load.future = load.future, None
+    if future is not None:
+        future.cancel()  # a load not yet started never starts
 
 
 def _load_entry(load: Load, backend: Any, devices: tuple[Any, ...]) -> tuple[Any, Any]:
@@ -272,23 +340,28 @@ def begin(cache_folder: str | None, hint: str, out: TextIO) -> Preload | None:
     if cache_folder is None or not _HINT.fullmatch(hint):
         return None
     _install()
-    preload = Preload(cache_folder, record_path(cache_folder, hint))
+    abandon(_active)  # a run of this process that never ended (a plan, a test driving setup by hand)
+    preload = Preload(cache_folder, record_path(cache_folder, hint), jax.devices()[0].client)
     try:
-        entries = read_record(preload.path)
+        record = read_record(preload.path)
     except PreloadRecordError as e:
-        print(f"compile preload: {e}; ignored (this run writes it afresh)", file=out, flush=True)
-        entries = []
-    preload.start(entries, jax.devices()[0].client)
+        print(f"compile preload: {e}; ignored", file=out, flush=True)
+        record = None
+    if record is not None:
+        preload.start(record)
     _active = preload
     return preload
 
 
 def abandon(preload: Preload | None) -> None:
-    """A run that ended before it trained: its lookups are no longer answered, and nothing is recorded."""
+    """A run that ended before it trained: its lookups are no longer answered, its loads let go, and
+    nothing is recorded."""
     global _active
-    if preload is not None and _active is preload:
+    if preload is None:
+        return
+    if _active is preload:
         _active = None
-        preload.loads = {}
+    preload.stop()
 
 
 def end(preload: Preload | None, out: TextIO) -> dict[str, Any] | None:
