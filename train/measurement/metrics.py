@@ -112,7 +112,8 @@ def process_age_s() -> float | None:
             after_name = f.read().rsplit(")", 1)[1].split()  # the name may hold spaces: fields 3.. follow ")"
         with open("/proc/uptime", encoding="ascii") as f:
             uptime = float(f.read().split()[0])
-        return uptime - int(after_name[19]) / os.sysconf("SC_CLK_TCK")  # field 22: starttime, in ticks since boot
+        # field 22: starttime, in ticks since boot; both clocks tick in hundredths
+        return round(uptime - int(after_name[19]) / os.sysconf("SC_CLK_TCK"), 2)
     except (OSError, ValueError, IndexError):
         return None
 
