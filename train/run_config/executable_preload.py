@@ -33,7 +33,6 @@ import json
 import os
 import re
 import stat
-import tempfile
 import threading
 import time
 from collections.abc import Mapping
@@ -158,17 +157,11 @@ def entry_of(item: Any, where: str) -> Entry:
 
 
 def write_record(path: str, record: Record) -> None:
-    """The record, whole or not at all (a temporary file renamed over the old one)."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".preload-", dir=os.path.dirname(path))
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump({"format": FORMAT, "runtime": record.runtime,
-                       "entries": [e.as_json() for e in record.entries[:MAX_ENTRIES]]}, f)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    """The record, whole or not at all (prepack.storage writes through a temporary name)."""
+    from prepack import storage
+
+    storage.write_text(path, json.dumps({"format": FORMAT, "runtime": record.runtime,
+                                         "entries": [e.as_json() for e in record.entries[:MAX_ENTRIES]]}))
 
 
 def in_cache(cache_folder: str, key: str) -> bool:
