@@ -7,6 +7,7 @@ Every function takes plain rows/dicts and an output path and returns the path.
 
 from __future__ import annotations
 
+import io
 import math
 import os
 from collections.abc import Iterable, Sequence
@@ -15,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from apps.packing_table import drops_too_many
+from prepack.storage import new_file
 
 DPI = 110
 
@@ -63,9 +65,12 @@ def _log2_length_axis(ax: Any, lengths: Sequence[int]) -> None:
 
 
 def _save(fig: Any, path: str) -> str:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=DPI, bbox_inches="tight")
+    """Drawn into memory, then written as a new file renamed over `path` (never into an old
+    file through another of its names)."""
+    drawn = io.BytesIO()
+    fig.savefig(drawn, format="png", dpi=DPI, bbox_inches="tight")
     _plt().close(fig)
+    new_file.write_bytes(path, drawn.getvalue())
     return path
 
 

@@ -53,6 +53,7 @@ from pipelines.options import OptionsError, add_row_options, mapping_options, pa
 from prepack.packing.accounting import LENGTH_REASONS, Tally
 from prepack.packing.bad_records import too_many_bad_records
 from prepack.cli_help import DefaultsHelpFormatter
+from prepack.storage import new_file
 from prepack.text.formats import Template, template_names
 from prepack.packing.fitting import fit_length
 from prepack.packing.packer import DropReason, Fit, HistogramPlan, OverlongPolicy, Planner
@@ -596,16 +597,16 @@ def dataset_rows(config: PreflightConfig, spec: DatasetSpec) -> RowSpec:
 def write_outputs(result: dict[str, Any], output: str, plots: bool = True) -> list[str]:
     """preflight.csv, preflight.json and the PNG plots; returns the paths written."""
     os.makedirs(output, exist_ok=True)
+    # Each file new, renamed over the old one (prepack/storage/new_file.py): an old output that is
+    # another name of the input data (a hard link) keeps the data's bytes.
     csv_path = os.path.join(output, "preflight.csv")
-    with open(csv_path, "w", newline="") as f:
+    with new_file.new_file(csv_path, "w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=list(CSV_COLUMNS), extrasaction="ignore")
         writer.writeheader()
         for row in result["rows"]:
             writer.writerow({k: _csv_value(v) for k, v in row.items()})
     json_path = os.path.join(output, "preflight.json")
-    with open(json_path, "w") as f:
-        json.dump(result, f, indent=2)
-        f.write("\n")
+    new_file.write_bytes(json_path, (json.dumps(result, indent=2) + "\n").encode("utf-8"))
     written = [csv_path, json_path]
     if plots:
         from apps import plots as plotting  # lazy: matplotlib only when plots are asked for

@@ -27,7 +27,6 @@ import json
 import math
 import os
 import re
-import shutil
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -40,6 +39,7 @@ from prepack.packing.accounting import LENGTH_REASONS
 from apps.packing_table import TABLE_COLUMNS, THROUGHPUT_MODEL, bound_lines, dataset_heading, drop_flags, format_cell, result_row
 from prepack.packing.stats import PackingStats
 from prepack.cli_help import DefaultsHelpFormatter
+from prepack.storage import new_file
 # A run's objective names its own step metrics (train/objectives/ imports nothing heavy: the
 # report still reads a JSONL without the train extra installed).
 from train import objectives
@@ -870,14 +870,14 @@ def write_report(config: ReportConfig) -> list[str]:
             names = {}
             for png in pngs:
                 target = os.path.join(figures, os.path.basename(png))
-                shutil.copyfile(png, target)
+                with open(png, "rb") as f:
+                    new_file.write_bytes(target, f.read())  # never through an old figure's other names
                 names[png] = os.path.relpath(target, folder)
                 written.append(target)
             text = render_markdown(page, names)
         else:
             text = render_html(page)
-    with open(out, "w") as f:
-        f.write(text)
+    new_file.write_bytes(out, text.encode("utf-8"))  # a new file: a hard link to an input keeps its bytes
     return [out, *written]
 
 

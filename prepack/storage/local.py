@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 from collections.abc import Iterator
 from typing import BinaryIO
 
+from prepack.storage.new_file import write_bytes
 from prepack.storage.interface import STREAM_BUFFER_BYTES, Version, Versioned, over_limit, refused
 from prepack.storage.patterns import folder_pattern, has_wildcard, literal_head, pattern_regex
 
@@ -162,19 +162,9 @@ class LocalStorage:
             return None
 
     def replace(self, path: str, data: bytes, content_type: str = "application/json") -> None:
-        """Writes through a temp name, so a crash leaves the old file."""
-        folder = os.path.dirname(path)
-        if folder:
-            os.makedirs(folder, exist_ok=True)
-        tmp = f"{path}.tmp-{os.getpid()}"
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.remove(tmp)  # a failed write leaves nothing of itself behind
-            raise
+        """Writes a new file and renames it over `path` (prepack/storage/new_file.py): a crash
+        leaves the old file, and another name of the old file (a hard link) keeps its bytes."""
+        write_bytes(path, data)
 
     def sizes(self, folder: str, names: list[str]) -> dict[str, int | None]:
         out: dict[str, int | None] = {}

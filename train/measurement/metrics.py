@@ -31,6 +31,7 @@ means and rates.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -40,6 +41,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from prepack.storage import new_file
 from train import objectives
 from train.measurement import divergence
 from train.measurement.mfu import Throughput
@@ -86,10 +88,8 @@ def drop_records_after(path: str, step: int) -> int:
             else:
                 kept.append(line)
     if dropped:
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "w") as f:
+        with new_file.new_file(path, "w") as f:
             f.writelines(kept)
-        os.replace(tmp, path)
     return dropped
 
 
@@ -137,10 +137,19 @@ class TensorBoard:
 
     def __init__(self, logdir: str, objective_scalars: tuple[str, ...] = ()):
         """objective_scalars: the objective's own step fields (its metric names), after SCALARS."""
-        from tensorboardX import SummaryWriter
+        from tensorboardX import SummaryWriter  # here: a missing package is found before any work
 
-        self.writer = SummaryWriter(logdir=logdir)
+        self._make_writer = lambda: SummaryWriter(logdir=logdir)
+        self._writer: Any = None
         self.scalars = self.SCALARS + tuple(objective_scalars)
+
+    @property
+    def writer(self) -> Any:
+        """tensorboardX's writer, made at the first scalar: it creates the folder and an event
+        file at once, and a run that dies before step 1 should leave neither."""
+        if self._writer is None:
+            self._writer = self._make_writer()
+        return self._writer
 
     def step(self, record: Mapping[str, Any]) -> None:
         for key in self.scalars:
@@ -156,10 +165,12 @@ class TensorBoard:
             self.writer.add_scalar("eval/loss", float(record["loss"]), record["step"])
 
     def flush(self) -> None:
-        self.writer.flush()
+        if self._writer is not None:
+            self._writer.flush()
 
     def close(self) -> None:
-        self.writer.close()
+        if self._writer is not None:
+            self._writer.close()
 
 
 class MetricsRecorder:
@@ -208,15 +219,14 @@ class MetricsRecorder:
         # Functions of a finished step record returning more fields for it: each row is
         # extended when its step time is known.
         self.row_fields: list[Callable[[Mapping[str, Any]], Mapping[str, Any]]] = []
+        # The JSONL is opened at its first record (`_open`): a run that dies before it (out of
+        # memory while compiling) leaves no empty file, and no old one replaced.
         self._file: TextIO | None = None
-        if path:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            if resume_from:
-                dropped = drop_records_after(path, resume_from)
-                self._file = open(path, "a")
-                self._write({"resume": {"from_step": resume_from, "dropped_records": dropped, **dict(resume_note or {})}})
-            else:
-                self._file = open(path, "w")
+        self._appends = bool(resume_from)
+        self._closed = False
+        if path and resume_from:
+            dropped = drop_records_after(path, resume_from)
+            self._write({"resume": {"from_step": resume_from, "dropped_records": dropped, **dict(resume_note or {})}})
         self._board = TensorBoard(tensorboard, objective.metric_names) if tensorboard else None
         self.static_extra: dict[str, Any] = {}  # summary-only facts learnt during the run
         self.steps: list[dict[str, Any]] = []
@@ -242,10 +252,38 @@ class MetricsRecorder:
         self.compiled_before_s += seconds
 
     def _write(self, record: Mapping[str, Any], flush: bool = True) -> None:
-        if self._file is not None:
-            self._file.write(json.dumps(record) + "\n")
-            if flush:
-                self._file.flush()
+        if not self.path or self._closed:
+            return
+        line = json.dumps(record) + "\n"
+        if self._file is None:
+            self._file = self._open(line)
+        else:
+            self._file.write(line)
+        if flush:
+            self._file.flush()
+
+    def _open(self, first_line: str) -> TextIO:
+        """The JSONL, opened with its first record written. A resumed run appends to its own
+        file (train/run_config/outputs.py checked before any work that it has no other name and
+        is no input); otherwise the file is new (prepack/storage/new_file.py), renamed into place
+        once it holds the record: an old file, or another name of it, is never written into."""
+        assert self.path
+        if self._appends and os.path.exists(self.path):
+            f = open(self.path, "a")
+            f.write(first_line)
+            return f
+        fd, tmp = new_file.create_beside(self.path)
+        f = os.fdopen(fd, "w")
+        try:
+            f.write(first_line)
+            f.flush()
+            os.replace(tmp, self.path)
+        except BaseException:
+            f.close()
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise
+        return f
 
     def reset_clock(self) -> None:
         """Time not charged to any step (an eval, the compile's announcement) ends here."""
@@ -483,6 +521,7 @@ class MetricsRecorder:
 
     def close(self, summary: Mapping[str, Any]) -> None:
         self._write({"summary": dict(summary)})
+        self._closed = True
         if self._file is not None:
             self._file.close()
             self._file = None

@@ -9,7 +9,9 @@ other than gs://, a gs:// URL without a bucket), that is a file where a folder g
 way round, that lies under a file, that cannot be written (locally an unnamed temporary file is
 made and dropped in its folder; on gs:// one empty object is written and deleted in its folder,
 as `prepack pack` probes its output), or that exists where it would be
-replaced (--metrics-out and --save-lora need --overwrite; a resumed run appends to its metrics).
+replaced (--metrics-out and --save-lora need --overwrite; a resumed run appends to its metrics,
+and is refused when that file has another name, a hard link, or is one of its inputs: every other
+file a run writes is a new file renamed into place, prepack/storage/new_file.py).
 Each new output option of train is added to `run_outputs`.
 
 A failure after training never loses the trained adapter: `export_or_recover` saves it under
@@ -26,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from prepack import storage
-from prepack.storage import output_rule
+from prepack.storage import new_file, output_rule
 from train.run_config import compile_cache
 from train.run_config.config import TrainConfig, TrainError
 
@@ -204,9 +206,22 @@ def check_outputs(cfg: TrainConfig, resumes: Callable[[], bool] = lambda: False)
             refusal = _gcs_refusal(o, cfg.overwrite)
         else:
             appends = o.appended_on_resume and not cfg.overwrite and os.path.lexists(o.path) and resumes()
-            refusal = _local_refusal(o, cfg.overwrite, appends)
+            refusal = _local_refusal(o, cfg.overwrite, appends) or _append_refusal(cfg, o, resumes)
         if refusal:
             raise TrainError(refusal)
+
+
+def _append_refusal(cfg: TrainConfig, o: Output, resumes: Callable[[], bool]) -> str | None:
+    """A resumed run appends to its metrics file (with or without --overwrite): only to a file
+    with no other name that is none of the run's inputs (prepack/storage/new_file.py), since
+    appending writes into that file. Every other write of a run's file makes a new one."""
+    if not o.appended_on_resume or not os.path.isfile(o.path) or not resumes():
+        return None
+    problem = new_file.append_problem(o.path, [p.path for p in run_inputs(cfg)])
+    if problem is None:
+        return None
+    return (f"{o.flag} {o.path} {problem}; a resumed run appends to its metrics: give it a file of its own "
+            f"(a copy: cp {o.path} NEW, then {o.flag} NEW)")
 
 
 # ----------------------------------------------------------------------------- a late failure
