@@ -15,6 +15,8 @@ or `after_manifest_switch` (every hit). Actions:
     error            raises InjectedFault, as a storage or program error would
 
 The points are listed in POINTS (and in docs/manifest.md), the details each takes in DETAILS;
+they mark steps of `prepack pack`'s commit (pipelines/, which imports this module as
+pipelines.faults.failpoints) and of the core's own writers (prepack/storage/own_files.py);
 a name not listed there, a detail its point does not take, a detail the run never hits (a max
 length it does not pack, `tokens` when it publishes no tokenized set), or an action not above,
 is refused with one line before any work (`check`). An injected error is the job's one-line failure.
@@ -44,6 +46,11 @@ POINTS: dict[str, str] = {
     "after_publish": "everything is published and cleaned, before the lock is released",
     "lock_renew": "the gs:// lease renewer wakes, before it renews (`error`: a storage error it retries at its next tick)",
     "input_read": "a worker starts reading an input file (`:start`), and has read it whole, before its change check (`:whole_file`)",
+    # prepack/storage/own_files.py's swap of a folder's own files (--save-lora, export --merge, tokenizer-folder)
+    "own_files_staged": "every new file of a folder's own files is staged whole beside it, before its swap journal",
+    "own_files_journal": "the swap journal is written, before the first old file is moved aside",
+    "own_files_aside": "after each old file is moved aside (`:<k>` for the k-th, from 1)",
+    "own_files_placed": "after each new file is moved in (`:<k>` for the k-th, from 1)",
 }
 
 # The details a point takes (a ":DETAIL" suffix): a spec with any other detail is refused,
@@ -52,6 +59,8 @@ DETAILS: dict[str, tuple[str, re.Pattern[str]]] = {
     "after_manifest_switch": ("L<length> or tokens", re.compile(r"L[1-9][0-9]{0,8}|tokens")),
     "before_delete": ("L<length> or tokens", re.compile(r"L[1-9][0-9]{0,8}|tokens")),
     "input_read": ("start or whole_file", re.compile(r"start|whole_file")),
+    "own_files_aside": ("a count from 1", re.compile(r"[1-9][0-9]{0,5}")),
+    "own_files_placed": ("a count from 1", re.compile(r"[1-9][0-9]{0,5}")),
 }
 
 _LENGTH_DETAILS = ("after_manifest_switch", "before_delete")  # the points whose `L<length>` names one set
