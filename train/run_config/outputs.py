@@ -197,6 +197,13 @@ def check_outputs(cfg: TrainConfig, resumes: Callable[[], bool] = lambda: False)
     location is known good, and only when it matters."""
     profile_range(cfg)
     listed = run_outputs(cfg)
+    asked: list[bool] = []
+
+    def resumes_once() -> bool:  # it lists the checkpoint folder: asked once at most
+        if not asked:
+            asked.append(resumes())
+        return asked[0]
+
     # first: paths that name no place (gs:///x), outputs over inputs, the working folder, each other
     refused = output_rule.refusal(run_paths(cfg))
     if refused:
@@ -205,8 +212,8 @@ def check_outputs(cfg: TrainConfig, resumes: Callable[[], bool] = lambda: False)
         if storage.is_gcs(o.path):
             refusal = _gcs_refusal(o, cfg.overwrite)
         else:
-            appends = o.appended_on_resume and not cfg.overwrite and os.path.lexists(o.path) and resumes()
-            refusal = _local_refusal(o, cfg.overwrite, appends) or _append_refusal(cfg, o, resumes)
+            appends = o.appended_on_resume and not cfg.overwrite and os.path.lexists(o.path) and resumes_once()
+            refusal = _local_refusal(o, cfg.overwrite, appends) or _append_refusal(cfg, o, resumes_once)
         if refusal:
             raise TrainError(refusal)
 
