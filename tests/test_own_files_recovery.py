@@ -169,3 +169,25 @@ def test_a_link_in_the_staging_name_is_not_followed(tmp_path):
     os.symlink(elsewhere, tmp_path / ".out.staging-abcd1234")
     assert own_files.recover(str(target), owns, say=lambda line: None) == []
     assert (elsewhere / "keep.bin").read_bytes() == b"keep" and os.path.islink(tmp_path / ".out.staging-abcd1234")
+
+
+def test_reading_a_peft_folder_finishes_a_killed_save_lora_first(tmp_path, capsys):
+    """generate and export read --lora through read_peft: a folder a killed --save-lora left with a
+    new config beside the old weights is finished before it is read, not read as a mix."""
+    from train.adapter_files import peft_export
+    from train.adapter_files.lora_file import LoraFileError
+
+    target = tmp_path / "adapter"
+    target.mkdir()
+    (target / "adapter_config.json").write_bytes(b'{"peft_type": "LORA", "r": 1}')
+    (target / "adapter_model.safetensors").write_bytes(b"old weights")
+    new = {"adapter_config.json": b'{"peft_type": "LORA", "r": 2}', "adapter_model.safetensors": b"new weights"}
+    writer = ("import sys\nfrom train.adapter_files import peft_export\n"
+              f"peft_export.write_folder(sys.argv[1], {new!r}, overwrite=True)\n")
+    env = dict(os.environ, PYTHONPATH=ROOT, PREPACK_FAILPOINTS="own_files_placed:1=exit(9)")
+    assert subprocess.run([sys.executable, "-c", writer, str(target)], env=env).returncode == 9
+    assert _folder(target) == {"adapter_config.json": new["adapter_config.json"]}  # the kill's mix
+    with pytest.raises(LoraFileError, match="adapter_model.safetensors: not a safetensors file"):
+        peft_export.read_peft(str(target))  # the bytes here are no real adapter: what matters is which ones it read
+    assert _folder(target) == new and os.listdir(tmp_path) == ["adapter"]
+    assert capsys.readouterr().err.startswith(f"{target}: finished the swap of a write killed midway")

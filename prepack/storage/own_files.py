@@ -216,12 +216,16 @@ def _recover_one(target: str, staging: str, owns: Callable[[str], bool]) -> str 
         except BlockingIOError:
             return None  # a live write holds it
         journal_path = os.path.join(staging, JOURNAL)
-        if not os.path.lexists(journal_path):
-            return _clear_unstarted(target, staging)
-        journal = _read_journal(journal_path, owns)
-        if isinstance(journal, str):
-            return f"{target}: left {staging} as it is: {journal}; look at its files, then remove it"
-        return _finish(target, staging, journal)
+        try:
+            if not os.path.lexists(journal_path):
+                return _clear_unstarted(target, staging)
+            journal = _read_journal(journal_path, owns)
+            if isinstance(journal, str):
+                return f"{target}: left {staging} as it is: {journal}; look at its files, then remove it"
+            return _finish(target, staging, journal)
+        except OSError as e:  # a folder this user may read but not change (another's adapter, a read-only mount)
+            return (f"{target}: {staging} holds a write killed midway that cannot be finished here "
+                    f"({e.strerror or e}); rerun the command that wrote {target}")
     finally:
         os.close(fd)
 

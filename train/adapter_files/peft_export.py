@@ -135,7 +135,10 @@ def write_folder(path: str, files: Mapping[str, bytes], overwrite: bool, owns: C
 
 
 def read_peft(path: str) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, str]]:
-    """(adapter_config, tensors by PEFT name, safetensors metadata) of a PEFT folder, checked as a stranger's."""
+    """(adapter_config, tensors by PEFT name, safetensors metadata) of a PEFT folder, checked as a stranger's.
+    A `--save-lora` killed while it swapped the folder's files is finished first (own_files.recover)."""
+    if not storage.is_gcs(path):
+        own_files.recover(path, owns_adapter_file)
 
     config_bytes = storage.read_bytes(storage.join(path, ADAPTER_CONFIG))
     if config_bytes is None:
