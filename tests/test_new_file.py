@@ -210,3 +210,27 @@ def test_a_resumed_runs_metrics_with_another_name_is_refused_before_any_work(tmp
             "then --metrics-out NEW)")
         outputs.check_outputs(cfg, resumes=lambda: False) if overwrite else None  # a fresh run writes a new file
     assert _sha(shards / "manifest.json") == digest
+
+
+def test_train_metrics_out_hard_linked_to_the_shard_sets_manifest(tmp_path):
+    """The issue's case end to end (it trains one step of a tiny model): `ln SET/manifest.json
+    m.jsonl; prepack train ... --metrics-out m.jsonl --overwrite` exited 0 with the shard set lost."""
+    import numpy as np
+
+    from testkit.shard_sets import TEST_TOKENIZER, build_shard_set, synthetic_row
+    from train import cli
+
+    rng = np.random.default_rng(0)
+    shards = str(tmp_path / "set")
+    build_shard_set(shards, rows=[synthetic_row(r, 32, rng, vocab_size=128) for r in range(4)],
+                    tokenizer={**TEST_TOKENIZER, "name": "links", "vocab_size": 128}, num_shards=1)
+    manifest = os.path.join(shards, "manifest.json")
+    digest = _sha(manifest)
+    metrics = tmp_path / "m.jsonl"
+    os.link(manifest, metrics)
+    assert cli.main(["--shards", shards, "--model", "tiny-qwen3", "--lora-rank", "4", "--batch-size", "2", "--steps", "1",
+                     "--log-every", "0", "--remat", "none", "--compile-cache", "off", "--metrics-out", str(metrics),
+                     "--tensorboard", str(tmp_path / "tb"), "--overwrite"]) == 0
+    _assert_new_file(manifest, metrics, digest)
+    assert [list(json.loads(line))[0] for line in metrics.read_text().splitlines()][-1] == "summary"
+    assert any(n.startswith("events.out.tfevents") for n in os.listdir(tmp_path / "tb"))  # made at the first scalar
