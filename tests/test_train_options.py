@@ -158,7 +158,7 @@ def test_the_recorder_writes_rows_only_when_it_fetches(tmp_path) -> None:
         rec.batch_arrived(batch)
         rec.step_dispatched({"loss": np.float32(2.0), "grad_norm": np.float32(3.0), "learning_rate": np.float32(1e-3),
                              "clipped": np.bool_(True), "nll_sum": np.float32(4.0), "target_tokens": np.float32(2.0)})
-        assert path.read_text() == ""  # nothing until a fetch
+        assert not path.exists()  # nothing until a fetch: the file appears with its first record
     rec.fetch()
     rows = [__import__("json").loads(line) for line in path.read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3] and [r["micro_steps"] for r in rows] == [2, 4, 6]
