@@ -143,6 +143,20 @@ def test_preflight_outputs_linked_to_its_input_data(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "p" / "preflight.json").read_text())["rows"]
 
 
+def test_a_folders_own_file_linked_to_an_input(tmp_path):
+    """--save-lora, export --merge and tokenizer-folder write through own_files: the new files are
+    renamed in, so an old own file that is another name of an input leaves the input as it was."""
+    from prepack.storage import own_files
+
+    weights = _linked(tmp_path, b"base weights", name="base.safetensors")
+    digest = _sha(weights)
+    (tmp_path / "adapter").mkdir()
+    os.link(weights, tmp_path / "adapter" / "adapter_model.safetensors")
+    own_files.write_own_files(str(tmp_path / "adapter"), {"adapter_model.safetensors": b"new"},
+                              lambda n: n.endswith(".safetensors"))
+    _assert_new_file(weights, tmp_path / "adapter" / "adapter_model.safetensors", digest)
+
+
 # ----------------------------------------------------------------------------- the metrics JSONL
 
 
