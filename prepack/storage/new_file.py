@@ -73,23 +73,26 @@ def same_files(inputs: Iterable[str]) -> dict[tuple[int, int], str]:
     """(device, inode) -> path of each regular file among `inputs` (files, or folders walked to
     MAX_INPUT_ENTRIES entries in all); inputs that are not local or cannot be read are skipped."""
     found: dict[tuple[int, int], str] = {}
-    seen = 0
+    left = MAX_INPUT_ENTRIES
     for given in inputs:
         if "://" in given or not os.path.exists(given):
             continue
-        paths = [given] if not os.path.isdir(given) else None
-        if paths is None:
-            paths = []
-            for root, _, names in os.walk(given):
-                paths.extend(os.path.join(root, n) for n in names)
-                if len(paths) + seen > MAX_INPUT_ENTRIES:
-                    break
-        for p in paths[:max(0, MAX_INPUT_ENTRIES - seen)]:
-            seen += 1
+        for path in _files_under(given):
+            if left == 0:
+                return found
+            left -= 1
             with contextlib.suppress(OSError):
-                st = os.stat(p)
-                found.setdefault((st.st_dev, st.st_ino), p)
+                st = os.stat(path)
+                found.setdefault((st.st_dev, st.st_ino), path)
     return found
+
+
+def _files_under(path: str) -> Iterator[str]:
+    if not os.path.isdir(path):
+        yield path
+        return
+    for root, _, names in os.walk(path):
+        yield from (os.path.join(root, n) for n in sorted(names))
 
 
 def append_problem(path: str, inputs: Iterable[str] = ()) -> str | None:
