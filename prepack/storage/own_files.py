@@ -215,6 +215,8 @@ def _recover_one(target: str, staging: str, owns: Callable[[str], bool]) -> str 
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return None  # a live write holds it
+        except OSError:
+            pass  # a file system without locks: its writers went on unguarded too
         journal_path = os.path.join(staging, JOURNAL)
         try:
             if not os.path.lexists(journal_path):
@@ -275,7 +277,7 @@ def _finish(target: str, staging: str, journal: Journal) -> str:
     missing = [n for n in journal.new
                if not os.path.isfile(os.path.join(staging, n)) and not os.path.isfile(os.path.join(target, n))]
     if missing or (journal.old and not os.path.isdir(aside)):
-        return (f"{target}: left {os.path.basename(staging)} as it is: its journal names files that are neither staged "
+        return (f"{target}: left {staging} as it is: its journal names files that are neither staged "
                 f"nor in the folder ({', '.join(missing[:3]) or PREVIOUS}); look at them, then remove it")
     os.makedirs(target, exist_ok=True)
     for name in journal.old:
