@@ -191,3 +191,11 @@ def test_reading_a_peft_folder_finishes_a_killed_save_lora_first(tmp_path, capsy
         peft_export.read_peft(str(target))  # the bytes here are no real adapter: what matters is which ones it read
     assert _folder(target) == new and os.listdir(tmp_path) == ["adapter"]
     assert capsys.readouterr().err.startswith(f"{target}: finished the swap of a write killed midway")
+
+
+def test_another_users_staging_folder_is_left(tmp_path, monkeypatch):
+    target, staging = _planted(tmp_path, None)
+    real = os.getuid()
+    monkeypatch.setattr(os, "getuid", lambda: real + 1)  # as another user sees this user's folder
+    assert own_files.recover(str(target), owns, say=lambda line: None) == []
+    assert (staging / "a.bin").read_bytes() == b"new a"
