@@ -59,7 +59,7 @@ def source(flag: str | None) -> str:
     variable, or the default."""
     if flag:
         return "--compile-cache"
-    return ENV if os.environ.get(ENV) else "the default --compile-cache"
+    return ENV if os.environ.get(ENV) else "--compile-cache's default"
 
 
 def place(flag: str | None):
