@@ -350,6 +350,9 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
     try:
         if storage.location_problem(args.set):
             raise Refused(storage.location_problem(args.set))
+        cache_refusal = compile_cache_refusal(args) if args.model else None
+        if cache_refusal:  # before any work: the cache is verify's one output
+            raise Refused(cache_refusal)
         verified = verify(args.set)
     except (Refused, TokenizerError) as e:  # TokenizerError: the manifest's embedded tokenizer cannot be loaded here
         print(f"prepack verify: {e}", file=err)
@@ -369,9 +372,6 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
         from train.run_config.config import TrainError
 
         try:
-            cache_refusal = compile_cache_refusal(args)
-            if cache_refusal:
-                raise compile_cache.CompileCacheError(cache_refusal)
             compile_cache.enable(args.compile_cache, out)  # before any compile and the weights; a notice, beside "loading"
             failed = not model_parity(args, results, out, packed_layout) or failed
         except (TrainError, ModelError, ShardSetError, TokenizerError, compile_cache.CompileCacheError) as e:

@@ -97,8 +97,10 @@ def test_a_function_recorded_once_and_asked_for_under_another_key_lets_its_stale
 def test_a_damaged_entry_falls_back_to_jax_which_compiles_afresh(cache) -> None:
     x = jnp.arange(5.0)
     (entry,) = compiled_once(jax.jit(thrice), x, cache)
+    from jax._src import compilation_cache
+
     with open(os.path.join(cache, entry.key + "-cache"), "wb") as f:
-        f.write(b"not an executable")
+        f.write(compilation_cache.compress_executable(b"not an executable"))  # read whole; fails to deserialize
     jax.clear_caches()
     preload = executable_preload.begin(cache, HINT, io.StringIO())
     with pytest.warns(UserWarning, match="Error reading persistent compilation cache entry"):
@@ -134,8 +136,12 @@ def a_record(**fields) -> dict:
     (a_record(runtime={"jax": 1}), "runtime: an object of platform, platform_version, jax, jaxlib (strings) expected"),
     (a_record(entries=[ENTRY] * 33), "entries: a list of at most 32 expected"),
     (a_record(entries=[{**ENTRY, "key": "../../etc/passwd"}]),
-     "entries[0].key: not a JAX cache name (letters, digits, _ . -; at most 300)"),
-    (a_record(entries=[{**ENTRY, "module": 7}]), "entries[0].module: not a JAX cache name"),
+     "entries[0].key: not a JAX cache key of its module (<module>-<64 hex digits>)"),
+    (a_record(entries=[{**ENTRY, "key": "jit_evil"}]), "entries[0].key: not a JAX cache key of its module"),
+    (a_record(entries=[{**ENTRY, "key": "jit_other-" + "ab" * 32}]), "entries[0].key: not a JAX cache key of its module"),
+    (a_record(entries=[{**ENTRY, "key": "jit_train_step-" + "ab" * 32 + "/x"}]),
+     "entries[0].key: not a JAX cache key of its module"),
+    (a_record(entries=[{**ENTRY, "module": 7}]), "entries[0].module: not a JAX module name (letters, digits, _ . -; at most 200)"),
     (a_record(entries=[{**ENTRY, "options": "%%%"}]), "entries[0].options: not base64"),
     (a_record(entries=[{**ENTRY, "options": "A" * 100_000}]), "entries[0].options: base64 of at most 65,536 bytes expected"),
     (a_record(entries=[{**ENTRY, "devices": ["0"]}]), "entries[0].devices: a list of 1 to 4096 device ids expected"),
@@ -171,8 +177,8 @@ def test_an_oversized_record_or_a_fifo_is_not_read(cache) -> None:
 
 
 def test_a_key_named_twice_is_loaded_once() -> None:
-    parsed = executable_preload.record_of(a_record(entries=[ENTRY, {**ENTRY, "module": "jit_other"}, ENTRY]), "r.json")
-    assert [e.module for e in parsed.entries] == ["jit_train_step"]
+    parsed = executable_preload.record_of(a_record(entries=[ENTRY, {**ENTRY, "devices": [1]}, ENTRY]), "r.json")
+    assert [e.devices for e in parsed.entries] == [(0,)]
 
 
 def test_an_unknown_compile_preload_value_is_refused_in_one_line() -> None:

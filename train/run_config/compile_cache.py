@@ -12,11 +12,18 @@ program) loads the executable instead. `--compile-cache DIR|off` chooses, in thi
 JAX's own thresholds stand (jax_persistent_cache_min_compile_time_secs, 1 s by default, and its
 JAX_ environment variable): programs that compile faster than that are not worth a file. The folder
 is checked (created, writable) before any weight loads, and its location printed once per process.
+
+An entry of the cache is an executable the run runs: it is as trusted as the user's own files, so the
+folder must be theirs alone. A folder that is group- or world-writable, or owned by another user, is
+not used (one line says why and how to fix it; the run goes on without the cache). Only the folder
+itself is judged, not its parents; the folders made for the cache (it, prepack-preload/,
+prepack-unfit-steps/) are made 0700. What is read from it is bounded (train/run_config/cache_files.py).
 """
 
 from __future__ import annotations
 
 import os
+import stat
 from typing import TextIO
 
 OFF = "off"
@@ -47,20 +54,30 @@ def resolve(flag: str | None) -> str | None:
     return os.environ.get(ENV) or default_dir()
 
 
+def source(flag: str | None) -> str:
+    """Where the folder resolve(flag) returns comes from, as a refusal names it: the flag, the environment
+    variable, or the default."""
+    if flag:
+        return "--compile-cache"
+    return ENV if os.environ.get(ENV) else "--compile-cache's default"
+
+
 def place(flag: str | None):
     """The cache folder as an output of the one output rule (prepack/storage/output_rule.py), or None: off."""
     from prepack.storage import output_rule
 
     folder = resolve(flag)
-    return output_rule.Place("--compile-cache", folder) if folder else None
+    return output_rule.Place(source(flag), folder) if folder else None
 
 
 def problem(folder: str) -> str | None:
     """Why `folder` cannot hold the cache (it is created here if missing); None when it can."""
     if "://" in folder:
         return f"{folder} is not a local folder (the cache is written by XLA on this machine)"
+    from train.run_config import cache_files
+
     try:
-        os.makedirs(folder, exist_ok=True)
+        cache_files.make_folder(folder)  # 0700: the user's alone (its parents, where made, too)
     except OSError as e:
         return f"cannot create {folder}: {e.strerror or e}"
     if not os.path.isdir(folder):
@@ -70,12 +87,29 @@ def problem(folder: str) -> str | None:
     return None
 
 
+def untrusted(folder: str) -> str | None:
+    """Why the entries in `folder` cannot be trusted (others can write it), or None: the user's alone."""
+    info = os.stat(folder)
+    if info.st_uid != os.geteuid():
+        try:
+            import pwd
+
+            owner = pwd.getpwuid(info.st_uid).pw_name
+        except (ImportError, KeyError):
+            owner = f"user id {info.st_uid}"
+        return f"is owned by {owner}, not by you"
+    writable = [who for who, bit in (("group", stat.S_IWGRP), ("world", stat.S_IWOTH)) if info.st_mode & bit]
+    return f"is {'- and '.join(writable)}-writable" if writable else None
+
+
 def enable(flag: str | None, out: TextIO) -> str | None:
-    """Sets JAX's persistent cache as `flag` says (before the first compile); returns the folder (None: off).
-    Raises CompileCacheError for a folder that cannot be used."""
+    """Sets JAX's persistent cache as `flag` says (before the first compile); returns the folder (None: off,
+    or a folder others can write: said in one line). Raises CompileCacheError for a folder that cannot be used."""
     global _announced
     import jax
     from jax._src import compilation_cache
+
+    from train.run_config import cache_files
 
     folder = resolve(flag)
     if folder is not None:
@@ -83,6 +117,15 @@ def enable(flag: str | None, out: TextIO) -> str | None:
         if why:
             raise CompileCacheError(f"--compile-cache {why}; pass a writable folder, or --compile-cache off")
         folder = os.path.abspath(folder)
+    if folder is not None and (others := untrusted(folder)):
+        # Its entries are executables this run would run: anyone who can write them could run code as you.
+        fix = f"run chmod go-w {folder}, or pass" if others.endswith("-writable") else "pass"
+        print(f"XLA compilation cache: not used: {source(flag)} {folder} {others}, so others could plant "
+              f"executables this run would run; {fix} --compile-cache with a folder of your own "
+              "(this run goes on without the cache)", file=out, flush=True)
+        folder = _announced = None  # said instead of "XLA compilation cache: off"
+    if folder is not None:
+        cache_files.install(out)
     if jax.config.jax_compilation_cache_dir != folder:
         # JAX opens its cache at the first compile and keeps it: a process that compiled already
         # (a test calling the CLI twice) starts afresh with the new folder.

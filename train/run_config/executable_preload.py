@@ -15,8 +15,11 @@ lowered is the recorded key, with the same compile options and devices: exactly 
 lookup would have deserialized. A stale or planted record can only cost a load in the background;
 it can never run a program other than the one JAX keyed. A record names the runtime that wrote it
 (the platform and its version, JAX's and jaxlib's): another runtime's entries are never deserialized,
-as JAX itself would never read them. A record is read as a stranger's file (a regular file; its size,
-names, types and counts are checked; one that fails is ignored and named in one line).
+as JAX itself would never read them. A record is read as a stranger's file (a regular file inside the
+cache folder, no link; its size, names, types and counts are checked, and a key must have the shape of
+JAX's key for its module, so it names a file of the folder; one that fails is ignored and named in
+one line). The loads read entries as JAX's own lookup does, bounded (train/run_config/cache_files.py),
+on daemon threads: the process never waits for a load to end.
 
 `--compile-cache off` preloads and records nothing; `--compile-preload off` keeps the cache and only
 turns the preload off (for a measurement against it, docs/benchmarks.md).
@@ -31,6 +34,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import queue
 import re
 import stat
 import threading
@@ -47,8 +51,10 @@ MAX_OPTIONS_BYTES = 64 << 10  # serialized CompileOptions are ~1 KB
 MAX_DEVICES = 4096
 MAX_RUNTIME_CHARS = 1000
 MAX_THREADS = 4
-# JAX's cache keys are "<module name>-<sha256 hex>" and its module names jit_<python name>.
-_KEY = re.compile(r"[A-Za-z0-9_.\-]{1,300}")
+# JAX's cache keys are "<module name>-<sha256 hex>" and its module names jit_<python name> (letters,
+# digits, _ . -: jax/_src/interpreters/mlir.py, sanitize_name); a record's key must be its module's.
+_MODULE = re.compile(r"[A-Za-z0-9_.\-]{1,200}")
+_KEY = re.compile(r"(?P<module>[A-Za-z0-9_.\-]{1,200})-[0-9a-f]{64}")
 _HINT = re.compile(r"[0-9a-f]{64}")
 RUNTIME_FIELDS = ("platform", "platform_version", "jax", "jaxlib")
 
@@ -98,23 +104,22 @@ def record_path(cache_folder: str, hint: str) -> str:
 
 
 def read_record(path: str) -> Record | None:
-    """The record at `path`; None where there is none. Raises PreloadRecordError for one that fails a check."""
+    """The record at `path` (<cache>/prepack-preload/<name>, as record_path makes it); None where there is
+    none. Raises PreloadRecordError for one that fails a check: a link, a FIFO or anything but a regular
+    file in the cache folder, one over MAX_FILE_BYTES (train/run_config/cache_files.py), bad JSON or fields."""
+    from train.run_config import cache_files
+
+    folder, name = os.path.split(path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO planted there must not hold the run
-    except FileNotFoundError:
+        raw = cache_files.read(os.path.dirname(folder), f"{os.path.basename(folder)}/{name}", MAX_FILE_BYTES)
+    except cache_files.NotRead as e:
+        raise PreloadRecordError(f"{path}: {e}; not read") from None
+    if raw is None:
         return None
-    except OSError as e:
-        raise PreloadRecordError(f"{path}: cannot be read ({e.strerror or e})") from None
-    with os.fdopen(fd, "rb") as f:
-        info = os.fstat(f.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise PreloadRecordError(f"{path}: not a regular file; not read")
-        if info.st_size > MAX_FILE_BYTES:
-            raise PreloadRecordError(f"{path}: larger than {MAX_FILE_BYTES:,} bytes; not read")
-        try:
-            data = json.loads(f.read(MAX_FILE_BYTES + 1))
-        except (OSError, ValueError, RecursionError) as e:  # RecursionError: nesting deeper than the parser goes
-            raise PreloadRecordError(f"{path}: not a JSON record ({type(e).__name__})") from None
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # RecursionError: nesting deeper than the parser goes
+        raise PreloadRecordError(f"{path}: not a JSON record ({type(e).__name__})") from None
     return record_of(data, path)
 
 
@@ -139,9 +144,10 @@ def record_of(data: Any, where: str) -> Record:
 def entry_of(item: Any, where: str) -> Entry:
     if not isinstance(item, dict) or set(item) != {"module", "key", "options", "devices"}:
         raise PreloadRecordError(f"{where}: an object of module, key, options and devices expected")
-    for name in ("module", "key"):
-        if not isinstance(item[name], str) or not _KEY.fullmatch(item[name]):
-            raise PreloadRecordError(f"{where}.{name}: not a JAX cache name (letters, digits, _ . -; at most 300)")
+    if not isinstance(item["module"], str) or not _MODULE.fullmatch(item["module"]):
+        raise PreloadRecordError(f"{where}.module: not a JAX module name (letters, digits, _ . -; at most 200)")
+    if not is_key_of(item["key"], item["module"]):
+        raise PreloadRecordError(f"{where}.key: not a JAX cache key of its module (<module>-<64 hex digits>)")
     options = item["options"]
     if not isinstance(options, str) or len(options) > MAX_OPTIONS_BYTES * 4 // 3 + 4:
         raise PreloadRecordError(f"{where}.options: base64 of at most {MAX_OPTIONS_BYTES:,} bytes expected")
@@ -156,19 +162,30 @@ def entry_of(item: Any, where: str) -> Entry:
     return Entry(item["module"], item["key"], decoded, tuple(devices))
 
 
-def write_record(path: str, record: Record) -> None:
-    """The record, whole or not at all (prepack.storage writes through a temporary name)."""
-    from prepack import storage
+def is_key_of(key: Any, module: str) -> bool:
+    """Whether `key` has the shape of JAX's cache key for `module` (so it names a file in the cache folder)."""
+    found = _KEY.fullmatch(key) if isinstance(key, str) else None
+    return found is not None and found["module"] == module
 
+
+def write_record(path: str, record: Record) -> None:
+    """The record, whole or not at all (prepack.storage writes through a temporary name), in a folder of the user's alone."""
+    from prepack import storage
+    from train.run_config import cache_files
+
+    cache_files.make_folder(os.path.dirname(path))
     storage.write_text(path, json.dumps({"format": FORMAT, "runtime": record.runtime,
                                          "entries": [e.as_json() for e in record.entries[:MAX_ENTRIES]]}))
 
 
 def in_cache(cache_folder: str, key: str) -> bool:
-    """Whether JAX's file cache holds an entry for `key` (its LRUCache names a file <key>-cache)."""
-    from jax._src import lru_cache
+    """Whether JAX's file cache holds an entry for `key` (its LRUCache names a file <key>-cache): a regular file, no link."""
+    from train.run_config import cache_files
 
-    return os.path.isfile(os.path.join(cache_folder, f"{key}{lru_cache._CACHE_SUFFIX}"))
+    try:
+        return stat.S_ISREG(os.lstat(os.path.join(cache_folder, cache_files.entry_name(key))).st_mode)
+    except OSError:
+        return False
 
 
 @dataclasses.dataclass
@@ -193,7 +210,6 @@ class Preload:
         self.used: list[str] = []  # module names JAX took from the preload
         self.waited_s = 0.0  # time JAX's lookups waited for a load still running
         self._recorded: collections.Counter[str] = collections.Counter()  # the record's entries per function
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
 
     def start(self, record: Record) -> None:
@@ -205,12 +221,16 @@ class Preload:
         if not wanted:
             return
         self._recorded.update(e.module for e in wanted)
-        self._pool = concurrent.futures.ThreadPoolExecutor(min(MAX_THREADS, len(wanted)), "prepack-preload")
+        work: queue.SimpleQueue[tuple[Load, concurrent.futures.Future, tuple[Any, ...]]] = queue.SimpleQueue()
         for entry in wanted:
-            load = Load(entry)
-            load.future = self._pool.submit(_load_entry, load, self.backend, tuple(by_id[i] for i in entry.devices))
+            load = Load(entry, concurrent.futures.Future())
+            work.put((load, load.future, tuple(by_id[i] for i in entry.devices)))
             self.loads[entry.key] = load
             self.history.append(load)
+        # Daemon threads, not a ThreadPoolExecutor (whose exit hook joins its threads): the process
+        # ends with its run whatever a load is doing.
+        for _ in range(min(MAX_THREADS, len(wanted))):
+            threading.Thread(target=_work, args=(work, self.backend), name="prepack-preload", daemon=True).start()
 
     def lookup(self, original: Any, module_name: str, cache_key: str, compile_options: Any, backend: Any,
                executable_devices: Any) -> tuple[Any, Any]:
@@ -254,13 +274,11 @@ class Preload:
 
     def stop(self) -> None:
         """Lets every load nobody asked for go: queued ones never start, finished ones are dropped
-        (a deserialize already running ends by itself; the process waits for it only at exit)."""
+        (a deserialize already running ends by itself, on a daemon thread the process does not wait for)."""
         with self._lock:
             loads, self.loads = list(self.loads.values()), {}
         for load in loads:
             _let_go(load)
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
 
     def finish(self) -> dict[str, Any]:
         """Stops the loads and writes the record of this run's lookups that JAX's cache holds (when
@@ -269,7 +287,7 @@ class Preload:
         with self._lock:
             # The entries JAX read and those it wrote after compiling (programs that compile faster
             # than its threshold are not kept, nor worth a thread); names the reader would refuse are left out.
-            kept = tuple(e for e in self.seen if _KEY.fullmatch(e.module) and _KEY.fullmatch(e.key)
+            kept = tuple(e for e in self.seen if _MODULE.fullmatch(e.module) and is_key_of(e.key, e.module)
                          and in_cache(self.cache_folder, e.key))
         if kept:
             write_record(self.path, Record(runtime_of(self.backend), kept))
@@ -288,8 +306,24 @@ def _let_go(load: Load) -> None:
         future.cancel()  # a load not yet started never starts
 
 
+def _work(work: queue.SimpleQueue, backend: Any) -> None:
+    """A preload thread: loads queued entries until none is left (a cancelled one is skipped)."""
+    while True:
+        try:
+            load, future, devices = work.get_nowait()
+        except queue.Empty:
+            return
+        if not future.set_running_or_notify_cancel():
+            continue
+        try:
+            future.set_result(_load_entry(load, backend, devices))
+        except BaseException as e:  # noqa: BLE001  (handed to the lookup that takes it, as a pool would)
+            future.set_exception(e)
+
+
 def _load_entry(load: Load, backend: Any, devices: tuple[Any, ...]) -> tuple[Any, Any]:
-    """JAX's own read of one cache entry (read, decompress, deserialize), on a preload thread."""
+    """JAX's own read of one cache entry (read, decompress, deserialize), on a preload thread; the read is
+    bounded as every read of JAX's entries is (train/run_config/cache_files.py)."""
     from jax._src import compilation_cache
     from jax._src.lib import xla_client
 
@@ -332,6 +366,9 @@ def begin(cache_folder: str | None, hint: str, out: TextIO) -> Preload | None:
 
     if cache_folder is None or not _HINT.fullmatch(hint):
         return None
+    from train.run_config import cache_files
+
+    cache_files.install(out)  # compile_cache.enable did, for a run; the loads read entries bounded
     _install()
     abandon(_active)  # a run of this process that never ended (a plan, a test driving setup by hand)
     preload = Preload(cache_folder, record_path(cache_folder, hint), jax.devices()[0].client)

@@ -60,7 +60,7 @@ def run_outputs(cfg: TrainConfig) -> list[Output]:
         out.append(Output("--profile-dir", profile_folder(cfg), FOLDER, False, local_only=True))
     cache = compile_cache.resolve(cfg.compile_cache)
     if cache:  # XLA adds its executables there (shared by runs: never replaced)
-        out.append(Output("--compile-cache", cache, FOLDER, False, local_only=True))
+        out.append(Output(compile_cache.source(cfg.compile_cache), cache, FOLDER, False, local_only=True))
     return out
 
 
