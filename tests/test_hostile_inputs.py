@@ -12,6 +12,7 @@ from pipelines.inputs import readers
 from pipelines.options import OptionsError, parse_args
 from pipelines.launch.errors import JobError
 from pipelines.wire.records import TaskMeta
+from testkit import fuzz
 from testkit.gcs_emulator import gcs_emulator, gcs_prefix  # noqa: F401  (pytest fixtures)
 from testkit.pipeline import IN_PROCESS, alpaca_records, write_json, write_jsonl
 
@@ -354,8 +355,8 @@ def test_fuzz_jsonl_lines_qwen3(fmt, tokenizer):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["alpaca", "chat"])
-def test_fuzz_jsonl_lines_10000(fmt):
-    _fuzz_lines(fmt, 10_000)
+def test_fuzz_jsonl_lines_deep(fmt):
+    _fuzz_lines(fmt, fuzz.DEEP_EXAMPLES)
 
 
 def test_a_gs_input_that_is_replaced_mid_run_fails_the_job_in_one_line(gcs_emulator, gcs_prefix, tmp_path, monkeypatch):  # noqa: F811

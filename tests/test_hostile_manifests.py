@@ -10,6 +10,7 @@ import json
 import os
 
 import pytest
+from testkit import fuzz
 from testkit.gcs_emulator import gcs_emulator, gcs_prefix  # noqa: F401  (pytest fixtures)
 from testkit.shard_sets import TEST_TOKENIZER, build_shard_set, row_ids
 
@@ -345,8 +346,8 @@ def test_fuzz_manifests_give_a_set_or_a_manifest_error(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_fuzz_manifests_10000(tmp_path_factory):
-    _fuzz_manifest(tmp_path_factory, 10_000)
+def test_fuzz_manifests_deep(tmp_path_factory):
+    _fuzz_manifest(tmp_path_factory, fuzz.DEEP_EXAMPLES)
 
 
 def _fuzz_tokens_manifest(examples: int) -> None:
@@ -395,8 +396,8 @@ def test_fuzz_tokens_manifests_give_a_set_or_a_token_set_error():
 
 
 @pytest.mark.slow
-def test_fuzz_tokens_manifests_10000():
-    _fuzz_tokens_manifest(10_000)
+def test_fuzz_tokens_manifests_deep():
+    _fuzz_tokens_manifest(fuzz.DEEP_EXAMPLES)
 
 
 def test_a_shard_listed_twice_is_refused(tmp_path):

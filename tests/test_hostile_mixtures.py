@@ -18,6 +18,7 @@ from prepack.format.manifest import MANIFEST_NAME
 from prepack.packing import mixture as mixture_module
 from prepack.mixture_file import load_mixture
 from prepack.packing.mixture import MixtureError, validate_recorded
+from testkit import fuzz
 from testkit.pipeline import IN_PROCESS, alpaca_records, chat_records, write_jsonl
 
 SECONDS = 5  # every refusal here comes back well within this on a loaded 2-core machine
@@ -315,5 +316,5 @@ def test_fuzz_mixtures_give_a_mixture_or_one_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_fuzz_mixtures_5000(tmp_path):
-    _fuzz(5000, tmp_path)
+def test_fuzz_mixtures_deep(tmp_path):
+    _fuzz(fuzz.DEEP_EXAMPLES, tmp_path)
