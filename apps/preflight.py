@@ -52,7 +52,7 @@ from pipelines.configs import PackConfig, RowSpec
 from pipelines.options import OptionsError, add_row_options, mapping_options, parse_run_args, row_spec
 from prepack.packing.accounting import LENGTH_REASONS, Tally
 from prepack.packing.bad_records import too_many_bad_records
-from prepack.cli_help import DefaultsHelpFormatter
+from prepack.cli_help import CommandParser
 from prepack.text.formats import Template, template_names
 from prepack.packing.fitting import fit_length
 from prepack.packing.packer import DropReason, Fit, HistogramPlan, OverlongPolicy, Planner
@@ -627,10 +627,8 @@ def _csv_value(value: Any) -> Any:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = CommandParser(  # no abbreviations: with --pack-output a Beam flag must never be taken for one of ours
         prog="prepack preflight",
-        formatter_class=DefaultsHelpFormatter,
-        allow_abbrev=False,  # with --pack-output a Beam flag must never be taken for an abbreviation of ours
         description="Estimate packing gains from the tokenizer alone: per dataset x max length x batch size, "
         "densities, rows, steps and the expected target-token throughput gain. In-process; for very large inputs "
         "use --max-examples, or `prepack pack` then `prepack report --shards`.",

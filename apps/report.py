@@ -39,7 +39,7 @@ from prepack.format.manifest import MANIFEST_NAME, Manifest, ManifestError, pack
 from prepack.packing.accounting import LENGTH_REASONS
 from apps.packing_table import TABLE_COLUMNS, THROUGHPUT_MODEL, bound_lines, dataset_heading, drop_flags, format_cell, result_row
 from prepack.packing.stats import PackingStats
-from prepack.cli_help import DefaultsHelpFormatter
+from prepack.cli_help import CommandParser
 # A run's objective names its own step metrics (train/objectives/ imports nothing heavy: the
 # report still reads a JSONL without the train extra installed).
 from train import objectives
@@ -885,7 +885,7 @@ def write_report(config: ReportConfig) -> list[str]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="prepack report", formatter_class=DefaultsHelpFormatter, description=__doc__.split("\n\n")[0])
+    p = CommandParser(prog="prepack report", description=__doc__.split("\n\n")[0])
     p.add_argument("--shards", action="extend", nargs="+", default=[], metavar="DIR",
                    help="a shard set folder (with manifest.json) or an OUTPUT root with L*/ folders; repeatable")
     p.add_argument("--metrics", action="extend", nargs="+", default=[], metavar="[LABEL=]PATH",

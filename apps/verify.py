@@ -44,7 +44,7 @@ import numpy as np
 from prepack import storage
 from loaders.published import published_lengths
 from loaders.shards import ShardSetError, ShardView, open_shards, read_manifest
-from prepack.cli_help import DefaultsHelpFormatter
+from prepack.cli_help import EXIT_FAILED, EXIT_OK, EXIT_REFUSED, CommandParser
 from prepack.wording import counted, rate
 from prepack.format import rowformat
 from prepack.format.layout import MANIFEST_NAME, RUN_RECORD_NAME, TOKENS_DIR
@@ -54,7 +54,6 @@ from prepack.format.manifest import Manifest, ManifestError
 from prepack.format.run_record import RunRecord, RunRecordError
 from prepack.text.tokenizer import TokenizerError
 
-EXIT_OK, EXIT_FAILED, EXIT_REFUSED = 0, 1, 2
 BATCH_ROWS = 256
 
 
@@ -276,7 +275,7 @@ def result_line(r: LengthResult) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="prepack verify", formatter_class=DefaultsHelpFormatter,
+    parser = CommandParser(prog="prepack verify",
                                      description="Check every row of a shard set (or every length of an output) "
                                                  "against the row format and its manifest, without a model.")
     parser.add_argument("set", metavar="SET", help="a shard set (OUT/L2048), an output (OUT: every length it holds, "
