@@ -74,7 +74,10 @@ def add_output_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = CommandParser(prog="prepack train", description=__doc__.split("\n\n")[0])
     p.add_argument("--shards", required=True, help="shard set folder (local, gcsfuse or gs://) with manifest.json")
-    p.add_argument("--model", default="tiny", help="gemma3-270m, gemma3-1b, qwen3-0.6b, tiny (= tiny-gemma3), tiny-qwen3")
+    p.add_argument("--model", default="tiny",
+                   help="gemma3-270m (its packaged weights: the pretrained model, not the instruction-tuned one), "
+                   "gemma3-1b, qwen3-0.6b, tiny-gemma3, tiny-qwen3 (tiny random models); tiny is tiny-gemma3 under a "
+                   "shorter name, the same model")
     p.add_argument("--lora-rank", type=whole_number("--lora-rank"), default=8)
     p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default 2 x rank)")
     p.add_argument("--batch-size", type=whole_number("--batch-size"), default=8, help="global rows per micro-batch (per step without --grad-accum-steps)")
