@@ -334,8 +334,12 @@ def run(args: argparse.Namespace) -> int:
         _say(f"{done}/{total} prompts, {generator.throughput()}")
 
     def nll(pairs: Sequence[tuple[Any, Any]]) -> list[tuple[float, int]]:
+        from pipelines.progress import progress_of
+
         _say("scoring the references (teacher-forced NLL) ...")
-        return generate.reference_nll(generator.view, pairs, compute_dtype=compute, batch_size=sampling.batch_size)
+        with progress_of(f"{PROG}: scoring the references", "batches", sys.stderr) as scoring:  # minutes for many prompts on a CPU
+            return generate.reference_nll(generator.view, pairs, compute_dtype=compute, batch_size=sampling.batch_size,
+                                          progress=scoring)
 
     lines = generations.run_items(items, generator, chat_format, score=args.score, parser=parser, nll=nll, progress=progress)
     storage.storage_for(paths["generations"]).replace(

@@ -304,6 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
 def model_parity(args: argparse.Namespace, results: list[LengthResult], out: TextIO,
                  packed_layout: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None) -> bool:
     """--model: the parity check on every length whose rows held; True when all pass."""
+    from pipelines.progress import progress_of
     from train.verification import parity
 
     cfg = parity.ParityConfig(model=args.model, weights=args.weights, rows=args.rows, dtype=args.dtype,
@@ -319,8 +320,9 @@ def model_parity(args: argparse.Namespace, results: list[LengthResult], out: Tex
         print(f"  {args.model}: random weights (seed {args.seed}); no real {args.model} weights were given", file=out)
     ok = True
     for r in checked:
-        with open_shards(r.path) as view:
-            result = parity.check_view(built.model, cfg, view, packed_layout or parity.stored_layout)
+        # A real model's 8 rows and their segments alone took 11 minutes on a CPU: say how far it is.
+        with open_shards(r.path) as view, progress_of(f"L{r.max_length}: on the model", "model calls", out) as progress:
+            result = parity.check_view(built.model, cfg, view, packed_layout or parity.stored_layout, progress)
         print(f"L{r.max_length}  {result.summary()}", file=out)
         for line in result.failure_lines():
             print(f"  failure: {line}", file=out)
