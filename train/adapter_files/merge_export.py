@@ -177,6 +177,11 @@ def merge_export(lora: str, output: str, *, weights: str | None = None, dtype: s
         raise LoraFileError(f"--output {problem}")
     if not storage.is_gcs(output) and os.path.exists(output) and not overwrite:
         raise LoraFileError(f"--output {output} already exists; pass --overwrite to replace it, or give another path")
+    from train.adapter_files.peft_export import folder_problem
+
+    problem = folder_problem(output, (MODEL_WEIGHTS, CONFIG), overwrite)  # a file there, a folder named config.json
+    if problem:
+        raise LoraFileError(f"--output {problem}")
     adapter = read_adapter(lora)
     built = rebuild_base(adapter, weights, say)
     family = built.spec.family
