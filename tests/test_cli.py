@@ -146,3 +146,31 @@ def test_verify_refuses_row_as_an_abbreviation_of_rows(capsys, tmp_path, monkeyp
 def test_an_option_no_command_has_points_to_help(capsys, tmp_path, monkeypatch):
     code, err = _refusal("report", "--zzzzzz", capsys, tmp_path, monkeypatch)
     assert (code, err) == (2, "prepack report: error: unknown option --zzzzzz; see prepack report --help\n")
+
+
+# One refusal of each command that passes the parser: an input that is not there. Every one exits 2
+# (pack exited 1 for it, and inspect for a folder without a manifest).
+MISSING_INPUT = {
+    "pack": (["--input", "none.jsonl", "--format", "alpaca", "--output", "O"], "input 'none.jsonl': no such file"),
+    "inspect": (["none"], "no manifest.json in none"),
+    "verify": (["none"], "none: neither a shard set"),
+    "preflight": (["--input", "none.jsonl", "--format", "alpaca", "--output", "O", "--no-plots"],
+                  "input 'none.jsonl': no such file"),
+    "report": (["--metrics", "none.jsonl", "--output", "r.html"], "--metrics none.jsonl: no such file"),
+    "train": (["--shards", "none"], "--shards none: no such file or folder"),
+    "export": (["--merge", "--lora", "none", "--output", "O"], "no LoRA file at none"),
+    "generate": (["--input", "none.jsonl", "--format", "alpaca", "--output", "o.jsonl", "--model", "tiny"],
+                 "input 'none.jsonl': no such file"),
+    "tokenizer-folder": (["--output", "file/x"], "is a file, not a folder"),
+}
+
+
+def test_every_command_refuses_a_missing_input_with_exit_2(capsys, tmp_path, monkeypatch):
+    assert set(MISSING_INPUT) == set(cli.SUBCOMMANDS)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "file").write_text("mine")
+    for name, (args, words) in MISSING_INPUT.items():
+        code = cli.main([name, *args])
+        err = capsys.readouterr().err
+        assert (code, err.count("\n")) == (2, 1) and words in err, (name, code, err)
+    assert sorted(os.listdir(tmp_path)) == ["file"]  # nothing written

@@ -275,7 +275,7 @@ def test_cli_refusal_is_one_line(first, tmp_path, capsys):
     code = main(["--from-tokens", str(first / "tokens"), "--tokenizer", "sp:x.model", "--output", str(tmp_path / "o"),
                  "--max-length", "128", "--no-progress", *IN_PROCESS])
     err = capsys.readouterr().err
-    assert code == 1 and err.count("\n") == 1 and err.startswith("prepack pack: --tokenizer sp:x.model differs")
+    assert code == 2 and err.count("\n") == 1 and err.startswith("prepack pack: --tokenizer sp:x.model differs")
 
 
 def test_inspect_summarizes_and_decodes_the_tokenized_set(first, capsys):

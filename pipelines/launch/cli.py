@@ -83,7 +83,7 @@ def run_config(config: PackConfig, beam_args: Sequence[str]) -> int:
         return EXIT_REFUSED  # refused before any work, as every command refuses
     _configure_logs(config.run.verbose)
     from pipelines.launch.job import Interrupted, run
-    from pipelines.launch.errors import JobError
+    from pipelines.launch.errors import JobError, JobRefused
     from pipelines.launch.report import density_table, run_line
     from pipelines.launch.worker_stderr import QuietAfterSignal
 
@@ -92,6 +92,10 @@ def run_config(config: PackConfig, beam_args: Sequence[str]) -> int:
             interrupts.install()
             with contextlib.nullcontext() if config.run.verbose else QuietAfterSignal():
                 result = run(config, beam_args, existing_refused=True)
+    except JobRefused as e:  # the checks before the pipeline: nothing read past the first records, nothing written
+        print(f"prepack pack: {e}", file=sys.stderr)
+        interrupts.exit_if_signalled(EXIT_REFUSED)
+        return EXIT_REFUSED
     except JobError as e:
         print(f"prepack pack: {e}", file=sys.stderr)
         interrupts.exit_if_signalled(EXIT_FAILED)  # stopped by a signal (a lost lock): Beam's threads would hold the exit
