@@ -6,7 +6,8 @@ says that its texts decide is believed: exact match and the tool calls (with the
 names) are recomputed from the completion and the reference (train/generation/score.py's `from_texts`), and
 a line whose stored score disagrees, or whose score fields are missing or of another type, is
 refused naming the file and line. The reference NLL needs the model and is taken as written (a
-finite number or null). The summary of each run comes from its lines (`summarize`); a run
+finite number or null), and labelled so ("as stored, not measured here"). Each line is read with a
+bound (MAX_LINE_BYTES), as UTF-8 and JSON, any failure one line (prepack.hostile_input.untrusted.jsonl_values). The summary of each run comes from its lines (`summarize`); a run
 generated without `--score` is scored here by exact match alone. The table
 has one row per metric and one column per run, the change against the first run beside it; the
 prompts whose exact match differs between the first and the last run follow, a few of each way.
@@ -21,11 +22,14 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from prepack.hostile_input.untrusted import shown, shown_with_type
+from prepack.hostile_input.untrusted import jsonl_values, shown, shown_with_type
 from prepack.text.chat import tool_calls
 from train.generation import score as score_lib
 
 SHOWN_CHANGES = 3  # prompts shown per direction (fixed, broken)
+# A line holds one completion and one reference (no prompt text): a model's whole context of text is
+# far less. A longer line is refused after reading this much of it.
+MAX_LINE_BYTES = 64 << 20
 
 
 class GenerationsError(ValueError):
@@ -103,18 +107,11 @@ def load(raw: str) -> GenerationRun:
     if not os.path.isfile(path):
         raise GenerationsError(f"--generations {path}: no such file")
     lines = []
-    with open(path, encoding="utf-8") as f:
-        for number, text in enumerate(f, start=1):
-            if not text.strip():
-                continue
-            try:
-                line = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise GenerationsError(f"{path}:{number}: not valid JSON ({e.msg})") from None
-            missing = [k for k in LINE_TYPES if not isinstance(line, dict) or k not in line]
-            if missing:
-                raise GenerationsError(f"{path}:{number}: not a `prepack generate` line (no {', '.join(missing)})")
-            lines.append(_scored(line, f"{path}:{number}"))
+    for where, line in jsonl_values(path, GenerationsError, MAX_LINE_BYTES, "a line `prepack generate` wrote"):
+        missing = [k for k in LINE_TYPES if not isinstance(line, dict) or k not in line]
+        if missing:
+            raise GenerationsError(f"{where}: not a `prepack generate` line (no {', '.join(missing)})")
+        lines.append(_scored(line, where))
     if not lines:
         raise GenerationsError(f"{path}: no generations")
     ids = [line["id"] for line in lines]
@@ -137,7 +134,8 @@ def load_all(raws: Sequence[str]) -> list[GenerationRun]:
 
 METRICS = (
     ("exact_match", "exact match", "rate"),
-    ("reference_nll", "reference NLL", "nll"),
+    # Taken as the file states it (recomputing it needs the model): the label says so.
+    ("reference_nll", "reference NLL (as stored, not measured here)", "nll"),
     ("valid_call_rate", "valid call rate", "rate"),
     ("function_name_accuracy", "function name accuracy", "rate"),
     ("full_call_accuracy", "full call accuracy", "rate"),
@@ -199,8 +197,9 @@ def page_section(page: Any, runs: Sequence[GenerationRun]) -> None:
     """The report page's section: the table, then the changed prompts as a table of their own."""
     page.add("h2", "Generations")
     page.add("p", "Runs of `prepack generate` on the same prompts: " + ", ".join(f"{r.label} ({r.path})" for r in runs)
-             + ". Exact match: the completion equals the record's own reply after stripping; reference NLL: the reply's "
-             "mean token NLL under the run's model (lower is better).")
+             + ". Exact match: the completion equals the record's own reply after stripping, recomputed here from the "
+             "texts; reference NLL: the reply's mean token NLL under the run's model (lower is better), as each file "
+             "states it: the report has no model to measure it with.")
     headers, rows = table(runs)
     page.add("table", headers, rows)
     changes = changed_prompts(runs)

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from apps import read_inputs
-from prepack.cli_help import DefaultsHelpFormatter
+from prepack.cli_help import CommandParser
 from prepack.text.formats import template_names
 from train.run_config import compile_cache
 
@@ -45,7 +45,7 @@ class GenerateCliError(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, formatter_class=DefaultsHelpFormatter, description=__doc__.split("\n\n")[0])
+    p = CommandParser(prog=PROG, description=__doc__.split("\n\n")[0])
     src = p.add_argument_group("prompts (read and rendered as `prepack pack` does)")
     src.add_argument("--input", action="append", default=[], metavar="SPEC", required=True,
                      help="repeatable: a JSONL/JSON/Parquet file or glob (local or gs://), a save_to_disk folder, "
@@ -334,8 +334,12 @@ def run(args: argparse.Namespace) -> int:
         _say(f"{done}/{total} prompts, {generator.throughput()}")
 
     def nll(pairs: Sequence[tuple[Any, Any]]) -> list[tuple[float, int]]:
+        from pipelines.progress import progress_of
+
         _say("scoring the references (teacher-forced NLL) ...")
-        return generate.reference_nll(generator.view, pairs, compute_dtype=compute, batch_size=sampling.batch_size)
+        with progress_of(f"{PROG}: scoring the references", "batches", sys.stderr) as scoring:  # minutes for many prompts on a CPU
+            return generate.reference_nll(generator.view, pairs, compute_dtype=compute, batch_size=sampling.batch_size,
+                                          progress=scoring)
 
     lines = generations.run_items(items, generator, chat_format, score=args.score, parser=parser, nll=nll, progress=progress)
     storage.storage_for(paths["generations"]).replace(

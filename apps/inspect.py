@@ -25,7 +25,7 @@ from loaders.shards import ShardView, open_shards, read_manifest
 from prepack.format import rowformat
 from prepack.format.manifest import Manifest, ManifestError
 from prepack.wording import counted
-from prepack.cli_help import DefaultsHelpFormatter
+from prepack.cli_help import EXIT_FAILED, EXIT_REFUSED, CommandParser
 
 GREEN, RESET = "\033[32m", "\033[0m"
 
@@ -306,7 +306,7 @@ def root_lines(path: str, found: list[tuple[str, Manifest]]) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="prepack inspect", formatter_class=DefaultsHelpFormatter,
+    p = CommandParser(prog="prepack inspect",
                                 description="Show a shard set's (or a tokenized set's) manifest summary and decode rows (examples).")
     p.add_argument("path", help="shard set folder, or a tokenized set (OUTPUT/tokens): local, gcsfuse mount or gs://")
     p.add_argument("--rows", type=int, default=2, metavar="N", help="rows (examples) to show (default 2; 0 for the summary only)")
@@ -327,14 +327,14 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
     path = args.path.rstrip("/") or args.path
     if storage.location_problem(args.path):
         print(f"prepack inspect: {storage.location_problem(args.path)}", file=err)
-        return 2
+        return EXIT_REFUSED
     try:
         manifest = read_manifest(path)
     except ManifestError as e:
         found = shard_sets_under(path)
         if not found:
             print(f"prepack inspect: {storage.not_a_folder(path) or e}", file=err)
-            return 1
+            return EXIT_REFUSED  # no set to show: refused, as verify refuses it
         # An OUTPUT root of `prepack pack --max-length A B ...`: say which shard sets are in it.
         print("\n".join(root_lines(path, found)), file=out)
         return 0
@@ -345,7 +345,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
         view = open_shards(path, verify=args.verify)
     except ManifestError as e:
         print(f"prepack inspect: {e}", file=err)
-        return 1
+        return EXIT_FAILED
     if args.verify:  # asked for: always run, and say that it passed
         print(f"verified {len(manifest.shards)} shards (sha256)", file=out)
     if args.rows <= 0:
@@ -358,7 +358,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
 def _show_rows(view: ShardView, manifest: Manifest, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if not 0 <= args.row_index < len(view):
         print(f"prepack inspect: --row-index {args.row_index} is outside 0..{len(view) - 1}", file=err)
-        return 2
+        return EXIT_REFUSED
     decode = None if args.ids else _load_decoder(
         args.tokenizer or manifest.tokenizer.get("name", "gemma3"), manifest, err, args.allow_download
     )
@@ -382,11 +382,11 @@ def _show_rows(view: ShardView, manifest: Manifest, args: argparse.Namespace, ou
             lines = row_lines(view, index, renderer, labels)
         except ManifestError as e:  # a record that fails its checksum (ShardSetError names the file)
             print(f"prepack inspect: {e}", file=err)
-            return 1
+            return EXIT_FAILED
         except rowformat.RowFormatError as e:
             print(f"prepack inspect: {path_of(view, index)}: row {index} does not follow the row format ({e}); "
                   "the shard is corrupt or not written by prepack: republish the set", file=err)
-            return 1
+            return EXIT_FAILED
         print("\n".join(lines), file=out)
     return 0
 

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from prepack import storage
+from prepack.cli_help import EXIT_FAILED, EXIT_REFUSED
 from apps import inspect as inspect_shards
 from apps.inspect import _fmt_bytes, _fmt_int, _load_decoder, _Renderer, _use_color
 from loaders.shards import _close_quietly, _open_reader
@@ -86,7 +87,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
         text = storage.read_text(storage.join(path, MANIFEST_NAME))
     except ManifestError as e:  # not UTF-8: a damaged or hostile manifest
         print(f"prepack inspect: {e}", file=err or sys.stderr)
-        return 1
+        return EXIT_REFUSED
     if not is_token_set(text or ""):
         return inspect_shards.main(argv, out, err)
     return show(path, text or "", args, out or sys.stdout, err or sys.stderr)
@@ -95,15 +96,15 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
 def show(path: str, text: str, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     try:
         manifest = TokenSetManifest.from_json(text, source=storage.join(path, MANIFEST_NAME))
-    except TokenSetError as e:
+    except TokenSetError as e:  # the manifest unusable: refused before any row is read
         print(f"prepack inspect: {e}", file=err)
-        return 1
+        return EXIT_REFUSED
     print("\n".join(summary_lines(manifest, path)), file=out)
     if args.rows <= 0:
         return 0
     if not 0 <= args.row_index < manifest.num_examples:
         print(f"prepack inspect: --row-index {args.row_index} is outside 0..{manifest.num_examples - 1}", file=err)
-        return 2
+        return EXIT_REFUSED
     decode = None if args.ids else _load_decoder(args.tokenizer or manifest.tokenizer.get("name", "gemma3"), manifest,
                                                  err, args.allow_download)
     specials = {int(i): str(t) for t, i in (manifest.tokenizer.get("special_ids") or {}).items() if isinstance(i, int)}
@@ -128,24 +129,24 @@ def show(path: str, text: str, args: argparse.Namespace, out: TextIO, err: TextI
             reader = _open_reader(name)
         except TokenSetError as e:
             print(f"prepack inspect: {name}: {e}: republish the set", file=err)
-            return 1
+            return EXIT_FAILED
         except Exception as e:  # noqa: BLE001  (array_record's own words for an unreadable file)
             print(f"prepack inspect: {name}: not a readable ArrayRecord file, truncated or corrupt ({_first_line(e)}): "
                   "republish the set", file=err)
-            return 1
+            return EXIT_FAILED
         try:
             try:
                 records = reader.read(wanted)
             except Exception as e:  # noqa: BLE001  (riegeli's chunk hash)
                 print(f"prepack inspect: {name}: records {wanted[0]}..{wanted[-1]} are unreadable, the file is corrupt "
                       f"({_first_line(e)}): republish the set", file=err)
-                return 1
+                return EXIT_FAILED
             for offset, record in zip(wanted, records):
                 try:
                     eid, loc, ids, mask, pair = decode_example(record)
                 except TokenSetError as e:
                     print(f"prepack inspect: {name}: record {offset}: {e}; the file is corrupt: republish the set", file=err)
-                    return 1
+                    return EXIT_FAILED
                 print(f"example {first + offset}: {eid}, {len(ids):,} tokens, {int(mask.sum()):,} targets; "
                       f"source {_source(manifest, loc)}", file=out)
                 sides = [(None, 0, len(ids))] if pair is None else [("chosen", 0, pair[1]), ("rejected", pair[1], len(ids))]

@@ -52,7 +52,7 @@ from pipelines.configs import PackConfig, RowSpec
 from pipelines.options import OptionsError, add_row_options, mapping_options, parse_run_args, row_spec
 from prepack.packing.accounting import LENGTH_REASONS, Tally
 from prepack.packing.bad_records import too_many_bad_records
-from prepack.cli_help import DefaultsHelpFormatter
+from prepack.cli_help import EXIT_REFUSED, CommandParser, closest_option, long_options
 from prepack.storage import new_file
 from prepack.text.formats import Template, template_names
 from prepack.packing.fitting import fit_length
@@ -628,10 +628,8 @@ def _csv_value(value: Any) -> Any:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = CommandParser(  # no abbreviations: with --pack-output a Beam flag must never be taken for one of ours
         prog="prepack preflight",
-        formatter_class=DefaultsHelpFormatter,
-        allow_abbrev=False,  # with --pack-output a Beam flag must never be taken for an abbreviation of ours
         description="Estimate packing gains from the tokenizer alone: per dataset x max length x batch size, "
         "densities, rows, steps and the expected target-token throughput gain. In-process; for very large inputs "
         "use --max-examples, or `prepack pack` then `prepack report --shards`.",
@@ -782,8 +780,12 @@ def _split_name(raw: str) -> tuple[str, str]:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and not args.pack_output:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")  # only the pipeline mode passes options on
+    if extra and not args.pack_output:  # only the pipeline mode passes options on (to Beam)
+        name = next((a for a in extra if a.startswith("-")), extra[0]).split("=", 1)[0]
+        close = closest_option(name, long_options(parser))
+        print(f"prepack preflight: error: unknown option {name} (Beam's options are taken only with --pack-output)"
+              f"{f'; did you mean {close}?' if close else ''}", file=sys.stderr)
+        return EXIT_REFUSED
     try:
         config = config_from_args(args)
         if not args.overwrite:

@@ -38,7 +38,7 @@ from prepack.format.manifest import MANIFEST_NAME, Manifest, ManifestError, pack
 from prepack.packing.accounting import LENGTH_REASONS
 from apps.packing_table import TABLE_COLUMNS, THROUGHPUT_MODEL, bound_lines, dataset_heading, drop_flags, format_cell, result_row
 from prepack.packing.stats import PackingStats
-from prepack.cli_help import DefaultsHelpFormatter
+from prepack.cli_help import CommandParser
 from prepack.storage import new_file
 # A run's objective names its own step metrics (train/objectives/ imports nothing heavy: the
 # report still reads a JSONL without the train extra installed).
@@ -299,24 +299,6 @@ MAX_METRICS_LINE_BYTES = 1 << 20
 MAX_STEP = 2**31 - 1
 
 
-def _metrics_lines(path: str):
-    """(line number, text) of a metrics JSONL, each line read with a bound."""
-    with open(path, "rb") as f:
-        number = 0
-        while True:
-            line = f.readline(MAX_METRICS_LINE_BYTES + 1)
-            if not line:
-                return
-            number += 1
-            if len(line) > MAX_METRICS_LINE_BYTES:
-                raise ReportError(f"{path}:{number}: longer than {MAX_METRICS_LINE_BYTES:,} bytes, not a metrics record of "
-                                  "prepack train (it was not read further)")
-            try:
-                yield number, line.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ReportError(f"{path}:{number}: not UTF-8 text (byte {e.start})") from None
-
-
 def _checked_step(record: dict[str, Any], where: str) -> dict[str, Any]:
     """A step record's numbers: `step` a whole number from 0 to MAX_STEP, the others numbers
     (`loss` may be null); one line naming the field otherwise ("one", [1] and 1e30 were tracebacks)."""
@@ -341,17 +323,10 @@ def load_run(path: str, label: str | None = None, warmup_steps: int = 1) -> Run:
     (written by a stranger: each line bounded, each number checked)."""
     if not os.path.isfile(path):
         raise ReportError(f"--metrics {path}: no such file")
+    from prepack.hostile_input.untrusted import jsonl_values
+
     steps, evals, summary, generated = [], [], {}, []
-    for number, line in _metrics_lines(path):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ReportError(f"{where}: not valid JSON ({e.msg})") from e
-        except (ValueError, RecursionError) as e:  # nesting 100,000 deep; a 5,001-digit integer
-            raise ReportError(f"{where}: not valid JSON ({type(e).__name__}: {str(e)[:100]})") from None
+    for where, record in jsonl_values(path, ReportError, MAX_METRICS_LINE_BYTES, "a metrics record of prepack train"):
         if not isinstance(record, dict):
             raise ReportError(f"{where}: expected a JSON object")
         if isinstance(record.get("eval"), dict):
@@ -885,7 +860,7 @@ def write_report(config: ReportConfig) -> list[str]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="prepack report", formatter_class=DefaultsHelpFormatter, description=__doc__.split("\n\n")[0])
+    p = CommandParser(prog="prepack report", description=__doc__.split("\n\n")[0])
     p.add_argument("--shards", action="extend", nargs="+", default=[], metavar="DIR",
                    help="a shard set folder (with manifest.json) or an OUTPUT root with L*/ folders; repeatable")
     p.add_argument("--metrics", action="extend", nargs="+", default=[], metavar="[LABEL=]PATH",

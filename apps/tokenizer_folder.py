@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from prepack.cli_help import DefaultsHelpFormatter
+from prepack.cli_help import CommandParser
 
 PROG = "prepack tokenizer-folder"
 TEMPLATES = ("functiongemma-layout", "none")
@@ -28,7 +28,7 @@ MAX_TEMPLATE_BYTES = 1 << 20
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, formatter_class=DefaultsHelpFormatter, description=__doc__.split("\n\n")[0])
+    p = CommandParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--output", required=True, metavar="DIR", help="the folder to write (new or empty, else --overwrite)")
     p.add_argument("--template", default="functiongemma-layout", metavar="NAME_OR_FILE",
                    help="the chat template: 'functiongemma-layout' (tool calls in FunctionGemma's layout), 'none', "

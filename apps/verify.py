@@ -44,7 +44,7 @@ import numpy as np
 from prepack import storage
 from loaders.published import published_lengths
 from loaders.shards import ShardSetError, ShardView, open_shards, read_manifest
-from prepack.cli_help import DefaultsHelpFormatter
+from prepack.cli_help import EXIT_FAILED, EXIT_OK, EXIT_REFUSED, CommandParser
 from prepack.wording import counted, rate
 from prepack.format import rowformat
 from prepack.format.layout import MANIFEST_NAME, RUN_RECORD_NAME, TOKENS_DIR
@@ -54,7 +54,6 @@ from prepack.format.manifest import Manifest, ManifestError
 from prepack.format.run_record import RunRecord, RunRecordError
 from prepack.text.tokenizer import TokenizerError
 
-EXIT_OK, EXIT_FAILED, EXIT_REFUSED = 0, 1, 2
 BATCH_ROWS = 256
 
 
@@ -276,7 +275,7 @@ def result_line(r: LengthResult) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="prepack verify", formatter_class=DefaultsHelpFormatter,
+    parser = CommandParser(prog="prepack verify",
                                      description="Check every row of a shard set (or every length of an output) "
                                                  "against the row format and its manifest, without a model.")
     parser.add_argument("set", metavar="SET", help="a shard set (OUT/L2048), an output (OUT: every length it holds, "
@@ -305,6 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
 def model_parity(args: argparse.Namespace, results: list[LengthResult], out: TextIO,
                  packed_layout: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None) -> bool:
     """--model: the parity check on every length whose rows held; True when all pass."""
+    from pipelines.progress import progress_of
     from train.verification import parity
 
     cfg = parity.ParityConfig(model=args.model, weights=args.weights, rows=args.rows, dtype=args.dtype,
@@ -320,8 +320,9 @@ def model_parity(args: argparse.Namespace, results: list[LengthResult], out: Tex
         print(f"  {args.model}: random weights (seed {args.seed}); no real {args.model} weights were given", file=out)
     ok = True
     for r in checked:
-        with open_shards(r.path) as view:
-            result = parity.check_view(built.model, cfg, view, packed_layout or parity.stored_layout)
+        # A real model's 8 rows and their segments alone took 11 minutes on a CPU: say how far it is.
+        with open_shards(r.path) as view, progress_of(f"L{r.max_length}: on the model", "model calls", out) as progress:
+            result = parity.check_view(built.model, cfg, view, packed_layout or parity.stored_layout, progress)
         print(f"L{r.max_length}  {result.summary()}", file=out)
         for line in result.failure_lines():
             print(f"  failure: {line}", file=out)

@@ -13,7 +13,6 @@ runner first, apache/beam#34612; FnApiRunner runs in process).
 from __future__ import annotations
 
 import argparse
-import difflib
 import importlib
 import os
 import sys
@@ -33,7 +32,7 @@ from prepack.packing.mixture import Mixture, MixtureError
 from prepack.packing.packer import OverlongPolicy, Planner
 from prepack.format.layout import TOKENS_DIR
 from prepack.format.rowformat import MAX_MAX_LENGTH
-from prepack.cli_help import DefaultsHelpFormatter
+from prepack.cli_help import CommandParser, closest_option, long_options
 from prepack.text.formats import template_names
 
 MAX_LENGTHS_PER_JOB = 64  # each example carries one bit per max length (PayloadBatch.kept_at)
@@ -66,10 +65,8 @@ def sample_path() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = CommandParser(  # no abbreviations: a Beam flag must never be taken for one of ours
         prog="prepack pack",
-        formatter_class=DefaultsHelpFormatter,
-        allow_abbrev=False,  # a Beam flag must never be taken for an abbreviation of ours
         description=(
             "Read SFT datasets, apply a template and chat format, tokenize once, pack per max length "
             "with a global plan (best-fit-decreasing, or exact fills where they need fewer rows), and publish "
@@ -299,7 +296,7 @@ def parse_run_args(argv: Sequence[str], output: str, overwrite: bool, own_option
     """(RunOptions, Beam's arguments) of a job whose RowSpec is made already (`prepack preflight
     --pack-output`): the run options `add_run_options` defines, the rest Beam's (checked as pack
     checks them; own_options: the caller's, for the hint on a misspelt one)."""
-    parser = argparse.ArgumentParser(prog="prepack preflight --pack-output", allow_abbrev=False, add_help=False)
+    parser = CommandParser(prog="prepack preflight --pack-output", add_help=False)
     add_run_options(parser)
     parser.set_defaults(output=output, overwrite=overwrite, from_tokens=None, allow_short_mix=False)
     ns, beam_args = parser.parse_known_args(list(argv))
@@ -312,7 +309,7 @@ def _beam_arguments(parser: argparse.ArgumentParser, ns: argparse.Namespace, bea
                     own_options: Sequence[str] = ()) -> list[str]:
     """What goes to Beam, checked (runner, unknown options), with the default runner added."""
     check_runner(beam_args, allow_untested=ns.allow_untested_runner)
-    check_beam_args(beam_args, own_options=list(own_options) + _long_options(parser))
+    check_beam_args(beam_args, own_options=list(own_options) + long_options(parser))
     _take_old_batch_size(ns)
     beam_args = with_default_runner(beam_args)
     _refuse_multi_threading(beam_args)
@@ -500,10 +497,6 @@ def _refuse_multi_threading(beam_args: Sequence[str]) -> None:
         )
 
 
-def _long_options(parser: argparse.ArgumentParser) -> list[str]:
-    return [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
-
-
 def runner_path(name: str) -> str:
     """The dotted class path Beam would load for --runner NAME (as apache_beam.runners.runner.create_runner
     resolves it: a dotted path as is, else a known runner's class name, case-insensitive, "Runner" optional)."""
@@ -564,9 +557,8 @@ def check_beam_args(beam_args: Sequence[str], own_options: Sequence[str]) -> Non
     if not flags:
         raise OptionsError(f"unexpected argument {unknown[0]!r}: every value follows its option (e.g. --input FILE)")
     name = flags[0].split("=", 1)[0]
-    known = list(own_options) + _long_options(parser)
-    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-    hint = f"; did you mean {close[0]}?" if close else "; see prepack pack --help"
+    close = closest_option(name, list(own_options) + long_options(parser))
+    hint = f"; did you mean {close}?" if close else "; see prepack pack --help"
     raise OptionsError(f"unknown option {name} (neither prepack pack nor Beam knows it){hint}")
 
 

@@ -5,7 +5,9 @@ at most every `every_s` seconds, none before the first `every_s` (short runs sta
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Callable, Iterator
 from typing import TextIO
 
 from tqdm import tqdm
@@ -31,8 +33,31 @@ class _Lines:
         (self._out or sys.stderr).flush()
 
 
-def counter(desc: str, unit: str, every_s: float = EVERY_S, out: TextIO | None = None) -> tqdm:
-    """A counter printing `<desc>: <n> <unit> in <elapsed> (<rate> <unit>/s)`; `update(n)` counts."""
-    return tqdm(desc=desc, unit=f" {unit}", mininterval=every_s, miniters=1, delay=every_s, file=_Lines(out),
-                disable=False, leave=False, dynamic_ncols=False,
-                bar_format="{desc}: {n_fmt}{unit} in {elapsed} ({rate_fmt})")
+def counter(desc: str, unit: str, every_s: float = EVERY_S, out: TextIO | None = None, total: int | None = None) -> tqdm:
+    """A counter printing `<desc>: <n> <unit> in <elapsed> (<rate> <unit>/s)`, or with a total
+    `<desc>: <n>/<total> <unit> in <elapsed>, about <remaining> left`; `update(n)` counts."""
+    shown = ("{desc}: {n_fmt}{unit} in {elapsed} ({rate_fmt})" if total is None
+             else "{desc}: {n_fmt}/{total_fmt}{unit} in {elapsed}, about {remaining} left")
+    return tqdm(desc=desc, unit=f" {unit}", total=total, mininterval=every_s, miniters=1, delay=every_s, file=_Lines(out),
+                disable=False, leave=False, dynamic_ncols=False, bar_format=shown)
+
+
+@contextlib.contextmanager
+def progress_of(desc: str, unit: str, out: TextIO | None = None, every_s: float = EVERY_S
+                ) -> Iterator[Callable[[int, int], None]]:
+    """A callback progress(done, total) for work that knows its total only when it starts (the
+    model calls of `verify --model`, of `generate --score`): a `counter` with that total, made at
+    the first call, closed on leaving."""
+    bar = None
+
+    def progress(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = counter(desc, unit, every_s, out, total=total)
+        bar.update(done - bar.n)
+
+    try:
+        yield progress
+    finally:
+        if bar is not None:
+            bar.close()

@@ -150,6 +150,26 @@ def test_export_output_under_a_file(adapter, tmp_path, capsys):
     assert (tmp_path / "file").read_text() == "mine"
 
 
+def test_export_over_a_file_is_refused_before_rebuilding_the_base(adapter, tmp_path, capsys):
+    """`export --output FILE --overwrite` was refused only after the base was rebuilt and merged."""
+    (tmp_path / "file").write_text("mine")
+    assert merge_export.main(["--merge", "--lora", adapter["peft"], "--output", str(tmp_path / "file"), "--overwrite"]) == 2
+    assert capsys.readouterr().err == f"prepack export: --output {tmp_path / 'file'} is a file, not a folder; give a folder path\n"
+    assert (tmp_path / "file").read_text() == "mine"
+
+
+def test_export_into_a_folder_holding_a_folder_named_config_json_is_refused_before_any_work(adapter, tmp_path, capsys):
+    """A folder named config.json in --output: 16 s of merging, then a traceback (the rollback held)."""
+    out = tmp_path / "merged"
+    (out / "config.json").mkdir(parents=True)
+    (out / "config.json" / "notes.txt").write_text("mine")
+    assert merge_export.main(["--merge", "--lora", adapter["peft"], "--output", str(out), "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"prepack export: --output {out / 'config.json'} is a folder, where this command writes the file "
+                   "config.json; nothing replaces a folder: move it away, or give another path\n")
+    assert sorted(os.listdir(out)) == ["config.json"] and (out / "config.json" / "notes.txt").read_text() == "mine"
+
+
 def test_tokenizer_folder_output_is_judged_before_building(tmp_path, capsys, monkeypatch):
     from prepack.text import gemma3_hf_folder
 

@@ -99,7 +99,7 @@ def test_fields_of_the_wrong_type_are_one_line_in_open_shards_and_inspect(shard_
         loaders.open_shards(shard_set)
     assert str(e.value).startswith(f"{shard_set}/manifest.json: ") and words in str(e.value)
     out, err = io.StringIO(), io.StringIO()
-    assert inspect_cli.main([shard_set, "--rows", "1"], out=out, err=err) == 1
+    assert inspect_cli.main([shard_set, "--rows", "1"], out=out, err=err) == 2
     assert err.getvalue().count("\n") == 1 and words in err.getvalue()
 
 
@@ -197,7 +197,7 @@ def test_tokens_manifest_json_a_parser_refuses_is_one_line(tmp_path, text, words
     with pytest.raises(TokenSetError, match=r"manifest.json: not valid JSON \(|not a tokenized set's manifest"):
         open_token_set(str(folder))
     out, err = io.StringIO(), io.StringIO()
-    assert inspect_tokens.main([str(folder)], out=out, err=err) == 1 and len(err.getvalue().splitlines()) == 1
+    assert inspect_tokens.main([str(folder)], out=out, err=err) == 2 and len(err.getvalue().splitlines()) == 1
 
 
 # ----------------------------------------------------------------------------- the healing cache
@@ -282,7 +282,7 @@ def test_a_manifest_or_run_record_that_is_not_utf8_is_one_line(tmp_path):
     with pytest.raises(ManifestError, match=r"published.json: not UTF-8 text \(byte 12 is "):
         loaders.published_lengths(str(out))
     out_text, err = io.StringIO(), io.StringIO()
-    assert inspect_cli.main([str(out / "L16")], out=out_text, err=err) == 1
+    assert inspect_cli.main([str(out / "L16")], out=out_text, err=err) == 2
     assert err.getvalue() == f"prepack inspect: {expected}\n"
 
 

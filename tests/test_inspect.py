@@ -90,7 +90,7 @@ def test_ids_flag_and_summary_only(shard_set):
 
 def test_errors(tmp_path, shard_set):
     rc, _, err = run([str(tmp_path / "none")])
-    assert rc == 1 and f"no manifest.json in {tmp_path / 'none'}: not a published shard set" in err
+    assert rc == 2 and f"no manifest.json in {tmp_path / 'none'}: not a published shard set" in err
     rc, _, err = run([shard_set, "--row-index", "5", "--ids"])
     assert rc == 2 and "--row-index 5 is outside 0..1" in err
 

@@ -88,7 +88,7 @@ def test_a_shard_manifest_over_the_cap_is_one_line_everywhere(out, capsys):
     with pytest.raises(ManifestError) as e:  # through the run record: its manifest is read capped too
         loaders.published_lengths(str(out))
     assert str(e.value) == expected
-    assert run_cli(inspect_tokens.main, [str(out / "L64")]) == (1, "", f"prepack inspect: {expected}\n")
+    assert run_cli(inspect_tokens.main, [str(out / "L64")]) == (2, "", f"prepack inspect: {expected}\n")
     assert run_cli(verify.main, [str(out / "L64")]) == (2, "", f"prepack verify: {expected}\n")
     code, text, _ = run_cli(verify.main, [str(out)])  # an output: that length fails, naming it
     assert code == 1 and f"  first failure: {expected}\n" in text
@@ -111,7 +111,7 @@ def test_a_tokens_manifest_over_the_cap_is_refused_before_any_work(out, tmp_path
     manifest = out / "tokens" / MANIFEST_NAME
     pad_over_the_cap(manifest)
     expected = f"{manifest}: {TOO_LARGE}"
-    assert run_cli(inspect_tokens.main, [str(out / "tokens")]) == (1, "", f"prepack inspect: {expected}\n")
+    assert run_cli(inspect_tokens.main, [str(out / "tokens")]) == (2, "", f"prepack inspect: {expected}\n")
     with pytest.raises(JobError) as e:
         pack(["--from-tokens", str(out / "tokens"), "--output", str(tmp_path / "new"), "--max-length", "128"])
     assert str(e.value).startswith(expected)
@@ -143,5 +143,5 @@ def test_inspect_and_verify_on_a_file_are_one_line(published, name):
         path = next((published / "L64").glob("rows-*.array_record"))
     hint = f" ({path.parent})" if path.name == MANIFEST_NAME else ""
     expected = f"{path} is a file, not a folder: name the set's folder{hint} or the --output of `prepack pack`"
-    assert run_cli(inspect_tokens.main, [str(path)]) == (1, "", f"prepack inspect: {expected}\n")
+    assert run_cli(inspect_tokens.main, [str(path)]) == (2, "", f"prepack inspect: {expected}\n")
     assert run_cli(verify.main, [str(path)]) == (2, "", f"prepack verify: {expected}\n")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
 import re
 from pathlib import Path
 
@@ -73,3 +75,72 @@ def test_own_tunix_trainer_section_trains_and_resumes(tmp_path, monkeypatch):
     ckpt = CheckpointDir("ckpt")
     assert ckpt.load_data_state(4) == json.loads(json.dumps(fresh.get_state()))  # saved with Tunix's step 4
     assert ckpt.load_data_state(2) is not None and sorted(ckpt._read_data()["states"]) == ["2", "4"]
+
+
+# ----------------------------------------------------------------------------- facts the README states
+
+README = (REPO / "README.md").read_text()
+OUTPUT_OPTIONS = ("--output", "--metrics-out", "--save-lora", "--checkpoint-dir", "--tensorboard", "--profile-dir")
+
+
+def walkthrough_outputs(text: str) -> set[str]:
+    """Every path the README's bash blocks (and its own-trainer block's CKPT) write in the
+    repository root, as an anchored .gitignore entry: folders end in /, generate --score adds
+    FILE.score.json."""
+    written: set[str] = set()
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            command = line.split("#", 1)[0]
+            for option, path in re.findall(r"(" + "|".join(OUTPUT_OPTIONS) + r")[ =](\S+)", command):
+                if path.startswith(("/", "gs://", "$")):
+                    continue
+                is_file = os.path.splitext(path)[1] in (".jsonl", ".json", ".html", ".md")
+                written.add(f"/{path}" if is_file else f"/{path}/")
+                if option == "--output" and "--score" in command.split():
+                    written.add(f"/{os.path.splitext(path)[0]}.score.json")
+    written.update(f"/{ckpt}/" for ckpt in re.findall(r'^SHARDS, BATCH_SIZE, STEPS, CKPT = .*"([^"]+)"$', text, re.M))
+    return written
+
+
+def test_gitignore_covers_exactly_what_the_walkthrough_writes():
+    """.gitignore missed 17 of the walkthrough's outputs and named an obsolete lora.safetensors."""
+    text = (REPO / ".gitignore").read_text()
+    lines = text.split("# What the README's walkthrough writes", 1)[1].splitlines()
+    entries = itertools.dropwhile(lambda line: line.startswith("#"), lines[1:])  # the section's comment
+    listed = set(itertools.takewhile(lambda line: line and not line.startswith("#"), entries))
+    assert listed == walkthrough_outputs(README)
+    assert all(entry.startswith("/") for entry in listed)  # anchored: prepack/sample_data/*.jsonl stays tracked
+
+
+def test_the_cpu_loss_chunk_is_the_configs_default():
+    from train.run_config.config import TrainConfig
+
+    stated = re.search(r"the loss computes it ([\d,]+) tokens at a time,\s+`--loss-chunk-tokens`", README)
+    assert stated and int(stated[1].replace(",", "")) == TrainConfig.loss_chunk_tokens
+    assert f"`--loss-chunk-tokens {TrainConfig.loss_chunk_tokens}`" in README
+
+
+def test_the_formats_list_names_every_format():
+    from prepack.text.formats import template_names
+
+    listed = README.split("\nFormats ([docs/formats.md]", 1)[1].split("Inputs:", 1)[0]
+    assert [name for name in template_names() if f"`{name}`" not in listed] == []
+
+
+def test_tiny_is_said_to_be_tiny_gemma3(capsys):
+    from train import cli as train_cli
+    from train.model.models import MODELS
+
+    assert MODELS["tiny"].make_config is MODELS["tiny-gemma3"].make_config
+    assert "`--model tiny`\nis `tiny-gemma3` under a shorter name: the same model" in README
+    help_text = re.sub(r"-\s+", "-", " ".join(train_cli.build_parser().format_help().split()))  # lines break at hyphens
+    assert "tiny is tiny-gemma3 under a shorter name, the same model" in help_text
+
+
+def test_the_exit_codes_table_is_the_rule_in_cli_help():
+    from prepack.cli_help import EXIT_FAILED, EXIT_OK, EXIT_REFUSED
+    from train.measurement.divergence import EXIT_DIVERGED
+
+    table = README.split("\n## Exit codes\n", 1)[1].split("\n## ", 1)[0]
+    codes = [int(code) for code in re.findall(r"^\| (\d+) \|", table, re.M)]
+    assert codes == [EXIT_OK, EXIT_FAILED, EXIT_REFUSED, EXIT_DIVERGED, 130]

@@ -154,7 +154,8 @@ def test_report_generations_side_by_side(tmp_path, capsys):
     out = capsys.readouterr().out
     rows = {r.split("  ")[0].strip(): r.split() for r in out.splitlines() if r.strip()}
     assert rows["exact match"][-4:] == ["50.0%", "50.0%", "+0.0", "pp"]
-    assert rows["reference NLL"][-3:] == ["4.000", "0.300", "-3.700"]
+    # Stored by generate, not measured by the report (it has no model): the label says so.
+    assert rows["reference NLL (as stored, not measured here)"][-3:] == ["4.000", "0.300", "-3.700"]
     assert "fixed 0" in out and "broken 1" in out and "tuned: 'Paris'" in out
     # and on the page, with --output
     page = tmp_path / "page.md"
@@ -175,6 +176,34 @@ def test_report_generations_refuses_other_prompts_and_foreign_files(tmp_path, ca
     (tmp_path / "c.jsonl").write_text('{"id": "0", "completion": "x"}\n')
     assert main(["--generations", a, str(tmp_path / "c.jsonl")]) == 2
     assert "c.jsonl:1: not a `prepack generate` line (no reference, completion_tokens, stop_reason)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content, words", [
+    (b'{"id": "0", "completion": "\xff"}\n', "not UTF-8 text (byte 27)"),
+    (b"[" * 100_000 + b"]" * 100_000 + b"\n", "not valid JSON (RecursionError: maximum recursion depth exceeded"),
+    (b'{"id": 1' + b"0" * 5_000 + b"}\n", "not valid JSON (ValueError: Exceeds the limit (4300 digits)"),
+])
+def test_report_generations_refuses_undecodable_lines_in_one_line(tmp_path, capsys, content, words):
+    """Non-UTF-8 bytes and arrays nested 100,000 deep were tracebacks."""
+    from apps.report import main
+
+    good = write(tmp_path / "good.jsonl", [line(0, "x", "x")])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(content)
+    assert main(["--generations", good, str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"prepack report: error: {bad}:1: {words}") and err.count("\n") == 1
+
+
+def test_report_generations_reads_a_line_with_a_bound(tmp_path, capsys, monkeypatch):
+    from apps import compare_generations
+    from apps.report import main
+
+    monkeypatch.setattr(compare_generations, "MAX_LINE_BYTES", 100)
+    long = write(tmp_path / "long.jsonl", [line(0, "x" * 200, "x")])
+    assert main(["--generations", long]) == 2
+    assert capsys.readouterr().err == (f"prepack report: error: {long}:1: longer than 100 bytes, not a line `prepack "
+                                       "generate` wrote (it was not read further)\n")
 
 
 def test_report_scores_an_unscored_run_by_exact_match(tmp_path, capsys):

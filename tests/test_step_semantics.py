@@ -37,14 +37,17 @@ def test_pack_summary_shows_them():
              "packed_density": 0.941, "unpacked_density": 0.453, "target_density": 0.54, "row_reduction": 326 / 157}
     header, _, values, *rest = density_table({128: stats}).splitlines()
     assert header.split()[-2:] == ["ex/row", "tgt/row"] and values.split()[-2:] == ["2.1", "69.1"]
-    assert (f"L128 steps: an unpacked recipe of batch size {REFERENCE_BATCH_SIZE} sees about as many examples per step "
-            "packed with batch size 8 (16 / 2.08 examples per row = 7.71, rounded to the nearest whole row); steps per "
-            "epoch 21 unpacked, 20 packed") in rest
-    # Rows of 40 examples: 16 / 40 = 0.4 would round to 0; the line says it is 1.
+    assert rest[-2:] == [
+        f"steps per epoch at batch size B = {REFERENCE_BATCH_SIZE} rows per step (an example: B is `prepack train "
+        "--batch-size`; each step costs the same packed or not):",
+        "  L128: 21 unpacked, 10 packed (2.08x fewer rows); as many examples per step as 16 unpacked rows: 16 / 2.08 "
+        "examples per row = 7.71 packed rows"]
+    # Rows of 40 examples: packed, the same B takes fewer steps, never more (a packed batch size of 16 / 40
+    # rounded up to 1 row made it 10 packed steps against 25, under a table of 40x fewer rows).
     few = dict(stats, examples_written=400, examples_read=474, rows=10)
-    assert ("L128 steps: an unpacked recipe of batch size 16 sees about as many examples per step packed with batch size 1 "
-            "(16 / 40.00 examples per row = 0.40, rounded up to 1: a step is at least one row); steps per epoch 25 "
-            "unpacked, 10 packed") in density_table({128: few}).splitlines()
+    assert density_table({128: few}).splitlines()[-1] == (
+        "  L128: 25 unpacked, 1 packed (40.00x fewer rows); as many examples per step as 16 unpacked rows: 16 / 40.00 "
+        "examples per row = 0.40 packed rows")
 
 
 def test_preflight_table_shows_them():

@@ -275,7 +275,7 @@ def test_cli_refusal_is_one_line(first, tmp_path, capsys):
     code = main(["--from-tokens", str(first / "tokens"), "--tokenizer", "sp:x.model", "--output", str(tmp_path / "o"),
                  "--max-length", "128", "--no-progress", *IN_PROCESS])
     err = capsys.readouterr().err
-    assert code == 1 and err.count("\n") == 1 and err.startswith("prepack pack: --tokenizer sp:x.model differs")
+    assert code == 2 and err.count("\n") == 1 and err.startswith("prepack pack: --tokenizer sp:x.model differs")
 
 
 def test_inspect_summarizes_and_decodes_the_tokenized_set(first, capsys):
@@ -329,7 +329,7 @@ def test_pack_applies_the_overwrite_rule_once(tmp_path, monkeypatch, capsys):
     assert main(argv) == 0
     assert calls == [(str(out), (512,), True)]
     capsys.readouterr()
-    assert main(argv) == 1 and len(calls) == 2
+    assert main(argv) == 2 and len(calls) == 2  # refused before any work: 2, as every command refuses
     assert capsys.readouterr().err == (f"prepack pack: {out / 'L512' / 'manifest.json'} already exists: refusing to write "
                                        f"into an existing shard set. Pass --overwrite to replace it ({out / 'published.json'} then names exactly this "
                                        "run's lengths), or choose another --output\n")
@@ -377,7 +377,7 @@ def test_a_length_already_published_is_refused_in_one_line(first, tmp_path, caps
     code = main(["--from-tokens", str(out / "tokens"), "--max-length", "64", "128", "--output", str(out), "--no-progress",
                  *IN_PROCESS])
     err = capsys.readouterr().err
-    assert code == 1 and err == (f"prepack pack: {out / 'L64' / 'manifest.json'} already exists: refusing to write into an "
+    assert code == 2 and err == (f"prepack pack: {out / 'L64' / 'manifest.json'} already exists: refusing to write into an "
                                  f"existing shard set. Pass --overwrite to replace it ({out / 'published.json'} then names "
                                  "exactly this run's lengths), or choose another --output\n")
     assert (out / "published.json").read_bytes() == record and not (out / "L128").exists()
@@ -385,7 +385,7 @@ def test_a_length_already_published_is_refused_in_one_line(first, tmp_path, caps
     (out / "L64" / "manifest.json").unlink()
     code = main(["--from-tokens", str(out / "tokens"), "--max-length", "64", "--output", str(out), "--no-progress", *IN_PROCESS])
     err = capsys.readouterr().err
-    assert code == 1 and err == (f"prepack pack: L64 is already published in {out / 'published.json'}: refusing to replace it "
+    assert code == 2 and err == (f"prepack pack: L64 is already published in {out / 'published.json'}: refusing to replace it "
                                  "without --overwrite; pass --overwrite to publish only this run's lengths, or choose another "
                                  "--output\n")
 
@@ -403,7 +403,7 @@ def test_a_record_that_does_not_match_its_manifests_takes_no_new_length(first, t
     argv = ["--from-tokens", str(out / "tokens"), "--max-length", "128", "--output", str(out), "--no-progress"]
     code = main(argv + IN_PROCESS)
     err = capsys.readouterr().err
-    assert code == 1 and err == (f"prepack pack: {manifest} is not the manifest {out / 'published.json'} names (a publish was "
+    assert code == 2 and err == (f"prepack pack: {manifest} is not the manifest {out / 'published.json'} names (a publish was "
                                  "interrupted, or the file was changed since): refusing to add lengths beside it; pass "
                                  "--overwrite to publish only this run's lengths, or choose another --output\n")
     with pytest.raises(JobError, match="is not the manifest .* nothing was published"):  # the check under the lock

@@ -13,6 +13,7 @@ import pytest
 
 import loaders
 from apps import verify
+from pipelines.progress import progress_of
 from prepack.format import rowformat
 from testkit import train_batches as testing
 from testkit.layout_bugs import cumsum_positions, plain_causal, shifted_boundary
@@ -53,6 +54,21 @@ def tiny(request, shard_set):
     cfg = parity.ParityConfig(model=request.param)
     view = loaders.open_shards(shard_set)
     return cfg, parity.build_model(cfg, dict(view.manifest.tokenizer), shard_set).model, view
+
+
+def test_the_model_pass_reports_its_progress(tiny) -> None:
+    """verify --model on a real model ran 11 minutes on a CPU with no output after loading: the pass
+    counts its model calls (the packed batch, then the segments alone) as it makes them."""
+    cfg, model, view = tiny
+    calls: list[tuple[int, int]] = []
+    assert parity.check_view(model, cfg, view, progress=lambda done, total: calls.append((done, total))).ok
+    total = calls[0][1]
+    assert calls == [(done, total) for done in range(total + 1)] and total >= 2  # packed + at least one alone batch
+    out = io.StringIO()
+    with progress_of("L64: on the model", "model calls", out, every_s=0.0) as progress:
+        parity.check_view(model, cfg, view, progress=progress)
+    lines = out.getvalue().splitlines()
+    assert lines[-1].startswith(f"L64: on the model: {total}/{total} model calls in 00:") and lines[-1].endswith(" left")
 
 
 def test_correct_layout_passes_at_float32_rounding(tiny) -> None:

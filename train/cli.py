@@ -24,7 +24,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from prepack.cli_help import DefaultsHelpFormatter
+from prepack.cli_help import CommandParser
 from train import objectives
 from train.generation import eval_generate
 from train.run_config import compile_cache
@@ -71,17 +71,13 @@ def add_output_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile-dir", default=None, help="folder for --profile-steps' trace")
 
 
-class OneLineParser(argparse.ArgumentParser):
-    """A bad argument is one line and exit status 2, as every refusal of the command (--help shows the usage)."""
-
-    def error(self, message: str):  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="prepack train", formatter_class=DefaultsHelpFormatter, description=__doc__.split("\n\n")[0])
+    p = CommandParser(prog="prepack train", description=__doc__.split("\n\n")[0])
     p.add_argument("--shards", required=True, help="shard set folder (local, gcsfuse or gs://) with manifest.json")
-    p.add_argument("--model", default="tiny", help="gemma3-270m, gemma3-1b, qwen3-0.6b, tiny (= tiny-gemma3), tiny-qwen3")
+    p.add_argument("--model", default="tiny",
+                   help="gemma3-270m (its packaged weights: the pretrained model, not the instruction-tuned one), "
+                   "gemma3-1b, qwen3-0.6b, tiny-gemma3, tiny-qwen3 (tiny random models); tiny is tiny-gemma3 under a "
+                   "shorter name, the same model")
     p.add_argument("--lora-rank", type=whole_number("--lora-rank"), default=8)
     p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default 2 x rank)")
     p.add_argument("--batch-size", type=whole_number("--batch-size"), default=8, help="global rows per micro-batch (per step without --grad-accum-steps)")

@@ -12,6 +12,7 @@ from pipelines.faults import failures
 from pipelines.configs import PackConfig
 from pipelines.launch import interrupts
 from pipelines.options import OptionsError, parse_args
+from prepack.cli_help import EXIT_FAILED, EXIT_REFUSED
 
 # Local runs: worker processes forward their logs to the runner, which re-logs
 # them as warnings ("No semi_persistent_directory found", ...). They are noise here.
@@ -59,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config, beam_args = parse_args(argv)
     except OptionsError as e:
         print(f"prepack pack: {e}", file=sys.stderr)
-        return 2
+        return EXIT_REFUSED
     return run_config(config, beam_args)
 
 
@@ -72,17 +73,17 @@ def run_config(config: PackConfig, beam_args: Sequence[str]) -> int:
         failpoints.check(config.rows.max_lengths, config.run.write_tokens)
     except failpoints.FailpointError as e:
         print(f"prepack pack: {e}", file=sys.stderr)
-        return 2
+        return EXIT_REFUSED
     # An existing set without --overwrite is refused first, before Beam is even imported.
     from pipelines.launch.existing_sets import existing_sets_refusal
 
     refusal = existing_sets_refusal(config)
     if refusal:
         print(f"prepack pack: {refusal}", file=sys.stderr)
-        return 1
+        return EXIT_REFUSED  # refused before any work, as every command refuses
     _configure_logs(config.run.verbose)
     from pipelines.launch.job import Interrupted, run
-    from pipelines.launch.errors import JobError
+    from pipelines.launch.errors import JobError, JobRefused
     from pipelines.launch.report import density_table, run_line
     from pipelines.launch.worker_stderr import QuietAfterSignal
 
@@ -91,10 +92,14 @@ def run_config(config: PackConfig, beam_args: Sequence[str]) -> int:
             interrupts.install()
             with contextlib.nullcontext() if config.run.verbose else QuietAfterSignal():
                 result = run(config, beam_args, existing_refused=True)
+    except JobRefused as e:  # the checks before the pipeline: nothing read past the first records, nothing written
+        print(f"prepack pack: {e}", file=sys.stderr)
+        interrupts.exit_if_signalled(EXIT_REFUSED)
+        return EXIT_REFUSED
     except JobError as e:
         print(f"prepack pack: {e}", file=sys.stderr)
-        interrupts.exit_if_signalled(1)  # stopped by a signal (a lost lock): Beam's threads would hold the exit
-        return 1
+        interrupts.exit_if_signalled(EXIT_FAILED)  # stopped by a signal (a lost lock): Beam's threads would hold the exit
+        return EXIT_FAILED
     except Interrupted as e:
         print(f"prepack pack: {e}", file=sys.stderr)
         interrupts.exit_if_signalled(130)

@@ -18,7 +18,7 @@ from pipelines import output
 from pipelines.faults import failpoints, failures
 from pipelines.configs import PackConfig
 from pipelines.launch import graph, interrupts, verify
-from pipelines.launch.errors import JobError
+from pipelines.launch.errors import JobError, JobRefused
 from pipelines.launch.manifest_compose import staged_sets
 from pipelines.launch.prepare_job import prepare
 from prepack.format import layout
@@ -68,7 +68,12 @@ def run(config: PackConfig, beam_args: list[str], run_id: str | None = None, exi
     `existing_refused`: the caller has already applied the overwrite rule (prepack/overwrite.py)
     to this config, as `prepack pack` does before Beam is imported; it is not applied again."""
     started = time.monotonic()
-    job = prepare(config, run_id, existing_refused=existing_refused)
+    try:
+        job = prepare(config, run_id, existing_refused=existing_refused)
+    except JobRefused:
+        raise
+    except JobError as e:  # every check before the pipeline: a refusal, the job has not started
+        raise JobRefused(str(e)) from e
     config = job.config  # --from-tokens: with the token choices of the set
     held = _acquire_lock(config, job.run_id)
     held.on_lost = interrupts.stop_main  # a lease found lost mid-pipeline stops the run at once

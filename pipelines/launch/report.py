@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from prepack.packing.stats import REFERENCE_BATCH_SIZE, PackingStats, StepSemantics, lower_bounds_line
+from prepack.packing.stats import REFERENCE_BATCH_SIZE, BatchFigures, PackingStats, StepSemantics, lower_bounds_line
 from prepack.wording import counted, rate
 
 # What every set reports: examples in and out, and the rows they fill.
@@ -84,7 +84,7 @@ def density_table(stats_by_length: Mapping[int, Mapping[str, Any]], packed: bool
     if packed and segment_cap:
         lines += [lower_bounds_line(b) or "" for _, b in sorted(bounds.items())]
     if packed:
-        lines += [steps_line(L, s) for L, s in sorted(steps.items())]
+        lines += steps_lines(steps)
     first = next(iter(stats_by_length.values()), None)
     if first is not None and first.get("records_filtered"):
         filtered = ", ".join(f"{k} {v:,}" for k, v in first["records_filtered"].items())
@@ -103,14 +103,23 @@ def run_line(examples: int, seconds: float) -> str:
     return f"{counted(examples, 'example')} in {seconds:,.1f} s ({rate(examples, seconds, 'examples')})"
 
 
-def steps_line(max_length: int, s: StepSemantics) -> str:
-    """The packed batch size that matches an unpacked recipe's step, with how it was rounded."""
-    exact = s.unpacked_batch_size / s.examples_per_row if s.examples_per_row else float(s.unpacked_batch_size)
-    rounding = "rounded up to 1: a step is at least one row" if exact < 0.5 else "rounded to the nearest whole row"
-    return (f"L{max_length} steps: an unpacked recipe of batch size {s.unpacked_batch_size} sees about as many examples "
-            f"per step packed with batch size {s.packed_batch_size:,} ({s.unpacked_batch_size} / {s.examples_per_row:,.2f} "
-            f"examples per row = {exact:,.2f}, {rounding}); steps per epoch {s.unpacked_steps_per_epoch:,} unpacked, "
-            f"{s.packed_steps_per_epoch:,} packed")
+def steps_lines(steps: Mapping[int, StepSemantics]) -> list[str]:
+    """Steps per epoch at one batch size B, stated as an assumption (pack does not choose B: `prepack
+    train --batch-size` does), packed against unpacked: fewer, by the row reduction. Then, per length,
+    the packed batch size that sees as many examples per step as B unpacked rows, unrounded (a
+    rounded one, 1 row for 1.47, read as if packing cost more steps)."""
+    if not steps:
+        return []
+    batch = next(iter(steps.values())).unpacked_batch_size
+    lines = [f"steps per epoch at batch size B = {batch} rows per step (an example: B is `prepack train --batch-size`; "
+             "each step costs the same packed or not):"]
+    for L, s in sorted(steps.items()):
+        at_b = BatchFigures(s.stats, batch)
+        exact = batch / s.examples_per_row if s.examples_per_row else float(batch)
+        lines.append(f"  L{L}: {at_b.unpacked_steps:,} unpacked, {at_b.packed_steps:,} packed ({s.stats.row_reduction:,.2f}x "
+                     f"fewer rows); as many examples per step as {batch} unpacked rows: {batch} / {s.examples_per_row:,.2f} "
+                     f"examples per row = {exact:,.2f} packed rows")
+    return lines
 
 
 def step_semantics(max_length: int, stats: Mapping[str, Any]) -> StepSemantics:

@@ -13,8 +13,10 @@ Each check takes `where` (the manifest's path) and the field's name, and raises 
 
 from __future__ import annotations
 
+import json
 import re
 import reprlib
+from collections.abc import Iterator
 from typing import Any
 
 # What the writers make: rows-00000-of-00004-<hex>.array_record, tokens-<hex>.array_record,
@@ -148,3 +150,34 @@ def shown_with_type(value: Any) -> str:
 
 def _show(value: Any) -> str:
     return shown(value)
+
+
+def jsonl_values(path: str, error: type[Exception], max_line_bytes: int, what: str) -> Iterator[tuple[str, Any]]:
+    """(where, value) of each non-blank line of a JSONL file others may have written, `where` its
+    "path:line". Each line is read with a bound (max_line_bytes) and must be UTF-8 and JSON; JSON
+    that Python's parser cannot hold (arrays nested 100,000 deep, a 5,001-digit integer) is refused
+    as well: each in one line naming the file and line (`error`), never a traceback. `what`: what a
+    line should be, for the message of one too long."""
+    with open(path, "rb") as f:
+        number = 0
+        while True:
+            line = f.readline(max_line_bytes + 1)
+            if not line:
+                return
+            number += 1
+            where = f"{path}:{number}"
+            if len(line) > max_line_bytes:
+                raise error(f"{where}: longer than {max_line_bytes:,} bytes, not {what} (it was not read further)")
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise error(f"{where}: not UTF-8 text (byte {e.start})") from None
+            if not text.strip():
+                continue
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise error(f"{where}: not valid JSON ({e.msg})") from None
+            except (ValueError, RecursionError) as e:  # nesting 100,000 deep; a 5,001-digit integer
+                raise error(f"{where}: not valid JSON ({type(e).__name__}: {str(e)[:100]})") from None
+            yield where, value

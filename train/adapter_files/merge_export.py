@@ -28,7 +28,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from prepack import storage
-from prepack.cli_help import DefaultsHelpFormatter
+from prepack.cli_help import CommandParser
 from train.adapter_files import hf_layout
 from train.adapter_files.lora_file import LoraFileError, check_finite
 
@@ -177,6 +177,11 @@ def merge_export(lora: str, output: str, *, weights: str | None = None, dtype: s
         raise LoraFileError(f"--output {problem}")
     if not storage.is_gcs(output) and os.path.exists(output) and not overwrite:
         raise LoraFileError(f"--output {output} already exists; pass --overwrite to replace it, or give another path")
+    from train.adapter_files.peft_export import folder_problem
+
+    problem = folder_problem(output, (MODEL_WEIGHTS, CONFIG), overwrite)  # a file there, a folder named config.json
+    if problem:
+        raise LoraFileError(f"--output {problem}")
     adapter = read_adapter(lora)
     built = rebuild_base(adapter, weights, say)
     family = built.spec.family
@@ -194,7 +199,7 @@ def merge_export(lora: str, output: str, *, weights: str | None = None, dtype: s
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="prepack export", formatter_class=DefaultsHelpFormatter,
+    p = CommandParser(prog="prepack export",
                                 description="write a trained adapter merged into its base as a Hugging Face safetensors folder")
     p.add_argument("--merge", action="store_true", required=True, help="merge the adapter into the base weights (required)")
     p.add_argument("--lora", required=True, help="the adapter prepack train --save-lora wrote (a PEFT folder or a prepack file)")

@@ -269,12 +269,14 @@ class Generator:
 
 
 def reference_nll(model: Any, items: Sequence[tuple[np.ndarray, np.ndarray]], *, compute_dtype: Any,
-                  attention: str = "dense", batch_size: int = 8, scorer: Any = None) -> list[tuple[float, int]]:
+                  attention: str = "dense", batch_size: int = 8, scorer: Any = None,
+                  progress: Callable[[int, int], None] | None = None) -> list[tuple[float, int]]:
     """(sum of NLLs, tokens) of each reference given its prompt, teacher-forced: the prompt and
     reference as one example in a row of its own, the reference's tokens the targets, scored by
     train/verification/parity.py's Scorer (the training loss's final hidden states and output projection).
     A caller scoring the same model again (--eval-generate) passes its `scorer` of `model`: a
-    new Scorer jits new functions, so it would compile again each time."""
+    new Scorer jits new functions, so it would compile again each time. progress(done, total): after
+    each batch's model call (Scorer.logprobs)."""
     from prepack.format import rowformat
     from train.verification.parity import Scorer, fixed_batches
 
@@ -289,7 +291,7 @@ def reference_nll(model: Any, items: Sequence[tuple[np.ndarray, np.ndarray]], *,
         rows.append(rowformat.build_row([rowformat.Segment(ids, mask)], length))
     batches = fixed_batches(rows, length, batch_size)
     scorer = scorer if scorer is not None else Scorer(model, attention, compute_dtype)
-    logps = scorer.logprobs(batches)
+    logps = scorer.logprobs(batches, progress)
     out = []
     for k in range(len(items)):
         logp = logps[k // batch_size][k % batch_size]

@@ -107,6 +107,7 @@ PROJECT_CHUNK = 256  # target tokens projected onto the vocabulary at a time
 
 Rows = dict[str, np.ndarray]
 LayoutFn = Callable[[Rows], Rows]
+Progress = Callable[[int, int], None]  # (model calls done, model calls in all)
 
 
 def stored_layout(rows: Rows) -> Rows:
@@ -272,14 +273,17 @@ class Scorer:
         self._hidden = nnx.jit(precision.in_compute_dtype(hidden, compute_dtype))
         self._nll = nnx.jit(precision.in_compute_dtype(target_nll, compute_dtype))
 
-    def logprobs(self, batches: Sequence[Mapping[str, np.ndarray]]) -> list[np.ndarray]:
+    def logprobs(self, batches: Sequence[Mapping[str, np.ndarray]], progress: Progress | None = None) -> list[np.ndarray]:
         """Per batch, log p of each target token at its column (NaN elsewhere). The states of all
         batches' targets are projected in one call (one compile: packed and alone hold the same targets).
-        Afterwards `fed_positions` holds the positions each batch's model call was given."""
+        Afterwards `fed_positions` holds the positions each batch's model call was given. progress(done,
+        total) is called after each batch's model call (minutes each for a real model on a CPU)."""
         import jax.numpy as jnp
 
         states, targets, places = [], [], []
         self.fed_positions = []
+        if progress is not None:
+            progress(0, len(batches))
         for rows in batches:
             inputs = self.inputs({k: rows[k] for k in ("input_ids", "loss_mask", "positions", "segment_ids")})
             self.fed_positions.append(np.asarray(inputs["positions"]))
@@ -290,6 +294,8 @@ class Scorer:
             states.append(h[b, t])
             targets.append(ids[b, t + 1])
             places.append((b, t + 1))
+            if progress is not None:
+                progress(len(states), len(batches))
         total = sum(len(t) for t in targets)
         outs = [np.full(np.shape(rows["loss_mask"]), np.nan, np.float32) for rows in batches]
         if not total:
@@ -325,9 +331,10 @@ def _position_fault(fed: np.ndarray, cols: slice) -> tuple[int, int, int] | None
 
 
 def check_rows(scorer: Scorer, rows: Mapping[str, np.ndarray], labels: Sequence[str], *, dtype: str,
-               attention: str, tolerance: float | None = None, packed_layout: LayoutFn = stored_layout) -> ParityResult:
+               attention: str, tolerance: float | None = None, packed_layout: LayoutFn = stored_layout,
+               progress: Progress | None = None) -> ParityResult:
     """Runs `rows` packed (as `packed_layout` presents them) and each segment alone; compares every
-    target's log p, and the positions the model was given."""
+    target's log p, and the positions the model was given. progress: as Scorer.logprobs'."""
     import jax
 
     from train.step import precision
@@ -338,7 +345,7 @@ def check_rows(scorer: Scorer, rows: Mapping[str, np.ndarray], labels: Sequence[
     segments = segments_of(rows)
     batch = rows["input_ids"].shape[0]
     with precision.matmul_precision(dtype):  # float32: float32 matmuls on every backend
-        packed, *alone = scorer.logprobs([packed_layout(dict(rows)), *alone_rows(rows, segments, batch)])
+        packed, *alone = scorer.logprobs([packed_layout(dict(rows)), *alone_rows(rows, segments, batch)], progress)
     fed = scorer.fed_positions[0]
     alone = np.concatenate(alone) if alone else None
     results = []
@@ -408,8 +415,10 @@ def train_config(cfg: ParityConfig, shards: str) -> Any:
                        dtype=cfg.dtype)
 
 
-def check_view(model: Any, cfg: ParityConfig, view: Any, packed_layout: LayoutFn = stored_layout) -> ParityResult:
-    """`prepack verify SET --model`: cfg.rows rows of a shard set, sampled by the fixed seed."""
+def check_view(model: Any, cfg: ParityConfig, view: Any, packed_layout: LayoutFn = stored_layout,
+               progress: Progress | None = None) -> ParityResult:
+    """`prepack verify SET --model`: cfg.rows rows of a shard set, sampled by the fixed seed.
+    progress(done, total): after each model call (the packed batch, then the segments alone)."""
     from train.model import models
     from train.step import memory_path
 
@@ -425,7 +434,8 @@ def check_view(model: Any, cfg: ParityConfig, view: Any, packed_layout: LayoutFn
         k = int(np.searchsorted(starts, g, side="right") - 1)
         labels.append(f"row {g} ({view.shard_paths[k]}, record {g - int(starts[k])})")
     scorer = Scorer(model, kind, models.parse_dtype(cfg.dtype, models.get_spec(cfg.model).default_dtype))
-    return check_rows(scorer, view.read(indices), labels, dtype=dtype, attention=kind, packed_layout=packed_layout)
+    return check_rows(scorer, view.read(indices), labels, dtype=dtype, attention=kind, packed_layout=packed_layout,
+                      progress=progress)
 
 
 def check_first_batch(setup: Any, batch: Mapping[str, np.ndarray], packed_layout: LayoutFn = stored_layout) -> ParityResult:
