@@ -21,6 +21,12 @@ prefix, component by component (gs://b/ab is not inside gs://b/a). Input specs t
 paths (tfds:NAME, hf:NAME of the Hub, `random`, an embedded tokenizer name) are left out by the
 caller (`input_places` does it for input specs); a glob is represented by the folder before its
 first wildcard.
+
+One resolved path per output: a command turns each output path into `output_path(flag, path)`
+once, where it reads its options, and both this rule and the writer use that string (a writer
+that normalised the path on its own, os.path.abspath, wrote elsewhere than the rule judged:
+`--save-lora s/../SET` with `s -> /elsewhere/x` was judged as /elsewhere/SET and written into
+./SET). A path through a dangling link or a link loop names no place and is refused in one line.
 No JAX, no Beam: `prepack pack` asks before it imports Beam, `prepack train` before any weight
 loads.
 """
@@ -28,6 +34,7 @@ loads.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 from collections.abc import Mapping, Sequence
 
@@ -67,17 +74,106 @@ class RunPaths:
         return inner_key == (outer_key[0], outer_key[1] + where) if where else _within(inner_key, outer_key)
 
 
+class OutputPathError(ValueError):
+    """An output path that names no place a writer could use (a dangling link, a link loop): one line."""
+
+
+def resolved(path: str, cwd: str | None = None) -> str:
+    """The place `path` names, as the kernel resolves it when a writer opens it: `~` expanded,
+    joined with `cwd` (default: the working folder), then every symlink followed, with `..`
+    applied after the link before it (os.path.realpath: with `s -> /elsewhere/x`, `s/..` is
+    /elsewhere, not `.` as os.path.abspath would say); a trailing slash dropped. gs:// as it is.
+    The one resolution of the project: the output rule compares these places, and every writer
+    writes at the string a command got from `output_path` (resolving it again changes nothing)."""
+    if is_gcs(path):
+        return path
+    local = os.path.expanduser(path)
+    if not os.path.isabs(local):
+        local = os.path.join(cwd if cwd is not None else os.getcwd(), local)
+    return os.path.realpath(local)
+
+
+def link_problem(path: str, cwd: str | None = None) -> str | None:
+    """What breaks `path` on the way to its place, as the words after "FLAG PATH" (" is a dangling
+    link ...", ": /a/s is a link loop ..."), or None. A dangling link would be followed to a place
+    that does not exist (a writer would make the link's target, or fail), and a loop never ends:
+    neither names a place an output could be checked at. gs:// has no links."""
+    if is_gcs(path):
+        return None
+    local = os.path.expanduser(path)
+    if not os.path.isabs(local):
+        local = os.path.join(cwd if cwd is not None else os.getcwd(), local)
+    parts = [p for p in local.split(os.sep) if p]
+    done = os.sep  # the real folder reached so far
+    todo = parts[::-1]  # the components still to walk, last first
+    while todo:
+        name = todo.pop()
+        if name == ".":
+            continue
+        if name == "..":
+            done = os.path.dirname(done)
+            continue
+        here = os.path.join(done, name)
+        if not os.path.islink(here):
+            done = here
+            continue
+        try:
+            os.stat(here)  # the whole chain of links from here: found, missing, or a loop
+        except OSError as e:
+            whole = not todo  # the path itself is the link (else a folder on its way)
+            where = " is" if whole else f": {here} is"
+            if e.errno == errno.ELOOP:
+                return f"{where} a link loop (following it never ends); remove the link or give another path"
+            if e.errno in (errno.ENOENT, errno.ENOTDIR):
+                return (f"{where} a dangling link (to {os.readlink(here)}, which does not exist); remove the link "
+                        "or give another path")
+            return None  # no access: the writer's own check says so
+        target = os.readlink(here)
+        if os.path.isabs(target):
+            done = os.sep
+        todo.extend(p for p in target.split(os.sep)[::-1] if p)
+    return None
+
+
+# The spelling each resolved output was given in (the latest), for messages only: a line names the
+# path as the user wrote it, and where links made it another place, that place too.
+_GIVEN: dict[str, str] = {}
+
+
+def named(path: str) -> str:
+    """An output path for a message: as the user wrote it (`S`, `./out/`), with "(resolves to REAL)"
+    where the place differs from what the spelling reads as (a link followed by `..`)."""
+    given = _GIVEN.get(path)
+    if given is None or given == path:
+        return path
+    lexical = os.path.abspath(os.path.expanduser(given))
+    return given if lexical == path else f"{given} (resolves to {path})"
+
+
+def output_path(flag: str, path: str, cwd: str | None = None) -> str:
+    """The one string a command checks and writes an output at: `resolved(path)`, asked once where
+    the command reads its options. Raises OutputPathError (one line naming the flag) for a path
+    through a dangling link or a link loop, or one that names no place (location_problem: s3://,
+    gs:///x), in the rule's own words."""
+    from prepack.storage import location_problem
+
+    if location_problem(path):
+        raise OutputPathError(f"{flag} {location_problem(path)}")
+    problem = link_problem(path, cwd)
+    if problem:
+        raise OutputPathError(f"{flag} {path}{problem}")
+    real = resolved(path, cwd)
+    _GIVEN[real] = path
+    return real
+
+
 def place_key(path: str, cwd: str | None = None) -> Key:
     """(root, components) naming the place `path` is: ("gs://BUCKET", prefix parts) on gs://,
     ("/", the real path's parts) locally, resolved against `cwd` (default: the working folder)."""
     if is_gcs(path):
         bucket, _, prefix = path[len("gs://"):].partition("/")
         return f"gs://{bucket}", tuple(p for p in prefix.split("/") if p)
-    local = os.path.expanduser(path)
-    if not os.path.isabs(local):
-        local = os.path.join(cwd if cwd is not None else os.getcwd(), local)
-    real = os.path.realpath(local)  # symlinks, `.`, `..` and trailing slashes
-    return "/", tuple(p for p in real.split(os.sep) if p)
+    return "/", tuple(p for p in resolved(path, cwd).split(os.sep) if p)  # symlinks, `.`, `..`, trailing slashes
 
 
 def shown(key: Key) -> str:
@@ -127,13 +223,18 @@ def refusal(run: RunPaths, cwd: str | None = None) -> str | None:
         problem = location_problem(p.path)
         if problem:
             return f"{p.flag} {problem}"
+    for o in run.outputs:  # a command passes `output_path`'s string (checked there); a library caller may not
+        broken = link_problem(o.path, cwd)
+        if broken:
+            return f"{o.flag} {o.path}{broken}"
     here = place_key(".", cwd)
     outputs = [(o, place_key(o.path, cwd)) for o in run.outputs]
     inputs = [(i, place_key(i.path, cwd)) for i in run.inputs]
     for o, key in outputs:
         if _within(here, key):
             what = "the working folder" if key == here else "a folder above the working folder"
-            return (f"{o.flag} {o.path} is {what} ({shown(key)}); writing there could replace the files "
+            real = "" if shown(key) in named(o.path) else f" ({shown(key)})"
+            return (f"{o.flag} {named(o.path)} is {what}{real}; writing there could replace the files "
                     f"of this run and others: give {o.flag} a new folder of its own")
     for o, key in outputs:
         for i, in_key in inputs:
@@ -141,7 +242,7 @@ def refusal(run: RunPaths, cwd: str | None = None) -> str | None:
                 continue
             if _within(key, in_key) and (i.whole or key == in_key) or _within(in_key, key):
                 how = "is" if key == in_key else "lies inside" if _within(key, in_key) else "contains"
-                return (f"{o.flag} {o.path} {how} the input {i.flag} {i.path}; writing there could replace or delete "
+                return (f"{o.flag} {named(o.path)} {how} the input {i.flag} {i.path}; writing there could replace or delete "
                         f"what this run reads: give {o.flag} a path outside every input")
     for n, (a, a_key) in enumerate(outputs):
         for b, b_key in outputs[n + 1:]:
@@ -149,6 +250,6 @@ def refusal(run: RunPaths, cwd: str | None = None) -> str | None:
                 continue
             if _within(a_key, b_key) or _within(b_key, a_key):
                 how = "is" if a_key == b_key else "lies inside" if _within(a_key, b_key) else "contains"
-                return (f"{a.flag} {a.path} {how} {b.flag} {b.path}; one output's writer could replace the other's "
+                return (f"{a.flag} {named(a.path)} {how} {b.flag} {named(b.path)}; one output's writer could replace the other's "
                         "files: give each output its own path, neither inside the other")
     return None

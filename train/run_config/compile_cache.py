@@ -38,13 +38,38 @@ def default_dir() -> str:
     return os.path.join(base, "prepack", "xla")
 
 
-def resolve(flag: str | None) -> str | None:
-    """The cache folder the flag means (see the module doc); None: off."""
+def chosen(flag: str | None) -> str | None:
+    """The cache folder the flag means (see the module doc), as given; None: off."""
     if flag == OFF:
         return None
     if flag:
         return flag
     return os.environ.get(ENV) or default_dir()
+
+
+def resolve(flag: str | None) -> str | None:
+    """The cache folder the flag means, resolved as the output rule resolves every output
+    (prepack.storage.output_rule.resolved: links followed, then `..`); None: off. The same string
+    for the rule's check and for JAX."""
+    from prepack.storage import output_rule
+
+    folder = chosen(flag)
+    return output_rule.resolved(folder) if folder else None
+
+
+def resolved_option(flag: str | None) -> str | None:
+    """--compile-cache as a command keeps it after reading its options: a folder resolved as
+    `resolve` does (the one string the output rule checks and JAX uses), `off` and None (the
+    default) as they are. Refuses (prepack.storage.output_rule.OutputPathError, one line naming
+    --compile-cache, or JAX_COMPILATION_CACHE_DIR where that chooses) a folder, given or
+    default, through a dangling link or a link loop."""
+    from prepack.storage import output_rule
+
+    folder = chosen(flag)
+    if folder:
+        label = "--compile-cache" if flag or not os.environ.get(ENV) else ENV
+        folder = output_rule.output_path(label, folder)
+    return folder if flag and flag != OFF else flag
 
 
 def place(flag: str | None):
@@ -82,7 +107,6 @@ def enable(flag: str | None, out: TextIO) -> str | None:
         why = problem(folder)
         if why:
             raise CompileCacheError(f"--compile-cache {why}; pass a writable folder, or --compile-cache off")
-        folder = os.path.abspath(folder)
     if jax.config.jax_compilation_cache_dir != folder:
         # JAX opens its cache at the first compile and keeps it: a process that compiled already
         # (a test calling the CLI twice) starts afresh with the new folder.

@@ -62,6 +62,24 @@ def run_outputs(cfg: TrainConfig) -> list[Output]:
     return out
 
 
+# The TrainConfig fields that name outputs, by flag (with --compile-cache: compile_cache.resolved_option).
+OUTPUT_FIELDS = {"--metrics-out": "metrics_out", "--checkpoint-dir": "checkpoint_dir", "--save-lora": "save_lora",
+                 "--tensorboard": "tensorboard", "--profile-dir": "profile_dir"}
+
+
+def with_resolved_paths(cfg: TrainConfig) -> TrainConfig:
+    """cfg with each output path resolved once (prepack.storage.output_rule.output_path), where
+    `prepack train` reads its options: the output rule judges, and every writer writes at, that
+    string. A path through a dangling link or a link loop is refused (TrainError, one line)."""
+    try:
+        changed = {name: output_rule.output_path(flag, getattr(cfg, name))
+                   for flag, name in OUTPUT_FIELDS.items() if getattr(cfg, name)}
+        changed["compile_cache"] = compile_cache.resolved_option(cfg.compile_cache)
+    except output_rule.OutputPathError as e:
+        raise TrainError(str(e)) from None
+    return dataclasses.replace(cfg, **changed)
+
+
 # The outputs of a run that its layout puts one inside the other (inner flag, outer flag): the
 # profiler's trace goes to TensorBoard's own folder (its profile tab reads it there). Every other
 # pair of outputs must not overlap (prepack/storage/output_rule.py).
