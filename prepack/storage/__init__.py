@@ -99,7 +99,7 @@ def local_write_problem(path: str) -> str | None:
     import os
     import tempfile
 
-    from prepack.storage.output_rule import resolved
+    from prepack.storage.places import resolved
 
     above = os.path.dirname(resolved(path))  # where the writer writes: links followed before `..`
     while not os.path.lexists(above):

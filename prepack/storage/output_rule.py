@@ -23,7 +23,8 @@ caller (`input_places` does it for input specs); a glob is represented by the fo
 first wildcard.
 
 One resolved path per output: a command turns each output path into `output_path(flag, path)`
-once, where it reads its options, and both this rule and the writer use that string (a writer
+(places.py's resolution, as the kernel resolves it) once, where it reads its options, and both
+this rule and the writer use that string (a writer
 that normalised the path on its own, os.path.abspath, wrote elsewhere than the rule judged:
 `--save-lora s/../SET` with `s -> /elsewhere/x` was judged as /elsewhere/SET and written into
 ./SET). A path through a dangling link or a link loop names no place and is refused in one line.
@@ -34,11 +35,11 @@ loads.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import os
 from collections.abc import Mapping, Sequence
 
 from prepack.storage.gcs import is_gcs
+from prepack.storage.places import link_problem, resolved
 from prepack.storage.patterns import has_wildcard, literal_head
 
 
@@ -76,63 +77,6 @@ class RunPaths:
 
 class OutputPathError(ValueError):
     """An output path that names no place a writer could use (a dangling link, a link loop): one line."""
-
-
-def resolved(path: str, cwd: str | None = None) -> str:
-    """The place `path` names, as the kernel resolves it when a writer opens it: `~` expanded,
-    joined with `cwd` (default: the working folder), then every symlink followed, with `..`
-    applied after the link before it (os.path.realpath: with `s -> /elsewhere/x`, `s/..` is
-    /elsewhere, not `.` as os.path.abspath would say); a trailing slash dropped. gs:// as it is.
-    The one resolution of the project: the output rule compares these places, and every writer
-    writes at the string a command got from `output_path` (resolving it again changes nothing)."""
-    if is_gcs(path):
-        return path
-    local = os.path.expanduser(path)
-    if not os.path.isabs(local):
-        local = os.path.join(cwd if cwd is not None else os.getcwd(), local)
-    return os.path.realpath(local)
-
-
-def link_problem(path: str, cwd: str | None = None) -> str | None:
-    """What breaks `path` on the way to its place, as the words after "FLAG PATH" (" is a dangling
-    link ...", ": /a/s is a link loop ..."), or None. A dangling link would be followed to a place
-    that does not exist (a writer would make the link's target, or fail), and a loop never ends:
-    neither names a place an output could be checked at. gs:// has no links."""
-    if is_gcs(path):
-        return None
-    local = os.path.expanduser(path)
-    if not os.path.isabs(local):
-        local = os.path.join(cwd if cwd is not None else os.getcwd(), local)
-    parts = [p for p in local.split(os.sep) if p]
-    done = os.sep  # the real folder reached so far
-    todo = parts[::-1]  # the components still to walk, last first
-    while todo:
-        name = todo.pop()
-        if name == ".":
-            continue
-        if name == "..":
-            done = os.path.dirname(done)
-            continue
-        here = os.path.join(done, name)
-        if not os.path.islink(here):
-            done = here
-            continue
-        try:
-            os.stat(here)  # the whole chain of links from here: found, missing, or a loop
-        except OSError as e:
-            whole = not todo  # the path itself is the link (else a folder on its way)
-            where = " is" if whole else f": {here} is"
-            if e.errno == errno.ELOOP:
-                return f"{where} a link loop (following it never ends); remove the link or give another path"
-            if e.errno in (errno.ENOENT, errno.ENOTDIR):
-                return (f"{where} a dangling link (to {os.readlink(here)}, which does not exist); remove the link "
-                        "or give another path")
-            return None  # no access: the writer's own check says so
-        target = os.readlink(here)
-        if os.path.isabs(target):
-            done = os.sep
-        todo.extend(p for p in target.split(os.sep)[::-1] if p)
-    return None
 
 
 # The spelling each resolved output was given in (the latest), for messages only: a line names the

@@ -20,7 +20,7 @@ import os
 import tempfile
 from collections.abc import Callable, Mapping
 
-from prepack.storage import output_rule
+from prepack.storage import places
 from prepack.storage.gcs import is_gcs
 
 
@@ -37,7 +37,7 @@ def write_own_files(target: str, files: Mapping[str, bytes] | Callable[[str], No
         if callable(files):
             raise OwnFilesError(f"{target}: this writer writes local folders only")
         return _write_gcs(target, files, owns, content_type)
-    target = output_rule.resolved(target)  # where the output rule judged it (`s/..` through a link: not abspath's)
+    target = places.resolved(target)  # where the output rule judged it (`s/..` through a link: not abspath's)
     beside = os.path.dirname(target)
     os.makedirs(beside, exist_ok=True)
     # Staged beside, not inside: the staging folder never shows in the target, and a rename within

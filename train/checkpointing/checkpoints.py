@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from prepack import storage
-from prepack.storage import output_rule
+from prepack.storage import places
 from prepack.hostile_input.untrusted import shown, shown_with_type
 from train.objectives.sft import SFT
 
@@ -179,7 +179,7 @@ class CheckpointDir:
         path = str(path).rstrip("/")
         # Orbax refuses relative local paths ("Checkpoint path should be absolute"); resolved as the
         # output rule judged it (a link followed by `..` is not abspath's place).
-        self.path = output_rule.resolved(path)
+        self.path = places.resolved(path)
         self.process_index = process_index
         self.process_count = process_count
 

@@ -40,7 +40,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from prepack.storage import output_rule
+from prepack.storage import places
 from train import objectives
 from train.measurement import divergence
 from train.measurement.mfu import Throughput
@@ -140,7 +140,7 @@ class TensorBoard:
         """objective_scalars: the objective's own step fields (its metric names), after SCALARS."""
         from tensorboardX import SummaryWriter
 
-        self.writer = SummaryWriter(logdir=output_rule.resolved(logdir))  # the place the output rule judged
+        self.writer = SummaryWriter(logdir=places.resolved(logdir))  # the place the output rule judged
         self.scalars = self.SCALARS + tuple(objective_scalars)
 
     def step(self, record: Mapping[str, Any]) -> None:
@@ -211,7 +211,7 @@ class MetricsRecorder:
         self.row_fields: list[Callable[[Mapping[str, Any]], Mapping[str, Any]]] = []
         self._file: TextIO | None = None
         if path:
-            path = output_rule.resolved(path)  # the place the output rule judged (train/run_config/outputs.py)
+            path = places.resolved(path)  # the place the output rule judged (train/run_config/outputs.py)
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             if resume_from:
                 dropped = drop_records_after(path, resume_from)

@@ -49,12 +49,12 @@ def chosen(flag: str | None) -> str | None:
 
 def resolve(flag: str | None) -> str | None:
     """The cache folder the flag means, resolved as the output rule resolves every output
-    (prepack.storage.output_rule.resolved: links followed, then `..`); None: off. The same string
+    (prepack.storage.places.resolved: links followed, then `..`); None: off. The same string
     for the rule's check and for JAX."""
-    from prepack.storage import output_rule
+    from prepack.storage import places
 
     folder = chosen(flag)
-    return output_rule.resolved(folder) if folder else None
+    return places.resolved(folder) if folder else None
 
 
 def resolved_option(flag: str | None) -> str | None:
