@@ -168,6 +168,16 @@ def test_train_checks_and_writes_each_output_at_its_resolved_place(tree, monkeyp
     assert contents(tree) == before
 
 
+def test_every_train_output_is_resolved():
+    from train.run_config import outputs
+    from train.run_config.config import TrainConfig
+
+    cfg = TrainConfig(shards="s", steps=5, metrics_out="m", checkpoint_dir="c", save_lora="a", tensorboard="t",
+                      profile_dir="p", profile_steps="1:1", compile_cache="x")
+    listed = {o.flag for o in outputs.run_outputs(cfg)}
+    assert listed == {*outputs.OUTPUT_FIELDS, "--compile-cache"}  # the cache: compile_cache.resolved_option
+
+
 def test_the_writers_write_at_the_resolved_place(tree):
     """Given a spelling that reads as the shard set, each writer writes where the kernel resolves
     it, as the rule judged it (a library caller that did not resolve first included)."""
@@ -177,7 +187,7 @@ def test_the_writers_write_at_the_resolved_place(tree):
     from train.measurement.metrics import MetricsRecorder, TensorBoard
     from train.run_config import compile_cache
 
-    before = contents(tree)
+    before, listed = contents(tree), sorted(os.listdir(tree / SHARDS))
     own_files.write_own_files(away(SHARDS), {"adapter_model.safetensors": b"new"}, lambda name: name.endswith(".safetensors"))
     assert open(elsewhere(tree, f"{SHARDS}/adapter_model.safetensors"), "rb").read() == b"new"
     assert checkpoints.CheckpointDir(away(f"{SHARDS}/ck/")).path == elsewhere(tree, f"{SHARDS}/ck")
@@ -193,7 +203,7 @@ def test_the_writers_write_at_the_resolved_place(tree):
     finally:
         compile_cache.enable(None, io.StringIO())
     assert os.path.isdir(elsewhere(tree, f"{SHARDS}/xla"))
-    assert contents(tree) == before and sorted(os.listdir(tree / SHARDS)) == sorted(os.listdir(tree / SHARDS))
+    assert contents(tree) == before and sorted(os.listdir(tree / SHARDS)) == listed
 
 
 @pytest.mark.parametrize(("argv", "line"), [

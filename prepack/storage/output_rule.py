@@ -24,10 +24,11 @@ first wildcard.
 
 One resolved path per output: a command turns each output path into `output_path(flag, path)`
 (places.py's resolution, as the kernel resolves it) once, where it reads its options, and both
-this rule and the writer use that string (a writer
-that normalised the path on its own, os.path.abspath, wrote elsewhere than the rule judged:
-`--save-lora s/../SET` with `s -> /elsewhere/x` was judged as /elsewhere/SET and written into
-./SET). A path through a dangling link or a link loop names no place and is refused in one line.
+this rule and the writer use that string (a writer that normalised the path on its own,
+os.path.abspath, wrote elsewhere than the rule judged: `--save-lora s/../SET` with
+`s -> /elsewhere/x` was judged as /elsewhere/SET and written into ./SET). A line names an output
+as the user spelled it, with "(resolves to REAL)" where links make it another place (`named`).
+A path through a dangling link or a link loop names no place and is refused in one line.
 No JAX, no Beam: `prepack pack` asks before it imports Beam, `prepack train` before any weight
 loads.
 """
@@ -177,8 +178,9 @@ def refusal(run: RunPaths, cwd: str | None = None) -> str | None:
     for o, key in outputs:
         if _within(here, key):
             what = "the working folder" if key == here else "a folder above the working folder"
-            real = "" if shown(key) in named(o.path) else f" ({shown(key)})"
-            return (f"{o.flag} {named(o.path)} is {what}{real}; writing there could replace the files "
+            name = named(o.path)
+            real = "" if name == shown(key) or name.endswith(f"(resolves to {shown(key)})") else f" ({shown(key)})"
+            return (f"{o.flag} {name} is {what}{real}; writing there could replace the files "
                     f"of this run and others: give {o.flag} a new folder of its own")
     for o, key in outputs:
         for i, in_key in inputs:

@@ -10,7 +10,9 @@ way round, that lies under a file, that cannot be written (locally an unnamed te
 made and dropped in its folder; on gs:// one empty object is written and deleted in its folder,
 as `prepack pack` probes its output), or that exists where it would be
 replaced (--metrics-out and --save-lora need --overwrite; a resumed run appends to its metrics).
-Each new output option of train is added to `run_outputs`.
+Each new output option of train is added to `run_outputs`, and to `OUTPUT_FIELDS`: `prepack train`
+resolves each output path once as it reads its options (`with_resolved_paths`), and the checks and
+the writers use that string.
 
 A failure after training never loses the trained adapter: `export_or_recover` saves it under
 --checkpoint-dir, or beside the --save-lora path (PATH.recovered), and names the place in the
