@@ -104,14 +104,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def output_paths(output: str) -> dict[str, str]:
-    """The files a run writes: the generations, the score summary and the dead letters beside it."""
-    from prepack.storage import is_gcs, location_problem
+    """The files a run writes: the generations, the score summary and the dead letters beside it,
+    at the output's resolved path (prepack.storage.output_rule.output_path)."""
+    from prepack.storage import is_gcs, location_problem, output_rule
 
     problem = location_problem(output)
     if problem:
         raise GenerateCliError(f"--output {problem}")
-    if output.endswith("/") or (not is_gcs(output) and os.path.isdir(output)) or (is_gcs(output) and output.count("/") < 3):
+    if output.endswith("/") or (is_gcs(output) and output.count("/") < 3):
         raise GenerateCliError(f"--output {output} is a folder; name a file, e.g. {output.rstrip('/')}/generations.jsonl")
+    try:  # the one string the rule judges and the files are written at
+        output = output_rule.output_path("--output", output)
+    except output_rule.OutputPathError as e:
+        raise GenerateCliError(str(e)) from None
+    if not is_gcs(output) and os.path.isdir(output):
+        raise GenerateCliError(f"--output {output} is a folder; name a file, e.g. {output}/generations.jsonl")
     stem = output[:-len(".jsonl")] if output.endswith(".jsonl") else output
     return {"generations": output, "score": f"{stem}.score.json", "dead_letters": f"{stem}.dead_letters.jsonl"}
 
@@ -248,6 +255,10 @@ def check_args(args: argparse.Namespace) -> tuple[dict[str, str], Any]:
     from train.generation import generate
 
     paths = output_paths(args.output)
+    try:  # resolved once: the string the rule judges and JAX's cache uses
+        args.compile_cache = compile_cache.resolved_option(args.compile_cache)
+    except output_rule.OutputPathError as e:
+        raise GenerateCliError(str(e)) from None
     sampling = generate.SamplingOptions(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.seed, args.batch_size)
     sampling.check()
     if args.weights_seed is not None:

@@ -701,6 +701,12 @@ def config_from_args(args: argparse.Namespace) -> PreflightConfig:
                              "tables and plots to a local folder; name one")
     if args.pack_output and location_problem(args.pack_output):
         raise PreflightError(f"--pack-output {location_problem(args.pack_output)}")
+    try:  # the one string per output that the rule judges and the files are written at
+        args.output = output_rule.output_path("--output", args.output)
+        if args.pack_output:
+            args.pack_output = output_rule.output_path("--pack-output", args.pack_output)
+    except output_rule.OutputPathError as e:
+        raise PreflightError(str(e)) from None
     mixture = None
     if args.mixture:
         if args.input or args.format:

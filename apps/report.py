@@ -895,6 +895,10 @@ def _check_locations(args: argparse.Namespace) -> None:
     for path in args.shards:
         if location_problem(path):
             raise ReportError(f"--shards {location_problem(path)}")
+    try:  # the one string the rule judges and the page is written at
+        args.output = output_rule.output_path("--output", args.output)
+    except output_rule.OutputPathError as e:
+        raise ReportError(str(e)) from None
     refused = output_rule.refusal(run_paths(args))
     if refused:
         raise ReportError(refused)

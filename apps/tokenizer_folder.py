@@ -113,7 +113,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from prepack.text import gemma3_hf_folder
 
     try:
-        problem = output_problem(args.output) or output_rule.refusal(run_paths(args))
+        try:  # a dangling link or a link loop named as such, before output_problem calls it a link
+            resolved = output_rule.output_path("--output", args.output)
+        except output_rule.OutputPathError as e:
+            raise gemma3_hf_folder.FolderError(str(e)) from None
+        problem = output_problem(args.output)
+        args.output = resolved  # the one string the rule judges and the folder is written at
+        problem = problem or output_rule.refusal(run_paths(args))
         if problem:
             raise gemma3_hf_folder.FolderError(problem)
         template = read_template(args.template)

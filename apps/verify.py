@@ -335,6 +335,10 @@ def compile_cache_refusal(args: argparse.Namespace) -> str | None:
     """verify writes one thing, the compilation cache: the one output rule keeps it out of the set it reads."""
     from prepack.storage import output_rule
 
+    try:  # resolved once: the string the rule judges and JAX's cache uses
+        args.compile_cache = compile_cache.resolved_option(args.compile_cache)
+    except output_rule.OutputPathError as e:
+        return str(e)
     cache = compile_cache.place(args.compile_cache)
     if cache is None:
         return None

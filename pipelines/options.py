@@ -249,6 +249,10 @@ def parse_args(argv: Sequence[str]) -> tuple[PackConfig, list[str]]:
     for flag, path in (("--output", ns.output), ("--from-tokens", ns.from_tokens)):
         if path and location_problem(path):
             raise OptionsError(f"{flag} {location_problem(path)}")
+    try:  # the one string the rule judges and the sets are written under
+        ns.output = output_rule.output_path("--output", ns.output)
+    except output_rule.OutputPathError as e:
+        raise OptionsError(str(e)) from None
     refused = output_rule.refusal(run_paths(ns, inputs))
     if refused:
         raise OptionsError(refused)

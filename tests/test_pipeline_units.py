@@ -247,7 +247,7 @@ def test_encode_rows_rejects_bad_rows():
 def test_parse_args_defaults_and_pass_through(tmp_path):
     config, beam = parse_args(["--input", "a.jsonl", "--input", "b.parquet", "--format", "alpaca", "--output", "out/",
                                "--max-length", "1024", "512", "--max-length", "2048", "--project=p", "--region", "r"])
-    assert config.rows.inputs == ("a.jsonl", "b.parquet") and config.run.output == "out"
+    assert config.rows.inputs == ("a.jsonl", "b.parquet") and config.run.output == os.path.join(os.getcwd(), "out")
     assert config.rows.max_lengths == (512, 1024, 2048) and config.rows.pack and config.rows.max_bad_fraction == 0
     assert beam == ["--runner=FnApiRunner", "--direct_running_mode=multi_processing", "--project=p", "--region", "r"]
     assert with_default_runner(["--runner=DataflowRunner"]) == ["--runner=DataflowRunner"]

@@ -269,6 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         peak_tflops=args.peak_tflops, compile_cache=args.compile_cache, compile_preload=args.compile_preload, eval_generate=args.eval_generate, eval_generate_every=args.eval_generate_every,
     )
     try:
+        cfg = outputs.with_resolved_paths(cfg)  # the one string per output, for the rule and the writers
         if args.plan_memory:
             from train import memory_plan
 

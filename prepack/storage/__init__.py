@@ -99,7 +99,9 @@ def local_write_problem(path: str) -> str | None:
     import os
     import tempfile
 
-    above = os.path.dirname(os.path.abspath(path))
+    from prepack.storage.places import resolved
+
+    above = os.path.dirname(resolved(path))  # where the writer writes: links followed before `..`
     while not os.path.lexists(above):
         above = os.path.dirname(above)
     if not os.path.isdir(above):

@@ -21,6 +21,14 @@ prefix, component by component (gs://b/ab is not inside gs://b/a). Input specs t
 paths (tfds:NAME, hf:NAME of the Hub, `random`, an embedded tokenizer name) are left out by the
 caller (`input_places` does it for input specs); a glob is represented by the folder before its
 first wildcard.
+
+One resolved path per output: a command turns each output path into `output_path(flag, path)`
+(places.py's resolution, as the kernel resolves it) once, where it reads its options, and both
+this rule and the writer use that string (a writer that normalised the path on its own,
+os.path.abspath, wrote elsewhere than the rule judged: `--save-lora s/../SET` with
+`s -> /elsewhere/x` was judged as /elsewhere/SET and written into ./SET). A line names an output
+as the user spelled it, with "(resolves to REAL)" where links make it another place (`named`).
+A path through a dangling link or a link loop names no place and is refused in one line.
 No JAX, no Beam: `prepack pack` asks before it imports Beam, `prepack train` before any weight
 loads.
 """
@@ -32,6 +40,7 @@ import os
 from collections.abc import Mapping, Sequence
 
 from prepack.storage.gcs import is_gcs
+from prepack.storage.places import link_problem, resolved
 from prepack.storage.patterns import has_wildcard, literal_head
 
 
@@ -67,17 +76,49 @@ class RunPaths:
         return inner_key == (outer_key[0], outer_key[1] + where) if where else _within(inner_key, outer_key)
 
 
+class OutputPathError(ValueError):
+    """An output path that names no place a writer could use (a dangling link, a link loop): one line."""
+
+
+# The spelling each resolved output was given in (the latest), for messages only: a line names the
+# path as the user wrote it, and where links made it another place, that place too.
+_GIVEN: dict[str, str] = {}
+
+
+def named(path: str) -> str:
+    """An output path for a message: as the user wrote it (`S`, `./out/`), with "(resolves to REAL)"
+    where the place differs from what the spelling reads as (a link followed by `..`)."""
+    given = _GIVEN.get(path)
+    if given is None or given == path:
+        return path
+    lexical = os.path.abspath(os.path.expanduser(given))
+    return given if lexical == path else f"{given} (resolves to {path})"
+
+
+def output_path(flag: str, path: str, cwd: str | None = None) -> str:
+    """The one string a command checks and writes an output at: `resolved(path)`, asked once where
+    the command reads its options. Raises OutputPathError (one line naming the flag) for a path
+    through a dangling link or a link loop, or one that names no place (location_problem: s3://,
+    gs:///x), in the rule's own words."""
+    from prepack.storage import location_problem
+
+    if location_problem(path):
+        raise OutputPathError(f"{flag} {location_problem(path)}")
+    problem = link_problem(path, cwd)
+    if problem:
+        raise OutputPathError(f"{flag} {path}{problem}")
+    real = resolved(path, cwd)
+    _GIVEN[real] = path
+    return real
+
+
 def place_key(path: str, cwd: str | None = None) -> Key:
     """(root, components) naming the place `path` is: ("gs://BUCKET", prefix parts) on gs://,
     ("/", the real path's parts) locally, resolved against `cwd` (default: the working folder)."""
     if is_gcs(path):
         bucket, _, prefix = path[len("gs://"):].partition("/")
         return f"gs://{bucket}", tuple(p for p in prefix.split("/") if p)
-    local = os.path.expanduser(path)
-    if not os.path.isabs(local):
-        local = os.path.join(cwd if cwd is not None else os.getcwd(), local)
-    real = os.path.realpath(local)  # symlinks, `.`, `..` and trailing slashes
-    return "/", tuple(p for p in real.split(os.sep) if p)
+    return "/", tuple(p for p in resolved(path, cwd).split(os.sep) if p)  # symlinks, `.`, `..`, trailing slashes
 
 
 def shown(key: Key) -> str:
@@ -127,13 +168,19 @@ def refusal(run: RunPaths, cwd: str | None = None) -> str | None:
         problem = location_problem(p.path)
         if problem:
             return f"{p.flag} {problem}"
+    for o in run.outputs:  # a command passes `output_path`'s string (checked there); a library caller may not
+        broken = link_problem(o.path, cwd)
+        if broken:
+            return f"{o.flag} {o.path}{broken}"
     here = place_key(".", cwd)
     outputs = [(o, place_key(o.path, cwd)) for o in run.outputs]
     inputs = [(i, place_key(i.path, cwd)) for i in run.inputs]
     for o, key in outputs:
         if _within(here, key):
             what = "the working folder" if key == here else "a folder above the working folder"
-            return (f"{o.flag} {o.path} is {what} ({shown(key)}); writing there could replace the files "
+            name = named(o.path)
+            real = "" if name == shown(key) or name.endswith(f"(resolves to {shown(key)})") else f" ({shown(key)})"
+            return (f"{o.flag} {name} is {what}{real}; writing there could replace the files "
                     f"of this run and others: give {o.flag} a new folder of its own")
     for o, key in outputs:
         for i, in_key in inputs:
@@ -141,7 +188,7 @@ def refusal(run: RunPaths, cwd: str | None = None) -> str | None:
                 continue
             if _within(key, in_key) and (i.whole or key == in_key) or _within(in_key, key):
                 how = "is" if key == in_key else "lies inside" if _within(key, in_key) else "contains"
-                return (f"{o.flag} {o.path} {how} the input {i.flag} {i.path}; writing there could replace or delete "
+                return (f"{o.flag} {named(o.path)} {how} the input {i.flag} {i.path}; writing there could replace or delete "
                         f"what this run reads: give {o.flag} a path outside every input")
     for n, (a, a_key) in enumerate(outputs):
         for b, b_key in outputs[n + 1:]:
@@ -149,6 +196,6 @@ def refusal(run: RunPaths, cwd: str | None = None) -> str | None:
                 continue
             if _within(a_key, b_key) or _within(b_key, a_key):
                 how = "is" if a_key == b_key else "lies inside" if _within(a_key, b_key) else "contains"
-                return (f"{a.flag} {a.path} {how} {b.flag} {b.path}; one output's writer could replace the other's "
+                return (f"{a.flag} {named(a.path)} {how} {b.flag} {named(b.path)}; one output's writer could replace the other's "
                         "files: give each output its own path, neither inside the other")
     return None

@@ -38,7 +38,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
 
-from prepack.storage import failpoints
+from prepack.storage import failpoints, places
 from prepack.storage.gcs import is_gcs
 
 
@@ -65,7 +65,7 @@ def write_own_files(target: str, files: Mapping[str, bytes] | Callable[[str], No
         if callable(files):
             raise OwnFilesError(f"{target}: this writer writes local folders only")
         return _write_gcs(target, files, owns, content_type)
-    target = os.path.abspath(os.path.expanduser(target))
+    target = places.resolved(target)  # where the output rule judged it (`s/..` through a link: not abspath's)
     beside = os.path.dirname(target)
     os.makedirs(beside, exist_ok=True)
     failpoints.configured()  # a PREPACK_FAILPOINTS that cannot be read fails here, before anything changes
@@ -182,7 +182,7 @@ def recover(target: str, owns: Callable[[str], bool], say: Callable[[str], None]
     `target` holds the new set. Without one: the swap had not begun and `target` holds the old
     set; the staging folder (the staged files only) is removed. Either way no staging folder of
     this module's stays, unless it is not one it can vouch for: then it is left, and said."""
-    target = os.path.abspath(os.path.expanduser(target))
+    target = places.resolved(target)
     beside, prefix = os.path.dirname(target), _staging_prefix(target)
     tell = say or (lambda line: print(line, file=sys.stderr, flush=True))
     pattern = re.compile(re.escape(prefix) + _TEMP_NAME)

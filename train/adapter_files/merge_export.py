@@ -166,7 +166,13 @@ def rebuild_base(adapter: Adapter, weights: str | None, say: TextIO) -> Any:
 
 def merge_export(lora: str, output: str, *, weights: str | None = None, dtype: str | None = None, overwrite: bool = False,
                  out: TextIO | None = None) -> dict[str, Any]:
+    from prepack.storage import output_rule
+
     say = out if out is not None else sys.stderr
+    try:  # the one string the rule judges and the folder is written at (a link followed by `..` included)
+        output = output_rule.output_path("--output", output)
+    except output_rule.OutputPathError as e:
+        raise LoraFileError(str(e)) from None
     refused = output_refusal(lora, output, weights)
     if refused:
         raise LoraFileError(refused)

@@ -34,6 +34,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from prepack import storage
+from prepack.storage import places
 from prepack.hostile_input.untrusted import shown, shown_with_type
 from train.objectives.sft import SFT
 
@@ -176,8 +177,9 @@ class CheckpointDir:
 
     def __init__(self, path: str, process_index: int = 0, process_count: int = 1):
         path = str(path).rstrip("/")
-        # Orbax refuses relative local paths ("Checkpoint path should be absolute").
-        self.path = path if storage.is_gcs(path) else os.path.abspath(path)
+        # Orbax refuses relative local paths ("Checkpoint path should be absolute"); resolved as the
+        # output rule judged it (a link followed by `..` is not abspath's place).
+        self.path = places.resolved(path)
         self.process_index = process_index
         self.process_count = process_count
 

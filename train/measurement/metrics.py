@@ -41,7 +41,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from prepack.storage import new_file
+from prepack.storage import new_file, places
 from train import objectives
 from train.measurement import divergence
 from train.measurement.mfu import Throughput
@@ -139,6 +139,7 @@ class TensorBoard:
         """objective_scalars: the objective's own step fields (its metric names), after SCALARS."""
         from tensorboardX import SummaryWriter  # here: a missing package is found before any work
 
+        logdir = places.resolved(logdir)  # the place the output rule judged
         self._make_writer = lambda: SummaryWriter(logdir=logdir)
         self._writer: Any = None
         self.scalars = self.SCALARS + tuple(objective_scalars)
@@ -201,7 +202,7 @@ class MetricsRecorder:
         and the JSONL is appended to (its records of steps after k, which the resumed run redoes,
         are dropped first, so each step appears once). objective: the run's (train/objectives/), which
         says what an example is, its records' own fields and its part of the console line."""
-        self.path = path
+        self.path = places.resolved(path) if path else path  # the place the output rule judged (train/run_config/outputs.py)
         self.static = dict(static or {})
         # A mixture set's source names, 1..N in the mixture's order: each step then logs
         # loss_by_source and target_tokens_by_source (name -> value).
@@ -224,8 +225,8 @@ class MetricsRecorder:
         self._file: TextIO | None = None
         self._appends = bool(resume_from)
         self._closed = False
-        if path and resume_from:
-            dropped = drop_records_after(path, resume_from)
+        if self.path and resume_from:
+            dropped = drop_records_after(self.path, resume_from)
             self._write({"resume": {"from_step": resume_from, "dropped_records": dropped, **dict(resume_note or {})}})
         self._board = TensorBoard(tensorboard, objective.metric_names) if tensorboard else None
         self.static_extra: dict[str, Any] = {}  # summary-only facts learnt during the run

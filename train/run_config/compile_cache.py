@@ -45,8 +45,8 @@ def default_dir() -> str:
     return os.path.join(base, "prepack", "xla")
 
 
-def resolve(flag: str | None) -> str | None:
-    """The cache folder the flag means (see the module doc); None: off."""
+def chosen(flag: str | None) -> str | None:
+    """The cache folder the flag means (see the module doc), as given; None: off."""
     if flag == OFF:
         return None
     if flag:
@@ -60,6 +60,31 @@ def source(flag: str | None) -> str:
     if flag:
         return "--compile-cache"
     return ENV if os.environ.get(ENV) else "--compile-cache's default"
+
+
+def resolve(flag: str | None) -> str | None:
+    """The cache folder the flag means, resolved as the output rule resolves every output
+    (prepack.storage.places.resolved: links followed, then `..`); None: off. The same string
+    for the rule's check and for JAX."""
+    from prepack.storage import places
+
+    folder = chosen(flag)
+    return places.resolved(folder) if folder else None
+
+
+def resolved_option(flag: str | None) -> str | None:
+    """--compile-cache as a command keeps it after reading its options: a folder resolved as
+    `resolve` does (the one string the output rule checks and JAX uses), `off` and None (the
+    default) as they are. Refuses (prepack.storage.output_rule.OutputPathError, one line naming
+    --compile-cache, or JAX_COMPILATION_CACHE_DIR where that chooses) a folder, given or
+    default, through a dangling link or a link loop."""
+    from prepack.storage import output_rule
+
+    folder = chosen(flag)
+    if folder:
+        label = "--compile-cache" if flag or not os.environ.get(ENV) else ENV
+        folder = output_rule.output_path(label, folder)
+    return folder if flag and flag != OFF else flag
 
 
 def place(flag: str | None):
@@ -116,7 +141,6 @@ def enable(flag: str | None, out: TextIO) -> str | None:
         why = problem(folder)
         if why:
             raise CompileCacheError(f"--compile-cache {why}; pass a writable folder, or --compile-cache off")
-        folder = os.path.abspath(folder)
     if folder is not None and (others := untrusted(folder)):
         # Its entries are executables this run would run: anyone who can write them could run code as you.
         fix = f"run chmod go-w {folder}, or pass" if others.endswith("-writable") else "pass"

@@ -12,7 +12,9 @@ as `prepack pack` probes its output), or that exists where it would be
 replaced (--metrics-out and --save-lora need --overwrite; a resumed run appends to its metrics,
 and is refused when that file has another name, a hard link, or is one of its inputs: every other
 file a run writes is a new file renamed into place, prepack/storage/new_file.py).
-Each new output option of train is added to `run_outputs`.
+Each new output option of train is added to `run_outputs`, and to `OUTPUT_FIELDS`: `prepack train`
+resolves each output path once as it reads its options (`with_resolved_paths`), and the checks and
+the writers use that string.
 
 A failure after training never loses the trained adapter: `export_or_recover` saves it under
 --checkpoint-dir, or beside the --save-lora path (PATH.recovered), and names the place in the
@@ -62,6 +64,24 @@ def run_outputs(cfg: TrainConfig) -> list[Output]:
     if cache:  # XLA adds its executables there (shared by runs: never replaced)
         out.append(Output(compile_cache.source(cfg.compile_cache), cache, FOLDER, False, local_only=True))
     return out
+
+
+# The TrainConfig fields that name outputs, by flag (with --compile-cache: compile_cache.resolved_option).
+OUTPUT_FIELDS = {"--metrics-out": "metrics_out", "--checkpoint-dir": "checkpoint_dir", "--save-lora": "save_lora",
+                 "--tensorboard": "tensorboard", "--profile-dir": "profile_dir"}
+
+
+def with_resolved_paths(cfg: TrainConfig) -> TrainConfig:
+    """cfg with each output path resolved once (prepack.storage.output_rule.output_path), where
+    `prepack train` reads its options: the output rule judges, and every writer writes at, that
+    string. A path through a dangling link or a link loop is refused (TrainError, one line)."""
+    try:
+        changed = {name: output_rule.output_path(flag, getattr(cfg, name))
+                   for flag, name in OUTPUT_FIELDS.items() if getattr(cfg, name)}
+        changed["compile_cache"] = compile_cache.resolved_option(cfg.compile_cache)
+    except output_rule.OutputPathError as e:
+        raise TrainError(str(e)) from None
+    return dataclasses.replace(cfg, **changed)
 
 
 # The outputs of a run that its layout puts one inside the other (inner flag, outer flag): the
