@@ -309,11 +309,11 @@ def test_the_working_folder_as_cache_is_refused_naming_the_folder_and_its_source
     monkeypatch.setenv(compile_cache.ENV, str(here))
     with pytest.raises(TrainError) as e:
         outputs.check_outputs(TrainConfig(shards="S", steps=2))
-    assert str(e.value).startswith(f"JAX_COMPILATION_CACHE_DIR {here} is the working folder ({here}); ")
+    assert str(e.value).startswith(f"JAX_COMPILATION_CACHE_DIR {here} is the working folder; ")
     monkeypatch.setenv(compile_cache.ENV, str(tmp_path))
     with pytest.raises(TrainError) as e:
         outputs.check_outputs(TrainConfig(shards="S", steps=2))
-    assert str(e.value).startswith(f"JAX_COMPILATION_CACHE_DIR {tmp_path} is a folder above the working folder ({tmp_path}); ")
+    assert str(e.value).startswith(f"JAX_COMPILATION_CACHE_DIR {tmp_path} is a folder above the working folder; ")
     monkeypatch.delenv(compile_cache.ENV)
     monkeypatch.setenv("XDG_CACHE_HOME", str(here))
     (here / "prepack" / "xla").mkdir(parents=True)
