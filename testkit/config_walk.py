@@ -101,6 +101,15 @@ def trace_config(run, config, *args, **kwargs) -> Walk:
     entries: list[tuple[str | None, str]] = []
     last_entered: dict[str | None, str] = {}  # entrant -> the module it entered last
     root = _root()
+    # The tracer sees every Python call of the run (Beam's included): each file's module is
+    # resolved once, not with a filesystem walk per call.
+    module_of: dict[str, str | None] = {}
+
+    def project_module(filename: str) -> str | None:
+        if filename not in module_of:
+            module_of[filename] = _project_module(filename, root)
+        return module_of[filename]
+
     # Generator frames seen, kept alive so their ids stay theirs (a walk is of a small run).
     generators: dict[int, object] = {}
 
@@ -111,7 +120,7 @@ def trace_config(run, config, *args, **kwargs) -> Walk:
         """The entrant's module, and whether it called this frame itself (not through the runner)."""
         below = frame.f_back
         while below is not None:
-            module = _project_module(below.f_code.co_filename, root)
+            module = project_module(below.f_code.co_filename)
             if module is not None and holds(below):
                 return module, below is frame.f_back
             below = below.f_back
@@ -120,7 +129,7 @@ def trace_config(run, config, *args, **kwargs) -> Walk:
     def tracer(frame, event, arg):
         if event != "call":
             return None
-        module = _project_module(frame.f_code.co_filename, root)
+        module = project_module(frame.f_code.co_filename)
         if module is None or not holds(frame):
             return None
         if not stops or stops[-1] != module:
