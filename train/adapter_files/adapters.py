@@ -65,7 +65,7 @@ def read_adapter(path: str) -> Adapter:
     from train.adapter_files import merge_export
 
     read = merge_export.read_adapter(path)
-    if not merge_export.is_folder(path):  # the prepack file: loaded as stored (load_lora)
+    if not read.peft:  # the prepack file: loaded as stored (load_lora)
         return Adapter(path, PREPACK, read.meta.get("model"), read.rank, read.alpha,
                        _int(read.raw.get("vocab_size"), "vocab_size", path), dict(read.raw))
     return Adapter(path, PEFT, read.meta.get("model"), read.rank, read.alpha,

@@ -64,6 +64,7 @@ class Adapter:
     alpha: float
     meta: dict[str, Any]  # model, base_weights, base_fingerprint, base_dtype, vocab_size, seed, config_overrides
     raw: dict[str, str] = dataclasses.field(default_factory=dict)  # the safetensors metadata as stored (strings)
+    peft: bool = True  # read from a PEFT folder (else a prepack file)
 
     @property
     def scale(self) -> float:
@@ -135,7 +136,7 @@ def read_adapter(path: str) -> Adapter:
         layer, kernel = hf_layout.split_path(tuple(int(p) if p.isdigit() else p for p in base.split(".")))
         pairs.setdefault((layer, kernel), {})[which] = value
     factors = hf_layout.lora_to_hf(spec.family, {k: (v["a"], v["b"]) for k, v in pairs.items()}, hf_layout.Dims.of(config))
-    return Adapter(factors, rank, alpha, {**meta, "lora_rank": rank, "lora_alpha": alpha}, dict(raw))
+    return Adapter(factors, rank, alpha, {**meta, "lora_rank": rank, "lora_alpha": alpha}, dict(raw), peft=False)
 
 
 def base_hf_weights(model: Any, family: str, config: Any) -> dict[str, np.ndarray]:
