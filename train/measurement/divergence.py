@@ -41,8 +41,9 @@ class Diverged(TrainError):
 
 
 def nonfinite_reason(values: Mapping[str, Any], lora_finite: Any = None) -> str | None:
-    """'loss is nan, gradient norm is inf' for the non-finite ones among {"loss", "grad_norm"}, and the
-    else the LoRA values after the update when `lora_finite` (the step's own check) is false; None if all finite."""
+    """'loss is nan, gradient norm is inf' for the non-finite ones among {"loss", "grad_norm"}; when both
+    are finite, the LoRA values after the update if `lora_finite` (the step's own check) is false; None
+    if all are finite."""
     labels = {"loss": "loss", "grad_norm": "gradient norm"}
     bad = [f"{labels[k]} is {float(v)}" for k, v in values.items() if v is not None and not math.isfinite(float(v))]
     if not bad and lora_finite is not None and not bool(lora_finite):  # a non-finite gradient says why already
