@@ -223,6 +223,17 @@ def test_a_prepack_files_metadata_out_of_range_is_refused_on_every_path(adapter,
     assert_refused_everywhere(adapter, path, tmp_path, capsys, f"{path}: {words}")
 
 
+@pytest.mark.parametrize("stored", ["NaN", "1e300", "true"])
+def test_load_lora_holds_a_prepack_file_to_the_same_check(adapter, tmp_path, stored):
+    """The library loader (what `generate --lora` puts on the model for a prepack file) checks what it loads."""
+    path = prepack_copy(adapter, tmp_path, meta_edit=lambda m: m.update({"lora_alpha": stored}))
+    fresh = models.apply_lora(models.build_model("tiny", vocab_size=VOCAB, seed=0).model,
+                              models.get_spec("tiny"), rank=RANK, alpha=ALPHA)
+    with pytest.raises(LoraFileError, match=rf"^{path}: metadata lora_alpha is "):
+        lora_file.load_lora(fresh, path, check_base=False)
+    lora_file.load_lora(fresh, adapter["prepack"])
+
+
 def test_finite_prepack_factors_whose_scaled_update_overflows_are_refused(adapter, tmp_path, capsys):
     holder = {}
 

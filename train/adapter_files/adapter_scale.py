@@ -127,3 +127,15 @@ def check(alpha: Any, rank: Any, pairs: Iterable[FactorPair], *, config_at: str,
     rank = check_rank(rank, config_at, rank_field, remedy)
     check_update(pairs, alpha, rank, tensors_at=tensors_at, rank_at=f"{config_at}: {rank_field}", remedy=remedy)
     return alpha, rank
+
+
+def prepack_file_scale(meta: Mapping[str, str], tensors: Mapping[str, Any], path: str) -> tuple[float, int]:
+    """(alpha, rank) of a prepack LoRA file (train/adapter_files/lora_file.py), checked: its metadata's
+    `lora_rank` and `lora_alpha` (stored as JSON text; a missing alpha is qwix's default, 2 x rank)
+    against its qwix factors."""
+    if "lora_rank" not in meta:
+        raise LoraFileError(f"{path}: metadata names no lora_rank; {REMEDY}")
+    rank = check_rank(parsed_metadata(meta["lora_rank"]), path, "metadata lora_rank")
+    alpha = parsed_metadata(meta["lora_alpha"]) if "lora_alpha" in meta else 2.0 * rank
+    return check(alpha, rank, qwix_pairs(tensors), config_at=path, tensors_at=path, alpha_field="metadata lora_alpha",
+                 rank_field="metadata lora_rank")

@@ -119,12 +119,7 @@ def read_adapter(path: str) -> Adapter:
                       f"metadata {peft_export.META_PREFIX}{key}")
         return Adapter(factors, rank, alpha, meta, dict(raw))
     raw, tensors = lora_file.read_lora(path)
-    if "lora_rank" not in raw:
-        raise LoraFileError(f"{path}: metadata names no lora_rank; {adapter_scale.REMEDY}")
-    rank = adapter_scale.check_rank(adapter_scale.parsed_metadata(raw["lora_rank"]), path, "metadata lora_rank")
-    alpha = adapter_scale.parsed_metadata(raw["lora_alpha"]) if "lora_alpha" in raw else 2.0 * rank  # qwix's default
-    alpha, rank = adapter_scale.check(alpha, rank, adapter_scale.qwix_pairs(tensors), config_at=path, tensors_at=path,
-                                      alpha_field="metadata lora_alpha", rank_field="metadata lora_rank")
+    alpha, rank = adapter_scale.prepack_file_scale(raw, tensors, path)
     meta = _json_meta({"m_" + k: v for k, v in raw.items()}, "m_")
     if not isinstance(meta.get("model"), str):
         raise LoraFileError(f"{path}: metadata names no model the adapter was trained on; {adapter_scale.REMEDY}")
