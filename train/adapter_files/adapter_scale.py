@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from train.adapter_files.lora_file import LoraFileError
+from train.adapter_files.lora_error import LoraFileError
 from train.run_config import options
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)

@@ -16,14 +16,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from prepack import storage
+from train.adapter_files import adapter_scale
+from train.adapter_files.lora_error import LoraFileError
 from train.model.fingerprint import base_fingerprint
+
+__all__ = ["LoraFileError", "save_lora", "read_lora", "read_lora_metadata", "load_lora", "load_tensors", "check_finite",
+           "nonfinite_tensor", "lora_tensors"]
 
 LORA_FORMAT = "prepack-lora"
 LORA_FORMAT_VERSION = "1"
-
-
-class LoraFileError(ValueError):
-    """A LoRA file that cannot be written or used as asked; the message says why and what to do."""
 
 
 def lora_tensors(model: Any) -> dict[str, Any]:
@@ -181,8 +182,6 @@ def load_lora(
     import jax
     import jax.numpy as jnp
     from flax import nnx
-
-    from train.adapter_files import adapter_scale  # here: it imports this module
 
     meta, loaded = read_lora(path)
     adapter_scale.prepack_file_scale(meta, loaded, path)  # the one check of every adapter read (its scale)
