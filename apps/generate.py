@@ -17,6 +17,7 @@ in pack: written beside the output, and failing the run past --max-bad-fraction.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -189,7 +190,8 @@ def check_bounds(args: argparse.Namespace, name: str, adapter: Any, sampling: An
                  prompt_tokens: int) -> None:
     """--max-new-tokens against the model's context and --batch-size against the device's memory
     (train/generate_bounds.py), before the weights load; run once before the prompts are read (their
-    length taken as 0) and again with the longest prompt."""
+    length taken as 0, the batch as --max-prompts allows) and again with the longest prompt and the
+    batch that runs (cut to the prompts)."""
     from train import generate_bounds
     from train.model import models
 
@@ -319,7 +321,10 @@ def run(args: argparse.Namespace) -> int:
 
     paths, sampling = check_args(args)
     adapter, name = resolve_model(args)
-    check_bounds(args, name, adapter, sampling, None, 0)
+    # Before the prompts are read their count is unknown, and the batch is cut to it: this first
+    # look counts the rows --max-prompts allows (one without it), the second the batch that runs.
+    check_bounds(args, name, adapter, dataclasses.replace(sampling, batch_size=min(sampling.batch_size, args.max_prompts or 1)),
+                 None, 0)
     tokenizer = load_tokenizer(args.tokenizer)
     chat_format = get_chat_format(args.chat_format, tokenizer, args.train_reasoning == "yes")
     items, letters, examples, has_tools = read_prompts(args, tokenizer, chat_format)
@@ -328,6 +333,11 @@ def run(args: argparse.Namespace) -> int:
     if not items:
         raise GenerateCliError("the inputs hold no prompt to generate for (no example with a target assistant turn)")
     parser = call_parser(args, chat_format, tokenizer, has_tools)
+    if sampling.batch_size > len(items):
+        # A batch is padded to its size with copies: rows past the prompts would only be computed and
+        # thrown away (--batch-size 100000 for 2 prompts ran out of memory).
+        _say(f"--batch-size {sampling.batch_size:,} is more than the {len(items):,} prompts: one batch of {len(items):,}")
+        sampling = dataclasses.replace(sampling, batch_size=len(items))
     check_bounds(args, name, adapter, sampling, tokenizer.vocab_size, max(len(i.prompt_ids) for i in items))
     # After every check that can refuse the run (its one line stays alone), before the first compile.
     compile_cache.enable(args.compile_cache, sys.stderr)

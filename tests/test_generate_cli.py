@@ -235,7 +235,11 @@ def nan_adapter(tok_dir, path) -> str:
 @pytest.mark.parametrize("extra, message", [
     (["--max-new-tokens", "1000000000"], "--max-new-tokens 1,000,000,000: that many new tokens exceed tiny's context "
                                          "length of 4,096 tokens; give at most 4,096"),
-    (["--batch-size", "1000000", "--max-new-tokens", "256"], "--batch-size 1,000,000: the KV cache (183.11 GiB) and the weights (0.87 MiB) need more than the "),
+    # The first look counts the rows --max-prompts allows (the batch is cut to the prompts): the KV
+    # cache and, per row, the logits of tiny's 256 tokens and the prefill's activations.
+    (["--batch-size", "1000000", "--max-prompts", "1000000", "--max-new-tokens", "256"],
+     "--batch-size 1,000,000: the KV cache (183.11 GiB), the logits and activations (7.63 GiB) and the weights (0.87 MiB) "
+     "need more than the "),
     (["--seed", str(2**70)], "--seed must be a whole number from 0 to 4,294,967,295, got 1180591620717411303424"),
     (["--seed", "-1"], "--seed must be a whole number from 0 to 4,294,967,295, got -1"),
     (["--weights-seed", str(2**70)], "--weights-seed must be a whole number from 0 to 4,294,967,295"),
@@ -259,16 +263,47 @@ def test_the_memory_plan_counts_the_longest_prompt(tmp_path, tok_dir, data, caps
     weights = generate_bounds.weight_bytes("gemma3", config)
     # 64 rows of 6 new tokens fit; with the prompts' bucket (at least 16 tokens) they do not.
     per_token = 6 * 2 * 1 * 16 * 4
-    budget = weights + 64 * 6 * per_token + 1
+    no_prompt = generate_bounds.activation_bytes(config, prompt_bucket=0, cache_tokens=6, compute_dtype="float32")
+    budget = weights + 64 * (6 * per_token + no_prompt) + 1
     generation = generate_bounds.plan("gemma3", config, batch_size=64, max_new_tokens=6, prompt_tokens=0,
                                       compute_dtype="float32", budget=(budget, "a test budget"))
     generate_bounds.check_memory(generation, 64)
     generation = generate_bounds.plan("gemma3", config, batch_size=64, max_new_tokens=6, prompt_tokens=20,
                                       compute_dtype="float32", budget=(budget, "a test budget"))
     assert generation.kv_cache_bytes == 64 * (32 + 6) * per_token
-    with pytest.raises(generate_bounds.GenerateError, match=r"--batch-size 64: the KV cache .* more than the .* of a test "
-                                                            r"budget, before activations; give --batch-size 10 or less"):
+    with pytest.raises(generate_bounds.GenerateError, match=r"--batch-size 64: the KV cache .*, the logits and activations "
+                                                            r".* more than the .* of a test budget; give --batch-size 4 or less"):
         generate_bounds.check_memory(generation, 64)
+
+
+def test_the_memory_plan_counts_the_logits_and_activations():
+    """Issue 71: the logits ([bucket, V] for the prefill, [V] twice a step, float32), one layer's attention
+    scores and MLP activations, per row: with gemma3-270m's 262,144-token vocabulary the logits, not the
+    KV cache, are most of a row."""
+    from train import generate_bounds
+    from train.model import models
+
+    config = models.resolve_config("gemma3-270m")
+    vocab, bucket, cache = 262144, 32, 32 + 8
+    per_row = generate_bounds.activation_bytes(config, prompt_bucket=bucket, cache_tokens=cache, compute_dtype="bfloat16")
+    assert per_row == bucket * vocab * 4 + 2 * vocab * 4 + 4 * bucket * cache * 4 + bucket * 2 * 2048 * 2
+    generation = generate_bounds.plan("gemma3", config, batch_size=3, max_new_tokens=8, prompt_tokens=20,
+                                      compute_dtype="bfloat16", budget=(10**12, "a test budget"))
+    assert generation.activation_bytes == 3 * per_row > generation.kv_cache_bytes
+    assert generation.total_bytes == generation.weight_bytes + generation.kv_cache_bytes + generation.activation_bytes
+
+
+def test_a_batch_larger_than_the_prompts_is_cut_to_them(tmp_path, tok_dir, data):
+    """Issue 71: --batch-size 100000 for 3 prompts padded the batch to 100,000 rows (an out-of-memory
+    traceback; 1,000,000 grew past 6 GB): the batch is the prompts', said once, and the run the same."""
+    out = tmp_path / "gen.jsonl"
+    code, _, err = run_main(args(tok_dir, data, out, "--batch-size", "100000", "--max-new-tokens", "2", "--compile-cache", "off"))
+    assert code == 0, err
+    assert "--batch-size 100,000 is more than the 3 prompts: one batch of 3" in err and ", 3 per batch" in err
+    cut = out.read_bytes()
+    code, _, err = run_main(args(tok_dir, data, out, "--batch-size", "3", "--max-new-tokens", "2", "--compile-cache", "off",
+                                 "--overwrite"))
+    assert code == 0 and "is more than the" not in err and out.read_bytes() == cut
 
 
 def test_a_non_finite_adapter_is_refused_before_the_model(tmp_path, tok_dir, data, capsys):

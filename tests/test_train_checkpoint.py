@@ -271,6 +271,7 @@ def _truncate_data(ckpt: str) -> None:
 
 
 DAMAGED = checkpoints.DAMAGED
+ALPHA_RANGE = "a LoRA alpha is a number above 0 and at most 1,000,000 (the adapter's update is alpha / r * B @ A)"
 REMEDY = "remove {ckpt}/tunix/6 to resume from the checkpoint before it, or use a new --checkpoint-dir"
 
 
@@ -295,6 +296,16 @@ REMEDY = "remove {ckpt}/tunix/6 to resume from the checkpoint before it, or use 
     (_swap_optimizer, "--checkpoint-dir {ckpt}: step 6 was restored, but its optimizer state is of step 4, not 6; " + REMEDY,
      False),
     (_truncate_data, "--checkpoint-dir {ckpt}: step 6 cannot be restored (", False),
+    # Issue 71: the adapter's scale in run.json, held to the rule of every adapter read back (JSON takes NaN, Infinity).
+    *[(lambda c, v=value: _edit_json(os.path.join(c, "run.json"), lambda r: {**r, "identity": {**r["identity"], "lora_alpha": v}}),
+       "{ckpt}/run.json: identity.lora_alpha " + words + "; " + DAMAGED, True)
+      for value, words in [(float("nan"), f"is nan: {ALPHA_RANGE}"), (float("inf"), f"is inf: {ALPHA_RANGE}"),
+                           (1e300, f"is 1e+300: {ALPHA_RANGE}"), ("8.0", "is a string '8.0', not a number"),
+                           (True, "is a boolean True, not a number")]],
+    *[(lambda c, v=value: _edit_json(os.path.join(c, "run.json"), lambda r: {**r, "identity": {**r["identity"], "lora_rank": v}}),
+       "{ckpt}/run.json: identity.lora_rank " + words + "; " + DAMAGED, True)
+      for value, words in [(-4, "is -4: a LoRA rank is a whole number from 1 to 2,147,483,647"),
+                           (0, "is 0: a LoRA rank is a whole number from 1 to 2,147,483,647")]],
 ])
 @pytest.mark.slow  # trains or loads a real model: see pytest.ini
 def test_resume_refuses_a_checkpoint_that_is_incomplete_or_disagrees(straight, shard_sets, tmp_path, capsys, edit, words,
@@ -554,3 +565,35 @@ def test_resume_refuses_a_checkpoint_with_non_finite_lora_values(straight, shard
     assert rc == 2 and "Traceback" not in err
     assert f"--checkpoint-dir {ckpt}: step {STEPS}: tensor " in err and " is non-finite (NaN/Inf in " in err
     assert "use a new --checkpoint-dir" in err
+
+
+@pytest.mark.slow  # trains or loads a real model: see pytest.ini
+def test_resume_refuses_restored_lora_values_whose_scaled_update_overflows(straight, shard_sets, tmp_path, capsys,
+                                                                           monkeypatch) -> None:
+    """Issue 71: a lora_b of 3e38 is finite, alpha / r = 2 times it is not: refused as an adapter file's
+    would be, before step 1 and before --eval-generate evaluates the restored model."""
+    import jax.numpy as jnp
+    from flax import nnx
+    from tunix.sft import checkpoint_manager
+
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(straight["cfg"].checkpoint_dir, ckpt)
+    real = checkpoint_manager.CheckpointManager.maybe_restore
+    poisoned = []
+
+    def restore_then_scale_up(self, model, *args, **kwargs):
+        restored = real(self, model, *args, **kwargs)
+        name, var = sorted(((".".join(map(str, p)), v) for p, v in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))
+                            if str(p[-1]).endswith("_lora_b")), key=lambda kv: kv[0])[0]
+        var.set_value(jnp.full_like(var.get_value(), 3e38))
+        poisoned.append(name)
+        return restored
+
+    monkeypatch.setattr(checkpoint_manager.CheckpointManager, "maybe_restore", restore_then_scale_up)
+    with _watch() as seen:
+        rc = cli.main(["--shards", shard_sets["main"], "--model", MODEL, "--lora-rank", str(RANK), "--batch-size", str(BATCH),
+                       "--steps", str(STEPS + 2), "--learning-rate", "3e-2", "--checkpoint-dir", ckpt, "--log-every", "0"])
+    err = capsys.readouterr().err
+    assert rc == 2 and seen == [] and "Traceback" not in err, err
+    assert err.splitlines()[-1] == (f"prepack train: --checkpoint-dir {ckpt}: step {STEPS}: tensor {poisoned[0]} times alpha / r = 2 "
+                                    f"overflows float32 (|value| up to 3e+38); " + REMEDY.format(ckpt=ckpt))

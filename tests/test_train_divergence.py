@@ -155,6 +155,29 @@ def test_skip_step_skips_and_counts_the_bad_steps_and_progress_lines_say_what_ha
     assert not any(line.startswith("step 3: ") for line in lines) or 3 in expected
 
 
+@pytest.mark.slow  # trains or loads a real model: see pytest.ini
+def test_stop_catches_an_update_that_overflows_finite_values(poisoned, tmp_path, capsys, monkeypatch) -> None:
+    """Issue 71: finite loss and gradients, but an update that makes the LoRA values inf (as --learning-rate
+    1e300 did, which is now refused as a flag): the default stop ends the run at that step, exit 3, instead
+    of training on and losing the adapter at the save."""
+    import optax
+
+    from train.step import optimizer as optimizer_lib
+
+    real = optimizer_lib.adamw
+    monkeypatch.setattr(optimizer_lib, "adamw", lambda *a, **k: optax.chain(real(*a, **k), optax.scale(np.inf)))
+    rc = cli.main(_args(poisoned["shards"], tmp_path, 1, "--log-every", "0"))
+    err = capsys.readouterr().err
+    assert rc == divergence.EXIT_DIVERGED and "Traceback" not in err, err
+    message = [line for line in err.splitlines() if line.startswith("prepack train:")]
+    assert message == ["prepack train: step 1: the LoRA values after the update are non-finite; training stopped "
+                       "(--nan-policy stop) without saving this step's checkpoint or a LoRA file. Try a lower "
+                       "--learning-rate or --dtype float32, or --nan-policy skip-step to skip such steps"]
+    step = [r for r in _read(str(tmp_path / "m.jsonl")) if "step" in r and "loss" in r][0]
+    assert np.isfinite(step["loss"]) and np.isfinite(step["grad_norm"]) and "skipped" in step and not step["skipped"]
+    assert divergence.nonfinite_reason({"loss": 1.0, "grad_norm": 2.0}, True) is None
+
+
 def test_nan_policy_is_checked() -> None:
     divergence.check_policy("skip-step")
     with pytest.raises(TrainError, match=r"--nan-policy 'skip': choose stop or skip-step"):

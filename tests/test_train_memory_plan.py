@@ -53,7 +53,7 @@ def test_plan_memory_prints_the_plan_and_ends_with_its_json(shards, capsys) -> N
 
 def test_bad_budget_is_refused_with_one_line(shards, capsys) -> None:
     assert cli.main(["--shards", shards, "--model", "tiny-qwen3", "--plan-memory", "--memory-budget-gib", "0"]) == 2
-    assert capsys.readouterr().err == "prepack train: --memory-budget-gib must be positive, got 0.0\n"
+    assert capsys.readouterr().err == "prepack train: --memory-budget-gib must be a finite number of GiB above 0, got 0.0\n"
 
 
 def test_remat_auto_rematerialises_only_when_the_step_does_not_fit(shards) -> None:

@@ -38,6 +38,7 @@ MAX_LENGTH = 32
 ROWS = 12
 TOKENIZER = {**TEST_TOKENIZER, "name": "trust-test", "vocab_size": VOCAB}
 HELP = " (see prepack train --help)"
+ALPHA_RULE = "--lora-alpha must be a number above 0 and at most 1,000,000 (the adapter's scale is alpha / rank)"
 
 
 def _rows(n: int = ROWS, seed: int = 0) -> list[dict[str, np.ndarray]]:
@@ -103,13 +104,40 @@ def test_a_library_config_is_held_to_the_same_ranges() -> None:
     options.check_counts(TrainConfig(shards="x", seed=options.MAX_SEED, read_threads=0, log_every=0))
 
 
+def test_real_options_hold_in_float32_and_any_finite_budget_is_a_budget() -> None:
+    """Issue 71: the float32 range of the reals the step computes with, on a library caller's TrainConfig
+    too; --memory-budget-gib takes every finite positive budget (the plan then says whether it fits)."""
+    from train import memory_plan
+    from train.step import memory_path
+
+    for kw, words in [({"beta": 1e300}, "--beta 1e+300 is inf in float32"), ({"max_grad_norm": 1e39}, "--max-grad-norm 1e+39 is inf"),
+                      ({"lora_alpha": 10**400}, f"{ALPHA_RULE}, got <an integer of about 400 digits>"), ({"lora_alpha": True}, f"{ALPHA_RULE}, got True")]:
+        with pytest.raises(TrainError) as e:
+            options.check_reals(TrainConfig(shards="x", **kw))
+        assert str(e.value).startswith(words)
+    options.check_reals(TrainConfig(shards="x", lora_alpha=1e6, max_grad_norm=0.0, beta=0.1))
+    for budget in (0.01, 1e-9, 64.0, 1e300):
+        memory_path.check_options(TrainConfig(shards="x", memory_budget_gib=budget), 32)
+        assert memory_plan.budget_bytes(budget)[1] == "--memory-budget-gib"
+    assert memory_plan.budget_bytes(0.01)[0] == int(0.01 * memory_plan.GIB) and memory_plan.budget_bytes(1e300)[0] > 10**308
+
+
 @pytest.mark.parametrize(("extra", "words"), [
-    (["--lora-alpha", "nan"], "--lora-alpha must be a positive number (the adapter's scale is alpha / rank), got nan"),
-    (["--lora-alpha", "inf"], "--lora-alpha must be a positive number (the adapter's scale is alpha / rank), got inf"),
-    (["--lora-alpha", "-1"], "--lora-alpha must be a positive number (the adapter's scale is alpha / rank), got -1.0"),
+    (["--lora-alpha", "nan"], f"{ALPHA_RULE}, got nan"),
+    (["--lora-alpha", "inf"], f"{ALPHA_RULE}, got inf"),
+    (["--lora-alpha", "-1"], f"{ALPHA_RULE}, got -1.0"),
+    (["--lora-alpha", "1e300"], f"{ALPHA_RULE}, got 1e+300"),  # finite to Python, inf as the scale in float32
     (["--learning-rate", "nan"], "--learning-rate must be a positive number, got nan"),
     (["--learning-rate", "inf"], "--learning-rate must be a positive number, got inf"),
     (["--learning-rate", "-1"], "--learning-rate must be a positive number, got -1.0"),
+    # Issue 71: 1e300 became inf in the optimizer, and every LoRA value with it; 1e-50 became 0.
+    (["--learning-rate", "1e300"], "--learning-rate 1e+300 is inf in float32, the dtype the step computes in; give at most 3.4e+38"),
+    (["--learning-rate", "1e-50"], "--learning-rate 1e-50 is 0 in float32, the dtype the step computes in; give at least 1.18e-38"),
+    (["--max-grad-norm", "1e300"], "--max-grad-norm 1e+300 is inf in float32, the dtype the step computes in; give at most 3.4e+38"),
+    (["--memory-budget-gib", "inf"], "--memory-budget-gib must be a finite number of GiB above 0, got inf"),
+    (["--memory-budget-gib", "nan"], "--memory-budget-gib must be a finite number of GiB above 0, got nan"),
+    (["--memory-budget-gib", "-1"], "--memory-budget-gib must be a finite number of GiB above 0, got -1.0"),
+    (["--memory-budget-gib", "0"], "--memory-budget-gib must be a finite number of GiB above 0, got 0.0"),
     (["--mesh", "fsdp=1,fsdp=2"], "--mesh 'fsdp=1,fsdp=2': fsdp is given twice; give each axis once, e.g. fsdp=2,tp=1"),
     (["--lora-rank", "100000"], "--lora-rank 100,000 is more than tiny-qwen3's hidden width 64: a LoRA update of a "
                                 "64-wide projection has rank 64 at most; use --lora-rank 64 or less"),

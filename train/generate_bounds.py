@@ -4,11 +4,17 @@
   two, train/generation/generate.py) plus --max-new-tokens must fit the model's context length
   (models.ModelSpec.context_length).
 - Memory: what generation holds on the device, counted from the config alone (no weights read):
-  the weights (every parameter of the model's abstract trace, in the parameter dtype) and Tunix's
-  KV cache (batch * (prompt bucket + new tokens) * layers * 2 (K and V) * kv heads * head dim, in
-  the compute dtype). Activations, logits and XLA's temporaries are not counted, so a plan that
-  fits can still run out; one that does not fit cannot run. The budget is the device's memory
-  (train/memory_plan.py's budget_bytes: JAX's figure, else 16 GiB).
+  the weights (every parameter of the model's abstract trace, in the parameter dtype), Tunix's KV
+  cache (batch * (prompt bucket + new tokens) * layers * 2 (K and V) * kv heads * head dim, in the
+  compute dtype), and what the forward materialises per sequence (`activation_bytes`): the
+  prefill's logits [bucket, vocab] (the models compute every position's) and a step's [vocab] twice
+  (the float32 logits and their log-softmax or sorted copy), all in float32, and one layer's
+  attention scores [heads, bucket, cache] (float32) and MLP activations [bucket, 2 x hidden] (the
+  compute dtype). With a vocabulary of 262,144 the logits are 1 MiB a row per token: `--batch-size
+  1000000` passed a bound of the KV cache alone and grew past 6 GB. XLA's other temporaries are not
+  counted, so a plan that fits can still run out; one that does not fit cannot run. The budget is the
+  device's memory (train/memory_plan.py's budget_bytes: JAX's figure, else 16 GiB). The batch is
+  never larger than the prompts (apps/generate.py cuts it), so only real rows are counted.
 """
 
 from __future__ import annotations
@@ -25,12 +31,13 @@ GIB = 1024**3
 class GenerationPlan:
     weight_bytes: int
     kv_cache_bytes: int
+    activation_bytes: int  # the logits and the forward's largest per-sequence tensors, for the whole batch
     budget_bytes: int
     budget_source: str
 
     @property
     def total_bytes(self) -> int:
-        return self.weight_bytes + self.kv_cache_bytes
+        return self.weight_bytes + self.kv_cache_bytes + self.activation_bytes
 
 
 def weight_bytes(family: str, config: Any) -> int:
@@ -55,17 +62,35 @@ def check_context(name: str, context_length: int, max_new_tokens: int, prompt_to
                             f"length of {context_length:,} tokens; give at most {context_length - bucket:,}")
 
 
+def activation_bytes(config: Any, *, prompt_bucket: int, cache_tokens: int, compute_dtype: Any) -> int:
+    """What the forward materialises for one sequence (see the module's note): logits, one layer's
+    attention scores and MLP activations."""
+    import numpy as np
+
+    from train.model import models
+
+    f32 = 4
+    tokens = max(prompt_bucket, 1)
+    vocab = int(models.config_vocab_size(config))
+    logits = tokens * vocab * f32 + 2 * vocab * f32
+    scores = int(config.num_heads) * tokens * cache_tokens * f32
+    mlp = tokens * 2 * int(config.hidden_dim) * np.dtype(compute_dtype).itemsize
+    return logits + scores + mlp
+
+
 def plan(family: str, config: Any, *, batch_size: int, max_new_tokens: int, prompt_tokens: int, compute_dtype: Any,
          budget: tuple[int, str] | None = None) -> GenerationPlan:
-    """The weights and KV cache of a run (see the module's note on what is counted)."""
+    """The weights, KV cache and per-sequence activations of a run (see the module's note on what is counted)."""
     import numpy as np
 
     from train import memory_plan
 
-    cache_tokens = (next_power_of_2(prompt_tokens) if prompt_tokens else 0) + max_new_tokens
+    bucket = next_power_of_2(prompt_tokens) if prompt_tokens else 0
+    cache_tokens = bucket + max_new_tokens
     per_token = int(config.num_layers) * 2 * int(config.num_kv_heads) * int(config.head_dim) * np.dtype(compute_dtype).itemsize
+    per_row = activation_bytes(config, prompt_bucket=bucket, cache_tokens=cache_tokens, compute_dtype=compute_dtype)
     limit, source = budget if budget is not None else memory_plan.budget_bytes(None)
-    return GenerationPlan(weight_bytes(family, config), batch_size * cache_tokens * per_token, limit, source)
+    return GenerationPlan(weight_bytes(family, config), batch_size * cache_tokens * per_token, batch_size * per_row, limit, source)
 
 
 def _size(n: int) -> str:
@@ -77,10 +102,11 @@ def check_memory(generation: GenerationPlan, batch_size: int) -> None:
     if generation.total_bytes <= generation.budget_bytes:
         return
     spare = generation.budget_bytes - generation.weight_bytes
-    per_row = generation.kv_cache_bytes // batch_size
+    per_row = (generation.kv_cache_bytes + generation.activation_bytes) // batch_size
     fits = max(0, spare // per_row) if per_row else 0
-    raise GenerateError(f"--batch-size {batch_size:,}: the KV cache ({_size(generation.kv_cache_bytes)}) and the "
-                        f"weights ({_size(generation.weight_bytes)}) need more than the "
-                        f"{_size(generation.budget_bytes)} of {generation.budget_source}, before activations; "
+    raise GenerateError(f"--batch-size {batch_size:,}: the KV cache ({_size(generation.kv_cache_bytes)}), the logits and "
+                        f"activations ({_size(generation.activation_bytes)}) and the weights "
+                        f"({_size(generation.weight_bytes)}) need more than the {_size(generation.budget_bytes)} of "
+                        f"{generation.budget_source}; "
                         + (f"give --batch-size {fits:,} or less, or fewer --max-new-tokens" if fits else
                            "give fewer --max-new-tokens, or a smaller --model"))

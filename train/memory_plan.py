@@ -20,6 +20,7 @@ compile and plans only the step with remat.
 from __future__ import annotations
 
 import dataclasses
+import fractions
 import json
 from typing import Any, TextIO
 
@@ -55,7 +56,8 @@ def budget_bytes(memory_budget_gib: float | None) -> tuple[int, str]:
     import jax
 
     if memory_budget_gib is not None:
-        return int(memory_budget_gib * GIB), "--memory-budget-gib"
+        # Exact: any finite budget is one (1e300 * GiB is inf as a float, and int(inf) a traceback).
+        return int(fractions.Fraction(memory_budget_gib) * GIB), "--memory-budget-gib"
     try:
         stats = jax.devices()[0].memory_stats() or {}
     except Exception:  # noqa: BLE001  (backends without memory_stats raise various errors)

@@ -12,7 +12,7 @@ import time
 from typing import Any, TextIO
 
 from train import objectives
-from train.adapter_files import lora_file
+from train.adapter_files import adapter_scale, lora_file
 from train.checkpointing import checkpoints, resume
 from train.measurement import divergence
 from train.run_config import outputs
@@ -320,9 +320,13 @@ def make_trainer(cfg: TrainConfig, built: Any, ckpt: checkpoints.CheckpointDir |
             raise
         raise checkpoints.CheckpointError(ckpt.restore_problem(step, e)) from e
     resumed = int(trainer.train_steps)
-    if resumed:  # a checkpoint is read as any adapter is: its LoRA values finite, or the run stops here
-        lora_file.check_finite(lora_file.lora_tensors(built.model), f"--checkpoint-dir {ckpt.path}: step {resumed}",
-                               f"{ckpt.remedy(resumed)}")
+    if resumed:  # a checkpoint is read as any adapter is: its LoRA values finite and their update too, or the run stops here
+        tensors = lora_file.lora_tensors(built.model)
+        where = f"--checkpoint-dir {ckpt.path}: step {resumed}"
+        lora_file.check_finite(tensors, where, f"{ckpt.remedy(resumed)}")
+        alpha = cfg.lora_alpha if cfg.lora_alpha is not None else 2.0 * cfg.lora_rank  # run.json's, checked equal
+        adapter_scale.check(alpha, cfg.lora_rank, adapter_scale.qwix_pairs(tensors), config_at=ckpt.run_path,
+                            tensors_at=where, alpha_field="lora_alpha", rank_field="lora_rank", remedy=ckpt.remedy(resumed))
     problem = checkpoints.optimizer_problem(trainer.optimizer, resumed) if resumed else None
     if problem:
         raise checkpoints.CheckpointError(f"--checkpoint-dir {ckpt.path}: step {resumed} was restored, but {problem}; "

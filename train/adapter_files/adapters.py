@@ -18,12 +18,10 @@ refused on others.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 import numpy as np
 
-from prepack import storage
 from train.adapter_files import lora_file
 
 __all__ = ["Adapter", "read_adapter", "apply_adapter", "PEFT", "PREPACK"]
@@ -60,31 +58,18 @@ def _int(value: Any, key: str, path: str) -> int | None:
         raise lora_file.LoraFileError(f"{path}: metadata {key} is {value!r}, not an integer") from None
 
 
-def _is_folder(path: str) -> bool:
-    from train.adapter_files import peft_export
-
-    if storage.is_gcs(path):
-        return storage.read_bytes(storage.join(path, peft_export.ADAPTER_CONFIG)) is not None
-    return os.path.isdir(path)
-
-
 def read_adapter(path: str) -> Adapter:
-    """What the adapter at `path` belongs to; LoraFileError (one line) when it is none we read."""
-    if _is_folder(path):
-        from train.adapter_files import merge_export
+    """What the adapter at `path` belongs to; LoraFileError (one line) when it is none we read. Both
+    formats go through the one reader (merge_export.read_adapter): every tensor read and checked
+    finite, alpha, rank and the scaled update checked (adapter_scale.py), before any model is built."""
+    from train.adapter_files import merge_export
 
-        read = merge_export.read_adapter(path)
-        return Adapter(path, PEFT, read.meta.get("model"), read.rank, read.alpha,
-                       _int(read.meta.get("vocab_size"), "vocab_size", path), dict(read.meta), read.factors)
-    meta, _ = lora_file.read_lora(path)  # every tensor read and checked finite now, before any model is built
-    rank = _int(meta.get("lora_rank"), "lora_rank", path)
-    if rank is None or rank < 1:
-        raise lora_file.LoraFileError(f"{path}: metadata lora_rank is {meta.get('lora_rank')!r}; the file names no LoRA rank")
-    try:
-        alpha = float(meta.get("lora_alpha") or 2 * rank)
-    except ValueError:
-        raise lora_file.LoraFileError(f"{path}: metadata lora_alpha is {meta.get('lora_alpha')!r}, not a number") from None
-    return Adapter(path, PREPACK, meta.get("model"), rank, alpha, _int(meta.get("vocab_size"), "vocab_size", path), dict(meta))
+    read = merge_export.read_adapter(path)
+    if not read.peft:  # the prepack file: loaded as stored (load_lora)
+        return Adapter(path, PREPACK, read.meta.get("model"), read.rank, read.alpha,
+                       _int(read.raw.get("vocab_size"), "vocab_size", path), dict(read.raw))
+    return Adapter(path, PEFT, read.meta.get("model"), read.rank, read.alpha,
+                   _int(read.meta.get("vocab_size"), "vocab_size", path), dict(read.meta), read.factors)
 
 
 def qwix_factors(family: str, config: Any, hf: dict[str, tuple[np.ndarray, np.ndarray]],

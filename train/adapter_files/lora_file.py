@@ -4,7 +4,8 @@ LoRA export (`save_lora` / `load_lora`): one safetensors file with every nnx.LoR
 named by its module path (`layers.0.attn.q_proj.w_lora_a`, `..._lora_b`), and string
 metadata: model, rank, alpha, module regex, dtype, base-weights source and fingerprint,
 step. `load_lora(model, path)` puts them into a freshly built LoRA model with the same
-shapes and refuses another rank, other module paths or other base weights.
+shapes and refuses another rank, other module paths or other base weights, and an unusable
+scale (train/adapter_files/adapter_scale.py, as every reader does).
 """
 
 from __future__ import annotations
@@ -15,14 +16,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from prepack import storage
+from train.adapter_files import adapter_scale
+from train.adapter_files.lora_error import LoraFileError
 from train.model.fingerprint import base_fingerprint
+
+__all__ = ["LoraFileError", "save_lora", "read_lora", "read_lora_metadata", "load_lora", "load_tensors", "check_finite",
+           "nonfinite_tensor", "lora_tensors"]
 
 LORA_FORMAT = "prepack-lora"
 LORA_FORMAT_VERSION = "1"
-
-
-class LoraFileError(ValueError):
-    """A LoRA file that cannot be written or used as asked; the message says why and what to do."""
 
 
 def lora_tensors(model: Any) -> dict[str, Any]:
@@ -182,6 +184,7 @@ def load_lora(
     from flax import nnx
 
     meta, loaded = read_lora(path)
+    adapter_scale.prepack_file_scale(meta, loaded, path)  # the one check of every adapter read (its scale)
     for key, want in (expected or {}).items():
         have = meta.get(key)
         if have is None or (have != want and have != json.dumps(want)):
@@ -191,7 +194,7 @@ def load_lora(
     flat = {".".join(map(str, p)): var for p, var in nnx.to_flat_state(state)}
     if not flat:
         raise LoraFileError("the model has no LoRA parameters; apply LoRA (models.apply_lora) before load_lora")
-    file_rank = int(meta["lora_rank"]) if meta.get("lora_rank", "None") != "None" else _lora_rank(loaded)
+    file_rank = int(meta["lora_rank"])  # checked a whole number above
     model_rank = _lora_rank({k: v.get_value() for k, v in flat.items()})
     if file_rank != model_rank:
         raise LoraFileError(f"{path}: LoRA rank {file_rank} in the file, but the model's LoRA has rank {model_rank}")

@@ -63,6 +63,8 @@ class Adapter:
     rank: int
     alpha: float
     meta: dict[str, Any]  # model, base_weights, base_fingerprint, base_dtype, vocab_size, seed, config_overrides
+    raw: dict[str, str] = dataclasses.field(default_factory=dict)  # the safetensors metadata as stored (strings)
+    peft: bool = True  # read from a PEFT folder (else a prepack file)
 
     @property
     def scale(self) -> float:
@@ -80,22 +82,48 @@ def _json_meta(meta: Mapping[str, str], prefix: str) -> dict[str, Any]:
     return out
 
 
+def is_folder(path: str) -> bool:
+    """Whether the adapter at `path` is a PEFT folder (else a prepack file)."""
+    from train.adapter_files import peft_export
+
+    if storage.is_gcs(path):
+        return storage.read_bytes(storage.join(path, peft_export.ADAPTER_CONFIG)) is not None
+    return os.path.isdir(path)
+
+
 def read_adapter(path: str) -> Adapter:
-    """A PEFT folder or a prepack LoRA file, converted to HF factors."""
-    from train.adapter_files import lora_file, peft_export
+    """The one reader of an adapter, for every command that reads one (`generate --lora`, `export
+    --merge`; train/adapter_files/adapters.py builds on it): a PEFT folder or a prepack LoRA file, its
+    tensors finite, its alpha, rank and scaled update checked (train/adapter_files/adapter_scale.py),
+    converted to HF factors. LoraFileError (one line naming the file and the field) otherwise."""
+    from train.adapter_files import adapter_scale, lora_file, peft_export
     from train.model import models
 
-    folder = storage.read_bytes(storage.join(path, peft_export.ADAPTER_CONFIG)) is not None if storage.is_gcs(path) else os.path.isdir(path)
-    if folder:
+    if is_folder(path):
         config, tensors, raw = peft_export.read_peft(path)
         meta = _json_meta(raw, peft_export.META_PREFIX)
         if "model" not in meta:
             raise LoraFileError(f"{path}: a PEFT adapter without prepack's metadata (prepack_model, ...): merge it with "
                                 "peft's merge_and_unload onto its base model instead")
-        return Adapter(peft_export.hf_factors(tensors, path), int(config["r"]), float(config["lora_alpha"]), meta)
+        config_at, weights_at = f"{path}/{peft_export.ADAPTER_CONFIG}", f"{path}/{peft_export.ADAPTER_WEIGHTS}"
+        for field in ("lora_alpha", "r"):
+            if field not in config:
+                raise LoraFileError(f"{config_at}: no {field}; {adapter_scale.REMEDY}")
+        factors = peft_export.hf_factors(tensors, path)
+        alpha, rank = adapter_scale.check(config["lora_alpha"], config["r"], adapter_scale.peft_pairs(factors, peft_export.PREFIX),
+                                          config_at=config_at, tensors_at=weights_at, alpha_field="lora_alpha", rank_field="r")
+        # prepack's own record of them in the weights' metadata: not what scales the update, held to the same rule
+        for key, check in (("lora_alpha", adapter_scale.check_alpha), ("lora_rank", adapter_scale.check_rank)):
+            if peft_export.META_PREFIX + key in raw:
+                check(adapter_scale.parsed_metadata(raw[peft_export.META_PREFIX + key]), weights_at,
+                      f"metadata {peft_export.META_PREFIX}{key}")
+        return Adapter(factors, rank, alpha, meta, dict(raw))
     raw, tensors = lora_file.read_lora(path)
+    alpha, rank = adapter_scale.prepack_file_scale(raw, tensors, path)
     meta = _json_meta({"m_" + k: v for k, v in raw.items()}, "m_")
-    spec = models.get_spec(str(meta["model"]))
+    if not isinstance(meta.get("model"), str):
+        raise LoraFileError(f"{path}: metadata names no model the adapter was trained on; {adapter_scale.REMEDY}")
+    spec = models.get_spec(meta["model"])
     config = models.resolve_config(spec.name, vocab_size=meta.get("vocab_size"), config_overrides=meta.get("config_overrides"))
     pairs: dict[tuple[int | None, str], dict[str, np.ndarray]] = {}
     for name, value in tensors.items():
@@ -103,7 +131,7 @@ def read_adapter(path: str) -> Adapter:
         layer, kernel = hf_layout.split_path(tuple(int(p) if p.isdigit() else p for p in base.split(".")))
         pairs.setdefault((layer, kernel), {})[which] = value
     factors = hf_layout.lora_to_hf(spec.family, {k: (v["a"], v["b"]) for k, v in pairs.items()}, hf_layout.Dims.of(config))
-    return Adapter(factors, int(meta["lora_rank"]), float(meta["lora_alpha"]), meta)
+    return Adapter(factors, rank, alpha, {**meta, "lora_rank": rank, "lora_alpha": alpha}, dict(raw), peft=False)
 
 
 def base_hf_weights(model: Any, family: str, config: Any) -> dict[str, np.ndarray]:

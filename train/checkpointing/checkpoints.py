@@ -36,6 +36,7 @@ from typing import Any
 from prepack import storage
 from prepack.storage import places
 from prepack.hostile_input.untrusted import shown, shown_with_type
+from train.run_config import options
 from train.objectives.sft import SFT
 
 log = logging.getLogger(__name__)
@@ -227,6 +228,13 @@ class CheckpointDir:
         for key in ("identity", "base_weights"):
             if key in record and not isinstance(record[key], dict):
                 raise CheckpointError(f"{self.run_path}: `{key}` is {shown_with_type(record[key])}, not a JSON object; {DAMAGED}")
+        # The adapter's scale, as every adapter read back is held to it (an alpha of NaN, Infinity or
+        # 1e300 parses as JSON); a run never resumes into it, since --lora-alpha has the same rule.
+        identity = record.get("identity", {})
+        for key, problem_of in (("lora_alpha", options.lora_alpha_problem), ("lora_rank", options.lora_rank_problem)):
+            problem = problem_of(identity[key]) if key in identity else None
+            if problem:
+                raise CheckpointError(f"{self.run_path}: identity.{key} {problem}; {DAMAGED}")
         return record
 
     def check_resumable(

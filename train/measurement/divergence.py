@@ -1,7 +1,8 @@
 """What a run does when its loss or gradient norm stops being finite (`--nan-policy`).
 
-- stop (default): the run ends at the first non-finite step with a non-zero exit (3) and one
-  line naming the step. Tunix saves a checkpoint after the step's post-processing, so raising
+- stop (default): the run ends at the first non-finite step (its loss, its gradient norm, or the
+  LoRA values its update made: finite gradients times a learning rate can still overflow them) with a
+  non-zero exit (3) and one line naming the step. Tunix saves a checkpoint after the step's post-processing, so raising
   there means that step is never saved. With --save-lora, the adapter saved is the last finite
   one: the LoRA values copied at the last fetch that found every step finite (the trainer's
   `last_finite`), and the line names its step; none is saved when no step was fetched finite
@@ -39,10 +40,14 @@ class Diverged(TrainError):
         )
 
 
-def nonfinite_reason(values: Mapping[str, Any]) -> str | None:
-    """'loss is nan, gradient norm is inf' for the non-finite ones among {"loss", "grad_norm"}; None if all finite."""
+def nonfinite_reason(values: Mapping[str, Any], lora_finite: Any = None) -> str | None:
+    """'loss is nan, gradient norm is inf' for the non-finite ones among {"loss", "grad_norm"}; when both
+    are finite, the LoRA values after the update if `lora_finite` (the step's own check) is false; None
+    if all are finite."""
     labels = {"loss": "loss", "grad_norm": "gradient norm"}
     bad = [f"{labels[k]} is {float(v)}" for k, v in values.items() if v is not None and not math.isfinite(float(v))]
+    if not bad and lora_finite is not None and not bool(lora_finite):  # a non-finite gradient says why already
+        bad.append("the LoRA values after the update are non-finite")
     return ", ".join(bad) if bad else None
 
 

@@ -396,11 +396,13 @@ class MetricsRecorder:
             target_sum = float(aux["target_tokens"])
             record["token_loss"] = divergence.finite_or_none(float(aux["nll_sum"]) / target_sum) if target_sum > 0 else None
             record["device_examples"] = float(aux["examples"])
-        reason = divergence.nonfinite_reason({"loss": aux["loss"], "grad_norm": aux.get("grad_norm")})
+        reason = divergence.nonfinite_reason({"loss": aux["loss"], "grad_norm": aux.get("grad_norm")}, aux.get("lora_finite"))
         if reason:
             record["nonfinite"] = reason
-            # apply_if_finite rejects updates with non-finite gradients (train/step/optimizer.py).
-            record["skipped"] = self.nan_policy == divergence.SKIP_STEP
+            # apply_if_finite rejects updates with non-finite gradients (train/step/optimizer.py); an
+            # update that overflowed finite values was applied.
+            record["skipped"] = (self.nan_policy == divergence.SKIP_STEP
+                                 and divergence.nonfinite_reason({"loss": aux["loss"], "grad_norm": aux.get("grad_norm")}) is not None)
         record.update(self.objective.step_fields(aux))
         if self.source_names:
             record.update(by_source_record(self.source_names, pending, aux))

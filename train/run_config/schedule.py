@@ -23,6 +23,7 @@ import math
 from typing import Any
 
 from train.run_config.config import TrainError
+from train.run_config.options import float32_problem
 
 CONSTANT, COSINE, LINEAR, WSD = "constant", "cosine", "linear", "wsd"
 SCHEDULES = (CONSTANT, COSINE, LINEAR, WSD)
@@ -52,6 +53,9 @@ def resolve(kind: str, learning_rate: float, steps: int, warmup_steps: int | Non
         raise TrainError(f"unknown --lr-schedule {kind!r}; choose one of {', '.join(SCHEDULES)}")
     if not (math.isfinite(learning_rate) and learning_rate > 0):
         raise TrainError(f"--learning-rate must be a positive number, got {learning_rate}")
+    problem = float32_problem("--learning-rate", learning_rate)  # 1e300: inf in the optimizer, every LoRA value inf
+    if problem:
+        raise TrainError(problem)
     if warmup_steps is not None and warmup_ratio is not None:
         raise TrainError("give --warmup-steps or --warmup-ratio, not both")
     if warmup_ratio is not None:

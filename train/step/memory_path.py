@@ -78,8 +78,12 @@ def check_options(cfg: TrainConfig, max_length: int) -> None:
     if cfg.loss_chunk_tokens < 0:
         raise TrainError(f"--loss-chunk-tokens must be 0 (full logits) or positive, got {cfg.loss_chunk_tokens}")
     check_loss_kernel(cfg)
-    if cfg.memory_budget_gib is not None and not cfg.memory_budget_gib > 0:
-        raise TrainError(f"--memory-budget-gib must be positive, got {cfg.memory_budget_gib}")
+    budget = cfg.memory_budget_gib
+    # Any finite positive budget is a budget (0.01 GiB too: the plan then says nothing fits); inf
+    # was an OverflowError in int(inf * GiB), and nan compares false with everything.
+    if budget is not None and not (isinstance(budget, (int, float)) and not isinstance(budget, bool)
+                                   and math.isfinite(budget) and budget > 0):
+        raise TrainError(f"--memory-budget-gib must be a finite number of GiB above 0, got {budget}")
     if attention_kind(cfg) == attention_lib.SPLASH and max_length % attention_lib.SPLASH_LANES:
         raise TrainError(f"--attention splash needs a max_length that is a multiple of {attention_lib.SPLASH_LANES}; "
                          f"the shards' is {max_length}: use --attention blocked")

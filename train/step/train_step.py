@@ -102,6 +102,9 @@ def make_train_step(loss_fn: Callable[..., Any], gen_model_input_fn: Callable[..
         aux["loss"] = sums.loss(aux)
         grad_norm = optax.global_norm(grads)  # before clipping: what the run's records report
         optimizer.update(model, grads)
+        # Finite gradients can still make an update that is not (a learning rate that overflows the LoRA
+        # values): --nan-policy stop reads this too. One reduction over the LoRA values, which are small.
+        aux["lora_finite"] = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(nnx.state(model, nnx.LoRAParam))]))
         aux["grad_norm"] = grad_norm
         aux["learning_rate"] = learning_rate_of(optimizer.opt_state)
         aux["clipped"] = grad_norm > max_grad_norm if max_grad_norm else jnp.zeros((), jnp.bool_)
