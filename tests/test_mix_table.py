@@ -140,7 +140,7 @@ def test_a_source_in_another_format_is_refused_before_any_work(tmp_path, capsys)
                    f"  - {{name: alpaca, input: {SAMPLES}/sample_sft.jsonl, format: alpaca, weight: 1}}\n"
                    f"  - {{name: dialogs, input: {SAMPLES}/sample_chat.jsonl, format: alpaca, weight: 1}}\n")
     out = tmp_path / "out"
-    assert pack(["--mixture", str(mix), "--max-length", "256", "--output", str(out)]) == 1
+    assert pack(["--mixture", str(mix), "--max-length", "256", "--output", str(out)]) == 2  # refused before any work
     assert capsys.readouterr().err == (f"prepack pack: mixture source 'dialogs': {SAMPLES}/sample_chat.jsonl: records have "
                                        "keys messages, not the instruction, output of format 'alpaca': try --format chat\n")
     assert not os.path.exists(out)

@@ -387,7 +387,7 @@ def test_existing_set_is_refused_before_beam_is_imported(published, inputs):
         "print(code, 'apache_beam' in sys.modules)"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ))
-    assert done.stdout.split() == ["1", "False"]
+    assert done.stdout.split() == ["2", "False"]  # a refusal before any work (prepack/cli_help.py EXIT_REFUSED)
     assert done.stderr.strip() == (f"prepack pack: {published}/L64/manifest.json, {published}/L256/manifest.json already exist: "
                                    "refusing to write into an existing shard set. Pass --overwrite to replace it "
                                    f"({published}/published.json then names exactly this run's lengths), or "

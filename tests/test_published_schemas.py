@@ -179,7 +179,7 @@ def test_pack_refuses_a_file_in_another_format_before_any_work(tmp_path, capsys)
 
     data = write_jsonl(str(tmp_path / "glaive.jsonl"), SCHEMAS["sharegpt_tools"].records)
     assert cli.main(["--input", data, "--format", "chat", "--max-length", "64", "--output", str(tmp_path / "o"),
-                     "--no-progress", *IN_PROCESS]) == 1
+                     "--no-progress", *IN_PROCESS]) == 2  # refused before any work
     assert capsys.readouterr().err == (f"prepack pack: {data}: records have keys conversations, tools, system, not the "
                                        "messages of format 'chat': try --format sharegpt\n")
     assert not os.path.exists(tmp_path / "o")

@@ -36,7 +36,7 @@ def test_float32_traces_at_highest_precision_and_bfloat16_keeps_the_default() ->
 class RecordingScorer:
     """Scores every target 0 and records the matmul precision its computation ran under."""
 
-    def logprobs(self, batches):
+    def logprobs(self, batches, progress=None):
         self.precision = jax.config.jax_default_matmul_precision
         self.fed_positions = [np.asarray(batches[0]["positions"])]
         return [np.where(np.asarray(b["loss_mask"]) > 0, 0.0, np.nan).astype(np.float32) for b in batches]
