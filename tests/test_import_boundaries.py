@@ -264,13 +264,14 @@ def test_core_rooms_import_downward_only(tmp_path):
 
 
 
-# train/'s rooms, bottom first (train/README.md, "Modules"; each room's README.md): run_config (what a
-# run is asked to do) and attention_kernels side by side at the bottom; step (the step and its loss);
-# model and objectives; measurement, checkpointing, adapter_files and verification; generation. A room
-# imports only rooms of a lower rank; the modules at train/'s top (the run: cli, trainer, run_setup, ...)
-# sit above every room, so no room imports them.
-TRAIN_ROOMS = {"run_config": 0, "attention_kernels": 0, "step": 1, "model": 2, "objectives": 2, "measurement": 3,
-               "checkpointing": 3, "adapter_files": 3, "verification": 3, "generation": 4}
+# train/'s rooms, bottom first (train/README.md, "Modules"; each room's README.md): compilation (the
+# compile cache, the preload, the remat verdicts) and attention_kernels side by side at the bottom;
+# run_config (what a run is asked to do; the cache folder is one of its outputs); step (the step and its
+# loss); model and objectives; measurement, checkpointing, adapter_files and verification; generation. A
+# room imports only rooms of a lower rank; the modules at train/'s top (the run: cli, trainer, run_setup,
+# ...) sit above every room, so no room imports them.
+TRAIN_ROOMS = {"compilation": 0, "attention_kernels": 0, "run_config": 1, "step": 2, "model": 3, "objectives": 3,
+               "measurement": 4, "checkpointing": 4, "adapter_files": 4, "verification": 4, "generation": 5}
 
 
 def _train_room_rank(module: str, folders: dict[str, str]) -> int | None:

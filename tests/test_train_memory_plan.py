@@ -166,7 +166,7 @@ def test_remat_auto_remembers_a_step_that_did_not_fit_and_skips_its_compile_next
         return real(*args)
 
     monkeypatch.setattr(memory_plan, "plan_without_remat", counted)
-    from train.measurement import unfit_steps
+    from train.compilation import unfit_steps
 
     real_key, keys = unfit_steps.step_key, []  # the key prints the whole lowered step: computed only when needed
     monkeypatch.setattr(unfit_steps, "step_key", lambda lowered: keys.append(lowered) or real_key(lowered))

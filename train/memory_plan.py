@@ -13,7 +13,7 @@ blocked attention's tiles) and a Pallas kernel as nothing, so it is right only f
 loop-free step (`--attention dense --loss-chunk-tokens 0 --remat none`).
 
 A step found too large without remat (over the budget, or refused by a TPU's compiler) is
-remembered beside the compilation cache (train/measurement/unfit_steps.py): a later run of it skips that
+remembered beside the compilation cache (train/compilation/unfit_steps.py): a later run of it skips that
 compile and plans only the step with remat.
 """
 
@@ -156,7 +156,7 @@ def lower_run_step(setup: Any) -> Any:
 
 
 def cache_folder() -> str | None:
-    """The compilation cache folder this process uses (train/run_config/compile_cache.py set it); None: off."""
+    """The compilation cache folder this process uses (train/compilation/compile_cache.py set it); None: off."""
     import jax
 
     return jax.config.jax_compilation_cache_dir if jax.config.jax_enable_compilation_cache else None
@@ -167,7 +167,7 @@ def choose_remat(setup: Any, out: TextIO) -> RematChoice | None:
     plan (compile) the step with remat, the one the run executes."""
     import time
 
-    from train.measurement import unfit_steps
+    from train.compilation import unfit_steps
     from train.step import memory_path
 
     cfg = setup.config
@@ -181,7 +181,7 @@ def choose_remat(setup: Any, out: TextIO) -> RematChoice | None:
     key = unfit_steps.step_key(lowered) if folder and unfit_steps.any_remembered(folder) else None
     known = unfit_steps.recall(folder, key, budget) if key else None
     if known is not None:
-        # The compile without remat was refused or over budget before: not paid again (train/measurement/unfit_steps.py).
+        # The compile without remat was refused or over budget before: not paid again (train/compilation/unfit_steps.py).
         on, planned = True, (f"{known.planned} (remembered from an earlier run: "
                              f"{unfit_steps.path_of(folder, key)}; delete it to plan again)")
     else:
@@ -272,7 +272,7 @@ def run_plan(cfg: Any, out: TextIO) -> dict[str, Any]:
     import sys
 
     from train import objectives
-    from train.run_config import executable_preload
+    from train.compilation import executable_preload
     from train.run_setup import setup
     from train.step import memory_path
 

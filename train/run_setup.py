@@ -16,7 +16,7 @@ from train.adapter_files import adapter_scale, lora_file
 from train.checkpointing import checkpoints, resume
 from train.measurement import divergence
 from train.run_config import outputs
-from train.run_config import executable_preload
+from train.compilation import executable_preload
 from train.run_config.config import PROGRAM_OPTIONS, TrainConfig, TrainError
 from prepack.format.manifest import packing_kind
 from train.measurement.metrics import MetricsRecorder
@@ -47,7 +47,7 @@ class Setup:
 
 def enable_compile_cache(cfg: TrainConfig, say: TextIO) -> str | None:
     """--compile-cache, once the output rule has judged its folder, before any compile; the folder (None: off)."""
-    from train.run_config import compile_cache
+    from train.compilation import compile_cache
 
     try:
         return compile_cache.enable(cfg.compile_cache, say)
@@ -85,7 +85,7 @@ def setup(cfg: TrainConfig, out: TextIO | None = None) -> Setup:
     ckpt, identity = open_checkpoint(cfg, model, view)
     # After every check that can refuse the run (its one line stays alone), before the first compile.
     cache = enable_compile_cache(cfg, say)
-    # Before the weights: a repeat run's executables load on threads meanwhile (train/run_config/executable_preload.py).
+    # Before the weights: a repeat run's executables load on threads meanwhile (train/compilation/executable_preload.py).
     preload = begin_preload(cfg, cache, max_length, say)
     try:
         return build(cfg, say, out, view, eval_view, mesh, model, ckpt, identity, preload)

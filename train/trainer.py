@@ -33,7 +33,8 @@ from train.checkpointing import checkpoints, resume
 from train.generation import eval_generate
 from train.measurement import divergence, out_of_memory
 from train.model import models
-from train.run_config import executable_preload, outputs
+from train.compilation import executable_preload
+from train.run_config import outputs
 from train.run_config.config import TrainConfig, TrainError
 from train.run_setup import Setup, setup
 from train.step import memory_path, precision
