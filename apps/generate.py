@@ -28,7 +28,7 @@ from typing import Any
 from apps import read_inputs
 from prepack.cli_help import CommandParser
 from prepack.text.formats import template_names
-from train.run_config import compile_cache
+from train.compilation import compile_cache
 
 PROG = "prepack generate"
 
@@ -396,7 +396,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from train.adapter_files.lora_file import LoraFileError
     from train.generation.generate import GenerateError
     from train.model.models import ModelError
-    from train.run_config.compile_cache import CompileCacheError
+    from train.compilation.compile_cache import CompileCacheError
     from train.run_config.config import TrainError
 
     try:

@@ -48,7 +48,7 @@ from prepack.cli_help import EXIT_FAILED, EXIT_OK, EXIT_REFUSED, CommandParser
 from prepack.wording import counted, rate
 from prepack.format import rowformat
 from prepack.format.layout import MANIFEST_NAME, RUN_RECORD_NAME, TOKENS_DIR
-from train.run_config import compile_cache
+from train.compilation import compile_cache
 from prepack.format.recount import Recount, misstatement, row_facts, source_names_problem, tokenizer_problem
 from prepack.format.manifest import Manifest, ManifestError
 from prepack.format.run_record import RunRecord, RunRecordError

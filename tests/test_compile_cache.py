@@ -1,4 +1,4 @@
-"""--compile-cache DIR|off (train/run_config/compile_cache.py): which folder, a refused folder in one line,
+"""--compile-cache DIR|off (train/compilation/compile_cache.py): which folder, a refused folder in one line,
 `off` writes nothing even where JAX_COMPILATION_CACHE_DIR is set, and a repeat run's step comes
 from the cache."""
 
@@ -14,7 +14,7 @@ import pytest
 
 from testkit.shard_sets import TEST_TOKENIZER, build_shard_set
 from train import cli
-from train.run_config import compile_cache
+from train.compilation import compile_cache
 
 
 @pytest.fixture

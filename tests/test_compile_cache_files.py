@@ -1,5 +1,5 @@
-"""What a run reads from its compilation cache folder is bounded (train/run_config/cache_files.py), and a
-folder others can write is not used (train/run_config/compile_cache.py).
+"""What a run reads from its compilation cache folder is bounded (train/compilation/cache_files.py), and a
+folder others can write is not used (train/compilation/compile_cache.py).
 
 Planted files are real: a FIFO (os.mkfifo), a link to /dev/zero, a link out of the folder, a file over
 the cap; for the remat verdicts, the preload records and JAX's own entry at the run's key. Anything
@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from train.measurement import unfit_steps
-from train.run_config import cache_files, compile_cache, executable_preload
+from train.compilation import unfit_steps
+from train.compilation import cache_files, compile_cache, executable_preload
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEY = "ab" * 32
@@ -130,7 +130,7 @@ def test_a_planted_preload_record_is_named_in_one_line_and_ignored(tmp_path, kin
 PLANTED_ENTRY = """
 import io, os, shutil, sys, numpy as np, jax, jax.numpy as jnp
 sys.path.insert(0, {root!r})
-from train.run_config import cache_files, compile_cache, executable_preload as ep
+from train.compilation import cache_files, compile_cache, executable_preload as ep
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 cache = {cache!r}
 assert compile_cache.enable(cache, sys.stdout) == cache
@@ -180,7 +180,7 @@ def test_a_planted_entry_at_the_runs_key_is_a_miss_with_or_without_the_preload(t
 STUCK_LOAD = """
 import io, os, sys, time, jax, jax.numpy as jnp
 sys.path.insert(0, {root!r})
-from train.run_config import compile_cache, executable_preload as ep
+from train.compilation import compile_cache, executable_preload as ep
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 cache = {cache!r}
 compile_cache.enable(cache, io.StringIO())

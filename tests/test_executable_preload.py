@@ -1,4 +1,4 @@
-"""--compile-preload (train/run_config/executable_preload.py): a repeat run's cached executables load on
+"""--compile-preload (train/compilation/executable_preload.py): a repeat run's cached executables load on
 threads, JAX takes one only for the exact lookup it was loaded for, and a record is a stranger's file."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 
 from testkit.shard_sets import TEST_TOKENIZER, build_shard_set
 from train import cli
-from train.run_config import compile_cache, executable_preload
+from train.compilation import compile_cache, executable_preload
 
 
 @pytest.fixture
@@ -192,7 +192,7 @@ def test_an_unknown_compile_preload_value_is_refused_in_one_line() -> None:
 OTHER_DEVICE = """
 import io, os, sys, numpy as np, jax, jax.numpy as jnp
 sys.path.insert(0, {root!r})
-from train.run_config import compile_cache, executable_preload as ep
+from train.compilation import compile_cache, executable_preload as ep
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 compile_cache.enable({cache!r}, io.StringIO())
 hint, x = ep.hint_of({{"test": "devices"}}), jnp.arange(4.0)

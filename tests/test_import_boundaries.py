@@ -11,8 +11,12 @@
    imports JAX (Dataflow workers install no JAX), and the loader never imports
    Beam. Each of these checks runs in a fresh interpreter so nothing else in the
    test session has loaded the modules first.
+3. Inside packages: the pipeline's folders and the core's and train/'s rooms import
+   downward only; each room of train/ imports only the rooms its README.md's one
+   `May import (rooms of train/): ...` line lists.
 """
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -264,13 +268,14 @@ def test_core_rooms_import_downward_only(tmp_path):
 
 
 
-# train/'s rooms, bottom first (train/README.md, "Modules"; each room's README.md): run_config (what a
-# run is asked to do) and attention_kernels side by side at the bottom; step (the step and its loss);
-# model and objectives; measurement, checkpointing, adapter_files and verification; generation. A room
-# imports only rooms of a lower rank; the modules at train/'s top (the run: cli, trainer, run_setup, ...)
-# sit above every room, so no room imports them.
-TRAIN_ROOMS = {"run_config": 0, "attention_kernels": 0, "step": 1, "model": 2, "objectives": 2, "measurement": 3,
-               "checkpointing": 3, "adapter_files": 3, "verification": 3, "generation": 4}
+# train/'s rooms, bottom first (train/README.md, "Modules"; each room's README.md): compilation (the
+# compile cache, the preload, the remat verdicts) and attention_kernels side by side at the bottom;
+# run_config (what a run is asked to do; the cache folder is one of its outputs); step (the step and its
+# loss); model and objectives; measurement, checkpointing, adapter_files and verification; generation. A
+# room imports only rooms of a lower rank; the modules at train/'s top (the run: cli, trainer, run_setup,
+# ...) sit above every room, so no room imports them.
+TRAIN_ROOMS = {"compilation": 0, "attention_kernels": 0, "run_config": 1, "step": 2, "model": 3, "objectives": 3,
+               "measurement": 4, "checkpointing": 4, "adapter_files": 4, "verification": 4, "generation": 5}
 
 
 def _train_room_rank(module: str, folders: dict[str, str]) -> int | None:
@@ -308,6 +313,93 @@ def test_train_rooms_import_downward_only(tmp_path):
     assert _train_room_breaks(graph, module_folders(tmp_path)) == ["train.model.models -> train.objectives.sft",
                                                                    "train.step.loss -> train.cli",
                                                                    "train.step.loss -> train.measurement.metrics"]
+
+
+# Each room's README.md states the rooms of train/ it may import in one line, one form:
+#   May import (rooms of train/): [`run_config/`](../run_config/README.md), [`step/`](../step/README.md).
+# or `May import (rooms of train/): none.`; train/README.md's table of rooms says the same in its last column.
+ROOM_LIST_LINE = re.compile(r"^May import \(rooms of train/\): (.*)$", re.M)
+ROOM_LINK = re.compile(r"\[`(\w+)/`\]\(\.\./\1/README\.md\)")
+ROOMS_TABLE_ROW = re.compile(r"^\| \[`(\w+)/`\]\(\1/README\.md\) \|.*\| ([^|]*) \|$", re.M)
+
+
+def readme_rooms(text: str, where: str) -> set[str]:
+    """The rooms a room's README says it may import, from its one `May import (rooms of train/):` line."""
+    lines = ROOM_LIST_LINE.findall(text)
+    if len(lines) != 1:
+        raise AssertionError(f"{where}: {len(lines)} lines 'May import (rooms of train/): ...' (one expected)")
+    listed = lines[0].removesuffix(".")
+    if listed == "none":
+        return set()
+    rooms = set()
+    for item in listed.split(", "):
+        link = ROOM_LINK.fullmatch(item)
+        if link is None:
+            raise AssertionError(f"{where}: {item!r} in the 'May import' line is not a room's link [`room/`](../room/README.md)")
+        rooms.add(link[1])
+    return rooms
+
+
+def _train_readme_breaks(graph: dict[str, set[str]], folders: dict[str, str], root=ROOT) -> list[str]:
+    """Every import from a room of train/ into another folder of train/ (a room, or train/'s top) that the
+    importing room's README does not list."""
+    allowed = {}
+    for folder in sorted(set(folders.values())):
+        if folder.startswith("train."):
+            room = folder.partition(".")[2]
+            allowed[folder] = readme_rooms((root / "train" / room / "README.md").read_text(), f"train/{room}/README.md")
+    breaks = []
+    for m in sorted(graph):
+        if folders.get(m) not in allowed:
+            continue
+        for d in sorted(graph[m]):
+            target = folders.get(d, "")
+            if target.split(".")[0] == "train" and target != folders[m] and target.partition(".")[2] not in allowed[folders[m]]:
+                where = f"{target.partition('.')[2]}/" if "." in target else "train/'s top"
+                breaks.append(f"{m} -> {d}: train/{folders[m].partition('.')[2]}/README.md does not list {where}")
+    return breaks
+
+
+def test_train_rooms_import_only_the_rooms_their_readme_lists():
+    folders = module_folders()
+    assert _train_readme_breaks(import_graph(), folders) == []
+
+
+def test_the_rooms_table_says_what_each_readme_says():
+    """train/README.md's table of rooms and each room's own line name the same rooms."""
+    table = {room: set() if last == "(none)" else set(re.findall(r"`(\w+)/`", last))
+             for room, last in ROOMS_TABLE_ROW.findall((ROOT / "train" / "README.md").read_text())}
+    assert set(table) == set(TRAIN_ROOMS)
+    assert {room: readme_rooms((ROOT / "train" / room / "README.md").read_text(), room) for room in TRAIN_ROOMS} == table
+
+
+def test_the_readme_check_can_fail(tmp_path):
+    """adapter_files/ whose README lists model/ only, importing step/ and train/'s top, is caught; so are a
+    README without the line and a line whose item is not a room's link."""
+    files = {
+        "train/__init__.py": "", "train/cli.py": "", "train/step/__init__.py": "", "train/step/loss.py": "",
+        "train/model/__init__.py": "", "train/model/models.py": "from train.step import loss\n",
+        "train/adapter_files/__init__.py": "",
+        "train/adapter_files/peft_export.py": "from train.model import models\nfrom train.step import loss\n"
+                                              "def f():\n    from train import cli\n",
+        "prepack/__init__.py": "", "loaders/__init__.py": "", "pipelines/__init__.py": "", "apps/__init__.py": "",
+        "gcp/__init__.py": "",
+    }
+    graph = _tree(tmp_path, files)
+    for room, line in {"adapter_files": "[`model/`](../model/README.md).", "model": "[`step/`](../step/README.md).",
+                       "step": "none."}.items():
+        (tmp_path / "train" / room / "README.md").write_text(f"# {room}\n\nMay import (rooms of train/): {line}\n")
+    folders = module_folders(tmp_path)
+    assert _train_readme_breaks(graph, folders, tmp_path) == [
+        "train.adapter_files.peft_export -> train.cli: train/adapter_files/README.md does not list train/'s top",
+        "train.adapter_files.peft_export -> train.step.loss: train/adapter_files/README.md does not list step/"]
+    (tmp_path / "train" / "model" / "README.md").write_text("May import: [`step/`](../step/README.md).\n")
+    with pytest.raises(AssertionError, match=r"train/model/README.md: 0 lines 'May import \(rooms of train/\)"):
+        _train_readme_breaks(graph, folders, tmp_path)
+    (tmp_path / "train" / "model" / "README.md").write_text("May import (rooms of train/): `step/`.\n")
+    with pytest.raises(AssertionError, match="'`step/`' in the 'May import' line is not a room's link"):
+        _train_readme_breaks(graph, folders, tmp_path)
+
 
 def test_contracts_lists_every_module():
     """docs/CONTRACTS.md names every module of the project with its purpose."""

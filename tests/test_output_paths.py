@@ -186,7 +186,7 @@ def test_the_writers_write_at_the_resolved_place(tree):
 
     from train.checkpointing import checkpoints
     from train.measurement.metrics import MetricsRecorder, TensorBoard
-    from train.run_config import compile_cache
+    from train.compilation import compile_cache
 
     before, listed = contents(tree), sorted(os.listdir(tree / SHARDS))
     own_files.write_own_files(away(SHARDS), {"adapter_model.safetensors": b"new"}, lambda name: name.endswith(".safetensors"))

@@ -216,7 +216,8 @@ def sets(tmp_path_factory) -> dict[str, str]:
     ("pairs", [], r"--shards \S+ holds preference pairs \(row format 5\): train it with --objective dpo; SFT on it would "
                   r"train each pair's rejected reply as a target too"),
     ("pairs", ["--objective", "dpo", "--eval-shards", "SFT"], r"--objective dpo needs preference pairs, but --eval-shards"),
-    ("sft", ["--beta", "0.2"], r"--beta is the DPO loss's; it needs --objective dpo"),
+    ("sft", ["--beta", "0.2"], r"^prepack train: --beta is --objective dpo's option, but this run's objective is sft; "
+                               r"add --objective dpo or drop --beta$"),
     ("pairs", ["--objective", "dpo", "--beta", "0"], r"--beta must be a positive number, got 0\.0"),
     ("pairs", ["--objective", "dpo", "--beta", "nan"], r"--beta must be a positive number, got nan"),
     ("pairs", ["--objective", "dpo", "--loss", "tunix-default"], r"--loss tunix-default is SFT's"),
@@ -230,6 +231,25 @@ def test_each_objective_refuses_the_others_sets_and_flags(sets, capsys, shards, 
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and re.search(message, err), err
     assert "loading" not in err  # refused before any weights load
+
+
+def test_the_registry_refuses_an_option_of_an_objective_not_chosen(monkeypatch) -> None:
+    """Each objective declares its own options and the registry refuses them for any other, so a third
+    objective with an option of its own is refused for SFT and DPO without either naming it."""
+    from types import SimpleNamespace
+
+    from train.run_config.config import TrainError
+
+    third = SimpleNamespace(name="orpo", options={"--lambda": "lam"})
+    monkeypatch.setitem(objectives.REGISTRY, "orpo", third)
+    for chosen in ("sft", "dpo"):
+        with pytest.raises(TrainError, match=rf"^--lambda is --objective orpo's option, but this run's objective is "
+                                             rf"{chosen}; add --objective orpo or drop --lambda$"):
+            objectives.refuse_others_options(SimpleNamespace(beta=None, lam=0.5), objectives.by_name(chosen))
+    with pytest.raises(TrainError, match=r"^--beta is --objective dpo's option, but this run's objective is orpo"):
+        objectives.refuse_others_options(SimpleNamespace(beta=0.2, lam=0.5), third)
+    objectives.refuse_others_options(SimpleNamespace(beta=0.2, lam=None), objectives.by_name("dpo"))  # its own: fine
+    assert not objectives.by_name("sft").options and objectives.by_name("dpo").options == {"--beta": "beta"}
 
 
 def test_the_loader_yields_pair_side(sets) -> None:

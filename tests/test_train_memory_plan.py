@@ -166,7 +166,7 @@ def test_remat_auto_remembers_a_step_that_did_not_fit_and_skips_its_compile_next
         return real(*args)
 
     monkeypatch.setattr(memory_plan, "plan_without_remat", counted)
-    from train.measurement import unfit_steps
+    from train.compilation import unfit_steps
 
     real_key, keys = unfit_steps.step_key, []  # the key prints the whole lowered step: computed only when needed
     monkeypatch.setattr(unfit_steps, "step_key", lambda lowered: keys.append(lowered) or real_key(lowered))
@@ -270,3 +270,22 @@ def test_the_layers_period_is_the_shortest_repeating_one() -> None:
     assert layer_scan.period(([local] * 5 + [glob]) * 4 + [local] * 2) == 6  # Gemma3 1B: 26 layers
     assert layer_scan.period([None] * 28) == 1  # Qwen3
     assert layer_scan.period([local, glob, glob]) == 3
+
+
+def test_a_run_resolves_its_choices_once(shards, tmp_path, monkeypatch) -> None:
+    """train/resolved_run.py: the objective is looked up once a run, and the model, attention kind, compute
+    dtype and cache folder setup carries are what the run records and the cache JAX was given."""
+    import io
+
+    from train import objectives
+
+    real, lookups = objectives.of, []
+    monkeypatch.setattr(objectives, "of", lambda cfg: lookups.append(cfg) or real(cfg))
+    cache = tmp_path / "xla"
+    base = dict(shards=shards, model="tiny-qwen3", lora_rank=4, batch_size=2, steps=1, attention="dense", dtype="bfloat16")
+    s = setup(TrainConfig(**base, compile_cache=str(cache)), out=io.StringIO())
+    assert len(lookups) == 1
+    assert s.run.objective is objectives.DEFAULT and s.run.spec is models.get_spec("tiny-qwen3") and s.run.family == "qwen3"
+    assert (s.run.attention, s.run.dtype_name) == ("dense", "bfloat16") == (s.static["attention"], s.static["dtype"])
+    assert s.run.cache_folder == str(cache) == jax.config.jax_compilation_cache_dir
+    assert setup(TrainConfig(**base, compile_cache="off"), out=io.StringIO()).run.cache_folder is None

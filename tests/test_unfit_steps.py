@@ -1,4 +1,4 @@
-"""train/measurement/unfit_steps.py: a verdict file is a stranger's; only a well-formed one for this step and budget counts."""
+"""train/compilation/unfit_steps.py: a verdict file is a stranger's; only a well-formed one for this step and budget counts."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from train.measurement import unfit_steps
+from train.compilation import unfit_steps
 
 KEY = "ab" * 32
 

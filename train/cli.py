@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from prepack.cli_help import CommandParser
 from train import objectives
 from train.generation import eval_generate
-from train.run_config import compile_cache
+from train.compilation import compile_cache
 from train.run_config.config import TrainConfig
 from train.run_config.options import whole_number
 

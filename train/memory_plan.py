@@ -13,7 +13,7 @@ blocked attention's tiles) and a Pallas kernel as nothing, so it is right only f
 loop-free step (`--attention dense --loss-chunk-tokens 0 --remat none`).
 
 A step found too large without remat (over the budget, or refused by a TPU's compiler) is
-remembered beside the compilation cache (train/measurement/unfit_steps.py): a later run of it skips that
+remembered beside the compilation cache (train/compilation/unfit_steps.py): a later run of it skips that
 compile and plans only the step with remat.
 """
 
@@ -155,19 +155,12 @@ def lower_run_step(setup: Any) -> Any:
                       **set_kind(manifest))
 
 
-def cache_folder() -> str | None:
-    """The compilation cache folder this process uses (train/run_config/compile_cache.py set it); None: off."""
-    import jax
-
-    return jax.config.jax_compilation_cache_dir if jax.config.jax_enable_compilation_cache else None
-
-
 def choose_remat(setup: Any, out: TextIO) -> RematChoice | None:
     """--remat auto: plan without remat; rematerialise each layer only if that does not fit, and then
     plan (compile) the step with remat, the one the run executes."""
     import time
 
-    from train.measurement import unfit_steps
+    from train.compilation import unfit_steps
     from train.step import memory_path
 
     cfg = setup.config
@@ -175,13 +168,13 @@ def choose_remat(setup: Any, out: TextIO) -> RematChoice | None:
         return None
     started = time.perf_counter()
     budget, source = budget_bytes(cfg.memory_budget_gib)
-    folder = cache_folder()
+    folder = setup.run.cache_folder  # the folder setup enabled (train/resolved_run.py); None: off
     lowered = lower_run_step(setup)
     # The key prints the whole lowered step (a second or so for an unrolled model): only where a verdict may be found.
     key = unfit_steps.step_key(lowered) if folder and unfit_steps.any_remembered(folder) else None
     known = unfit_steps.recall(folder, key, budget) if key else None
     if known is not None:
-        # The compile without remat was refused or over budget before: not paid again (train/measurement/unfit_steps.py).
+        # The compile without remat was refused or over budget before: not paid again (train/compilation/unfit_steps.py).
         on, planned = True, (f"{known.planned} (remembered from an earlier run: "
                              f"{unfit_steps.path_of(folder, key)}; delete it to plan again)")
     else:
@@ -237,14 +230,13 @@ def sample_rows(cfg: Any, view: Any, batches: int = FLOP_SAMPLE_BATCHES) -> tupl
 
 def analytic_flops(setup: Any, remat_on: bool) -> Any:
     """train/measurement/flops.py's count of this run's step, on its first batches' segments and targets."""
-    from train import objectives
     from train.measurement import flops
     from train.step import memory_path
 
-    cfg, length = setup.config, setup.view.manifest.max_length
-    opts = flops.StepOptions(cfg.batch_size * cfg.grad_accum_steps, length, memory_path.attention_kind(cfg),
+    cfg, length, run = setup.config, setup.view.manifest.max_length, setup.run
+    opts = flops.StepOptions(cfg.batch_size * cfg.grad_accum_steps, length, run.attention,
                              memory_path.attention_tile(cfg, length), cfg.loss_chunk_tokens, remat_on,
-                             extra_forwards=objectives.of(cfg).extra_forwards)
+                             extra_forwards=run.objective.extra_forwards)
     segment_ids, target_fraction = sample_rows(cfg, setup.view)
     return flops.step_flops(flops.model_cost(setup.built.model), opts, segment_ids, target_fraction)
 
@@ -271,8 +263,7 @@ def run_plan(cfg: Any, out: TextIO) -> dict[str, Any]:
     import dataclasses as dc
     import sys
 
-    from train import objectives
-    from train.run_config import executable_preload
+    from train.compilation import executable_preload
     from train.run_setup import setup
     from train.step import memory_path
 
@@ -284,9 +275,9 @@ def run_plan(cfg: Any, out: TextIO) -> dict[str, Any]:
     plan = auto.plan if auto is not None else plan_run_step(s)
     executable_preload.end(s.preload, sys.stderr)  # the step a train run of these options will look up
     budget, source = budget_bytes(cfg.memory_budget_gib)
-    kind = memory_path.attention_kind(cfg)
-    describe = (f"{cfg.model} {s.static.get('dtype')} LoRA rank {cfg.lora_rank}, "
-                f"{objectives.of(cfg).plan_note}"
+    kind = s.run.attention
+    describe = (f"{cfg.model} {s.run.dtype_name} LoRA rank {cfg.lora_rank}, "
+                f"{s.run.objective.plan_note}"
                 f"B={cfg.batch_size} L={manifest.max_length} "
                 f"({cfg.batch_size * manifest.max_length:,} tokens{f' x {cfg.grad_accum_steps} micro-batches' if cfg.grad_accum_steps > 1 else ''}), "
                 f"attention {kind}{'' if kind == 'dense' else f' (tile {memory_path.attention_tile(cfg, manifest.max_length)})'}, "

@@ -16,13 +16,14 @@ from train.adapter_files import adapter_scale, lora_file
 from train.checkpointing import checkpoints, resume
 from train.measurement import divergence
 from train.run_config import outputs
-from train.run_config import executable_preload
+from train.compilation import executable_preload
 from train.run_config.config import PROGRAM_OPTIONS, TrainConfig, TrainError
 from prepack.format.manifest import packing_kind
 from train.measurement.metrics import MetricsRecorder
 from train.model.fingerprint import base_fingerprint
 from train.packed_trainer import make_trainer_class
 from train.run_config.mesh import make_mesh, parse_mesh
+from train.resolved_run import ResolvedRun, resolve
 from train.run_config.vocab import check_vocab
 
 
@@ -43,11 +44,12 @@ class Setup:
     resumed_step: int = 0  # the checkpoint step Tunix restored (0: a fresh start)
     base_weights: dict[str, Any] | None = None  # {"source", "fingerprint"} when checkpointing or exporting
     preload: executable_preload.Preload | None = None  # where the cache and --compile-preload are on
+    run: ResolvedRun | None = None  # the run's choices, resolved once (train/resolved_run.py); setup always sets it
 
 
 def enable_compile_cache(cfg: TrainConfig, say: TextIO) -> str | None:
     """--compile-cache, once the output rule has judged its folder, before any compile; the folder (None: off)."""
-    from train.run_config import compile_cache
+    from train.compilation import compile_cache
 
     try:
         return compile_cache.enable(cfg.compile_cache, say)
@@ -63,13 +65,16 @@ def begin_preload(cfg: TrainConfig, cache: str | None, max_length: int, say: Tex
     return executable_preload.begin(cache, executable_preload.hint_of({"train": fields, "max_length": max_length}), say)
 
 
-def setup(cfg: TrainConfig, out: TextIO | None = None) -> Setup:
-    """Builds the model, LoRA and trainer; with cfg.checkpoint_dir, Tunix restores the latest checkpoint here."""
+def setup(cfg: TrainConfig, out: TextIO | None = None, run: ResolvedRun | None = None) -> Setup:
+    """Builds the model, LoRA and trainer; with cfg.checkpoint_dir, Tunix restores the latest checkpoint here.
+    run: the config's choices where the caller resolved them already (trainer.execute); else resolved here."""
     check_flags(cfg)
+    run = run if run is not None else resolve(cfg)
+    run.objective.check_flags(cfg)
     # A resumed run appends to its metrics: the checkpoint folder is listed only if that matters.
     outputs.check_outputs(cfg, resumes=lambda: checkpoints.holds_checkpoint(cfg.checkpoint_dir))
     say = out if out is not None else sys.stderr
-    view, eval_view = open_views(cfg)
+    view, eval_view = open_views(cfg, run.objective)
     max_length = view.manifest.max_length
     import jax
 
@@ -80,48 +85,48 @@ def setup(cfg: TrainConfig, out: TextIO | None = None) -> Setup:
 
     memory_path.check_options(cfg, max_length)
     mesh = make_mesh(parse_mesh(cfg.mesh), cfg.batch_size)
-    model = check_model_for_shards(cfg, view, eval_view)
+    model = check_model_for_shards(cfg, run, view, eval_view)
     qlora_tile(cfg, model.config)  # a tile the widths refuse is refused before any weight loads
-    ckpt, identity = open_checkpoint(cfg, model, view)
+    ckpt, identity = open_checkpoint(cfg, run, model, view)
     # After every check that can refuse the run (its one line stays alone), before the first compile.
-    cache = enable_compile_cache(cfg, say)
-    # Before the weights: a repeat run's executables load on threads meanwhile (train/run_config/executable_preload.py).
-    preload = begin_preload(cfg, cache, max_length, say)
+    run = run.with_cache(enable_compile_cache(cfg, say))
+    # Before the weights: a repeat run's executables load on threads meanwhile (train/compilation/executable_preload.py).
+    preload = begin_preload(cfg, run.cache_folder, max_length, say)
     try:
-        return build(cfg, say, out, view, eval_view, mesh, model, ckpt, identity, preload)
+        return build(cfg, run, say, out, view, eval_view, mesh, model, ckpt, identity, preload)
     except BaseException:
         executable_preload.abandon(preload)
         raise
 
 
-def build(cfg: TrainConfig, say: TextIO, out: TextIO | None, view: Any, eval_view: Any, mesh: Any, model: ModelChoice,
+def build(cfg: TrainConfig, run: ResolvedRun, say: TextIO, out: TextIO | None, view: Any, eval_view: Any, mesh: Any, model: ModelChoice,
           ckpt: checkpoints.CheckpointDir | None, identity: Any, preload: executable_preload.Preload | None) -> Setup:
     """setup's model, LoRA, trainer and recorder, once every check has passed and the cache is on."""
     max_length = view.manifest.max_length
-    built, base_params = load_base_weights(cfg, model, mesh, say)
+    built, base_params = load_base_weights(cfg, run, model, mesh, say)
     base_weights = record_base_weights(cfg, built, ckpt, identity)
     prepare_model(cfg, model, built, mesh, max_length)
-    loss_fn = step_loss_fn(cfg, model)
-    static = run_static(cfg, view.manifest, built)
+    loss_fn = step_loss_fn(cfg, run)
+    static = run_static(cfg, run, view.manifest, built)
     trainer, policy = make_trainer(cfg, built, ckpt)
     resumed = int(trainer.train_steps)
     if mesh is None:
         commit_to_device(built, trainer)
     if resumed:
         print(f"resuming from step {resumed} of {ckpt.path}", file=say)
-    throughput, throughput_facts = throughput_of(cfg, built)
+    throughput, throughput_facts = throughput_of(cfg, run, built)
     recorder = MetricsRecorder(
         cfg.metrics_out, static=static, log_every=cfg.log_every, out=out,
         resume_from=resumed or None, resume_note={"checkpoint_dir": cfg.checkpoint_dir},
         last_step=cfg.steps, nan_policy=cfg.nan_policy, throughput=throughput, grad_accum_steps=cfg.grad_accum_steps,
-        tensorboard=cfg.tensorboard, objective=objectives.of(cfg),
+        tensorboard=cfg.tensorboard, objective=run.objective,
     )
-    attach_step_functions(cfg, loss_fn, trainer, recorder, built, policy)
-    extra = {**run_details(cfg, model, view.manifest, built, base_params), **throughput_facts}
+    attach_step_functions(cfg, run, loss_fn, trainer, recorder, built, policy)
+    extra = {**run_details(cfg, run, model, view.manifest, built, base_params), **throughput_facts}
     if ckpt is not None:
         extra.update({"checkpoint_dir": cfg.checkpoint_dir, "resumed_from_step": resumed})
     return Setup(cfg, view, eval_view, built, mesh, trainer, recorder, {**static, **extra},
-                 checkpoint=ckpt, policy=policy, resumed_step=resumed, base_weights=base_weights, preload=preload)
+                 checkpoint=ckpt, policy=policy, resumed_step=resumed, base_weights=base_weights, preload=preload, run=run)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,15 +155,13 @@ def check_flags(cfg: TrainConfig) -> None:
     if cfg.peak_tflops is not None and not (math.isfinite(cfg.peak_tflops) and cfg.peak_tflops > 0):
         raise TrainError(f"--peak-tflops must be positive, got {cfg.peak_tflops}")
     divergence.check_policy(cfg.nan_policy)
-    objectives.of(cfg).check_flags(cfg)
 
 
-def open_views(cfg: TrainConfig) -> tuple[Any, Any]:
+def open_views(cfg: TrainConfig, objective: objectives.Objective) -> tuple[Any, Any]:
     import loaders
 
     view = loaders.open_shards(cfg.shards)
     eval_view = loaders.open_shards(cfg.eval_shards) if cfg.eval_shards else None
-    objective = objectives.of(cfg)
     objective.check_set(cfg, view.manifest, cfg.shards, "--shards")
     if eval_view is not None:
         objective.check_set(cfg, eval_view.manifest, cfg.eval_shards, "--eval-shards")
@@ -170,11 +173,11 @@ def open_views(cfg: TrainConfig) -> tuple[Any, Any]:
     return view, eval_view
 
 
-def check_model_for_shards(cfg: TrainConfig, view: Any, eval_view: Any) -> ModelChoice:
+def check_model_for_shards(cfg: TrainConfig, run: ResolvedRun, view: Any, eval_view: Any) -> ModelChoice:
     """The vocabularies, checked on the config before any weights are loaded or drawn."""
     from train.model import models
 
-    spec = models.get_spec(cfg.model)
+    spec = run.spec
     vocab = view.manifest.tokenizer.get("vocab_size")
     vocab = int(vocab) if vocab else None
     model_config = models.resolve_config(cfg.model, vocab_size=vocab, dtype=cfg.dtype, config_overrides=cfg.config_overrides)
@@ -191,14 +194,14 @@ def check_model_for_shards(cfg: TrainConfig, view: Any, eval_view: Any) -> Model
     return ModelChoice(spec, model_config, vocab)
 
 
-def open_checkpoint(cfg: TrainConfig, model: ModelChoice, view: Any) -> tuple[checkpoints.CheckpointDir | None, Any]:
+def open_checkpoint(cfg: TrainConfig, run: ResolvedRun, model: ModelChoice, view: Any) -> tuple[checkpoints.CheckpointDir | None, Any]:
     if not cfg.checkpoint_dir:
         return None, None
     import jax
 
     ckpt = checkpoints.CheckpointDir(cfg.checkpoint_dir, jax.process_index(), jax.process_count())
     ckpt.require_backend()
-    identity = resume.run_identity(cfg, model.spec, model.config, view)
+    identity = resume.run_identity(cfg, run.objective, model.spec, model.config, view)
     # Refuse another run's checkpoint now, before minutes of weight loading, and one that lacks a
     # part of what a resume restores or whose loader state is another step's.
     step = ckpt.check_resumable(identity, info={"shards": cfg.shards})
@@ -207,20 +210,12 @@ def open_checkpoint(cfg: TrainConfig, model: ModelChoice, view: Any) -> tuple[ch
     return ckpt, identity
 
 
-def dtype_name(cfg: TrainConfig, model: ModelChoice) -> str:
+def load_base_weights(cfg: TrainConfig, run: ResolvedRun, model: ModelChoice, mesh: Any, say: TextIO) -> tuple[Any, int]:
     import jax.numpy as jnp
 
     from train.model import models
 
-    return jnp.dtype(models.parse_dtype(cfg.dtype, model.spec.default_dtype)).name
-
-
-def load_base_weights(cfg: TrainConfig, model: ModelChoice, mesh: Any, say: TextIO) -> tuple[Any, int]:
-    import jax.numpy as jnp
-
-    from train.model import models
-
-    name = dtype_name(cfg, model)
+    name = run.dtype_name
     print(f"loading {cfg.model} weights ({models.describe_weights(model.spec, cfg.weights)}) as {name} ...", file=say, flush=True)
     started = time.perf_counter()
     built = models.build_model(
@@ -263,7 +258,7 @@ def prepare_model(cfg: TrainConfig, model: ModelChoice, built: Any, mesh: Any, m
     memory_path.set_remat(built.model, cfg.remat == memory_path.REMAT_LAYER, scan_layers=cfg.scan_layers)
 
 
-def run_static(cfg: TrainConfig, manifest: Any, built: Any) -> dict[str, Any]:
+def run_static(cfg: TrainConfig, run: ResolvedRun, manifest: Any, built: Any) -> dict[str, Any]:
     """The fields every step record carries."""
     static = {
         "model": cfg.model,
@@ -273,7 +268,7 @@ def run_static(cfg: TrainConfig, manifest: Any, built: Any) -> dict[str, Any]:
         "seq_len": manifest.max_length,
         # On every step record: which mean `loss` is (train/step/loss.py: token or example; the
         # objective's own otherwise), the objective and its options.
-        **objectives.of(cfg).static_fields(cfg),
+        **run.objective.static_fields(cfg),
         "grad_accum_steps": cfg.grad_accum_steps,  # a step trains this many micro-batches of batch_size rows
     }
     mixture = getattr(manifest, "mixture", None)
@@ -348,25 +343,24 @@ def commit_to_device(built: Any, trainer: Any) -> None:
     nnx.update(trainer.optimizer, jax.device_put(nnx.state(trainer.optimizer), device))
 
 
-def throughput_of(cfg: TrainConfig, built: Any) -> tuple[Any, dict[str, Any]]:
+def throughput_of(cfg: TrainConfig, run: ResolvedRun, built: Any) -> tuple[Any, dict[str, Any]]:
     """MFU's inputs (train/measurement/mfu.py): the model's FLOP cost, this process's chips and their peak."""
     import jax
 
     from train.measurement import mfu
 
     return mfu.for_run(built.model, jax.devices()[0].device_kind, jax.local_device_count(), cfg.peak_tflops,
-                       objectives.of(cfg).extra_forwards)
+                       run.objective.extra_forwards)
 
 
-def step_loss_fn(cfg: TrainConfig, model: ModelChoice) -> Any:
+def step_loss_fn(cfg: TrainConfig, run: ResolvedRun) -> Any:
     """The objective's loss as the options choose it, computed in the run's compute dtype."""
-    from train.model import models
     from train.step import precision
 
-    return precision.in_compute_dtype(objectives.of(cfg).loss_fn(cfg), models.parse_dtype(cfg.dtype, model.spec.default_dtype))
+    return precision.in_compute_dtype(run.objective.loss_fn(cfg), run.compute_dtype)
 
 
-def attach_step_functions(cfg: TrainConfig, loss_fn: Any, trainer: Any, recorder: MetricsRecorder, built: Any,
+def attach_step_functions(cfg: TrainConfig, run: ResolvedRun, loss_fn: Any, trainer: Any, recorder: MetricsRecorder, built: Any,
                           policy: checkpoints.EveryNStepsAndLast | None) -> None:
     from train.step import memory_path
 
@@ -379,7 +373,7 @@ def attach_step_functions(cfg: TrainConfig, loss_fn: Any, trainer: Any, recorder
         return (step == cfg.steps or (policy is not None and policy.wants(step))
                 or bool(eval_every and step % eval_every == 0) or (profile is not None and step == profile[1]))
 
-    objective = objectives.of(cfg)
+    objective = run.objective
     trainer.configure(loss_fn=loss_fn, gen_model_input_fn=objective.model_input_fn(memory_path.gen_model_input_fn(cfg)),
                       recorder=recorder, vocab_size=built.vocab_size, loss_mean=cfg.loss_mean,
                       grad_accum_steps=cfg.grad_accum_steps, max_grad_norm=cfg.max_grad_norm, fetch_before=fetch_before,
@@ -387,14 +381,14 @@ def attach_step_functions(cfg: TrainConfig, loss_fn: Any, trainer: Any, recorder
                       keep_last_finite=bool(cfg.save_lora) and cfg.nan_policy == divergence.STOP)
 
 
-def run_details(cfg: TrainConfig, model: ModelChoice, manifest: Any, built: Any, base_params: int) -> dict[str, Any]:
+def run_details(cfg: TrainConfig, run: ResolvedRun, model: ModelChoice, manifest: Any, built: Any, base_params: int) -> dict[str, Any]:
     """The run's summary fields beside the static ones: sizes, devices, dtypes, options."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
     from train.model import models
-    from train.step import memory_path, precision
+    from train.step import precision
 
     return {
         "shards": cfg.shards,
@@ -409,11 +403,11 @@ def run_details(cfg: TrainConfig, model: ModelChoice, manifest: Any, built: Any,
         "platform": jax.default_backend(),
         "device_kind": jax.devices()[0].device_kind,
         "loss_fn": cfg.loss,
-        "dtype": dtype_name(cfg, model),
+        "dtype": run.dtype_name,
         "lora_dtype": jnp.dtype(precision.LORA_DTYPE).name,
         "nan_policy": cfg.nan_policy,
         "loss_chunk_tokens": cfg.loss_chunk_tokens,
-        "attention": memory_path.attention_kind(cfg),
+        "attention": run.attention,
         "lr_schedule": schedule_spec(cfg).identity(),
         "max_grad_norm": cfg.max_grad_norm,
         "qlora": cfg.qlora,

@@ -27,13 +27,13 @@ import contextlib
 import sys
 from typing import Any, TextIO
 
-from train import data, memory_plan
+from train import data, memory_plan, resolved_run
 from train.adapter_files import lora_file
 from train.checkpointing import checkpoints, resume
 from train.generation import eval_generate
 from train.measurement import divergence, out_of_memory
-from train.model import models
-from train.run_config import executable_preload, outputs
+from train.compilation import executable_preload
+from train.run_config import outputs
 from train.run_config.config import TrainConfig, TrainError
 from train.run_setup import Setup, setup
 from train.step import memory_path, precision
@@ -166,13 +166,14 @@ def execute(cfg: TrainConfig, out: TextIO | None = None) -> tuple[Setup, dict[st
         import loaders
 
         prompts = eval_generate.prepare(cfg, loaders.open_shards(cfg.shards).manifest, out)
-    with precision.matmul_precision(models.parse_dtype(cfg.dtype, models.get_spec(cfg.model).default_dtype)):
-        return _execute(cfg, out, prompts)
+    run = resolved_run.resolve(cfg)
+    with precision.matmul_precision(run.compute_dtype):
+        return _execute(cfg, run, out, prompts)
 
 
-def _execute(cfg: TrainConfig, out: TextIO | None, prompts: Any) -> tuple[Setup, dict[str, Any]]:
+def _execute(cfg: TrainConfig, run: resolved_run.ResolvedRun, out: TextIO | None, prompts: Any) -> tuple[Setup, dict[str, Any]]:
     """execute's run, inside its matmul precision (--dtype float32: float32 matmuls on every backend)."""
-    s = setup(cfg, out=out)
+    s = setup(cfg, out=out, run=run)
     context = s.mesh if s.mesh is not None else contextlib.nullcontext()
     try:
         # A batch too large for the device fails in the compile or a step: one line, not XLA's traceback.

@@ -84,13 +84,13 @@ class ResumableStream:
             ) from None
 
 
-def run_identity(cfg: TrainConfig, spec: Any, config: Any, view: Any) -> dict[str, Any]:
-    """What a resumed run must share with the checkpoint (see checkpoints.IDENTITY_LABELS)."""
+def run_identity(cfg: TrainConfig, objective: Any, spec: Any, config: Any, view: Any) -> dict[str, Any]:
+    """What a resumed run must share with the checkpoint (see checkpoints.IDENTITY_LABELS); objective: the
+    run's (train/objectives/), as resolved once (train/resolved_run.py)."""
     import jax
     import jax.numpy as jnp
 
     from loaders.dataset import shard_set_id
-    from train import objectives
     from train.model import models
     from train.run_config import schedule
     from train.step import precision
@@ -112,7 +112,7 @@ def run_identity(cfg: TrainConfig, spec: Any, config: Any, view: Any) -> dict[st
         "learning_rate": cfg.learning_rate,
         "loss": cfg.loss,
         "loss_mean": cfg.loss_mean,
-        "objective": objectives.of(cfg).identity(cfg),
+        "objective": objective.identity(cfg),
         # float32 adapters since mixed precision (train/step/precision.py); skip-step adds
         # apply_if_finite's counters to the optimizer state, so its layout differs.
         "lora_dtype": jnp.dtype(precision.LORA_DTYPE).name,

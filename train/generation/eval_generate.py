@@ -141,13 +141,10 @@ class Evaluator:
 
     def __init__(self, setup: Any, prompts: Prompts, every: int | None, out: TextIO | None = None):
         from train.generation import generate
-        from train.model import models
 
-        cfg = setup.config
-        spec = models.get_spec(cfg.model)
         self.setup, self.prompts, self.every = setup, prompts, every
         self.out = out if out is not None else sys.stderr
-        self.compute = models.parse_dtype(cfg.dtype, spec.default_dtype)
+        self.compute = setup.run.compute_dtype  # train/resolved_run.py
         self.generator = generate.Generator(
             setup.built.model, pad_id=prompts.tokenizer.pad_id, stop_ids=sorted(prompts.chat_format.end_of_turn_ids()),
             max_prompt_tokens=max(len(i.prompt_ids) for i in prompts.items),

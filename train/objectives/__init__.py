@@ -32,8 +32,21 @@ def by_name(name: str) -> Objective:
 
 
 def of(cfg: TrainConfig) -> Objective:
-    """The run's objective (TrainConfig.objective None: the default)."""
-    return DEFAULT if cfg.objective is None else by_name(cfg.objective)
+    """The run's objective (TrainConfig.objective None: the default), once no other objective's option is
+    given (train/resolved_run.py resolves it once a run)."""
+    objective = DEFAULT if cfg.objective is None else by_name(cfg.objective)
+    refuse_others_options(cfg, objective)
+    return objective
+
+
+def refuse_others_options(cfg: TrainConfig, objective: Objective) -> None:
+    """One line for an option of an objective the run did not choose: each objective declares its own
+    (`options`), so a new objective's options are refused for every other without touching them."""
+    for other in REGISTRY.values():
+        for flag, field in other.options.items():
+            if other is not objective and getattr(cfg, field) is not None:
+                raise TrainError(f"{flag} is --objective {other.name}'s option, but this run's objective is "
+                                 f"{objective.name}; add --objective {other.name} or drop {flag}")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

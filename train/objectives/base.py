@@ -39,6 +39,10 @@ class Objective(Protocol):
     plan_note: str  # --plan-memory's description of the passes ("" when there is nothing beyond SFT's)
     metric_names: tuple[str, ...]  # its own fields of step and eval records, in the order they are logged
     report: ReportSection | None  # its section of `prepack report` (None: no section)
+    # Its own options: the TrainConfig field of each, by flag (None in the field: not given). The registry
+    # refuses one given to a run of another objective (train/objectives/__init__.py, `of`), so an
+    # objective never names another's options.
+    options: Mapping[str, str]
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         """Its own options beside --objective."""

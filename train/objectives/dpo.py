@@ -41,6 +41,7 @@ class Dpo:
              "reference being the base model with LoRA switched off (TRL's names). At step 1 the policy is the "
              "reference: every reward is 0 and the loss ln 2 = 0.693. Last = the mean over the last 10% of steps.",
         verdict_metric=dpo_metrics.REWARDS_ACCURACIES, verdict_words="reward accuracy", figure="dpo_rewards.png")
+    options: Mapping[str, str] = {"--beta": "beta"}
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         p.add_argument("--beta", type=float, default=None,

@@ -27,13 +27,13 @@ class Sft:
     plan_note = ""
     metric_names: tuple[str, ...] = ()
     report: ReportSection | None = None
+    options: Mapping[str, str] = {}  # none of its own: --loss and --loss-mean are the loss path's
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         del p  # no options of its own: --loss and --loss-mean are the loss path's
 
     def check_flags(self, cfg: TrainConfig) -> None:
-        if cfg.beta is not None:
-            raise TrainError("--beta is the DPO loss's; it needs --objective dpo")
+        del cfg  # nothing of its own to refuse; another objective's options are the registry's to refuse
 
     def check_set(self, cfg: TrainConfig, manifest: Any, path: str, flag: str) -> None:
         del cfg

@@ -89,17 +89,17 @@ class TrainConfig:
     # step, every eval_generate_every steps and after the last (train/generation/eval_generate.py).
     eval_generate: str | None = None
     eval_generate_every: int | None = None
-    compile_cache: str | None = None  # --compile-cache (train/run_config/compile_cache.py): a folder, off, or None: the default
-    # --compile-preload on|off (train/run_config/executable_preload.py): a repeat run's cached executables
+    compile_cache: str | None = None  # --compile-cache (train/compilation/compile_cache.py): a folder, off, or None: the default
+    # --compile-preload on|off (train/compilation/executable_preload.py): a repeat run's cached executables
     # loaded on threads while the run traces them.
     compile_preload: str = "on"
 
 
 # The options that shape a run's compiled programs (with the shards' max length): the name of the
-# record a repeat run preloads its executables from (train/run_config/executable_preload.py). Only a
+# record a repeat run preloads its executables from (train/compilation/executable_preload.py). Only a
 # hint: an option missing here can cost a wasted background load, never a wrong program (JAX's own
 # cache key decides). The learning rate, its schedule, the seed and the step count are left out: they
-# are the step's inputs, not its program (train/run_config/compile_cache.py).
+# are the step's inputs, not its program (train/compilation/compile_cache.py).
 PROGRAM_OPTIONS = (
     "model", "weights", "dtype", "lora_rank", "lora_alpha", "batch_size", "grad_accum_steps", "mesh", "loss",
     "loss_mean", "objective", "beta", "max_grad_norm", "qlora", "qlora_tile_size", "config_overrides",

@@ -31,7 +31,7 @@ from typing import Any
 
 from prepack import storage
 from prepack.storage import new_file, output_rule
-from train.run_config import compile_cache
+from train.compilation import compile_cache
 from train.run_config.config import TrainConfig, TrainError
 
 FILE, FOLDER = "file", "folder"

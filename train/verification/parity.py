@@ -440,16 +440,8 @@ def check_view(model: Any, cfg: ParityConfig, view: Any, packed_layout: LayoutFn
 
 def check_first_batch(setup: Any, batch: Mapping[str, np.ndarray], packed_layout: LayoutFn = stored_layout) -> ParityResult:
     """`prepack train --verify-first`: the run's own model (LoRA applied, attention installed) on its first batch."""
-    import jax.numpy as jnp
-
-    from train.model import models
-    from train.step import memory_path
-
-    cfg = setup.config
-    spec = models.get_spec(cfg.model)
-    compute = models.parse_dtype(cfg.dtype, spec.default_dtype)
-    kind = memory_path.attention_kind(cfg)
+    compute, kind = setup.run.compute_dtype, setup.run.attention  # train/resolved_run.py
     rows = {k: np.asarray(v) for k, v in batch.items() if k in rowformat.FIELD_NAMES + (rowformat.PAIR_SIDE,)}
     labels = [f"first batch row {i}" for i in range(len(rows["input_ids"]))]
-    return check_rows(Scorer(setup.built.model, kind, compute), rows, labels, dtype=jnp.dtype(compute).name,
+    return check_rows(Scorer(setup.built.model, kind, compute), rows, labels, dtype=setup.run.dtype_name,
                       attention=kind, packed_layout=packed_layout)

@@ -9,7 +9,7 @@ whose peak exceeds the budget, is written down under the cache folder, keyed by 
 run lowers the step (seconds), finds the verdict and goes straight to remat.
 
 A verdict file is read as a stranger's: only a regular file inside the folder is read, at most
-MAX_FILE_BYTES of it (train/run_config/cache_files.py: a FIFO or a link there is no verdict), its fields,
+MAX_FILE_BYTES of it (train/compilation/cache_files.py: a FIFO or a link there is no verdict), its fields,
 types and key are checked, and one that does not pass is ignored (the step is planned again). The worst a planted verdict can do is turn
 remat on for a step that would fit: slower, never wrong. A verdict holds for budgets up to the one
 it was found at. `--compile-cache off` remembers nothing.
@@ -62,7 +62,7 @@ def any_remembered(cache_folder: str) -> bool:
 
 def recall(cache_folder: str, key: str, budget_bytes: int) -> UnfitStep | None:
     """The remembered verdict for this step, when there is a valid one that covers this budget."""
-    from train.run_config import cache_files
+    from train.compilation import cache_files
 
     try:  # a regular file inside the folder, at most MAX_FILE_BYTES: a FIFO or a link there is no verdict
         raw = cache_files.read(cache_folder, f"{FOLDER}/{key}.json", MAX_FILE_BYTES) if _KEY.fullmatch(key) else None
@@ -87,7 +87,7 @@ def _valid(data: Any, key: str) -> UnfitStep | None:
 def remember(cache_folder: str, verdict: UnfitStep) -> str:
     """Writes the verdict (whole or not at all: a temporary file renamed over); returns its path."""
     path = path_of(cache_folder, verdict.key)
-    from train.run_config import cache_files
+    from train.compilation import cache_files
 
     cache_files.make_folder(os.path.dirname(path))
     fd, tmp = tempfile.mkstemp(prefix=".unfit-", dir=os.path.dirname(path))

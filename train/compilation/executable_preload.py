@@ -18,7 +18,7 @@ it can never run a program other than the one JAX keyed. A record names the runt
 as JAX itself would never read them. A record is read as a stranger's file (a regular file inside the
 cache folder, no link; its size, names, types and counts are checked, and a key must have the shape of
 JAX's key for its module, so it names a file of the folder; one that fails is ignored and named in
-one line). The loads read entries as JAX's own lookup does, bounded (train/run_config/cache_files.py),
+one line). The loads read entries as JAX's own lookup does, bounded (train/compilation/cache_files.py),
 on daemon threads: the process never waits for a load to end.
 
 `--compile-cache off` preloads and records nothing; `--compile-preload off` keeps the cache and only
@@ -106,8 +106,8 @@ def record_path(cache_folder: str, hint: str) -> str:
 def read_record(path: str) -> Record | None:
     """The record at `path` (<cache>/prepack-preload/<name>, as record_path makes it); None where there is
     none. Raises PreloadRecordError for one that fails a check: a link, a FIFO or anything but a regular
-    file in the cache folder, one over MAX_FILE_BYTES (train/run_config/cache_files.py), bad JSON or fields."""
-    from train.run_config import cache_files
+    file in the cache folder, one over MAX_FILE_BYTES (train/compilation/cache_files.py), bad JSON or fields."""
+    from train.compilation import cache_files
 
     folder, name = os.path.split(path)
     try:
@@ -171,7 +171,7 @@ def is_key_of(key: Any, module: str) -> bool:
 def write_record(path: str, record: Record) -> None:
     """The record, whole or not at all (prepack.storage writes through a temporary name), in a folder of the user's alone."""
     from prepack import storage
-    from train.run_config import cache_files
+    from train.compilation import cache_files
 
     cache_files.make_folder(os.path.dirname(path))
     storage.write_text(path, json.dumps({"format": FORMAT, "runtime": record.runtime,
@@ -180,7 +180,7 @@ def write_record(path: str, record: Record) -> None:
 
 def in_cache(cache_folder: str, key: str) -> bool:
     """Whether JAX's file cache holds an entry for `key` (its LRUCache names a file <key>-cache): a regular file, no link."""
-    from train.run_config import cache_files
+    from train.compilation import cache_files
 
     try:
         return stat.S_ISREG(os.lstat(os.path.join(cache_folder, cache_files.entry_name(key))).st_mode)
@@ -323,7 +323,7 @@ def _work(work: queue.SimpleQueue, backend: Any) -> None:
 
 def _load_entry(load: Load, backend: Any, devices: tuple[Any, ...]) -> tuple[Any, Any]:
     """JAX's own read of one cache entry (read, decompress, deserialize), on a preload thread; the read is
-    bounded as every read of JAX's entries is (train/run_config/cache_files.py)."""
+    bounded as every read of JAX's entries is (train/compilation/cache_files.py)."""
     from jax._src import compilation_cache
     from jax._src.lib import xla_client
 
@@ -366,7 +366,7 @@ def begin(cache_folder: str | None, hint: str, out: TextIO) -> Preload | None:
 
     if cache_folder is None or not _HINT.fullmatch(hint):
         return None
-    from train.run_config import cache_files
+    from train.compilation import cache_files
 
     cache_files.install(out)  # compile_cache.enable did, for a run; the loads read entries bounded
     _install()

@@ -17,7 +17,7 @@ An entry of the cache is an executable the run runs: it is as trusted as the use
 folder must be theirs alone. A folder that is group- or world-writable, or owned by another user, is
 not used (one line says why and how to fix it; the run goes on without the cache). Only the folder
 itself is judged, not its parents; the folders made for the cache (it, prepack-preload/,
-prepack-unfit-steps/) are made 0700. What is read from it is bounded (train/run_config/cache_files.py).
+prepack-unfit-steps/) are made 0700. What is read from it is bounded (train/compilation/cache_files.py).
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def problem(folder: str) -> str | None:
     """Why `folder` cannot hold the cache (it is created here if missing); None when it can."""
     if "://" in folder:
         return f"{folder} is not a local folder (the cache is written by XLA on this machine)"
-    from train.run_config import cache_files
+    from train.compilation import cache_files
 
     try:
         cache_files.make_folder(folder)  # 0700: the user's alone (its parents, where made, too)
@@ -134,7 +134,7 @@ def enable(flag: str | None, out: TextIO) -> str | None:
     import jax
     from jax._src import compilation_cache
 
-    from train.run_config import cache_files
+    from train.compilation import cache_files
 
     folder = resolve(flag)
     if folder is not None:

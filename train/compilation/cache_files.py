@@ -1,5 +1,5 @@
 """Every file a run reads from its compilation cache folder, read one bounded way: the remat verdicts
-(train/measurement/unfit_steps.py), the preload records (train/run_config/executable_preload.py) and
+(train/compilation/unfit_steps.py), the preload records (train/compilation/executable_preload.py) and
 JAX's own entries, whether the preload or JAX's own lookup reads them.
 
 Why: the folder outlives the run and anything may lie in it. A FIFO where a file is expected blocked
