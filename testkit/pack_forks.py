@@ -123,6 +123,12 @@ class PackForks:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Ends the server (runs it started go on to their end)."""
+        if self._server.stdin.closed:
+            return
         self._server.stdin.close()
         self._server.wait(timeout=30)
         self._server.stdout.close()
