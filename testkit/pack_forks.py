@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -41,9 +42,14 @@ PRELOADED = ("apache_beam", "pipelines.launch.cli", "pipelines.launch.job", "pip
 class PackRun:
     """One forked `prepack pack` run: its pid, and files its watcher writes."""
 
-    def __init__(self, folder: str):
+    def __init__(self, folder: str, server: subprocess.Popen):
         self.folder = folder
-        self.pid = int(_wait_for_file(os.path.join(folder, "pid"), 60, "the fork server did not start the run"))
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(folder, "pid")):
+            assert server.poll() is None, f"the fork server ended (status {server.returncode}); its stderr is the test's"
+            assert time.monotonic() < deadline, "the fork server did not start the run"
+            time.sleep(0.02)
+        self.pid = int(open(os.path.join(folder, "pid")).read())
 
     def _status(self) -> int | None:
         path = os.path.join(self.folder, "status")
@@ -117,7 +123,7 @@ class PackForks:
         os.mkdir(folder)
         self._server.stdin.write(json.dumps({"argv": argv, "env": env, "folder": folder}) + "\n")
         self._server.stdin.flush()
-        return PackRun(folder)
+        return PackRun(folder, self._server)
 
     def __enter__(self) -> "PackForks":
         return self
@@ -126,12 +132,13 @@ class PackForks:
         self.close()
 
     def close(self) -> None:
-        """Ends the server (runs it started go on to their end)."""
+        """Ends the server and removes its runs' files (call it once its runs have ended)."""
         if self._server.stdin.closed:
             return
         self._server.stdin.close()
         self._server.wait(timeout=30)
         self._server.stdout.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------- the server
