@@ -216,7 +216,11 @@ def _fast_one(points: list[str], fast: str) -> list:
 @pytest.mark.parametrize("point", _fast_one(POINTS, "after_run_record"))
 def test_gcs_run_paused_past_its_lease_changes_nothing_when_it_resumes(forks, gcs_out, inputs, capsys, point):
     out = gcs_out
-    a = start(forks, inputs["a"], out, "--overwrite", failpoints=f"{point}=stop")
+    # A's renewer meets a storage error at every tick (lock_renew=error), so it never has a renewal
+    # in flight when A stops itself: such a renewal would be timed across the pause and end A, on
+    # resuming, with LeaseTooShort's line instead (seen once in 19 runs on a busy machine). A's own
+    # steps renew its lease meanwhile; the renewer's own stop is test_output_lock.py's.
+    a = start(forks, inputs["a"], out, "--overwrite", failpoints=f"{point}=stop;lock_renew=error")
     # One case waits out the lease in real time; the others move B's lock clock past it.
     b_record, code, err = b_takes_over_then_a_resumes(a, out, inputs, capsys, wait=point == "after_run_record")
     assert code == 1, err
