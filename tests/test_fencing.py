@@ -1,8 +1,8 @@
 """A run that lost its lock can never touch what another run published.
 
-Each case drives a real `prepack pack` process to a named failpoint with
+Each case drives a real `prepack pack` process (run A) to a named failpoint with
 PREPACK_FAILPOINTS=<point>=stop (SIGSTOP: every thread stops, the lease renewer included),
-lets the lock's expiry pass, starts a second run, then sends SIGCONT. After every case the
+lets the lock's expiry pass, runs a second run (B), then sends SIGCONT. After every case the
 sets readers see verify (open_shards(..., verify=True)) and are wholly one run's: every
 length, the tokenized set and published.json.
 
@@ -15,10 +15,19 @@ length, the tokenized set and published.json.
 * local disk: the paused run holds its OS lock however long it is paused, so B is refused
   with one line naming A and how to free the output; A, continued, publishes its set whole.
   Shown to fail with the flock taken out of LocalLock: B then took A's live output over.
+
+What each case costs, and why it is no weaker: run A is a process forked from one that has
+imported the job once (testkit/pack_forks.py: the same `main`, its own pid, environment and
+exit status); run B runs in this process (`pipelines.launch.cli.main`, the line it prints
+captured), since only A must be a process to be paused. "The expiry passes" is real time in
+one case (after_run_record, on gs://); in the others B's lock clock (pipelines/output/lock.py's
+`time`, the only clock that judges a lease) reads just past A's lease, which is what B sees
+after that wait, without the 10 s of it: A stays stopped until B has ended either way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -27,15 +36,18 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 
 import pytest
 
 import loaders
+from pipelines.launch import cli
 from pipelines.output import lock as output_lock
 from prepack.storage import storage_for
 from prepack.format import layout
 from prepack.format.run_record import RunRecord
 from testkit.gcs_emulator import gcs_emulator, gcs_prefix  # noqa: F401  (pytest fixtures)
+from testkit.pack_forks import PackForks, PackRun
 from testkit.pipeline import IN_PROCESS, alpaca_records, write_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -54,35 +66,65 @@ def inputs(tmp_path_factory):
             for name, seed in (("old", 0), ("a", 5), ("b", 9))}
 
 
+@pytest.fixture(scope="module")
+def forks():
+    with PackForks(ROOT) as server:
+        yield server
+
+
+def pack_argv(inp: str, out: str, *extra: str) -> list[str]:
+    """`prepack pack`'s options (after `python -m pipelines.launch.cli`)."""
+    return ["--input", inp, "--format", "alpaca", "--output", out, "--max-length", *map(str, LENGTHS), "--no-progress",
+            "--lock-expiry-s", str(EXPIRY_S), *IN_PROCESS, *extra]
+
+
 def pack_args(inp: str, out: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "pipelines.launch.cli", "--input", inp, "--format", "alpaca", "--output", out,
-            "--max-length", *map(str, LENGTHS), "--no-progress", "--lock-expiry-s", str(EXPIRY_S), *IN_PROCESS, *extra]
+    return [sys.executable, "-m", "pipelines.launch.cli", *pack_argv(inp, out, *extra)]
 
 
-def start(inp: str, out: str, *extra: str, failpoints: str | None = None) -> subprocess.Popen:
+def run_env(failpoints: str | None = None) -> dict[str, str]:
     env = dict(os.environ, PYTHONPATH=ROOT)
     env.pop("PREPACK_FAILPOINTS", None)
     if failpoints:
         env["PREPACK_FAILPOINTS"] = failpoints
-    return subprocess.Popen(pack_args(inp, out, *extra), cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return env
 
 
-def finish(proc: subprocess.Popen, timeout: float = 120) -> tuple[int, str]:
-    _, err = proc.communicate(timeout=timeout)
-    return proc.returncode, err
+def start(forks: PackForks, inp: str, out: str, *extra: str, failpoints: str | None = None) -> PackRun:
+    """Run A: a `prepack pack` process, paused or ended at its failpoint."""
+    return forks.start(pack_argv(inp, out, *extra), run_env(failpoints))
 
 
-def wait_until_stopped(proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        pid, status = os.waitpid(proc.pid, os.WUNTRACED | os.WNOHANG)
-        if pid and os.WIFSTOPPED(status):
-            return
-        if pid:
-            raise AssertionError(f"the run ended before its failpoint (status {status}): {proc.stderr.read()}")
-        time.sleep(0.05)
-    raise AssertionError("the run did not reach its failpoint")
+def run_here(capsys, inp: str, out: str, *extra: str) -> tuple[int, str]:
+    """Run B, or a set's first run: `prepack pack` in this process; its exit status and stderr."""
+    assert "PREPACK_FAILPOINTS" not in os.environ
+    capsys.readouterr()
+    code = cli.main(pack_argv(inp, out, *extra))
+    return code, capsys.readouterr().err
+
+
+class _ClockAhead:
+    """The `time` module, with time() `ahead` seconds later."""
+
+    def __init__(self, ahead: float):
+        self.ahead = ahead
+
+    def time(self) -> float:
+        return time.time() + self.ahead
+
+    def __getattr__(self, name: str):
+        return getattr(time, name)
+
+
+@contextlib.contextmanager
+def lock_clock_past_the_lease(out: str) -> Iterator[None]:
+    """Within, this process's lock clock reads a second past the lease on `out` (held by a stopped
+    run, so it stays as it is): as if the wait for its expiry had passed."""
+    held = output_lock.read_lock(out)
+    assert held is not None, "the stopped run holds no lock"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(output_lock, "time", _ClockAhead(max(0.0, held.expires - time.time() + 1.0)))
+        yield
 
 
 def read(path: str) -> bytes | None:
@@ -118,16 +160,14 @@ def lines(err: str) -> list[str]:
 @pytest.fixture(scope="module")
 def gcs_old(gcs_emulator, inputs):  # noqa: F811
     out = gcs_emulator.url(f"fencing-old-{uuid.uuid4().hex[:8]}", "out")
-    code, err = finish(start(inputs["old"], out))
-    assert code == 0, err
+    assert cli.main(pack_argv(inputs["old"], out)) == 0
     return out
 
 
 @pytest.fixture(scope="module")
 def local_old(inputs, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("fencing-old") / "out")
-    code, err = finish(start(inputs["old"], out))
-    assert code == 0, err
+    assert cli.main(pack_argv(inputs["old"], out)) == 0
     return out
 
 
@@ -143,38 +183,46 @@ def gcs_out(gcs_prefix, gcs_old):
     return copy_published(gcs_old, f"{gcs_prefix}/out")
 
 
-def b_takes_over_from_stopped(a: subprocess.Popen, out: str, inputs: dict) -> RunRecord:
-    """Once run A is stopped (its lease renewer too) and its gs:// lease has run out, run B
-    publishes over it with --overwrite; returns B's run record (its set is wholly B's)."""
-    wait_until_stopped(a)
-    while (held := output_lock.read_lock(out)) is not None and held.expires >= time.time():
-        time.sleep(0.1)
-    code, err = finish(start(inputs["b"], out, "--overwrite"))
+def b_takes_over_from_stopped(a: PackRun, out: str, inputs: dict, capsys, wait: bool) -> RunRecord:
+    """Once run A is stopped (its lease renewer too) and its gs:// lease has run out (`wait`: in
+    real time; else on B's lock clock), run B publishes over it with --overwrite; returns B's run
+    record (its set is wholly B's)."""
+    a.wait_until_stopped()
+    if wait:
+        while (held := output_lock.read_lock(out)) is not None and held.expires >= time.time():
+            time.sleep(0.1)
+    with contextlib.nullcontext() if wait else lock_clock_past_the_lease(out):
+        code, err = run_here(capsys, inputs["b"], out, "--overwrite")
     assert code == 0, err
     return assert_wholly_one_runs(out, "b")
 
 
-def b_takes_over_then_a_resumes(a: subprocess.Popen, out: str, inputs: dict) -> tuple[RunRecord, int, str]:
+def b_takes_over_then_a_resumes(a: PackRun, out: str, inputs: dict, capsys, wait: bool = False) -> tuple[RunRecord, int, str]:
     """Run B takes the stopped run A's output (b_takes_over_from_stopped); then A is continued and
     runs to its end: B's run record, and A's exit code and stderr."""
     try:
-        b_record = b_takes_over_from_stopped(a, out, inputs)
+        b_record = b_takes_over_from_stopped(a, out, inputs, capsys, wait)
     finally:
-        os.kill(a.pid, signal.SIGCONT)
-    code, err = finish(a)
+        a.signal(signal.SIGCONT)
+    code, err = a.finish()
     return b_record, code, err
 
 
 def _fast_one(points: list[str], fast: str) -> list:
-    """Every point, all but `fast` in the slow tier (about 8 s each): the fast tier keeps one."""
+    """Every point, all but `fast` in the slow tier: the fast tier keeps one."""
     return [p if p == fast else pytest.param(p, marks=pytest.mark.slow) for p in points]
 
 
 @pytest.mark.parametrize("point", _fast_one(POINTS, "after_run_record"))
-def test_gcs_run_paused_past_its_lease_changes_nothing_when_it_resumes(gcs_out, inputs, point):
+def test_gcs_run_paused_past_its_lease_changes_nothing_when_it_resumes(forks, gcs_out, inputs, capsys, point):
     out = gcs_out
-    a = start(inputs["a"], out, "--overwrite", failpoints=f"{point}=stop")
-    b_record, code, err = b_takes_over_then_a_resumes(a, out, inputs)
+    # A's renewer meets a storage error at every tick (lock_renew=error), so it never has a renewal
+    # in flight when A stops itself: such a renewal would be timed across the pause and end A, on
+    # resuming, with LeaseTooShort's line instead (seen once in 19 runs on a busy machine). A's own
+    # steps renew its lease meanwhile; the renewer's own stop is test_output_lock.py's.
+    a = start(forks, inputs["a"], out, "--overwrite", failpoints=f"{point}=stop;lock_renew=error")
+    # One case waits out the lease in real time; the others move B's lock clock past it.
+    b_record, code, err = b_takes_over_then_a_resumes(a, out, inputs, capsys, wait=point == "after_run_record")
     assert code == 1, err
     (line,) = lines(err)
     m = re.fullmatch(rf"prepack pack: this run \(run (\w+)\) lost the lock on {re.escape(out)} \(.*\); the output now belongs "
@@ -189,16 +237,15 @@ LOCAL_POINTS = [p if p != "before_delete" else "before_delete:L64" for p in POIN
 
 
 @pytest.mark.parametrize("point", _fast_one(LOCAL_POINTS, "after_run_record"))
-def test_local_run_paused_holds_the_output_until_it_ends(inputs, local_old, tmp_path, point):
+def test_local_run_paused_holds_the_output_until_it_ends(forks, inputs, local_old, tmp_path, capsys, point):
     out = copy_published(local_old, str(tmp_path / "out"))
-    a = start(inputs["a"], out, "--overwrite", failpoints=f"{point}=stop")
+    a = start(forks, inputs["a"], out, "--overwrite", failpoints=f"{point}=stop")
     try:
-        wait_until_stopped(a)
-        if point == "after_run_record":
-            # Far past --lock-expiry-s: the OS lock does not expire. The lock is the same at every
-            # point, so one case waits that long; the others try at once.
-            time.sleep(EXPIRY_S + 0.5)
-        code, err = finish(start(inputs["b"], out, "--overwrite"))
+        a.wait_until_stopped()
+        # Past --lock-expiry-s (on B's lock clock): the OS lock does not expire. The lock is the
+        # same at every point, so one case looks that far ahead; the others try at once.
+        with lock_clock_past_the_lease(out) if point == "after_run_record" else contextlib.nullcontext():
+            code, err = run_here(capsys, inputs["b"], out, "--overwrite")
         assert code == 1
         (line,) = lines(err)
         assert re.fullmatch(
@@ -206,28 +253,28 @@ def test_local_run_paused_holds_the_output_until_it_ends(inputs, local_old, tmp_
             r"lock on .*/\.lock \(a paused run keeps it until it ends\)\. Wait for that run to end, end that process to "
             r"free the output, or choose another --output", line), line
     finally:
-        os.kill(a.pid, signal.SIGCONT)
-    code, err = finish(a)
+        a.signal(signal.SIGCONT)
+    code, err = a.finish()
     assert code == 0, err
     assert_wholly_one_runs(out, "a")
     assert not os.path.exists(layout.lock_path(out))
 
 
 @pytest.mark.slow
-def test_local_run_ended_while_paused_frees_the_output(inputs, tmp_path):
+def test_local_run_ended_while_paused_frees_the_output(forks, inputs, tmp_path, capsys):
     """The operator's way out: end the paused process; the next run takes over at once."""
     out = str(tmp_path / "out")
-    a = start(inputs["a"], out, failpoints="after_manifest_switch:L64=stop")
-    wait_until_stopped(a)
-    os.kill(a.pid, signal.SIGKILL)
-    finish(a)
-    code, err = finish(start(inputs["b"], out, "--overwrite", "--clean-stale"))
+    a = start(forks, inputs["a"], out, failpoints="after_manifest_switch:L64=stop")
+    a.wait_until_stopped()
+    a.signal(signal.SIGKILL)
+    assert a.finish()[0] == -signal.SIGKILL
+    code, err = run_here(capsys, inputs["b"], out, "--overwrite", "--clean-stale")
     assert code == 0, err
     assert_wholly_one_runs(out, "b")
 
 
 @pytest.mark.slow
-def test_a_live_local_lock_is_not_taken_over_from_another_pid_namespace(inputs, tmp_path):
+def test_a_live_local_lock_is_not_taken_over_from_another_pid_namespace(forks, inputs, tmp_path):
     """Run A is paused; run B starts in a new PID namespace (`unshare --pid --fork`), where A's
     pid does not exist. The flock is the kernel's, shared across namespaces: B is refused, and
     A, continued, publishes. Shown to fail with the flock taken out of LocalLock (B, seeing no
@@ -235,27 +282,25 @@ def test_a_live_local_lock_is_not_taken_over_from_another_pid_namespace(inputs, 
     if subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True).returncode != 0:
         pytest.skip("unshare --pid needs root (CAP_SYS_ADMIN)")
     out = str(tmp_path / "out")
-    a = start(inputs["a"], out, failpoints="before_publish=stop")
+    a = start(forks, inputs["a"], out, failpoints="before_publish=stop")
     try:
-        wait_until_stopped(a)
-        env = dict(os.environ, PYTHONPATH=ROOT)
-        env.pop("PREPACK_FAILPOINTS", None)
+        a.wait_until_stopped()
         check = f"import os, sys; sys.exit(0 if not os.path.exists('/proc/{a.pid}/status') else 3)"
         b = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c",
                             f"{sys.executable} -c \"{check}\" && exec {' '.join(pack_args(inputs['b'], out, '--overwrite'))}"],
-                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+                           cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=120)
         assert b.returncode == 1, b.stderr  # 3: A's pid was visible, the namespace did not isolate it
         (line,) = lines(b.stderr)
         assert f"is being written by run " in line and f"(pid {a.pid} on " in line and "holds the OS lock" in line
     finally:
-        os.kill(a.pid, signal.SIGCONT)
-    code, err = finish(a)
+        a.signal(signal.SIGCONT)
+    code, err = a.finish()
     assert code == 0, err
     assert_wholly_one_runs(out, "a")
 
 
 @pytest.mark.slow
-def test_gcs_run_that_loses_its_lease_while_paused_stops_at_once(gcs_out, inputs):
+def test_gcs_run_that_loses_its_lease_while_paused_stops_at_once(forks, gcs_out, inputs, capsys):
     """Paused right after taking the lock, past its lease; run B publishes meanwhile. When A
     resumes, its first step proves it still holds the lease, finds it taken over and stops with
     the one line: A never reaches before_publish (which would exit 9). A's renewer meets a storage
@@ -264,8 +309,8 @@ def test_gcs_run_that_loses_its_lease_while_paused_stops_at_once(gcs_out, inputs
     there). The renewer's own stop (LeaseLock.on_lost, mid-pipeline) is timed by its thread, so
     its test is test_output_lock.py's, which waits for it rather than racing the pipeline."""
     out = gcs_out
-    a = start(inputs["a"], out, "--overwrite", failpoints="after_lock=stop;lock_renew=error;before_publish=exit(9)")
-    b_record, code, err = b_takes_over_then_a_resumes(a, out, inputs)
+    a = start(forks, inputs["a"], out, "--overwrite", failpoints="after_lock=stop;lock_renew=error;before_publish=exit(9)")
+    b_record, code, err = b_takes_over_then_a_resumes(a, out, inputs, capsys)
     assert code == 1, err
     (line,) = lines(err)
     assert re.fullmatch(rf"prepack pack: this run \(run \w+\) lost the lock on {re.escape(out)} \(.*\); the output now "

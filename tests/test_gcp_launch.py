@@ -163,10 +163,13 @@ def test_validate_builds_the_job_with_the_dataflow_runner_offline(capsys, monkey
     from gcp import dataflow_validate as dv
 
     monkeypatch.setattr(ld, "run_job", lambda *a, **k: pytest.fail("--validate must not launch anything"))
-    assert ld.main(VALID_BASE + ["--validate"]) == 0
+    # The report --validate printed is the one checked below: one build of the job, not two.
+    reports = []
+    monkeypatch.setattr(dv, "validate", lambda argv, validate=dv.validate: reports.append(validate(argv)) or reports[-1])
+    assert ld.main(VALID_BASE + ["--examples", "1000000000", "--validate"]) == 0
     out = capsys.readouterr().out
     assert "the job builds for Dataflow" in out and "problem" not in out
-    report = dv.validate(ld.build_command(VALID_BASE + ["--examples", "1000000000"]).cmd[4:])
+    (report,) = reports
     assert report.problems == []
     assert set(dv.EXPECTED_STEPS) <= set(report.steps)
     assert report.packaging == "setup" and {"workflow.tar.gz", "requirements.txt"} <= set(report.staged)

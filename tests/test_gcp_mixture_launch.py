@@ -76,13 +76,15 @@ def test_validate_builds_the_mixture_job_from_a_file_on_gcs(gcs_emulator, gcs_pr
     for name in ("sample_mix.yaml", "sample_sft.jsonl", "sample_chat.jsonl"):
         gcs_emulator.upload_file(os.path.join(SAMPLES, name), f"{gcs_prefix}/raw/{name}")
     mix = f"{gcs_prefix}/raw/sample_mix.yaml"
+    # The report --validate printed is the one checked below: one build of the job, not two.
+    reports = []
+    monkeypatch.setattr(dv, "validate", lambda argv, validate=dv.validate: reports.append(validate(argv)) or reports[-1])
     assert ld.main(["--project", "my-proj", "--mixture", mix, "--output", f"{gcs_prefix}/sets/mix",
                     "--max-length", "512", "1024", "--validate"]) == 0
     out = capsys.readouterr().out
     assert "steps: Read, Prepare, Fit, Mix, " in out and "problem" not in out, out
     assert out.strip().endswith("the job builds for Dataflow; run the same command without --validate to launch")
-    report = dv.validate(ld.build_command(["--project", "my-proj", "--mixture", mix, "--output", f"{gcs_prefix}/sets/mix",
-                                           "--max-length", "512"]).cmd[4:])
+    (report,) = reports
     assert report.problems == [] and set(dv.EXPECTED_STEPS) <= set(report.steps)
     assert report.steps.index("Fit") < report.steps.index("Mix") < report.steps.index("Write")
 

@@ -185,6 +185,7 @@ def test_sigkill_between_lengths_then_the_next_run_repairs(tmp_path):
     import json
 
     import loaders
+    from testkit.pack_forks import PackForks
     from testkit.pipeline import IN_PROCESS, alpaca_records, write_jsonl
 
     old = write_jsonl(str(tmp_path / "old.jsonl"), alpaca_records(16, seed=0))
@@ -195,33 +196,31 @@ def test_sigkill_between_lengths_then_the_next_run_repairs(tmp_path):
         return ["--input", inp, "--format", "alpaca", "--output", str(out), "--max-length", "64", "256",
                 "--no-tokens", "--no-progress", *IN_PROCESS, *extra]
 
-    def pack_in_child(inp: str, kill_at: str | None, *extra: str) -> subprocess.CompletedProcess:
-        code = (
-            "import os, sys\n"
-            "from pipelines.launch.cli import main\n"
-            f"sys.exit(main({args(inp, *extra)!r}))\n"
-        )
+    def pack_in_child(inp: str, kill_at: str | None, *extra: str) -> tuple[int, str]:
+        """`prepack pack` in a process of its own (forked after the job's imports: testkit/pack_forks.py)."""
         env = dict(os.environ, PYTHONPATH=ROOT)
+        env.pop("PREPACK_FAILPOINTS", None)
         if kill_at:
             env["PREPACK_FAILPOINTS"] = f"{kill_at}=exit(137)"  # os._exit: nothing cleaned, as kill -9
-        return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env)
+        return forks.start(args(inp, *extra), env).finish()
 
-    assert pack_in_child(old, None).returncode == 0
-    killed = pack_in_child(new, "after_manifest_switch:L64", "--overwrite")
-    assert killed.returncode == 137
-    sources = {}
-    for L in (64, 256):
-        with loaders.open_shards(str(out / f"L{L}"), expected_max_length=L, verify=True):
-            pass
-        sources[L] = os.path.basename(json.loads((out / f"L{L}" / "manifest.json").read_text())["inputs"][0]["spec"])
-    assert sources == {64: "new.jsonl", 256: "old.jsonl"}
-    with pytest.raises(loaders.ShardSetError, match="mix two runs"):
-        loaders.published_lengths(str(out))
-    assert (out / ".lock").exists()
+    with PackForks(ROOT) as forks:
+        assert pack_in_child(old, None)[0] == 0
+        killed_code, _ = pack_in_child(new, "after_manifest_switch:L64", "--overwrite")
+        assert killed_code == 137
+        sources = {}
+        for L in (64, 256):
+            with loaders.open_shards(str(out / f"L{L}"), expected_max_length=L, verify=True):
+                pass
+            sources[L] = os.path.basename(json.loads((out / f"L{L}" / "manifest.json").read_text())["inputs"][0]["spec"])
+        assert sources == {64: "new.jsonl", 256: "old.jsonl"}
+        with pytest.raises(loaders.ShardSetError, match="mix two runs"):
+            loaders.published_lengths(str(out))
+        assert (out / ".lock").exists()
 
-    again = pack_in_child(new, None, "--overwrite")
-    assert again.returncode == 0, again.stderr
-    assert f"{out} holds leftovers of earlier killed runs: 1 staging folder ({out}/.staging-" in again.stderr
+        again_code, again_stderr = pack_in_child(new, None, "--overwrite")
+    assert again_code == 0, again_stderr
+    assert f"{out} holds leftovers of earlier killed runs: 1 staging folder ({out}/.staging-" in again_stderr
     assert sorted(loaders.published_lengths(str(out))) == [64, 256]
     for L in (64, 256):
         with loaders.open_shards(str(out / f"L{L}"), expected_max_length=L, verify=True):

@@ -204,16 +204,16 @@ def test_segment_cap_and_planner_one_vs_two_workers(data_dir, tmp_path, mixed_ex
     assert manifest.stats["segments_per_row"]["max"] == 3  # at L 256 the cap binds (uncapped rows hold more)
 
 
-def test_a_plan_past_the_fill_budget_is_bfds_and_says_so(data_dir, tmp_path, mixed_expected, monkeypatch):
+def test_a_plan_past_the_fill_budget_is_bfds_and_says_so(mixed_run, data_dir, tmp_path, mixed_expected, monkeypatch):
     """When --planner best's exact fill runs past its work budget, BFD makes the rows and the
     manifest says why (stats.planner_fallback "budget"); a run within the budget has no such key."""
     from prepack.packing import exact_fill
 
-    pack(mixed_args(data_dir, tmp_path / "fed"))
+    _, fed_out = mixed_run  # the same job within the budget
     monkeypatch.setattr(exact_fill, "DEFAULT_BUDGET_CELLS", 1)
     pack(mixed_args(data_dir, tmp_path / "starved"))
     for L in LENGTHS:
-        fed, _ = check_shard_set(str(tmp_path / "fed" / f"L{L}"), mixed_expected, L)
+        fed, _ = check_shard_set(str(fed_out / f"L{L}"), mixed_expected, L)
         starved, _ = check_shard_set(str(tmp_path / "starved" / f"L{L}"), mixed_expected, L)
         assert "planner_fallback" not in fed.stats
         assert starved.stats["planner_fallback"] == "budget" and starved.packing == "bfd"
@@ -565,40 +565,51 @@ def test_byte_ranges_one_vs_two_workers(tmp_path, tiny_ranges):
     check_shard_set(str(a), expected_examples("alpaca", alpaca_records(60, seed=7)), 128)
 
 
-def test_shard_counts_differ_per_length_truncate_one_vs_two_workers(tmp_path):
+# 50 records at three max lengths, cut to L, in small shards: one in-process run, which the
+# two-worker runs below (default and tiny write windows) must equal byte for byte.
+SMALL_SHARDS_RECORDS = alpaca_records(50, seed=11)
+
+
+def small_shards_args(path) -> list[str]:
+    return ["--input", path, "--format", "alpaca", "--max-length", "64", "128", "512", "--overlong", "truncate",
+            "--target-shard-mb", "0.004"]
+
+
+@pytest.fixture(scope="module")
+def small_shards_run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("small-shards")
+    path = write_jsonl(str(d / "a.jsonl"), SMALL_SHARDS_RECORDS)
+    return pack(small_shards_args(path) + ["--output", str(d / "one")]), path, d / "one"
+
+
+def test_shard_counts_differ_per_length_truncate_one_vs_two_workers(small_shards_run, tmp_path):
     """Writers are keyed by shard index across max lengths: with a different number of shards
     per L (and examples cut to L), every L still gets exactly its rows, whatever the workers."""
-    records = alpaca_records(50, seed=11)
-    path = write_jsonl(str(tmp_path / "a.jsonl"), records)
-    args = ["--input", path, "--format", "alpaca", "--max-length", "64", "128", "512", "--overlong", "truncate",
-            "--target-shard-mb", "0.004"]
-    one = pack(args + ["--output", str(tmp_path / "one")])
-    pack(args + ["--output", str(tmp_path / "two")], runner=TWO_PROCESSES)
-    counts = {L: len(json.loads((tmp_path / "one" / f"L{L}" / "manifest.json").read_text())["shards"]) for L in (64, 128, 512)}
+    records = SMALL_SHARDS_RECORDS
+    one, path, one_out = small_shards_run
+    pack(small_shards_args(path) + ["--output", str(tmp_path / "two")], runner=TWO_PROCESSES)
+    counts = {L: len(json.loads((one_out / f"L{L}" / "manifest.json").read_text())["shards"]) for L in (64, 128, 512)}
     assert len(set(counts.values())) > 1 and max(counts.values()) > 1, counts
     for L in (64, 128, 512):
-        a, b = tmp_path / "one" / f"L{L}", tmp_path / "two" / f"L{L}"
+        a, b = one_out / f"L{L}", tmp_path / "two" / f"L{L}"
         check_shard_set(str(a), expected_examples("alpaca", records), L, truncate=True)
         assert shard_bytes(str(a)) == shard_bytes(str(b))
         assert without_volatile((a / "manifest.json").read_text()) == without_volatile((b / "manifest.json").read_text())
     assert one.stats[64]["examples_truncated"] > 0
 
 
-def test_tiny_write_windows_write_the_same_bytes(tmp_path, monkeypatch):
+def test_tiny_write_windows_write_the_same_bytes(small_shards_run, tmp_path, monkeypatch):
     """Rows are written window by window (part files streamed into the shard): with windows of
     200 row slots (one row per window at L=512, a few at L=64) across two workers, the shards,
     manifests and dead letters are byte-identical to the default windows in one process."""
     from pipelines.planning import WINDOW_TOKENS_ENV
 
-    records = alpaca_records(50, seed=11)
-    path = write_jsonl(str(tmp_path / "a.jsonl"), records)
-    args = ["--input", path, "--format", "alpaca", "--max-length", "64", "128", "512", "--overlong", "truncate",
-            "--target-shard-mb", "0.004"]
-    pack(args + ["--output", str(tmp_path / "default")])
+    records = SMALL_SHARDS_RECORDS
+    _, path, default_out = small_shards_run
     monkeypatch.setenv(WINDOW_TOKENS_ENV, "200")
-    pack(args + ["--output", str(tmp_path / "tiny")], runner=TWO_PROCESSES)
+    pack(small_shards_args(path) + ["--output", str(tmp_path / "tiny")], runner=TWO_PROCESSES)
     for L in (64, 128, 512):
-        a, b = tmp_path / "default" / f"L{L}", tmp_path / "tiny" / f"L{L}"
+        a, b = default_out / f"L{L}", tmp_path / "tiny" / f"L{L}"
         check_shard_set(str(b), expected_examples("alpaca", records), L, truncate=True)
         assert shard_bytes(str(a)) == shard_bytes(str(b))
         assert without_volatile((a / "manifest.json").read_text()) == without_volatile((b / "manifest.json").read_text())
