@@ -9,20 +9,47 @@ step computes dense's loss. What it cannot show here is the device's timing.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
 import pytest
 
 
-@pytest.mark.slow
-def test_device_benchmark_runs_end_to_end_on_small_shapes(tmp_path) -> None:
-    cmd = [sys.executable, "-m", "benchmarks.bench_attention", "--device-all", "--smoke", "--budget-s", "900",
-           "--repeats", "1", "--step-repeats", "1", "--out", str(tmp_path)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+PARENT = """
+import runpy, sys
+sys.argv = ["bench_attention", *sys.argv[1:]]
+runpy.run_module("benchmarks.bench_attention", run_name="__main__")
+assert "jax" not in sys.modules, "the parent imported jax"
+from jax._src import xla_bridge  # imported only now, to read the backends the run above opened (none)
+print("PARENT_BACKENDS", dict(xla_bridge._backends), flush=True)
+"""
+
+
+def run_parent(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """The benchmark as the device's parent process; afterwards it says whether it opened a backend."""
+    return subprocess.run([sys.executable, "-c", PARENT, *args], capture_output=True, text=True, timeout=timeout)
+
+
+COMMON = ("--smoke", "--repeats", "1", "--step-repeats", "1")
+
+
+@pytest.fixture(scope="module")
+def device_all(tmp_path_factory) -> dict:
+    """One `--device-all --smoke` run, as the device's parent process (each part in its own child: the
+    attention part, then one per step variant, merged into one JSON), read by the tests below."""
+    out = tmp_path_factory.mktemp("bench_attention")
+    done = run_parent("--device-all", "--budget-s", "900", "--out", str(out), *COMMON, timeout=1200)
     assert done.returncode == 0, done.stderr[-2000:]
-    result = json.loads((tmp_path / "bench_attention.json").read_text())
+    return {"out": out, "done": done, "result": json.loads((out / "bench_attention.json").read_text())}
+
+
+@pytest.mark.slow
+def test_device_benchmark_runs_end_to_end_on_small_shapes(device_all) -> None:
+    done, result = device_all["done"], device_all["result"]
     assert {"jax", "backend", "device"} <= set(result["machine"])
+    assert result["rows"] == "smoke"
+    assert [(r["L"], r["layer"]) for r in result["attention"]] == [(256, "global"), (256, "local")]
     for row in result["attention"]:
         for name in ("dense", "blocked", "flash 64", "flash 128"):
             ms, _, err = row[name]  # a failed variant is a string: unpacking it fails the test
@@ -36,47 +63,30 @@ def test_device_benchmark_runs_end_to_end_on_small_shapes(tmp_path) -> None:
     assert "flash / dense step time" in done.stdout
 
 
-PARENT = """
-import runpy, sys
-sys.argv = ["bench_attention", *sys.argv[1:]]
-runpy.run_module("benchmarks.bench_attention", run_name="__main__")
-assert "jax" not in sys.modules, "the parent imported jax"
-from jax._src import xla_bridge  # imported only now, to read the backends the run above opened (none)
-print("PARENT_BACKENDS", dict(xla_bridge._backends), flush=True)
-"""
-
-
-def run_parent(*args: str) -> subprocess.CompletedProcess:
-    """The benchmark as the device's parent process; afterwards it says whether it opened a backend."""
-    return subprocess.run([sys.executable, "-c", PARENT, *args], capture_output=True, text=True, timeout=600)
-
-
-def test_the_parts_merge_into_one_json_resume_and_the_parent_opens_no_device(tmp_path) -> None:
+@pytest.mark.slow
+def test_the_parts_merge_into_one_json_resume_and_the_parent_opens_no_device(device_all, tmp_path) -> None:
     """Only one process can hold a TPU: the parent of the step variants (and of --device-all) never
-    imports JAX; each part merges into one JSON, and a second call runs nothing already there."""
+    imports JAX; each part (the attention part's child, then each step variant's) merges into one
+    JSON, and a second call runs nothing already there."""
+    assert "PARENT_BACKENDS {}" in device_all["done"].stdout
+    result = device_all["result"]
+    assert len(result["commands"]) == 2  # the attention part's, then the step part's: merged into one file
+    assert all("failed" not in s and s["median_step_s"] > 0 for s in result["steps"])
+    # Again, on a copy of those results: everything asked for is recorded, so nothing runs (no child
+    # opens the device: none is started) and the results stay; as --part step, then as --device-all.
     out = str(tmp_path)
-    common = ["--smoke", "--out", out, "--repeats", "1", "--step-repeats", "1"]
-    attention = subprocess.run([sys.executable, "-m", "benchmarks.bench_attention", "--part", "attention", "--kinds", "dense",
-                                *common], capture_output=True, text=True, timeout=600)
-    assert attention.returncode == 0, attention.stderr[-2000:]
-    step = run_parent("--part", "step", "--variants", "dense:0:none", *common)
+    shutil.copy(device_all["out"] / "bench_attention.json", tmp_path / "bench_attention.json")
+    step = run_parent("--part", "step", "--variants", "dense:0:none", "--out", out, *COMMON)
     assert step.returncode == 0, step.stderr[-2000:]
-    assert "PARENT_BACKENDS {}" in step.stdout
-    result = json.loads((tmp_path / "bench_attention.json").read_text())
-    assert result["rows"] == "smoke" and {"backend", "device", "jax"} <= set(result["machine"])
-    assert [(r["L"], r["layer"]) for r in result["attention"]] == [(256, "global"), (256, "local")]
-    assert all(r["dense"][0] > 0 for r in result["attention"]) and all("flash 64" not in r for r in result["attention"])
-    (recorded,) = result["steps"]
-    assert recorded["variant"] == "dense:0:none" and recorded["median_step_s"] > 0 and "failed" not in recorded
-    # Again, as --device-all: everything asked for is recorded, so nothing runs and the results stay.
-    again = run_parent("--device-all", "--kinds", "dense", "--variants", "dense:0:none", *common)
+    assert "PARENT_BACKENDS {}" in step.stdout and "step dense:0:none: already in" in step.stdout
+    again = run_parent("--device-all", "--kinds", "dense", "--variants", "dense:0:none", "--out", out, *COMMON)
     assert again.returncode == 0, again.stderr[-2000:]
     assert "PARENT_BACKENDS {}" in again.stdout
     assert "attention: 2 of 2 (L, layer, kind) already in" in again.stdout
     assert "step dense:0:none: already in" in again.stdout and "machine: " in again.stdout
     kept = json.loads((tmp_path / "bench_attention.json").read_text())
     assert kept["steps"] == result["steps"] and kept["attention"] == result["attention"]
-    assert len(kept["commands"]) == 3
+    assert len(kept["commands"]) == 4
 
 
 def test_results_of_other_rows_are_refused_in_one_line(tmp_path) -> None:

@@ -11,6 +11,7 @@ one line for each bad option."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import io
 import json
@@ -62,6 +63,17 @@ def run_main(argv) -> tuple[int, str, str]:
 
 def save_adapter(tok_dir, path) -> str:
     """A prepack LoRA file for tiny Gemma3 (seed 0 base weights) with non-zero factors."""
+    with open(path, "wb") as f:
+        f.write(_adapter_bytes(str(tok_dir)))
+    return str(path)
+
+
+@functools.cache
+def _adapter_bytes(tok_dir: str) -> bytes:
+    """save_adapter's file, made once per process (building the model and its LoRA is the slow part:
+    the same seeds give the same bytes every time)."""
+    import tempfile
+
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -77,9 +89,12 @@ def save_adapter(tok_dir, path) -> str:
     model = models.apply_lora(built.model, built.spec, rank=4)
     rng = np.random.default_rng(0)
     nnx.update(model, jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype), nnx.state(model, nnx.LoRAParam)))
-    lora_file.save_lora(model, str(path), {"model": "tiny", "lora_alpha": 8.0, "base_fingerprint": base_fingerprint(model),
-                                           "vocab_size": vocab, "seed": 0})
-    return str(path)
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "lora.safetensors")
+        lora_file.save_lora(model, path, {"model": "tiny", "lora_alpha": 8.0, "base_fingerprint": base_fingerprint(model),
+                                          "vocab_size": vocab, "seed": 0})
+        with open(path, "rb") as f:
+            return f.read()
 
 
 @pytest.fixture(scope="module")

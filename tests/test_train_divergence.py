@@ -42,10 +42,15 @@ def _rows(poisoned: int | None) -> list[dict[str, np.ndarray]]:
     return [rowformat.build_row([s], MAX_LENGTH) for s in segments]
 
 
-def _steps_holding(shards: str, row: dict[str, np.ndarray], steps: int) -> list[int]:
+def _batches(shards: str, steps: int) -> list[np.ndarray]:
+    """The input_ids of the loader's first `steps` batches (its order is deterministic)."""
     ds = loaders.make_dataset(shards, BATCH, 0, 0, 1, None)
-    return [k for k, batch in enumerate(itertools.islice(iter(ds), steps), 1)
-            if any(np.array_equal(r, row["input_ids"]) for r in np.asarray(batch["input_ids"]))]
+    return [np.asarray(batch["input_ids"]) for batch in itertools.islice(iter(ds), steps)]
+
+
+def _steps_holding(shards: str, row: dict[str, np.ndarray], steps: int, batches: list[np.ndarray] | None = None) -> list[int]:
+    batches = _batches(shards, steps) if batches is None else batches[:steps]
+    return [k for k, ids in enumerate(batches, 1) if any(np.array_equal(r, row["input_ids"]) for r in ids)]
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +61,8 @@ def poisoned(tmp_path_factory) -> dict:
     clean = str(root / "clean")
     rows = _rows(None)
     build_shard_set(clean, rows=rows, tokenizer=tokenizer, num_shards=1)
-    target = next(i for i, row in enumerate(rows) if _steps_holding(clean, row, 3) == [2])
+    served = _batches(clean, 3)  # read once, not once per row tried
+    target = next(i for i, row in enumerate(rows) if _steps_holding(clean, row, 3, served) == [2])
     shards = str(root / "poisoned")
     rows = _rows(target)
     build_shard_set(shards, rows=rows, tokenizer=tokenizer, num_shards=1)
@@ -84,7 +90,9 @@ def _read(path: str) -> list[dict]:
 
 
 def _args(shards: str, tmp_path, steps: int, *extra: str) -> list[str]:
-    return ["--shards", shards, "--model", "tiny", "--lora-rank", "4", "--batch-size", str(BATCH), "--steps", str(steps),
+    # tiny-qwen3 (2 layers, not tiny-gemma3's 6): what --nan-policy does is the model's no more than the
+    # loader's, and the poisoned step is compiled for these tests alone, so the smaller one compiles.
+    return ["--shards", shards, "--model", "tiny-qwen3", "--lora-rank", "4", "--batch-size", str(BATCH), "--steps", str(steps),
             "--learning-rate", "1e-2", "--metrics-out", str(tmp_path / "m.jsonl"), "--save-lora", str(tmp_path / "lora.safetensors"),
             "--lora-format", "prepack",
             "--read-threads", "1", "--loss-chunk-tokens", "0", *extra]  # the poison wraps the full-logits loss
@@ -147,7 +155,7 @@ def test_skip_step_skips_and_counts_the_bad_steps_and_progress_lines_say_what_ha
     assert all(np.isfinite(v).all() for v in safetensors.numpy.load_file(str(tmp_path / "lora.safetensors")).values())
     # Progress: what it loads (and how big), that it compiles (--remat auto, the default: in the plan), then step 1, the skipped steps, and the last step.
     lines = err.splitlines()
-    order = ["loading tiny weights (random) as float32 ...", "loaded ", "--remat auto: the step plans ", "the train step is compiled (--remat auto's plan); step 1 runs it", "step 1: "]
+    order = ["loading tiny-qwen3 weights (random) as float32 ...", "loaded ", "--remat auto: the step plans ", "the train step is compiled (--remat auto's plan); step 1 runs it", "step 1: "]
     at = [next(i for i, line in enumerate(lines) if line.startswith(p)) for p in order]
     assert at == sorted(at)
     assert any(line.startswith("step 2: loss non-finite (loss is nan, gradient norm is nan)") and "update skipped" in line for line in lines)

@@ -151,39 +151,5 @@ def test_real_configs_are_tunix_s() -> None:
     assert models.config_vocab_size(models.resolve_config("tiny", vocab_size=262_144)) == 262_144
 
 
-def test_shard_model_splits_parameters_over_the_fsdp_axis() -> None:
-    """On two (fake CPU) devices, shard_model really places parameters: some are split in half
-    along the fsdp axis (each device holds half), none is left on one device only."""
-    import subprocess
-    import sys
-
-    code = """
-import os
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-os.environ["JAX_PLATFORMS"] = "cpu"
-import jax, numpy as np
-from flax import nnx
-from train.model import models
-mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 1), ("fsdp", "tp"))
-built = models.build_model("tiny-qwen3", vocab_size=64)
-model = models.apply_lora(built.model, built.spec, rank=2)
-models.shard_model(model, mesh)
-halved, whole, single = 0, 0, 0
-for leaf in jax.tree.leaves(nnx.state(model)):
-    if not hasattr(leaf, "sharding"):
-        continue
-    if len(leaf.sharding.device_set) < 2:
-        single += 1
-        continue
-    shards = leaf.addressable_shards
-    if any(s.data.shape != leaf.shape for s in shards):
-        assert sorted(int(np.prod(s.data.shape)) for s in shards) == [leaf.size // 2] * 2, leaf.shape
-        halved += 1
-    else:
-        whole += 1
-print(halved, whole, single)
-"""
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    halved, _, single = map(int, out.stdout.split()[-3:])
-    assert halved > 0 and single == 0, out.stdout
+# test_shard_model_splits_parameters_over_the_fsdp_axis: in tests/test_train_trainer.py, on the --mesh
+# run's own shard_model call (its two fake CPU devices need a fresh process; one serves both files' checks).

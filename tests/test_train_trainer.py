@@ -142,34 +142,18 @@ def test_tiny_qwen3_trains_on_unpacked_shards_with_packed_eval(shard_sets, tmp_p
     assert summary["mean_density"] < 0.45
 
 
-@pytest.mark.slow  # trains or loads a real model: see pytest.ini
-def test_mesh_fsdp2_on_two_fake_cpu_devices(shard_sets, tmp_path) -> None:
-    """--mesh in a fresh process (the fake device count must be set before JAX starts)."""
-    metrics = str(tmp_path / "mesh.jsonl")
-    cmd = [
-        sys.executable, "-m", "apps.cli", "train", "--shards", shard_sets["packed"], "--model", "tiny-qwen3",
-        "--lora-rank", "2", "--batch-size", "4", "--steps", "2", "--metrics-out", metrics, "--log-every", "0",
-        "--cpu-devices", "2", "--mesh", "fsdp=2,tp=1",
-    ]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=os.path.dirname(os.path.dirname(__file__)), timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    summary = _read_jsonl(metrics)[-1]["summary"]
-    # The mesh was active where Tunix looks for it (legacy `with mesh:`), so batches were sharded over fsdp.
-    assert summary["devices"] == 2 and summary["active_mesh"] == {"fsdp": 2, "tp": 1}
-    assert np.isfinite(summary["final_loss"])
-
-
-# Runs in a fresh interpreter with two fake CPU devices: records how Tunix's own input sharding
-# placed each batch, then checks the trained model's parameters and optimizer state.
+# `prepack train --cpu-devices 2 --mesh fsdp=2,tp=1` in a fresh interpreter (the fake device count
+# must be set before JAX starts: the CLI sets it, so nothing here opens a backend before it runs):
+# records how Tunix's own input sharding placed each batch, and the trained model's parameters.
 _MESH_PROBE = """
-import json, os, sys
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import json, sys
 import jax
+import numpy as np
 from flax import nnx
 from tunix.sft import peft_trainer, sharding_utils
+from apps import cli
 from train import trainer
-from train.run_config.config import TrainConfig
+from train.model import models
 
 seen = []
 real_shard_input = sharding_utils.shard_input
@@ -181,29 +165,82 @@ def recording_shard_input(data, axis):
     return out
 peft_trainer.sharding_utils.shard_input = recording_shard_input
 
-cfg = TrainConfig(shards=sys.argv[1], model="tiny-qwen3", lora_rank=2, batch_size=4, steps=2, log_every=0,
-                  read_threads=1, mesh="fsdp=2,tp=1", metrics_out=sys.argv[2])
-s, summary = trainer.execute(cfg)
 def specs(state):
     return sorted({str(leaf.sharding.spec) for leaf in jax.tree.leaves(state) if hasattr(leaf, "sharding") and leaf.ndim == 2})
-print(json.dumps({"batches": seen, "params": specs(nnx.state(s.built.model, nnx.Param)),
-                  "lora": specs(nnx.state(s.built.model, nnx.LoRAParam)), "final_loss": summary["final_loss"]}))
+trained = {}
+real_execute = trainer.execute
+def recording_execute(cfg, out=None):
+    s, summary = real_execute(cfg, out)
+    trained.update(params=specs(nnx.state(s.built.model, nnx.Param)), lora=specs(nnx.state(s.built.model, nnx.LoRAParam)))
+    return s, summary
+trainer.execute = recording_execute
+
+placed = {}
+real_shard_model = models.shard_model
+def counting_shard_model(model, mesh):
+    # What the run's own models.shard_model call placed: parameters split in half over fsdp, whole
+    # on both devices, or on one device only; and the split ones whose halves are not equal.
+    real_shard_model(model, mesh)
+    counts = {"halved": 0, "whole": 0, "single": 0, "uneven": []}
+    for leaf in jax.tree.leaves(nnx.state(model)):
+        if not hasattr(leaf, "sharding"):
+            continue
+        if len(leaf.sharding.device_set) < 2:
+            counts["single"] += 1
+        elif any(s.data.shape != leaf.shape for s in leaf.addressable_shards):
+            counts["halved"] += 1
+            if sorted(int(np.prod(s.data.shape)) for s in leaf.addressable_shards) != [leaf.size // 2] * 2:
+                counts["uneven"].append(list(leaf.shape))
+        else:
+            counts["whole"] += 1
+    placed.update(counts)
+models.shard_model = counting_shard_model
+
+rc = cli.main(["train", "--shards", sys.argv[1], "--model", "tiny-qwen3", "--lora-rank", "2", "--batch-size", "4",
+               "--steps", "2", "--metrics-out", sys.argv[2], "--log-every", "0", "--cpu-devices", "2", "--mesh", "fsdp=2,tp=1"])
+print(json.dumps({"rc": rc, "batches": seen, "placed": placed, **trained}))
 """
 
 
-@pytest.mark.slow  # trains or loads a real model: see pytest.ini
-def test_mesh_fsdp2_shards_batches_and_parameters_over_two_devices(shard_sets, tmp_path) -> None:
-    """--mesh fsdp=2 on two fake CPU devices: each batch Tunix feeds the step is split over both
-    devices by rows, and the base weights are split over fsdp (not only what the summary says)."""
-    done = subprocess.run([sys.executable, "-c", _MESH_PROBE, shard_sets["packed"], str(tmp_path / "m.jsonl")],
+@pytest.fixture(scope="module")
+def mesh_run(shard_sets, tmp_path_factory) -> dict:
+    """One --mesh run on two fake CPU devices (a fresh process: a compile and JAX's start), read by both mesh tests."""
+    metrics = str(tmp_path_factory.mktemp("mesh") / "mesh.jsonl")
+    done = subprocess.run([sys.executable, "-c", _MESH_PROBE, shard_sets["packed"], metrics],
                           capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"},
-                          cwd=os.path.dirname(os.path.dirname(__file__)), timeout=300)
+                          cwd=os.path.dirname(os.path.dirname(__file__)), timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     probe = json.loads(done.stdout.strip().splitlines()[-1])
+    assert probe["rc"] == 0, done.stderr[-3000:]
+    return {"probe": probe, "summary": _read_jsonl(metrics)[-1]["summary"]}
+
+
+@pytest.mark.slow  # trains or loads a real model: see pytest.ini
+def test_mesh_fsdp2_on_two_fake_cpu_devices(mesh_run) -> None:
+    """--mesh through `prepack train` (--cpu-devices fakes the devices before JAX starts)."""
+    summary = mesh_run["summary"]
+    # The mesh was active where Tunix looks for it (legacy `with mesh:`), so batches were sharded over fsdp.
+    assert summary["devices"] == 2 and summary["active_mesh"] == {"fsdp": 2, "tp": 1}
+    assert np.isfinite(summary["final_loss"])
+
+
+@pytest.mark.slow  # trains or loads a real model: see pytest.ini
+def test_mesh_fsdp2_shards_batches_and_parameters_over_two_devices(mesh_run) -> None:
+    """--mesh fsdp=2 on two fake CPU devices: each batch Tunix feeds the step is split over both
+    devices by rows, and the base weights are split over fsdp (not only what the summary says)."""
+    probe = mesh_run["probe"]
     assert len(probe["batches"]) >= 2
     assert all(b["devices"] == 2 and b["rows_per_device"] == [2] and "fsdp" in b["spec"] for b in probe["batches"])
     assert any("fsdp" in spec for spec in probe["params"])
-    assert np.isfinite(probe["final_loss"])
+    assert np.isfinite(mesh_run["summary"]["final_loss"])
+
+
+@pytest.mark.slow  # trains or loads a real model: see pytest.ini
+def test_shard_model_splits_parameters_over_the_fsdp_axis(mesh_run) -> None:
+    """On two (fake CPU) devices, shard_model (as the --mesh run calls it) really places parameters:
+    some are split in half along the fsdp axis (each device holds half), none is left on one device only."""
+    placed = mesh_run["probe"]["placed"]
+    assert placed["halved"] > 0 and placed["single"] == 0 and placed["uneven"] == [], placed
 
 
 # ----------------------------------------------------------------------------- errors

@@ -16,12 +16,16 @@ from apps import cli, verify
 from prepack import storage
 from prepack.format import rowformat, shardfile
 from prepack.format.manifest import Manifest
+from testkit.pipeline import IN_PROCESS
 
 SAMPLE_MIX = os.path.join(os.path.dirname(rowformat.__file__), "..", "sample_data", "sample_mix.yaml")
 
 
 def pack(*args: str) -> None:
-    assert cli.main(["pack", *args, "--no-progress"]) == 0
+    # In-process Beam: the sets are the same on any runner, and the default's worker processes (each
+    # importing Beam and the tokenizer) cost more than packing the sample; tests/test_pipeline.py and
+    # others run the default runner.
+    assert cli.main(["pack", *args, "--no-progress", *IN_PROCESS]) == 0
 
 
 def run(path: str) -> tuple[int, str, str]:
