@@ -33,8 +33,8 @@ def trained(tmp_path_factory) -> dict:
     metrics, adapter = str(root / "m.jsonl"), str(root / "adapter")
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = cli.main(["--shards", shards, "--model", "tiny-llama3", "--lora-rank", "4", "--batch-size", "2", "--steps", "2",
-                       "--log-every", "0", "--metrics-out", metrics, "--save-lora", adapter])
+        rc = cli.main(["--shards", shards, "--model", "tiny-llama3", "--lora-rank", "4", "--batch-size", "2", "--steps", "1",
+                       "--remat", "none", "--log-every", "0", "--metrics-out", metrics, "--save-lora", adapter])
     assert rc == 0, err.getvalue()[-3000:]
     return {"root": root, "metrics": metrics, "adapter": adapter, "out": out.getvalue()}
 
@@ -43,7 +43,7 @@ def test_tiny_llama3_trains_on_a_gemma3_set(trained) -> None:
     summary = json.loads(trained["out"].strip().splitlines()[-1])["summary"]
     assert summary["model"] == "tiny-llama3" and summary["vocab_size"] == GEMMA3_IDS
     losses = [r["loss"] for r in map(json.loads, open(trained["metrics"])) if "step" in r and "loss" in r]
-    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+    assert len(losses) == 1 and all(math.isfinite(x) for x in losses)
 
 
 def test_its_adapter_names_llama_3_2_and_llamas_modules(trained) -> None:
