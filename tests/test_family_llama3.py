@@ -3,7 +3,9 @@
 `--model tiny-llama3` trains on a Gemma3-tokenized set (it has no tokenizer of its own, so it sizes its
 embedding from the set and is not refused for Gemma3's ids), saves a PEFT adapter naming Llama 3.2,
 exports merged as LlamaForCausalLM and generates with the default tokenizer, all on a CPU. What
-Hugging Face computes from the export is checked in tests/test_peft_export.py (its llama3 case).
+Hugging Face computes from the export is checked in tests/test_peft_export.py (its llama3 case), and
+the family's hidden states, head and attention pieces in the fast tier (test_train_chunked_loss.py,
+test_train_attention.py).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ def trained(tmp_path_factory) -> dict:
     return {"root": root, "metrics": metrics, "adapter": adapter, "out": out.getvalue()}
 
 
+@pytest.mark.slow  # trains tiny-llama3 once for the file (its fixture): see pytest.ini
 def test_tiny_llama3_trains_on_a_gemma3_set(trained) -> None:
     summary = json.loads(trained["out"].strip().splitlines()[-1])["summary"]
     assert summary["model"] == "tiny-llama3" and summary["vocab_size"] == GEMMA3_IDS
@@ -46,12 +49,14 @@ def test_tiny_llama3_trains_on_a_gemma3_set(trained) -> None:
     assert len(losses) == 1 and all(math.isfinite(x) for x in losses)
 
 
+@pytest.mark.slow  # trains tiny-llama3 once for the file (its fixture): see pytest.ini
 def test_its_adapter_names_llama_3_2_and_llamas_modules(trained) -> None:
     config = json.load(open(os.path.join(trained["adapter"], peft_export.ADAPTER_CONFIG)))
     assert config["base_model_name_or_path"] == "meta-llama/Llama-3.2-1B"
     assert config["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
 
 
+@pytest.mark.slow  # trains tiny-llama3 once for the file (its fixture): see pytest.ini
 def test_it_exports_merged_as_llama(trained, capsys) -> None:
     merged = str(trained["root"] / "merged")
     assert merge_export.main(["--merge", "--lora", trained["adapter"], "--output", merged]) == 0, capsys.readouterr().err
@@ -60,6 +65,7 @@ def test_it_exports_merged_as_llama(trained, capsys) -> None:
     assert config["vocab_size"] == GEMMA3_IDS and config["tie_word_embeddings"] is True
 
 
+@pytest.mark.slow  # trains tiny-llama3 once for the file (its fixture): see pytest.ini
 def test_it_generates_with_the_default_tokenizer(trained) -> None:
     from apps.generate import main
 
