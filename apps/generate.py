@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="fail, as `prepack pack` does, when more than this fraction of the examples are bad records "
                      "(default 0: any); they are written as dead letters beside --output either way")
     mdl = p.add_argument_group("model (as `prepack train`)")
-    mdl.add_argument("--model", help="gemma3-270m, gemma3-1b, qwen3-0.6b, tiny (= tiny-gemma3), tiny-qwen3 "
+    mdl.add_argument("--model", help="gemma3-270m, gemma3-1b, qwen3-0.6b, tiny (= tiny-gemma3), tiny-qwen3, tiny-llama3 "
                      "(default: the one --lora was trained on)")
     mdl.add_argument("--weights", help="Hugging Face safetensors folder, 'random', 'gguf' (gemma3-270m's default), "
                      "or a gemma3-270m .gguf file")

@@ -283,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     model = parser.add_argument_group("parity on the model (needs the 'train' extra)")
     model.add_argument("--model", default=None,
                        help="also run sampled rows packed and each segment alone through this model (as `prepack train "
-                            "--model`: gemma3-270m, gemma3-1b, qwen3-0.6b, tiny-gemma3, tiny-qwen3) and compare every "
+                            "--model`: gemma3-270m, gemma3-1b, qwen3-0.6b, tiny-gemma3, tiny-qwen3, tiny-llama3) and compare every "
                             "target token's log-probability")
     model.add_argument("--weights", default=None,
                        help="as `prepack train --weights`: a Hugging Face safetensors folder, 'random', 'gguf' or a .gguf file "

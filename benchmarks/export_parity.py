@@ -64,19 +64,18 @@ def main(argv: list[str] | None = None) -> int:
     def tunix_logits(model, attention_mask) -> np.ndarray:
         return np.asarray(model(jnp.asarray(tokens), jnp.asarray(positions), None, jnp.asarray(attention_mask))[0], np.float32)
 
-    from train.adapter_files import hf_layout
     from train.step import memory_path
 
     # The trained model reads segment ids where the mask goes unless its attention is dense (train/attention_kernels/attention.py).
     kind = memory_path.attention_kind(cfg)
     trained = tunix_logits(s.built.model, mask if kind == "dense" else np.ones(tokens.shape, np.int32))
-    tunix_merged = tunix_logits(models.load_hf_weights(family, config, merged, dtype=jnp.dtype(dtype), mesh=None), mask)
+    tunix_merged = tunix_logits(family.load_weights(merged, config, jnp.dtype(dtype), None), mask)
     torch_dtype = getattr(torch, dtype)
     with torch.no_grad():
         hf = AutoModelForCausalLM.from_pretrained(merged, dtype=torch_dtype, attn_implementation="eager").eval()
         hf_merged = hf(input_ids=torch.tensor(tokens, dtype=torch.long)).logits.float().numpy()
         base_hf = merge_export.base_hf_weights(models.build_model(args.model, weights=s.built.weights, dtype=dtype).model, family, config)
-        merge_export.write_hf_folder(base_dir, base_hf, hf_layout.hf_config(family, config, dtype), dtype, True)
+        merge_export.write_hf_folder(base_dir, base_hf, family.hf_config(config, dtype), dtype, True)
         with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch_dtype,
                                                                                       attn_implementation="eager"), adapter).eval()
         hf_peft = with_adapter(input_ids=torch.tensor(tokens, dtype=torch.long)).logits.float().numpy()

@@ -43,7 +43,7 @@ def adapter(tmp_path_factory) -> dict:
             "base_dtype": "float32", "vocab_size": VOCAB, "seed": 0, "step": 1}
     root = tmp_path_factory.mktemp("scale")
     peft = str(root / "peft")
-    peft_export.save_peft(model, "gemma3", built.config, peft, model_name="tiny", rank=RANK, alpha=ALPHA, metadata=meta)
+    peft_export.save_peft(model, built.spec.family, built.config, peft, model_name="tiny", rank=RANK, alpha=ALPHA, metadata=meta)
     prepack = str(root / "lora.safetensors")
     lora_file.save_lora(model, prepack, meta)
     data = root / "held_out.jsonl"

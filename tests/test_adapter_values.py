@@ -34,7 +34,7 @@ def adapter(tmp_path_factory) -> dict:
             "base_dtype": "float32", "vocab_size": VOCAB, "seed": 1, "step": 1}
     root = tmp_path_factory.mktemp("adapter")
     peft = str(root / "peft")
-    peft_export.save_peft(model, "qwen3", built.config, peft, model_name="tiny-qwen3", rank=RANK, alpha=4.0, metadata=meta)
+    peft_export.save_peft(model, built.spec.family, built.config, peft, model_name="tiny-qwen3", rank=RANK, alpha=4.0, metadata=meta)
     prepack = str(root / "lora.safetensors")
     lora_file.save_lora(model, prepack, meta)
     return {"peft": peft, "prepack": prepack, "model": model, "spec": built.spec}

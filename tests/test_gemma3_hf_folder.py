@@ -19,7 +19,7 @@ from prepack.text.chat.batch import tokenize_conversations
 from prepack.text.formats import get_template
 from prepack.text.stop_check import StopTokenCheck
 from prepack.text.tokenizer import load_tokenizer
-from train.run_config.vocab import FAMILY_VOCAB_HASH
+from train import families
 
 SAMPLE_DATA = Path(gemma3_gguf.__file__).resolve().parent.parent / "sample_data"
 # What SentencePiece treats specially: whitespace runs and newlines (user-defined pieces, some of
@@ -93,14 +93,14 @@ def test_function_tokens_take_the_reserved_slots_and_stay_text_in_data(gemma3, t
         assert tools_tok.token_to_id(token) == gemma3.token_to_id(slot) == 6 + k
         # Spelled inside a record, the markup is ordinary text, as in every other tokenizer here.
         assert len(tools_tok.encode(token)) > 1
-    assert tools_tok.identity()["vocab_hash"] != FAMILY_VOCAB_HASH["gemma3"]
+    assert tools_tok.identity()["vocab_hash"] != families.by_name("gemma3").vocab_hash
 
 
 def test_without_function_tokens_the_vocabulary_is_gemma3s(tmp_path, gemma3):
     out = tmp_path / "plain"
     assert tokenizer_folder.main(["--output", str(out), "--template", "none", "--no-function-tokens"]) == 0
     plain = load_tokenizer(f"hf:{out}")
-    assert plain.identity()["vocab_hash"] == gemma3.identity()["vocab_hash"] == FAMILY_VOCAB_HASH["gemma3"]
+    assert plain.identity()["vocab_hash"] == gemma3.identity()["vocab_hash"] == families.by_name("gemma3").vocab_hash
     assert plain.chat_template is None
 
 

@@ -154,7 +154,7 @@ def test_a_peft_adapter_from_elsewhere_is_refused_in_one_line(tmp_path):
 
     built, model = lora_model("tiny-gemma3")
     path = tmp_path / "adapter"
-    peft_export.save_peft(model, "gemma3", built.config, str(path), model_name="tiny-gemma3", rank=4, alpha=8.0,
+    peft_export.save_peft(model, built.spec.family, built.config, str(path), model_name="tiny-gemma3", rank=4, alpha=8.0,
                           metadata={"base_fingerprint": base_fingerprint(model), "vocab_size": VOCAB, "seed": 0})
     weights = path / peft_export.ADAPTER_WEIGHTS
     from train.adapter_files.lora_file import _parse_safetensors_metadata

@@ -20,6 +20,7 @@ import types
 import pytest
 
 from apps.generate import main
+from train import families
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city.",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
@@ -275,15 +276,15 @@ def test_the_memory_plan_counts_the_longest_prompt(tmp_path, tok_dir, data, caps
     from train.model import models
 
     config = models.resolve_config("tiny")
-    weights = generate_bounds.weight_bytes("gemma3", config)
+    weights = generate_bounds.weight_bytes(families.by_name("gemma3"), config)
     # 64 rows of 6 new tokens fit; with the prompts' bucket (at least 16 tokens) they do not.
     per_token = 6 * 2 * 1 * 16 * 4
     no_prompt = generate_bounds.activation_bytes(config, prompt_bucket=0, cache_tokens=6, compute_dtype="float32")
     budget = weights + 64 * (6 * per_token + no_prompt) + 1
-    generation = generate_bounds.plan("gemma3", config, batch_size=64, max_new_tokens=6, prompt_tokens=0,
+    generation = generate_bounds.plan(families.by_name("gemma3"), config, batch_size=64, max_new_tokens=6, prompt_tokens=0,
                                       compute_dtype="float32", budget=(budget, "a test budget"))
     generate_bounds.check_memory(generation, 64)
-    generation = generate_bounds.plan("gemma3", config, batch_size=64, max_new_tokens=6, prompt_tokens=20,
+    generation = generate_bounds.plan(families.by_name("gemma3"), config, batch_size=64, max_new_tokens=6, prompt_tokens=20,
                                       compute_dtype="float32", budget=(budget, "a test budget"))
     assert generation.kv_cache_bytes == 64 * (32 + 6) * per_token
     with pytest.raises(generate_bounds.GenerateError, match=r"--batch-size 64: the KV cache .*, the logits and activations "
@@ -302,7 +303,7 @@ def test_the_memory_plan_counts_the_logits_and_activations():
     vocab, bucket, cache = 262144, 32, 32 + 8
     per_row = generate_bounds.activation_bytes(config, prompt_bucket=bucket, cache_tokens=cache, compute_dtype="bfloat16")
     assert per_row == bucket * vocab * 4 + 2 * vocab * 4 + 4 * bucket * cache * 4 + bucket * 2 * 2048 * 2
-    generation = generate_bounds.plan("gemma3", config, batch_size=3, max_new_tokens=8, prompt_tokens=20,
+    generation = generate_bounds.plan(families.by_name("gemma3"), config, batch_size=3, max_new_tokens=8, prompt_tokens=20,
                                       compute_dtype="bfloat16", budget=(10**12, "a test budget"))
     assert generation.activation_bytes == 3 * per_row > generation.kv_cache_bytes
     assert generation.total_bytes == generation.weight_bytes + generation.kv_cache_bytes + generation.activation_bytes

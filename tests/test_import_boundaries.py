@@ -268,14 +268,16 @@ def test_core_rooms_import_downward_only(tmp_path):
 
 
 
-# train/'s rooms, bottom first (train/README.md, "Modules"; each room's README.md): compilation (the
-# compile cache, the preload, the remat verdicts) and attention_kernels side by side at the bottom;
-# run_config (what a run is asked to do; the cache folder is one of its outputs); step (the step and its
-# loss); model and objectives; measurement, checkpointing, adapter_files and verification; generation. A
-# room imports only rooms of a lower rank; the modules at train/'s top (the run: cli, trainer, run_setup,
-# ...) sit above every room, so no room imports them.
-TRAIN_ROOMS = {"compilation": 0, "attention_kernels": 0, "run_config": 1, "step": 2, "model": 3, "objectives": 3,
-               "measurement": 4, "checkpointing": 4, "adapter_files": 4, "verification": 4, "generation": 5}
+# train/'s rooms, bottom first (train/README.md, "Modules"; each room's README.md): families (what
+# differs between model families) and compilation (the compile cache, the preload, the remat verdicts)
+# side by side at the bottom; run_config (what a run is asked to do; the cache folder is one of its
+# outputs) and attention_kernels; step (the step and its loss); model and objectives; measurement,
+# checkpointing, adapter_files and verification; generation. A room imports only rooms of a lower rank;
+# the modules at train/'s top (the run: cli, trainer, run_setup, ...) sit above every room, so no room
+# imports them.
+TRAIN_ROOMS = {"families": 0, "compilation": 0, "run_config": 1, "attention_kernels": 1, "step": 2, "model": 3,
+               "objectives": 3, "measurement": 4, "checkpointing": 4, "adapter_files": 4, "verification": 4,
+               "generation": 5}
 
 
 def _train_room_rank(module: str, folders: dict[str, str]) -> int | None:

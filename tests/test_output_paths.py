@@ -260,14 +260,14 @@ def test_export_writes_at_the_resolved_place_not_into_its_adapter(tree, capsys, 
 
     import numpy as np
 
-    from train.adapter_files import hf_layout, merge_export
+    from train.adapter_files import merge_export
 
     adapter = SimpleNamespace(meta={"model": "tiny-qwen3", "base_dtype": "float32"}, factors={}, scale=2.0)
     monkeypatch.setattr(merge_export, "read_adapter", lambda path: adapter)
-    monkeypatch.setattr(merge_export, "rebuild_base", lambda *a: SimpleNamespace(spec=SimpleNamespace(family="qwen3"),
+    family = SimpleNamespace(hf_config=lambda *a: {"model_type": "qwen3"}, architecture="Qwen3ForCausalLM")
+    monkeypatch.setattr(merge_export, "rebuild_base", lambda *a: SimpleNamespace(spec=SimpleNamespace(family=family),
                                                                                 model=None, config=None))
     monkeypatch.setattr(merge_export, "base_hf_weights", lambda *a: {"model.norm.weight": np.ones(2, np.float32)})
-    monkeypatch.setattr(hf_layout, "hf_config", lambda *a: {"model_type": "qwen3"})
     before = contents(tree)
     assert merge_export.main(["--merge", "--lora", "A", "--output", away("A")]) == 0, capsys.readouterr().err
     assert sorted(os.listdir(elsewhere(tree, "A"))) == ["config.json", "model.safetensors"]

@@ -1,9 +1,9 @@
 """The adapter export (`--save-lora`, PEFT layout) and `prepack export --merge`, checked against Hugging Face itself.
 
-Tiny random Gemma3 (q/k/v fused as Tunix's q_einsum + kv_einsum, a sliding window) and Qwen3
-(untied head) with random LoRA factors, float32. What "the published layout" means is
-read from Hugging Face's own code: transformers builds Gemma3ForCausalLM / Qwen3ForCausalLM
-from the exported config.json and names every weight and shape, and peft applies the exported
+Tiny random Gemma3 (q/k/v fused as Tunix's q_einsum + kv_einsum, a sliding window), Qwen3
+(untied head) and Llama3 (tied head, Tunix's RoPE base) with random LoRA factors, float32. What
+"the published layout" means is read from Hugging Face's own code: transformers builds
+Gemma3ForCausalLM / Qwen3ForCausalLM / LlamaForCausalLM from the exported config.json and names every weight and shape, and peft applies the exported
 adapter. Tiny widths make q_proj square (4 heads x 16 = 64 = hidden), so a missing transpose
 keeps every shape right and shows only in values: the logits catch it.
 """
@@ -20,6 +20,7 @@ import pytest
 import safetensors.numpy
 from flax import nnx
 
+from train import families
 from train.adapter_files import hf_layout, merge_export, peft_export
 from train.adapter_files.lora_file import LoraFileError, save_lora
 from train.model import models
@@ -31,6 +32,7 @@ LENGTH = 12
 CASES = {
     "gemma3": ("tiny-gemma3", {"sliding_window_size": 4}),
     "qwen3": ("tiny-qwen3", {"use_tied_embedding": False}),
+    "llama3": ("tiny-llama3", {}),
 }
 
 
@@ -75,14 +77,14 @@ def hf_model(folder: str):
 
 @pytest.fixture(scope="module", params=sorted(CASES))
 def exported(request, tmp_path_factory) -> dict:
-    family = request.param
-    base, model, meta = build(family)
-    root = tmp_path_factory.mktemp(f"export_{family}")
+    family = families.by_name(request.param)
+    base, model, meta = build(family.name)
+    root = tmp_path_factory.mktemp(f"export_{family.name}")
     adapter = str(root / "adapter")
     peft_export.save_peft(model, family, base.config, adapter, model_name=meta["model"], rank=RANK, alpha=ALPHA, metadata=meta)
     base_folder = str(root / "base")
     base_hf = merge_export.base_hf_weights(base.model, family, base.config)
-    merge_export.write_hf_folder(base_folder, base_hf, hf_layout.hf_config(family, base.config, "float32"), "float32", False)
+    merge_export.write_hf_folder(base_folder, base_hf, family.hf_config(base.config, "float32"), "float32", False)
     merged = str(root / "merged")
     merge_export.merge_export(adapter, merged)
     return {"family": family, "base": base, "model": model, "meta": meta, "adapter": adapter, "base_folder": base_folder,
@@ -92,7 +94,7 @@ def exported(request, tmp_path_factory) -> dict:
 def test_base_conversion_is_the_inverse_of_tunix_loader(exported) -> None:
     """The HF folder of the base, read back by Tunix's own safetensors loader, gives every parameter bit for bit."""
     base = exported["base"]
-    back = models.load_hf_weights(base.spec.family, base.config, exported["base_folder"], dtype=jnp.float32, mesh=None)
+    back = base.spec.family.load_weights(exported["base_folder"], base.config, jnp.float32, None)
     mine = {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(base.model, nnx.Param))}
     theirs = {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(back, nnx.Param))}
     assert mine.keys() == theirs.keys()
@@ -102,7 +104,7 @@ def test_base_conversion_is_the_inverse_of_tunix_loader(exported) -> None:
 
 def test_peft_names_and_shapes_are_the_hf_architectures(exported) -> None:
     hf = hf_model(exported["base_folder"])
-    assert type(hf).__name__ == hf_layout.ARCHITECTURES[exported["family"]]
+    assert type(hf).__name__ == exported["family"].architecture
     shapes = {name: tuple(t.shape) for name, t in hf.state_dict().items()}
     tensors = safetensors.numpy.load_file(os.path.join(exported["adapter"], peft_export.ADAPTER_WEIGHTS))
     config = json.load(open(os.path.join(exported["adapter"], peft_export.ADAPTER_CONFIG)))
@@ -119,7 +121,7 @@ def test_peft_names_and_shapes_are_the_hf_architectures(exported) -> None:
     assert config["peft_type"] == "LORA" and config["task_type"] == "CAUSAL_LM"
     assert config["r"] == RANK and config["lora_alpha"] == ALPHA
     assert config["target_modules"] == sorted(m.split(".")[1] for m in modules)
-    if exported["family"] == "gemma3":  # the fused kv_einsum: k and v share one A, B split in halves
+    if exported["family"].name == "gemma3":  # the fused kv_einsum: k and v share one A, B split in halves
         for i in range(layers):
             a_k = tensors[f"base_model.model.model.layers.{i}.self_attn.k_proj.lora_A.weight"]
             np.testing.assert_array_equal(a_k, tensors[f"base_model.model.model.layers.{i}.self_attn.v_proj.lora_A.weight"])
@@ -154,11 +156,11 @@ def test_merged_export_logits_equal_the_lora_model(exported) -> None:
     """Read by Tunix's own loader and by transformers, the merged folder computes what training's model with LoRA does."""
     want = tunix_logits(exported["model"])
     base = exported["base"]
-    tunix_merged = models.load_hf_weights(base.spec.family, base.config, exported["merged"], dtype=jnp.float32, mesh=None)
+    tunix_merged = base.spec.family.load_weights(exported["merged"], base.config, jnp.float32, None)
     np.testing.assert_allclose(tunix_logits(tunix_merged), want, atol=2e-5, rtol=1e-5)
     np.testing.assert_allclose(hf_logits(hf_model(exported["merged"])), want, atol=2e-4, rtol=1e-4)
     config = json.load(open(os.path.join(exported["merged"], merge_export.CONFIG)))
-    assert config["architectures"] == [hf_layout.ARCHITECTURES[exported["family"]]]
+    assert config["architectures"] == [exported["family"].architecture]
 
 
 def test_prepack_format_file_merges_the_same(exported, tmp_path) -> None:

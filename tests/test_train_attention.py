@@ -118,20 +118,30 @@ def dense_case(request):
     return request.param, data, refs
 
 
+def assert_equal_in_float32(name: str, kind: str, layout: str, batch: dict, got: tuple, ref: tuple) -> None:
+    (logits, loss, grads), (ref_logits, ref_loss, ref_grads) = got, ref
+    real = batch["segment_ids"] != 0
+    err = float(np.max(np.abs(logits - ref_logits)[real]))
+    assert err <= 2e-5 * max(1.0, float(np.max(np.abs(ref_logits)))), f"{name} {kind} {layout}: {err}"
+    assert loss == pytest.approx(ref_loss, rel=1e-5), f"{name} {kind} {layout}"
+    scale = max(float(np.max(np.abs(g))) for g in ref_grads)
+    for g, r in zip(grads, ref_grads):
+        np.testing.assert_allclose(g, r, atol=2e-5 * scale, rtol=1e-4, err_msg=f"{name} {kind} {layout}")
+
+
 @pytest.mark.parametrize("kind", [attention.BLOCKED, attention.FLASH, attention.SPLASH])
 def test_float32_outputs_loss_and_gradients_equal_dense(dense_case, kind) -> None:
     name, data, refs = dense_case
     model = lora_model(name)
     for layout, batch in data.items():
-        logits, loss, grads = step(model, batch, kind)
-        ref_logits, ref_loss, ref_grads = refs[layout]
-        real = batch["segment_ids"] != 0
-        err = float(np.max(np.abs(logits - ref_logits)[real]))
-        assert err <= 2e-5 * max(1.0, float(np.max(np.abs(ref_logits)))), f"{name} {kind} {layout}: {err}"
-        assert loss == pytest.approx(ref_loss, rel=1e-5), f"{name} {kind} {layout}"
-        scale = max(float(np.max(np.abs(g))) for g in ref_grads)
-        for g, r in zip(grads, ref_grads):
-            np.testing.assert_allclose(g, r, atol=2e-5 * scale, rtol=1e-4, err_msg=f"{name} {kind} {layout}")
+        assert_equal_in_float32(name, kind, layout, batch, step(model, batch, kind), refs[layout])
+
+
+def test_llama3_blocked_equals_dense() -> None:
+    """A third family's attention pieces (train/families/llama3.py): the kernels are every family's, so blocked checks them."""
+    model, dense, batch = lora_model("tiny-llama3"), lora_model("tiny-llama3"), batches()["packed"]
+    ref = step(dense, batch, attention.DENSE)
+    assert_equal_in_float32("tiny-llama3", attention.BLOCKED, "packed", batch, step(model, batch, attention.BLOCKED), ref)
 
 
 @pytest.mark.parametrize("name", ["tiny-gemma3", "tiny-qwen3"])

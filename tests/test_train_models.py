@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from train.model import models
+from train.families import qwen3
 
 
 def _paths(state) -> list[str]:
@@ -23,7 +24,7 @@ def test_qwen3_hf_safetensors_folder_loads_through_tunix(tmp_path) -> None:
     """A Hugging Face-layout Qwen3 folder (tiny shapes) goes through Tunix's qwen3.params loader."""
     from safetensors.numpy import save_file
 
-    cfg = models.tiny_qwen3_config(vocab_size=96)
+    cfg = qwen3.tiny_config(vocab_size=96)
     d, h, kv, hd, f = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_dim
     rng = np.random.default_rng(0)
     w = lambda *shape: rng.standard_normal(shape).astype(np.float32) * 0.1  # noqa: E731
@@ -39,7 +40,7 @@ def test_qwen3_hf_safetensors_folder_loads_through_tunix(tmp_path) -> None:
         })
     save_file(tensors, str(tmp_path / "model.safetensors"))
 
-    model = models.load_hf_weights("qwen3", cfg, str(tmp_path), dtype=jnp.float32, mesh=None)
+    model = qwen3.FAMILY.load_weights(str(tmp_path), cfg, jnp.float32, None)
     np.testing.assert_array_equal(np.asarray(model.embedder.input_embedding[...]), tensors["model.embed_tokens.weight"])
     # HF [out, in] -> Tunix [in, heads, head_dim]
     q = np.asarray(model.layers[1].attn.q_proj.w[...])

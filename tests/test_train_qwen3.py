@@ -12,7 +12,7 @@ import pytest
 from testkit.pipeline import alpaca_records, write_jsonl
 from test_pipeline import pack
 from train import cli
-from train.run_config.vocab import FAMILY_VOCAB_HASH
+from train import families
 
 from testkit.shard_sets import TEST_TOKENIZER, build_shard_set
 
@@ -68,7 +68,7 @@ def test_qwen3_models_refuse_gemma3_shards(tmp_path, model, capsys) -> None:
     path = str(tmp_path / "gemma3")
     # Gemma3's identity (its vocab_hash); tiny-qwen3 takes its embedding size from it, so only the family rule can refuse.
     build_shard_set(path, num_rows=4, max_length=32, tokenizer={**TEST_TOKENIZER, "name": "gemma3", "vocab_size": 262_144,
-                                                                  "vocab_hash": FAMILY_VOCAB_HASH["gemma3"]})
+                                                                  "vocab_hash": families.by_name("gemma3").vocab_hash})
     rc = cli.main(["--shards", path, "--model", model, "--weights", "random", "--steps", "1", "--batch-size", "4"])
     assert rc == 2
     err = capsys.readouterr().err

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from prepack.format import manifest as manifest_lib, rowformat
-from train import cli, packed_trainer
+from train import cli, families, packed_trainer
 from train.measurement import metrics
 from train.run_config import mesh, vocab
 from train.run_config.config import TrainError
@@ -290,31 +290,44 @@ def test_gemma_vocab_shards_refused_by_qwen3_before_loading_weights(tmp_path, ca
     assert "vocab_size 262,144" in err and "151,936 embedding rows" in err
 
 
+GEMMA3, QWEN3, LLAMA3 = (families.by_name(name) for name in ("gemma3", "qwen3", "llama3"))
+
+
 def test_check_vocab_rules() -> None:
-    gemma, qwen = vocab.FAMILY_VOCAB_HASH["gemma3"], vocab.FAMILY_VOCAB_HASH["qwen3"]
-    vocab.check_vocab({"name": "gemma3", "vocab_size": 262_144, "vocab_hash": gemma}, "gemma3-270m", "gemma3", 262_144, "s")
-    vocab.check_vocab({"name": "hf:Qwen/Qwen3-0.6B", "vocab_size": 151_669, "vocab_hash": qwen}, "qwen3-0.6b", "qwen3", 151_936, "s")
+    gemma, qwen = GEMMA3.vocab_hash, QWEN3.vocab_hash
+    vocab.check_vocab({"name": "gemma3", "vocab_size": 262_144, "vocab_hash": gemma}, "gemma3-270m", GEMMA3, 262_144, "s")
+    vocab.check_vocab({"name": "hf:Qwen/Qwen3-0.6B", "vocab_size": 151_669, "vocab_hash": qwen}, "qwen3-0.6b", QWEN3, 151_936, "s")
     with pytest.raises(TrainError, match=r"'hf:Qwen/Qwen3-0.6B', whose vocabulary \(vocab_hash 2b126ad4a174...\) is the qwen3 tokenizer's"):
-        vocab.check_vocab({"name": "hf:Qwen/Qwen3-0.6B", "vocab_size": 151_669, "vocab_hash": qwen}, "gemma3-270m", "gemma3", 262_144, "s")
+        vocab.check_vocab({"name": "hf:Qwen/Qwen3-0.6B", "vocab_size": 151_669, "vocab_hash": qwen}, "gemma3-270m", GEMMA3, 262_144, "s")
     with pytest.raises(TrainError, match="index past it"):
-        vocab.check_vocab({"name": "x", "vocab_size": 300_000}, "gemma3-1b", "gemma3", 262_144, "s")
+        vocab.check_vocab({"name": "x", "vocab_size": 300_000}, "gemma3-1b", GEMMA3, 262_144, "s")
+
+
+def test_a_family_without_a_tokenizer_takes_any_set_that_fits() -> None:
+    """Llama3 has no tokenizer here (vocab_hash None): Gemma3's or Qwen3's ids are not refused as another
+    family's, only ids past its embedding are."""
+    assert LLAMA3.vocab_hash is None
+    for hash_ in (GEMMA3.vocab_hash, QWEN3.vocab_hash):
+        vocab.check_vocab({"name": "t", "vocab_size": 262_144, "vocab_hash": hash_}, "tiny-llama3", LLAMA3, 262_144, "s")
+    with pytest.raises(TrainError, match="index past it"):
+        vocab.check_vocab({"name": "t", "vocab_size": 262_144, "vocab_hash": GEMMA3.vocab_hash}, "tiny-llama3", LLAMA3, 1000, "s")
 
 
 def test_vocab_compatibility_is_judged_by_hash_not_name() -> None:
-    qwen = vocab.FAMILY_VOCAB_HASH["qwen3"]
+    qwen = QWEN3.vocab_hash
     # A name that says qwen over another vocabulary is not refused ...
-    vocab.check_vocab({"name": "my-qwen-remix", "vocab_size": 1000, "vocab_hash": "0" * 64}, "gemma3-270m", "gemma3", 262_144, "s")
+    vocab.check_vocab({"name": "my-qwen-remix", "vocab_size": 1000, "vocab_hash": "0" * 64}, "gemma3-270m", GEMMA3, 262_144, "s")
     # ... and Qwen's vocabulary under any name is.
     with pytest.raises(TrainError, match="'custom', whose vocabulary .* is the qwen3 tokenizer's.*gemma3-270m is a gemma3 model"):
-        vocab.check_vocab({"name": "custom", "vocab_size": 151_669, "vocab_hash": qwen}, "gemma3-270m", "gemma3", 262_144, "s")
+        vocab.check_vocab({"name": "custom", "vocab_size": 151_669, "vocab_hash": qwen}, "gemma3-270m", GEMMA3, 262_144, "s")
 
 
 def test_family_vocab_hashes_are_the_tokenizers_own() -> None:
     from prepack.text.tokenizer import load_tokenizer
 
-    assert vocab.FAMILY_VOCAB_HASH["qwen3"] == load_tokenizer("qwen3").identity()["vocab_hash"]
+    assert QWEN3.vocab_hash == load_tokenizer("qwen3").identity()["vocab_hash"]
     # Gemma's needs its downloaded vocabulary: tests/test_tokenizer.py pins the same hash.
-    assert vocab.FAMILY_VOCAB_HASH["gemma3"] == "956ce6ae17ebe03ad27594308e5310f6363616b8b786f47156d524e8f3e0e2f3"
+    assert GEMMA3.vocab_hash == "956ce6ae17ebe03ad27594308e5310f6363616b8b786f47156d524e8f3e0e2f3"
 
 
 def test_model_without_offline_weights_asks_for_them(shard_sets, capsys) -> None:

@@ -1,6 +1,6 @@
 """`prepack train`: LoRA SFT with Tunix on a shard set, packed or one example per row.
 
-    prepack train --shards DIR --model {gemma3-270m,gemma3-1b,qwen3-0.6b,tiny,tiny-gemma3,tiny-qwen3}
+    prepack train --shards DIR --model {gemma3-270m,gemma3-1b,qwen3-0.6b,tiny,tiny-gemma3,tiny-qwen3,tiny-llama3}
                   --lora-rank R --batch-size B --steps N [--mesh fsdp=F,tp=T] [--eval-shards DIR]
                   [--weights HF_DIR|random|gguf|FILE.gguf] [--metrics-out PATH] [--learning-rate LR] [--seed S]
                   [--checkpoint-dir DIR [--checkpoint-every N] [--checkpoint-keep K]]
@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shards", required=True, help="shard set folder (local, gcsfuse or gs://) with manifest.json")
     p.add_argument("--model", default="tiny",
                    help="gemma3-270m (its packaged weights: the pretrained model, not the instruction-tuned one), "
-                   "gemma3-1b, qwen3-0.6b, tiny-gemma3, tiny-qwen3 (tiny random models); tiny is tiny-gemma3 under a "
+                   "gemma3-1b, qwen3-0.6b, tiny-gemma3, tiny-qwen3, tiny-llama3 (tiny random models); tiny is tiny-gemma3 under a "
                    "shorter name, the same model")
     p.add_argument("--lora-rank", type=whole_number("--lora-rank"), default=8)
     p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default 2 x rank)")

@@ -40,14 +40,14 @@ class GenerationPlan:
         return self.weight_bytes + self.kv_cache_bytes + self.activation_bytes
 
 
-def weight_bytes(family: str, config: Any) -> int:
+def weight_bytes(family: Any, config: Any) -> int:
     """The model's parameters in bytes, from an abstract trace (shapes only, nothing allocated)."""
     import jax
     from flax import nnx
 
     from train.model import models
 
-    cls = models.model_class(family)
+    cls = family.model_class()
     abstract = nnx.eval_shape(lambda: cls(config, rngs=models.traced_rngs(0)))
     leaves = jax.tree.leaves(nnx.state(abstract, nnx.Param))
     return int(sum(leaf.size * leaf.dtype.itemsize for leaf in leaves))
@@ -78,7 +78,7 @@ def activation_bytes(config: Any, *, prompt_bucket: int, cache_tokens: int, comp
     return logits + scores + mlp
 
 
-def plan(family: str, config: Any, *, batch_size: int, max_new_tokens: int, prompt_tokens: int, compute_dtype: Any,
+def plan(family: Any, config: Any, *, batch_size: int, max_new_tokens: int, prompt_tokens: int, compute_dtype: Any,
          budget: tuple[int, str] | None = None) -> GenerationPlan:
     """The weights, KV cache and per-sequence activations of a run (see the module's note on what is counted)."""
     import numpy as np
@@ -87,7 +87,8 @@ def plan(family: str, config: Any, *, batch_size: int, max_new_tokens: int, prom
 
     bucket = next_power_of_2(prompt_tokens) if prompt_tokens else 0
     cache_tokens = bucket + max_new_tokens
-    per_token = int(config.num_layers) * 2 * int(config.num_kv_heads) * int(config.head_dim) * np.dtype(compute_dtype).itemsize
+    layers, kv_heads, head_dim = family.kv_dims(config)
+    per_token = layers * 2 * kv_heads * head_dim * np.dtype(compute_dtype).itemsize
     per_row = activation_bytes(config, prompt_bucket=bucket, cache_tokens=cache_tokens, compute_dtype=compute_dtype)
     limit, source = budget if budget is not None else memory_plan.budget_bytes(None)
     return GenerationPlan(weight_bytes(family, config), batch_size * cache_tokens * per_token, batch_size * per_row, limit, source)

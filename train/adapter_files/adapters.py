@@ -72,7 +72,7 @@ def read_adapter(path: str) -> Adapter:
                    _int(read.meta.get("vocab_size"), "vocab_size", path), dict(read.meta), read.factors)
 
 
-def qwix_factors(family: str, config: Any, hf: dict[str, tuple[np.ndarray, np.ndarray]],
+def qwix_factors(family: Any, config: Any, hf: dict[str, tuple[np.ndarray, np.ndarray]],
                  shapes: dict[tuple[int | None, str], tuple[tuple[int, ...], tuple[int, ...]]],
                  path: str) -> dict[tuple[int | None, str], tuple[np.ndarray, np.ndarray]]:
     """PEFT's (lora_A [r, in], lora_B [out, r]) per HF module -> qwix's (A, B) per Tunix kernel, shaped as
@@ -109,7 +109,7 @@ def qwix_factors(family: str, config: Any, hf: dict[str, tuple[np.ndarray, np.nd
     return out
 
 
-def _set_peft(model: Any, family: str, adapter: Adapter) -> None:
+def _set_peft(model: Any, family: Any, adapter: Adapter) -> None:
     import jax
     import jax.numpy as jnp
     from flax import nnx

@@ -9,7 +9,7 @@ the adapter was trained on that one; QLoRA adapters merge into the unquantized b
 merge_and_unload does). Every base weight is converted to the model's Hugging Face layout
 (train/adapter_files/hf_layout.py), each adapted weight gets W + lora_alpha / r * lora_B @ lora_A (in float32,
 then cast to --dtype, default the training dtype), and DIR gets `model.safetensors` and
-`config.json` (transformers' Gemma3TextConfig / Qwen3Config): what
+`config.json` (transformers' config class of the family: Gemma3TextConfig, Qwen3Config, LlamaConfig): what
 `AutoModelForCausalLM.from_pretrained(DIR)` and Tunix's own safetensors loaders read. The
 tokenizer files are not written: take them from the base model's repository.
 """
@@ -134,7 +134,7 @@ def read_adapter(path: str) -> Adapter:
     return Adapter(factors, rank, alpha, {**meta, "lora_rank": rank, "lora_alpha": alpha}, dict(raw), peft=False)
 
 
-def base_hf_weights(model: Any, family: str, config: Any) -> dict[str, np.ndarray]:
+def base_hf_weights(model: Any, family: Any, config: Any) -> dict[str, np.ndarray]:
     """The model's base parameters (float32, on the host) under their Hugging Face names."""
     import jax
     from flax import nnx
@@ -224,8 +224,8 @@ def merge_export(lora: str, output: str, *, weights: str | None = None, dtype: s
     # The adapter was checked finite when read; the base or the product may still not be (an overflow in --dtype).
     check_finite(merged, f"--output {output}: not written", "the merged weights would be unusable: check the base --weights "
                  "and the adapter")
-    write_hf_folder(output, merged, hf_layout.hf_config(family, built.config, dtype), dtype, overwrite)
-    summary = {"output": output, "model": adapter.meta["model"], "architecture": hf_layout.ARCHITECTURES[family],
+    write_hf_folder(output, merged, family.hf_config(built.config, dtype), dtype, overwrite)
+    summary = {"output": output, "model": adapter.meta["model"], "architecture": family.architecture,
                "tensors": len(merged), "adapted": len(adapter.factors), "dtype": dtype}
     print(f"wrote {output}: {summary['architecture']} {dtype}, {len(merged)} tensors, {len(adapter.factors)} with the "
           f"adapter merged (alpha / r = {adapter.scale:g})", file=say, flush=True)

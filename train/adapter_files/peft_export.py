@@ -29,6 +29,7 @@ import numpy as np
 
 from prepack import storage
 from prepack.storage import own_files
+from train import families
 from train.adapter_files import hf_layout
 from train.adapter_files.lora_file import LoraFileError, check_finite
 
@@ -36,8 +37,6 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 PREFIX = "base_model.model."
 META_PREFIX = "prepack_"
-# The Hugging Face checkpoints the real models correspond to (adapter_config's base_model_name_or_path).
-HF_BASE = {"gemma3-270m": "google/gemma-3-270m", "gemma3-1b": "google/gemma-3-1b-pt", "qwen3-0.6b": "Qwen/Qwen3-0.6B"}
 # adapter_model.safetensors and adapter_config.json are read whole: refuse absurd ones first.
 MAX_CONFIG_BYTES = 1 << 20
 
@@ -55,7 +54,7 @@ def lora_factors(model: Any) -> dict[tuple[int | None, str], tuple[np.ndarray, n
     return {key: (pair["a"], pair["b"]) for key, pair in sorted(pairs.items(), key=lambda kv: (kv[0][0] or -1, kv[0][1]))}
 
 
-def peft_tensors(family: str, config: Any, model: Any) -> dict[str, np.ndarray]:
+def peft_tensors(family: families.Family, config: Any, model: Any) -> dict[str, np.ndarray]:
     """The adapter's tensors under PEFT's names."""
     hf = hf_layout.lora_to_hf(family, lora_factors(model), hf_layout.Dims.of(config))
     out = {}
@@ -65,11 +64,17 @@ def peft_tensors(family: str, config: Any, model: Any) -> dict[str, np.ndarray]:
     return out
 
 
+def hf_base(model_name: str) -> str | None:
+    """The Hugging Face checkpoint the model corresponds to (its family module's ModelSpec.hf_base)."""
+    spec = families.MODELS.get(model_name)
+    return spec.hf_base if spec is not None else None
+
+
 def adapter_config(model_name: str, rank: int, alpha: float, target_modules: list[str], base_path: str | None) -> dict[str, Any]:
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base_path or HF_BASE.get(model_name),
+        "base_model_name_or_path": base_path or hf_base(model_name),
         "r": int(rank),
         "lora_alpha": float(alpha),
         "target_modules": sorted(target_modules),
@@ -89,7 +94,7 @@ def adapter_config(model_name: str, rank: int, alpha: float, target_modules: lis
     }
 
 
-def save_peft(model: Any, family: str, config: Any, path: str, *, model_name: str, rank: int, alpha: float,
+def save_peft(model: Any, family: families.Family, config: Any, path: str, *, model_name: str, rank: int, alpha: float,
               metadata: Mapping[str, Any], overwrite: bool = False) -> dict[str, str]:
     """Writes the PEFT folder; returns the safetensors metadata written. Refuses NaN/Inf adapters."""
     import jax
@@ -103,7 +108,7 @@ def save_peft(model: Any, family: str, config: Any, path: str, *, model_name: st
     meta = {"format": "pt"}
     meta.update({META_PREFIX + k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items() if v is not None})
     meta.update({META_PREFIX + "model": model_name, META_PREFIX + "lora_rank": str(rank), META_PREFIX + "lora_alpha": json.dumps(float(alpha)),
-                 META_PREFIX + "family": family})
+                 META_PREFIX + "family": family.name})
     targets = sorted({name.split(".")[-3] for name in tensors})
     weights_path = metadata.get("base_weights")
     base_path = weights_path if isinstance(weights_path, str) and os.path.isdir(weights_path) else None

@@ -9,11 +9,12 @@ splash  JAX's splash kernel (jax.experimental.pallas.ops.tpu.splash_attention) w
         SegmentIds; on a backend other than TPU it runs in Pallas interpret mode (tests).
 
 For blocked, flash and splash the model's `attention_mask` argument carries the [B, L] segment ids
-instead of a mask: Gemma3 and Qwen3 (Tunix 0.1.7) hand `attention_mask` unchanged to every
-layer's Attention, so each layer's Attention is switched to a subclass (`install`) whose
-`block` reads the ids there. Its projections, norms and RoPE are the parent module's own
-submodules and functions (so qwix's LoRA on q/k/v/o applies; install after apply_lora); only
-the softmax(q k^T) v step is replaced. Gemma3's local layers pass their sliding window.
+instead of a mask: Gemma3, Qwen3 and Llama3 (Tunix 0.1.7) hand `attention_mask` unchanged to every
+layer's Attention, so each layer's Attention is switched to a subclass of its family's (`install`,
+`segment_class`) whose `block` reads the ids there. Its projections, norms and RoPE are the parent
+module's own submodules and functions, applied by the family's module (`Family.attention_inputs`;
+so qwix's LoRA on q/k/v/o applies; install after apply_lora); only the softmax(q k^T) v step is
+replaced. Gemma3's local layers pass their sliding window.
 
 Tunix's Qwen3 flash path (`use_flash_attention`) is not used: in 0.1.7 it calls
 `make_splash_mha` without `interpret` (so it cannot run off TPU), needs a mesh with `fsdp`
@@ -31,7 +32,9 @@ import jax.numpy as jnp
 if TYPE_CHECKING:  # the kernels need only jax (benchmarks/bench_attention.py runs them where flax is absent)
     from flax import nnx
 
+from train import families
 from train.attention_kernels.blocked_attention import blocked_attention
+from train.families import Family
 
 DENSE, BLOCKED, FLASH, SPLASH = "dense", "blocked", "flash", "splash"
 KINDS = (DENSE, BLOCKED, FLASH, SPLASH)
@@ -126,45 +129,26 @@ def _check(segment_ids: jax.Array, cache: Any) -> None:
         raise ValueError(f"blocked/flash/splash attention reads [B, L] segment ids as attention_mask, got shape {segment_ids.shape}")
 
 
-@functools.cache
-def _gemma3_class() -> type:
-    from tunix.models.gemma3 import model as g3
-
-    class SegmentIdsAttention(g3.Attention):
-        """Gemma3 Attention whose attn_mask argument is [B, L] segment ids (training only)."""
-
-        def block(self, x, segment_pos, cache, attn_mask):
-            _check(attn_mask, cache)
-            if self.use_qkv_einsum:
-                query, key, value = self.qkv_einsum(x)
-            else:
-                query = self.q_einsum(x)
-                key, value = self.kv_einsum(x)
-            rope = dict(head_dim=self.head_dim, base_frequency=self.rope_base_frequency, scale_factor=self.rope_scale_factor)
-            query = g3.apply_rope(self._query_norm(query), segment_pos, **rope) * self.query_pre_attn_scalar
-            key = g3.apply_rope(self._key_norm(key), segment_pos, **rope)
-            window = self.sliding_window_size if self.attn_type == g3.AttentionType.LOCAL_SLIDING else None
-            encoded = attend(self.attention_kind, query, key, value, attn_mask, window, self.attention_tile)
-            return None, self.attn_vec_einsum(encoded)
-
-    return SegmentIdsAttention
+# The classes segment_class has made: restore_tunix gives their modules Tunix's class back.
+_SEGMENT_CLASSES: set[type] = set()
 
 
 @functools.cache
-def _qwen3_class() -> type:
-    from tunix.models.qwen3 import model as q3
+def segment_class(family: Family) -> type:
+    """The family's Tunix Attention whose attn_mask argument is [B, L] segment ids (training only):
+    the family computes the query, key and value and projects the result as Tunix's block does
+    (`Family.attention_inputs`, `attention_output`); the attention itself is the kind's kernel."""
 
-    class SegmentIdsAttention(q3.Attention):
-        """Qwen3 Attention whose attn_mask argument is [B, L] segment ids (training only)."""
+    class SegmentIdsAttention(family.attention_class()):
+        __doc__ = f"{family.name} Attention whose attn_mask argument is [B, L] segment ids (training only)."
 
         def block(self, x, segment_pos, cache, attn_mask, segment_ids=None):
             _check(attn_mask, cache)
-            query = q3.apply_rope(self.q_norm(self.q_proj(x)), segment_pos, head_dim=self.head_dim)
-            key = q3.apply_rope(self.k_norm(self.k_proj(x)), segment_pos, head_dim=self.head_dim)
-            value = self.v_proj(x)
-            encoded = attend(self.attention_kind, query * self.scale, key, value, attn_mask, None, self.attention_tile)
-            return None, self.o_proj(encoded)
+            query, key, value, window = family.attention_inputs(self, x, segment_pos)
+            encoded = attend(self.attention_kind, query, key, value, attn_mask, window, self.attention_tile)
+            return None, family.attention_output(self, encoded)
 
+    _SEGMENT_CLASSES.add(SegmentIdsAttention)
     return SegmentIdsAttention
 
 
@@ -175,7 +159,7 @@ def install(model: nnx.Module, kind: str, tile: int | None = None) -> nnx.Module
         raise ValueError(f"unknown attention {kind!r}; choose one of {KINDS}")
     if kind == DENSE:
         return model
-    cls = _gemma3_class() if hasattr(model.config, "num_embed") else _qwen3_class()
+    cls = segment_class(families.of(model))
     for layer in model.layers:
         attn = layer.attn
         if not isinstance(attn, cls.__mro__[1]):
@@ -189,9 +173,8 @@ def install(model: nnx.Module, kind: str, tile: int | None = None) -> nnx.Module
 def restore_tunix(model: nnx.Module) -> nnx.Module:
     """Gives every layer Tunix's own Attention back (undoes `install`): generation runs with a KV
     cache, which only Tunix's attention has (prepack generate, and --eval-generate during a run)."""
-    ours = (_gemma3_class(), _qwen3_class())
     for layer in model.layers:
         attn = layer.attn
-        if type(attn) in ours:
+        if type(attn) in _SEGMENT_CLASSES:
             attn.__class__ = type(attn).__mro__[1]
     return model

@@ -155,9 +155,10 @@ def _ids_sampler_class() -> type:
 
 
 def _model_dims(model: Any) -> tuple[int, int, int]:
-    """(layers, kv heads, head dim) of a Gemma3 or Qwen3 model, for the KV cache."""
-    config = model.config
-    return int(config.num_layers), int(config.num_kv_heads), int(config.head_dim)
+    """(layers, kv heads, head dim) of the model, for the KV cache (its family's `kv_dims`)."""
+    from train import families
+
+    return families.of(model).kv_dims(model.config)
 
 
 class Generator:

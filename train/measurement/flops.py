@@ -45,6 +45,8 @@ from typing import Any
 
 import numpy as np
 
+from train import families
+
 # Attention FLOPs per (query, key) pair per query head, in units of head_dim: (forward, backward).
 # Counted in each kind's traced step (the matrix products of its jaxpr, loops by their trips):
 # tests/test_train_flops.py.
@@ -64,7 +66,7 @@ class ModelCost:
 
 
 def model_cost(model: Any) -> ModelCost:
-    """Reads the shapes of a built model (Tunix Gemma3 or Qwen3, qwix LoRA applied or not)."""
+    """Reads the shapes of a built model (a Tunix model of any family, qwix LoRA applied or not)."""
     from flax import nnx
 
     layer_weights = lora_weights = 0
@@ -74,15 +76,11 @@ def model_cost(model: Any) -> ModelCost:
         elif isinstance(v, nnx.Param) and len(v.shape) >= 2:  # 1-D: norm scales
             layer_weights += int(np.prod(v.shape))
     config = model.config
-    vocab = getattr(config, "num_embed", None) or config.vocab_size
-    windows = tuple(_window(layer.attn) for layer in model.layers)
+    family = families.of(model)
+    vocab = family.vocab_size(config)
+    windows = tuple(family.window(layer.attn) for layer in model.layers)
     return ModelCost(layer_weights, lora_weights, int(vocab) * int(config.embed_dim), int(config.num_heads),
                      int(config.head_dim), windows)
-
-
-def _window(attn: Any) -> int | None:
-    kind = getattr(attn, "attn_type", None)
-    return int(attn.sliding_window_size) if kind is not None and kind.name == "LOCAL_SLIDING" else None
 
 
 @dataclasses.dataclass(frozen=True)

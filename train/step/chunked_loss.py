@@ -1,7 +1,8 @@
 """`--loss-chunk-tokens N`: the masked loss without a [B, L, V] logits array.
 
 The model runs with `output_hidden_states=True` (Tunix 0.1.7's own option on Gemma3 and
-Qwen3: it sows the final-normed hidden states as `nnx.Intermediate('all_hidden_states')`);
+Qwen3, the layer-scan class's on Llama3: it sows the final-normed hidden states as
+`nnx.Intermediate('all_hidden_states')`);
 the states are popped off the model and its logits output is left unused, so XLA removes
 the model's own output projection from the program. Nothing of Tunix is forked or wrapped:
 the projection is redone here from the model's own weights, exactly as its decode does:
@@ -9,7 +10,8 @@ the projection is redone here from the model's own weights, exactly as its decod
 - Gemma3: `x @ embedder.input_embedding.T` (tied), in the parameter dtype, then the final
   logit soft-cap `tanh(z / c) * c` when the config has one (`final_logit_softcap`; 0.1.7's
   Gemma3 has none);
-- Qwen3 tied: the same in `embedder.dtype`; untied: `x @ lm_head.w` (`BTD,DV->BTV`).
+- Qwen3 tied: the same in `embedder.dtype`; untied: `x @ lm_head.w` (`BTD,DV->BTV`);
+- Llama3 likewise, in the weights' dtype (each family's `output_head`, train/families/).
 
 The projection is most of a LoRA step's work for these models (Gemma3 270M's tied
 262,144 x 640 head is 168M of its 268M parameters), and most positions of a batch are no
@@ -36,6 +38,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from train import families
 from train.step import fused_head
 from train.step import loss as loss_lib
 
@@ -61,18 +64,8 @@ class Projection:
 
 
 def output_projection(model: nnx.Module) -> Projection:
-    """What the model's decode multiplies its final hidden states with (Gemma3 or Qwen3)."""
-    config = model.config
-    softcap = getattr(config, "final_logit_softcap", None)
-    if hasattr(config, "num_embed"):  # Gemma3: tied; decode is jnp.dot(x, input_embedding.T)
-        emb = model.embedder.input_embedding[...]
-        return Projection(emb, True, emb.dtype, softcap)
-    if config.use_tied_embedding:  # Qwen3 tied: both cast to the embedder's compute dtype
-        return Projection(model.embedder.input_embedding[...], True, model.embedder.dtype, softcap)
-    head = model.lm_head
-    if getattr(head, "einsum_str", "BTD,DV->BTV") != "BTD,DV->BTV":
-        raise ValueError(f"unexpected Qwen3 lm_head einsum {head.einsum_str!r}; the chunked loss needs BTD,DV->BTV")
-    return Projection(head.w[...], False, config.dtype, softcap)
+    """What the model's decode multiplies its final hidden states with (its family's `output_head`)."""
+    return Projection(*families.of(model).output_head(model))
 
 
 def final_hidden_states(model: nnx.Module, input_tokens: jax.Array, positions: jax.Array,

@@ -19,7 +19,10 @@ layer loop replaced by `scan_layers`: each layer is split into graph and state, 
 (one structure for every layer) are stacked leaf by leaf, and the scan merges each layer's
 graph kind with its slice and calls the layer as Tunix wrote it. Gemma3's local and global
 layers differ only in static fields (attention type, RoPE base), so each step picks its
-kind's graph with `lax.switch` on a per-layer index.
+kind's graph with `lax.switch` on a per-layer index. What differs between families (the
+embedding, the layers' extra arguments, the logits, the layer kinds) is the family's
+(train/families/). Tunix's Llama3 forward takes no `output_hidden_states`: the subclass adds
+that argument and, when it is asked without the scan, runs Tunix's layer loop itself.
 """
 
 from __future__ import annotations
@@ -34,10 +37,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from train import families
+
 
 def _kind(layer: nnx.Module) -> Any:
     """What makes two layers' graphs differ beyond their weights (Gemma3: local or global)."""
-    return getattr(layer.attn, "attn_type", None)
+    return families.of(layer).layer_kind(layer)
 
 
 def _stacked(layers: Sequence[nnx.Module], fix: str) -> tuple[list[Any], Any, list[jax.Array]]:
@@ -120,30 +125,33 @@ def scan_periods(layers: Sequence[nnx.Module], x: jax.Array, *args: Any, **kwarg
 
 @functools.cache
 def _scannable_class(base: type) -> type:
-    from tunix.models.gemma3 import model as g3
-
-    gemma3 = issubclass(base, g3.Gemma3)
-
+    family = families.of(base)
     signature = inspect.signature(base.__call__)
 
     def __call__(self, *args, **kwargs):
-        if not self.layer_scan:
+        hidden = None  # Tunix's forward takes output_hidden_states itself
+        if not family.sows_hidden_states:  # ours takes it as Tunix's 5th argument and hands Tunix the rest
+            args = list(args)
+            hidden = bool(args.pop(4) if len(args) > 4 else kwargs.pop("output_hidden_states", False))
+        if not self.layer_scan and not hidden:
             return base.__call__(self, *args, **kwargs)
         bound = signature.bind(self, *args, **kwargs)
         bound.apply_defaults()
         # Tunix's names: Gemma3 (last_tokens, ..., images=), Qwen3 (input_tokens, ..., segment_ids=).
-        _, tokens, positions, cache, attention_mask, output_hidden_states, *_ = bound.args
+        _, tokens, positions, cache, attention_mask, *rest = bound.args
+        output_hidden_states = rest[0] if hidden is None else hidden
         named = bound.arguments
         if cache is not None or named.get("images") is not None:  # decoding, or images: Tunix's loop
             return base.__call__(self, *args, **kwargs)
-        # Tunix's forward (0.1.7), with its layer loop replaced by scan_layers.
-        if gemma3:
-            x = self._encode_and_get_inputs(tokens=tokens)
-            x = scan_layers(self.layers, x, positions, None, attention_mask, remat=self.layer_scan_remat)
+        # Tunix's forward (0.1.7), with its layer loop replaced by scan_layers (or, asked only for the
+        # hidden states of a family whose forward cannot sow them, Tunix's loop).
+        x = family.embed(self, tokens)
+        layer_kwargs = family.layer_kwargs(named)
+        if self.layer_scan:
+            x = scan_layers(self.layers, x, positions, None, attention_mask, remat=self.layer_scan_remat, **layer_kwargs)
         else:
-            x = self.embedder.encode(tokens)
-            x = scan_layers(self.layers, x, positions, None, attention_mask, remat=self.layer_scan_remat,
-                            segment_ids=named.get("segment_ids"))
+            for layer in self.layers:
+                x = layer(x, positions, None, attention_mask, **layer_kwargs)[1]
         x = self.final_norm(x)
         if output_hidden_states:
             with warnings.catch_warnings():
@@ -151,10 +159,7 @@ def _scannable_class(base: type) -> type:
                 # 0.12 deprecates sow outside nnx.capture, a warning Tunix's own call raises under its name.
                 warnings.simplefilter("ignore", DeprecationWarning)
                 self.sow(nnx.Intermediate, "all_hidden_states", x)
-        if gemma3:
-            return self.embedder.decode(x), None
-        logits = self.embedder.decode(x) if self.config.use_tied_embedding else self.lm_head(x)
-        return jnp.astype(logits, jnp.float32), None
+        return family.logits(self, x), None
 
     return type(base.__name__, (base,), {"__call__": __call__, "__module__": __name__})
 
