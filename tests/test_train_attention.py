@@ -100,22 +100,35 @@ def batches() -> dict[str, dict]:
     return {"packed": testing.packed_batch(examples, PLAN, L), "unpacked": testing.unpacked_batch(examples, L)}
 
 
-def step(model, batch, kind, dtype=jnp.float32):
-    """(logits, loss, LoRA gradients) with `kind` attention installed on `model`."""
+def of_one_shape(data: dict[str, dict]) -> dict[str, dict]:
+    """The layouts' batches with as many rows each: the shorter ones are followed by rows of padding alone
+    (no loss; padding attends to itself), so each program compiles once for every layout."""
+    rows = max(len(batch["segment_ids"]) for batch in data.values())
+    return {layout: {key: np.concatenate([field, np.zeros((rows - len(field), *field.shape[1:]), field.dtype)])
+                     for key, field in batch.items()} for layout, batch in data.items()}
+
+
+def step(model, data, kind, dtype=jnp.float32) -> dict[str, tuple]:
+    """{layout: (logits, loss, LoRA gradients)} with `kind` attention installed on `model`."""
     attention.install(model, kind, tile=128 if kind == attention.SPLASH else 16)  # flash: 8 blocks of 16 per row
-    inputs = model_inputs.make_gen_model_input_fn(attention=kind)(batch)
-    logits = nnx.jit(lambda m, i: m(i["input_tokens"], i["positions"], None, i["attention_mask"])[0])(model, inputs)
+    forward = nnx.jit(lambda m, i: m(i["input_tokens"], i["positions"], None, i["attention_mask"])[0])
     fn = precision.in_compute_dtype(loss_lib.masked_loss_fn_with_aux, dtype)
     grad_fn = nnx.jit(nnx.value_and_grad(fn, argnums=nnx.DiffState(0, nnx.LoRAParam), has_aux=True))
-    (loss, _), grads = grad_fn(model, **inputs)
-    return np.asarray(logits, np.float32), float(loss), [np.asarray(g, np.float32) for g in jax.tree.leaves(grads)]
+    results = {}
+    for layout, batch in data.items():
+        inputs = model_inputs.make_gen_model_input_fn(attention=kind)(batch)
+        logits = forward(model, inputs)
+        (loss, _), grads = grad_fn(model, **inputs)
+        results[layout] = (np.asarray(logits, np.float32), float(loss), [np.asarray(g, np.float32) for g in jax.tree.leaves(grads)])
+    return results
 
 
 @pytest.fixture(scope="module", params=["tiny-gemma3", "tiny-qwen3"])
 def dense_case(request):
-    data = batches()
-    refs = {layout: step(lora_model(request.param), b, attention.DENSE) for layout, b in data.items()}
-    return request.param, data, refs
+    """The dense reference of one model, computed once for the kernels' tests; the model is theirs to
+    install each kernel on (its weights do not change)."""
+    data, model = of_one_shape(batches()), lora_model(request.param)
+    return request.param, data, step(model, data, attention.DENSE), model
 
 
 def assert_equal_in_float32(name: str, kind: str, layout: str, batch: dict, got: tuple, ref: tuple) -> None:
@@ -131,24 +144,26 @@ def assert_equal_in_float32(name: str, kind: str, layout: str, batch: dict, got:
 
 @pytest.mark.parametrize("kind", [attention.BLOCKED, attention.FLASH, attention.SPLASH])
 def test_float32_outputs_loss_and_gradients_equal_dense(dense_case, kind) -> None:
-    name, data, refs = dense_case
-    model = lora_model(name)
+    name, data, refs, model = dense_case
+    results = step(model, data, kind)
     for layout, batch in data.items():
-        assert_equal_in_float32(name, kind, layout, batch, step(model, batch, kind), refs[layout])
+        assert_equal_in_float32(name, kind, layout, batch, results[layout], refs[layout])
 
 
 def test_llama3_blocked_equals_dense() -> None:
     """A third family's attention pieces (train/families/llama3.py): the kernels are every family's, so blocked checks them."""
-    model, dense, batch = lora_model("tiny-llama3"), lora_model("tiny-llama3"), batches()["packed"]
-    ref = step(dense, batch, attention.DENSE)
-    assert_equal_in_float32("tiny-llama3", attention.BLOCKED, "packed", batch, step(model, batch, attention.BLOCKED), ref)
+    model, data = lora_model("tiny-llama3"), {"packed": batches()["packed"]}
+    ref = step(model, data, attention.DENSE)["packed"]  # installing a kernel leaves the weights as they are
+    assert_equal_in_float32("tiny-llama3", attention.BLOCKED, "packed", data["packed"], step(model, data, attention.BLOCKED)["packed"], ref)
 
 
 @pytest.mark.parametrize("name", ["tiny-gemma3", "tiny-qwen3"])
 def test_bfloat16_blocked_equals_dense_within_noise(name) -> None:
-    batch = batches()["packed"]
-    ref_logits, ref_loss, ref_grads = step(lora_model(name, "bfloat16"), batch, attention.DENSE, jnp.bfloat16)
-    logits, loss, grads = step(lora_model(name, "bfloat16"), batch, attention.BLOCKED, jnp.bfloat16)
+    data = {"packed": batches()["packed"]}
+    batch = data["packed"]
+    model = lora_model(name, "bfloat16")  # dense first: installing blocked changes the attention, not the weights
+    ref_logits, ref_loss, ref_grads = step(model, data, attention.DENSE, jnp.bfloat16)["packed"]
+    logits, loss, grads = step(model, data, attention.BLOCKED, jnp.bfloat16)["packed"]
     real = batch["segment_ids"] != 0
     # blocked keeps scores and softmax in float32, dense rounds them to bfloat16: differences are bfloat16's.
     assert float(np.mean(np.abs(logits - ref_logits)[real])) <= 0.02 * float(np.mean(np.abs(ref_logits)[real]))

@@ -15,6 +15,8 @@ needs the device (benchmarks/bench_attention.py).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -60,6 +62,18 @@ def grads(f, q, k, v, seg):
     return jax.jit(jax.grad(lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v, seg).astype(jnp.float32))), argnums=(0, 1, 2)))(q, k, v)
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def output_and_grads(f, q, k, v, seg):
+    """f's output and the gradients `grads` takes, from one program (one compile, not one for the output
+    and one for the gradients); f is static: the same f on the same shapes compiles once."""
+    def loss(q, k, v):
+        out = f(q, k, v, seg)
+        return jnp.sum(jnp.sin(out.astype(jnp.float32))), out
+
+    gradients, out = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    return out, gradients
+
+
 # (style, L, block, window, query heads, KV heads, head_dim): the GPU form at small blocks (what
 # a CPU runs), the TPU form at its 128-lane blocks; Gemma3's 4:1 heads with and without a window,
 # Qwen3's 2:1, and head_dims that pad (12 -> 16 on the GPU form; 160 -> 256 on the TPU form). The
@@ -80,10 +94,10 @@ CASES = [
 def test_float32_outputs_and_gradients_equal_dense(style, length, block, window, heads, kv_heads, head_dim) -> None:
     q, k, v = qkv(length, heads, kv_heads, head_dim)
     seg = jnp.asarray(rows(length))
-    got = jax.jit(flash(style, block, window))(q, k, v, seg)
-    np.testing.assert_allclose(got, dense_reference(q, k, v, seg, window), atol=1e-5)
-    want = grads(lambda *a: dense_reference(*a, window), q, k, v, seg)
-    for name, g, w in zip("qkv", grads(flash(style, block, window), q, k, v, seg), want):
+    got, got_grads = output_and_grads(flash(style, block, window), q, k, v, seg)
+    expected, want = output_and_grads(functools.partial(dense_reference, window=window), q, k, v, seg)
+    np.testing.assert_allclose(got, expected, atol=1e-5)
+    for name, g, w in zip("qkv", got_grads, want):
         np.testing.assert_allclose(g, w, atol=2e-5 * float(jnp.max(jnp.abs(w))), err_msg=f"d{name}")
 
 
@@ -123,11 +137,10 @@ def test_bfloat16_is_within_bfloat16s_noise_of_float32(style, length, block) -> 
     seg = jnp.asarray(rows(length))
     exact = dense_reference(q, k, v, seg, 12)
     bf = tuple(x.astype(jnp.bfloat16) for x in (q, k, v))
-    ours = jax.jit(flash(style, block, 12))(*bf, seg).astype(jnp.float32)
-    theirs = dense_reference(*bf, seg, 12).astype(jnp.float32)
+    ours, g_ours = output_and_grads(flash(style, block, 12), *bf, seg)
+    theirs, g_theirs = output_and_grads(functools.partial(dense_reference, window=12), *bf, seg)
+    ours, theirs = ours.astype(jnp.float32), theirs.astype(jnp.float32)
     assert ours.dtype == jnp.float32 and float(jnp.max(jnp.abs(ours - exact))) <= 2 * float(jnp.max(jnp.abs(theirs - exact)))
-    g_ours = grads(flash(style, block, 12), *bf, seg)
-    g_theirs = grads(lambda *a: dense_reference(*a, 12), *bf, seg)
     for a, b in zip(g_ours, g_theirs):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         assert np.linalg.norm(a - b) <= 0.03 * np.linalg.norm(b)
@@ -142,13 +155,12 @@ def test_skipped_blocks_are_never_read(style, length, block) -> None:
     q, k, v = qkv(length, 4, 1, 16)
     k, v = (x.at[:, :2 * block].set(jnp.nan) for x in (k, v))
     f = flash(style, block, None)
-    out = jax.jit(f)(q, k, v, jnp.asarray(seg))
+    out, (dq, dk, dv) = output_and_grads(f, q, k, v, jnp.asarray(seg))
     assert bool(jnp.isnan(out[:, :2 * block]).all()) and bool(jnp.isfinite(out[:, 2 * block:]).all())
-    dq, dk, dv = grads(f, q, k, v, jnp.asarray(seg))
     for g in (dq, dk, dv):
         assert bool(jnp.isfinite(g[:, 2 * block:]).all())
-    # The control: one segment over the whole row needs every block, and the NaN reaches all of it.
-    assert bool(jnp.isnan(jax.jit(f)(q, k, v, jnp.ones((2, length), jnp.int32))).all())
+    # The control: one segment over the whole row needs every block, and the NaN reaches all of it (the same program).
+    assert bool(jnp.isnan(output_and_grads(f, q, k, v, jnp.ones((2, length), jnp.int32))[0]).all())
 
 
 def test_dropping_a_needed_key_block_fails_the_equality_check(monkeypatch) -> None:

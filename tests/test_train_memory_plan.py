@@ -8,6 +8,7 @@ and blocked attention plan less than full logits and the dense mask.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -97,37 +98,77 @@ def test_remat_auto_takes_a_compile_that_ran_out_of_memory_as_does_not_fit(shard
         memory_plan.choose_remat(again, out)
 
 
-def _loss_grads_temp(model, batch, kind):
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    loss: float
+    grads: list[np.ndarray]
+    temp_bytes: int
+    program_chars: int
+
+
+def _compiled_step(model, batch, kind) -> StepResult:
+    """The LoRA loss and gradients' program for `model` as it is now: its size as lowered, XLA's CPU plan, its results."""
     from train.step import loss as loss_lib
 
     inputs = model_inputs.make_gen_model_input_fn(attention=kind)(batch)
     fn = nnx.jit(nnx.value_and_grad(loss_lib.masked_loss_fn_with_aux, argnums=nnx.DiffState(0, nnx.LoRAParam), has_aux=True))
-    temp = fn.lower(model, **inputs).compile().memory_analysis().temp_size_in_bytes
+    lowered = fn.lower(model, **inputs)
+    temp = lowered.compile().memory_analysis().temp_size_in_bytes
     (loss, _), grads = fn(model, **inputs)
-    return float(loss), [np.asarray(g) for g in jax.tree.leaves(grads)], temp
+    return StepResult(float(loss), [np.asarray(g) for g in jax.tree.leaves(grads)], temp, len(lowered.as_text()))
 
 
-@pytest.mark.parametrize("name,kind", [("tiny-gemma3", "dense"), ("tiny-qwen3", "blocked")])
-def test_layer_remat_keeps_loss_and_gradients_and_plans_less(name, kind) -> None:
+LOOP, REMAT, SCAN = "Tunix's loop", "--remat layer", "--scan-layers"
+
+# (attention, layers, layers more for the program-size test) per model. Gemma3 at 14 layers: 2 periods of
+# 5 local + 1 global, then 2 local layers after the scan's loop (fewer than 12 is one period: no scan at all);
+# Qwen3's period is one layer, and 4 of them are enough for remat to plan clearly less than the loop.
+LAYER_CASES = {"tiny-gemma3": ("dense", 14, 6), "tiny-qwen3": ("blocked", 4, 2)}
+
+
+class LayerVariants:
+    """One LoRA model and batch, its step compiled once per way of running its layers (Tunix's loop,
+    --remat layer, --scan-layers), shared by the remat and scan tests below: the loop is their common
+    reference, so it compiles once, not once per test."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.kind, self.layers, self.more = LAYER_CASES[name]
+        self.model = _lora_model(name, self.kind, self.layers)
+        self.batch = _scan_batch()
+        self._results: dict[str, StepResult] = {}
+
+    def of(self, mode: str) -> StepResult:
+        if mode not in self._results:
+            memory_path.set_remat(self.model, mode == REMAT, scan_layers=mode == SCAN)
+            assert memory_path.remat_is_on(self.model) == (mode == REMAT)  # --scan-layers alone is no remat
+            self._results[mode] = _compiled_step(self.model, self.batch, self.kind)
+        return self._results[mode]
+
+
+@pytest.fixture(scope="module")
+def layer_variants():
+    made: dict[str, LayerVariants] = {}
+
+    def of(name: str) -> LayerVariants:
+        if name not in made:
+            made[name] = LayerVariants(name)
+        return made[name]
+
+    return of
+
+
+@pytest.mark.parametrize("name", list(LAYER_CASES))
+def test_layer_remat_keeps_loss_and_gradients_and_plans_less(layer_variants, name) -> None:
     """--remat layer scans the layers with a checkpointed body: the same loss and gradients, and
     XLA's CPU plan holds less (Tunix's per-layer nnx.remat planned the same bytes as none)."""
-    from train.attention_kernels import attention
-
-    built = models.build_model(name, vocab_size=256, seed=1, config_overrides={"num_layers": 6})
-    model = models.apply_lora(built.model, built.spec, rank=4)
-    attention.install(model, kind, 64)
-    rng = np.random.default_rng(0)
-    nnx.update(model, jax.tree.map(lambda x: x + 0.1 * rng.normal(size=x.shape).astype(x.dtype), nnx.state(model, nnx.LoRAParam)))
-    batch = testing.packed_batch(testing.make_examples([100, 60, 90], 256, seed=1), ((0, 1), (2,)), 192)
-    loss, grads, temp = _loss_grads_temp(model, batch, kind)
-    assert not memory_path.remat_is_on(model)
-    memory_path.set_remat(model, True)
-    assert memory_path.remat_is_on(model)
-    r_loss, r_grads, r_temp = _loss_grads_temp(model, batch, kind)
-    print(f"\n{name} {kind}: temp without remat {compiled.fmt_bytes(temp)}, with {compiled.fmt_bytes(r_temp)}")
-    assert r_temp < 0.75 * temp
-    assert r_loss == pytest.approx(loss, rel=1e-6)
-    for a, b in zip(r_grads, grads):
+    variants = layer_variants(name)
+    loop, remat = variants.of(LOOP), variants.of(REMAT)
+    print(f"\n{name} {variants.kind}: temp without remat {compiled.fmt_bytes(loop.temp_bytes)}, "
+          f"with {compiled.fmt_bytes(remat.temp_bytes)}")
+    assert remat.temp_bytes < 0.75 * loop.temp_bytes
+    assert remat.loss == pytest.approx(loop.loss, rel=1e-6)
+    for a, b in zip(remat.grads, loop.grads):
         np.testing.assert_allclose(a, b, atol=1e-6)
 
 
@@ -143,7 +184,9 @@ def test_layer_scan_refuses_layers_of_different_structure() -> None:
 
 def test_chunked_loss_and_blocked_attention_plan_less_than_full_logits_and_the_dense_mask(shards) -> None:
     out = open("/dev/null", "w")
-    base = dict(shards=shards, model="tiny-gemma3", lora_rank=4, batch_size=4, steps=1)
+    # Tiny Qwen3 (2 layers) rather than Gemma3 (6): what is planned away is the [B, L, vocab] logits and
+    # [B, L, L] mask, which no layer count changes; fewer layers compile faster.
+    base = dict(shards=shards, model="tiny-qwen3", lora_rank=4, batch_size=4, steps=1)
     reference = setup(TrainConfig(**base, loss_chunk_tokens=0, attention="dense"), out=out)
     path = setup(TrainConfig(**base, loss_chunk_tokens=256, attention="blocked"), out=out)
     ref_plan = memory_plan.plan_step(reference.trainer, 4, MAX_LENGTH)
@@ -166,6 +209,18 @@ def test_remat_auto_remembers_a_step_that_did_not_fit_and_skips_its_compile_next
         return real(*args)
 
     monkeypatch.setattr(memory_plan, "plan_without_remat", counted)
+    # What is counted is which compiles the runs ask for (plan_without_remat), not XLA's work: each of the
+    # two programs (without remat, with it) is compiled once here and its plan given to every later run
+    # that asks (the eight runs below would otherwise compile six times; the cache folder changes, and off).
+    real_plan, plans = memory_plan.plan_run_step, {}
+
+    def plan_once(run, lowered=None):
+        remat_on = memory_path.remat_is_on(run.built.model)
+        if remat_on not in plans:
+            plans[remat_on] = real_plan(run, lowered)
+        return plans[remat_on]
+
+    monkeypatch.setattr(memory_plan, "plan_run_step", plan_once)
     from train.compilation import unfit_steps
 
     real_key, keys = unfit_steps.step_key, []  # the key prints the whole lowered step: computed only when needed
@@ -229,35 +284,34 @@ def _scan_batch():
     return testing.packed_batch(testing.make_examples(*SCAN_BATCH["examples"], seed=1), SCAN_BATCH["rows"], SCAN_BATCH["length"])
 
 
-@pytest.mark.parametrize("name,kind,layers", [("tiny-gemma3", "dense", 14), ("tiny-qwen3", "blocked", 4)])
-def test_scan_layers_keeps_loss_and_gradients(name, kind, layers) -> None:
+@pytest.mark.parametrize("name", list(LAYER_CASES))
+def test_scan_layers_keeps_loss_and_gradients(layer_variants, name) -> None:
     """--scan-layers: the layers' period as one scan's body, no remat (Gemma3 at 14 layers: 2 periods of
     5 local + 1 global, then 2 local layers after the loop): the same loss and gradients as Tunix's loop."""
-    model, batch = _lora_model(name, kind, layers), _scan_batch()
-    loss, grads, _ = _loss_grads_temp(model, batch, kind)
-    memory_path.set_remat(model, False, scan_layers=True)
-    assert not memory_path.remat_is_on(model)
-    s_loss, s_grads, _ = _loss_grads_temp(model, batch, kind)
-    assert s_loss == pytest.approx(loss, rel=1e-6)
-    for a, b in zip(s_grads, grads):
+    variants = layer_variants(name)
+    loop, scanned = variants.of(LOOP), variants.of(SCAN)
+    assert scanned.loss == pytest.approx(loop.loss, rel=1e-6)
+    for a, b in zip(scanned.grads, loop.grads):
         np.testing.assert_allclose(a, b, atol=1e-6)
-    memory_path.set_remat(model, True, scan_layers=True)  # remat wins: --remat layer always scans, with remat
-    assert memory_path.remat_is_on(model)
+    memory_path.set_remat(variants.model, True, scan_layers=True)  # remat wins: --remat layer always scans, with remat
+    assert memory_path.remat_is_on(variants.model)
 
 
-@pytest.mark.parametrize("name,kind,layers,more", [("tiny-gemma3", "dense", 14, 6), ("tiny-qwen3", "blocked", 4, 2)])
-def test_scan_layers_program_grows_by_a_fraction_of_a_period_per_period(name, kind, layers, more) -> None:
+@pytest.mark.parametrize("name", list(LAYER_CASES))
+def test_scan_layers_program_grows_by_a_fraction_of_a_period_per_period(layer_variants, name) -> None:
     """What makes the scanned program compile and load faster: a period more adds its layers to the
     unrolled program, and to the scanned one only the stacking of their weights."""
-    batch = _scan_batch()
+    variants = layer_variants(name)
+    batch, kind, more = variants.batch, variants.kind, variants.more
 
-    def chars(n: int, scanned: bool) -> int:
-        model = _lora_model(name, kind, n)
-        memory_path.set_remat(model, False, scan_layers=scanned)
-        return _program_chars(model, batch, kind)
+    larger = _lora_model(name, kind, variants.layers + more)
 
-    unrolled = chars(layers + more, False) - chars(layers, False)
-    scanned = chars(layers + more, True) - chars(layers, True)
+    def chars(scanned: bool) -> int:  # the larger model's program, lowered only (its size is the question)
+        memory_path.set_remat(larger, False, scan_layers=scanned)
+        return _program_chars(larger, batch, kind)
+
+    unrolled = chars(False) - variants.of(LOOP).program_chars
+    scanned = chars(True) - variants.of(SCAN).program_chars
     print(f"\n{name}: {more} layers more add {unrolled:,} characters unrolled, {scanned:,} scanned")
     assert 0 < scanned < 0.3 * unrolled
 
