@@ -102,8 +102,9 @@ def test_the_fused_product_in_bfloat16_is_qwix_within_rounding() -> None:
     def fused_way(x, a, b):
         return fused_lora.lora_linear(x, w, a.astype(x.dtype), b.astype(x.dtype), 2.0).astype(jnp.float32).sum()
 
-    want = jax.grad(qwix_way, argnums=(0, 1, 2))(x, a, b)
-    got = jax.grad(fused_way, argnums=(0, 1, 2))(x, a, b)
+    # Jitted: one program each (run eagerly, every op of the backward pass compiles on its own).
+    want = jax.jit(jax.grad(qwix_way, argnums=(0, 1, 2)))(x, a, b)
+    got = jax.jit(jax.grad(fused_way, argnums=(0, 1, 2)))(x, a, b)
     assert got[0].dtype == jnp.bfloat16 and got[1].dtype == got[2].dtype == jnp.float32
     for g, w_ in zip(got, want):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w_, np.float32), rtol=2e-2, atol=2e-2)
@@ -115,8 +116,8 @@ def test_the_frozen_kernel_still_gets_its_true_gradient() -> None:
     w = jax.random.normal(jax.random.key(1), (16, 12), jnp.float32)
     a = jax.random.normal(jax.random.key(2), (16, 4), jnp.float32)
     b = jax.random.normal(jax.random.key(3), (4, 12), jnp.float32)
-    want = jax.grad(lambda w: ((x @ w + (x @ a) @ b * 0.5) ** 2).sum())(w)
-    got = jax.grad(lambda w: (fused_lora.lora_linear(x, w, a, b, 0.5) ** 2).sum())(w)
+    want = jax.jit(jax.grad(lambda w: ((x @ w + (x @ a) @ b * 0.5) ** 2).sum()))(w)
+    got = jax.jit(jax.grad(lambda w: (fused_lora.lora_linear(x, w, a, b, 0.5) ** 2).sum()))(w)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert np.abs(want).max() > 1
 
