@@ -115,10 +115,15 @@ def test_a_wrong_target_shift_fails_the_equality_check() -> None:
     model, batch = lora_model("tiny-gemma3"), mixture_batch()
     ref_loss = f32_reference("tiny-gemma3")[0]
     inputs = model_inputs.make_gen_model_input_fn()(batch)
-    h = chunked_loss.final_hidden_states(model, inputs["input_tokens"], inputs["positions"], inputs["attention_mask"])
-    _, weights = loss_lib.shifted_targets(inputs["input_tokens"], inputs["input_mask"])
-    nll = chunked_loss.chunked_token_nll(h, chunked_loss.output_projection(model), inputs["input_tokens"], 64)
-    unshifted = float(loss_lib.mean_and_aux(nll, weights)[0])
+
+    @nnx.jit  # one program; run eagerly, each of its ops compiled on its own (over a hundred)
+    def unshifted_loss(model, input_tokens, input_mask, positions, attention_mask):
+        h = chunked_loss.final_hidden_states(model, input_tokens, positions, attention_mask)
+        _, weights = loss_lib.shifted_targets(input_tokens, input_mask)
+        nll = chunked_loss.chunked_token_nll(h, chunked_loss.output_projection(model), input_tokens, 64)
+        return loss_lib.mean_and_aux(nll, weights)[0]
+
+    unshifted = float(unshifted_loss(model, *(inputs[k] for k in ("input_tokens", "input_mask", "positions", "attention_mask"))))
     assert abs(unshifted - ref_loss) > 0.1
 
 
