@@ -7,6 +7,8 @@ does not take (the attention projections' einsums, QLoRA's quantized kernels) st
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,8 +24,9 @@ from train.step import loss as loss_lib
 SHAPES = {"tiny-gemma3": "dense", "tiny-qwen3": "blocked"}
 
 
-def _model(name: str, kernel: str, dtype: str | None = None, qlora: str | None = None):
-    built = models.build_model(name, vocab_size=256, seed=1, dtype=dtype, config_overrides={"num_layers": 2})
+@functools.cache  # built once (qwix's discovery run compiles): the remat cases share a model and set its remat
+def _model(name: str, kernel: str, dtype: str | None = None, qlora: str | None = None, layers: int = 2):
+    built = models.build_model(name, vocab_size=256, seed=1, dtype=dtype, config_overrides={"num_layers": layers})
     model = models.apply_lora(built.model, built.spec, rank=4, lora_kernel=kernel, qlora=qlora, qlora_tile=None)
     attention.install(model, SHAPES[name], 64)
     rng = np.random.default_rng(0)  # B nonzero, so the adapters move the loss and every gradient is live
@@ -43,10 +46,12 @@ def _loss_and_grads(model, kind: str):
 @pytest.mark.parametrize("name,remat", [("tiny-gemma3", False), ("tiny-qwen3", False), ("tiny-gemma3", True)])
 def test_fused_lora_has_qwix_adapters_and_computes_the_same_loss_and_gradients(name, remat) -> None:
     """Also under --remat layer, where JAX traces the fused forward again outside qwix's interception. The tiny
-    models' MLP (d 64, hidden 128) takes both backward forms: down's one matmul (2K > N), gate's and up's two."""
+    models' MLP (d 64, hidden 128) takes both backward forms: down's one matmul (2K > N), gate's and up's two.
+    One layer: every layer computes alike (the next test counts the sites of two), and each layer more only
+    adds compile time to the four programs here."""
     from train.step import memory_path
 
-    qwix_model, fused_model = _model(name, fused_lora.QWIX), _model(name, fused_lora.FUSED)
+    qwix_model, fused_model = _model(name, fused_lora.QWIX, layers=1), _model(name, fused_lora.FUSED, layers=1)
     for model in (qwix_model, fused_model):
         memory_path.set_remat(model, remat)
     qwix_params = dict(nnx.to_flat_state(nnx.state(qwix_model, nnx.LoRAParam)))
@@ -97,8 +102,9 @@ def test_the_fused_product_in_bfloat16_is_qwix_within_rounding() -> None:
     def fused_way(x, a, b):
         return fused_lora.lora_linear(x, w, a.astype(x.dtype), b.astype(x.dtype), 2.0).astype(jnp.float32).sum()
 
-    want = jax.grad(qwix_way, argnums=(0, 1, 2))(x, a, b)
-    got = jax.grad(fused_way, argnums=(0, 1, 2))(x, a, b)
+    # Jitted: one program each (run eagerly, every op of the backward pass compiles on its own).
+    want = jax.jit(jax.grad(qwix_way, argnums=(0, 1, 2)))(x, a, b)
+    got = jax.jit(jax.grad(fused_way, argnums=(0, 1, 2)))(x, a, b)
     assert got[0].dtype == jnp.bfloat16 and got[1].dtype == got[2].dtype == jnp.float32
     for g, w_ in zip(got, want):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w_, np.float32), rtol=2e-2, atol=2e-2)
@@ -110,8 +116,8 @@ def test_the_frozen_kernel_still_gets_its_true_gradient() -> None:
     w = jax.random.normal(jax.random.key(1), (16, 12), jnp.float32)
     a = jax.random.normal(jax.random.key(2), (16, 4), jnp.float32)
     b = jax.random.normal(jax.random.key(3), (4, 12), jnp.float32)
-    want = jax.grad(lambda w: ((x @ w + (x @ a) @ b * 0.5) ** 2).sum())(w)
-    got = jax.grad(lambda w: (fused_lora.lora_linear(x, w, a, b, 0.5) ** 2).sum())(w)
+    want = jax.jit(jax.grad(lambda w: ((x @ w + (x @ a) @ b * 0.5) ** 2).sum()))(w)
+    got = jax.jit(jax.grad(lambda w: (fused_lora.lora_linear(x, w, a, b, 0.5) ** 2).sum()))(w)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert np.abs(want).max() > 1
 

@@ -5,9 +5,19 @@ B matrices are random too (qwix's zero B would make every A gradient zero and hi
 loss, aux, per-source sums and LoRA gradients equal the full-logits reference, in float32 to
 rounding and in bfloat16 within its noise. Chunk sizes that do not divide B*L are included
 (the padding tail must not count).
+
+The float32 models have one layer: the chunked loss and the full-logits one differ only after
+the last layer (its hidden states, the output projection and the targets), and one layer's
+attention and MLP adapters carry the gradients back through the same code as six; each layer
+more only adds compile time. The bfloat16 models keep their depth: their tolerances are the
+rounding measured on them (with one layer XLA fuses the programs differently, and one per-source
+sum of tiny Gemma3 moved 1.8e-3). Each model and its float32 full-logits reference are built once
+per module and shared by the tests that read them.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -26,14 +36,17 @@ MAX_LENGTH = 32
 
 CASES = {
     "tiny-gemma3": ("tiny-gemma3", {"sliding_window_size": 4}),
-    "tiny-qwen3": ("tiny-qwen3", None),
+    "tiny-qwen3": ("tiny-qwen3", {}),
     "tiny-qwen3-untied": ("tiny-qwen3", {"use_tied_embedding": False}),
-    "tiny-llama3": ("tiny-llama3", None),  # one chunk size only: test_llama3_chunked_loss_...
+    "tiny-llama3": ("tiny-llama3", {}),  # one chunk size only: test_llama3_chunked_loss_...
 }
+FLOAT32_LAYERS = {"num_layers": 1}  # see the module docstring
 
 
+@functools.cache  # built once (qwix's discovery run compiles); no test changes a model
 def lora_model(case: str, dtype: str = "float32") -> nnx.Module:
     name, overrides = CASES[case]
+    overrides = {**overrides, **FLOAT32_LAYERS} if dtype == "float32" else overrides or None
     built = models.build_model(name, vocab_size=VOCAB, seed=1, dtype=dtype, config_overrides=overrides)
     model = models.apply_lora(built.model, built.spec, rank=4, seed=3)
     state = nnx.state(model, nnx.LoRAParam)
@@ -57,10 +70,14 @@ def loss_and_grads(loss_fn, model, batch, dtype):
     return float(loss), jax.tree.map(np.asarray, aux), [np.asarray(g, np.float32) for g in jax.tree.leaves(grads)]
 
 
+@functools.cache  # the float32 full-logits reference, once per case
+def f32_reference(case: str) -> tuple[float, dict, list[np.ndarray]]:
+    return loss_and_grads(loss_lib.masked_loss_fn_with_aux, lora_model(case), mixture_batch(), jnp.float32)
+
+
 @pytest.fixture(scope="module", params=["tiny-gemma3", "tiny-qwen3", "tiny-qwen3-untied"])
 def f32_case(request):
-    model, batch = lora_model(request.param), mixture_batch()
-    return request.param, model, batch, loss_and_grads(loss_lib.masked_loss_fn_with_aux, model, batch, jnp.float32)
+    return request.param, lora_model(request.param), mixture_batch(), f32_reference(request.param)
 
 
 @pytest.mark.parametrize("chunk", [64, 37, 1000])
@@ -109,12 +126,17 @@ def test_bfloat16_chunked_loss_and_gradients_equal_full_logits_within_noise(case
 def test_a_wrong_target_shift_fails_the_equality_check() -> None:
     """Negative control: scoring each position's own token (no shift) is caught by the comparison."""
     model, batch = lora_model("tiny-gemma3"), mixture_batch()
-    ref_loss = loss_and_grads(loss_lib.masked_loss_fn_with_aux, model, batch, jnp.float32)[0]
+    ref_loss = f32_reference("tiny-gemma3")[0]
     inputs = model_inputs.make_gen_model_input_fn()(batch)
-    h = chunked_loss.final_hidden_states(model, inputs["input_tokens"], inputs["positions"], inputs["attention_mask"])
-    _, weights = loss_lib.shifted_targets(inputs["input_tokens"], inputs["input_mask"])
-    nll = chunked_loss.chunked_token_nll(h, chunked_loss.output_projection(model), inputs["input_tokens"], 64)
-    unshifted = float(loss_lib.mean_and_aux(nll, weights)[0])
+
+    @nnx.jit  # one program; run eagerly, each of its ops compiled on its own (over a hundred)
+    def unshifted_loss(model, input_tokens, input_mask, positions, attention_mask):
+        h = chunked_loss.final_hidden_states(model, input_tokens, positions, attention_mask)
+        _, weights = loss_lib.shifted_targets(input_tokens, input_mask)
+        nll = chunked_loss.chunked_token_nll(h, chunked_loss.output_projection(model), input_tokens, 64)
+        return loss_lib.mean_and_aux(nll, weights)[0]
+
+    unshifted = float(unshifted_loss(model, *(inputs[k] for k in ("input_tokens", "input_mask", "positions", "attention_mask"))))
     assert abs(unshifted - ref_loss) > 0.1
 
 

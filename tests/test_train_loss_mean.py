@@ -5,6 +5,10 @@ The reference owes nothing to the code under test: every example (or piece of a 
 runs alone in its own row with Tunix's own causal mask and positions, and the per-example mean
 is computed here in numpy from those rows' per-token NLLs. The packed batch goes through the
 trainer's own inputs and losses (full logits and chunked), with example ids only in the rows.
+
+The tiny Gemma3 has one (sliding-window) layer: the means are sums of the per-token NLLs the
+model ends with, and the reference runs the same model alone, whatever its depth; each layer
+more only adds compile time to the dozen programs here.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ LONG = 60  # cut by --overlong split at MAX_LENGTH into [0, 32) and [32, 60)
 
 
 def lora_model() -> nnx.Module:
-    built = models.build_model("tiny-gemma3", vocab_size=VOCAB, seed=1, config_overrides={"sliding_window_size": 4})
+    built = models.build_model("tiny-gemma3", vocab_size=VOCAB, seed=1, config_overrides={"sliding_window_size": 4, "num_layers": 1})
     model = models.apply_lora(built.model, built.spec, rank=4, seed=3)
     state = nnx.state(model, nnx.LoRAParam)
     rng = np.random.default_rng(5)  # random B too: qwix's zero B would hide gradient errors
@@ -44,13 +48,19 @@ def model() -> nnx.Module:
     return lora_model()
 
 
+@nnx.jit  # one program per shape; run eagerly, each of its ops compiled on its own (hundreds)
+def per_token_nll_alone(model: nnx.Module, input_tokens, positions, attention_mask, input_mask):
+    logits = model(input_tokens, positions, None, attention_mask)[0]
+    return loss_lib.per_token_nll(logits, input_tokens, input_mask)
+
+
 def alone_nll(model: nnx.Module, segments: list[rowformat.Segment],
               max_length: int = MAX_LENGTH) -> list[tuple[np.ndarray, np.ndarray]]:
     """(NLL, weight) of each segment's scored positions, the segment alone in a row (Tunix's inputs)."""
     batch = testing.unpacked_batch(segments, max_length)
     inputs = testing.plain_causal_inputs(batch)
-    logits = model(inputs["input_tokens"], inputs["positions"], None, inputs["attention_mask"])[0]
-    nll, w = (np.asarray(x, np.float64) for x in loss_lib.per_token_nll(logits, inputs["input_tokens"], inputs["input_mask"]))
+    out = per_token_nll_alone(model, inputs["input_tokens"], inputs["positions"], inputs["attention_mask"], inputs["input_mask"])
+    nll, w = (np.asarray(x, np.float64) for x in out)
     return [(nll[i, : len(s)], w[i, : len(s)]) for i, s in enumerate(segments)]
 
 
@@ -65,6 +75,7 @@ def reference_means(per_example: list[list[tuple[np.ndarray, np.ndarray]]]) -> t
 LOSS_FNS = {(mean, name): fn for mean in loss_lib.LOSS_MEANS for name, fn in (
     ("full", loss_lib.make_masked_loss_fn(mean)), ("chunked", chunked_loss.make_chunked_loss_fn(37, mean)))}
 JITTED = {key: nnx.jit(fn) for key, fn in LOSS_FNS.items()}  # compiled once per batch shape
+TODAYS_LOSS = nnx.jit(loss_lib.masked_loss_fn)  # the loss before --loss-mean, as the trainer runs it (jitted)
 
 
 def losses(model: nnx.Module, batch: dict, loss_mean: str) -> dict[str, tuple[float, dict]]:
@@ -125,7 +136,7 @@ def test_token_mean_is_todays_loss(model) -> None:
     packed = testing.packed_batch(examples, PLAN, MAX_LENGTH)
     assert loss_lib.make_masked_loss_fn("token") is loss_lib.masked_loss_fn_with_aux  # the very same function
     inputs = model_inputs.make_gen_model_input_fn()(packed)
-    today = float(loss_lib.masked_loss_fn(model, **inputs))
+    today = float(TODAYS_LOSS(model, **inputs))
     for name, (loss, aux) in losses(model, packed, "token").items():
         assert loss == pytest.approx(today, rel=1e-6) and loss == pytest.approx(token_ref, rel=1e-5), name
         assert "examples" not in aux and "example_nll_sum" not in aux
@@ -276,7 +287,7 @@ def test_example_mean_on_a_split_set_from_the_job_equals_the_unpacked_per_exampl
         assert float(aux["examples"]) == pytest.approx(len(reference), rel=1e-5), name  # float32 sums of shares
     for name, (loss, _) in losses(model, one, "token").items():
         inputs = model_inputs.make_gen_model_input_fn()(one)
-        assert loss == pytest.approx(float(loss_lib.masked_loss_fn(model, **inputs)), rel=1e-6), name
+        assert loss == pytest.approx(float(TODAYS_LOSS(model, **inputs)), rel=1e-6), name
         assert loss == pytest.approx(token_ref, rel=1e-5), name
 
     # Batches of 3 rows: pieces of one example land in different batches; the sums combine exactly.
