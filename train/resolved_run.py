@@ -19,7 +19,7 @@ from train import objectives
 from train.run_config.config import TrainConfig
 
 if TYPE_CHECKING:
-    from train.model.models import ModelSpec
+    from train.families.base import Family, ModelSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +33,7 @@ class ResolvedRun:
     cache_folder: str | None = None  # the compilation cache's folder this process uses; None: off (or not yet on)
 
     @property
-    def family(self) -> str:
+    def family(self) -> Family:
         return self.spec.family
 
     @property
