@@ -96,10 +96,28 @@ def test_function_tokens_take_the_reserved_slots_and_stay_text_in_data(gemma3, t
     assert tools_tok.identity()["vocab_hash"] != families.by_name("gemma3").vocab_hash
 
 
-def test_without_function_tokens_the_vocabulary_is_gemma3s(tmp_path, gemma3):
-    out = tmp_path / "plain"
-    assert tokenizer_folder.main(["--output", str(out), "--template", "none", "--no-function-tokens"]) == 0
-    plain = load_tokenizer(f"hf:{out}")
+@pytest.fixture(scope="module")
+def plain_over_tools(tools_folder, tmp_path_factory):
+    """A copy of the tools folder with an older model file and a file of the user's, rebuilt with
+    `--template none --no-function-tokens --overwrite` (one build of ~12 s for the two tests below:
+    what --no-function-tokens writes does not depend on what the folder held before)."""
+    import shutil
+
+    folder = tmp_path_factory.mktemp("tok_overwrite") / "reused"
+    shutil.copytree(tools_folder, folder)
+    (folder / "tokenizer.model").write_bytes(b"an older sentencepiece model")
+    (folder / "README.md").write_text("mine")
+    assert tokenizer_folder.main(["--output", str(folder), "--template", "none", "--no-function-tokens", "--overwrite"]) == 0
+    return folder
+
+
+@pytest.fixture(scope="module")
+def plain_tok(plain_over_tools):
+    return load_tokenizer(f"hf:{plain_over_tools}")  # a 262k-token tokenizer.json: seconds to load
+
+
+def test_without_function_tokens_the_vocabulary_is_gemma3s(plain_tok, gemma3):
+    plain = plain_tok
     assert plain.identity()["vocab_hash"] == gemma3.identity()["vocab_hash"] == families.by_name("gemma3").vocab_hash
     assert plain.chat_template is None
 
@@ -175,15 +193,9 @@ def test_bad_options_get_one_line(tmp_path, capsys):
     assert not any(elsewhere.iterdir())
 
 
-def test_overwrite_replaces_every_tokenizer_file_and_keeps_the_rest(tools_folder, tmp_path):
-    import shutil
-
-    folder = tmp_path / "reused"
-    shutil.copytree(tools_folder, folder)
-    (folder / "tokenizer.model").write_bytes(b"an older sentencepiece model")
-    (folder / "README.md").write_text("mine")
-    assert tokenizer_folder.main(["--output", str(folder), "--template", "none", "--no-function-tokens", "--overwrite"]) == 0
+def test_overwrite_replaces_every_tokenizer_file_and_keeps_the_rest(plain_over_tools, plain_tok):
+    folder = plain_over_tools
     # The old template and model would be read with the new files: both are gone; the user's file stays.
     assert sorted(p.name for p in folder.iterdir()) == ["README.md", "tokenizer.json", "tokenizer_config.json"]
-    assert load_tokenizer(f"hf:{folder}").chat_template is None
-    assert not any(p.name.startswith(".reused.") for p in tmp_path.iterdir())
+    assert plain_tok.chat_template is None
+    assert not any(p.name.startswith(".reused.") for p in folder.parent.iterdir())
