@@ -339,7 +339,7 @@ def test_a_run_resolves_its_choices_once(shards, tmp_path, monkeypatch) -> None:
     base = dict(shards=shards, model="tiny-qwen3", lora_rank=4, batch_size=2, steps=1, attention="dense", dtype="bfloat16")
     s = setup(TrainConfig(**base, compile_cache=str(cache)), out=io.StringIO())
     assert len(lookups) == 1
-    assert s.run.objective is objectives.DEFAULT and s.run.spec is models.get_spec("tiny-qwen3") and s.run.family == "qwen3"
+    assert s.run.objective is objectives.DEFAULT and s.run.spec is models.get_spec("tiny-qwen3") and s.run.family.name == "qwen3"
     assert (s.run.attention, s.run.dtype_name) == ("dense", "bfloat16") == (s.static["attention"], s.static["dtype"])
     assert s.run.cache_folder == str(cache) == jax.config.jax_compilation_cache_dir
     assert setup(TrainConfig(**base, compile_cache="off"), out=io.StringIO()).run.cache_folder is None

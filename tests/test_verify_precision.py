@@ -56,7 +56,7 @@ def test_train_runs_float32_at_highest_precision(monkeypatch) -> None:
 
     seen = {}
 
-    def record(cfg, out, prompts):
+    def record(cfg, run, out, prompts):
         seen[cfg.dtype] = jax.config.jax_default_matmul_precision
         return None, {}
 

@@ -199,13 +199,17 @@ class Generator:
         self.last_prompt_tokens: np.ndarray | None = None
 
     def refresh(self, model: Any) -> None:
-        """The view (and so the sampler) takes `model`'s current LoRA values, in the compute dtype."""
+        """The view (and so the sampler) takes `model`'s current arrays, its LoRA in the compute dtype.
+        The frozen weights too: the train step donates the whole model (train/step/train_step.py
+        DONATED), so after a step the arrays the view was made with are deleted, and the model holds
+        new ones over the same buffers (no copy)."""
         import jax
         from flax import nnx
 
+        nnx.update(self.view, nnx.state(model, nnx.Not(nnx.LoRAParam)))
         lora = jax.tree.map(lambda x: x.astype(self.compute_dtype), nnx.state(model, nnx.LoRAParam))
         nnx.update(self.view, lora)
-        self.sampler.transformer_state = nnx.state(self.view, nnx.LoRAParam)
+        self.sampler.transformer_state = nnx.state(self.view)
 
     def generate(self, prompts: Sequence[np.ndarray], progress: Callable[[int, int, float], None] | None = None) -> list[Completion]:
         """One completion per prompt, in the prompts' order."""

@@ -266,8 +266,9 @@ class Scorer:
         self.inputs = model_inputs.make_gen_model_input_fn(attention=attention)
         # jax.jit over the model's state, not nnx.jit over the model: nnx.jit hands the state back
         # out of every call, and the process grew by ~1.5 GB a call on a random Qwen3 0.6B in float32
-        # (3 GB of weights: 10 GB after the 8 calls of a check and a bug's; flat with jax.jit).
-        graphdef, self._state = nnx.split(model)
+        # (3 GB of weights: 10 GB after the 8 calls of a check and a bug's; flat with jax.jit). The state
+        # is taken from the model at each call (_programs), never kept: --eval-generate scores the model
+        # a training step has just updated (and donated the old buffers of).
 
         def hidden(m: Any, tokens: Any, positions: Any, mask: Any) -> Any:
             return chunked_loss.final_hidden_states(m, tokens, positions, mask)
@@ -277,10 +278,21 @@ class Scorer:
 
         def on_state(fn: Any) -> Any:
             fn = precision.in_compute_dtype(fn, compute_dtype)
-            return jax.jit(lambda state, *args: fn(nnx.merge(graphdef, state), *args))
+            return lambda graphdef: jax.jit(lambda state, *args: fn(nnx.merge(graphdef, state), *args))
 
-        self._hidden = on_state(hidden)
-        self._nll = on_state(target_nll)
+        self._on_state = (on_state(hidden), on_state(target_nll))
+        self._graphdef: Any = None
+
+    def _programs(self) -> tuple[Any, Any, Any]:
+        """(hidden, nll, the model's state now); the programs are made again only if the model's
+        structure changed since the last call (a kernel installed, the layers scanned)."""
+        from flax import nnx
+
+        graphdef, state = nnx.split(self.model)
+        if self._graphdef is None or graphdef != self._graphdef:
+            self._graphdef = graphdef
+            self._hidden, self._nll = (make(graphdef) for make in self._on_state)
+        return self._hidden, self._nll, state
 
     def logprobs(self, batches: Sequence[Mapping[str, np.ndarray]], progress: Progress | None = None) -> list[np.ndarray]:
         """Per batch, log p of each target token at its column (NaN elsewhere). The states of all
@@ -296,7 +308,8 @@ class Scorer:
         for rows in batches:
             inputs = self.inputs({k: rows[k] for k in ("input_ids", "loss_mask", "positions", "segment_ids")})
             self.fed_positions.append(np.asarray(inputs["positions"]))
-            h = self._hidden(self._state, inputs["input_tokens"], inputs["positions"], inputs["attention_mask"])
+            hidden, _, state = self._programs()
+            h = hidden(state, inputs["input_tokens"], inputs["positions"], inputs["attention_mask"])
             h = np.asarray(h.astype(jnp.float32))
             ids, mask = np.asarray(rows["input_ids"]), np.asarray(rows["loss_mask"])
             b, t = np.nonzero(mask[:, 1:])  # column t's state predicts token t+1
@@ -315,7 +328,8 @@ class Scorer:
         flat_t = np.zeros(k, np.int32)
         flat_t[:total] = np.concatenate(targets)
         dtype = self._projection_dtype()
-        nll = np.asarray(self._nll(self._state, jnp.asarray(flat_h, dtype), jnp.asarray(flat_t)))
+        _, target_nll, state = self._programs()
+        nll = np.asarray(target_nll(state, jnp.asarray(flat_h, dtype), jnp.asarray(flat_t)))
         done = 0
         for out, (b, t) in zip(outs, places):
             out[b, t] = -nll[done:done + len(b)]
