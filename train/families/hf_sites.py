@@ -123,5 +123,20 @@ def dnh_attention(prefix: str = "attn.") -> tuple[Site, ...]:
     return (*qkv, out)
 
 
+
+def llama_layout(attention_norms: tuple[Site, ...] = ()) -> tuple[Site, ...]:
+    """The sites of Hugging Face's Llama layout (Qwen3 adds its q/k norms as `attention_norms`): the
+    embedding, the final norm, an lm_head, one Linear per projection, two norms a layer, the MLP."""
+    return (
+        Site("embedder.input_embedding", ("model.embed_tokens.weight",), identity),
+        Site("final_norm.w", ("model.norm.weight",), identity),
+        Site("lm_head.w", ("lm_head.weight",), transpose),
+        *dnh_attention(),
+        *attention_norms,
+        Site("input_layernorm.w", (LAYER + "input_layernorm.weight",), identity),
+        Site("post_attention_layernorm.w", (LAYER + "post_attention_layernorm.weight",), identity),
+        *MLP,
+    )
+
 class LayoutError(ValueError):
     """A parameter this layout does not know (another architecture, or a Tunix that changed)."""

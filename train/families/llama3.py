@@ -18,7 +18,7 @@ import dataclasses
 from typing import Any
 
 from train.families.base import TINY_CONTEXT, Family, Head, ModelSpec
-from train.families.hf_sites import LAYER, MLP, Site, dnh_attention, identity, transpose
+from train.families.hf_sites import llama_layout
 from train.families.qwen3 import LORA_PATHS, lm_head
 
 TUNIX = "tunix.models.llama3.model"
@@ -86,15 +86,7 @@ def hf_config(config: Any, dtype: str) -> dict[str, Any]:
     ).to_dict()
 
 
-SITES = (
-    Site("embedder.input_embedding", ("model.embed_tokens.weight",), identity),
-    Site("final_norm.w", ("model.norm.weight",), identity),
-    Site("lm_head.w", ("lm_head.weight",), transpose),
-    *dnh_attention(),
-    Site("input_layernorm.w", (LAYER + "input_layernorm.weight",), identity),
-    Site("post_attention_layernorm.w", (LAYER + "post_attention_layernorm.weight",), identity),
-    *MLP,
-)
+SITES = llama_layout()
 
 FAMILY = Family(
     name="llama3", tunix_module=TUNIX, model_class_name="Llama3", lora_paths=LORA_PATHS, load_weights=load_weights,

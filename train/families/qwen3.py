@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from train.families.base import TINY_CONTEXT, Family, Head, ModelSpec
-from train.families.hf_sites import LAYER, MLP, Site, dnh_attention, identity, transpose
+from train.families.hf_sites import LAYER, Site, identity, llama_layout
 
 TUNIX = "tunix.models.qwen3.model"
 LORA_PATHS = ".*q_proj|.*k_proj|.*v_proj|.*o_proj|.*gate_proj|.*down_proj|.*up_proj"
@@ -106,17 +106,10 @@ def hf_config(config: Any, dtype: str) -> dict[str, Any]:
     ).to_dict()
 
 
-SITES = (
-    Site("embedder.input_embedding", ("model.embed_tokens.weight",), identity),
-    Site("final_norm.w", ("model.norm.weight",), identity),
-    Site("lm_head.w", ("lm_head.weight",), transpose),
-    *dnh_attention(),
+SITES = llama_layout((
     Site("attn.q_norm.w", (LAYER + "self_attn.q_norm.weight",), identity),
     Site("attn.k_norm.w", (LAYER + "self_attn.k_norm.weight",), identity),
-    Site("input_layernorm.w", (LAYER + "input_layernorm.weight",), identity),
-    Site("post_attention_layernorm.w", (LAYER + "post_attention_layernorm.weight",), identity),
-    *MLP,
-)
+))
 
 FAMILY = Family(
     name="qwen3", tunix_module=TUNIX, model_class_name="Qwen3", lora_paths=LORA_PATHS, load_weights=load_weights,
